@@ -1,0 +1,204 @@
+"""Typed, frozen service configuration: one model per service.
+
+Values come from, in rising precedence: the model defaults, a YAML file, the
+environment (`RADIX_ROUTER_<KEY>` / `RADIX_WORKER_<KEY>`), and CLI flags. The Helm
+chart renders exactly these YAML files into ConfigMaps, so the keys below are a
+contract. Unknown keys and bad values raise `ConfigError` naming the key and where
+it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PolicyName = Literal[
+    "cache_aware", "round_robin", "random", "least_load", "power_of_two", "consistent_hash"
+]
+EngineName = Literal["radix", "sim", "vllm"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key."""
+
+
+def check_worker_url(url: str) -> str:
+    """Worker URLs reach the proxy, so only plain http(s) with a host and a port."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ValueError(f"worker URL must be http(s)://host:port, got {url!r}")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"worker URL must not carry credentials, query or fragment: {url!r}")
+    return url.rstrip("/")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterConfig(_Frozen):
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    policy: PolicyName = "cache_aware"
+    # Discovery: Redis heartbeats and/or a static list.
+    redis_url: str | None = None
+    redis_prefix: str = "radixrouter:"
+    worker_urls: tuple[str, ...] = ()
+    discovery_interval: float = Field(1.0, gt=0)
+    # cache_aware: see router/policy.py for the rule these thresholds drive.
+    cache_threshold: float = Field(0.3, ge=0, le=1)
+    balance_abs_threshold: int = Field(64, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
+    balance_mode: Literal["fleet", "per_request"] = "fleet"
+    no_match: Literal["least_load", "smallest_tree"] = "least_load"
+    tree_max_chars: int = Field(200_000_000, gt=0)
+    tree_chars_per_token: float = Field(4.0, gt=0)
+    session_header: str = "x-session-id"
+    # Proxy.
+    connect_timeout: float = Field(5.0, gt=0)
+    request_timeout: float = Field(600.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+    retry_backoff: float = Field(0.05, ge=0)
+    breaker_failures: int = Field(3, ge=1)
+    breaker_cooldown: float = Field(10.0, gt=0)
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    max_concurrent: int = Field(1024, ge=1)
+    max_queue: int = Field(4096, ge=0)
+    queue_timeout: float = Field(30.0, gt=0)
+    forward_authorization: bool = False
+    drain_timeout: float = Field(30.0, ge=0)
+    # Security.
+    api_keys: tuple[str, ...] = ()
+    admin_key: str | None = None
+    protect_metrics: bool = False
+    # Several replicas share routing decisions through Redis (router/sync.py).
+    sync: bool = False
+    log_level: str = "INFO"
+
+    @field_validator("worker_urls")
+    @classmethod
+    def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(check_worker_url(u) for u in v)
+
+
+class WorkerConfig(_Frozen):
+    host: str = "0.0.0.0"
+    port: int = Field(8001, ge=0, le=65535)
+    worker_id: str | None = None  # default: <hostname>-<port>
+    advertise_url: str | None = None  # what routers dial; default http://<host>:<port>
+    engine: EngineName = "radix"
+    model: str | None = None  # local HF folder; optional for the sim engine
+    served_model_name: str | None = None
+    redis_url: str | None = None
+    redis_prefix: str = "radixrouter:"
+    heartbeat_interval: float = Field(1.0, gt=0)
+    heartbeat_ttl_intervals: int = Field(3, ge=2)
+    # Engine.
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    cache_tokens: int | None = Field(None, gt=0)  # KV capacity; None: kv_memory_fraction
+    kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
+    page_size: int = Field(1, ge=1)
+    max_running_requests: int = Field(64, ge=1)
+    max_prefill_tokens: int = Field(2048, ge=16)
+    max_model_len: int | None = Field(None, gt=0)
+    max_waiting_requests: int = Field(1024, ge=0)
+    disable_radix_cache: bool = False
+    # Sim engine cost model.
+    sim_prefill_us_per_token: float = Field(0.0, ge=0)
+    sim_decode_ms_per_token: float = Field(0.0, ge=0)
+    # HTTP.
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    api_keys: tuple[str, ...] = ()
+    drain_timeout: float = Field(30.0, ge=0)
+    log_level: str = "INFO"
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return None if v is None else check_worker_url(v)
+
+
+ConfigT = TypeVar("ConfigT", bound=_Frozen)
+
+ENV_PREFIXES: dict[type[_Frozen], str] = {
+    RouterConfig: "RADIX_ROUTER_",
+    WorkerConfig: "RADIX_WORKER_",
+}
+
+
+def _from_env(model: type[_Frozen], environ: Mapping[str, str]) -> dict[str, Any]:
+    prefix = ENV_PREFIXES[model]
+    out: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        raw = environ.get(prefix + name.upper())
+        if raw is None:
+            continue
+        is_seq = "tuple" in str(field.annotation)
+        # Lists come as "a,b" or a YAML list; scalars as YAML so "1.5" and "true" parse.
+        if is_seq and not raw.lstrip().startswith("["):
+            out[name] = [p.strip() for p in raw.split(",") if p.strip()]
+        else:
+            try:
+                out[name] = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError:
+                out[name] = raw
+            if isinstance(out[name], (dict, list)) and not is_seq:
+                out[name] = raw
+    return out
+
+
+def _read_file(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def load_config(
+    model: type[ConfigT],
+    file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ConfigT:
+    """Merge defaults < file < environment < overrides (CLI flags; None values skipped)."""
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if file is not None:
+        layers.append((f"file {file}", _read_file(file)))
+    layers.append(("environment", _from_env(model, os.environ if environ is None else environ)))
+    layers.append(("flags", {k: v for k, v in (overrides or {}).items() if v is not None}))
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for where, values in layers:
+        for key, value in values.items():
+            merged[key] = value
+            source[key] = where
+    try:
+        return model.model_validate(merged)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "(root)"
+            top = str(err["loc"][0]) if err["loc"] else ""
+            where = source.get(top, "defaults")
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(f"{key}: {msg} (from {where})")
+        raise ConfigError(f"invalid {model.__name__}: " + "; ".join(problems)) from None
+
+
+def dump_config(config: _Frozen) -> str:
+    """The YAML a service would load to get exactly this config (used by `up` and Helm tests)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,152 @@
+"""OpenAI wire format: request models shared by the worker and the router.
+
+The worker validates requests fully with these models. The router validates with
+the same models so that a bad request is answered at the edge (and never retried
+across the fleet), and computes the text it routes on with `routing_text`.
+Unknown fields are allowed, as OpenAI-compatible servers do, so clients that send
+extra vendor fields keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Lenient):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+Stop = str | list[str] | None
+MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
+
+
+class _Sampling(_Lenient):
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    n: int = Field(1, ge=1, le=1)
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Stop) -> Stop:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 16 or any(not s for s in items):
+            raise ValueError("stop must be up to 16 non-empty strings")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: MaxTokens | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] = Field(...)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if len(v) == 0:
+                raise ValueError("prompt must not be empty")
+            if all(isinstance(x, str) for x in v):
+                if len(v) != 1:
+                    raise ValueError("a batch of prompts is not supported; send one prompt per request")
+        elif v == "":
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompt_text(self) -> str | None:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if self.prompt and isinstance(self.prompt[0], str):
+            return self.prompt[0]  # type: ignore[return-value]
+        return None
+
+    def prompt_ids(self) -> list[int] | None:
+        return None if self.prompt_text() is not None else list(self.prompt)  # type: ignore[arg-type]
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class GenerateRequest(_Lenient):
+    """SGLang's native `/generate`: text or input_ids, sampling_params as a dict."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    rid: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of text or input_ids is required")
+        if self.text == "" or self.input_ids == []:
+            raise ValueError("the prompt must not be empty")
+        return self
+
+
+def canonical_chat_text(messages: list[Message]) -> str:
+    """Role and content in order, so each turn's text extends the previous turn's."""
+    return "".join(f"<|{m.role}|>{m.text()}\n" for m in messages)
+
+
+def routing_text(endpoint: str, body: dict[str, Any]) -> tuple[str, BaseModel]:
+    """Validate a request body and return (text to route on, parsed request).
+
+    Raises pydantic.ValidationError on a bad body.
+    """
+    if endpoint == "chat":
+        chat = ChatCompletionRequest.model_validate(body)
+        return canonical_chat_text(chat.messages), chat
+    if endpoint == "completions":
+        comp = CompletionRequest.model_validate(body)
+        text = comp.prompt_text()
+        return (text if text is not None else " ".join(map(str, comp.prompt))), comp
+    gen = GenerateRequest.model_validate(body)
+    return (gen.text if gen.text is not None else " ".join(map(str, gen.input_ids or []))), gen

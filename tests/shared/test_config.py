@@ -1,0 +1,72 @@
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError, RouterConfig, WorkerConfig, dump_config, load_config
+
+
+def test_defaults_and_frozen() -> None:
+    cfg = load_config(RouterConfig, environ={})
+    assert cfg.policy == "cache_aware"
+    assert (cfg.cache_threshold, cfg.balance_abs_threshold, cfg.balance_rel_threshold) == (0.3, 64, 1.5)
+    with pytest.raises(Exception):
+        cfg.port = 1  # type: ignore[misc]
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "router.yaml"
+    f.write_text("port: 9000\npolicy: round_robin\ncache_threshold: 0.5\n")
+    env = {"RADIX_ROUTER_PORT": "9100", "RADIX_ROUTER_WORKER_URLS": "http://a:1, http://b:2/"}
+    cfg = load_config(RouterConfig, file=f, environ=env, overrides={"port": 9200, "policy": None})
+    assert cfg.port == 9200  # flag beats env beats file
+    assert cfg.policy == "round_robin"  # a None flag is "not given"
+    assert cfg.cache_threshold == 0.5
+    assert cfg.worker_urls == ("http://a:1", "http://b:2")
+
+
+def test_env_scalars_parse_as_yaml() -> None:
+    env = {"RADIX_WORKER_CACHE_TOKENS": "4096", "RADIX_WORKER_DISABLE_RADIX_CACHE": "true"}
+    cfg = load_config(WorkerConfig, environ=env)
+    assert cfg.cache_tokens == 4096 and cfg.disable_radix_cache is True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"polcy": "x"}, "polcy: unknown key (from flags)"),
+        ({"policy": "fastest"}, "policy:"),
+        ({"port": -1}, "port:"),
+        ({"cache_threshold": 1.5}, "cache_threshold:"),
+        ({"worker_urls": ["ftp://x:1"]}, "worker_urls"),
+        ({"worker_urls": ["http://nohost"]}, "host:port"),
+    ],
+)
+def test_bad_values_name_the_key(overrides: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(RouterConfig, overrides=overrides, environ={})
+    assert needle in str(e.value)
+
+
+def test_bad_env_names_its_source() -> None:
+    with pytest.raises(ConfigError, match=r"heartbeat_interval: .*\(from environment\)"):
+        load_config(WorkerConfig, environ={"RADIX_WORKER_HEARTBEAT_INTERVAL": "-1"})
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(WorkerConfig, file=tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(WorkerConfig, file=bad, environ={})
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("engine: sim\ncache_tokns: 5\n")
+    with pytest.raises(ConfigError, match=r"cache_tokns: unknown key \(from file"):
+        load_config(WorkerConfig, file=unknown, environ={})
+
+
+def test_dump_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(WorkerConfig, overrides={"engine": "sim", "cache_tokens": 1000}, environ={})
+    f = tmp_path / "w.yaml"
+    f.write_text(dump_config(cfg))
+    assert load_config(WorkerConfig, file=f, environ={}) == cfg

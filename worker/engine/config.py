@@ -1,0 +1,54 @@
+"""The engine's knobs, frozen and built once at the edge (CLI / YAML), then passed down.
+
+Nothing here is measured or written back at run time: values derived from the model
+or the KV pool (the effective context length, the pool capacity) live on the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # How many requests decode together at most (the batch size of a decode step).
+    max_running_requests: int = 64
+    # Prefill token budget per step: long prompts are cut into chunks of at most this
+    # many tokens so decoding requests keep streaming while a long prompt is prefilled.
+    max_prefill_tokens: int = 2048
+    # Caps the model's own context length (None: the model's max_position_embeddings).
+    max_model_len: int | None = None
+    # Radix tree granularity: matches and insertions are whole pages of this many tokens.
+    page_size: int = 1
+    # KV pool size in tokens; None: sized from kv_memory_fraction of free device memory.
+    kv_capacity_tokens: int | None = None
+    kv_memory_fraction: float = 0.5
+    device: str = "auto"
+    dtype: str = "auto"
+    # Ablation / correctness baseline: NoCache instead of RadixCache.
+    disable_radix_cache: bool = False
+    # Evict at least this many tokens whenever eviction is needed: evicting exactly the
+    # shortfall on every allocation made SGLang's replay 4x slower (DESIGN.md).
+    evict_batch_tokens: int = 256
+    # Requests queued but not yet admitted; beyond this `EngineOverloaded` (HTTP 503).
+    max_waiting_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_running_requests": self.max_running_requests,
+            "max_prefill_tokens": self.max_prefill_tokens,
+            "page_size": self.page_size,
+            "evict_batch_tokens": self.evict_batch_tokens,
+            "max_waiting_requests": self.max_waiting_requests,
+        }
+        if self.max_model_len is not None:
+            positive["max_model_len"] = self.max_model_len
+        if self.kv_capacity_tokens is not None:
+            positive["kv_capacity_tokens"] = self.kv_capacity_tokens
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(
+                f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}"
+            )
