@@ -51,6 +51,9 @@ class RouterConfig(_Frozen):
     redis_prefix: str = "radixrouter:"
     worker_urls: tuple[str, ...] = ()
     discovery_interval: float = Field(1.0, gt=0)
+    # After a Redis outage, workers absent from the registry are kept this long (they
+    # re-register on their next heartbeat).
+    reconnect_grace: float = Field(5.0, ge=0)
     # cache_aware: see router/policy.py for the rule these thresholds drive.
     cache_threshold: float = Field(0.3, ge=0, le=1)
     balance_abs_threshold: int = Field(64, ge=0)
@@ -77,8 +80,12 @@ class RouterConfig(_Frozen):
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
     protect_metrics: bool = False
-    # Several replicas share routing decisions through Redis (router/sync.py).
+    # Several replicas share routing decisions and in-flight load through Redis (router/sync.py).
     sync: bool = False
+    sync_stream_maxlen: int = Field(20_000, ge=100)
+    sync_max_chars: int = Field(32_768, ge=64)
+    sync_flush_interval: float = Field(0.02, gt=0)
+    sync_load_interval: float = Field(0.25, gt=0)
     log_level: str = "INFO"
 
     @field_validator("worker_urls")
@@ -164,7 +171,9 @@ def _read_file(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of keys, not {type(data).__name__}"
+        )
     return data
 
 

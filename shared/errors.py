@@ -47,7 +47,9 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -82,7 +84,9 @@ async def read_json(request: web.Request, limit: int) -> dict:
     except UnicodeDecodeError:
         raise APIError(400, "request body is not valid UTF-8", code="invalid_json") from None
     except json.JSONDecodeError as e:
-        raise APIError(400, f"request body is not valid JSON: {e.msg} at position {e.pos}", code="invalid_json") from None
+        raise APIError(
+            400, f"request body is not valid JSON: {e.msg} at position {e.pos}", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     return data
@@ -103,9 +107,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if e.status < 400:
             raise
         return web.json_response(
-            error_body(e.status, e.reason or "error"), status=e.status, headers={
-                k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")
-            }
+            error_body(e.status, e.reason or "error"),
+            status=e.status,
+            headers={k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")},
         )
     except Exception:
         # A bug must not kill the process nor leak a traceback to the client.

@@ -91,9 +91,8 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list):
             if len(v) == 0:
                 raise ValueError("prompt must not be empty")
-            if all(isinstance(x, str) for x in v):
-                if len(v) != 1:
-                    raise ValueError("a batch of prompts is not supported; send one prompt per request")
+            if all(isinstance(x, str) for x in v) and len(v) != 1:
+                raise ValueError("a batch of prompts is not supported; send one prompt per request")
         elif v == "":
             raise ValueError("prompt must not be empty")
         return v
@@ -150,3 +149,24 @@ def routing_text(endpoint: str, body: dict[str, Any]) -> tuple[str, BaseModel]:
         return (text if text is not None else " ".join(map(str, comp.prompt))), comp
     gen = GenerateRequest.model_validate(body)
     return (gen.text if gen.text is not None else " ".join(map(str, gen.input_ids or []))), gen
+
+
+class GenerateSamplingParams(_Lenient):
+    """SGLang's `sampling_params` for `/generate` (validated by the worker)."""
+
+    max_new_tokens: MaxTokens = 128
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Stop) -> Stop:
+        return _Sampling._stop(v)
+
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -61,7 +61,9 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"{self.binary} exited with {self._proc.returncode}: {self.log()}")
+                raise RuntimeError(
+                    f"{self.binary} exited with {self._proc.returncode}: {self.log()}"
+                )
             if self._ping():
                 return self
             time.sleep(0.02)

@@ -5,6 +5,8 @@ Layout (prefix default `radixrouter:`):
     <prefix>worker:<id>   hash, written every heartbeat, expires after a few intervals
     <prefix>workers       set of worker ids (may hold ids whose hash already expired)
     <prefix>events        pub/sub channel: JSON {"event": "join"|"leave", "worker_id", "url"}
+    <prefix>decisions     stream of routing decisions shared by router replicas (router/sync.py)
+    <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
 
 Workers write (`publish_heartbeat`, `leave`); routers read (`read_fleet`). A worker
 whose hash expired is gone even if its id is still in the set; readers prune such ids.
@@ -36,7 +38,9 @@ class WorkerRecord:
     draining: bool = False
 
     def to_hash(self) -> dict[str, str]:
-        return {k: (str(int(v)) if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+        return {
+            k: (str(int(v)) if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()
+        }
 
     @classmethod
     def from_hash(cls, raw: dict[bytes | str, bytes | str]) -> WorkerRecord:
@@ -82,6 +86,17 @@ class Registry:
     def events_channel(self) -> str:
         return f"{self.prefix}events"
 
+    @property
+    def decisions_stream(self) -> str:
+        return f"{self.prefix}decisions"
+
+    def router_key(self, replica_id: str) -> str:
+        return f"{self.prefix}router:{replica_id}"
+
+    @property
+    def router_pattern(self) -> str:
+        return f"{self.prefix}router:*"
+
     async def publish_heartbeat(self, record: WorkerRecord, ttl_s: float, *, joined: bool) -> None:
         key = self.worker_key(record.worker_id)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -101,7 +116,10 @@ class Registry:
 
     async def read_fleet(self) -> dict[str, WorkerRecord]:
         """Every live worker. Ids whose hash expired are removed from the set."""
-        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self.redis.smembers(self.workers_key))
+        ids = sorted(
+            m.decode() if isinstance(m, bytes) else m
+            for m in await self.redis.smembers(self.workers_key)
+        )
         if not ids:
             return {}
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -110,7 +128,7 @@ class Registry:
             hashes = await pipe.execute()
         fleet: dict[str, WorkerRecord] = {}
         gone: list[str] = []
-        for wid, raw in zip(ids, hashes):
+        for wid, raw in zip(ids, hashes, strict=True):
             if not raw:
                 gone.append(wid)
                 continue

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from shared.config import ConfigError, RouterConfig, WorkerConfig, dump_config, load_config
 
@@ -8,8 +9,12 @@ from shared.config import ConfigError, RouterConfig, WorkerConfig, dump_config, 
 def test_defaults_and_frozen() -> None:
     cfg = load_config(RouterConfig, environ={})
     assert cfg.policy == "cache_aware"
-    assert (cfg.cache_threshold, cfg.balance_abs_threshold, cfg.balance_rel_threshold) == (0.3, 64, 1.5)
-    with pytest.raises(Exception):
+    assert (cfg.cache_threshold, cfg.balance_abs_threshold, cfg.balance_rel_threshold) == (
+        0.3,
+        64,
+        1.5,
+    )
+    with pytest.raises(ValidationError):
         cfg.port = 1  # type: ignore[misc]
 
 

@@ -6,7 +6,9 @@ from shared.protocol import ChatCompletionRequest, CompletionRequest, routing_te
 
 
 def test_chat_turns_extend_the_previous_text() -> None:
-    turn1 = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    turn1 = {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    }
     turn2 = {
         "messages": [
             *turn1["messages"],
@@ -55,6 +57,11 @@ def test_completion_prompt_forms() -> None:
 def test_error_shape() -> None:
     body = error_body(429, "slow down", code="rate_limited")
     assert body == {
-        "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "rate_limited"}
+        "error": {
+            "message": "slow down",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "rate_limited",
+        }
     }
     assert error_body(503, "x")["error"]["type"] == "server_error"

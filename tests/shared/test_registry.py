@@ -56,7 +56,13 @@ async def test_join_and_leave_events(registry: Registry) -> None:
 
 async def test_malformed_records_are_ignored(registry: Registry) -> None:
     await registry.publish_heartbeat(record("good"), ttl_s=5, joined=False)
-    bad = {"worker_id": "evil", "url": "file:///etc/passwd", "model": "m", "engine": "sim", "epoch": "1"}
+    bad = {
+        "worker_id": "evil",
+        "url": "file:///etc/passwd",
+        "model": "m",
+        "engine": "sim",
+        "epoch": "1",
+    }
     await registry.redis.hset(registry.worker_key("evil"), mapping=bad)
     await registry.redis.hset(registry.worker_key("half"), mapping={"worker_id": "half"})
     await registry.redis.sadd(registry.workers_key, "evil", "half")

@@ -49,12 +49,24 @@ class SeqSpan:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token (decode) sequences attended in ONE padded SDPA call instead of a
+    loop: `rows` are their query rows in the batch, `slots` [B, L] their KV slots
+    padded to the longest, `mask` [B, 1, 1, L] False on the padding."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ForwardContext:
     """Built once per forward by the runner and shared by every layer."""
 
     kv: KVStore
     new_slots: torch.Tensor  # [T] slot of each new token, in batch order
-    seqs: tuple[SeqSpan, ...]
+    seqs: tuple[SeqSpan, ...]  # attended one by one (prefills, chunks, a lone decode)
+    decode: DecodeGroup | None = None
 
 
 def prefix_causal_mask(start_pos: int, n_new: int, device: torch.device) -> torch.Tensor | None:
@@ -148,7 +160,24 @@ class Attention(nn.Module):
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
             out[seq.q_start : seq.q_end] = o.squeeze(0).transpose(0, 1)
+        if ctx.decode is not None:
+            out[ctx.decode.rows] = self._decode_attention(q, ctx.decode, ctx.kv)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _decode_attention(self, q: torch.Tensor, group: DecodeGroup, kv: KVStore) -> torch.Tensor:
+        b, length = group.slots.shape
+        k, v = kv.read(self.layer, group.slots.flatten())
+        # [B*L, kv_heads, dim] -> [B, kv_heads, L, dim]; queries [B, heads, 1, dim].
+        k = k.view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[group.rows].unsqueeze(2),
+            k,
+            v,
+            attn_mask=group.mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(2)
 
 
 class MLP(nn.Module):

@@ -9,9 +9,16 @@ Each node holds a run of token ids (`key`) and the KV slots that hold their K/V
 Hot path design: a request's tokens are turned into bytes once, and every node's key
 is compared as one bytes slice (a memcmp), never token by token in Python; numpy
 finds the first mismatch only in the one node where a match ends. LRU uses a tick
-counter (deterministic, no clock); eviction heapifies the unlocked leaves (kept in a
-set, so no tree walk) and pops only as many as it needs, a parent that becomes an
-unlocked leaf joining the heap.
+counter (deterministic, no clock).
+
+Eviction keeps one heap of leaves across calls, keyed (last_access, id), updated
+lazily: a match only bumps `last_access`, and an entry found stale when popped is
+pushed back at the node's true time. Ticks only grow, so every entry is <= its node's
+true key and the first valid entry popped is the true LRU leaf. A node records the
+tick of its live entry (`heap_tick`, -1 for none), which retires superseded entries
+and those of nodes that gained a child or were evicted. So an eviction costs
+O((evicted + touched since last time) log n), not a pass over every leaf (SGLang
+walks the whole tree to collect leaves on each call).
 """
 
 from __future__ import annotations
@@ -45,15 +52,18 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 class TreeNode:
-    __slots__ = ("children", "id", "kb", "last_access", "lock_ref", "parent", "value")
+    __slots__ = ("children", "heap_tick", "id", "kb", "last_access", "lock_ref", "parent", "value")
 
-    def __init__(self, parent: TreeNode | None, kb: bytes, value: np.ndarray, tick: int, node_id: int):
+    def __init__(
+        self, parent: TreeNode | None, kb: bytes, value: np.ndarray, tick: int, node_id: int
+    ):
         self.children: dict[bytes, TreeNode] = {}
         self.parent = parent
         self.kb = kb  # the key as int64 bytes: compared with one memcmp
         self.value = value  # int64 KV slots, read-only, len == len(key)
         self.lock_ref = 0
         self.last_access = tick
+        self.heap_tick = -1  # last_access when its live LRU heap entry was pushed; -1: none
         self.id = node_id  # tie-break in the LRU heap (ticks repeat along a path)
 
     @property
@@ -77,15 +87,28 @@ class MatchResult(NamedTuple):
 class PrefixCache(Protocol):
     """What the scheduler needs from a prefix cache: RadixCache or NoCache."""
 
+    allocator: SlotAllocator
     page_size: int
     hit_tokens: int
     miss_tokens: int
 
     def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult: ...
-    def insert(self, tokens: Sequence[int] | np.ndarray, slots: np.ndarray, cached_len: int = 0) -> int: ...
+    def insert(
+        self, tokens: Sequence[int] | np.ndarray, slots: np.ndarray, cached_len: int = 0
+    ) -> int: ...
     def lock(self, node: TreeNode) -> None: ...
     def unlock(self, node: TreeNode) -> None: ...
     def evict(self, num_tokens: int) -> int: ...
+    def _push(self, node: TreeNode) -> None:
+        node.heap_tick = node.last_access
+        heapq.heappush(self._heap, (node.last_access, node.id, node))
+
+    def _rebuild_heap(self) -> None:
+        for node in self._leaves:
+            node.heap_tick = node.last_access
+        self._heap = [(n.last_access, n.id, n) for n in self._leaves]
+        heapq.heapify(self._heap)
+
     def reset(self) -> None: ...
     @property
     def evictable_size(self) -> int: ...
@@ -108,20 +131,22 @@ class RadixCache:
         self._tick = 0
         self.root = TreeNode(None, b"", _frozen(_empty_slots()), 0, 0)
         self._leaves: set[TreeNode] = set()  # childless non-root nodes, locked or not
+        self._heap: list[tuple[int, int, TreeNode]] = []  # LRU of leaves, lazily updated
         self._evictable = 0
         self._protected = 0
         self.hit_tokens = 0
         self.miss_tokens = 0
 
     # ---- lookup -------------------------------------------------------------------
-    def _walk(self, arr: np.ndarray, limit: int, tick: int) -> tuple[TreeNode, int, list[np.ndarray]]:
+    def _walk(
+        self, arr: np.ndarray, limit: int, tick: int
+    ) -> tuple[TreeNode, int, list[np.ndarray]]:
         """Follow `arr[:limit]` (page-aligned) down the tree, touching every node passed.
 
         Returns the deepest node, the matched length and the slot runs. A match ending
         inside a node splits it there, so the returned node covers exactly the prefix.
         """
         tb = arr.tobytes()
-        mv = memoryview(tb)  # slices of a memoryview do not copy; == against bytes is a memcmp
         kbytes = self._kbytes
         end_b = limit * _TB
         node = self.root
@@ -132,12 +157,12 @@ class RadixCache:
             if child is None:
                 break
             kb = child.kb
-            stop_b = pos_b + len(kb)
             child.last_access = tick
-            if stop_b <= end_b and mv[pos_b:stop_b] == kb:
+            # startswith is one memcmp with no copy (memoryview == compares item by item)
+            if tb.startswith(kb, pos_b, end_b):
                 parts.append(child.value)
                 node = child
-                pos_b = stop_b
+                pos_b += len(kb)
                 continue
             # The match ends inside `child`: find the first differing token (numpy, once).
             pos = pos_b // _TB
@@ -155,7 +180,13 @@ class RadixCache:
         """Cut `child` after m tokens; the new upper node takes its place and its locks."""
         parent = child.parent
         assert parent is not None
-        upper = TreeNode(parent, child.kb[: m * _TB], _frozen(child.value[:m].copy()), child.last_access, next(self._ids))
+        upper = TreeNode(
+            parent,
+            child.kb[: m * _TB],
+            _frozen(child.value[:m].copy()),
+            child.last_access,
+            next(self._ids),
+        )
         upper.lock_ref = child.lock_ref
         child.kb = child.kb[m * _TB :]
         child.value = _frozen(child.value[m:].copy())  # copies, so no view pins a freed base
@@ -176,7 +207,9 @@ class RadixCache:
         return MatchResult(slots, node, matched)
 
     # ---- insert -------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int] | np.ndarray, slots: np.ndarray, cached_len: int = 0) -> int:
+    def insert(
+        self, tokens: Sequence[int] | np.ndarray, slots: np.ndarray, cached_len: int = 0
+    ) -> int:
         """Cache `tokens` with their KV `slots`; returns how many leading tokens were cached already.
 
         The caller matched (and locked) `cached_len` tokens and owns the rest of `slots`.
@@ -203,10 +236,14 @@ class RadixCache:
             )
         if matched < limit:
             kb = arr[matched:limit].tobytes()
-            leaf = TreeNode(node, kb, _frozen(slots[matched:limit].copy()), self._tick, next(self._ids))
+            leaf = TreeNode(
+                node, kb, _frozen(slots[matched:limit].copy()), self._tick, next(self._ids)
+            )
             node.children[kb[: self._kbytes]] = leaf
             self._leaves.discard(node)
+            node.heap_tick = -1  # no longer a leaf: its heap entry, if any, is dead
             self._leaves.add(leaf)
+            self._push(leaf)
             self._evictable += limit - matched
         if matched > cached_len:
             self.allocator.free(slots[cached_len:matched])
@@ -243,13 +280,24 @@ class RadixCache:
         """Free at least `num_tokens` (when that many are unlocked) from the LRU leaves up."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._leaves if n.lock_ref == 0]
-        heapq.heapify(heap)  # O(leaves), then one pop per evicted node: no full sort
-        root, kbytes = self.root, self._kbytes
+        if len(self._heap) > 2 * len(self._leaves) + 1024:
+            self._rebuild_heap()  # too many dead entries piled up
+        heap, root, kbytes = self._heap, self.root, self._kbytes
         freed = 0
         runs: list[np.ndarray] = []
+        locked: list[tuple[int, int, TreeNode]] = []
         while freed < num_tokens and heap:
-            node = heapq.heappop(heap)[2]
+            entry = heapq.heappop(heap)
+            tick, _, node = entry
+            if tick != node.heap_tick:
+                continue  # dead: superseded, or the node gained a child or was evicted
+            if node.last_access != tick:  # used since pushed: requeue at its true time
+                self._push(node)
+                continue
+            if node.lock_ref:
+                locked.append(entry)  # still a valid leaf: back in once we are done
+                continue
+            node.heap_tick = -1
             runs.append(node.value)
             freed += len(node.value)
             parent = node.parent
@@ -259,12 +307,23 @@ class RadixCache:
             node.parent = None
             if parent is not root and not parent.children:
                 self._leaves.add(parent)
-                if parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                self._push(parent)
+        for entry in locked:
+            heapq.heappush(heap, entry)
         if runs:
             self.allocator.free(np.concatenate(runs))
         self._evictable -= freed
         return freed
+
+    def _push(self, node: TreeNode) -> None:
+        node.heap_tick = node.last_access
+        heapq.heappush(self._heap, (node.last_access, node.id, node))
+
+    def _rebuild_heap(self) -> None:
+        for node in self._leaves:
+            node.heap_tick = node.last_access
+        self._heap = [(n.last_access, n.id, n) for n in self._leaves]
+        heapq.heapify(self._heap)
 
     def reset(self) -> None:
         """Drop every unlocked entry and free its slots (flush_cache); locked paths stay."""
@@ -315,13 +374,17 @@ class RadixCache:
             else:
                 evictable += len(node.value)
         assert len(self._leaves) == sum(1 for n in nodes if not n.children), "stale leaves"
+        entries = {(tick, node.id) for tick, _, node in self._heap}
+        for leaf in self._leaves:  # every leaf has a live entry no later than its last use
+            assert (leaf.heap_tick, leaf.id) in entries, f"{leaf!r} missing from the LRU heap"
+            assert 0 <= leaf.heap_tick <= leaf.last_access, f"{leaf!r} heap entry from the future"
         assert (evictable, protected) == (self._evictable, self._protected), (
             f"sizes {(self._evictable, self._protected)} != tree {(evictable, protected)}"
         )
         slots = self.cached_slots()
-        assert len(np.unique(slots)) == len(slots), "a slot is cached twice"
         if len(slots):
             assert slots.min() >= 0 and slots.max() < self.allocator.capacity, "slot out of range"
+            assert np.bincount(slots).max() == 1, "a slot is cached twice"
 
 
 class NoCache:
@@ -338,7 +401,9 @@ class NoCache:
         self.miss_tokens += len(tokens)
         return MatchResult(_empty_slots(), self.root, 0)
 
-    def insert(self, tokens: Sequence[int] | np.ndarray, slots: np.ndarray, cached_len: int = 0) -> int:
+    def insert(
+        self, tokens: Sequence[int] | np.ndarray, slots: np.ndarray, cached_len: int = 0
+    ) -> int:
         if len(slots) != len(tokens):
             raise ValueError(f"{len(slots)} slots for {len(tokens)} tokens")
         if cached_len != 0:
@@ -354,6 +419,16 @@ class NoCache:
 
     def evict(self, num_tokens: int) -> int:
         return 0
+
+    def _push(self, node: TreeNode) -> None:
+        node.heap_tick = node.last_access
+        heapq.heappush(self._heap, (node.last_access, node.id, node))
+
+    def _rebuild_heap(self) -> None:
+        for node in self._leaves:
+            node.heap_tick = node.last_access
+        self._heap = [(n.last_access, n.id, n) for n in self._leaves]
+        heapq.heapify(self._heap)
 
     def reset(self) -> None:
         pass

@@ -39,13 +39,13 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.temperature == 0]
         if greedy:
             picked = logits[greedy].argmax(dim=-1).tolist()
-            for i, tok in zip(greedy, picked):
+            for i, tok in zip(greedy, picked, strict=True):
                 out[i] = tok
         rand = [i for i, p in enumerate(params) if p.temperature > 0]
         if rand:
             probs, order = self._filtered_probs(logits[rand].float(), [params[i] for i in rand])
             picked = self._draw(probs, order, [params[i] for i in rand], [seq_ids[i] for i in rand])
-            for i, tok in zip(rand, picked):
+            for i, tok in zip(rand, picked, strict=True):
                 out[i] = tok
         return out
 
@@ -86,7 +86,7 @@ class Sampler:
         plain = [i for i, p in enumerate(params) if p.seed is None]
         if plain:
             ranks[plain] = torch.multinomial(probs[plain], 1, generator=self._rng).squeeze(1)
-        for i, (p, seq_id) in enumerate(zip(params, seq_ids)):
+        for i, (p, seq_id) in enumerate(zip(params, seq_ids, strict=True)):
             if p.seed is not None:
                 gen = self._generator(seq_id, p.seed)
                 ranks[i] = torch.multinomial(probs[i], 1, generator=gen)[0]

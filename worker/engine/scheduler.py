@@ -5,20 +5,21 @@ prompts (only their uncached suffix) are prefilled in chunks under a per-step to
 budget. Pure Python over ints, lists and numpy slot arrays: the model runner owns every
 tensor, so this module is tested with a fake runner.
 
-The slots of one sequence — the only place where they are sliced:
+The slots of one sequence (`seq.slots`, one per token of `seq.all_ids[:len(slots)]`),
+described here and sliced nowhere else:
 
-    token index   0            prefix_len          num_computed             len(slots)
-                  |-- cached ----|---- computed -------|---- allocated ---------|
-    owner         radix tree     | this sequence       | this sequence          |
-                  (path locked)  | (KV written)        | (KV not written yet)   |
-    admit         match_prefix   | alloc(num_tokens - prefix_len) --------------|
-                  + lock         |                     |                        |
-    each step                    | a prefill chunk or a decode writes KV: num_computed grows;
-                                 | a decode first allocs one slot for its pending token
-    release       unlock         | insert(all_ids[:num_computed],               | free
-    (finish,                     |   slots[:num_computed], cached_len=prefix_len)|
-     preempt,                    |   -> the tree keeps the new ones and frees   |
-     abort)                      |   duplicates and the page-unaligned tail      |
+    token    0 ........... prefix_len .......... num_computed ........... len(slots)
+             |    cached       |      computed        |      allocated       |
+    owner    | radix tree      | this sequence        | this sequence        |
+             | (path locked)   | (KV written)         | (KV not yet written) |
+    admit    | match + lock    | alloc(num_tokens - prefix_len) -------------->|
+    step     |                 | a prefill chunk or a decode writes KV, so      |
+             |                 | num_computed grows; a decode first allocs one  |
+             |                 | slot for its input (the last sampled token)    |
+    release  | unlock          | insert(all_ids[:num_computed],                 | free
+    (finish, |                 |   slots[:num_computed], cached_len=prefix_len):|
+    preempt, |                 |   the tree keeps the new slots and frees the   |
+    abort)   |                 |   duplicates and the page-unaligned tail       |
 
 A decoding sequence has len(slots) == num_computed == num_tokens - 1: its last sampled
 token is the next step's input. Preempted sequences keep their output tokens and, once
@@ -29,12 +30,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
-from worker.engine.sequence import Sequence, SeqStatus
+from worker.engine.radix_cache import PrefixCache
+from worker.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: Any, cache: Any) -> None:
+    def __init__(self, config: EngineConfig, allocator: SlotAllocator, cache: PrefixCache) -> None:
         self.config = config
         self.allocator = allocator
         self.cache = cache
@@ -80,14 +82,16 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         out = Schedule()
+        # Taken before the decoders get their new slot (which makes them look prefilling).
+        prefilling = [s for s in self.running if s.is_prefilling]
         decoders = self._grow_decoders(out.preempted)
         for seq in decoders:
             out.items.append(ScheduledItem(seq, [seq.last_token], seq.num_computed, seq.slots))
         budget = self.config.max_prefill_tokens
-        for seq in self.running:
+        for seq in prefilling:
             if budget <= 0:
                 break
-            if seq.is_prefilling:
+            if seq.status is SeqStatus.RUNNING:  # not just preempted
                 budget -= self._add_chunk(out, seq, budget)
         # Admitting right after a preemption would only thrash: memory is short.
         while (
@@ -135,7 +139,7 @@ class Scheduler:
                 decoders.remove(victim)
         if decoders:
             new = self.allocator.alloc(len(decoders))
-            for seq, slot in zip(decoders, new):
+            for seq, slot in zip(decoders, new, strict=True):
                 seq.slots = np.append(seq.slots, slot)
         return decoders
 

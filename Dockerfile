@@ -1,0 +1,74 @@
+# syntax=docker/dockerfile:1
+# Two images from one file (the Helm chart runs both):
+#   docker build --target router -t ghcr.io/radix-router/router:0.1.0 .
+#   docker build --target worker -t ghcr.io/radix-router/worker:0.1.0 .
+#   docker build --target worker --build-arg INSTALL_VLLM=true -t ghcr.io/radix-router/worker:0.1.0-vllm .
+# The router image carries no torch (the router never imports `worker`); the worker image
+# starts from a CUDA PyTorch runtime. For vLLM, pick a TORCH_IMAGE whose torch matches the
+# one that vLLM release pins, or pip replaces it with a second multi-GB download.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG TORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+
+# ---------------------------------------------------------------- router: build
+FROM ${PYTHON_IMAGE} AS router-build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+# Only the packages the router needs: setuptools packages what it finds, so worker/ is
+# left out of this image entirely.
+COPY pyproject.toml README* ./
+COPY shared/ shared/
+COPY router/ router/
+RUN pip install --no-cache-dir .
+
+# ---------------------------------------------------------------- router
+FROM ${PYTHON_IMAGE} AS router
+RUN groupadd --system --gid 10001 radix \
+    && useradd --system --uid 10001 --gid radix --no-create-home --home-dir /tmp radix
+COPY --from=router-build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+USER 10001:10001
+EXPOSE 8000
+# Same port the service uses: RADIX_ROUTER_PORT when set (the config model's env override).
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('RADIX_ROUTER_PORT', '8000'), timeout=2)"]
+ENTRYPOINT ["radix-router"]
+CMD ["serve"]
+
+# ---------------------------------------------------------------- worker
+FROM ${TORCH_IMAGE} AS worker
+ARG INSTALL_VLLM=false
+ARG VLLM_VERSION=0.10.1.1
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+WORKDIR /opt/radix-router
+COPY pyproject.toml README* ./
+COPY shared/ shared/
+COPY worker/ worker/
+# torch comes from the base image and already satisfies the worker extra, so pip keeps it.
+# The pip check fails the build if vLLM (or anything) was left with a broken requirement.
+# DL3013 (pin versions) misreads the local project ".[worker]" as an unpinned package.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[worker]" \
+    && if [ "${INSTALL_VLLM}" = "true" ]; then pip install --no-cache-dir "vllm==${VLLM_VERSION}"; fi \
+    && pip check \
+    && python -c "import torch, worker, shared; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# A home the non-root user can write: torch, triton and vLLM keep caches under it.
+RUN groupadd --system --gid 10001 radix \
+    && useradd --system --uid 10001 --gid radix --create-home --home-dir /home/radix radix
+ENV HOME=/home/radix
+USER 10001:10001
+EXPOSE 8001
+# /health answers 503 until the model is loaded: give loading a long start period.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=4 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('RADIX_WORKER_PORT', '8001'), timeout=4)"]
+ENTRYPOINT ["radix-worker"]
+CMD ["serve"]

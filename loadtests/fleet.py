@@ -1,0 +1,183 @@
+"""A local sim fleet for benchmarks and the CI smoke test: Redis, N sim workers, a router.
+
+Workers start once; the router can be restarted with another policy while the workers
+stay (`restart_router`), and `flush` empties every worker's cache between runs, so
+each policy meets the same cold fleet. Children run as `python -m worker serve` and
+`python -m router serve` (the documented command line), output to log files in a
+temporary folder, each in its own process group so stopping kills what it spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.redis_server import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    workers: int = 2
+    cache_tokens: int = 65_536
+    prefill_us_per_token: float = 30.0
+    decode_ms_per_token: float = 3.0
+    max_running_requests: int = 8
+    start_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    policy: str = "cache_aware"
+    # Extra RouterConfig keys (e.g. balance_mode), passed as RADIX_ROUTER_<KEY>.
+    settings: dict[str, str] = field(default_factory=dict)
+
+
+def _get_json(url: str, timeout: float = 2.0) -> dict[str, object] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # 503 "no workers" still carries a body
+        try:
+            return json.loads(e.read())
+        except ValueError:
+            return None
+    except (OSError, ValueError):
+        return None
+
+
+class LocalFleet:
+    def __init__(self, spec: FleetSpec) -> None:
+        self.spec = spec
+        self._dir = tempfile.TemporaryDirectory(prefix="radix-fleet-")
+        self.redis = RedisServer()
+        self.worker_urls: list[str] = []
+        self._workers: list[subprocess.Popen[bytes]] = []
+        self._router: subprocess.Popen[bytes] | None = None
+        self.router_url = ""
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self._dir.name)
+
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115  (the child owns it)
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})}, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            log.close()
+
+    def _wait(
+        self, url: str, proc: subprocess.Popen[bytes], name: str, want_workers: int = 0
+    ) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {self.log(name)}")
+            body = _get_json(url + "/health")
+            if body is not None and (not want_workers or body.get("workers") == want_workers):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"{name} not ready at {url} in {self.spec.start_timeout_s}s: {self.log(name)}"
+        )
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-2000:] if path.exists() else ""
+
+    def start(self, router: RouterSpec | None = None) -> LocalFleet:
+        s = self.spec
+        try:
+            self.redis.start()
+            for i in range(s.workers):
+                port = free_port()
+                args = [
+                    "worker", "serve", "--engine", "sim", "--host", "127.0.0.1",
+                    "--port", str(port), "--redis-url", self.redis.url, "--worker-id", f"w{i}",
+                    "--cache-tokens", str(s.cache_tokens),
+                    "--sim-prefill-us-per-token", str(s.prefill_us_per_token),
+                    "--sim-decode-ms-per-token", str(s.decode_ms_per_token),
+                    "--max-running-requests", str(s.max_running_requests),
+                    "--heartbeat-interval", "0.5", "--log-level", "WARNING",
+                ]  # fmt: skip
+                self._workers.append(self._spawn(f"worker-w{i}", args))
+                self.worker_urls.append(f"http://127.0.0.1:{port}")
+            for i, (url, proc) in enumerate(zip(self.worker_urls, self._workers, strict=True)):
+                self._wait(url, proc, f"worker-w{i}")
+            self.restart_router(router or RouterSpec())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def restart_router(self, router: RouterSpec) -> str:
+        self._stop_router()
+        port = free_port()
+        env = {f"RADIX_ROUTER_{k.upper()}": v for k, v in router.settings.items()}
+        args = [
+            "router", "serve", "--policy", router.policy, "--redis-url", self.redis.url,
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
+        ]  # fmt: skip
+        self._router = self._spawn("router", args, env)
+        self.router_url = f"http://127.0.0.1:{port}"
+        self._wait(self.router_url, self._router, "router", want_workers=self.spec.workers)
+        return self.router_url
+
+    def flush(self) -> None:
+        """Empty every worker's cache (they are idle between runs)."""
+        for url in self.worker_urls:
+            req = urllib.request.Request(url + "/flush_cache", method="POST", data=b"")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"flush_cache on {url} answered {r.status}")
+
+    def _stop_router(self) -> None:
+        if self._router is not None:
+            _stop(self._router)
+            self._router = None
+
+    def stop(self) -> None:
+        self._stop_router()
+        for proc in self._workers:
+            _stop(proc)
+        self._workers.clear()
+        self.redis.close()
+
+    def close(self) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+    def __enter__(self) -> LocalFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # the child's own group: nothing else
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

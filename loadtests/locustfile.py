@@ -1,0 +1,314 @@
+"""Locust users that speak the OpenAI API to any compatible server (router or worker).
+
+    locust -f loadtests/locustfile.py --headless -u 32 -r 32 -t 60s --host http://127.0.0.1:8000 \\
+        --workload shared_prefix --groups 8 --prompts-per-group 8 --records-file out/records.jsonl
+
+Each request streams over locust's HTTP client, with the SSE parsed as bytes arrive, and
+fires request events of its own next to locust's `POST` entry (response_time is in ms
+except where noted):
+
+    LLM  ttft      time to the first generated text
+    LLM  itl       mean gap between later chunks (inter-token latency)
+    LLM  e2e       whole request; response_length = output tokens
+    LLM  tokens/s  output tokens per second of the request (the value, not ms)
+
+`usage.prompt_tokens_details.cached_tokens / prompt_tokens` adds up to a cache hit rate,
+overall and per worker (the router names the worker in the `x-radix-worker` header),
+printed when the test stops and written per request to `--records-file` for the report.
+The run stops by itself once the workload has no more requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import gevent
+import requests
+from locust import HttpUser, constant, events, task
+from locust.env import Environment
+from locust.exception import StopUser
+
+if __package__ in (None, ""):  # `locust -f loadtests/locustfile.py` imports it by path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtests.metrics import HitCounter, RequestRecord
+from loadtests.options import add_workload_arguments, options_from_namespace
+from loadtests.sse import SSEParser
+from loadtests.workloads import LLMRequest, Session, Workload
+
+WORKER_HEADER = "x-radix-worker"
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+log = logging.getLogger("loadtests")
+
+
+@events.init_command_line_parser.add_listener
+def _add_arguments(parser: Any) -> None:
+    add_workload_arguments(parser, env=True)
+    parser.add_argument("--model", default="", env_var="LOCUST_MODEL", help="model name to send")
+    parser.add_argument("--api-key", default="", env_var="LOCUST_API_KEY", help="bearer token")
+    parser.add_argument("--no-stream", action="store_true", env_var="LOCUST_NO_STREAM")
+    parser.add_argument(
+        "--max-requests", type=int, default=0, env_var="LOCUST_MAX_REQUESTS",
+        help="stop after this many requests (per locust process; 0: when the workload ends)",
+    )  # fmt: skip
+    parser.add_argument("--records-file", default="", env_var="LOCUST_RECORDS_FILE")
+
+
+@dataclass(frozen=True)
+class UserOptions:
+    model: str
+    api_key: str
+    stream: bool
+    max_requests: int
+    records_file: str
+
+
+class RunState:
+    """What the users of one locust process share during a test."""
+
+    def __init__(self, workload: Workload, options: UserOptions) -> None:
+        self.workload = workload
+        self.options = options
+        self.hits = HitCounter()
+        self.t0 = time.monotonic()
+        self.sent = 0
+        self.active_users = 0
+        # Open for the whole test (closed at test_stop): one line per finished request.
+        self.records: TextIO | None = None
+        if options.records_file:
+            self.records = open(options.records_file, "a")  # noqa: SIM115
+
+    def take(self, session: Session) -> LLMRequest | None:
+        if self.options.max_requests and self.sent >= self.options.max_requests:
+            return None
+        req = session.next_request()
+        if req is not None:
+            self.sent += 1
+        return req
+
+    def finish(self, record: RequestRecord) -> None:
+        if record.ok:
+            self.hits.add(record.worker, record.prompt_tokens, record.cached_tokens)
+        if self.records is not None:
+            self.records.write(record.to_json() + "\n")
+            self.records.flush()
+
+    def close(self) -> None:
+        if self.records is not None:
+            self.records.close()
+            self.records = None
+
+
+def run_state(environment: Environment) -> RunState:
+    state = getattr(environment, "radix_run", None)
+    if state is None:  # a user started without test_start (e.g. locust's library API)
+        state = _start(environment)
+    return state
+
+
+def _start(environment: Environment) -> RunState:
+    o = environment.parsed_options
+    options = UserOptions(
+        model=o.model, api_key=o.api_key, stream=not o.no_stream,
+        max_requests=o.max_requests, records_file=o.records_file,
+    )  # fmt: skip
+    state = RunState(Workload(options_from_namespace(o)), options)
+    environment.radix_run = state  # type: ignore[attr-defined]
+    return state
+
+
+@events.test_start.add_listener
+def _on_test_start(environment: Environment, **_: Any) -> None:
+    _start(environment)
+
+
+@events.test_stop.add_listener
+def _on_test_stop(environment: Environment, **_: Any) -> None:
+    state = getattr(environment, "radix_run", None)
+    if state is not None:
+        log.info("cache hit rate (cached_tokens / prompt_tokens):\n%s", state.hits.table())
+        state.close()
+
+
+@events.init.add_listener
+def _on_init(environment: Environment, **_: Any) -> None:
+    # --processes: each worker process sends its counts since the last report; the master sums.
+    def report(client_id: str, data: dict[str, Any], **__: Any) -> None:
+        state = getattr(environment, "radix_run", None)
+        if state is not None:
+            data["radix_hits"] = state.hits.as_dict()
+            state.hits = HitCounter()
+
+    def receive(client_id: str, data: dict[str, Any], **__: Any) -> None:
+        if "radix_hits" in data:
+            run_state(environment).hits.merge(data["radix_hits"])
+
+    environment.events.report_to_master.add_listener(report)
+    environment.events.worker_report.add_listener(receive)
+
+
+class OpenAIUser(HttpUser):
+    """One simulated client: takes requests from its workload session and streams them."""
+
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        self.state = run_state(self.environment)
+        self.session = self.state.workload.new_session()
+        self.state.active_users += 1
+
+    def on_stop(self) -> None:
+        self.state.active_users -= 1
+
+    def _done(self) -> None:
+        # The last user out ends the run: every request has finished by then.
+        if self.state.active_users <= 1 and self.environment.runner is not None:
+            gevent.spawn_later(0, self.environment.runner.quit)
+        raise StopUser()
+
+    @task
+    def send(self) -> None:
+        req = self.state.take(self.session)
+        if req is None:
+            self._done()
+            return
+        if req.arrival_s is not None:
+            gevent.sleep(max(0.0, self.state.t0 + req.arrival_s - time.monotonic()))
+        record, reply = self._request(req)
+        self.state.finish(record)
+        if record.ok:
+            self.session.on_reply(req, reply)
+
+    def _request(self, req: LLMRequest) -> tuple[RequestRecord, str]:
+        o = self.state.options
+        body = req.body(o.model, o.stream)
+        if not o.model:
+            body.pop("model")
+        headers = {"x-session-id": req.session_id} if req.session_id else {}
+        if o.api_key:
+            headers["authorization"] = f"Bearer {o.api_key}"
+        name = PATHS[req.endpoint]
+        wall, start = time.time(), time.perf_counter()
+        with self.client.post(
+            name, json=body, headers=headers, stream=o.stream, catch_response=True, name=name
+        ) as resp:
+            worker = resp.headers.get(WORKER_HEADER, "direct") if resp.headers else "direct"
+            fail = lambda msg: self._fail(resp, wall, start, worker, req, msg)  # noqa: E731
+            if resp.status_code != 200:
+                return fail(f"HTTP {resp.status_code}: {_error_text(resp)}"), ""
+            try:
+                result = _stream(resp, start) if o.stream else _whole(resp, start)
+            except (requests.RequestException, ValueError, KeyError, TypeError) as e:
+                return fail(f"{type(e).__name__}: {e}"), ""
+            if result.error:
+                return fail(result.error), ""
+            resp.success()
+        record = RequestRecord(
+            start=wall, ok=True, e2e_s=result.end - start,
+            ttft_s=None if result.first is None else result.first - start,
+            itl_s=result.itl, prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens, output_tokens=result.output_tokens,
+            worker=worker, tag=req.tag,
+        )  # fmt: skip
+        self._fire(name, record)
+        return record, result.text
+
+    def _fail(
+        self, resp: Any, wall: float, start: float, worker: str, req: LLMRequest, msg: str
+    ) -> RequestRecord:
+        resp.failure(msg)
+        e2e = time.perf_counter() - start
+        return RequestRecord(
+            start=wall, ok=False, e2e_s=e2e, worker=worker, tag=req.tag, error=msg[:300]
+        )
+
+    def _fire(self, name: str, r: RequestRecord) -> None:
+        fire = self.environment.events.request.fire
+        common = {"request_type": "LLM", "exception": None, "context": {}}
+        if r.ttft_s is not None:
+            fire(name="ttft", response_time=r.ttft_s * 1000, response_length=0, **common)
+        if r.itl_s is not None:
+            fire(name="itl", response_time=r.itl_s * 1000, response_length=0, **common)
+        fire(name="e2e", response_time=r.e2e_s * 1000, response_length=r.output_tokens, **common)
+        if r.e2e_s > 0:
+            fire(
+                name="tokens/s",
+                response_time=r.output_tokens / r.e2e_s,
+                response_length=0,
+                **common,
+            )
+
+
+@dataclass
+class _Result:
+    end: float = 0.0
+    first: float | None = None
+    itl: float | None = None
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def _error_text(resp: Any) -> str:
+    try:
+        return str(resp.json()["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return (resp.text or "")[:300]
+
+
+def _usage(result: _Result, usage: dict[str, Any]) -> None:
+    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    result.output_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+def _piece(choice: dict[str, Any]) -> str:
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+def _stream(resp: Any, start: float) -> _Result:
+    result, parser, pieces, times = _Result(), SSEParser(), [], []
+    for chunk in resp.iter_content(chunk_size=None):  # None: hand over bytes as they arrive
+        now = time.perf_counter()
+        for data in parser.feed(chunk):
+            if data == "[DONE]":
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                result.error = f"stream error: {event['error'].get('message', event['error'])}"
+                continue
+            for choice in event.get("choices") or []:
+                piece = _piece(choice)
+                if piece:
+                    pieces.append(piece)
+                    times.append(now)
+            if event.get("usage"):
+                _usage(result, event["usage"])
+    result.end = time.perf_counter()
+    result.text = "".join(pieces)
+    result.first = times[0] if times else None
+    if len(times) > 1:
+        result.itl = (times[-1] - times[0]) / (len(times) - 1)
+    if not result.output_tokens:
+        result.output_tokens = len(times)
+    return result
+
+
+def _whole(resp: Any, start: float) -> _Result:
+    body = resp.json()
+    choice = body["choices"][0]
+    result = _Result(end=time.perf_counter())
+    result.text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+    _usage(result, body.get("usage") or {})
+    return result

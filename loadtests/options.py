@@ -1,0 +1,103 @@
+"""Workload options: one frozen dataclass, mapped one-to-one onto command-line flags.
+
+The same flags work for `locust -f loadtests/locustfile.py`, `python -m loadtests run`
+and `python -m loadtests simulate`: a field `prompts_per_group` is `--prompts-per-group`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+WORKLOADS = ("shared_prefix", "multi_turn", "rag", "mooncake")
+DEFAULT_TRACE = str(Path(__file__).parent / "traces" / "mooncake_synthetic_trace.jsonl")
+
+
+@dataclass(frozen=True)
+class WorkloadOptions:
+    workload: Literal["shared_prefix", "multi_turn", "rag", "mooncake"] = "shared_prefix"
+    seed: int = 0
+    # shared_prefix (SGLang's defaults); system_len also sizes multi_turn's shared system prompt.
+    groups: int = 64
+    prompts_per_group: int = 16
+    system_len: int = 2048
+    question_len: int = 128
+    output_len: int = 256
+    # multi_turn
+    conversations: int = 64
+    turns: int = 8
+    # rag
+    docs: int = 256
+    doc_len: int = 512
+    docs_per_request: int = 3
+    rag_requests: int = 1024
+    zipf: float = 1.1
+    # mooncake
+    trace: str = DEFAULT_TRACE
+    block_words: int = 32
+    trace_limit: int | None = None
+    arrival: Literal["trace", "asap"] = "trace"
+    speedup: float = 1.0
+    max_output: int | None = None
+    # all: start over when the requests run out (a time-bounded run) instead of stopping
+    loop: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(
+                f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}"
+            )
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be >= 0, got {v}")
+        if self.speedup <= 0 or self.block_words < 1 or self.groups < 1 or self.conversations < 1:
+            raise ValueError("speedup, block_words, groups and conversations must be positive")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_workload_arguments(parser: Any, env: bool = False) -> None:
+    """Add one flag per option. `env=True` (locust's configargparse parser) also reads
+    LOCUST_<NAME> environment variables."""
+    hints = get_type_hints(WorkloadOptions)
+    for f in dataclasses.fields(WorkloadOptions):
+        kwargs: dict[str, Any] = {
+            "default": f.default,
+            "help": f"workload option (default {f.default})",
+        }
+        if env:
+            kwargs["env_var"] = "LOCUST_" + f.name.upper()
+        hint = hints[f.name]
+        if f.name == "loop":
+            kwargs["action"] = "store_true"
+        elif get_origin(hint) is Literal:
+            kwargs["choices"] = get_args(hint)
+        else:
+            # int | None parses as int; the scalar type is the first non-None member.
+            kwargs["type"] = next(t for t in (get_args(hint) or (hint,)) if t is not type(None))
+        parser.add_argument(_flag(f.name), **kwargs)
+
+
+def options_from_namespace(ns: argparse.Namespace | Any) -> WorkloadOptions:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(WorkloadOptions)}
+    return WorkloadOptions(**values)
+
+
+def options_to_argv(options: WorkloadOptions) -> list[str]:
+    """Flags that rebuild `options` on another process's command line (defaults omitted)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(WorkloadOptions):
+        v = getattr(options, f.name)
+        if v == f.default:
+            continue
+        if f.name == "loop":
+            argv.append(_flag(f.name))
+        else:
+            argv += [_flag(f.name), str(v)]
+    return argv

@@ -1,0 +1,214 @@
+"""Event-driven fleet simulation: the router's real policy over simulated workers.
+
+Virtual time, no sleeping, no HTTP. Per request: the policy from `router.policy`
+(`build_policy(RouterConfig)`, with its real prefix tree) picks a worker from the
+workers' loads (running + queued, as the router sees in flight); that `SimWorker`
+(the real RadixCache + the sim cost model) queues, admits and finishes it. Finishes at
+the same instant run before arrivals, so freed capacity is seen first. The wall-clock
+CPU of each `select` call is measured (the router's cost per decision), and the
+policy's memory is measured once at the end by walking its object graph.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from loadtests.options import WorkloadOptions
+from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, reply_text
+from loadtests.sim.worker import CostModel, Job, SimWorker
+from loadtests.workloads import ConversationSession, Workload
+from router.policy import RouteRequest, WorkerView, build_policy
+from shared.config import RouterConfig
+
+_FINISH, _ARRIVAL = 0, 1  # event kinds: finishes sort first at equal times
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """`users` users each send a turn when their previous one finished (+ think time)."""
+
+    options: WorkloadOptions
+    users: int
+    think_s: float = 0.0
+
+
+@dataclass
+class SimResult:
+    label: str
+    workers: int
+    ttft: np.ndarray
+    queue: np.ndarray
+    e2e: np.ndarray
+    per_worker_requests: np.ndarray
+    decision_us: np.ndarray
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    rejected: int = 0
+    makespan: float = 0.0
+    policy_bytes: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def requests(self) -> int:
+        return len(self.ttft)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def load_max_over_mean(self) -> float:
+        mean = self.per_worker_requests.mean() if len(self.per_worker_requests) else 0
+        return float(self.per_worker_requests.max() / mean) if mean else 0.0
+
+    def pct(self, values: np.ndarray, q: float) -> float:
+        return float(np.percentile(values, q)) if len(values) else float("nan")
+
+    def row(self) -> dict[str, object]:
+        return {
+            "label": self.label,
+            "workers": self.workers,
+            "requests": self.requests,
+            "rejected": self.rejected,
+            "throughput_rps": self.requests / self.makespan if self.makespan else 0.0,
+            "hit_rate": self.hit_rate,
+            "ttft_p50_ms": self.pct(self.ttft, 50) * 1e3,
+            "ttft_p99_ms": self.pct(self.ttft, 99) * 1e3,
+            "queue_p50_ms": self.pct(self.queue, 50) * 1e3,
+            "queue_p99_ms": self.pct(self.queue, 99) * 1e3,
+            "load_max_over_mean": self.load_max_over_mean,
+            "decision_us_mean": float(self.decision_us.mean()) if len(self.decision_us) else 0.0,
+            "decision_us_p99": self.pct(self.decision_us, 99),
+            "policy_mb": self.policy_bytes / 2**20,
+            "reasons": dict(self.reasons),
+        }
+
+
+def deep_size(root: object) -> int:
+    """Bytes of every object reachable from `root` (shared ones once); classes,
+    modules and functions are not counted: they are code, not routing state."""
+    seen: set[int] = set()
+    stack = [root]
+    total = 0
+    skip = (type, type(sys), type(deep_size), type(len))
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+class FleetSim:
+    def __init__(self, config: RouterConfig, workers: int, cost: CostModel, seed: int = 0) -> None:
+        self.policy = build_policy(config, random.Random(seed))
+        self.workers = [SimWorker(i, cost) for i in range(workers)]
+        self.ids = [f"w{i}" for i in range(workers)]
+        self.index = {wid: i for i, wid in enumerate(self.ids)}
+        self.capacity = cost.cache_tokens
+        self.views = [WorkerView(wid, 0, cost.cache_tokens) for wid in self.ids]
+        self._heap: list[tuple[float, int, int, Job]] = []
+        self._seq = 0
+        self._rids = 0
+        self._done: list[Job] = []
+        self._decision_ns: list[int] = []
+        self.reasons: Counter[str] = Counter()
+        self.rejected = 0
+
+    def _push(self, t: float, kind: int, job: Job) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, job))
+
+    def _job(self, req: SimRequest, session: int = -1) -> Job:
+        self._rids += 1
+        out = output_tokens(self._rids, req.out_len)
+        return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session)
+
+    def _refresh(self, i: int) -> None:
+        self.views[i] = WorkerView(self.ids[i], self.workers[i].load, self.capacity)
+
+    def _route(self, job: Job, now: float) -> None:
+        t0 = time.perf_counter_ns()
+        decision = self.policy.select(RouteRequest(job.text), self.views, now)
+        self._decision_ns.append(time.perf_counter_ns() - t0)
+        self.reasons[decision.reason] += 1
+        i = self.index[decision.worker_id]
+        worker = self.workers[i]
+        if not worker.fits(job):
+            self.rejected += 1  # the live worker answers 400 context_length_exceeded
+            return
+        for started in worker.submit(job, now):
+            self._push(started.finish, _FINISH, started)
+        self._refresh(i)
+
+    def run(
+        self, source: Iterator[SimRequest] | None = None, closed: ClosedLoop | None = None
+    ) -> list[Job]:
+        """Replay an open-loop source and/or closed-loop users to the end; returns finished jobs."""
+        sessions: list[ConversationSession] = []
+        tok = WordTokenizer()
+        if closed is not None:
+            workload = Workload(closed.options)
+            sessions = [ConversationSession(workload) for _ in range(closed.users)]
+            for s, _ in enumerate(sessions):
+                self._next_turn(sessions, s, 0.0, tok)
+        if source is not None:
+            first = next(source, None)
+            if first is not None:
+                self._push(first.arrival, _ARRIVAL, self._job(first))
+        while self._heap:
+            now, kind, _, job = heapq.heappop(self._heap)
+            if kind == _ARRIVAL:
+                self._route(job, now)
+                if job.session < 0 and source is not None:
+                    nxt = next(source, None)
+                    if nxt is not None:
+                        self._push(nxt.arrival, _ARRIVAL, self._job(nxt))
+                continue
+            worker = self.workers[job.worker]
+            for started in worker.complete(job, now):
+                self._push(started.finish, _FINISH, started)
+            self._refresh(job.worker)
+            self._done.append(job)
+            if job.session >= 0 and closed is not None:
+                sessions[job.session].on_reply(None, reply_text(job.rid, len(job.out_tokens)))  # type: ignore[arg-type]
+                self._next_turn(sessions, job.session, now + closed.think_s, tok)
+        return self._done
+
+    def _next_turn(
+        self, sessions: list[ConversationSession], s: int, now: float, tok: WordTokenizer
+    ) -> None:
+        req = sessions[s].next_request()
+        if req is not None:
+            text = req.text()
+            sim = SimRequest(now, text, tok.encode(text), req.max_tokens)
+            self._push(now, _ARRIVAL, self._job(sim, session=s))
+
+    def result(self, label: str, measure_memory: bool = True) -> SimResult:
+        done = self._done
+        return SimResult(
+            label=label,
+            workers=len(self.workers),
+            ttft=np.array([j.ttft for j in done]),
+            queue=np.array([j.queue_delay for j in done]),
+            e2e=np.array([j.finish - j.arrival for j in done]),
+            per_worker_requests=np.array([w.requests for w in self.workers]),
+            decision_us=np.array(self._decision_ns) / 1e3,
+            prompt_tokens=sum(w.prompt_tokens for w in self.workers),
+            cached_tokens=sum(w.cached_tokens for w in self.workers),
+            rejected=self.rejected,
+            makespan=max((j.finish for j in done), default=0.0),
+            policy_bytes=deep_size(self.policy) if measure_memory else 0,
+            reasons=self.reasons,
+        )

@@ -1,0 +1,219 @@
+"""Fleet simulation in virtual time: how the real routing policy behaves at 8–1,000 workers.
+
+    python -m loadtests simulate --workers 8,64,256,1000 --policies cache_aware,round_robin,least_load \\
+        --workload mooncake --block-words 16 --max-output 64 --out loadtests/out/sim
+
+Each (fleet size, policy) replays the workload through `router.policy` + `router.tree`
+against simulated workers (the real RadixCache, the sim engine's cost model; see
+loadtests/sim/). Mooncake: one trace copy per `--workers-per-copy` workers, each in its
+own block namespace, and the arrival rate scaled so that every fleet size sees the same
+requests per second per worker. A threshold sweep (`--sweep-at N`) runs cache_aware
+over `--thresholds` × `--balance-abs` at one fleet size: how users tune the router
+before deploying. Prints the tables; writes `simulation.json` and PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from loadtests.options import WorkloadOptions, add_workload_arguments, options_from_namespace
+from loadtests.sim.fleet import ClosedLoop, FleetSim, SimResult
+from loadtests.sim.sources import generated_requests, mooncake_requests
+from loadtests.sim.worker import CostModel
+from shared.config import RouterConfig
+
+COLUMNS = (
+    "| workers | policy | requests | hit rate | TTFT p50 / p99 (ms) | queue p99 (ms) | "
+    "max/mean requests per worker | decision µs mean / p99 | policy memory (MB) |\n"
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def simulate_one(
+    config: RouterConfig, n: int, cost: CostModel, o: WorkloadOptions, args: argparse.Namespace
+) -> SimResult:
+    sim = FleetSim(config, n, cost, seed=args.sim_seed)
+    if o.workload == "mooncake":
+        copies = max(1, math.ceil(n / args.workers_per_copy))
+        # Same requests per second per worker at every fleet size.
+        speedup = o.speedup * n / (copies * args.workers_per_copy)
+        sim.run(source=mooncake_requests(o, n, args.workers_per_copy, speedup, args.sim_seed))
+    elif o.workload == "multi_turn":
+        sim.run(closed=ClosedLoop(o, users=args.users_per_worker * n))
+    else:
+        sim.run(source=generated_requests(o, args.rate_per_worker * n, args.sim_seed))
+    return sim.result(f"{config.policy}", measure_memory=not args.no_memory)
+
+
+def row(r: SimResult, name: str) -> str:
+    d = r.row()
+    return (
+        f"| {r.workers} | {name} | {r.requests} | {r.hit_rate:.3f} | "
+        f"{d['ttft_p50_ms']:.1f} / {d['ttft_p99_ms']:.1f} | {d['queue_p99_ms']:.1f} | "
+        f"{r.load_max_over_mean:.2f} | {d['decision_us_mean']:.1f} / {d['decision_us_p99']:.1f} | "
+        f"{d['policy_mb']:.2f} |"
+    )
+
+
+def plot_scale(results: dict[tuple[int, str], SimResult], path: Path) -> None:
+    policies = sorted({p for _, p in results})
+    sizes = sorted({n for n, _ in results})
+    panels = [
+        ("hit rate", lambda r: r.hit_rate),
+        ("TTFT p99 (ms)", lambda r: r.pct(r.ttft, 99) * 1e3),
+        ("max/mean requests per worker", lambda r: r.load_max_over_mean),
+        ("router µs per decision (mean)", lambda r: float(r.decision_us.mean())),
+        ("policy memory (MB)", lambda r: r.policy_bytes / 2**20),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.3))
+    for ax, (title, f) in zip(axes, panels, strict=True):
+        for p in policies:
+            ax.plot(sizes, [f(results[(n, p)]) for n in sizes], marker="o", label=p)
+        ax.set_xscale("log")
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(s) for s in sizes])
+        ax.set(title=title, xlabel="workers")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_ttft_cdf(results: dict[tuple[int, str], SimResult], n: int, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5, 3.3))
+    for (size, p), r in sorted(results.items()):
+        if size == n and len(r.ttft):
+            xs = np.sort(r.ttft * 1e3)
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=p)
+    ax.set(
+        xscale="log",
+        xlabel="TTFT (ms, virtual)",
+        ylabel="fraction ≤ x",
+        title=f"TTFT CDF, {n} workers",
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_sweep(sweep: dict[tuple[float, int], SimResult], path: Path) -> None:
+    thresholds = sorted({t for t, _ in sweep})
+    absolutes = sorted({a for _, a in sweep})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.3))
+    for a in absolutes:
+        ax1.plot(
+            thresholds, [sweep[(t, a)].hit_rate for t in thresholds], marker="o", label=f"abs {a}"
+        )
+        ax2.plot(
+            thresholds,
+            [sweep[(t, a)].pct(sweep[(t, a)].ttft, 99) * 1e3 for t in thresholds],
+            marker="o",
+            label=f"abs {a}",
+        )
+    ax1.set(xlabel="cache_threshold", ylabel="hit rate", title="hit rate")
+    ax2.set(xlabel="cache_threshold", ylabel="ms", title="TTFT p99")
+    ax1.legend(fontsize=7, title="balance_abs_threshold", title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default="8,64", help="fleet sizes, comma-separated")
+    p.add_argument("--policies", default="cache_aware,round_robin,least_load")
+    p.add_argument("--cache-tokens", type=int, default=16_384, help="KV capacity per worker")
+    p.add_argument("--prefill-us", type=float, default=30.0)
+    p.add_argument("--decode-ms", type=float, default=3.0)
+    p.add_argument("--max-running", type=int, default=8)
+    p.add_argument(
+        "--workers-per-copy", type=int, default=8, help="mooncake: workers per trace copy"
+    )
+    p.add_argument(
+        "--rate-per-worker", type=float, default=4.0, help="shared_prefix/rag: req/s per worker"
+    )
+    p.add_argument("--users-per-worker", type=int, default=4, help="multi_turn: users per worker")
+    p.add_argument("--cache-threshold", type=float, default=0.3)
+    p.add_argument("--balance-abs", default="64", help="balance_abs_threshold (sweep: several)")
+    p.add_argument("--balance-rel", type=float, default=1.5)
+    p.add_argument("--balance-mode", choices=("fleet", "per_request"), default="fleet")
+    p.add_argument(
+        "--sweep-at", type=int, default=0, help="fleet size of the threshold sweep (0: none)"
+    )
+    p.add_argument("--thresholds", default="0.1,0.3,0.5,0.7")
+    p.add_argument("--sim-seed", type=int, default=0)
+    p.add_argument("--no-memory", action="store_true", help="skip measuring policy memory")
+    p.add_argument("--out", type=Path, default=Path("loadtests/out/sim"))
+    p.add_argument("--plots", type=Path, default=None, help="folder for PNGs (default: OUT)")
+    add_workload_arguments(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    o = options_from_namespace(args)
+    cost = CostModel(args.prefill_us, args.decode_ms, args.max_running, args.cache_tokens)
+    sizes = [int(x) for x in args.workers.split(",")]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    absolutes = [int(x) for x in _floats(args.balance_abs)]
+    base = {
+        "cache_threshold": args.cache_threshold, "balance_abs_threshold": absolutes[0],
+        "balance_rel_threshold": args.balance_rel, "balance_mode": args.balance_mode,
+        "tree_chars_per_token": 5.0,  # the generated words: 4 letters + a space per token
+    }  # fmt: skip
+    out, plots = args.out, args.plots or args.out
+    out.mkdir(parents=True, exist_ok=True)
+    plots.mkdir(parents=True, exist_ok=True)
+    results: dict[tuple[int, str], SimResult] = {}
+    print(COLUMNS)
+    for n in sizes:
+        for p in policies:
+            t = time.perf_counter()
+            r = simulate_one(RouterConfig(policy=p, **base), n, cost, o, args)  # type: ignore[arg-type]
+            results[(n, p)] = r
+            print(row(r, p), f"<!-- {time.perf_counter() - t:.0f}s -->", flush=True)
+    for n in sizes:
+        ca, rr = results.get((n, "cache_aware")), results.get((n, "round_robin"))
+        if ca and rr and rr.hit_rate:
+            print(
+                f"{n} workers: cache_aware / round_robin hit rate {ca.hit_rate / rr.hit_rate:.2f}x"
+            )
+    sweep: dict[tuple[float, int], SimResult] = {}
+    if args.sweep_at:
+        print(
+            f"\nthreshold sweep, cache_aware, {args.sweep_at} workers\n"
+            + COLUMNS.replace("| policy |", "| cache_threshold / balance_abs |")
+        )
+        for th in _floats(args.thresholds):
+            for a in absolutes:
+                cfg = RouterConfig(
+                    policy="cache_aware",
+                    **{**base, "cache_threshold": th, "balance_abs_threshold": a},
+                )  # type: ignore[arg-type]
+                sweep[(th, a)] = r = simulate_one(cfg, args.sweep_at, cost, o, args)
+                print(row(r, f"{th} / {a}"), flush=True)
+        plot_sweep(sweep, plots / "sim_thresholds.png")
+    plot_scale(results, plots / "sim_scale.png")
+    plot_ttft_cdf(results, max(sizes), plots / "sim_ttft_cdf.png")
+    dump = {
+        "scale": [{**results[k].row(), "policy": k[1]} for k in results],
+        "sweep": [
+            {**v.row(), "cache_threshold": k[0], "balance_abs_threshold": k[1]}
+            for k, v in sweep.items()
+        ],
+    }
+    (out / "simulation.json").write_text(json.dumps(dump, indent=2) + "\n")
+    print(f"plots: {plots}")
+    return 0

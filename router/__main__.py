@@ -1,0 +1,7 @@
+"""`python -m router` is `radix-router`."""
+
+import sys
+
+from router.cli import main
+
+sys.exit(main())

@@ -1,0 +1,182 @@
+"""`create_app(config) -> web.Application`: the router service, assembled once.
+
+Pure state (fleet table, policy, metrics, admission) is built here; every resource
+that needs the running loop (the upstream ClientSession, discovery, replica sync) is
+one async generator in `cleanup_ctx`, set up above `yield` and torn down below.
+Serving it (signals, drain) is `serve()`, used by the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+from redis.asyncio import Redis
+
+from router import handlers
+from router.admission import Admission
+from router.auth import make_auth_middleware
+from router.discovery import Discovery
+from router.fleet import Fleet
+from router.metrics import Metrics
+from router.openapi import build_openapi
+from router.policy import Policy, build_policy
+from router.proxy import Proxy
+from router.state import (
+    ADMISSION,
+    CLOCK,
+    CONFIG,
+    DISCOVERY,
+    FLEET,
+    METRICS,
+    OPENAPI,
+    POLICY,
+    PROXY,
+    SESSION,
+)
+from shared.config import RouterConfig
+from shared.errors import Handler, error_middleware
+from shared.registry import Registry
+
+log = logging.getLogger(__name__)
+
+INFERENCE_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/generate": "generate",
+}
+
+
+def make_metrics_middleware(metrics: Metrics, clock: Callable[[], float]) -> web.middleware:
+    @web.middleware
+    async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        endpoint = INFERENCE_PATHS.get(request.path)
+        if endpoint is None:
+            return await handler(request)
+        start = clock()
+        status = 499  # the client went away before an answer (nginx's convention)
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            metrics.request_done(endpoint, status, clock() - start)
+
+    return metrics_middleware
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    # No connection cap here: admission already bounds concurrency, and a pool limit
+    # would queue requests invisibly. Keep-alive connections to workers are reused.
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+    app[SESSION] = session
+    app[PROXY] = Proxy(config, app[FLEET], app[POLICY], session, app[METRICS], app[CLOCK])
+    yield
+    await session.close()
+
+
+async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    if not config.redis_url:
+        yield
+        return
+    discovery = Discovery.from_url(
+        config.redis_url,
+        config.redis_prefix,
+        app[FLEET],
+        config.discovery_interval,
+        config.reconnect_grace,
+    )
+    app[DISCOVERY] = discovery
+    task = asyncio.create_task(discovery.run(), name="discovery")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    if not (config.sync and config.redis_url):
+        yield
+        return
+    from router.sync import DecisionSync  # only replicas that share decisions need it
+
+    redis = Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    fleet, policy = app[FLEET], app[POLICY]
+    sync = DecisionSync(
+        redis, Registry(redis, config.redis_prefix), config, policy.observe,
+        lambda: {wid: w.in_flight for wid, w in fleet.workers.items()}, app[CLOCK],
+    )  # fmt: skip
+    app[PROXY].attach_sync(sync.publish, sync.remote_inflight)
+    await sync.start()
+    yield
+    await sync.stop()
+
+
+def create_app(
+    config: RouterConfig,
+    *,
+    policy: Policy | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    policy = policy if policy is not None else build_policy(config)
+    fleet = Fleet(config, policy)
+    for url in config.worker_urls:
+        fleet.add_url(url, "static")
+    metrics = Metrics(fleet, clock)
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[
+            error_middleware,
+            make_auth_middleware(config),
+            make_metrics_middleware(metrics, clock),
+        ],
+    )
+    app[CONFIG] = config
+    app[CLOCK] = clock
+    app[POLICY] = policy
+    app[FLEET] = fleet
+    app[METRICS] = metrics
+    app[ADMISSION] = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
+    app[OPENAPI] = build_openapi()
+    app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx])
+    app.router.add_routes(handlers.routes())
+    return app
+
+
+async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain: refuse new work (health 503), let in-flight
+    requests (streams included) finish within `drain_timeout`, and return."""
+    app = create_app(config)
+    # handler_cancellation: a client that disconnects cancels its handler, which
+    # cancels the upstream request and releases its load guard.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else config.port
+    log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
+    if ready is not None:
+        ready(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("draining: %d in flight, up to %.0fs", app[ADMISSION].active, config.drain_timeout)
+        if not await app[ADMISSION].drain(config.drain_timeout):
+            log.warning("drain timeout: %d requests still in flight", app[ADMISSION].active)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()

@@ -1,0 +1,161 @@
+"""HTTP handlers: validate at the edge, then hand inference to the proxy.
+
+A bad request is answered here (400/404/413 in the OpenAI shape) and never reaches,
+nor is retried across, the fleet. The handlers know nothing of which policy runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.fleet import WorkerState
+from router.proxy import Routed
+from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from shared.config import check_worker_url
+from shared.errors import APIError
+from shared.protocol import routing_text
+
+MODELS_PROBE_TIMEOUT_S = 2.0
+
+
+async def read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    """The raw body (forwarded unchanged) and its parsed JSON object."""
+    try:
+        raw = await request.read()  # bounded by the app's client_max_size
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG].max_body_bytes
+        raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError(400, "request body is not valid UTF-8", code="invalid_json") from None
+    except json.JSONDecodeError as e:
+        raise APIError(
+            400, f"request body is not valid JSON: {e.msg} at position {e.pos}", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return raw, data
+
+
+def _inference(endpoint: str, path: str) -> Any:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        app = request.app
+        async with app[ADMISSION].slot():
+            raw, data = await read_body(request)
+            text, parsed = routing_text(endpoint, data)  # pydantic errors → 400 (middleware)
+            session_key = request.headers.get(app[CONFIG].session_header) or getattr(
+                parsed, "user", None
+            )
+            model = getattr(parsed, "model", None)
+            routed = Routed(endpoint, path, raw, text, session_key, model)
+            return await app[PROXY].forward(request, routed)
+
+    handler.__name__ = f"{endpoint}_handler"
+    return handler
+
+
+chat_completions = _inference("chat", "/v1/chat/completions")
+completions = _inference("completions", "/v1/completions")
+generate = _inference("generate", "/generate")
+
+
+async def _probe_model(request: web.Request, worker: WorkerState) -> None:
+    """Workers not from the registry (static, admin) report no model: ask them once."""
+    try:
+        async with request.app[SESSION].get(
+            worker.url + "/v1/models", timeout=MODELS_PROBE_TIMEOUT_S
+        ) as r:
+            data = await r.json() if r.status == 200 else {}
+        ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+        worker.model = next((i for i in ids if isinstance(i, str) and i), "")
+    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+        return  # the worker stays without a model name; routing does not need one
+
+
+async def models(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    unknown = [w for w in fleet.workers.values() if not w.model]
+    if unknown:
+        await asyncio.gather(*(_probe_model(request, w) for w in unknown))
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "radix-router"}
+        for m in fleet.models()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    app = request.app
+    if app[ADMISSION].draining:
+        return web.json_response({"status": "draining"}, status=503)
+    routable = len(app[FLEET].routable(app[CLOCK]()))
+    if routable == 0:
+        return web.json_response({"status": "no_workers", "workers": 0}, status=503)
+    return web.json_response({"status": "ok", "workers": routable})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    app = request.app
+    now = app[CLOCK]()
+    trees = app[POLICY].worker_stats()
+    out = []
+    for w in list(app[FLEET].workers.values()):
+        item = w.describe(now)
+        item["tree"] = trees.get(w.worker_id, {})
+        out.append(item)
+    return web.json_response({"object": "list", "data": out})
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    _, data = await read_body(request)
+    url, wid = data.get("url"), data.get("worker_id")
+    if not isinstance(url, str):
+        raise APIError(400, "url: a string http(s)://host:port is required", param="url")
+    if wid is not None and (not isinstance(wid, str) or not wid or len(wid) > 200):
+        raise APIError(400, "worker_id: must be a non-empty string", param="worker_id")
+    try:
+        check_worker_url(url)
+    except ValueError as e:
+        raise APIError(400, f"url: {e}", param="url", code="invalid_value") from None
+    worker = request.app[FLEET].add_url(url, "admin", wid)
+    return web.json_response(worker.describe(request.app[CLOCK]()), status=201)
+
+
+async def delete_worker(request: web.Request) -> web.Response:
+    wid = request.match_info["worker_id"]
+    if not request.app[FLEET].remove(wid):
+        raise APIError(404, f"no worker {wid!r}", param="worker_id", code="worker_not_found")
+    return web.json_response({"deleted": wid})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+def routes() -> list[web.RouteDef]:
+    """Every route, in one table."""
+    return [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.post("/generate", generate),
+        web.get("/v1/models", models),
+        web.get("/health", health),
+        web.get("/metrics", metrics),
+        web.get("/workers", list_workers),
+        web.post("/workers", add_worker),
+        web.delete("/workers/{worker_id}", delete_worker),
+        web.get("/openapi.json", openapi),
+    ]

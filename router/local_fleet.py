@@ -1,0 +1,243 @@
+"""`radix-router up`: a whole local fleet (Redis, N workers, the router) as child processes.
+
+Each worker and the router run in their own session (process group), so stopping
+kills whatever they spawned too: SIGTERM to every group (the router first, so it
+drains while workers still answer), a grace period, then SIGKILL. Redis is stopped
+last. Ctrl-C (SIGINT) and SIGTERM both lead there, also in the middle of starting.
+Child output goes to log files, named on screen, so the terminal shows only progress.
+
+The router never imports `worker`: workers are `python -m worker serve ...` and the
+tiny model is built by `python -m worker make-tiny-model DIR`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from shared.redis_server import RedisServer, free_port
+
+STOP_GRACE_S = 10.0
+RADIX_DEMO_CACHE_TOKENS = 32768
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    workers: int = 2
+    engine: str = "sim"
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str | None = None
+    policy: str = "cache_aware"
+    cache_tokens: int | None = None
+    sim_prefill_us_per_token: float | None = None
+    sim_decode_ms_per_token: float | None = None
+    model_cache_dir: str | None = None
+    start_timeout: float = 120.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    url: str
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+class StartError(RuntimeError):
+    pass
+
+
+class LocalFleet:
+    def __init__(self, options: UpOptions, out: TextIO = sys.stdout) -> None:
+        self.options = options
+        self.out = out
+        self.children: list[Child] = []
+        self.redis: RedisServer | None = None
+        self.log_dir = Path(tempfile.mkdtemp(prefix="radix-up-"))
+        self._stop = threading.Event()
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        code = 0
+        try:
+            self.start()
+            self.say("Press Ctrl-C to stop.")
+            code = self._watch()
+        except StartError as e:
+            self.say(f"error: {e}")
+            code = 1
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return code
+
+    # -- starting -------------------------------------------------------------------
+    def start(self) -> None:
+        o = self.options
+        total = o.workers + 2
+        if o.redis_url:
+            redis_url = o.redis_url
+            self.say(f"[1/{total}] using Redis at {redis_url}")
+        else:
+            self.redis = RedisServer().start()
+            redis_url = self.redis.url
+            self.say(
+                f"[1/{total}] Redis-protocol server on {redis_url} ({Path(self.redis.binary).name})"
+            )
+        model = self._model_path()
+        # The radix worker sizes its KV pool from free memory by default; on a laptop
+        # CPU that is gigabytes for a demo, so `up` asks for a small pool unless told.
+        cache_tokens = o.cache_tokens or (RADIX_DEMO_CACHE_TOKENS if o.engine == "radix" else None)
+        self.say(f"      logs in {self.log_dir}")
+        for i in range(o.workers):
+            port = free_port()
+            args = ["serve", "--engine", o.engine, "--host", o.host, "--port", str(port),
+                    "--redis-url", redis_url, "--worker-id", f"worker-{i}"]  # fmt: skip
+            if model:
+                args += ["--model", model]
+            for flag, value in (("--cache-tokens", cache_tokens),
+                                ("--sim-prefill-us-per-token", o.sim_prefill_us_per_token),
+                                ("--sim-decode-ms-per-token", o.sim_decode_ms_per_token)):  # fmt: skip
+                if value is not None:
+                    args += [flag, str(value)]
+            self._spawn(
+                f"worker-{i}", "worker", args, f"http://{o.host}:{port}", f"[{i + 2}/{total}]"
+            )
+        port = o.port or free_port()
+        args = [
+            "serve",
+            "--host",
+            o.host,
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_url,
+            "--policy",
+            o.policy,
+        ]
+        router = self._spawn(
+            "router", "router", args, f"http://{o.host}:{port}", f"[{total}/{total}]"
+        )
+        self.say("")
+        self.say(f"Router ready at {router.url}")
+        self.say(f"  curl {router.url}/v1/completions -H 'Content-Type: application/json' \\")
+        self.say('    -d \'{"prompt": "Hello, radix!", "max_tokens": 16}\'')
+        self.say(f"  python -c \"import openai; c = openai.OpenAI(base_url='{router.url}/v1', api_key='x'); "
+                 "print(c.completions.create(model=c.models.list().data[0].id, prompt='Hi', max_tokens=8))\"")  # fmt: skip
+
+    def _model_path(self) -> str | None:
+        o = self.options
+        if o.engine != "radix" or o.model:
+            return o.model
+        cache = Path(o.model_cache_dir or Path.home() / ".cache" / "radix-router" / "tiny-model")
+        if not (cache / "config.json").exists():
+            self.say(f"      building the tiny model in {cache} ...")
+            cmd = [sys.executable, "-m", "worker", "make-tiny-model", str(cache)]
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=self.options.start_timeout
+            )
+            if done.returncode != 0:
+                raise StartError(f"make-tiny-model failed: {done.stderr[-2000:]}")
+        return str(cache)
+
+    def _spawn(self, name: str, module: str, args: list[str], url: str, step: str) -> Child:
+        if self._stop.is_set():
+            raise StartError("interrupted")
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            # Own session: the group can be signalled as one, and a terminal Ctrl-C reaches
+            # only `up`, which then stops children in order.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        child = Child(name, proc, log_path, url)
+        self.children.append(child)
+        self.say(f"{step} {name} (pid {proc.pid}) starting on {url} ...")
+        started = time.monotonic()
+        self._wait_healthy(child)
+        self.say(f"      {name} ready in {time.monotonic() - started:.1f}s")
+        return child
+
+    def _wait_healthy(self, child: Child) -> None:
+        deadline = time.monotonic() + self.options.start_timeout
+        while time.monotonic() < deadline:
+            if self._stop.is_set():
+                raise StartError("interrupted")
+            if child.proc.poll() is not None:
+                raise StartError(
+                    f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(child.url + "/health", timeout=1.0) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            self._stop.wait(0.2)
+        raise StartError(
+            f"{child.name} not healthy within {self.options.start_timeout}s:\n{child.log_tail()}"
+        )
+
+    # -- running and stopping ---------------------------------------------------------
+    def _watch(self) -> int:
+        while not self._stop.wait(0.5):
+            for child in self.children:
+                if child.proc.poll() is not None:
+                    self.say(
+                        f"{child.name} exited unexpectedly ({child.proc.returncode}):\n{child.log_tail()}"
+                    )
+                    return 1
+        self.say("stopping ...")
+        return 0
+
+    def stop(self) -> None:
+        # The router first, so it stops taking work while the workers can still finish.
+        for group in (
+            [c for c in self.children if c.name == "router"],
+            [c for c in self.children if c.name != "router"],
+        ):
+            for child in group:
+                _signal_group(child.proc, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(max(0.1, deadline - time.monotonic()))
+                # Whatever is left in the group (the child or anything it spawned) dies now.
+                _signal_group(child.proc, signal.SIGKILL)
+                child.proc.wait()
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.close()
+            self.redis = None
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # pgid == pid: started with start_new_session

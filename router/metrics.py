@@ -1,0 +1,147 @@
+"""Prometheus metrics: one registry per app, so tests and several apps never collide.
+
+Besides traffic counters, this exports how honest the prefix trees' guesses are: for
+every response that reports `usage.prompt_tokens_details.cached_tokens`, the ratio of
+the worker's actual cached tokens to the tokens the tree predicted
+(`matched_chars / tree_chars_per_token`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.fleet import Fleet, WorkerState
+
+RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0, float("inf"))
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+
+
+class _FleetCollector(Collector):
+    """Per-worker gauges read from the fleet table at scrape time (no bookkeeping on the hot path)."""
+
+    def __init__(self, fleet: Fleet, clock: Callable[[], float]) -> None:
+        self.fleet = fleet
+        self.clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = self.clock()
+        in_flight = GaugeMetricFamily(
+            "radix_router_worker_in_flight", "Requests in flight", labels=["worker"]
+        )
+        load = GaugeMetricFamily(
+            "radix_router_worker_load", "Load as the policy sees it", labels=["worker"]
+        )
+        is_open = GaugeMetricFamily(
+            "radix_router_worker_breaker_open", "1 when the breaker is open", labels=["worker"]
+        )
+        routable = GaugeMetricFamily(
+            "radix_router_workers_routable", "Workers that can take requests"
+        )
+        count = 0
+        for w in list(self.fleet.workers.values()):
+            in_flight.add_metric([w.worker_id], w.in_flight)
+            load.add_metric([w.worker_id], w.load)
+            is_open.add_metric([w.worker_id], 0 if w.breaker.state(now) == "closed" else 1)
+            count += int(not w.draining and w.breaker.allows(now))
+        routable.add_metric([], count)
+        yield from (in_flight, load, is_open, routable)
+
+
+class Metrics:
+    def __init__(self, fleet: Fleet, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "radix_router_requests", "Requests answered", ["endpoint", "status"], registry=r
+        )
+        self.upstream_failures = Counter(
+            "radix_router_upstream_failures", "Failed attempts to a worker", ["worker"], registry=r
+        )
+        self.retries = Counter(
+            "radix_router_retries", "Attempts retried on another worker", registry=r
+        )
+        self.decisions = Counter(
+            "radix_router_decisions", "Routing decisions", ["reason"], registry=r
+        )
+        self.rejected = Counter(
+            "radix_router_rejected", "Requests refused by admission", ["why"], registry=r
+        )
+        self.latency = Histogram(
+            "radix_router_request_seconds", "Time to the end of the response", ["endpoint"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.cache_ratio = Histogram(
+            "radix_router_cached_tokens_ratio",
+            "Actual cached tokens / tokens predicted by the prefix tree (when predicted > 0)",
+            ["worker"], buckets=RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.predicted_tokens = Counter(
+            "radix_router_predicted_cached_tokens",
+            "Cached tokens the tree predicted",
+            ["worker"],
+            registry=r,
+        )
+        self.actual_tokens = Counter(
+            "radix_router_actual_cached_tokens",
+            "Cached tokens workers reported",
+            ["worker"],
+            registry=r,
+        )
+        r.register(_FleetCollector(fleet, clock))
+        # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        key = (metric._name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
+        self._child(self.requests, endpoint, str(status)).inc()
+        self._child(self.latency, endpoint).observe(seconds)
+
+    def decision(self, reason: str) -> None:
+        self._child(self.decisions, reason).inc()
+
+    def observe_cached(self, worker: WorkerState, predicted_tokens: float, actual: int) -> None:
+        worker.predicted_tokens_total += predicted_tokens
+        worker.actual_cached_tokens_total += actual
+        self._child(self.predicted_tokens, worker.worker_id).inc(predicted_tokens)
+        self._child(self.actual_tokens, worker.worker_id).inc(actual)
+        if predicted_tokens > 0:
+            self._child(self.cache_ratio, worker.worker_id).observe(actual / predicted_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def cached_tokens_from_json(body: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of a JSON body, or None."""
+    try:
+        usage = json.loads(body).get("usage") or {}
+        value = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def cached_tokens_from_sse(tail: bytes) -> int | None:
+    """The last `cached_tokens` reported in the tail of an SSE stream (the final usage chunk)."""
+    if b"cached_tokens" not in tail:
+        return None
+    for line in reversed(tail.split(b"\n")):
+        line = line.strip()
+        if line.startswith(b"data:") and b"cached_tokens" in line:
+            found = cached_tokens_from_json(line[5:])
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,280 @@
+"""Forward one inference request to the worker the policy picks, and its answer back.
+
+Attempt loop: select among routable workers not yet tried → send → on a failure
+*before anything reached the client* (connect error, timeout, 5xx, a body cut short
+while buffering) count a breaker failure and retry on another worker, up to
+`max_retries` times with exponential backoff. Once the first byte of a stream went to
+the client a failure cannot be retried: the stream ends with an SSE error event.
+
+Streams are relayed chunk by chunk (`readany` → `write`, no buffering), so time to
+first token through the router stays close to going direct. Every attempt holds one
+`LoadGuard`, released in `finally` whatever the exit (end, error, cancel, timeout).
+The app runs with handler cancellation on, so a client that disconnects cancels the
+handler, which closes the upstream connection and the worker sees the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.fleet import Fleet, LoadGuard, WorkerState
+from router.metrics import Metrics, cached_tokens_from_json, cached_tokens_from_sse
+from router.policy import Decision, Policy, RouteRequest, WorkerView
+from shared.config import RouterConfig
+from shared.errors import APIError, error_body
+
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+     "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
+)  # fmt: skip
+# Also dropped: what aiohttp recomputes (length, encoding: the client decompresses) and
+# what must not leak between hops.
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "authorization", "cookie"}
+RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date", "set-cookie"}
+SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
+
+
+def end_to_end_headers(
+    headers: CIMultiDict[str] | dict[str, str], drop: frozenset[str]
+) -> CIMultiDict[str]:
+    """Headers minus hop-by-hop ones, including any the Connection header names."""
+    listed = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        low = key.lower()
+        if low not in drop and low not in listed:
+            out.add(key, value)
+    return out
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A validated request, ready to forward."""
+
+    endpoint: str  # metrics label: chat | completions | generate
+    path: str  # upstream path, e.g. /v1/chat/completions
+    body: bytes  # forwarded unchanged
+    text: str  # what the policy routes on
+    session_key: str | None
+    model: str | None
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        fleet: Fleet,
+        policy: Policy,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.policy = policy
+        self.session = session
+        self.metrics = metrics
+        self.clock = clock
+        self.timeout = aiohttp.ClientTimeout(
+            total=config.request_timeout, sock_connect=config.connect_timeout
+        )
+        # Router replicas sharing decisions (router/sync.py); unset on a lone router.
+        self._publish: Callable[[str, str], None] | None = None
+        self._remote_load: Callable[[], Mapping[str, int]] | None = None
+
+    def attach_sync(
+        self, publish: Callable[[str, str], None], remote_load: Callable[[], Mapping[str, int]]
+    ) -> None:
+        self._publish = publish
+        self._remote_load = remote_load
+
+    def _select(self, routed: Routed, tried: list[str]) -> tuple[WorkerState, Decision] | None:
+        now = self.clock()
+        candidates = self.fleet.routable(now, exclude=tried, model=routed.model)
+        if not candidates:
+            return None
+        remote = self._remote_load() if self._remote_load is not None else {}
+        views = [
+            WorkerView(w.worker_id, w.load + remote.get(w.worker_id, 0), w.cache_capacity_tokens)
+            for w in candidates
+        ]
+        decision = self.policy.select(RouteRequest(routed.text, routed.session_key), views, now)
+        if self._publish is not None:
+            self._publish(decision.worker_id, routed.text)
+        by_id = {w.worker_id: w for w in candidates}
+        self.metrics.decision(decision.reason)
+        return by_id[decision.worker_id], decision
+
+    async def forward(self, request: web.Request, routed: Routed) -> web.StreamResponse:
+        if routed.model and (known := self.fleet.models()) and routed.model not in known:
+            raise APIError(
+                404,
+                f"model {routed.model!r} is not served by this fleet",
+                param="model",
+                code="model_not_found",
+            )
+        tried: list[str] = []
+        failure: _AttemptFailed | None = None
+        for attempt in range(self.config.max_retries + 1):
+            picked = self._select(routed, tried)
+            if picked is None:
+                break
+            worker, decision = picked
+            try:
+                return await self._attempt(request, routed, worker, decision)
+            except _AttemptFailed as e:
+                failure = e
+                tried.append(worker.worker_id)
+                worker.failures_total += 1
+                worker.breaker.record_failure(self.clock())
+                self.metrics.upstream_failures.labels(worker.worker_id).inc()
+                if attempt < self.config.max_retries:
+                    self.metrics.retries.inc()
+                    await asyncio.sleep(self.config.retry_backoff * (2**attempt))
+        if failure is None:
+            raise APIError(
+                503,
+                "no healthy worker is available",
+                code="no_workers",
+                headers={"Retry-After": "1"},
+            )
+        raise APIError(
+            failure.status,
+            f"all {len(tried)} attempts failed; last: {failure}",
+            code="upstream_error",
+        )
+
+    def _request_headers(self, request: web.Request) -> CIMultiDict[str]:
+        headers = end_to_end_headers(request.headers, REQUEST_DROP)
+        if self.config.forward_authorization and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
+    def _response_headers(
+        self, upstream: aiohttp.ClientResponse, worker: WorkerState, d: Decision
+    ) -> CIMultiDict[str]:
+        headers = end_to_end_headers(upstream.headers, RESPONSE_DROP)
+        headers["x-radix-worker"] = worker.worker_id
+        headers["x-radix-route-reason"] = d.reason
+        headers["x-radix-matched-chars"] = str(d.matched_chars)
+        return headers
+
+    async def _attempt(
+        self, request: web.Request, routed: Routed, worker: WorkerState, decision: Decision
+    ) -> web.StreamResponse:
+        worker.breaker.on_attempt(self.clock())
+        with LoadGuard(worker):
+            try:
+                upstream = await self.session.post(
+                    worker.url + routed.path, data=routed.body,
+                    headers=self._request_headers(request), timeout=self.timeout,
+                )  # fmt: skip
+            except TimeoutError:
+                raise _AttemptFailed(f"worker {worker.worker_id} timed out", 504) from None
+            except aiohttp.ClientError as e:
+                raise _AttemptFailed(
+                    f"cannot reach worker {worker.worker_id}: {type(e).__name__}"
+                ) from None
+            done = False
+            try:
+                if upstream.status >= 500:
+                    raise _AttemptFailed(
+                        f"worker {worker.worker_id} answered {upstream.status}", 502
+                    )
+                if upstream.content_type == "text/event-stream":
+                    resp = await self._relay_stream(request, upstream, worker, decision)
+                else:
+                    resp = await self._relay_buffered(upstream, worker, decision)
+                done = True
+                return resp
+            finally:
+                # Anything but a complete relay (error, cancel) must drop the connection, so
+                # the worker sees the request abandoned instead of a pooled half-read socket.
+                if done:
+                    upstream.release()
+                else:
+                    upstream.close()
+
+    async def _relay_buffered(
+        self, upstream: aiohttp.ClientResponse, worker: WorkerState, decision: Decision
+    ) -> web.Response:
+        try:
+            body = await upstream.read()
+        except TimeoutError:
+            raise _AttemptFailed(f"worker {worker.worker_id} timed out", 504) from None
+        except aiohttp.ClientError as e:
+            raise _AttemptFailed(
+                f"worker {worker.worker_id} broke off: {type(e).__name__}"
+            ) from None
+        worker.breaker.record_success()
+        if upstream.status == 200:
+            self._observe_cached(worker, decision, cached_tokens_from_json(body))
+        return web.Response(
+            body=body,
+            status=upstream.status,
+            headers=self._response_headers(upstream, worker, decision),
+        )
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        worker: WorkerState,
+        decision: Decision,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=upstream.status, headers=self._response_headers(upstream, worker, decision)
+        )
+        await resp.prepare(request)
+        tail = b""
+        broken: str | None = None
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except TimeoutError:
+                broken = f"worker {worker.worker_id} timed out mid-stream"
+                break
+            except aiohttp.ClientError as e:
+                broken = f"worker {worker.worker_id} broke off mid-stream: {type(e).__name__}"
+                break
+            if not chunk:
+                break
+            try:
+                await resp.write(chunk)
+            except ConnectionError:
+                return resp  # the client left; the caller closes the upstream
+            tail = (tail + chunk)[-SSE_TAIL_BYTES:]
+        if broken is None:
+            worker.breaker.record_success()
+            self._observe_cached(worker, decision, cached_tokens_from_sse(tail))
+        else:
+            worker.failures_total += 1
+            worker.breaker.record_failure(self.clock())
+            self.metrics.upstream_failures.labels(worker.worker_id).inc()
+            event = json.dumps(error_body(502, broken, code="upstream_error"))
+            resp.force_close()
+            try:
+                await resp.write(f"data: {event}\n\n".encode())
+            except ConnectionError:
+                return resp
+        await resp.write_eof()
+        return resp
+
+    def _observe_cached(self, worker: WorkerState, decision: Decision, actual: int | None) -> None:
+        if actual is not None:
+            predicted = decision.matched_chars / self.config.tree_chars_per_token
+            self.metrics.observe_cached(worker, predicted, actual)

@@ -1,0 +1,218 @@
+"""Router replicas route as one: routing decisions and in-flight load shared through Redis.
+
+Behind a Kubernetes Service, consecutive turns of one conversation reach different
+router replicas. A replica that learns only from its own requests sends turn 2 to a
+worker picked without knowing where turn 1 went, and the KV cache built by turn 1 is
+wasted. So every replica:
+
+- `publish(worker_id, text)` on each decision. The hot path only appends to a bounded
+  in-memory buffer; a flusher task sends the buffer every `sync_flush_interval` as one
+  pipelined batch of XADDs (stream capped near `sync_stream_maxlen` entries, text capped
+  at `sync_max_chars` and zlib-compressed). No Redis round trip happens before forwarding.
+- A reader task applies the other replicas' decisions to its own trees through
+  `Policy.observe`. On start it first replays the whole (bounded) stream, so a replica
+  that starts late or restarts recovers the fleet's affinity instead of starting empty;
+  after a Redis outage it resumes from the last entry it applied.
+- Every `sync_load_interval` it writes its in-flight count per worker to a short-lived
+  hash and reads the other replicas' hashes; `remote_inflight()` is their sum, which the
+  fleet adds to its own in-flight count when computing load.
+
+If Redis is unreachable, each replica keeps routing on what it knows (per-replica
+routing) and the tasks retry with backoff; nothing here raises into request handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared.config import RouterConfig
+from shared.registry import Registry
+
+log = logging.getLogger(__name__)
+
+# Decisions buffered while Redis is unreachable; beyond this the oldest are dropped.
+PENDING_MAX = 10_000
+
+Observe = Callable[[str, str, float], None]  # (worker_id, text, now)
+
+
+class DecisionSync:
+    def __init__(
+        self,
+        redis: Redis,
+        registry: Registry,
+        config: RouterConfig,
+        observe: Observe,
+        local_inflight: Callable[[], Mapping[str, int]],
+        clock: Callable[[], float] = time.monotonic,
+        replica_id: str | None = None,
+    ) -> None:
+        self.redis = redis
+        self.registry = registry
+        self.config = config
+        self.observe = observe
+        self.local_inflight = local_inflight
+        self.clock = clock
+        # A fresh id per process: a restarted replica replays its own earlier decisions too.
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self._pending: deque[tuple[str, bytes]] = deque(maxlen=PENDING_MAX)
+        self._wakeup = asyncio.Event()
+        self._last_id = "0-0"
+        self._remote: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.applied = 0
+        self.published = 0
+        self.caught_up = asyncio.Event()
+        self._stopping = False
+
+    # -- hot path ---------------------------------------------------------------------
+    def publish(self, worker_id: str, text: str) -> None:
+        payload = zlib.compress(text[: self.config.sync_max_chars].encode("utf-8", "replace"), 1)
+        self._pending.append((worker_id, payload))
+        self._wakeup.set()
+
+    def remote_inflight(self) -> Mapping[str, int]:
+        return self._remote
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._run(self._flush_once, "flush"), name="sync-flush"),
+            asyncio.create_task(self._run(self._read_once, "read"), name="sync-read"),
+            asyncio.create_task(self._run(self._load_once, "load"), name="sync-load"),
+        ]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            # redis-py may turn a cancellation mid-read into a ConnectionError; the
+            # `_stopping` flag ends the retry loop either way.
+            await asyncio.wait(self._tasks, timeout=5)
+        with contextlib.suppress(RedisError, OSError):
+            await self._send_pending()
+            await self.redis.delete(self.registry.router_key(self.replica_id))
+
+    async def _run(self, step: Callable[[], object], what: str) -> None:
+        """Run `step` forever; on Redis errors back off (0.1 s doubling to 2 s) and retry."""
+        backoff = 0.1
+        failing = False
+        while not self._stopping:
+            try:
+                await step()  # type: ignore[misc]
+                if failing:
+                    log.info("replica sync (%s) reconnected to Redis", what)
+                failing, backoff = False, 0.1
+            except (RedisError, OSError) as e:
+                if not failing:
+                    log.warning(
+                        "replica sync (%s): Redis unavailable (%s); routing per replica", what, e
+                    )
+                failing = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:
+                if self._stopping:
+                    return
+                log.exception("replica sync (%s) failed; retrying", what)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    # -- tasks ------------------------------------------------------------------------
+    async def _flush_once(self) -> None:
+        self._wakeup.clear()
+        if not self._pending:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=1.0)
+            return
+        await self._send_pending()
+        await asyncio.sleep(self.config.sync_flush_interval)
+
+    async def _send_pending(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, deque(maxlen=PENDING_MAX)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for worker_id, payload in batch:
+                    pipe.xadd(
+                        self.registry.decisions_stream,
+                        {"r": self.replica_id, "w": worker_id, "t": payload},
+                        maxlen=self.config.sync_stream_maxlen,
+                        approximate=True,
+                    )
+                await pipe.execute()
+        except BaseException:
+            # Unsent decisions go back in front of what arrived meanwhile (oldest dropped first).
+            batch.extend(self._pending)
+            self._pending = batch
+            raise
+        self.published += len(batch)
+
+    async def _read_once(self) -> None:
+        if not self.caught_up.is_set():
+            # Replay the bounded stream from its start, in pages.
+            while True:
+                start = "-" if self._last_id == "0-0" else f"({self._last_id}"
+                page = await self.redis.xrange(
+                    self.registry.decisions_stream, min=start, count=1000
+                )
+                self._apply(page, include_own=True)
+                if len(page) < 1000:
+                    break
+            self.caught_up.set()
+            return
+        reply = await self.redis.xread(
+            {self.registry.decisions_stream: self._last_id}, count=1000, block=1000
+        )
+        for _stream, entries in reply or ():
+            self._apply(entries, include_own=False)
+
+    def _apply(self, entries: list, include_own: bool) -> None:
+        now = self.clock()
+        for entry_id, fields in entries:
+            self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            replica = fields.get(b"r", b"").decode()
+            if replica == self.replica_id and not include_own:
+                continue
+            try:
+                worker_id = fields[b"w"].decode()
+                text = zlib.decompress(fields[b"t"]).decode("utf-8", "replace")
+            except (KeyError, zlib.error, UnicodeDecodeError):
+                continue  # a foreign or corrupt entry must not stop the reader
+            self.observe(worker_id, text, now)
+            self.applied += 1
+
+    async def _load_once(self) -> None:
+        interval = self.config.sync_load_interval
+        mine = {k: v for k, v in self.local_inflight().items() if v > 0}
+        own_key = self.registry.router_key(self.replica_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(own_key)
+            if mine:
+                pipe.hset(own_key, mapping=mine)
+                pipe.pexpire(own_key, int(interval * 4 * 1000))
+            await pipe.execute()
+        remote: dict[str, int] = {}
+        async for key in self.redis.scan_iter(match=self.registry.router_pattern, count=100):
+            name = key.decode() if isinstance(key, bytes) else key
+            if name == own_key:
+                continue
+            for worker, count in (await self.redis.hgetall(name)).items():
+                wid = worker.decode() if isinstance(worker, bytes) else worker
+                remote[wid] = remote.get(wid, 0) + int(count)
+        self._remote = remote
+        await asyncio.sleep(interval)

@@ -1,0 +1,192 @@
+"""The config files and environment the chart gives each pod load through the services'
+own loader (shared.config.load_config), with the Redis URL, keys and per-pod values
+arriving where the services read them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.config import RouterConfig, WorkerConfig, load_config
+from tests.helm.chart import (
+    EXAMPLES,
+    EXAMPLES_DIR,
+    Rendered,
+    container,
+    load_values,
+    merged,
+    pod_spec,
+    render,
+)
+from tests.helm.kube_env import FakePod, config_flag, container_env, expand, mount_config_files
+
+CASES = [None, *EXAMPLES]
+IDS = ["defaults", *(p.stem for p in EXAMPLES)]
+ROUTER = "rr-radix-router-router"
+# The Secrets values-production.yaml tells the user to create before install.
+PROD_REDIS_URL = (
+    "rediss://:s3cret@redis.prod.internal:6380/0?ssl_ca_certs=/etc/radix-redis-tls/ca.crt"
+)
+PROD_SECRETS = {
+    "radix-redis": {"redis-url": PROD_REDIS_URL},
+    "radix-auth": {"api-keys": "key-a,key-b", "admin-key": "admin-1"},
+}
+
+
+def router_config(
+    rendered: Rendered, tmp_path: Path, pod: FakePod
+) -> tuple[RouterConfig, dict[str, str]]:
+    deployment = rendered.get("Deployment", ROUTER)
+    c = container(deployment, "router")
+    root = mount_config_files(rendered, deployment, c, tmp_path / "router")
+    env = container_env(rendered, c, pod)
+    return load_config(RouterConfig, file=root / config_flag(c).lstrip("/"), environ=env), env
+
+
+def worker_configs(
+    rendered: Rendered, tmp_path: Path, pod_ip: str = "10.1.2.3"
+) -> dict[str, WorkerConfig]:
+    """Config of pod 0 of every worker StatefulSet, by StatefulSet name."""
+    out = {}
+    for sts in rendered.of_kind("StatefulSet"):
+        name = sts["metadata"]["name"]
+        pod = FakePod(name=f"{name}-0", ip=pod_ip, external_secrets=PROD_SECRETS)
+        c = container(sts, "worker")
+        root = mount_config_files(rendered, sts, c, tmp_path / name)
+        env = container_env(rendered, c, pod)
+        out[name] = load_config(WorkerConfig, file=root / config_flag(c).lstrip("/"), environ=env)
+    return out
+
+
+def redis_password(rendered: Rendered) -> str | None:
+    """The password the built-in Redis starts with, as its container would see it."""
+    (redis,) = rendered.component("Deployment", "redis")
+    c = container(redis, "redis")
+    args = [expand(a, container_env(rendered, c, FakePod(name="redis-0"))) for a in c["args"]]
+    return args[args.index("--requirepass") + 1] if "--requirepass" in args else None
+
+
+@pytest.mark.parametrize("path", CASES, ids=IDS)
+def test_router_config_loads(path: Path | None, tmp_path: Path) -> None:
+    values = load_values(path)
+    rendered = render(values)
+    config, _ = router_config(
+        rendered, tmp_path, FakePod(name="router-x", external_secrets=PROD_SECRETS)
+    )
+    port = container(rendered.get("Deployment", ROUTER), "router")["ports"][0]["containerPort"]
+    assert config.port == port and config.host == "0.0.0.0"
+    expected = (values or {}).get("routerSpec", {}).get("config", {})
+    for key, value in expected.items():
+        assert getattr(config, key) == value, key
+
+
+@pytest.mark.parametrize("path", CASES, ids=IDS)
+def test_worker_configs_load(path: Path | None, tmp_path: Path) -> None:
+    values = load_values(path)
+    rendered = render(values)
+    configs = worker_configs(rendered, tmp_path)
+    assert configs
+    dns = (values or {}).get("servingEngineSpec", {}).get("advertise") == "dns"
+    for name, config in configs.items():
+        sts = rendered.get("StatefulSet", name)
+        c = container(sts, "worker")
+        assert config.worker_id == f"{name}-0", "the worker id is the pod's stable name"
+        assert config.port == c["ports"][0]["containerPort"]
+        host = f"{name}-0.{name}.radix.svc" if dns else "10.1.2.3"
+        assert config.advertise_url == f"http://{host}:{config.port}"
+        assert config.served_model_name
+        if config.engine != "sim":
+            mounts = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "models"]
+            assert mounts and config.model and config.model.startswith(mounts[0] + "/")
+
+
+@pytest.mark.parametrize("path", CASES, ids=IDS)
+def test_redis_url_reaches_both_services(path: Path | None, tmp_path: Path) -> None:
+    rendered = render(load_values(path))
+    router, _ = router_config(rendered, tmp_path, FakePod(external_secrets=PROD_SECRETS))
+    workers = worker_configs(rendered, tmp_path)
+    assert router.redis_url and all(w.redis_url == router.redis_url for w in workers.values())
+    assert all(w.redis_prefix == router.redis_prefix for w in workers.values())
+    if rendered.component("Deployment", "redis"):
+        password = redis_password(rendered)
+        assert password and len(password) >= 16
+        assert router.redis_url == f"redis://:{password}@rr-radix-router-redis.radix.svc:6379/0"
+        # The URL names the chart's Redis Service and port.
+        svc = rendered.get("Service", "rr-radix-router-redis")
+        assert urlsplit(router.redis_url).port == svc["spec"]["ports"][0]["port"]
+    else:
+        assert router.redis_url == PROD_REDIS_URL
+
+
+def test_external_redis_tls_reaches_redis_py(tmp_path: Path) -> None:
+    """Password and TLS travel in the URL; the CA is mounted where the URL says."""
+    rendered = render(load_values(EXAMPLES_DIR / "values-production.yaml"))
+    config, _ = router_config(rendered, tmp_path, FakePod(external_secrets=PROD_SECRETS))
+    pool = aioredis.Redis.from_url(config.redis_url).connection_pool
+    assert pool.connection_class.__name__ == "SSLConnection"
+    assert pool.connection_kwargs["password"] == "s3cret"
+    ca = pool.connection_kwargs["ssl_ca_certs"]
+    for w in [rendered.get("Deployment", ROUTER), *rendered.of_kind("StatefulSet")]:
+        mounts = {m["mountPath"] for c in pod_spec(w)["containers"] for m in c["volumeMounts"]}
+        assert str(Path(ca).parent) in mounts, w["metadata"]["name"]
+
+
+def test_built_in_redis_password_is_stable_when_given() -> None:
+    values = merged(None, **{"redis.builtin.auth.password": "fixed-Pass.1"})
+    assert redis_password(render(values)) == "fixed-Pass.1"
+
+
+def test_api_keys_and_admin_key_reach_the_router_not_the_configmap(tmp_path: Path) -> None:
+    values = merged(None, **{"auth.apiKeys": ["k-one", "k-two"], "auth.adminKey": "adm-1"})
+    rendered = render(values)
+    config, _ = router_config(rendered, tmp_path, FakePod())
+    assert config.api_keys == ("k-one", "k-two") and config.admin_key == "adm-1"
+    for cm in rendered.of_kind("ConfigMap"):
+        text = str(cm["data"])
+        assert "k-one" not in text and "adm-1" not in text
+    # With no keys configured the router runs open, and no auth Secret is made.
+    bare = render(None)
+    config, _ = router_config(bare, tmp_path / "bare", FakePod())
+    assert config.api_keys == () and config.admin_key is None
+
+
+def test_keys_from_an_existing_secret(tmp_path: Path) -> None:
+    rendered = render(load_values(EXAMPLES_DIR / "values-production.yaml"))
+    config, _ = router_config(rendered, tmp_path, FakePod(external_secrets=PROD_SECRETS))
+    assert config.api_keys == ("key-a", "key-b") and config.admin_key == "admin-1"
+
+
+@pytest.mark.parametrize(
+    ("changes", "sync"),
+    [
+        ({}, False),
+        ({"routerSpec.replicaCount": 2}, True),
+        ({"routerSpec.autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}, True),
+        ({"routerSpec.replicaCount": 3, "routerSpec.sync": False}, False),
+        ({"routerSpec.sync": True}, True),
+    ],
+    ids=["one-replica", "two-replicas", "hpa", "forced-off", "forced-on"],
+)
+def test_router_replicas_turn_sync_on(changes: dict[str, Any], sync: bool, tmp_path: Path) -> None:
+    rendered = render(merged(None, **changes))
+    config, _ = router_config(rendered, tmp_path, FakePod())
+    assert config.sync is sync
+    assert ("sync on" in rendered.notes) is sync
+
+
+def test_router_cli_loads_the_pod_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's own `serve` argument parsing on the pod's exact args and environment."""
+    cli = pytest.importorskip("router.cli")
+    rendered = render(merged(None, **{"routerSpec.replicaCount": 2, "auth.apiKeys": ["k1"]}))
+    c = container(rendered.get("Deployment", ROUTER), "router")
+    root = mount_config_files(rendered, rendered.get("Deployment", ROUTER), c, tmp_path)
+    for key, value in container_env(rendered, c, FakePod()).items():
+        monkeypatch.setenv(key, value)
+    argv = [str(root / a.lstrip("/")) if a.startswith("/etc/") else a for a in c["args"]]
+    config = cli.serve_config(cli.build_parser().parse_args(argv))
+    assert config.sync is True and config.api_keys == ("k1",)
+    assert config.redis_url and config.redis_url.startswith("redis://:")

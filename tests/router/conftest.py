@@ -1,0 +1,56 @@
+"""Fixtures for router tests: fake upstreams and a router app over loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from router.app import create_app
+from shared.config import RouterConfig
+from tests.router.fakes import FakeWorker
+
+StartWorkers = Callable[..., Awaitable[list[tuple[FakeWorker, TestServer]]]]
+StartRouter = Callable[..., Awaitable[TestClient]]
+
+
+@pytest.fixture
+async def fake_workers() -> AsyncIterator[StartWorkers]:
+    servers: list[TestServer] = []
+
+    async def start(*modes: str, **kw: Any) -> list[tuple[FakeWorker, TestServer]]:
+        out = []
+        for i, mode in enumerate(modes):
+            worker = FakeWorker(f"w{i}", mode, **kw)
+            server = TestServer(worker.app(), host="127.0.0.1")
+            await server.start_server()
+            servers.append(server)
+            out.append((worker, server))
+        return out
+
+    yield start
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def start_router() -> AsyncIterator[StartRouter]:
+    clients: list[TestClient] = []
+
+    async def start(urls: list[str] | tuple[str, ...] = (), **overrides: Any) -> TestClient:
+        config = RouterConfig(worker_urls=tuple(urls), host="127.0.0.1", **overrides)
+        server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)
+        client = TestClient(server)
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        await client.close()
+
+
+def url_of(server: TestServer) -> str:
+    return str(server.make_url("")).rstrip("/")

@@ -1,0 +1,110 @@
+"""`radix-router up`: a whole local fleet starts, serves, and stops leaving nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from router.cli import build_parser, serve_config
+from shared.config import ConfigError
+from shared.redis_server import free_port
+from tests.router.processes import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def descendants(pid: int) -> set[int]:
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                if k not in out:
+                    out.add(k)
+                    todo.append(k)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_serve_flags_become_config() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9",
+            "--policy",
+            "round_robin",
+            "--worker-url",
+            "http://127.0.0.1:1",
+            "--worker-url",
+            "http://127.0.0.1:2",
+        ]
+    )
+    config = serve_config(args)
+    assert config.port == 9 and config.policy == "round_robin"
+    assert config.worker_urls == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    with pytest.raises(ConfigError, match="worker_urls"):
+        serve_config(build_parser().parse_args(["serve", "--worker-url", "ftp://x"]))
+
+
+def test_up_starts_a_fleet_and_sigint_leaves_nothing_running() -> None:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "router", "up", "--workers", "2", "--engine", "sim", "--port", str(port),
+         "--start-timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        assert up.stdout is not None
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        output = "".join(lines)
+        assert f"Router ready at http://127.0.0.1:{port}" in output, output
+        assert len(re.findall(r"worker-\d \(pid \d+\) starting", output)) == 2
+        body = json.dumps({"prompt": "hello from up", "max_tokens": 3}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
+        children = descendants(up.pid)
+        assert len(children) >= 4  # redis, 2 workers, router
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 0
+        time.sleep(0.2)
+        assert [pid for pid in children if alive(pid)] == []
+    finally:
+        if up.poll() is None:
+            for pid in descendants(up.pid):
+                os.kill(pid, signal.SIGKILL)
+            up.kill()
+            up.wait()

@@ -1,0 +1,130 @@
+"""Discovery against a real Redis-protocol server: join, expiry, epochs, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+from redis.asyncio import Redis
+
+from router.discovery import Discovery
+from router.fleet import Fleet
+from router.policy import RouteRequest, WorkerView, build_policy
+from shared.config import RouterConfig
+from shared.redis_server import RedisServer
+from shared.registry import Registry, WorkerRecord
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def registry(redis_server: RedisServer) -> AsyncIterator[Registry]:
+    redis = Redis.from_url(redis_server.url)
+    yield Registry(redis)
+    await redis.aclose()
+
+
+def rec(wid: str, port: int, epoch: float = 1.0, **kw: object) -> WorkerRecord:
+    return WorkerRecord(wid, f"http://127.0.0.1:{port}", "m", "sim", epoch, **kw)  # type: ignore[arg-type]
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def start(
+    redis_server: RedisServer, fleet: Fleet, grace: float = 0.0
+) -> tuple[Discovery, asyncio.Task[None]]:
+    discovery = Discovery.from_url(
+        redis_server.url, "radixrouter:", fleet, interval=0.1, grace=grace
+    )
+    return discovery, asyncio.create_task(discovery.run())
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_join_expire_leave_and_epoch(redis_server: RedisServer, registry: Registry) -> None:
+    config = RouterConfig()
+    policy = build_policy(config)
+    fleet = Fleet(config, policy)
+    discovery, task = await start(redis_server, fleet)
+    try:
+        await registry.publish_heartbeat(
+            rec("a", 9001, cache_capacity_tokens=1000), ttl_s=30, joined=True
+        )
+        await registry.publish_heartbeat(rec("b", 9002), ttl_s=0.5, joined=True)
+        await eventually(lambda: set(fleet.workers) == {"a", "b"})
+        assert fleet.workers["a"].cache_capacity_tokens == 1000
+        # b stops heartbeating: it leaves once its hash expires.
+        await eventually(lambda: set(fleet.workers) == {"a"})
+        # a restarts: new epoch → its tree is dropped.
+        policy.select(RouteRequest("p" * 300), [WorkerView("a", 0)], 0.0)
+        assert policy.worker_stats()["a"]["tree_chars"] >= 300
+        await registry.publish_heartbeat(
+            rec("a", 9001, epoch=2.0, cache_capacity_tokens=1000), ttl_s=30, joined=True
+        )
+        await eventually(lambda: fleet.workers["a"].epoch == 2.0)
+        assert policy.worker_stats().get("a", {}).get("tree_chars", 0) == 0
+        await registry.leave(rec("a", 9001, epoch=2.0))
+        await eventually(lambda: fleet.workers == {})
+    finally:
+        await stop(task)
+    assert discovery.errors == 0
+
+
+async def test_malformed_record_is_never_routed(
+    redis_server: RedisServer, registry: Registry
+) -> None:
+    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    _, task = await start(redis_server, fleet)
+    try:
+        await registry.redis.hset(
+            "radixrouter:worker:evil", mapping={**rec("evil", 1).to_hash(), "url": "file:///x"}
+        )
+        await registry.redis.sadd("radixrouter:workers", "evil")
+        await registry.publish_heartbeat(rec("ok", 9003), ttl_s=30, joined=True)
+        await eventually(lambda: "ok" in fleet.workers)
+        assert "evil" not in fleet.workers
+    finally:
+        await stop(task)
+
+
+async def test_redis_outage_keeps_the_fleet_and_recovers(redis_server: RedisServer) -> None:
+    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    discovery, task = await start(redis_server, fleet, grace=1.0)
+    redis = Redis.from_url(redis_server.url)
+    try:
+        await Registry(redis).publish_heartbeat(rec("a", 9001), ttl_s=30, joined=True)
+        await eventually(lambda: set(fleet.workers) == {"a"})
+        redis_server.stop()
+        await eventually(lambda: not discovery.connected)
+        await asyncio.sleep(0.5)
+        assert set(fleet.workers) == {"a"}  # last known fleet kept
+        redis_server.start()
+        polls = discovery.polls
+        await eventually(lambda: discovery.connected and discovery.polls > polls, timeout=10)
+        # The restarted Redis is empty; within the grace the worker stays ...
+        assert set(fleet.workers) == {"a"}
+        await redis.aclose()
+        redis = Redis.from_url(redis_server.url)  # the old pooled connection died with the server
+        await Registry(redis).publish_heartbeat(rec("a", 9001), ttl_s=30, joined=True)
+        await asyncio.sleep(1.5)
+        assert set(fleet.workers) == {"a"}  # ... and its next heartbeat keeps it
+        await Registry(redis).publish_heartbeat(rec("b", 9002), ttl_s=30, joined=True)
+        await eventually(lambda: set(fleet.workers) == {"a", "b"})
+    finally:
+        await stop(task)
+        await redis.aclose()

@@ -1,0 +1,129 @@
+"""The official openai client through the router to real sim workers, with a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from router.app import create_app
+from router.state import FLEET, POLICY
+from shared.config import RouterConfig
+from shared.redis_server import RedisServer
+from tests.router.processes import Proc, start_sim_worker
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fleet_procs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[RedisServer, list[Proc]]]:
+    logs = tmp_path_factory.mktemp("logs")
+    with RedisServer() as redis:
+        workers = [start_sim_worker(f"sim-{i}", redis.url, logs) for i in range(2)]
+        try:
+            yield redis, workers
+        finally:
+            for w in workers:
+                w.stop()
+
+
+@pytest.fixture
+async def router(fleet_procs: tuple[RedisServer, list[Proc]]) -> AsyncIterator[TestServer]:
+    redis, workers = fleet_procs
+    config = RouterConfig(redis_url=redis.url, discovery_interval=0.1, host="127.0.0.1")
+    server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)
+    await server.start_server()
+    deadline = time.monotonic() + 10
+    while len(server.app[FLEET].workers) < len(workers):
+        assert time.monotonic() < deadline, "workers not discovered"
+        await asyncio.sleep(0.05)
+    yield server
+    await server.close()
+
+
+def client_for(server: TestServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0, timeout=30
+    )
+
+
+async def test_chat_completions_streaming_and_models(router: TestServer) -> None:
+    client = client_for(router)
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["sim"]
+    chat = await client.chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "hi there"}], max_tokens=5
+    )
+    assert chat.choices[0].message.content and chat.usage and chat.usage.completion_tokens == 5
+    comp = await client.completions.create(model="sim", prompt="once upon a time", max_tokens=4)
+    assert comp.choices[0].text and comp.usage and comp.usage.prompt_tokens_details is not None
+    stream = await client.chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "stream me"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    pieces, usage = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        usage = chunk.usage or usage
+    assert "".join(pieces) and usage is not None and usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model="sim", messages=[], max_tokens=5)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+async def test_shared_prefix_lands_on_one_worker_with_cached_tokens(router: TestServer) -> None:
+    client = client_for(router)
+    system = "You are a meticulous assistant. " * 60  # ~2,000 chars shared by every request
+    workers, cached = set(), []
+    for i in range(6):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="sim", max_tokens=2,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}?"}],
+        )  # fmt: skip
+        workers.add(raw.headers["x-radix-worker"])
+        reason = raw.headers["x-radix-route-reason"]
+        completion = raw.parse()
+        assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+        cached.append(completion.usage.prompt_tokens_details.cached_tokens or 0)
+        if i:
+            assert reason == "cache_hit" and int(raw.headers["x-radix-matched-chars"]) > len(system)
+    assert len(workers) == 1
+    assert all(c > 0 for c in cached[1:]), cached
+    wid = workers.pop()
+    assert router.app[FLEET].workers[wid].actual_cached_tokens_total == sum(cached)
+
+
+async def test_imbalance_sends_to_the_least_loaded(router: TestServer) -> None:
+    client = client_for(router)
+    prefix = "shared document " * 100
+    raw = await client.completions.with_raw_response.create(
+        model="sim", prompt=prefix + "a", max_tokens=1
+    )
+    home = raw.headers["x-radix-worker"]
+    fleet = router.app[FLEET]
+    other = next(w for w in fleet.workers if w != home)
+    # Pretend 100 requests are in flight to `home` (beyond both balance thresholds).
+    fleet.workers[home].in_flight += 100
+    try:
+        raw = await client.completions.with_raw_response.create(
+            model="sim", prompt=prefix + "b", max_tokens=1
+        )
+        assert (
+            raw.headers["x-radix-worker"] == other
+            and raw.headers["x-radix-route-reason"] == "balance"
+        )
+    finally:
+        fleet.workers[home].in_flight -= 100
+    raw = await client.completions.with_raw_response.create(
+        model="sim", prompt=prefix + "c", max_tokens=1
+    )
+    assert raw.headers["x-radix-route-reason"] == "cache_hit"
+    assert router.app[POLICY].worker_stats()[other]["tree_chars"] > 0

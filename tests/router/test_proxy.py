@@ -1,0 +1,178 @@
+"""The proxy over loopback: relay, retries, breaker, timeouts, streams, the load guard."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp.test_utils import TestClient
+
+from router.state import FLEET, METRICS
+from shared.redis_server import free_port
+from tests.router.conftest import StartRouter, StartWorkers, url_of
+
+BODY = {"prompt": "hello there", "max_tokens": 3}
+
+
+def in_flight(client: TestClient) -> dict[str, int]:
+    return {w.worker_id: w.in_flight for w in client.server.app[FLEET].workers.values()}
+
+
+async def test_non_stream_relay_headers_and_cached_metric(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w, server)] = await fake_workers("ok")
+    client = await start_router([url_of(server)])
+    r = await client.post(
+        "/v1/completions", json=BODY, headers={"Authorization": "Bearer secret", "X-Trace": "t1"}
+    )
+    assert r.status == 200
+    data = await r.json()
+    assert data["worker"] == "w0" and data["usage"]["prompt_tokens_details"]["cached_tokens"] == 7
+    assert r.headers["x-radix-worker"] == f"127.0.0.1:{server.port}"
+    assert r.headers["x-radix-route-reason"] and int(r.headers["x-radix-matched-chars"]) >= 0
+    assert r.headers["X-Upstream"] == "w0"
+    assert "Keep-Alive" not in r.headers  # hop-by-hop stripped on the way back
+    sent = w.headers_seen[-1]
+    assert "Authorization" not in sent and sent.get("X-Trace") == "t1"
+    worker = next(iter(client.server.app[FLEET].workers.values()))
+    assert worker.actual_cached_tokens_total == 7
+    assert in_flight(client) == {worker.worker_id: 0}
+
+
+async def test_authorization_forwarded_only_when_configured(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w, server)] = await fake_workers("ok")
+    client = await start_router([url_of(server)], forward_authorization=True)
+    r = await client.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer up"})
+    assert r.status == 200 and w.headers_seen[-1]["Authorization"] == "Bearer up"
+
+
+async def test_stream_relayed_unchanged_with_final_usage(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(_w, server)] = await fake_workers("ok", cached_tokens=11)
+    client = await start_router([url_of(server)])
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    text = (await r.read()).decode()
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:5]] == [f"t{i} " for i in range(5)]
+    assert events[-1] == "[DONE]"
+    worker = next(iter(client.server.app[FLEET].workers.values()))
+    assert worker.actual_cached_tokens_total == 11
+    metrics = client.server.app[METRICS].render().decode()
+    assert "radix_router_actual_cached_tokens_total" in metrics
+
+
+async def test_retry_on_503_and_refused_connection_loses_nothing(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(bad, s_bad), (good, s_good)] = await fake_workers("fail503", "ok")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = await start_router(
+        [url_of(s_bad), dead, url_of(s_good)], policy="round_robin", max_retries=2, retry_backoff=0.0,
+        breaker_failures=100,
+    )  # fmt: skip
+    results = await asyncio.gather(*(client.post("/v1/completions", json=BODY) for _ in range(30)))
+    statuses = [r.status for r in results]
+    assert statuses == [200] * 30
+    assert good.completed == 30 and bad.seen > 0
+    assert all(v == 0 for v in in_flight(client).values())
+
+
+async def test_breaker_opens_on_hung_worker_and_others_unaffected(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(hung, s_hung), (_good, s_good)] = await fake_workers("hang", "ok")
+    client = await start_router(
+        [url_of(s_hung), url_of(s_good)], policy="round_robin", request_timeout=0.3,
+        breaker_failures=2, breaker_cooldown=60, retry_backoff=0.0,
+    )  # fmt: skip
+    for _ in range(6):
+        r = await client.post("/v1/completions", json=BODY)
+        assert r.status == 200
+    assert hung.seen == 2  # then the breaker kept it out of routing
+    workers = (await (await client.get("/workers")).json())["data"]
+    states = {w["url"]: w["breaker"] for w in workers}
+    assert states[url_of(s_hung)] == "open" and states[url_of(s_good)] == "closed"
+    assert all(v == 0 for v in in_flight(client).values())
+
+
+async def test_all_attempts_fail_gives_an_openai_error(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(_, s1), (_, s2)] = await fake_workers("fail503", "fail503")
+    client = await start_router([url_of(s1), url_of(s2)], max_retries=5, retry_backoff=0.0)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status == 502
+    err = (await r.json())["error"]
+    assert "2 attempts failed" in err["message"] and err["type"] == "server_error"
+
+
+async def test_worker_4xx_passes_through_without_retry(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w, server), (other, s2)] = await fake_workers("bad_request", "ok")
+    client = await start_router([url_of(server), url_of(s2)], policy="round_robin")
+    statuses = [(await client.post("/v1/completions", json=BODY)).status for _ in range(2)]
+    assert sorted(statuses) == [200, 400] and w.seen == 1 and other.seen == 1
+
+
+async def test_stream_broken_midway_ends_with_error_event(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(_, server)] = await fake_workers("break_midstream")
+    client = await start_router([url_of(server)])
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status == 200
+    text = (await asyncio.wait_for(r.read(), 10)).decode()
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "t0 "
+    assert "error" in json.loads(events[-1])
+    assert all(v == 0 for v in in_flight(client).values())
+
+
+async def test_client_disconnect_cancels_upstream_and_releases_guard(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w, server)] = await fake_workers("hang")
+    client = await start_router([url_of(server)])
+    task = asyncio.create_task(client.post("/v1/completions", json=BODY))
+    for _ in range(200):
+        if sum(in_flight(client).values()) == 1 and w.seen == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(in_flight(client).values()) == 1
+    task.cancel()  # the client goes away
+    for _ in range(300):
+        if w.cancelled == 1 and sum(in_flight(client).values()) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert w.cancelled == 1 and in_flight(client) == {f"127.0.0.1:{server.port}": 0}
+
+
+async def test_stream_client_disconnect_releases_guard(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w, server)] = await fake_workers("slow_stream", stream_chunks=50)
+    client = await start_router([url_of(server)])
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    await r.content.readline()  # the first event arrived
+    assert sum(in_flight(client).values()) == 1
+    r.close()
+    for _ in range(300):
+        if sum(in_flight(client).values()) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(in_flight(client).values()) == 0 and w.completed == 0
+
+
+async def test_no_workers_is_503_and_health_follows(start_router: StartRouter) -> None:
+    client = await start_router()
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert r.status == 503 and (await r.json())["error"]["code"] == "no_workers"
+    assert (await client.get("/health")).status == 503

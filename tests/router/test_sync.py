@@ -1,0 +1,117 @@
+"""Replica sync over a real Redis server: decisions flow between replicas, a late
+replica catches up from the stream, and a Redis outage degrades without errors."""
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+from redis.asyncio import Redis
+
+from router.sync import DecisionSync
+from shared.config import RouterConfig
+from shared.redis_server import RedisServer
+from shared.registry import Registry
+
+CONFIG = RouterConfig(sync=True, sync_flush_interval=0.005, sync_load_interval=0.05)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+class Replica:
+    def __init__(self, url: str, inflight: dict[str, int] | None = None) -> None:
+        self.redis = Redis.from_url(url, socket_timeout=5)
+        self.seen: list[tuple[str, str]] = []
+        self.inflight = inflight or {}
+        self.sync = DecisionSync(
+            self.redis,
+            Registry(self.redis, "t:"),
+            CONFIG,
+            observe=lambda w, text, now: self.seen.append((w, text)),
+            local_inflight=lambda: self.inflight,
+        )
+
+    async def close(self) -> None:
+        await self.sync.stop()
+        await self.redis.aclose()
+
+
+@pytest.fixture
+async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Replica]]:
+    made: list[Replica] = []
+
+    def make(**kw: object) -> Replica:
+        replica = Replica(redis_server.url, **kw)  # type: ignore[arg-type]
+        made.append(replica)
+        return replica
+
+    yield make
+    for replica in made:
+        await replica.close()
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_decisions_reach_the_other_replica_only(replicas: Callable[..., Replica]) -> None:
+    a, b = replicas(), replicas()
+    await a.sync.start()
+    await b.sync.start()
+    await asyncio.wait_for(asyncio.gather(a.sync.caught_up.wait(), b.sync.caught_up.wait()), 5)
+    a.sync.publish("w1", "system prompt ... turn 1")
+    b.sync.publish("w2", "another conversation")
+    await eventually(lambda: b.seen == [("w1", "system prompt ... turn 1")])
+    await eventually(lambda: a.seen == [("w2", "another conversation")])
+    await asyncio.sleep(0.05)
+    assert len(a.seen) == 1 and len(b.seen) == 1  # nobody re-applies its own decisions
+
+
+async def test_late_replica_catches_up_and_text_is_capped(replicas: Callable[..., Replica]) -> None:
+    a = replicas()
+    await a.sync.start()
+    long_text = "x" * (CONFIG.sync_max_chars + 100)
+    for i in range(1500):  # more than one replay page
+        a.sync.publish(f"w{i % 3}", f"conversation {i}")
+    a.sync.publish("w0", long_text)
+    await eventually(lambda: a.sync.published == 1501)
+    late = replicas()
+    await late.sync.start()
+    await asyncio.wait_for(late.sync.caught_up.wait(), 10)
+    assert len(late.seen) == 1501
+    assert late.seen[0] == ("w0", "conversation 0")
+    assert late.seen[-1] == ("w0", long_text[: CONFIG.sync_max_chars])
+
+
+async def test_inflight_is_shared(replicas: Callable[..., Replica]) -> None:
+    a = replicas(inflight={"w1": 3, "w2": 0})
+    b = replicas(inflight={"w1": 2})
+    await a.sync.start()
+    await b.sync.start()
+    await eventually(lambda: dict(a.sync.remote_inflight()) == {"w1": 2})
+    await eventually(lambda: dict(b.sync.remote_inflight()) == {"w1": 3})
+    b.inflight["w1"] = 0
+    await eventually(lambda: dict(a.sync.remote_inflight()) == {})
+
+
+async def test_redis_outage_degrades_and_recovers(
+    redis_server: RedisServer, replicas: Callable[..., Replica]
+) -> None:
+    a, b = replicas(), replicas()
+    await a.sync.start()
+    await b.sync.start()
+    await asyncio.wait_for(asyncio.gather(a.sync.caught_up.wait(), b.sync.caught_up.wait()), 5)
+    redis_server.stop()
+    a.sync.publish("w1", "during the outage")  # must not raise on the hot path
+    await asyncio.sleep(0.3)
+    redis_server.start()
+    # The buffered decision is delivered once Redis is back.
+    await eventually(lambda: ("w1", "during the outage") in b.seen, timeout=10)
+    a.sync.publish("w2", "after the outage")
+    await eventually(lambda: ("w2", "after the outage") in b.seen, timeout=10)

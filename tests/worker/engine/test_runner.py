@@ -1,0 +1,132 @@
+"""ModelRunner: the contract the scheduler relies on (slots, KV reuse, counters, errors)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from worker.engine.device import parse_dtype, pick_device, pick_dtype
+from worker.engine.runner import ModelRunner, SeqBatchItem
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir: Path) -> ModelRunner:
+    return ModelRunner(tiny_model_dir, device="cpu", kv_capacity_tokens=256)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_slots(runner: ModelRunner) -> None:
+    runner.pool.allocator.reset()
+
+
+def ids_of(n: int, start: int = 10) -> list[int]:
+    return [start + (7 * i) % 500 for i in range(n)]
+
+
+def test_loads_config_device_and_pool(runner: ModelRunner) -> None:
+    cfg = runner.config
+    assert runner.device == torch.device("cpu")
+    assert runner.dtype == torch.float32  # "auto" on CPU
+    assert runner.max_model_len == cfg.max_position_embeddings == 2048
+    assert runner.pool.capacity == 256
+    assert len(runner.pool.k) == cfg.num_hidden_layers
+    assert runner.pool.k[0].shape == (256, cfg.num_key_value_heads, cfg.head_dim)
+    assert set(cfg.eos_token_ids) == {1, 3}  # <|end_of_text|>, <|im_end|> (generation_config)
+
+
+def test_cached_prefix_is_not_recomputed(runner: ModelRunner) -> None:
+    """A second request sharing a 40-token prefix runs only its suffix and gets the
+    same logits as running everything from scratch."""
+    alloc = runner.pool.allocator
+    prompt = ids_of(48)
+    first = alloc.alloc(48)
+    runner.forward([SeqBatchItem(prompt, 0, first)])
+    other = [*prompt[:40], *ids_of(5, start=600)]
+    slots = np.concatenate([first[:40], alloc.alloc(5)])
+    before = runner.tokens_computed
+    cached = runner.forward([SeqBatchItem(other[40:], 40, slots)])
+    assert runner.tokens_computed - before == 5
+    fresh = runner.forward([SeqBatchItem(other, 0, alloc.alloc(len(other)))])
+    torch.testing.assert_close(cached, fresh, atol=1e-5, rtol=0)
+
+
+def test_kv_is_written_to_the_given_slots(runner: ModelRunner) -> None:
+    """Scattered, unordered slots work: K/V land exactly there and nowhere else."""
+    slots = np.array([200, 3, 77, 150, 9, 42], dtype=np.int64)
+    pool = runner.pool
+    for layer in range(len(pool.k)):
+        pool.k[layer].zero_()
+        pool.v[layer].zero_()
+    logits = runner.forward([SeqBatchItem(ids_of(6), 0, slots)])
+    written = (pool.k[0].abs().sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+    assert sorted(written) == sorted(slots.tolist())
+    contiguous = runner.forward([SeqBatchItem(ids_of(6), 0, np.arange(100, 106))])
+    torch.testing.assert_close(logits, contiguous, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool.k[1][slots], pool.k[1][100:106], atol=1e-6, rtol=0)
+
+
+def test_tokens_computed_counts_every_new_token(runner: ModelRunner) -> None:
+    alloc = runner.pool.allocator
+    a, b = alloc.alloc(10), alloc.alloc(3)
+    before = runner.tokens_computed
+    logits = runner.forward([SeqBatchItem(ids_of(10), 0, a), SeqBatchItem(ids_of(3), 0, b)])
+    assert logits.shape == (2, runner.config.vocab_size)
+    assert runner.tokens_computed - before == 13
+    runner.forward([SeqBatchItem([5], 10, np.append(a, alloc.alloc(1)))])
+    assert runner.tokens_computed - before == 14
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        (SeqBatchItem([], 0, np.zeros(0, dtype=np.int64)), "no input_ids"),
+        (SeqBatchItem([1, 2], 0, np.arange(3)), "3 slots for start_pos 0"),
+        (SeqBatchItem([1], -1, np.arange(0)), "start_pos -1"),
+        (SeqBatchItem([1, 99999], 0, np.arange(2)), "token ids must be in"),
+        (SeqBatchItem([1, -1], 0, np.arange(2)), "token ids must be in"),
+        (SeqBatchItem([1, 2], 0, np.array([0, 256])), "slots must be in"),
+        (SeqBatchItem([1], 2048, np.zeros(2049, dtype=np.int64)), "exceed max_model_len"),
+    ],
+)
+def test_bad_items_raise_clear_errors(
+    runner: ModelRunner, item: SeqBatchItem, message: str
+) -> None:
+    before = runner.tokens_computed
+    with pytest.raises(ValueError, match=message):
+        runner.forward([item])
+    assert runner.tokens_computed == before
+    # The runner is still usable afterwards.
+    assert runner.forward([SeqBatchItem([5, 6], 0, np.arange(2))]).shape[0] == 1
+
+
+def test_empty_batch_is_an_error(runner: ModelRunner) -> None:
+    with pytest.raises(ValueError, match="at least one item"):
+        runner.forward([])
+
+
+def test_pool_sized_from_memory_fraction(tiny_model_dir: Path) -> None:
+    small = ModelRunner(tiny_model_dir, device="cpu", kv_memory_fraction=0.0001)
+    assert small.pool.capacity > 0
+    assert small.pool.capacity == small.pool.allocator.capacity
+
+
+def test_device_and_dtype_choice() -> None:
+    cpu = torch.device("cpu")
+    assert pick_device("cpu") == cpu
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert pick_dtype("auto", "bfloat16", cpu) == torch.float32
+    assert pick_dtype("auto", "bfloat16", torch.device("cuda")) == torch.bfloat16
+    assert pick_dtype("auto", None, torch.device("cuda")) == torch.float32
+    assert pick_dtype("fp16", "float32", cpu) == torch.float16
+    assert parse_dtype("torch.bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_dtype("float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            pick_device("cuda")

@@ -1,0 +1,118 @@
+"""Sampler: greedy, temperature, top-k, top-p and per-request seeds, batched."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from worker.engine.sampler import Sampler
+from worker.engine.types import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def test_greedy_takes_the_argmax_of_each_row() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, -1.0, 4.9]])
+    assert Sampler(seed=0).sample(logits, [GREEDY, GREEDY], [0, 1]) == [1, 0]
+
+
+def test_top_k_one_is_greedy_even_when_hot() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=5.0, top_k=1)] * 4
+    for _ in range(5):
+        assert Sampler().sample(logits, params, [0, 1, 2, 3]) == logits.argmax(-1).tolist()
+
+
+def test_top_k_keeps_only_the_k_best_tokens() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    sampler = Sampler(seed=1)
+    seen = {
+        sampler.sample(logits, [SamplingParams(temperature=10.0, top_k=3)], [0])[0]
+        for _ in range(300)
+    }
+    assert seen == {0, 1, 2}
+
+
+def test_top_p_cuts_the_tail_but_keeps_the_best_token() -> None:
+    # probs 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps {0, 1}; a tiny top_p keeps {0}.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    sampler = Sampler(seed=2)
+    wide = {sampler.sample(logits, [SamplingParams(top_p=0.7)], [0])[0] for _ in range(300)}
+    narrow = {sampler.sample(logits, [SamplingParams(top_p=0.01)], [0])[0] for _ in range(50)}
+    assert wide == {0, 1}
+    assert narrow == {0}
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
+    sampler = Sampler(seed=3)
+    counts = collections.Counter(
+        sampler.sample(logits, [SamplingParams(temperature=1.0)], [0])[0] for _ in range(3000)
+    )
+    assert abs(counts[0] / 3000 - 0.6) < 0.05
+    assert abs(counts[2] / 3000 - 0.1) < 0.03
+
+
+def test_low_temperature_sharpens_high_temperature_flattens() -> None:
+    logits = torch.tensor([[1.0, 0.0]])
+    sampler = Sampler(seed=4)
+
+    def share_of_best(t: float) -> float:
+        picks = [
+            sampler.sample(logits, [SamplingParams(temperature=t)], [0])[0] for _ in range(1000)
+        ]
+        return picks.count(0) / 1000
+
+    assert share_of_best(0.1) > 0.99
+    assert 0.45 < share_of_best(100.0) < 0.55
+
+
+def test_seeded_requests_repeat_whatever_shares_the_batch() -> None:
+    vocab = 200
+    rows = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5))
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+
+    def run(batch_noise: bool) -> list[int]:
+        sampler = Sampler()  # randomly seeded: only the request's own seed may matter
+        out = []
+        for step in range(6):
+            logits = rows[step : step + 1]
+            params, ids = [seeded], [7]
+            if batch_noise:
+                logits = torch.cat([torch.randn(3, vocab), logits, torch.randn(2, vocab)])
+                params = (
+                    [SamplingParams(temperature=1.0)] * 3 + params + [SamplingParams(seed=9)] * 2
+                )
+                ids = [1, 2, 3, 7, 8, 9]
+            picked = sampler.sample(logits, params, ids)
+            out.append(picked[params.index(seeded)])
+        return out
+
+    alone = run(False)
+    assert run(True) == alone
+    assert len(set(alone)) > 1  # it really sampled
+
+
+def test_release_restarts_a_seeded_stream() -> None:
+    logits = torch.zeros(1, 1000)
+    params = [SamplingParams(seed=42)]
+    sampler = Sampler()
+    first = [sampler.sample(logits, params, [0])[0] for _ in range(4)]
+    sampler.release(0)
+    assert [sampler.sample(logits, params, [0])[0] for _ in range(4)] == first
+
+
+def test_mixed_batch_greedy_rows_unaffected() -> None:
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(6))
+    params = [
+        GREEDY,
+        SamplingParams(temperature=2.0, top_p=0.9, top_k=10),
+        GREEDY,
+        SamplingParams(seed=1),
+        GREEDY,
+    ]
+    out = Sampler(seed=0).sample(logits, params, list(range(5)))
+    best = logits.argmax(-1).tolist()
+    assert [out[0], out[2], out[4]] == [best[0], best[2], best[4]]
+    assert all(0 <= t < 30 for t in out)

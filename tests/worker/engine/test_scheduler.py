@@ -1,0 +1,282 @@
+"""Scheduler units over a real SlotAllocator and RadixCache/NoCache, with a fake runner.
+
+The fake runner's "KV" of a slot is the token id written there, and its next token is
+a pure function of the whole sequence it reads back through the slot list. A slot that
+is stale, shared or freed too early therefore changes the outputs, which are compared
+with the same function applied to the true token sequence.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from worker.engine.allocator import SlotAllocator
+from worker.engine.config import EngineConfig
+from worker.engine.radix_cache import NoCache, RadixCache
+from worker.engine.scheduler import Schedule, Scheduler
+from worker.engine.sequence import SeqStatus, Sequence
+from worker.engine.types import SamplingParams
+
+VOCAB = 97
+
+
+def next_token(tokens: np.ndarray) -> int:
+    """The fake model: depends on every token and its position."""
+    weights = np.arange(1, len(tokens) + 1, dtype=np.int64)
+    return int((tokens.astype(np.int64) * weights).sum() * 7 + len(tokens)) % VOCAB
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(np.array(tokens)))
+    return tokens[len(prompt) :]
+
+
+class FakeRunner:
+    def __init__(self, capacity: int) -> None:
+        self.kv = np.full(capacity, -1, dtype=np.int64)
+        self.tokens_computed = 0
+
+    def forward(self, schedule: Schedule) -> list[int]:
+        out = []
+        for item in schedule.items:
+            end = item.start_pos + len(item.input_ids)
+            assert len(item.slots) == end
+            self.kv[item.slots[item.start_pos :]] = item.input_ids
+            self.tokens_computed += len(item.input_ids)
+            out.append(next_token(self.kv[item.slots]))
+        return out
+
+
+class _NoText:
+    def push(self, token_id: int) -> str:
+        return ""
+
+
+class Harness:
+    """Drives a Scheduler the way LLMEngine does, checking integrity after every step."""
+
+    def __init__(self, capacity: int, cache: str = "radix", **cfg: int) -> None:
+        self.config = EngineConfig(**cfg)
+        self.allocator = SlotAllocator(capacity)
+        cache_cls = RadixCache if cache == "radix" else NoCache
+        self.cache = cache_cls(self.allocator, page_size=self.config.page_size)
+        self.sched = Scheduler(self.config, self.allocator, self.cache)
+        self.runner = FakeRunner(capacity)
+        self.schedules: list[Schedule] = []
+        self._ids = 0
+
+    def add(self, prompt: list[int], max_tokens: int) -> Sequence:
+        seq = Sequence(
+            request_id=f"r{self._ids}",
+            prompt_ids=list(prompt),
+            params=SamplingParams(max_tokens=max_tokens, temperature=0),
+            detokenizer=_NoText(),
+            seq_id=self._ids,
+        )
+        self._ids += 1
+        self.sched.add(seq)
+        return seq
+
+    def step(self) -> Schedule:
+        schedule = self.sched.schedule()
+        sampling = [i.seq for i in schedule.items if i.samples]
+        tokens = self.runner.forward(schedule)
+        sampled = [t for t, i in zip(tokens, schedule.items, strict=True) if i.samples]
+        self.sched.advance(schedule)
+        for seq, tok in zip(sampling, sampled, strict=True):
+            seq.append_token(tok, max_model_len=10**9)
+            if seq.finish_reason is not None:
+                self.sched.finish(seq)
+        self.sched.check_integrity()
+        self.schedules.append(schedule)
+        return schedule
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_work:
+                return
+            self.step()
+        raise AssertionError("scheduler made no progress")
+
+
+def test_chunked_prefill_stays_under_the_budget() -> None:
+    h = Harness(1000, max_prefill_tokens=32)
+    a = h.add(list(range(1, 101)), max_tokens=3)
+    b = h.add(list(range(200, 240)), max_tokens=3)
+    h.run()
+    prefill = [
+        [(i.seq.request_id, len(i.input_ids)) for i in s.items if len(i.input_ids) > 1]
+        for s in h.schedules
+    ]
+    # a: 100 tokens in chunks of 32; b starts in the budget a leaves over.
+    assert prefill[:4] == [[("r0", 32)], [("r0", 32)], [("r0", 32)], [("r0", 4), ("r1", 28)]]
+    assert all(sum(n for _, n in step) <= 32 for step in prefill)
+    assert a.output_ids == reference(a.prompt_ids, 3)
+    assert b.output_ids == reference(b.prompt_ids, 3)
+    assert h.runner.tokens_computed == 100 + 40 + 2 * 2  # prompts + 2 decodes each
+
+
+def test_running_requests_decode_together() -> None:
+    h = Harness(1000)
+    seqs = [h.add([i + 1] * 5, max_tokens=4) for i in range(3)]
+    h.step()  # all three admitted and prefilled, each samples its first token
+    for _ in range(3):
+        s = h.step()
+        assert [(i.seq, len(i.input_ids)) for i in s.items] == [(q, 1) for q in seqs]
+    assert not h.sched.has_work
+    assert all(q.output_ids == reference(q.prompt_ids, 4) for q in seqs)
+
+
+def test_max_running_requests_caps_the_batch() -> None:
+    h = Harness(1000, max_running_requests=2)
+    seqs = [h.add([i + 1] * 4, max_tokens=3) for i in range(5)]
+    while h.sched.has_work:
+        h.step()
+        assert len(h.sched.running) <= 2
+    assert all(q.output_ids == reference(q.prompt_ids, 3) for q in seqs)
+
+
+@pytest.mark.parametrize(("page_size", "expected"), [(1, 40), (8, 40), (16, 32)])
+def test_shared_prefix_is_matched_and_only_the_suffix_runs(page_size: int, expected: int) -> None:
+    h = Harness(1000, page_size=page_size)
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, VOCAB) for _ in range(40)]
+    a = h.add([*prefix, 1, 2, 3], max_tokens=2)
+    h.run()
+    computed = h.runner.tokens_computed
+    b = h.add([*prefix, 5, 6, 7, 8], max_tokens=2)
+    h.run()
+    assert a.cached_tokens == 0
+    assert b.cached_tokens == expected
+    assert h.runner.tokens_computed - computed == (44 - expected) + 1
+    assert b.output_ids == reference(b.prompt_ids, 2)
+
+
+def test_finished_sequence_is_inserted_into_the_cache() -> None:
+    h = Harness(1000)
+    a = h.add([3, 1, 4, 1, 5, 9, 2, 6], max_tokens=4)
+    h.run()
+    # Prompt + output, minus the last sampled token (it never ran through the model).
+    with_kv = a.all_ids[:-1]
+    assert h.cache.total_size == len(with_kv) == h.allocator.capacity - h.allocator.available
+    assert h.cache.match_prefix(a.all_ids).prefix_len == len(with_kv)
+    assert h.cache.protected_size == 0  # unlocked: evictable
+    h.cache.reset()
+    assert h.allocator.available == h.allocator.capacity
+
+
+def test_full_pool_preempts_and_outputs_stay_exact() -> None:
+    rng = random.Random(1)
+    prefix = [rng.randrange(1, VOCAB) for _ in range(24)]
+    prompts = [
+        [*prefix, *(rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20)))]
+        for _ in range(12)
+    ]
+    # 120 slots for 12 requests of up to 44 + 30 tokens: eviction and preemption.
+    h = Harness(120, max_prefill_tokens=40, evict_batch_tokens=16)
+    seqs = [h.add(p, max_tokens=30) for p in prompts]
+    h.run()
+    assert h.sched.num_preemptions > 0
+    assert any(s.preempted for s in h.schedules)
+    for seq in seqs:
+        assert seq.status is SeqStatus.FINISHED
+        assert seq.output_ids == reference(seq.prompt_ids, 30)
+    h.cache.reset()
+    assert h.allocator.available == h.allocator.capacity
+
+
+def test_lone_request_as_large_as_the_pool_completes() -> None:
+    h = Harness(64, cache="none")
+    seq = h.add(list(range(1, 41)), max_tokens=24)  # 64 tokens, 63 with KV
+    h.run()
+    assert seq.output_ids == reference(seq.prompt_ids, 24)
+    assert h.allocator.available == 64
+
+
+def test_abort_frees_everything_in_every_state() -> None:
+    h = Harness(200, max_prefill_tokens=16)
+    decoding = h.add(list(range(1, 11)), max_tokens=50)
+    prefilling = h.add(list(range(20, 60)), max_tokens=5)
+    waiting = h.add(list(range(60, 70)), max_tokens=5)
+    h.step()
+    h.step()
+    assert decoding.output_ids and prefilling.is_prefilling
+    assert waiting.status is SeqStatus.WAITING or waiting.is_prefilling
+    for seq in (prefilling, waiting, decoding):
+        h.sched.abort(seq)
+        h.sched.check_integrity()
+        assert seq.status is SeqStatus.FINISHED and len(seq.slots) == 0
+    assert not h.sched.has_work
+    h.cache.reset()
+    assert h.allocator.available == h.allocator.capacity
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_load_with_aborts_keeps_integrity(seed: int) -> None:
+    rng = random.Random(seed)
+    stems = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
+    h = Harness(
+        rng.randrange(90, 200),
+        cache=rng.choice(["radix", "none"]),
+        page_size=rng.choice([1, 4]),
+        max_prefill_tokens=rng.randrange(8, 64),
+        max_running_requests=rng.randrange(2, 8),
+        evict_batch_tokens=rng.randrange(1, 32),
+    )
+    seqs, aborted = [], set()
+    for step in range(400):
+        if step < 150 and rng.random() < 0.3:
+            prompt = rng.choice(stems) + [
+                rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20))
+            ]
+            seqs.append(h.add(prompt, max_tokens=rng.randrange(1, 25)))
+        live = [s for s in seqs if s.status is not SeqStatus.FINISHED]
+        if live and rng.random() < 0.05:
+            victim = rng.choice(live)
+            h.sched.abort(victim)
+            aborted.add(victim.seq_id)
+            h.sched.check_integrity()
+        if h.sched.has_work:
+            h.step()
+    h.run()
+    for seq in seqs:
+        if seq.seq_id not in aborted:
+            assert seq.output_ids == reference(seq.prompt_ids, seq.params.max_tokens)
+    h.cache.reset()
+    assert h.allocator.available == h.allocator.capacity
+
+
+def test_request_that_could_never_fit_is_rejected_at_submit() -> None:
+    from types import SimpleNamespace
+
+    from worker.engine.engine import LLMEngine
+    from worker.engine.types import EngineError, GenerateRequest
+
+    runner = SimpleNamespace(
+        pool=SimpleNamespace(allocator=SlotAllocator(64)),
+        config=SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=4096, eos_token_ids=()),
+        device="cpu",
+    )
+    tokenizer = SimpleNamespace(eos_token_ids=(), detokenizer=_NoText)
+    engine = LLMEngine(runner, tokenizer, EngineConfig())
+    assert engine.max_model_len == 64  # capped by the pool, not the model's 4096
+
+    def submit(n: int, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens)
+        engine.add_request(
+            GenerateRequest(f"n{n}-{max_tokens}", prompt_token_ids=(1,) * n, params=params)
+        )
+
+    submit(40, 24)  # exactly fits
+    with pytest.raises(EngineError) as err:
+        submit(64, 1)  # longer than the whole pool
+    assert err.value.param == "prompt" and err.value.code == "context_length_exceeded"
+    with pytest.raises(EngineError) as err:
+        submit(40, 25)
+    assert err.value.param == "max_tokens"
+    assert len(engine.scheduler.waiting) == 1  # nothing of the rejected ones was queued

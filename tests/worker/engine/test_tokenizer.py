@@ -1,0 +1,192 @@
+"""Tokenizer and chat template against transformers; the tiny model maker's outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from worker.engine.tiny_model import PRESETS, main
+from worker.engine.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "The cat sees a red ball today.",
+    "  leading spaces and\ttabs\nnew lines  ",
+    "Café au lait, naïve façade, Ærøskøbing — “quotes”",
+    "Emoji 🙂🚀👩‍👩‍👧 and CJK 你好世界, Hindi नमस्ते",
+    "",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2? 🙂"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ],
+    [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "part one "}, {"type": "text", "text": "two"}],
+        }
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def theirs(tiny_model_dir: Path):
+    return transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_special_tokens_and_vocab(ours: Tokenizer, theirs) -> None:
+    assert ours.bos_token_id == theirs.bos_token_id == 0
+    assert ours.eos_token_ids == (1, 3)  # tokenizer eos, then generation_config's extra
+    assert ours.vocab_size == len(theirs) == 1024
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers_and_round_trips(ours: Tokenizer, theirs, text: str) -> None:
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text)
+    assert ids[0] == ours.bos_token_id
+    assert ours.encode(text, add_special_tokens=False) == theirs.encode(
+        text, add_special_tokens=False
+    )
+    assert ours.decode(ids) == text
+    assert ours.decode(ids, skip_special_tokens=False) == "<|begin_of_text|>" + text
+
+
+def test_common_words_are_single_tokens(ours: Tokenizer) -> None:
+    # The BPE was trained: frequent corpus words do not fall apart into bytes.
+    assert len(ours.encode(" the model", add_special_tokens=False)) == 2
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(
+    ours: Tokenizer,
+    theirs,
+    messages: list[dict],
+    add_generation_prompt: bool,
+) -> None:
+    got = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    want = theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert got == want
+    assert got.startswith("<|begin_of_text|><|im_start|>")
+    assert got.endswith("<|im_start|>assistant\n") == add_generation_prompt
+
+
+def test_chat_prompt_encodes_to_chatml_specials(ours: Tokenizer) -> None:
+    text = ours.apply_chat_template([{"role": "user", "content": "hi"}])
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids[:2] == [0, 2]  # <|begin_of_text|><|im_start|>: specials stay single tokens
+    assert 3 in ids  # <|im_end|>
+
+
+def test_template_features_transformers_provides(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """raise_exception, tojson without HTML escaping, loop controls, eos_token."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m | tojson }}\n"
+        "{% endfor %}{{ eos_token }}"
+    )
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours = Tokenizer.from_dir(model_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": f"<b>{i}</b> é"} for i in range(4)]
+    got = ours.apply_chat_template(messages)
+    assert got == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert '"<b>0</b> é"' in got
+    assert got.endswith("<|end_of_text|>")
+    with pytest.raises(ValueError, match="no tools"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_missing_chat_template_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer.from_dir(model_dir)
+    assert not tok.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_jinja_file_wins(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """transformers 5 saves the template as chat_template.jinja."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] | upper }}")
+    assert (
+        Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "u", "content": "hi"}]) == "HI"
+    )
+
+
+def test_bad_messages_are_value_errors(ours: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="list of objects"):
+        ours.apply_chat_template("hello")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chat template"):
+        ours.apply_chat_template([{"content": "no role"}])
+
+
+@pytest.mark.parametrize("text", TEXTS[2:4])
+def test_incremental_detokenizer_equals_full_decode(ours: Tokenizer, text: str) -> None:
+    ids = ours.encode(text, add_special_tokens=False)
+    detok = ours.detokenizer()
+    deltas = [detok.push(i) for i in ids]
+    assert "".join(deltas) == ours.decode(ids) == text
+    # No delta ever carries a broken character.
+    assert not any("\ufffd" in d for d in deltas)
+    # Multi-byte characters span several byte-level tokens, so some steps emit nothing.
+    assert "" in deltas
+
+
+def test_detokenizer_skips_special_tokens(ours: Tokenizer) -> None:
+    text = ours.apply_chat_template([{"role": "user", "content": "hi 🙂"}])
+    ids = ours.encode(text, add_special_tokens=False)
+    detok = ours.detokenizer()
+    assert "".join(detok.push(i) for i in ids) == ours.decode(ids) == "user\nhi 🙂\nassistant\n"
+
+
+def test_make_tiny_model_cli_and_transformers_load(tmp_path: Path) -> None:
+    assert main([str(tmp_path / "q"), "--arch", "qwen2", "--num-shards", "2"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.config.tie_word_embeddings
+    assert (
+        transformers.AutoTokenizer.from_pretrained(tmp_path / "q").bos_token == "<|begin_of_text|>"
+    )
+    assert PRESETS["bench"]["hidden_size"] == 512 and PRESETS["bench"]["num_layers"] == 8
+
+
+def test_folder_resaved_by_transformers_loads_the_same(
+    ours: Tokenizer, theirs, tmp_path: Path
+) -> None:
+    """transformers 5 writes chat_template.jinja and a different tokenizer_config."""
+    theirs.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()
+    resaved = Tokenizer.from_dir(tmp_path)
+    messages = CONVERSATIONS[1]
+    assert resaved.apply_chat_template(messages) == ours.apply_chat_template(messages)
+    assert resaved.encode(TEXTS[3]) == ours.encode(TEXTS[3])
+    assert resaved.bos_token_id == ours.bos_token_id

@@ -1,0 +1,90 @@
+"""`radix-worker`: flags, config errors, the ready line, SIGTERM drain, make-tiny-model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.worker.conftest import WorkerProcess, wait_until
+from worker.cli import main
+
+
+def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        (["--port", "99999"], {}, "port"),
+        (["--engine", "tpu"], {}, "engine"),
+        ([], {"RADIX_WORKER_PAGE_SIZE": "0"}, "page_size"),
+        (["--engine", "radix"], {}, "model"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(
+    argv: list[str], env: dict[str, str], named: str,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["serve", "--engine", "sim", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_unknown_key_in_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "worker.yaml"
+    path.write_text("engine: sim\ncache_tokenz: 5\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cache_tokenz" in err and "unknown key" in err
+
+
+def test_ready_line_and_sigterm_drain(spawn_worker: Callable[..., WorkerProcess]) -> None:
+    worker = spawn_worker("--engine", "sim", "--worker-id", "cli-drain",
+                          "--sim-decode-ms-per-token", "5", "--drain-timeout", "20")  # fmt: skip
+    worker.wait_ready()
+    assert f"serving sim on {worker.url} (engine=sim)" in worker.log()
+    result: dict[str, object] = {}
+
+    def long_request() -> None:
+        result["answer"] = post(worker.url + "/v1/completions", {"prompt": "slow", "max_tokens": 200})
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    wait_until(lambda: b"running_requests 1.0" in urllib.request.urlopen(worker.url + "/metrics").read())
+    worker.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: not worker.healthy())  # /health 503 while draining
+    status, body = post(worker.url + "/v1/completions", {"prompt": "late", "max_tokens": 1})
+    assert status == 503 and body["error"]["code"] == "draining"  # type: ignore[index]
+    thread.join(30)
+    status, body = result["answer"]  # type: ignore[misc]
+    assert status == 200 and body["usage"]["completion_tokens"] == 200  # in flight: finished
+    assert worker.proc.wait(30) == 0, worker.log()
+
+
+def test_make_tiny_model_then_sim_serves_its_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    out = tmp_path / "tiny"
+    assert main(["make-tiny-model", str(out), "--layers", "1", "--vocab-size", "512"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and (out / "tokenizer.json").is_file()
+    worker = spawn_worker("--engine", "sim", "--model", str(out)).wait_ready()
+    status, body = post(worker.url + "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})  # fmt: skip
+    assert status == 200, body
+    assert body["model"] == "tiny" and body["usage"]["completion_tokens"] == 3  # type: ignore[index]

@@ -1,0 +1,112 @@
+"""Heartbeats in a real Redis-protocol server (valkey/redis-server, started here)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Callable
+
+import redis
+
+from shared.redis_server import RedisServer
+from shared.registry import WorkerRecord
+from tests.worker.conftest import WorkerProcess, WorkerThread, sim_config, wait_until
+
+PREFIX = "radixrouter:"
+FAST = ["--engine", "sim", "--heartbeat-interval", "0.2", "--cache-tokens", "1000"]
+
+
+def record(client: redis.Redis, worker_id: str) -> WorkerRecord | None:
+    raw = client.hgetall(f"{PREFIX}worker:{worker_id}")
+    return WorkerRecord.from_hash(raw) if raw else None
+
+
+def post(url: str, body: dict[str, object]) -> dict[str, object]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_record_fields_and_load(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    config = sim_config(redis_url=redis_server.url, heartbeat_interval=0.1, worker_id="hb-fields")
+    with WorkerThread(config) as worker:
+        wait_until(lambda: record(client, "hb-fields") is not None)
+        rec = record(client, "hb-fields")
+        assert rec is not None
+        assert (rec.url, rec.model, rec.engine) == (worker.url, "sim", "sim")
+        assert abs(rec.epoch - time.time()) < 60 and rec.cache_capacity_tokens == 50_000
+        assert client.sismember(f"{PREFIX}workers", "hb-fields")
+        ttl_ms = client.pttl(f"{PREFIX}worker:hb-fields")
+        assert 0 < ttl_ms <= 300  # a few intervals
+        post(worker.url + "/v1/completions", {"prompt": "count me " * 20, "max_tokens": 2})
+        post(worker.url + "/v1/completions", {"prompt": "count me " * 20, "max_tokens": 2})
+
+        def counted() -> bool:
+            r = record(client, "hb-fields")
+            return r is not None and r.prompt_tokens_total > 0 and r.cached_tokens_total > 0
+
+        wait_until(counted)
+        rec = record(client, "hb-fields")
+        assert rec is not None and rec.cache_used_tokens > 0 and rec.running == 0
+    # A clean stop leaves the fleet.
+    assert record(client, "hb-fields") is None
+    assert not client.sismember(f"{PREFIX}workers", "hb-fields")
+
+
+def test_worker_survives_redis_outage_and_resumes() -> None:
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        config = sim_config(redis_url=server.url, heartbeat_interval=0.1, worker_id="hb-outage")
+        with WorkerThread(config) as worker:
+            wait_until(lambda: record(client, "hb-outage") is not None)
+            server.stop()
+            time.sleep(0.5)  # several failed beats
+            body = post(worker.url + "/v1/completions", {"prompt": "still serving", "max_tokens": 2})
+            assert body["usage"]["completion_tokens"] == 2  # type: ignore[index]
+            server.start()
+            client = redis.Redis.from_url(server.url)  # the new server starts empty
+            pubsub = client.pubsub()
+            pubsub.subscribe(f"{PREFIX}events")
+            wait_until(lambda: record(client, "hb-outage") is not None)
+            # The first beat after the outage announces the worker again.
+            wait_until(lambda: (m := pubsub.get_message(timeout=0.05)) is not None
+                       and m["type"] == "message" and b'"join"' in m["data"])  # fmt: skip
+            pubsub.close()
+
+
+def test_sigkill_record_expires(
+    redis_server: RedisServer, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    worker = spawn_worker(*FAST, "--redis-url", redis_server.url, "--worker-id", "hb-kill")
+    worker.wait_ready()
+    wait_until(lambda: record(client, "hb-kill") is not None)
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait(10)
+    wait_until(lambda: record(client, "hb-kill") is None, timeout=5)
+
+
+def test_sigterm_leaves_the_fleet(
+    redis_server: RedisServer, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    worker = spawn_worker(*FAST, "--redis-url", redis_server.url, "--worker-id", "hb-term")
+    worker.wait_ready()
+    wait_until(lambda: record(client, "hb-term") is not None)
+    pubsub = client.pubsub()
+    pubsub.subscribe(f"{PREFIX}events")
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(20) == 0, worker.log()
+    assert record(client, "hb-term") is None
+    assert not client.sismember(f"{PREFIX}workers", "hb-term")
+    events = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not events:
+        msg = pubsub.get_message(timeout=0.1)
+        if msg and msg["type"] == "message":
+            events.append(json.loads(msg["data"]))
+    assert events and events[0]["event"] == "leave" and events[0]["worker_id"] == "hb-term"
+    pubsub.close()

@@ -1,0 +1,185 @@
+"""The worker's aiohttp application: typed state, middlewares, resources, routes.
+
+`create_app(config, engine)` is the only way an app is built (CLI, tests, benchmark).
+Resources live in `cleanup_ctx`, each set up above its `yield` and torn down below:
+the engine (started in the background so `/health` answers 503 until it is up) and,
+with a Redis URL, the heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from shared.config import WorkerConfig
+from shared.errors import APIError, Handler, error_middleware
+from shared.registry import Registry, WorkerRecord
+from worker import admin_api, openai_api
+from worker.engine.types import Engine
+from worker.heartbeat import Heartbeat, connect
+from worker.metrics import WorkerMetrics
+from worker.state import CONFIG, ENGINE, HEARTBEAT, METRICS, STATE, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+# Endpoints that run the engine: counted in flight, refused while draining.
+INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
+# Readable without an API key (probes and scrapers).
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+
+
+def default_worker_id(config: WorkerConfig) -> str:
+    return config.worker_id or f"{socket.gethostname()}-{config.port}"
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    keys = request.app[CONFIG].api_keys
+    if keys and request.path not in PUBLIC_PATHS:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
+            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+    return await handler(request)
+
+
+@web.middleware
+async def lifecycle_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse work until ready and while draining; count what is in flight for the drain."""
+    if request.path not in INFERENCE_PATHS:
+        return await handler(request)
+    state = request.app[STATE]
+    if state.draining:
+        raise APIError(
+            503, "worker is shutting down", code="draining", headers={"Retry-After": "1"}
+        )
+    if not state.ready.is_set():
+        raise APIError(503, "engine is starting", code="not_ready", headers={"Retry-After": "1"})
+    state.inflight += 1
+    state.idle.clear()
+    start = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except APIError as exc:
+        status = exc.status
+        raise
+    except ValidationError:
+        status = 400  # error_middleware answers it
+        raise
+    finally:
+        state.inflight -= 1
+        if state.inflight == 0:
+            state.idle.set()
+        metrics = request.app[METRICS]
+        metrics.requests.labels(request.path, str(status)).inc()
+        metrics.latency.labels(request.path).observe(time.perf_counter() - start)
+
+
+async def _stamp_worker_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["x-worker-id"] = request.app[STATE].worker_id
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    engine, state = app[ENGINE], app[STATE]
+
+    async def boot() -> None:
+        try:
+            await engine.start()
+        except Exception as exc:  # reported by serve(), which exits non-zero
+            log.exception("engine failed to start")
+            state.failure = exc
+        else:
+            state.ready.set()
+        finally:
+            state.booted.set()
+
+    task = asyncio.create_task(boot(), name="engine-start")
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await engine.stop()
+
+
+def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> WorkerRecord:
+    stats = engine.stats()
+    return WorkerRecord(
+        worker_id=state.worker_id,
+        url=state.url or config.advertise_url or f"http://{config.host}:{config.port}",
+        model=state.served_model,
+        engine=config.engine,
+        epoch=state.epoch,
+        running=stats.running,
+        waiting=stats.waiting,
+        cache_capacity_tokens=stats.cache_capacity_tokens,
+        cache_used_tokens=stats.cache_used_tokens,
+        prompt_tokens_total=stats.prompt_tokens_total,
+        cached_tokens_total=stats.cached_tokens_total,
+        draining=state.draining,
+    )
+
+
+async def _heartbeat_ctx(app: web.Application) -> AsyncIterator[None]:
+    config, engine, state = app[CONFIG], app[ENGINE], app[STATE]
+    if not config.redis_url:
+        yield
+        return
+    redis = connect(config.redis_url, config.heartbeat_interval)
+    heartbeat = Heartbeat(
+        Registry(redis, config.redis_prefix),
+        lambda: make_record(config, engine, state),
+        config.heartbeat_interval,
+        config.heartbeat_ttl_intervals,
+    )
+    app[HEARTBEAT] = heartbeat
+    heartbeat.start(state.ready)
+    try:
+        yield
+    finally:
+        if heartbeat.joined:
+            await heartbeat.leave()
+        await heartbeat.stop()
+        await redis.aclose()
+
+
+ROUTES = [
+    web.post("/v1/completions", openai_api.completions),
+    web.post("/v1/chat/completions", openai_api.chat_completions),
+    web.post("/generate", openai_api.generate),
+    web.get("/v1/models", admin_api.models),
+    web.get("/health", admin_api.health),
+    web.get("/metrics", admin_api.metrics),
+    web.post("/flush_cache", admin_api.flush_cache),
+    web.get("/get_server_info", admin_api.server_info),
+    web.get("/openapi.json", admin_api.openapi),
+]
+
+
+def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware, lifecycle_middleware],
+        client_max_size=config.max_body_bytes,
+    )
+    state = WorkerState(
+        worker_id=default_worker_id(config),
+        served_model=config.served_model_name or engine.model_name,
+        url=config.advertise_url,
+    )
+    state.idle.set()
+    app[CONFIG] = config
+    app[ENGINE] = engine
+    app[STATE] = state
+    app[METRICS] = WorkerMetrics(engine.stats, lambda: state.draining)
+    app.on_response_prepare.append(_stamp_worker_id)
+    app.cleanup_ctx.extend([_engine_ctx, _heartbeat_ctx])
+    app.add_routes(ROUTES)
+    return app

@@ -1,0 +1,372 @@
+"""`SimEngine`: the real radix cache with a cost model instead of a model.
+
+Fleet benchmarks and load tests run this on CPU, so everything that shapes routing is
+real: the RadixCache over a SlotAllocator of `cache_tokens` slots (LRU eviction in
+batches, as the radix engine does), at most `max_running_requests` admitted at once
+with a FIFO queue behind them, cached-prefix accounting, abort that frees. Only the
+model is fake:
+
+- cost: `prefill_us_per_token` × uncached prompt tokens, then `decode_ms_per_token`
+  per output token, all `asyncio.sleep` (a zero cost still yields to the loop);
+- output: exactly `max_tokens` tokens of words drawn from a generator seeded by the
+  prompt's token ids (same prompt, same answer), cut short only by a stop string or
+  stop token id. It never emits EOS.
+
+A request's KV, in slots: `prefix` slots (the tree's, locked) + the uncached prompt
+suffix + `max_tokens` output slots, all reserved at admission so a running request
+never waits for memory. On finish or abort, prompt + output are inserted into the
+tree (which frees duplicates) and unused reserved slots are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from shared.config import WorkerConfig
+from worker.backends.text_tokenizer import TextTokenizer
+from worker.engine.allocator import SlotAllocator
+from worker.engine.radix_cache import NoCache, RadixCache
+from worker.engine.sequence import Detokenizer, Sequence
+from worker.engine.types import (
+    EngineError,
+    EngineOverloaded,
+    EngineStats,
+    GenerateOutput,
+    GenerateRequest,
+)
+
+_WORDS = [
+    "the",
+    "cache",
+    "holds",
+    "a",
+    "prefix",
+    "of",
+    "every",
+    "prompt",
+    "so",
+    "a",
+    "router",
+    "that",
+    "sends",
+    "each",
+    "request",
+    "to",
+    "the",
+    "worker",
+    "with",
+    "its",
+    "longest",
+    "match",
+    "skips",
+    "most",
+    "prefill",
+    "work",
+    "while",
+    "load",
+    "stays",
+    "even",
+    "across",
+    "all",
+    "nodes",
+    "in",
+    "the",
+    "fleet",
+]
+
+
+class SimTokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model_name: str = "sim"
+    cache_tokens: int = 1_000_000
+    page_size: int = 1
+    max_running_requests: int = 64
+    max_waiting_requests: int = 1024
+    max_model_len: int = 32_768
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    evict_batch_tokens: int = 256
+    disable_radix_cache: bool = False
+
+
+@dataclass(eq=False)
+class _Entry:
+    seq: Sequence
+    admitted: asyncio.Future[bool]  # True: admitted; False: aborted while waiting
+    aborted: bool = False
+
+
+class SimEngine:
+    def __init__(self, config: SimConfig, tokenizer: SimTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.model_name
+        self.max_model_len = config.max_model_len
+        self.allocator = SlotAllocator(config.cache_tokens)
+        cache_cls = NoCache if config.disable_radix_cache else RadixCache
+        self.cache = cache_cls(self.allocator, config.page_size)
+        self._waiting: deque[_Entry] = deque()
+        self._running: dict[str, _Entry] = {}
+        self._active: dict[str, _Entry] = {}  # waiting or running, by request id
+        self._seq_ids = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.completion_tokens_total = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        for entry in list(self._active.values()):
+            entry.aborted = True
+
+    # --- requests ---
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Validates now; the request queues when the iterator is first awaited."""
+        params = request.params
+        params.validate()
+        if request.request_id in self._active:
+            raise EngineError(
+                f"request id {request.request_id!r} is already in flight", "request_id"
+            )
+        if request.prompt is not None:
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            ids = [int(t) for t in request.prompt_token_ids or ()]
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise EngineError(
+                    f"token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt"
+                )
+        if not ids:
+            raise EngineError("prompt is empty", param="prompt")
+        self._check_fits(len(ids), params.max_tokens)
+        if len(self._waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloaded(f"{len(self._waiting)} requests waiting; try again later")
+        self._seq_ids += 1
+        seq = Sequence(
+            request_id=request.request_id,
+            prompt_ids=ids,
+            params=params,
+            detokenizer=self.tokenizer.detokenizer(),
+            seq_id=self._seq_ids,
+            stop_ids=frozenset(params.stop_token_ids),
+        )
+        return self._stream(seq)
+
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise EngineError(
+                f"prompt has {prompt_len} tokens; this model's context length is {limit} "
+                "(the prompt and at least one new token must fit)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if prompt_len + max_tokens > limit:
+            raise EngineError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context length {limit}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if prompt_len + max_tokens > self.allocator.capacity:
+            raise EngineError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the KV "
+                f"cache ({self.allocator.capacity} tokens)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    async def _stream(self, seq: Sequence) -> AsyncIterator[GenerateOutput]:
+        entry = _Entry(seq, asyncio.get_running_loop().create_future())
+        self._active[seq.request_id] = entry
+        self._waiting.append(entry)
+        self._admit()
+        try:
+            if not await entry.admitted:
+                seq.finish_reason = "abort"
+                yield self._output(seq)
+                return
+            uncached = len(seq.prompt_ids) - seq.prefix_len
+            await asyncio.sleep(self.config.prefill_us_per_token * uncached / 1e6)
+            answer = self._answer_ids(seq.prompt_ids, seq.params.max_tokens)
+            decode_s = self.config.decode_ms_per_token / 1e3
+            for token_id in answer:
+                await asyncio.sleep(decode_s)
+                if entry.aborted:
+                    seq.finish_reason = "abort"
+                else:
+                    seq.append_token(token_id, self.max_model_len)
+                yield self._output(seq)
+                if seq.finish_reason is not None:
+                    return
+        finally:
+            self._finish(entry)
+
+    def _output(self, seq: Sequence) -> GenerateOutput:
+        return GenerateOutput(
+            request_id=seq.request_id,
+            text_delta=seq.take_text_delta(),
+            token_ids=seq.take_token_ids(),
+            prompt_tokens=len(seq.prompt_ids),
+            cached_tokens=seq.cached_tokens or 0,
+            completion_tokens=len(seq.output_ids),
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+        )
+
+    def _answer_ids(self, prompt_ids: list[int], n: int) -> list[int]:
+        digest = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8)
+        rng = random.Random(digest.digest())
+        ids: list[int] = []
+        while len(ids) < n:
+            words = " ".join(rng.choice(_WORDS) for _ in range(max(8, (n - len(ids)))))
+            ids.extend(self.tokenizer.encode(words + " ", add_special_tokens=False))
+        return ids[:n]
+
+    async def abort(self, request_id: str) -> None:
+        entry = self._active.get(request_id)
+        if entry is not None:
+            entry.aborted = True
+            if not entry.admitted.done():
+                entry.admitted.set_result(False)
+
+    # --- admission and KV bookkeeping (synchronous: no await, so no interleaving) ---
+
+    def _admit(self) -> None:
+        """Admit waiting requests in FIFO order while a batch seat and their KV are free."""
+        while self._waiting and len(self._running) < self.config.max_running_requests:
+            entry = self._waiting[0]
+            if entry.admitted.done():  # aborted while waiting
+                self._waiting.popleft()
+                continue
+            if not self._reserve(entry.seq):
+                return  # head-of-line waits for KV; a finishing request calls _admit again
+            self._waiting.popleft()
+            self._running[entry.seq.request_id] = entry
+            entry.admitted.set_result(True)
+
+    def _reserve(self, seq: Sequence) -> bool:
+        # The last prompt token is always computed (its logits give the first token).
+        match = self.cache.match_prefix(seq.prompt_ids[:-1])
+        self.cache.lock(match.last_node)
+        need = len(seq.prompt_ids) - match.prefix_len + seq.params.max_tokens
+        slots = self.allocator.alloc(need)
+        if slots is None:
+            shortfall = need - self.allocator.available
+            self.cache.evict(max(shortfall, self.config.evict_batch_tokens))
+            slots = self.allocator.alloc(need)
+            if slots is None:
+                self.cache.unlock(match.last_node)
+                return False
+        seq.slots = np.concatenate([match.slots, slots])
+        seq.prefix_len = match.prefix_len
+        seq.last_node = match.last_node
+        seq.cached_tokens = match.prefix_len
+        self.prompt_tokens_total += len(seq.prompt_ids)
+        self.cached_tokens_total += match.prefix_len
+        return True
+
+    def _finish(self, entry: _Entry) -> None:
+        seq = entry.seq
+        self._active.pop(seq.request_id, None)
+        if self._running.pop(seq.request_id, None) is None:
+            if not entry.admitted.done():
+                entry.admitted.set_result(False)  # still queued: _admit drops it
+            return
+        self.completion_tokens_total += len(seq.output_ids)
+        # Prompt + output go into the tree (it frees what it already held); the reserved
+        # but unused output slots go back to the allocator.
+        n = seq.num_tokens
+        self.cache.insert(seq.all_ids, seq.slots[:n], cached_len=seq.prefix_len)
+        self.allocator.free(seq.slots[n:])
+        self.cache.unlock(seq.last_node)
+        seq.slots = seq.slots[:0]
+        self._admit()
+
+    # --- introspection ---
+
+    async def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests hold KV, as SGLang does."""
+        if self._running:
+            return False
+        self.cache.reset()
+        return True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self._running),
+            waiting=sum(1 for e in self._waiting if not e.admitted.done()),
+            cache_capacity_tokens=self.allocator.capacity,
+            cache_used_tokens=self.allocator.capacity - self.allocator.available,
+            prompt_tokens_total=self.prompt_tokens_total,
+            cached_tokens_total=self.cached_tokens_total,
+            completion_tokens_total=self.completion_tokens_total,
+        )
+
+    def check_integrity(self) -> None:
+        """Free + cached + held by running requests == every slot, each exactly once."""
+        self.cache.check_integrity()
+        held = [e.seq.slots[e.seq.prefix_len :] for e in self._running.values()]
+        owned = np.concatenate([self.cache.cached_slots(), *held])
+        self.allocator.check_integrity(owned)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
+        except ValueError as exc:
+            raise EngineError(str(exc), param="messages") from exc
+
+
+def build_sim_engine(config: WorkerConfig) -> SimEngine:
+    """The sim engine from the worker config: the model's tokenizer when `--model` is
+    given, else the built-in `TextTokenizer` (no files needed)."""
+    tokenizer: SimTokenizer
+    if config.model is not None:
+        from worker.engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(config.model)
+        name = Path(config.model).name
+    else:
+        tokenizer = TextTokenizer()
+        name = "sim"
+    cache_tokens = config.cache_tokens or 1_000_000
+    sim = SimConfig(
+        model_name=config.served_model_name or name,
+        cache_tokens=cache_tokens,
+        page_size=config.page_size,
+        max_running_requests=config.max_running_requests,
+        max_waiting_requests=config.max_waiting_requests,
+        max_model_len=config.max_model_len or 32_768,
+        prefill_us_per_token=config.sim_prefill_us_per_token,
+        decode_ms_per_token=config.sim_decode_ms_per_token,
+        disable_radix_cache=config.disable_radix_cache,
+    )
+    return SimEngine(sim, tokenizer)

@@ -1,0 +1,223 @@
+"""`AsyncEngine`: the radix backend of the `Engine` protocol (worker/engine/types.py).
+
+The step loop runs in its own thread, never on the event loop. The event loop talks to
+it through an inbox of commands (add, abort, flush) guarded by a condition variable;
+the thread sleeps on that condition while it has nothing to do (no busy spin). Outputs
+go back through `loop.call_soon_threadsafe` into one asyncio.Queue per request.
+
+Threads: `_inbox` is shared under `_cond`; `_queues` belongs to the engine thread;
+`_active` (request ids of open streams, for duplicate and overload checks) to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from worker.engine.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.engine.sequence import Sequence
+from worker.engine.types import (
+    EngineError,
+    EngineOverloaded,
+    EngineStats,
+    GenerateOutput,
+    GenerateRequest,
+)
+
+log = logging.getLogger(__name__)
+
+_Item = GenerateOutput | BaseException
+
+
+class AsyncEngine:
+    """Loads the model in the constructor (blocking: build it off the event loop with
+    `asyncio.to_thread` for big models); `start()` launches the step thread."""
+
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig, *, engine: LLMEngine | None = None
+    ) -> None:
+        self.config = config
+        self.engine = engine or LLMEngine.from_model_dir(model_dir, config)
+        self.model_name = Path(model_dir).name
+        self.max_model_len = self.engine.max_model_len
+        self._cond = threading.Condition()
+        self._inbox: list[Callable[[], None]] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._active: set[str] = set()
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is in flight (streams end with finish_reason "abort") and join."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    # --- requests ---
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Validates now (EngineError / EngineOverloaded before anything is queued); the
+        request is queued when the returned iterator is first awaited."""
+        if self._thread is None or self._stopping:
+            raise EngineOverloaded("the engine is not running")
+        if request.request_id in self._active:
+            raise EngineError(
+                f"request id {request.request_id!r} is already in flight", param="request_id"
+            )
+        limit = self.config.max_running_requests + self.config.max_waiting_requests
+        if len(self._active) >= limit:
+            raise EngineOverloaded(f"{len(self._active)} requests in flight; try again later")
+        seq = self.engine.make_sequence(request)
+        return self._stream(seq)
+
+    async def _stream(self, seq: Sequence) -> AsyncIterator[GenerateOutput]:
+        rid = seq.request_id
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._active.add(rid)
+        self._submit(lambda: self._do_add(seq, queue))
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            # Early close (client gone: aclose, GeneratorExit, CancelledError) aborts
+            # the request, which frees every slot it held.
+            self._active.discard(rid)
+            if not done:
+                self._submit(lambda: self._do_abort(rid))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._do_abort(request_id))
+
+    async def flush_cache(self) -> bool:
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+
+        def flush() -> None:
+            try:
+                done.set_result(self.engine.flush_cache())
+            except Exception as exc:
+                done.set_exception(exc)
+
+        self._submit(flush)
+        return await asyncio.wrap_future(done)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.engine.encode_prompt(text))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
+        except ValueError as exc:  # no template, or the template refused the messages
+            raise EngineError(str(exc), param="messages") from exc
+
+    # --- engine thread ---
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._stopping or self.engine.has_work):
+                    self._cond.wait()
+                commands, self._inbox = self._inbox, []
+                stopping = self._stopping
+            self._run_commands(commands)
+            if stopping:
+                break
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a model failure must not kill the thread silently
+                log.exception("engine step failed; failing every request in flight")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._dispatch(out)
+        for rid in list(self._queues):
+            self._do_abort(rid)
+        # Commands that raced with the stop: resolve flushes, end late streams.
+        with self._cond:
+            late, self._inbox = self._inbox, []
+        self._run_commands(late)
+        for rid in list(self._queues):
+            self._do_abort(rid)
+
+    def _run_commands(self, commands: list[Callable[[], None]]) -> None:
+        for command in commands:
+            try:
+                command()
+            except Exception:  # one bad command must not stop the loop for everyone
+                log.exception("engine command failed")
+
+    def _do_add(self, seq: Sequence, queue: asyncio.Queue[_Item]) -> None:
+        try:
+            self.engine.add(seq)
+        except EngineError as exc:
+            self._push(queue, exc)
+            return
+        self._queues[seq.request_id] = queue
+
+    def _do_abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None and out is not None:
+            self._push(queue, out)
+
+    def _dispatch(self, out: GenerateOutput) -> None:
+        queue = self._queues.get(out.request_id)
+        if queue is None:
+            return
+        if out.finished:
+            del self._queues[out.request_id]
+        self._push(queue, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        error = RuntimeError(f"engine step failed: {exc!r}")
+        for rid in list(self._queues):
+            self.engine.abort(rid)
+            self._push(self._queues.pop(rid), error)
+
+    def _push(self, queue: asyncio.Queue[_Item], item: _Item) -> None:
+        assert self._loop is not None
+        # RuntimeError: the event loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(queue.put_nowait, item)

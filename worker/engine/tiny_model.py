@@ -1,0 +1,246 @@
+"""Make a small random-weight Llama/Qwen2 model folder, entirely offline.
+
+The folder looks like a Hugging Face checkpoint (config.json, safetensors with HF
+parameter names, tokenizer.json, tokenizer_config.json with a ChatML template,
+generation_config.json), so transformers, vLLM and our engine all load it. The
+tokenizer is a byte-level BPE trained here on a generated English corpus: any text
+(emoji included) encodes, and common words are single tokens, like a real model.
+
+Weights are drawn with std 1/sqrt(fan_in) (embeddings std 1), not the usual 0.02:
+logits then spread over several units, so greedy decoding is not a coin toss
+between near-equal tokens and comparisons against transformers are meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from worker.engine.model import CausalLM
+from worker.engine.model_config import ModelConfig
+
+BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)
+
+# ChatML; BOS first like Llama 3, so chat prompts are encoded without adding specials.
+CHAT_TEMPLATE = """{{ bos_token }}{% for message in messages %}
+{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['content'] is string %}
+{{ message['content'] }}{% elif message['content'] is not none %}
+{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}
+{% endif %}
+{{ '<|im_end|>\\n' }}{% endfor %}
+{% if add_generation_prompt %}
+{{ '<|im_start|>assistant\\n' }}{% endif %}"""
+
+# Model shapes: `tiny` for tests, `bench` (hidden 512, 8 layers) for engine benchmarks.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+    ),
+    "bench": dict(
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1408,
+        max_position_embeddings=4096,
+    ),
+}
+
+_SUBJECTS = ("the cat", "a dog", "my friend", "the teacher", "our team", "the old man", "a child",
+             "the router", "the server", "the model", "a student", "the city", "the river")  # fmt: skip
+_VERBS = ("sees", "likes", "finds", "builds", "reads", "writes", "moves", "sends", "keeps",
+          "opens", "answers", "caches", "serves", "routes", "learns")  # fmt: skip
+_OBJECTS = ("a red ball", "the long road", "three books", "the small house", "a quiet song",
+            "the prompt", "every request", "the blue sky", "fresh bread", "a café au lait",
+            "the naïve plan", "a warm day", "the next token", "many questions")  # fmt: skip
+_TAILS = ("today.", "in the morning.", "with care.", "again and again.", "before noon.",
+          "because it is fun.", "quickly.", "at home.", "on Monday.", "🙂", "for 42 minutes.")  # fmt: skip
+
+
+def make_corpus(seed: int = 0, sentences: int = 3000) -> list[str]:
+    """Simple English sentences (plus a few accents and an emoji), reproducibly."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(sentences):
+        s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
+        lines.append(s.capitalize() if i % 2 else f"Q{i}: {s} A: yes, {rng.choice(_SUBJECTS)}.")
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(make_corpus(seed), trainer)
+    bos_id = tok.token_to_id(BOS)
+    # Like Llama 3: encode() with special tokens prepends BOS.
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+            ),
+        ]
+    )
+    return tok
+
+
+def _hf_config(arch: str, shape: dict[str, Any], tok: Tokenizer, vocab_size: int,
+               rope_theta: float, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    qwen = arch == "qwen2"
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": shape["hidden_size"],
+        "intermediate_size": shape["intermediate_size"],
+        "num_hidden_layers": shape["num_layers"],
+        "num_attention_heads": shape["num_heads"],
+        "num_key_value_heads": shape["num_kv_heads"],
+        "head_dim": shape["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": shape["max_position_embeddings"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": qwen,  # one of each, so both paths are exercised
+        "bos_token_id": tok.token_to_id(BOS),
+        "eos_token_id": tok.token_to_id(EOS),
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if qwen:
+        cfg |= {"use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": shape["num_layers"]}  # fmt: skip
+    else:
+        cfg |= {"attention_bias": False, "mlp_bias": False}
+    return cfg
+
+
+def _random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    state = CausalLM(config).state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(state):
+        shape = state[name].shape
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("bias"):
+            t = 0.1 * torch.randn(shape, generator=gen)
+        elif "embed_tokens" in name:
+            t = torch.randn(shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+        out[name] = t.contiguous()
+    return out
+
+
+def _save_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+    if num_shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(tensors)
+    weight_map: dict[str, str] = {}
+    for i in range(num_shards):
+        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::num_shards]}
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 32,
+    intermediate_size: int = 128,
+    vocab_size: int = 1024,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    arch: Literal["llama", "qwen2"] = "llama",
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    num_shards: int = 1,
+) -> Path:
+    """Write the model folder to `out_dir` (created if needed) and return its path."""
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    if arch == "qwen2" and head_dim != hidden_size // num_heads:
+        raise ValueError(
+            "qwen2 derives head_dim as hidden_size // num_heads; pass a matching head_dim"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size, seed)
+    shape = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+                 max_position_embeddings=max_position_embeddings)  # fmt: skip
+    # The embedding covers every tokenizer id; padded up to `vocab_size` like real models.
+    model_vocab = max(vocab_size, tok.get_vocab_size())
+    hf_cfg = _hf_config(arch, shape, tok, model_vocab, rope_theta, rope_scaling)
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    eos_ids = [tok.token_to_id(EOS), tok.token_to_id(IM_END)]
+    gen_cfg = {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": eos_ids, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    tok.save(str(out / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "model_max_length": max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    weights = _random_weights(ModelConfig.from_dict(hf_cfg), seed)
+    _save_weights(out, weights, num_shards)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Make a small random-weight model folder.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-shards", type=int, default=1)
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed,
+                           num_shards=args.num_shards, **PRESETS[args.preset])  # fmt: skip
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
