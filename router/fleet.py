@@ -55,9 +55,16 @@ class Breaker:
         state = self.state(now)
         return state == "closed" or (state == "half_open" and not self.probing)
 
-    def on_attempt(self, now: float) -> None:
-        if self.state(now) == "half_open":
+    def on_attempt(self, now: float) -> bool:
+        """Note an attempt; True when it is the half-open probe."""
+        if self.state(now) == "half_open" and not self.probing:
             self.probing = True
+            return True
+        return False
+
+    def abandon_probe(self) -> None:
+        """The probe ended without a verdict (client left): let the next request probe."""
+        self.probing = False
 
     def record_success(self) -> None:
         self.failures = 0

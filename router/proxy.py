@@ -176,7 +176,16 @@ class Proxy:
     async def _attempt(
         self, request: web.Request, routed: Routed, worker: WorkerState, decision: Decision
     ) -> web.StreamResponse:
-        worker.breaker.on_attempt(self.clock())
+        probe = worker.breaker.on_attempt(self.clock())
+        try:
+            return await self._send(request, routed, worker, decision)
+        finally:
+            if probe and worker.breaker.probing:
+                worker.breaker.abandon_probe()
+
+    async def _send(
+        self, request: web.Request, routed: Routed, worker: WorkerState, decision: Decision
+    ) -> web.StreamResponse:
         with LoadGuard(worker):
             try:
                 upstream = await self.session.post(

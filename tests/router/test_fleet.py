@@ -40,7 +40,9 @@ def test_breaker_opens_after_consecutive_failures_then_half_opens_for_one_probe(
     assert not b.allows(14.1)  # one probe at a time
     b.record_failure(14.2)
     assert b.state(14.2) == "open" and b.state(24.2) == "half_open"
-    b.on_attempt(24.2)
+    assert b.on_attempt(24.2) and not b.on_attempt(24.2)
+    b.abandon_probe()  # the probe's client left: the next request may probe
+    assert b.allows(24.2) and b.on_attempt(24.2)
     b.record_success()
     assert b.state(24.3) == "closed" and b.allows(24.3)
 

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 
+import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
@@ -127,3 +128,16 @@ async def test_imbalance_sends_to_the_least_loaded(router: TestServer) -> None:
     )
     assert raw.headers["x-radix-route-reason"] == "cache_hit"
     assert router.app[POLICY].worker_stats()[other]["tree_chars"] > 0
+
+
+async def test_generate_and_worker_table(router: TestServer) -> None:
+    async with aiohttp.ClientSession() as http:
+        body = {"text": "the native endpoint " * 20, "sampling_params": {"max_new_tokens": 3}}
+        async with http.post(router.make_url("/generate"), json=body) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["x-radix-worker"] in router.app[FLEET].workers
+        async with http.get(router.make_url("/workers")) as r:
+            workers = (await r.json())["data"]
+    assert {w["worker_id"] for w in workers} == {"sim-0", "sim-1"}
+    assert all(w["engine"] == "sim" and w["epoch"] > 0 and w["source"] == "redis" for w in workers)
+    assert all(w["in_flight"] == 0 and w["breaker"] == "closed" for w in workers)

@@ -176,3 +176,45 @@ async def test_no_workers_is_503_and_health_follows(start_router: StartRouter) -
     )
     assert r.status == 503 and (await r.json())["error"]["code"] == "no_workers"
     assert (await client.get("/health")).status == 503
+
+
+async def test_breaker_half_opens_and_closes_when_the_worker_recovers(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w, server)] = await fake_workers("fail503")
+    client = await start_router(
+        [url_of(server)], breaker_failures=2, breaker_cooldown=0.2, max_retries=0
+    )
+    assert [(await client.post("/v1/completions", json=BODY)).status for _ in range(2)] == [
+        502,
+        502,
+    ]
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status == 503 and w.seen == 2  # open: not even tried
+    w.mode = "ok"
+    await asyncio.sleep(0.25)  # cooldown over: one probe goes through and closes it
+    assert (await client.post("/v1/completions", json=BODY)).status == 200
+    assert [w_.breaker.state(0) for w_ in client.server.app[FLEET].workers.values()] == ["closed"]
+
+
+def test_hop_by_hop_headers_are_stripped_including_connection_listed_ones() -> None:
+    from multidict import CIMultiDict
+
+    from router.proxy import REQUEST_DROP, RESPONSE_DROP, end_to_end_headers
+
+    incoming = CIMultiDict(
+        [("Connection", "keep-alive, X-Private"), ("X-Private", "1"), ("Keep-Alive", "timeout=5"),
+         ("Transfer-Encoding", "chunked"), ("TE", "trailers"), ("Upgrade", "h2c"), ("Host", "router"),
+         ("Authorization", "Bearer k"), ("X-Keep", "a"), ("X-Keep", "b"), ("Content-Type", "application/json")]
+    )  # fmt: skip
+    out = end_to_end_headers(incoming, REQUEST_DROP)
+    assert list(out.items()) == [
+        ("X-Keep", "a"),
+        ("X-Keep", "b"),
+        ("Content-Type", "application/json"),
+    ]
+    back = end_to_end_headers(
+        CIMultiDict([("Content-Length", "5"), ("Proxy-Authenticate", "x"), ("X-A", "1")]),
+        RESPONSE_DROP,
+    )
+    assert list(back.items()) == [("X-A", "1")]

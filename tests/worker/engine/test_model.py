@@ -294,3 +294,37 @@ def test_cuda_auto_dtype_and_pool_sizing(tiny_model_dir: Path) -> None:
     slots = bf16.pool.allocator.alloc(9)
     out = bf16.forward([SeqBatchItem(sample_ids(9, 1000, seed=50), 0, slots)])
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_config_parsing_spellings() -> None:
+    base = {
+        "model_type": "mistral",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "head_dim": None,  # Mistral configs say null: derived as hidden / heads
+        "eos_token_id": 2,
+    }
+    cfg = ModelConfig.from_dict(base, {"eos_token_id": [7, 2]})
+    assert cfg.head_dim == 16 and cfg.num_key_value_heads == 4
+    assert cfg.eos_token_ids == (2, 7)
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.tie_word_embeddings) == (10000.0, None, False)
+    # transformers 5 writes RoPE settings under rope_parameters.
+    v5 = base | {
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+        "dtype": "bfloat16",
+    }
+    cfg5 = ModelConfig.from_dict(v5)
+    assert cfg5.rope_theta == 1e6 and cfg5.torch_dtype == "bfloat16"
+    assert cfg5.rope_scaling is not None and cfg5.rope_scaling.factor == 2.0
+    qwen = ModelConfig.from_dict(base | {"model_type": "qwen2"})
+    assert qwen.qkv_bias and not qwen.o_bias
+    for bad, message in [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_key_value_heads": 3}, "not a multiple"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_dict(base | bad)

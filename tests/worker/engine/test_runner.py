@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -130,3 +133,43 @@ def test_device_and_dtype_choice() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             pick_device("cuda")
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_schedule_matches_transformers(
+    runner: ModelRunner, tiny_model_dir: Path, data: st.DataObject
+) -> None:
+    """Sequences of random lengths, each cut into random chunks, all advancing together
+    in mixed batches (prefill chunks next to single tokens, decodes grouped or not): every returned row equals
+    transformers' logits at that chunk's last position."""
+    runner.pool.allocator.reset()
+    lengths = data.draw(st.lists(st.integers(1, 24), min_size=1, max_size=4), label="lengths")
+    seqs = [ids_of(n, start=11 * i + 4) for i, n in enumerate(lengths)]
+    slots = [runner.pool.allocator.alloc(n) for n in lengths]
+    with torch.no_grad():
+        refs = [hf_model(tiny_model_dir)(torch.tensor([s])).logits[0] for s in seqs]
+    done = [0] * len(seqs)
+    while any(d < len(s) for d, s in zip(done, seqs, strict=True)):
+        items, expect = [], []
+        for i, seq in enumerate(seqs):
+            if done[i] == len(seq):
+                continue
+            n = data.draw(st.integers(1, len(seq) - done[i]), label=f"chunk of seq {i}")
+            items.append(SeqBatchItem(seq[done[i] : done[i] + n], done[i], slots[i][: done[i] + n]))
+            expect.append(refs[i][done[i] + n - 1])
+            done[i] += n
+        runner.group_decode_attention = data.draw(st.booleans(), label="group decodes")
+        try:
+            logits = runner.forward(items)
+        finally:
+            runner.group_decode_attention = False
+        torch.testing.assert_close(logits, torch.stack(expect), atol=1e-4, rtol=0)
