@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--trace-module", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--n-requests", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--page-size", type=int, default=None, help="override the trace's page_size")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc replay")
     ap.add_argument("--profile", action="store_true", help="cProfile the RadixCache replay")
     args = ap.parse_args(argv)
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     params = rt.TraceParams()
     if args.n_requests is not None:
         params = dataclasses.replace(params, n_requests=args.n_requests)
+    if args.page_size is not None:
+        params = dataclasses.replace(params, page_size=args.page_size)
     t = time.perf_counter()
     trace = rt.build_trace(params)
     n = len(trace)

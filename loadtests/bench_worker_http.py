@@ -59,8 +59,12 @@ async def drive(
     return time.perf_counter() - start, latencies
 
 
-async def in_process(jobs: list[str], concurrency: int, max_tokens: int) -> tuple[float, list[float]]:
-    engine = build_engine(WorkerConfig(engine="sim", cache_tokens=2_000_000, max_running_requests=256))
+async def in_process(
+    jobs: list[str], concurrency: int, max_tokens: int
+) -> tuple[float, list[float]]:
+    engine = build_engine(
+        WorkerConfig(engine="sim", cache_tokens=2_000_000, max_running_requests=256)
+    )
     await engine.start()
 
     async def one(i: int, prompt: str) -> None:

@@ -4,10 +4,12 @@ Workers come from three sources: the Redis registry (heartbeats), a static list
 (`worker_urls`), and the admin API. Only registry workers come and go with the
 registry; the other two stay until removed by hand.
 
-Load, as the policy sees it, is `in_flight + running + waiting`: requests this
-router has in flight to the worker (exact, counted by `LoadGuard`) plus the queue
-the worker last reported in its heartbeat (so router replicas see each other's
-traffic, at heartbeat staleness).
+Load, as the policy sees it, is `max(in_flight + remote, running + waiting)`:
+requests this router (plus, with replica sync, the other replicas) has in flight to
+the worker, exact and instant (counted by `LoadGuard`), or the queue the worker last
+reported in its heartbeat, which includes every router's traffic but is up to one
+heartbeat stale. Taking the larger of the two counts no request twice (the reported
+queue already holds this router's requests) and still sees replicas without sync.
 
 Circuit breaker per worker:
 
@@ -103,7 +105,10 @@ class WorkerState:
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.running + self.waiting
+        return self.load_with(0)
+
+    def load_with(self, remote_in_flight: int) -> int:
+        return max(self.in_flight + remote_in_flight, self.running + self.waiting)
 
     def update(self, record: WorkerRecord) -> None:
         self.url = record.url

@@ -7,7 +7,6 @@ nor is retried across, the fleet. The handlers know nothing of which policy runs
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import aiohttp
@@ -17,7 +16,8 @@ from router.fleet import WorkerState
 from router.proxy import Routed
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
 from shared.config import check_worker_url
-from shared.errors import APIError
+from shared.errors import APIError, parse_json_object
+from shared.errors import read_body as read_raw_body
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -25,22 +25,8 @@ MODELS_PROBE_TIMEOUT_S = 2.0
 
 async def read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     """The raw body (forwarded unchanged) and its parsed JSON object."""
-    try:
-        raw = await request.read()  # bounded by the app's client_max_size
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[CONFIG].max_body_bytes
-        raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large") from None
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise APIError(400, "request body is not valid UTF-8", code="invalid_json") from None
-    except json.JSONDecodeError as e:
-        raise APIError(
-            400, f"request body is not valid JSON: {e.msg} at position {e.pos}", code="invalid_json"
-        ) from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return raw, data
+    raw = await read_raw_body(request, request.app[CONFIG].max_body_bytes)
+    return raw, parse_json_object(raw)
 
 
 def _inference(endpoint: str, path: str) -> Any:

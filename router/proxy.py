@@ -109,7 +109,9 @@ class Proxy:
             return None
         remote = self._remote_load() if self._remote_load is not None else {}
         views = [
-            WorkerView(w.worker_id, w.load + remote.get(w.worker_id, 0), w.cache_capacity_tokens)
+            WorkerView(
+                w.worker_id, w.load_with(remote.get(w.worker_id, 0)), w.cache_capacity_tokens
+            )
             for w in candidates
         ]
         decision = self.policy.select(RouteRequest(routed.text, routed.session_key), views, now)

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from itertools import repeat
 from typing import Generic, TypeVar
 
 Seq = TypeVar("Seq", str, tuple[int, ...])
@@ -107,15 +108,23 @@ class PrefixTree(Generic[Seq]):
     def tenant_nodes(self, tenant: Tenant) -> int:
         return len(self._lru.get(tenant, ()))
 
-    def match(self, text: Seq) -> dict[Tenant, int]:
-        """Per tenant, the length of the longest prefix of ``text`` it holds (> 0 only).
+    def tenant_sizes(self, tenants: Iterable[Tenant]) -> list[int]:
+        """``tenant_size`` of each, in order: one C-level pass for a whole fleet."""
+        return list(map(self._size.get, tenants, repeat(0)))
 
+    def match_path(self, text: Seq) -> list[tuple[Mapping[Tenant, float], int]]:
+        """The nodes ``text`` runs through, root side first, as (holders, matched length
+        at that node's end, or where ``text`` leaves it). Read-only views, not copies.
+
+        A tenant's match is the ``end`` of the deepest entry it holds, and each entry's
+        holders are a subset of the one before, so a caller that wants only the best
+        holders reads from the end and stops early: no per-tenant work for the rest.
         Read-only: routing inserts the text for the chosen tenant afterwards, which is
         what refreshes its recency.
         """
         node, pos, n = self._root, 0, len(text)
         is_str = type(text) is str  # str compares in place; tuples have no startswith
-        hits: list[tuple[_Node[Seq], int]] = []
+        path: list[tuple[Mapping[Tenant, float], int]] = []
         while pos < n:
             child = node.children.get(text[pos])
             if child is None:
@@ -124,20 +133,23 @@ class PrefixTree(Generic[Seq]):
             k = len(key)
             if text.startswith(key, pos) if is_str else text[pos : pos + k] == key:  # type: ignore[union-attr]
                 pos += k
-                hits.append((child, pos))
+                path.append((child.tenants, pos))
                 node = child
                 continue
-            hits.append((child, pos + _common_len(text, pos, key)))
+            path.append((child.tenants, pos + _common_len(text, pos, key)))
             break
-        # A tenant's answer is the deepest node it holds on the path. Deepest first; a
-        # shallower node holds a superset, so an equal count means nothing new, and
-        # otherwise fromkeys + update keeps the per-tenant loop in C.
+        return path
+
+    def match(self, text: Seq) -> dict[Tenant, int]:
+        """Per tenant, the length of the longest prefix of ``text`` it holds (> 0 only)."""
         out: dict[Tenant, int] = {}
-        for held, end in reversed(hits):
-            if len(held.tenants) != len(out):
-                grown = dict.fromkeys(held.tenants, end)
-                grown.update(out)
-                out = grown
+        path = self.match_path(text)
+        # Root side first, so a deeper (longer) end overwrites a shallower one. An entry
+        # with as many holders as the next has the same holders: skip it.
+        for i, (held, end) in enumerate(path):
+            if i + 1 < len(path) and len(path[i + 1][0]) == len(held):
+                continue
+            out.update(zip(held, repeat(end)))
         return out
 
     # ---- updates -------------------------------------------------------------------

@@ -70,8 +70,8 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
-async def read_json(request: web.Request, limit: int) -> dict:
-    """The request body as a JSON object, or an APIError (413 over `limit`, 400 otherwise)."""
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The raw request body, or a 413 APIError once it exceeds `limit` bytes."""
     if request.content_length is not None and request.content_length > limit:
         raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
     body = bytearray()
@@ -79,8 +79,13 @@ async def read_json(request: web.Request, limit: int) -> dict:
         body += chunk
         if len(body) > limit:
             raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    return bytes(body)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """`raw` as a JSON object, or a 400 APIError saying what is wrong with it."""
     try:
-        data = json.loads(body.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise APIError(400, "request body is not valid UTF-8", code="invalid_json") from None
     except json.JSONDecodeError as e:
@@ -90,6 +95,11 @@ async def read_json(request: web.Request, limit: int) -> dict:
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     return data
+
+
+async def read_json(request: web.Request, limit: int) -> dict:
+    """The request body as a JSON object, or an APIError (413 over `limit`, 400 otherwise)."""
+    return parse_json_object(await read_body(request, limit))
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

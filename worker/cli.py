@@ -42,7 +42,7 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--advertise-url", "advertise_url", str, "URL routers dial (default: http://host:port)"),
     ("--heartbeat-interval", "heartbeat_interval", float, "seconds between heartbeats"),
     ("--cache-tokens", "cache_tokens", int, "KV cache capacity in tokens"),
-    ("--kv-memory-fraction", "kv_memory_fraction", float, "device memory for KV when no --cache-tokens"),
+    ("--kv-memory-fraction", "kv_memory_fraction", float, "KV share of free device memory"),
     ("--page-size", "page_size", int, "radix cache page size in tokens"),
     ("--max-running-requests", "max_running_requests", int, "batch size limit; more wait"),
     ("--max-waiting-requests", "max_waiting_requests", int, "queue limit; more get 503"),
@@ -107,8 +107,10 @@ async def serve(config: WorkerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        booted = asyncio.ensure_future(state.booted.wait())
-        await asyncio.wait([booted, asyncio.ensure_future(stop.wait())], return_when="FIRST_COMPLETED")
+        waiters = [asyncio.ensure_future(state.booted.wait()), asyncio.ensure_future(stop.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
         if state.failure is not None:
             log.error("engine failed to start: %s", state.failure)
             return 1

@@ -56,14 +56,18 @@ def session(timeout: float = 60.0) -> aiohttp.ClientSession:
 
 def prompt(i: int, tokens: int = 40, groups: int = 8) -> dict[str, Any]:
     """Prompts in `groups` shared-prefix groups, so the cache-aware policy has trees."""
-    return {"prompt": f"group {i % groups} shared prefix " * 20 + f"request {i}", "max_tokens": tokens}
+    return {
+        "prompt": f"group {i % groups} shared prefix " * 20 + f"request {i}",
+        "max_tokens": tokens,
+    }
 
 
 async def call(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: float = 30.0,
-    headers: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None, first_event: asyncio.Event | None = None,
 ) -> Outcome:  # fmt: skip
-    """POST one request (streamed when body["stream"]) and read it to the end."""
+    """POST one request (streamed when body["stream"]) and read it to the end;
+    `first_event` is set when the first SSE event arrives."""
     out = Outcome(0, started=time.monotonic())
     try:
         async with asyncio.timeout(timeout):
@@ -73,6 +77,8 @@ async def call(
                     async for line in r.content:
                         if line.startswith(b"data: "):
                             out.events.append(line[6:].decode().strip())
+                            if first_event is not None:
+                                first_event.set()
                 else:
                     await r.read()
     except TimeoutError:

@@ -61,12 +61,21 @@ def test_load_guard_releases_exactly_once() -> None:
     assert w.in_flight == 0
 
 
-def test_load_adds_reported_queue() -> None:
+def test_load_counts_no_request_twice() -> None:
     fleet = Fleet(RouterConfig(), Hooks())
     fleet.apply_registry({"w1": record("w1", running=3, waiting=2)})
     w = fleet.workers["w1"]
+    # The reported queue already holds this router's requests: the larger count wins.
     with LoadGuard(w):
-        assert w.load == 6
+        assert w.load == 5
+    guards = [LoadGuard(w) for _ in range(7)]
+    for g in guards:
+        g.__enter__()
+    assert w.load == 7
+    assert w.load_with(remote_in_flight=2) == 9  # other replicas' in-flight (replica sync)
+    for g in guards:
+        g.__exit__(None, None, None)
+    assert w.load == 5
 
 
 def test_registry_join_leave_epoch_and_capacity() -> None:

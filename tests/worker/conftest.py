@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -78,10 +79,8 @@ class WorkerThread:
 
     def stop(self) -> None:
         if self._runner is not None:
-            try:
+            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
                 self.call(self._runner.cleanup(), timeout=30)
-            except (concurrent.futures.TimeoutError, RuntimeError):
-                pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         if not self._thread.is_alive():
@@ -123,7 +122,9 @@ class WorkerProcess:
                "--port", str(self.port), *args]  # fmt: skip
         root = Path(__file__).resolve().parents[2]
         env = {**os.environ, "PYTHONPATH": str(root)}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=root, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=root, env=env
+        )
 
     def healthy(self) -> bool:
         try:

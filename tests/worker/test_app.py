@@ -66,7 +66,9 @@ async def test_completion_and_chat_report_cached_tokens(aiohttp_client: MakeClie
     chat = await client.post("/v1/chat/completions", json={
         "model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})  # fmt: skip
     body = await chat.json()
-    assert body["id"].startswith("chatcmpl-") and body["choices"][0]["message"]["role"] == "assistant"
+    assert (
+        body["id"].startswith("chatcmpl-") and body["choices"][0]["message"]["role"] == "assistant"
+    )
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert chat.headers["x-worker-id"] == "sim-test"
     engine_of(client).check_integrity()
@@ -94,7 +96,9 @@ async def test_streaming_chat_with_usage(aiohttp_client: MakeClient) -> None:
 
 async def test_generate_endpoint(aiohttp_client: MakeClient) -> None:
     client = await started(aiohttp_client)
-    resp = await client.post("/generate", json={"text": LONG, "sampling_params": {"max_new_tokens": 3}})
+    resp = await client.post(
+        "/generate", json={"text": LONG, "sampling_params": {"max_new_tokens": 3}}
+    )
     body = await resp.json()
     assert body["meta_info"]["completion_tokens"] == 3 and len(body["output_ids"]) == 3
     assert body["meta_info"]["finish_reason"] == {"type": "length"}
@@ -104,7 +108,9 @@ async def test_generate_endpoint(aiohttp_client: MakeClient) -> None:
     assert events[-1] == "[DONE]"
     assert events[-2]["meta_info"]["completion_tokens"] == 4
     assert events[-2]["text"].startswith(events[0]["text"])  # cumulative, as SGLang streams
-    again = await client.post("/generate", json={"text": LONG, "sampling_params": {"max_new_tokens": 3}})
+    again = await client.post(
+        "/generate", json={"text": LONG, "sampling_params": {"max_new_tokens": 3}}
+    )
     assert (await again.json())["meta_info"]["cached_tokens"] > 0
 
 
@@ -121,10 +127,25 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [99999999999]}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "word " * 600}]},
+        400,
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
     ("/generate", {"sampling_params": {}}, 400, None),
-    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -2}}, 400, "sampling_params.max_new_tokens"),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"max_new_tokens": -2}},
+        400,
+        "sampling_params.max_new_tokens",
+    ),
     ("/generate", {"text": "x", "sampling_params": 7}, 400, "sampling_params"),
 ]
 

@@ -60,11 +60,15 @@ def test_ready_line_and_sigterm_drain(spawn_worker: Callable[..., WorkerProcess]
     result: dict[str, object] = {}
 
     def long_request() -> None:
-        result["answer"] = post(worker.url + "/v1/completions", {"prompt": "slow", "max_tokens": 200})
+        result["answer"] = post(
+            worker.url + "/v1/completions", {"prompt": "slow", "max_tokens": 200}
+        )
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    wait_until(lambda: b"running_requests 1.0" in urllib.request.urlopen(worker.url + "/metrics").read())
+    wait_until(
+        lambda: b"running_requests 1.0" in urllib.request.urlopen(worker.url + "/metrics").read()
+    )
     worker.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: not worker.healthy())  # /health 503 while draining
     status, body = post(worker.url + "/v1/completions", {"prompt": "late", "max_tokens": 1})

@@ -64,7 +64,9 @@ def test_worker_survives_redis_outage_and_resumes() -> None:
             wait_until(lambda: record(client, "hb-outage") is not None)
             server.stop()
             time.sleep(0.5)  # several failed beats
-            body = post(worker.url + "/v1/completions", {"prompt": "still serving", "max_tokens": 2})
+            body = post(
+                worker.url + "/v1/completions", {"prompt": "still serving", "max_tokens": 2}
+            )
             assert body["usage"]["completion_tokens"] == 2  # type: ignore[index]
             server.start()
             client = redis.Redis.from_url(server.url)  # the new server starts empty

@@ -55,7 +55,9 @@ def test_sync_chat_and_completions_report_cached_tokens(worker: WorkerThread) ->
     assert second.usage.prompt_tokens_details.cached_tokens > 50
     assert 1 <= second.usage.completion_tokens <= 6
     client.completions.create(model=model, prompt=SYSTEM + "head", max_tokens=4, temperature=0)
-    comp = client.completions.create(model=model, prompt=SYSTEM + "tail", max_tokens=4, temperature=0)
+    comp = client.completions.create(
+        model=model, prompt=SYSTEM + "tail", max_tokens=4, temperature=0
+    )
     assert comp.id.startswith("cmpl-") and comp.usage is not None
     assert comp.usage.prompt_tokens_details is not None
     assert comp.usage.prompt_tokens_details.cached_tokens > 0

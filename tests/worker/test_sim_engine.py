@@ -27,7 +27,9 @@ def engine(**kw: object) -> SimEngine:
 
 
 def req(rid: str, prompt: str, max_tokens: int = 8, **params: object) -> GenerateRequest:
-    return GenerateRequest(rid, prompt=prompt, params=SamplingParams(max_tokens=max_tokens, **params))  # type: ignore[arg-type]
+    return GenerateRequest(
+        rid, prompt=prompt, params=SamplingParams(max_tokens=max_tokens, **params)
+    )  # type: ignore[arg-type]
 
 
 async def run(eng: SimEngine, r: GenerateRequest) -> tuple[str, GenerateOutput]:

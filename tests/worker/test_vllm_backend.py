@@ -38,9 +38,13 @@ def test_openai_client_and_cached_tokens(vllm_worker: WorkerThread) -> None:
     client = openai.OpenAI(base_url=vllm_worker.url + "/v1", api_key="unused", max_retries=0)
     model = vllm_worker.engine.model_name
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "one"}]
-    first = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0)
+    first = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=5, temperature=0
+    )
     messages[1]["content"] = "two"
-    second = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0)
+    second = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=5, temperature=0
+    )
     assert first.usage is not None and second.usage is not None
     assert second.usage.prompt_tokens_details is not None
     assert second.usage.prompt_tokens_details.cached_tokens > 0

@@ -21,6 +21,7 @@ tree (which frees duplicates) and unused reserved slots are freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 from collections import deque
@@ -292,7 +293,9 @@ class SimEngine:
         self._active.pop(seq.request_id, None)
         if self._running.pop(seq.request_id, None) is None:
             if not entry.admitted.done():
-                entry.admitted.set_result(False)  # still queued: _admit drops it
+                entry.admitted.set_result(False)
+            with contextlib.suppress(ValueError):  # still queued: leave the queue (rare, O(n))
+                self._waiting.remove(entry)
             return
         self.completion_tokens_total += len(seq.output_ids)
         # Prompt + output go into the tree (it frees what it already held); the reserved
@@ -316,7 +319,7 @@ class SimEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self._running),
-            waiting=sum(1 for e in self._waiting if not e.admitted.done()),
+            waiting=len(self._waiting),
             cache_capacity_tokens=self.allocator.capacity,
             cache_used_tokens=self.allocator.capacity - self.allocator.available,
             prompt_tokens_total=self.prompt_tokens_total,

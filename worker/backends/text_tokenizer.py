@@ -57,6 +57,14 @@ class ByteDetokenizer:
         return self._decoder.decode(_id_bytes(int(token_id)))
 
 
+class _AsciiIds(dict[str, int]):
+    """piece -> id for ASCII pieces, filled on first use (`map` over it runs in C)."""
+
+    def __missing__(self, piece: str) -> int:
+        (self[piece],) = ids = _piece_ids(piece)
+        return ids[0]
+
+
 class TextTokenizer:
     """Same surface as worker.engine.tokenizer.Tokenizer for what the sim engine uses."""
 
@@ -64,18 +72,17 @@ class TextTokenizer:
     vocab_size = VOCAB_SIZE
 
     def __init__(self) -> None:
-        self._memo: dict[str, list[int]] = {}
+        self._ascii = _AsciiIds()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        memo = self._memo
-        if len(memo) > _MEMO_LIMIT:
-            memo.clear()
+        if len(self._ascii) > _MEMO_LIMIT:
+            self._ascii.clear()
+        pieces = _PIECE.findall(text)
+        if text.isascii() and "\x00" not in text:  # the common case: one id per piece
+            return list(map(self._ascii.__getitem__, pieces))
         ids: list[int] = []
-        for piece in _PIECE.findall(text):
-            got = memo.get(piece)
-            if got is None:
-                got = memo[piece] = _piece_ids(piece)
-            ids.extend(got)
+        for piece in pieces:
+            ids.extend(_piece_ids(piece))
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -60,7 +60,11 @@ class VllmEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        dtype = "float32" if self.config.dtype == "auto" and self.config.device == "cpu" else self.config.dtype
+        dtype = (
+            "float32"
+            if self.config.dtype == "auto" and self.config.device == "cpu"
+            else self.config.dtype
+        )
         args = AsyncEngineArgs(
             model=self.model_dir,
             served_model_name=[self.model_name],
@@ -89,7 +93,9 @@ class VllmEngine:
         params = request.params
         params.validate()
         if request.request_id in self._inflight:
-            raise EngineError(f"request id {request.request_id!r} is already in flight", "request_id")
+            raise EngineError(
+                f"request id {request.request_id!r} is already in flight", "request_id"
+            )
         limit = self.config.max_running_requests + self.config.max_waiting_requests
         if len(self._inflight) >= limit:
             raise EngineOverloaded(f"{len(self._inflight)} requests in flight; try again later")
@@ -98,7 +104,9 @@ class VllmEngine:
         else:
             ids = [int(t) for t in request.prompt_token_ids or ()]
             if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-                raise EngineError(f"token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
+                raise EngineError(
+                    f"token ids must be in [0, {self.tokenizer.vocab_size})", "prompt"
+                )
         if not ids:
             raise EngineError("prompt is empty", param="prompt")
         if len(ids) >= self.max_model_len:
@@ -133,7 +141,9 @@ class VllmEngine:
         self._inflight.add(rid)
         finished, completion, cached = False, 0, 0
         try:
-            stream = self._llm.generate(TokensPrompt(prompt_token_ids=ids), self._sampling(params), rid)
+            stream = self._llm.generate(
+                TokensPrompt(prompt_token_ids=ids), self._sampling(params), rid
+            )
             async for out in stream:
                 choice = out.outputs[0]
                 completion += len(choice.token_ids)

@@ -99,16 +99,6 @@ class PrefixCache(Protocol):
     def lock(self, node: TreeNode) -> None: ...
     def unlock(self, node: TreeNode) -> None: ...
     def evict(self, num_tokens: int) -> int: ...
-    def _push(self, node: TreeNode) -> None:
-        node.heap_tick = node.last_access
-        heapq.heappush(self._heap, (node.last_access, node.id, node))
-
-    def _rebuild_heap(self) -> None:
-        for node in self._leaves:
-            node.heap_tick = node.last_access
-        self._heap = [(n.last_access, n.id, n) for n in self._leaves]
-        heapq.heapify(self._heap)
-
     def reset(self) -> None: ...
     @property
     def evictable_size(self) -> int: ...
@@ -419,16 +409,6 @@ class NoCache:
 
     def evict(self, num_tokens: int) -> int:
         return 0
-
-    def _push(self, node: TreeNode) -> None:
-        node.heap_tick = node.last_access
-        heapq.heappush(self._heap, (node.last_access, node.id, node))
-
-    def _rebuild_heap(self) -> None:
-        for node in self._leaves:
-            node.heap_tick = node.last_access
-        self._heap = [(n.last_access, n.id, n) for n in self._leaves]
-        heapq.heapify(self._heap)
 
     def reset(self) -> None:
         pass

@@ -27,6 +27,10 @@ from worker.engine.model import DecodeGroup, ForwardContext, SeqSpan, prefix_cau
 from worker.engine.model_config import ModelConfig
 from worker.engine.weights import load_model
 
+# Cap on an automatically sized pool on CPU (64 MB for the tiny model, 1 GB for the
+# bench preset); pass kv_capacity_tokens to go beyond it.
+CPU_DEFAULT_KV_TOKENS = 131_072
+
 
 @dataclass
 class SeqBatchItem:
@@ -64,6 +68,10 @@ class ModelRunner:
                 self.device,
                 kv_memory_fraction,
             )
+            if self.device.type == "cpu":
+                # Host RAM is shared with everything else on the machine, and the pool is
+                # zero-filled up front: half of it would be tens of GB touched at start.
+                capacity = min(capacity, CPU_DEFAULT_KV_TOKENS)
         if capacity <= 0:
             raise ValueError(f"KV pool capacity must be positive, got {capacity} tokens")
         self.pool = KVPool(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from worker.engine.device import parse_dtype, pick_device, pick_dtype
-from worker.engine.runner import ModelRunner, SeqBatchItem
+from worker.engine.runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, SeqBatchItem
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +114,12 @@ def test_empty_batch_is_an_error(runner: ModelRunner) -> None:
 
 
 def test_pool_sized_from_memory_fraction(tiny_model_dir: Path) -> None:
-    small = ModelRunner(tiny_model_dir, device="cpu", kv_memory_fraction=0.0001)
-    assert small.pool.capacity > 0
+    small = ModelRunner(tiny_model_dir, device="cpu", kv_memory_fraction=1e-6)
+    assert 0 < small.pool.capacity < CPU_DEFAULT_KV_TOKENS
     assert small.pool.capacity == small.pool.allocator.capacity
+    # Half of host RAM is far more than the CPU cap.
+    default = ModelRunner(tiny_model_dir, device="cpu")
+    assert default.pool.capacity == CPU_DEFAULT_KV_TOKENS
 
 
 def test_device_and_dtype_choice() -> None:
