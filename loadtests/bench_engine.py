@@ -8,7 +8,7 @@ temp dir, then measures side by side in one run, on the same engine and model:
   question is prefilled). Runs interleave so machine noise hits both alike; medians.
 - Decode tokens/s at batch 1, 8 and 32 (steady state: every request already prefilled).
 
-    python -m loadtests.bench_engine [--runs 3] [--device cpu] [--out loadtests/results/engine.md]
+    python -m loadtests.bench_engine [--runs 5] [--threads 1] [--out loadtests/results/engine.md]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
@@ -119,8 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="TTFT runs (median)")
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        # On a shared, oversubscribed CPU one thread per process avoids threads waiting
+        # on descheduled siblings inside every small matmul.
+        torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "bench-llama", **PRESETS["bench"])
@@ -136,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"Model: random-weight Llama, hidden {shape['hidden_size']}, {shape['num_layers']} layers, "
         f"device {engine.runner.device}, dtype {engine.runner.dtype}, "
+        f"torch threads {torch.get_num_threads()}, "
         f"max_prefill_tokens {config.max_prefill_tokens}",
         "",
         "| measure | value |",

@@ -45,8 +45,9 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import compress, repeat
-from operator import attrgetter, eq
+from operator import attrgetter, eq, is_not
 from typing import ClassVar
 
 from router.tree import PrefixTree
@@ -105,6 +106,7 @@ class Policy(ABC):
 _ID = attrgetter("worker_id")
 _LOAD = attrgetter("load")
 _CAP = attrgetter("cache_capacity_tokens")
+_NOT_NONE = partial(is_not, None)
 
 
 def _least_index(loads: list[int], rng: random.Random, low: int | None = None) -> int:
@@ -208,7 +210,8 @@ class CacheAware(Policy):
         text = request.text
         ids = list(map(_ID, workers))
         if ids != self._ids:
-            self._ids, self._pos = ids, dict(zip(ids, range(len(ids))))
+            self._ids, self._pos = ids, dict(zip(ids, range(len(ids)), strict=True))
+            self._caps = None
         self._follow_capacity(workers)
         loads = list(map(_LOAD, workers))
         path = self._tree.match_path(text) if text else []
@@ -221,7 +224,7 @@ class CacheAware(Policy):
 
     def _holders(self, held: Iterable[object]) -> list[int]:
         """Positions of the routable workers among ``held``, in view order."""
-        return sorted(filter(None.__ne__, map(self._pos.get, held)))  # type: ignore[arg-type]
+        return sorted(filter(_NOT_NONE, map(self._pos.get, held)))  # type: ignore[arg-type]
 
     def _choose(
         self, n: int, loads: list[int], path: list[tuple[Mapping[object, float], int]]
@@ -288,196 +291,6 @@ class CacheAware(Policy):
             if cap and known.get(wid) != cap:
                 self.set_capacity(wid, cap)
         self._caps = caps
-
-    def observe(self, worker_id: str, text: str, now: float) -> None:
-        """Another router replica sent ``text`` to ``worker_id``."""
-        return
-
-    def worker_stats(self) -> dict[str, dict[str, int]]:
-        return {}
-
-
-_ID = attrgetter("worker_id")
-_LOAD = attrgetter("load")
-_CAP = attrgetter("cache_capacity_tokens")
-
-
-def _least_index(loads: list[int], rng: random.Random, low: int | None = None) -> int:
-    """Position of the least load; ties random. C-level passes only (map, count,
-    compress), no Python work per worker: this runs on every request of the fleet."""
-    if low is None:
-        low = min(loads)
-    if loads.count(low) == 1:
-        return loads.index(low)
-    return rng.choice(list(compress(range(len(loads)), map(eq, loads, repeat(low)))))
-
-
-def _least_loaded(workers: Sequence[WorkerView], rng: random.Random) -> WorkerView:
-    return workers[_least_index(list(map(_LOAD, workers)), rng)]
-
-
-class RoundRobin(Policy):
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        w = workers[self._next % len(workers)]
-        self._next += 1
-        return Decision(w.worker_id, self.name)
-
-
-class RandomPolicy(Policy):
-    name = "random"
-
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        return Decision(self._rng.choice(workers).worker_id, self.name)
-
-
-class LeastLoad(Policy):
-    name = "least_load"
-
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        return Decision(_least_loaded(workers, self._rng).worker_id, self.name)
-
-
-class PowerOfTwo(Policy):
-    name = "power_of_two"
-
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        if len(workers) == 1:
-            return Decision(workers[0].worker_id, self.name)
-        i, j = self._rng.sample(range(len(workers)), 2)  # indices: no copy of the fleet
-        a, b = workers[i], workers[j]
-        return Decision((b if b.load < a.load else a).worker_id, self.name)
-
-
-class ConsistentHash(Policy):
-    name = "consistent_hash"
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        key = request.session_key or request.text[:HASH_PREFIX_CHARS]
-        best = max(workers, key=lambda w: _score(key, w.worker_id))
-        return Decision(best.worker_id, self.name)
-
-
-def _score(key: str, worker_id: str) -> bytes:
-    # Rendezvous (highest random weight): a stable hash, not hash(), so every router
-    # replica and every restart agrees. The separator keeps ("ab","c") != ("a","bc").
-    return hashlib.blake2b(f"{key}\x00{worker_id}".encode(), digest_size=8).digest()
-
-
-class CacheAware(Policy):
-    """The rule at the top of this module.
-
-    Cost per request: the tree walk (independent of the fleet), a few C-level passes
-    over the views (ids, loads, capacities: ``map``/``min``/``count``, ~10 ns a
-    worker) and Python work only for the holders of the deepest matching node.
-    No per-tenant dict of match lengths is built.
-    """
-
-    name = "cache_aware"
-
-    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
-        self._cfg = config
-        self._rng = rng
-        self._tree: PrefixTree[str] = PrefixTree(max_chars=config.tree_max_chars)
-        self._capacity: dict[str, int] = {}  # last capacity applied per worker, in tokens
-        # The fleet as last seen: ids in view order, their positions, their capacities.
-        # Fleets change rarely, so comparing the lists (C, identity-fast) skips rebuilds.
-        self._ids: list[str] = []
-        self._pos: dict[str, int] = {}
-        self._caps: list[int] | None = None
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        text = request.text
-        ids = list(map(_ID, workers))
-        if ids != self._ids:
-            self._ids, self._pos = ids, dict(zip(ids, range(len(ids))))
-        self._follow_capacity(workers)
-        loads = list(map(_LOAD, workers))
-        path = self._tree.match_path(text) if text else []
-        i, reason = self._choose(len(text), loads, path)
-        wid = ids[i]
-        # Before the insert: ``path`` holds the live holder dicts, which it updates.
-        matched = next((end for held, end in reversed(path) if wid in held), 0)
-        self._tree.insert(text, wid, now)
-        return Decision(wid, reason, matched, matched / len(text) if text else 0.0)
-
-    def _holders(self, held: Iterable[object]) -> list[int]:
-        """Positions of the routable workers among ``held``, in view order."""
-        return sorted(filter(None.__ne__, map(self._pos.get, held)))  # type: ignore[arg-type]
-
-    def _choose(
-        self, n: int, loads: list[int], path: list[tuple[Mapping[object, float], int]]
-    ) -> tuple[int, str]:
-        cfg, rng = self._cfg, self._rng
-        low = min(loads)
-        if cfg.balance_mode == "fleet":
-            high = max(loads)
-            if high - low > cfg.balance_abs_threshold and high > cfg.balance_rel_threshold * low:
-                return _least_index(loads, rng, low), "balance"
-        threshold = cfg.cache_threshold * n
-        # Deepest entry first: its routable holders are the best match. Entries at or
-        # below the threshold end the search (shallower ones are shorter still).
-        best: list[int] = []
-        for held, end in reversed(path):
-            if end <= threshold:
-                break
-            best = self._holders(held)
-            if best:
-                break
-        if not best:
-            return self._no_match(loads, low), "no_match"
-        pick = best[_least_index([loads[j] for j in best], rng)]
-        if cfg.balance_mode == "fleet":
-            return pick, "cache_hit"
-        mean = sum(loads) / len(loads)
-        limit = max(mean * cfg.balance_rel_threshold, mean + cfg.balance_abs_threshold)
-        if loads[pick] <= limit:  # not overloaded
-            return pick, "cache_hit"
-        # Every holder above the threshold: the holders of the shallowest such entry.
-        above = next(held for held, end in path if end > threshold)
-        holders = [j for j in self._holders(above) if loads[j] <= limit]
-        if holders:
-            return holders[_least_index([loads[j] for j in holders], rng)], "spill"
-        return _least_index(loads, rng, low), "spill"
-
-    def _no_match(self, loads: list[int], low: int) -> int:
-        if self._cfg.no_match == "least_load":
-            return _least_index(loads, self._rng, low)
-        sizes = self._tree.tenant_sizes(self._ids)
-        smallest = min(sizes)
-        tied = list(compress(range(len(sizes)), map(eq, sizes, repeat(smallest))))
-        return tied[_least_index([loads[j] for j in tied], self._rng)]
-
-    def remove_worker(self, worker_id: str) -> None:
-        self._tree.remove_tenant(worker_id)
-        self._capacity.pop(worker_id, None)
-        self._caps = None  # a worker that comes back must get its cap again
-
-    def set_capacity(self, worker_id: str, cache_tokens: int) -> None:
-        self._capacity[worker_id] = cache_tokens
-        cap = int(cache_tokens * self._cfg.tree_chars_per_token) if cache_tokens > 0 else None
-        self._tree.set_cap(worker_id, cap)
-
-    def _follow_capacity(self, workers: Sequence[WorkerView]) -> None:
-        # The views carry the capacity the worker last reported, so the caps follow it
-        # even when the caller never calls set_capacity; unknown (0) changes nothing.
-        known = self._capacity
-        for w in workers:
-            if w.cache_capacity_tokens and known.get(w.worker_id) != w.cache_capacity_tokens:
-                self.set_capacity(w.worker_id, w.cache_capacity_tokens)
 
     def observe(self, worker_id: str, text: str, now: float) -> None:
         self._tree.insert(text, worker_id, now)

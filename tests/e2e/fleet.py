@@ -112,10 +112,12 @@ def http_json(
 
 
 class E2EFleet:
-    def __init__(self, log_dir: Path | None = None, redis: bool = True) -> None:
+    def __init__(
+        self, log_dir: Path | None = None, redis: bool = True, redis_password: str | None = None
+    ) -> None:
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="radix-e2e-")
         self.log_dir = log_dir or Path(self._tmp.name)  # type: ignore[union-attr]
-        self.redis = RedisServer().start() if redis else None
+        self.redis = RedisServer(password=redis_password).start() if redis else None
         self.workers: dict[str, Child] = {}
         self.router: Child | None = None
         self.router_headers: dict[str, str] = {}
@@ -206,11 +208,17 @@ class E2EFleet:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
-    def close(self) -> None:
+    def close_processes(self) -> None:
+        """Stop every child and Redis; the logs stay readable until `close`."""
         if self.router is not None:
             self.router.stop(grace_s=5)
         for child in self.workers.values():
             child.stop(grace_s=5)
+        if self.redis is not None:
+            self.redis.stop()
+
+    def close(self) -> None:
+        self.close_processes()
         if self.redis is not None:
             self.redis.close()
         if self._tmp is not None:

@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import redis
 
-from shared.redis_server import RedisServer
+from shared.redis_server import RedisServer, free_port
 from shared.registry import WorkerRecord
 from tests.worker.conftest import WorkerProcess, WorkerThread, sim_config, wait_until
+from worker.state import HEARTBEAT
 
 PREFIX = "radixrouter:"
 FAST = ["--engine", "sim", "--heartbeat-interval", "0.2", "--cache-tokens", "1000"]
@@ -112,3 +113,15 @@ def test_sigterm_leaves_the_fleet(
             events.append(json.loads(msg["data"]))
     assert events and events[0]["event"] == "leave" and events[0]["worker_id"] == "hb-term"
     pubsub.close()
+
+
+def test_starts_and_serves_without_reachable_redis() -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    config = sim_config(redis_url=dead, heartbeat_interval=0.05, worker_id="hb-dead")
+    with WorkerThread(config) as worker:
+        body = post(worker.url + "/v1/completions", {"prompt": "no redis", "max_tokens": 2})
+        assert body["usage"]["completion_tokens"] == 2  # type: ignore[index]
+        assert worker.app is not None
+        heartbeat = worker.app[HEARTBEAT]
+        time.sleep(0.3)
+        assert heartbeat.beats == 0 and not heartbeat.joined

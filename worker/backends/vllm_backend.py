@@ -76,7 +76,9 @@ class VllmEngine:
             seed=0,
             disable_log_stats=True,
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        # Building the engine starts its core process and profiles memory (tens of
+        # seconds): off the event loop, so /health keeps answering 503 meanwhile.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self.max_model_len = self._llm.model_config.max_model_len
         cache = self._llm.vllm_config.cache_config
         self._capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)

@@ -93,6 +93,11 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         rope_theta, rope_scaling = _parse_rope(raw)
         attention_bias = bool(raw.get("attention_bias", False))
+        max_len = int(raw.get("max_position_embeddings", 2048))
+        window = raw.get("sliding_window")
+        if window and (model_type == "mistral" or raw.get("use_sliding_window")):
+            # No sliding-window attention here: stop where full attention would differ.
+            max_len = min(max_len, int(window))
         return cls(
             model_type=model_type,
             architecture=(raw.get("architectures") or [""])[0],
@@ -103,7 +108,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_len,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

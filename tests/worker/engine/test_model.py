@@ -319,6 +319,11 @@ def test_config_parsing_spellings() -> None:
     cfg5 = ModelConfig.from_dict(v5)
     assert cfg5.rope_theta == 1e6 and cfg5.torch_dtype == "bfloat16"
     assert cfg5.rope_scaling is not None and cfg5.rope_scaling.factor == 2.0
+    # Sliding-window attention is not implemented: the context stops at the window.
+    windowed = base | {"sliding_window": 4096, "max_position_embeddings": 32768}
+    assert ModelConfig.from_dict(windowed).max_model_len == 4096
+    qwen_sw = windowed | {"model_type": "qwen2", "use_sliding_window": False}
+    assert ModelConfig.from_dict(qwen_sw).max_model_len == 32768
     qwen = ModelConfig.from_dict(base | {"model_type": "qwen2"})
     assert qwen.qkv_bias and not qwen.o_bias
     for bad, message in [

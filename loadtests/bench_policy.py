@@ -1,0 +1,161 @@
+"""CPU per routing decision as the fleet grows: cache_aware vs round_robin (the floor).
+
+    python loadtests/bench_policy.py [--workers 8,64,256,1000] [--requests 2000]
+        [--warmup 2000] [--groups 512] [--system-chars 8000] [--tail-chars 500]
+
+Workload: ``groups`` system prompts of ``system-chars`` chars, picked Zipf-like (a
+few hot groups, a long tail), each followed by a unique tail of ``tail-chars``: the
+SGLang "generated shared prefix" shape at the DESIGN budget's prompt size (8,000+
+chars). Loads move the way a live fleet's do: before each request two random workers
+get a new load (0–16) and, one request in 50, one worker a spike (+100), so the
+imbalance rule fires now and then and hot prefixes replicate onto several workers.
+The view list is updated in place (as the simulator does) outside the timed region.
+
+Per request the timed region is exactly ``policy.select(...)``: CPU by
+``time.thread_time_ns`` (does not count waiting for a core on a shared machine; the
+timer pair's own cost, measured empty, is subtracted) and wall-clock p50/p99 by
+``perf_counter_ns``. Every policy replays the same requests and load changes after
+the same ``--warmup`` requests. ``views µs`` is what a caller pays to build a fresh
+list of ``WorkerView`` per request (router/proxy.py does): measured once per size,
+for scale, outside the policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from router.policy import Policy, RouteRequest, WorkerView, build_policy
+from shared.config import RouterConfig
+
+VOCAB = [f"{a}{b}" for a in "bcdfghjklmnpqrstvwz" for b in ("a", "e", "i", "o", "u", "ay", "ee")]
+POLICIES = ("cache_aware", "round_robin", "least_load")
+
+
+@dataclass(frozen=True)
+class Row:
+    workers: int
+    policy: str
+    cpu_us: float  # mean CPU per decision
+    p50_us: float  # wall clock
+    p99_us: float
+    reasons: dict[str, int]
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(VOCAB)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+def make_requests(args: argparse.Namespace, rng: random.Random) -> list[str]:
+    systems = [_text(rng, args.system_chars) for _ in range(args.groups)]
+    weights = [1.0 / (g + 1) for g in range(args.groups)]  # Zipf, exponent 1
+    total = args.warmup + args.requests
+    picks = rng.choices(range(args.groups), weights=weights, k=total)
+    return [f"{systems[g]} {i} {_text(rng, args.tail_chars)}" for i, g in enumerate(picks)]
+
+
+def load_changes(n: int, total: int, rng: random.Random) -> list[tuple[int, int, int, int]]:
+    """Per request: (worker, load, worker, load); a spike is a load above 100."""
+    out = []
+    for r in range(total):
+        a, b = rng.randrange(n), rng.randrange(n)
+        spike = 100 if r % 50 == 0 else 0
+        out.append((a, rng.randint(0, 16) + spike, b, rng.randint(0, 16)))
+    return out
+
+
+def timer_overhead_ns() -> float:
+    t = time.thread_time_ns
+    samples = []
+    for _ in range(2000):
+        a = t()
+        samples.append(t() - a)
+    return statistics.median(samples)
+
+
+def run(policy: Policy, n: int, texts: list[str], changes: list[tuple[int, int, int, int]],
+        warmup: int, overhead: float) -> Row:  # fmt: skip
+    ids = [f"worker-{i:04d}" for i in range(n)]
+    views = [WorkerView(w, 0, 65_536) for w in ids]
+    cpu: list[int] = []
+    wall: list[int] = []
+    reasons: dict[str, int] = {}
+    thread, perf = time.thread_time_ns, time.perf_counter_ns
+    for r, (text, (a, la, b, lb)) in enumerate(zip(texts, changes, strict=True)):
+        views[a] = WorkerView(ids[a], la, 65_536)
+        views[b] = WorkerView(ids[b], lb, 65_536)
+        request = RouteRequest(text)
+        c0, w0 = thread(), perf()
+        decision = policy.select(request, views, float(r))
+        w1, c1 = perf(), thread()
+        if r >= warmup:
+            cpu.append(c1 - c0)
+            wall.append(w1 - w0)
+            reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
+    q = statistics.quantiles(wall, n=100)
+    return Row(n, policy.name, max(0.0, statistics.fmean(cpu) - overhead) / 1e3,
+               statistics.median(wall) / 1e3, q[98] / 1e3, reasons)  # fmt: skip
+
+
+def views_cost_us(n: int, repeats: int = 200) -> float:
+    ids = [f"worker-{i:04d}" for i in range(n)]
+    loads = list(range(n))
+    t = time.thread_time_ns()
+    for _ in range(repeats):
+        [WorkerView(w, load, 65_536) for w, load in zip(ids, loads, strict=True)]
+    return (time.thread_time_ns() - t) / repeats / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", default="8,64,256,1000")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--requests", type=int, default=2000, help="timed requests per run")
+    ap.add_argument("--warmup", type=int, default=2000, help="untimed requests first")
+    ap.add_argument("--groups", type=int, default=512)
+    ap.add_argument("--system-chars", type=int, default=8000)
+    ap.add_argument("--tail-chars", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    texts = make_requests(args, rng)
+    mean_chars = statistics.fmean(len(t) for t in texts)
+    overhead = timer_overhead_ns()
+    policies = [p for p in args.policies.split(",") if p]
+    print(f"{len(texts)} requests ({args.warmup} warm-up), mean {mean_chars:,.0f} chars; "
+          f"timer pair {overhead:.0f} ns subtracted from CPU")  # fmt: skip
+    print("| workers | policy | CPU µs / decision | wall p50 µs | wall p99 µs | "
+          "× round_robin (CPU) | reasons | views µs |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---|---:|")
+    for n in (int(x) for x in args.workers.split(",")):
+        changes = load_changes(n, len(texts), random.Random(args.seed + n))
+        views_us = views_cost_us(n)
+        rows = {}
+        for name in policies:
+            config = RouterConfig(policy=name)  # type: ignore[arg-type]
+            policy = build_policy(config, random.Random(args.seed))
+            rows[name] = run(policy, n, texts, changes, args.warmup, overhead)
+        floor = rows.get("round_robin")
+        for name, row in rows.items():
+            ratio = f"{row.cpu_us / floor.cpu_us:.1f}" if floor and floor.cpu_us else "-"
+            reasons = " ".join(f"{k} {v}" for k, v in sorted(row.reasons.items()))
+            print(f"| {n} | {name} | {row.cpu_us:.1f} | {row.p50_us:.1f} | {row.p99_us:.1f} | "
+                  f"{ratio} | {reasons if name == 'cache_aware' else ''} | {views_us:.1f} |",
+                  flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
