@@ -9,7 +9,9 @@ SGLang "generated shared prefix" shape at the DESIGN budget's prompt size (8,000
 chars). Loads move the way a live fleet's do: before each request two random workers
 get a new load (0–16) and, one request in 50, one worker a spike (+100), so the
 imbalance rule fires now and then and hot prefixes replicate onto several workers.
-The view list is updated in place (as the simulator does) outside the timed region.
+Each policy runs twice: on a list of ``WorkerView`` whose changed entries are
+replaced, and on a ``FleetView`` (router/policy.py: id/load/capacity columns the
+caller updates in place, as the simulator does); updates are outside the timed region.
 
 Per request the timed region is exactly ``policy.select(...)``: CPU by
 ``time.thread_time_ns`` (does not count waiting for a core on a shared machine; the
@@ -27,12 +29,13 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from router.policy import Policy, RouteRequest, WorkerView, build_policy
+from router.policy import FleetView, Policy, RouteRequest, WorkerView, build_policy
 from shared.config import RouterConfig
 
 VOCAB = [f"{a}{b}" for a in "bcdfghjklmnpqrstvwz" for b in ("a", "e", "i", "o", "u", "ay", "ee")]
@@ -67,13 +70,20 @@ def make_requests(args: argparse.Namespace, rng: random.Random) -> list[str]:
     return [f"{systems[g]} {i} {_text(rng, args.tail_chars)}" for i, g in enumerate(picks)]
 
 
-def load_changes(n: int, total: int, rng: random.Random) -> list[tuple[int, int, int, int]]:
-    """Per request: (worker, load, worker, load); a spike is a load above 100."""
-    out = []
+def load_changes(n: int, total: int, rng: random.Random) -> list[list[tuple[int, int]]]:
+    """Per request, the (worker, new load) pairs to apply first: two random workers get
+    a load in 0–16; every 50th request one gets +100 for that request only."""
+    out: list[list[tuple[int, int]]] = []
+    spiked = -1
     for r in range(total):
-        a, b = rng.randrange(n), rng.randrange(n)
-        spike = 100 if r % 50 == 0 else 0
-        out.append((a, rng.randint(0, 16) + spike, b, rng.randint(0, 16)))
+        step = [(rng.randrange(n), rng.randint(0, 16)) for _ in range(2)]
+        if spiked >= 0:
+            step.append((spiked, rng.randint(0, 16)))
+            spiked = -1
+        if r % 50 == 0:
+            spiked = rng.randrange(n)
+            step.append((spiked, 100 + rng.randint(0, 16)))
+        out.append(step)
     return out
 
 
@@ -86,27 +96,33 @@ def timer_overhead_ns() -> float:
     return statistics.median(samples)
 
 
-def run(policy: Policy, n: int, texts: list[str], changes: list[tuple[int, int, int, int]],
-        warmup: int, overhead: float) -> Row:  # fmt: skip
+def run(policy: Policy, n: int, texts: list[str], changes: list[list[tuple[int, int]]],
+        warmup: int, overhead: float, columns: bool) -> Row:  # fmt: skip
+    """``columns``: pass a FleetView updated in place; else a list of WorkerView with
+    the changed entries replaced (the caller's objects are reused across requests)."""
     ids = [f"worker-{i:04d}" for i in range(n)]
+    fleet = FleetView(ids, capacities=(65_536,) * n)
     views = [WorkerView(w, 0, 65_536) for w in ids]
     cpu: list[int] = []
     wall: list[int] = []
     reasons: dict[str, int] = {}
     thread, perf = time.thread_time_ns, time.perf_counter_ns
-    for r, (text, (a, la, b, lb)) in enumerate(zip(texts, changes, strict=True)):
-        views[a] = WorkerView(ids[a], la, 65_536)
-        views[b] = WorkerView(ids[b], lb, 65_536)
+    for r, (text, step) in enumerate(zip(texts, changes, strict=True)):
+        for i, load in step:
+            fleet.loads[i] = load
+            views[i] = WorkerView(ids[i], load, 65_536)
+        workers: Sequence[WorkerView] = fleet if columns else views
         request = RouteRequest(text)
         c0, w0 = thread(), perf()
-        decision = policy.select(request, views, float(r))
+        decision = policy.select(request, workers, float(r))
         w1, c1 = perf(), thread()
         if r >= warmup:
             cpu.append(c1 - c0)
             wall.append(w1 - w0)
             reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
     q = statistics.quantiles(wall, n=100)
-    return Row(n, policy.name, max(0.0, statistics.fmean(cpu) - overhead) / 1e3,
+    name = f"{policy.name} ({'FleetView' if columns else 'list'})"
+    return Row(n, name, max(0.0, statistics.fmean(cpu) - overhead) / 1e3,
                statistics.median(wall) / 1e3, q[98] / 1e3, reasons)  # fmt: skip
 
 
@@ -138,22 +154,24 @@ def main() -> None:
     print(f"{len(texts)} requests ({args.warmup} warm-up), mean {mean_chars:,.0f} chars; "
           f"timer pair {overhead:.0f} ns subtracted from CPU")  # fmt: skip
     print("| workers | policy | CPU µs / decision | wall p50 µs | wall p99 µs | "
-          "× round_robin (CPU) | reasons | views µs |")  # fmt: skip
+          "× round_robin (list, CPU) | reasons | views µs |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---|---:|")
     for n in (int(x) for x in args.workers.split(",")):
         changes = load_changes(n, len(texts), random.Random(args.seed + n))
         views_us = views_cost_us(n)
         rows = {}
         for name in policies:
-            config = RouterConfig(policy=name)  # type: ignore[arg-type]
-            policy = build_policy(config, random.Random(args.seed))
-            rows[name] = run(policy, n, texts, changes, args.warmup, overhead)
-        floor = rows.get("round_robin")
+            for columns in (False, True):
+                config = RouterConfig(policy=name)  # type: ignore[arg-type]
+                policy = build_policy(config, random.Random(args.seed))
+                row = run(policy, n, texts, changes, args.warmup, overhead, columns)
+                rows[row.policy] = row
+        floor = rows.get("round_robin (list)")
         for name, row in rows.items():
             ratio = f"{row.cpu_us / floor.cpu_us:.1f}" if floor and floor.cpu_us else "-"
             reasons = " ".join(f"{k} {v}" for k, v in sorted(row.reasons.items()))
             print(f"| {n} | {name} | {row.cpu_us:.1f} | {row.p50_us:.1f} | {row.p99_us:.1f} | "
-                  f"{ratio} | {reasons if name == 'cache_aware' else ''} | {views_us:.1f} |",
+                  f"{ratio} | {reasons if name.startswith('cache_aware') else ''} | {views_us:.1f} |",
                   flush=True)  # fmt: skip
 
 

@@ -78,16 +78,25 @@ def plot(results: dict[str, Summary], path: Path, title: str) -> None:
 
 
 def compare(
-    fleet_spec: FleetSpec, workload: WorkloadOptions, run_spec: RunSpec, policies: list[str]
+    fleet_spec: FleetSpec,
+    workload: WorkloadOptions,
+    run_spec: RunSpec,
+    policies: list[str],
+    settings: dict[str, str] | None = None,
 ) -> dict[str, Summary]:
+    """``settings``: RouterConfig keys for every router (thresholds, no_match, ...);
+    a policy's own keys (balance_mode) win."""
     results: dict[str, Summary] = {}
     with LocalFleet(fleet_spec) as fleet:
         for name in policies:
-            fleet.restart_router(POLICIES[name])
+            spec = POLICIES[name]
+            fleet.restart_router(RouterSpec(spec.policy, {**(settings or {}), **spec.settings}))
             fleet.flush()
             out = run_spec.out / name.replace(" ", "_").replace("(", "").replace(")", "")
-            spec = RunSpec(**{**run_spec.__dict__, "host": fleet.router_url, "out": out})
-            results[name] = run(spec, workload, title=f"{workload.workload}: {name}", quiet=True)
+            run_at = RunSpec(**{**run_spec.__dict__, "host": fleet.router_url, "out": out})
+            summary = run(run_at, workload, title=f"{workload.workload}: {name}", quiet=True)
+            # Idle workers count: the records only name the workers that got requests.
+            results[name] = summary.over_fleet(f"w{i}" for i in range(fleet_spec.workers))
             print(
                 f"{name}: {results[name].throughput_rps:.2f} req/s, hit rate {results[name].hit_rate:.3f}"
             )
@@ -109,6 +118,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=",".join(POLICIES),
         help="comma-separated, from: " + ", ".join(POLICIES),
     )
+    p.add_argument(
+        "--router-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a RouterConfig key for every router, e.g. balance_abs_threshold=8 (repeatable)",
+    )
     p.add_argument("--users", type=int, default=32)
     p.add_argument("--run-time", default=None)
     p.add_argument("--max-requests", type=int, default=0)
@@ -117,6 +133,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--plot", type=Path, default=None, help="bar chart path (default: OUT/policies.png)"
     )
     add_workload_arguments(p)
+
+
+def _setting(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--router-setting wants KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -136,7 +159,8 @@ def main(args: argparse.Namespace) -> int:
         run_time=args.run_time,
         max_requests=args.max_requests,
     )
-    results = compare(fleet, workload, run_spec, policies)
+    settings = dict(_setting(s) for s in args.router_setting)
+    results = compare(fleet, workload, run_spec, policies, settings)
     text = table(results)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ hit rate, requests per worker); `write_report(records, out_dir)` also writes
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -43,6 +44,14 @@ class Summary:
         """Max / mean requests per worker: 1.0 is a perfectly even spread."""
         counts = list(self.per_worker_requests.values())
         return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else 0.0
+
+    def over_fleet(self, worker_ids: Iterable[str]) -> Summary:
+        """The same run, with the fleet's idle workers counted (0 requests): a policy
+        that sends everything to one of 4 workers spreads max/mean 4.0, not 1.0."""
+        ids = list(worker_ids)
+        counts = dict.fromkeys(ids, 0) | self.per_worker_requests
+        rates = dict.fromkeys(ids, 0.0) | self.per_worker_hit_rate
+        return replace(self, per_worker_requests=counts, per_worker_hit_rate=rates)
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "load_max_over_mean": self.load_max_over_mean}

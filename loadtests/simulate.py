@@ -34,8 +34,9 @@ from shared.config import RouterConfig
 
 COLUMNS = (
     "| workers | policy | requests | hit rate | TTFT p50 / p99 (ms) | queue p99 (ms) | "
-    "max/mean requests per worker | decision µs mean / p99 | policy memory (MB) |\n"
-    "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    "max/mean requests per worker | decision CPU µs mean / p99 | sim CPU µs / request | "
+    "policy memory (MB) |\n"
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -61,7 +62,7 @@ def row(r: SimResult, name: str) -> str:
         f"| {r.workers} | {name} | {r.requests} | {r.hit_rate:.3f} | "
         f"{d['ttft_p50_ms']:.1f} / {d['ttft_p99_ms']:.1f} | {d['queue_p99_ms']:.1f} | "
         f"{r.load_max_over_mean:.2f} | {d['decision_us_mean']:.1f} / {d['decision_us_p99']:.1f} | "
-        f"{d['policy_mb']:.2f} |"
+        f"{r.sim_us_per_request:.0f} | {d['policy_mb']:.2f} |"
     )
 
 
@@ -72,7 +73,7 @@ def plot_scale(results: dict[tuple[int, str], SimResult], path: Path) -> None:
         ("hit rate", lambda r: r.hit_rate),
         ("TTFT p99 (ms)", lambda r: r.pct(r.ttft, 99) * 1e3),
         ("max/mean requests per worker", lambda r: r.load_max_over_mean),
-        ("router µs per decision (mean)", lambda r: float(r.decision_us.mean())),
+        ("router CPU µs per decision (mean)", lambda r: float(r.decision_us.mean())),
         ("policy memory (MB)", lambda r: r.policy_bytes / 2**20),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.3))
@@ -107,23 +108,21 @@ def plot_ttft_cdf(results: dict[tuple[int, str], SimResult], n: int, path: Path)
     plt.close(fig)
 
 
-def plot_sweep(sweep: dict[tuple[float, int], SimResult], path: Path) -> None:
-    thresholds = sorted({t for t, _ in sweep})
-    absolutes = sorted({a for _, a in sweep})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.3))
-    for a in absolutes:
-        ax1.plot(
-            thresholds, [sweep[(t, a)].hit_rate for t in thresholds], marker="o", label=f"abs {a}"
-        )
-        ax2.plot(
-            thresholds,
-            [sweep[(t, a)].pct(sweep[(t, a)].ttft, 99) * 1e3 for t in thresholds],
-            marker="o",
-            label=f"abs {a}",
-        )
-    ax1.set(xlabel="cache_threshold", ylabel="hit rate", title="hit rate")
-    ax2.set(xlabel="cache_threshold", ylabel="ms", title="TTFT p99")
-    ax1.legend(fontsize=7, title="balance_abs_threshold", title_fontsize=7)
+def plot_sweep(sweep: dict[tuple[float, int, str], SimResult], path: Path) -> None:
+    thresholds = sorted({t for t, _, _ in sweep})
+    lines = sorted({(a, m) for _, a, m in sweep})
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.3))
+    panels = [
+        ("hit rate", lambda r: r.hit_rate),
+        ("TTFT p99 (ms)", lambda r: r.pct(r.ttft, 99) * 1e3),
+        ("max/mean requests per worker", lambda r: r.load_max_over_mean),
+    ]
+    for ax, (title, f) in zip(axes, panels, strict=True):
+        for a, m in lines:
+            ys = [f(sweep[(t, a, m)]) for t in thresholds]
+            ax.plot(thresholds, ys, marker="o", label=f"abs {a}, {m}")
+        ax.set(xlabel="cache_threshold", title=title)
+    axes[0].legend(fontsize=7, title="balance_abs / no_match", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -152,6 +151,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance-rel", type=float, default=1.5)
     p.add_argument("--balance-mode", choices=("fleet", "per_request"), default="fleet")
     p.add_argument(
+        "--no-match",
+        default=RouterConfig.model_fields["no_match"].default,
+        help="no_match rule; a comma list sweeps it too (with --sweep-at)",
+    )
+    p.add_argument(
         "--sweep-at", type=int, default=0, help="fleet size of the threshold sweep (0: none)"
     )
     p.add_argument("--thresholds", default="0.1,0.3,0.5,0.7")
@@ -168,9 +172,11 @@ def main(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.workers.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     absolutes = [int(x) for x in _floats(args.balance_abs)]
+    no_matches = [x.strip() for x in args.no_match.split(",") if x.strip()]
     base = {
         "cache_threshold": args.cache_threshold, "balance_abs_threshold": absolutes[0],
         "balance_rel_threshold": args.balance_rel, "balance_mode": args.balance_mode,
+        "no_match": no_matches[0],
         "tree_chars_per_token": 5.0,  # the generated words: 4 letters + a space per token
     }  # fmt: skip
     out, plots = args.out, args.plots or args.out
@@ -190,27 +196,26 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"{n} workers: cache_aware / round_robin hit rate {ca.hit_rate / rr.hit_rate:.2f}x"
             )
-    sweep: dict[tuple[float, int], SimResult] = {}
+    sweep: dict[tuple[float, int, str], SimResult] = {}
     if args.sweep_at:
         print(
             f"\nthreshold sweep, cache_aware, {args.sweep_at} workers\n"
-            + COLUMNS.replace("| policy |", "| cache_threshold / balance_abs |")
+            + COLUMNS.replace("| policy |", "| cache_threshold / balance_abs / no_match |")
         )
         for th in _floats(args.thresholds):
             for a in absolutes:
-                cfg = RouterConfig(
-                    policy="cache_aware",
-                    **{**base, "cache_threshold": th, "balance_abs_threshold": a},
-                )  # type: ignore[arg-type]
-                sweep[(th, a)] = r = simulate_one(cfg, args.sweep_at, cost, o, args)
-                print(row(r, f"{th} / {a}"), flush=True)
+                for m in no_matches:
+                    keys = {"cache_threshold": th, "balance_abs_threshold": a, "no_match": m}
+                    cfg = RouterConfig(policy="cache_aware", **{**base, **keys})  # type: ignore[arg-type]
+                    sweep[(th, a, m)] = r = simulate_one(cfg, args.sweep_at, cost, o, args)
+                    print(row(r, f"{th} / {a} / {m}"), flush=True)
         plot_sweep(sweep, plots / "sim_thresholds.png")
     plot_scale(results, plots / "sim_scale.png")
     plot_ttft_cdf(results, max(sizes), plots / "sim_ttft_cdf.png")
     dump = {
         "scale": [{**results[k].row(), "policy": k[1]} for k in results],
         "sweep": [
-            {**v.row(), "cache_threshold": k[0], "balance_abs_threshold": k[1]}
+            {**v.row(), "cache_threshold": k[0], "balance_abs_threshold": k[1], "no_match": k[2]}
             for k, v in sweep.items()
         ],
     }

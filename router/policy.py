@@ -63,6 +63,38 @@ class WorkerView:
     cache_capacity_tokens: int = 0
 
 
+class FleetView(Sequence[WorkerView]):
+    """The routable fleet as parallel columns that the caller keeps between requests.
+
+    Any ``Sequence[WorkerView]`` works; this one spares the policies their per-request
+    passes over the fleet (reading ids, loads and capacities out of n objects costs
+    ~50 ns a worker each: 0.15 ms per request at 1,000 workers on the dev box).
+    Contract: ``ids`` and ``capacities`` are tuples the caller *replaces* when the
+    fleet or a capacity changes (rare; the policy notices by identity), and ``loads``
+    is a list it writes in place (``loads[i] = ...``) as loads move. Policies only read.
+    """
+
+    __slots__ = ("capacities", "ids", "loads")
+
+    def __init__(
+        self,
+        ids: Sequence[str],
+        loads: list[int] | None = None,
+        capacities: Sequence[int] | None = None,
+    ) -> None:
+        self.ids = tuple(ids)
+        self.loads = loads if loads is not None else [0] * len(self.ids)
+        self.capacities = tuple(capacities) if capacities is not None else (0,) * len(self.ids)
+        if not len(self.loads) == len(self.capacities) == len(self.ids):
+            raise ValueError("ids, loads and capacities must have one entry per worker")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> WorkerView:  # type: ignore[override]
+        return WorkerView(self.ids[i], self.loads[i], self.capacities[i])
+
+
 @dataclass(frozen=True)
 class RouteRequest:
     text: str  # canonical text to route on
@@ -119,8 +151,21 @@ def _least_index(loads: list[int], rng: random.Random, low: int | None = None) -
     return rng.choice(list(compress(range(len(loads)), map(eq, loads, repeat(low)))))
 
 
+def _columns(
+    workers: Sequence[WorkerView],
+) -> tuple[Sequence[str], list[int], Sequence[int]]:
+    """(ids, loads, capacities): a FleetView's own lists, else one pass each."""
+    if isinstance(workers, FleetView):
+        return workers.ids, workers.loads, workers.capacities
+    return list(map(_ID, workers)), list(map(_LOAD, workers)), list(map(_CAP, workers))
+
+
+def _loads(workers: Sequence[WorkerView]) -> list[int]:
+    return workers.loads if isinstance(workers, FleetView) else list(map(_LOAD, workers))
+
+
 def _least_loaded(workers: Sequence[WorkerView], rng: random.Random) -> WorkerView:
-    return workers[_least_index(list(map(_LOAD, workers)), rng)]
+    return workers[_least_index(_loads(workers), rng)]
 
 
 class RoundRobin(Policy):
@@ -202,18 +247,18 @@ class CacheAware(Policy):
         self._capacity: dict[str, int] = {}  # last capacity applied per worker, in tokens
         # The fleet as last seen: ids in view order, their positions, their capacities.
         # Fleets change rarely, so comparing the lists (C, identity-fast) skips rebuilds.
-        self._ids: list[str] = []
+        self._ids: Sequence[str] = ()
         self._pos: dict[str, int] = {}
-        self._caps: list[int] | None = None
+        self._caps: Sequence[int] | None = None
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
         text = request.text
-        ids = list(map(_ID, workers))
-        if ids != self._ids:
+        ids, loads, caps = _columns(workers)
+        if ids is not self._ids and ids != self._ids:
             self._ids, self._pos = ids, dict(zip(ids, range(len(ids)), strict=True))
             self._caps = None
-        self._follow_capacity(workers)
-        loads = list(map(_LOAD, workers))
+        if caps is not self._caps and caps != self._caps:
+            self._follow_capacity(caps)
         path = self._tree.match_path(text) if text else []
         i, reason = self._choose(len(text), loads, path)
         wid = ids[i]
@@ -262,6 +307,9 @@ class CacheAware(Policy):
         return _least_index(loads, rng, low), "spill"
 
     def _no_match(self, loads: list[int], low: int) -> int:
+        # Ties among the least loaded stay random: breaking them by tree size was
+        # measured worse (mooncake, 64 workers: max/mean 1.54 vs 1.32), as every
+        # idle-tied request then lands on the one worker that just evicted most.
         if self._cfg.no_match == "least_load":
             return _least_index(loads, self._rng, low)
         sizes = self._tree.tenant_sizes(self._ids)
@@ -279,13 +327,10 @@ class CacheAware(Policy):
         cap = int(cache_tokens * self._cfg.tree_chars_per_token) if cache_tokens > 0 else None
         self._tree.set_cap(worker_id, cap)
 
-    def _follow_capacity(self, workers: Sequence[WorkerView]) -> None:
+    def _follow_capacity(self, caps: Sequence[int]) -> None:
         # The views carry the capacity the worker last reported, so the caps follow it
         # even when the caller never calls set_capacity; unknown (0) changes nothing.
-        # Unchanged since the last request (the usual case): one list compare.
-        caps = list(map(_CAP, workers))
-        if caps == self._caps:
-            return
+        # Called only when the capacities differ from the last request's (rare).
         known = self._capacity
         for wid, cap in zip(self._ids, caps, strict=True):
             if cap and known.get(wid) != cap:

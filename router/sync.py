@@ -7,8 +7,8 @@ wasted. So every replica:
 
 - `publish(worker_id, text)` on each decision. The hot path only appends to a bounded
   in-memory buffer; a flusher task sends the buffer every `sync_flush_interval` as one
-  pipelined batch of XADDs (stream capped near `sync_stream_maxlen` entries, text capped
-  at `sync_max_chars` and zlib-compressed). No Redis round trip happens before forwarding.
+  pipelined batch of XADDs (stream trimmed near `sync_stream_maxlen` entries, text capped
+  at `sync_max_chars` and zlib-compressed, one field per entry). No Redis round trip happens before forwarding.
 - A reader task applies the other replicas' decisions to its own trees through
   `Policy.observe`. On start it first replays the whole (bounded) stream, so a replica
   that starts late or restarts recovers the fleet's affinity instead of starting empty;
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 # Decisions buffered while Redis is unreachable; beyond this the oldest are dropped.
 PENDING_MAX = 10_000
+# One stream field per decision, `replica id SEP worker id SEP zlib(text)`: a single
+# field costs redis-py a third of the packing and parsing of three. Ids hold no NUL.
+SEP = b"\x00"
 
 Observe = Callable[[str, str, float], None]  # (worker_id, text, now)
 
@@ -65,7 +68,8 @@ class DecisionSync:
         self.clock = clock
         # A fresh id per process: a restarted replica replays its own earlier decisions too.
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
-        self._pending: deque[tuple[str, bytes]] = deque(maxlen=PENDING_MAX)
+        self._header = self.replica_id.encode() + SEP
+        self._pending: deque[bytes] = deque(maxlen=PENDING_MAX)
         self._wakeup = asyncio.Event()
         self._last_id = "0-0"
         self._remote: dict[str, int] = {}
@@ -78,7 +82,7 @@ class DecisionSync:
     # -- hot path ---------------------------------------------------------------------
     def publish(self, worker_id: str, text: str) -> None:
         payload = zlib.compress(text[: self.config.sync_max_chars].encode("utf-8", "replace"), 1)
-        self._pending.append((worker_id, payload))
+        self._pending.append(self._header + worker_id.encode() + SEP + payload)
         self._wakeup.set()
 
     def remote_inflight(self) -> Mapping[str, int]:
@@ -128,8 +132,6 @@ class DecisionSync:
                 log.exception("replica sync (%s) failed; retrying", what)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
 
     # -- tasks ------------------------------------------------------------------------
     async def _flush_once(self) -> None:
@@ -146,14 +148,12 @@ class DecisionSync:
             return
         batch, self._pending = self._pending, deque(maxlen=PENDING_MAX)
         try:
+            stream = self.registry.decisions_stream
             async with self.redis.pipeline(transaction=False) as pipe:
-                for worker_id, payload in batch:
-                    pipe.xadd(
-                        self.registry.decisions_stream,
-                        {"r": self.replica_id, "w": worker_id, "t": payload},
-                        maxlen=self.config.sync_stream_maxlen,
-                        approximate=True,
-                    )
+                for entry in batch:
+                    pipe.xadd(stream, {"d": entry})
+                # One trim per batch instead of MAXLEN on every XADD: same bound, fewer args.
+                pipe.xtrim(stream, maxlen=self.config.sync_stream_maxlen, approximate=True)
                 await pipe.execute()
         except BaseException:
             # Unsent decisions go back in front of what arrived meanwhile (oldest dropped first).
@@ -185,13 +185,14 @@ class DecisionSync:
         now = self.clock()
         for entry_id, fields in entries:
             self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            replica = fields.get(b"r", b"").decode()
-            if replica == self.replica_id and not include_own:
+            entry = fields.get(b"d", b"")
+            if not include_own and entry.startswith(self._header):
                 continue
             try:
-                worker_id = fields[b"w"].decode()
-                text = zlib.decompress(fields[b"t"]).decode("utf-8", "replace")
-            except (KeyError, zlib.error, UnicodeDecodeError):
+                _replica, worker, payload = entry.split(SEP, 2)
+                worker_id = worker.decode()
+                text = zlib.decompress(payload).decode("utf-8", "replace")
+            except (ValueError, zlib.error, UnicodeDecodeError):
                 continue  # a foreign or corrupt entry must not stop the reader
             self.observe(worker_id, text, now)
             self.applied += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -62,11 +63,31 @@ def error_response(err: APIError) -> web.Response:
     )
 
 
+_UNION_MEMBER = re.compile(r"[\[\]-]|^(str|int|float|bool|list|dict|none|function-after)$")
+
+
+def _client_path(loc: tuple[int | str, ...]) -> str | None:
+    # Union members show up in the location ("prompt.str", "prompt.list[int]"); a client
+    # only knows field names and list indexes.
+    parts = [str(p) for p in loc if isinstance(p, int) or not _UNION_MEMBER.search(str(p))]
+    return ".".join(parts) or None
+
+
 def validation_error(e: ValidationError) -> APIError:
-    """The first problem, with the field path as `param` (what OpenAI's API does)."""
-    first = e.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    msg = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+    """The first bad field, with its path as `param` (what OpenAI's API does).
+
+    When the field is a union, every alternative's complaint is listed, so the client
+    learns what would have been accepted.
+    """
+    errors = e.errors()
+    param = _client_path(errors[0]["loc"])
+    same = [
+        err for err in errors if _client_path(err["loc"][:1]) == _client_path(errors[0]["loc"][:1])
+    ]
+    msgs = list(dict.fromkeys(
+        "unknown field" if err["type"] == "extra_forbidden" else err["msg"] for err in same
+    ))  # fmt: skip
+    msg = msgs[0] if len(msgs) == 1 else "none of the accepted forms matched: " + "; ".join(msgs)
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 

@@ -4,18 +4,21 @@ The worker validates requests fully with these models. The router validates with
 the same models so that a bad request is answered at the edge (and never retried
 across the fleet), and computes the text it routes on with `routing_text`.
 Unknown fields are allowed, as OpenAI-compatible servers do, so clients that send
-extra vendor fields keep working.
+extra vendor fields keep working. Known fields are strict (no "5" for 5, no 0 for
+false) and every constraint is expressed in the types, so the OpenAPI document
+generated from these models says exactly what validation accepts.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Lenient):
@@ -40,7 +43,10 @@ class Message(_Lenient):
         return "".join(p.text for p in self.content)
 
 
-Stop = str | list[str] | None
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
 
 
@@ -53,19 +59,11 @@ class _Sampling(_Lenient):
     n: int = Field(1, ge=1, le=1)
     seed: int | None = None
     stop: Stop = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: Stop) -> Stop:
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 16 or any(not s for s in items):
-            raise ValueError("stop must be up to 16 non-empty strings")
-        return v
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -82,20 +80,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] = Field(...)
+    # One prompt: text, token ids, or a batch of exactly one text (batches are not served).
+    prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)]
     echo: bool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            if len(v) == 0:
-                raise ValueError("prompt must not be empty")
-            if all(isinstance(x, str) for x in v) and len(v) != 1:
-                raise ValueError("a batch of prompts is not supported; send one prompt per request")
-        elif v == "":
-            raise ValueError("prompt must not be empty")
-        return v
 
     def prompt_text(self) -> str | None:
         if isinstance(self.prompt, str):
@@ -115,8 +102,12 @@ class CompletionRequest(_Sampling):
 class GenerateRequest(_Lenient):
     """SGLang's native `/generate`: text or input_ids, sampling_params as a dict."""
 
-    text: str | None = None
-    input_ids: list[int] | None = None
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
+    )
+
+    text: NonEmptyStr | SkipJsonSchema[None] = None
+    input_ids: TokenIds | SkipJsonSchema[None] = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
@@ -125,8 +116,6 @@ class GenerateRequest(_Lenient):
     def _one_prompt(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of text or input_ids is required")
-        if self.text == "" or self.input_ids == []:
-            raise ValueError("the prompt must not be empty")
         return self
 
 
@@ -160,13 +149,8 @@ class GenerateSamplingParams(_Lenient):
     top_k: int = Field(-1, ge=-1)
     seed: int | None = None
     stop: Stop = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: Stop) -> Stop:
-        return _Sampling._stop(v)
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

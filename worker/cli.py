@@ -60,6 +60,15 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
 ]
 
 
+# make-tiny-model flag -> make_tiny_model keyword.
+_TINY_FLAGS = {
+    "--hidden-size": "hidden_size", "--layers": "num_layers", "--heads": "num_heads",
+    "--kv-heads": "num_kv_heads", "--head-dim": "head_dim",
+    "--intermediate-size": "intermediate_size", "--vocab-size": "vocab_size",
+    "--max-position-embeddings": "max_position_embeddings", "--seed": "seed",
+}  # fmt: skip
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radix-worker", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,13 +83,10 @@ def _parser() -> argparse.ArgumentParser:
             serve.add_argument(flag, dest=key, type=kind, help=text)
     tiny = sub.add_parser("make-tiny-model", help="write a small random-weight model folder")
     tiny.add_argument("dir")
-    for flag, default in (
-        ("--hidden-size", 64), ("--layers", 2), ("--heads", 2), ("--kv-heads", 1),
-        ("--head-dim", 32), ("--intermediate-size", 128), ("--vocab-size", 1024),
-        ("--max-position-embeddings", 2048), ("--seed", 0),
-    ):  # fmt: skip
-        tiny.add_argument(flag, type=int, default=default)
-    tiny.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
+    # Unset flags keep make_tiny_model's own defaults (head_dim 32: vLLM's CPU minimum).
+    for flag in _TINY_FLAGS:
+        tiny.add_argument(flag, type=int)
+    tiny.add_argument("--arch", choices=("llama", "qwen2"))
     return parser
 
 
@@ -148,12 +154,10 @@ def _run(config: WorkerConfig) -> int:
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from worker.engine.tiny_model import make_tiny_model
 
-    path = make_tiny_model(
-        args.dir, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-        num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-        intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
-        max_position_embeddings=args.max_position_embeddings, seed=args.seed, arch=args.arch,
-    )  # fmt: skip
+    given = {kw: getattr(args, flag[2:].replace("-", "_")) for flag, kw in _TINY_FLAGS.items()}
+    if args.arch is not None:
+        given["arch"] = args.arch
+    path = make_tiny_model(args.dir, **{k: v for k, v in given.items() if v is not None})
     print(path)
     return 0
 

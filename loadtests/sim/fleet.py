@@ -4,8 +4,9 @@ Virtual time, no sleeping, no HTTP. Per request: the policy from `router.policy`
 (`build_policy(RouterConfig)`, with its real prefix tree) picks a worker from the
 workers' loads (running + queued, as the router sees in flight); that `SimWorker`
 (the real RadixCache + the sim cost model) queues, admits and finishes it. Finishes at
-the same instant run before arrivals, so freed capacity is seen first. The wall-clock
-CPU of each `select` call is measured (the router's cost per decision), and the
+the same instant run before arrivals, so freed capacity is seen first. The CPU time
+(thread time) of each `select` call alone is measured: the router's cost per decision,
+apart from the simulator's own work (worker caches, event heap), and the
 policy's memory is measured once at the end by walking its object graph.
 """
 
@@ -26,7 +27,7 @@ from loadtests.options import WorkloadOptions
 from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import ConversationSession, Workload
-from router.policy import RouteRequest, WorkerView, build_policy
+from router.policy import FleetView, RouteRequest, build_policy
 from shared.config import RouterConfig
 
 _FINISH, _ARRIVAL = 0, 1  # event kinds: finishes sort first at equal times
@@ -55,6 +56,7 @@ class SimResult:
     rejected: int = 0
     makespan: float = 0.0
     policy_bytes: int = 0
+    run_cpu_s: float = 0.0  # thread CPU of the whole replay, policy included
     reasons: Counter[str] = field(default_factory=Counter)
 
     @property
@@ -69,6 +71,12 @@ class SimResult:
     def load_max_over_mean(self) -> float:
         mean = self.per_worker_requests.mean() if len(self.per_worker_requests) else 0
         return float(self.per_worker_requests.max() / mean) if mean else 0.0
+
+    @property
+    def sim_us_per_request(self) -> float:
+        """The simulator's own CPU per request (workers' caches, events), policy excluded."""
+        n = len(self.decision_us)
+        return (self.run_cpu_s * 1e6 - float(self.decision_us.sum())) / n if n else 0.0
 
     def pct(self, values: np.ndarray, q: float) -> float:
         return float(np.percentile(values, q)) if len(values) else float("nan")
@@ -89,6 +97,7 @@ class SimResult:
             "decision_us_mean": float(self.decision_us.mean()) if len(self.decision_us) else 0.0,
             "decision_us_p99": self.pct(self.decision_us, 99),
             "policy_mb": self.policy_bytes / 2**20,
+            "sim_us_per_request": self.sim_us_per_request,
             "reasons": dict(self.reasons),
         }
 
@@ -117,7 +126,9 @@ class FleetSim:
         self.ids = [f"w{i}" for i in range(workers)]
         self.index = {wid: i for i, wid in enumerate(self.ids)}
         self.capacity = cost.cache_tokens
-        self.views = [WorkerView(wid, 0, cost.cache_tokens) for wid in self.ids]
+        # The columns the policy reads, updated in place as loads change (router/policy.py
+        # FleetView): the policy's cost per decision, not the cost of rebuilding views.
+        self.views = FleetView(self.ids, capacities=(cost.cache_tokens,) * workers)
         self._heap: list[tuple[float, int, int, Job]] = []
         self._seq = 0
         self._rids = 0
@@ -125,6 +136,7 @@ class FleetSim:
         self._decision_ns: list[int] = []
         self.reasons: Counter[str] = Counter()
         self.rejected = 0
+        self._run_cpu_ns = 0
 
     def _push(self, t: float, kind: int, job: Job) -> None:
         self._seq += 1
@@ -136,12 +148,13 @@ class FleetSim:
         return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session)
 
     def _refresh(self, i: int) -> None:
-        self.views[i] = WorkerView(self.ids[i], self.workers[i].load, self.capacity)
+        self.views.loads[i] = self.workers[i].load
 
     def _route(self, job: Job, now: float) -> None:
-        t0 = time.perf_counter_ns()
-        decision = self.policy.select(RouteRequest(job.text), self.views, now)
-        self._decision_ns.append(time.perf_counter_ns() - t0)
+        request = RouteRequest(job.text)
+        t0 = time.thread_time_ns()
+        decision = self.policy.select(request, self.views, now)
+        self._decision_ns.append(time.thread_time_ns() - t0)
         self.reasons[decision.reason] += 1
         i = self.index[decision.worker_id]
         worker = self.workers[i]
@@ -156,6 +169,13 @@ class FleetSim:
         self, source: Iterator[SimRequest] | None = None, closed: ClosedLoop | None = None
     ) -> list[Job]:
         """Replay an open-loop source and/or closed-loop users to the end; returns finished jobs."""
+        t0 = time.thread_time_ns()
+        try:
+            return self._run(source, closed)
+        finally:
+            self._run_cpu_ns += time.thread_time_ns() - t0
+
+    def _run(self, source: Iterator[SimRequest] | None, closed: ClosedLoop | None) -> list[Job]:
         sessions: list[ConversationSession] = []
         tok = WordTokenizer()
         if closed is not None:
@@ -210,5 +230,6 @@ class FleetSim:
             rejected=self.rejected,
             makespan=max((j.finish for j in done), default=0.0),
             policy_bytes=deep_size(self.policy) if measure_memory else 0,
+            run_cpu_s=self._run_cpu_ns / 1e9,
             reasons=self.reasons,
         )

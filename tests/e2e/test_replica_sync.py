@@ -20,8 +20,16 @@ from openai import OpenAI
 
 from loadtests.workloads import words
 from shared.redis_server import free_port
-from tests.e2e.fleet import START_TIMEOUT_S, Child, E2EFleet, WorkerSpec, http_json, sim_fleet
-from tests.e2e.fleet import wait_health, wait_until
+from tests.e2e.fleet import (
+    START_TIMEOUT_S,
+    Child,
+    E2EFleet,
+    WorkerSpec,
+    http_json,
+    sim_fleet,
+    wait_health,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

@@ -86,6 +86,8 @@ def test_cache_aware_beats_round_robin_on_a_tiny_trace(tmp_path: Path) -> None:
     assert ca.hit_rate >= rr.hit_rate
     assert ca.reasons["no_match"] == 4 and ca.reasons["cache_hit"] == 36
     assert ca.policy_bytes > 0 and len(ca.decision_us) == 40
+    # CPU of the whole replay = the policy's part + the simulator's own, both > 0.
+    assert ca.run_cpu_s * 1e6 > ca.decision_us.sum() > 0 and ca.sim_us_per_request > 0
     assert deep_size([1, "ab"]) > deep_size([])
 
 
@@ -117,10 +119,13 @@ def test_cli_writes_tables_and_plots(tmp_path: Path, capsys) -> None:  # type: i
     o = _trace(tmp_path)
     rc = cli([
         "simulate", "--workers", "4", "--workload", "mooncake", "--trace", o.trace, "--block-words", "8",
-        "--cache-tokens", "512", "--sweep-at", "4", "--thresholds", "0.3,0.9", "--out", str(tmp_path / "o"),
+        "--cache-tokens", "512", "--sweep-at", "4", "--thresholds", "0.3,0.9",
+        "--no-match", "least_load,smallest_tree", "--out", str(tmp_path / "o"),
     ])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| 4 | cache_aware | 40 |" in out and "| 4 | 0.9 / 64 | 40 |" in out
+    assert "| 4 | cache_aware | 40 |" in out
+    assert "| 4 | 0.9 / 64 / least_load | 40 |" in out
+    assert "| 4 | 0.3 / 64 / smallest_tree | 40 |" in out
     for name in ("simulation.json", "sim_scale.png", "sim_ttft_cdf.png", "sim_thresholds.png"):
         assert (tmp_path / "o" / name).stat().st_size > 0

@@ -65,3 +65,13 @@ def test_report_writes_summary_and_plots(tmp_path: Path) -> None:
     for name in ("summary.json", "ttft.png", "latency_over_time.png", "hit_rate_per_worker.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     assert summarize([]).requests == 0
+
+
+def test_idle_workers_count_in_the_load_spread() -> None:
+    # Everything on one of four workers: the records name only w0, the fleet has four.
+    s = summarize([_rec(i * 0.1, "w0", 100, 50) for i in range(8)])
+    assert s.load_max_over_mean == 1.0  # what the records alone say
+    fleet = s.over_fleet(f"w{i}" for i in range(4))
+    assert fleet.load_max_over_mean == 4.0
+    assert fleet.per_worker_requests == {"w0": 8, "w1": 0, "w2": 0, "w3": 0}
+    assert fleet.hit_rate == s.hit_rate

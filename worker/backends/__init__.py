@@ -6,15 +6,19 @@ sim engine must start without torch model weights.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from shared.config import ConfigError, WorkerConfig
 from worker.engine.types import Engine
+
+if TYPE_CHECKING:
+    from worker.backends.sim_model import SimTokenizer
 
 
 def build_engine(config: WorkerConfig) -> Engine:
     """The engine `config.engine` names, built (and its model loaded) but not started."""
     if config.engine == "sim":
-        from worker.backends.sim import build_sim_engine
-
         return build_sim_engine(config)
     if config.model is None:
         raise ConfigError(f"model: required for --engine {config.engine} (a local model folder)")
@@ -25,3 +29,33 @@ def build_engine(config: WorkerConfig) -> Engine:
     from worker.backends.radix import build_radix_engine
 
     return build_radix_engine(config)
+
+
+def build_sim_engine(config: WorkerConfig) -> Engine:
+    """The sim engine from the worker config: the model's tokenizer when `--model` is
+    given, else the built-in `TextTokenizer` (no files needed)."""
+    from worker.backends.sim import SimConfig, SimEngine
+    from worker.backends.text_tokenizer import TextTokenizer
+
+    tokenizer: SimTokenizer
+    if config.model is not None:
+        from worker.engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(config.model)
+        name = Path(config.model).name
+    else:
+        tokenizer = TextTokenizer()
+        name = "sim"
+    cache_tokens = config.cache_tokens or 1_000_000
+    sim = SimConfig(
+        model_name=config.served_model_name or name,
+        cache_tokens=cache_tokens,
+        page_size=config.page_size,
+        max_running_requests=config.max_running_requests,
+        max_waiting_requests=config.max_waiting_requests,
+        max_model_len=config.max_model_len or 32_768,
+        prefill_us_per_token=config.sim_prefill_us_per_token,
+        decode_ms_per_token=config.sim_decode_ms_per_token,
+        disable_radix_cache=config.disable_radix_cache,
+    )
+    return SimEngine(sim, tokenizer)

@@ -22,21 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import random
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from shared.config import WorkerConfig
-from worker.backends.text_tokenizer import TextTokenizer
+from worker.backends.sim_model import SimTokenizer, answer_ids
 from worker.engine.allocator import SlotAllocator
 from worker.engine.radix_cache import NoCache, RadixCache
-from worker.engine.sequence import Detokenizer, Sequence
+from worker.engine.sequence import Sequence
 from worker.engine.types import (
     EngineError,
     EngineOverloaded,
@@ -44,55 +40,6 @@ from worker.engine.types import (
     GenerateOutput,
     GenerateRequest,
 )
-
-_WORDS = [
-    "the",
-    "cache",
-    "holds",
-    "a",
-    "prefix",
-    "of",
-    "every",
-    "prompt",
-    "so",
-    "a",
-    "router",
-    "that",
-    "sends",
-    "each",
-    "request",
-    "to",
-    "the",
-    "worker",
-    "with",
-    "its",
-    "longest",
-    "match",
-    "skips",
-    "most",
-    "prefill",
-    "work",
-    "while",
-    "load",
-    "stays",
-    "even",
-    "across",
-    "all",
-    "nodes",
-    "in",
-    "the",
-    "fleet",
-]
-
-
-class SimTokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -210,7 +157,7 @@ class SimEngine:
                 return
             uncached = len(seq.prompt_ids) - seq.prefix_len
             await asyncio.sleep(self.config.prefill_us_per_token * uncached / 1e6)
-            answer = self._answer_ids(seq.prompt_ids, seq.params.max_tokens)
+            answer = answer_ids(self.tokenizer, seq.prompt_ids, seq.params.max_tokens)
             decode_s = self.config.decode_ms_per_token / 1e3
             for token_id in answer:
                 await asyncio.sleep(decode_s)
@@ -235,15 +182,6 @@ class SimEngine:
             finished=seq.finish_reason is not None,
             finish_reason=seq.finish_reason,
         )
-
-    def _answer_ids(self, prompt_ids: list[int], n: int) -> list[int]:
-        digest = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8)
-        rng = random.Random(digest.digest())
-        ids: list[int] = []
-        while len(ids) < n:
-            words = " ".join(rng.choice(_WORDS) for _ in range(max(8, (n - len(ids)))))
-            ids.extend(self.tokenizer.encode(words + " ", add_special_tokens=False))
-        return ids[:n]
 
     async def abort(self, request_id: str) -> None:
         entry = self._active.get(request_id)
@@ -346,30 +284,3 @@ class SimEngine:
             )
         except ValueError as exc:
             raise EngineError(str(exc), param="messages") from exc
-
-
-def build_sim_engine(config: WorkerConfig) -> SimEngine:
-    """The sim engine from the worker config: the model's tokenizer when `--model` is
-    given, else the built-in `TextTokenizer` (no files needed)."""
-    tokenizer: SimTokenizer
-    if config.model is not None:
-        from worker.engine.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_dir(config.model)
-        name = Path(config.model).name
-    else:
-        tokenizer = TextTokenizer()
-        name = "sim"
-    cache_tokens = config.cache_tokens or 1_000_000
-    sim = SimConfig(
-        model_name=config.served_model_name or name,
-        cache_tokens=cache_tokens,
-        page_size=config.page_size,
-        max_running_requests=config.max_running_requests,
-        max_waiting_requests=config.max_waiting_requests,
-        max_model_len=config.max_model_len or 32_768,
-        prefill_us_per_token=config.sim_prefill_us_per_token,
-        decode_ms_per_token=config.sim_decode_ms_per_token,
-        disable_radix_cache=config.disable_radix_cache,
-    )
-    return SimEngine(sim, tokenizer)

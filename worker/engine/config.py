@@ -30,7 +30,8 @@ class EngineConfig:
     # Evict at least this many tokens whenever eviction is needed: evicting exactly the
     # shortfall on every allocation made SGLang's replay 4x slower (DESIGN.md).
     evict_batch_tokens: int = 256
-    # Requests queued but not yet admitted; beyond this `EngineOverloaded` (HTTP 503).
+    # Queue depth beyond the running batch: with max_running_requests + this many
+    # requests in flight, new ones get `EngineOverloaded` (HTTP 503).
     max_waiting_requests: int = 4096
 
     def __post_init__(self) -> None:

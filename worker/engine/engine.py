@@ -51,10 +51,13 @@ class LLMEngine:
         self.cache: PrefixCache = cache
         self.scheduler = Scheduler(config, self.allocator, cache)
         self.sampler = sampler or Sampler(runner.device)
-        model_len = config.max_model_len or runner.config.max_position_embeddings
-        # A request never holds more slots than the pool has: then the oldest running
-        # request can always make progress, whatever else is queued.
-        self.max_model_len = min(model_len, self.allocator.capacity)
+        # The override may only shorten the model's context. And a request never holds
+        # more slots than the pool has: then the oldest running request can always make
+        # progress, whatever else is queued.
+        model_len = runner.config.max_position_embeddings
+        self.max_model_len = min(
+            config.max_model_len or model_len, model_len, self.allocator.capacity
+        )
         self.vocab_size: int = runner.config.vocab_size
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(runner.config.eos_token_ids)
         self._seq_ids = itertools.count()

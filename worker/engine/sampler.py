@@ -37,6 +37,8 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
         out = [0] * len(params)
         greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+        if len(greedy) == len(params):  # the common case: one argmax, no row gather
+            return logits.argmax(dim=-1).tolist()
         if greedy:
             picked = logits[greedy].argmax(dim=-1).tolist()
             for i, tok in zip(greedy, picked, strict=True):

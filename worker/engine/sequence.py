@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from worker.engine.radix_cache import TreeNode
 from worker.engine.types import FinishReason, SamplingParams
-
-_EMPTY_SLOTS = np.empty(0, dtype=np.int64)
 
 
 class Detokenizer(Protocol):
@@ -43,10 +42,10 @@ class Sequence:
 
     # --- KV state (owned by the scheduler) ---
     # One slot per token of all_ids[:len(slots)]; see the table in scheduler.py.
-    slots: np.ndarray = field(default_factory=lambda: _EMPTY_SLOTS)
+    slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     prefix_len: int = 0  # slots[:prefix_len] belong to the radix tree (locked path)
     num_computed: int = 0  # tokens whose KV has been written
-    last_node: Any = None  # the locked tree node ending the matched prefix
+    last_node: TreeNode | None = None  # the locked tree node ending the matched prefix
     # Prefix hit of the first admission: what the client is told was cached.
     cached_tokens: int | None = None
 

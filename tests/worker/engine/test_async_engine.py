@@ -201,3 +201,27 @@ async def test_failing_step_fails_requests_in_flight_and_the_loop_survives(
     await wait_idle(engine)
     await engine.flush_cache()
     assert engine.stats().cache_used_tokens == 0
+
+
+async def test_overload_is_refused_with_engine_overloaded(tiny_model_dir: Path) -> None:
+    small = EngineConfig(
+        kv_capacity_tokens=4096, device="cpu", max_running_requests=1, max_waiting_requests=1
+    )
+    eng = AsyncEngine(tiny_model_dir, small)
+    await eng.start()
+    running = eng.generate(greedy("s0", ids(30), max_tokens=1000))
+    queued = eng.generate(greedy("s1", ids(31), max_tokens=1000))
+    try:
+        assert not (await anext(running)).finished
+        waiter = asyncio.create_task(anext(queued))  # submits s1; it waits behind s0
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineOverloaded):
+            eng.generate(greedy("third", ids(40)))
+        assert eng.stats().running == 1
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter  # cancelling the consumer aborted s1
+    finally:
+        await running.aclose()
+        await queued.aclose()
+        await eng.stop()

@@ -97,14 +97,14 @@ def test_small_pool_evicts_and_preempts_with_identical_outputs(tiny_model_dir: P
     rng = random.Random(1)
     stems = [rand_ids(rng, 40), rand_ids(rng, 40)]
     requests = [
-        req(f"r{i}", [*stems[i % 2], *rand_ids(rng, rng.randrange(5, 30))], max_tokens=24)
-        for i in range(10)
+        req(f"r{i}", [*stems[i % 2], *rand_ids(rng, rng.randrange(5, 30))], max_tokens=16)
+        for i in range(8)
     ]
     big = make_engine(tiny_model_dir)
     want = run(big, *requests)
 
     small = make_engine(
-        tiny_model_dir, kv_capacity_tokens=200, max_prefill_tokens=64, evict_batch_tokens=32
+        tiny_model_dir, kv_capacity_tokens=160, max_prefill_tokens=64, evict_batch_tokens=32
     )
     evicted: list[int] = []
     evict = small.cache.evict
@@ -195,7 +195,10 @@ def test_bad_input_is_refused_and_harms_no_other_request(tiny_model_dir: Path) -
     engine = make_engine(tiny_model_dir)
     good = req("good", rand_ids(random.Random(3), 30), max_tokens=10)
     engine.add_request(good)
-    outs = [o for _ in range(3) for o in engine.step()]
+    outs = []
+    for _ in range(3):
+        outs += engine.step()
+        engine.check_integrity()
     for param, bad in BAD_REQUESTS:
         with pytest.raises(EngineError) as err:
             engine.add_request(bad)

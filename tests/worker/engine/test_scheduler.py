@@ -265,6 +265,10 @@ def test_request_that_could_never_fit_is_rejected_at_submit() -> None:
     tokenizer = SimpleNamespace(eos_token_ids=(), detokenizer=_NoText)
     engine = LLMEngine(runner, tokenizer, EngineConfig())
     assert engine.max_model_len == 64  # capped by the pool, not the model's 4096
+    assert LLMEngine(runner, tokenizer, EngineConfig(max_model_len=32)).max_model_len == 32
+    runner.pool.allocator = SlotAllocator(10_000)
+    assert LLMEngine(runner, tokenizer, EngineConfig(max_model_len=9000)).max_model_len == 4096
+    runner.pool.allocator = SlotAllocator(64)
 
     def submit(n: int, max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens)

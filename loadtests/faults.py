@@ -1,0 +1,252 @@
+"""Fault scenarios at a larger scale than the tests, with a table of what each one cost.
+
+    python -m loadtests.faults [--workers 3] [--concurrency 64] [--redis-outage-s 30]
+                               [--only sigkill,restart,redis,hung,router_sigterm]
+
+Each scenario starts a fresh fleet of real processes (Redis, sim workers, the router;
+tests/e2e/fleet.py), runs a steady load (`--concurrency` clients, non-streaming, plus a
+few streams), injects its fault, keeps the load on, and prints one row:
+
+    sent, ok, failed (any non-200, cut stream, or hang), retried (the router's
+    radix_router_retries_total), and time to recover, defined per scenario:
+    sigkill   kill -9 → the worker is out of the router's /workers
+    restart   SIGTERM → the new process (new epoch) is routable again
+    redis     Redis back → every worker's heartbeat record is in Redis again
+    hung      a never-answering worker added (admin API) → its breaker is open
+    router_sigterm  SIGTERM → the router exited (code shown), in-flight finished
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis as redis_sync
+
+from shared.redis_server import free_port
+from tests.e2e.fleet import E2EFleet, WorkerSpec, http_json, sim_fleet
+from tests.e2e.traffic import Outcome, SteadyLoad, call, prompt, session
+
+SPEC = WorkerSpec(decode_ms=3.0, heartbeat_s=0.5, max_running=64)
+ADMIN_KEY = "faults-admin"
+
+
+@dataclass(frozen=True)
+class Options:
+    workers: int
+    concurrency: int
+    before_s: float
+    after_s: float
+    redis_outage_s: float
+    tokens: int
+
+
+@dataclass
+class Row:
+    scenario: str
+    sent: int
+    ok: int
+    retried: float
+    recover_s: float
+    note: str = ""
+
+    def line(self) -> str:
+        failed = self.sent - self.ok
+        return (f"| {self.scenario} | {self.sent} | {self.ok} | {failed} | {self.retried:.0f} | "
+                f"{self.recover_s:.2f} | {self.note} |")  # fmt: skip
+
+
+async def poll(check: Callable[[], bool], timeout: float) -> float:
+    start = time.monotonic()
+    while not await asyncio.to_thread(check):
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"not recovered within {timeout}s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+async def with_load(
+    fleet: E2EFleet, o: Options, fault: Callable[[], Awaitable[tuple[float, str]]],
+    body: Callable[[int], dict[str, Any]] | None = None,
+) -> tuple[list[Outcome], float, str]:  # fmt: skip
+    """Steady load (plus 4 long streams), the fault in the middle, then `after_s` more."""
+    assert fleet.router is not None
+    url = fleet.router.url + "/v1/completions"
+    async with session(timeout=120) as http:
+        load = SteadyLoad(http, url, o.concurrency, body or (lambda i: prompt(i, o.tokens)))
+        load.start()
+        streams = [
+            asyncio.create_task(call(http, url, {**prompt(i, 400), "stream": True}, timeout=60))
+            for i in range(4)
+        ]
+        try:
+            await asyncio.sleep(o.before_s)
+            recover_s, note = await fault()
+            await asyncio.sleep(o.after_s)
+        finally:  # every request ends (each is bounded) before the session closes
+            outcomes = await load.stop() + list(await asyncio.gather(*streams))
+    return outcomes, recover_s, note
+
+
+def retries(fleet: E2EFleet) -> float:
+    return fleet.router_metric("radix_router_retries_total")
+
+
+async def sigkill(o: Options) -> Row:
+    with sim_fleet(o.workers, SPEC) as fleet:
+        fleet.start_router()
+
+        async def fault() -> tuple[float, str]:
+            fleet.workers["w0"].signal(signal.SIGKILL)
+            return await poll(lambda: "w0" not in fleet.router_workers(), 30), "w0 killed (-9)"
+
+        outcomes, rec, note = await with_load(fleet, o, fault)
+        return Row(
+            "worker SIGKILL",
+            len(outcomes),
+            sum(x.ok for x in outcomes),
+            retries(fleet),
+            rec,
+            note + _cut(outcomes),
+        )
+
+
+async def restart(o: Options) -> Row:
+    with sim_fleet(o.workers, SPEC) as fleet:
+        fleet.start_router()
+
+        async def fault() -> tuple[float, str]:
+            epoch = fleet.router_workers()["w0"]["epoch"]
+            start = time.monotonic()
+            await asyncio.to_thread(fleet.restart_worker, "w0")
+
+            def back() -> bool:
+                w0 = fleet.router_workers().get("w0")
+                return w0 is not None and w0["epoch"] != epoch and w0["breaker"] == "closed"
+
+            await poll(back, 30)
+            tree = fleet.router_workers()["w0"]["tree"].get("tree_chars", 0)
+            return time.monotonic() - start, f"new epoch seen; w0 tree then {tree} chars"
+
+        outcomes, rec, note = await with_load(fleet, o, fault)
+        return Row(
+            "worker restart", len(outcomes), sum(x.ok for x in outcomes), retries(fleet), rec, note
+        )
+
+
+async def redis_outage(o: Options) -> Row:
+    with sim_fleet(o.workers, SPEC) as fleet:
+        fleet.start_router({"reconnect_grace": 5.0})
+        assert fleet.redis is not None
+        redis = fleet.redis
+
+        async def fault() -> tuple[float, str]:
+            await asyncio.to_thread(redis.stop)
+            await asyncio.sleep(o.redis_outage_s)
+            kept = len(fleet.router_workers())
+            await asyncio.to_thread(redis.start)
+            client = redis_sync.Redis.from_url(redis.url, socket_timeout=2)
+            keys = [f"radixrouter:worker:w{i}" for i in range(o.workers)]
+            rec = await poll(lambda: client.exists(*keys) == len(keys), 60)
+            client.close()
+            return rec, f"Redis down {o.redis_outage_s:.0f}s; router kept {kept} workers"
+
+        outcomes, rec, note = await with_load(fleet, o, fault)
+        return Row(
+            "Redis outage", len(outcomes), sum(x.ok for x in outcomes), retries(fleet), rec, note
+        )
+
+
+async def hung(o: Options) -> Row:
+    held: list[asyncio.StreamWriter] = []
+    port = free_port()
+    server = await asyncio.start_server(lambda _r, w: held.append(w), "127.0.0.1", port)  # type: ignore[arg-type,return-value]
+    try:
+        with sim_fleet(o.workers, SPEC) as fleet:
+            settings = {"admin_key": ADMIN_KEY, "request_timeout": 2.0, "breaker_failures": 3}
+            fleet.start_router(settings)
+
+            async def fault() -> tuple[float, str]:
+                body = {"url": f"http://127.0.0.1:{port}", "worker_id": "hung"}
+                headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+                status, _ = await asyncio.to_thread(
+                    http_json, fleet.router.url + "/workers", "POST", body, headers
+                )  # type: ignore[union-attr]
+                assert status == 201, status
+                rec = await poll(lambda: fleet.router_workers()["hung"]["breaker"] == "open", 60)
+                fails = fleet.router_workers()["hung"]["failures_total"]
+                return rec, f"timeout 2 s; {fails} attempts timed out before the breaker opened"
+
+            outcomes, rec, note = await with_load(fleet, o, fault)
+            return Row(
+                "hung worker", len(outcomes), sum(x.ok for x in outcomes), retries(fleet), rec, note
+            )
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+
+
+async def router_sigterm(o: Options) -> Row:
+    with sim_fleet(o.workers, SPEC) as fleet:
+        router = fleet.start_router({"drain_timeout": 30.0})
+        url = router.url + "/v1/completions"
+        async with session(timeout=120) as http:
+            plain = [call(http, url, prompt(i, 100), 60) for i in range(o.concurrency)]
+            streams = [call(http, url, {**prompt(i, 300), "stream": True}, 60) for i in range(4)]
+            tasks = asyncio.gather(*plain, *streams)
+            await asyncio.sleep(o.before_s / 4)
+            router.signal(signal.SIGTERM)
+            start = time.monotonic()
+            outcomes = await tasks
+            code = await asyncio.to_thread(router.wait, 60)
+            took = time.monotonic() - start
+        note = f"exit code {code}; all requests were in flight at SIGTERM"
+        return Row("router SIGTERM", len(outcomes), sum(x.ok for x in outcomes), 0, took, note)
+
+
+def _cut(outcomes: list[Outcome]) -> str:
+    cut = sum(1 for x in outcomes if x.stream_error is not None)
+    return f"; {cut} started streams ended with an error event" if cut else ""
+
+
+SCENARIOS = {"sigkill": sigkill, "restart": restart, "redis": redis_outage, "hung": hung,
+             "router_sigterm": router_sigterm}  # fmt: skip
+
+
+async def run(names: list[str], o: Options) -> list[Row]:
+    rows = []
+    for name in names:
+        row = await SCENARIOS[name](o)
+        print(row.line(), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtests.faults", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--before-s", type=float, default=5.0, help="load before the fault")
+    ap.add_argument("--after-s", type=float, default=5.0, help="load after recovery")
+    ap.add_argument("--redis-outage-s", type=float, default=30.0)
+    ap.add_argument("--tokens", type=int, default=40, help="max_tokens per request")
+    ap.add_argument("--only", default=",".join(SCENARIOS))
+    args = ap.parse_args(argv)
+    o = Options(args.workers, args.concurrency, args.before_s, args.after_s,
+                args.redis_outage_s, args.tokens)  # fmt: skip
+    print("| fault | sent | succeeded | failed | retried | time to recover (s) | notes |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    rows = asyncio.run(run(args.only.split(","), o))
+    return 0 if all(r.ok == r.sent for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

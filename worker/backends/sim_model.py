@@ -1,0 +1,45 @@
+"""The sim engine's stand-in for a model: a deterministic answer for every prompt.
+
+The answer is words drawn from a generator seeded by a hash of the prompt's token ids
+(same prompt, same answer, in every process), tokenized with the engine's tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any, Protocol
+
+import numpy as np
+
+from worker.engine.sequence import Detokenizer
+
+_WORDS = (
+    "the", "cache", "holds", "a", "prefix", "of", "every", "prompt", "so", "router", "that",
+    "sends", "each", "request", "to", "worker", "with", "its", "longest", "match", "skips",
+    "most", "prefill", "work", "while", "load", "stays", "even", "across", "all", "nodes",
+    "in", "fleet",
+)  # fmt: skip
+
+
+class SimTokenizer(Protocol):
+    """What the sim engine needs: the built-in TextTokenizer or a model's Tokenizer."""
+
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+def answer_ids(tokenizer: SimTokenizer, prompt_ids: list[int], n: int) -> list[int]:
+    """Exactly `n` token ids of the prompt's deterministic answer."""
+    digest = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8)
+    rng = random.Random(digest.digest())
+    ids: list[int] = []
+    while len(ids) < n:
+        words = " ".join(rng.choice(_WORDS) for _ in range(max(8, n - len(ids))))
+        ids.extend(tokenizer.encode(words + " ", add_special_tokens=False))
+    return ids[:n]
