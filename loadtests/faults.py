@@ -74,14 +74,15 @@ async def with_load(
     fleet: E2EFleet, o: Options, fault: Callable[[], Awaitable[tuple[float, str]]],
     body: Callable[[int], dict[str, Any]] | None = None,
 ) -> tuple[list[Outcome], float, str]:  # fmt: skip
-    """Steady load (plus 4 long streams), the fault in the middle, then `after_s` more."""
+    """Steady load plus 4 long streams, the fault in the middle, then `after_s` more."""
     assert fleet.router is not None
     url = fleet.router.url + "/v1/completions"
     async with session(timeout=120) as http:
         load = SteadyLoad(http, url, o.concurrency, body or (lambda i: prompt(i, o.tokens)))
         load.start()
         streams = [
-            asyncio.create_task(call(http, url, {**prompt(i, 400), "stream": True}, timeout=60))
+            # ≈8 s of decode: still streaming when the fault comes at `before_s`.
+            asyncio.create_task(call(http, url, {**prompt(i, 2500), "stream": True}, timeout=110))
             for i in range(4)
         ]
         try:
@@ -93,8 +94,11 @@ async def with_load(
     return outcomes, recover_s, note
 
 
-def retries(fleet: E2EFleet) -> float:
-    return fleet.router_metric("radix_router_retries_total")
+def row(name: str, fleet: E2EFleet, outcomes: list[Outcome], recover_s: float, note: str) -> Row:
+    retried = fleet.router_metric("radix_router_retries_total")
+    return Row(
+        name, len(outcomes), sum(x.ok for x in outcomes), retried, recover_s, note + _cut(outcomes)
+    )
 
 
 async def sigkill(o: Options) -> Row:
@@ -106,14 +110,7 @@ async def sigkill(o: Options) -> Row:
             return await poll(lambda: "w0" not in fleet.router_workers(), 30), "w0 killed (-9)"
 
         outcomes, rec, note = await with_load(fleet, o, fault)
-        return Row(
-            "worker SIGKILL",
-            len(outcomes),
-            sum(x.ok for x in outcomes),
-            retries(fleet),
-            rec,
-            note + _cut(outcomes),
-        )
+        return row("worker SIGKILL", fleet, outcomes, rec, note)
 
 
 async def restart(o: Options) -> Row:
@@ -134,9 +131,7 @@ async def restart(o: Options) -> Row:
             return time.monotonic() - start, f"new epoch seen; w0 tree then {tree} chars"
 
         outcomes, rec, note = await with_load(fleet, o, fault)
-        return Row(
-            "worker restart", len(outcomes), sum(x.ok for x in outcomes), retries(fleet), rec, note
-        )
+        return row("worker restart", fleet, outcomes, rec, note)
 
 
 async def redis_outage(o: Options) -> Row:
@@ -157,9 +152,7 @@ async def redis_outage(o: Options) -> Row:
             return rec, f"Redis down {o.redis_outage_s:.0f}s; router kept {kept} workers"
 
         outcomes, rec, note = await with_load(fleet, o, fault)
-        return Row(
-            "Redis outage", len(outcomes), sum(x.ok for x in outcomes), retries(fleet), rec, note
-        )
+        return row("Redis outage", fleet, outcomes, rec, note)
 
 
 async def hung(o: Options) -> Row:
@@ -182,10 +175,13 @@ async def hung(o: Options) -> Row:
                 fails = fleet.router_workers()["hung"]["failures_total"]
                 return rec, f"timeout 2 s; {fails} attempts timed out before the breaker opened"
 
-            outcomes, rec, note = await with_load(fleet, o, fault)
-            return Row(
-                "hung worker", len(outcomes), sum(x.ok for x in outcomes), retries(fleet), rec, note
-            )
+            # Fresh prefixes: no tree matches them, so the idle hung worker gets picked
+            # (with shared prefixes the cache-aware rule never sends it anything).
+            def fresh(i: int) -> dict[str, Any]:
+                return {"prompt": f"{i} fresh text " * 10, "max_tokens": o.tokens}
+
+            outcomes, rec, note = await with_load(fleet, o, fault, fresh)
+            return row("hung worker", fleet, outcomes, rec, note)
     finally:
         for w in held:
             w.close()
@@ -197,22 +193,33 @@ async def router_sigterm(o: Options) -> Row:
         router = fleet.start_router({"drain_timeout": 30.0})
         url = router.url + "/v1/completions"
         async with session(timeout=120) as http:
-            plain = [call(http, url, prompt(i, 100), 60) for i in range(o.concurrency)]
-            streams = [call(http, url, {**prompt(i, 300), "stream": True}, 60) for i in range(4)]
+            started = [asyncio.Event() for _ in range(4)]
+            plain = [call(http, url, prompt(i, 300), 60) for i in range(o.concurrency)]
+            streams = [
+                call(http, url, {**prompt(i, 600), "stream": True}, 60, first_event=started[i])
+                for i in range(4)
+            ]
             tasks = asyncio.gather(*plain, *streams)
-            await asyncio.sleep(o.before_s / 4)
+            async with asyncio.timeout(60):  # every stream under way
+                await asyncio.gather(*(e.wait() for e in started))
             router.signal(signal.SIGTERM)
-            start = time.monotonic()
+            at = time.monotonic()
             outcomes = await tasks
             code = await asyncio.to_thread(router.wait, 60)
-            took = time.monotonic() - start
-        note = f"exit code {code}; all requests were in flight at SIGTERM"
+            took = time.monotonic() - at
+        in_flight = sum(1 for x in outcomes if x.ended > at)
+        note = f"exit code {code}; {in_flight} requests (4 streams) in flight at SIGTERM"
         return Row("router SIGTERM", len(outcomes), sum(x.ok for x in outcomes), 0, took, note)
 
 
 def _cut(outcomes: list[Outcome]) -> str:
-    cut = sum(1 for x in outcomes if x.stream_error is not None)
-    return f"; {cut} started streams ended with an error event" if cut else ""
+    """What the failures were: cut streams (with their error event) and other answers."""
+    cut = [x.stream_error["message"] for x in outcomes if x.stream_error is not None]
+    other = sorted(
+        {f"{x.status} {x.reason}".strip() for x in outcomes if not x.ok and x.stream_error is None}
+    )
+    note = f"; {len(cut)} streams cut with an error event ({cut[0]})" if cut else ""
+    return note + (f"; other failures: {', '.join(other)}" if other else "")
 
 
 SCENARIOS = {"sigkill": sigkill, "restart": restart, "redis": redis_outage, "hung": hung,

@@ -40,6 +40,9 @@ COLUMNS = (
 )
 
 
+SWEEP_KEYS = ("cache_threshold", "balance_abs_threshold", "no_match", "balance_mode")
+
+
 def simulate_one(
     config: RouterConfig, n: int, cost: CostModel, o: WorkloadOptions, args: argparse.Namespace
 ) -> SimResult:
@@ -108,9 +111,9 @@ def plot_ttft_cdf(results: dict[tuple[int, str], SimResult], n: int, path: Path)
     plt.close(fig)
 
 
-def plot_sweep(sweep: dict[tuple[float, int, str], SimResult], path: Path) -> None:
-    thresholds = sorted({t for t, _, _ in sweep})
-    lines = sorted({(a, m) for _, a, m in sweep})
+def plot_sweep(sweep: dict[tuple[float, int, str, str], SimResult], path: Path) -> None:
+    thresholds = sorted({k[0] for k in sweep})
+    lines = sorted({k[1:] for k in sweep})
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.3))
     panels = [
         ("hit rate", lambda r: r.hit_rate),
@@ -118,11 +121,11 @@ def plot_sweep(sweep: dict[tuple[float, int, str], SimResult], path: Path) -> No
         ("max/mean requests per worker", lambda r: r.load_max_over_mean),
     ]
     for ax, (title, f) in zip(axes, panels, strict=True):
-        for a, m in lines:
-            ys = [f(sweep[(t, a, m)]) for t in thresholds]
-            ax.plot(thresholds, ys, marker="o", label=f"abs {a}, {m}")
+        for a, m, mode in lines:
+            ys = [f(sweep[(t, a, m, mode)]) for t in thresholds]
+            ax.plot(thresholds, ys, marker="o", label=f"abs {a}, {m}, {mode}")
         ax.set(xlabel="cache_threshold", title=title)
-    axes[0].legend(fontsize=7, title="balance_abs / no_match", title_fontsize=7)
+    axes[0].legend(fontsize=6, title="balance_abs / no_match / mode", title_fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -149,7 +152,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-threshold", type=float, default=0.3)
     p.add_argument("--balance-abs", default="64", help="balance_abs_threshold (sweep: several)")
     p.add_argument("--balance-rel", type=float, default=1.5)
-    p.add_argument("--balance-mode", choices=("fleet", "per_request"), default="fleet")
+    p.add_argument(
+        "--balance-mode", default="fleet", help="fleet or per_request; a comma list sweeps both"
+    )
     p.add_argument(
         "--no-match",
         default=RouterConfig.model_fields["no_match"].default,
@@ -173,9 +178,10 @@ def main(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     absolutes = [int(x) for x in _floats(args.balance_abs)]
     no_matches = [x.strip() for x in args.no_match.split(",") if x.strip()]
+    modes = [x.strip() for x in args.balance_mode.split(",") if x.strip()]
     base = {
         "cache_threshold": args.cache_threshold, "balance_abs_threshold": absolutes[0],
-        "balance_rel_threshold": args.balance_rel, "balance_mode": args.balance_mode,
+        "balance_rel_threshold": args.balance_rel, "balance_mode": modes[0],
         "no_match": no_matches[0],
         "tree_chars_per_token": 5.0,  # the generated words: 4 letters + a space per token
     }  # fmt: skip
@@ -196,28 +202,31 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"{n} workers: cache_aware / round_robin hit rate {ca.hit_rate / rr.hit_rate:.2f}x"
             )
-    sweep: dict[tuple[float, int, str], SimResult] = {}
+    sweep: dict[tuple[float, int, str, str], SimResult] = {}
     if args.sweep_at:
         print(
             f"\nthreshold sweep, cache_aware, {args.sweep_at} workers\n"
-            + COLUMNS.replace("| policy |", "| cache_threshold / balance_abs / no_match |")
+            + COLUMNS.replace("| policy |", "| cache_threshold / balance_abs / no_match / mode |")
         )
-        for th in _floats(args.thresholds):
-            for a in absolutes:
-                for m in no_matches:
-                    keys = {"cache_threshold": th, "balance_abs_threshold": a, "no_match": m}
-                    cfg = RouterConfig(policy="cache_aware", **{**base, **keys})  # type: ignore[arg-type]
-                    sweep[(th, a, m)] = r = simulate_one(cfg, args.sweep_at, cost, o, args)
-                    print(row(r, f"{th} / {a} / {m}"), flush=True)
+        grid = [
+            (th, a, m, mode)
+            for th in _floats(args.thresholds)
+            for a in absolutes
+            for m in no_matches
+            for mode in modes
+        ]
+        for th, a, m, mode in grid:
+            keys = {"cache_threshold": th, "balance_abs_threshold": a, "no_match": m,
+                    "balance_mode": mode}  # fmt: skip
+            cfg = RouterConfig(policy="cache_aware", **{**base, **keys})  # type: ignore[arg-type]
+            sweep[(th, a, m, mode)] = r = simulate_one(cfg, args.sweep_at, cost, o, args)
+            print(row(r, f"{th} / {a} / {m} / {mode}"), flush=True)
         plot_sweep(sweep, plots / "sim_thresholds.png")
     plot_scale(results, plots / "sim_scale.png")
     plot_ttft_cdf(results, max(sizes), plots / "sim_ttft_cdf.png")
     dump = {
         "scale": [{**results[k].row(), "policy": k[1]} for k in results],
-        "sweep": [
-            {**v.row(), "cache_threshold": k[0], "balance_abs_threshold": k[1], "no_match": k[2]}
-            for k, v in sweep.items()
-        ],
+        "sweep": [{**v.row(), **dict(zip(SWEEP_KEYS, k, strict=True))} for k, v in sweep.items()],
     }
     (out / "simulation.json").write_text(json.dumps(dump, indent=2) + "\n")
     print(f"plots: {plots}")

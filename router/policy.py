@@ -46,7 +46,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import compress, repeat
+from itertools import compress, islice, repeat
 from operator import attrgetter, eq, is_not
 from typing import ClassVar
 
@@ -146,9 +146,13 @@ def _least_index(loads: list[int], rng: random.Random, low: int | None = None) -
     compress), no Python work per worker: this runs on every request of the fleet."""
     if low is None:
         low = min(loads)
-    if loads.count(low) == 1:
+    tied = loads.count(low)
+    if tied == 1:
         return loads.index(low)
-    return rng.choice(list(compress(range(len(loads)), map(eq, loads, repeat(low)))))
+    # The k-th tied position, k uniform (the same draw as rng.choice over the tied
+    # list), found by a C iterator that stops there instead of building the list.
+    k = rng.randrange(tied)
+    return next(islice(compress(range(len(loads)), map(eq, loads, repeat(low))), k, None))
 
 
 def _columns(

@@ -104,10 +104,10 @@ async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: E2EFl
         # After the restart new prefixes arrive: the old ones all match w1's tree, and the
         # cache-aware rule rightly keeps them there while load stays balanced.
         phase = [0]
-        body = lambda i: {
-            **prompt(i, tokens=20),
-            "prompt": f"phase {phase[0]} " + prompt(i)["prompt"],
-        }  # noqa: E731
+
+        def body(i: int) -> dict[str, object]:
+            return {**prompt(i, tokens=20), "prompt": f"phase {phase[0]} " + prompt(i)["prompt"]}
+
         load = SteadyLoad(http, url, concurrency=16, body=body).start()
         await load.until_count(60, 30)
         before = await asyncio.to_thread(fleet2.router_workers)

@@ -6,71 +6,27 @@ answers with exactly the headers it is told to."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from aiohttp.test_utils import TestServer
 
-from shared.config import RouterConfig
-from tests.e2e.fleet import E2EFleet, WorkerSpec, wait_until
-from tests.fuzz.conftest import start_router, start_worker, worker_config
+from tests.e2e.edge import (
+    ADMIN,
+    ADMIN_KEY,
+    BEARER,
+    BODY,
+    CLIENT_KEY,
+    StartRouter,
+    assert_error,
+    http_fixture,
+    request,
+    router_fixture,
+    worker_url_fixture,
+)
 
-CLIENT_KEY, ADMIN_KEY = "sk-client-7f3a9c", "sk-admin-51d2e8"
-BEARER = {"Authorization": f"Bearer {CLIENT_KEY}"}
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-BODY = {"prompt": "hello", "max_tokens": 2}
-
-StartRouter = Callable[..., Awaitable[str]]
-
-
-@pytest.fixture
-async def worker_url() -> AsyncIterator[str]:
-    server = await start_worker(worker_config(sim_decode_ms_per_token=25.0))
-    yield str(server.make_url("")).rstrip("/")
-    await server.close()
-
-
-@pytest.fixture
-async def router() -> AsyncIterator[StartRouter]:
-    servers: list[TestServer] = []
-
-    async def start(**kw: Any) -> str:
-        server = await start_router(RouterConfig(host="127.0.0.1", retry_backoff=0.0, **kw))
-        servers.append(server)
-        return str(server.make_url("")).rstrip("/")
-
-    yield start
-    for s in servers:
-        await s.close()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
-async def request(
-    http: aiohttp.ClientSession, method: str, url: str, body: Any = None,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, Any, Any]:  # fmt: skip
-    async with http.request(method, url, json=body, headers=headers) as r:
-        text = await r.text()
-        try:
-            return r.status, json.loads(text), r.headers
-        except ValueError:
-            return r.status, text, r.headers
-
-
-def assert_error(status: int, body: Any, want: int, kind: str) -> None:
-    assert status == want, body
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["type"] == kind
+FIXTURES = (http_fixture, router_fixture, worker_url_fixture)  # registered by import
 
 
 async def test_client_keys_are_enforced(

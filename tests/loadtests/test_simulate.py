@@ -120,12 +120,13 @@ def test_cli_writes_tables_and_plots(tmp_path: Path, capsys) -> None:  # type: i
     rc = cli([
         "simulate", "--workers", "4", "--workload", "mooncake", "--trace", o.trace, "--block-words", "8",
         "--cache-tokens", "512", "--sweep-at", "4", "--thresholds", "0.3,0.9",
-        "--no-match", "least_load,smallest_tree", "--out", str(tmp_path / "o"),
+        "--no-match", "least_load,smallest_tree", "--balance-mode", "fleet,per_request",
+        "--out", str(tmp_path / "o"),
     ])  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out
     assert "| 4 | cache_aware | 40 |" in out
-    assert "| 4 | 0.9 / 64 / least_load | 40 |" in out
-    assert "| 4 | 0.3 / 64 / smallest_tree | 40 |" in out
+    assert "| 4 | 0.9 / 64 / least_load / fleet | 40 |" in out
+    assert "| 4 | 0.3 / 64 / smallest_tree / per_request | 40 |" in out
     for name in ("simulation.json", "sim_scale.png", "sim_ttft_cdf.png", "sim_thresholds.png"):
         assert (tmp_path / "o" / name).stat().st_size > 0

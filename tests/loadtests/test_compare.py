@@ -1,0 +1,49 @@
+"""`python -m loadtests compare` through real processes (Redis, sim workers, router).
+
+The multi-turn diagnosis as a test: every conversation starts with the same system
+prompt, so with the default `balance_abs_threshold` (64) a small fleet that never has
+64 requests in flight routes every conversation to the worker holding that prompt;
+with the threshold at the workers' scale the conversations spread. The spread counts
+idle workers (a run that used one of two workers is max/mean 2.0, not 1.0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadtests.compare import _setting, compare, table
+from loadtests.fleet import FleetSpec
+from loadtests.options import WorkloadOptions
+from loadtests.runner import RunSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+CHAT = WorkloadOptions(
+    workload="multi_turn", conversations=12, turns=3, system_len=60, question_len=8, output_len=8
+)
+
+
+def test_router_settings_reach_the_router_and_spread_conversations(tmp_path: Path) -> None:
+    fleet = FleetSpec(workers=2, cache_tokens=20_000, prefill_us_per_token=20,
+                      decode_ms_per_token=4, max_running_requests=2)  # fmt: skip
+    run = RunSpec(host="", out=tmp_path, users=6, timeout_s=120)
+    policies = ["cache_aware (fleet)"]
+    default = compare(fleet, CHAT, RunSpec(**{**run.__dict__, "out": tmp_path / "a"}), policies)
+    scaled = compare(
+        fleet, CHAT, RunSpec(**{**run.__dict__, "out": tmp_path / "b"}), policies,
+        {"balance_abs_threshold": "1"},
+    )  # fmt: skip
+    d, s = default["cache_aware (fleet)"], scaled["cache_aware (fleet)"]
+    assert d.requests == s.requests == 36 and d.failures == s.failures == 0
+    assert set(d.per_worker_requests) == {"w0", "w1"}  # idle workers are listed too
+    assert d.load_max_over_mean == 2.0  # everything on the system prompt's holder
+    assert s.load_max_over_mean < 2.0 and min(s.per_worker_requests.values()) > 0
+    assert "cache_aware (fleet)" in table(scaled)
+
+
+def test_router_setting_parsing() -> None:
+    assert _setting(" balance_abs_threshold = 8 ") == ("balance_abs_threshold", "8")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        _setting("balance_abs_threshold")
