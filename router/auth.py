@@ -35,7 +35,13 @@ def key_matches(token: str | None, keys: tuple[str, ...]) -> bool:
 
 
 def is_admin_request(request: web.Request) -> bool:
-    return request.path.startswith("/workers") and request.method not in ("GET", "HEAD")
+    # Only methods that change the fleet; others fall through to 405 from the router table.
+    return request.path.startswith("/workers") and request.method in (
+        "POST",
+        "PUT",
+        "PATCH",
+        "DELETE",
+    )
 
 
 def make_auth_middleware(config: RouterConfig) -> web.middleware:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared.config import ConfigError, RouterConfig, load_config
+from shared.errors import redact_server_logs
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load", "power_of_two", "consistent_hash")
 
@@ -76,6 +77,7 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    redact_server_logs()
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -89,8 +89,11 @@ class Proxy:
         self.session = session
         self.metrics = metrics
         self.clock = clock
+        # No total: a stream may last as long as it keeps sending. request_timeout bounds
+        # each wait for bytes (the first byte of a buffered answer, or the next chunk), so a
+        # hung worker is caught without cutting a healthy long stream.
         self.timeout = aiohttp.ClientTimeout(
-            total=config.request_timeout, sock_connect=config.connect_timeout
+            total=None, sock_connect=config.connect_timeout, sock_read=config.request_timeout
         )
         # Router replicas sharing decisions (router/sync.py); unset on a lone router.
         self._publish: Callable[[str, str], None] | None = None
@@ -277,7 +280,6 @@ class Proxy:
             worker.breaker.record_failure(self.clock())
             self.metrics.upstream_failures.labels(worker.worker_id).inc()
             event = json.dumps(error_body(502, broken, code="upstream_error"))
-            resp.force_close()
             try:
                 await resp.write(f"data: {event}\n\n".encode())
             except ConnectionError:

@@ -48,6 +48,7 @@ TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
+TopK = Literal[-1] | Annotated[int, Field(ge=1)]  # -1: no top-k cut
 
 
 class _Sampling(_Lenient):
@@ -55,7 +56,7 @@ class _Sampling(_Lenient):
     max_tokens: MaxTokens | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: TopK = -1
     n: int = Field(1, ge=1, le=1)
     seed: int | None = None
     stop: Stop = None
@@ -146,7 +147,7 @@ class GenerateSamplingParams(_Lenient):
     max_new_tokens: MaxTokens = 128
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: TopK = -1
     seed: int | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None

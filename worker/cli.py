@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from shared.config import ConfigError, WorkerConfig, load_config
+from shared.errors import redact_server_logs
 from worker.app import create_app
 from worker.backends import build_engine
 from worker.state import HEARTBEAT, STATE
@@ -173,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             level=config.log_level.upper(), stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )  # fmt: skip
+        redact_server_logs()
         return _run(config)
     except ConfigError as exc:
         print(f"radix-worker: {exc}", file=sys.stderr)

@@ -48,7 +48,7 @@ def _inference(model: type[BaseModel], summary: str) -> dict[str, Any]:
         "description": "The answer (JSON), or server-sent events when `stream` is true",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {},
         },
     }
     return {

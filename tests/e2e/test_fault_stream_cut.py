@@ -69,12 +69,6 @@ async def test_cut_stream_ends_with_an_error_event(cutting_url: str) -> None:
         await router.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: router/proxy.py:_relay_stream calls resp.force_close() after the headers "
-    "went out with keep-alive; the client pools the connection after the clean chunked end "
-    "and its next request on it fails (ServerDisconnectedError, every time)",
-)
 async def test_connection_after_a_cut_stream_serves_the_next_request(cutting_url: str) -> None:
     # The router as its own process (as deployed): in-process under pytest's loop the
     # client happens to see the close before reusing the socket and the bug hides.
@@ -95,12 +89,6 @@ async def test_connection_after_a_cut_stream_serves_the_next_request(cutting_url
         await asyncio.to_thread(fleet.close)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: router/proxy.py:Proxy.__init__ uses request_timeout as aiohttp's *total* "
-    "timeout, so a healthy stream longer than it is cut (and counted as a breaker failure); "
-    "a hung worker is caught by sock_read instead",
-)
 async def test_long_healthy_stream_outlives_the_request_timeout() -> None:
     worker = await start_worker(worker_config(sim_decode_ms_per_token=20.0))
     worker_url = str(worker.make_url("")).rstrip("/")

@@ -198,12 +198,6 @@ async def test_no_key_or_prompt_text_in_logs_at_default_level() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: aiohttp.server logs a malformed request's offending header line at ERROR "
-    "(with traceback), so `Authorization: Bearer <key>\\x01` puts the key in the log; "
-    "router/cli.py:_setup_logging and worker/cli.py:main need a filter on aiohttp.server",
-)
 def test_malformed_header_line_does_not_put_a_key_in_the_log() -> None:
     import socket
 

@@ -32,10 +32,12 @@ from worker.openapi import openapi_document
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MAX_EXAMPLES = 30
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance]
-# The worker documents its SSE body as {"type": "string"}, which schemathesis applies to
-# each parsed event: see test_worker_documents_its_stream_events (xfail, a doc bug).
-ROUTER_CHECKS = [*CHECKS, response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
     deadline=None,
@@ -82,7 +84,7 @@ def test_worker_api(case: schemathesis.Case, fleet: E2EFleet) -> None:
 @FUZZ_SETTINGS
 def test_router_api(case: schemathesis.Case, fleet: E2EFleet) -> None:
     assert fleet.router is not None
-    case.call_and_validate(base_url=fleet.router.url, checks=ROUTER_CHECKS, timeout=30)
+    case.call_and_validate(base_url=fleet.router.url, checks=CHECKS, timeout=30)
 
 
 def test_both_still_serve_after_fuzzing(fleet: E2EFleet) -> None:
@@ -94,11 +96,6 @@ def test_both_still_serve_after_fuzzing(fleet: E2EFleet) -> None:
     assert all(c.alive for c in [fleet.router, *fleet.workers.values()])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (doc): worker/openapi.py gives text/event-stream the schema "
-    '{"type": "string"}; schemathesis checks each SSE event (an object) against it',
-)
 def test_worker_documents_its_stream_events(fleet: E2EFleet) -> None:
     operation = worker_api["/v1/completions"]["POST"]
     case = operation.Case(body={"prompt": "stream me", "max_tokens": 3, "stream": True})
