@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from shared.errors import APIError
 
@@ -37,8 +35,11 @@ class Admission:
             code="too_many_requests", headers={"Retry-After": self.retry_after},
         )  # fmt: skip
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    def slot(self) -> _Slot:
+        """`async with admission.slot():` holds one of `max_concurrent` places."""
+        return _Slot(self)
+
+    async def _enter(self) -> None:
         if self.draining:
             raise APIError(
                 503, "the router is shutting down", code="draining", headers={"Retry-After": "1"}
@@ -57,13 +58,12 @@ class Admission:
             await self._slots.acquire()
         self.active += 1
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self.active -= 1
-            self._slots.release()
-            if self.active == 0 and self.waiting == 0:
-                self._idle.set()
+
+    def _exit(self) -> None:
+        self.active -= 1
+        self._slots.release()
+        if self.active == 0 and self.waiting == 0:
+            self._idle.set()
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests and wait for those admitted; True if all finished in time."""
@@ -73,3 +73,19 @@ class Admission:
         except TimeoutError:
             return False
         return True
+
+
+class _Slot:
+    """A plain async context manager: a generator-based one (`@asynccontextmanager`) costs
+    a generator, its frame and two extra sends on every request of the hot path."""
+
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def __aenter__(self) -> None:
+        await self._admission._enter()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._admission._exit()

@@ -41,34 +41,10 @@ from router.state import (
     SESSION,
 )
 from shared.config import RouterConfig
-from shared.errors import Handler, error_middleware
+from shared.errors import error_middleware
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
-
-INFERENCE_PATHS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/generate": "generate",
-}
-
-
-def make_metrics_middleware(metrics: Metrics, clock: Callable[[], float]) -> web.middleware:
-    @web.middleware
-    async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        endpoint = INFERENCE_PATHS.get(request.path)
-        if endpoint is None:
-            return await handler(request)
-        start = clock()
-        status = 499  # the client went away before an answer (nginx's convention)
-        try:
-            response = await handler(request)
-            status = response.status
-            return response
-        finally:
-            metrics.request_done(endpoint, status, clock() - start)
-
-    return metrics_middleware
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -120,6 +96,7 @@ async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
     await sync.start()
     yield
     await sync.stop()
+    await redis.aclose()
 
 
 def create_app(
@@ -138,7 +115,6 @@ def create_app(
         middlewares=[
             error_middleware,
             make_auth_middleware(config),
-            make_metrics_middleware(metrics, clock),
         ],
     )
     app[CONFIG] = config

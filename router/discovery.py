@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.fleet import Fleet
+from shared.aio import reraise_if_cancelled
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Discovery:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self.interval)
                 except (RedisError, OSError, TimeoutError) as e:
+                    reraise_if_cancelled()
                     self.errors += 1
                     if self.connected:
                         log.warning("registry unreachable, keeping the last known fleet: %s", e)
@@ -112,6 +114,7 @@ class Discovery:
                     if msg is not None:
                         self._wake.set()
             except (RedisError, OSError, TimeoutError):
+                reraise_if_cancelled()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
             finally:

@@ -256,6 +256,15 @@ class Fleet:
             and (model is None or not w.model or w.model == model)
         ]
 
+    def knows_model(self, model: str) -> bool:
+        """Whether some worker serves `model`; True too while no worker reports a model."""
+        reported = False
+        for w in self.workers.values():
+            if w.model == model:
+                return True
+            reported = reported or bool(w.model)
+        return not reported
+
     def models(self) -> list[str]:
         return sorted({w.model for w in self.workers.values() if w.model})
 

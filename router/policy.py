@@ -46,53 +46,24 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import compress, islice, repeat
-from operator import attrgetter, eq, is_not
+from itertools import compress, repeat
+from operator import eq, is_not
 from typing import ClassVar
 
 from router.tree import PrefixTree
+from router.worker_views import FleetView, WorkerView, columns, least_index, loads_of
 from shared.config import RouterConfig
 
+__all__ = [
+    "Decision",
+    "FleetView",
+    "Policy",
+    "RouteRequest",
+    "WorkerView",
+    "build_policy",
+]
+
 HASH_PREFIX_CHARS = 256  # consistent_hash key when no session key: the prompt's head
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    worker_id: str
-    load: int  # requests in flight from this router + queue the worker reports
-    cache_capacity_tokens: int = 0
-
-
-class FleetView(Sequence[WorkerView]):
-    """The routable fleet as parallel columns that the caller keeps between requests.
-
-    Any ``Sequence[WorkerView]`` works; this one spares the policies their per-request
-    passes over the fleet (reading ids, loads and capacities out of n objects costs
-    ~50 ns a worker each: 0.15 ms per request at 1,000 workers on the dev box).
-    Contract: ``ids`` and ``capacities`` are tuples the caller *replaces* when the
-    fleet or a capacity changes (rare; the policy notices by identity), and ``loads``
-    is a list it writes in place (``loads[i] = ...``) as loads move. Policies only read.
-    """
-
-    __slots__ = ("capacities", "ids", "loads")
-
-    def __init__(
-        self,
-        ids: Sequence[str],
-        loads: list[int] | None = None,
-        capacities: Sequence[int] | None = None,
-    ) -> None:
-        self.ids = tuple(ids)
-        self.loads = loads if loads is not None else [0] * len(self.ids)
-        self.capacities = tuple(capacities) if capacities is not None else (0,) * len(self.ids)
-        if not len(self.loads) == len(self.capacities) == len(self.ids):
-            raise ValueError("ids, loads and capacities must have one entry per worker")
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> WorkerView:  # type: ignore[override]
-        return WorkerView(self.ids[i], self.loads[i], self.capacities[i])
 
 
 @dataclass(frozen=True)
@@ -135,41 +106,11 @@ class Policy(ABC):
         return {}
 
 
-_ID = attrgetter("worker_id")
-_LOAD = attrgetter("load")
-_CAP = attrgetter("cache_capacity_tokens")
 _NOT_NONE = partial(is_not, None)
 
 
-def _least_index(loads: list[int], rng: random.Random, low: int | None = None) -> int:
-    """Position of the least load; ties random. C-level passes only (map, count,
-    compress), no Python work per worker: this runs on every request of the fleet."""
-    if low is None:
-        low = min(loads)
-    tied = loads.count(low)
-    if tied == 1:
-        return loads.index(low)
-    # The k-th tied position, k uniform (the same draw as rng.choice over the tied
-    # list), found by a C iterator that stops there instead of building the list.
-    k = rng.randrange(tied)
-    return next(islice(compress(range(len(loads)), map(eq, loads, repeat(low))), k, None))
-
-
-def _columns(
-    workers: Sequence[WorkerView],
-) -> tuple[Sequence[str], list[int], Sequence[int]]:
-    """(ids, loads, capacities): a FleetView's own lists, else one pass each."""
-    if isinstance(workers, FleetView):
-        return workers.ids, workers.loads, workers.capacities
-    return list(map(_ID, workers)), list(map(_LOAD, workers)), list(map(_CAP, workers))
-
-
-def _loads(workers: Sequence[WorkerView]) -> list[int]:
-    return workers.loads if isinstance(workers, FleetView) else list(map(_LOAD, workers))
-
-
 def _least_loaded(workers: Sequence[WorkerView], rng: random.Random) -> WorkerView:
-    return workers[_least_index(_loads(workers), rng)]
+    return workers[least_index(loads_of(workers), rng)]
 
 
 class RoundRobin(Policy):
@@ -257,7 +198,7 @@ class CacheAware(Policy):
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
         text = request.text
-        ids, loads, caps = _columns(workers)
+        ids, loads, caps = columns(workers)
         if ids is not self._ids and ids != self._ids:
             self._ids, self._pos = ids, dict(zip(ids, range(len(ids)), strict=True))
             self._caps = None
@@ -283,7 +224,7 @@ class CacheAware(Policy):
         if cfg.balance_mode == "fleet":
             high = max(loads)
             if high - low > cfg.balance_abs_threshold and high > cfg.balance_rel_threshold * low:
-                return _least_index(loads, rng, low), "balance"
+                return least_index(loads, rng, low), "balance"
         threshold = cfg.cache_threshold * n
         # Deepest entry first: its routable holders are the best match. Entries at or
         # below the threshold end the search (shallower ones are shorter still).
@@ -296,7 +237,7 @@ class CacheAware(Policy):
                 break
         if not best:
             return self._no_match(loads, low), "no_match"
-        pick = best[_least_index([loads[j] for j in best], rng)]
+        pick = best[least_index([loads[j] for j in best], rng)]
         if cfg.balance_mode == "fleet":
             return pick, "cache_hit"
         mean = sum(loads) / len(loads)
@@ -307,19 +248,19 @@ class CacheAware(Policy):
         above = next(held for held, end in path if end > threshold)
         holders = [j for j in self._holders(above) if loads[j] <= limit]
         if holders:
-            return holders[_least_index([loads[j] for j in holders], rng)], "spill"
-        return _least_index(loads, rng, low), "spill"
+            return holders[least_index([loads[j] for j in holders], rng)], "spill"
+        return least_index(loads, rng, low), "spill"
 
     def _no_match(self, loads: list[int], low: int) -> int:
         # Ties among the least loaded stay random: breaking them by tree size was
         # measured worse (mooncake, 64 workers: max/mean 1.54 vs 1.32), as every
         # idle-tied request then lands on the one worker that just evicted most.
         if self._cfg.no_match == "least_load":
-            return _least_index(loads, self._rng, low)
+            return least_index(loads, self._rng, low)
         sizes = self._tree.tenant_sizes(self._ids)
         smallest = min(sizes)
         tied = list(compress(range(len(sizes)), map(eq, sizes, repeat(smallest))))
-        return tied[_least_index([loads[j] for j in tied], self._rng)]
+        return tied[least_index([loads[j] for j in tied], self._rng)]
 
     def remove_worker(self, worker_id: str) -> None:
         self._tree.remove_tenant(worker_id)

@@ -16,6 +16,7 @@ handler, which closes the upstream connection and the worker sees the disconnect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -46,13 +47,22 @@ def end_to_end_headers(
     headers: CIMultiDict[str] | dict[str, str], drop: frozenset[str]
 ) -> CIMultiDict[str]:
     """Headers minus hop-by-hop ones, including any the Connection header names."""
-    listed = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        low = key.lower()
-        if low not in drop and low not in listed:
-            out.add(key, value)
-    return out
+    connection = headers.get("Connection")
+    if connection:  # rare on keep-alive HTTP/1.1: only then build the extra set
+        drop = drop | {t.strip().lower() for t in connection.split(",")}
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
+
+
+class _CoalescingStream(web.StreamResponse):
+    """A stream whose status line and headers go out with its first chunk, in one write.
+
+    aiohttp's own `web.Response` works this way (the class attribute below); a plain
+    `StreamResponse` sends the headers alone at `prepare()`, one more socket write (and
+    wake-up of the client) per stream. The relay writes the first chunk right after
+    `prepare()`, so the headers are never held back.
+    """
+
+    _send_headers_immediately = False
 
 
 @dataclass(frozen=True)
@@ -125,7 +135,7 @@ class Proxy:
         return by_id[decision.worker_id], decision
 
     async def forward(self, request: web.Request, routed: Routed) -> web.StreamResponse:
-        if routed.model and (known := self.fleet.models()) and routed.model not in known:
+        if routed.model and not self.fleet.knows_model(routed.model):
             raise APIError(
                 404,
                 f"model {routed.model!r} is not served by this fleet",
@@ -250,41 +260,50 @@ class Proxy:
         worker: WorkerState,
         decision: Decision,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
+        # The first chunk is read before anything goes to the client, so a worker that
+        # fails before its first event is retried elsewhere like any failure before the
+        # first byte, and the headers leave together with that chunk.
+        try:
+            chunk = await upstream.content.readany()
+        except TimeoutError:
+            raise _AttemptFailed(f"worker {worker.worker_id} timed out", 504) from None
+        except aiohttp.ClientError as e:
+            raise _AttemptFailed(
+                f"worker {worker.worker_id} broke off: {type(e).__name__}"
+            ) from None
+        content = upstream.content
+        resp = _CoalescingStream(
             status=upstream.status, headers=self._response_headers(upstream, worker, decision)
         )
         await resp.prepare(request)
         tail = b""
         broken: str | None = None
-        while True:
-            try:
-                chunk = await upstream.content.readany()
-            except TimeoutError:
-                broken = f"worker {worker.worker_id} timed out mid-stream"
-                break
-            except aiohttp.ClientError as e:
-                broken = f"worker {worker.worker_id} broke off mid-stream: {type(e).__name__}"
-                break
-            if not chunk:
-                break
+        # Each chunk is written as soon as it is read; only the last one (the upstream has
+        # already ended) waits to leave together with the end-of-stream marker.
+        while chunk and not content.is_eof():
             try:
                 await resp.write(chunk)
             except ConnectionError:
                 return resp  # the client left; the caller closes the upstream
             tail = (tail + chunk)[-SSE_TAIL_BYTES:]
+            try:
+                chunk = await content.readany()
+            except TimeoutError:
+                broken, chunk = f"worker {worker.worker_id} timed out mid-stream", b""
+            except aiohttp.ClientError as e:
+                broken = f"worker {worker.worker_id} broke off mid-stream: {type(e).__name__}"
+                chunk = b""
         if broken is None:
             worker.breaker.record_success()
-            self._observe_cached(worker, decision, cached_tokens_from_sse(tail))
+            self._observe_cached(worker, decision, cached_tokens_from_sse(tail + chunk))
         else:
             worker.failures_total += 1
             worker.breaker.record_failure(self.clock())
             self.metrics.upstream_failures.labels(worker.worker_id).inc()
             event = json.dumps(error_body(502, broken, code="upstream_error"))
-            try:
-                await resp.write(f"data: {event}\n\n".encode())
-            except ConnectionError:
-                return resp
-        await resp.write_eof()
+            chunk = f"data: {event}\n\n".encode()
+        with contextlib.suppress(ConnectionError):  # the client left at the very end
+            await resp.write_eof(chunk)
         return resp
 
     def _observe_cached(self, worker: WorkerState, decision: Decision, actual: int | None) -> None:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from shared.aio import reraise_if_cancelled
 from shared.config import RouterConfig
 from shared.registry import Registry
 
@@ -119,6 +120,7 @@ class DecisionSync:
                     log.info("replica sync (%s) reconnected to Redis", what)
                 failing, backoff = False, 0.1
             except (RedisError, OSError) as e:
+                reraise_if_cancelled()
                 if not failing:
                     log.warning(
                         "replica sync (%s): Redis unavailable (%s); routing per replica", what, e

@@ -21,6 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from shared.aio import reraise_if_cancelled
 from shared.registry import Registry, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Heartbeat:
         try:
             await self.registry.publish_heartbeat(self.record(), self.ttl, joined=not self.joined)
         except _FAILURES as exc:
+            reraise_if_cancelled()
             if not self._failing:
                 log.warning("heartbeat to Redis failed (%s); still serving, retrying", exc)
             self._failing = True

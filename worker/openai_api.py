@@ -28,7 +28,7 @@ from shared.protocol import (
 from worker.engine.types import EngineError, EngineOverloaded, GenerateOutput, SamplingParams
 from worker.engine.types import GenerateRequest as EngineRequest
 from worker.state import CONFIG, ENGINE, METRICS, STATE
-from worker.streaming import open_stream, send_done, send_event
+from worker.streaming import open_stream, send_done, send_event, send_events
 
 
 class _Format(Protocol):
@@ -180,16 +180,19 @@ async def _run(
         try:
             out, is_first = first, True
             while True:
-                for chunk in fmt.chunks(out, is_first):
-                    await send_event(response, chunk)
+                events = fmt.chunks(out, is_first)
                 is_first = False
-                nxt = None if out.finished else await anext(it, None)
+                if out.finished:  # the last delta leaves with usage and [DONE]
+                    break
+                await send_events(response, events)
+                nxt = await anext(it, None)
                 if nxt is None:
+                    events = []
                     break
                 out = nxt
             if (usage := fmt.usage_chunk(out)) is not None:
-                await send_event(response, usage)
-            await send_done(response)
+                events.append(usage)
+            await send_done(response, events)
         except ConnectionResetError:
             pass  # the client left; closing `it` aborts the request
         except (EngineError, EngineOverloaded, RuntimeError) as exc:

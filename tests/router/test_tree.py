@@ -31,6 +31,12 @@ def test_worked_example_from_docstring() -> None:
     assert tree.tenant_size("a") == 12
     assert tree.tenant_size("b") == 11
     assert tree.total_chars == len("hel" + "lo " + "there" + "world" + "p")
+    # The path the match walks: holders of each node root side first, with the matched
+    # length at its end ('th' of 'there' for the last, where the text leaves it).
+    path = [(sorted(held), end) for held, end in tree.match_path("hello thx")]
+    assert path == [(["a", "b"], 3), (["a", "b"], 6), (["b"], 8)]
+    assert tree.match_path("zzz") == [] and tree.match_path("") == []
+    assert tree.tenant_sizes(["a", "b", "nobody"]) == [12, 11, 0]
     tree.check_integrity()
     # The docstring shows this very tree, so the documentation cannot drift from the code.
     assert textwrap.indent(WORKED_EXAMPLE, "    ") in (tree_module.__doc__ or "")

@@ -1,0 +1,86 @@
+"""The routable fleet as the policies read it: per-worker views and their columns.
+
+A caller may pass any ``Sequence[WorkerView]``; a ``FleetView`` keeps the same data as
+columns across requests, so a policy reads a fleet of 1,000 without touching 1,000
+objects. The helpers here are the C-level passes every policy shares (no Python loop
+per worker: they run on every request).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import compress, islice, repeat
+from operator import attrgetter, eq
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    load: int  # requests in flight from this router + queue the worker reports
+    cache_capacity_tokens: int = 0
+
+
+class FleetView(Sequence[WorkerView]):
+    """The routable fleet as parallel columns that the caller keeps between requests.
+
+    Any ``Sequence[WorkerView]`` works; this one spares the policies their per-request
+    passes over the fleet (reading ids, loads and capacities out of n objects costs
+    ~50 ns a worker each: 0.15 ms per request at 1,000 workers on the dev box).
+    Contract: ``ids`` and ``capacities`` are tuples the caller *replaces* when the
+    fleet or a capacity changes (rare; the policy notices by identity), and ``loads``
+    is a list it writes in place (``loads[i] = ...``) as loads move. Policies only read.
+    """
+
+    __slots__ = ("capacities", "ids", "loads")
+
+    def __init__(
+        self,
+        ids: Sequence[str],
+        loads: list[int] | None = None,
+        capacities: Sequence[int] | None = None,
+    ) -> None:
+        self.ids = tuple(ids)
+        self.loads = loads if loads is not None else [0] * len(self.ids)
+        self.capacities = tuple(capacities) if capacities is not None else (0,) * len(self.ids)
+        if not len(self.loads) == len(self.capacities) == len(self.ids):
+            raise ValueError("ids, loads and capacities must have one entry per worker")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> WorkerView:  # type: ignore[override]
+        return WorkerView(self.ids[i], self.loads[i], self.capacities[i])
+
+
+_ID = attrgetter("worker_id")
+_LOAD = attrgetter("load")
+_CAP = attrgetter("cache_capacity_tokens")
+
+
+def least_index(loads: list[int], rng: random.Random, low: int | None = None) -> int:
+    """Position of the least load; ties random. C-level passes only (map, count,
+    compress), no Python work per worker: this runs on every request of the fleet."""
+    if low is None:
+        low = min(loads)
+    tied = loads.count(low)
+    if tied == 1:
+        return loads.index(low)
+    # The k-th tied position, k uniform (the same draw as rng.choice over the tied
+    # list), found by a C iterator that stops there instead of building the list.
+    k = rng.randrange(tied)
+    return next(islice(compress(range(len(loads)), map(eq, loads, repeat(low))), k, None))
+
+
+def columns(
+    workers: Sequence[WorkerView],
+) -> tuple[Sequence[str], list[int], Sequence[int]]:
+    """(ids, loads, capacities): a FleetView's own lists, else one pass each."""
+    if isinstance(workers, FleetView):
+        return workers.ids, workers.loads, workers.capacities
+    return list(map(_ID, workers)), list(map(_LOAD, workers)), list(map(_CAP, workers))
+
+
+def loads_of(workers: Sequence[WorkerView]) -> list[int]:
+    return workers.loads if isinstance(workers, FleetView) else list(map(_LOAD, workers))
