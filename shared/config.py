@@ -56,6 +56,10 @@ class RouterConfig(_Frozen):
     reconnect_grace: float = Field(5.0, ge=0)
     # cache_aware: see router/policy.py for the rule these thresholds drive.
     cache_threshold: float = Field(0.3, ge=0, le=1)
+    # A load gap (requests) that counts as imbalance. 64 suits GPU workers that run
+    # hundreds of requests at once; set it to about half of what one worker runs at once
+    # (e.g. 4 for CPU sim workers at 8): when it never fires, a prefix every request shares
+    # (one system prompt) pulls all traffic to one worker (loadtests/results/policies.md).
     balance_abs_threshold: int = Field(64, ge=0)
     balance_rel_threshold: float = Field(1.5, ge=1)
     balance_mode: Literal["fleet", "per_request"] = "fleet"
