@@ -47,6 +47,12 @@ def _up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-tokens", type=int, default=None, help="KV capacity per worker, in tokens"
     )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=16,
+        help="batch size per worker; the router's balance threshold is half of it",
+    )
     p.add_argument("--sim-prefill-us-per-token", type=float, default=None)
     p.add_argument("--sim-decode-ms-per-token", type=float, default=None)
     p.add_argument("--model-cache-dir", default=None, help="where the tiny model is built")
@@ -103,6 +109,7 @@ def _run_up(args: argparse.Namespace) -> int:
     options = UpOptions(
         workers=args.workers, engine=args.engine, model=args.model, host=args.host, port=args.port,
         redis_url=args.redis_url, policy=args.policy, cache_tokens=args.cache_tokens,
+        max_running_requests=args.max_running_requests,
         sim_prefill_us_per_token=args.sim_prefill_us_per_token,
         sim_decode_ms_per_token=args.sim_decode_ms_per_token,
         model_cache_dir=args.model_cache_dir, start_timeout=args.start_timeout,

@@ -42,6 +42,7 @@ class UpOptions:
     redis_url: str | None = None
     policy: str = "cache_aware"
     cache_tokens: int | None = None
+    max_running_requests: int = 16
     sim_prefill_us_per_token: float | None = None
     sim_decode_ms_per_token: float | None = None
     model_cache_dir: str | None = None
@@ -122,6 +123,7 @@ class LocalFleet:
             if model:
                 args += ["--model", model]
             for flag, value in (("--cache-tokens", cache_tokens),
+                                ("--max-running-requests", o.max_running_requests),
                                 ("--sim-prefill-us-per-token", o.sim_prefill_us_per_token),
                                 ("--sim-decode-ms-per-token", o.sim_decode_ms_per_token)):  # fmt: skip
                 if value is not None:
@@ -141,8 +143,13 @@ class LocalFleet:
             "--policy",
             o.policy,
         ]
+        # The default imbalance gap (64 requests) suits GPU workers running hundreds at
+        # once; a local fleet never reaches it, and a prompt every request shares would
+        # pull all traffic to one worker. Half a worker's batch is the scale that works
+        # (loadtests/results/policies.md).
+        env = {"RADIX_ROUTER_BALANCE_ABS_THRESHOLD": str(max(1, o.max_running_requests // 2))}
         router = self._spawn(
-            "router", "router", args, f"http://{o.host}:{port}", f"[{total}/{total}]"
+            "router", "router", args, f"http://{o.host}:{port}", f"[{total}/{total}]", env=env
         )
         self.say("")
         self.say(f"Router ready at {router.url}")
@@ -166,7 +173,15 @@ class LocalFleet:
                 raise StartError(f"make-tiny-model failed: {done.stderr[-2000:]}")
         return str(cache)
 
-    def _spawn(self, name: str, module: str, args: list[str], url: str, step: str) -> Child:
+    def _spawn(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        url: str,
+        step: str,
+        env: dict[str, str] | None = None,
+    ) -> Child:
         if self._stop.is_set():
             raise StartError("interrupted")
         log_path = self.log_dir / f"{name}.log"
@@ -176,6 +191,7 @@ class LocalFleet:
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, **(env or {})},
             )  # fmt: skip
         child = Child(name, proc, log_path, url)
         self.children.append(child)
