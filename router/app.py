@@ -28,6 +28,7 @@ from router.metrics import Metrics
 from router.openapi import build_openapi
 from router.policy import Policy, build_policy
 from router.proxy import Proxy
+from router.ratelimit import make_rate_limit_middleware
 from router.state import (
     ADMISSION,
     CLOCK,
@@ -110,11 +111,13 @@ def create_app(
     for url in config.worker_urls:
         fleet.add_url(url, "static")
     metrics = Metrics(fleet, clock)
+    rate_limit = make_rate_limit_middleware(config, clock)
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[
             error_middleware,
             make_auth_middleware(config),
+            *([rate_limit] if rate_limit is not None else []),
         ],
     )
     app[CONFIG] = config

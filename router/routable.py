@@ -85,10 +85,15 @@ class RoutableViews:
         if self._stale or not self._valid_from <= now < self._valid_until:
             self._rebuild(now)
         key = self._key(model)
-        if key is not model and key is _ALL or key in self._views or key in self.reported():
-            view = self._views.get(key) or self._cached(key)
-        else:
-            view = self._build(key, register=False)  # a model nobody reports: not kept
+        view = self._views.get(key)
+        if view is None:
+            # Kept: the whole fleet's view and one per reported model. A model nobody
+            # reports (the proxy refuses those anyway) gets a one-off, so clients cannot
+            # grow this table.
+            keep = key is _ALL or key in self.reported()
+            view = self._build(key, register=keep)
+            if keep:
+                self._views[key] = view
         skip = set(exclude)
         if not skip:
             return view
@@ -133,10 +138,6 @@ class RoutableViews:
         self._slots = {}
         self._stale = False
         self._valid_from, self._valid_until = now, until
-
-    def _cached(self, key: str | None) -> FleetView:
-        view = self._views[key] = self._build(key, register=True)
-        return view
 
     def _build(self, model: str | None, register: bool) -> FleetView:
         members = self._members

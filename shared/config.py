@@ -84,6 +84,9 @@ class RouterConfig(_Frozen):
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
     protect_metrics: bool = False
+    # Per-client token bucket on inference requests (router/ratelimit.py); None: off.
+    rate_limit_per_key: float | None = Field(None, gt=0)
+    rate_limit_burst: int = Field(20, ge=1)
     # Several replicas share routing decisions and in-flight load through Redis (router/sync.py).
     sync: bool = False
     sync_stream_maxlen: int = Field(20_000, ge=100)

@@ -1,0 +1,41 @@
+"""Per-key rate limit: a token bucket per client, exact under an injected clock."""
+
+from __future__ import annotations
+
+from router.ratelimit import TokenBuckets
+from tests.router.conftest import StartRouter, StartWorkers, url_of
+
+BODY = {"prompt": "hello", "max_tokens": 2}
+
+
+def test_bucket_allows_a_burst_then_the_rate() -> None:
+    now = [100.0]
+    buckets = TokenBuckets(rate=2.0, burst=3, clock=lambda: now[0])
+    assert [buckets.take(b"a") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert buckets.take(b"a") == 0.5  # empty: one token comes back in 1 / rate s
+    assert buckets.take(b"b") == 0.0  # another client has its own bucket
+    now[0] += 0.5
+    assert buckets.take(b"a") == 0.0
+    assert buckets.take(b"a") > 0
+    now[0] += 60
+    assert [buckets.take(b"a") for _ in range(4)] == [0.0, 0.0, 0.0, 0.5]  # refill capped
+
+
+async def test_router_answers_429_per_key(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(_, server)] = await fake_workers("ok")
+    client = await start_router(
+        [url_of(server)], api_keys=("k1", "k2"), rate_limit_per_key=0.01, rate_limit_burst=2
+    )
+    k1 = {"Authorization": "Bearer k1"}
+    assert [
+        (await client.post("/v1/completions", json=BODY, headers=k1)).status for _ in range(2)
+    ] == [200, 200]
+    r = await client.post("/v1/completions", json=BODY, headers=k1)
+    assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+    assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
+    # Other clients and non-inference endpoints are not limited by k1's use.
+    k2 = {"Authorization": "Bearer k2"}
+    assert (await client.post("/v1/completions", json=BODY, headers=k2)).status == 200
+    assert (await client.get("/v1/models", headers=k1)).status == 200
