@@ -8,68 +8,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
-
+from shared.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
 from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
-REF = "#/components/schemas/{model}"
-
-ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
+# Every status a routed inference request can be answered with.
+_INFERENCE_ERRORS = {
+    "400": "Invalid request",
+    "401": "Missing or wrong API key",
+    "404": "Unknown model",
+    "413": "Request body too large",
+    "429": "Router at capacity; see Retry-After",
+    "502": "Every attempt on a worker failed",
+    "503": "No healthy worker, or the router is draining",
+    "504": "Worker timed out",
 }
 
 
-def _error(description: str) -> dict[str, Any]:
-    return {
-        "description": description,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-    }
-
-
-def _schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
-    schema = model.model_json_schema(ref_template=REF)
-    components.update(schema.pop("$defs", {}))
-    components[model.__name__] = schema
-    return {"$ref": REF.format(model=model.__name__)}
-
-
 def _inference(ref: dict[str, Any], summary: str) -> dict[str, Any]:
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
-            "responses": {
-                "200": {
-                    "description": "The worker's answer (JSON, or SSE when stream is true)",
-                    "content": {
-                        "application/json": {"schema": {"type": "object"}},
-                        "text/event-stream": {},
-                    },
-                },
-                "400": _error("Invalid request"),
-                "401": _error("Missing or wrong API key"),
-                "404": _error("Unknown model"),
-                "413": _error("Request body too large"),
-                "429": _error("Router at capacity; see Retry-After"),
-                "502": _error("Every attempt on a worker failed"),
-                "503": _error("No healthy worker, or the router is draining"),
-                "504": _error("Worker timed out"),
-            },
-        }
-    }
+    ok = "The worker's answer (JSON, or SSE when stream is true)"
+    return inference_operation(ref, summary, ok, _INFERENCE_ERRORS)
 
 
 def _get(description: str, *statuses: str) -> dict[str, Any]:
@@ -77,15 +34,15 @@ def _get(description: str, *statuses: str) -> dict[str, Any]:
         "200": {"description": description, "content": {"application/json": {}}}
     }
     for status in statuses:
-        responses[status] = _error(status)
+        responses[status] = error_response(status)
     return {"get": {"summary": description, "responses": responses}}
 
 
 def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[str, Any]:
     components: dict[str, Any] = {"Error": ERROR_SCHEMA}
-    chat = _schema(ChatCompletionRequest, components)
-    completion = _schema(CompletionRequest, components)
-    generate = _schema(GenerateRequest, components)
+    chat = add_schema(ChatCompletionRequest, components)
+    completion = add_schema(CompletionRequest, components)
+    generate = add_schema(GenerateRequest, components)
     admin_add = {
         "type": "object",
         "required": ["url"],
@@ -99,7 +56,7 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
         "requestBody": {"required": True, "content": {"application/json": {"schema": admin_add}}},
         "responses": {
             "201": {"description": "Added"},
-            **{s: _error(s) for s in ("400", "401", "403", "413")},
+            **{s: error_response(s) for s in ("400", "401", "403", "413")},
         },
     }
     return {
@@ -139,7 +96,7 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
                     ],
                     "responses": {
                         "200": {"description": "Removed"},
-                        **{s: _error(s) for s in ("401", "403", "404")},
+                        **{s: error_response(s) for s in ("401", "403", "404")},
                     },
                 }
             },

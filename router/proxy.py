@@ -28,7 +28,7 @@ from multidict import CIMultiDict
 
 from router.fleet import Fleet, LoadGuard, WorkerState
 from router.metrics import Metrics, cached_tokens_from_json, cached_tokens_from_sse
-from router.policy import Decision, Policy, RouteRequest, WorkerView
+from router.policy import Decision, Policy, RouteRequest
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
 
@@ -117,22 +117,17 @@ class Proxy:
 
     def _select(self, routed: Routed, tried: list[str]) -> tuple[WorkerState, Decision] | None:
         now = self.clock()
-        candidates = self.fleet.routable(now, exclude=tried, model=routed.model)
-        if not candidates:
+        # The fleet keeps this view current as workers, breakers and loads change, so a
+        # request costs no pass over the fleet in Python (a one-off copy only on retries).
+        remote = self._remote_load() if self._remote_load is not None else None
+        view = self.fleet.view(now, routed.model, exclude=tried, remote=remote)
+        if not view:
             return None
-        remote = self._remote_load() if self._remote_load is not None else {}
-        views = [
-            WorkerView(
-                w.worker_id, w.load_with(remote.get(w.worker_id, 0)), w.cache_capacity_tokens
-            )
-            for w in candidates
-        ]
-        decision = self.policy.select(RouteRequest(routed.text, routed.session_key), views, now)
+        decision = self.policy.select(RouteRequest(routed.text, routed.session_key), view, now)
         if self._publish is not None:
             self._publish(decision.worker_id, routed.text)
-        by_id = {w.worker_id: w for w in candidates}
         self.metrics.decision(decision.reason)
-        return by_id[decision.worker_id], decision
+        return self.fleet.workers[decision.worker_id], decision
 
     async def forward(self, request: web.Request, routed: Routed) -> web.StreamResponse:
         if routed.model and not self.fleet.knows_model(routed.model):

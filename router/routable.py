@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
+from router.worker_state import WorkerState
 from router.worker_views import FleetView
-
-if TYPE_CHECKING:  # fleet.py imports this module; types only, no cycle at run time
-    from router.fleet import WorkerState
 
 _ALL: str | None = None  # the view key of the whole routable fleet
 
@@ -73,11 +70,14 @@ class RoutableViews:
         """
         if remote is self._remote:
             return
-        changed = remote != self._remote
-        self._remote = remote
-        if changed and not self._stale:
-            for wid in self._slots:
-                self.load_changed(self._workers[wid])
+        old, self._remote = self._remote, remote
+        if self._stale:
+            return  # the rebuild computes every load afresh
+        for wid in old.keys() | remote.keys():
+            if old.get(wid, 0) != remote.get(wid, 0):
+                worker = self._workers.get(wid)  # replicas may name workers we dropped
+                if worker is not None:
+                    self.load_changed(worker)
 
     # -- reads (the request path) ------------------------------------------------------
     def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView:

@@ -31,78 +31,63 @@ def _finish(reason: FinishReason) -> FinishReason:
     return "stop" if reason == "abort" else reason
 
 
+def _envelope(
+    obj: str,
+    rid: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    use: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The fields every body and chunk share; `usage` only on bodies and the usage chunk."""
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def _choice(content: dict[str, Any], finish_reason: FinishReason) -> list[dict[str, Any]]:
+    """The one choice (n=1): `content` is its text, message or delta field."""
+    return [{"index": 0, **content, "logprobs": None, "finish_reason": _finish(finish_reason)}]
+
+
 def completion_body(
     rid: str, model: str, created: int, text: str, finish_reason: FinishReason, use: dict[str, Any]
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(finish_reason)}
-        ],
-        "usage": use,
-    }
+    choices = _choice({"text": text}, finish_reason)
+    return _envelope("text_completion", rid, model, created, choices, use)
 
 
 def completion_chunk(
     rid: str, model: str, created: int, text: str, finish_reason: FinishReason
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(finish_reason)}
-        ],
-    }
+    choices = _choice({"text": text}, finish_reason)
+    return _envelope("text_completion", rid, model, created, choices)
 
 
 def chat_body(
     rid: str, model: str, created: int, text: str, finish_reason: FinishReason, use: dict[str, Any]
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": _finish(finish_reason),
-            }
-        ],
-        "usage": use,
-    }
+    message = {"role": "assistant", "content": text}
+    choices = _choice({"message": message}, finish_reason)
+    return _envelope("chat.completion", rid, model, created, choices, use)
 
 
 def chat_chunk(
     rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: FinishReason
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish(finish_reason)}
-        ],
-    }
+    choices = _choice({"delta": delta}, finish_reason)
+    return _envelope("chat.completion.chunk", rid, model, created, choices)
 
 
 def usage_chunk(
     obj: str, rid: str, model: str, created: int, use: dict[str, Any]
 ) -> dict[str, Any]:
     """The last chunk when `stream_options.include_usage`: no choices, only usage."""
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": use,
-    }
+    return _envelope(obj, rid, model, created, [], use)

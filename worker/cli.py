@@ -97,7 +97,8 @@ def _url_host(host: str) -> str:
 
 
 async def serve(config: WorkerConfig) -> int:
-    engine = await asyncio.to_thread(build_engine, config)  # loads weights: off the loop
+    # Blocking setup (tokenizers, vLLM args) off the loop; weights load in engine.start().
+    engine = await asyncio.to_thread(build_engine, config)
     app = create_app(config, engine)
     state = app[STATE]
     # handler_cancellation: a client that hangs up cancels its handler, which aborts

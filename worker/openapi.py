@@ -5,64 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
-
+from shared.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
 from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
-_REF = "#/components/schemas/{model}"
-
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-
-
-def _error(description: str) -> dict[str, Any]:
-    ref = {"$ref": "#/components/schemas/Error"}
-    return {"description": description, "content": {"application/json": {"schema": ref}}}
-
-
 _ERRORS = {
-    "400": _error("Invalid request"),
-    "401": _error("Missing or invalid API key"),
-    "404": _error("Unknown model"),
-    "413": _error("Request body too large"),
-    "503": _error("Engine starting, overloaded or draining"),
+    "400": "Invalid request",
+    "401": "Missing or invalid API key",
+    "404": "Unknown model",
+    "413": "Request body too large",
+    "503": "Engine starting, overloaded or draining",
 }
 
 
-def _inference(model: type[BaseModel], summary: str) -> dict[str, Any]:
-    ok = {
-        "description": "The answer (JSON), or server-sent events when `stream` is true",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {},
-        },
-    }
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}
-                },
-            },
-            "responses": {"200": ok, **_ERRORS},
-        }
-    }
+def _inference(ref: dict[str, Any], summary: str) -> dict[str, Any]:
+    ok = "The answer (JSON), or server-sent events when `stream` is true"
+    return inference_operation(ref, summary, ok, _ERRORS)
 
 
 def _get(summary: str, *codes: str) -> dict[str, Any]:
@@ -73,16 +30,15 @@ def _get(summary: str, *codes: str) -> dict[str, Any]:
         }
     }
     for code in codes:
-        responses[code] = _error(summary)
+        responses[code] = error_response(summary)
     return {"summary": summary, "responses": responses}
 
 
 def openapi_document(served_model: str) -> dict[str, Any]:
-    schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA}
-    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest):
-        schema = model.model_json_schema(ref_template=_REF)
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
+    schemas: dict[str, Any] = {"Error": ERROR_SCHEMA}
+    chat = add_schema(ChatCompletionRequest, schemas)
+    completion = add_schema(CompletionRequest, schemas)
+    generate = add_schema(GenerateRequest, schemas)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -91,9 +47,9 @@ def openapi_document(served_model: str) -> dict[str, Any]:
             "description": f"Serves {served_model}",
         },
         "paths": {
-            "/v1/chat/completions": _inference(ChatCompletionRequest, "OpenAI chat completion"),
-            "/v1/completions": _inference(CompletionRequest, "OpenAI text completion"),
-            "/generate": _inference(GenerateRequest, "SGLang native generation"),
+            "/v1/chat/completions": _inference(chat, "OpenAI chat completion"),
+            "/v1/completions": _inference(completion, "OpenAI text completion"),
+            "/generate": _inference(generate, "SGLang native generation"),
             "/v1/models": {"get": _get("The served model", "401")},
             "/health": {"get": _get("200 when ready; 503 while starting or draining", "503")},
             "/get_server_info": {"get": _get("Worker identity, config and engine stats", "401")},

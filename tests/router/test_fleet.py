@@ -1,8 +1,14 @@
-"""Fleet table units: breaker states, the load guard, registry sync, routable filtering."""
+"""Fleet table units: breaker states, the load guard, registry sync, routable filtering,
+and the routable view kept current between requests (router/routable.py)."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from router.fleet import Breaker, Fleet, LoadGuard
 from router.policy import RouteRequest, WorkerView, build_policy
@@ -135,3 +141,207 @@ def test_epoch_change_drops_the_real_policy_tree() -> None:
     assert policy.worker_stats()[d.worker_id]["tree_chars"] >= 400
     fleet.apply_registry({"w1": record("w1", epoch=5.0), "w2": record("w2", epoch=5.0)})
     assert all(s.get("tree_chars", 0) == 0 for s in policy.worker_stats().values())
+
+
+# -- the maintained view equals the plain definition after every kind of event ---------
+
+MODELS = ("m", "other", "")
+COOLDOWN = 5.0  # time steps below are multiples of 0.5: they land exactly on cooldown ends
+
+
+def expected(
+    fleet: Fleet, now: float, model: str | None, exclude: list[str], remote: dict[str, int]
+) -> tuple[tuple[str, ...], list[int], tuple[int, ...]]:
+    ws = fleet.routable(now, exclude=exclude, model=model)
+    return (
+        tuple(w.worker_id for w in ws),
+        [w.load_with(remote.get(w.worker_id, 0)) for w in ws],
+        tuple(w.cache_capacity_tokens for w in ws),
+    )
+
+
+def assert_views_match(fleet: Fleet, now: float, remote: dict[str, int]) -> None:
+    for model in (None, "m", "other", "", "unknown"):
+        for exclude in ([], sorted(fleet.workers)[:1]):
+            view = fleet.view(now, model, exclude=exclude, remote=remote)
+            got = (view.ids, list(view.loads), view.capacities)
+            assert got == expected(fleet, now, model, exclude, remote), (model, exclude)
+    for model in ("m", "other", "unknown"):
+        assert fleet.knows_model(model) == (
+            any(w.model == model for w in fleet.workers.values())
+            or not any(w.model for w in fleet.workers.values())
+        )
+
+
+EVENT_KINDS = (
+    "heartbeat", "leave", "static", "admin_remove", "fail", "succeed", "attempt",
+    "abandon", "tick", "guard", "release", "remote", "drain", "probe_model", "restart",
+)  # fmt: skip
+
+
+class Driver:
+    """Applies events the way the router's components do, to one fleet."""
+
+    def __init__(self) -> None:
+        self.fleet = Fleet(RouterConfig(breaker_failures=2, breaker_cooldown=COOLDOWN), Hooks())
+        self.now = 0.0
+        self.registry: dict[str, WorkerRecord] = {}
+        self.guards: list[LoadGuard] = []
+        self.remote: dict[str, int] = {}
+
+    def apply(self, kind: str, n: int, value: int) -> None:
+        fleet, wid = self.fleet, f"w{n}"
+        ids = sorted(fleet.workers)
+        worker = fleet.workers[ids[n % len(ids)]] if ids else None  # registry or static
+        if kind == "heartbeat":  # join, or a new queue / capacity / draining / model
+            self.registry[wid] = WorkerRecord(
+                wid, f"http://127.0.0.1:{9000 + n}", MODELS[value % 3], "sim", 1.0,
+                running=value % 5, waiting=value // 5, cache_capacity_tokens=100 * (value % 3),
+                draining=value == 7,
+            )  # fmt: skip
+            fleet.apply_registry(self.registry)
+        elif kind == "leave":
+            self.registry.pop(wid, None)
+            fleet.apply_registry(self.registry, drop_missing=value % 2 == 0)
+        elif kind == "restart" and wid in self.registry:
+            self.registry[wid] = WorkerRecord(
+                **{**self.registry[wid].__dict__, "epoch": 2.0 + value}
+            )
+            fleet.apply_registry(self.registry)
+        elif kind == "static":
+            fleet.add_url(f"http://127.0.0.{n + 2}:8000", "static" if value % 2 else "admin")
+        elif kind == "tick":
+            self.now += 0.5 * value
+        elif kind == "release" and self.guards:
+            self.guards.pop(value % len(self.guards)).release()
+        elif kind == "remote":  # replica sync replaces the mapping
+            self.remote = {
+                **self.remote,
+                wid if value % 2 else ids[n % len(ids)] if ids else wid: value % 4,
+            }
+        elif worker is None:
+            return
+        elif kind == "admin_remove":
+            fleet.remove(worker.worker_id)
+        elif kind == "guard":
+            self.guards.append(LoadGuard(worker))
+        elif kind == "fail":
+            worker.breaker.record_failure(self.now)
+        elif kind == "succeed":
+            worker.breaker.record_success()
+        elif kind == "attempt":
+            worker.breaker.on_attempt(self.now)
+        elif kind == "abandon":
+            worker.breaker.abandon_probe()
+        elif kind == "drain":
+            worker.draining = not worker.draining  # what a heartbeat or a hand would do
+        elif kind == "probe_model":
+            worker.model = MODELS[value % 3]  # what GET /v1/models does for static ones
+
+    def check(self) -> None:
+        assert_views_match(self.fleet, self.now, self.remote)
+
+    def finish(self) -> None:
+        self.check()
+        for g in self.guards:
+            g.release()
+        self.check()
+        assert all(w.in_flight == 0 for w in self.fleet.workers.values())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(EVENT_KINDS), st.integers(0, 2), st.integers(0, 12), st.booleans()
+        ),
+        max_size=60,
+    )
+)
+def test_view_equals_a_from_scratch_filter_after_any_events(
+    events: list[tuple[str, int, int, bool]],
+) -> None:
+    driver = Driver()
+    for kind, n, value, check in events:
+        driver.apply(kind, n, value)
+        if check:  # sometimes several events pass between two requests
+            driver.check()
+    driver.finish()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_view_equals_a_from_scratch_filter_on_long_random_walks(seed: int) -> None:
+    # Long walks reach what short examples rarely do: a breaker opening, cooling down,
+    # probing and closing while loads move. Biased toward the frequent events.
+    rng = random.Random(seed)
+    weights = {k: 1 for k in EVENT_KINDS} | {"guard": 4, "release": 3, "fail": 3, "tick": 3}
+    kinds, w = list(weights), list(weights.values())
+    driver = Driver()
+    for _ in range(600):
+        driver.apply(rng.choices(kinds, w)[0], rng.randrange(4), rng.randrange(13))
+        if rng.random() < 0.7:
+            driver.check()
+    driver.finish()
+
+
+def test_open_breaker_rejoins_the_view_exactly_when_its_cooldown_ends() -> None:
+    fleet = Fleet(RouterConfig(breaker_failures=1, breaker_cooldown=0.1), Hooks())
+    fleet.apply_registry({"w1": record("w1"), "w2": record("w2")})
+    t0 = 1000.3  # opened_at + cooldown is not exact in binary floating point
+    fleet.workers["w1"].breaker.record_failure(t0)
+    assert fleet.view(t0).ids == ("w2",)
+    end = fleet.workers["w1"].breaker.half_open_at()
+    assert fleet.view(math.nextafter(end, 0)).ids == ("w2",)
+    assert fleet.view(end).ids == ("w1", "w2")  # no event: time alone half-opens it
+    # The probe takes it out again until its verdict; a failed probe re-opens it.
+    assert fleet.workers["w1"].breaker.on_attempt(end)
+    assert fleet.view(end).ids == ("w2",)
+    fleet.workers["w1"].breaker.record_failure(end + 0.01)
+    assert fleet.view(end + 0.01).ids == ("w2",)
+    fleet.workers["w1"].breaker.record_success()
+    assert fleet.view(end + 0.01).ids == ("w1", "w2")
+
+
+def test_loads_are_written_in_place_and_membership_changes_replace_the_columns() -> None:
+    fleet = Fleet(RouterConfig(), Hooks())
+    fleet.apply_registry({"w1": record("w1", running=1), "w2": record("w2")})
+    view = fleet.view(0.0)
+    loads, ids = view.loads, view.ids
+    guard = LoadGuard(fleet.workers["w2"])
+    guard.__enter__()
+    guard.__enter__()  # entering twice is one request, as before
+    assert fleet.view(0.0) is view and loads == [1, 1]
+    fleet.apply_registry({"w1": record("w1", running=4, waiting=2), "w2": record("w2")})
+    assert fleet.view(0.0, remote={"w2": 3}).loads is loads and loads == [6, 4]
+    guard.release()
+    assert loads == [6, 3]
+    # The policy notices fleet changes by the identity of `ids`: a change gives new tuples.
+    fleet.workers["w1"].draining = True
+    assert fleet.view(0.0, remote={"w2": 3}).ids == ("w2",) and ids == ("w1", "w2")
+
+
+def test_a_guard_on_a_removed_worker_leaves_its_successor_alone() -> None:
+    fleet = Fleet(RouterConfig(), Hooks())
+    old = fleet.add_url("http://127.0.0.1:9001", "admin")
+    guard = LoadGuard(old)
+    fleet.remove(old.worker_id)
+    new = fleet.add_url("http://127.0.0.1:9001", "admin")
+    assert fleet.view(0.0).loads == [0]
+    guard.release()  # the old request ends after the worker was replaced
+    assert old.in_flight == 0 and new.in_flight == 0 and fleet.view(0.0).loads == [0]
+
+
+def test_one_view_per_served_model_and_the_fleet_view_when_one_model() -> None:
+    fleet = Fleet(RouterConfig(), Hooks())
+    fleet.apply_registry({"w1": record("w1"), "w2": record("w2")})
+    static = fleet.add_url("http://127.0.0.1:9500", "static")  # reports no model: serves any
+    assert fleet.view(0.0, "m") is fleet.view(0.0)  # one model served: one view
+    fleet.apply_registry(
+        {"w1": record("w1"), "w2": WorkerRecord(**{**record("w2").__dict__, "model": "x"})}
+    )
+    assert fleet.view(0.0, "m").ids == ("w1", static.worker_id)
+    assert fleet.view(0.0, "x").ids == ("w2", static.worker_id)
+    assert fleet.view(0.0, "m") is fleet.view(0.0, "m")
+    assert fleet.view(0.0, "nobody").ids == (static.worker_id,)  # not kept: a fresh one-off
+    assert fleet.view(0.0, "nobody") is not fleet.view(0.0, "nobody")
+    assert not fleet.knows_model("nobody") and fleet.knows_model("x")

@@ -7,7 +7,7 @@ import json
 
 from aiohttp.test_utils import TestClient
 
-from router.state import FLEET, METRICS
+from router.state import FLEET, METRICS, PROXY
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 
@@ -218,3 +218,61 @@ def test_hop_by_hop_headers_are_stripped_including_connection_listed_ones() -> N
         RESPONSE_DROP,
     )
     assert list(back.items()) == [("X-A", "1")]
+
+
+async def test_half_open_breaker_lets_exactly_one_probe_through(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w, server)] = await fake_workers("fail503", stream_chunks=3, chunk_delay=0.2)
+    client = await start_router(
+        [url_of(server)], breaker_failures=1, breaker_cooldown=0.2, max_retries=0
+    )
+    assert (await client.post("/v1/completions", json=BODY)).status == 502  # opens
+    w.mode = "ok"
+    await asyncio.sleep(0.25)  # cooldown over: the fleet's view takes it back by time alone
+    probe = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert probe.status == 200 and w.seen == 2
+    # While the probe streams, the worker takes no other request.
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status == 503 and w.seen == 2
+    await asyncio.wait_for(probe.read(), 10)  # the probe succeeds: closed again
+    assert (await client.post("/v1/completions", json=BODY)).status == 200 and w.seen == 3
+
+
+async def test_requests_naming_a_model_reach_only_its_workers(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w0, s0), (w1, s1)] = await fake_workers("ok", "ok")
+    client = await start_router([url_of(s0), url_of(s1)], policy="round_robin")
+    models = await (await client.get("/v1/models")).json()  # asks each static worker once
+    assert sorted(m["id"] for m in models["data"]) == ["model-w0", "model-w1"]
+    for _ in range(4):
+        r = await client.post("/v1/completions", json={**BODY, "model": "model-w1"})
+        assert r.status == 200 and r.headers["X-Upstream"] == "w1"
+    assert w0.seen == 0 and w1.seen == 4
+    r = await client.post("/v1/completions", json={**BODY, "model": "nobody"})
+    assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    unnamed = [await client.post("/v1/completions", json=BODY) for _ in range(2)]
+    assert sorted(r.headers["X-Upstream"] for r in unnamed) == ["w0", "w1"]
+
+
+async def test_admin_changes_and_replica_load_reach_routing_at_once(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(w0, s0), (w1, s1)] = await fake_workers("ok", "ok")
+    client = await start_router([url_of(s0)], policy="least_load", admin_key="adm")
+    admin = {"Authorization": "Bearer adm"}
+    r = await client.post("/workers", json={"url": url_of(s1), "worker_id": "b"}, headers=admin)
+    assert r.status == 201
+    # Another replica has 5 requests in flight to the static worker: least load is "b".
+    remote = {f"127.0.0.1:{s0.port}": 5}
+    client.server.app[PROXY].attach_sync(lambda wid, text: None, lambda: remote)
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json=BODY)).headers["X-Upstream"] == "w1"
+    remote = {"b": 5}  # the next sync round (a new mapping): now the static one is least
+    assert (await client.post("/v1/completions", json=BODY)).headers["X-Upstream"] == "w0"
+    assert (await client.delete("/workers/b", headers=admin)).status == 200
+    remote = {}
+    for _ in range(2):
+        assert (await client.post("/v1/completions", json=BODY)).headers["X-Upstream"] == "w0"
+    assert w1.seen == 3 and w0.seen == 3

@@ -1,12 +1,28 @@
-"""The `radix` backend: our engine (worker/engine/), configured from the worker config."""
+"""The `radix` backend: our engine (worker/engine/), configured from the worker config.
+
+Loading weights takes from seconds (the tiny model) to minutes (a real model), so the
+backend loads them in `start()`, which the app runs after its port is open: meanwhile
+`/health` answers 503 ("engine is starting") instead of refusing connections, which is
+what Kubernetes startup probes and `radix-router up` expect.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from shared.config import ConfigError, WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.engine.types import (
+    EngineOverloaded,
+    EngineStats,
+    GenerateOutput,
+    GenerateRequest,
+)
 
 
 def engine_config(config: WorkerConfig) -> EngineConfig:
@@ -24,12 +40,68 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
     )
 
 
-def build_radix_engine(config: WorkerConfig) -> AsyncEngine:
-    """Loads the model (blocking; call it off the event loop for big models)."""
-    assert config.model is not None
-    if not Path(config.model, "config.json").is_file():
-        raise ConfigError(f"model: {config.model} is not a model folder (no config.json)")
-    engine = AsyncEngine(config.model, engine_config(config))
-    if config.served_model_name:
-        engine.model_name = config.served_model_name
-    return engine
+class RadixBackend:
+    """`AsyncEngine` behind the Engine protocol, with its weights loaded in `start()`."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        assert config.model is not None
+        if not Path(config.model, "config.json").is_file():
+            raise ConfigError(f"model: {config.model} is not a model folder (no config.json)")
+        self.config = config
+        self.model_name = config.served_model_name or Path(config.model).name
+        self._async: AsyncEngine | None = None
+
+    @property
+    def loaded(self) -> AsyncEngine:
+        if self._async is None:
+            # The HTTP layer refuses requests before the engine is ready; this is the
+            # backstop for anything that slips through (answered 503).
+            raise EngineOverloaded("the model is still loading")
+        return self._async
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The synchronous engine (tests read its integrity while it is idle)."""
+        return self.loaded.engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self._async.max_model_len if self._async is not None else 0
+
+    async def start(self) -> None:
+        if self._async is None:
+            model, config = self.config.model, engine_config(self.config)
+            self._async = await asyncio.to_thread(AsyncEngine, model, config)  # type: ignore[arg-type]
+            self._async.model_name = self.model_name
+        await self._async.start()
+
+    async def stop(self) -> None:
+        if self._async is not None:
+            await self._async.stop()
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        return self.loaded.generate(request)
+
+    async def abort(self, request_id: str) -> None:
+        await self.loaded.abort(request_id)
+
+    async def flush_cache(self) -> bool:
+        return await self.loaded.flush_cache()
+
+    def stats(self) -> EngineStats:
+        if self._async is None:
+            return EngineStats(0, 0, 0, 0, 0, 0, 0)
+        return self._async.stats()
+
+    def count_tokens(self, text: str) -> int:
+        return self.loaded.count_tokens(text)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        return self.loaded.apply_chat_template(messages, add_generation_prompt)
+
+
+def build_radix_engine(config: WorkerConfig) -> RadixBackend:
+    """Cheap: checks the model folder; the weights load in `start()`."""
+    return RadixBackend(config)

@@ -25,12 +25,12 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from worker.backends.sim_model import SimTokenizer, answer_ids
 from worker.engine.allocator import SlotAllocator
+from worker.engine.chat import ChatPrompts
 from worker.engine.radix_cache import NoCache, RadixCache
 from worker.engine.sequence import Sequence
 from worker.engine.types import (
@@ -63,7 +63,7 @@ class _Entry:
     aborted: bool = False
 
 
-class SimEngine:
+class SimEngine(ChatPrompts):
     def __init__(self, config: SimConfig, tokenizer: SimTokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -97,16 +97,7 @@ class SimEngine:
             raise EngineError(
                 f"request id {request.request_id!r} is already in flight", "request_id"
             )
-        if request.prompt is not None:
-            ids = self.tokenizer.encode(request.prompt)
-        else:
-            ids = [int(t) for t in request.prompt_token_ids or ()]
-            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-                raise EngineError(
-                    f"token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt"
-                )
-        if not ids:
-            raise EngineError("prompt is empty", param="prompt")
+        ids = self.prompt_ids(request)
         self._check_fits(len(ids), params.max_tokens)
         if len(self._waiting) >= self.config.max_waiting_requests:
             raise EngineOverloaded(f"{len(self._waiting)} requests waiting; try again later")
@@ -153,7 +144,7 @@ class SimEngine:
         try:
             if not await entry.admitted:
                 seq.finish_reason = "abort"
-                yield self._output(seq)
+                yield seq.to_output()
                 return
             uncached = len(seq.prompt_ids) - seq.prefix_len
             await asyncio.sleep(self.config.prefill_us_per_token * uncached / 1e6)
@@ -165,23 +156,11 @@ class SimEngine:
                     seq.finish_reason = "abort"
                 else:
                     seq.append_token(token_id, self.max_model_len)
-                yield self._output(seq)
+                yield seq.to_output()
                 if seq.finish_reason is not None:
                     return
         finally:
             self._finish(entry)
-
-    def _output(self, seq: Sequence) -> GenerateOutput:
-        return GenerateOutput(
-            request_id=seq.request_id,
-            text_delta=seq.take_text_delta(),
-            token_ids=seq.take_token_ids(),
-            prompt_tokens=len(seq.prompt_ids),
-            cached_tokens=seq.cached_tokens or 0,
-            completion_tokens=len(seq.output_ids),
-            finished=seq.finish_reason is not None,
-            finish_reason=seq.finish_reason,
-        )
 
     async def abort(self, request_id: str) -> None:
         entry = self._active.get(request_id)
@@ -271,16 +250,3 @@ class SimEngine:
         held = [e.seq.slots[e.seq.prefix_len :] for e in self._running.values()]
         owned = np.concatenate([self.cache.cached_slots(), *held])
         self.allocator.check_integrity(owned)
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text))
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt
-            )
-        except ValueError as exc:
-            raise EngineError(str(exc), param="messages") from exc

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import WorkerConfig
+from worker.engine.chat import ChatPrompts
 from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import (
     EngineError,
@@ -41,7 +42,7 @@ def _model_max_len(model_dir: str) -> int:
     return int(cfg.get("max_position_embeddings", 2048))
 
 
-class VllmEngine:
+class VllmEngine(ChatPrompts):
     def __init__(self, config: WorkerConfig) -> None:
         assert config.model is not None
         self.config = config
@@ -101,16 +102,7 @@ class VllmEngine:
         limit = self.config.max_running_requests + self.config.max_waiting_requests
         if len(self._inflight) >= limit:
             raise EngineOverloaded(f"{len(self._inflight)} requests in flight; try again later")
-        if request.prompt is not None:
-            ids = self.tokenizer.encode(request.prompt)
-        else:
-            ids = [int(t) for t in request.prompt_token_ids or ()]
-            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-                raise EngineError(
-                    f"token ids must be in [0, {self.tokenizer.vocab_size})", "prompt"
-                )
-        if not ids:
-            raise EngineError("prompt is empty", param="prompt")
+        ids = self.prompt_ids(request)
         if len(ids) >= self.max_model_len:
             raise EngineError(
                 f"prompt has {len(ids)} tokens; this model's context length is "
@@ -183,19 +175,6 @@ class VllmEngine:
             cached_tokens_total=self.cached_tokens_total,
             completion_tokens_total=self.completion_tokens_total,
         )
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text))
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt
-            )
-        except ValueError as exc:
-            raise EngineError(str(exc), param="messages") from exc
 
 
 def _finish(reason: str | None) -> FinishReason:

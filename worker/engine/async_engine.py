@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from worker.engine.chat import render_chat
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.sequence import Sequence
@@ -140,12 +141,7 @@ class AsyncEngine:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        try:
-            return self.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt
-            )
-        except ValueError as exc:  # no template, or the template refused the messages
-            raise EngineError(str(exc), param="messages") from exc
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt)
 
     # --- engine thread ---
 

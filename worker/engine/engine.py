@@ -143,7 +143,7 @@ class LLMEngine:
         self.scheduler.abort(seq)
         seq.finish_reason = "abort"
         self._retire(seq)
-        return self._output(seq)
+        return seq.to_output()
 
     @property
     def has_work(self) -> bool:
@@ -174,7 +174,7 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self._retire(seq)
-            outputs.append(self._output(seq))
+            outputs.append(seq.to_output())
         return outputs
 
     def _retire(self, seq: Sequence) -> None:
@@ -183,18 +183,6 @@ class LLMEngine:
         self.prompt_tokens_total += len(seq.prompt_ids)
         self.cached_tokens_total += seq.cached_tokens or 0
         self.completion_tokens_total += len(seq.output_ids)
-
-    def _output(self, seq: Sequence) -> GenerateOutput:
-        return GenerateOutput(
-            request_id=seq.request_id,
-            text_delta=seq.take_text_delta(),
-            token_ids=seq.take_token_ids(),
-            prompt_tokens=len(seq.prompt_ids),
-            cached_tokens=seq.cached_tokens or 0,
-            completion_tokens=len(seq.output_ids),
-            finished=seq.finish_reason is not None,
-            finish_reason=seq.finish_reason,
-        )
 
     # --- cache, stats, invariants ---
 

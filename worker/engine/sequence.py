@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from worker.engine.radix_cache import TreeNode
-from worker.engine.types import FinishReason, SamplingParams
+from worker.engine.types import FinishReason, GenerateOutput, SamplingParams
 
 
 class Detokenizer(Protocol):
@@ -103,6 +103,19 @@ class Sequence:
     def take_token_ids(self) -> tuple[int, ...]:
         ids, self.unsent_ids = tuple(self.unsent_ids), []
         return ids
+
+    def to_output(self) -> GenerateOutput:
+        """What the client has not seen yet, plus the counts so far (takes the deltas)."""
+        return GenerateOutput(
+            request_id=self.request_id,
+            text_delta=self.take_text_delta(),
+            token_ids=self.take_token_ids(),
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.cached_tokens or 0,
+            completion_tokens=len(self.output_ids),
+            finished=self.finish_reason is not None,
+            finish_reason=self.finish_reason,
+        )
 
     def _cut_at_stop_string(self) -> bool:
         # Only text not yet streamed can contain a new match start (earlier text was

@@ -1,0 +1,95 @@
+"""Prompt handling shared by the engine fronts (worker/engine/chat.py) and
+`Sequence.to_output`, through the real sim engine and the real model tokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from worker.backends.sim import SimConfig, SimEngine
+from worker.backends.text_tokenizer import VOCAB_SIZE, TextTokenizer
+from worker.engine.chat import render_chat
+from worker.engine.sequence import Sequence
+from worker.engine.tokenizer import Tokenizer
+from worker.engine.types import EngineError, GenerateRequest, SamplingParams
+
+
+def sim(tokenizer: TextTokenizer | Tokenizer | None = None) -> SimEngine:
+    return SimEngine(SimConfig(), tokenizer or TextTokenizer())  # type: ignore[arg-type]
+
+
+def test_prompt_ids_encode_text_and_pass_ids_through() -> None:
+    eng = sim()
+    assert eng.prompt_ids(GenerateRequest("a", prompt="hello world")) == eng.tokenizer.encode(
+        "hello world"
+    )
+    assert eng.prompt_ids(GenerateRequest("b", prompt_token_ids=(5, 0, VOCAB_SIZE - 1))) == [
+        5,
+        0,
+        VOCAB_SIZE - 1,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (GenerateRequest("a", prompt_token_ids=(1, VOCAB_SIZE)), f"[0, {VOCAB_SIZE})"),
+        (GenerateRequest("b", prompt_token_ids=(-1,)), "token ids must be in"),
+        (GenerateRequest("c", prompt_token_ids=()), "prompt is empty"),
+        (GenerateRequest("d", prompt=""), "prompt is empty"),
+    ],
+)
+def test_bad_prompts_are_engine_errors_on_prompt(request_: GenerateRequest, message: str) -> None:
+    with pytest.raises(EngineError, match=re.escape(message)) as info:
+        sim().prompt_ids(request_)
+    assert info.value.param == "prompt"
+
+
+def test_count_tokens_and_chat_template_use_the_engine_tokenizer(tiny_model_dir: Path) -> None:
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    eng = sim(tok)
+    messages = [{"role": "user", "content": "hi there"}]
+    assert eng.apply_chat_template(messages) == tok.apply_chat_template(messages)
+    assert eng.count_tokens("the cat sees a dog") == len(tok.encode("the cat sees a dog"))
+
+
+def test_template_errors_become_engine_errors_on_messages(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer.from_dir(model_dir)
+    for call in (
+        lambda: render_chat(tok, [{"role": "user", "content": "hi"}]),
+        lambda: sim(tok).apply_chat_template([{"role": "user", "content": "hi"}]),
+    ):
+        with pytest.raises(EngineError, match="no chat template") as info:
+            call()
+        assert info.value.param == "messages"
+
+
+def test_to_output_takes_what_is_unsent_once() -> None:
+    tok = TextTokenizer()
+    prompt = tok.encode("a prompt")
+    answer = tok.encode(" one two", add_special_tokens=False)
+    seq = Sequence("r", prompt, SamplingParams(max_tokens=len(answer)), tok.detokenizer(), seq_id=1)
+    seq.cached_tokens = 1
+    for t in answer:
+        seq.append_token(t, max_model_len=1000)
+    out = seq.to_output()
+    assert (out.request_id, out.text_delta, out.token_ids) == ("r", " one two", tuple(answer))
+    assert (out.prompt_tokens, out.cached_tokens, out.completion_tokens) == (
+        len(prompt),
+        1,
+        len(answer),
+    )
+    assert out.finished and out.finish_reason == "length"
+    again = seq.to_output()  # deltas were taken: nothing new, counts unchanged
+    assert (again.text_delta, again.token_ids, again.completion_tokens) == ("", (), len(answer))
