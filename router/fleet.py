@@ -163,7 +163,7 @@ class Fleet:
         )
 
     def models(self) -> list[str]:
-        return sorted({w.model for w in self.workers.values() if w.model})
+        return sorted(self._views.reported())
 
     def in_flight(self) -> int:
         return sum(w.in_flight for w in self.workers.values())

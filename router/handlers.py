@@ -116,7 +116,7 @@ async def health(request: web.Request) -> web.Response:
     app = request.app
     if app[ADMISSION].draining:
         return web.json_response({"status": "draining"}, status=503)
-    routable = len(app[FLEET].routable(app[CLOCK]()))
+    routable = len(app[FLEET].view(app[CLOCK]()))  # the kept view: no pass over the fleet
     if routable == 0:
         return web.json_response({"status": "no_workers", "workers": 0}, status=503)
     return web.json_response({"status": "ok", "workers": routable})
