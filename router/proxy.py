@@ -83,6 +83,30 @@ class _AttemptFailed(Exception):
         self.status = status
 
 
+class _UpstreamErrors:
+    """A failure talking to the worker before the client saw a byte: retryable.
+
+    A plain class, not @contextmanager: it wraps every upstream await on the hot path.
+    """
+
+    __slots__ = ("what", "worker")
+
+    def __init__(self, worker: WorkerState, what: str) -> None:
+        self.worker, self.what = worker, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: object
+    ) -> None:
+        wid = self.worker.worker_id
+        if kind is not None and issubclass(kind, TimeoutError):
+            raise _AttemptFailed(f"worker {wid} timed out", 504) from None
+        if isinstance(e, aiohttp.ClientError):
+            raise _AttemptFailed(f"{self.what.format(wid)}: {type(e).__name__}") from None
+
+
 class Proxy:
     def __init__(
         self,
@@ -197,17 +221,11 @@ class Proxy:
         self, request: web.Request, routed: Routed, worker: WorkerState, decision: Decision
     ) -> web.StreamResponse:
         with LoadGuard(worker):
-            try:
+            with _UpstreamErrors(worker, "cannot reach worker {}"):
                 upstream = await self.session.post(
                     worker.url + routed.path, data=routed.body,
                     headers=self._request_headers(request), timeout=self.timeout,
                 )  # fmt: skip
-            except TimeoutError:
-                raise _AttemptFailed(f"worker {worker.worker_id} timed out", 504) from None
-            except aiohttp.ClientError as e:
-                raise _AttemptFailed(
-                    f"cannot reach worker {worker.worker_id}: {type(e).__name__}"
-                ) from None
             done = False
             try:
                 if upstream.status >= 500:
@@ -231,14 +249,8 @@ class Proxy:
     async def _relay_buffered(
         self, upstream: aiohttp.ClientResponse, worker: WorkerState, decision: Decision
     ) -> web.Response:
-        try:
+        with _UpstreamErrors(worker, "worker {} broke off"):
             body = await upstream.read()
-        except TimeoutError:
-            raise _AttemptFailed(f"worker {worker.worker_id} timed out", 504) from None
-        except aiohttp.ClientError as e:
-            raise _AttemptFailed(
-                f"worker {worker.worker_id} broke off: {type(e).__name__}"
-            ) from None
         worker.breaker.record_success()
         if upstream.status == 200:
             self._observe_cached(worker, decision, cached_tokens_from_json(body))
@@ -258,14 +270,8 @@ class Proxy:
         # The first chunk is read before anything goes to the client, so a worker that
         # fails before its first event is retried elsewhere like any failure before the
         # first byte, and the headers leave together with that chunk.
-        try:
+        with _UpstreamErrors(worker, "worker {} broke off"):
             chunk = await upstream.content.readany()
-        except TimeoutError:
-            raise _AttemptFailed(f"worker {worker.worker_id} timed out", 504) from None
-        except aiohttp.ClientError as e:
-            raise _AttemptFailed(
-                f"worker {worker.worker_id} broke off: {type(e).__name__}"
-            ) from None
         content = upstream.content
         resp = _CoalescingStream(
             status=upstream.status, headers=self._response_headers(upstream, worker, decision)
