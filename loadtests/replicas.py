@@ -9,6 +9,8 @@ flushed and the decision stream deleted, and the same workload runs with request
 sent to replica i mod n (how a Kubernetes Service spreads connections). Printed, one
 row per run: hit rate (sum of the workers' `cached_tokens` / `prompt_tokens` from each
 response's usage), TTFT and latency p50 at the client, requests per worker (max/mean),
+extra placements (per group, distinct workers that served it minus one, from the
+`x-radix-worker` header),
 and router CPU per request (utime+stime of every replica process from /proc/<pid>/stat
 before and after the run, summed, divided by the requests).
 """
@@ -75,14 +77,17 @@ class ReplicaFleet(LocalFleet):
 
     def start_replicas(self, n: int, sync: bool) -> list[Replica]:
         out: list[Replica] = []
+        children = []
         env = {"RADIX_ROUTER_SYNC": "true" if sync else "false"}
         for i in range(n):
             port = free_port()
             args = ["router", "serve", "--policy", "cache_aware", "--redis-url", self.redis.url,
                     "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]  # fmt: skip
-            out.append(Replica(f"http://127.0.0.1:{port}", self._spawn(f"router-{i}", args, env)))
-        for i, r in enumerate(out):
-            self._wait(r.url, r.proc, f"router-{i}", want_workers=self.spec.workers)
+            children.append(self._spawn(f"router-{i}", args, f"http://127.0.0.1:{port}", env))
+        for child in children:
+            self._wait(child, want_workers=self.spec.workers)
+            assert child.proc is not None  # started by _spawn
+            out.append(Replica(child.url, child.proc))
         return out
 
 
@@ -115,6 +120,7 @@ class Record:
     latency_s: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    tag: str = ""  # group / conversation: which requests share a prefix
 
 
 async def send(
@@ -125,7 +131,7 @@ async def send(
     start = time.perf_counter()
     text: list[str] = []
     async with http.post(url + path, json=req.body(model, stream=True)) as r:
-        rec = Record(r.status, r.headers.get("x-radix-worker", ""))
+        rec = Record(r.status, r.headers.get("x-radix-worker", ""), tag=req.tag)
         if r.status != 200:
             await r.read()
             return rec, ""
@@ -186,6 +192,8 @@ class Row:
     cpu_ms_per_request: float
     idle_ms_per_request: float
     wall_s: float
+    # Placements beyond the first per tag: Σ (distinct workers that served a group - 1).
+    extra_placements: int = 0
 
 
 def summarize(
@@ -196,6 +204,9 @@ def summarize(
     prompt = sum(r.prompt_tokens for r in ok)
     per_worker = Counter(r.worker for r in ok)
     mean = len(ok) / workers  # over the whole fleet: a worker sent nothing counts as 0
+    served: dict[str, set[str]] = {}
+    for r in ok:
+        served.setdefault(r.tag, set()).add(r.worker)
     return Row(
         workload, n, sync, len(records), len(records) - len(ok),
         sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
@@ -204,6 +215,7 @@ def summarize(
         max(per_worker.values()) / mean if mean else 0.0,
         1000 * cpu_s / len(records) if records else 0.0,
         1000 * idle_cpu_per_s * wall_s / len(records) if records else 0.0, wall_s,
+        sum(len(ws) - 1 for ws in served.values()),
     )  # fmt: skip
 
 
@@ -233,8 +245,8 @@ def table(rows: list[Row]) -> str:
     lines = [
         "| workload | replicas | sync | requests | failures | hit rate | vs 1 replica (points) "
         "| TTFT p50 (ms) | latency p50 (ms) | max/mean per worker | router CPU ms/request "
-        "| of which idle background |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| of which idle background | extra placements |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {(r.workload, r.sync): r.hit_rate for r in rows if r.replicas == 1}
     for r in rows:
@@ -244,7 +256,7 @@ def table(rows: list[Row]) -> str:
             f"| {r.workload} | {r.replicas} | {'on' if r.sync else 'off'} | {r.requests} | "
             f"{r.failures} | {r.hit_rate:.3f} | {delta} | {r.ttft_p50_ms:.0f} | "
             f"{r.latency_p50_ms:.0f} | {r.max_over_mean:.2f} | {r.cpu_ms_per_request:.3f} | "
-            f"{r.idle_ms_per_request:.3f} |"
+            f"{r.idle_ms_per_request:.3f} | {r.extra_placements} |"
         )
     return "\n".join(lines)
 
@@ -285,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = measure(fleet, name, n, sync, args.users, args.idle_s)
                     rows.append(row)
                     print(f"{name} replicas={n} sync={'on' if sync else 'off'}: hit rate "
-                          f"{row.hit_rate:.3f}, {row.cpu_ms_per_request:.3f} ms CPU/request, "
+                          f"{row.hit_rate:.3f}, {row.extra_placements} extra placements, "
+                          f"{row.cpu_ms_per_request:.3f} ms CPU/request, "
                           f"{row.wall_s:.1f}s", flush=True)  # fmt: skip
     print(table(rows))
     if args.json:
