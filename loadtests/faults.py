@@ -4,7 +4,7 @@
                                [--only sigkill,restart,redis,hung,router_sigterm]
 
 Each scenario starts a fresh fleet of real processes (Redis, sim workers, the router;
-tests/e2e/fleet.py), runs a steady load (`--concurrency` clients, non-streaming, plus a
+loadtests/harness.py), runs a steady load (`--concurrency` clients, non-streaming, plus a
 few streams), injects its fault, keeps the load on, and prints one row:
 
     sent, ok, failed (any non-200, cut stream, or hang), retried (the router's
@@ -28,9 +28,18 @@ from typing import Any
 
 import redis as redis_sync
 
+from loadtests.harness import (
+    E2EFleet,
+    Outcome,
+    SteadyLoad,
+    WorkerSpec,
+    call,
+    http_json,
+    prompt,
+    session,
+    sim_fleet,
+)
 from shared.redis_server import free_port
-from tests.e2e.fleet import E2EFleet, WorkerSpec, http_json, sim_fleet
-from tests.e2e.traffic import Outcome, SteadyLoad, call, prompt, session
 
 SPEC = WorkerSpec(decode_ms=3.0, heartbeat_s=0.5, max_running=64)
 ADMIN_KEY = "faults-admin"

@@ -9,21 +9,15 @@ temporary folder, each in its own process group so stopping kills what it spawne
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from shared.redis_server import RedisServer, free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from loadtests.harness import Child
+from shared.procs import free_port, http_json, wait_until
+from shared.redis_server import RedisServer
 
 
 @dataclass(frozen=True)
@@ -43,17 +37,13 @@ class RouterSpec:
     settings: dict[str, str] = field(default_factory=dict)
 
 
-def _get_json(url: str, timeout: float = 2.0) -> dict[str, object] | None:
+def _health(url: str) -> dict[str, Any] | None:
+    """The /health body, whatever the status (503 "no workers" still carries one)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:  # 503 "no workers" still carries a body
-        try:
-            return json.loads(e.read())
-        except ValueError:
-            return None
-    except (OSError, ValueError):
+        body = http_json(url + "/health", timeout=2.0)[1]
+    except OSError:
         return None
+    return body if isinstance(body, dict) else None
 
 
 class LocalFleet:
@@ -62,8 +52,8 @@ class LocalFleet:
         self._dir = tempfile.TemporaryDirectory(prefix="radix-fleet-")
         self.redis = RedisServer()
         self.worker_urls: list[str] = []
-        self._workers: list[subprocess.Popen[bytes]] = []
-        self._router: subprocess.Popen[bytes] | None = None
+        self._workers: list[Child] = []
+        self._router: Child | None = None
         self.router_url = ""
 
     @property
@@ -71,31 +61,16 @@ class LocalFleet:
         return Path(self._dir.name)
 
     def _spawn(
-        self, name: str, args: list[str], env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115  (the child owns it)
-        try:
-            return subprocess.Popen(
-                [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})}, start_new_session=True,
-            )  # fmt: skip
-        finally:
-            log.close()
+        self, name: str, args: list[str], url: str, env: dict[str, str] | None = None
+    ) -> Child:
+        return Child(name, args, url, self.log_dir / f"{name}.log", env or {}).start()
 
-    def _wait(
-        self, url: str, proc: subprocess.Popen[bytes], name: str, want_workers: int = 0
-    ) -> None:
-        deadline = time.monotonic() + self.spec.start_timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}: {self.log(name)}")
-            body = _get_json(url + "/health")
-            if body is not None and (not want_workers or body.get("workers") == want_workers):
-                return
-            time.sleep(0.1)
-        raise RuntimeError(
-            f"{name} not ready at {url} in {self.spec.start_timeout_s}s: {self.log(name)}"
-        )
+    def _wait(self, child: Child, want_workers: int = 0) -> None:
+        def ready() -> bool:
+            body = _health(child.url)
+            return body is not None and (not want_workers or body.get("workers") == want_workers)
+
+        wait_until(ready, self.spec.start_timeout_s, child, poll_s=0.1)
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"
@@ -116,10 +91,11 @@ class LocalFleet:
                     "--max-running-requests", str(s.max_running_requests),
                     "--heartbeat-interval", "0.5", "--log-level", "WARNING",
                 ]  # fmt: skip
-                self._workers.append(self._spawn(f"worker-w{i}", args))
-                self.worker_urls.append(f"http://127.0.0.1:{port}")
-            for i, (url, proc) in enumerate(zip(self.worker_urls, self._workers, strict=True)):
-                self._wait(url, proc, f"worker-w{i}")
+                url = f"http://127.0.0.1:{port}"
+                self._workers.append(self._spawn(f"worker-w{i}", args, url))
+                self.worker_urls.append(url)
+            for child in self._workers:
+                self._wait(child)
             self.restart_router(router or RouterSpec())
         except BaseException:
             self.stop()
@@ -134,9 +110,9 @@ class LocalFleet:
             "router", "serve", "--policy", router.policy, "--redis-url", self.redis.url,
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
         ]  # fmt: skip
-        self._router = self._spawn("router", args, env)
         self.router_url = f"http://127.0.0.1:{port}"
-        self._wait(self.router_url, self._router, "router", want_workers=self.spec.workers)
+        self._router = self._spawn("router", args, self.router_url, env)
+        self._wait(self._router, want_workers=self.spec.workers)
         return self.router_url
 
     def flush(self) -> None:
@@ -149,13 +125,13 @@ class LocalFleet:
 
     def _stop_router(self) -> None:
         if self._router is not None:
-            _stop(self._router)
+            self._router.stop()
             self._router = None
 
     def stop(self) -> None:
         self._stop_router()
-        for proc in self._workers:
-            _stop(proc)
+        for child in self._workers:
+            child.stop()
         self._workers.clear()
         self.redis.close()
 
@@ -168,16 +144,3 @@ class LocalFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)  # the child's own group: nothing else
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass

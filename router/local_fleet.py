@@ -12,21 +12,18 @@ tiny model is built by `python -m worker make-tiny-model DIR`.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from shared.redis_server import RedisServer, free_port
+from shared.procs import Child, free_port, wait_health
+from shared.redis_server import RedisServer
 
 STOP_GRACE_S = 10.0
 RADIX_DEMO_CACHE_TOKENS = 32768
@@ -47,20 +44,6 @@ class UpOptions:
     sim_decode_ms_per_token: float | None = None
     model_cache_dir: str | None = None
     start_timeout: float = 120.0
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    url: str
-
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
 
 
 class StartError(RuntimeError):
@@ -184,50 +167,31 @@ class LocalFleet:
     ) -> Child:
         if self._stop.is_set():
             raise StartError("interrupted")
-        log_path = self.log_dir / f"{name}.log"
-        with open(log_path, "wb") as log:
-            # Own session: the group can be signalled as one, and a terminal Ctrl-C reaches
-            # only `up`, which then stops children in order.
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, **(env or {})},
-            )  # fmt: skip
-        child = Child(name, proc, log_path, url)
+        # Own session (shared.procs.Child): the group can be signalled as one, and a
+        # terminal Ctrl-C reaches only `up`, which then stops children in order.
+        child = Child(name, [module, *args], url, self.log_dir / f"{name}.log", env or {}).start()
         self.children.append(child)
-        self.say(f"{step} {name} (pid {proc.pid}) starting on {url} ...")
+        self.say(f"{step} {name} (pid {child.pid}) starting on {url} ...")
         started = time.monotonic()
-        self._wait_healthy(child)
+        timeout = self.options.start_timeout
+        try:
+            wait_health(child, timeout, poll_s=0.2, stop=self._stop)
+        except InterruptedError as e:
+            raise StartError("interrupted") from e
+        except RuntimeError as e:
+            raise StartError(f"{name} exited with {child.returncode}:\n{child.tail(2000)}") from e
+        except TimeoutError as e:
+            raise StartError(f"{name} not healthy within {timeout}s:\n{child.tail(2000)}") from e
         self.say(f"      {name} ready in {time.monotonic() - started:.1f}s")
         return child
-
-    def _wait_healthy(self, child: Child) -> None:
-        deadline = time.monotonic() + self.options.start_timeout
-        while time.monotonic() < deadline:
-            if self._stop.is_set():
-                raise StartError("interrupted")
-            if child.proc.poll() is not None:
-                raise StartError(
-                    f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(child.url + "/health", timeout=1.0) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            self._stop.wait(0.2)
-        raise StartError(
-            f"{child.name} not healthy within {self.options.start_timeout}s:\n{child.log_tail()}"
-        )
 
     # -- running and stopping ---------------------------------------------------------
     def _watch(self) -> int:
         while not self._stop.wait(0.5):
             for child in self.children:
-                if child.proc.poll() is not None:
+                if not child.alive:
                     self.say(
-                        f"{child.name} exited unexpectedly ({child.proc.returncode}):\n{child.log_tail()}"
+                        f"{child.name} exited unexpectedly ({child.returncode}):\n{child.tail(2000)}"
                     )
                     return 1
         self.say("stopping ...")
@@ -239,21 +203,14 @@ class LocalFleet:
             [c for c in self.children if c.name == "router"],
             [c for c in self.children if c.name != "router"],
         ):
-            for child in group:
-                _signal_group(child.proc, signal.SIGTERM)
+            for child in group:  # all of a group at once, so their grace periods overlap
+                child.signal(signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S
             for child in group:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.proc.wait(max(0.1, deadline - time.monotonic()))
-                # Whatever is left in the group (the child or anything it spawned) dies now.
-                _signal_group(child.proc, signal.SIGKILL)
-                child.proc.wait()
+                # Waits out what is left of the grace, then kills whatever is left in the
+                # group (the child or anything it spawned).
+                child.stop(grace_s=deadline - time.monotonic())
         self.children.clear()
         if self.redis is not None:
             self.redis.close()
             self.redis = None
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # pgid == pid: started with start_new_session

@@ -14,9 +14,18 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from loadtests.harness import (
+    E2EFleet,
+    WorkerSpec,
+    burst,
+    call,
+    failures,
+    http_json,
+    prompt,
+    session,
+    sim_fleet,
+)
 from shared.redis_server import free_port
-from tests.e2e.fleet import E2EFleet, WorkerSpec, http_json, sim_fleet
-from tests.e2e.traffic import burst, call, failures, prompt, session
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

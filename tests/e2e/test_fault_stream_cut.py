@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from loadtests.harness import E2EFleet
 from shared.config import RouterConfig
 from shared.redis_server import free_port
-from tests.e2e.fleet import E2EFleet
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 
 SSE_EVENT = b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'

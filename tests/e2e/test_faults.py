@@ -1,4 +1,4 @@
-"""Worker and Redis faults under load, every service a real process (tests/e2e/fleet.py).
+"""Worker and Redis faults under load, every service a real process (loadtests/harness.py).
 
 What the proxy can promise, and so what is asserted:
 - A non-streaming answer is sent by the worker only when generation ends (it awaits
@@ -21,8 +21,18 @@ from collections.abc import Iterator
 import pytest
 import redis as redis_sync
 
-from tests.e2e.fleet import E2EFleet, WorkerSpec, sim_fleet, wait_health
-from tests.e2e.traffic import SteadyLoad, burst, call, failures, prompt, session
+from loadtests.harness import (
+    E2EFleet,
+    SteadyLoad,
+    WorkerSpec,
+    burst,
+    call,
+    failures,
+    prompt,
+    session,
+    sim_fleet,
+    wait_health,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

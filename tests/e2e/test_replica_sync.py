@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 from openai import OpenAI
 
-from loadtests.workloads import words
-from shared.redis_server import free_port
-from tests.e2e.fleet import (
+from loadtests.harness import (
     START_TIMEOUT_S,
     Child,
     E2EFleet,
@@ -30,6 +28,8 @@ from tests.e2e.fleet import (
     wait_health,
     wait_until,
 )
+from loadtests.workloads import words
+from shared.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
+from loadtests.harness import E2EFleet, WorkerSpec, http_json
 from shared.redis_server import free_port
 from tests.e2e.edge import (
     BEARER,
@@ -23,7 +24,6 @@ from tests.e2e.edge import (
     router_fixture,
     worker_url_fixture,
 )
-from tests.e2e.fleet import E2EFleet, WorkerSpec, http_json
 
 FIXTURES = (http_fixture, router_fixture, worker_url_fixture)  # registered by import
 

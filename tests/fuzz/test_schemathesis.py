@@ -25,8 +25,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from loadtests.harness import E2EFleet, WorkerSpec, http_json
 from router.openapi import build_openapi
-from tests.e2e.fleet import E2EFleet, WorkerSpec, http_json
 from worker.openapi import openapi_document
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -1,66 +1,39 @@
-"""Real worker and router processes for end-to-end tests, with bounded waits."""
+"""Real worker and router processes for end-to-end tests, with bounded waits.
+
+A thin layer over `loadtests.harness.Child` (itself `shared.procs.Child` run from this
+checkout) for tests that start single processes next to an in-process router.
+"""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-from shared.redis_server import free_port
+from loadtests.harness import ROOT, Child
+from shared.procs import free_port, wait_health
 
-ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["ROOT", "Proc", "spawn", "start_sim_worker", "wait_healthy"]
 
 
-@dataclass
-class Proc:
-    name: str
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+class Proc(Child):
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> int | None:  # type: ignore[override]
+        """Send `sig` first (e.g. SIGKILL for a crash), then the usual TERM-grace-KILL."""
+        if sig != signal.SIGTERM and self.alive:
+            self.signal(sig)
+        return super().stop(grace_s)
 
 
 def wait_healthy(p: Proc, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.proc.poll() is not None:
-            raise RuntimeError(f"{p.name} exited {p.proc.returncode}: {p.tail()}")
-        try:
-            with urllib.request.urlopen(p.url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{p.name} not healthy in {timeout}s: {p.tail()}")
+    wait_health(p, timeout, poll_s=0.1)
 
 
 def spawn(name: str, args: list[str], url: str, log_dir: Path) -> Proc:
+    """`args` is the Python command line after the interpreter: ["-m", module, ...]."""
+    if args[:1] != ["-m"]:
+        raise ValueError(f"spawn runs modules: args must start with '-m', got {args[:2]}")
     log = log_dir / f"{name}-{time.monotonic_ns()}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env
-        )
-    return Proc(name, proc, url, log)
+    return Proc(name, args[1:], url, log).start()
 
 
 def start_sim_worker(
