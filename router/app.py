@@ -9,7 +9,6 @@ Serving it (signals, drain) is `serve()`, used by the CLI.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
@@ -41,6 +40,7 @@ from router.state import (
     PROXY,
     SESSION,
 )
+from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import error_middleware
 from shared.registry import Registry
@@ -75,9 +75,8 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
     app[DISCOVERY] = discovery
     task = asyncio.create_task(discovery.run(), name="discovery")
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    discovery.stopping = True
+    await stop_task(task)
 
 
 async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:

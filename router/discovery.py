@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.fleet import Fleet
-from shared.aio import reraise_if_cancelled
+from shared.aio import reraise_if_cancelled, stop_task
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class Discovery:
         self.errors = 0
         self._wake = asyncio.Event()
         self._grace_until = 0.0
+        self.stopping = False  # set by the owner before it cancels run(); see stop_task
 
     @classmethod
     def from_url(
@@ -73,7 +74,7 @@ class Discovery:
         listener = asyncio.create_task(self._listen())
         backoff = self.interval
         try:
-            while True:
+            while not self.stopping:
                 try:
                     await self.poll_once()
                     self.polls += 1
@@ -94,20 +95,18 @@ class Discovery:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
         finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await listener
+            await stop_task(listener, timeout=2.0)
             await self.registry.redis.aclose()
 
     async def _listen(self) -> None:
         """Wake the poller on join/leave events; reconnect with backoff when Redis drops."""
         backoff = self.interval
-        while True:
+        while not self.stopping:
             pubsub = self.registry.redis.pubsub()
             try:
                 await pubsub.subscribe(self.registry.events_channel)
                 backoff = self.interval
-                while True:
+                while not self.stopping:
                     msg = await pubsub.get_message(
                         ignore_subscribe_messages=True, timeout=self.interval
                     )

@@ -16,3 +16,15 @@ def reraise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def stop_task(task: asyncio.Task[None], timeout: float = 5.0) -> None:
+    """Cancel `task` and wait for it, but never longer than `timeout`.
+
+    Cancellation alone is not a reliable stop for loops around redis-py: Python 3.11's
+    `asyncio.timeout` can lose a cancel that arrives as its own deadline expires (it
+    becomes a TimeoutError the library swallows). Loops therefore also check a stop flag
+    their owner sets first; this bound keeps a shutdown from hanging either way.
+    """
+    task.cancel()
+    await asyncio.wait([task], timeout=timeout)

@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from shared.aio import reraise_if_cancelled
+from shared.aio import reraise_if_cancelled, stop_task
 from shared.registry import Registry, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -54,13 +54,15 @@ class Heartbeat:
         self._failing = False
         self._task: asyncio.Task[None] | None = None
         self._left = False
+        self._stopping = False  # checked by the loop: a cancel alone can be lost (stop_task)
 
     def start(self, ready: asyncio.Event) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._run(ready), name="heartbeat")
 
     async def _run(self, ready: asyncio.Event) -> None:
         await ready.wait()  # routers must not see a worker whose engine is not up
-        while True:
+        while not self._stopping:
             await self.beat()
             await asyncio.sleep(self.interval)
 
@@ -85,8 +87,8 @@ class Heartbeat:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            self._stopping = True
+            await stop_task(task)
 
     async def leave(self) -> None:
         """Stop beating, then delete the record and publish `leave` (once)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -12,6 +13,7 @@ from redis.asyncio import Redis
 from router.discovery import Discovery
 from router.fleet import Fleet
 from router.policy import RouteRequest, WorkerView, build_policy
+from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.registry import Registry, WorkerRecord
@@ -128,3 +130,22 @@ async def test_redis_outage_keeps_the_fleet_and_recovers(redis_server: RedisServ
     finally:
         await stop(task)
         await redis.aclose()
+
+
+async def test_stops_even_when_a_cancel_is_lost(redis_server: RedisServer) -> None:
+    """Python 3.11's asyncio.timeout can turn a cancel that meets its own deadline into a
+    TimeoutError that redis-py swallows. The stop flag must end the loops anyway, or the
+    router's shutdown hangs (seen once in CI on this very fixture)."""
+    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    discovery, task = await start(redis_server, fleet)
+    await eventually(lambda: discovery.polls > 0)
+
+    async def poll_that_loses_cancels() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+
+    discovery.poll_once = poll_that_loses_cancels  # type: ignore[method-assign]
+    await asyncio.sleep(0.2)  # the loop is now inside the cancel-losing poll
+    discovery.stopping = True
+    await stop_task(task, timeout=3)
+    assert task.done()
