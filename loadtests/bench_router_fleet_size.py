@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadtests.bench_router_overhead import cpu_seconds, pct  # noqa: E402
+from shared.procs import answers_health, wait_until  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 
 SYSTEMS = [f"System prompt {k}: you are a careful assistant. " * 30 for k in range(8)]
@@ -62,14 +63,11 @@ def spawn(args: list[str], port: int, tree: Path = ROOT) -> subprocess.Popen[byt
         [sys.executable, "-m", *args], env=env, cwd=tree,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: proc.poll() is not None or answers_health(url), 120, poll_s=0.1)
+    if proc.poll() is None and answers_health(url):
+        return proc
     proc.kill()
     raise RuntimeError(f"{args[0]} from {tree} did not start")
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -27,6 +27,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shared.procs import answers_health, wait_until  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer briefly. " * 40
@@ -41,14 +42,11 @@ def spawn(args: list[str], port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.1)
+    url = f"http://127.0.0.1:{port}"
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: proc.poll() is not None or answers_health(url), 60, poll_s=0.1)
+    if proc.poll() is None and answers_health(url):
+        return proc
     proc.kill()
     raise RuntimeError(f"{args[0]} did not start")
 
