@@ -46,6 +46,14 @@ class PolicyHooks(Protocol):
 
     def set_capacity(self, worker_id: str, cache_tokens: int) -> None: ...
 
+    def set_costs(
+        self,
+        worker_id: str,
+        queued_prefill_tokens: int,
+        prefill_us_per_token: float,
+        decode_ms_per_token: float,
+    ) -> None: ...
+
 
 def static_worker_id(url: str) -> str:
     """Workers given by URL are named by host:port (what an operator would type)."""
@@ -117,6 +125,10 @@ class Fleet:
             worker.update(record)
             if capacity_changed and record.cache_capacity_tokens:
                 self.policy.set_capacity(wid, record.cache_capacity_tokens)
+            self.policy.set_costs(
+                wid, record.queued_prefill_tokens, record.prefill_us_per_token,
+                record.decode_ms_per_token,
+            )  # fmt: skip
         if not drop_missing:
             return joined, []
         left = [

@@ -31,6 +31,10 @@ the first worker. Each worker's tree is capped at
 ``cache_capacity_tokens × tree_chars_per_token`` chars (unknown capacity: no cap) and
 all trees together at ``tree_max_chars`` stored chars (router/tree.py).
 
+``cost_aware`` (router/cost_aware.py): the least predicted time to first token, from the
+same trees plus each worker's queued prefill and step costs; it keeps every guarantee
+above.
+
 Other policies: ``round_robin``; ``random``; ``least_load`` (ties random);
 ``power_of_two`` (two distinct random workers, the less loaded; ties to the first
 drawn); ``consistent_hash`` (rendezvous hashing of the session key, or of the first
@@ -96,6 +100,16 @@ class Policy(ABC):
 
     def set_capacity(self, worker_id: str, cache_tokens: int) -> None:
         """The worker reported its KV capacity; bound what we believe it caches."""
+        return
+
+    def set_costs(
+        self,
+        worker_id: str,
+        queued_prefill_tokens: int,
+        prefill_us_per_token: float,
+        decode_ms_per_token: float,
+    ) -> None:
+        """The worker's heartbeat: queued prefill tokens and its step costs (cost_aware)."""
         return
 
     def observe(self, worker_id: str, text: str, now: float) -> None:
@@ -299,6 +313,10 @@ def build_policy(config: RouterConfig, rng: random.Random | None = None) -> Poli
     name = config.policy
     if name == "cache_aware":
         return CacheAware(config, rng)
+    if name == "cost_aware":
+        from router.cost_aware import CostAware  # it builds on CacheAware, defined here
+
+        return CostAware(config, rng)
     if name == "round_robin":
         return RoundRobin()
     if name == "random":

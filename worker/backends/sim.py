@@ -61,6 +61,7 @@ class _Entry:
     seq: Sequence
     admitted: asyncio.Future[bool]  # True: admitted; False: aborted while waiting
     aborted: bool = False
+    prefilled: bool = False
 
 
 class SimEngine(ChatPrompts):
@@ -148,6 +149,7 @@ class SimEngine(ChatPrompts):
                 return
             uncached = len(seq.prompt_ids) - seq.prefix_len
             await asyncio.sleep(self.config.prefill_us_per_token * uncached / 1e6)
+            entry.prefilled = True
             answer = answer_ids(self.tokenizer, seq.prompt_ids, seq.params.max_tokens)
             decode_s = self.config.decode_ms_per_token / 1e3
             for token_id in answer:
@@ -242,7 +244,19 @@ class SimEngine(ChatPrompts):
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             completion_tokens_total=self.completion_tokens_total,
+            queued_prefill_tokens=self._queued_prefill_tokens(),
+            prefill_us_per_token=self.config.prefill_us_per_token,  # the cost model, exact
+            decode_ms_per_token=self.config.decode_ms_per_token,
         )
+
+    def _queued_prefill_tokens(self) -> int:
+        waiting = sum(len(e.seq.prompt_ids) for e in self._waiting)
+        running = sum(
+            len(e.seq.prompt_ids) - e.seq.prefix_len
+            for e in self._running.values()
+            if not e.prefilled
+        )
+        return waiting + running
 
     def check_integrity(self) -> None:
         """Free + cached + held by running requests == every slot, each exactly once."""
