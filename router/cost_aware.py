@@ -39,12 +39,13 @@ from itertools import compress, repeat
 from operator import eq
 
 from router.policy import CacheAware, Decision, RouteRequest
-from router.worker_views import WorkerView, columns
+from router.worker_views import WorkerCosts, WorkerView, columns
 from shared.config import RouterConfig
 
 _MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is untrusted
-_MAX_DECODE_MS = 1e5
+_MAX_MS = 1e7
 _MAX_QUEUED = 1 << 40
+_NO_SEAT_LIMIT = 1 << 62
 
 
 def _clean(value: float, high: float) -> float:
@@ -57,10 +58,7 @@ class CostAware(CacheAware):
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
         super().__init__(config, rng)
-        # Per worker id, as last reported (absent: nothing reported yet).
-        self._reported: dict[str, int] = {}  # queued prefill tokens
-        self._prefill_ms: dict[str, float] = {}  # per token
-        self._decode_ms: dict[str, float] = {}  # per step
+        self._costs: dict[str, WorkerCosts] = {}  # as last reported, cleaned
         # This router's own uncached tokens per worker, until their predicted first token.
         self._own: dict[str, int] = {}
         self._expiry: list[tuple[float, int, str, int]] = []  # (at, seq, worker, tokens)
@@ -71,34 +69,27 @@ class CostAware(CacheAware):
         self._p: list[float] = []  # ms per prefill token
         self._kd: list[float] = []  # ms per unit of load
         self._q: list[int] = []  # queued tokens: max(reported, own)
+        self._seats: list[int] = []  # unknown: so many that none is ever short
+        self._seat_ms: list[float] = []  # wait per request beyond the seats
 
     # -- inputs ------------------------------------------------------------------------
-    def set_costs(
-        self,
-        worker_id: str,
-        queued_prefill_tokens: int,
-        prefill_us_per_token: float,
-        decode_ms_per_token: float,
-    ) -> None:
-        """The worker's heartbeat: its queue of prefill tokens and what its steps cost."""
-        queued = int(_clean(queued_prefill_tokens, _MAX_QUEUED))
-        prefill = _clean(prefill_us_per_token, _MAX_PREFILL_US) / 1e3
-        decode = _clean(decode_ms_per_token, _MAX_DECODE_MS)
-        if (
-            self._reported.get(worker_id) == queued
-            and self._prefill_ms.get(worker_id) == prefill
-            and self._decode_ms.get(worker_id) == decode
-        ):
-            return
-        self._reported[worker_id] = queued
-        self._prefill_ms[worker_id] = prefill
-        self._decode_ms[worker_id] = decode
-        self._cols_for = None
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
+        """The worker's heartbeat: its queue of prefill tokens, its step costs, its seats."""
+        clean = WorkerCosts(
+            int(_clean(costs.queued_prefill_tokens, _MAX_QUEUED)),
+            _clean(costs.prefill_us_per_token, _MAX_PREFILL_US),
+            _clean(costs.decode_ms_per_token, _MAX_MS),
+            int(_clean(costs.max_running_requests, _MAX_QUEUED)),
+            _clean(costs.request_ms, _MAX_MS),
+        )
+        if self._costs.get(worker_id) != clean:
+            self._costs[worker_id] = clean
+            self._cols_for = None
 
     def remove_worker(self, worker_id: str) -> None:
         super().remove_worker(worker_id)
-        for table in (self._reported, self._prefill_ms, self._decode_ms, self._own):
-            table.pop(worker_id, None)
+        self._costs.pop(worker_id, None)
+        self._own.pop(worker_id, None)
         self._cols_for = None
 
     # -- the rule ----------------------------------------------------------------------
@@ -115,8 +106,12 @@ class CostAware(CacheAware):
             self._rebuild_columns()
         cpt = self._cfg.tree_chars_per_token
         n = len(text) / cpt
-        p, kd, q = self._p, self._kd, self._q
-        cost = [pi * (qi + n) + ki * li for pi, qi, ki, li in zip(p, q, kd, loads, strict=True)]
+        p, q = self._p, self._q
+        seats, seat_ms = self._seats, self._seat_ms
+        cost = [
+            pi * (qi + n) + ki * li + max(0, li + 1 - si) * wi
+            for pi, qi, ki, li, si, wi in zip(p, q, self._kd, loads, seats, seat_ms, strict=True)
+        ]
         matched: dict[int, int] = {}  # position -> chars cached there (routable holders)
         pos = self._pos
         for held, end in self._tree.match_path(text) if text else ():
@@ -153,7 +148,7 @@ class CostAware(CacheAware):
         if tokens <= 0:
             return
         self._own[wid] = self._own.get(wid, 0) + tokens
-        self._q[i] = max(self._reported.get(wid, 0), self._own[wid])
+        self._q[i] = max(self._reported(wid), self._own[wid])
         self._seq += 1
         heapq.heappush(self._expiry, (until, self._seq, wid, tokens))
 
@@ -167,15 +162,32 @@ class CostAware(CacheAware):
             own[wid] = max(0, left - tokens)
             i = self._pos.get(wid)
             if i is not None and self._cols_for is self._ids:
-                self._q[i] = max(self._reported.get(wid, 0), own[wid])
+                self._q[i] = max(self._reported(wid), own[wid])
+
+    def _reported(self, wid: str) -> int:
+        costs = self._costs.get(wid)
+        return costs.queued_prefill_tokens if costs is not None else 0
 
     def _rebuild_columns(self) -> None:
         cfg = self._cfg
-        default_p = cfg.cost_prefill_us_per_token / 1e3
-        default_d = cfg.cost_decode_ms_per_token
-        weight = cfg.cost_decode_weight
-        ids = self._ids
-        self._p = [self._prefill_ms.get(w) or default_p for w in ids]
-        self._kd = [weight * (self._decode_ms.get(w) or default_d) for w in ids]
-        self._q = [max(self._reported.get(w, 0), self._own.get(w, 0)) for w in ids]
-        self._cols_for = ids
+        unknown = WorkerCosts()
+        costs = [self._costs.get(w, unknown) for w in self._ids]
+        self._p = [(c.prefill_us_per_token or cfg.cost_prefill_us_per_token) / 1e3 for c in costs]
+        self._kd = [
+            cfg.cost_decode_weight * (c.decode_ms_per_token or cfg.cost_decode_ms_per_token)
+            for c in costs
+        ]
+        self._q = [
+            max(c.queued_prefill_tokens, self._own.get(w, 0))
+            for w, c in zip(self._ids, costs, strict=True)
+        ]
+        known = [c.max_running_requests and c.request_ms for c in costs]
+        self._seats = [
+            c.max_running_requests if k else _NO_SEAT_LIMIT
+            for c, k in zip(costs, known, strict=True)
+        ]
+        self._seat_ms = [
+            c.request_ms / c.max_running_requests if k else 0.0
+            for c, k in zip(costs, known, strict=True)
+        ]
+        self._cols_for = self._ids

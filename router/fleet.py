@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from router.routable import RoutableViews
 from router.worker_state import Breaker, BreakerState, LoadGuard, Source, WorkerState
-from router.worker_views import FleetView
+from router.worker_views import FleetView, WorkerCosts
 from shared.config import RouterConfig, check_worker_url
 from shared.registry import WorkerRecord
 
@@ -46,13 +46,14 @@ class PolicyHooks(Protocol):
 
     def set_capacity(self, worker_id: str, cache_tokens: int) -> None: ...
 
-    def set_costs(
-        self,
-        worker_id: str,
-        queued_prefill_tokens: int,
-        prefill_us_per_token: float,
-        decode_ms_per_token: float,
-    ) -> None: ...
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None: ...
+
+
+def costs_of(record: WorkerRecord) -> WorkerCosts:
+    return WorkerCosts(
+        record.queued_prefill_tokens, record.prefill_us_per_token, record.decode_ms_per_token,
+        record.max_running_requests, record.request_ms,
+    )  # fmt: skip
 
 
 def static_worker_id(url: str) -> str:
@@ -125,10 +126,7 @@ class Fleet:
             worker.update(record)
             if capacity_changed and record.cache_capacity_tokens:
                 self.policy.set_capacity(wid, record.cache_capacity_tokens)
-            self.policy.set_costs(
-                wid, record.queued_prefill_tokens, record.prefill_us_per_token,
-                record.decode_ms_per_token,
-            )  # fmt: skip
+            self.policy.set_costs(wid, costs_of(record))
         if not drop_missing:
             return joined, []
         left = [

@@ -55,7 +55,14 @@ from operator import eq, is_not
 from typing import ClassVar
 
 from router.tree import PrefixTree
-from router.worker_views import FleetView, WorkerView, columns, least_index, loads_of
+from router.worker_views import (
+    FleetView,
+    WorkerCosts,
+    WorkerView,
+    columns,
+    least_index,
+    loads_of,
+)
 from shared.config import RouterConfig
 
 __all__ = [
@@ -63,6 +70,7 @@ __all__ = [
     "FleetView",
     "Policy",
     "RouteRequest",
+    "WorkerCosts",
     "WorkerView",
     "build_policy",
 ]
@@ -102,14 +110,8 @@ class Policy(ABC):
         """The worker reported its KV capacity; bound what we believe it caches."""
         return
 
-    def set_costs(
-        self,
-        worker_id: str,
-        queued_prefill_tokens: int,
-        prefill_us_per_token: float,
-        decode_ms_per_token: float,
-    ) -> None:
-        """The worker's heartbeat: queued prefill tokens and its step costs (cost_aware)."""
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
+        """The worker's heartbeat: what a new request would wait for there (cost_aware)."""
         return
 
     def observe(self, worker_id: str, text: str, now: float) -> None:

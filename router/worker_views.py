@@ -22,6 +22,18 @@ class WorkerView:
     cache_capacity_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class WorkerCosts:
+    """What a worker's heartbeat says a new request would wait for (cost_aware's inputs;
+    `shared.registry.WorkerRecord` carries them). Zeros: unknown."""
+
+    queued_prefill_tokens: int = 0  # waiting prompts + the unprefilled rest of running ones
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0  # one decode step
+    max_running_requests: int = 0  # seats: requests beyond these wait
+    request_ms: float = 0.0  # how long an admitted request holds its seat (recent mean)
+
+
 class FleetView(Sequence[WorkerView]):
     """The routable fleet as parallel columns that the caller keeps between requests.
 

@@ -40,6 +40,8 @@ class WorkerRecord:
     queued_prefill_tokens: int = 0
     prefill_us_per_token: float = 0.0
     decode_ms_per_token: float = 0.0
+    max_running_requests: int = 0
+    request_ms: float = 0.0
 
     def to_hash(self) -> dict[str, str]:
         return {

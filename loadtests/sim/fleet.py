@@ -27,7 +27,7 @@ from loadtests.options import WorkloadOptions
 from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import ConversationSession, Workload
-from router.policy import FleetView, RouteRequest, build_policy
+from router.policy import FleetView, RouteRequest, WorkerCosts, build_policy
 from shared.config import RouterConfig
 
 _FINISH, _ARRIVAL = 0, 1  # event kinds: finishes sort first at equal times
@@ -153,8 +153,11 @@ class FleetSim:
         self.views.loads[i] = worker.load
         cost = worker.cost
         self.policy.set_costs(
-            self.ids[i], worker.queued_prefill_tokens(now), cost.prefill_us_per_token,
-            cost.decode_ms_per_token,
+            self.ids[i],
+            WorkerCosts(
+                worker.queued_prefill_tokens(now), cost.prefill_us_per_token,
+                cost.decode_ms_per_token, cost.max_running, worker.request_ms,
+            ),
         )  # fmt: skip
 
     def _route(self, job: Job, now: float) -> None:

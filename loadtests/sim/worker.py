@@ -77,6 +77,8 @@ class SimWorker:
         self._waiting_tokens = 0
         self._prefilling: list[tuple[float, int]] = []
         self._prefilling_tokens = 0
+        self.request_ms = 0.0  # how long an admitted job holds its seat: moving mean, as
+        # worker/backends/sim.py reports it
 
     @property
     def load(self) -> int:
@@ -109,6 +111,7 @@ class SimWorker:
         self.cache.unlock(job._node)  # type: ignore[arg-type]
         job._slots = job._slots[:0]
         self.running -= 1
+        self.request_ms += 0.1 * ((now - job.admitted) * 1e3 - self.request_ms)
         return self._admit(now)
 
     def _admit(self, now: float) -> list[Job]:

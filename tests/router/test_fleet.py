@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.fleet import Breaker, Fleet, LoadGuard
-from router.policy import RouteRequest, WorkerView, build_policy
+from router.policy import RouteRequest, WorkerCosts, WorkerView, build_policy
 from shared.config import RouterConfig
 from shared.registry import WorkerRecord
 
@@ -24,7 +24,7 @@ class Hooks:
     def __init__(self) -> None:
         self.removed: list[str] = []
         self.capacity: dict[str, int] = {}
-        self.costs: dict[str, tuple[int, float, float]] = {}
+        self.costs: dict[str, WorkerCosts] = {}
 
     def remove_worker(self, worker_id: str) -> None:
         self.removed.append(worker_id)
@@ -32,8 +32,8 @@ class Hooks:
     def set_capacity(self, worker_id: str, cache_tokens: int) -> None:
         self.capacity[worker_id] = cache_tokens
 
-    def set_costs(self, worker_id: str, queued: int, prefill_us: float, decode_ms: float) -> None:
-        self.costs[worker_id] = (queued, prefill_us, decode_ms)
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
+        self.costs[worker_id] = costs
 
 
 def test_breaker_opens_after_consecutive_failures_then_half_opens_for_one_probe() -> None:
@@ -96,14 +96,14 @@ def test_registry_join_leave_epoch_and_capacity() -> None:
     )
     assert sorted(joined) == ["w1", "w2"] and left == []
     assert hooks.capacity == {"w1": 100}
-    assert hooks.costs == {"w1": (0, 0.0, 0.0), "w2": (0, 0.0, 0.0)}
+    assert hooks.costs == {"w1": WorkerCosts(), "w2": WorkerCosts()}
     # Every read passes the heartbeat's cost figures on (cost_aware reads them).
     fleet.apply_registry(
         {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2", queued_prefill_tokens=7,
                                                                       prefill_us_per_token=20.0,
                                                                       decode_ms_per_token=1.5)}
     )  # fmt: skip
-    assert hooks.costs["w2"] == (7, 20.0, 1.5)
+    assert hooks.costs["w2"] == WorkerCosts(7, 20.0, 1.5)
     # Same epoch: nothing dropped. New epoch: the worker restarted, its tree goes.
     assert fleet.apply_registry(
         {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2")}

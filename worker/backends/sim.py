@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ from worker.engine.types import (
     GenerateOutput,
     GenerateRequest,
 )
+
+
+REQUEST_MS_WEIGHT = 0.1  # moving mean of seat time: the last ~10 requests dominate
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class _Entry:
     admitted: asyncio.Future[bool]  # True: admitted; False: aborted while waiting
     aborted: bool = False
     prefilled: bool = False
+    admitted_at: float = 0.0
 
 
 class SimEngine(ChatPrompts):
@@ -80,6 +85,7 @@ class SimEngine(ChatPrompts):
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.completion_tokens_total = 0
+        self.request_ms = 0.0  # how long an admitted request holds its seat: moving mean
 
     async def start(self) -> None:
         return None
@@ -184,6 +190,7 @@ class SimEngine(ChatPrompts):
                 return  # head-of-line waits for KV; a finishing request calls _admit again
             self._waiting.popleft()
             self._running[entry.seq.request_id] = entry
+            entry.admitted_at = time.monotonic()
             entry.admitted.set_result(True)
 
     def _reserve(self, seq: Sequence) -> bool:
@@ -217,6 +224,8 @@ class SimEngine(ChatPrompts):
                 self._waiting.remove(entry)
             return
         self.completion_tokens_total += len(seq.output_ids)
+        held_ms = (time.monotonic() - entry.admitted_at) * 1e3
+        self.request_ms += REQUEST_MS_WEIGHT * (held_ms - self.request_ms)
         # Prompt + output go into the tree (it frees what it already held); the reserved
         # but unused output slots go back to the allocator.
         n = seq.num_tokens
@@ -247,6 +256,8 @@ class SimEngine(ChatPrompts):
             queued_prefill_tokens=self._queued_prefill_tokens(),
             prefill_us_per_token=self.config.prefill_us_per_token,  # the cost model, exact
             decode_ms_per_token=self.config.decode_ms_per_token,
+            max_running_requests=self.config.max_running_requests,
+            request_ms=self.request_ms,
         )
 
     def _queued_prefill_tokens(self) -> int:

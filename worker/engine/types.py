@@ -97,6 +97,10 @@ class EngineStats:
     queued_prefill_tokens: int = 0
     prefill_us_per_token: float = 0.0
     decode_ms_per_token: float = 0.0
+    # Seats: requests it runs at once (more wait for one), and how long an admitted
+    # request holds its seat (a recent mean, ms). 0: unknown.
+    max_running_requests: int = 0
+    request_ms: float = 0.0
 
 
 class Engine(Protocol):
