@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from router.cost_aware import CostAware
-from router.policy import Decision, RouteRequest, WorkerView, build_policy
-from router.worker_views import FleetView
+from router.policy import build_policy
+from router.policy.base import Decision, FleetView, RouteRequest, WorkerCosts, WorkerView
+from router.policy.cost_aware import CostAware
 from shared.config import RouterConfig
 
 PREFIX = "p" * 3_960  # with a 40-char question: 4,000 chars, 1,000 tokens
@@ -39,7 +39,7 @@ def question(i: int) -> str:
 
 def report(p: CostAware, n: int, queued: dict[int, int] | None = None, us: float = 20.0) -> None:
     for i in range(n):
-        p.set_costs(f"w{i}", (queued or {}).get(i, 0), us, 1.0)
+        p.set_costs(f"w{i}", WorkerCosts((queued or {}).get(i, 0), us, 1.0))
 
 
 def test_long_queue_loses_to_idle_worker_unless_the_cached_share_saves_more() -> None:
@@ -60,8 +60,8 @@ def test_break_even_is_where_the_queue_costs_what_the_cache_saves() -> None:
     # queued w1 wins, above it w0, and at exactly 25 the tie goes to the longer match.
     for queued, expect in ((24, "w1"), (25, "w1"), (26, "w0")):
         p = policy(cost_decode_weight=0.0)
-        p.set_costs("w0", 0, 1_000.0, 1.0)
-        p.set_costs("w1", queued, 1_000.0, 1.0)
+        p.set_costs("w0", WorkerCosts(0, 1_000.0, 1.0))
+        p.set_costs("w1", WorkerCosts(queued, 1_000.0, 1.0))
         p.observe("w1", "x" * 100, now=0.0)
         assert ask(p, "x" * 400, fleet(0, 0)).worker_id == expect, queued
 
@@ -106,14 +106,14 @@ def test_own_requests_since_the_heartbeat_count_until_their_predicted_first_toke
 
 def test_reported_and_own_queues_take_the_larger_not_the_sum() -> None:
     p = policy(cost_decode_weight=0.0)
-    p.set_costs("w0", 0, 1_000.0, 1.0)
-    p.set_costs("w1", 0, 1_000.0, 1.0)
+    p.set_costs("w0", WorkerCosts(0, 1_000.0, 1.0))
+    p.set_costs("w1", WorkerCosts(0, 1_000.0, 1.0))
     assert ask(p, "a" * 400, fleet(0, 0), now=0.0).worker_id in ("w0", "w1")
     first = "w0" if p._own.get("w0") else "w1"  # 100 own tokens pending there
     other = "w1" if first == "w0" else "w0"
     # The heartbeat now reports those same 100 tokens: still 100 queued, not 200.
-    p.set_costs(first, 100, 1_000.0, 1.0)
-    p.set_costs(other, 99, 1_000.0, 1.0)
+    p.set_costs(first, WorkerCosts(100, 1_000.0, 1.0))
+    p.set_costs(other, WorkerCosts(99, 1_000.0, 1.0))
     assert ask(p, "b" * 400, fleet(0, 0), now=0.01).worker_id == other
 
 
@@ -133,10 +133,26 @@ def test_hot_prefix_replicates_when_its_holder_is_busy_and_both_then_hold_it() -
         assert got.worker_id in ("w0", replica) and got.reason == "cache_hit"
 
 
+def test_a_worker_without_a_free_seat_costs_the_wait_for_one() -> None:
+    # 4 seats, a request holds one for 80 ms: each request beyond them waits ~20 ms more.
+    p = policy(cost_decode_weight=0.0)
+    for i in range(2):
+        p.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
+    p.observe("w0", PREFIX + question(0), now=0.0)
+    text = PREFIX + question(1)  # w0 saves 990 × 0.02 = 19.8 ms of prefill
+    assert ask(p, text, fleet(3, 0), now=1.0).worker_id == "w0"  # a seat is free
+    p2 = policy(cost_decode_weight=0.0)
+    for i in range(2):
+        p2.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
+    p2.observe("w0", PREFIX + question(0), now=0.0)
+    # Full (load 4): 20 ms for a seat > 19.8 ms saved.
+    assert ask(p2, text, fleet(4, 0), now=1.0).worker_id == "w1"
+
+
 def test_bad_reports_count_as_unknown_and_never_raise() -> None:
     p = policy(cost_prefill_us_per_token=20.0, cost_decode_ms_per_token=1.0)
-    p.set_costs("w0", -5, float("nan"), float("inf"))
-    p.set_costs("w1", 10**30, -1.0, 1e12)  # type: ignore[arg-type]
+    p.set_costs("w0", WorkerCosts(-5, float("nan"), float("inf")))
+    p.set_costs("w1", WorkerCosts(10**30, -1.0, 1e12))  # type: ignore[arg-type]
     d = ask(p, "z" * 400, fleet(0, 0))
     assert d.worker_id in ("w0", "w1")
     assert sorted(p._q) == [0, 100] and p._p == [0.02, 0.02] and p._kd == [1.0, 1.0]
@@ -146,14 +162,14 @@ def test_inherits_cache_aware_bookkeeping_epochs_caps_and_fleet_views() -> None:
     p = policy(tree_chars_per_token=4.0)
     report(p, 2)
     p.observe("w0", PREFIX, now=0.0)
-    p.set_costs("w0", 50, 20.0, 1.0)
+    p.set_costs("w0", WorkerCosts(50, 20.0, 1.0))
     p.remove_worker("w0")  # new epoch: tree, reports and own queue go
-    assert "w0" not in p._reported and p._tree.tenant_size("w0") == 0
-    p.set_capacity("w1", 250)  # 1,000 chars
-    p.observe("w1", "q" * 4_000, now=0.0)
+    assert "w0" not in p._costs and p._tree.tenant_size("w0") == 0
+    view = FleetView(["w0", "w1"], [0, 0], [0, 250])  # w1 caches 250 tokens: 1,000 chars
+    p.select(RouteRequest("r" * 100), view, 1.0)
+    p.observe("w1", "q" * 4_000, now=2.0)
     assert p._tree.tenant_size("w1") <= 1_000
-    view = FleetView(["w0", "w1"], [0, 0], [0, 250])
-    d = p.select(RouteRequest("r" * 100), view, 1.0)
+    d = p.select(RouteRequest("s" * 100), view, 3.0)
     assert d.worker_id in ("w0", "w1") and p.worker_stats()[d.worker_id]["tree_chars"] >= 100
 
 
@@ -164,7 +180,7 @@ def test_every_decision_names_a_routable_worker(n: int) -> None:
     for k in range(200):
         workers = fleet(*(rng.randrange(5) for _ in range(n)))
         if k % 7 == 0:
-            p.set_costs(f"w{rng.randrange(n)}", rng.randrange(3_000), 20.0, 1.0)
+            p.set_costs(f"w{rng.randrange(n)}", WorkerCosts(rng.randrange(3_000), 20.0, 1.0))
         text = rng.choice(("sys-a ", "sys-b ", "")) * 50 + str(rng.random())
         d = ask(p, text, workers, now=k * 0.01)
         assert d.worker_id in {w.worker_id for w in workers}

@@ -42,7 +42,6 @@ from worker.engine.types import (
     GenerateRequest,
 )
 
-
 REQUEST_MS_WEIGHT = 0.1  # moving mean of seat time: the last ~10 requests dominate
 
 

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import eq
 
-from router.policy import CacheAware, Decision, RouteRequest
-from router.worker_views import WorkerCosts, WorkerView, columns
+from router.policy.base import Decision, RouteRequest, WorkerCosts, WorkerView, columns
+from router.policy.cache_aware import CacheAware
 from shared.config import RouterConfig
 
 _MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is untrusted
