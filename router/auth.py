@@ -7,6 +7,8 @@ logged.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from aiohttp import web
@@ -15,13 +17,29 @@ from shared.config import RouterConfig
 from shared.errors import APIError, Handler
 
 OPEN_PATHS = frozenset({"/openapi.json"})
-OBSERVABILITY_PATHS = frozenset({"/health", "/metrics"})
+OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard.json"})
+# Pages a browser opens: it cannot send a Bearer header, so the key is also taken as the
+# password of HTTP Basic auth, and a refusal asks the browser to prompt for it.
+BROWSER_PATHS = frozenset({"/dashboard", "/dashboard.json"})
 
 
 def bearer_token(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def basic_password(request: web.Request) -> str | None:
+    """The password of `Authorization: Basic base64(user:password)` (the user is ignored)."""
+    scheme, _, encoded = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    password = decoded.partition(":")[2]
+    return password or None
 
 
 def key_matches(token: str | None, keys: tuple[str, ...]) -> bool:
@@ -53,6 +71,8 @@ def make_auth_middleware(config: RouterConfig) -> web.middleware:
         if path in OPEN_PATHS or (path in OBSERVABILITY_PATHS and not config.protect_metrics):
             return await handler(request)
         token = bearer_token(request)
+        if token is None and path in BROWSER_PATHS:
+            token = basic_password(request)
         if is_admin_request(request):
             if not admin_keys:
                 raise APIError(
@@ -62,11 +82,12 @@ def make_auth_middleware(config: RouterConfig) -> web.middleware:
                 raise APIError(401, "a valid admin key is required", code="invalid_api_key")
             return await handler(request)
         if config.api_keys and not key_matches(token, config.api_keys + admin_keys):
+            browser = path in BROWSER_PATHS
             raise APIError(
                 401,
                 "a valid API key is required (Authorization: Bearer <key>)",
                 code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
+                headers={"WWW-Authenticate": 'Basic realm="radix-router"' if browser else "Bearer"},
             )
         return await handler(request)
 
