@@ -14,9 +14,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router import dashboard
-from router.fleet import WorkerState
 from router.proxy import Routed
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from router.workers import Worker
 from shared.config import check_worker_url
 from shared.errors import APIError, parse_json_object
 from shared.errors import read_body as read_raw_body
@@ -88,7 +88,7 @@ completions = _inference("completions", "/v1/completions")
 generate = _inference("generate", "/generate")
 
 
-async def _probe_model(request: web.Request, worker: WorkerState) -> None:
+async def _probe_model(request: web.Request, worker: Worker) -> None:
     """Workers not from the registry (static, admin) report no model: ask them once."""
     try:
         async with request.app[SESSION].get(
@@ -96,7 +96,8 @@ async def _probe_model(request: web.Request, worker: WorkerState) -> None:
         ) as r:
             data = await r.json() if r.status == 200 else {}
         ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-        worker.model = next((i for i in ids if isinstance(i, str) and i), "")
+        model = next((i for i in ids if isinstance(i, str) and i), "")
+        request.app[FLEET].set_model(worker, model)
     except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
         return  # the worker stays without a model name; routing does not need one
 
