@@ -20,6 +20,7 @@ from router.workers import Worker
 from shared.config import check_worker_url
 from shared.errors import APIError, parse_json_object
 from shared.errors import read_body as read_raw_body
+from shared.http import PROMETHEUS_TEXT
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -126,9 +127,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
-    return web.Response(
-        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
 
 
 async def list_workers(request: web.Request) -> web.Response:
