@@ -13,9 +13,9 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.fleet import WorkerState
 from router.proxy import Routed, worker_authorization
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from router.workers import Worker
 from shared.body import read_json
 from shared.config import check_worker_url
 from shared.errors import APIError
@@ -79,7 +79,7 @@ completions = _inference("completions", "/v1/completions")
 generate = _inference("generate", "/generate")
 
 
-async def _probe_model(request: web.Request, worker: WorkerState) -> None:
+async def _probe_model(request: web.Request, worker: Worker) -> None:
     """Workers not from the registry (static, admin) report no model: ask them once."""
     try:
         auth = worker_authorization(request.app[CONFIG])
@@ -89,7 +89,8 @@ async def _probe_model(request: web.Request, worker: WorkerState) -> None:
         ) as r:  # fmt: skip
             data = await r.json() if r.status == 200 else {}
         ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-        worker.model = next((i for i in ids if isinstance(i, str) and i), "")
+        model = next((i for i in ids if isinstance(i, str) and i), "")
+        request.app[FLEET].set_model(worker, model)
     except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
         return  # the worker stays without a model name; routing does not need one
 
