@@ -19,6 +19,7 @@ from router.workers import Worker
 from shared.body import read_json
 from shared.config import check_worker_url
 from shared.errors import APIError
+from shared.http import PROMETHEUS_TEXT
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -119,9 +120,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
-    return web.Response(
-        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
 
 
 async def list_workers(request: web.Request) -> web.Response:

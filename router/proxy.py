@@ -37,6 +37,7 @@ from router.sync import ReplicaSync
 from router.workers import FailureKind, Worker
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
+from shared.http import EVENT_STREAM, EventStreamResponse
 
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -75,18 +76,6 @@ def _encodable(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-class _CoalescingStream(web.StreamResponse):
-    """A stream whose status line and headers go out with its first chunk, in one write.
-
-    aiohttp's own `web.Response` works this way (the class attribute below); a plain
-    `StreamResponse` sends the headers alone at `prepare()`, one more socket write (and
-    wake-up of the client) per stream. The relay writes the first chunk right after
-    `prepare()`, so the headers are never held back.
-    """
-
-    _send_headers_immediately = False
 
 
 @dataclass(frozen=True)
@@ -256,7 +245,7 @@ class Proxy:
             if upstream.status >= 500:
                 message = f"worker {worker.worker_id} answered {upstream.status}"
                 raise _AttemptFailed(message, FailureKind.UPSTREAM_5XX)
-            if upstream.content_type == "text/event-stream":
+            if upstream.content_type == EVENT_STREAM:
                 resp = await self._relay_stream(request, upstream, attempt, decision)
             else:
                 resp = await self._relay_buffered(upstream, attempt, decision)
@@ -298,7 +287,7 @@ class Proxy:
         with _UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
             chunk = await upstream.content.readany()
         content = upstream.content
-        resp = _CoalescingStream(
+        resp = EventStreamResponse(
             status=upstream.status, headers=self._response_headers(upstream, worker, decision)
         )
         await resp.prepare(request)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from shared.auth import KeySet, unauthorized
 from shared.config import WorkerConfig
 from shared.errors import APIError, Handler, error_middleware
+from shared.http import INFERENCE_PATHS
 from shared.registry import Registry, WorkerRecord
 from worker import admin_api, openai_api
 from worker.engine.types import Engine
@@ -30,8 +31,6 @@ from worker.state import CONFIG, ENGINE, HEARTBEAT, METRICS, STATE, WorkerState
 log = logging.getLogger(__name__)
 
 
-# Endpoints that run the engine: counted in flight, refused while draining.
-INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 # Readable without an API key (probes and scrapers).
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
