@@ -19,7 +19,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PolicyName = Literal[
-    "cache_aware", "round_robin", "random", "least_load", "power_of_two", "consistent_hash"
+    "cache_aware",
+    "cost_aware",
+    "round_robin",
+    "random",
+    "least_load",
+    "power_of_two",
+    "consistent_hash",
 ]
 EngineName = Literal["radix", "sim", "vllm"]
 
@@ -66,6 +72,12 @@ class RouterConfig(_Frozen):
     no_match: Literal["least_load", "smallest_tree"] = "least_load"
     tree_max_chars: int = Field(200_000_000, gt=0)
     tree_chars_per_token: float = Field(4.0, gt=0)
+    # cost_aware (router/cost_aware.py): what a prefill token and a decode step cost on a
+    # worker whose heartbeat reports neither, and how many decode steps each request in a
+    # worker's load delays a new one's first token.
+    cost_prefill_us_per_token: float = Field(50.0, gt=0)
+    cost_decode_ms_per_token: float = Field(10.0, gt=0)
+    cost_decode_weight: float = Field(1.0, ge=0)
     session_header: str = "x-session-id"
     # Proxy.
     connect_timeout: float = Field(5.0, gt=0)

@@ -128,6 +128,11 @@ def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> Wor
         prompt_tokens_total=stats.prompt_tokens_total,
         cached_tokens_total=stats.cached_tokens_total,
         draining=state.draining,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        prefill_us_per_token=stats.prefill_us_per_token,
+        decode_ms_per_token=stats.decode_ms_per_token,
+        max_running_requests=stats.max_running_requests,
+        request_ms=stats.request_ms,
     )
 
 
