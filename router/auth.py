@@ -14,7 +14,8 @@ from aiohttp import web
 from shared.config import RouterConfig
 from shared.errors import APIError, Handler
 
-OPEN_PATHS = frozenset({"/openapi.json"})
+# Probes must answer the kubelet, which has no key.
+OPEN_PATHS = frozenset({"/openapi.json", "/liveness", "/readiness"})
 OBSERVABILITY_PATHS = frozenset({"/health", "/metrics"})
 
 

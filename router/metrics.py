@@ -13,7 +13,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -26,9 +33,12 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class _FleetCollector(Collector):
     """Per-worker gauges read from the fleet table at scrape time (no bookkeeping on the hot path)."""
 
-    def __init__(self, fleet: Fleet, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, fleet: Fleet, clock: Callable[[], float], in_flight: Callable[[], int]
+    ) -> None:
         self.fleet = fleet
         self.clock = clock
+        self.in_flight = in_flight
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         now = self.clock()
@@ -41,6 +51,16 @@ class _FleetCollector(Collector):
         is_open = GaugeMetricFamily(
             "radix_router_worker_breaker_open", "1 when the breaker is open", labels=["worker"]
         )
+        kv_usage = GaugeMetricFamily(
+            "radix_router_worker_kv_cache_usage_ratio",
+            "KV cache in use / capacity, as the worker last reported it (0..1)",
+            labels=["worker"],
+        )
+        waiting = GaugeMetricFamily(
+            "radix_router_worker_waiting_requests",
+            "Requests queued in the worker's engine, as it last reported",
+            labels=["worker"],
+        )
         routable = GaugeMetricFamily(
             "radix_router_workers_routable", "Workers that can take requests"
         )
@@ -49,15 +69,32 @@ class _FleetCollector(Collector):
             in_flight.add_metric([w.worker_id], w.in_flight)
             load.add_metric([w.worker_id], w.load)
             is_open.add_metric([w.worker_id], 0 if w.breaker.state(now) == "closed" else 1)
+            capacity = w.cache_capacity_tokens
+            used = min(w.cache_used_tokens, capacity) if capacity > 0 else 0
+            kv_usage.add_metric([w.worker_id], used / capacity if capacity > 0 else 0.0)
+            waiting.add_metric([w.worker_id], w.waiting)
             count += int(not w.draining and w.breaker.allows(now))
         routable.add_metric([], count)
-        yield from (in_flight, load, is_open, routable)
+        # What the router HPA scales on: requests this replica holds (admitted + queued).
+        replica = GaugeMetricFamily(
+            "radix_router_in_flight_requests", "Requests held by this router replica"
+        )
+        replica.add_metric([], self.in_flight())
+        yield from (in_flight, load, is_open, kv_usage, waiting, routable, replica)
 
 
 class Metrics:
-    def __init__(self, fleet: Fleet, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        clock: Callable[[], float] = time.monotonic,
+        in_flight: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # process_* (CPU, memory, open fds) and python_info, as the default registry has.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.requests = Counter(
             "radix_router_requests", "Requests answered", ["endpoint", "status"], registry=r
         )
@@ -71,11 +108,18 @@ class Metrics:
             "radix_router_decisions", "Routing decisions", ["reason"], registry=r
         )
         self.rejected = Counter(
-            "radix_router_rejected", "Requests refused by admission", ["why"], registry=r
+            "radix_router_rejected",
+            "Requests refused before reaching a worker (rate limit, capacity, draining)",
+            ["reason"],
+            registry=r,
         )
         self.latency = Histogram(
-            "radix_router_request_seconds", "Time to the end of the response", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "radix_router_request_duration_seconds", "Time to the end of the response",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.worker_requests = Counter(
+            "radix_router_worker_requests", "Requests answered, by the worker that answered",
+            ["worker", "status"], registry=r,
         )  # fmt: skip
         self.cache_ratio = Histogram(
             "radix_router_cached_tokens_ratio",
@@ -94,7 +138,7 @@ class Metrics:
             ["worker"],
             registry=r,
         )
-        r.register(_FleetCollector(fleet, clock))
+        r.register(_FleetCollector(fleet, clock, in_flight))
         # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
         self._children: dict[tuple[str, ...], Any] = {}
 
@@ -108,6 +152,12 @@ class Metrics:
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         self._child(self.requests, endpoint, str(status)).inc()
         self._child(self.latency, endpoint).observe(seconds)
+
+    def answered(self, worker: str, status: int) -> None:
+        self._child(self.worker_requests, worker, str(status)).inc()
+
+    def refused(self, reason: str) -> None:
+        self._child(self.rejected, reason).inc()
 
     def decision(self, reason: str) -> None:
         self._child(self.decisions, reason).inc()

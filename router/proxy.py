@@ -194,6 +194,8 @@ class Proxy:
 
     def _request_headers(self, request: web.Request) -> CIMultiDict[str]:
         headers = end_to_end_headers(request.headers, REQUEST_DROP)
+        # One id names the request in the router's and the worker's logs (shared/access_log.py).
+        headers["x-request-id"] = request.get("request_id") or headers.get("x-request-id", "")
         if self.config.forward_authorization and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         return headers

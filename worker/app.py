@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from pydantic import ValidationError
 
+from shared.access_log import make_access_middleware, stamp_request_id
 from shared.config import WorkerConfig
 from shared.errors import APIError, Handler, error_middleware
 from shared.registry import Registry, WorkerRecord
@@ -28,6 +29,7 @@ from worker.metrics import WorkerMetrics
 from worker.state import CONFIG, ENGINE, HEARTBEAT, METRICS, STATE, WorkerState
 
 log = logging.getLogger(__name__)
+ACCESS_LOG = logging.getLogger("worker.access")
 
 
 # Endpoints that run the engine: counted in flight, refused while draining.
@@ -166,7 +168,12 @@ ROUTES = [
 
 def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware, lifecycle_middleware],
+        middlewares=[
+            make_access_middleware(ACCESS_LOG),
+            error_middleware,
+            auth_middleware,
+            lifecycle_middleware,
+        ],
         client_max_size=config.max_body_bytes,
     )
     state = WorkerState(
@@ -180,6 +187,7 @@ def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
     app[STATE] = state
     app[METRICS] = WorkerMetrics(engine.stats, lambda: state.draining)
     app.on_response_prepare.append(_stamp_worker_id)
+    app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend([_engine_ctx, _heartbeat_ctx])
     app.add_routes(ROUTES)
     return app
