@@ -26,7 +26,8 @@ from router.discovery import Discovery
 from router.fleet import Fleet
 from router.metrics import Metrics
 from router.openapi import build_openapi
-from router.policy import Policy, build_policy
+from router.policy import build_policy
+from router.policy.base import Policy
 from router.proxy import Proxy
 from router.ratelimit import make_rate_limit_middleware
 from router.state import (
@@ -40,12 +41,13 @@ from router.state import (
     POLICY,
     PROXY,
     SESSION,
+    SYNC,
 )
+from router.sync import DecisionSync, ReplicaSync
 from shared.access_log import OnDone, make_access_middleware, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import error_middleware
-from shared.registry import Registry
 
 log = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger("router.access")
@@ -59,7 +61,9 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
     app[SESSION] = session
-    app[PROXY] = Proxy(config, app[FLEET], app[POLICY], session, app[METRICS], app[CLOCK])
+    app[PROXY] = Proxy(
+        config, app[FLEET], app[POLICY], session, app[METRICS], app[CLOCK], app[SYNC]
+    )
     yield
     await session.close()
 
@@ -84,23 +88,13 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = app[CONFIG]
-    if not (config.sync and config.redis_url):
+    sync = app[SYNC]
+    if sync is None:
         yield
         return
-    from router.sync import DecisionSync  # only replicas that share decisions need it
-
-    redis = Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-    fleet, policy = app[FLEET], app[POLICY]
-    sync = DecisionSync(
-        redis, Registry(redis, config.redis_prefix), config, policy.observe,
-        lambda: {wid: w.in_flight for wid, w in fleet.workers.items()}, app[CLOCK],
-    )  # fmt: skip
-    app[PROXY].attach_sync(sync.publish, sync.remote_inflight)
     await sync.start()
     yield
     await sync.stop()
-    await redis.aclose()
 
 
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -136,11 +130,16 @@ def create_app(
     *,
     policy: Policy | None = None,
     clock: Callable[[], float] = time.monotonic,
+    sync: ReplicaSync | None = None,
 ) -> web.Application:
+    """The router. `sync` shares decisions and load with other replicas; by default a
+    `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
     policy = policy if policy is not None else build_policy(config)
     fleet = Fleet(config, policy)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
+    if sync is None and config.sync and config.redis_url:
+        sync = DecisionSync.connect(config, policy.observe, fleet.in_flight_by_worker, clock)
     admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
     metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting)
     # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
@@ -168,6 +167,7 @@ def create_app(
     app[CLOCK] = clock
     app[POLICY] = policy
     app[FLEET] = fleet
+    app[SYNC] = sync
     app[METRICS] = metrics
     app[ADMISSION] = admission
     app[OPENAPI] = build_openapi()

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from shared.config import ConfigError, RouterConfig, load_config
-from shared.errors import redact_server_logs
+from shared.logging import setup_logging
 
 POLICIES = ("cache_aware", "round_robin", "random", "least_load", "power_of_two", "consistent_hash")
 
@@ -79,18 +78,11 @@ def serve_config(args: argparse.Namespace) -> RouterConfig:
     return load_config(RouterConfig, args.config, overrides)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    redact_server_logs()
-
-
 def _run_serve(args: argparse.Namespace) -> int:
     from router.app import serve
 
     config = serve_config(args)
-    _setup_logging(config.log_level)
+    setup_logging(config.log_level)
     try:
         import uvloop
 

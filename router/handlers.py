@@ -13,12 +13,13 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.fleet import WorkerState
 from router.proxy import Routed
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from router.workers import Worker
 from shared.config import check_worker_url
 from shared.errors import APIError, parse_json_object
 from shared.errors import read_body as read_raw_body
+from shared.http import PROMETHEUS_TEXT
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -87,7 +88,7 @@ completions = _inference("completions", "/v1/completions")
 generate = _inference("generate", "/generate")
 
 
-async def _probe_model(request: web.Request, worker: WorkerState) -> None:
+async def _probe_model(request: web.Request, worker: Worker) -> None:
     """Workers not from the registry (static, admin) report no model: ask them once."""
     try:
         async with request.app[SESSION].get(
@@ -95,7 +96,8 @@ async def _probe_model(request: web.Request, worker: WorkerState) -> None:
         ) as r:
             data = await r.json() if r.status == 200 else {}
         ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-        worker.model = next((i for i in ids if isinstance(i, str) and i), "")
+        model = next((i for i in ids if isinstance(i, str) and i), "")
+        request.app[FLEET].set_model(worker, model)
     except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
         return  # the worker stays without a model name; routing does not need one
 
@@ -143,9 +145,7 @@ async def readiness(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
-    return web.Response(
-        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
 
 
 async def list_workers(request: web.Request) -> web.Response:

@@ -21,17 +21,19 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.fleet import Fleet, WorkerState
+from router.fleet import Fleet
+from shared.http import LATENCY_BUCKETS
 
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0, float("inf"))
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 
 
 class _FleetCollector(Collector):
-    """Per-worker gauges read from the fleet table at scrape time (no bookkeeping on the hot path)."""
+    """Per-worker numbers read from the fleet table at scrape time: the table keeps the
+    books (no second count on the hot path). A worker's counters go with it when it
+    leaves the table."""
 
     def __init__(
         self, fleet: Fleet, clock: Callable[[], float], in_flight: Callable[[], int]
@@ -40,7 +42,7 @@ class _FleetCollector(Collector):
         self.clock = clock
         self.in_flight = in_flight
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         now = self.clock()
         in_flight = GaugeMetricFamily(
             "radix_router_worker_in_flight", "Requests in flight", labels=["worker"]
@@ -64,15 +66,30 @@ class _FleetCollector(Collector):
         routable = GaugeMetricFamily(
             "radix_router_workers_routable", "Workers that can take requests"
         )
+        failures = CounterMetricFamily(
+            "radix_router_upstream_failures", "Failed attempts to a worker", labels=["worker"]
+        )
+        predicted = CounterMetricFamily(
+            "radix_router_predicted_cached_tokens",
+            "Cached tokens the tree predicted",
+            labels=["worker"],
+        )
+        actual = CounterMetricFamily(
+            "radix_router_actual_cached_tokens", "Cached tokens workers reported", labels=["worker"]
+        )
         count = 0
         for w in list(self.fleet.workers.values()):
-            in_flight.add_metric([w.worker_id], w.in_flight)
-            load.add_metric([w.worker_id], w.load)
-            is_open.add_metric([w.worker_id], 0 if w.breaker.state(now) == "closed" else 1)
+            wid = [w.worker_id]
+            in_flight.add_metric(wid, w.in_flight)
+            load.add_metric(wid, w.load)
+            is_open.add_metric(wid, 0 if w.breaker.state(now) == "closed" else 1)
+            failures.add_metric(wid, w.failures_total)
+            predicted.add_metric(wid, w.predicted_tokens_total)
+            actual.add_metric(wid, w.actual_cached_tokens_total)
             capacity = w.cache_capacity_tokens
             used = min(w.cache_used_tokens, capacity) if capacity > 0 else 0
-            kv_usage.add_metric([w.worker_id], used / capacity if capacity > 0 else 0.0)
-            waiting.add_metric([w.worker_id], w.waiting)
+            kv_usage.add_metric(wid, used / capacity if capacity > 0 else 0.0)
+            waiting.add_metric(wid, w.waiting)
             count += int(not w.draining and w.breaker.allows(now))
         routable.add_metric([], count)
         # What the router HPA scales on: requests this replica holds (admitted + queued).
@@ -81,6 +98,7 @@ class _FleetCollector(Collector):
         )
         replica.add_metric([], self.in_flight())
         yield from (in_flight, load, is_open, kv_usage, waiting, routable, replica)
+        yield from (failures, predicted, actual)
 
 
 class Metrics:
@@ -97,9 +115,6 @@ class Metrics:
         PlatformCollector(registry=r)
         self.requests = Counter(
             "radix_router_requests", "Requests answered", ["endpoint", "status"], registry=r
-        )
-        self.upstream_failures = Counter(
-            "radix_router_upstream_failures", "Failed attempts to a worker", ["worker"], registry=r
         )
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
@@ -126,18 +141,6 @@ class Metrics:
             "Actual cached tokens / tokens predicted by the prefix tree (when predicted > 0)",
             ["worker"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
-        self.predicted_tokens = Counter(
-            "radix_router_predicted_cached_tokens",
-            "Cached tokens the tree predicted",
-            ["worker"],
-            registry=r,
-        )
-        self.actual_tokens = Counter(
-            "radix_router_actual_cached_tokens",
-            "Cached tokens workers reported",
-            ["worker"],
-            registry=r,
-        )
         r.register(_FleetCollector(fleet, clock, in_flight))
         # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
         self._children: dict[tuple[str, ...], Any] = {}
@@ -162,13 +165,10 @@ class Metrics:
     def decision(self, reason: str) -> None:
         self._child(self.decisions, reason).inc()
 
-    def observe_cached(self, worker: WorkerState, predicted_tokens: float, actual: int) -> None:
-        worker.predicted_tokens_total += predicted_tokens
-        worker.actual_cached_tokens_total += actual
-        self._child(self.predicted_tokens, worker.worker_id).inc(predicted_tokens)
-        self._child(self.actual_tokens, worker.worker_id).inc(actual)
+    def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None:
+        """The ratio histogram (the totals are the fleet's, read at scrape time)."""
         if predicted_tokens > 0:
-            self._child(self.cache_ratio, worker.worker_id).observe(actual / predicted_tokens)
+            self._child(self.cache_ratio, worker_id).observe(actual / predicted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

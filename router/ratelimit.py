@@ -36,11 +36,11 @@ from redis.exceptions import RedisError
 from router.auth import bearer_token
 from shared.config import RouterConfig
 from shared.errors import APIError, Handler
+from shared.http import INFERENCE_PATHS
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
 
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 MAX_CLIENTS = 100_000
 
 # GCRA (the generic cell rate algorithm): one number per client, the theoretical arrival

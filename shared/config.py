@@ -55,7 +55,7 @@ class RouterConfig(_Frozen):
     # After a Redis outage, workers absent from the registry are kept this long (they
     # re-register on their next heartbeat).
     reconnect_grace: float = Field(5.0, ge=0)
-    # cache_aware: see router/policy.py for the rule these thresholds drive.
+    # cache_aware: see router/policy/cache_aware.py for the rule these thresholds drive.
     cache_threshold: float = Field(0.3, ge=0, le=1)
     # A load gap (requests) that counts as imbalance. 64 suits GPU workers that run
     # hundreds of requests at once; set it to about half of what one worker runs at once

@@ -12,7 +12,6 @@ import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
@@ -124,24 +123,6 @@ def parse_json_object(raw: bytes) -> dict:
 async def read_json(request: web.Request, limit: int) -> dict:
     """The request body as a JSON object, or an APIError (413 over `limit`, 400 otherwise)."""
     return parse_json_object(await read_body(request, limit))
-
-
-class RedactMalformedRequests(logging.Filter):
-    """aiohttp.server logs a request it cannot parse with the offending line (it can hold
-    an API key or prompt text) in the exception: keep the event, drop the bytes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            record.msg, record.args = "malformed HTTP request refused: %s", (type(exc).__name__,)
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.INFO, "INFO"
-        return True
-
-
-def redact_server_logs() -> None:
-    """Called once by each service's CLI after logging is configured."""
-    logging.getLogger("aiohttp.server").addFilter(RedactMalformedRequests())
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from shared.access_log import make_access_middleware, stamp_request_id
 from shared.config import WorkerConfig
 from shared.errors import APIError, Handler, error_middleware
+from shared.http import INFERENCE_PATHS
 from shared.registry import Registry, WorkerRecord
 from worker import admin_api, openai_api
 from worker.engine.types import Engine
@@ -32,8 +33,6 @@ log = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger("worker.access")
 
 
-# Endpoints that run the engine: counted in flight, refused while draining.
-INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 # Readable without an API key (probes and scrapers).
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from shared.config import ConfigError, WorkerConfig, load_config
-from shared.errors import redact_server_logs
+from shared.logging import setup_logging
 from worker.app import create_app
 from worker.backends import build_engine
 from worker.state import HEARTBEAT, STATE
@@ -175,11 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {key: getattr(args, key) for _, key, _, _ in _SERVE_FLAGS}
     try:
         config = load_config(WorkerConfig, args.config, overrides)
-        logging.basicConfig(
-            level=config.log_level.upper(), stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )  # fmt: skip
-        redact_server_logs()
+        setup_logging(config.log_level)
         return _run(config)
     except ConfigError as exc:
         print(f"radix-worker: {exc}", file=sys.stderr)

@@ -20,10 +20,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shared.http import LATENCY_BUCKETS
 from worker.engine.types import EngineStats, GenerateOutput
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Per output token: decode steps run from about a millisecond (small models, big GPUs)
 # to a few hundred (CPU, long batches).
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
@@ -73,15 +72,15 @@ class WorkerMetrics:
         )  # fmt: skip
         self.latency = Histogram(
             "radix_worker_request_duration_seconds", "Time to the last byte", ["endpoint"],
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.ttft = Histogram(
             "radix_worker_time_to_first_token_seconds", "Time to the first generated token",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.queue = Histogram(
             "radix_worker_queue_time_seconds", "Time waiting in the engine before admission",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.tpot = Histogram(
             "radix_worker_time_per_output_token_seconds",

@@ -27,7 +27,8 @@ from loadtests.options import WorkloadOptions
 from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import ConversationSession, Workload
-from router.policy import FleetView, RouteRequest, build_policy
+from router.policy import build_policy
+from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
 
 _FINISH, _ARRIVAL = 0, 1  # event kinds: finishes sort first at equal times
@@ -126,8 +127,8 @@ class FleetSim:
         self.ids = [f"w{i}" for i in range(workers)]
         self.index = {wid: i for i, wid in enumerate(self.ids)}
         self.capacity = cost.cache_tokens
-        # The columns the policy reads, updated in place as loads change (router/policy.py
-        # FleetView): the policy's cost per decision, not the cost of rebuilding views.
+        # The columns the policy reads, updated in place as loads change (a FleetView,
+        # router/policy/base.py): the policy's cost per decision, not the cost of rebuilding views.
         self.views = FleetView(self.ids, capacities=(cost.cache_tokens,) * workers)
         self._heap: list[tuple[float, int, int, Job]] = []
         self._seq = 0
