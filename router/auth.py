@@ -1,16 +1,15 @@
 """API keys: Bearer tokens for clients, a separate admin key for changing the fleet.
 
-Keys are compared in constant time, and against every configured key (no early exit),
-so the response time says nothing about how much of a key matched. Keys are never
-logged.
+Parsing and comparing keys is `shared/auth.py`, the same code the worker runs. Keys
+are never logged.
 """
 
 from __future__ import annotations
 
-import hmac
-
 from aiohttp import web
 
+from shared.auth import KeySet, unauthorized
+from shared.auth import bearer_token as _bearer_token
 from shared.config import RouterConfig
 from shared.errors import APIError, Handler
 
@@ -20,19 +19,7 @@ OBSERVABILITY_PATHS = frozenset({"/health", "/metrics"})
 
 
 def bearer_token(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def key_matches(token: str | None, keys: tuple[str, ...]) -> bool:
-    if token is None:
-        return False
-    given = token.encode()
-    found = False
-    for key in keys:
-        found |= hmac.compare_digest(given, key.encode())
-    return found
+    return _bearer_token(request.headers)
 
 
 def is_admin_request(request: web.Request) -> bool:
@@ -46,7 +33,8 @@ def is_admin_request(request: web.Request) -> bool:
 
 
 def make_auth_middleware(config: RouterConfig) -> web.middleware:
-    admin_keys = (config.admin_key,) if config.admin_key else ()
+    admin_keys = KeySet((config.admin_key,) if config.admin_key else ())
+    client_keys = KeySet(config.api_keys + ((config.admin_key,) if config.admin_key else ()))
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -59,16 +47,11 @@ def make_auth_middleware(config: RouterConfig) -> web.middleware:
                 raise APIError(
                     403, "the admin API is disabled: set admin_key", code="admin_disabled"
                 )
-            if not key_matches(token, admin_keys):
+            if not admin_keys.matches(token):
                 raise APIError(401, "a valid admin key is required", code="invalid_api_key")
             return await handler(request)
-        if config.api_keys and not key_matches(token, config.api_keys + admin_keys):
-            raise APIError(
-                401,
-                "a valid API key is required (Authorization: Bearer <key>)",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        if config.api_keys and not client_keys.matches(token):
+            raise unauthorized()
         return await handler(request)
 
     return auth_middleware

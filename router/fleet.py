@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from router.policy.base import FleetView
+from router.policy.base import FleetView, WorkerCosts
 from router.workers import Breaker, FailureKind, LoadGuard, Source, Worker
 from shared.config import RouterConfig, check_worker_url
 from shared.registry import WorkerRecord
@@ -45,6 +45,15 @@ class PolicyHooks(Protocol):
     """What the table tells the policy; `router.policy.base.Policy` satisfies it."""
 
     def remove_worker(self, worker_id: str) -> None: ...
+
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None: ...
+
+
+def costs_of(record: WorkerRecord) -> WorkerCosts:
+    return WorkerCosts(
+        record.queued_prefill_tokens, record.prefill_us_per_token, record.decode_ms_per_token,
+        record.max_running_requests, record.request_ms,
+    )  # fmt: skip
 
 
 def static_worker_id(url: str) -> str:
@@ -134,6 +143,7 @@ class Fleet:
                 self.generation += 1
                 joined.append(wid)
             self._report(worker, record)
+            self.policy.set_costs(wid, costs_of(record))
         if not drop_missing:
             return joined, []
         left = [

@@ -43,9 +43,10 @@ HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
      "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
 )  # fmt: skip
-# Also dropped: what aiohttp recomputes (length, encoding: the client decompresses) and
-# what must not leak between hops.
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "authorization", "cookie"}
+# Request headers a worker may see: an allow-list, so cookies, client credentials,
+# Content-Encoding (the body goes on decoded) and whatever a client invents for a server
+# behind the worker (`Metadata-Flavor`) stay at the router. The session header is added.
+FORWARD_REQUEST = frozenset({"accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
 RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date", "set-cookie"}
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
 
@@ -58,6 +59,23 @@ def end_to_end_headers(
     if connection:  # rare on keep-alive HTTP/1.1: only then build the extra set
         drop = drop | {t.strip().lower() for t in connection.split(",")}
     return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
+
+
+def worker_authorization(config: RouterConfig) -> str | None:
+    """The Authorization value the router sends every worker (`worker_api_key`)."""
+    return f"Bearer {config.worker_api_key}" if config.worker_api_key else None
+
+
+def _encodable(value: str) -> bool:
+    # aiohttp hands over non-UTF-8 header bytes surrogate-escaped; sending them on would
+    # fail in the client with an error that is not a ClientError.
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -126,6 +144,8 @@ class Proxy:
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=config.connect_timeout, sock_read=config.request_timeout
         )
+        self._forward = FORWARD_REQUEST | {config.session_header.lower()}
+        self._worker_auth = worker_authorization(config)
         # Router replicas sharing decisions (router/sync.py); None on a lone router.
         self.sync = sync
 
@@ -181,10 +201,16 @@ class Proxy:
         )
 
     def _request_headers(self, request: web.Request) -> CIMultiDict[str]:
-        headers = end_to_end_headers(request.headers, REQUEST_DROP)
+        forward = self._forward
+        headers = CIMultiDict(
+            [(k, v) for k, v in request.headers.items() if k.lower() in forward and _encodable(v)]
+        )
+        headers["Content-Type"] = "application/json"  # the body was parsed as JSON
         # One id names the request in the router's and the worker's logs (shared/access_log.py).
         headers["x-request-id"] = request.get("request_id") or headers.get("x-request-id", "")
-        if self.config.forward_authorization and "Authorization" in request.headers:
+        if self._worker_auth is not None:
+            headers["Authorization"] = self._worker_auth
+        elif self.config.forward_authorization and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         return headers
 

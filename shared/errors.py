@@ -6,7 +6,6 @@ with a matching HTTP status, whichever service answers.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -89,40 +88,6 @@ def validation_error(e: ValidationError) -> APIError:
     ))  # fmt: skip
     msg = msgs[0] if len(msgs) == 1 else "none of the accepted forms matched: " + "; ".join(msgs)
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The raw request body, or a 413 APIError once it exceeds `limit` bytes."""
-    if request.content_length is not None and request.content_length > limit:
-        raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    body = bytearray()
-    async for chunk in request.content.iter_chunked(65536):
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    return bytes(body)
-
-
-def parse_json_object(raw: bytes) -> dict:
-    """`raw` as a JSON object, or a 400 APIError saying what is wrong with it."""
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise APIError(400, "request body is not valid UTF-8", code="invalid_json") from None
-    except json.JSONDecodeError as e:
-        raise APIError(
-            400, f"request body is not valid JSON: {e.msg} at position {e.pos}", code="invalid_json"
-        ) from None
-    except RecursionError:  # json's parser recurses per nesting level
-        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return data
-
-
-async def read_json(request: web.Request, limit: int) -> dict:
-    """The request body as a JSON object, or an APIError (413 over `limit`, 400 otherwise)."""
-    return parse_json_object(await read_body(request, limit))
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -18,7 +18,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from shared import openai_responses as wire
-from shared.errors import APIError, read_json
+from shared.body import read_json
+from shared.errors import APIError
 from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -208,8 +209,14 @@ async def _run(
         return response
 
 
+async def _read(request: web.Request) -> dict[str, Any]:
+    config = request.app[CONFIG]
+    _, body = await read_json(request, config.max_body_bytes, config.body_read_timeout)
+    return body
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, request.app[CONFIG].max_body_bytes)
+    body = await _read(request)
     req = CompletionRequest.model_validate(body)
     model = _check_model(request, req.model)
     text, ids = req.prompt_text(), req.prompt_ids()
@@ -226,7 +233,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, request.app[CONFIG].max_body_bytes)
+    body = await _read(request)
     req = ChatCompletionRequest.model_validate(body)
     model = _check_model(request, req.model)
     engine = request.app[ENGINE]
@@ -251,7 +258,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, request.app[CONFIG].max_body_bytes)
+    body = await _read(request)
     req = GenerateRequest.model_validate(body)
     try:
         sp = GenerateSamplingParams.model_validate(req.sampling_params)

@@ -28,7 +28,7 @@ from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, repl
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import ConversationSession, Workload
 from router.policy import build_policy
-from router.policy.base import FleetView, RouteRequest
+from router.policy.base import FleetView, RouteRequest, WorkerCosts
 from shared.config import RouterConfig
 
 _FINISH, _ARRIVAL = 0, 1  # event kinds: finishes sort first at equal times
@@ -148,8 +148,18 @@ class FleetSim:
         out = output_tokens(self._rids, req.out_len)
         return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session)
 
-    def _refresh(self, i: int) -> None:
-        self.views.loads[i] = self.workers[i].load
+    def _refresh(self, i: int, now: float) -> None:
+        # A heartbeat at every change: loads for every policy, costs for cost_aware.
+        worker = self.workers[i]
+        self.views.loads[i] = worker.load
+        cost = worker.cost
+        self.policy.set_costs(
+            self.ids[i],
+            WorkerCosts(
+                worker.queued_prefill_tokens(now), cost.prefill_us_per_token,
+                cost.decode_ms_per_token, cost.max_running, worker.request_ms,
+            ),
+        )  # fmt: skip
 
     def _route(self, job: Job, now: float) -> None:
         request = RouteRequest(job.text)
@@ -164,7 +174,7 @@ class FleetSim:
             return
         for started in worker.submit(job, now):
             self._push(started.finish, _FINISH, started)
-        self._refresh(i)
+        self._refresh(i, now)
 
     def run(
         self, source: Iterator[SimRequest] | None = None, closed: ClosedLoop | None = None
@@ -200,7 +210,7 @@ class FleetSim:
             worker = self.workers[job.worker]
             for started in worker.complete(job, now):
                 self._push(started.finish, _FINISH, started)
-            self._refresh(job.worker)
+            self._refresh(job.worker, now)
             self._done.append(job)
             if job.session >= 0 and closed is not None:
                 sessions[job.session].on_reply(None, reply_text(job.rid, len(job.out_tokens)))  # type: ignore[arg-type]

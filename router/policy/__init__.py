@@ -1,9 +1,10 @@
 """Routing policies: pick one worker per request.
 
 ``base`` holds what every policy is (``Policy``, its input ``RouteRequest`` /
-``WorkerView`` / ``FleetView``, its output ``Decision``); ``cache_aware`` the default
-rule, documented with every threshold at the top of its module; ``simple`` the
-load-only baselines. ``build_policy`` is the one place a name becomes a policy.
+``WorkerView`` / ``FleetView`` / ``WorkerCosts``, its output ``Decision``);
+``cache_aware`` the default rule, documented with every threshold at the top of its
+module; ``cost_aware`` the least predicted time to first token over the same trees;
+``simple`` the load-only baselines. ``build_policy`` is the one place a name becomes a policy.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import random
 
 from router.policy.base import Policy
 from router.policy.cache_aware import CacheAware
+from router.policy.cost_aware import CostAware
 from router.policy.simple import ConsistentHash, LeastLoad, PowerOfTwo, RandomPolicy, RoundRobin
 from shared.config import RouterConfig
 
@@ -22,6 +24,8 @@ def build_policy(config: RouterConfig, rng: random.Random | None = None) -> Poli
     name = config.policy
     if name == "cache_aware":
         return CacheAware(config, rng)
+    if name == "cost_aware":
+        return CostAware(config, rng)
     if name == "round_robin":
         return RoundRobin()
     if name == "random":

@@ -44,6 +44,18 @@ class WorkerView:
     cache_capacity_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class WorkerCosts:
+    """What a worker's heartbeat says a new request would wait for (cost_aware's inputs;
+    `shared.registry.WorkerRecord` carries them). Zeros: unknown."""
+
+    queued_prefill_tokens: int = 0  # waiting prompts + the unprefilled rest of running ones
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0  # one decode step
+    max_running_requests: int = 0  # seats: requests beyond these wait
+    request_ms: float = 0.0  # how long an admitted request holds its seat (recent mean)
+
+
 class FleetView(Sequence[WorkerView]):
     """The routable fleet as parallel columns that the caller keeps between requests.
 
@@ -121,6 +133,10 @@ class Policy(ABC):
     # Only policies with per-worker state override these; the rest have none to keep.
     def remove_worker(self, worker_id: str) -> None:
         """Worker left or restarted (new epoch, empty cache): forget what we knew."""
+        return
+
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
+        """The worker's heartbeat: what a new request would wait for there (cost_aware)."""
         return
 
     def observe(self, worker_id: str, text: str, now: float) -> None:

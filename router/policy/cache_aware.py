@@ -31,7 +31,9 @@ the first worker. Each worker's tree is capped at
 ``cache_capacity_tokens × tree_chars_per_token`` chars (unknown capacity: no cap) and
 all trees together at ``tree_max_chars`` stored chars (router/tree.py).
 
-The other policies (load only) are in ``router/policy/simple.py``.
+``router/policy/cost_aware.py`` builds on this one (same trees, caps and epochs) and
+routes on predicted time to first token instead. The other policies (load only) are in
+``router/policy/simple.py``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.fleet import Attempt, Fleet
 from router.policy import build_policy
-from router.policy.base import RouteRequest, WorkerView
+from router.policy.base import RouteRequest, WorkerCosts, WorkerView
 from router.workers import Breaker, FailureKind, LoadGuard, Worker
 from shared.config import RouterConfig
 from shared.registry import WorkerRecord
@@ -25,9 +25,13 @@ def record(wid: str, epoch: float = 1.0, **kw: object) -> WorkerRecord:
 class Hooks:
     def __init__(self) -> None:
         self.removed: list[str] = []
+        self.costs: dict[str, WorkerCosts] = {}
 
     def remove_worker(self, worker_id: str) -> None:
         self.removed.append(worker_id)
+
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
+        self.costs[worker_id] = costs
 
 
 def fail(fleet: Fleet, worker: Worker, now: float) -> None:
@@ -96,6 +100,14 @@ def test_registry_join_leave_epoch_and_capacity() -> None:
     )
     assert sorted(joined) == ["w1", "w2"] and left == []
     assert fleet.view(0.0).capacities == (100, 0)  # capacity reaches the policy here only
+    assert hooks.costs == {"w1": WorkerCosts(), "w2": WorkerCosts()}
+    # Every read passes the heartbeat's cost figures on (cost_aware reads them).
+    fleet.apply_registry(
+        {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2", queued_prefill_tokens=7,
+                                                                      prefill_us_per_token=20.0,
+                                                                      decode_ms_per_token=1.5)}
+    )  # fmt: skip
+    assert hooks.costs["w2"] == WorkerCosts(7, 20.0, 1.5)
     # Same epoch: nothing dropped. New epoch: the worker restarted, its tree goes.
     assert fleet.apply_registry(
         {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2")}

@@ -46,7 +46,9 @@ async def test_non_stream_relay_headers_and_cached_metric(
     [(w, server)] = await fake_workers("ok")
     client = await start_router([url_of(server)])
     r = await client.post(
-        "/v1/completions", json=BODY, headers={"Authorization": "Bearer secret", "X-Trace": "t1"}
+        "/v1/completions",
+        json=BODY,
+        headers={"Authorization": "Bearer secret", "X-Request-Id": "t1"},
     )
     assert r.status == 200
     data = await r.json()
@@ -56,7 +58,8 @@ async def test_non_stream_relay_headers_and_cached_metric(
     assert r.headers["X-Upstream"] == "w0"
     assert "Keep-Alive" not in r.headers  # hop-by-hop stripped on the way back
     sent = w.headers_seen[-1]
-    assert "Authorization" not in sent and sent.get("X-Trace") == "t1"
+    sent = {k.lower(): v for k, v in sent.items()}
+    assert "authorization" not in sent and sent.get("x-request-id") == "t1"
     worker = next(iter(client.server.app[FLEET].workers.values()))
     assert worker.actual_cached_tokens_total == 7
     assert in_flight(client) == {worker.worker_id: 0}
@@ -222,24 +225,19 @@ async def test_breaker_half_opens_and_closes_when_the_worker_recovers(
 def test_hop_by_hop_headers_are_stripped_including_connection_listed_ones() -> None:
     from multidict import CIMultiDict
 
-    from router.proxy import REQUEST_DROP, RESPONSE_DROP, end_to_end_headers
+    from router.proxy import RESPONSE_DROP, end_to_end_headers
 
     incoming = CIMultiDict(
         [("Connection", "keep-alive, X-Private"), ("X-Private", "1"), ("Keep-Alive", "timeout=5"),
-         ("Transfer-Encoding", "chunked"), ("TE", "trailers"), ("Upgrade", "h2c"), ("Host", "router"),
-         ("Authorization", "Bearer k"), ("X-Keep", "a"), ("X-Keep", "b"), ("Content-Type", "application/json")]
+         ("Transfer-Encoding", "chunked"), ("Upgrade", "h2c"), ("Content-Length", "5"),
+         ("Proxy-Authenticate", "x"), ("X-Keep", "a"), ("X-Keep", "b"), ("Content-Type", "application/json")]
     )  # fmt: skip
-    out = end_to_end_headers(incoming, REQUEST_DROP)
+    out = end_to_end_headers(incoming, RESPONSE_DROP)
     assert list(out.items()) == [
         ("X-Keep", "a"),
         ("X-Keep", "b"),
         ("Content-Type", "application/json"),
     ]
-    back = end_to_end_headers(
-        CIMultiDict([("Content-Length", "5"), ("Proxy-Authenticate", "x"), ("X-A", "1")]),
-        RESPONSE_DROP,
-    )
-    assert list(back.items()) == [("X-A", "1")]
 
 
 async def test_half_open_breaker_lets_exactly_one_probe_through(
