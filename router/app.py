@@ -79,6 +79,7 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         app[FLEET],
         config.discovery_interval,
         config.reconnect_grace,
+        app[CLOCK],
     )
     app[DISCOVERY] = discovery
     task = asyncio.create_task(discovery.run(), name="discovery")

@@ -52,12 +52,18 @@ class Discovery:
 
     @classmethod
     def from_url(
-        cls, url: str, prefix: str, fleet: Fleet, interval: float, grace: float
+        cls,
+        url: str,
+        prefix: str,
+        fleet: Fleet,
+        interval: float,
+        grace: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Discovery:
         # Short socket timeouts: a dead Redis must not stall a poll for long.
         timeout = max(1.0, 2 * interval)
         redis = Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        return cls(Registry(redis, prefix), fleet, interval, grace)
+        return cls(Registry(redis, prefix), fleet, interval, grace, clock)
 
     async def poll_once(self) -> None:
         records = await asyncio.wait_for(
