@@ -5,7 +5,9 @@
 
 For each policy the router restarts with it and every worker's cache is flushed, so
 each policy meets the same cold fleet and the same requests in the same order. SGLang's
-Rust router (`sglang-router`) joins as a peer only when that package is installed.
+Rust router (`sglang-router`, in its own venv: `--sglang-python VENV/bin/python`) joins
+as a peer over the same workers; its per-worker counts come from the workers' /metrics
+(it names no worker in its answers).
 Prints one table (throughput, TTFT p50/p99, hit rate, max/mean requests per worker)
 and the cache-aware / round-robin hit-rate ratio, and saves `policies.png`.
 """
@@ -13,8 +15,8 @@ and the cache-aware / round-robin hit-rate ratio, and saves `policies.png`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -27,9 +29,11 @@ from loadtests.options import WorkloadOptions, add_workload_arguments, options_f
 from loadtests.report import Summary
 from loadtests.runner import RunSpec, run
 
+SGLANG = "sglang-router"  # SGLang's Rust router, cache_aware at its defaults
 POLICIES: dict[str, RouterSpec] = {
     "cache_aware (fleet)": RouterSpec("cache_aware", {"balance_mode": "fleet"}),
     "cache_aware (per_request)": RouterSpec("cache_aware", {"balance_mode": "per_request"}),
+    "cost_aware": RouterSpec("cost_aware"),
     "round_robin": RouterSpec("round_robin"),
     "least_load": RouterSpec("least_load"),
     "power_of_two": RouterSpec("power_of_two"),
@@ -83,25 +87,39 @@ def compare(
     run_spec: RunSpec,
     policies: list[str],
     settings: dict[str, str] | None = None,
+    sglang_python: str | None = None,
 ) -> dict[str, Summary]:
     """``settings``: RouterConfig keys for every router (thresholds, no_match, ...);
-    a policy's own keys (balance_mode) win."""
+    a policy's own keys (balance_mode) win. ``sglang_python``: a Python with
+    `sglang-router` installed; SGLang's router then runs last, as ``sglang-router``."""
     results: dict[str, Summary] = {}
+    names = list(policies) + ([SGLANG] if sglang_python else [])
     with LocalFleet(fleet_spec) as fleet:
-        for name in policies:
-            spec = POLICIES[name]
-            fleet.restart_router(RouterSpec(spec.policy, {**(settings or {}), **spec.settings}))
+        for name in names:
+            if name == SGLANG:
+                assert sglang_python is not None
+                fleet.start_sglang_router(sglang_python)
+            else:
+                spec = POLICIES[name]
+                fleet.restart_router(RouterSpec(spec.policy, {**(settings or {}), **spec.settings}))
             fleet.flush()
+            before = fleet.worker_requests()
             out = run_spec.out / name.replace(" ", "_").replace("(", "").replace(")", "")
-            run_at = RunSpec(**{**run_spec.__dict__, "host": fleet.router_url, "out": out})
+            # Every request names the sim workers' model: SGLang's router requires one.
+            run_at = RunSpec(**{**run_spec.__dict__, "host": fleet.router_url, "out": out,
+                                "model": run_spec.model or "sim"})  # fmt: skip
             summary = run(run_at, workload, title=f"{workload.workload}: {name}", quiet=True)
             # Idle workers count: the records only name the workers that got requests.
             results[name] = summary.over_fleet(f"w{i}" for i in range(fleet_spec.workers))
+            if name == SGLANG:  # no x-radix-worker header: count at the workers instead
+                after = fleet.worker_requests()
+                counts = {w: after[w] - before[w] for w in after}
+                results[name] = replace(results[name], per_worker_requests=counts)
             print(
                 f"{name}: {results[name].throughput_rps:.2f} req/s, hit rate {results[name].hit_rate:.3f}"
             )
-    if importlib.util.find_spec("sglang_router") is None:
-        print("sglang-router is not installed: SGLang's router skipped")
+    if sglang_python is None:
+        print("no --sglang-python: SGLang's router skipped")
     return results
 
 
@@ -124,6 +142,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a RouterConfig key for every router, e.g. balance_abs_threshold=8 (repeatable)",
+    )
+    p.add_argument(
+        "--sglang-python",
+        default=None,
+        help="a Python with sglang-router installed (its own venv): adds SGLang's router",
     )
     p.add_argument("--users", type=int, default=32)
     p.add_argument("--run-time", default=None)
@@ -160,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
         max_requests=args.max_requests,
     )
     settings = dict(_setting(s) for s in args.router_setting)
-    results = compare(fleet, workload, run_spec, policies, settings)
+    results = compare(fleet, workload, run_spec, policies, settings, args.sglang_python)
     text = table(results)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

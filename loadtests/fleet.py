@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.harness import Child
+from shared.procs import answers_health as answers
 from shared.procs import free_port, http_json, wait_until
 from shared.redis_server import RedisServer
 
@@ -114,6 +115,36 @@ class LocalFleet:
         self._router = self._spawn("router", args, self.router_url, env)
         self._wait(self._router, want_workers=self.spec.workers)
         return self.router_url
+
+    def start_sglang_router(self, python: str) -> str:
+        """SGLang's Rust router (`sglang-router`, installed in the venv of `python`) over
+        the same workers, with its cache_aware policy at its defaults (the same
+        thresholds as ours: cache 0.3, balance 64 / 1.5). It learns workers from the
+        URLs, not from Redis."""
+        self._stop_router()
+        port = free_port()
+        args = [
+            "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *self.worker_urls,
+        ]  # fmt: skip
+        self.router_url = f"http://127.0.0.1:{port}"
+        log = self.log_dir / "sglang-router.log"
+        self._router = Child("sglang-router", args, self.router_url, log, python=python).start()
+        wait_until(lambda: _health(self.router_url) is not None or answers(self.router_url),
+                   self.spec.start_timeout_s, self._router, poll_s=0.2)  # fmt: skip
+        return self.router_url
+
+    def worker_requests(self) -> dict[str, int]:
+        """Requests each worker has answered so far (its own /metrics), by worker id."""
+        counts = {}
+        for i, url in enumerate(self.worker_urls):
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            counts[f"w{i}"] = int(sum(
+                float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("radix_worker_requests_total{") and 'status="200"' in line
+            ))  # fmt: skip
+        return counts
 
     def flush(self) -> None:
         """Empty every worker's cache (they are idle between runs)."""
