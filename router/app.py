@@ -28,6 +28,7 @@ from router.policy import build_policy
 from router.policy.base import Policy
 from router.proxy import Proxy
 from router.ratelimit import make_rate_limit_middleware
+from router.resolver import GuardedResolver
 from router.state import (
     ADMISSION,
     CLOCK,
@@ -38,6 +39,7 @@ from router.state import (
     OPENAPI,
     POLICY,
     PROXY,
+    REJECTIONS,
     SESSION,
     SYNC,
 )
@@ -45,6 +47,7 @@ from router.sync import DecisionSync, ReplicaSync
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import error_middleware
+from shared.peers import Rejections, parse_networks
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,11 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # No connection cap here: admission already bounds concurrency, and a pool limit
     # would queue requests invisibly. Keep-alive connections to workers are reused.
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+    # The resolver refuses link-local, metadata and not-allowed addresses (router/resolver.py).
+    resolver = GuardedResolver(parse_networks(config.worker_url_allow_cidrs))
+    connector = aiohttp.TCPConnector(
+        limit=0, ttl_dns_cache=60, keepalive_timeout=30, resolver=resolver
+    )
     session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
     app[SESSION] = session
     app[PROXY] = Proxy(
@@ -69,12 +76,9 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     discovery = Discovery.from_url(
-        config.redis_url,
-        config.redis_prefix,
-        app[FLEET],
-        config.discovery_interval,
-        config.reconnect_grace,
-    )
+        config.redis_url, config.redis_prefix, app[FLEET], config.discovery_interval,
+        config.reconnect_grace, app[REJECTIONS], parse_networks(config.worker_url_allow_cidrs),
+    )  # fmt: skip
     app[DISCOVERY] = discovery
     task = asyncio.create_task(discovery.run(), name="discovery")
     yield
@@ -105,9 +109,12 @@ def create_app(
     fleet = Fleet(config, policy)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
+    rejections = Rejections()  # what the Redis boundary refused (shared/peers.py)
     if sync is None and config.sync and config.redis_url:
-        sync = DecisionSync.connect(config, policy.observe, fleet.in_flight_by_worker, clock)
-    metrics = Metrics(fleet, clock)
+        sync = DecisionSync.connect(
+            config, policy.observe, fleet.in_flight_by_worker, clock, rejections
+        )
+    metrics = Metrics(fleet, clock, rejections)
     rate_limit = make_rate_limit_middleware(config, clock)
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -123,6 +130,7 @@ def create_app(
     app[FLEET] = fleet
     app[SYNC] = sync
     app[METRICS] = metrics
+    app[REJECTIONS] = rejections
     app[ADMISSION] = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
     app[OPENAPI] = build_openapi()
     app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx])

@@ -25,7 +25,8 @@ class Replica:
     def __init__(self, url: str, inflight: dict[str, int] | None = None) -> None:
         self.redis = Redis.from_url(url, socket_timeout=5)
         self.seen: list[tuple[str, str]] = []
-        self.inflight = inflight or {}
+        # Every worker this replica's table knows (decisions for others are not applied).
+        self.inflight = inflight if inflight is not None else {"w0": 0, "w1": 0, "w2": 0}
         self.sync = DecisionSync(
             self.redis,
             Registry(self.redis, "t:"),
