@@ -77,7 +77,8 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         return
     discovery = Discovery.from_url(
         config.redis_url, config.redis_prefix, app[FLEET], config.discovery_interval,
-        config.reconnect_grace, app[REJECTIONS], parse_networks(config.worker_url_allow_cidrs),
+        config.reconnect_grace, app[CLOCK], app[REJECTIONS],
+        parse_networks(config.worker_url_allow_cidrs),
     )  # fmt: skip
     app[DISCOVERY] = discovery
     task = asyncio.create_task(discovery.run(), name="discovery")

@@ -2,9 +2,16 @@
 
 Parsing and comparing keys is `shared/auth.py`, the same code the worker runs. Keys
 are never logged.
+
+The dashboard's two paths are where a browser navigates, and a browser cannot send a
+Bearer header: there the key is also taken as the password of HTTP Basic auth, and a
+refusal asks the browser to prompt for it (`WWW-Authenticate: Basic`).
 """
 
 from __future__ import annotations
+
+import base64
+import binascii
 
 from aiohttp import web
 
@@ -14,11 +21,24 @@ from shared.config import RouterConfig
 from shared.errors import APIError, Handler
 
 OPEN_PATHS = frozenset({"/openapi.json"})
-OBSERVABILITY_PATHS = frozenset({"/health", "/metrics"})
+OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard.json"})
+BROWSER_PATHS = frozenset({"/dashboard", "/dashboard.json"})
 
 
 def bearer_token(request: web.Request) -> str | None:
     return _bearer_token(request.headers)
+
+
+def basic_password(request: web.Request) -> str | None:
+    """The password of `Authorization: Basic base64(user:password)` (the user is ignored)."""
+    scheme, _, encoded = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeError):
+        return None
+    return decoded.partition(":")[2] or None
 
 
 def is_admin_request(request: web.Request) -> bool:
@@ -41,6 +61,9 @@ def make_auth_middleware(config: RouterConfig) -> web.middleware:
         if path in OPEN_PATHS or (path in OBSERVABILITY_PATHS and not config.protect_metrics):
             return await handler(request)
         token = bearer_token(request)
+        browser = path in BROWSER_PATHS
+        if token is None and browser:
+            token = basic_password(request)
         if is_admin_request(request):
             if not admin_keys:
                 raise APIError(
@@ -50,7 +73,10 @@ def make_auth_middleware(config: RouterConfig) -> web.middleware:
                 raise APIError(401, "a valid admin key is required", code="invalid_api_key")
             return await handler(request)
         if config.api_keys and not client_keys.matches(token):
-            raise unauthorized()
+            refusal = unauthorized()
+            if browser:
+                refusal.headers["WWW-Authenticate"] = 'Basic realm="radix-router"'
+            raise refusal
         return await handler(request)
 
     return auth_middleware

@@ -56,12 +56,14 @@ class Discovery:
     @classmethod
     def from_url(
         cls, url: str, prefix: str, fleet: Fleet, interval: float, grace: float,
-        rejections: Rejections | None = None, allow: tuple[Network, ...] = (),
+        clock: Callable[[], float] = time.monotonic, rejections: Rejections | None = None,
+        allow: tuple[Network, ...] = (),
     ) -> Discovery:  # fmt: skip
         # Short socket timeouts: a dead Redis must not stall a poll for long.
         timeout = max(1.0, 2 * interval)
         redis = Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        return cls(Registry(redis, prefix, rejections), fleet, interval, grace, allow=allow)
+        registry = Registry(redis, prefix, rejections)
+        return cls(registry, fleet, interval, grace, clock, allow=allow)
 
     def _allowed(self, records: dict[str, WorkerRecord]) -> dict[str, WorkerRecord]:
         """Records whose URL lies in `worker_url_allow_cidrs` (the registry checked the rest)."""

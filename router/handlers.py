@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
+from router import dashboard
 from router.proxy import Routed, worker_authorization
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
 from router.workers import Worker
@@ -179,4 +180,6 @@ def routes() -> list[web.RouteDef]:
         web.post("/workers", add_worker),
         web.delete("/workers/{worker_id}", delete_worker),
         web.get("/openapi.json", openapi),
+        web.get(dashboard.PAGE_PATH, dashboard.page),
+        web.get(dashboard.DATA_PATH, dashboard.data),
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,6 +73,50 @@ class _FleetCollector(Collector):
         yield from (in_flight, load, is_open, routable, failures, predicted, actual)
 
 
+class ReasonWindow:
+    """Routing decisions by reason over the last `window_s` seconds, in `bucket_s`
+    buckets, for the dashboard (a Prometheus counter has no window of its own).
+
+    `add` is on every request's path: one dict increment, plus a new bucket every
+    `bucket_s` (old ones are dropped then, so memory stays `window_s / bucket_s` small
+    dicts)."""
+
+    def __init__(self, bucket_s: float = 10.0, window_s: float = 300.0) -> None:
+        self.bucket_s = bucket_s
+        self.buckets = max(1, round(window_s / bucket_s))
+        self._counts: dict[int, Tally[str]] = {}
+        self._current = -1
+        self._now: Tally[str] = Tally()
+
+    def add(self, reason: str, now: float) -> None:
+        index = int(now // self.bucket_s)
+        if index != self._current:
+            self._current = index
+            self._now = self._counts.setdefault(index, Tally())
+            oldest = index - self.buckets
+            for old in [i for i in self._counts if i <= oldest]:
+                del self._counts[old]
+        self._now[reason] += 1
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Oldest bucket first; `age_s` is how long ago each bucket began."""
+        last = int(now // self.bucket_s)
+        first = last - self.buckets + 1
+        series = [
+            {"age_s": round(now - i * self.bucket_s, 1), "counts": dict(self._counts.get(i, {}))}
+            for i in range(first, last + 1)
+        ]
+        totals: Tally[str] = Tally()
+        for item in series:
+            totals.update(item["counts"])
+        return {
+            "bucket_s": self.bucket_s,
+            "window_s": self.bucket_s * self.buckets,
+            "series": series,
+            "totals": dict(totals),
+        }
+
+
 class _RejectionsCollector(Collector):
     """Entries the Redis boundary dropped (bad worker records, sync entries), by source."""
 
@@ -96,6 +141,8 @@ class Metrics:
         clock: Callable[[], float] = time.monotonic,
         rejections: Rejections | None = None,
     ) -> None:
+        self.clock = clock
+        self.reasons = ReasonWindow()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -138,6 +185,7 @@ class Metrics:
 
     def decision(self, reason: str) -> None:
         self._child(self.decisions, reason).inc()
+        self.reasons.add(reason, self.clock())
 
     def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None:
         """The ratio histogram (the totals are the fleet's, read at scrape time)."""

@@ -33,6 +33,7 @@ from loadtests.harness import (
     sim_fleet,
     wait_health,
 )
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -51,15 +52,6 @@ def fleet2() -> Iterator[E2EFleet]:
     fleet = sim_fleet(2, WorkerSpec(decode_ms=2.0, heartbeat_s=HEARTBEAT_S))
     yield fleet
     fleet.close()
-
-
-async def wait_for(check, timeout: float) -> float:  # type: ignore[no-untyped-def]
-    """Poll a blocking check off the loop (the load keeps running meanwhile)."""
-    start = time.monotonic()
-    while not await asyncio.to_thread(check):
-        assert time.monotonic() - start < timeout, f"not within {timeout}s"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
 
 
 def record(name: str, sent: int, ok: int, retried: float, recover_s: float) -> None:
@@ -83,7 +75,9 @@ async def test_sigkill_worker_under_load_loses_no_request(fleet3: E2EFleet) -> N
             await asyncio.gather(*(e.wait() for e in started))
         fleet3.workers["w0"].signal(9)
         killed = time.monotonic()
-        left = await wait_for(lambda: "w0" not in fleet3.router_workers(), 10)
+        left = await wait_until(
+            lambda: "w0" not in fleet3.router_workers(), 10, 0.05, blocking=True
+        )
         outcomes, streamed = await tasks
     retried = await asyncio.to_thread(fleet3.router_metric, "radix_router_retries_total")
     record("sigkill", len(outcomes), sum(o.ok for o in outcomes), retried, left)
@@ -129,7 +123,7 @@ async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: E2EFl
             w0 = fleet2.router_workers().get("w0")
             return w0 is not None and w0["epoch"] != before["w0"]["epoch"]
 
-        await wait_for(new_epoch, 15)
+        await wait_until(new_epoch, 15, 0.05, blocking=True)
         seen = await asyncio.to_thread(fleet2.router_workers)
         # Dropped on the new epoch: what is there now came after the restart only.
         assert seen["w0"]["tree"].get("tree_chars", 0) < before["w0"]["tree"]["tree_chars"]
@@ -163,15 +157,16 @@ async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: E2EFlee
         restarted = time.monotonic()
         client = redis_sync.Redis.from_url(redis.url, socket_timeout=2)
         # Heartbeats resume by themselves: both records are back in the new (empty) Redis.
-        await wait_for(
-            lambda: client.exists("radixrouter:worker:w0", "radixrouter:worker:w1") == 2, 15
-        )
+        await wait_until(
+            lambda: client.exists("radixrouter:worker:w0", "radixrouter:worker:w1") == 2,
+            15, 0.05, blocking=True,
+        )  # fmt: skip
         beats_back = time.monotonic() - restarted
         # Discovery resumes by itself: a worker that joins now is found and routed to.
         await asyncio.to_thread(
             fleet2.start_worker, "w2", WorkerSpec(decode_ms=2.0, heartbeat_s=HEARTBEAT_S)
         )
-        await wait_for(lambda: "w2" in fleet2.router_workers(), 15)
+        await wait_until(lambda: "w2" in fleet2.router_workers(), 15, 0.05, blocking=True)
         outcomes = await load.stop()
         # New prefixes (no tree matches them), so the least loaded worker gets them.
         fresh = [
@@ -192,7 +187,7 @@ async def test_restart_is_seen_even_if_redis_is_slow_to_answer(fleet2: E2EFleet)
     url = router.url + "/v1/completions"
     await asyncio.to_thread(fleet2.restart_worker, "w1", False)
     await asyncio.to_thread(wait_health, fleet2.workers["w1"])
-    await wait_for(lambda: fleet2.routable() == 2, 15)
+    await wait_until(lambda: fleet2.routable() == 2, 15, 0.05, blocking=True)
     async with session() as http:
         out = await call(http, url, prompt(1, tokens=2))
     assert out.ok

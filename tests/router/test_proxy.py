@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestClient
 from router.state import FLEET, METRICS
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
+from tests.waiting import ManualClock, wait_until
 
 BODY = {"prompt": "hello there", "max_tokens": 3}
 
@@ -165,16 +166,9 @@ async def test_client_disconnect_cancels_upstream_and_releases_guard(
     [(w, server)] = await fake_workers("hang")
     client = await start_router([url_of(server)])
     task = asyncio.create_task(client.post("/v1/completions", json=BODY))
-    for _ in range(200):
-        if sum(in_flight(client).values()) == 1 and w.seen == 1:
-            break
-        await asyncio.sleep(0.01)
-    assert sum(in_flight(client).values()) == 1
+    await wait_until(lambda: sum(in_flight(client).values()) == 1 and w.seen == 1)
     task.cancel()  # the client goes away
-    for _ in range(300):
-        if w.cancelled == 1 and sum(in_flight(client).values()) == 0:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: w.cancelled == 1 and sum(in_flight(client).values()) == 0)
     assert w.cancelled == 1 and in_flight(client) == {f"127.0.0.1:{server.port}": 0}
 
 
@@ -187,11 +181,8 @@ async def test_stream_client_disconnect_releases_guard(
     await r.content.readline()  # the first event arrived
     assert sum(in_flight(client).values()) == 1
     r.close()
-    for _ in range(300):
-        if sum(in_flight(client).values()) == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert sum(in_flight(client).values()) == 0 and w.completed == 0
+    await wait_until(lambda: sum(in_flight(client).values()) == 0)
+    assert w.completed == 0
 
 
 async def test_no_workers_is_503_and_health_follows(start_router: StartRouter) -> None:
@@ -207,8 +198,9 @@ async def test_breaker_half_opens_and_closes_when_the_worker_recovers(
     fake_workers: StartWorkers, start_router: StartRouter
 ) -> None:
     [(w, server)] = await fake_workers("fail503")
+    clock = ManualClock()
     client = await start_router(
-        [url_of(server)], breaker_failures=2, breaker_cooldown=0.2, max_retries=0
+        [url_of(server)], clock=clock, breaker_failures=2, breaker_cooldown=0.2, max_retries=0
     )
     assert [(await client.post("/v1/completions", json=BODY)).status for _ in range(2)] == [
         502,
@@ -217,7 +209,9 @@ async def test_breaker_half_opens_and_closes_when_the_worker_recovers(
     r = await client.post("/v1/completions", json=BODY)
     assert r.status == 503 and w.seen == 2  # open: not even tried
     w.mode = "ok"
-    await asyncio.sleep(0.25)  # cooldown over: one probe goes through and closes it
+    clock.advance(0.19)
+    assert (await client.post("/v1/completions", json=BODY)).status == 503  # still open
+    clock.advance(0.01)  # cooldown over: one probe goes through and closes it
     assert (await client.post("/v1/completions", json=BODY)).status == 200
     assert [w_.breaker.state(0) for w_ in client.server.app[FLEET].workers.values()] == ["closed"]
 
@@ -244,12 +238,13 @@ async def test_half_open_breaker_lets_exactly_one_probe_through(
     fake_workers: StartWorkers, start_router: StartRouter
 ) -> None:
     [(w, server)] = await fake_workers("fail503", stream_chunks=3, chunk_delay=0.2)
+    clock = ManualClock()
     client = await start_router(
-        [url_of(server)], breaker_failures=1, breaker_cooldown=0.2, max_retries=0
+        [url_of(server)], clock=clock, breaker_failures=1, breaker_cooldown=0.2, max_retries=0
     )
     assert (await client.post("/v1/completions", json=BODY)).status == 502  # opens
     w.mode = "ok"
-    await asyncio.sleep(0.25)  # cooldown over: the fleet's view takes it back by time alone
+    clock.advance(0.2)  # cooldown over: the fleet's view takes it back by time alone
     probe = await client.post("/v1/completions", json={**BODY, "stream": True})
     assert probe.status == 200 and w.seen == 2
     # While the probe streams, the worker takes no other request.
