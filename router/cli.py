@@ -158,7 +158,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from router.local_fleet import LocalFleet, UpOptions
+    from router.local_fleet import UpFleet, UpOptions
 
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
@@ -171,7 +171,7 @@ def _run_up(args: argparse.Namespace) -> int:
         model_cache_dir=args.model_cache_dir, start_timeout=args.start_timeout,
         keep_logs=args.keep_logs,
     )  # fmt: skip
-    return LocalFleet(options).run()
+    return UpFleet(options).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

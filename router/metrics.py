@@ -131,9 +131,6 @@ class Metrics:
         self.decisions = Counter(
             "radix_router_decisions", "Routing decisions", ["reason"], registry=r
         )
-        self.rejected = Counter(
-            "radix_router_rejected", "Requests refused by admission", ["why"], registry=r
-        )
         self.latency = Histogram(
             "radix_router_request_seconds", "Time to the end of the response", ["endpoint"],
             buckets=LATENCY_BUCKETS, registry=r,
