@@ -119,6 +119,25 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "workers": routable})
 
 
+async def liveness(request: web.Request) -> web.Response:
+    """The process and its event loop are up: nothing else (no workers needed), so a
+    router is never restarted while a fleet's models are still loading."""
+    return web.json_response({"status": "alive"})
+
+
+async def readiness(request: web.Request) -> web.Response:
+    """Ready to take traffic: not shutting down and at least one worker routable."""
+    app = request.app
+    admission = app[ADMISSION]
+    if admission.stopping or admission.draining:
+        return web.json_response({"status": "not_ready", "reason": "shutting_down"}, status=503)
+    routable = len(app[FLEET].view(app[CLOCK]()))
+    if routable == 0:
+        reason = "no routable worker (none registered, all draining, or all breakers open)"
+        return web.json_response({"status": "not_ready", "reason": reason}, status=503)
+    return web.json_response({"status": "ready", "workers": routable})
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
@@ -170,6 +189,8 @@ def routes() -> list[web.RouteDef]:
         web.post("/generate", generate),
         web.get("/v1/models", models),
         web.get("/health", health),
+        web.get("/liveness", liveness),
+        web.get("/readiness", readiness),
         web.get("/metrics", metrics),
         web.get("/workers", list_workers),
         web.post("/workers", add_worker),

@@ -76,6 +76,21 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
                     },
                 }
             },
+            "/liveness": {
+                "get": {
+                    "summary": "200 while the process runs (no workers needed)",
+                    "responses": {"200": {"description": "Alive"}},
+                }
+            },
+            "/readiness": {
+                "get": {
+                    "summary": "200 with a routable worker, else 503 with the reason",
+                    "responses": {
+                        "200": {"description": "Ready"},
+                        "503": {"description": "No routable worker, or shutting down"},
+                    },
+                }
+            },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",

@@ -9,6 +9,7 @@ it came from.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -100,6 +101,9 @@ class RouterConfig(_Frozen):
     queue_timeout: float = Field(30.0, gt=0)
     forward_authorization: bool = False
     drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM, keep serving (readiness 503) this long before refusing new requests,
+    # so load balancers stop sending first; then drain. The chart sets it.
+    shutdown_delay: float = Field(0.0, ge=0)
     # Security.
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
@@ -112,6 +116,11 @@ class RouterConfig(_Frozen):
     # Per-client token bucket on inference requests (router/ratelimit.py); None: off.
     rate_limit_per_key: float | None = Field(None, gt=0)
     rate_limit_burst: int = Field(20, ge=1)
+    # With a Redis URL the limit is shared by every replica (one Lua script per request);
+    # a Redis that does not answer within this many seconds falls back to per replica.
+    rate_limit_redis_timeout: float = Field(0.25, gt=0)
+    # CIDRs of load balancers / ingress whose X-Forwarded-For names the client (rate limit).
+    trusted_proxies: tuple[str, ...] = ()
     # Several replicas share routing decisions and in-flight load through Redis (router/sync.py).
     sync: bool = False
     sync_stream_maxlen: int = Field(20_000, ge=100)
@@ -124,6 +133,13 @@ class RouterConfig(_Frozen):
     @classmethod
     def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(check_worker_url(u) for u in v)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for cidr in v:
+            ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad one
+        return v
 
 
 class WorkerConfig(_Frozen):
@@ -158,6 +174,9 @@ class WorkerConfig(_Frozen):
     stream_write_timeout: float = Field(30.0, gt=0)  # then the request is aborted
     api_keys: tuple[str, ...] = ()
     drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM the worker leaves the registry at once but keeps serving this long
+    # (routers drop it within a discovery interval), then refuses new requests and drains.
+    shutdown_delay: float = Field(0.0, ge=0)
     log_level: str = "INFO"
 
     @field_validator("advertise_url")

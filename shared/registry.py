@@ -7,6 +7,7 @@ Layout (prefix default `radixrouter:`):
     <prefix>events        pub/sub channel: JSON {"event": "join"|"leave", "worker_id", "url"}
     <prefix>decisions     stream of routing decisions shared by router replicas (router/sync.py)
     <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
+    <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/ratelimit.py)
 
 Workers write (`publish_heartbeat`, `leave`); routers read (`read_fleet`). A worker
 whose hash expired is gone even if its id is still in the set; readers prune such ids.
@@ -98,6 +99,9 @@ class Registry:
 
     def router_key(self, replica_id: str) -> str:
         return f"{self.prefix}router:{replica_id}"
+
+    def ratelimit_key(self, client_hex: str) -> str:
+        return f"{self.prefix}ratelimit:{client_hex}"
 
     @property
     def router_pattern(self) -> str:
