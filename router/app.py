@@ -197,7 +197,9 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     # cancels the upstream request and releases its load guard.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    # Several router processes share the port (router/processes.py): the kernel spreads
+    # connections over them.
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.processes > 1)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else config.port
     log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)

@@ -88,8 +88,8 @@ class _FleetCollector(Collector):
             failures.add_metric(wid, w.failures_total)
             predicted.add_metric(wid, w.predicted_tokens_total)
             actual.add_metric(wid, w.actual_cached_tokens_total)
-            capacity = w.cache_capacity_tokens
-            used = min(w.cache_used_tokens, capacity) if capacity > 0 else 0
+            capacity = w.kv_capacity_tokens
+            used = min(w.kv_used_tokens, capacity) if capacity > 0 else 0
             kv_usage.add_metric(wid, used / capacity if capacity > 0 else 0.0)
             waiting.add_metric(wid, w.waiting)
             count += int(not w.draining and w.breaker.allows(now))

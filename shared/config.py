@@ -113,6 +113,9 @@ class RouterConfig(_Frozen):
     trusted_proxies: tuple[str, ...] = ()
     # Several replicas share routing decisions and in-flight load through Redis (router/sync.py).
     sync: bool = False
+    # Router processes on this host behind one port (SO_REUSEPORT; router/processes.py).
+    # Above 1 they route as replicas: sync is turned on when redis_url is set.
+    processes: int = Field(1, ge=1, le=256)
     sync_stream_maxlen: int = Field(20_000, ge=100)
     sync_max_chars: int = Field(32_768, ge=64)
     sync_flush_interval: float = Field(0.02, gt=0)

@@ -37,8 +37,8 @@ class WorkerRecord:
     epoch: float  # process start time: a new epoch means an empty cache
     running: int = 0
     waiting: int = 0
-    cache_capacity_tokens: int = 0
-    cache_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
     draining: bool = False

@@ -23,8 +23,8 @@ from shared.errors import APIError
 from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     GenerateSamplingParams,
+    GenerateWireRequest,
 )
 from worker.engine.types import EngineError, EngineOverloaded, GenerateOutput, SamplingParams
 from worker.engine.types import GenerateRequest as EngineRequest
@@ -259,7 +259,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
-    req = GenerateRequest.model_validate(body)
+    req = GenerateWireRequest.model_validate(body)
     try:
         sp = GenerateSamplingParams.model_validate(req.sampling_params)
     except ValidationError as exc:  # name the nested field: sampling_params.max_new_tokens
