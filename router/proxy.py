@@ -206,6 +206,8 @@ class Proxy:
             [(k, v) for k, v in request.headers.items() if k.lower() in forward and _encodable(v)]
         )
         headers["Content-Type"] = "application/json"  # the body was parsed as JSON
+        # One id names the request in the router's and the worker's logs (shared/access_log.py).
+        headers["x-request-id"] = request.get("request_id") or headers.get("x-request-id", "")
         if self._worker_auth is not None:
             headers["Authorization"] = self._worker_auth
         elif self.config.forward_authorization and "Authorization" in request.headers:

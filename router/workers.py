@@ -100,8 +100,8 @@ class Worker:
     engine: str = ""
     model: str = ""
     draining: bool = False
-    cache_capacity_tokens: int = 0
-    cache_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
     running: int = 0
     waiting: int = 0
     in_flight: int = 0
@@ -145,8 +145,8 @@ class Worker:
             "waiting": self.waiting,
             "draining": self.draining,
             "breaker": self.breaker.state(now),
-            "cache_capacity_tokens": self.cache_capacity_tokens,
-            "cache_used_tokens": self.cache_used_tokens,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_used_tokens": self.kv_used_tokens,
             "reported_hit_rate": (
                 self.cached_tokens_total / self.prompt_tokens_total
                 if self.prompt_tokens_total

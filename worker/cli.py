@@ -178,11 +178,15 @@ async def serve(config: WorkerConfig) -> int:
                 state.served_model, config.host, port, config.engine,
             )  # fmt: skip
         await stop.wait()
-        log.info("shutting down: leaving the fleet, draining %d in flight", state.inflight)
-        state.draining = True
+        # Deregister first, then drain: routers drop the worker within a discovery
+        # interval; until then (shutdown_delay) it still serves what they send.
+        log.info("shutting down: leaving the fleet, then draining %d in flight", state.inflight)
         heartbeat = app.get(HEARTBEAT)
         if heartbeat is not None:
             await heartbeat.leave()
+        if config.shutdown_delay > 0:
+            await asyncio.sleep(config.shutdown_delay)
+        state.draining = True
         try:
             await asyncio.wait_for(state.idle.wait(), config.drain_timeout)
         except TimeoutError:

@@ -23,8 +23,8 @@ from shared.errors import APIError
 from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     GenerateSamplingParams,
+    GenerateWireRequest,
 )
 from worker.engine.types import EngineError, EngineOverloaded, GenerateOutput, SamplingParams
 from worker.engine.types import GenerateRequest as EngineRequest
@@ -169,13 +169,15 @@ async def _run(
             first = await anext(it)
         except (EngineError, EngineOverloaded) as exc:
             raise _engine_error(exc, params) from None
-        metrics.ttft.labels(request.path).observe(time.perf_counter() - start)
+        first_at = time.perf_counter()
+        metrics.first_output(request.path, first_at - start, first.queue_seconds)
         if not stream:
             parts, ids, last = [first.text_delta], list(first.token_ids), first
             async for out in it:
                 parts.append(out.text_delta)
                 ids.extend(out.token_ids)
                 last = out
+            metrics.last_output(request.path, time.perf_counter() - first_at, last)
             return web.json_response(fmt.body("".join(parts), ids, last))
         response = await open_stream(request)
         try:
@@ -193,6 +195,7 @@ async def _run(
                 out = nxt
             if (usage := fmt.usage_chunk(out)) is not None:
                 events.append(usage)
+            metrics.last_output(request.path, time.perf_counter() - first_at, out)
             await send_done(response, events)
         except ConnectionResetError:
             pass  # the client left; closing `it` aborts the request
@@ -256,7 +259,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
-    req = GenerateRequest.model_validate(body)
+    req = GenerateWireRequest.model_validate(body)
     try:
         sp = GenerateSamplingParams.model_validate(req.sampling_params)
     except ValidationError as exc:  # name the nested field: sampling_params.max_new_tokens

@@ -78,6 +78,8 @@ class GenerateOutput:
     completion_tokens: int
     finished: bool = False
     finish_reason: FinishReason | None = None
+    # Seconds the request waited before the scheduler admitted it (None until admitted).
+    queue_seconds: float | None = None
 
 
 @dataclass(frozen=True)
