@@ -391,3 +391,24 @@ def test_one_view_per_served_model_and_the_fleet_view_when_one_model() -> None:
     assert fleet.view(0.0, "nobody").ids == (static.worker_id,)  # not kept: a fresh one-off
     assert fleet.view(0.0, "nobody") is not fleet.view(0.0, "nobody")
     assert not fleet.knows_model("nobody") and fleet.knows_model("x")
+
+
+def test_the_table_keeps_the_books_of_every_attempt() -> None:
+    from router.metrics import Metrics
+
+    fleet = Fleet(RouterConfig(breaker_failures=2, breaker_cooldown=5.0), Hooks())
+    fleet.apply_registry({"w1": record("w1")})
+    w1 = fleet.workers["w1"]
+    with fleet.attempt(w1, 0.0) as attempt:
+        assert (w1.in_flight, w1.requests_total, fleet.view(0.0).loads) == (1, 1, [1])
+        fleet.succeeded(attempt, predicted_tokens=4.0, cached_tokens=3)
+    assert (w1.in_flight, w1.predicted_tokens_total, w1.actual_cached_tokens_total) == (0, 4, 3)
+    for kind in (FailureKind.CONNECT, FailureKind.BUSY):  # every kind counts alike today
+        with fleet.attempt(w1, 1.0) as attempt:
+            fleet.failed(attempt, kind, 1.0)
+    assert w1.failures_total == 2 and w1.breaker.state(1.0) == "open"
+    assert fleet.view(1.0).ids == ()
+    # Metrics only read the table: one count per failure, not a second one of their own.
+    text = Metrics(fleet, lambda: 1.0).render().decode()
+    assert 'radix_router_upstream_failures_total{worker="w1"} 2.0' in text
+    assert 'radix_router_actual_cached_tokens_total{worker="w1"} 3.0' in text
