@@ -104,11 +104,19 @@ async def test_generate_endpoint(aiohttp_client: MakeClient) -> None:
     assert body["meta_info"]["completion_tokens"] == 3 and len(body["output_ids"]) == 3
     assert body["meta_info"]["finish_reason"] == {"type": "length"}
     resp = await client.post("/generate", json={
-        "input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 4}, "stream": True})  # fmt: skip
+        "input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "stream": True})  # fmt: skip
     events = await sse_events(resp)
     assert events[-1] == "[DONE]"
     assert events[-2]["meta_info"]["completion_tokens"] == 4
-    assert events[-2]["text"].startswith(events[0]["text"])  # cumulative, as SGLang streams
+    # Incremental (SGLang's --incremental-streaming-output): the chunks add up to the text
+    # and ids of the same request unstreamed, each sent once.
+    whole = await (await client.post("/generate", json={
+        "input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+    })).json()  # fmt: skip
+    chunks = events[:-1]
+    assert "".join(e["text"] for e in chunks) == whole["text"]
+    assert [i for e in chunks for i in e["output_ids"]] == whole["output_ids"]
     again = await client.post(
         "/generate", json={"text": LONG, "sampling_params": {"max_new_tokens": 3}}
     )
