@@ -13,8 +13,8 @@ utime+stime of the router's whole process tree over the measured run divided by 
 requests wrk completed: unlike latency, contention from other jobs on the machine does
 not inflate it. Non-2xx answers are counted and reported (they must be 0).
 
-Streamed TTFT: `--ttft-requests` streamed requests at concurrency 1, the targets
-interleaved request by request (drift hits all alike), time from sending to the first
+Streamed TTFT: `--ttft-requests` streamed requests per target, `--ttft-concurrency` at a
+time, the targets interleaved (drift hits all alike), time from sending to the first
 body byte, with a Python aiohttp client.
 """
 
@@ -120,15 +120,24 @@ async def ttfb(session: aiohttp.ClientSession, url: str, i: int) -> float:
     return elapsed
 
 
-async def streamed(targets: list[Target], n: int) -> dict[str, list[float]]:
+async def streamed(targets: list[Target], n: int, concurrency: int) -> dict[str, list[float]]:
+    """TTFB of `n` streamed requests per target, `concurrency` at a time. At 1 the targets
+    alternate request by request; above, round by round (each round `concurrency`
+    requests per target, the order reversed every round), so drift hits all alike."""
     out: dict[str, list[float]] = {t.name: [] for t in targets}
-    async with aiohttp.ClientSession() as session:
-        for i in range(n + 20):
-            order = targets if i % 2 else targets[::-1]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        rounds = (n + concurrency - 1) // concurrency
+        warm = max(1, 20 // concurrency)
+        for r in range(rounds + warm):
+            order = targets if r % 2 else targets[::-1]
             for t in order:
-                value = await ttfb(session, t.url, i)
-                if i >= 20:  # warm-up: connections, trees, caches
-                    out[t.name].append(value)
+                base = r * concurrency
+                values = await asyncio.gather(
+                    *(ttfb(session, t.url, base + k) for k in range(concurrency))
+                )
+                if r >= warm:  # warm-up: connections, trees, caches
+                    out[t.name].extend(values)
     return out
 
 
@@ -166,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--sglang-python", default=None, help="a Python with sglang-router installed")
     p.add_argument("--ttft-requests", type=int, default=200)
+    p.add_argument("--ttft-concurrency", type=int, default=1)
     args = p.parse_args(argv)
     if shutil.which("wrk") is None:
         raise RuntimeError("wrk is not installed (Debian: apt-get install -y wrk)")
@@ -193,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
                       f"{cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
             print("\n(direct: the CPU column is the worker's own)")
-            ttft = asyncio.run(streamed(targets, args.ttft_requests))
+            ttft = asyncio.run(streamed(targets, args.ttft_requests, args.ttft_concurrency))
             base = statistics.median(ttft["direct"])
+            print(f"\nstreamed, {args.ttft_concurrency} at a time")
             print("\n| target | streamed TTFT p50 (ms) | p99 (ms) | p50 / direct |")
             print("|---|---:|---:|---:|")
             for name, values in ttft.items():

@@ -172,7 +172,7 @@ def run_router(config: RouterConfig) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from router.local_fleet import LocalFleet, UpOptions
+    from router.local_fleet import UpFleet, UpOptions
 
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
@@ -185,7 +185,7 @@ def _run_up(args: argparse.Namespace) -> int:
         model_cache_dir=args.model_cache_dir, start_timeout=args.start_timeout,
         keep_logs=args.keep_logs,
     )  # fmt: skip
-    return LocalFleet(options).run()
+    return UpFleet(options).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

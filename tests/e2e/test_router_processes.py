@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.harness import E2EFleet, WorkerSpec, sim_fleet, wait_until
+from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet
 from loadtests.workloads import words
-from shared.procs import http_json
+from shared.procs import http_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 @pytest.fixture
-def fleet() -> Iterator[E2EFleet]:
+def fleet() -> Iterator[BenchFleet]:
     fleet = sim_fleet(2, WorkerSpec(decode_ms=0.0, heartbeat_s=0.2))
     yield fleet
     fleet.close()
@@ -45,7 +45,7 @@ def ask(url: str, prompt: str) -> tuple[str, str]:
         return r.headers["x-radix-worker"], r.headers["x-radix-route-reason"]
 
 
-def test_two_processes_share_one_port_and_their_routing_decisions(fleet: E2EFleet) -> None:
+def test_two_processes_share_one_port_and_their_routing_decisions(fleet: BenchFleet) -> None:
     router = fleet.start_router({"processes": 2, "sync_flush_interval": 0.01})
     routers = [p for p in children(router.pid) if Path(f"/proc/{p}/cmdline").exists()]
     assert len(routers) >= 2  # the two routers (plus multiprocessing's resource tracker)
