@@ -1,4 +1,4 @@
-"""`python -m loadtests {run,report,compare,simulate}`: the load-test command line."""
+"""`python -m loadtests {run,report,compare,simulate,gpu-check}`: the load-test command line."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-check"]:
+        # Its own parser and imports: the GPU machine has no pydantic or redis, which
+        # the other commands import.
+        from loadtests import gpu_check
+
+        return gpu_check.cli(argv[1:])
     from loadtests import compare, runner, simulate
 
     ap = argparse.ArgumentParser(prog="python -m loadtests", description=__doc__)
@@ -36,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("simulate", help="fleet simulation in virtual time")
     simulate.add_arguments(p)
     p.set_defaults(func=simulate.main)
+    sub.add_parser("gpu-check", help="the engine on a GPU: correctness, kernels, speed vs roofline")
     args = ap.parse_args(argv)
     try:
         return int(args.func(args))
