@@ -7,7 +7,7 @@
 Process CPU time, 1 torch thread (a shared machine's other tenants disturb it far less
 than wall time), medians of alternating rounds.
 
-    python -m loadtests.bench_model_fusions [--rounds 3] [--out loadtests/results/model-fusions.md]
+    python -m loadtests model-fusions [--rounds 3] [--out loadtests/results/model-fusions.md]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                        "|---|---|---|---|", *rows])  # fmt: skip
     print(table)
     if args.out:
-        args.out.write_text("# Model fusions on CPU\n\n`python -m loadtests.bench_model_fusions`"
+        args.out.write_text("# Model fusions on CPU\n\n`python -m loadtests model-fusions`"
                             f" (bench preset, fp32, 1 thread, process CPU time)\n\n{table}\n")  # fmt: skip
     return 0
 

@@ -1,6 +1,6 @@
 """CPU per routing decision as the fleet grows: cache_aware vs round_robin (the floor).
 
-    python loadtests/bench_policy.py [--workers 8,64,256,1000] [--requests 2000]
+    python -m loadtests policy-cost [--workers 8,64,256,1000] [--requests 2000]
         [--warmup 2000] [--groups 512] [--system-chars 8000] [--tail-chars 500]
 
 Workload: ``groups`` system prompts of ``system-chars`` chars, picked Zipf-like (a
@@ -10,7 +10,7 @@ chars). Loads move the way a live fleet's do: before each request two random wor
 get a new load (0–16) and, one request in 50, one worker a spike (+100), so the
 imbalance rule fires now and then and hot prefixes replicate onto several workers.
 Each policy runs twice: on a list of ``WorkerView`` whose changed entries are
-replaced, and on a ``FleetView`` (router/policy.py: id/load/capacity columns the
+replaced, and on a ``FleetView`` (router/policy/base.py: id/load/capacity columns the
 caller updates in place, as the simulator does); updates are outside the timed region.
 
 Per request the timed region is exactly ``policy.select(...)``: CPU by
@@ -27,15 +27,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from router.policy import FleetView, Policy, RouteRequest, WorkerView, build_policy
+from router.policy import build_policy
+from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
 
 VOCAB = [f"{a}{b}" for a in "bcdfghjklmnpqrstvwz" for b in ("a", "e", "i", "o", "u", "ay", "ee")]
@@ -135,7 +132,7 @@ def views_cost_us(n: int, repeats: int = 200) -> float:
     return (time.thread_time_ns() - t) / repeats / 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", default="8,64,256,1000")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -145,7 +142,7 @@ def main() -> None:
     ap.add_argument("--system-chars", type=int, default=8000)
     ap.add_argument("--tail-chars", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     texts = make_requests(args, rng)
     mean_chars = statistics.fmean(len(t) for t in texts)
@@ -173,7 +170,3 @@ def main() -> None:
             print(f"| {n} | {name} | {row.cpu_us:.1f} | {row.p50_us:.1f} | {row.p99_us:.1f} | "
                   f"{ratio} | {reasons if name.startswith('cache_aware') else ''} | {views_us:.1f} |",
                   flush=True)  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Replay the shared prefix-cache trace through RadixCache and NoCache side by side.
 
-    python loadtests/bench_radix_cache.py [--n-requests 20000] [--trace-module PATH]
+    python -m loadtests radix-cache [--n-requests 20000] [--trace-module PATH]
 
 The trace (`../shared/bench/radix_trace.py` next to the repository by default) is a
 deterministic LLM-serving-shaped request stream; its docstring fixes the replay loop,
@@ -32,8 +32,6 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from worker.engine.allocator import SlotAllocator
 from worker.engine.radix_cache import NoCache, RadixCache
@@ -224,7 +222,3 @@ def main(argv: list[str] | None = None) -> None:
         f"RadixCache vs the SGLang reference figure: {wall / 11_300:.2f}x (wall), "
         f"{cpu / 11_300:.2f}x (CPU time); target 22,000 req/s = 1.95x ({SGLANG_REFERENCE})"
     )
-
-
-if __name__ == "__main__":
-    main()

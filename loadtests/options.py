@@ -26,6 +26,9 @@ class WorkloadOptions:
     system_len: int = 2048
     question_len: int = 128
     output_len: int = 256
+    # shared_prefix skew: 0 gives every group `prompts_per_group` questions; above 0 the
+    # same number of requests picks its group Zipf-like with this exponent (hot prefixes).
+    group_zipf: float = 0.0
     # multi_turn
     conversations: int = 64
     turns: int = 8
@@ -58,18 +61,50 @@ class WorkloadOptions:
             raise ValueError("speedup, block_words, groups and conversations must be positive")
 
 
+# One line per option for --help: what it is and its unit. A "word" of the generated
+# text is meant to be about one token (a random Llama tokenizer splits it into ~4).
+HELP: dict[str, str] = {
+    "workload": "traffic shape",
+    "seed": "random seed of the generated requests",
+    "groups": "shared_prefix: system prompts (groups of requests sharing one)",
+    "prompts_per_group": "shared_prefix: questions per system prompt",
+    "system_len": "shared_prefix and multi_turn: system prompt length, in words",
+    "question_len": "question length, in words",
+    "output_len": "max_tokens of each request, in tokens",
+    "group_zipf": "shared_prefix: Zipf exponent of group popularity (0: equal groups)",
+    "conversations": "multi_turn: conversations (each kept by one user)",
+    "turns": "multi_turn: turns per conversation",
+    "docs": "rag: documents in the pool",
+    "doc_len": "rag: document length, in words",
+    "docs_per_request": "rag: documents cited per request",
+    "rag_requests": "rag: requests in the workload",
+    "zipf": "rag: Zipf exponent of document popularity",
+    "trace": "mooncake: trace file (JSON lines)",
+    "block_words": "mooncake: words per 512-token block of the trace",
+    "trace_limit": "mooncake: replay only the first N trace lines",
+    "arrival": "mooncake: trace timestamps, or every request as soon as possible",
+    "speedup": "mooncake: replay this many times faster than the trace",
+    "max_output": "mooncake: cap on each request's output, in tokens",
+    "loop": "start over when the requests run out (implied by a --run-time)",
+}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_workload_arguments(parser: Any, env: bool = False) -> None:
+def add_workload_arguments(
+    parser: Any, env: bool = False, defaults: dict[str, Any] | None = None
+) -> None:
     """Add one flag per option. `env=True` (locust's configargparse parser) also reads
-    LOCUST_<NAME> environment variables."""
+    LOCUST_<NAME> environment variables; `defaults` replaces some defaults (and their
+    help) for one command."""
     hints = get_type_hints(WorkloadOptions)
     for f in dataclasses.fields(WorkloadOptions):
+        default = (defaults or {}).get(f.name, f.default)
         kwargs: dict[str, Any] = {
-            "default": f.default,
-            "help": f"workload option (default {f.default})",
+            "default": default,
+            "help": f"{HELP[f.name]} (default: {default})",
         }
         if env:
             kwargs["env_var"] = "LOCUST_" + f.name.upper()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import matplotlib
@@ -27,6 +26,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from loadtests.options import WorkloadOptions, add_workload_arguments, options_from_namespace
+from loadtests.progress import Progress, clock_text
 from loadtests.sim.fleet import ClosedLoop, FleetSim, SimResult
 from loadtests.sim.sources import generated_requests, mooncake_requests
 from loadtests.sim.worker import CostModel
@@ -189,13 +189,18 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plots.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[int, str], SimResult] = {}
+    sweep_runs = len(_floats(args.thresholds)) * len(absolutes) * len(no_matches) * len(modes)
+    progress = Progress(
+        "simulate", len(sizes) * len(policies) + (sweep_runs if args.sweep_at else 0)
+    )
     print(COLUMNS)
     for n in sizes:
         for p in policies:
-            t = time.perf_counter()
+            progress.say(f"{n} workers, {p}: simulating")
             r = simulate_one(RouterConfig(policy=p, **base), n, cost, o, args)  # type: ignore[arg-type]
             results[(n, p)] = r
-            print(row(r, p), f"<!-- {time.perf_counter() - t:.0f}s -->", flush=True)
+            progress.finished()
+            print(row(r, p), flush=True)
     for n in sizes:
         ca, rr = results.get((n, "cache_aware")), results.get((n, "round_robin"))
         if ca and rr and rr.hit_rate:
@@ -219,7 +224,9 @@ def main(args: argparse.Namespace) -> int:
             keys = {"cache_threshold": th, "balance_abs_threshold": a, "no_match": m,
                     "balance_mode": mode}  # fmt: skip
             cfg = RouterConfig(policy="cache_aware", **{**base, **keys})  # type: ignore[arg-type]
+            progress.say(f"sweep at {args.sweep_at} workers: {th} / {a} / {m} / {mode}")
             sweep[(th, a, m, mode)] = r = simulate_one(cfg, args.sweep_at, cost, o, args)
+            progress.finished()
             print(row(r, f"{th} / {a} / {m} / {mode}"), flush=True)
         plot_sweep(sweep, plots / "sim_thresholds.png")
     plot_scale(results, plots / "sim_scale.png")
@@ -230,4 +237,20 @@ def main(args: argparse.Namespace) -> int:
     }
     (out / "simulation.json").write_text(json.dumps(dump, indent=2) + "\n")
     print(f"plots: {plots}")
+    print(f"{verdict(results)} ({clock_text(progress.elapsed)})")
     return 0
+
+
+def verdict(results: dict[tuple[int, str], SimResult]) -> str:
+    parts = []
+    for n in sorted({n for n, _ in results}):
+        ca, rr = results.get((n, "cache_aware")), results.get((n, "round_robin"))
+        if ca and rr:
+            a, b = ca.row(), rr.row()
+            parts.append(
+                f"{n} workers: hit rate {ca.hit_rate:.2f} vs {rr.hit_rate:.2f}, "
+                f"TTFT p50 {a['ttft_p50_ms']:.0f} vs {b['ttft_p50_ms']:.0f} ms"
+            )
+    if not parts:
+        return "verdict: simulate cache_aware and round_robin together for a verdict"
+    return "verdict (cache_aware vs round_robin): " + "; ".join(parts)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
-from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 # Every status a routed inference request can be answered with.
 _INFERENCE_ERRORS = {
@@ -42,7 +42,7 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
     components: dict[str, Any] = {"Error": ERROR_SCHEMA}
     chat = add_schema(ChatCompletionRequest, components)
     completion = add_schema(CompletionRequest, components)
-    generate = add_schema(GenerateRequest, components)
+    generate = add_schema(GenerateWireRequest, components)
     admin_add = {
         "type": "object",
         "required": ["url"],
@@ -76,12 +76,39 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
                     },
                 }
             },
+            "/liveness": {
+                "get": {
+                    "summary": "200 while the process runs (no workers needed)",
+                    "responses": {"200": {"description": "Alive"}},
+                }
+            },
+            "/readiness": {
+                "get": {
+                    "summary": "200 with a routable worker, else 503 with the reason",
+                    "responses": {
+                        "200": {"description": "Ready"},
+                        "503": {"description": "No routable worker, or shutting down"},
+                    },
+                }
+            },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",
                     "responses": {"200": {"description": "Metrics", "content": {"text/plain": {}}}},
                 }
             },
+            "/dashboard": {
+                "get": {
+                    "summary": "Live fleet page (HTML; behind the key with protect_metrics)",
+                    "responses": {
+                        "200": {"description": "The page", "content": {"text/html": {}}},
+                        "401": error_response("401"),
+                    },
+                }
+            },
+            "/dashboard.json": _get(
+                "The dashboard's data: workers, fleet hit rate, route reasons", "401"
+            ),
             "/workers": workers,
             "/workers/{worker_id}": {
                 "delete": {

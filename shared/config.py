@@ -13,29 +13,26 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from shared.peers import check_worker_url, parse_networks
+
 PolicyName = Literal[
-    "cache_aware", "round_robin", "random", "least_load", "power_of_two", "consistent_hash"
+    "cache_aware",
+    "cost_aware",
+    "round_robin",
+    "random",
+    "least_load",
+    "power_of_two",
+    "consistent_hash",
 ]
 EngineName = Literal["radix", "sim", "vllm"]
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key."""
-
-
-def check_worker_url(url: str) -> str:
-    """Worker URLs reach the proxy, so only plain http(s) with a host and a port."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-        raise ValueError(f"worker URL must be http(s)://host:port, got {url!r}")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ValueError(f"worker URL must not carry credentials, query or fragment: {url!r}")
-    return url.rstrip("/")
 
 
 class _Frozen(BaseModel):
@@ -54,7 +51,7 @@ class RouterConfig(_Frozen):
     # After a Redis outage, workers absent from the registry are kept this long (they
     # re-register on their next heartbeat).
     reconnect_grace: float = Field(5.0, ge=0)
-    # cache_aware: see router/policy.py for the rule these thresholds drive.
+    # cache_aware: see router/policy/cache_aware.py for the rule these thresholds drive.
     cache_threshold: float = Field(0.3, ge=0, le=1)
     # A load gap (requests) that counts as imbalance. 64 suits GPU workers that run
     # hundreds of requests at once; set it to about half of what one worker runs at once
@@ -66,6 +63,12 @@ class RouterConfig(_Frozen):
     no_match: Literal["least_load", "smallest_tree"] = "least_load"
     tree_max_chars: int = Field(200_000_000, gt=0)
     tree_chars_per_token: float = Field(4.0, gt=0)
+    # cost_aware (router/cost_aware.py): what a prefill token and a decode step cost on a
+    # worker whose heartbeat reports neither, and how many decode steps each request in a
+    # worker's load delays a new one's first token.
+    cost_prefill_us_per_token: float = Field(50.0, gt=0)
+    cost_decode_ms_per_token: float = Field(10.0, gt=0)
+    cost_decode_weight: float = Field(1.0, ge=0)
     session_header: str = "x-session-id"
     # Proxy.
     connect_timeout: float = Field(5.0, gt=0)
@@ -75,20 +78,44 @@ class RouterConfig(_Frozen):
     breaker_failures: int = Field(3, ge=1)
     breaker_cooldown: float = Field(10.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    # Slow peers (shared/body.py, router/proxy.py): a body must arrive within
+    # body_read_timeout, before it may take an admission slot; a stream write to a client
+    # that blocks longer than stream_write_timeout aborts the stream and its upstream
+    # request, so the worker frees its slot and KV.
+    body_read_timeout: float = Field(30.0, gt=0)
+    stream_write_timeout: float = Field(30.0, gt=0)
+    # A non-streamed worker answer larger than this is refused with 502, never buffered.
+    max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_concurrent: int = Field(1024, ge=1)
     max_queue: int = Field(4096, ge=0)
     queue_timeout: float = Field(30.0, gt=0)
     forward_authorization: bool = False
     drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM, keep serving (readiness 503) this long before refusing new requests,
+    # so load balancers stop sending first; then drain. The chart sets it.
+    shutdown_delay: float = Field(0.0, ge=0)
     # Security.
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
     protect_metrics: bool = False
+    # Sent to workers as their Bearer key (it must be in each worker's api_keys).
+    worker_api_key: str | None = None
+    # Worker URLs from Redis or the admin API must resolve into one of these networks
+    # (e.g. the pod CIDR); empty: any address but link-local and metadata ones.
+    worker_url_allow_cidrs: tuple[str, ...] = ()
     # Per-client token bucket on inference requests (router/ratelimit.py); None: off.
     rate_limit_per_key: float | None = Field(None, gt=0)
     rate_limit_burst: int = Field(20, ge=1)
+    # With a Redis URL the limit is shared by every replica (one Lua script per request);
+    # a Redis that does not answer within this many seconds falls back to per replica.
+    rate_limit_redis_timeout: float = Field(0.25, gt=0)
+    # CIDRs of load balancers / ingress whose X-Forwarded-For names the client (rate limit).
+    trusted_proxies: tuple[str, ...] = ()
     # Several replicas share routing decisions and in-flight load through Redis (router/sync.py).
     sync: bool = False
+    # Router processes on this host behind one port (SO_REUSEPORT; router/processes.py).
+    # Above 1 they route as replicas: sync is turned on when redis_url is set.
+    processes: int = Field(1, ge=1, le=256)
     sync_stream_maxlen: int = Field(20_000, ge=100)
     sync_max_chars: int = Field(32_768, ge=64)
     sync_flush_interval: float = Field(0.02, gt=0)
@@ -99,6 +126,12 @@ class RouterConfig(_Frozen):
     @classmethod
     def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(check_worker_url(u) for u in v)
+
+    @field_validator("worker_url_allow_cidrs", "trusted_proxies")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        parse_networks(v)  # ValueError names the bad network
+        return v
 
 
 class WorkerConfig(_Frozen):
@@ -131,8 +164,13 @@ class WorkerConfig(_Frozen):
     sim_decode_ms_per_token: float = Field(0.0, ge=0)
     # HTTP.
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    body_read_timeout: float = Field(30.0, gt=0)  # as the router's
+    stream_write_timeout: float = Field(30.0, gt=0)  # then the request is aborted
     api_keys: tuple[str, ...] = ()
     drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM the worker leaves the registry at once but keeps serving this long
+    # (routers drop it within a discovery interval), then refuses new requests and drains.
+    shutdown_delay: float = Field(0.0, ge=0)
     log_level: str = "INFO"
 
     @field_validator("advertise_url")

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from shared.config import ConfigError, WorkerConfig, load_config
-from shared.errors import redact_server_logs
+from shared.logging import setup_logging
 from worker.app import create_app
 from worker.backends import build_engine
 from worker.engine.model_presets import ARCHS, PRESETS
@@ -31,35 +31,75 @@ from worker.state import HEARTBEAT, STATE
 
 log = logging.getLogger("worker")
 
-# (flag, config key, type, help); type None: a switch.
+SERVE_DESCRIPTION = """Serve a model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions,
+/generate) with a radix KV cache, and heartbeat into Redis so routers find it.
+Every WorkerConfig key (shared/config.py) can also be set in --config FILE or as
+RADIX_WORKER_<KEY>; flags win over the environment, which wins over the file."""
+
+# (flag, config key, type, help); type None: a switch. The help gets the default appended.
 _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--engine", "engine", str, "radix (ours), sim (cost model, no weights) or vllm"),
+    (
+        "--engine",
+        "engine",
+        str,
+        "radix (ours, on --model), sim (a cost model: no weights, no torch) or vllm",
+    ),
     ("--model", "model", str, "local Hugging Face model folder (optional for sim)"),
     ("--served-model-name", "served_model_name", str, "name clients use (default: folder name)"),
     ("--host", "host", str, "bind address"),
-    ("--port", "port", int, "bind port (0: any free port)"),
+    ("--port", "port", int, "bind port; 0: any free port"),
     ("--redis-url", "redis_url", str, "Redis for heartbeats (omit to run standalone)"),
     ("--redis-prefix", "redis_prefix", str, "Redis key prefix"),
     ("--worker-id", "worker_id", str, "id in the fleet (default: <hostname>-<port>)"),
     ("--advertise-url", "advertise_url", str, "URL routers dial (default: http://host:port)"),
-    ("--heartbeat-interval", "heartbeat_interval", float, "seconds between heartbeats"),
-    ("--cache-tokens", "cache_tokens", int, "KV cache capacity in tokens"),
-    ("--kv-memory-fraction", "kv_memory_fraction", float, "KV share of free device memory"),
+    ("--heartbeat-interval", "heartbeat_interval", float, "seconds between heartbeats to Redis"),
+    (
+        "--cache-tokens",
+        "cache_tokens",
+        int,
+        "KV cache capacity in tokens (unset: --kv-memory-fraction of free memory)",
+    ),
+    (
+        "--kv-memory-fraction",
+        "kv_memory_fraction",
+        float,
+        "share of free device memory for the KV cache, 0-0.95",
+    ),
     ("--page-size", "page_size", int, "radix cache page size in tokens"),
-    ("--max-running-requests", "max_running_requests", int, "batch size limit; more wait"),
-    ("--max-waiting-requests", "max_waiting_requests", int, "queue limit; more get 503"),
-    ("--max-prefill-tokens", "max_prefill_tokens", int, "prefill chunk size"),
-    ("--max-model-len", "max_model_len", int, "context length cap"),
+    (
+        "--max-running-requests",
+        "max_running_requests",
+        int,
+        "requests run at once (the batch); more wait in the queue",
+    ),
+    (
+        "--max-waiting-requests",
+        "max_waiting_requests",
+        int,
+        "requests waiting at most; more are refused with 503",
+    ),
+    ("--max-prefill-tokens", "max_prefill_tokens", int, "prefill chunk size, in tokens"),
+    ("--max-model-len", "max_model_len", int, "context length cap, in tokens (unset: the model's)"),
     ("--device", "device", str, "auto, cpu, cuda, cuda:N"),
     ("--dtype", "dtype", str, "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
     ("--attention-backend", "attention_backend", str, "auto (CUDA: triton), sdpa, triton"),
     ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
-    ("--sim-prefill-us-per-token", "sim_prefill_us_per_token", float, "sim: prefill cost"),
-    ("--sim-decode-ms-per-token", "sim_decode_ms_per_token", float, "sim: decode cost"),
+    (
+        "--sim-prefill-us-per-token",
+        "sim_prefill_us_per_token",
+        float,
+        "sim engine: prefill cost, microseconds per uncached prompt token",
+    ),
+    (
+        "--sim-decode-ms-per-token",
+        "sim_decode_ms_per_token",
+        float,
+        "sim engine: decode cost, milliseconds per output token",
+    ),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
     ("--drain-timeout", "drain_timeout", float, "seconds to finish in-flight requests on SIGTERM"),
-    ("--max-body-bytes", "max_body_bytes", int, "largest request body"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body, in bytes"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING"),
 ]
 
@@ -77,23 +117,34 @@ _TINY_FLAGS = {
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radix-worker", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over HTTP")
-    serve.add_argument("--config", help="YAML file of WorkerConfig keys")
-    for flag, key, kind, text in _SERVE_FLAGS:
+    serve = sub.add_parser(
+        "serve", help="serve a model over HTTP", description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    serve.add_argument("--config", metavar="FILE", help="YAML file of WorkerConfig keys")
+    for flag, key, kind, described in _SERVE_FLAGS:
+        default = WorkerConfig.model_fields[key].default
+        text = described if default in (None, ()) else f"{described} (default {default})"
         if kind is None:
             serve.add_argument(flag, dest=key, action="store_const", const=True, help=text)
         elif kind == "append":
             serve.add_argument(flag, dest=key, action="append", help=text)
         else:
             serve.add_argument(flag, dest=key, type=kind, help=text)
-    tiny = sub.add_parser("make-tiny-model", help="write a random-weight model folder")
-    tiny.add_argument("dir")
+    tiny = sub.add_parser(
+        "make-tiny-model", help="write a random-weight model folder",
+        description="Write a Llama-family model with random weights and a byte-level "
+        "BPE tokenizer with a chat template into DIR, made locally (nothing is downloaded): "
+        "small by default, or a real model's shape (--preset). Its text is random; its KV "
+        "cache, batching and prefix caching are real.",
+    )  # fmt: skip
+    tiny.add_argument("dir", metavar="DIR", help="folder to write (created if missing)")
     tiny.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                       help="shape: tiny (tests), bench, or a real model's (random weights)")  # fmt: skip
     # Unset flags keep the preset's values (tiny's head_dim 32: vLLM's CPU minimum).
     for flag in _TINY_FLAGS:
-        tiny.add_argument(flag, type=int)
-    tiny.add_argument("--arch", choices=ARCHS)
+        tiny.add_argument(flag, type=int, metavar="N", help="(default: the preset's)")
+    tiny.add_argument("--arch", choices=ARCHS, help="(default: the preset's, else llama)")
     tiny.add_argument("--device", help="draw the weights here (default cpu; cuda is faster)")
     tiny.add_argument("--dtype", help="weights dtype on disk (default float32)")
     return parser
@@ -136,11 +187,15 @@ async def serve(config: WorkerConfig) -> int:
                 state.served_model, config.host, port, config.engine,
             )  # fmt: skip
         await stop.wait()
-        log.info("shutting down: leaving the fleet, draining %d in flight", state.inflight)
-        state.draining = True
+        # Deregister first, then drain: routers drop the worker within a discovery
+        # interval; until then (shutdown_delay) it still serves what they send.
+        log.info("shutting down: leaving the fleet, then draining %d in flight", state.inflight)
         heartbeat = app.get(HEARTBEAT)
         if heartbeat is not None:
             await heartbeat.leave()
+        if config.shutdown_delay > 0:
+            await asyncio.sleep(config.shutdown_delay)
+        state.draining = True
         try:
             await asyncio.wait_for(state.idle.wait(), config.drain_timeout)
         except TimeoutError:
@@ -179,11 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {key: getattr(args, key) for _, key, _, _ in _SERVE_FLAGS}
     try:
         config = load_config(WorkerConfig, args.config, overrides)
-        logging.basicConfig(
-            level=config.log_level.upper(), stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )  # fmt: skip
-        redact_server_logs()
+        setup_logging(config.log_level)
         return _run(config)
     except ConfigError as exc:
         print(f"radix-worker: {exc}", file=sys.stderr)

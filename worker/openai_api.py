@@ -18,12 +18,13 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from shared import openai_responses as wire
-from shared.errors import APIError, read_json
+from shared.body import read_json
+from shared.errors import APIError
 from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     GenerateSamplingParams,
+    GenerateWireRequest,
 )
 from worker.engine.types import EngineError, EngineOverloaded, GenerateOutput, SamplingParams
 from worker.engine.types import GenerateRequest as EngineRequest
@@ -168,13 +169,15 @@ async def _run(
             first = await anext(it)
         except (EngineError, EngineOverloaded) as exc:
             raise _engine_error(exc, params) from None
-        metrics.ttft.labels(request.path).observe(time.perf_counter() - start)
+        first_at = time.perf_counter()
+        metrics.first_output(request.path, first_at - start, first.queue_seconds)
         if not stream:
             parts, ids, last = [first.text_delta], list(first.token_ids), first
             async for out in it:
                 parts.append(out.text_delta)
                 ids.extend(out.token_ids)
                 last = out
+            metrics.last_output(request.path, time.perf_counter() - first_at, last)
             return web.json_response(fmt.body("".join(parts), ids, last))
         response = await open_stream(request)
         try:
@@ -192,6 +195,7 @@ async def _run(
                 out = nxt
             if (usage := fmt.usage_chunk(out)) is not None:
                 events.append(usage)
+            metrics.last_output(request.path, time.perf_counter() - first_at, out)
             await send_done(response, events)
         except ConnectionResetError:
             pass  # the client left; closing `it` aborts the request
@@ -205,8 +209,14 @@ async def _run(
         return response
 
 
+async def _read(request: web.Request) -> dict[str, Any]:
+    config = request.app[CONFIG]
+    _, body = await read_json(request, config.max_body_bytes, config.body_read_timeout)
+    return body
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, request.app[CONFIG].max_body_bytes)
+    body = await _read(request)
     req = CompletionRequest.model_validate(body)
     model = _check_model(request, req.model)
     text, ids = req.prompt_text(), req.prompt_ids()
@@ -223,7 +233,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, request.app[CONFIG].max_body_bytes)
+    body = await _read(request)
     req = ChatCompletionRequest.model_validate(body)
     model = _check_model(request, req.model)
     engine = request.app[ENGINE]
@@ -248,8 +258,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request, request.app[CONFIG].max_body_bytes)
-    req = GenerateRequest.model_validate(body)
+    body = await _read(request)
+    req = GenerateWireRequest.model_validate(body)
     try:
         sp = GenerateSamplingParams.model_validate(req.sampling_params)
     except ValidationError as exc:  # name the nested field: sampling_params.max_new_tokens

@@ -27,7 +27,8 @@ from loadtests.options import WorkloadOptions
 from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import ConversationSession, Workload
-from router.policy import FleetView, RouteRequest, build_policy
+from router.policy import build_policy
+from router.policy.base import FleetView, RouteRequest, WorkerCosts
 from shared.config import RouterConfig
 
 _FINISH, _ARRIVAL = 0, 1  # event kinds: finishes sort first at equal times
@@ -126,8 +127,8 @@ class FleetSim:
         self.ids = [f"w{i}" for i in range(workers)]
         self.index = {wid: i for i, wid in enumerate(self.ids)}
         self.capacity = cost.cache_tokens
-        # The columns the policy reads, updated in place as loads change (router/policy.py
-        # FleetView): the policy's cost per decision, not the cost of rebuilding views.
+        # The columns the policy reads, updated in place as loads change (a FleetView,
+        # router/policy/base.py): the policy's cost per decision, not the cost of rebuilding views.
         self.views = FleetView(self.ids, capacities=(cost.cache_tokens,) * workers)
         self._heap: list[tuple[float, int, int, Job]] = []
         self._seq = 0
@@ -147,8 +148,18 @@ class FleetSim:
         out = output_tokens(self._rids, req.out_len)
         return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session)
 
-    def _refresh(self, i: int) -> None:
-        self.views.loads[i] = self.workers[i].load
+    def _refresh(self, i: int, now: float) -> None:
+        # A heartbeat at every change: loads for every policy, costs for cost_aware.
+        worker = self.workers[i]
+        self.views.loads[i] = worker.load
+        cost = worker.cost
+        self.policy.set_costs(
+            self.ids[i],
+            WorkerCosts(
+                worker.queued_prefill_tokens(now), cost.prefill_us_per_token,
+                cost.decode_ms_per_token, cost.max_running, worker.request_ms,
+            ),
+        )  # fmt: skip
 
     def _route(self, job: Job, now: float) -> None:
         request = RouteRequest(job.text)
@@ -163,7 +174,7 @@ class FleetSim:
             return
         for started in worker.submit(job, now):
             self._push(started.finish, _FINISH, started)
-        self._refresh(i)
+        self._refresh(i, now)
 
     def run(
         self, source: Iterator[SimRequest] | None = None, closed: ClosedLoop | None = None
@@ -199,7 +210,7 @@ class FleetSim:
             worker = self.workers[job.worker]
             for started in worker.complete(job, now):
                 self._push(started.finish, _FINISH, started)
-            self._refresh(job.worker)
+            self._refresh(job.worker, now)
             self._done.append(job)
             if job.session >= 0 and closed is not None:
                 sessions[job.session].on_reply(None, reply_text(job.rid, len(job.out_tokens)))  # type: ignore[arg-type]

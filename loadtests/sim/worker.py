@@ -15,6 +15,7 @@ the clock passed in instead of `asyncio.sleep`:
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,11 +72,24 @@ class SimWorker:
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        # What its heartbeat would report to cost_aware: prompt tokens waiting, plus the
+        # uncached tokens of running jobs still in prefill (a heap of their prefill ends).
+        self._waiting_tokens = 0
+        self._prefilling: list[tuple[float, int]] = []
+        self._prefilling_tokens = 0
+        self.request_ms = 0.0  # how long an admitted job holds its seat: moving mean, as
+        # worker/backends/sim.py reports it
 
     @property
     def load(self) -> int:
         """What the router sees: requests in flight to this worker (running + queued)."""
         return self.running + len(self.waiting)
+
+    def queued_prefill_tokens(self, now: float) -> int:
+        heap = self._prefilling
+        while heap and heap[0][0] <= now:
+            self._prefilling_tokens -= heapq.heappop(heap)[1]
+        return self._waiting_tokens + self._prefilling_tokens
 
     def fits(self, job: Job) -> bool:
         return len(job.tokens) + len(job.out_tokens) <= self.cost.cache_tokens
@@ -85,6 +99,7 @@ class SimWorker:
         job.worker = self.index
         self.requests += 1
         self.waiting.append(job)
+        self._waiting_tokens += len(job.tokens)
         return self._admit(now)
 
     def complete(self, job: Job, now: float) -> list[Job]:
@@ -96,6 +111,7 @@ class SimWorker:
         self.cache.unlock(job._node)  # type: ignore[arg-type]
         job._slots = job._slots[:0]
         self.running -= 1
+        self.request_ms += 0.1 * ((now - job.admitted) * 1e3 - self.request_ms)
         return self._admit(now)
 
     def _admit(self, now: float) -> list[Job]:
@@ -107,7 +123,11 @@ class SimWorker:
                 break  # head-of-line waits for KV; the next completion retries
             self.waiting.popleft()
             self.running += 1
-            prefill = cost.prefill_us_per_token * (len(job.tokens) - job.cached) / 1e6
+            uncached = len(job.tokens) - job.cached
+            prefill = cost.prefill_us_per_token * uncached / 1e6
+            self._waiting_tokens -= len(job.tokens)
+            heapq.heappush(self._prefilling, (now + prefill, uncached))
+            self._prefilling_tokens += uncached
             step = cost.decode_ms_per_token / 1e3
             job.admitted = now
             job.first_token = now + prefill + step

@@ -18,17 +18,9 @@ from dataclasses import dataclass, field
 import pytest
 from openai import OpenAI
 
-from loadtests.harness import (
-    START_TIMEOUT_S,
-    Child,
-    E2EFleet,
-    WorkerSpec,
-    http_json,
-    sim_fleet,
-    wait_health,
-    wait_until,
-)
+from loadtests.fleet import START_TIMEOUT_S, BenchFleet, Child, WorkerSpec, sim_fleet, wait_health
 from loadtests.workloads import words
+from shared.procs import http_json, wait_until
 from shared.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -43,6 +35,7 @@ class Replica:
     """One router process; `restart` keeps its port, as a restarted pod behind a Service."""
 
     child: Child
+    fleet: BenchFleet  # stops the replica's process with its own
     client: OpenAI | None = None
 
     def openai(self) -> OpenAI:
@@ -75,11 +68,11 @@ class Replica:
     def restart(self) -> None:
         self.child.stop(grace_s=5)
         old = self.child
-        self.child = Child(old.name, old.args, old.url, old.log, old.env).start()
+        self.child = self.fleet.adopt(old.fresh().start())
         wait_health(self.child)
 
 
-def start_replica(fleet: E2EFleet, name: str, settings: dict[str, object]) -> Replica:
+def start_replica(fleet: BenchFleet, name: str, settings: dict[str, object]) -> Replica:
     assert fleet.redis is not None
     port = free_port()
     args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), "--policy",
@@ -88,7 +81,7 @@ def start_replica(fleet: E2EFleet, name: str, settings: dict[str, object]) -> Re
     env = {f"RADIX_ROUTER_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
            for k, v in base.items()}  # fmt: skip
     child = Child(name, args, f"http://127.0.0.1:{port}", fleet.log_dir / f"{name}.log", env)
-    replica = Replica(child.start())
+    replica = Replica(fleet.adopt(child.start()), fleet)
     wait_until(lambda: replica.routable() == WORKERS, START_TIMEOUT_S, replica.child)
     return replica
 
@@ -131,11 +124,11 @@ class Conversation:
 
 
 @pytest.fixture
-def fleet() -> Iterator[E2EFleet]:
+def fleet() -> Iterator[BenchFleet]:
     # No decode cost: requests are sequential here, load never tips the rule.
     fleet = sim_fleet(WORKERS, WorkerSpec(decode_ms=0.0, heartbeat_s=0.2))
     yield fleet
-    fleet.close()
+    fleet.close()  # the replicas too: each was adopted by the fleet
 
 
 def model_of(replica: Replica) -> str:
@@ -164,7 +157,7 @@ def rounds(
             converge(replicas[0], replicas[1])
 
 
-def test_alternating_turns_stay_on_one_worker_with_sync(fleet: E2EFleet) -> None:
+def test_alternating_turns_stay_on_one_worker_with_sync(fleet: BenchFleet) -> None:
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
     rounds(convs, [a, b], range(4), model_of(a), barrier=True)
@@ -177,7 +170,7 @@ def test_alternating_turns_stay_on_one_worker_with_sync(fleet: E2EFleet) -> None
           f"{sum(c.stayed for c in convs)}/{3 * len(convs)}")  # fmt: skip
 
 
-def test_without_sync_alternating_turns_lose_their_worker(fleet: E2EFleet) -> None:
+def test_without_sync_alternating_turns_lose_their_worker(fleet: BenchFleet) -> None:
     off = {"sync": False}
     a, b = start_replica(fleet, "router-a", off), start_replica(fleet, "router-b", off)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
@@ -193,7 +186,7 @@ def test_without_sync_alternating_turns_lose_their_worker(fleet: E2EFleet) -> No
     assert stayed <= 3 * len(convs) - 4, [c.workers for c in convs]
 
 
-def test_restarted_replica_recovers_affinity_from_the_stream(fleet: E2EFleet) -> None:
+def test_restarted_replica_recovers_affinity_from_the_stream(fleet: BenchFleet) -> None:
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     model = model_of(a)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
@@ -208,7 +201,7 @@ def test_restarted_replica_recovers_affinity_from_the_stream(fleet: E2EFleet) ->
         assert conv.reasons[-1] == "cache_hit"
 
 
-def test_redis_loss_degrades_per_replica_and_sync_resumes(fleet: E2EFleet) -> None:
+def test_redis_loss_degrades_per_replica_and_sync_resumes(fleet: BenchFleet) -> None:
     assert fleet.redis is not None
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     model = model_of(a)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
@@ -13,9 +11,11 @@ from aiohttp.test_utils import TestServer
 
 from router.app import create_app
 from router.state import FLEET, POLICY
+from router.workers import LoadGuard
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from tests.router.processes import Proc, start_sim_worker
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +40,7 @@ async def router(fleet_procs: tuple[RedisServer, list[Proc]]) -> AsyncIterator[T
     config = RouterConfig(redis_url=redis.url, discovery_interval=0.1, host="127.0.0.1")
     server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)
     await server.start_server()
-    deadline = time.monotonic() + 10
-    while len(server.app[FLEET].workers) < len(workers):
-        assert time.monotonic() < deadline, "workers not discovered"
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: len(server.app[FLEET].workers) == len(workers), timeout=10)
     yield server
     await server.close()
 
@@ -112,7 +109,7 @@ async def test_imbalance_sends_to_the_least_loaded(router: TestServer) -> None:
     fleet = router.app[FLEET]
     other = next(w for w in fleet.workers if w != home)
     # Pretend 100 requests are in flight to `home` (beyond both balance thresholds).
-    fleet.workers[home].in_flight += 100
+    guards = [LoadGuard(fleet.workers[home]) for _ in range(100)]
     try:
         raw = await client.completions.with_raw_response.create(
             model="sim", prompt=prefix + "b", max_tokens=1
@@ -122,7 +119,8 @@ async def test_imbalance_sends_to_the_least_loaded(router: TestServer) -> None:
             and raw.headers["x-radix-route-reason"] == "balance"
         )
     finally:
-        fleet.workers[home].in_flight -= 100
+        for guard in guards:
+            guard.release()
     raw = await client.completions.with_raw_response.create(
         model="sim", prompt=prefix + "c", max_tokens=1
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from worker.engine.types import (
     GenerateOutput,
     GenerateRequest,
 )
+
+REQUEST_MS_WEIGHT = 0.1  # moving mean of seat time: the last ~10 requests dominate
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class _Entry:
     seq: Sequence
     admitted: asyncio.Future[bool]  # True: admitted; False: aborted while waiting
     aborted: bool = False
+    prefilled: bool = False
+    admitted_at: float = 0.0
 
 
 class SimEngine(ChatPrompts):
@@ -79,6 +84,7 @@ class SimEngine(ChatPrompts):
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.completion_tokens_total = 0
+        self.request_ms = 0.0  # how long an admitted request holds its seat: moving mean
 
     async def start(self) -> None:
         return None
@@ -148,6 +154,7 @@ class SimEngine(ChatPrompts):
                 return
             uncached = len(seq.prompt_ids) - seq.prefix_len
             await asyncio.sleep(self.config.prefill_us_per_token * uncached / 1e6)
+            entry.prefilled = True
             answer = answer_ids(self.tokenizer, seq.prompt_ids, seq.params.max_tokens)
             decode_s = self.config.decode_ms_per_token / 1e3
             for token_id in answer:
@@ -182,6 +189,7 @@ class SimEngine(ChatPrompts):
                 return  # head-of-line waits for KV; a finishing request calls _admit again
             self._waiting.popleft()
             self._running[entry.seq.request_id] = entry
+            entry.admitted_at = time.monotonic()
             entry.admitted.set_result(True)
 
     def _reserve(self, seq: Sequence) -> bool:
@@ -215,6 +223,8 @@ class SimEngine(ChatPrompts):
                 self._waiting.remove(entry)
             return
         self.completion_tokens_total += len(seq.output_ids)
+        held_ms = (time.monotonic() - entry.admitted_at) * 1e3
+        self.request_ms += REQUEST_MS_WEIGHT * (held_ms - self.request_ms)
         # Prompt + output go into the tree (it frees what it already held); the reserved
         # but unused output slots go back to the allocator.
         n = seq.num_tokens
@@ -242,7 +252,21 @@ class SimEngine(ChatPrompts):
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             completion_tokens_total=self.completion_tokens_total,
+            queued_prefill_tokens=self._queued_prefill_tokens(),
+            prefill_us_per_token=self.config.prefill_us_per_token,  # the cost model, exact
+            decode_ms_per_token=self.config.decode_ms_per_token,
+            max_running_requests=self.config.max_running_requests,
+            request_ms=self.request_ms,
         )
+
+    def _queued_prefill_tokens(self) -> int:
+        waiting = sum(len(e.seq.prompt_ids) for e in self._waiting)
+        running = sum(
+            len(e.seq.prompt_ids) - e.seq.prefix_len
+            for e in self._running.values()
+            if not e.prefilled
+        )
+        return waiting + running
 
     def check_integrity(self) -> None:
         """Free + cached + held by running requests == every slot, each exactly once."""

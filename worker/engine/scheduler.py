@@ -28,6 +28,7 @@ readmitted, recompute whatever the tree no longer holds.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -102,6 +103,8 @@ class Scheduler:
             and self._admit(self.waiting[0])
         ):
             seq = self.waiting.popleft()
+            if seq.admitted is None:
+                seq.admitted = time.monotonic()
             self.running.append(seq)
             budget -= self._add_chunk(out, seq, budget)
         return out

@@ -8,6 +8,7 @@ is explained once, in the table at the top of `scheduler.py`.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,9 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
+    # Monotonic times: queued, and first admitted by the scheduler (queue-time metric).
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
 
     # --- KV state (owned by the scheduler) ---
     # One slot per token of all_ids[:len(slots)]; see the table in scheduler.py.
@@ -115,6 +119,7 @@ class Sequence:
             completion_tokens=len(self.output_ids),
             finished=self.finish_reason is not None,
             finish_reason=self.finish_reason,
+            queue_seconds=None if self.admitted is None else self.admitted - self.arrived,
         )
 
     def _cut_at_stop_string(self) -> bool:

@@ -78,6 +78,8 @@ class GenerateOutput:
     completion_tokens: int
     finished: bool = False
     finish_reason: FinishReason | None = None
+    # Seconds the request waited before the scheduler admitted it (None until admitted).
+    queue_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,16 @@ class EngineStats:
     prompt_tokens_total: int
     cached_tokens_total: int
     completion_tokens_total: int
+    # For the router's cost_aware policy (predicted time to first token): prompt tokens
+    # queued or still prefilling (a waiting request's whole prompt: its cache hit is only
+    # known at admission) and what a prefill token / a decode step costs. 0.0: unknown.
+    queued_prefill_tokens: int = 0
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    # Seats: requests it runs at once (more wait for one), and how long an admitted
+    # request holds its seat (a recent mean, ms). 0: unknown.
+    max_running_requests: int = 0
+    request_ms: float = 0.0
 
 
 class Engine(Protocol):
