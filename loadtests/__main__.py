@@ -64,17 +64,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    from loadtests.options import HelpFormatter
+
     try:
         if hasattr(module, "add_arguments"):
             doc = module.__doc__ or text
             parser = argparse.ArgumentParser(
-                prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+                prog=prog, description=doc, formatter_class=HelpFormatter
             )
             module.add_arguments(parser)
             return int(module.main(parser.parse_args(rest)) or 0)
         # A benchmark with its own parser: it names itself after sys.argv[0].
-        sys.argv = [prog, *rest]
-        return int(module.main(rest) or 0)
+        saved, sys.argv = sys.argv, [prog, *rest]
+        try:
+            return int(module.main(rest) or 0)
+        finally:
+            sys.argv = saved
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from loadtests.options import HelpFormatter
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tiny_model import PRESETS, make_tiny_model
@@ -123,7 +124,9 @@ def bench_decode(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3, help="TTFT runs (median)")
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--device", default="cpu")

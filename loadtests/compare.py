@@ -17,9 +17,12 @@ prompt over every worker makes each worker evict what it will need next; prefill
 (100 µs per uncached token) is most of a request's time to first token, as on GPUs
 with long prompts; and the imbalance gap is half a worker's batch (4 of 8), the scale
 at which cache-aware routing still spreads load over a 4-worker fleet
-(loadtests/results/policies.md). With a cache larger than the whole workload, or a
-decode-bound workload, every policy ends up with the same hits and the comparison
-shows only noise.
+(loadtests/results/policies.md); 8 users, two per worker, so that load stays even and
+the imbalance rule seldom overrides the cache (with 16 users on a loaded 2-core machine
+the load reports swung, and cache-aware's hit rate varied from 0.25 to 0.54 between
+runs). With a cache larger than the whole workload, or a decode-bound workload, every
+policy ends up with the same hits and the comparison shows only noise. Measured with
+these defaults: loadtests/results/policies.md, "The defaults".
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ POLICIES: dict[str, RouterSpec] = {
 DEFAULT_POLICIES = ("cache_aware (fleet)", "round_robin", "least_load")
 # The workload defaults of `compare` (see the module docstring for why these).
 WORKLOAD_DEFAULTS = {
-    "groups": 8, "prompts_per_group": 12, "system_len": 512, "question_len": 24,
+    "groups": 8, "prompts_per_group": 16, "system_len": 512, "question_len": 24,
     "output_len": 16,
 }  # fmt: skip
 
@@ -181,7 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a RouterConfig key for every router (repeatable; default: "
         "balance_abs_threshold=half of --max-running)",
     )  # fmt: skip
-    p.add_argument("--users", type=int, default=16, help=f"concurrent simulated users {d}")
+    p.add_argument("--users", type=int, default=8, help=f"concurrent simulated users {d}")
     p.add_argument(
         "--run-time",
         default=None,

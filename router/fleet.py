@@ -202,7 +202,10 @@ class Fleet:
             worker.actual_cached_tokens_total += cached_tokens
 
     def failed(self, attempt: Attempt, kind: FailureKind, now: float) -> None:
-        """The try failed (see `FailureKind`); every kind counts against the breaker."""
+        """The try failed (see `FailureKind`). A busy worker is alive: BUSY counts toward no
+        breaker (a worker's 503 "overloaded" used to), every other kind does."""
+        if kind is FailureKind.BUSY:
+            return
         worker, breaker = attempt.worker, attempt.worker.breaker
         worker.failures_total += 1
         before = (breaker.opened_at, breaker.probing)

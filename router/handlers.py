@@ -14,8 +14,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router import dashboard
-from router.proxy import Routed, worker_authorization
+from router.proxy import Routed
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from router.upstream import worker_authorization
 from router.workers import Worker
 from shared.body import read_json
 from shared.errors import APIError

@@ -403,9 +403,13 @@ def test_the_table_keeps_the_books_of_every_attempt() -> None:
         assert (w1.in_flight, w1.requests_total, fleet.view(0.0).loads) == (1, 1, [1])
         fleet.succeeded(attempt, predicted_tokens=4.0, cached_tokens=3)
     assert (w1.in_flight, w1.predicted_tokens_total, w1.actual_cached_tokens_total) == (0, 4, 3)
-    for kind in (FailureKind.CONNECT, FailureKind.BUSY):  # every kind counts alike today
+    # A busy worker is alive: BUSY counts toward no breaker; the other kinds do.
+    for kind in (FailureKind.BUSY, FailureKind.CONNECT, FailureKind.BUSY):
         with fleet.attempt(w1, 1.0) as attempt:
             fleet.failed(attempt, kind, 1.0)
+    assert w1.failures_total == 1 and w1.breaker.state(1.0) == "closed"
+    with fleet.attempt(w1, 1.0) as attempt:
+        fleet.failed(attempt, FailureKind.UPSTREAM_5XX, 1.0)
     assert w1.failures_total == 2 and w1.breaker.state(1.0) == "open"
     assert fleet.view(1.0).ids == ()
     # Metrics only read the table: one count per failure, not a second one of their own.
