@@ -29,8 +29,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tree": ("loadtests.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
     "policy-cost": ("loadtests.bench_policy", "CPU per routing decision as the fleet grows"),
     "router-overhead": ("loadtests.bench_router_overhead", "the router vs going direct"),
+    "router-wrk": ("loadtests.bench_router_wrk", "wrk through 1 and N router processes, TTFT"),
     "router-fleet-size": ("loadtests.bench_router_fleet_size", "router CPU vs fleet size"),
     "worker-http": ("loadtests.bench_worker_http", "the worker's HTTP layer vs in process"),
+    "model-fusions": ("loadtests.bench_model_fusions", "merged projections, in-place RoPE (CPU)"),
+    # Imports only torch, numpy, transformers and the engine (no pydantic or redis).
+    "gpu-check": ("loadtests.gpu_check", "the engine on a GPU: correctness, kernels, roofline"),
 }
 
 
@@ -61,17 +65,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    from loadtests.options import HelpFormatter
+
     try:
         if hasattr(module, "add_arguments"):
             doc = module.__doc__ or text
             parser = argparse.ArgumentParser(
-                prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+                prog=prog, description=doc, formatter_class=HelpFormatter
             )
             module.add_arguments(parser)
             return int(module.main(parser.parse_args(rest)) or 0)
         # A benchmark with its own parser: it names itself after sys.argv[0].
-        sys.argv = [prog, *rest]
-        return int(module.main(rest) or 0)
+        saved, sys.argv = sys.argv, [prog, *rest]
+        try:
+            return int(module.main(rest) or 0)
+        finally:
+            sys.argv = saved
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

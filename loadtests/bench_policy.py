@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loadtests.options import HelpFormatter
 from router.policy import build_policy
 from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
@@ -133,7 +134,7 @@ def views_cost_us(n: int, repeats: int = 200) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     ap.add_argument("--workers", default="8,64,256,1000")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--requests", type=int, default=2000, help="timed requests per run")

@@ -33,6 +33,7 @@ from types import ModuleType
 
 import numpy as np
 
+from loadtests.options import HelpFormatter
 from worker.engine.allocator import SlotAllocator
 from worker.engine.radix_cache import NoCache, RadixCache
 
@@ -156,9 +157,7 @@ def sglang_factory() -> Callable[[SlotAllocator], object] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--trace-module", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--n-requests", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--page-size", type=int, default=None, help="override the trace's page_size")

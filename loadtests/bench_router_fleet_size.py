@@ -29,11 +29,12 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
+from loadtests.bench_router_overhead import cpu_seconds, pct
+from loadtests.options import HelpFormatter
+from shared.procs import answers_health, wait_until
+from shared.redis_server import free_port
 
-from loadtests.bench_router_overhead import cpu_seconds, pct  # noqa: E402
-from shared.procs import answers_health, wait_until  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEMS = [f"System prompt {k}: you are a careful assistant. " * 30 for k in range(8)]
 
@@ -130,7 +131,9 @@ def run_router(tree: Path, config: Path, concurrency: int, seconds: float) -> di
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--sizes", default="1,64,256,1000")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--concurrency", type=int, default=16)

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
+from loadtests.options import HelpFormatter
+from shared.procs import answers_health, wait_until
+from shared.redis_server import free_port
 
-from shared.procs import answers_health, wait_until  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEM = "You are a helpful assistant. Answer briefly. " * 40
 
@@ -144,7 +145,9 @@ async def bench(args: argparse.Namespace, direct: str, routed: str, pids: dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=8.0)

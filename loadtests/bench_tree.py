@@ -43,6 +43,7 @@ from typing import Protocol
 
 import pygtrie
 
+from loadtests.options import HelpFormatter
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
 from router.tree import PrefixTree
@@ -204,7 +205,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--groups", type=int, default=64)

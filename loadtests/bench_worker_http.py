@@ -25,12 +25,13 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
+from loadtests.options import HelpFormatter
+from shared.config import WorkerConfig
+from shared.redis_server import free_port
+from worker.backends import build_engine
+from worker.engine.types import GenerateRequest, SamplingParams
 
-from shared.config import WorkerConfig  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
-from worker.backends import build_engine  # noqa: E402
-from worker.engine.types import GenerateRequest, SamplingParams  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def prompts(n: int) -> list[str]:
@@ -120,7 +121,9 @@ def row(name: str, n: int, elapsed: float, lat: list[float], base_rps: float | N
 
 
 async def _main(argv: list[str] | None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)

@@ -30,6 +30,7 @@ from typing import Any
 import redis as redis_sync
 
 from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.options import HelpFormatter
 from loadtests.traffic import Outcome, SteadyLoad, call, prompt, session
 from shared.procs import http_json
 from shared.redis_server import free_port
@@ -247,7 +248,9 @@ async def run(names: list[str], o: Options) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m loadtests faults", description=__doc__.split("\n")[0]
+        prog="python -m loadtests faults",
+        description=__doc__.split("\n")[0],
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=64)

@@ -7,6 +7,7 @@ and `python -m loadtests simulate`: a field `prompts_per_group` is `--prompts-pe
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,30 @@ HELP: dict[str, str] = {
     "max_output": "mooncake: cap on each request's output, in tokens",
     "loop": "start over when the requests run out (implied by a --run-time)",
 }
+
+
+def _shown(default: object) -> bool:
+    # `is`, not `in`: 0 == False, and a default of 0 is worth showing.
+    return not any(default is x for x in (None, False, argparse.SUPPRESS)) and default != ""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's --help: the description as written, and each option's default
+    after its help unless the help already names it (switches and unset ones excepted)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and _shown(action.default):
+            action = copy.copy(action)  # argparse prints nothing for an option without help
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or "%(" in text or not action.option_strings:
+            return text
+        if not _shown(action.default):
+            return text
+        return f"{text} (default: %(default)s)".strip()
 
 
 def _flag(name: str) -> str:

@@ -32,7 +32,7 @@ import aiohttp
 from redis.asyncio import Redis
 
 from loadtests.fleet import BenchFleet, Child, FleetSpec
-from loadtests.options import WorkloadOptions
+from loadtests.options import HelpFormatter, WorkloadOptions
 from loadtests.sse import SSEParser
 from loadtests.workloads import LLMRequest, Workload
 from shared.registry import Registry
@@ -225,7 +225,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--replicas", default="1,2,3", help="comma-separated replica counts")
     p.add_argument("--workloads", default="multi_turn,shared_prefix")
     p.add_argument("--workers", type=int, default=4)

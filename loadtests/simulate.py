@@ -136,12 +136,18 @@ def _floats(s: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", default="8,64", help="fleet sizes, comma-separated")
-    p.add_argument("--policies", default="cache_aware,round_robin,least_load")
-    p.add_argument("--cache-tokens", type=int, default=16_384, help="KV capacity per worker")
-    p.add_argument("--prefill-us", type=float, default=30.0)
-    p.add_argument("--decode-ms", type=float, default=3.0)
-    p.add_argument("--max-running", type=int, default=8)
+    p.add_argument("--workers", default="8,64", help="fleet sizes to simulate, comma-separated")
+    p.add_argument(
+        "--policies", default="cache_aware,round_robin,least_load", help="comma-separated"
+    )
+    p.add_argument(
+        "--cache-tokens", type=int, default=16_384, help="KV capacity per worker, in tokens"
+    )
+    p.add_argument(
+        "--prefill-us", type=float, default=30.0, help="prefill cost, µs per uncached token"
+    )
+    p.add_argument("--decode-ms", type=float, default=3.0, help="decode cost, ms per output token")
+    p.add_argument("--max-running", type=int, default=8, help="requests a worker runs at once")
     p.add_argument(
         "--workers-per-copy", type=int, default=8, help="mooncake: workers per trace copy"
     )
@@ -149,9 +155,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate-per-worker", type=float, default=4.0, help="shared_prefix/rag: req/s per worker"
     )
     p.add_argument("--users-per-worker", type=int, default=4, help="multi_turn: users per worker")
-    p.add_argument("--cache-threshold", type=float, default=0.3)
+    p.add_argument(
+        "--cache-threshold", type=float, default=0.3, help="cache_aware: match rate to follow"
+    )
     p.add_argument("--balance-abs", default="64", help="balance_abs_threshold (sweep: several)")
-    p.add_argument("--balance-rel", type=float, default=1.5)
+    p.add_argument(
+        "--balance-rel", type=float, default=1.5, help="balance_rel_threshold (max/min load)"
+    )
     p.add_argument(
         "--balance-mode", default="fleet", help="fleet or per_request; a comma list sweeps both"
     )
@@ -163,10 +173,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep-at", type=int, default=0, help="fleet size of the threshold sweep (0: none)"
     )
-    p.add_argument("--thresholds", default="0.1,0.3,0.5,0.7")
-    p.add_argument("--sim-seed", type=int, default=0)
+    p.add_argument("--thresholds", default="0.1,0.3,0.5,0.7", help="sweep: cache_threshold values")
+    p.add_argument("--sim-seed", type=int, default=0, help="seed of the simulation's tie-breaks")
     p.add_argument("--no-memory", action="store_true", help="skip measuring policy memory")
-    p.add_argument("--out", type=Path, default=Path("loadtests/out/sim"))
+    p.add_argument(
+        "--out", type=Path, default=Path("loadtests/out/sim"), help="folder for simulation.json"
+    )
     p.add_argument("--plots", type=Path, default=None, help="folder for PNGs (default: OUT)")
     add_workload_arguments(p)
 

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from tests.waiting import wait_until
 from tests.worker.conftest import sim_config
 from worker.app import create_app
 from worker.backends import build_engine
@@ -257,10 +258,7 @@ async def test_queue_full_is_503(aiohttp_client: MakeClient) -> None:
     body = {"prompt": "hold", "max_tokens": 200}
     first = asyncio.create_task(client.post("/v1/completions", json=body))
     second = asyncio.create_task(client.post("/v1/completions", json=body))
-    for _ in range(200):
-        if engine_of(client).stats().waiting == 1:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: engine_of(client).stats().waiting == 1)
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 503 and assert_error_shape(await resp.json())["code"] == "overloaded"
     for task in (first, second):
