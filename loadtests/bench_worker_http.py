@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from shared.config import WorkerConfig  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 from worker.backends import build_engine  # noqa: E402
-from worker.engine.types import GenerateRequest, SamplingParams  # noqa: E402
+from worker.engine.types import EngineRequest, SamplingParams  # noqa: E402
 
 
 def prompts(n: int) -> list[str]:
@@ -68,7 +68,7 @@ async def in_process(
     await engine.start()
 
     async def one(i: int, prompt: str) -> None:
-        req = GenerateRequest(f"r{i}", prompt=prompt, params=SamplingParams(max_tokens=max_tokens))
+        req = EngineRequest(f"r{i}", prompt=prompt, params=SamplingParams(max_tokens=max_tokens))
         async for _ in engine.generate(req):
             pass
 

@@ -52,6 +52,9 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--device", "device", str, "auto, cpu, cuda, cuda:N"),
     ("--dtype", "dtype", str, "auto, float32, bfloat16, float16"),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
+    ("--schedule-policy", "schedule_policy", str, "fcfs or lpm (longest cached prefix first)"),
+    ("--no-inflight-sharing", "share_inflight_prefixes", "false", "cache prefixes at finish only"),
+    ("--max-n", "max_n", int, "most choices (n) per request"),
     ("--sim-prefill-us-per-token", "sim_prefill_us_per_token", float, "sim: prefill cost"),
     ("--sim-decode-ms-per-token", "sim_decode_ms_per_token", float, "sim: decode cost"),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
@@ -76,8 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP")
     serve.add_argument("--config", help="YAML file of WorkerConfig keys")
     for flag, key, kind, text in _SERVE_FLAGS:
-        if kind is None:
-            serve.add_argument(flag, dest=key, action="store_const", const=True, help=text)
+        if kind is None or kind == "false":
+            const = kind is None
+            serve.add_argument(flag, dest=key, action="store_const", const=const, help=text)
         elif kind == "append":
             serve.add_argument(flag, dest=key, action="append", help=text)
         else:

@@ -25,8 +25,13 @@ from shared.protocol import (
     GenerateRequest,
     GenerateSamplingParams,
 )
-from worker.engine.types import EngineError, EngineOverloaded, GenerateOutput, SamplingParams
-from worker.engine.types import GenerateRequest as EngineRequest
+from worker.engine.types import (
+    EngineError,
+    EngineOverloaded,
+    EngineRequest,
+    GenerateOutput,
+    SamplingParams,
+)
 from worker.state import CONFIG, ENGINE, METRICS, STATE
 from worker.streaming import open_stream, send_done, send_event, send_events
 

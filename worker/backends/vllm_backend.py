@@ -25,10 +25,10 @@ from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import (
     EngineError,
     EngineOverloaded,
+    EngineRequest,
     EngineStats,
     FinishReason,
     GenerateOutput,
-    GenerateRequest,
     SamplingParams,
 )
 
@@ -90,7 +90,7 @@ class VllmEngine(ChatPrompts):
             self._llm.shutdown()
             self._llm = None
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateOutput]:
         if self._llm is None:
             raise EngineOverloaded("the engine is not running")
         params = request.params

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from worker.engine.types import EngineError, GenerateRequest
+from worker.engine.types import EngineError, EngineRequest
 
 
 class PromptTokenizer(Protocol):
@@ -39,7 +39,7 @@ class ChatPrompts:
 
     tokenizer: PromptTokenizer
 
-    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+    def prompt_ids(self, request: EngineRequest) -> list[int]:
         """The request's prompt as token ids: text encoded, ids range-checked, never empty."""
         if request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)

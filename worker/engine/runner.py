@@ -15,12 +15,12 @@ already cached or prefilled. Only new tokens count in `tokens_computed`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from worker.engine.batch import SeqBatchItem
 from worker.engine.device import pick_device, pick_dtype
 from worker.engine.kv_pool import KVPool
 from worker.engine.model import DecodeGroup, ForwardContext, SeqSpan, prefix_causal_mask
@@ -32,11 +32,7 @@ from worker.engine.weights import load_model
 CPU_DEFAULT_KV_TOKENS = 131_072
 
 
-@dataclass
-class SeqBatchItem:
-    input_ids: list[int]  # the NEW tokens to run (uncached prompt chunk, or 1 sampled token)
-    start_pos: int  # tokens of this sequence that already have KV in the pool
-    slots: np.ndarray  # int64 slot of every token 0 .. start_pos + len(input_ids) - 1
+__all__ = ["CPU_DEFAULT_KV_TOKENS", "ModelRunner", "SeqBatchItem"]
 
 
 class ModelRunner:
@@ -95,6 +91,14 @@ class ModelRunner:
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
 
+    @property
+    def capacity(self) -> int:
+        """KV slots in the pool: the engine's allocator hands out [0, capacity)."""
+        return self.pool.capacity
+
+    def release(self, seq_id: int) -> None:
+        """The sequence left the running set; this runner keeps no state per sequence."""
+
     def _check(self, batch: list[SeqBatchItem]) -> None:
         """Bad items are caller bugs, but a clear error beats a CUDA index assert."""
         if not batch:
@@ -123,8 +127,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: list[SeqBatchItem]) -> torch.Tensor:
-        """fp32 logits [len(batch), vocab] of each item's last input token; writes the
-        K/V of every new token into its slot."""
+        """fp32 logits [sampled items, vocab] of the last input token of each item with
+        `sample` set, in batch order; writes the K/V of every new token into its slot."""
         self._check(batch)
         lengths = np.array([len(item.input_ids) for item in batch], dtype=np.int64)
         n_tokens = int(lengths.sum())
@@ -146,7 +150,8 @@ class ModelRunner:
         all_slots = dev_packed[3 * n_tokens :]
         ctx = self._context(batch, lengths, all_slots, new_slots)
         hidden = self.model(ids_t, pos_t, ctx)
-        last = torch.from_numpy(np.cumsum(lengths) - 1).to(self.device, non_blocking=True)
+        rows = (np.cumsum(lengths) - 1)[[item.sample for item in batch]]
+        last = torch.from_numpy(rows).to(self.device, non_blocking=True)
         self.tokens_computed += n_tokens
         return self.model.compute_logits(hidden[last])
 
