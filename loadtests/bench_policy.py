@@ -10,7 +10,7 @@ chars). Loads move the way a live fleet's do: before each request two random wor
 get a new load (0–16) and, one request in 50, one worker a spike (+100), so the
 imbalance rule fires now and then and hot prefixes replicate onto several workers.
 Each policy runs twice: on a list of ``WorkerView`` whose changed entries are
-replaced, and on a ``FleetView`` (router/policy.py: id/load/capacity columns the
+replaced, and on a ``FleetView`` (router/policy/base.py: id/load/capacity columns the
 caller updates in place, as the simulator does); updates are outside the timed region.
 
 Per request the timed region is exactly ``policy.select(...)``: CPU by
@@ -35,7 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from router.policy import FleetView, Policy, RouteRequest, WorkerView, build_policy
+from router.policy import build_policy
+from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
 
 VOCAB = [f"{a}{b}" for a in "bcdfghjklmnpqrstvwz" for b in ("a", "e", "i", "o", "u", "ay", "ee")]

@@ -47,7 +47,8 @@ import pygtrie
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from router.policy import RouteRequest, WorkerView, build_policy
+from router.policy import build_policy
+from router.policy.base import RouteRequest, WorkerView
 from router.tree import PrefixTree
 from shared.config import RouterConfig
 

@@ -78,6 +78,7 @@ class E2EFleet:
         self.workers: dict[str, Child] = {}
         self.router: Child | None = None
         self.router_headers: dict[str, str] = {}
+        self.others: list[Child] = []  # started by the caller, stopped with the fleet
 
     # -- workers --------------------------------------------------------------------
     def start_worker(
@@ -164,8 +165,16 @@ class E2EFleet:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def adopt(self, child: Child) -> Child:
+        """A process the caller started (e.g. another router replica) that this fleet
+        stops with its own."""
+        self.others.append(child)
+        return child
+
     def close_processes(self) -> None:
         """Stop every child and Redis; the logs stay readable until `close`."""
+        for child in self.others:
+            child.stop(grace_s=5)
         if self.router is not None:
             self.router.stop(grace_s=5)
         for child in self.workers.values():

@@ -26,6 +26,9 @@ class WorkloadOptions:
     system_len: int = 2048
     question_len: int = 128
     output_len: int = 256
+    # shared_prefix skew: 0 gives every group `prompts_per_group` questions; above 0 the
+    # same number of requests picks its group Zipf-like with this exponent (hot prefixes).
+    group_zipf: float = 0.0
     # multi_turn
     conversations: int = 64
     turns: int = 8

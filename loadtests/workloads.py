@@ -4,7 +4,8 @@ Four shapes, each the traffic whose speed depends on prefix reuse:
 
 - `shared_prefix` (SGLang's "generated shared prefix"): `groups` system prompts of
   `system_len` words, `prompts_per_group` questions of `question_len` words each,
-  all (group, question) pairs shuffled once by seed.
+  all (group, question) pairs shuffled once by seed; with `group_zipf` > 0 the groups
+  are drawn Zipf-like instead (a few hot prefixes).
 - `multi_turn`: `conversations` chats of `turns` turns; a user keeps its conversation
   and sends it back with the reply and a new question, so every turn extends the last.
 - `rag`: a pool of `docs` documents of `doc_len` words; each of `rag_requests`
@@ -179,6 +180,12 @@ class ConversationSession:
 def shared_prefix(o: WorkloadOptions) -> list[LLMRequest]:
     rng = random.Random(f"{o.seed}:shared_prefix")
     systems = [words(rng, o.system_len) for _ in range(o.groups)]
+    picks = [g for g in range(o.groups) for _ in range(o.prompts_per_group)]
+    if o.group_zipf > 0:  # hot prefixes: group g drawn with weight 1 / (g + 1)^zipf
+        weights = [1.0 / (g + 1) ** o.group_zipf for g in range(o.groups)]
+        picks = random.Random(f"{o.seed}:group_zipf").choices(
+            range(o.groups), weights, k=len(picks)
+        )
     reqs = [
         LLMRequest(
             max_tokens=o.output_len,
@@ -186,8 +193,7 @@ def shared_prefix(o: WorkloadOptions) -> list[LLMRequest]:
             session_id=f"group-{g}",
             tag=f"group-{g}",
         )
-        for g in range(o.groups)
-        for _ in range(o.prompts_per_group)
+        for g in picks
     ]
     rng.shuffle(reqs)
     return reqs

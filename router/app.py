@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
-from redis.asyncio import Redis
 
 from router import handlers
 from router.admission import Admission
@@ -25,7 +24,8 @@ from router.discovery import Discovery
 from router.fleet import Fleet
 from router.metrics import Metrics
 from router.openapi import build_openapi
-from router.policy import Policy, build_policy
+from router.policy import build_policy
+from router.policy.base import Policy
 from router.proxy import Proxy
 from router.ratelimit import make_rate_limit_middleware
 from router.state import (
@@ -39,11 +39,12 @@ from router.state import (
     POLICY,
     PROXY,
     SESSION,
+    SYNC,
 )
+from router.sync import DecisionSync, ReplicaSync
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import error_middleware
-from shared.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
     app[SESSION] = session
-    app[PROXY] = Proxy(config, app[FLEET], app[POLICY], session, app[METRICS], app[CLOCK])
+    app[PROXY] = Proxy(
+        config, app[FLEET], app[POLICY], session, app[METRICS], app[CLOCK], app[SYNC]
+    )
     yield
     await session.close()
 
@@ -80,23 +83,13 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = app[CONFIG]
-    if not (config.sync and config.redis_url):
+    sync = app[SYNC]
+    if sync is None:
         yield
         return
-    from router.sync import DecisionSync  # only replicas that share decisions need it
-
-    redis = Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-    fleet, policy = app[FLEET], app[POLICY]
-    sync = DecisionSync(
-        redis, Registry(redis, config.redis_prefix), config, policy.observe,
-        lambda: {wid: w.in_flight for wid, w in fleet.workers.items()}, app[CLOCK],
-    )  # fmt: skip
-    app[PROXY].attach_sync(sync.publish, sync.remote_inflight)
     await sync.start()
     yield
     await sync.stop()
-    await redis.aclose()
 
 
 def create_app(
@@ -104,11 +97,16 @@ def create_app(
     *,
     policy: Policy | None = None,
     clock: Callable[[], float] = time.monotonic,
+    sync: ReplicaSync | None = None,
 ) -> web.Application:
+    """The router. `sync` shares decisions and load with other replicas; by default a
+    `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
     policy = policy if policy is not None else build_policy(config)
     fleet = Fleet(config, policy)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
+    if sync is None and config.sync and config.redis_url:
+        sync = DecisionSync.connect(config, policy.observe, fleet.in_flight_by_worker, clock)
     metrics = Metrics(fleet, clock)
     rate_limit = make_rate_limit_middleware(config, clock)
     app = web.Application(
@@ -123,6 +121,7 @@ def create_app(
     app[CLOCK] = clock
     app[POLICY] = policy
     app[FLEET] = fleet
+    app[SYNC] = sync
     app[METRICS] = metrics
     app[ADMISSION] = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
     app[OPENAPI] = build_openapi()

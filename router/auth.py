@@ -1,37 +1,44 @@
 """API keys: Bearer tokens for clients, a separate admin key for changing the fleet.
 
-Keys are compared in constant time, and against every configured key (no early exit),
-so the response time says nothing about how much of a key matched. Keys are never
-logged.
+Parsing and comparing keys is `shared/auth.py`, the same code the worker runs. Keys
+are never logged.
+
+The dashboard's two paths are where a browser navigates, and a browser cannot send a
+Bearer header: there the key is also taken as the password of HTTP Basic auth, and a
+refusal asks the browser to prompt for it (`WWW-Authenticate: Basic`).
 """
 
 from __future__ import annotations
 
-import hmac
+import base64
+import binascii
 
 from aiohttp import web
 
+from shared.auth import KeySet, unauthorized
+from shared.auth import bearer_token as _bearer_token
 from shared.config import RouterConfig
 from shared.errors import APIError, Handler
 
 OPEN_PATHS = frozenset({"/openapi.json"})
-OBSERVABILITY_PATHS = frozenset({"/health", "/metrics"})
+OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard.json"})
+BROWSER_PATHS = frozenset({"/dashboard", "/dashboard.json"})
 
 
 def bearer_token(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    return _bearer_token(request.headers)
 
 
-def key_matches(token: str | None, keys: tuple[str, ...]) -> bool:
-    if token is None:
-        return False
-    given = token.encode()
-    found = False
-    for key in keys:
-        found |= hmac.compare_digest(given, key.encode())
-    return found
+def basic_password(request: web.Request) -> str | None:
+    """The password of `Authorization: Basic base64(user:password)` (the user is ignored)."""
+    scheme, _, encoded = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeError):
+        return None
+    return decoded.partition(":")[2] or None
 
 
 def is_admin_request(request: web.Request) -> bool:
@@ -45,7 +52,8 @@ def is_admin_request(request: web.Request) -> bool:
 
 
 def make_auth_middleware(config: RouterConfig) -> web.middleware:
-    admin_keys = (config.admin_key,) if config.admin_key else ()
+    admin_keys = KeySet((config.admin_key,) if config.admin_key else ())
+    client_keys = KeySet(config.api_keys + ((config.admin_key,) if config.admin_key else ()))
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -53,21 +61,22 @@ def make_auth_middleware(config: RouterConfig) -> web.middleware:
         if path in OPEN_PATHS or (path in OBSERVABILITY_PATHS and not config.protect_metrics):
             return await handler(request)
         token = bearer_token(request)
+        browser = path in BROWSER_PATHS
+        if token is None and browser:
+            token = basic_password(request)
         if is_admin_request(request):
             if not admin_keys:
                 raise APIError(
                     403, "the admin API is disabled: set admin_key", code="admin_disabled"
                 )
-            if not key_matches(token, admin_keys):
+            if not admin_keys.matches(token):
                 raise APIError(401, "a valid admin key is required", code="invalid_api_key")
             return await handler(request)
-        if config.api_keys and not key_matches(token, config.api_keys + admin_keys):
-            raise APIError(
-                401,
-                "a valid API key is required (Authorization: Bearer <key>)",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        if config.api_keys and not client_keys.matches(token):
+            refusal = unauthorized()
+            if browser:
+                refusal.headers["WWW-Authenticate"] = 'Basic realm="radix-router"'
+            raise refusal
         return await handler(request)
 
     return auth_middleware

@@ -1,50 +1,59 @@
-"""The router's table of workers: who they are, how loaded, whether they may be routed to.
+"""The router's table of workers, the columns it keeps for the policy, and its books.
 
 Workers come from three sources: the Redis registry (heartbeats), a static list
 (`worker_urls`), and the admin API. Only registry workers come and go with the
-registry; the other two stay until removed by hand.
+registry; the other two stay until removed by hand. What one worker's numbers mean
+(load, breaker states) is documented in `router/workers.py`.
 
-Load, as the policy sees it, is `max(in_flight + remote, running + waiting)`:
-requests this router (plus, with replica sync, the other replicas) has in flight to
-the worker, exact and instant (counted by `LoadGuard`), or the queue the worker last
-reported in its heartbeat, which includes every router's traffic but is up to one
-heartbeat stale. Taking the larger of the two counts no request twice (the reported
-queue already holds this router's requests) and still sees replicas without sync.
+The table keeps its own books: every write to a worker goes through a method here.
+The proxy asks (`attempt`, then `succeeded` or `failed(kind)`), metrics and handlers
+only read. That is what lets the policy's columns be kept between requests instead of
+rebuilt (building them is O(fleet) in Python, ~640 µs at 1,000 workers: twice the
+router's whole CPU budget). Each event costs only what it touches:
 
-Circuit breaker per worker:
+    event                                            cost
+    ───────────────────────────────────────────────  ──────────────────────────────────
+    an attempt starts or ends; heartbeat queue       one load written in place per view
+    replica sync replaces the remote in-flight map   the loads of the workers it moved
+    join, leave, draining, model, capacity;          `generation` += 1: the views are
+      a breaker opens, closes, starts/ends a probe     rebuilt by the next request
+    an open breaker's cooldown ends (time, no event) same, at the first request after it
 
-    closed ──(breaker_failures consecutive failures)──▶ open
-    open ──(breaker_cooldown elapsed)──▶ half-open: one probe request at a time
-    half-open ──probe succeeds──▶ closed      half-open ──probe fails──▶ open
-
-The policy reads the routable workers as columns kept current between requests
-(`router/routable.py`): every change that can move a worker in or out, or change its
-load or capacity, reaches that index. So the watched fields of `WorkerState` (model,
-draining, running, waiting, capacity, in_flight) are properties that notify it, and a
-breaker reports each change of its state.
+Invariant (tested against `routable` after every kind of event): ``view(now, model)``
+holds exactly ``routable(now, model=model)``, in table order, with loads
+``Worker.load_with(remote)`` and capacities ``cache_capacity_tokens``. A view for a
+model is the fleet's view when every worker serves that model (the common case);
+otherwise one view per served model is kept.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from router.routable import RoutableViews
-from router.worker_state import Breaker, BreakerState, LoadGuard, Source, WorkerState
-from router.worker_views import FleetView
+from router.policy.base import FleetView, WorkerCosts
+from router.workers import Breaker, FailureKind, LoadGuard, Source, Worker
 from shared.config import RouterConfig, check_worker_url
 from shared.registry import WorkerRecord
 
-__all__ = ["Breaker", "BreakerState", "Fleet", "LoadGuard", "Source", "WorkerState"]
+_ALL: str | None = None  # the view key of the whole routable fleet
 
 
 class PolicyHooks(Protocol):
-    """What the fleet tells the policy; `router.policy.Policy` satisfies it."""
+    """What the table tells the policy; `router.policy.base.Policy` satisfies it."""
 
     def remove_worker(self, worker_id: str) -> None: ...
 
-    def set_capacity(self, worker_id: str, cache_tokens: int) -> None: ...
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None: ...
+
+
+def costs_of(record: WorkerRecord) -> WorkerCosts:
+    return WorkerCosts(
+        record.queued_prefill_tokens, record.prefill_us_per_token, record.decode_ms_per_token,
+        record.max_running_requests, record.request_ms,
+    )  # fmt: skip
 
 
 def static_worker_id(url: str) -> str:
@@ -53,45 +62,64 @@ def static_worker_id(url: str) -> str:
     return f"{parts.hostname}:{parts.port}"
 
 
+class Attempt:
+    """One try of one request on one worker: holds its load from `Fleet.attempt` until
+    `release` (idempotent; also the `with` exit), and notes whether it is the breaker's
+    half-open probe, so a probe that ends without a verdict lets the next one through."""
+
+    __slots__ = ("_fleet", "guard", "probe", "worker")
+
+    def __init__(self, fleet: Fleet, worker: Worker, probe: bool) -> None:
+        self._fleet, self.worker, self.probe = fleet, worker, probe
+        self.guard = LoadGuard(worker)
+
+    def release(self) -> None:
+        self.guard.release()
+        if self.probe and self.worker.breaker.probing:
+            self.worker.breaker.abandon_probe()
+            self._fleet.generation += 1
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class Fleet:
-    """The worker table. Add and remove workers through its methods (never by editing
-    `workers` directly): they keep the routable views in step."""
+    """The worker table. `workers` is for reading; change it through the methods."""
 
     def __init__(self, config: RouterConfig, policy: PolicyHooks) -> None:
         self.config = config
         self.policy = policy
-        self.workers: dict[str, WorkerState] = {}
-        self._views = RoutableViews(self.workers)
+        self.workers: dict[str, Worker] = {}
+        # Bumped by every change of who is routable, a model or a capacity.
+        self.generation = 0
+        self._remote: Mapping[str, int] = {}
+        self._built = -1  # the generation the views were built at
+        # The membership holds for `now` in [valid_from, valid_until): until the earliest
+        # cooldown end of an open breaker (a transition no event announces).
+        self._valid_from, self._valid_until = math.inf, -math.inf
+        self._members: list[Worker] = []  # routable workers, table order
+        self._views: dict[str | None, FleetView] = {}
+        self._reported: tuple[int, frozenset[str]] = (-1, frozenset())
 
-    def _new(self, worker_id: str, url: str, source: Source) -> WorkerState:
-        index = self._views
-        breaker = Breaker(
-            self.config.breaker_failures, self.config.breaker_cooldown,
-            on_change=index.members_changed,
-        )  # fmt: skip
-        worker = WorkerState(worker_id=worker_id, url=url, source=source, breaker=breaker)
-        worker.listener = index
-        self.workers[worker_id] = worker
-        index.members_changed()
-        return worker
-
-    def add_url(self, url: str, source: Source, worker_id: str | None = None) -> WorkerState:
+    # -- membership --------------------------------------------------------------------
+    def add_url(self, url: str, source: Source, worker_id: str | None = None) -> Worker:
         url = check_worker_url(url)
         wid = worker_id or static_worker_id(url)
         worker = self.workers.get(wid)
         if worker is None:
-            worker = self._new(wid, url, source)
-        else:
-            worker.url, worker.source = url, source
+            return self._new(wid, url, source)
+        worker.url, worker.source = url, source
         return worker
 
     def remove(self, worker_id: str) -> bool:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return False
-        worker.listener = None
-        worker.breaker.on_change = None
-        self._views.members_changed()
+        worker.cells = []  # a request still in flight to it cannot touch the columns
+        self.generation += 1
         self.policy.remove_worker(worker_id)
         return True
 
@@ -101,7 +129,7 @@ class Fleet:
         """Bring registry-sourced workers in line with a full read of the registry.
 
         Returns (joined or restarted, left). A changed epoch means the worker restarted
-        with an empty cache, so its tree is dropped.
+        with an empty cache, so its tree is dropped and its breaker closed.
         """
         joined: list[str] = []
         for wid, record in records.items():
@@ -112,11 +140,10 @@ class Fleet:
             elif worker.epoch and worker.epoch != record.epoch:
                 self.policy.remove_worker(wid)
                 worker.breaker.record_success()  # a fresh process deserves a fresh chance
+                self.generation += 1
                 joined.append(wid)
-            capacity_changed = worker.cache_capacity_tokens != record.cache_capacity_tokens
-            worker.update(record)
-            if capacity_changed and record.cache_capacity_tokens:
-                self.policy.set_capacity(wid, record.cache_capacity_tokens)
+            self._report(worker, record)
+            self.policy.set_costs(wid, costs_of(record))
         if not drop_missing:
             return joined, []
         left = [
@@ -126,6 +153,66 @@ class Fleet:
             self.remove(wid)
         return joined, left
 
+    def set_model(self, worker: Worker, model: str) -> None:
+        """A model learnt by asking the worker (static and admin ones report none)."""
+        if model != worker.model:
+            worker.model = model
+            self.generation += 1
+
+    def _new(self, worker_id: str, url: str, source: Source) -> Worker:
+        breaker = Breaker(self.config.breaker_failures, self.config.breaker_cooldown)
+        worker = Worker(worker_id=worker_id, url=url, source=source, breaker=breaker)
+        worker.remote_in_flight = self._remote.get(worker_id, 0)
+        self.workers[worker_id] = worker
+        self.generation += 1
+        return worker
+
+    def _report(self, w: Worker, r: WorkerRecord) -> None:
+        if (r.model, r.draining, r.cache_capacity_tokens) != (
+            w.model, w.draining, w.cache_capacity_tokens,
+        ):  # fmt: skip
+            w.model, w.draining, w.cache_capacity_tokens = (
+                r.model, r.draining, r.cache_capacity_tokens,
+            )  # fmt: skip
+            self.generation += 1  # a view's capacities column is replaced, not edited
+        w.url, w.engine, w.epoch = r.url, r.engine, r.epoch
+        w.cache_used_tokens = r.cache_used_tokens
+        w.prompt_tokens_total, w.cached_tokens_total = r.prompt_tokens_total, r.cached_tokens_total
+        if (r.running, r.waiting) != (w.running, w.waiting):
+            w.running, w.waiting = r.running, r.waiting
+            w.publish_load()
+
+    # -- the books: what the proxy asks ------------------------------------------------
+    def attempt(self, worker: Worker, now: float) -> Attempt:
+        """Start one try on `worker` (chosen from `view`); release it when it ends."""
+        probe = worker.breaker.on_attempt(now)
+        if probe:
+            self.generation += 1  # a probing worker takes nothing else
+        return Attempt(self, worker, probe)
+
+    def succeeded(
+        self, attempt: Attempt, predicted_tokens: float = 0.0, cached_tokens: int | None = None
+    ) -> None:
+        """The worker answered; `cached_tokens` is what it reports having reused, against
+        `predicted_tokens` (the tree's guess) when known."""
+        worker, breaker = attempt.worker, attempt.worker.breaker
+        if breaker.opened_at is not None or breaker.probing:
+            self.generation += 1
+        breaker.record_success()
+        if cached_tokens is not None:
+            worker.predicted_tokens_total += predicted_tokens
+            worker.actual_cached_tokens_total += cached_tokens
+
+    def failed(self, attempt: Attempt, kind: FailureKind, now: float) -> None:
+        """The try failed (see `FailureKind`); every kind counts against the breaker."""
+        worker, breaker = attempt.worker, attempt.worker.breaker
+        worker.failures_total += 1
+        before = (breaker.opened_at, breaker.probing)
+        breaker.record_failure(now)
+        if (breaker.opened_at, breaker.probing) != before:
+            self.generation += 1
+
+    # -- reads -------------------------------------------------------------------------
     def view(
         self,
         now: float,
@@ -134,14 +221,39 @@ class Fleet:
         remote: Mapping[str, int] | None = None,
     ) -> FleetView:
         """What the policy reads: `routable(now, exclude, model)` as columns, with loads
-        `load_with(remote)`. Kept between requests; do not write to it."""
-        if remote is not None:
-            self._views.set_remote(remote)
-        return self._views.view(now, model, exclude)
+        `load_with(remote)`. Kept between requests; do not write to it.
+
+        `remote` is the other replicas' in-flight counts per worker; its provider replaces
+        the mapping when it changes, so the same object means nothing changed.
+        """
+        if remote is not None and remote is not self._remote:
+            self._set_remote(remote)
+        if self._built != self.generation or not self._valid_from <= now < self._valid_until:
+            self._rebuild(now)
+        key = self._key(model)
+        view = self._views.get(key)
+        if view is None:
+            # Kept: the whole fleet's view and one per reported model. A model nobody
+            # reports (the proxy refuses those anyway) gets a one-off, so clients cannot
+            # grow this table.
+            keep = key is _ALL or key in self._reported_models()
+            view = self._build(key, register=keep)
+            if keep:
+                self._views[key] = view
+        skip = set(exclude)
+        if not skip:
+            return view
+        # Retries only (rare): a one-off copy without the workers already tried.
+        keep_at = [i for i, wid in enumerate(view.ids) if wid not in skip]
+        return FleetView(
+            [view.ids[i] for i in keep_at],
+            [view.loads[i] for i in keep_at],
+            [view.capacities[i] for i in keep_at],
+        )
 
     def routable(
         self, now: float, exclude: Iterable[str] = (), model: str | None = None
-    ) -> list[WorkerState]:
+    ) -> list[Worker]:
         """The plain definition of who may take a request (`view` maintains the same)."""
         skip = set(exclude)
         return [
@@ -155,7 +267,7 @@ class Fleet:
 
     def knows_model(self, model: str) -> bool:
         """Whether some worker serves `model`; True too while no worker reports a model."""
-        reported = self._views.reported()
+        reported = self._reported_models()
         return (
             not reported
             or model in reported
@@ -163,7 +275,65 @@ class Fleet:
         )
 
     def models(self) -> list[str]:
-        return sorted(self._views.reported())
+        return sorted(self._reported_models())
 
-    def in_flight(self) -> int:
-        return sum(w.in_flight for w in self.workers.values())
+    def in_flight_by_worker(self) -> dict[str, int]:
+        """This router's requests in flight per worker (what replica sync shares)."""
+        return {wid: w.in_flight for wid, w in self.workers.items()}
+
+    # -- the kept columns --------------------------------------------------------------
+    def _reported_models(self) -> frozenset[str]:
+        """Every model some worker (routable or not) reports."""
+        at, models = self._reported
+        if at != self.generation:
+            models = frozenset(w.model for w in self.workers.values()) - {""}
+            self._reported = (self.generation, models)
+        return models
+
+    def _set_remote(self, remote: Mapping[str, int]) -> None:
+        old, self._remote = self._remote, remote
+        for wid in old.keys() | remote.keys():
+            count = remote.get(wid, 0)
+            worker = self.workers.get(wid)  # replicas may name workers we dropped
+            if worker is not None and count != worker.remote_in_flight:
+                worker.remote_in_flight = count
+                worker.publish_load()
+
+    def _key(self, model: str | None) -> str | None:
+        if model is None:
+            return _ALL
+        reported = self._reported_models()
+        # Workers that report no model serve any: with at most this one model reported,
+        # the model's view is the whole fleet's.
+        if not reported or (len(reported) == 1 and model in reported):
+            return _ALL
+        return model
+
+    def _rebuild(self, now: float) -> None:
+        members: list[Worker] = []
+        until = math.inf
+        for w in self.workers.values():
+            w.cells = []
+            breaker = w.breaker
+            if breaker.opened_at is not None:
+                end = breaker.half_open_at()
+                if now < end:
+                    until = min(until, end)
+            if not w.draining and breaker.allows(now):
+                members.append(w)
+        self._members = members
+        self._views = {}
+        self._built = self.generation
+        self._valid_from, self._valid_until = now, until
+
+    def _build(self, model: str | None, register: bool) -> FleetView:
+        members = self._members
+        if model is not None:
+            members = [w for w in members if not w.model or w.model == model]
+        ids = tuple(w.worker_id for w in members)
+        loads = [w.load_with(w.remote_in_flight) for w in members]
+        view = FleetView(ids, loads, tuple(w.cache_capacity_tokens for w in members))
+        if register:
+            for i, w in enumerate(members):
+                w.cells.append((loads, i))
+        return view

@@ -13,31 +13,23 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.fleet import WorkerState
-from router.proxy import Routed
+from router import dashboard
+from router.proxy import Routed, worker_authorization
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from router.workers import Worker
+from shared.body import read_json
 from shared.config import check_worker_url
-from shared.errors import APIError, parse_json_object
-from shared.errors import read_body as read_raw_body
+from shared.errors import APIError
+from shared.http import PROMETHEUS_TEXT
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
 
 
 async def read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
-    """The raw body (forwarded unchanged) and its parsed JSON object."""
-    limit = request.app[CONFIG].max_body_bytes
-    size = request.content_length
-    if size and size <= limit:
-        # Hot path: a declared, allowed length is read in one call (no chunk loop, no copy
-        # into a growing buffer); a body cut short is the client's error, not ours.
-        try:
-            raw = await request.content.readexactly(size)
-        except asyncio.IncompleteReadError:
-            raise APIError(400, "request body ended early", code="invalid_body") from None
-    else:
-        raw = await read_raw_body(request, limit)
-    return raw, parse_json_object(raw)
+    """The decoded body (what is forwarded) and its checked JSON object (shared/body.py)."""
+    config = request.app[CONFIG]
+    return await read_json(request, config.max_body_bytes, config.body_read_timeout)
 
 
 def _status_of(error: BaseException) -> int:
@@ -61,14 +53,16 @@ def _inference(endpoint: str, path: str) -> Any:
         start = clock()
         status = 499
         try:
+            # The body is read and checked before the request may take a slot: a client
+            # trickling its body holds no capacity (shared/body.py).
+            raw, data = await read_body(request)
+            text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
+            session_key = request.headers.get(app[CONFIG].session_header) or getattr(
+                parsed, "user", None
+            )
+            model = getattr(parsed, "model", None)
+            routed = Routed(endpoint, path, raw, text, session_key, model)
             async with app[ADMISSION].slot():
-                raw, data = await read_body(request)
-                text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
-                session_key = request.headers.get(app[CONFIG].session_header) or getattr(
-                    parsed, "user", None
-                )
-                model = getattr(parsed, "model", None)
-                routed = Routed(endpoint, path, raw, text, session_key, model)
                 response = await app[PROXY].forward(request, routed)
             status = response.status
             return response
@@ -87,15 +81,18 @@ completions = _inference("completions", "/v1/completions")
 generate = _inference("generate", "/generate")
 
 
-async def _probe_model(request: web.Request, worker: WorkerState) -> None:
+async def _probe_model(request: web.Request, worker: Worker) -> None:
     """Workers not from the registry (static, admin) report no model: ask them once."""
     try:
+        auth = worker_authorization(request.app[CONFIG])
         async with request.app[SESSION].get(
-            worker.url + "/v1/models", timeout=MODELS_PROBE_TIMEOUT_S
-        ) as r:
+            worker.url + "/v1/models", timeout=MODELS_PROBE_TIMEOUT_S, allow_redirects=False,
+            headers={"Authorization": auth} if auth else None,
+        ) as r:  # fmt: skip
             data = await r.json() if r.status == 200 else {}
         ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-        worker.model = next((i for i in ids if isinstance(i, str) and i), "")
+        model = next((i for i in ids if isinstance(i, str) and i), "")
+        request.app[FLEET].set_model(worker, model)
     except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
         return  # the worker stays without a model name; routing does not need one
 
@@ -124,9 +121,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
-    return web.Response(
-        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
 
 
 async def list_workers(request: web.Request) -> web.Response:
@@ -180,4 +175,6 @@ def routes() -> list[web.RouteDef]:
         web.post("/workers", add_worker),
         web.delete("/workers/{worker_id}", delete_worker),
         web.get("/openapi.json", openapi),
+        web.get(dashboard.PAGE_PATH, dashboard.page),
+        web.get(dashboard.DATA_PATH, dashboard.data),
     ]

@@ -4,7 +4,10 @@ Each worker and the router run in their own session (process group), so stopping
 kills whatever they spawned too: SIGTERM to every group (the router first, so it
 drains while workers still answer), a grace period, then SIGKILL. Redis is stopped
 last. Ctrl-C (SIGINT) and SIGTERM both lead there, also in the middle of starting.
-Child output goes to log files, named on screen, so the terminal shows only progress.
+Child output goes to log files in a temporary folder, so the terminal shows only
+progress; the folder is removed on exit unless `keep_logs` (then its path is printed).
+The router's port is checked before anything starts: a port another process holds
+would otherwise answer our health check and be announced as our router.
 
 The router never imports `worker`: workers are `python -m worker serve ...` and the
 tiny model is built by `python -m worker make-tiny-model DIR`.
@@ -12,7 +15,9 @@ tiny model is built by `python -m worker make-tiny-model DIR`.
 
 from __future__ import annotations
 
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from shared.procs import Child, free_port, wait_health
+from shared.procs import Child, free_port, http_json, wait_health
 from shared.redis_server import RedisServer
 
 STOP_GRACE_S = 10.0
@@ -32,7 +37,9 @@ RADIX_DEMO_CACHE_TOKENS = 32768
 @dataclass(frozen=True)
 class UpOptions:
     workers: int = 2
-    engine: str = "sim"
+    # radix by default: the real engine on the tiny model, so `up` serves the model name
+    # the README's snippets use (`tiny-model`); `sim` needs no torch.
+    engine: str = "radix"
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -44,6 +51,7 @@ class UpOptions:
     sim_decode_ms_per_token: float | None = None
     model_cache_dir: str | None = None
     start_timeout: float = 120.0
+    keep_logs: bool = False
 
 
 class StartError(RuntimeError):
@@ -56,7 +64,7 @@ class LocalFleet:
         self.out = out
         self.children: list[Child] = []
         self.redis: RedisServer | None = None
-        self.log_dir = Path(tempfile.mkdtemp(prefix="radix-up-"))
+        self.log_dir: Path | None = None
         self._stop = threading.Event()
 
     def say(self, text: str) -> None:
@@ -69,6 +77,8 @@ class LocalFleet:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         code = 0
         try:
+            check_port(self.options.host, self.options.port)
+            self.log_dir = Path(tempfile.mkdtemp(prefix="radix-up-"))
             self.start()
             self.say("Press Ctrl-C to stop.")
             code = self._watch()
@@ -77,9 +87,18 @@ class LocalFleet:
             code = 1
         finally:
             self.stop()
+            self._tidy_logs()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return code
+
+    def _tidy_logs(self) -> None:
+        if self.log_dir is None:
+            return
+        if self.options.keep_logs:
+            self.say(f"logs kept in {self.log_dir}")
+        else:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     # -- starting -------------------------------------------------------------------
     def start(self) -> None:
@@ -98,7 +117,7 @@ class LocalFleet:
         # The radix worker sizes its KV pool from free memory by default; on a laptop
         # CPU that is gigabytes for a demo, so `up` asks for a small pool unless told.
         cache_tokens = o.cache_tokens or (RADIX_DEMO_CACHE_TOKENS if o.engine == "radix" else None)
-        self.say(f"      logs in {self.log_dir}")
+        self.say(f"      logs in {self.log_dir}" + ("" if o.keep_logs else " (removed on exit)"))
         for i in range(o.workers):
             port = free_port()
             args = ["serve", "--engine", o.engine, "--host", o.host, "--port", str(port),
@@ -134,12 +153,31 @@ class LocalFleet:
         router = self._spawn(
             "router", "router", args, f"http://{o.host}:{port}", f"[{total}/{total}]", env=env
         )
+        self._banner(router.url)
+
+    def _banner(self, url: str) -> None:
+        o = self.options
+        try:
+            models = http_json(url + "/v1/models", timeout=5.0)[1]["data"]
+            model = models[0]["id"]
+        except (OSError, LookupError, TypeError):
+            model = "?"
+        if o.engine == "sim":
+            note = "the sim engine runs no model: replies are filler text, timed by a cost model"
+        elif o.model:
+            note = f"serving {o.model}"
+        else:
+            note = "the tiny model has random weights: its replies are random text (the caching is real)"
         self.say("")
-        self.say(f"Router ready at {router.url}")
-        self.say(f"  curl {router.url}/v1/completions -H 'Content-Type: application/json' \\")
-        self.say('    -d \'{"prompt": "Hello, radix!", "max_tokens": 16}\'')
-        self.say(f"  python -c \"import openai; c = openai.OpenAI(base_url='{router.url}/v1', api_key='x'); "
-                 "print(c.completions.create(model=c.models.list().data[0].id, prompt='Hi', max_tokens=8))\"")  # fmt: skip
+        self.say(f"Router ready at {url}  ({o.workers} {o.engine} workers, policy {o.policy})")
+        self.say(f"  model:     {model}  (the name to put in requests)")
+        self.say(f"  note:      {note}")
+        self.say(f"  dashboard: {url}/dashboard")
+        self.say("First request:")
+        self.say(f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\")
+        self.say(f'    -d \'{{"model": "{model}", "prompt": "Hello, radix!", "max_tokens": 16}}\'')
+        self.say(f"  python -c \"import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='x'); "
+                 f"print(c.completions.create(model='{model}', prompt='Hi', max_tokens=8))\"")  # fmt: skip
 
     def _model_path(self) -> str | None:
         o = self.options
@@ -169,6 +207,7 @@ class LocalFleet:
             raise StartError("interrupted")
         # Own session (shared.procs.Child): the group can be signalled as one, and a
         # terminal Ctrl-C reaches only `up`, which then stops children in order.
+        assert self.log_dir is not None
         child = Child(name, [module, *args], url, self.log_dir / f"{name}.log", env or {}).start()
         self.children.append(child)
         self.say(f"{step} {name} (pid {child.pid}) starting on {url} ...")
@@ -214,3 +253,27 @@ class LocalFleet:
         if self.redis is not None:
             self.redis.close()
             self.redis = None
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise StartError if `port` on `host` cannot be bound (0: any port, always fine).
+
+    SO_REUSEADDR as aiohttp sets it, so a socket in TIME_WAIT is no obstacle but a
+    listening one is."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError as e:
+        raise StartError(f"cannot resolve --host {host}: {e}") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise StartError(
+                f"port {port} on {host} is taken ({e.strerror}): stop what listens there, "
+                "or pass --port N (--port 0 picks a free one)"
+            ) from None

@@ -10,27 +10,30 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.fleet import Fleet, WorkerState
+from router.fleet import Fleet
+from shared.http import LATENCY_BUCKETS
 
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0, float("inf"))
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 
 
 class _FleetCollector(Collector):
-    """Per-worker gauges read from the fleet table at scrape time (no bookkeeping on the hot path)."""
+    """Per-worker numbers read from the fleet table at scrape time: the table keeps the
+    books (no second count on the hot path). A worker's counters go with it when it
+    leaves the table."""
 
     def __init__(self, fleet: Fleet, clock: Callable[[], float]) -> None:
         self.fleet = fleet
         self.clock = clock
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         now = self.clock()
         in_flight = GaugeMetricFamily(
             "radix_router_worker_in_flight", "Requests in flight", labels=["worker"]
@@ -44,25 +47,83 @@ class _FleetCollector(Collector):
         routable = GaugeMetricFamily(
             "radix_router_workers_routable", "Workers that can take requests"
         )
+        failures = CounterMetricFamily(
+            "radix_router_upstream_failures", "Failed attempts to a worker", labels=["worker"]
+        )
+        predicted = CounterMetricFamily(
+            "radix_router_predicted_cached_tokens",
+            "Cached tokens the tree predicted",
+            labels=["worker"],
+        )
+        actual = CounterMetricFamily(
+            "radix_router_actual_cached_tokens", "Cached tokens workers reported", labels=["worker"]
+        )
         count = 0
         for w in list(self.fleet.workers.values()):
-            in_flight.add_metric([w.worker_id], w.in_flight)
-            load.add_metric([w.worker_id], w.load)
-            is_open.add_metric([w.worker_id], 0 if w.breaker.state(now) == "closed" else 1)
+            wid = [w.worker_id]
+            in_flight.add_metric(wid, w.in_flight)
+            load.add_metric(wid, w.load)
+            is_open.add_metric(wid, 0 if w.breaker.state(now) == "closed" else 1)
+            failures.add_metric(wid, w.failures_total)
+            predicted.add_metric(wid, w.predicted_tokens_total)
+            actual.add_metric(wid, w.actual_cached_tokens_total)
             count += int(not w.draining and w.breaker.allows(now))
         routable.add_metric([], count)
-        yield from (in_flight, load, is_open, routable)
+        yield from (in_flight, load, is_open, routable, failures, predicted, actual)
+
+
+class ReasonWindow:
+    """Routing decisions by reason over the last `window_s` seconds, in `bucket_s`
+    buckets, for the dashboard (a Prometheus counter has no window of its own).
+
+    `add` is on every request's path: one dict increment, plus a new bucket every
+    `bucket_s` (old ones are dropped then, so memory stays `window_s / bucket_s` small
+    dicts)."""
+
+    def __init__(self, bucket_s: float = 10.0, window_s: float = 300.0) -> None:
+        self.bucket_s = bucket_s
+        self.buckets = max(1, round(window_s / bucket_s))
+        self._counts: dict[int, Tally[str]] = {}
+        self._current = -1
+        self._now: Tally[str] = Tally()
+
+    def add(self, reason: str, now: float) -> None:
+        index = int(now // self.bucket_s)
+        if index != self._current:
+            self._current = index
+            self._now = self._counts.setdefault(index, Tally())
+            oldest = index - self.buckets
+            for old in [i for i in self._counts if i <= oldest]:
+                del self._counts[old]
+        self._now[reason] += 1
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Oldest bucket first; `age_s` is how long ago each bucket began."""
+        last = int(now // self.bucket_s)
+        first = last - self.buckets + 1
+        series = [
+            {"age_s": round(now - i * self.bucket_s, 1), "counts": dict(self._counts.get(i, {}))}
+            for i in range(first, last + 1)
+        ]
+        totals: Tally[str] = Tally()
+        for item in series:
+            totals.update(item["counts"])
+        return {
+            "bucket_s": self.bucket_s,
+            "window_s": self.bucket_s * self.buckets,
+            "series": series,
+            "totals": dict(totals),
+        }
 
 
 class Metrics:
     def __init__(self, fleet: Fleet, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.reasons = ReasonWindow()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
             "radix_router_requests", "Requests answered", ["endpoint", "status"], registry=r
-        )
-        self.upstream_failures = Counter(
-            "radix_router_upstream_failures", "Failed attempts to a worker", ["worker"], registry=r
         )
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
@@ -82,18 +143,6 @@ class Metrics:
             "Actual cached tokens / tokens predicted by the prefix tree (when predicted > 0)",
             ["worker"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
-        self.predicted_tokens = Counter(
-            "radix_router_predicted_cached_tokens",
-            "Cached tokens the tree predicted",
-            ["worker"],
-            registry=r,
-        )
-        self.actual_tokens = Counter(
-            "radix_router_actual_cached_tokens",
-            "Cached tokens workers reported",
-            ["worker"],
-            registry=r,
-        )
         r.register(_FleetCollector(fleet, clock))
         # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
         self._children: dict[tuple[str, ...], Any] = {}
@@ -111,14 +160,12 @@ class Metrics:
 
     def decision(self, reason: str) -> None:
         self._child(self.decisions, reason).inc()
+        self.reasons.add(reason, self.clock())
 
-    def observe_cached(self, worker: WorkerState, predicted_tokens: float, actual: int) -> None:
-        worker.predicted_tokens_total += predicted_tokens
-        worker.actual_cached_tokens_total += actual
-        self._child(self.predicted_tokens, worker.worker_id).inc(predicted_tokens)
-        self._child(self.actual_tokens, worker.worker_id).inc(actual)
+    def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None:
+        """The ratio histogram (the totals are the fleet's, read at scrape time)."""
         if predicted_tokens > 0:
-            self._child(self.cache_ratio, worker.worker_id).observe(actual / predicted_tokens)
+            self._child(self.cache_ratio, worker_id).observe(actual / predicted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

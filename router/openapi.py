@@ -82,6 +82,18 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
                     "responses": {"200": {"description": "Metrics", "content": {"text/plain": {}}}},
                 }
             },
+            "/dashboard": {
+                "get": {
+                    "summary": "Live fleet page (HTML; behind the key with protect_metrics)",
+                    "responses": {
+                        "200": {"description": "The page", "content": {"text/html": {}}},
+                        "401": error_response("401"),
+                    },
+                }
+            },
+            "/dashboard.json": _get(
+                "The dashboard's data: workers, fleet hit rate, route reasons", "401"
+            ),
             "/workers": workers,
             "/workers/{worker_id}": {
                 "delete": {

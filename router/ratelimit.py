@@ -20,8 +20,8 @@ from aiohttp import web
 from router.auth import bearer_token
 from shared.config import RouterConfig
 from shared.errors import APIError, Handler
+from shared.http import INFERENCE_PATHS
 
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 MAX_CLIENTS = 100_000
 
 

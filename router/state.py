@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import aiohttp
@@ -12,8 +11,9 @@ from router.admission import Admission
 from router.discovery import Discovery
 from router.fleet import Fleet
 from router.metrics import Metrics
-from router.policy import Policy
+from router.policy.base import Policy
 from router.proxy import Proxy
+from router.sync import ReplicaSync
 from shared.config import RouterConfig
 
 CONFIG = web.AppKey("config", RouterConfig)
@@ -23,9 +23,8 @@ POLICY = web.AppKey("policy", Policy)
 METRICS = web.AppKey("metrics", Metrics)
 ADMISSION = web.AppKey("admission", Admission)
 OPENAPI = web.AppKey("openapi", dict)
+SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
 # Set up in cleanup_ctx (they need the running loop):
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 PROXY = web.AppKey("proxy", Proxy)
 DISCOVERY = web.AppKey("discovery", Discovery)
-
-DEFAULT_CLOCK: Callable[[], float] = time.monotonic

@@ -31,6 +31,7 @@ import uuid
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -48,6 +49,19 @@ PENDING_MAX = 10_000
 SEP = b"\x00"
 
 Observe = Callable[[str, str, float], None]  # (worker_id, text, now)
+
+
+class ReplicaSync(Protocol):
+    """What the router app and its proxy need of replica sync (`DecisionSync` is one);
+    given to `create_app` and the `Proxy` at construction."""
+
+    def publish(self, worker_id: str, text: str) -> None: ...
+
+    def remote_inflight(self) -> Mapping[str, int]: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class DecisionSync:
@@ -79,6 +93,24 @@ class DecisionSync:
         self.published = 0
         self.caught_up = asyncio.Event()
         self._stopping = False
+        self._owns_redis = False
+
+    @classmethod
+    def connect(
+        cls,
+        config: RouterConfig,
+        observe: Observe,
+        local_inflight: Callable[[], Mapping[str, int]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> DecisionSync:
+        """A sync on its own Redis client (to `config.redis_url`), closed by `stop`."""
+        assert config.redis_url
+        redis = Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        sync = cls(
+            redis, Registry(redis, config.redis_prefix), config, observe, local_inflight, clock
+        )
+        sync._owns_redis = True
+        return sync
 
     # -- hot path ---------------------------------------------------------------------
     def publish(self, worker_id: str, text: str) -> None:
@@ -108,6 +140,8 @@ class DecisionSync:
         with contextlib.suppress(RedisError, OSError):
             await self._send_pending()
             await self.redis.delete(self.registry.router_key(self.replica_id))
+        if self._owns_redis:
+            await self.redis.aclose()
 
     async def _run(self, step: Callable[[], object], what: str) -> None:
         """Run `step` forever; on Redis errors back off (0.1 s doubling to 2 s) and retry."""

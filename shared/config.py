@@ -19,7 +19,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PolicyName = Literal[
-    "cache_aware", "round_robin", "random", "least_load", "power_of_two", "consistent_hash"
+    "cache_aware",
+    "cost_aware",
+    "round_robin",
+    "random",
+    "least_load",
+    "power_of_two",
+    "consistent_hash",
 ]
 EngineName = Literal["radix", "sim", "vllm"]
 
@@ -54,7 +60,7 @@ class RouterConfig(_Frozen):
     # After a Redis outage, workers absent from the registry are kept this long (they
     # re-register on their next heartbeat).
     reconnect_grace: float = Field(5.0, ge=0)
-    # cache_aware: see router/policy.py for the rule these thresholds drive.
+    # cache_aware: see router/policy/cache_aware.py for the rule these thresholds drive.
     cache_threshold: float = Field(0.3, ge=0, le=1)
     # A load gap (requests) that counts as imbalance. 64 suits GPU workers that run
     # hundreds of requests at once; set it to about half of what one worker runs at once
@@ -66,6 +72,12 @@ class RouterConfig(_Frozen):
     no_match: Literal["least_load", "smallest_tree"] = "least_load"
     tree_max_chars: int = Field(200_000_000, gt=0)
     tree_chars_per_token: float = Field(4.0, gt=0)
+    # cost_aware (router/cost_aware.py): what a prefill token and a decode step cost on a
+    # worker whose heartbeat reports neither, and how many decode steps each request in a
+    # worker's load delays a new one's first token.
+    cost_prefill_us_per_token: float = Field(50.0, gt=0)
+    cost_decode_ms_per_token: float = Field(10.0, gt=0)
+    cost_decode_weight: float = Field(1.0, ge=0)
     session_header: str = "x-session-id"
     # Proxy.
     connect_timeout: float = Field(5.0, gt=0)
@@ -75,6 +87,14 @@ class RouterConfig(_Frozen):
     breaker_failures: int = Field(3, ge=1)
     breaker_cooldown: float = Field(10.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    # Slow peers (shared/body.py, router/proxy.py): a body must arrive within
+    # body_read_timeout, before it may take an admission slot; a stream write to a client
+    # that blocks longer than stream_write_timeout aborts the stream and its upstream
+    # request, so the worker frees its slot and KV.
+    body_read_timeout: float = Field(30.0, gt=0)
+    stream_write_timeout: float = Field(30.0, gt=0)
+    # A non-streamed worker answer larger than this is refused with 502, never buffered.
+    max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_concurrent: int = Field(1024, ge=1)
     max_queue: int = Field(4096, ge=0)
     queue_timeout: float = Field(30.0, gt=0)
@@ -84,6 +104,11 @@ class RouterConfig(_Frozen):
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
     protect_metrics: bool = False
+    # Sent to workers as their Bearer key (it must be in each worker's api_keys).
+    worker_api_key: str | None = None
+    # Worker URLs from Redis or the admin API must resolve into one of these networks
+    # (e.g. the pod CIDR); empty: any address but link-local and metadata ones.
+    worker_url_allow_cidrs: tuple[str, ...] = ()
     # Per-client token bucket on inference requests (router/ratelimit.py); None: off.
     rate_limit_per_key: float | None = Field(None, gt=0)
     rate_limit_burst: int = Field(20, ge=1)
@@ -133,6 +158,8 @@ class WorkerConfig(_Frozen):
     sim_decode_ms_per_token: float = Field(0.0, ge=0)
     # HTTP.
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    body_read_timeout: float = Field(30.0, gt=0)  # as the router's
+    stream_write_timeout: float = Field(30.0, gt=0)  # then the request is aborted
     api_keys: tuple[str, ...] = ()
     drain_timeout: float = Field(30.0, ge=0)
     log_level: str = "INFO"

@@ -6,13 +6,11 @@ with a matching HTTP status, whichever service answers.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
@@ -90,58 +88,6 @@ def validation_error(e: ValidationError) -> APIError:
     ))  # fmt: skip
     msg = msgs[0] if len(msgs) == 1 else "none of the accepted forms matched: " + "; ".join(msgs)
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The raw request body, or a 413 APIError once it exceeds `limit` bytes."""
-    if request.content_length is not None and request.content_length > limit:
-        raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    body = bytearray()
-    async for chunk in request.content.iter_chunked(65536):
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    return bytes(body)
-
-
-def parse_json_object(raw: bytes) -> dict:
-    """`raw` as a JSON object, or a 400 APIError saying what is wrong with it."""
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise APIError(400, "request body is not valid UTF-8", code="invalid_json") from None
-    except json.JSONDecodeError as e:
-        raise APIError(
-            400, f"request body is not valid JSON: {e.msg} at position {e.pos}", code="invalid_json"
-        ) from None
-    except RecursionError:  # json's parser recurses per nesting level
-        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return data
-
-
-async def read_json(request: web.Request, limit: int) -> dict:
-    """The request body as a JSON object, or an APIError (413 over `limit`, 400 otherwise)."""
-    return parse_json_object(await read_body(request, limit))
-
-
-class RedactMalformedRequests(logging.Filter):
-    """aiohttp.server logs a request it cannot parse with the offending line (it can hold
-    an API key or prompt text) in the exception: keep the event, drop the bytes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            record.msg, record.args = "malformed HTTP request refused: %s", (type(exc).__name__,)
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.INFO, "INFO"
-        return True
-
-
-def redact_server_logs() -> None:
-    """Called once by each service's CLI after logging is configured."""
-    logging.getLogger("aiohttp.server").addFilter(RedactMalformedRequests())
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -36,6 +36,12 @@ class WorkerRecord:
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
     draining: bool = False
+    # Inputs of the router's cost_aware policy (see worker.engine.types.EngineStats).
+    queued_prefill_tokens: int = 0
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    max_running_requests: int = 0
+    request_ms: float = 0.0
 
     def to_hash(self) -> dict[str, str]:
         return {

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,3 +37,60 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # --- end worker model ---
+
+
+# --- process hygiene: no test may leave a process running -----------------------------
+# Every process started during the run inherits this marker in its environment, also the
+# grandchildren that outlive their parent and are re-parented to init, which a walk of
+# the process tree would miss. At the end of the session any live process still carrying
+# it is listed, killed, and the run fails.
+LEAK_MARKER = "RADIX_TEST_SESSION"
+LEAK_GRACE_S = 5.0  # a child stopped by the last teardown may still be exiting
+os.environ[LEAK_MARKER] = f"{os.getpid()}-{time.time_ns()}"
+
+
+def _marked_processes() -> dict[int, str]:
+    """Live processes (not zombies) of this user whose environment carries our marker."""
+    wanted = f"{LEAK_MARKER}={os.environ[LEAK_MARKER]}".encode()
+    found: dict[int, str] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if wanted not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile, or another user's process
+            continue
+        if state != "Z":
+            found[int(proc.name)] = cmdline.strip()[:200]
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if sys.platform != "linux":
+        return
+    deadline = time.monotonic() + LEAK_GRACE_S
+    leaked = _marked_processes()
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leaked = _marked_processes()
+    if not leaked:
+        return
+    for pid in leaked:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    lines = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in sorted(leaked.items()))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"{len(leaked)} process(es) started by the tests outlived them (now killed):\n{lines}"
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("=", "leaked processes", red=True)
+        reporter.write_line(message)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# --- end process hygiene ---

@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from shared.errors import APIError
-from worker.metrics import CONTENT_TYPE
+from shared.http import PROMETHEUS_TEXT
 from worker.openapi import openapi_document
 from worker.state import CONFIG, ENGINE, METRICS, STATE
 
@@ -36,7 +36,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -9,7 +9,6 @@ with a Redis URL, the heartbeat.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import time
@@ -18,8 +17,10 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from pydantic import ValidationError
 
+from shared.auth import KeySet, unauthorized
 from shared.config import WorkerConfig
 from shared.errors import APIError, Handler, error_middleware
+from shared.http import INFERENCE_PATHS
 from shared.registry import Registry, WorkerRecord
 from worker import admin_api, openai_api
 from worker.engine.types import Engine
@@ -30,8 +31,6 @@ from worker.state import CONFIG, ENGINE, HEARTBEAT, METRICS, STATE, WorkerState
 log = logging.getLogger(__name__)
 
 
-# Endpoints that run the engine: counted in flight, refused while draining.
-INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 # Readable without an API key (probes and scrapers).
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
@@ -40,14 +39,18 @@ def default_worker_id(config: WorkerConfig) -> str:
     return config.worker_id or f"{socket.gethostname()}-{config.port}"
 
 
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    keys = request.app[CONFIG].api_keys
-    if keys and request.path not in PUBLIC_PATHS:
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
-            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
-    return await handler(request)
+def make_auth_middleware(config: WorkerConfig) -> web.middleware:
+    """Every path but the public ones needs a key when `api_keys` is set (inference and
+    `/flush_cache` alike); a router sends its `worker_api_key`, which must be one of them."""
+    keys = KeySet(config.api_keys)
+
+    @web.middleware
+    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if keys and request.path not in PUBLIC_PATHS and not keys.allows(request.headers):
+            raise unauthorized()
+        return await handler(request)
+
+    return auth_middleware
 
 
 @web.middleware
@@ -125,6 +128,11 @@ def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> Wor
         prompt_tokens_total=stats.prompt_tokens_total,
         cached_tokens_total=stats.cached_tokens_total,
         draining=state.draining,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        prefill_us_per_token=stats.prefill_us_per_token,
+        decode_ms_per_token=stats.decode_ms_per_token,
+        max_running_requests=stats.max_running_requests,
+        request_ms=stats.request_ms,
     )
 
 
@@ -166,7 +174,7 @@ ROUTES = [
 
 def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware, lifecycle_middleware],
+        middlewares=[error_middleware, make_auth_middleware(config), lifecycle_middleware],
         client_max_size=config.max_body_bytes,
     )
     state = WorkerState(

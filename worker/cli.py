@@ -23,43 +23,88 @@ from typing import Any
 from aiohttp import web
 
 from shared.config import ConfigError, WorkerConfig, load_config
-from shared.errors import redact_server_logs
+from shared.logging import setup_logging
 from worker.app import create_app
 from worker.backends import build_engine
 from worker.state import HEARTBEAT, STATE
 
 log = logging.getLogger("worker")
 
-# (flag, config key, type, help); type None: a switch.
+SERVE_DESCRIPTION = """Serve a model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions,
+/generate) with a radix KV cache, and heartbeat into Redis so routers find it.
+Every WorkerConfig key (shared/config.py) can also be set in --config FILE or as
+RADIX_WORKER_<KEY>; flags win over the environment, which wins over the file."""
+
+# (flag, config key, type, help); type None: a switch. The help gets the default appended.
 _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--engine", "engine", str, "radix (ours), sim (cost model, no weights) or vllm"),
+    (
+        "--engine",
+        "engine",
+        str,
+        "radix (ours, on --model), sim (a cost model: no weights, no torch) or vllm",
+    ),
     ("--model", "model", str, "local Hugging Face model folder (optional for sim)"),
     ("--served-model-name", "served_model_name", str, "name clients use (default: folder name)"),
     ("--host", "host", str, "bind address"),
-    ("--port", "port", int, "bind port (0: any free port)"),
+    ("--port", "port", int, "bind port; 0: any free port"),
     ("--redis-url", "redis_url", str, "Redis for heartbeats (omit to run standalone)"),
     ("--redis-prefix", "redis_prefix", str, "Redis key prefix"),
     ("--worker-id", "worker_id", str, "id in the fleet (default: <hostname>-<port>)"),
     ("--advertise-url", "advertise_url", str, "URL routers dial (default: http://host:port)"),
-    ("--heartbeat-interval", "heartbeat_interval", float, "seconds between heartbeats"),
-    ("--cache-tokens", "cache_tokens", int, "KV cache capacity in tokens"),
-    ("--kv-memory-fraction", "kv_memory_fraction", float, "KV share of free device memory"),
+    ("--heartbeat-interval", "heartbeat_interval", float, "seconds between heartbeats to Redis"),
+    (
+        "--cache-tokens",
+        "cache_tokens",
+        int,
+        "KV cache capacity in tokens (unset: --kv-memory-fraction of free memory)",
+    ),
+    (
+        "--kv-memory-fraction",
+        "kv_memory_fraction",
+        float,
+        "share of free device memory for the KV cache, 0-0.95",
+    ),
     ("--page-size", "page_size", int, "radix cache page size in tokens"),
-    ("--max-running-requests", "max_running_requests", int, "batch size limit; more wait"),
-    ("--max-waiting-requests", "max_waiting_requests", int, "queue limit; more get 503"),
-    ("--max-prefill-tokens", "max_prefill_tokens", int, "prefill chunk size"),
-    ("--max-model-len", "max_model_len", int, "context length cap"),
+    (
+        "--max-running-requests",
+        "max_running_requests",
+        int,
+        "requests run at once (the batch); more wait in the queue",
+    ),
+    (
+        "--max-waiting-requests",
+        "max_waiting_requests",
+        int,
+        "requests waiting at most; more are refused with 503",
+    ),
+    ("--max-prefill-tokens", "max_prefill_tokens", int, "prefill chunk size, in tokens"),
+    ("--max-model-len", "max_model_len", int, "context length cap, in tokens (unset: the model's)"),
     ("--device", "device", str, "auto, cpu, cuda, cuda:N"),
     ("--dtype", "dtype", str, "auto, float32, bfloat16, float16"),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
-    ("--schedule-policy", "schedule_policy", str, "fcfs or lpm (longest cached prefix first)"),
-    ("--no-inflight-sharing", "share_inflight_prefixes", "false", "cache prefixes at finish only"),
-    ("--max-n", "max_n", int, "most choices (n) per request"),
-    ("--sim-prefill-us-per-token", "sim_prefill_us_per_token", float, "sim: prefill cost"),
-    ("--sim-decode-ms-per-token", "sim_decode_ms_per_token", float, "sim: decode cost"),
+    ("--schedule-policy", "schedule_policy", str, "fcfs, or lpm: longest cached prefix first"),
+    (
+        "--no-inflight-sharing",
+        "share_inflight_prefixes",
+        "false",
+        "prefixes enter the radix cache when a request ends, not per prefill chunk (ablation)",
+    ),
+    ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
+    (
+        "--sim-prefill-us-per-token",
+        "sim_prefill_us_per_token",
+        float,
+        "sim engine: prefill cost, microseconds per uncached prompt token",
+    ),
+    (
+        "--sim-decode-ms-per-token",
+        "sim_decode_ms_per_token",
+        float,
+        "sim engine: decode cost, milliseconds per output token",
+    ),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
     ("--drain-timeout", "drain_timeout", float, "seconds to finish in-flight requests on SIGTERM"),
-    ("--max-body-bytes", "max_body_bytes", int, "largest request body"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body, in bytes"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING"),
 ]
 
@@ -76,22 +121,33 @@ _TINY_FLAGS = {
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radix-worker", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over HTTP")
-    serve.add_argument("--config", help="YAML file of WorkerConfig keys")
-    for flag, key, kind, text in _SERVE_FLAGS:
-        if kind is None or kind == "false":
+    serve = sub.add_parser(
+        "serve", help="serve a model over HTTP", description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    serve.add_argument("--config", metavar="FILE", help="YAML file of WorkerConfig keys")
+    for flag, key, kind, described in _SERVE_FLAGS:
+        default = WorkerConfig.model_fields[key].default
+        plain = default in (None, ()) or kind == "false"
+        text = described if plain else f"{described} (default {default})"
+        if kind is None or kind == "false":  # a switch that sets True, or False
             const = kind is None
             serve.add_argument(flag, dest=key, action="store_const", const=const, help=text)
         elif kind == "append":
             serve.add_argument(flag, dest=key, action="append", help=text)
         else:
             serve.add_argument(flag, dest=key, type=kind, help=text)
-    tiny = sub.add_parser("make-tiny-model", help="write a small random-weight model folder")
-    tiny.add_argument("dir")
+    tiny = sub.add_parser(
+        "make-tiny-model", help="write a small random-weight model folder",
+        description="Write a small Llama-family model with random weights and a byte-level "
+        "BPE tokenizer with a chat template into DIR, made locally (nothing is downloaded). "
+        "Its text is random; its KV cache, batching and prefix caching are real.",
+    )  # fmt: skip
+    tiny.add_argument("dir", metavar="DIR", help="folder to write (created if missing)")
     # Unset flags keep make_tiny_model's own defaults (head_dim 32: vLLM's CPU minimum).
     for flag in _TINY_FLAGS:
-        tiny.add_argument(flag, type=int)
-    tiny.add_argument("--arch", choices=("llama", "qwen2"))
+        tiny.add_argument(flag, type=int, metavar="N", help="(default: make_tiny_model's)")
+    tiny.add_argument("--arch", choices=("llama", "qwen2"), help="(default llama)")
     return parser
 
 
@@ -175,11 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {key: getattr(args, key) for _, key, _, _ in _SERVE_FLAGS}
     try:
         config = load_config(WorkerConfig, args.config, overrides)
-        logging.basicConfig(
-            level=config.log_level.upper(), stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )  # fmt: skip
-        redact_server_logs()
+        setup_logging(config.log_level)
         return _run(config)
     except ConfigError as exc:
         print(f"radix-worker: {exc}", file=sys.stderr)

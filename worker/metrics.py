@@ -13,10 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shared.http import LATENCY_BUCKETS
 from worker.engine.types import EngineStats
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _EngineCollector(Collector):
@@ -60,11 +58,11 @@ class WorkerMetrics:
         )  # fmt: skip
         self.latency = Histogram(
             "radix_worker_request_duration_seconds", "Time to the last byte", ["endpoint"],
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.ttft = Histogram(
             "radix_worker_time_to_first_token_seconds", "Time to the first generated token",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.registry.register(_EngineCollector(stats, draining))
 

@@ -15,8 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
+from shared.http import EVENT_STREAM, EventStreamResponse
+
 SSE_HEADERS = {
-    "Content-Type": "text/event-stream",
+    "Content-Type": EVENT_STREAM,
     "Cache-Control": "no-cache",
     # Tells nginx-style proxies in front of the worker not to buffer the stream.
     "X-Accel-Buffering": "no",
@@ -25,19 +27,12 @@ DONE = b"data: [DONE]\n\n"
 _compact = json.JSONEncoder(separators=(",", ":")).encode  # built once, not per event
 
 
-class _SSEResponse(web.StreamResponse):
-    """Headers leave with the first events instead of alone at `prepare()` (the way
-    aiohttp's own `web.Response` sends its body); the first write follows at once."""
-
-    _send_headers_immediately = False
-
-
 def encode_event(data: dict[str, Any]) -> bytes:
     return b"data: " + _compact(data).encode() + b"\n\n"
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:
-    response = _SSEResponse(status=200, headers=SSE_HEADERS)
+    response = EventStreamResponse(status=200, headers=SSE_HEADERS)
     await response.prepare(request)
     return response
 

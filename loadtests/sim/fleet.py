@@ -28,7 +28,8 @@ from loadtests.options import WorkloadOptions
 from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import ConversationSession, Workload
-from router.policy import FleetView, RouteRequest, build_policy
+from router.policy import build_policy
+from router.policy.base import FleetView, RouteRequest, WorkerCosts
 from shared.config import RouterConfig
 
 _STEP_END, _ARRIVAL = 0, 1  # event kinds: step ends sort first at equal times
@@ -129,8 +130,8 @@ class FleetSim:
         self.ids = [f"w{i}" for i in range(workers)]
         self.index = {wid: i for i, wid in enumerate(self.ids)}
         self.capacity = cost.cache_tokens
-        # The columns the policy reads, updated in place as loads change (router/policy.py
-        # FleetView): the policy's cost per decision, not the cost of rebuilding views.
+        # The columns the policy reads, updated in place as loads change (a FleetView,
+        # router/policy/base.py): the policy's cost per decision, not the cost of rebuilding views.
         self.views = FleetView(self.ids, capacities=(cost.cache_tokens,) * workers)
         self._heap: list[tuple[float, int, int, Job | int]] = []
         self._seq = 0
@@ -158,8 +159,18 @@ class FleetSim:
         out = output_tokens(self._rids, req.out_len)
         return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session)
 
-    def _refresh(self, i: int) -> None:
-        self.views.loads[i] = self.workers[i].load
+    def _refresh(self, i: int, now: float) -> None:
+        # A heartbeat at every change: loads for every policy, costs for cost_aware.
+        worker = self.workers[i]
+        self.views.loads[i] = worker.load
+        cost = worker.cost
+        self.policy.set_costs(
+            self.ids[i],
+            WorkerCosts(
+                worker.queued_prefill_tokens(now), cost.prefill_us_per_token,
+                cost.decode_ms_per_token, cost.max_running, worker.request_ms,
+            ),
+        )  # fmt: skip
 
     def _route(self, job: Job, now: float) -> None:
         request = RouteRequest(job.text)
@@ -175,7 +186,7 @@ class FleetSim:
         worker.submit(job)
         if not worker.busy:
             self._start_step(i, now)
-        self._refresh(i)
+        self._refresh(i, now)
 
     def run(
         self, source: Iterator[SimRequest] | None = None, closed: ClosedLoop | None = None
@@ -210,7 +221,7 @@ class FleetSim:
                 continue
             finished = self.workers[what].finish_step(now)
             self._start_step(what, now)
-            self._refresh(what)
+            self._refresh(what, now)
             for job in finished:
                 self._done.append(job)
                 if job.session >= 0 and closed is not None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from worker.backends.sim import CostModelRunner, SimModelConfig
 from worker.engine.config import EngineConfig
-from worker.engine.engine import LLMEngine
+from worker.engine.engine import REQUEST_MS_WEIGHT, LLMEngine
 from worker.engine.sequence import Req
 from worker.engine.types import GenerateOutput, SamplingParams, TokenLogprob
 
@@ -117,6 +117,13 @@ class SimWorker:
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        # How long an admitted job holds its seat, a moving mean in virtual ms, as the
+        # live engine reports it (worker/engine/engine.py) to the cost_aware policy.
+        self.request_ms = 0.0
+
+    def queued_prefill_tokens(self, now: float) -> int:
+        """What its heartbeat would report to cost_aware (as of the last step)."""
+        return self.engine.scheduler.queued_prefill_tokens
 
     @property
     def load(self) -> int:
@@ -163,6 +170,8 @@ class SimWorker:
             if out.finished:
                 job.finish = now
                 done.append(job)
+                held_ms = (now - job.admitted) * 1e3
+                self.request_ms += REQUEST_MS_WEIGHT * (held_ms - self.request_ms)
                 del self._by_rid[out.request_id]
         self._outputs = []
         return done

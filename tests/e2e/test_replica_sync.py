@@ -43,6 +43,7 @@ class Replica:
     """One router process; `restart` keeps its port, as a restarted pod behind a Service."""
 
     child: Child
+    fleet: E2EFleet  # stops the replica's process with its own
     client: OpenAI | None = None
 
     def openai(self) -> OpenAI:
@@ -75,7 +76,7 @@ class Replica:
     def restart(self) -> None:
         self.child.stop(grace_s=5)
         old = self.child
-        self.child = Child(old.name, old.args, old.url, old.log, old.env).start()
+        self.child = self.fleet.adopt(old.fresh().start())
         wait_health(self.child)
 
 
@@ -88,7 +89,7 @@ def start_replica(fleet: E2EFleet, name: str, settings: dict[str, object]) -> Re
     env = {f"RADIX_ROUTER_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
            for k, v in base.items()}  # fmt: skip
     child = Child(name, args, f"http://127.0.0.1:{port}", fleet.log_dir / f"{name}.log", env)
-    replica = Replica(child.start())
+    replica = Replica(fleet.adopt(child.start()), fleet)
     wait_until(lambda: replica.routable() == WORKERS, START_TIMEOUT_S, replica.child)
     return replica
 
@@ -135,7 +136,7 @@ def fleet() -> Iterator[E2EFleet]:
     # No decode cost: requests are sequential here, load never tips the rule.
     fleet = sim_fleet(WORKERS, WorkerSpec(decode_ms=0.0, heartbeat_s=0.2))
     yield fleet
-    fleet.close()
+    fleet.close()  # the replicas too: each was adopted by the fleet
 
 
 def model_of(replica: Replica) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,15 @@ def test_shared_prefix_shape_and_determinism() -> None:
     ]
     # Shuffled: the groups are interleaved, not sent one after the other.
     assert [r.tag for r in reqs] != sorted(r.tag for r in reqs)
+
+
+def test_shared_prefix_group_zipf_skews_groups_and_keeps_the_count() -> None:
+    o = WorkloadOptions(groups=8, prompts_per_group=50, group_zipf=1.1, **SMALL)
+    reqs = shared_prefix(o)
+    counts = Counter(r.tag for r in reqs)
+    assert len(reqs) == 400
+    assert counts["group-0"] > 3 * counts["group-7"]  # weights 1 vs 1/8^1.1 ≈ 0.1
+    assert [r.text() for r in reqs] == [r.text() for r in shared_prefix(o)]
 
 
 def test_multi_turn_each_turn_extends_the_previous() -> None:

@@ -9,6 +9,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.app import create_app
+from router.sync import ReplicaSync
 from shared.config import RouterConfig
 from tests.router.fakes import FakeWorker
 
@@ -39,9 +40,12 @@ async def fake_workers() -> AsyncIterator[StartWorkers]:
 async def start_router() -> AsyncIterator[StartRouter]:
     clients: list[TestClient] = []
 
-    async def start(urls: list[str] | tuple[str, ...] = (), **overrides: Any) -> TestClient:
+    async def start(
+        urls: list[str] | tuple[str, ...] = (), sync: ReplicaSync | None = None, **overrides: Any
+    ) -> TestClient:
         config = RouterConfig(worker_urls=tuple(urls), host="127.0.0.1", **overrides)
-        server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)
+        app = create_app(config, sync=sync)
+        server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
         client = TestClient(server)
         await client.start_server()
         clients.append(client)

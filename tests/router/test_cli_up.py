@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,6 +90,9 @@ def test_up_starts_a_fleet_and_sigint_leaves_nothing_running() -> None:
                 break
         output = "".join(lines)
         assert f"Router ready at http://127.0.0.1:{port}" in output, output
+        assert "model:     sim" in output and f"http://127.0.0.1:{port}/dashboard" in output
+        log_dir = Path(re.findall(r"logs in (\S+) \(removed on exit\)", output)[0])
+        assert (log_dir / "router.log").exists()
         assert len(re.findall(r"worker-\d \(pid \d+\) starting", output)) == 2
         body = json.dumps({"prompt": "hello from up", "max_tokens": 3}).encode()
         req = urllib.request.Request(
@@ -102,9 +106,26 @@ def test_up_starts_a_fleet_and_sigint_leaves_nothing_running() -> None:
         assert up.wait(30) == 0
         time.sleep(0.2)
         assert [pid for pid in children if alive(pid)] == []
+        assert not log_dir.exists()
     finally:
         if up.poll() is None:
             for pid in descendants(up.pid):
                 os.kill(pid, signal.SIGKILL)
             up.kill()
             up.wait()
+
+
+def test_up_on_a_taken_port_fails_with_one_line_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+        done = subprocess.run(
+            [sys.executable, "-m", "router", "up", "--engine", "sim", "--port", str(port)],
+            capture_output=True, cwd=ROOT, env=env, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: port {port} on 127.0.0.1 is taken")
+    assert list(tmp_path.iterdir()) == []  # not even a log folder was made

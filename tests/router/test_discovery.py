@@ -12,7 +12,8 @@ from redis.asyncio import Redis
 
 from router.discovery import Discovery
 from router.fleet import Fleet
-from router.policy import RouteRequest, WorkerView, build_policy
+from router.policy import build_policy
+from router.policy.base import RouteRequest, WorkerView
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer

@@ -1,5 +1,5 @@
 """Fleet table units: breaker states, the load guard, registry sync, routable filtering,
-and the routable view kept current between requests (router/routable.py)."""
+the books the table keeps, and the routable view kept current between requests."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.fleet import Breaker, Fleet, LoadGuard
-from router.policy import RouteRequest, WorkerView, build_policy
+from router.fleet import Attempt, Fleet
+from router.policy import build_policy
+from router.policy.base import RouteRequest, WorkerCosts, WorkerView
+from router.workers import Breaker, FailureKind, LoadGuard, Worker
 from shared.config import RouterConfig
 from shared.registry import WorkerRecord
 
@@ -23,13 +25,19 @@ def record(wid: str, epoch: float = 1.0, **kw: object) -> WorkerRecord:
 class Hooks:
     def __init__(self) -> None:
         self.removed: list[str] = []
-        self.capacity: dict[str, int] = {}
+        self.costs: dict[str, WorkerCosts] = {}
 
     def remove_worker(self, worker_id: str) -> None:
         self.removed.append(worker_id)
 
-    def set_capacity(self, worker_id: str, cache_tokens: int) -> None:
-        self.capacity[worker_id] = cache_tokens
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
+        self.costs[worker_id] = costs
+
+
+def fail(fleet: Fleet, worker: Worker, now: float) -> None:
+    """One failed try, as the proxy reports it."""
+    with fleet.attempt(worker, now) as attempt:
+        fleet.failed(attempt, FailureKind.CONNECT, now)
 
 
 def test_breaker_opens_after_consecutive_failures_then_half_opens_for_one_probe() -> None:
@@ -91,7 +99,15 @@ def test_registry_join_leave_epoch_and_capacity() -> None:
         {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2")}
     )
     assert sorted(joined) == ["w1", "w2"] and left == []
-    assert hooks.capacity == {"w1": 100}
+    assert fleet.view(0.0).capacities == (100, 0)  # capacity reaches the policy here only
+    assert hooks.costs == {"w1": WorkerCosts(), "w2": WorkerCosts()}
+    # Every read passes the heartbeat's cost figures on (cost_aware reads them).
+    fleet.apply_registry(
+        {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2", queued_prefill_tokens=7,
+                                                                      prefill_us_per_token=20.0,
+                                                                      decode_ms_per_token=1.5)}
+    )  # fmt: skip
+    assert hooks.costs["w2"] == WorkerCosts(7, 20.0, 1.5)
     # Same epoch: nothing dropped. New epoch: the worker restarted, its tree goes.
     assert fleet.apply_registry(
         {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2")}
@@ -115,10 +131,9 @@ def test_missing_workers_kept_when_not_dropping_and_static_never_dropped() -> No
 
 def test_routable_skips_draining_open_breaker_tried_and_other_models() -> None:
     fleet = Fleet(RouterConfig(breaker_failures=1), Hooks())
-    fleet.apply_registry({f"w{i}": record(f"w{i}") for i in range(1, 5)})
-    fleet.workers["w2"].draining = True
-    fleet.workers["w3"].breaker.record_failure(0.0)
-    fleet.workers["w4"].model = "other"
+    fleet.apply_registry({f"w{i}": record(f"w{i}", draining=i == 2) for i in range(1, 5)})
+    fail(fleet, fleet.workers["w3"], 0.0)
+    fleet.set_model(fleet.workers["w4"], "other")
     assert [w.worker_id for w in fleet.routable(1.0)] == ["w1", "w4"]
     assert [w.worker_id for w in fleet.routable(1.0, exclude=["w1"], model="m")] == []
     assert fleet.models() == ["m", "other"]
@@ -186,7 +201,7 @@ class Driver:
         self.fleet = Fleet(RouterConfig(breaker_failures=2, breaker_cooldown=COOLDOWN), Hooks())
         self.now = 0.0
         self.registry: dict[str, WorkerRecord] = {}
-        self.guards: list[LoadGuard] = []
+        self.attempts: list[Attempt] = []
         self.remote: dict[str, int] = {}
 
     def apply(self, kind: str, n: int, value: int) -> None:
@@ -212,8 +227,10 @@ class Driver:
             fleet.add_url(f"http://127.0.0.{n + 2}:8000", "static" if value % 2 else "admin")
         elif kind == "tick":
             self.now += 0.5 * value
-        elif kind == "release" and self.guards:
-            self.guards.pop(value % len(self.guards)).release()
+        elif kind == "release" and self.attempts:
+            self.attempts.pop(value % len(self.attempts)).release()
+        elif kind == "abandon" and self.attempts:  # a probe's client left: no verdict
+            self.attempts.pop().release()
         elif kind == "remote":  # replica sync replaces the mapping
             self.remote = {
                 **self.remote,
@@ -223,28 +240,33 @@ class Driver:
             return
         elif kind == "admin_remove":
             fleet.remove(worker.worker_id)
-        elif kind == "guard":
-            self.guards.append(LoadGuard(worker))
-        elif kind == "fail":
-            worker.breaker.record_failure(self.now)
-        elif kind == "succeed":
-            worker.breaker.record_success()
-        elif kind == "attempt":
-            worker.breaker.on_attempt(self.now)
-        elif kind == "abandon":
-            worker.breaker.abandon_probe()
-        elif kind == "drain":
-            worker.draining = not worker.draining  # what a heartbeat or a hand would do
+        elif kind in ("guard", "attempt"):  # a try held open (the probe, when half-open)
+            self.attempts.append(fleet.attempt(worker, self.now))
+        elif kind in ("fail", "succeed"):  # the verdict of a held try, or of a fresh one
+            held = [a for a in self.attempts if a.worker is worker]
+            attempt = held[-1] if held else fleet.attempt(worker, self.now)
+            if kind == "fail":
+                fleet.failed(attempt, FailureKind.CONNECT, self.now)
+            else:
+                fleet.succeeded(attempt)
+            if not held:
+                attempt.release()
+        elif kind == "drain" and worker.worker_id in self.registry:  # a heartbeat says so
+            old = self.registry[worker.worker_id]
+            self.registry[worker.worker_id] = WorkerRecord(
+                **{**old.__dict__, "draining": not old.draining}
+            )
+            fleet.apply_registry(self.registry)
         elif kind == "probe_model":
-            worker.model = MODELS[value % 3]  # what GET /v1/models does for static ones
+            fleet.set_model(worker, MODELS[value % 3])  # what GET /v1/models does
 
     def check(self) -> None:
         assert_views_match(self.fleet, self.now, self.remote)
 
     def finish(self) -> None:
         self.check()
-        for g in self.guards:
-            g.release()
+        for attempt in self.attempts:
+            attempt.release()
         self.check()
         assert all(w.in_flight == 0 for w in self.fleet.workers.values())
 
@@ -288,17 +310,21 @@ def test_open_breaker_rejoins_the_view_exactly_when_its_cooldown_ends() -> None:
     fleet = Fleet(RouterConfig(breaker_failures=1, breaker_cooldown=0.1), Hooks())
     fleet.apply_registry({"w1": record("w1"), "w2": record("w2")})
     t0 = 1000.3  # opened_at + cooldown is not exact in binary floating point
-    fleet.workers["w1"].breaker.record_failure(t0)
+    w1 = fleet.workers["w1"]
+    fail(fleet, w1, t0)
     assert fleet.view(t0).ids == ("w2",)
-    end = fleet.workers["w1"].breaker.half_open_at()
+    end = w1.breaker.half_open_at()
     assert fleet.view(math.nextafter(end, 0)).ids == ("w2",)
     assert fleet.view(end).ids == ("w1", "w2")  # no event: time alone half-opens it
     # The probe takes it out again until its verdict; a failed probe re-opens it.
-    assert fleet.workers["w1"].breaker.on_attempt(end)
+    probe = fleet.attempt(w1, end)
+    assert probe.probe
     assert fleet.view(end).ids == ("w2",)
-    fleet.workers["w1"].breaker.record_failure(end + 0.01)
+    fleet.failed(probe, FailureKind.TIMEOUT, end + 0.01)
+    probe.release()
     assert fleet.view(end + 0.01).ids == ("w2",)
-    fleet.workers["w1"].breaker.record_success()
+    with fleet.attempt(w1, end + 0.01) as attempt:
+        fleet.succeeded(attempt)
     assert fleet.view(end + 0.01).ids == ("w1", "w2")
 
 
@@ -316,7 +342,9 @@ def test_loads_are_written_in_place_and_membership_changes_replace_the_columns()
     guard.release()
     assert loads == [6, 3]
     # The policy notices fleet changes by the identity of `ids`: a change gives new tuples.
-    fleet.workers["w1"].draining = True
+    fleet.apply_registry(
+        {"w1": record("w1", running=4, waiting=2, draining=True), "w2": record("w2")}
+    )
     assert fleet.view(0.0, remote={"w2": 3}).ids == ("w2",) and ids == ("w1", "w2")
 
 

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from router.app import create_app
 from router.state import FLEET, POLICY
+from router.workers import LoadGuard
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from tests.router.processes import Proc, start_sim_worker
@@ -112,7 +113,7 @@ async def test_imbalance_sends_to_the_least_loaded(router: TestServer) -> None:
     fleet = router.app[FLEET]
     other = next(w for w in fleet.workers if w != home)
     # Pretend 100 requests are in flight to `home` (beyond both balance thresholds).
-    fleet.workers[home].in_flight += 100
+    guards = [LoadGuard(fleet.workers[home]) for _ in range(100)]
     try:
         raw = await client.completions.with_raw_response.create(
             model="sim", prompt=prefix + "b", max_tokens=1
@@ -122,7 +123,8 @@ async def test_imbalance_sends_to_the_least_loaded(router: TestServer) -> None:
             and raw.headers["x-radix-route-reason"] == "balance"
         )
     finally:
-        fleet.workers[home].in_flight -= 100
+        for guard in guards:
+            guard.release()
     raw = await client.completions.with_raw_response.create(
         model="sim", prompt=prefix + "c", max_tokens=1
     )

@@ -8,13 +8,8 @@ from typing import Any
 
 import pytest
 
-from router.policy import (
-    Decision,
-    Policy,
-    RouteRequest,
-    WorkerView,
-    build_policy,
-)
+from router.policy import build_policy
+from router.policy.base import Decision, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
 
 SYSTEM = "You are a helpful assistant. " * 40  # 1,160 chars shared by every request
@@ -157,11 +152,11 @@ def test_remove_worker_drops_its_tree() -> None:
 
 def test_capacity_bounds_each_workers_tree() -> None:
     p = policy(tree_chars_per_token=4.0)
-    p.set_capacity("w0", 250)  # 1,000 chars
+    ask(p, "a", [WorkerView("w0", 0, 250)])  # capacity comes with the view: 1,000 chars
     for i in range(50):
         p.observe("w0", f"{i:03d}" + "z" * 200, now=i)
         assert p.worker_stats()["w0"]["tree_chars"] <= 1000
-    # A view carrying a (new) capacity is applied without a set_capacity call.
+    # A view carrying a new capacity replaces the cap.
     workers = [WorkerView("w0", 0, 100), WorkerView("w1", 0, 0)]
     ask(p, "hello", workers)
     assert p.worker_stats()["w0"]["tree_chars"] <= 400

@@ -1,6 +1,6 @@
 """The fast cache_aware path makes exactly the decisions of the rule written plainly.
 
-``Reference`` is the routing rule of router/policy.py's docstring in its most direct
+``Reference`` is the routing rule of router/policy/cache_aware.py's docstring in its most direct
 form (a per-worker dict of match lengths from ``PrefixTree.match``, Python loops over
 the fleet): the shape the fast path replaced. Both replay the same random requests and
 load changes with the same seeded randomness, over a plain list of ``WorkerView`` and
@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from router.policy import Decision, FleetView, RouteRequest, WorkerView, build_policy
+from router.policy import build_policy
+from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
 from router.tree import PrefixTree
 from shared.config import RouterConfig
 

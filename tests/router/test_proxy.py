@@ -7,11 +7,33 @@ import json
 
 from aiohttp.test_utils import TestClient
 
-from router.state import FLEET, METRICS, PROXY
+from router.state import FLEET, METRICS
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 
 BODY = {"prompt": "hello there", "max_tokens": 3}
+
+
+class OtherReplicas:
+    """Stands in for `DecisionSync` (router/sync.py, tested over real Redis in
+    test_sync.py): here only the load other replicas report matters, set by the test."""
+
+    def __init__(self) -> None:
+        self.remote: dict[str, int] = {}
+        self.published: list[tuple[str, str]] = []
+        self.started = self.stopped = False
+
+    def publish(self, worker_id: str, text: str) -> None:
+        self.published.append((worker_id, text))
+
+    def remote_inflight(self) -> dict[str, int]:
+        return self.remote
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        self.stopped = True
 
 
 def in_flight(client: TestClient) -> dict[str, int]:
@@ -24,7 +46,9 @@ async def test_non_stream_relay_headers_and_cached_metric(
     [(w, server)] = await fake_workers("ok")
     client = await start_router([url_of(server)])
     r = await client.post(
-        "/v1/completions", json=BODY, headers={"Authorization": "Bearer secret", "X-Trace": "t1"}
+        "/v1/completions",
+        json=BODY,
+        headers={"Authorization": "Bearer secret", "X-Request-Id": "t1"},
     )
     assert r.status == 200
     data = await r.json()
@@ -34,7 +58,8 @@ async def test_non_stream_relay_headers_and_cached_metric(
     assert r.headers["X-Upstream"] == "w0"
     assert "Keep-Alive" not in r.headers  # hop-by-hop stripped on the way back
     sent = w.headers_seen[-1]
-    assert "Authorization" not in sent and sent.get("X-Trace") == "t1"
+    sent = {k.lower(): v for k, v in sent.items()}
+    assert "authorization" not in sent and sent.get("x-request-id") == "t1"
     worker = next(iter(client.server.app[FLEET].workers.values()))
     assert worker.actual_cached_tokens_total == 7
     assert in_flight(client) == {worker.worker_id: 0}
@@ -200,24 +225,19 @@ async def test_breaker_half_opens_and_closes_when_the_worker_recovers(
 def test_hop_by_hop_headers_are_stripped_including_connection_listed_ones() -> None:
     from multidict import CIMultiDict
 
-    from router.proxy import REQUEST_DROP, RESPONSE_DROP, end_to_end_headers
+    from router.proxy import RESPONSE_DROP, end_to_end_headers
 
     incoming = CIMultiDict(
         [("Connection", "keep-alive, X-Private"), ("X-Private", "1"), ("Keep-Alive", "timeout=5"),
-         ("Transfer-Encoding", "chunked"), ("TE", "trailers"), ("Upgrade", "h2c"), ("Host", "router"),
-         ("Authorization", "Bearer k"), ("X-Keep", "a"), ("X-Keep", "b"), ("Content-Type", "application/json")]
+         ("Transfer-Encoding", "chunked"), ("Upgrade", "h2c"), ("Content-Length", "5"),
+         ("Proxy-Authenticate", "x"), ("X-Keep", "a"), ("X-Keep", "b"), ("Content-Type", "application/json")]
     )  # fmt: skip
-    out = end_to_end_headers(incoming, REQUEST_DROP)
+    out = end_to_end_headers(incoming, RESPONSE_DROP)
     assert list(out.items()) == [
         ("X-Keep", "a"),
         ("X-Keep", "b"),
         ("Content-Type", "application/json"),
     ]
-    back = end_to_end_headers(
-        CIMultiDict([("Content-Length", "5"), ("Proxy-Authenticate", "x"), ("X-A", "1")]),
-        RESPONSE_DROP,
-    )
-    assert list(back.items()) == [("X-A", "1")]
 
 
 async def test_half_open_breaker_lets_exactly_one_probe_through(
@@ -260,19 +280,20 @@ async def test_admin_changes_and_replica_load_reach_routing_at_once(
     fake_workers: StartWorkers, start_router: StartRouter
 ) -> None:
     [(w0, s0), (w1, s1)] = await fake_workers("ok", "ok")
-    client = await start_router([url_of(s0)], policy="least_load", admin_key="adm")
+    replicas = OtherReplicas()
+    client = await start_router([url_of(s0)], replicas, policy="least_load", admin_key="adm")
     admin = {"Authorization": "Bearer adm"}
     r = await client.post("/workers", json={"url": url_of(s1), "worker_id": "b"}, headers=admin)
     assert r.status == 201
     # Another replica has 5 requests in flight to the static worker: least load is "b".
-    remote = {f"127.0.0.1:{s0.port}": 5}
-    client.server.app[PROXY].attach_sync(lambda wid, text: None, lambda: remote)
+    replicas.remote = {f"127.0.0.1:{s0.port}": 5}
     for _ in range(3):
         assert (await client.post("/v1/completions", json=BODY)).headers["X-Upstream"] == "w1"
-    remote = {"b": 5}  # the next sync round (a new mapping): now the static one is least
+    replicas.remote = {"b": 5}  # the next sync round (a new mapping): the static one is least
     assert (await client.post("/v1/completions", json=BODY)).headers["X-Upstream"] == "w0"
     assert (await client.delete("/workers/b", headers=admin)).status == 200
-    remote = {}
+    replicas.remote = {}
     for _ in range(2):
         assert (await client.post("/v1/completions", json=BODY)).headers["X-Upstream"] == "w0"
     assert w1.seen == 3 and w0.seen == 3
+    assert len(replicas.published) == 6 and replicas.started and replicas.stopped is False

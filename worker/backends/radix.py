@@ -94,6 +94,9 @@ class RadixBackend:
     def count_tokens(self, text: str) -> int:
         return self.loaded.count_tokens(text)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return self.loaded.token_texts(ids)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:

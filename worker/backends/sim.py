@@ -56,6 +56,8 @@ class CostModelRunner:
     ) -> None:
         self.capacity = capacity
         self.config = model
+        self.prefill_us_per_token = prefill_us_per_token  # reported in the engine's stats
+        self.decode_ms_per_token = decode_ms_per_token
         self.prefill_s = prefill_us_per_token / 1e6
         self.step_s = decode_ms_per_token / 1e3
         self.sleep = sleep  # None: virtual time, the caller reads `last_step_s`

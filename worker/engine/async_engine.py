@@ -137,6 +137,10 @@ class AsyncEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.engine.encode_prompt(text))
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        tokenizer = self.engine.tokenizer
+        return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
@@ -165,8 +169,7 @@ class AsyncEngine:
                 log.exception("engine step failed; failing every request in flight")
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                self._dispatch(out)
+            self._dispatch(outputs)
         for rid in list(self._queues):
             self._do_abort(rid)
         # Commands that raced with the stop: resolve flushes, end late streams.
@@ -198,13 +201,15 @@ class AsyncEngine:
             for out in outs:
                 self._push(queue, out)
 
-    def _dispatch(self, out: GenerateOutput) -> None:
-        queue = self._queues.get(out.request_id)
-        if queue is None:
-            return
-        if out.finished and out.request_id not in self.engine.in_flight:
-            del self._queues[out.request_id]  # its last choice finished
-        self._push(queue, out)
+    def _dispatch(self, outputs: list[GenerateOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                self._push(queue, out)
+        # After the whole step: several choices of one request may finish in it.
+        for out in outputs:
+            if out.finished and out.request_id not in self.engine.in_flight:
+                self._queues.pop(out.request_id, None)
 
     def _fail_all(self, exc: Exception) -> None:
         error = RuntimeError(f"engine step failed: {exc!r}")

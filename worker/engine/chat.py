@@ -15,6 +15,7 @@ class PromptTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str: ...
@@ -54,6 +55,9 @@ class ChatPrompts:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

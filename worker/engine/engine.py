@@ -11,6 +11,8 @@ drive it directly and call `check_integrity()` after every step.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ from worker.engine.types import (
     GenerateOutput,
     TokenLogprob,
 )
+
+REQUEST_MS_WEIGHT = 0.1  # moving mean of seat time: the last ~10 requests dominate
 
 
 class LLMEngine:
@@ -47,8 +51,10 @@ class LLMEngine:
         sampler: Any,
         *,
         cache: PrefixCache | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock
         self.runner = runner
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -74,6 +80,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.completion_tokens_total = 0
+        self.request_ms = 0.0  # how long an admitted request holds its seat: moving mean
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
@@ -174,6 +181,7 @@ class LLMEngine:
 
     def step(self) -> list[GenerateOutput]:
         batch = self.last_batch = self.scheduler.schedule()
+        self._stamp_admitted(batch.admitted)
         if not batch.items:
             return []
         logits = self.runner.forward(batch.items)  # rows for the sampled items only
@@ -189,8 +197,17 @@ class LLMEngine:
             self._retire(seq)
         return seq.to_output()
 
+    def _stamp_admitted(self, reqs: list[Req]) -> None:
+        now = self.clock()
+        for seq in reqs:
+            if seq.admitted_at is None:  # not a readmission after a preemption
+                seq.admitted_at = now
+
     def _retire(self, seq: Req) -> None:
         self.sampler.release(seq.seq_id)
+        if seq.admitted_at is not None:
+            held_ms = (self.clock() - seq.admitted_at) * 1e3
+            self.request_ms += REQUEST_MS_WEIGHT * (held_ms - self.request_ms)
         self.completion_tokens_total += len(seq.output_ids)
         if seq.index == 0:  # the prompt is one, however many choices share it
             self.prompt_tokens_total += len(seq.prompt_ids)
@@ -216,6 +233,12 @@ class LLMEngine:
             cached_tokens_total=self.cached_tokens_total,
             completion_tokens_total=self.completion_tokens_total,
             preemptions_total=self.scheduler.num_preemptions,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            # A cost-model runner knows its costs exactly; a model runner reports none.
+            prefill_us_per_token=getattr(self.runner, "prefill_us_per_token", 0.0),
+            decode_ms_per_token=getattr(self.runner, "decode_ms_per_token", 0.0),
+            max_running_requests=self.config.max_running_requests,
+            request_ms=self.request_ms,
         )
 
     def check_integrity(self) -> None:

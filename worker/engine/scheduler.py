@@ -86,6 +86,7 @@ class Scheduler:
         self.admission = Admission(config, cache, share=self.share)
         self.steps = 0
         self.num_preemptions = 0
+        self.waiting_prompt_tokens = 0  # prompt tokens of the queue (cost_aware reads it)
 
     @property
     def has_work(self) -> bool:
@@ -94,6 +95,14 @@ class Scheduler:
     def add(self, seq: Req) -> None:
         seq.queued_at_step = self.steps
         self.waiting.append(seq)
+        self.waiting_prompt_tokens += len(seq.prompt_ids)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens queued (whole prompts: a hit is known only at admission) or
+        admitted but not prefilled yet."""
+        running = sum(len(s.slots) - s.num_computed for s in self.running if s.is_prefilling)
+        return self.waiting_prompt_tokens + running
 
     def schedule(self) -> Batch:
         self.steps += 1
@@ -132,6 +141,7 @@ class Scheduler:
             self.finish(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self.waiting_prompt_tokens -= len(seq.prompt_ids)
             seq.status = SeqStatus.FINISHED
 
     # --- admission ---
@@ -163,6 +173,7 @@ class Scheduler:
             if seq.cached_tokens is None:
                 seq.cached_tokens = min(match.prefix_len, len(seq.prompt_ids))
             self.waiting.remove(seq)
+            self.waiting_prompt_tokens -= len(seq.prompt_ids)
             self.running.append(seq)
             out.admitted.append(seq)
             reserved += reserve
@@ -179,6 +190,7 @@ class Scheduler:
             self._release(victim)
             victim.status = SeqStatus.WAITING
             self.waiting.appendleft(victim)  # readmitted first, oldest ahead
+            self.waiting_prompt_tokens += len(victim.prompt_ids)
             victim.queued_at_step = self.steps
             preempted.append(victim)
             self.num_preemptions += 1

@@ -98,6 +98,7 @@ class Req:
     last_node: TreeNode | None = None  # the locked tree node ending the matched prefix
     dirty_from: int = 0  # slots[:dirty_from] are what the runner last saw (batch.py)
     queued_at_step: int = 0  # the scheduler's step count when it last queued (lpm age)
+    admitted_at: float | None = None  # engine clock at the first admission (seat time)
     # Prefix hit of the first admission: what the client is told was cached.
     cached_tokens: int | None = None
 

@@ -146,6 +146,16 @@ class EngineStats:
     cached_tokens_total: int
     completion_tokens_total: int
     preemptions_total: int = 0  # running requests sent back to the queue (KV ran short)
+    # For the router's cost_aware policy (predicted time to first token): prompt tokens
+    # queued or still prefilling (a waiting request's whole prompt: its cache hit is only
+    # known at admission) and what a prefill token / a decode step costs. 0.0: unknown.
+    queued_prefill_tokens: int = 0
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    # Seats: requests it runs at once (more wait for one), and how long an admitted
+    # request holds its seat (a recent mean, ms). 0: unknown.
+    max_running_requests: int = 0
+    request_ms: float = 0.0
 
 
 class Engine(Protocol):
@@ -171,6 +181,10 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def count_tokens(self, text: str) -> int: ...
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (for logprobs)."""
+        ...
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True

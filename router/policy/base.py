@@ -1,18 +1,40 @@
-"""The routable fleet as the policies read it: per-worker views and their columns.
+"""What every routing policy is: the base class, its input (the request and the routable
+fleet) and its output (a decision).
 
-A caller may pass any ``Sequence[WorkerView]``; a ``FleetView`` keeps the same data as
-columns across requests, so a policy reads a fleet of 1,000 without touching 1,000
-objects. The helpers here are the C-level passes every policy shares (no Python loop
-per worker: they run on every request).
+A policy is pure selection: no I/O, state only what it itself learns. The fleet comes as
+any ``Sequence[WorkerView]``; a ``FleetView`` keeps the same data as columns across
+requests (the router's table maintains one), so a policy reads a fleet of 1,000 without
+touching 1,000 objects. The helpers here are the C-level passes every policy shares (no
+Python loop per worker: they run on every request).
+
+A new policy subclasses ``Policy``, sets ``name`` and is added to the factory in
+``router/policy/__init__.py``; its rule and thresholds are documented at the top of its
+own module, as ``cache_aware``'s are.
 """
 
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress, islice, repeat
 from operator import attrgetter, eq
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    text: str  # canonical text to route on
+    session_key: str | None = None  # consistent_hash: header value or the OpenAI `user` field
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: str
+    reason: str  # cache_hit | balance | no_match | spill | <policy name>
+    matched_chars: int = 0  # predicted cached prefix length (chars) on the chosen worker
+    match_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -20,6 +42,18 @@ class WorkerView:
     worker_id: str
     load: int  # requests in flight from this router + queue the worker reports
     cache_capacity_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerCosts:
+    """What a worker's heartbeat says a new request would wait for (cost_aware's inputs;
+    `shared.registry.WorkerRecord` carries them). Zeros: unknown."""
+
+    queued_prefill_tokens: int = 0  # waiting prompts + the unprefilled rest of running ones
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0  # one decode step
+    max_running_requests: int = 0  # seats: requests beyond these wait
+    request_ms: float = 0.0  # how long an admitted request holds its seat (recent mean)
 
 
 class FleetView(Sequence[WorkerView]):
@@ -84,3 +118,34 @@ def columns(
 
 def loads_of(workers: Sequence[WorkerView]) -> list[int]:
     return workers.loads if isinstance(workers, FleetView) else list(map(_LOAD, workers))
+
+
+class Policy(ABC):
+    """Pure selection: no I/O, state only what the policy itself learns."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+        """``workers`` is non-empty and routable (the caller filters). Capacities reach
+        the policy only here, in ``WorkerView.cache_capacity_tokens``."""
+
+    # Only policies with per-worker state override these; the rest have none to keep.
+    def remove_worker(self, worker_id: str) -> None:
+        """Worker left or restarted (new epoch, empty cache): forget what we knew."""
+        return
+
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
+        """The worker's heartbeat: what a new request would wait for there (cost_aware)."""
+        return
+
+    def observe(self, worker_id: str, text: str, now: float) -> None:
+        """Another router replica sent ``text`` to ``worker_id``."""
+        return
+
+    def worker_stats(self) -> dict[str, dict[str, int]]:
+        return {}
+
+
+def least_loaded(workers: Sequence[WorkerView], rng: random.Random) -> WorkerView:
+    return workers[least_index(loads_of(workers), rng)]

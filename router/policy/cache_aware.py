@@ -1,4 +1,4 @@
-"""Routing policies: pick one worker per request from load and the prefix trees.
+"""The default policy, ``cache_aware``: pick a worker from load and the prefix trees.
 
 The routing rule (``cache_aware``; every threshold is a ``RouterConfig`` key)
 =============================================================================
@@ -31,147 +31,24 @@ the first worker. Each worker's tree is capped at
 ``cache_capacity_tokens × tree_chars_per_token`` chars (unknown capacity: no cap) and
 all trees together at ``tree_max_chars`` stored chars (router/tree.py).
 
-Other policies: ``round_robin``; ``random``; ``least_load`` (ties random);
-``power_of_two`` (two distinct random workers, the less loaded; ties to the first
-drawn); ``consistent_hash`` (rendezvous hashing of the session key, or of the first
-``HASH_PREFIX_CHARS`` chars of the text when there is none: when a worker joins or
-leaves only the keys it wins or held move).
+``router/policy/cost_aware.py`` builds on this one (same trees, caps and epochs) and
+routes on predicted time to first token instead. The other policies (load only) are in
+``router/policy/simple.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from itertools import compress, repeat
 from operator import eq, is_not
-from typing import ClassVar
 
+from router.policy.base import Decision, Policy, RouteRequest, WorkerView, columns, least_index
 from router.tree import PrefixTree
-from router.worker_views import FleetView, WorkerView, columns, least_index, loads_of
 from shared.config import RouterConfig
 
-__all__ = [
-    "Decision",
-    "FleetView",
-    "Policy",
-    "RouteRequest",
-    "WorkerView",
-    "build_policy",
-]
-
-HASH_PREFIX_CHARS = 256  # consistent_hash key when no session key: the prompt's head
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    text: str  # canonical text to route on
-    session_key: str | None = None  # consistent_hash: header value or the OpenAI `user` field
-
-
-@dataclass(frozen=True)
-class Decision:
-    worker_id: str
-    reason: str  # cache_hit | balance | no_match | spill | <policy name>
-    matched_chars: int = 0  # predicted cached prefix length (chars) on the chosen worker
-    match_rate: float = 0.0
-
-
-class Policy(ABC):
-    """Pure selection: no I/O, state only what the policy itself learns."""
-
-    name: ClassVar[str]
-
-    @abstractmethod
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        """``workers`` is non-empty and routable (the caller filters)."""
-
-    # Only policies with per-worker state override these; the rest have none to keep.
-    def remove_worker(self, worker_id: str) -> None:
-        """Worker left or restarted (new epoch, empty cache): forget what we knew."""
-        return
-
-    def set_capacity(self, worker_id: str, cache_tokens: int) -> None:
-        """The worker reported its KV capacity; bound what we believe it caches."""
-        return
-
-    def observe(self, worker_id: str, text: str, now: float) -> None:
-        """Another router replica sent ``text`` to ``worker_id``."""
-        return
-
-    def worker_stats(self) -> dict[str, dict[str, int]]:
-        return {}
-
-
 _NOT_NONE = partial(is_not, None)
-
-
-def _least_loaded(workers: Sequence[WorkerView], rng: random.Random) -> WorkerView:
-    return workers[least_index(loads_of(workers), rng)]
-
-
-class RoundRobin(Policy):
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        w = workers[self._next % len(workers)]
-        self._next += 1
-        return Decision(w.worker_id, self.name)
-
-
-class RandomPolicy(Policy):
-    name = "random"
-
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        return Decision(self._rng.choice(workers).worker_id, self.name)
-
-
-class LeastLoad(Policy):
-    name = "least_load"
-
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        return Decision(_least_loaded(workers, self._rng).worker_id, self.name)
-
-
-class PowerOfTwo(Policy):
-    name = "power_of_two"
-
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        if len(workers) == 1:
-            return Decision(workers[0].worker_id, self.name)
-        i, j = self._rng.sample(range(len(workers)), 2)  # indices: no copy of the fleet
-        a, b = workers[i], workers[j]
-        return Decision((b if b.load < a.load else a).worker_id, self.name)
-
-
-class ConsistentHash(Policy):
-    name = "consistent_hash"
-
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        key = request.session_key or request.text[:HASH_PREFIX_CHARS]
-        best = max(workers, key=lambda w: _score(key, w.worker_id))
-        return Decision(best.worker_id, self.name)
-
-
-def _score(key: str, worker_id: str) -> bytes:
-    # Rendezvous (highest random weight): a stable hash, not hash(), so every router
-    # replica and every restart agrees. The separator keeps ("ab","c") != ("a","bc").
-    return hashlib.blake2b(f"{key}\x00{worker_id}".encode(), digest_size=8).digest()
 
 
 class CacheAware(Policy):
@@ -267,19 +144,19 @@ class CacheAware(Policy):
         self._capacity.pop(worker_id, None)
         self._caps = None  # a worker that comes back must get its cap again
 
-    def set_capacity(self, worker_id: str, cache_tokens: int) -> None:
+    def _set_capacity(self, worker_id: str, cache_tokens: int) -> None:
         self._capacity[worker_id] = cache_tokens
         cap = int(cache_tokens * self._cfg.tree_chars_per_token) if cache_tokens > 0 else None
         self._tree.set_cap(worker_id, cap)
 
     def _follow_capacity(self, caps: Sequence[int]) -> None:
-        # The views carry the capacity the worker last reported, so the caps follow it
-        # even when the caller never calls set_capacity; unknown (0) changes nothing.
-        # Called only when the capacities differ from the last request's (rare).
+        # The one channel capacity reaches the policy by: the views carry the capacity
+        # each worker last reported; unknown (0) changes nothing. Called only when the
+        # capacities differ from the last request's (rare).
         known = self._capacity
         for wid, cap in zip(self._ids, caps, strict=True):
             if cap and known.get(wid) != cap:
-                self.set_capacity(wid, cap)
+                self._set_capacity(wid, cap)
         self._caps = caps
 
     def observe(self, worker_id: str, text: str, now: float) -> None:
@@ -291,22 +168,3 @@ class CacheAware(Policy):
             str(t): {"tree_chars": tree.tenant_size(t), "tree_nodes": tree.tenant_nodes(t)}
             for t in tree.tenants()
         }
-
-
-def build_policy(config: RouterConfig, rng: random.Random | None = None) -> Policy:
-    """The policy ``config.policy`` names, with its randomness from ``rng``."""
-    rng = rng if rng is not None else random.Random()
-    name = config.policy
-    if name == "cache_aware":
-        return CacheAware(config, rng)
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "random":
-        return RandomPolicy(rng)
-    if name == "least_load":
-        return LeastLoad(rng)
-    if name == "power_of_two":
-        return PowerOfTwo(rng)
-    if name == "consistent_hash":
-        return ConsistentHash()
-    raise ValueError(f"unknown policy {name!r}")

@@ -1,0 +1,193 @@
+"""``cost_aware``: route to the least predicted time to first token (TTFT).
+
+The rule (every knob is a ``RouterConfig`` key)
+===============================================
+For each routable worker ``w``, with the request's text of ``n`` tokens
+(chars / ``tree_chars_per_token``) of which ``m(w)`` are in ``w``'s tree::
+
+    ttft(w) = prefill(w) × (queued(w) + n − m(w))  +  cost_decode_weight × decode(w) × load(w)
+
+- ``queued(w)``: prefill tokens already waiting or running on ``w``: the larger of what
+  its heartbeat reported and this router's own uncached tokens sent since, each counted
+  until its own predicted first token (so two requests in one heartbeat interval see
+  each other; the larger of the two, as for load, counts no token twice).
+- ``prefill(w)`` (ms per token) and ``decode(w)`` (ms per step): what the worker reports
+  (the sim engine reports its cost model); ``cost_prefill_us_per_token`` /
+  ``cost_decode_ms_per_token`` for a worker that reports none.
+- ``load(w)``: requests in flight or queued there (the load every policy reads); each
+  delays a new request's first token by about ``cost_decode_weight`` decode steps (it
+  shares the batch, or holds the seat the new one waits for).
+
+The least ``ttft`` wins; ties go to the longer cached match, then the lower load, then
+at random. A long queue therefore loses to an idle worker unless the cached share saves
+more prefill than the queue costs, and a hot prefix whose holders are all busy is sent
+to the next best worker, whose tree then holds it too (the prefix is replicated; reason
+``spill``). Reasons: ``cache_hit`` (a worker with the longest match won), ``spill`` (a
+longer match existed elsewhere), ``no_match`` (no worker holds any of the text).
+
+Everything ``cache_aware`` keeps (its trees, caps per worker, replica observations, a
+new epoch dropping a tree) is inherited from it unchanged.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import eq
+
+from router.policy.base import Decision, RouteRequest, WorkerCosts, WorkerView, columns
+from router.policy.cache_aware import CacheAware
+from shared.config import RouterConfig
+
+_MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is untrusted
+_MAX_MS = 1e7
+_MAX_QUEUED = 1 << 40
+_NO_SEAT_LIMIT = 1 << 62
+
+
+def _clean(value: float, high: float) -> float:
+    """A reported figure as a usable number: NaN, negative or absurd → 0 (unknown)."""
+    return value if isinstance(value, int | float) and 0 <= value <= high else 0.0
+
+
+class CostAware(CacheAware):
+    name = "cost_aware"
+
+    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+        super().__init__(config, rng)
+        self._costs: dict[str, WorkerCosts] = {}  # as last reported, cleaned
+        # This router's own uncached tokens per worker, until their predicted first token.
+        self._own: dict[str, int] = {}
+        self._expiry: list[tuple[float, int, str, int]] = []  # (at, seq, worker, tokens)
+        self._seq = 0
+        # Per-worker columns in the order of ``self._ids``; rebuilt when the fleet or a
+        # report changes (once per heartbeat read), so a request reads lists, not dicts.
+        self._cols_for: Sequence[str] | None = None
+        self._p: list[float] = []  # ms per prefill token
+        self._kd: list[float] = []  # ms per unit of load
+        self._q: list[int] = []  # queued tokens: max(reported, own)
+        self._seats: list[int] = []  # unknown: so many that none is ever short
+        self._seat_ms: list[float] = []  # wait per request beyond the seats
+
+    # -- inputs ------------------------------------------------------------------------
+    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
+        """The worker's heartbeat: its queue of prefill tokens, its step costs, its seats."""
+        clean = WorkerCosts(
+            int(_clean(costs.queued_prefill_tokens, _MAX_QUEUED)),
+            _clean(costs.prefill_us_per_token, _MAX_PREFILL_US),
+            _clean(costs.decode_ms_per_token, _MAX_MS),
+            int(_clean(costs.max_running_requests, _MAX_QUEUED)),
+            _clean(costs.request_ms, _MAX_MS),
+        )
+        if self._costs.get(worker_id) != clean:
+            self._costs[worker_id] = clean
+            self._cols_for = None
+
+    def remove_worker(self, worker_id: str) -> None:
+        super().remove_worker(worker_id)
+        self._costs.pop(worker_id, None)
+        self._own.pop(worker_id, None)
+        self._cols_for = None
+
+    # -- the rule ----------------------------------------------------------------------
+    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+        text = request.text
+        ids, loads, caps = columns(workers)
+        if ids is not self._ids and ids != self._ids:
+            self._ids, self._pos = ids, dict(zip(ids, range(len(ids)), strict=True))
+            self._caps = None
+        if caps is not self._caps and caps != self._caps:
+            self._follow_capacity(caps)
+        self._expire(now)
+        if self._cols_for is not self._ids:
+            self._rebuild_columns()
+        cpt = self._cfg.tree_chars_per_token
+        n = len(text) / cpt
+        p, q = self._p, self._q
+        seats, seat_ms = self._seats, self._seat_ms
+        cost = [
+            pi * (qi + n) + ki * li + max(0, li + 1 - si) * wi
+            for pi, qi, ki, li, si, wi in zip(p, q, self._kd, loads, seats, seat_ms, strict=True)
+        ]
+        matched: dict[int, int] = {}  # position -> chars cached there (routable holders)
+        pos = self._pos
+        for held, end in self._tree.match_path(text) if text else ():
+            for wid in held:
+                i = pos.get(wid)  # type: ignore[arg-type]
+                if i is not None:
+                    matched[i] = end
+        for i, chars in matched.items():
+            cost[i] -= p[i] * (chars / cpt)
+        i = self._pick(cost, matched, loads)
+        wid = ids[i]
+        chars = matched.get(i, 0)
+        longest = max(matched.values(), default=0)
+        reason = "no_match" if not longest else "cache_hit" if chars == longest else "spill"
+        self._note_own(i, wid, math.ceil(n - chars / cpt), now + cost[i] / 1e3)
+        self._tree.insert(text, wid, now)
+        return Decision(wid, reason, chars, chars / len(text) if text else 0.0)
+
+    def _pick(self, cost: list[float], matched: dict[int, int], loads: list[int]) -> int:
+        low = min(cost)
+        tied = cost.count(low)
+        if tied == 1:
+            return cost.index(low)
+        # Ties: the longer cached match, then the lower load, then at random.
+        cands = list(compress(range(len(cost)), map(eq, cost, repeat(low))))
+        best = max(matched.get(i, 0) for i in cands)
+        cands = [i for i in cands if matched.get(i, 0) == best]
+        least = min(loads[i] for i in cands)
+        cands = [i for i in cands if loads[i] == least]
+        return cands[0] if len(cands) == 1 else self._rng.choice(cands)
+
+    # -- own in-flight prefill ---------------------------------------------------------
+    def _note_own(self, i: int, wid: str, tokens: int, until: float) -> None:
+        if tokens <= 0:
+            return
+        self._own[wid] = self._own.get(wid, 0) + tokens
+        self._q[i] = max(self._reported(wid), self._own[wid])
+        self._seq += 1
+        heapq.heappush(self._expiry, (until, self._seq, wid, tokens))
+
+    def _expire(self, now: float) -> None:
+        expiry, own = self._expiry, self._own
+        while expiry and expiry[0][0] <= now:
+            _, _, wid, tokens = heapq.heappop(expiry)
+            left = own.get(wid)
+            if left is None:
+                continue  # the worker left or restarted meanwhile
+            own[wid] = max(0, left - tokens)
+            i = self._pos.get(wid)
+            if i is not None and self._cols_for is self._ids:
+                self._q[i] = max(self._reported(wid), own[wid])
+
+    def _reported(self, wid: str) -> int:
+        costs = self._costs.get(wid)
+        return costs.queued_prefill_tokens if costs is not None else 0
+
+    def _rebuild_columns(self) -> None:
+        cfg = self._cfg
+        unknown = WorkerCosts()
+        costs = [self._costs.get(w, unknown) for w in self._ids]
+        self._p = [(c.prefill_us_per_token or cfg.cost_prefill_us_per_token) / 1e3 for c in costs]
+        self._kd = [
+            cfg.cost_decode_weight * (c.decode_ms_per_token or cfg.cost_decode_ms_per_token)
+            for c in costs
+        ]
+        self._q = [
+            max(c.queued_prefill_tokens, self._own.get(w, 0))
+            for w, c in zip(self._ids, costs, strict=True)
+        ]
+        known = [c.max_running_requests and c.request_ms for c in costs]
+        self._seats = [
+            c.max_running_requests if k else _NO_SEAT_LIMIT
+            for c, k in zip(costs, known, strict=True)
+        ]
+        self._seat_ms = [
+            c.request_ms / c.max_running_requests if k else 0.0
+            for c, k in zip(costs, known, strict=True)
+        ]
+        self._cols_for = self._ids

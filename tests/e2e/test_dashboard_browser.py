@@ -1,0 +1,131 @@
+"""The live fleet page in a real browser: Debian's headless Chromium, driven by Playwright
+for Python, against a real sim fleet (Redis, three `python -m worker serve --engine sim`
+processes, `python -m router serve`), with `protect_metrics` on.
+
+The browser logs in the way a person would (the page answers 401 with a Basic challenge,
+the browser sends the key), the page lists the workers, and its numbers move while
+requests flow. A screenshot is saved in the test's folder, and also to
+$RADIX_DASHBOARD_SCREENSHOT when set (that is how docs/dashboard.png was made).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from loadtests.harness import E2EFleet, WorkerSpec, http_json, prompt, sim_fleet
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+CHROMIUM = "/usr/bin/chromium"
+# Playwright never downloads a browser here: it drives the system one, offline.
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+KEY = "dashboard-test-key"
+WORKERS = 3
+
+
+@pytest.fixture
+def fleet() -> E2EFleet:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no browser: Debian's chromium is not installed at {CHROMIUM}")
+    # Decode cost keeps requests in flight long enough for load to show.
+    fleet = sim_fleet(WORKERS, WorkerSpec(decode_ms=15.0, prefill_us=20.0, heartbeat_s=0.2))
+    try:
+        fleet.start_router(
+            {"api_keys": KEY, "protect_metrics": True, "balance_abs_threshold": 4},
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
+        yield fleet
+    finally:
+        fleet.close()
+
+
+class Traffic:
+    """`clients` threads sending shared-prefix completions until stopped."""
+
+    def __init__(self, url: str, clients: int = 6) -> None:
+        self.url, self.statuses = url, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(c,)) for c in range(clients)]
+
+    def _run(self, client: int) -> None:
+        i = client
+        while not self._stop.is_set():
+            status, _ = http_json(
+                self.url + "/v1/completions", "POST", prompt(i, tokens=12, groups=5),
+                headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+            )  # fmt: skip
+            self.statuses.append(status)
+            i += len(self._threads)
+
+    def __enter__(self) -> Traffic:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+def number(text: str) -> int:
+    return int(text.replace(",", "")) if text.replace(",", "").isdigit() else -1
+
+
+def test_dashboard_lists_workers_and_follows_traffic(fleet: E2EFleet, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    assert fleet.router is not None
+    url = fleet.router.url
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(
+                http_credentials={"username": "me", "password": KEY},
+                viewport={"width": 1360, "height": 900},
+            ).new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            response = page.goto(url + "/dashboard")
+            assert response is not None and response.status == 200
+            page.wait_for_selector(f"#workers tbody tr >> nth={WORKERS - 1}", timeout=10_000)
+            rows = page.locator("#workers tbody tr")
+            assert sorted(rows.nth(i).get_attribute("data-worker") for i in range(WORKERS)) == [
+                f"w{i}" for i in range(WORKERS)
+            ]
+            assert page.inner_text("#ready") == f"{WORKERS} / {WORKERS}"
+            assert number(page.inner_text("#requests")) == 0
+            assert page.inner_text("#hit-rate") == "–"
+
+            with Traffic(url) as traffic:
+                # The page's own polling must show the traffic: requests counted, the
+                # workers' reported hit rate, and cache hits among the route reasons.
+                page.wait_for_function(
+                    "() => Number(document.getElementById('requests').textContent.replace(/,/g, '')) >= 40",
+                    timeout=30_000,
+                )
+                page.wait_for_selector("#reasons-legend [data-reason=cache_hit]", timeout=10_000)
+                page.wait_for_function(
+                    "() => document.getElementById('hit-rate').textContent.endsWith('%')",
+                    timeout=10_000,
+                )
+                shot = tmp_path / "dashboard.png"
+                page.screenshot(path=str(shot), full_page=True)
+            assert traffic.statuses and set(traffic.statuses) == {200}
+            assert float(page.inner_text("#hit-rate").rstrip("%")) > 0
+            tree_cells = [rows.nth(i).locator("td").nth(11).inner_text() for i in range(WORKERS)]
+            assert any(number(t) > 0 for t in tree_cells), tree_cells
+            assert "live" in page.inner_text("#updated") and errors == []
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("RADIX_DASHBOARD_SCREENSHOT"):
+        shutil.copy(shot, os.environ["RADIX_DASHBOARD_SCREENSHOT"])

@@ -1,0 +1,187 @@
+"""cost_aware's decisions on constructed fleets (pure: no servers, seeded randomness).
+
+Numbers are chosen so each prediction is exact: with ``tree_chars_per_token`` 4, a
+text of 4,000 chars is 1,000 tokens; at 20 µs a token its full prefill is 20 ms.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from router.policy import build_policy
+from router.policy.base import Decision, FleetView, RouteRequest, WorkerCosts, WorkerView
+from router.policy.cost_aware import CostAware
+from shared.config import RouterConfig
+
+PREFIX = "p" * 3_960  # with a 40-char question: 4,000 chars, 1,000 tokens
+
+
+def policy(seed: int = 0, **keys: Any) -> CostAware:
+    p = build_policy(RouterConfig(policy="cost_aware", **keys), random.Random(seed))
+    assert isinstance(p, CostAware)
+    return p
+
+
+def fleet(*loads: int) -> list[WorkerView]:
+    return [WorkerView(f"w{i}", load) for i, load in enumerate(loads)]
+
+
+def ask(p: CostAware, text: str, workers: list[WorkerView], now: float = 0.0) -> Decision:
+    return p.select(RouteRequest(text), workers, now)
+
+
+def question(i: int) -> str:
+    return f"{i:>40}"
+
+
+def report(p: CostAware, n: int, queued: dict[int, int] | None = None, us: float = 20.0) -> None:
+    for i in range(n):
+        p.set_costs(f"w{i}", WorkerCosts((queued or {}).get(i, 0), us, 1.0))
+
+
+def test_long_queue_loses_to_idle_worker_unless_the_cached_share_saves_more() -> None:
+    # w0 holds the prefix (990 tokens). Its queue costs 20 µs a token like the prefill.
+    for queue, expect, reason in ((5_000, "w1", "spill"), (500, "w0", "cache_hit")):
+        p = policy()
+        report(p, 2)
+        p.observe("w0", PREFIX + question(0), now=0.0)
+        report(p, 2, {0: queue})
+        d = ask(p, PREFIX + question(1), fleet(0, 0), now=1.0)
+        # w0: (queue + 1,000 − 999 cached) × 0.02 ms; w1: 1,000 × 0.02 ms = 20 ms.
+        assert (d.worker_id, d.reason) == (expect, reason), queue
+
+
+def test_break_even_is_where_the_queue_costs_what_the_cache_saves() -> None:
+    # 1 ms a token (exact arithmetic), no decode term. w1 caches 25 tokens of a
+    # 100-token request: w0 costs 100 ms, w1 costs (queued + 100 − 25) ms. Below 25
+    # queued w1 wins, above it w0, and at exactly 25 the tie goes to the longer match.
+    for queued, expect in ((24, "w1"), (25, "w1"), (26, "w0")):
+        p = policy(cost_decode_weight=0.0)
+        p.set_costs("w0", WorkerCosts(0, 1_000.0, 1.0))
+        p.set_costs("w1", WorkerCosts(queued, 1_000.0, 1.0))
+        p.observe("w1", "x" * 100, now=0.0)
+        assert ask(p, "x" * 400, fleet(0, 0)).worker_id == expect, queued
+
+
+def test_decode_interference_sends_to_the_less_loaded_of_equal_holders() -> None:
+    p = policy()
+    report(p, 3)
+    for w in ("w0", "w1"):
+        p.observe(w, PREFIX + question(0), now=0.0)
+    d = ask(p, PREFIX + question(1), fleet(6, 2, 0), now=1.0)
+    # w1 (2 × 1 ms of decode, cached) beats w0 (6 ms, cached) and w2 (idle, 20 ms prefill).
+    assert (d.worker_id, d.reason) == ("w1", "cache_hit")
+
+
+def test_cold_fleet_spreads_and_a_shared_prefix_then_sticks() -> None:
+    p = policy(seed=3)
+    report(p, 4)
+    chosen = {ask(p, chr(65 + g) + PREFIX, fleet(0, 0, 0, 0), now=g).worker_id for g in range(40)}
+    assert chosen == {"w0", "w1", "w2", "w3"}
+    p = policy(seed=3)
+    report(p, 4)
+    first = ask(p, PREFIX + question(0), fleet(0, 0, 0, 0))
+    assert first.reason == "no_match"
+    for i in range(1, 20):  # one request at a time (each predicted done before the next)
+        d = ask(p, PREFIX + question(i), fleet(0, 0, 0, 0), now=float(i))
+        assert (d.worker_id, d.reason) == (first.worker_id, "cache_hit")
+
+
+def test_own_requests_since_the_heartbeat_count_until_their_predicted_first_token() -> None:
+    p = policy(seed=1)
+    report(p, 2)
+    a = ask(p, "a" * 4_000, fleet(0, 0), now=0.0)  # 1,000 tokens: 20 ms to first token
+    b = ask(p, "b" * 4_000, fleet(0, 0), now=0.001)  # the heartbeat knows nothing of `a`
+    assert a.worker_id != b.worker_id
+    # After a's predicted first token its tokens no longer count: w(a) is idle again.
+    p2 = policy(seed=1)
+    report(p2, 2)
+    a = ask(p2, "a" * 4_000, fleet(0, 0), now=0.0)
+    later = [ask(p2, f"{k}" + "c" * 4_000, fleet(0, 0), now=1.0 + k).worker_id for k in range(30)]
+    assert a.worker_id in later
+
+
+def test_reported_and_own_queues_take_the_larger_not_the_sum() -> None:
+    p = policy(cost_decode_weight=0.0)
+    p.set_costs("w0", WorkerCosts(0, 1_000.0, 1.0))
+    p.set_costs("w1", WorkerCosts(0, 1_000.0, 1.0))
+    assert ask(p, "a" * 400, fleet(0, 0), now=0.0).worker_id in ("w0", "w1")
+    first = "w0" if p._own.get("w0") else "w1"  # 100 own tokens pending there
+    other = "w1" if first == "w0" else "w0"
+    # The heartbeat now reports those same 100 tokens: still 100 queued, not 200.
+    p.set_costs(first, WorkerCosts(100, 1_000.0, 1.0))
+    p.set_costs(other, WorkerCosts(99, 1_000.0, 1.0))
+    assert ask(p, "b" * 400, fleet(0, 0), now=0.01).worker_id == other
+
+
+def test_hot_prefix_replicates_when_its_holder_is_busy_and_both_then_hold_it() -> None:
+    p = policy(seed=5)
+    report(p, 3)
+    p.observe("w0", PREFIX + question(0), now=0.0)
+    d = ask(p, PREFIX + question(1), fleet(40, 0, 0), now=1.0)  # w0: 40 ms of decode ahead
+    assert d.reason == "spill" and d.worker_id in ("w1", "w2")
+    replica = d.worker_id
+    # Both holders now win over the third worker, by load.
+    for k in range(2, 12):
+        loads = fleet(0, 3, 3) if k % 2 else fleet(3, 3, 3)
+        if replica == "w2":
+            loads = [WorkerView(w.worker_id, 3 if w.worker_id == "w1" else w.load) for w in loads]
+        got = ask(p, PREFIX + question(k), loads, now=float(k))
+        assert got.worker_id in ("w0", replica) and got.reason == "cache_hit"
+
+
+def test_a_worker_without_a_free_seat_costs_the_wait_for_one() -> None:
+    # 4 seats, a request holds one for 80 ms: each request beyond them waits ~20 ms more.
+    p = policy(cost_decode_weight=0.0)
+    for i in range(2):
+        p.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
+    p.observe("w0", PREFIX + question(0), now=0.0)
+    text = PREFIX + question(1)  # w0 saves 990 × 0.02 = 19.8 ms of prefill
+    assert ask(p, text, fleet(3, 0), now=1.0).worker_id == "w0"  # a seat is free
+    p2 = policy(cost_decode_weight=0.0)
+    for i in range(2):
+        p2.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
+    p2.observe("w0", PREFIX + question(0), now=0.0)
+    # Full (load 4): 20 ms for a seat > 19.8 ms saved.
+    assert ask(p2, text, fleet(4, 0), now=1.0).worker_id == "w1"
+
+
+def test_bad_reports_count_as_unknown_and_never_raise() -> None:
+    p = policy(cost_prefill_us_per_token=20.0, cost_decode_ms_per_token=1.0)
+    p.set_costs("w0", WorkerCosts(-5, float("nan"), float("inf")))
+    p.set_costs("w1", WorkerCosts(10**30, -1.0, 1e12))  # type: ignore[arg-type]
+    d = ask(p, "z" * 400, fleet(0, 0))
+    assert d.worker_id in ("w0", "w1")
+    assert sorted(p._q) == [0, 100] and p._p == [0.02, 0.02] and p._kd == [1.0, 1.0]
+
+
+def test_inherits_cache_aware_bookkeeping_epochs_caps_and_fleet_views() -> None:
+    p = policy(tree_chars_per_token=4.0)
+    report(p, 2)
+    p.observe("w0", PREFIX, now=0.0)
+    p.set_costs("w0", WorkerCosts(50, 20.0, 1.0))
+    p.remove_worker("w0")  # new epoch: tree, reports and own queue go
+    assert "w0" not in p._costs and p._tree.tenant_size("w0") == 0
+    view = FleetView(["w0", "w1"], [0, 0], [0, 250])  # w1 caches 250 tokens: 1,000 chars
+    p.select(RouteRequest("r" * 100), view, 1.0)
+    p.observe("w1", "q" * 4_000, now=2.0)
+    assert p._tree.tenant_size("w1") <= 1_000
+    d = p.select(RouteRequest("s" * 100), view, 3.0)
+    assert d.worker_id in ("w0", "w1") and p.worker_stats()[d.worker_id]["tree_chars"] >= 100
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_every_decision_names_a_routable_worker(n: int) -> None:
+    p = policy(seed=n)
+    rng = random.Random(n)
+    for k in range(200):
+        workers = fleet(*(rng.randrange(5) for _ in range(n)))
+        if k % 7 == 0:
+            p.set_costs(f"w{rng.randrange(n)}", WorkerCosts(rng.randrange(3_000), 20.0, 1.0))
+        text = rng.choice(("sys-a ", "sys-b ", "")) * 50 + str(rng.random())
+        d = ask(p, text, workers, now=k * 0.01)
+        assert d.worker_id in {w.worker_id for w in workers}
+        assert 0 <= d.matched_chars <= len(text)
