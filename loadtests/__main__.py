@@ -1,4 +1,4 @@
-"""`python -m loadtests {run,report,compare,simulate}`: the load-test command line."""
+"""`python -m loadtests {run,report,compare,simulate,scheduler}`: the load-test command line."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtests import compare, runner, simulate
+    from loadtests import bench_scheduler, compare, runner, simulate
 
     ap = argparse.ArgumentParser(prog="python -m loadtests", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("simulate", help="fleet simulation in virtual time")
     simulate.add_arguments(p)
     p.set_defaults(func=simulate.main)
+    p = sub.add_parser("scheduler", help="one worker: fcfs vs lpm, in-flight sharing on vs off")
+    bench_scheduler.add_arguments(p)
+    p.set_defaults(func=bench_scheduler.main)
     args = ap.parse_args(argv)
     try:
         return int(args.func(args))
