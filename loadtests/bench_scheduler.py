@@ -175,7 +175,9 @@ def run_all(backends: list[str], model_dir: Path | None) -> list[str]:
             running = {"burst": 32, "multi_turn": 8}[workload]
             for cap in caps:
                 for name, over in variants.items():
-                    cfg = replace(base, kv_capacity_tokens=cap, max_running_requests=running, **over)
+                    cfg = replace(
+                        base, kv_capacity_tokens=cap, max_running_requests=running, **over
+                    )
                     engine, clock = build(backend, cfg, model_dir)
                     rng = random.Random(0)
                     first, questions = (burst(rng), {}) if workload == "burst" else multi_turn(rng)
@@ -194,7 +196,7 @@ _HEADER = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="sim,radix", help="comma list of sim, radix")
-    p.add_argument("--out", type=Path, default=None, help="write the tables here (markdown)")
+    p.add_argument("--out", type=Path, default=None, help="also write the tables here (markdown)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -22,6 +22,9 @@ class Admission:
         self.active = 0
         self.waiting = 0
         self.draining = False
+        # SIGTERM seen: readiness answers 503 while requests are still served
+        # (`shutdown_delay`), then `drain` refuses new ones.
+        self.stopping = False
         self._idle = asyncio.Event()
         self._idle.set()
 

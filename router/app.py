@@ -9,6 +9,7 @@ Serving it (signals, drain) is `serve()`, used by the CLI.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
+from redis.asyncio import Redis
 
 from router import handlers
 from router.admission import Admission
@@ -28,6 +30,7 @@ from router.policy import build_policy
 from router.policy.base import Policy
 from router.proxy import Proxy
 from router.ratelimit import make_rate_limit_middleware
+from router.resolver import GuardedResolver
 from router.state import (
     ADMISSION,
     CLOCK,
@@ -38,22 +41,31 @@ from router.state import (
     OPENAPI,
     POLICY,
     PROXY,
+    REJECTIONS,
     SESSION,
     SYNC,
 )
 from router.sync import DecisionSync, ReplicaSync
+from shared.access_log import OnDone, make_access_middleware, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import error_middleware
+from shared.peers import Rejections, parse_networks
 
 log = logging.getLogger(__name__)
+ACCESS_LOG = logging.getLogger("router.access")
+RATELIMIT_REDIS = web.AppKey("ratelimit_redis", Redis)
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # No connection cap here: admission already bounds concurrency, and a pool limit
     # would queue requests invisibly. Keep-alive connections to workers are reused.
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+    # The resolver refuses link-local, metadata and not-allowed addresses (router/resolver.py).
+    resolver = GuardedResolver(parse_networks(config.worker_url_allow_cidrs))
+    connector = aiohttp.TCPConnector(
+        limit=0, ttl_dns_cache=60, keepalive_timeout=30, resolver=resolver
+    )
     session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
     app[SESSION] = session
     app[PROXY] = Proxy(
@@ -69,12 +81,10 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     discovery = Discovery.from_url(
-        config.redis_url,
-        config.redis_prefix,
-        app[FLEET],
-        config.discovery_interval,
-        config.reconnect_grace,
-    )
+        config.redis_url, config.redis_prefix, app[FLEET], config.discovery_interval,
+        config.reconnect_grace, app[CLOCK], app[REJECTIONS],
+        parse_networks(config.worker_url_allow_cidrs),
+    )  # fmt: skip
     app[DISCOVERY] = discovery
     task = asyncio.create_task(discovery.run(), name="discovery")
     yield
@@ -92,6 +102,34 @@ async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
     await sync.stop()
 
 
+async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    redis = app.get(RATELIMIT_REDIS)
+    if redis is not None:
+        await redis.aclose()
+
+
+def _counter(metrics: Metrics) -> OnDone:
+    """Per request: the worker that answered, or why the router refused it."""
+
+    def on_done(
+        request: web.Request, status: int, seconds: float, response: web.StreamResponse | None
+    ) -> None:
+        if response is None:
+            return
+        worker = response.headers.get("x-radix-worker")
+        if worker is not None:
+            metrics.answered(worker, status)
+        elif status in (429, 503) and isinstance(response, web.Response) and response.body:
+            try:
+                code = json.loads(response.body)["error"]["code"]  # type: ignore[arg-type]
+            except (ValueError, KeyError, TypeError):
+                code = None
+            metrics.refused(code if isinstance(code, str) else str(status))
+
+    return on_done
+
+
 def create_app(
     config: RouterConfig,
     *,
@@ -105,13 +143,29 @@ def create_app(
     fleet = Fleet(config, policy)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
+    rejections = Rejections()  # what the Redis boundary refused (shared/peers.py)
     if sync is None and config.sync and config.redis_url:
-        sync = DecisionSync.connect(config, policy.observe, fleet.in_flight_by_worker, clock)
-    metrics = Metrics(fleet, clock)
-    rate_limit = make_rate_limit_middleware(config, clock)
+        sync = DecisionSync.connect(
+            config, policy.observe, fleet.in_flight_by_worker, clock, rejections
+        )
+    admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
+    metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting, rejections)
+    # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
+    ratelimit_redis = None
+    if config.rate_limit_per_key is not None and config.redis_url:
+        timeout = config.rate_limit_redis_timeout
+        ratelimit_redis = Redis.from_url(
+            config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
+    rate_limit = make_rate_limit_middleware(config, clock, ratelimit_redis)
+    access = make_access_middleware(
+        ACCESS_LOG, (("worker", "x-radix-worker"), ("route", "x-radix-route-reason")),
+        _counter(metrics),
+    )  # fmt: skip
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[
+            access,
             error_middleware,
             make_auth_middleware(config),
             *([rate_limit] if rate_limit is not None else []),
@@ -123,22 +177,29 @@ def create_app(
     app[FLEET] = fleet
     app[SYNC] = sync
     app[METRICS] = metrics
-    app[ADMISSION] = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
+    app[REJECTIONS] = rejections
+    app[ADMISSION] = admission
     app[OPENAPI] = build_openapi()
-    app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx])
+    if ratelimit_redis is not None:
+        app[RATELIMIT_REDIS] = ratelimit_redis
+    app.on_response_prepare.append(stamp_request_id)
+    app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx, _ratelimit_redis_ctx])
     app.router.add_routes(handlers.routes())
     return app
 
 
 async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain: refuse new work (health 503), let in-flight
-    requests (streams included) finish within `drain_timeout`, and return."""
+    """Run until SIGTERM/SIGINT, then: readiness 503 at once while still serving for
+    `shutdown_delay` (load balancers stop sending), then refuse new work (503) and let
+    in-flight requests (streams included) finish within `drain_timeout`, and return."""
     app = create_app(config)
     # handler_cancellation: a client that disconnects cancels its handler, which
     # cancels the upstream request and releases its load guard.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    # Several router processes share the port (router/processes.py): the kernel spreads
+    # connections over them.
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.processes > 1)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else config.port
     log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
@@ -150,6 +211,10 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        app[ADMISSION].stopping = True
+        if config.shutdown_delay > 0:
+            log.info("stopping: not ready, still serving for %.1fs", config.shutdown_delay)
+            await asyncio.sleep(config.shutdown_delay)
         log.info("draining: %d in flight, up to %.0fs", app[ADMISSION].active, config.drain_timeout)
         if not await app[ADMISSION].drain(config.drain_timeout):
             log.warning("drain timeout: %d requests still in flight", app[ADMISSION].active)

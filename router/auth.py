@@ -20,7 +20,8 @@ from shared.auth import bearer_token as _bearer_token
 from shared.config import RouterConfig
 from shared.errors import APIError, Handler
 
-OPEN_PATHS = frozenset({"/openapi.json"})
+# Probes must answer the kubelet, which has no key.
+OPEN_PATHS = frozenset({"/openapi.json", "/liveness", "/readiness"})
 OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboard.json"})
 BROWSER_PATHS = frozenset({"/dashboard", "/dashboard.json"})
 

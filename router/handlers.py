@@ -14,13 +14,14 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router import dashboard
-from router.proxy import Routed, worker_authorization
+from router.proxy import Routed
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from router.upstream import worker_authorization
 from router.workers import Worker
 from shared.body import read_json
-from shared.config import check_worker_url
 from shared.errors import APIError
 from shared.http import PROMETHEUS_TEXT
+from shared.peers import check_worker_id, check_worker_url, parse_networks
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -119,6 +120,25 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "workers": routable})
 
 
+async def liveness(request: web.Request) -> web.Response:
+    """The process and its event loop are up: nothing else (no workers needed), so a
+    router is never restarted while a fleet's models are still loading."""
+    return web.json_response({"status": "alive"})
+
+
+async def readiness(request: web.Request) -> web.Response:
+    """Ready to take traffic: not shutting down and at least one worker routable."""
+    app = request.app
+    admission = app[ADMISSION]
+    if admission.stopping or admission.draining:
+        return web.json_response({"status": "not_ready", "reason": "shutting_down"}, status=503)
+    routable = len(app[FLEET].view(app[CLOCK]()))
+    if routable == 0:
+        reason = "no routable worker (none registered, all draining, or all breakers open)"
+        return web.json_response({"status": "not_ready", "reason": reason}, status=503)
+    return web.json_response({"status": "ready", "workers": routable})
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
@@ -141,10 +161,15 @@ async def add_worker(request: web.Request) -> web.Response:
     url, wid = data.get("url"), data.get("worker_id")
     if not isinstance(url, str):
         raise APIError(400, "url: a string http(s)://host:port is required", param="url")
-    if wid is not None and (not isinstance(wid, str) or not wid or len(wid) > 200):
-        raise APIError(400, "worker_id: must be a non-empty string", param="worker_id")
+    if wid is not None:
+        try:
+            check_worker_id(wid)
+        except ValueError as e:
+            raise APIError(
+                400, f"worker_id: {e}", param="worker_id", code="invalid_value"
+            ) from None
     try:
-        check_worker_url(url)
+        check_worker_url(url, parse_networks(request.app[CONFIG].worker_url_allow_cidrs))
     except ValueError as e:
         raise APIError(400, f"url: {e}", param="url", code="invalid_value") from None
     worker = request.app[FLEET].add_url(url, "admin", wid)
@@ -170,6 +195,8 @@ def routes() -> list[web.RouteDef]:
         web.post("/generate", generate),
         web.get("/v1/models", models),
         web.get("/health", health),
+        web.get("/liveness", liveness),
+        web.get("/readiness", readiness),
         web.get("/metrics", metrics),
         web.get("/workers", list_workers),
         web.post("/workers", add_worker),

@@ -14,12 +14,20 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.fleet import Fleet
 from shared.http import LATENCY_BUCKETS
+from shared.peers import Rejections
 
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0, float("inf"))
 
@@ -29,9 +37,12 @@ class _FleetCollector(Collector):
     books (no second count on the hot path). A worker's counters go with it when it
     leaves the table."""
 
-    def __init__(self, fleet: Fleet, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, fleet: Fleet, clock: Callable[[], float], in_flight: Callable[[], int]
+    ) -> None:
         self.fleet = fleet
         self.clock = clock
+        self.in_flight = in_flight
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         now = self.clock()
@@ -43,6 +54,16 @@ class _FleetCollector(Collector):
         )
         is_open = GaugeMetricFamily(
             "radix_router_worker_breaker_open", "1 when the breaker is open", labels=["worker"]
+        )
+        kv_usage = GaugeMetricFamily(
+            "radix_router_worker_kv_cache_usage_ratio",
+            "KV cache in use / capacity, as the worker last reported it (0..1)",
+            labels=["worker"],
+        )
+        waiting = GaugeMetricFamily(
+            "radix_router_worker_waiting_requests",
+            "Requests queued in the worker's engine, as it last reported",
+            labels=["worker"],
         )
         routable = GaugeMetricFamily(
             "radix_router_workers_routable", "Workers that can take requests"
@@ -67,9 +88,19 @@ class _FleetCollector(Collector):
             failures.add_metric(wid, w.failures_total)
             predicted.add_metric(wid, w.predicted_tokens_total)
             actual.add_metric(wid, w.actual_cached_tokens_total)
+            capacity = w.kv_capacity_tokens
+            used = min(w.kv_used_tokens, capacity) if capacity > 0 else 0
+            kv_usage.add_metric(wid, used / capacity if capacity > 0 else 0.0)
+            waiting.add_metric(wid, w.waiting)
             count += int(not w.draining and w.breaker.allows(now))
         routable.add_metric([], count)
-        yield from (in_flight, load, is_open, routable, failures, predicted, actual)
+        # What the router HPA scales on: requests this replica holds (admitted + queued).
+        replica = GaugeMetricFamily(
+            "radix_router_in_flight_requests", "Requests held by this router replica"
+        )
+        replica.add_metric([], self.in_flight())
+        yield from (in_flight, load, is_open, kv_usage, waiting, routable, replica)
+        yield from (failures, predicted, actual)
 
 
 class ReasonWindow:
@@ -116,12 +147,38 @@ class ReasonWindow:
         }
 
 
+class _RejectionsCollector(Collector):
+    """Entries the Redis boundary dropped (bad worker records, sync entries), by source."""
+
+    def __init__(self, rejections: Rejections) -> None:
+        self.rejections = rejections
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "radix_router_untrusted_rejected",
+            "Entries read from Redis and dropped as malformed or out of bounds",
+            labels=["source"],
+        )
+        for source, count in sorted(self.rejections.counts.items()):
+            family.add_metric([source], count)
+        yield family
+
+
 class Metrics:
-    def __init__(self, fleet: Fleet, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        clock: Callable[[], float] = time.monotonic,
+        in_flight: Callable[[], int] = lambda: 0,
+        rejections: Rejections | None = None,
+    ) -> None:
         self.clock = clock
         self.reasons = ReasonWindow()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # process_* (CPU, memory, open fds) and python_info, as the default registry has.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.requests = Counter(
             "radix_router_requests", "Requests answered", ["endpoint", "status"], registry=r
         )
@@ -132,18 +189,27 @@ class Metrics:
             "radix_router_decisions", "Routing decisions", ["reason"], registry=r
         )
         self.rejected = Counter(
-            "radix_router_rejected", "Requests refused by admission", ["why"], registry=r
+            "radix_router_rejected",
+            "Requests refused before reaching a worker (rate limit, capacity, draining)",
+            ["reason"],
+            registry=r,
         )
         self.latency = Histogram(
-            "radix_router_request_seconds", "Time to the end of the response", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "radix_router_request_duration_seconds", "Time to the end of the response",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.worker_requests = Counter(
+            "radix_router_worker_requests", "Requests answered, by the worker that answered",
+            ["worker", "status"], registry=r,
         )  # fmt: skip
         self.cache_ratio = Histogram(
             "radix_router_cached_tokens_ratio",
             "Actual cached tokens / tokens predicted by the prefix tree (when predicted > 0)",
             ["worker"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
-        r.register(_FleetCollector(fleet, clock))
+        r.register(_FleetCollector(fleet, clock, in_flight))
+        if rejections is not None:
+            r.register(_RejectionsCollector(rejections))
         # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
         self._children: dict[tuple[str, ...], Any] = {}
 
@@ -157,6 +223,12 @@ class Metrics:
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         self._child(self.requests, endpoint, str(status)).inc()
         self._child(self.latency, endpoint).observe(seconds)
+
+    def answered(self, worker: str, status: int) -> None:
+        self._child(self.worker_requests, worker, str(status)).inc()
+
+    def refused(self, reason: str) -> None:
+        self._child(self.rejected, reason).inc()
 
     def decision(self, reason: str) -> None:
         self._child(self.decisions, reason).inc()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
-from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 # Every status a routed inference request can be answered with.
 _INFERENCE_ERRORS = {
@@ -42,7 +42,7 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
     components: dict[str, Any] = {"Error": ERROR_SCHEMA}
     chat = add_schema(ChatCompletionRequest, components)
     completion = add_schema(CompletionRequest, components)
-    generate = add_schema(GenerateRequest, components)
+    generate = add_schema(GenerateWireRequest, components)
     admin_add = {
         "type": "object",
         "required": ["url"],
@@ -73,6 +73,21 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
                     "responses": {
                         "200": {"description": "Ready"},
                         "503": {"description": "No routable worker, or draining"},
+                    },
+                }
+            },
+            "/liveness": {
+                "get": {
+                    "summary": "200 while the process runs (no workers needed)",
+                    "responses": {"200": {"description": "Alive"}},
+                }
+            },
+            "/readiness": {
+                "get": {
+                    "summary": "200 with a routable worker, else 503 with the reason",
+                    "responses": {
+                        "200": {"description": "Ready"},
+                        "503": {"description": "No routable worker, or shutting down"},
                     },
                 }
             },

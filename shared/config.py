@@ -13,10 +13,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from shared.peers import check_worker_url, parse_networks
 
 PolicyName = Literal[
     "cache_aware",
@@ -32,16 +33,6 @@ EngineName = Literal["radix", "sim", "vllm"]
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key."""
-
-
-def check_worker_url(url: str) -> str:
-    """Worker URLs reach the proxy, so only plain http(s) with a host and a port."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-        raise ValueError(f"worker URL must be http(s)://host:port, got {url!r}")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ValueError(f"worker URL must not carry credentials, query or fragment: {url!r}")
-    return url.rstrip("/")
 
 
 class _Frozen(BaseModel):
@@ -100,6 +91,9 @@ class RouterConfig(_Frozen):
     queue_timeout: float = Field(30.0, gt=0)
     forward_authorization: bool = False
     drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM, keep serving (readiness 503) this long before refusing new requests,
+    # so load balancers stop sending first; then drain. The chart sets it.
+    shutdown_delay: float = Field(0.0, ge=0)
     # Security.
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
@@ -112,8 +106,16 @@ class RouterConfig(_Frozen):
     # Per-client token bucket on inference requests (router/ratelimit.py); None: off.
     rate_limit_per_key: float | None = Field(None, gt=0)
     rate_limit_burst: int = Field(20, ge=1)
+    # With a Redis URL the limit is shared by every replica (one Lua script per request);
+    # a Redis that does not answer within this many seconds falls back to per replica.
+    rate_limit_redis_timeout: float = Field(0.25, gt=0)
+    # CIDRs of load balancers / ingress whose X-Forwarded-For names the client (rate limit).
+    trusted_proxies: tuple[str, ...] = ()
     # Several replicas share routing decisions and in-flight load through Redis (router/sync.py).
     sync: bool = False
+    # Router processes on this host behind one port (SO_REUSEPORT; router/processes.py).
+    # Above 1 they route as replicas: sync is turned on when redis_url is set.
+    processes: int = Field(1, ge=1, le=256)
     sync_stream_maxlen: int = Field(20_000, ge=100)
     sync_max_chars: int = Field(32_768, ge=64)
     sync_flush_interval: float = Field(0.02, gt=0)
@@ -124,6 +126,12 @@ class RouterConfig(_Frozen):
     @classmethod
     def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(check_worker_url(u) for u in v)
+
+    @field_validator("worker_url_allow_cidrs", "trusted_proxies")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        parse_networks(v)  # ValueError names the bad network
+        return v
 
 
 class WorkerConfig(_Frozen):
@@ -141,6 +149,8 @@ class WorkerConfig(_Frozen):
     # Engine.
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attention_backend: Literal["auto", "sdpa", "triton"] = "auto"  # auto: triton on CUDA
+    disable_cuda_graph: bool = False
     cache_tokens: int | None = Field(None, gt=0)  # KV capacity; None: kv_memory_fraction
     kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     page_size: int = Field(1, ge=1)
@@ -162,6 +172,9 @@ class WorkerConfig(_Frozen):
     stream_write_timeout: float = Field(30.0, gt=0)  # then the request is aborted
     api_keys: tuple[str, ...] = ()
     drain_timeout: float = Field(30.0, ge=0)
+    # After SIGTERM the worker leaves the registry at once but keeps serving this long
+    # (routers drop it within a discovery interval), then refuses new requests and drains.
+    shutdown_delay: float = Field(0.0, ge=0)
     log_level: str = "INFO"
 
     @field_validator("advertise_url")

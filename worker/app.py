@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from pydantic import ValidationError
 
+from shared.access_log import make_access_middleware, stamp_request_id
 from shared.auth import KeySet, unauthorized
 from shared.config import WorkerConfig
 from shared.errors import APIError, Handler, error_middleware
@@ -29,6 +30,7 @@ from worker.metrics import WorkerMetrics
 from worker.state import CONFIG, ENGINE, HEARTBEAT, METRICS, STATE, WorkerState
 
 log = logging.getLogger(__name__)
+ACCESS_LOG = logging.getLogger("worker.access")
 
 
 # Readable without an API key (probes and scrapers).
@@ -123,8 +125,8 @@ def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> Wor
         epoch=state.epoch,
         running=stats.running,
         waiting=stats.waiting,
-        cache_capacity_tokens=stats.cache_capacity_tokens,
-        cache_used_tokens=stats.cache_used_tokens,
+        kv_capacity_tokens=stats.cache_capacity_tokens,
+        kv_used_tokens=stats.cache_used_tokens,
         prompt_tokens_total=stats.prompt_tokens_total,
         cached_tokens_total=stats.cached_tokens_total,
         draining=state.draining,
@@ -174,7 +176,12 @@ ROUTES = [
 
 def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, make_auth_middleware(config), lifecycle_middleware],
+        middlewares=[
+            make_access_middleware(ACCESS_LOG),
+            error_middleware,
+            make_auth_middleware(config),
+            lifecycle_middleware,
+        ],
         client_max_size=config.max_body_bytes,
     )
     state = WorkerState(
@@ -188,6 +195,7 @@ def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
     app[STATE] = state
     app[METRICS] = WorkerMetrics(engine.stats, lambda: state.draining)
     app.on_response_prepare.append(_stamp_worker_id)
+    app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend([_engine_ctx, _heartbeat_ctx])
     app.add_routes(ROUTES)
     return app

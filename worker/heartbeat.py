@@ -50,6 +50,7 @@ class Heartbeat:
         self.interval = interval
         self.ttl = interval * ttl_intervals
         self.beats = 0  # successful writes (tests wait on this)
+        self.failures = 0  # failed writes (Redis unreachable)
         self.joined = False
         self._failing = False
         self._task: asyncio.Task[None] | None = None
@@ -72,6 +73,7 @@ class Heartbeat:
             await self.registry.publish_heartbeat(self.record(), self.ttl, joined=not self.joined)
         except _FAILURES as exc:
             reraise_if_cancelled()
+            self.failures += 1
             if not self._failing:
                 log.warning("heartbeat to Redis failed (%s); still serving, retrying", exc)
             self._failing = True

@@ -23,8 +23,8 @@ from shared.errors import APIError
 from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     GenerateSamplingParams,
+    GenerateWireRequest,
 )
 from worker.engine.types import (
     EngineError,
@@ -124,17 +124,21 @@ async def _run(
             first = await anext(it)
         except (EngineError, EngineOverloaded) as exc:
             raise _engine_error(exc, params) from None
-        metrics.ttft.labels(request.path).observe(time.perf_counter() - start)
+        first_at = time.perf_counter()
+        metrics.first_output(request.path, first_at - start, first.queue_seconds)
         tally = Tally()
         if not stream:
             choices = [Choice(i) for i in range(gen.params.n)]
             out: GenerateOutput | None = first
+            last = first
             while out is not None:
                 choices[out.index].add(out)
                 tally.add(out)
+                last = out
                 out = await anext(it, None)
+            metrics.last_output(request.path, time.perf_counter() - first_at, last)
             return web.json_response(fmt.body(choices, tally))
-        response = await open_stream(request)
+        response = await open_stream(request, request.app[CONFIG].stream_write_timeout)
         try:
             started: set[int] = set()
             unfinished = gen.params.n
@@ -154,6 +158,7 @@ async def _run(
                 out = nxt
             if (usage := fmt.usage_chunk(tally)) is not None:
                 events.append(usage)
+            metrics.last_output(request.path, time.perf_counter() - first_at, out)
             await send_done(response, events)
         except ConnectionResetError:
             pass  # the client left; closing `it` aborts the request
@@ -231,7 +236,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
-    req = GenerateRequest.model_validate(body)
+    req = GenerateWireRequest.model_validate(body)
     try:
         sp = GenerateSamplingParams.model_validate(req.sampling_params)
     except ValidationError as exc:  # name the nested field: sampling_params.max_new_tokens

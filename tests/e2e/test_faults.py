@@ -1,4 +1,4 @@
-"""Worker and Redis faults under load, every service a real process (loadtests/harness.py).
+"""Worker and Redis faults under load, every service a real process (loadtests/fleet.py).
 
 What the proxy can promise, and so what is asserted:
 - A non-streaming answer is sent by the worker only when generation ends (it awaits
@@ -21,18 +21,9 @@ from collections.abc import Iterator
 import pytest
 import redis as redis_sync
 
-from loadtests.harness import (
-    E2EFleet,
-    SteadyLoad,
-    WorkerSpec,
-    burst,
-    call,
-    failures,
-    prompt,
-    session,
-    sim_fleet,
-    wait_health,
-)
+from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet, wait_health
+from loadtests.traffic import SteadyLoad, burst, call, failures, prompt, session
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -40,26 +31,17 @@ HEARTBEAT_S = 0.2  # worker TTL = 3 beats = 0.6 s; router discovery polls every 
 
 
 @pytest.fixture
-def fleet3() -> Iterator[E2EFleet]:
+def fleet3() -> Iterator[BenchFleet]:
     fleet = sim_fleet(3, WorkerSpec(decode_ms=5.0, heartbeat_s=HEARTBEAT_S))
     yield fleet
     fleet.close()
 
 
 @pytest.fixture
-def fleet2() -> Iterator[E2EFleet]:
+def fleet2() -> Iterator[BenchFleet]:
     fleet = sim_fleet(2, WorkerSpec(decode_ms=2.0, heartbeat_s=HEARTBEAT_S))
     yield fleet
     fleet.close()
-
-
-async def wait_for(check, timeout: float) -> float:  # type: ignore[no-untyped-def]
-    """Poll a blocking check off the loop (the load keeps running meanwhile)."""
-    start = time.monotonic()
-    while not await asyncio.to_thread(check):
-        assert time.monotonic() - start < timeout, f"not within {timeout}s"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
 
 
 def record(name: str, sent: int, ok: int, retried: float, recover_s: float) -> None:
@@ -67,7 +49,7 @@ def record(name: str, sent: int, ok: int, retried: float, recover_s: float) -> N
           f"recovered in {recover_s:.2f}s")  # fmt: skip
 
 
-async def test_sigkill_worker_under_load_loses_no_request(fleet3: E2EFleet) -> None:
+async def test_sigkill_worker_under_load_loses_no_request(fleet3: BenchFleet) -> None:
     # round_robin: the victim surely holds a third of the requests and of the streams.
     router = fleet3.start_router({"policy": "round_robin"})
     url = router.url + "/v1/completions"
@@ -83,7 +65,9 @@ async def test_sigkill_worker_under_load_loses_no_request(fleet3: E2EFleet) -> N
             await asyncio.gather(*(e.wait() for e in started))
         fleet3.workers["w0"].signal(9)
         killed = time.monotonic()
-        left = await wait_for(lambda: "w0" not in fleet3.router_workers(), 10)
+        left = await wait_until(
+            lambda: "w0" not in fleet3.router_workers(), 10, 0.05, blocking=True
+        )
         outcomes, streamed = await tasks
     retried = await asyncio.to_thread(fleet3.router_metric, "radix_router_retries_total")
     record("sigkill", len(outcomes), sum(o.ok for o in outcomes), retried, left)
@@ -107,7 +91,7 @@ async def test_sigkill_worker_under_load_loses_no_request(fleet3: E2EFleet) -> N
     assert failures(after) == [] and {o.worker for o in after} == {"w1", "w2"}
 
 
-async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: E2EFleet) -> None:
+async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: BenchFleet) -> None:
     router = fleet2.start_router()
     url = router.url + "/v1/completions"
     async with session() as http:
@@ -129,7 +113,7 @@ async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: E2EFl
             w0 = fleet2.router_workers().get("w0")
             return w0 is not None and w0["epoch"] != before["w0"]["epoch"]
 
-        await wait_for(new_epoch, 15)
+        await wait_until(new_epoch, 15, 0.05, blocking=True)
         seen = await asyncio.to_thread(fleet2.router_workers)
         # Dropped on the new epoch: what is there now came after the restart only.
         assert seen["w0"]["tree"].get("tree_chars", 0) < before["w0"]["tree"]["tree_chars"]
@@ -146,7 +130,7 @@ async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: E2EFl
     assert "w0" in {o.worker for o in after_back}  # it is routed to again
 
 
-async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: E2EFleet) -> None:
+async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: BenchFleet) -> None:
     router = fleet2.start_router({"reconnect_grace": 3.0})
     url = router.url + "/v1/completions"
     redis = fleet2.redis
@@ -163,15 +147,16 @@ async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: E2EFlee
         restarted = time.monotonic()
         client = redis_sync.Redis.from_url(redis.url, socket_timeout=2)
         # Heartbeats resume by themselves: both records are back in the new (empty) Redis.
-        await wait_for(
-            lambda: client.exists("radixrouter:worker:w0", "radixrouter:worker:w1") == 2, 15
-        )
+        await wait_until(
+            lambda: client.exists("radixrouter:worker:w0", "radixrouter:worker:w1") == 2,
+            15, 0.05, blocking=True,
+        )  # fmt: skip
         beats_back = time.monotonic() - restarted
         # Discovery resumes by itself: a worker that joins now is found and routed to.
         await asyncio.to_thread(
             fleet2.start_worker, "w2", WorkerSpec(decode_ms=2.0, heartbeat_s=HEARTBEAT_S)
         )
-        await wait_for(lambda: "w2" in fleet2.router_workers(), 15)
+        await wait_until(lambda: "w2" in fleet2.router_workers(), 15, 0.05, blocking=True)
         outcomes = await load.stop()
         # New prefixes (no tree matches them), so the least loaded worker gets them.
         fresh = [
@@ -186,13 +171,13 @@ async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: E2EFlee
     assert all(c.alive for c in fleet2.workers.values())
 
 
-async def test_restart_is_seen_even_if_redis_is_slow_to_answer(fleet2: E2EFleet) -> None:
+async def test_restart_is_seen_even_if_redis_is_slow_to_answer(fleet2: BenchFleet) -> None:
     """A worker that is back before its record expires keeps its id and is routable."""
     router = fleet2.start_router()
     url = router.url + "/v1/completions"
     await asyncio.to_thread(fleet2.restart_worker, "w1", False)
     await asyncio.to_thread(wait_health, fleet2.workers["w1"])
-    await wait_for(lambda: fleet2.routable() == 2, 15)
+    await wait_until(lambda: fleet2.routable() == 2, 15, 0.05, blocking=True)
     async with session() as http:
         out = await call(http, url, prompt(1, tokens=2))
     assert out.ok

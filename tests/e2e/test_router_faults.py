@@ -10,7 +10,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +22,7 @@ from router.state import DISCOVERY, FLEET, METRICS, POLICY
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer, free_port
 from tests.router.processes import Proc, spawn, start_sim_worker, wait_healthy
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +47,8 @@ async def start_router(redis: RedisServer, n: int, **kw: object) -> TestServer:
     )
     server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)
     await server.start_server()
-    await until(lambda: len(server.app[FLEET].workers) == n, 15)
+    await wait_until(lambda: len(server.app[FLEET].workers) == n, 15)
     return server
-
-
-async def until(check: Callable[[], bool], timeout: float) -> float:
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < timeout, "condition not met in time"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 @pytest.fixture
@@ -93,7 +86,7 @@ async def test_sigkill_under_load_loses_nothing(
     killed_at = time.monotonic()
     statuses = await asyncio.gather(*tasks)
     bodies = await asyncio.gather(*streams)
-    left = await until(lambda: "w0" not in router.app[FLEET].workers, 10)
+    left = await wait_until(lambda: "w0" not in router.app[FLEET].workers, 10)
     retried = router.app[METRICS].retries._value.get()
     print(f"\nSIGKILL: sent 200, ok {statuses.count(200)}, failed {200 - statuses.count(200)}, "
           f"retried {retried:.0f}, left routing {time.monotonic() - killed_at:.2f}s after the kill")  # fmt: skip
@@ -123,7 +116,7 @@ async def test_restarted_worker_gets_its_tree_dropped(
     procs[0].proc.kill()
     procs[0].proc.wait()
     procs.append(start_sim_worker("w0", redis.url, tmp_path, port=port))
-    await until(lambda: "w0" in fleet.workers and fleet.workers["w0"].epoch != epoch, 15)
+    await wait_until(lambda: "w0" in fleet.workers and fleet.workers["w0"].epoch != epoch, 15)
     assert policy.worker_stats().get("w0", {}).get("tree_chars", 0) == 0
     for i in range(10):
         async with http.post(url, json=prompt(i)) as r:
@@ -151,13 +144,14 @@ async def test_redis_outage_keeps_routing(
 
     await load(0.3)
     redis.stop()
-    await until(lambda: not router.app[DISCOVERY].connected, 10)
+    await wait_until(lambda: not router.app[DISCOVERY].connected, 10)
     await load(2.0)  # Redis down
     assert len(router.app[FLEET].workers) == 2
     redis.start()
-    recovered = await until(lambda: router.app[DISCOVERY].connected, 15)
+    recovered = await wait_until(lambda: router.app[DISCOVERY].connected, 15)
     await load(1.0)
-    await asyncio.sleep(1.0)
+    polls = router.app[DISCOVERY].polls
+    await wait_until(lambda: router.app[DISCOVERY].polls >= polls + 3, 10)  # it did look again
     print(
         f"\nRedis outage: sent {len(statuses)}, ok {statuses.count(200)}, reconnected in {recovered:.2f}s"
     )

@@ -25,7 +25,7 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "helm" / "radix-router" / "v
 # (per-pod values and secrets): a user setting them under `config` would be overridden
 # or would put a secret into a ConfigMap, so the schema rejects them.
 ROUTER_CHART_KEYS = frozenset(
-    {"host", "port", "redis_prefix", "sync", "redis_url", "api_keys", "admin_key"}
+    {"host", "port", "redis_prefix", "sync", "redis_url", "api_keys", "admin_key", "worker_api_key"}
 )
 WORKER_CHART_KEYS = frozenset(
     {

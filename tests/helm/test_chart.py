@@ -33,6 +33,7 @@ IDS = ["defaults", *(p.stem for p in EXAMPLES)]
 KUBE_VERSIONS = ["1.30.0", "1.33.0"]
 # Custom resources kubernetes-validate has no schema for; checked field by field below.
 CRD_KINDS = {"ServiceMonitor"}
+PROBE_PATHS = {"/health", "/liveness", "/readiness"}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
@@ -124,7 +125,9 @@ def test_probe_ports_are_container_ports(case: tuple[Any, Rendered]) -> None:
                     continue
                 assert action["port"] in ports, f"{w['metadata']['name']}/{c['name']}: {action}"
                 if "httpGet" in probe:
-                    assert probe["httpGet"]["path"] == "/health"
+                    # Paths the services serve (the router's are tested against a real
+                    # process in tests/e2e/test_probes_and_ratelimit.py).
+                    assert probe["httpGet"]["path"] in PROBE_PATHS, probe
 
 
 def test_router_and_workers_have_startup_probes(case: tuple[Any, Rendered]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -41,10 +42,13 @@ async def start_router() -> AsyncIterator[StartRouter]:
     clients: list[TestClient] = []
 
     async def start(
-        urls: list[str] | tuple[str, ...] = (), sync: ReplicaSync | None = None, **overrides: Any
+        urls: list[str] | tuple[str, ...] = (),
+        sync: ReplicaSync | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **overrides: Any,
     ) -> TestClient:
         config = RouterConfig(worker_urls=tuple(urls), host="127.0.0.1", **overrides)
-        app = create_app(config, sync=sync)
+        app = create_app(config, sync=sync, clock=clock)
         server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
         client = TestClient(server)
         await client.start_server()

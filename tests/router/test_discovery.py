@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from redis.asyncio import Redis
@@ -18,6 +17,7 @@ from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.registry import Registry, WorkerRecord
+from tests.waiting import ManualClock, wait_until
 
 
 @pytest.fixture
@@ -37,19 +37,13 @@ def rec(wid: str, port: int, epoch: float = 1.0, **kw: object) -> WorkerRecord:
     return WorkerRecord(wid, f"http://127.0.0.1:{port}", "m", "sim", epoch, **kw)  # type: ignore[arg-type]
 
 
-async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 async def start(
-    redis_server: RedisServer, fleet: Fleet, grace: float = 0.0
+    redis_server: RedisServer, fleet: Fleet, grace: float = 0.0, clock: ManualClock | None = None
 ) -> tuple[Discovery, asyncio.Task[None]]:
     discovery = Discovery.from_url(
-        redis_server.url, "radixrouter:", fleet, interval=0.1, grace=grace
-    )
+        redis_server.url, "radixrouter:", fleet, interval=0.1, grace=grace,
+        clock=clock if clock is not None else ManualClock(),
+    )  # fmt: skip
     return discovery, asyncio.create_task(discovery.run())
 
 
@@ -66,23 +60,23 @@ async def test_join_expire_leave_and_epoch(redis_server: RedisServer, registry: 
     discovery, task = await start(redis_server, fleet)
     try:
         await registry.publish_heartbeat(
-            rec("a", 9001, cache_capacity_tokens=1000), ttl_s=30, joined=True
+            rec("a", 9001, kv_capacity_tokens=1000), ttl_s=30, joined=True
         )
         await registry.publish_heartbeat(rec("b", 9002), ttl_s=0.5, joined=True)
-        await eventually(lambda: set(fleet.workers) == {"a", "b"})
-        assert fleet.workers["a"].cache_capacity_tokens == 1000
+        await wait_until(lambda: set(fleet.workers) == {"a", "b"})
+        assert fleet.workers["a"].kv_capacity_tokens == 1000
         # b stops heartbeating: it leaves once its hash expires.
-        await eventually(lambda: set(fleet.workers) == {"a"})
+        await wait_until(lambda: set(fleet.workers) == {"a"})
         # a restarts: new epoch → its tree is dropped.
         policy.select(RouteRequest("p" * 300), [WorkerView("a", 0)], 0.0)
         assert policy.worker_stats()["a"]["tree_chars"] >= 300
         await registry.publish_heartbeat(
-            rec("a", 9001, epoch=2.0, cache_capacity_tokens=1000), ttl_s=30, joined=True
+            rec("a", 9001, epoch=2.0, kv_capacity_tokens=1000), ttl_s=30, joined=True
         )
-        await eventually(lambda: fleet.workers["a"].epoch == 2.0)
+        await wait_until(lambda: fleet.workers["a"].epoch == 2.0)
         assert policy.worker_stats().get("a", {}).get("tree_chars", 0) == 0
         await registry.leave(rec("a", 9001, epoch=2.0))
-        await eventually(lambda: fleet.workers == {})
+        await wait_until(lambda: fleet.workers == {})
     finally:
         await stop(task)
     assert discovery.errors == 0
@@ -99,7 +93,7 @@ async def test_malformed_record_is_never_routed(
         )
         await registry.redis.sadd("radixrouter:workers", "evil")
         await registry.publish_heartbeat(rec("ok", 9003), ttl_s=30, joined=True)
-        await eventually(lambda: "ok" in fleet.workers)
+        await wait_until(lambda: "ok" in fleet.workers)
         assert "evil" not in fleet.workers
     finally:
         await stop(task)
@@ -107,27 +101,31 @@ async def test_malformed_record_is_never_routed(
 
 async def test_redis_outage_keeps_the_fleet_and_recovers(redis_server: RedisServer) -> None:
     fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
-    discovery, task = await start(redis_server, fleet, grace=1.0)
+    clock = ManualClock()
+    discovery, task = await start(redis_server, fleet, grace=1.0, clock=clock)
     redis = Redis.from_url(redis_server.url)
     try:
         await Registry(redis).publish_heartbeat(rec("a", 9001), ttl_s=30, joined=True)
-        await eventually(lambda: set(fleet.workers) == {"a"})
+        await wait_until(lambda: set(fleet.workers) == {"a"})
         redis_server.stop()
-        await eventually(lambda: not discovery.connected)
-        await asyncio.sleep(0.5)
-        assert set(fleet.workers) == {"a"}  # last known fleet kept
+        await wait_until(lambda: not discovery.connected)
+        errors = discovery.errors
+        await wait_until(lambda: discovery.errors >= errors + 2)  # it kept trying ...
+        assert set(fleet.workers) == {"a"}  # ... and kept the last known fleet
         redis_server.start()
         polls = discovery.polls
-        await eventually(lambda: discovery.connected and discovery.polls > polls, timeout=10)
+        await wait_until(lambda: discovery.connected and discovery.polls > polls, timeout=10)
         # The restarted Redis is empty; within the grace the worker stays ...
+        await wait_until(lambda: discovery.polls > polls + 1)
         assert set(fleet.workers) == {"a"}
         await redis.aclose()
         redis = Redis.from_url(redis_server.url)  # the old pooled connection died with the server
         await Registry(redis).publish_heartbeat(rec("a", 9001), ttl_s=30, joined=True)
-        await asyncio.sleep(1.5)
-        assert set(fleet.workers) == {"a"}  # ... and its next heartbeat keeps it
         await Registry(redis).publish_heartbeat(rec("b", 9002), ttl_s=30, joined=True)
-        await eventually(lambda: set(fleet.workers) == {"a", "b"})
+        await wait_until(lambda: set(fleet.workers) == {"a", "b"})
+        clock.advance(1.0)  # the grace is over: a worker missing from the registry leaves
+        await redis.delete(Registry(redis).worker_key("b"))  # its record expired
+        await wait_until(lambda: set(fleet.workers) == {"a"})  # ... while a's heartbeat kept it
     finally:
         await stop(task)
         await redis.aclose()
@@ -139,14 +137,17 @@ async def test_stops_even_when_a_cancel_is_lost(redis_server: RedisServer) -> No
     router's shutdown hangs (seen once in CI on this very fixture)."""
     fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
     discovery, task = await start(redis_server, fleet)
-    await eventually(lambda: discovery.polls > 0)
+    await wait_until(lambda: discovery.polls > 0)
+
+    inside = asyncio.Event()
 
     async def poll_that_loses_cancels() -> None:
+        inside.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.sleep(10)
 
     discovery.poll_once = poll_that_loses_cancels  # type: ignore[method-assign]
-    await asyncio.sleep(0.2)  # the loop is now inside the cancel-losing poll
+    await asyncio.wait_for(inside.wait(), 5)  # the loop is now inside the cancel-losing poll
     discovery.stopping = True
     await stop_task(task, timeout=3)
     assert task.done()

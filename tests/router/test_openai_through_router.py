@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
@@ -17,6 +15,7 @@ from router.workers import LoadGuard
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from tests.router.processes import Proc, start_sim_worker
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +40,7 @@ async def router(fleet_procs: tuple[RedisServer, list[Proc]]) -> AsyncIterator[T
     config = RouterConfig(redis_url=redis.url, discovery_interval=0.1, host="127.0.0.1")
     server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)
     await server.start_server()
-    deadline = time.monotonic() + 10
-    while len(server.app[FLEET].workers) < len(workers):
-        assert time.monotonic() < deadline, "workers not discovered"
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: len(server.app[FLEET].workers) == len(workers), timeout=10)
     yield server
     await server.close()
 

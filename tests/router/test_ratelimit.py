@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from router.ratelimit import TokenBuckets
+from aiohttp import web
+
+from router.ratelimit import ClientIdentity, TokenBuckets
+from shared.config import RouterConfig
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 
 BODY = {"prompt": "hello", "max_tokens": 2}
@@ -39,3 +42,35 @@ async def test_router_answers_429_per_key(
     k2 = {"Authorization": "Bearer k2"}
     assert (await client.post("/v1/completions", json=BODY, headers=k2)).status == 200
     assert (await client.get("/v1/models", headers=k1)).status == 200
+
+
+def _request(remote: str, headers: dict[str, str]) -> web.Request:
+    from aiohttp.test_utils import make_mocked_request
+
+    class _Transport:
+        def get_extra_info(self, name: str, default: object = None) -> object:
+            return (remote, 1234) if name == "peername" else default
+
+    return make_mocked_request("POST", "/v1/completions", headers=headers, transport=_Transport())
+
+
+def test_without_api_keys_clients_are_their_address_not_their_bearer() -> None:
+    who = ClientIdentity(RouterConfig())
+    a = who(_request("10.0.0.1", {"Authorization": "Bearer random-1"}))
+    assert a == who(_request("10.0.0.1", {"Authorization": "Bearer random-2"}))
+    assert a != who(_request("10.0.0.2", {}))
+
+
+def test_forwarded_for_counts_only_behind_a_trusted_proxy() -> None:
+    who = ClientIdentity(RouterConfig(trusted_proxies=("10.0.0.0/8",)))
+    xff = {"X-Forwarded-For": "203.0.113.7, 10.1.1.1"}
+    assert who.address(_request("10.2.2.2", xff)) == "203.0.113.7"  # LB, then an inner proxy
+    assert who.address(_request("198.51.100.9", xff)) == "198.51.100.9"  # untrusted peer: ignored
+    spoof = {"X-Forwarded-For": "1.2.3.4, 203.0.113.7"}  # the client prepends a lie
+    assert who.address(_request("10.2.2.2", spoof)) == "203.0.113.7"
+
+
+def test_with_api_keys_clients_are_their_key() -> None:
+    who = ClientIdentity(RouterConfig(api_keys=("k1", "k2")))
+    same_ip = [_request("10.0.0.1", {"Authorization": f"Bearer {k}"}) for k in ("k1", "k2")]
+    assert who(same_ip[0]) != who(same_ip[1])

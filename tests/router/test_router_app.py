@@ -6,6 +6,7 @@ import asyncio
 
 from router.state import ADMISSION, FLEET
 from tests.router.conftest import StartRouter, StartWorkers, url_of
+from tests.waiting import wait_until
 
 BODY = {"prompt": "hello", "max_tokens": 2}
 
@@ -107,25 +108,16 @@ async def test_full_queue_is_429_with_retry_after(
     client = await start_router([url_of(server)], max_concurrent=1, max_queue=1, queue_timeout=0.3)
     first = asyncio.create_task(client.post("/v1/completions", json=BODY))
     admission = client.server.app[ADMISSION]
-    for _ in range(200):
-        if admission.active == 1:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: admission.active == 1)
     queued = asyncio.create_task(client.post("/v1/completions", json=BODY))
-    for _ in range(200):
-        if admission.waiting == 1:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: admission.waiting == 1)
     r = await client.post("/v1/completions", json=BODY)  # queue full
     assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
     assert (await r.json())["error"]["type"] == "rate_limit_error"
     r = await asyncio.wait_for(queued, 5)  # waited past queue_timeout
     assert r.status == 429 and "Retry-After" in r.headers
     first.cancel()
-    for _ in range(200):
-        if admission.active == 0:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: admission.active == 0)
     assert admission.active == 0 and admission.waiting == 0
 
 

@@ -11,6 +11,7 @@ from router.sync import DecisionSync
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.registry import Registry
+from tests.waiting import wait_until
 
 CONFIG = RouterConfig(sync=True, sync_flush_interval=0.005, sync_load_interval=0.05)
 
@@ -25,7 +26,9 @@ class Replica:
     def __init__(self, url: str, inflight: dict[str, int] | None = None) -> None:
         self.redis = Redis.from_url(url, socket_timeout=5)
         self.seen: list[tuple[str, str]] = []
-        self.inflight = inflight or {}
+        # Every worker this replica's table knows (decisions for others are not applied).
+        known = {f"w{i}": 0 for i in range(5)}
+        self.inflight = inflight if inflight is not None else known
         self.sync = DecisionSync(
             self.redis,
             Registry(self.redis, "t:"),
@@ -53,13 +56,6 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[Callable[..., Rep
         await replica.close()
 
 
-async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_decisions_reach_the_other_replica_only(replicas: Callable[..., Replica]) -> None:
     a, b = replicas(), replicas()
     await a.sync.start()
@@ -67,10 +63,16 @@ async def test_decisions_reach_the_other_replica_only(replicas: Callable[..., Re
     await asyncio.wait_for(asyncio.gather(a.sync.caught_up.wait(), b.sync.caught_up.wait()), 5)
     a.sync.publish("w1", "system prompt ... turn 1")
     b.sync.publish("w2", "another conversation")
-    await eventually(lambda: b.seen == [("w1", "system prompt ... turn 1")])
-    await eventually(lambda: a.seen == [("w2", "another conversation")])
-    await asyncio.sleep(0.05)
-    assert len(a.seen) == 1 and len(b.seen) == 1  # nobody re-applies its own decisions
+    await wait_until(lambda: b.seen == [("w1", "system prompt ... turn 1")])
+    await wait_until(lambda: a.seen == [("w2", "another conversation")])
+    # Nobody re-applies its own decisions. Not a wait for nothing: each reader applies the
+    # stream in order, so once it has applied a marker published after its own decision
+    # (which the other replica already saw in the stream), it has read past that one.
+    b.sync.publish("w3", "marker from b")
+    a.sync.publish("w4", "marker from a")
+    await wait_until(lambda: len(a.seen) == 2 and len(b.seen) == 2)
+    assert a.seen == [("w2", "another conversation"), ("w3", "marker from b")]
+    assert b.seen == [("w1", "system prompt ... turn 1"), ("w4", "marker from a")]
 
 
 async def test_late_replica_catches_up_and_text_is_capped(replicas: Callable[..., Replica]) -> None:
@@ -80,7 +82,7 @@ async def test_late_replica_catches_up_and_text_is_capped(replicas: Callable[...
     for i in range(1500):  # more than one replay page
         a.sync.publish(f"w{i % 3}", f"conversation {i}")
     a.sync.publish("w0", long_text)
-    await eventually(lambda: a.sync.published == 1501)
+    await wait_until(lambda: a.sync.published == 1501)
     late = replicas()
     await late.sync.start()
     await asyncio.wait_for(late.sync.caught_up.wait(), 10)
@@ -94,10 +96,10 @@ async def test_inflight_is_shared(replicas: Callable[..., Replica]) -> None:
     b = replicas(inflight={"w1": 2})
     await a.sync.start()
     await b.sync.start()
-    await eventually(lambda: dict(a.sync.remote_inflight()) == {"w1": 2})
-    await eventually(lambda: dict(b.sync.remote_inflight()) == {"w1": 3})
+    await wait_until(lambda: dict(a.sync.remote_inflight()) == {"w1": 2})
+    await wait_until(lambda: dict(b.sync.remote_inflight()) == {"w1": 3})
     b.inflight["w1"] = 0
-    await eventually(lambda: dict(a.sync.remote_inflight()) == {})
+    await wait_until(lambda: dict(a.sync.remote_inflight()) == {})
 
 
 async def test_redis_outage_degrades_and_recovers(
@@ -112,6 +114,6 @@ async def test_redis_outage_degrades_and_recovers(
     await asyncio.sleep(0.3)
     redis_server.start()
     # The buffered decision is delivered once Redis is back.
-    await eventually(lambda: ("w1", "during the outage") in b.seen, timeout=10)
+    await wait_until(lambda: ("w1", "during the outage") in b.seen, timeout=10)
     a.sync.publish("w2", "after the outage")
-    await eventually(lambda: ("w2", "after the outage") in b.seen, timeout=10)
+    await wait_until(lambda: ("w2", "after the outage") in b.seen, timeout=10)

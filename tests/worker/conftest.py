@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 from aiohttp import web
 
 from shared.config import WorkerConfig
+from shared.procs import wait_until
 from shared.redis_server import RedisServer, free_port
 from worker.app import create_app
 from worker.backends import build_engine
@@ -31,15 +31,6 @@ from worker.engine.types import Engine
 from worker.state import STATE
 
 T = TypeVar("T")
-
-
-def wait_until(check: Callable[[], bool], timeout: float = 10.0, every: float = 0.02) -> None:
-    """Poll `check` until true; fail the test (not hang) after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(every)
 
 
 class WorkerThread:
@@ -139,7 +130,7 @@ class WorkerProcess:
                 raise AssertionError(f"worker exited {self.proc.returncode}: {self.log()}")
             return self.healthy()
 
-        wait_until(ready, timeout=timeout, every=0.05)
+        wait_until(ready, timeout)
         return self
 
     def log(self) -> str:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker.conftest import WorkerProcess, wait_until
+from shared.procs import wait_until
+from tests.worker.conftest import WorkerProcess
 from worker.cli import main
 
 
@@ -67,10 +68,11 @@ def test_ready_line_and_sigterm_drain(spawn_worker: Callable[..., WorkerProcess]
     thread = threading.Thread(target=long_request)
     thread.start()
     wait_until(
-        lambda: b"running_requests 1.0" in urllib.request.urlopen(worker.url + "/metrics").read()
+        lambda: b"running_requests 1.0" in urllib.request.urlopen(worker.url + "/metrics").read(),
+        10,
     )
     worker.proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: not worker.healthy())  # /health 503 while draining
+    wait_until(lambda: not worker.healthy(), 10)  # /health 503 while draining
     status, body = post(worker.url + "/v1/completions", {"prompt": "late", "max_tokens": 1})
     assert status == 503 and body["error"]["code"] == "draining"  # type: ignore[index]
     thread.join(30)

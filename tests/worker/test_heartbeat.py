@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import redis
 
+from shared.procs import wait_until
 from shared.redis_server import RedisServer, free_port
 from shared.registry import WorkerRecord
-from tests.worker.conftest import WorkerProcess, WorkerThread, sim_config, wait_until
+from tests.worker.conftest import WorkerProcess, WorkerThread, sim_config
 from worker.state import HEARTBEAT
 
 PREFIX = "radixrouter:"
@@ -34,11 +35,11 @@ def test_record_fields_and_load(redis_server: RedisServer) -> None:
     client = redis.Redis.from_url(redis_server.url)
     config = sim_config(redis_url=redis_server.url, heartbeat_interval=0.1, worker_id="hb-fields")
     with WorkerThread(config) as worker:
-        wait_until(lambda: record(client, "hb-fields") is not None)
+        wait_until(lambda: record(client, "hb-fields") is not None, 10)
         rec = record(client, "hb-fields")
         assert rec is not None
         assert (rec.url, rec.model, rec.engine) == (worker.url, "sim", "sim")
-        assert abs(rec.epoch - time.time()) < 60 and rec.cache_capacity_tokens == 50_000
+        assert abs(rec.epoch - time.time()) < 60 and rec.kv_capacity_tokens == 50_000
         assert client.sismember(f"{PREFIX}workers", "hb-fields")
         ttl_ms = client.pttl(f"{PREFIX}worker:hb-fields")
         assert 0 < ttl_ms <= 300  # a few intervals
@@ -49,9 +50,9 @@ def test_record_fields_and_load(redis_server: RedisServer) -> None:
             r = record(client, "hb-fields")
             return r is not None and r.prompt_tokens_total > 0 and r.cached_tokens_total > 0
 
-        wait_until(counted)
+        wait_until(counted, 10)
         rec = record(client, "hb-fields")
-        assert rec is not None and rec.cache_used_tokens > 0 and rec.running == 0
+        assert rec is not None and rec.kv_used_tokens > 0 and rec.running == 0
     # A clean stop leaves the fleet.
     assert record(client, "hb-fields") is None
     assert not client.sismember(f"{PREFIX}workers", "hb-fields")
@@ -62,9 +63,11 @@ def test_worker_survives_redis_outage_and_resumes() -> None:
         client = redis.Redis.from_url(server.url)
         config = sim_config(redis_url=server.url, heartbeat_interval=0.1, worker_id="hb-outage")
         with WorkerThread(config) as worker:
-            wait_until(lambda: record(client, "hb-outage") is not None)
+            wait_until(lambda: record(client, "hb-outage") is not None, 10)
+            heartbeat = worker.app[HEARTBEAT]  # type: ignore[index]
             server.stop()
-            time.sleep(0.5)  # several failed beats
+            failed = heartbeat.failures
+            wait_until(lambda: heartbeat.failures >= failed + 2, 10)  # beats did fail
             body = post(
                 worker.url + "/v1/completions", {"prompt": "still serving", "max_tokens": 2}
             )
@@ -73,10 +76,10 @@ def test_worker_survives_redis_outage_and_resumes() -> None:
             client = redis.Redis.from_url(server.url)  # the new server starts empty
             pubsub = client.pubsub()
             pubsub.subscribe(f"{PREFIX}events")
-            wait_until(lambda: record(client, "hb-outage") is not None)
+            wait_until(lambda: record(client, "hb-outage") is not None, 10)
             # The first beat after the outage announces the worker again.
             wait_until(lambda: (m := pubsub.get_message(timeout=0.05)) is not None
-                       and m["type"] == "message" and b'"join"' in m["data"])  # fmt: skip
+                       and m["type"] == "message" and b'"join"' in m["data"], 10)  # fmt: skip
             pubsub.close()
 
 
@@ -86,10 +89,10 @@ def test_sigkill_record_expires(
     client = redis.Redis.from_url(redis_server.url)
     worker = spawn_worker(*FAST, "--redis-url", redis_server.url, "--worker-id", "hb-kill")
     worker.wait_ready()
-    wait_until(lambda: record(client, "hb-kill") is not None)
+    wait_until(lambda: record(client, "hb-kill") is not None, 10)
     worker.proc.send_signal(signal.SIGKILL)
     worker.proc.wait(10)
-    wait_until(lambda: record(client, "hb-kill") is None, timeout=5)
+    wait_until(lambda: record(client, "hb-kill") is None, 5)
 
 
 def test_sigterm_leaves_the_fleet(
@@ -98,7 +101,7 @@ def test_sigterm_leaves_the_fleet(
     client = redis.Redis.from_url(redis_server.url)
     worker = spawn_worker(*FAST, "--redis-url", redis_server.url, "--worker-id", "hb-term")
     worker.wait_ready()
-    wait_until(lambda: record(client, "hb-term") is not None)
+    wait_until(lambda: record(client, "hb-term") is not None, 10)
     pubsub = client.pubsub()
     pubsub.subscribe(f"{PREFIX}events")
     worker.proc.send_signal(signal.SIGTERM)
@@ -123,5 +126,6 @@ def test_starts_and_serves_without_reachable_redis() -> None:
         assert body["usage"]["completion_tokens"] == 2  # type: ignore[index]
         assert worker.app is not None
         heartbeat = worker.app[HEARTBEAT]
-        time.sleep(0.3)
+        # Not a wait for nothing: the loop did try (and fail) several times.
+        wait_until(lambda: heartbeat.failures >= 3, 10)
         assert heartbeat.beats == 0 and not heartbeat.joined

@@ -12,7 +12,8 @@ import aiohttp
 import openai
 import pytest
 
-from tests.worker.conftest import WorkerThread, sim_config, wait_until
+from shared.procs import wait_until
+from tests.worker.conftest import WorkerThread, sim_config
 
 SYSTEM = "You are a terse assistant for a radix cache test. Keep every answer short. " * 6
 
@@ -125,14 +126,14 @@ async def test_client_disconnect_mid_stream_frees_kv(worker: WorkerThread) -> No
                 break
         assert worker.run(lambda: worker.engine.stats().running) == 1
         resp.close()  # the client hangs up mid-stream
-    wait_until(lambda: worker.run(lambda: worker.engine.stats().running) == 0, timeout=20)
+    wait_until(lambda: worker.run(lambda: worker.engine.stats().running) == 0, 20)
     check_integrity(worker)
     # A non-streaming request whose client gives up is aborted too (handler_cancellation).
     body["stream"] = False
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
         with pytest.raises(asyncio.TimeoutError):
             await session.post(worker.url + "/v1/completions", json={**body, "max_tokens": 700})
-    wait_until(lambda: worker.run(lambda: worker.engine.stats().running) == 0, timeout=20)
+    wait_until(lambda: worker.run(lambda: worker.engine.stats().running) == 0, 20)
     check_integrity(worker)
 
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.waiting import wait_until
 from worker.backends.sim import build_sim_engine
 from worker.backends.text_tokenizer import TextTokenizer
 from worker.engine.async_engine import AsyncEngine
@@ -113,11 +114,7 @@ async def test_eviction_is_real_lru() -> None:
 async def test_queue_beyond_max_running_and_overload() -> None:
     async with engine(decode_ms=2.0, max_running_requests=2, max_waiting_requests=3) as eng:
         tasks = [asyncio.create_task(run(eng, req(f"q{i}", f"prompt {i}", 30))) for i in range(5)]
-        for _ in range(200):
-            await asyncio.sleep(0.005)
-            s = eng.stats()
-            if s.running == 2 and s.waiting == 3:
-                break
+        await wait_until(lambda: (eng.stats().running, eng.stats().waiting) == (2, 3), every=0.005)
         assert (eng.stats().running, eng.stats().waiting) == (2, 3)
         with pytest.raises(EngineOverloaded):
             eng.generate(req("too-many", "x"))
@@ -137,11 +134,7 @@ async def test_closing_the_stream_aborts_and_frees() -> None:
             await eng.abort("queued2")  # aborted while waiting
             _, out = await asyncio.wait_for(wait_task, 5)
             assert out.finish_reason == "abort"
-        for _ in range(100):
-            if eng.stats().running == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert eng.stats().running == 0
+        await wait_until(lambda: eng.stats().running == 0)
         assert eng.stats().cache_used_tokens == eng.engine.cache.total_size  # none held
         eng.engine.check_integrity()
         _, out = await run(eng, req("again", LONG, 5))  # the aborted prompt was cached

@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from tests.worker.conftest import WorkerThread, sim_config, wait_until  # noqa: E402
+from shared.procs import wait_until  # noqa: E402
+from tests.worker.conftest import WorkerThread, sim_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 SYSTEM = "You are a terse assistant for a prefix cache test. Keep every answer short. " * 8

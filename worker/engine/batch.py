@@ -29,7 +29,9 @@ class SeqBatchItem:
     input_ids: list[int]  # the NEW tokens to run (uncached prompt chunk, or 1 sampled token)
     start_pos: int  # tokens of this sequence that already have KV in the pool
     slots: np.ndarray  # int64 slot of every token 0 .. start_pos + len(input_ids) - 1
-    seq_id: int = -1  # stable while the sequence runs; the runner may key state on it
+    # Stable while the sequence runs (the runner keys its slot table on it); None: a
+    # one-step row (every slot copied each step).
+    seq_id: int | None = None
     dirty_from: int = 0  # slots[:dirty_from] are what the runner saw last for seq_id
     sample: bool = True  # return the logits of the last position
 

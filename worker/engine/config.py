@@ -26,6 +26,10 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     device: str = "auto"
     dtype: str = "auto"
+    # auto: triton on CUDA, sdpa on CPU (worker/engine/attention/).
+    attention_backend: str = "auto"
+    # Decode-only steps replay CUDA graphs unless this is set (CUDA + triton only).
+    disable_cuda_graph: bool = False
     # Ablation / correctness baseline: NoCache instead of RadixCache.
     disable_radix_cache: bool = False
     # Evict at least this many tokens whenever eviction is needed: evicting exactly the
@@ -80,6 +84,11 @@ class EngineConfig:
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError(
                 "EngineConfig needs 0 <= min_new_token_ratio <= init_new_token_ratio <= 1"
+            )
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise ValueError(
+                "EngineConfig.attention_backend must be auto, sdpa or triton, "
+                f"got {self.attention_backend!r}"
             )
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(

@@ -95,6 +95,9 @@ class LLMEngine:
             dtype=config.dtype,
             kv_capacity_tokens=config.kv_capacity_tokens,
             kv_memory_fraction=config.kv_memory_fraction,
+            attention_backend=config.attention_backend,
+            cuda_graphs=not config.disable_cuda_graph,
+            max_running_requests=config.max_running_requests,
         )
         return cls(runner, Tokenizer.from_dir(model_dir), config, Sampler(runner.device))
 
@@ -200,13 +203,13 @@ class LLMEngine:
     def _stamp_admitted(self, reqs: list[Req]) -> None:
         now = self.clock()
         for seq in reqs:
-            if seq.admitted_at is None:  # not a readmission after a preemption
-                seq.admitted_at = now
+            if seq.admitted is None:  # not a readmission after a preemption
+                seq.admitted = now
 
     def _retire(self, seq: Req) -> None:
         self.sampler.release(seq.seq_id)
-        if seq.admitted_at is not None:
-            held_ms = (self.clock() - seq.admitted_at) * 1e3
+        if seq.admitted is not None:
+            held_ms = (self.clock() - seq.admitted) * 1e3
             self.request_ms += REQUEST_MS_WEIGHT * (held_ms - self.request_ms)
         self.completion_tokens_total += len(seq.output_ids)
         if seq.index == 0:  # the prompt is one, however many choices share it

@@ -9,6 +9,7 @@ is `n` Reqs with the same request_id and prompt (choice `index` 0..n-1).
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -89,6 +90,9 @@ class Req:
     index: int = 0  # the choice this Req produces (n > 1)
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
+    # Monotonic times: queued, and first admitted by the scheduler (queue-time metric).
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
 
     # --- KV state (owned by the scheduler) ---
     # One slot per token of all_ids[:len(slots)]; see the table in scheduler.py.
@@ -98,7 +102,9 @@ class Req:
     last_node: TreeNode | None = None  # the locked tree node ending the matched prefix
     dirty_from: int = 0  # slots[:dirty_from] are what the runner last saw (batch.py)
     queued_at_step: int = 0  # the scheduler's step count when it last queued (lpm age)
-    admitted_at: float | None = None  # engine clock at the first admission (seat time)
+    # Monotonic times: queued, and first admitted (queue-time metric, seat time).
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
     # Prefix hit of the first admission: what the client is told was cached.
     cached_tokens: int | None = None
 
@@ -189,4 +195,5 @@ class Req:
             finish_reason=self.finish_reason,
             index=self.index,
             logprobs=logprobs,
+            queue_seconds=None if self.admitted is None else self.admitted - self.arrived,
         )

@@ -132,6 +132,8 @@ class GenerateOutput:
     finish_reason: FinishReason | None = None
     index: int = 0  # the choice (0 .. n-1)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
+    # Seconds the request waited before the scheduler admitted it (None until admitted).
+    queue_seconds: float | None = None
 
 
 @dataclass(frozen=True)
