@@ -231,9 +231,3 @@ def main(args: argparse.Namespace) -> int:
             stop(worker)
             redis.stop()
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))

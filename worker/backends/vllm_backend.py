@@ -25,10 +25,10 @@ from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import (
     EngineError,
     EngineOverloaded,
+    EngineRequest,
     EngineStats,
     FinishReason,
     GenerateOutput,
-    GenerateRequest,
     SamplingParams,
 )
 
@@ -90,11 +90,13 @@ class VllmEngine(ChatPrompts):
             self._llm.shutdown()
             self._llm = None
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateOutput]:
         if self._llm is None:
             raise EngineOverloaded("the engine is not running")
         params = request.params
-        params.validate()
+        params.validate(max_n=1, vocab_size=self.tokenizer.vocab_size)
+        if params.needs_logprobs:  # vLLM computes them; this backend does not return them yet
+            raise EngineError("logprobs are not supported by the vllm backend", "logprobs")
         if request.request_id in self._inflight:
             raise EngineError(
                 f"request id {request.request_id!r} is already in flight", "request_id"
@@ -124,7 +126,10 @@ class VllmEngine(ChatPrompts):
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=max(params.top_k, 0), seed=params.seed, stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
+            min_p=params.min_p, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=dict(params.logit_bias) or None, output_kind=RequestOutputKind.DELTA,
         )  # fmt: skip
 
     async def _stream(
