@@ -8,7 +8,8 @@ For each routable worker ``w``, with the request's text of ``n`` tokens
     ttft(w) = prefill(w) × (queued(w) + n − m(w))  +  cost_decode_weight × decode(w) × load(w)
 
 - ``queued(w)``: prefill tokens already waiting or running on ``w``: the larger of what
-  its heartbeat reported, less what ``w`` has prefilled since at its rate (a report is
+  its heartbeat reported (waiting prompts are reported whole: scaled by 1 − the
+  worker's hit rate), less what ``w`` has prefilled since at its rate (a report is
   up to a heartbeat plus a discovery interval old: unaged, a queue long drained kept
   traffic away), and this router's own uncached tokens sent since, each counted until
   its own predicted first token (so two requests in one heartbeat interval see each
@@ -75,7 +76,7 @@ class CostAware(CacheAware):
         self._cols_for: Sequence[str] | None = None
         self._p: list[float] = []  # ms per prefill token
         self._kd: list[float] = []  # ms per unit of load
-        self._r: list[int] = []  # queued tokens as reported ...
+        self._r: list[float] = []  # queued tokens as reported (expected uncached) ...
         self._t: list[float] = []  # ... at this time (the first request after the report)
         self._v: list[float] = []  # ... and drained at this rate (tokens per second)
         self._o: list[int] = []  # this router's own tokens sent there, not yet prefilled
@@ -92,6 +93,7 @@ class CostAware(CacheAware):
             _clean(costs.decode_ms_per_token, _MAX_MS),
             int(_clean(costs.max_running_requests, _MAX_QUEUED)),
             _clean(costs.request_ms, _MAX_MS),
+            min(1.0, _clean(costs.hit_rate, 1.0)),
         )
         self._unstamped.add(worker_id)  # the same figures again still mean "as of now"
         if self._costs.get(worker_id) != clean:
@@ -130,10 +132,14 @@ class CostAware(CacheAware):
             for o, r, t, v in zip(self._o, self._r, self._t, self._v, strict=True)
         ]
         miss = self._cfg.cost_miss_weight
+        # Requests waiting for a seat there, this one included: each also waits out this
+        # request's prefill, so its uncached tokens count once more per waiting request.
+        waits = [max(0, li + 1 - si) for li, si in zip(loads, self._seats, strict=True)]
+        weights = [miss + e for e in waits]
         cost = [
-            pi * (qi + miss * n) + ki * li + max(0, li + 1 - si) * wi
-            for pi, qi, ki, li, si, wi in zip(
-                p, queued, self._kd, loads, self._seats, self._seat_ms, strict=True
+            pi * (qi + mi * n) + ki * li + ei * wi
+            for pi, qi, mi, ki, li, ei, wi in zip(
+                p, queued, weights, self._kd, loads, waits, self._seat_ms, strict=True
             )
         ]
         matched: dict[int, int] = {}  # position -> chars cached there (routable holders)
@@ -144,7 +150,7 @@ class CostAware(CacheAware):
                 if i is not None:
                     matched[i] = end
         for i, chars in matched.items():
-            cost[i] -= miss * p[i] * (chars / cpt)
+            cost[i] -= weights[i] * p[i] * (chars / cpt)
         i = self._pick(cost, matched, loads)
         wid = ids[i]
         chars = matched.get(i, 0)
@@ -204,7 +210,11 @@ class CostAware(CacheAware):
             cfg.cost_decode_weight * (c.decode_ms_per_token or cfg.cost_decode_ms_per_token)
             for c in costs
         ]
-        self._r = [c.queued_prefill_tokens for c in costs]
+        # A waiting prompt is reported whole (its hit is known only at admission): count
+        # the share the worker's hit rate says it will not find cached. Unscaled, a holder
+        # whose queue was its own group's mostly cached prompts looked busy, and the
+        # spills this caused halved the shared-prefix hit rate (loadtests/results/routing.md).
+        self._r = [c.queued_prefill_tokens * (1.0 - c.hit_rate) for c in costs]
         self._t = [self._report_at.get(w, now) for w in self._ids]
         self._v = [1e3 / p for p in self._p]
         self._o = [self._own.get(w, 0) for w in self._ids]

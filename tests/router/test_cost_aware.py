@@ -80,6 +80,17 @@ def test_a_reported_queue_drains_at_the_worker_prefill_rate_until_the_next_repor
     assert ask(p, PREFIX + question(3), fleet(0, 30), now=1.11).worker_id == "w1"
 
 
+def test_a_reported_queue_counts_only_what_the_worker_hit_rate_leaves_uncached() -> None:
+    # w0 holds the prefix; 2,000 waiting prompt tokens reported whole (40 ms at 20 µs).
+    for hit_rate, expect in ((0.0, "w1"), (0.9, "w0")):
+        p = policy()
+        report(p, 2)
+        p.observe("w0", PREFIX + question(0), now=0.0)
+        p.set_costs("w0", WorkerCosts(2_000, 20.0, 1.0, hit_rate=hit_rate))
+        # 0.0: 40 + 0.02 ms against 20 ms on w1. 0.9: 4 + 0.02 ms.
+        assert ask(p, PREFIX + question(1), fleet(0, 0), now=1.0).worker_id == expect
+
+
 def test_decode_interference_sends_to_the_less_loaded_of_equal_holders() -> None:
     p = policy()
     report(p, 3)
