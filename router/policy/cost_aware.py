@@ -5,7 +5,10 @@ The rule (every knob is a ``RouterConfig`` key)
 For each routable worker ``w``, with the request's text of ``n`` tokens
 (chars / ``tree_chars_per_token``) of which ``m(w)`` are in ``w``'s tree::
 
-    ttft(w) = prefill(w) × (queued(w) + n − m(w))  +  cost_decode_weight × decode(w) × load(w)
+    wait(w) = max(0, load(w) + 1 − seats(w))          requests waiting for a seat, this one too
+    ttft(w) = prefill(w) × (queued(w) + (k + wait(w)) × (n − m(w)))
+            + wait(w) × request_ms(w) / seats(w)
+            + cost_decode_weight × decode(w) × load(w)
 
 - ``queued(w)``: prefill tokens already waiting or running on ``w``: the larger of what
   its heartbeat reported (waiting prompts are reported whole: scaled by 1 − the
@@ -14,16 +17,18 @@ For each routable worker ``w``, with the request's text of ``n`` tokens
   traffic away), and this router's own uncached tokens sent since, each counted until
   its own predicted first token (so two requests in one heartbeat interval see each
   other; the larger of the two, as for load, counts no token twice).
-- ``prefill(w)`` (ms per token) and ``decode(w)`` (ms per step): what the worker reports
-  (the sim engine reports its cost model); ``cost_prefill_us_per_token`` /
-  ``cost_decode_ms_per_token`` for a worker that reports none.
-- ``load(w)``: requests in flight or queued there (the load every policy reads); each
-  delays a new request's first token by about ``cost_decode_weight`` decode steps (it
-  shares the batch, or holds the seat the new one waits for).
-
-With ``cost_miss_weight`` k ≠ 1 the request's own uncached tokens count k times
-(``prefill(w) × (queued(w) + k·(n − m(w)))``): above 1 a miss is charged for the prefix
-it evicts on a full cache as well as for its own prefill (see loadtests/results/routing.md).
+- ``prefill(w)`` (ms per token), ``decode(w)`` (ms per step), ``seats(w)`` (requests it
+  runs at once) and ``request_ms(w)`` (how long one holds its seat): what the worker
+  reports (the sim engine reports its cost model); ``cost_prefill_us_per_token`` /
+  ``cost_decode_ms_per_token`` for a worker that reports none; unknown seats: no wait.
+- ``load(w)``: requests in flight or queued there (the load every policy reads).
+- The miss term: the request's uncached tokens count ``k = cost_miss_weight`` times (1:
+  its own TTFT) plus once per request waiting for a seat on ``w``, each of which also
+  waits out that prefill. Without it, a saturated fleet spread its misses (each
+  worker's queue hides the cache's saving), and the extra prefill saturated it further:
+  shared prefix at twice the fleet's rate, hit rate 0.625 against cache_aware's 0.882,
+  TTFT p50 756 vs 233 ms; with it 0.867 and 301 ms, p99 529 vs 661
+  (loadtests/results/routing.md).
 
 The least ``ttft`` wins; ties go to the longer cached match, then the lower load, then
 at random. A long queue therefore loses to an idle worker unless the cached share saves
