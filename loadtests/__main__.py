@@ -1,44 +1,82 @@
-"""`python -m loadtests {run,report,compare,simulate}`: the load-test command line."""
+"""`python -m loadtests NAME [options]`: every load test and benchmark, started one way.
+
+    python -m loadtests                 the list of commands
+    python -m loadtests NAME --help     one command: what it does, its options, defaults, units
+
+Run from the repository root (`python -m` puts it on `sys.path`; nothing here edits it).
+A command is a module of this package with `main(argv) -> int | None`, or with
+`add_arguments(parser)` and `main(args)`; its module is imported only when it runs, so
+the list works before the `loadtest` extra (locust, matplotlib) is installed. To add a
+benchmark, add a module and a line to COMMANDS.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from pathlib import Path
+
+# name: (module, what it does)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("loadtests.runner", "locust, headless, against a URL: a workload, a report, plots"),
+    "report": ("loadtests.report", "the summary and plots of a records.jsonl again"),
+    "compare": ("loadtests.compare", "routing policies side by side on a local sim fleet"),
+    "simulate": ("loadtests.simulate", "the routing policies on 8-1,000 simulated workers"),
+    "replicas": ("loadtests.replicas", "router replicas with and without decision sync"),
+    "faults": ("loadtests.faults", "worker, Redis and router faults under load, their cost"),
+    "engine": ("loadtests.bench_engine", "engine: TTFT cached vs uncached, decode tokens/s"),
+    "radix-cache": ("loadtests.bench_radix_cache", "radix cache vs no cache on a trace"),
+    "tree": ("loadtests.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
+    "policy-cost": ("loadtests.bench_policy", "CPU per routing decision as the fleet grows"),
+    "router-overhead": ("loadtests.bench_router_overhead", "the router vs going direct"),
+    "router-fleet-size": ("loadtests.bench_router_fleet_size", "router CPU vs fleet size"),
+    "worker-http": ("loadtests.bench_worker_http", "the worker's HTTP layer vs in process"),
+}
 
 
-def _report(args: argparse.Namespace) -> int:
-    from loadtests.metrics import HitCounter, read_records
-    from loadtests.report import write_report
-
-    records = read_records(args.records)
-    summary = write_report(records, args.out or Path(args.records).parent)
-    print(summary.table())
-    print(HitCounter.from_records(records).table())
-    return 0
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [__doc__.strip().splitlines()[0], "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "python -m loadtests NAME --help: that command's options, defaults and units"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtests import compare, runner, simulate
-
-    ap = argparse.ArgumentParser(prog="python -m loadtests", description=__doc__)
-    sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="locust headless against a URL, with a report")
-    runner.add_arguments(p)
-    p.set_defaults(func=runner.main)
-    p = sub.add_parser("report", help="summary and plots from a records.jsonl")
-    p.add_argument("records", type=Path)
-    p.add_argument("--out", type=Path, default=None)
-    p.set_defaults(func=_report)
-    p = sub.add_parser("compare", help="routing policies side by side on a local sim fleet")
-    compare.add_arguments(p)
-    p.set_defaults(func=compare.main)
-    p = sub.add_parser("simulate", help="fleet simulation in virtual time")
-    simulate.add_arguments(p)
-    p.set_defaults(func=simulate.main)
-    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: no command {name!r}; one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, text = COMMANDS[name]
+    prog = f"python -m loadtests {name}"
     try:
-        return int(args.func(args))
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        print(
+            f"error: {prog} needs {e.name}: pip install -e '.[loadtest]' (or '.[dev]')",
+            file=sys.stderr,
+        )
+        return 2
+    from loadtests.options import HelpFormatter
+
+    try:
+        if hasattr(module, "add_arguments"):
+            doc = module.__doc__ or text
+            parser = argparse.ArgumentParser(
+                prog=prog, description=doc, formatter_class=HelpFormatter
+            )
+            module.add_arguments(parser)
+            return int(module.main(parser.parse_args(rest)) or 0)
+        # A benchmark with its own parser: it names itself after sys.argv[0].
+        saved, sys.argv = sys.argv, [prog, *rest]
+        try:
+            return int(module.main(rest) or 0)
+        finally:
+            sys.argv = saved
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

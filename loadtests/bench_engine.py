@@ -8,7 +8,7 @@ temp dir, then measures side by side in one run, on the same engine and model:
   question is prefilled). Runs interleave so machine noise hits both alike; medians.
 - Decode tokens/s at batch 1, 8 and 32 (steady state: every request already prefilled).
 
-    python -m loadtests.bench_engine [--runs 5] [--threads 1] [--out loadtests/results/engine.md]
+    python -m loadtests engine [--runs 5] [--threads 1] [--out loadtests/results/engine.md]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from loadtests.options import HelpFormatter
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tiny_model import PRESETS, make_tiny_model
@@ -117,7 +118,9 @@ def bench_decode(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3, help="TTFT runs (median)")
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--device", default="cpu")
@@ -163,13 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out is not None:
-        command = "python -m loadtests.bench_engine " + " ".join(
+        command = "python -m loadtests engine " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(f"# Engine benchmark\n\nCommand: `{command.strip()}`\n\n{table}\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

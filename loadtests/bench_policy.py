@@ -1,6 +1,6 @@
 """CPU per routing decision as the fleet grows: cache_aware vs round_robin (the floor).
 
-    python loadtests/bench_policy.py [--workers 8,64,256,1000] [--requests 2000]
+    python -m loadtests policy-cost [--workers 8,64,256,1000] [--requests 2000]
         [--warmup 2000] [--groups 512] [--system-chars 8000] [--tail-chars 500]
 
 Workload: ``groups`` system prompts of ``system-chars`` chars, picked Zipf-like (a
@@ -27,14 +27,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
+from loadtests.options import HelpFormatter
 from router.policy import build_policy
 from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
@@ -136,8 +133,8 @@ def views_cost_us(n: int, repeats: int = 200) -> float:
     return (time.thread_time_ns() - t) / repeats / 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     ap.add_argument("--workers", default="8,64,256,1000")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--requests", type=int, default=2000, help="timed requests per run")
@@ -146,7 +143,7 @@ def main() -> None:
     ap.add_argument("--system-chars", type=int, default=8000)
     ap.add_argument("--tail-chars", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     texts = make_requests(args, rng)
     mean_chars = statistics.fmean(len(t) for t in texts)
@@ -174,7 +171,3 @@ def main() -> None:
             print(f"| {n} | {name} | {row.cpu_us:.1f} | {row.p50_us:.1f} | {row.p99_us:.1f} | "
                   f"{ratio} | {reasons if name.startswith('cache_aware') else ''} | {views_us:.1f} |",
                   flush=True)  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

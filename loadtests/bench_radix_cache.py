@@ -1,6 +1,6 @@
 """Replay the shared prefix-cache trace through RadixCache and NoCache side by side.
 
-    python loadtests/bench_radix_cache.py [--n-requests 20000] [--trace-module PATH]
+    python -m loadtests radix-cache [--n-requests 20000] [--trace-module PATH]
 
 The trace (`../shared/bench/radix_trace.py` next to the repository by default) is a
 deterministic LLM-serving-shaped request stream; its docstring fixes the replay loop,
@@ -33,8 +33,7 @@ from types import ModuleType
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
+from loadtests.options import HelpFormatter
 from worker.engine.allocator import SlotAllocator
 from worker.engine.radix_cache import NoCache, RadixCache
 
@@ -158,9 +157,7 @@ def sglang_factory() -> Callable[[SlotAllocator], object] | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--trace-module", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--n-requests", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--page-size", type=int, default=None, help="override the trace's page_size")
@@ -224,7 +221,3 @@ def main(argv: list[str] | None = None) -> None:
         f"RadixCache vs the SGLang reference figure: {wall / 11_300:.2f}x (wall), "
         f"{cpu / 11_300:.2f}x (CPU time); target 22,000 req/s = 1.95x ({SGLANG_REFERENCE})"
     )
-
-
-if __name__ == "__main__":
-    main()

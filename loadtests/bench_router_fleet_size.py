@@ -1,7 +1,7 @@
 """Router CPU per request vs fleet size, before and after the maintained routable view,
 side by side in one run.
 
-    python loadtests/bench_router_fleet_size.py [--sizes 1,64,256,1000] [--seconds 6]
+    python -m loadtests router-fleet-size [--sizes 1,64,256,1000] [--seconds 6]
         [--concurrency 16] [--before-ref b102ab7]
 
 One zero-cost sim worker process listens on 0.0.0.0; the router gets N static workers
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from loadtests.bench_router_overhead import cpu_seconds, pct
+from loadtests.options import HelpFormatter
+from shared.procs import answers_health, wait_until
+from shared.redis_server import free_port
 
-from loadtests.bench_router_overhead import cpu_seconds, pct  # noqa: E402
-from shared.procs import answers_health, wait_until  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEMS = [f"System prompt {k}: you are a careful assistant. " * 30 for k in range(8)]
 
@@ -130,13 +130,15 @@ def run_router(tree: Path, config: Path, concurrency: int, seconds: float) -> di
         router.wait(10)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--sizes", default="1,64,256,1000")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--before-ref", default="b102ab7")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     wport = free_port()
     worker = spawn(["worker", "serve", "--engine", "sim", "--host", "0.0.0.0", "--port", str(wport),
@@ -165,7 +167,3 @@ def main() -> None:
     for n, b, a in rows:
         print(f"| {n} | {b['cpu_us']:.0f} | {a['cpu_us']:.0f} | {b['cpu_us'] / a['cpu_us']:.2f}x "
               f"| {b['rps']:.0f} | {a['rps']:.0f} | {b['p50_ms']:.2f} | {a['p50_ms']:.2f} |")  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

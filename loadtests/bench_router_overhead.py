@@ -1,7 +1,7 @@
 """Router overhead: the same requests straight to a zero-cost sim worker and through the
 router, side by side in one run.
 
-    python loadtests/bench_router_overhead.py [--requests 600] [--concurrency 32] [--seconds 8]
+    python -m loadtests router-overhead [--requests 600] [--concurrency 32] [--seconds 8]
 
 Processes: a Redis-free sim worker (prefill and decode cost 0), the router
 (`python -m router serve --worker-url ...`, the default cache_aware policy), and this
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from loadtests.options import HelpFormatter
+from shared.procs import answers_health, wait_until
+from shared.redis_server import free_port
 
-from shared.procs import answers_health, wait_until  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEM = "You are a helpful assistant. Answer briefly. " * 40
 
@@ -144,13 +144,15 @@ async def bench(args: argparse.Namespace, direct: str, routed: str, pids: dict[s
     print(f"\np50 overhead {added:.3f} ms (target <= 1 ms): {'met' if added <= 1.0 else 'NOT met'}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--policy", default="cache_aware")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     wport, rport = free_port(), free_port()
     worker = spawn(["worker", "serve", "--engine", "sim", "--host", "127.0.0.1", "--port", str(wport),
                     "--worker-id", "bench", "--log-level", "WARNING"], wport)  # fmt: skip
@@ -165,7 +167,3 @@ def main() -> None:
             if proc is not None:
                 proc.terminate()
                 proc.wait(10)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """The router's prefix tree vs a pygtrie baseline, side by side on one workload.
 
-    python loadtests/bench_tree.py [--requests 2000] [--workers 16] [--groups 64]
+    python -m loadtests tree [--requests 2000] [--workers 16] [--groups 64]
         [--system-chars 8000] [--tail-chars 500] [--seed 0]
 
 Workload (SGLang's "generated shared prefix" shape, in characters): ``groups``
@@ -36,17 +36,14 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
 
 import pygtrie
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
+from loadtests.options import HelpFormatter
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
 from router.tree import PrefixTree
@@ -207,8 +204,8 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--groups", type=int, default=64)
@@ -216,7 +213,7 @@ def main() -> None:
     ap.add_argument("--tail-chars", type=int, default=500)
     ap.add_argument("--memory-requests", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     requests = make_requests(args)
     workers = [f"w{i}" for i in range(args.workers)]
     avg_chars = sum(map(len, requests)) / len(requests)
@@ -271,7 +268,3 @@ def main() -> None:
         f"memory, pygtrie / PrefixTree (bytes per stored char): "
         f"{memory['pygtrie (walk_towards)'] / memory['PrefixTree']:.0f}×"
     )
-
-
-if __name__ == "__main__":
-    main()

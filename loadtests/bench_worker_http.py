@@ -8,7 +8,7 @@ questions, `max_tokens` output tokens) at the same concurrency:
 - `http`: a real `radix-worker serve --engine sim` subprocess, an aiohttp client
   posting `/v1/completions` (JSON) and, with `--stream`, SSE streams.
 
-    python loadtests/bench_worker_http.py --requests 2000 --concurrency 16
+    python -m loadtests worker-http --requests 2000 --concurrency 16
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from loadtests.options import HelpFormatter
+from shared.config import WorkerConfig
+from shared.redis_server import free_port
+from worker.backends import build_engine
+from worker.engine.types import GenerateRequest, SamplingParams
 
-from shared.config import WorkerConfig  # noqa: E402
-from shared.redis_server import free_port  # noqa: E402
-from worker.backends import build_engine  # noqa: E402
-from worker.engine.types import GenerateRequest, SamplingParams  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def prompts(n: int) -> list[str]:
@@ -120,12 +120,14 @@ def row(name: str, n: int, elapsed: float, lat: list[float], base_rps: float | N
     return f"| {name:<22} | {n:>6} | {rps:>9.0f} | {p50:>7.2f} | {p99:>7.2f} | {ratio:>10} |"
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+async def _main(argv: list[str] | None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     jobs = prompts(args.requests)
     proc, url = start_worker()
     try:
@@ -146,11 +148,11 @@ async def main() -> None:
     print(row("HTTP stream (SSE)", args.requests, *streamed, base_rps))
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(main())
+    asyncio.run(_main(argv))

@@ -1,10 +1,10 @@
 """Fault scenarios at a larger scale than the tests, with a table of what each one cost.
 
-    python -m loadtests.faults [--workers 3] [--concurrency 64] [--redis-outage-s 30]
+    python -m loadtests faults [--workers 3] [--concurrency 64] [--redis-outage-s 30]
                                [--only sigkill,restart,redis,hung,router_sigterm]
 
 Each scenario starts a fresh fleet of real processes (Redis, sim workers, the router;
-loadtests/harness.py), runs a steady load (`--concurrency` clients, non-streaming, plus a
+loadtests/fleet.py), runs a steady load (`--concurrency` clients, non-streaming, plus a
 few streams), injects its fault, keeps the load on, and prints one row:
 
     sent, ok, failed (any non-200, cut stream, or hang), retried (the router's
@@ -28,17 +28,10 @@ from typing import Any
 
 import redis as redis_sync
 
-from loadtests.harness import (
-    E2EFleet,
-    Outcome,
-    SteadyLoad,
-    WorkerSpec,
-    call,
-    http_json,
-    prompt,
-    session,
-    sim_fleet,
-)
+from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.options import HelpFormatter
+from loadtests.traffic import Outcome, SteadyLoad, call, prompt, session
+from shared.procs import http_json
 from shared.redis_server import free_port
 
 SPEC = WorkerSpec(decode_ms=3.0, heartbeat_s=0.5, max_running=64)
@@ -80,7 +73,7 @@ async def poll(check: Callable[[], bool], timeout: float) -> float:
 
 
 async def with_load(
-    fleet: E2EFleet, o: Options, fault: Callable[[], Awaitable[tuple[float, str]]],
+    fleet: BenchFleet, o: Options, fault: Callable[[], Awaitable[tuple[float, str]]],
     body: Callable[[int], dict[str, Any]] | None = None,
 ) -> tuple[list[Outcome], float, str]:  # fmt: skip
     """Steady load plus 4 long streams, the fault in the middle, then `after_s` more."""
@@ -103,7 +96,7 @@ async def with_load(
     return outcomes, recover_s, note
 
 
-def row(name: str, fleet: E2EFleet, outcomes: list[Outcome], recover_s: float, note: str) -> Row:
+def row(name: str, fleet: BenchFleet, outcomes: list[Outcome], recover_s: float, note: str) -> Row:
     retried = fleet.router_metric("radix_router_retries_total")
     return Row(
         name, len(outcomes), sum(x.ok for x in outcomes), retried, recover_s, note + _cut(outcomes)
@@ -246,7 +239,9 @@ async def run(names: list[str], o: Options) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m loadtests.faults", description=__doc__.split("\n")[0]
+        prog="python -m loadtests faults",
+        description=__doc__.split("\n")[0],
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=64)
@@ -262,7 +257,3 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|---|")
     rows = asyncio.run(run(args.only.split(","), o))
     return 0 if all(r.ok == r.sent for r in rows) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,11 @@
 """Locust users that speak the OpenAI API to any compatible server (router or worker).
 
-    locust -f loadtests/locustfile.py --headless -u 32 -r 32 -t 60s --host http://127.0.0.1:8000 \\
-        --workload shared_prefix --groups 8 --prompts-per-group 8 --records-file out/records.jsonl
+    python -m locust -f loadtests/locustfile.py --headless -u 32 -r 32 -t 60s \\
+        --host http://127.0.0.1:8000 --workload shared_prefix --groups 8 --prompts-per-group 8 \\
+        --records-file out/records.jsonl
+
+Run it from the repository root with `python -m locust` (which puts the root on
+`sys.path`, so `loadtests` imports), and `--headless` unless you want locust's web UI.
 
 Each request streams over locust's HTTP client, with the SSE parsed as bytes arrive, and
 fires request events of its own next to locust's `POST` entry (response_time is in ms
@@ -15,17 +19,17 @@ except where noted):
 `usage.prompt_tokens_details.cached_tokens / prompt_tokens` adds up to a cache hit rate,
 overall and per worker (the router names the worker in the `x-radix-worker` header),
 printed when the test stops and written per request to `--records-file` for the report.
-The run stops by itself once the workload has no more requests.
+The run stops by itself once the workload has no more requests; with `-t/--run-time`
+the workload starts over instead, until the time is up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import gevent
@@ -34,13 +38,16 @@ from locust import HttpUser, constant, events, task
 from locust.env import Environment
 from locust.exception import StopUser
 
-if __package__ in (None, ""):  # `locust -f loadtests/locustfile.py` imports it by path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loadtests.metrics import HitCounter, RequestRecord
-from loadtests.options import add_workload_arguments, options_from_namespace
-from loadtests.sse import SSEParser
-from loadtests.workloads import LLMRequest, Session, Workload
+try:
+    from loadtests.metrics import HitCounter, RequestRecord
+    from loadtests.options import add_workload_arguments, options_from_namespace
+    from loadtests.sse import SSEParser
+    from loadtests.workloads import LLMRequest, Session, Workload
+except ModuleNotFoundError as e:  # `locust -f` outside the repository root
+    raise SystemExit(
+        "loadtests is not importable: run this from the repository root as "
+        "`python -m locust -f loadtests/locustfile.py ...`"
+    ) from e
 
 WORKER_HEADER = "x-radix-worker"
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -118,7 +125,12 @@ def _start(environment: Environment) -> RunState:
         model=o.model, api_key=o.api_key, stream=not o.no_stream,
         max_requests=o.max_requests, records_file=o.records_file,
     )  # fmt: skip
-    state = RunState(Workload(options_from_namespace(o)), options)
+    workload = options_from_namespace(o)
+    # A run bounded by time repeats the workload: one that ran out first would end the
+    # run early with fewer requests than the time asked for (locust's -t is a string).
+    if getattr(o, "run_time", None) and not workload.loop:
+        workload = dataclasses.replace(workload, loop=True)
+    state = RunState(Workload(workload), options)
     environment.radix_run = state  # type: ignore[attr-defined]
     return state
 

@@ -7,6 +7,7 @@ and `python -m loadtests simulate`: a field `prompts_per_group` is `--prompts-pe
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,18 +62,74 @@ class WorkloadOptions:
             raise ValueError("speedup, block_words, groups and conversations must be positive")
 
 
+# One line per option for --help: what it is and its unit. A "word" of the generated
+# text is meant to be about one token (a random Llama tokenizer splits it into ~4).
+HELP: dict[str, str] = {
+    "workload": "traffic shape",
+    "seed": "random seed of the generated requests",
+    "groups": "shared_prefix: system prompts (groups of requests sharing one)",
+    "prompts_per_group": "shared_prefix: questions per system prompt",
+    "system_len": "shared_prefix and multi_turn: system prompt length, in words",
+    "question_len": "question length, in words",
+    "output_len": "max_tokens of each request, in tokens",
+    "group_zipf": "shared_prefix: Zipf exponent of group popularity (0: equal groups)",
+    "conversations": "multi_turn: conversations (each kept by one user)",
+    "turns": "multi_turn: turns per conversation",
+    "docs": "rag: documents in the pool",
+    "doc_len": "rag: document length, in words",
+    "docs_per_request": "rag: documents cited per request",
+    "rag_requests": "rag: requests in the workload",
+    "zipf": "rag: Zipf exponent of document popularity",
+    "trace": "mooncake: trace file (JSON lines)",
+    "block_words": "mooncake: words per 512-token block of the trace",
+    "trace_limit": "mooncake: replay only the first N trace lines",
+    "arrival": "mooncake: trace timestamps, or every request as soon as possible",
+    "speedup": "mooncake: replay this many times faster than the trace",
+    "max_output": "mooncake: cap on each request's output, in tokens",
+    "loop": "start over when the requests run out (implied by a --run-time)",
+}
+
+
+def _shown(default: object) -> bool:
+    # `is`, not `in`: 0 == False, and a default of 0 is worth showing.
+    return not any(default is x for x in (None, False, argparse.SUPPRESS)) and default != ""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's --help: the description as written, and each option's default
+    after its help unless the help already names it (switches and unset ones excepted)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and _shown(action.default):
+            action = copy.copy(action)  # argparse prints nothing for an option without help
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or "%(" in text or not action.option_strings:
+            return text
+        if not _shown(action.default):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_workload_arguments(parser: Any, env: bool = False) -> None:
+def add_workload_arguments(
+    parser: Any, env: bool = False, defaults: dict[str, Any] | None = None
+) -> None:
     """Add one flag per option. `env=True` (locust's configargparse parser) also reads
-    LOCUST_<NAME> environment variables."""
+    LOCUST_<NAME> environment variables; `defaults` replaces some defaults (and their
+    help) for one command."""
     hints = get_type_hints(WorkloadOptions)
     for f in dataclasses.fields(WorkloadOptions):
+        default = (defaults or {}).get(f.name, f.default)
         kwargs: dict[str, Any] = {
-            "default": f.default,
-            "help": f"workload option (default {f.default})",
+            "default": default,
+            "help": f"{HELP[f.name]} (default: {default})",
         }
         if env:
             kwargs["env_var"] = "LOCUST_" + f.name.upper()

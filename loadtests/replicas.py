@@ -1,6 +1,6 @@
 """Several router replicas behind a round-robin front, with and without replica sync.
 
-    python -m loadtests.replicas --replicas 1,2,3 --workloads multi_turn,shared_prefix
+    python -m loadtests replicas --replicas 1,2,3 --workloads multi_turn,shared_prefix
 
 One local sim fleet (Redis + `--workers` sim workers with bounded caches) stays up; for
 each workload, replica count n and sync off/on, n fresh `python -m router serve`
@@ -22,9 +22,7 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import statistics
-import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -33,11 +31,10 @@ from pathlib import Path
 import aiohttp
 from redis.asyncio import Redis
 
-from loadtests.fleet import FleetSpec, LocalFleet, RouterSpec
-from loadtests.options import WorkloadOptions
+from loadtests.fleet import BenchFleet, Child, FleetSpec
+from loadtests.options import HelpFormatter, WorkloadOptions
 from loadtests.sse import SSEParser
 from loadtests.workloads import LLMRequest, Workload
-from shared.redis_server import free_port
 from shared.registry import Registry
 
 WORKLOADS: dict[str, WorkloadOptions] = {
@@ -61,46 +58,6 @@ def cpu_seconds(pid: int) -> float:
         # The command name (field 2) may hold spaces: split after its closing parenthesis.
         rest = f.read().rsplit(")", 1)[1].split()
     return (int(rest[11]) + int(rest[12])) / CLK_TCK
-
-
-@dataclass(frozen=True)
-class Replica:
-    url: str
-    proc: subprocess.Popen[bytes]
-
-
-class ReplicaFleet(LocalFleet):
-    """LocalFleet's Redis and workers; the routers are the replicas started per run."""
-
-    def restart_router(self, router: RouterSpec) -> str:
-        return ""  # LocalFleet.start() asks for one router: the replicas replace it
-
-    def start_replicas(self, n: int, sync: bool) -> list[Replica]:
-        out: list[Replica] = []
-        children = []
-        env = {"RADIX_ROUTER_SYNC": "true" if sync else "false"}
-        for i in range(n):
-            port = free_port()
-            args = ["router", "serve", "--policy", "cache_aware", "--redis-url", self.redis.url,
-                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]  # fmt: skip
-            children.append(self._spawn(f"router-{i}", args, f"http://127.0.0.1:{port}", env))
-        for child in children:
-            self._wait(child, want_workers=self.spec.workers)
-            assert child.proc is not None  # started by _spawn
-            out.append(Replica(child.url, child.proc))
-        return out
-
-
-def stop_replicas(replicas: list[Replica]) -> None:
-    for r in replicas:
-        if r.proc.poll() is None:
-            os.killpg(r.proc.pid, signal.SIGTERM)  # its own session: only what it spawned
-    for r in replicas:
-        try:
-            r.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(r.proc.pid, signal.SIGKILL)
-            r.proc.wait()
 
 
 async def reset_sync_state(redis_url: str) -> None:
@@ -219,26 +176,32 @@ def summarize(
     )  # fmt: skip
 
 
-def measure(
-    fleet: ReplicaFleet, workload: str, n: int, sync: bool, users: int, idle_s: float
-) -> Row:
+def start_replicas(fleet: BenchFleet, n: int, sync: bool) -> list[Child]:
+    """n fresh routers on the fleet's Redis and workers (the fleet stops them at the end)."""
+    settings: dict[str, object] = {"policy": "cache_aware", "sync": sync, "log_level": "WARNING"}
+    return [fleet.add_router(f"router-{i}", settings) for i in range(n)]
+
+
+def measure(fleet: BenchFleet, workload: str, n: int, sync: bool, users: int, idle_s: float) -> Row:
+    assert fleet.redis is not None
     fleet.flush()
     asyncio.run(reset_sync_state(fleet.redis.url))
-    replicas = fleet.start_replicas(n, sync)
+    replicas = start_replicas(fleet, n, sync)
     try:
         # What the replicas burn with no traffic (discovery, sync's load and read loops),
         # so the table can show the per-request part apart from this background.
-        idle0 = sum(cpu_seconds(r.proc.pid) for r in replicas)
+        idle0 = sum(cpu_seconds(r.pid) for r in replicas)
         time.sleep(idle_s)
-        cpu0 = sum(cpu_seconds(r.proc.pid) for r in replicas)
+        cpu0 = sum(cpu_seconds(r.pid) for r in replicas)
         idle_rate = (cpu0 - idle0) / idle_s
         start = time.perf_counter()
         records = asyncio.run(drive([r.url for r in replicas], WORKLOADS[workload], users))
         wall = time.perf_counter() - start
-        cpu = sum(cpu_seconds(r.proc.pid) for r in replicas) - cpu0
+        cpu = sum(cpu_seconds(r.pid) for r in replicas) - cpu0
     finally:
-        stop_replicas(replicas)
-    return summarize(workload, n, sync, records, fleet.spec.workers, cpu, idle_rate, wall)
+        for replica in replicas:
+            replica.stop(grace_s=15)
+    return summarize(workload, n, sync, records, len(fleet.workers), cpu, idle_rate, wall)
 
 
 def table(rows: list[Row]) -> str:
@@ -262,7 +225,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--replicas", default="1,2,3", help="comma-separated replica counts")
     p.add_argument("--workloads", default="multi_turn,shared_prefix")
     p.add_argument("--workers", type=int, default=4)
@@ -290,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_ms_per_token=args.decode_ms, max_running_requests=args.max_running,
     )  # fmt: skip
     rows: list[Row] = []
-    with ReplicaFleet(spec) as fleet:
+    with spec.start() as fleet:
         for name in names:
             for n in counts:
                 for sync in (False, True):
@@ -304,7 +267,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2) + "\n")
     return 1 if any(r.failures for r in rows) else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

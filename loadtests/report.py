@@ -8,6 +8,7 @@ hit rate, requests per worker); `write_report(records, out_dir)` also writes
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
@@ -183,3 +184,20 @@ def write_report(records: list[RequestRecord], out_dir: str | Path, title: str =
     plot_latency_over_time(records, out / "latency_over_time.png", title)
     plot_hit_rate_per_worker(summary, out / "hit_rate_per_worker.png", title)
     return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("records", type=Path, help="a records.jsonl written by a run")
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder for the plots (default: the records' folder)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from loadtests.metrics import HitCounter, read_records
+
+    records = read_records(args.records)
+    summary = write_report(records, args.out or Path(args.records).parent)
+    print(summary.table())
+    print(HitCounter.from_records(records).table())
+    return 0

@@ -5,27 +5,68 @@
 
 Writes into `--out`: locust's CSVs (`locust_stats.csv`, ...) and HTML report
 (`locust.html`), `records.jsonl` (one line per request), `summary.json`, and the PNGs
-of `loadtests.report`. Without `--run-time` the run ends when the workload does.
+of `loadtests.report`. Without `--run-time` the run ends when the workload does; with
+one, the workload starts over until the time is up. A progress line every few seconds
+(requests done, failures, time left), and a one-line verdict at the end that names the
+commonest error if requests failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtests.metrics import HitCounter, read_records
+from loadtests.metrics import HitCounter, RequestRecord, read_records
 from loadtests.options import (
     WorkloadOptions,
     add_workload_arguments,
     options_from_namespace,
     options_to_argv,
 )
+from loadtests.progress import Progress, clock_text
 from loadtests.report import Summary, write_report
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+PROGRESS_EVERY_S = 5.0
+
+
+def seconds_of(run_time: str) -> float:
+    """Locust's --run-time ("90", "20s", "1m30s", "1h") in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?\s*(?:(\d+)m)?\s*(?:(\d+)s?)?", run_time.strip())
+    if not parts or not any(parts.groups()):
+        raise ValueError(f"--run-time: {run_time!r} is not like 90, 20s, 1m30s or 1h")
+    h, m, s = (int(x or 0) for x in parts.groups())
+    return 3600 * h + 60 * m + s
+
+
+def verdict(summary: Summary, records: list[RequestRecord]) -> str:
+    """One line: what the run did, or why it failed."""
+    if summary.requests == 0:
+        return "verdict: FAILED, no request finished"
+    if summary.failures:
+        errors = Counter(r.error or "unknown" for r in records if not r.ok)
+        error, count = errors.most_common(1)[0]
+        return (
+            f"verdict: FAILED, {summary.failures} of {summary.requests} requests failed; "
+            f"commonest error ({count}x): {error[:300]}"
+        )
+    return (
+        f"verdict: OK, {summary.requests} requests, {summary.throughput_rps:.1f} req/s, "
+        f"TTFT p50 {summary.ttft_p50_ms:.0f} ms, hit rate {summary.hit_rate:.2f}"
+    )
+
+
+def _lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 16), b""))
+    except OSError:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -67,11 +108,30 @@ def run(spec: RunSpec, workload: WorkloadOptions, title: str = "", quiet: bool =
     records_path = spec.out / "records.jsonl"
     records_path.unlink(missing_ok=True)  # the locustfile appends
     log_path = spec.out / "locust.log"
+    total = seconds_of(spec.run_time) if spec.run_time else None
+    progress = Progress("run", 1)
     with open(log_path, "w") as log:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             locust_command(spec, workload), stdout=log, stderr=subprocess.STDOUT,
-            timeout=spec.timeout_s, check=False, cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[1],
         )  # fmt: skip
+        try:
+            while True:
+                try:
+                    proc.wait(PROGRESS_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if progress.elapsed > spec.timeout_s:
+                    raise RuntimeError(f"locust still running after {spec.timeout_s:.0f}s")
+                if not quiet:
+                    done = _lines(records_path)
+                    left = None if total is None else max(0.0, total - progress.elapsed)
+                    progress.say(f"{done} requests finished", left=left)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if proc.returncode != 0 or not records_path.exists():
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"locust exited with {proc.returncode}; log {log_path}:\n{tail}")
@@ -80,20 +140,42 @@ def run(spec: RunSpec, workload: WorkloadOptions, title: str = "", quiet: bool =
     if not quiet:
         print(summary.table())
         print(HitCounter.from_records(records).table())
-        print(f"report: {spec.out}")
+        print(f"report: {spec.out} (locust's log: {log_path})")
+        print(f"{verdict(summary, records)} ({clock_text(progress.elapsed)})")
     return summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = "(default: %(default)s)"
     p.add_argument("--host", required=True, help="base URL of the router or a worker")
-    p.add_argument("--out", type=Path, default=Path("loadtests/out/run"))
-    p.add_argument("--users", type=int, default=16, help="concurrent simulated users")
-    p.add_argument("--spawn-rate", type=float, default=0.0, help="users started per second")
-    p.add_argument("--run-time", default=None, help="e.g. 60s; default: until the workload ends")
-    p.add_argument("--max-requests", type=int, default=0)
-    p.add_argument("--model", default="")
-    p.add_argument("--no-stream", action="store_true")
-    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--out", type=Path, default=Path("loadtests/out/run"), help=f"report folder {d}")
+    p.add_argument("--users", type=int, default=16, help=f"concurrent simulated users {d}")
+    p.add_argument(
+        "--spawn-rate",
+        type=float,
+        default=0.0,
+        help="users started per second (default: all at once)",
+    )
+    p.add_argument(
+        "--run-time", default=None,
+        help="wall time, e.g. 60s or 2m; the workload repeats until it is up "
+        "(default: one pass over the workload)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=0,
+        help="stop after this many requests (default: 0, no cap)",
+    )
+    p.add_argument(
+        "--model", default="", help="model name to send (default: none; the server picks)"
+    )
+    p.add_argument(
+        "--no-stream", action="store_true", help="ask for whole answers, not SSE streams"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, help=f"hard stop for locust, in seconds {d}"
+    )
     add_workload_arguments(p)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import matplotlib
@@ -27,6 +26,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from loadtests.options import WorkloadOptions, add_workload_arguments, options_from_namespace
+from loadtests.progress import Progress, clock_text
 from loadtests.sim.fleet import ClosedLoop, FleetSim, SimResult
 from loadtests.sim.sources import generated_requests, mooncake_requests
 from loadtests.sim.worker import CostModel
@@ -136,12 +136,18 @@ def _floats(s: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", default="8,64", help="fleet sizes, comma-separated")
-    p.add_argument("--policies", default="cache_aware,round_robin,least_load")
-    p.add_argument("--cache-tokens", type=int, default=16_384, help="KV capacity per worker")
-    p.add_argument("--prefill-us", type=float, default=30.0)
-    p.add_argument("--decode-ms", type=float, default=3.0)
-    p.add_argument("--max-running", type=int, default=8)
+    p.add_argument("--workers", default="8,64", help="fleet sizes to simulate, comma-separated")
+    p.add_argument(
+        "--policies", default="cache_aware,round_robin,least_load", help="comma-separated"
+    )
+    p.add_argument(
+        "--cache-tokens", type=int, default=16_384, help="KV capacity per worker, in tokens"
+    )
+    p.add_argument(
+        "--prefill-us", type=float, default=30.0, help="prefill cost, µs per uncached token"
+    )
+    p.add_argument("--decode-ms", type=float, default=3.0, help="decode cost, ms per output token")
+    p.add_argument("--max-running", type=int, default=8, help="requests a worker runs at once")
     p.add_argument(
         "--workers-per-copy", type=int, default=8, help="mooncake: workers per trace copy"
     )
@@ -149,9 +155,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate-per-worker", type=float, default=4.0, help="shared_prefix/rag: req/s per worker"
     )
     p.add_argument("--users-per-worker", type=int, default=4, help="multi_turn: users per worker")
-    p.add_argument("--cache-threshold", type=float, default=0.3)
+    p.add_argument(
+        "--cache-threshold", type=float, default=0.3, help="cache_aware: match rate to follow"
+    )
     p.add_argument("--balance-abs", default="64", help="balance_abs_threshold (sweep: several)")
-    p.add_argument("--balance-rel", type=float, default=1.5)
+    p.add_argument(
+        "--balance-rel", type=float, default=1.5, help="balance_rel_threshold (max/min load)"
+    )
     p.add_argument(
         "--balance-mode", default="fleet", help="fleet or per_request; a comma list sweeps both"
     )
@@ -163,10 +173,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep-at", type=int, default=0, help="fleet size of the threshold sweep (0: none)"
     )
-    p.add_argument("--thresholds", default="0.1,0.3,0.5,0.7")
-    p.add_argument("--sim-seed", type=int, default=0)
+    p.add_argument("--thresholds", default="0.1,0.3,0.5,0.7", help="sweep: cache_threshold values")
+    p.add_argument("--sim-seed", type=int, default=0, help="seed of the simulation's tie-breaks")
     p.add_argument("--no-memory", action="store_true", help="skip measuring policy memory")
-    p.add_argument("--out", type=Path, default=Path("loadtests/out/sim"))
+    p.add_argument(
+        "--out", type=Path, default=Path("loadtests/out/sim"), help="folder for simulation.json"
+    )
     p.add_argument("--plots", type=Path, default=None, help="folder for PNGs (default: OUT)")
     add_workload_arguments(p)
 
@@ -189,13 +201,18 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plots.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[int, str], SimResult] = {}
+    sweep_runs = len(_floats(args.thresholds)) * len(absolutes) * len(no_matches) * len(modes)
+    progress = Progress(
+        "simulate", len(sizes) * len(policies) + (sweep_runs if args.sweep_at else 0)
+    )
     print(COLUMNS)
     for n in sizes:
         for p in policies:
-            t = time.perf_counter()
+            progress.say(f"{n} workers, {p}: simulating")
             r = simulate_one(RouterConfig(policy=p, **base), n, cost, o, args)  # type: ignore[arg-type]
             results[(n, p)] = r
-            print(row(r, p), f"<!-- {time.perf_counter() - t:.0f}s -->", flush=True)
+            progress.finished()
+            print(row(r, p), flush=True)
     for n in sizes:
         ca, rr = results.get((n, "cache_aware")), results.get((n, "round_robin"))
         if ca and rr and rr.hit_rate:
@@ -219,7 +236,9 @@ def main(args: argparse.Namespace) -> int:
             keys = {"cache_threshold": th, "balance_abs_threshold": a, "no_match": m,
                     "balance_mode": mode}  # fmt: skip
             cfg = RouterConfig(policy="cache_aware", **{**base, **keys})  # type: ignore[arg-type]
+            progress.say(f"sweep at {args.sweep_at} workers: {th} / {a} / {m} / {mode}")
             sweep[(th, a, m, mode)] = r = simulate_one(cfg, args.sweep_at, cost, o, args)
+            progress.finished()
             print(row(r, f"{th} / {a} / {m} / {mode}"), flush=True)
         plot_sweep(sweep, plots / "sim_thresholds.png")
     plot_scale(results, plots / "sim_scale.png")
@@ -230,4 +249,20 @@ def main(args: argparse.Namespace) -> int:
     }
     (out / "simulation.json").write_text(json.dumps(dump, indent=2) + "\n")
     print(f"plots: {plots}")
+    print(f"{verdict(results)} ({clock_text(progress.elapsed)})")
     return 0
+
+
+def verdict(results: dict[tuple[int, str], SimResult]) -> str:
+    parts = []
+    for n in sorted({n for n, _ in results}):
+        ca, rr = results.get((n, "cache_aware")), results.get((n, "round_robin"))
+        if ca and rr:
+            a, b = ca.row(), rr.row()
+            parts.append(
+                f"{n} workers: hit rate {ca.hit_rate:.2f} vs {rr.hit_rate:.2f}, "
+                f"TTFT p50 {a['ttft_p50_ms']:.0f} vs {b['ttft_p50_ms']:.0f} ms"
+            )
+    if not parts:
+        return "verdict: simulate cache_aware and round_robin together for a verdict"
+    return "verdict (cache_aware vs round_robin): " + "; ".join(parts)

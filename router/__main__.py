@@ -4,4 +4,7 @@ import sys
 
 from router.cli import main
 
-sys.exit(main())
+# Guarded: `serve --processes N` starts its children with multiprocessing's spawn, which
+# imports this module again in each child (as `__mp_main__`).
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,7 @@ from router.policy import build_policy
 from router.policy.base import Policy
 from router.proxy import Proxy
 from router.ratelimit import make_rate_limit_middleware
+from router.resolver import GuardedResolver
 from router.state import (
     ADMISSION,
     CLOCK,
@@ -40,6 +41,7 @@ from router.state import (
     OPENAPI,
     POLICY,
     PROXY,
+    REJECTIONS,
     SESSION,
     SYNC,
 )
@@ -48,6 +50,7 @@ from shared.access_log import OnDone, make_access_middleware, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import error_middleware
+from shared.peers import Rejections, parse_networks
 
 log = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger("router.access")
@@ -58,7 +61,11 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # No connection cap here: admission already bounds concurrency, and a pool limit
     # would queue requests invisibly. Keep-alive connections to workers are reused.
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+    # The resolver refuses link-local, metadata and not-allowed addresses (router/resolver.py).
+    resolver = GuardedResolver(parse_networks(config.worker_url_allow_cidrs))
+    connector = aiohttp.TCPConnector(
+        limit=0, ttl_dns_cache=60, keepalive_timeout=30, resolver=resolver
+    )
     session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
     app[SESSION] = session
     app[PROXY] = Proxy(
@@ -74,13 +81,10 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     discovery = Discovery.from_url(
-        config.redis_url,
-        config.redis_prefix,
-        app[FLEET],
-        config.discovery_interval,
-        config.reconnect_grace,
-        app[CLOCK],
-    )
+        config.redis_url, config.redis_prefix, app[FLEET], config.discovery_interval,
+        config.reconnect_grace, app[CLOCK], app[REJECTIONS],
+        parse_networks(config.worker_url_allow_cidrs),
+    )  # fmt: skip
     app[DISCOVERY] = discovery
     task = asyncio.create_task(discovery.run(), name="discovery")
     yield
@@ -139,10 +143,13 @@ def create_app(
     fleet = Fleet(config, policy)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
+    rejections = Rejections()  # what the Redis boundary refused (shared/peers.py)
     if sync is None and config.sync and config.redis_url:
-        sync = DecisionSync.connect(config, policy.observe, fleet.in_flight_by_worker, clock)
+        sync = DecisionSync.connect(
+            config, policy.observe, fleet.in_flight_by_worker, clock, rejections
+        )
     admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
-    metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting)
+    metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting, rejections)
     # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
     ratelimit_redis = None
     if config.rate_limit_per_key is not None and config.redis_url:
@@ -170,6 +177,7 @@ def create_app(
     app[FLEET] = fleet
     app[SYNC] = sync
     app[METRICS] = metrics
+    app[REJECTIONS] = rejections
     app[ADMISSION] = admission
     app[OPENAPI] = build_openapi()
     if ratelimit_redis is not None:
@@ -189,7 +197,9 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     # cancels the upstream request and releases its load guard.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    # Several router processes share the port (router/processes.py): the kernel spreads
+    # connections over them.
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.processes > 1)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else config.port
     log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)

@@ -13,12 +13,12 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
-from shared.config import ConfigError, RouterConfig, load_config
+from shared.config import ConfigError, PolicyName, RouterConfig, load_config
 from shared.logging import setup_logging
 
-POLICIES = ("cache_aware", "round_robin", "random", "least_load", "power_of_two", "consistent_hash")
+POLICIES = get_args(PolicyName)
 
 
 SERVE_DESCRIPTION = """Run the router: an OpenAI-compatible HTTP server that sends each request to the
@@ -56,6 +56,11 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         "--log-level",
         dest="log_level",
         help=f"DEBUG, INFO, WARNING (default {_default('log_level')})",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        help="router processes on this host behind one port, routing as replicas (default 1)",
     )
 
 
@@ -137,15 +142,25 @@ def build_parser() -> argparse.ArgumentParser:
 def serve_config(args: argparse.Namespace) -> RouterConfig:
     overrides: dict[str, Any] = {
         key: getattr(args, key)
-        for key in ("host", "port", "policy", "redis_url", "worker_urls", "log_level")
+        for key in ("host", "port", "policy", "redis_url", "worker_urls", "log_level", "processes")
     }
     return load_config(RouterConfig, args.config, overrides)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    config = serve_config(args)
+    if config.processes > 1:
+        from router.processes import run_processes
+
+        return run_processes(config)
+    run_router(config)
+    return 0
+
+
+def run_router(config: RouterConfig) -> None:
+    """One router process, in the foreground until SIGTERM/SIGINT."""
     from router.app import serve
 
-    config = serve_config(args)
     setup_logging(config.log_level)
     try:
         import uvloop
@@ -154,11 +169,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     asyncio.run(serve(config))
-    return 0
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from router.local_fleet import LocalFleet, UpOptions
+    from router.local_fleet import UpFleet, UpOptions
 
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
@@ -171,7 +185,7 @@ def _run_up(args: argparse.Namespace) -> int:
         model_cache_dir=args.model_cache_dir, start_timeout=args.start_timeout,
         keep_logs=args.keep_logs,
     )  # fmt: skip
-    return LocalFleet(options).run()
+    return UpFleet(options).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,8 +41,8 @@ def _page() -> bytes:
 
 def _worker_row(worker: Any, now: float, tree: dict[str, Any]) -> dict[str, Any]:
     row = worker.describe(now)
-    capacity = row["cache_capacity_tokens"] or 0
-    row["kv_usage"] = row["cache_used_tokens"] / capacity if capacity else None
+    capacity = row["kv_capacity_tokens"] or 0
+    row["kv_usage"] = row["kv_used_tokens"] / capacity if capacity else None
     row["tree_chars"] = tree.get("tree_chars", 0)
     if row["draining"]:
         row["state"] = "draining"

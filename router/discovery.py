@@ -22,7 +22,8 @@ from redis.exceptions import RedisError
 
 from router.fleet import Fleet
 from shared.aio import reraise_if_cancelled, stop_task
-from shared.registry import Registry
+from shared.peers import Network, Rejections, check_worker_url
+from shared.registry import Registry, WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,11 @@ class Discovery:
         interval: float,
         reconnect_grace: float,
         clock: Callable[[], float] = time.monotonic,
+        allow: tuple[Network, ...] = (),
     ) -> None:
         self.registry = registry
         self.fleet = fleet
+        self.allow = allow  # worker_url_allow_cidrs
         self.interval = interval
         self.reconnect_grace = reconnect_grace
         self.clock = clock
@@ -52,22 +55,33 @@ class Discovery:
 
     @classmethod
     def from_url(
-        cls,
-        url: str,
-        prefix: str,
-        fleet: Fleet,
-        interval: float,
-        grace: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> Discovery:
+        cls, url: str, prefix: str, fleet: Fleet, interval: float, grace: float,
+        clock: Callable[[], float] = time.monotonic, rejections: Rejections | None = None,
+        allow: tuple[Network, ...] = (),
+    ) -> Discovery:  # fmt: skip
         # Short socket timeouts: a dead Redis must not stall a poll for long.
         timeout = max(1.0, 2 * interval)
         redis = Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        return cls(Registry(redis, prefix), fleet, interval, grace, clock)
+        registry = Registry(redis, prefix, rejections)
+        return cls(registry, fleet, interval, grace, clock, allow=allow)
+
+    def _allowed(self, records: dict[str, WorkerRecord]) -> dict[str, WorkerRecord]:
+        """Records whose URL lies in `worker_url_allow_cidrs` (the registry checked the rest)."""
+        if not self.allow:
+            return records
+        kept = {}
+        for wid, record in records.items():
+            try:
+                check_worker_url(record.url, self.allow)
+            except ValueError as e:
+                self.registry.rejections.reject("registry", wid, str(e))
+                continue
+            kept[wid] = record
+        return kept
 
     async def poll_once(self) -> None:
-        records = await asyncio.wait_for(
-            self.registry.read_fleet(), timeout=max(1.0, 2 * self.interval)
+        records = self._allowed(
+            await asyncio.wait_for(self.registry.read_fleet(), timeout=max(1.0, 2 * self.interval))
         )
         # Right after an outage the registry may not hold every worker again yet.
         drop = self.clock() >= self._grace_until

@@ -19,11 +19,12 @@ router's whole CPU budget). Each event costs only what it touches:
       a breaker opens, closes, starts/ends a probe     rebuilt by the next request
     an open breaker's cooldown ends (time, no event) same, at the first request after it
 
-Invariant (tested against `routable` after every kind of event): ``view(now, model)``
-holds exactly ``routable(now, model=model)``, in table order, with loads
-``Worker.load_with(remote)`` and capacities ``cache_capacity_tokens``. A view for a
-model is the fleet's view when every worker serves that model (the common case);
-otherwise one view per served model is kept.
+Invariant (tested against the plain definition after every kind of event):
+``view(now, model, exclude)`` holds exactly the workers not excluded, not draining,
+whose breaker allows a request at ``now`` and that serve ``model`` (or report none), in
+table order, with loads ``Worker.load_with(remote)`` and capacities
+``kv_capacity_tokens``. A view for a model is the fleet's view when every worker serves
+that model (the common case); otherwise one view per served model is kept.
 """
 
 from __future__ import annotations
@@ -168,15 +169,12 @@ class Fleet:
         return worker
 
     def _report(self, w: Worker, r: WorkerRecord) -> None:
-        if (r.model, r.draining, r.cache_capacity_tokens) != (
-            w.model, w.draining, w.cache_capacity_tokens,
-        ):  # fmt: skip
-            w.model, w.draining, w.cache_capacity_tokens = (
-                r.model, r.draining, r.cache_capacity_tokens,
-            )  # fmt: skip
+        routing = (r.model, r.draining, r.kv_capacity_tokens)
+        if routing != (w.model, w.draining, w.kv_capacity_tokens):
+            w.model, w.draining, w.kv_capacity_tokens = routing
             self.generation += 1  # a view's capacities column is replaced, not edited
         w.url, w.engine, w.epoch = r.url, r.engine, r.epoch
-        w.cache_used_tokens = r.cache_used_tokens
+        w.kv_used_tokens = r.kv_used_tokens
         w.prompt_tokens_total, w.cached_tokens_total = r.prompt_tokens_total, r.cached_tokens_total
         if (r.running, r.waiting) != (w.running, w.waiting):
             w.running, w.waiting = r.running, r.waiting
@@ -204,7 +202,10 @@ class Fleet:
             worker.actual_cached_tokens_total += cached_tokens
 
     def failed(self, attempt: Attempt, kind: FailureKind, now: float) -> None:
-        """The try failed (see `FailureKind`); every kind counts against the breaker."""
+        """The try failed (see `FailureKind`). A busy worker is alive: BUSY counts toward no
+        breaker (a worker's 503 "overloaded" used to), every other kind does."""
+        if kind is FailureKind.BUSY:
+            return
         worker, breaker = attempt.worker, attempt.worker.breaker
         worker.failures_total += 1
         before = (breaker.opened_at, breaker.probing)
@@ -220,12 +221,9 @@ class Fleet:
         exclude: Iterable[str] = (),
         remote: Mapping[str, int] | None = None,
     ) -> FleetView:
-        """What the policy reads: `routable(now, exclude, model)` as columns, with loads
-        `load_with(remote)`. Kept between requests; do not write to it.
-
-        `remote` is the other replicas' in-flight counts per worker; its provider replaces
-        the mapping when it changes, so the same object means nothing changed.
-        """
+        """What the policy reads (the invariant above). Kept between requests: read only.
+        `remote`: other replicas' in-flight counts per worker; its provider replaces the
+        mapping when it changes, so the same object means nothing changed."""
         if remote is not None and remote is not self._remote:
             self._set_remote(remote)
         if self._built != self.generation or not self._valid_from <= now < self._valid_until:
@@ -250,20 +248,6 @@ class Fleet:
             [view.loads[i] for i in keep_at],
             [view.capacities[i] for i in keep_at],
         )
-
-    def routable(
-        self, now: float, exclude: Iterable[str] = (), model: str | None = None
-    ) -> list[Worker]:
-        """The plain definition of who may take a request (`view` maintains the same)."""
-        skip = set(exclude)
-        return [
-            w
-            for w in self.workers.values()
-            if w.worker_id not in skip
-            and not w.draining
-            and w.breaker.allows(now)
-            and (model is None or not w.model or w.model == model)
-        ]
 
     def knows_model(self, model: str) -> bool:
         """Whether some worker serves `model`; True too while no worker reports a model."""
@@ -332,7 +316,7 @@ class Fleet:
             members = [w for w in members if not w.model or w.model == model]
         ids = tuple(w.worker_id for w in members)
         loads = [w.load_with(w.remote_in_flight) for w in members]
-        view = FleetView(ids, loads, tuple(w.cache_capacity_tokens for w in members))
+        view = FleetView(ids, loads, tuple(w.kv_capacity_tokens for w in members))
         if register:
             for i, w in enumerate(members):
                 w.cells.append((loads, i))

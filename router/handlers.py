@@ -14,13 +14,14 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router import dashboard
-from router.proxy import Routed, worker_authorization
+from router.proxy import Routed
 from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from router.upstream import worker_authorization
 from router.workers import Worker
 from shared.body import read_json
-from shared.config import check_worker_url
 from shared.errors import APIError
 from shared.http import PROMETHEUS_TEXT
+from shared.peers import check_worker_id, check_worker_url, parse_networks
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -160,10 +161,15 @@ async def add_worker(request: web.Request) -> web.Response:
     url, wid = data.get("url"), data.get("worker_id")
     if not isinstance(url, str):
         raise APIError(400, "url: a string http(s)://host:port is required", param="url")
-    if wid is not None and (not isinstance(wid, str) or not wid or len(wid) > 200):
-        raise APIError(400, "worker_id: must be a non-empty string", param="worker_id")
+    if wid is not None:
+        try:
+            check_worker_id(wid)
+        except ValueError as e:
+            raise APIError(
+                400, f"worker_id: {e}", param="worker_id", code="invalid_value"
+            ) from None
     try:
-        check_worker_url(url)
+        check_worker_url(url, parse_networks(request.app[CONFIG].worker_url_allow_cidrs))
     except ValueError as e:
         raise APIError(400, f"url: {e}", param="url", code="invalid_value") from None
     worker = request.app[FLEET].add_url(url, "admin", wid)

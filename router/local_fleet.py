@@ -58,7 +58,7 @@ class StartError(RuntimeError):
     pass
 
 
-class LocalFleet:
+class UpFleet:
     def __init__(self, options: UpOptions, out: TextIO = sys.stdout) -> None:
         self.options = options
         self.out = out

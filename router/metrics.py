@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from router.fleet import Fleet
 from shared.http import LATENCY_BUCKETS
+from shared.peers import Rejections
 
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0, float("inf"))
 
@@ -99,8 +100,8 @@ class _FleetCollector(Collector):
             failures.add_metric(wid, w.failures_total)
             predicted.add_metric(wid, w.predicted_tokens_total)
             actual.add_metric(wid, w.actual_cached_tokens_total)
-            capacity = w.cache_capacity_tokens
-            used = min(w.cache_used_tokens, capacity) if capacity > 0 else 0
+            capacity = w.kv_capacity_tokens
+            used = min(w.kv_used_tokens, capacity) if capacity > 0 else 0
             kv_usage.add_metric(wid, used / capacity if capacity > 0 else 0.0)
             waiting.add_metric(wid, w.waiting)
             prompt.add_metric(wid, w.prompt_tokens_total)
@@ -160,12 +161,30 @@ class ReasonWindow:
         }
 
 
+class _RejectionsCollector(Collector):
+    """Entries the Redis boundary dropped (bad worker records, sync entries), by source."""
+
+    def __init__(self, rejections: Rejections) -> None:
+        self.rejections = rejections
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "radix_router_untrusted_rejected",
+            "Entries read from Redis and dropped as malformed or out of bounds",
+            labels=["source"],
+        )
+        for source, count in sorted(self.rejections.counts.items()):
+            family.add_metric([source], count)
+        yield family
+
+
 class Metrics:
     def __init__(
         self,
         fleet: Fleet,
         clock: Callable[[], float] = time.monotonic,
         in_flight: Callable[[], int] = lambda: 0,
+        rejections: Rejections | None = None,
     ) -> None:
         self.clock = clock
         self.reasons = ReasonWindow()
@@ -203,6 +222,8 @@ class Metrics:
             ["worker"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_FleetCollector(fleet, clock, in_flight))
+        if rejections is not None:
+            r.register(_RejectionsCollector(rejections))
         # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
         self._children: dict[tuple[str, ...], Any] = {}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
-from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 # Every status a routed inference request can be answered with.
 _INFERENCE_ERRORS = {
@@ -42,7 +42,7 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
     components: dict[str, Any] = {"Error": ERROR_SCHEMA}
     chat = add_schema(ChatCompletionRequest, components)
     completion = add_schema(CompletionRequest, components)
-    generate = add_schema(GenerateRequest, components)
+    generate = add_schema(GenerateWireRequest, components)
     admin_add = {
         "type": "object",
         "required": ["url"],

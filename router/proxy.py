@@ -1,26 +1,29 @@
 """Forward one inference request to the worker the policy picks, and its answer back.
 
 Attempt loop: select among routable workers not yet tried → send → on a failure
-*before anything reached the client* (connect error, timeout, 5xx, a body cut short
-while buffering) count a breaker failure and retry on another worker, up to
-`max_retries` times with exponential backoff. Once the first byte of a stream went to
-the client a failure cannot be retried: the stream ends with an SSE error event.
+*before anything reached the client* retry on another worker, up to `max_retries`
+times with exponential backoff; what a worker's answer means (broken, busy, or a 500
+that may be the request's fault) and what may pass in either direction is
+`router/upstream.py`. Once the first byte of a stream went to the client a failure
+cannot be retried: the stream ends with an SSE error event.
 
 The proxy keeps no books: each try is a `Fleet.attempt` (the load it holds, the breaker
 probe), and its outcome is told to the table (`succeeded`, or `failed` with a
 `FailureKind`); the table updates the breaker, the counters and the policy's columns.
 
 Streams are relayed chunk by chunk (`readany` → `write`, no buffering), so time to
-first token through the router stays close to going direct. Every attempt is released
-on exit whatever the exit (end, error, cancel, timeout).
-The app runs with handler cancellation on, so a client that disconnects cancels the
-handler, which closes the upstream connection and the worker sees the disconnect.
+first token through the router stays close to going direct. A write the client does
+not take within `stream_write_timeout` ends the stream and closes the upstream
+connection, so the worker frees the request's slot and KV (a client that never read
+held both for as long as it stayed connected). Every attempt is released on exit
+whatever the exit (end, error, cancel, timeout). The app runs with handler
+cancellation on, so a client that disconnects cancels the handler, which closes the
+upstream connection and the worker sees the disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -34,48 +37,22 @@ from router.fleet import Attempt, Fleet
 from router.metrics import Metrics, cached_tokens_from_json, cached_tokens_from_sse
 from router.policy.base import Decision, Policy, RouteRequest
 from router.sync import ReplicaSync
+from router.upstream import (
+    FORWARD_REQUEST,
+    AttemptFailed,
+    UpstreamErrors,
+    classify,
+    encodable,
+    read_capped,
+    response_headers,
+    worker_authorization,
+)
 from router.workers import FailureKind, Worker
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
 from shared.http import EVENT_STREAM, EventStreamResponse
 
-HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-     "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
-)  # fmt: skip
-# Request headers a worker may see: an allow-list, so cookies, client credentials,
-# Content-Encoding (the body goes on decoded) and whatever a client invents for a server
-# behind the worker (`Metadata-Flavor`) stay at the router. The session header is added.
-FORWARD_REQUEST = frozenset({"accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
-RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date", "set-cookie"}
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
-
-
-def end_to_end_headers(
-    headers: CIMultiDict[str] | dict[str, str], drop: frozenset[str]
-) -> CIMultiDict[str]:
-    """Headers minus hop-by-hop ones, including any the Connection header names."""
-    connection = headers.get("Connection")
-    if connection:  # rare on keep-alive HTTP/1.1: only then build the extra set
-        drop = drop | {t.strip().lower() for t in connection.split(",")}
-    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
-
-
-def worker_authorization(config: RouterConfig) -> str | None:
-    """The Authorization value the router sends every worker (`worker_api_key`)."""
-    return f"Bearer {config.worker_api_key}" if config.worker_api_key else None
-
-
-def _encodable(value: str) -> bool:
-    # aiohttp hands over non-UTF-8 header bytes surrogate-escaped; sending them on would
-    # fail in the client with an error that is not a ClientError.
-    if value.isascii():
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -88,37 +65,6 @@ class Routed:
     text: str  # what the policy routes on
     session_key: str | None
     model: str | None
-
-
-class _AttemptFailed(Exception):
-    def __init__(self, message: str, kind: FailureKind, status: int = 502) -> None:
-        super().__init__(message)
-        self.kind, self.status = kind, status
-
-
-class _UpstreamErrors:
-    """A failure talking to the worker before the client saw a byte: retryable.
-
-    A plain class, not @contextmanager: it wraps every upstream await on the hot path.
-    """
-
-    __slots__ = ("kind", "what", "worker")
-
-    def __init__(self, worker: Worker, what: str, kind: FailureKind) -> None:
-        self.worker, self.what, self.kind = worker, what, kind
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, e: BaseException | None, tb: object
-    ) -> None:
-        wid = self.worker.worker_id
-        if kind is not None and issubclass(kind, TimeoutError):
-            raise _AttemptFailed(f"worker {wid} timed out", FailureKind.TIMEOUT, 504) from None
-        if isinstance(e, aiohttp.ClientError):
-            message = f"{self.what.format(wid)}: {type(e).__name__}"
-            raise _AttemptFailed(message, self.kind) from None
 
 
 class Proxy:
@@ -173,20 +119,33 @@ class Proxy:
                 code="model_not_found",
             )
         tried: list[str] = []
-        failure: _AttemptFailed | None = None
+        failure: AttemptFailed | None = None
+        suspects: list[Attempt] = []  # tries that got a 500: the worker's fault, or ours?
+        busy_for = 0  # the longest Retry-After of the busy workers
         for attempt in range(self.config.max_retries + 1):
             picked = self._select(routed, tried)
             if picked is None:
                 break
             worker, decision = picked
             try:
-                return await self._attempt(request, routed, worker, decision)
-            except _AttemptFailed as e:
+                response = await self._attempt(request, routed, worker, decision)
+            except AttemptFailed as e:
                 failure = e
                 tried.append(worker.worker_id)
+                if e.suspect and suspects:
+                    raise self._request_fault(len(suspects) + 1) from None
+                if e.suspect:
+                    suspects.append(e.attempt)
+                busy_for = max(busy_for, e.retry_after)
                 if attempt < self.config.max_retries:
                     self.metrics.retries.inc()
                     await asyncio.sleep(self.config.retry_backoff * (2**attempt))
+                continue
+            if suspects and response.status < 400:
+                # Another worker answered what the suspect answered 500 to: its failure.
+                for suspect in suspects:
+                    self.fleet.failed(suspect, FailureKind.UPSTREAM_5XX, self.clock())
+            return response
         if failure is None:
             raise APIError(
                 503,
@@ -194,16 +153,31 @@ class Proxy:
                 code="no_workers",
                 headers={"Retry-After": "1"},
             )
+        if failure.kind is FailureKind.BUSY:
+            raise APIError(
+                503, f"all {len(tried)} workers tried are busy; retry later",
+                code="overloaded", headers={"Retry-After": str(busy_for)},
+            )  # fmt: skip
         raise APIError(
             failure.status,
             f"all {len(tried)} attempts failed; last: {failure}",
             code="upstream_error",
         )
 
+    @staticmethod
+    def _request_fault(workers: int) -> APIError:
+        """The same request failed with 500 on two workers: the request, not the fleet,
+        is at fault, so it is answered now and counted against no breaker (three such
+        requests used to open every breaker and take the fleet to 503)."""
+        return APIError(
+            500, f"the request failed on {workers} workers (each answered 500); not retried",
+            code="request_failed",
+        )  # fmt: skip
+
     def _request_headers(self, request: web.Request) -> CIMultiDict[str]:
         forward = self._forward
         headers = CIMultiDict(
-            [(k, v) for k, v in request.headers.items() if k.lower() in forward and _encodable(v)]
+            [(k, v) for k, v in request.headers.items() if k.lower() in forward and encodable(v)]
         )
         headers["Content-Type"] = "application/json"  # the body was parsed as JSON
         # One id names the request in the router's and the worker's logs (shared/access_log.py).
@@ -217,7 +191,7 @@ class Proxy:
     def _response_headers(
         self, upstream: aiohttp.ClientResponse, worker: Worker, d: Decision
     ) -> CIMultiDict[str]:
-        headers = end_to_end_headers(upstream.headers, RESPONSE_DROP)
+        headers = response_headers(upstream.headers)
         headers["x-radix-worker"] = worker.worker_id
         headers["x-radix-route-reason"] = d.reason
         headers["x-radix-matched-chars"] = str(d.matched_chars)
@@ -229,24 +203,24 @@ class Proxy:
         with self.fleet.attempt(worker, self.clock()) as attempt:
             try:
                 return await self._send(request, routed, attempt, decision)
-            except _AttemptFailed as e:
-                self.fleet.failed(attempt, e.kind, self.clock())
+            except AttemptFailed as e:
+                e.attempt = attempt
+                if not e.suspect:  # a suspect's verdict waits for the next worker's answer
+                    self.fleet.failed(attempt, e.kind, self.clock())
                 raise
 
     async def _send(
         self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision
     ) -> web.StreamResponse:
         worker = attempt.worker
-        with _UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
+        with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
             upstream = await self.session.post(
-                worker.url + routed.path, data=routed.body,
+                worker.url + routed.path, data=routed.body, allow_redirects=False,
                 headers=self._request_headers(request), timeout=self.timeout,
             )  # fmt: skip
         done = False
         try:
-            if upstream.status >= 500:
-                message = f"worker {worker.worker_id} answered {upstream.status}"
-                raise _AttemptFailed(message, FailureKind.UPSTREAM_5XX)
+            await classify(upstream, worker)
             if upstream.content_type == EVENT_STREAM:
                 resp = await self._relay_stream(request, upstream, attempt, decision)
             else:
@@ -265,8 +239,7 @@ class Proxy:
         self, upstream: aiohttp.ClientResponse, attempt: Attempt, decision: Decision
     ) -> web.Response:
         worker = attempt.worker
-        with _UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
-            body = await upstream.read()
+        body = await read_capped(upstream, self.config.max_response_bytes, worker)
         cached = cached_tokens_from_json(body) if upstream.status == 200 else None
         self._succeeded(attempt, decision, cached)
         return web.Response(
@@ -286,22 +259,29 @@ class Proxy:
         # The first chunk is read before anything goes to the client, so a worker that
         # fails before its first event is retried elsewhere like any failure before the
         # first byte, and the headers leave together with that chunk.
-        with _UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
+        with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
             chunk = await upstream.content.readany()
         content = upstream.content
         resp = EventStreamResponse(
             status=upstream.status, headers=self._response_headers(upstream, worker, decision)
         )
         await resp.prepare(request)
+        write_timeout = self.config.stream_write_timeout
         tail = b""
         broken: tuple[FailureKind, str] | None = None
         # Each chunk is written as soon as it is read; only the last one (the upstream has
         # already ended) waits to leave together with the end-of-stream marker.
         while chunk and not content.is_eof():
             try:
-                await resp.write(chunk)
-            except ConnectionError:
-                return resp  # the client left; the caller closes the upstream
+                async with asyncio.timeout(write_timeout):
+                    await resp.write(chunk)
+            except (ConnectionError, TimeoutError):
+                # The client left, or does not read: drop both connections, so the worker
+                # sees the request abandoned and frees its slot and KV at once.
+                upstream.close()
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
             tail = (tail + chunk)[-SSE_TAIL_BYTES:]
             try:
                 chunk = await content.readany()
@@ -320,8 +300,12 @@ class Proxy:
             self.fleet.failed(attempt, broken[0], self.clock())
             event = json.dumps(error_body(502, broken[1], code="upstream_error"))
             chunk = f"data: {event}\n\n".encode()
-        with contextlib.suppress(ConnectionError):  # the client left at the very end
-            await resp.write_eof(chunk)
+        try:
+            async with asyncio.timeout(write_timeout):
+                await resp.write_eof(chunk)
+        except (ConnectionError, TimeoutError):  # the client left, or stopped, at the end
+            if request.transport is not None:
+                request.transport.abort()
         return resp
 
     def _succeeded(self, attempt: Attempt, decision: Decision, cached: int | None) -> None:

@@ -15,6 +15,7 @@ from router.policy.base import Policy
 from router.proxy import Proxy
 from router.sync import ReplicaSync
 from shared.config import RouterConfig
+from shared.peers import Rejections
 
 CONFIG = web.AppKey("config", RouterConfig)
 CLOCK = web.AppKey("clock", Callable[[], float])
@@ -23,6 +24,7 @@ POLICY = web.AppKey("policy", Policy)
 METRICS = web.AppKey("metrics", Metrics)
 ADMISSION = web.AppKey("admission", Admission)
 OPENAPI = web.AppKey("openapi", dict)
+REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis boundary
 SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
 # Set up in cleanup_ctx (they need the running loop):
 SESSION = web.AppKey("session", aiohttp.ClientSession)

@@ -38,7 +38,8 @@ from redis.exceptions import RedisError
 
 from shared.aio import reraise_if_cancelled
 from shared.config import RouterConfig
-from shared.registry import Registry
+from shared.peers import WORKER_ID, Rejections
+from shared.registry import MAX_WORKERS, Registry
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ PENDING_MAX = 10_000
 SEP = b"\x00"
 
 Observe = Callable[[str, str, float], None]  # (worker_id, text, now)
+# Other replicas' load hashes read per round; more is not a fleet of routers but a flood.
+MAX_REPLICAS = 256
 
 
 class ReplicaSync(Protocol):
@@ -74,8 +77,14 @@ class DecisionSync:
         local_inflight: Callable[[], Mapping[str, int]],
         clock: Callable[[], float] = time.monotonic,
         replica_id: str | None = None,
+        rejections: Rejections | None = None,
     ) -> None:
         self.redis = redis
+        self.rejections = rejections if rejections is not None else registry.rejections
+        # What one decision may inflate to (UTF-8 takes at most 4 bytes a character) and
+        # what it may weigh compressed (zlib adds at most a few bytes a 16 KiB block).
+        self._max_text_bytes = 4 * config.sync_max_chars
+        self._max_entry_bytes = self._max_text_bytes + 1024
         self.registry = registry
         self.config = config
         self.observe = observe
@@ -102,13 +111,15 @@ class DecisionSync:
         observe: Observe,
         local_inflight: Callable[[], Mapping[str, int]],
         clock: Callable[[], float] = time.monotonic,
+        rejections: Rejections | None = None,
     ) -> DecisionSync:
         """A sync on its own Redis client (to `config.redis_url`), closed by `stop`."""
         assert config.redis_url
         redis = Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         sync = cls(
-            redis, Registry(redis, config.redis_prefix), config, observe, local_inflight, clock
-        )
+            redis, Registry(redis, config.redis_prefix, rejections), config, observe,
+            local_inflight, clock,
+        )  # fmt: skip
         sync._owns_redis = True
         return sync
 
@@ -218,20 +229,44 @@ class DecisionSync:
             self._apply(entries, include_own=False)
 
     def _apply(self, entries: list, include_own: bool) -> None:
+        """Apply other replicas' decisions. The stream is untrusted input: an entry that is
+        not `replica SEP worker SEP zlib(text)` for a worker this router knows, within the
+        size caps (a 146 KB zlib bomb once inflated to 200 MB here), is dropped, counted
+        and logged, and the reader goes on."""
         now = self.clock()
+        known = self.local_inflight()
         for entry_id, fields in entries:
             self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             entry = fields.get(b"d", b"")
             if not include_own and entry.startswith(self._header):
                 continue
-            try:
-                _replica, worker, payload = entry.split(SEP, 2)
-                worker_id = worker.decode()
-                text = zlib.decompress(payload).decode("utf-8", "replace")
-            except (ValueError, zlib.error, UnicodeDecodeError):
-                continue  # a foreign or corrupt entry must not stop the reader
+            decoded = self._decode(entry)
+            if decoded is None:
+                continue
+            worker_id, text = decoded
+            if worker_id not in known:
+                continue  # a worker this replica does not (yet) route to: nothing to learn
             self.observe(worker_id, text, now)
             self.applied += 1
+
+    def _decode(self, entry: object) -> tuple[str, str] | None:
+        why = "malformed entry"
+        try:
+            if not isinstance(entry, bytes) or len(entry) > self._max_entry_bytes:
+                raise ValueError("entry too large")
+            _replica, worker, payload = entry.split(SEP, 2)
+            worker_id = worker.decode()
+            if not WORKER_ID.fullmatch(worker_id):
+                raise ValueError("bad worker id")
+            inflate = zlib.decompressobj()
+            raw = inflate.decompress(payload, self._max_text_bytes)
+            if inflate.unconsumed_tail or not inflate.eof:
+                raise ValueError("text over sync_max_chars once decompressed, or truncated")
+            return worker_id, raw.decode("utf-8", "replace")
+        except (ValueError, zlib.error, UnicodeDecodeError) as e:
+            why = str(e) or why
+        self.rejections.reject("sync_decisions", "stream entry", why)
+        return None
 
     async def _load_once(self) -> None:
         interval = self.config.sync_load_interval
@@ -244,12 +279,37 @@ class DecisionSync:
                 pipe.pexpire(own_key, int(interval * 4 * 1000))
             await pipe.execute()
         remote: dict[str, int] = {}
+        known = self.local_inflight()
+        replicas = 0
         async for key in self.redis.scan_iter(match=self.registry.router_pattern, count=100):
-            name = key.decode() if isinstance(key, bytes) else key
+            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
             if name == own_key:
                 continue
-            for worker, count in (await self.redis.hgetall(name)).items():
-                wid = worker.decode() if isinstance(worker, bytes) else worker
-                remote[wid] = remote.get(wid, 0) + int(count)
+            replicas += 1
+            if replicas > MAX_REPLICAS:
+                self.rejections.reject("sync_load", "router keys", f"over {MAX_REPLICAS}")
+                break
+            self._add_remote(remote, name, await self.redis.hgetall(name), known)
         self._remote = remote
         await asyncio.sleep(interval)
+
+    def _add_remote(
+        self, remote: dict[str, int], name: str, counts: dict, known: Mapping[str, int]
+    ) -> None:
+        """Add one replica's in-flight counts. Untrusted: each count must be an integer,
+        and is clamped to what one replica can have in flight (`max_concurrent`), so a
+        fake `{w1: 1000000}` cannot steer all traffic away from w1 and "1.5" cannot stop
+        the loop; a bad entry is dropped, counted and logged."""
+        if len(counts) > MAX_WORKERS:
+            self.rejections.reject("sync_load", name, f"over {MAX_WORKERS} entries")
+            return
+        cap = self.config.max_concurrent
+        for worker, count in counts.items():
+            wid = worker.decode("utf-8", "replace") if isinstance(worker, bytes) else str(worker)
+            try:
+                value = int(count)
+            except (TypeError, ValueError):
+                self.rejections.reject("sync_load", f"{name} {wid}", "count is not an integer")
+                continue
+            if wid in known:
+                remote[wid] = remote.get(wid, 0) + min(max(value, 0), cap)

@@ -32,9 +32,9 @@ BreakerState = Literal["closed", "open", "half_open"]
 class FailureKind(enum.Enum):
     """Why an attempt to a worker failed before the client got a byte (or mid-stream).
 
-    Every kind counts the same against the breaker today; the kinds exist so the failure
-    policy can treat them apart (a busy worker is healthy, a refused connection is not)
-    without the proxy touching the breaker.
+    Every kind but BUSY counts toward the worker's breaker (`Fleet.failed`): a busy
+    worker is healthy, a refused connection is not. Which answers are which is
+    `router/upstream.py`.
     """
 
     CONNECT = "connect"  # no connection: refused, reset or unreachable before a status
@@ -42,6 +42,7 @@ class FailureKind(enum.Enum):
     UPSTREAM_5XX = "upstream_5xx"  # the worker answered 5xx (and did not say it is busy)
     BUSY = "busy"  # 503 with Retry-After, or an "overloaded" answer: alive but full
     BROKEN = "broken"  # the body or stream was cut short after the status line
+    BAD_ANSWER = "bad_answer"  # a redirect, a content type not JSON/SSE, an oversized body
 
 
 @dataclass
@@ -100,8 +101,8 @@ class Worker:
     engine: str = ""
     model: str = ""
     draining: bool = False
-    cache_capacity_tokens: int = 0
-    cache_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
     running: int = 0
     waiting: int = 0
     in_flight: int = 0
@@ -145,8 +146,8 @@ class Worker:
             "waiting": self.waiting,
             "draining": self.draining,
             "breaker": self.breaker.state(now),
-            "cache_capacity_tokens": self.cache_capacity_tokens,
-            "cache_used_tokens": self.cache_used_tokens,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_used_tokens": self.kv_used_tokens,
             "reported_hit_rate": (
                 self.cached_tokens_total / self.prompt_tokens_total
                 if self.prompt_tokens_total

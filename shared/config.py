@@ -9,15 +9,15 @@ it came from.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from shared.peers import check_worker_url, parse_networks
 
 PolicyName = Literal[
     "cache_aware",
@@ -33,16 +33,6 @@ EngineName = Literal["radix", "sim"]
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key."""
-
-
-def check_worker_url(url: str) -> str:
-    """Worker URLs reach the proxy, so only plain http(s) with a host and a port."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-        raise ValueError(f"worker URL must be http(s)://host:port, got {url!r}")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ValueError(f"worker URL must not carry credentials, query or fragment: {url!r}")
-    return url.rstrip("/")
 
 
 class _Frozen(BaseModel):
@@ -123,6 +113,9 @@ class RouterConfig(_Frozen):
     trusted_proxies: tuple[str, ...] = ()
     # Several replicas share routing decisions and in-flight load through Redis (router/sync.py).
     sync: bool = False
+    # Router processes on this host behind one port (SO_REUSEPORT; router/processes.py).
+    # Above 1 they route as replicas: sync is turned on when redis_url is set.
+    processes: int = Field(1, ge=1, le=256)
     sync_stream_maxlen: int = Field(20_000, ge=100)
     sync_max_chars: int = Field(32_768, ge=64)
     sync_flush_interval: float = Field(0.02, gt=0)
@@ -134,11 +127,10 @@ class RouterConfig(_Frozen):
     def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(check_worker_url(u) for u in v)
 
-    @field_validator("trusted_proxies")
+    @field_validator("worker_url_allow_cidrs", "trusted_proxies")
     @classmethod
     def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for cidr in v:
-            ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad one
+        parse_networks(v)  # ValueError names the bad network
         return v
 
 

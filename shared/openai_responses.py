@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-FinishReason = str | None
+WireFinishReason = str | None  # what OpenAI clients read; the engine has its own FinishReason
 
 
 def new_request_id(prefix: str) -> str:
@@ -26,7 +26,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def _finish(reason: FinishReason) -> FinishReason:
+def _finish(reason: WireFinishReason) -> WireFinishReason:
     # "abort" is the engine's word; OpenAI clients only know stop/length/... .
     return "stop" if reason == "abort" else reason
 
@@ -52,27 +52,37 @@ def _envelope(
     return body
 
 
-def _choice(content: dict[str, Any], finish_reason: FinishReason) -> list[dict[str, Any]]:
+def _choice(content: dict[str, Any], finish_reason: WireFinishReason) -> list[dict[str, Any]]:
     """The one choice (n=1): `content` is its text, message or delta field."""
     return [{"index": 0, **content, "logprobs": None, "finish_reason": _finish(finish_reason)}]
 
 
 def completion_body(
-    rid: str, model: str, created: int, text: str, finish_reason: FinishReason, use: dict[str, Any]
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: WireFinishReason,
+    use: dict[str, Any],
 ) -> dict[str, Any]:
     choices = _choice({"text": text}, finish_reason)
     return _envelope("text_completion", rid, model, created, choices, use)
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str, finish_reason: FinishReason
+    rid: str, model: str, created: int, text: str, finish_reason: WireFinishReason
 ) -> dict[str, Any]:
     choices = _choice({"text": text}, finish_reason)
     return _envelope("text_completion", rid, model, created, choices)
 
 
 def chat_body(
-    rid: str, model: str, created: int, text: str, finish_reason: FinishReason, use: dict[str, Any]
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: WireFinishReason,
+    use: dict[str, Any],
 ) -> dict[str, Any]:
     message = {"role": "assistant", "content": text}
     choices = _choice({"message": message}, finish_reason)
@@ -80,7 +90,7 @@ def chat_body(
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: FinishReason
+    rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: WireFinishReason
 ) -> dict[str, Any]:
     choices = _choice({"delta": delta}, finish_reason)
     return _envelope("chat.completion.chunk", rid, model, created, choices)

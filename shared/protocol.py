@@ -100,7 +100,7 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-class GenerateRequest(_Lenient):
+class GenerateWireRequest(_Lenient):
     """SGLang's native `/generate`: text or input_ids, sampling_params as a dict."""
 
     model_config = ConfigDict(
@@ -114,7 +114,7 @@ class GenerateRequest(_Lenient):
     rid: str | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> GenerateRequest:
+    def _one_prompt(self) -> GenerateWireRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of text or input_ids is required")
         return self
@@ -137,7 +137,7 @@ def routing_text(endpoint: str, body: dict[str, Any]) -> tuple[str, BaseModel]:
         comp = CompletionRequest.model_validate(body)
         text = comp.prompt_text()
         return (text if text is not None else " ".join(map(str, comp.prompt))), comp
-    gen = GenerateRequest.model_validate(body)
+    gen = GenerateWireRequest.model_validate(body)
     return (gen.text if gen.text is not None else " ".join(map(str, gen.input_ids or []))), gen
 
 

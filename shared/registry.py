@@ -16,11 +16,16 @@ whose hash expired is gone even if its id is still in the set; readers prune suc
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 
 from redis.asyncio import Redis
 
-from shared.config import check_worker_url
+from shared.peers import Rejections, check_worker_id, check_worker_url
+
+# Counts and sizes a worker reports (tokens, requests) are far below this; larger is a lie.
+MAX_COUNT = 10**15
+MAX_WORKERS = 4096  # ids read from the set per poll
 
 
 @dataclass(frozen=True)
@@ -32,8 +37,8 @@ class WorkerRecord:
     epoch: float  # process start time: a new epoch means an empty cache
     running: int = 0
     waiting: int = 0
-    cache_capacity_tokens: int = 0
-    cache_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
     draining: bool = False
@@ -51,12 +56,17 @@ class WorkerRecord:
 
     @classmethod
     def from_hash(cls, raw: dict[bytes | str, bytes | str]) -> WorkerRecord:
-        """Parse a hash; raises ValueError on a malformed record (never trust the store blindly:
-        the URL ends up in the proxy)."""
-        data = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()
-        }
+        """Parse a hash; ValueError on anything malformed. The store is not trusted: the id
+        ends up in headers and key names, the URL in the proxy, the numbers in routing."""
+        if len(raw) > 64:
+            raise ValueError("worker record has too many fields")
+        data: dict[str, str] = {}
+        for k, v in raw.items():
+            key = k.decode() if isinstance(k, bytes) else k
+            value = v.decode() if isinstance(v, bytes) else v
+            if len(value) > 1024:
+                raise ValueError(f"worker record field {key!r:.40} is too long")
+            data[key] = value
         kwargs: dict[str, object] = {}
         for f in fields(cls):
             if f.name not in data:
@@ -64,23 +74,35 @@ class WorkerRecord:
                     raise ValueError(f"worker record lacks {f.name!r}")
                 continue
             value = data[f.name]
-            if f.type in ("int",):
-                kwargs[f.name] = int(value)
+            if f.type == "int":
+                number = int(value)  # ValueError on "1.5", "x"
+                if not 0 <= number <= MAX_COUNT:
+                    raise ValueError(f"{f.name} out of range: {number}")
+                kwargs[f.name] = number
             elif f.type == "float":
-                kwargs[f.name] = float(value)
+                real = float(value)
+                if not (math.isfinite(real) and 0 <= real <= MAX_COUNT):
+                    raise ValueError(f"{f.name} out of range: {real}")
+                kwargs[f.name] = real
             elif f.type == "bool":
                 kwargs[f.name] = value not in ("0", "", "false", "False")
+            elif not value.isprintable() or len(value) > 256:
+                raise ValueError(f"{f.name} must be printable text of at most 256 characters")
             else:
                 kwargs[f.name] = value
         record = cls(**kwargs)  # type: ignore[arg-type]
+        check_worker_id(record.worker_id)
         check_worker_url(record.url)
         return record
 
 
 class Registry:
-    def __init__(self, redis: Redis, prefix: str = "radixrouter:") -> None:
+    def __init__(
+        self, redis: Redis, prefix: str = "radixrouter:", rejections: Rejections | None = None
+    ) -> None:
         self.redis = redis
         self.prefix = prefix
+        self.rejections = rejections if rejections is not None else Rejections()
 
     def worker_key(self, worker_id: str) -> str:
         return f"{self.prefix}worker:{worker_id}"
@@ -125,11 +147,19 @@ class Registry:
             await pipe.execute()
 
     async def read_fleet(self) -> dict[str, WorkerRecord]:
-        """Every live worker. Ids whose hash expired are removed from the set."""
-        ids = sorted(
-            m.decode() if isinstance(m, bytes) else m
-            for m in await self.redis.smembers(self.workers_key)
-        )
+        """Every live worker. Ids whose hash expired are removed from the set; malformed
+        ids and records are skipped, counted and logged (`rejections`), never routed to."""
+        ids: list[str] = []
+        for member in await self.redis.smembers(self.workers_key):
+            wid = member.decode("utf-8", "replace") if isinstance(member, bytes) else member
+            try:
+                ids.append(check_worker_id(wid))
+            except ValueError as e:
+                self.rejections.reject("registry", wid, str(e))
+        ids.sort()
+        if len(ids) > MAX_WORKERS:
+            self.rejections.reject("registry", f"{len(ids)} ids", f"over {MAX_WORKERS} workers")
+            ids = ids[:MAX_WORKERS]
         if not ids:
             return {}
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -144,10 +174,12 @@ class Registry:
                 continue
             try:
                 record = WorkerRecord.from_hash(raw)
-            except (ValueError, TypeError):
-                continue  # a malformed record is ignored, not routed to
-            if record.worker_id == wid:
-                fleet[wid] = record
+                if record.worker_id != wid:
+                    raise ValueError(f"record names another worker ({record.worker_id!r:.40})")
+            except (ValueError, TypeError, UnicodeDecodeError) as e:
+                self.rejections.reject("registry", wid, str(e))
+                continue
+            fleet[wid] = record
         if gone:
             await self.redis.srem(self.workers_key, *gone)
         return fleet

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
-from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 _ERRORS = {
     "400": "Invalid request",
@@ -38,7 +38,7 @@ def openapi_document(served_model: str) -> dict[str, Any]:
     schemas: dict[str, Any] = {"Error": ERROR_SCHEMA}
     chat = add_schema(ChatCompletionRequest, schemas)
     completion = add_schema(CompletionRequest, schemas)
-    generate = add_schema(GenerateRequest, schemas)
+    generate = add_schema(GenerateWireRequest, schemas)
     return {
         "openapi": "3.1.0",
         "info": {

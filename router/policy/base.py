@@ -41,7 +41,7 @@ class Decision:
 class WorkerView:
     worker_id: str
     load: int  # requests in flight from this router + queue the worker reports
-    cache_capacity_tokens: int = 0
+    kv_capacity_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class FleetView(Sequence[WorkerView]):
 
 _ID = attrgetter("worker_id")
 _LOAD = attrgetter("load")
-_CAP = attrgetter("cache_capacity_tokens")
+_CAP = attrgetter("kv_capacity_tokens")
 
 
 def least_index(loads: list[int], rng: random.Random, low: int | None = None) -> int:
@@ -128,7 +128,7 @@ class Policy(ABC):
     @abstractmethod
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
         """``workers`` is non-empty and routable (the caller filters). Capacities reach
-        the policy only here, in ``WorkerView.cache_capacity_tokens``."""
+        the policy only here, in ``WorkerView.kv_capacity_tokens``."""
 
     # Only policies with per-worker state override these; the rest have none to keep.
     def remove_worker(self, worker_id: str) -> None:

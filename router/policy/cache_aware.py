@@ -28,7 +28,7 @@ Always: the text is then inserted into the chosen worker's tree (so a spill
 replicates the prefix). Remaining ties (equal load) are broken by the injected
 ``random.Random``, so a cold fleet spreads new prefixes instead of piling them on
 the first worker. Each worker's tree is capped at
-``cache_capacity_tokens × tree_chars_per_token`` chars (unknown capacity: no cap) and
+``kv_capacity_tokens × tree_chars_per_token`` chars (unknown capacity: no cap) and
 all trees together at ``tree_max_chars`` stored chars (router/tree.py).
 
 ``router/policy/cost_aware.py`` builds on this one (same trees, caps and epochs) and

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.harness import E2EFleet, WorkerSpec, http_json, prompt, sim_fleet
+from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.traffic import prompt
+from shared.procs import http_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -32,7 +34,7 @@ WORKERS = 3
 
 
 @pytest.fixture
-def fleet() -> E2EFleet:
+def fleet() -> BenchFleet:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no browser: Debian's chromium is not installed at {CHROMIUM}")
     # Decode cost keeps requests in flight long enough for load to show.
@@ -80,7 +82,7 @@ def number(text: str) -> int:
     return int(text.replace(",", "")) if text.replace(",", "").isdigit() else -1
 
 
-def test_dashboard_lists_workers_and_follows_traffic(fleet: E2EFleet, tmp_path: Path) -> None:
+def test_dashboard_lists_workers_and_follows_traffic(fleet: BenchFleet, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     assert fleet.router is not None

@@ -1,4 +1,4 @@
-"""Worker and Redis faults under load, every service a real process (loadtests/harness.py).
+"""Worker and Redis faults under load, every service a real process (loadtests/fleet.py).
 
 What the proxy can promise, and so what is asserted:
 - A non-streaming answer is sent by the worker only when generation ends (it awaits
@@ -21,18 +21,8 @@ from collections.abc import Iterator
 import pytest
 import redis as redis_sync
 
-from loadtests.harness import (
-    E2EFleet,
-    SteadyLoad,
-    WorkerSpec,
-    burst,
-    call,
-    failures,
-    prompt,
-    session,
-    sim_fleet,
-    wait_health,
-)
+from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet, wait_health
+from loadtests.traffic import SteadyLoad, burst, call, failures, prompt, session
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -41,14 +31,14 @@ HEARTBEAT_S = 0.2  # worker TTL = 3 beats = 0.6 s; router discovery polls every 
 
 
 @pytest.fixture
-def fleet3() -> Iterator[E2EFleet]:
+def fleet3() -> Iterator[BenchFleet]:
     fleet = sim_fleet(3, WorkerSpec(decode_ms=5.0, heartbeat_s=HEARTBEAT_S))
     yield fleet
     fleet.close()
 
 
 @pytest.fixture
-def fleet2() -> Iterator[E2EFleet]:
+def fleet2() -> Iterator[BenchFleet]:
     fleet = sim_fleet(2, WorkerSpec(decode_ms=2.0, heartbeat_s=HEARTBEAT_S))
     yield fleet
     fleet.close()
@@ -59,7 +49,7 @@ def record(name: str, sent: int, ok: int, retried: float, recover_s: float) -> N
           f"recovered in {recover_s:.2f}s")  # fmt: skip
 
 
-async def test_sigkill_worker_under_load_loses_no_request(fleet3: E2EFleet) -> None:
+async def test_sigkill_worker_under_load_loses_no_request(fleet3: BenchFleet) -> None:
     # round_robin: the victim surely holds a third of the requests and of the streams.
     router = fleet3.start_router({"policy": "round_robin"})
     url = router.url + "/v1/completions"
@@ -101,7 +91,7 @@ async def test_sigkill_worker_under_load_loses_no_request(fleet3: E2EFleet) -> N
     assert failures(after) == [] and {o.worker for o in after} == {"w1", "w2"}
 
 
-async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: E2EFleet) -> None:
+async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: BenchFleet) -> None:
     router = fleet2.start_router()
     url = router.url + "/v1/completions"
     async with session() as http:
@@ -140,7 +130,7 @@ async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: E2EFl
     assert "w0" in {o.worker for o in after_back}  # it is routed to again
 
 
-async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: E2EFleet) -> None:
+async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: BenchFleet) -> None:
     router = fleet2.start_router({"reconnect_grace": 3.0})
     url = router.url + "/v1/completions"
     redis = fleet2.redis
@@ -181,7 +171,7 @@ async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: E2EFlee
     assert all(c.alive for c in fleet2.workers.values())
 
 
-async def test_restart_is_seen_even_if_redis_is_slow_to_answer(fleet2: E2EFleet) -> None:
+async def test_restart_is_seen_even_if_redis_is_slow_to_answer(fleet2: BenchFleet) -> None:
     """A worker that is back before its record expires keeps its id and is routable."""
     router = fleet2.start_router()
     url = router.url + "/v1/completions"

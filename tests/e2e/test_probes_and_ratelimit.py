@@ -10,16 +10,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtests.harness import E2EFleet, WorkerSpec, http_json, prompt, session, wait_until
-from shared.procs import free_port
+from loadtests.fleet import BenchFleet, WorkerSpec
+from loadtests.traffic import prompt, session
+from shared.procs import free_port, http_json, wait_until
 from tests.helm.chart import container, render
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def fleet() -> Iterator[E2EFleet]:
-    with E2EFleet() as f:
+def fleet() -> Iterator[BenchFleet]:
+    with BenchFleet() as f:
         yield f
 
 
@@ -27,7 +28,7 @@ def _status(url: str) -> int:
     return http_json(url, timeout=2.0)[0]
 
 
-def test_chart_probe_paths_answer_as_kubernetes_needs_before_any_worker(fleet: E2EFleet) -> None:
+def test_chart_probe_paths_answer_as_kubernetes_needs_before_any_worker(fleet: BenchFleet) -> None:
     """The paths the chart's probes use, asked of a real router with no worker yet: the
     liveness and startup probes pass (no crash loop while models load), readiness fails."""
     router = container(render().get("Deployment", "rr-radix-router-router"), "router")
@@ -53,7 +54,7 @@ def test_chart_probe_paths_answer_as_kubernetes_needs_before_any_worker(fleet: E
     assert r.wait(15) == 0
 
 
-async def test_rate_limit_is_shared_by_two_replicas_through_redis(fleet: E2EFleet) -> None:
+async def test_rate_limit_is_shared_by_two_replicas_through_redis(fleet: BenchFleet) -> None:
     rate, burst, seconds = 20.0, 5, 3.0
     settings = {"rate_limit_per_key": rate, "rate_limit_burst": burst}
     first = fleet.start_router(settings, want_workers=0)

@@ -18,17 +18,9 @@ from dataclasses import dataclass, field
 import pytest
 from openai import OpenAI
 
-from loadtests.harness import (
-    START_TIMEOUT_S,
-    Child,
-    E2EFleet,
-    WorkerSpec,
-    http_json,
-    sim_fleet,
-    wait_health,
-    wait_until,
-)
+from loadtests.fleet import START_TIMEOUT_S, BenchFleet, Child, WorkerSpec, sim_fleet, wait_health
 from loadtests.workloads import words
+from shared.procs import http_json, wait_until
 from shared.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -43,7 +35,7 @@ class Replica:
     """One router process; `restart` keeps its port, as a restarted pod behind a Service."""
 
     child: Child
-    fleet: E2EFleet  # stops the replica's process with its own
+    fleet: BenchFleet  # stops the replica's process with its own
     client: OpenAI | None = None
 
     def openai(self) -> OpenAI:
@@ -80,7 +72,7 @@ class Replica:
         wait_health(self.child)
 
 
-def start_replica(fleet: E2EFleet, name: str, settings: dict[str, object]) -> Replica:
+def start_replica(fleet: BenchFleet, name: str, settings: dict[str, object]) -> Replica:
     assert fleet.redis is not None
     port = free_port()
     args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), "--policy",
@@ -132,7 +124,7 @@ class Conversation:
 
 
 @pytest.fixture
-def fleet() -> Iterator[E2EFleet]:
+def fleet() -> Iterator[BenchFleet]:
     # No decode cost: requests are sequential here, load never tips the rule.
     fleet = sim_fleet(WORKERS, WorkerSpec(decode_ms=0.0, heartbeat_s=0.2))
     yield fleet
@@ -165,7 +157,7 @@ def rounds(
             converge(replicas[0], replicas[1])
 
 
-def test_alternating_turns_stay_on_one_worker_with_sync(fleet: E2EFleet) -> None:
+def test_alternating_turns_stay_on_one_worker_with_sync(fleet: BenchFleet) -> None:
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
     rounds(convs, [a, b], range(4), model_of(a), barrier=True)
@@ -178,7 +170,7 @@ def test_alternating_turns_stay_on_one_worker_with_sync(fleet: E2EFleet) -> None
           f"{sum(c.stayed for c in convs)}/{3 * len(convs)}")  # fmt: skip
 
 
-def test_without_sync_alternating_turns_lose_their_worker(fleet: E2EFleet) -> None:
+def test_without_sync_alternating_turns_lose_their_worker(fleet: BenchFleet) -> None:
     off = {"sync": False}
     a, b = start_replica(fleet, "router-a", off), start_replica(fleet, "router-b", off)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
@@ -194,7 +186,7 @@ def test_without_sync_alternating_turns_lose_their_worker(fleet: E2EFleet) -> No
     assert stayed <= 3 * len(convs) - 4, [c.workers for c in convs]
 
 
-def test_restarted_replica_recovers_affinity_from_the_stream(fleet: E2EFleet) -> None:
+def test_restarted_replica_recovers_affinity_from_the_stream(fleet: BenchFleet) -> None:
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     model = model_of(a)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
@@ -209,7 +201,7 @@ def test_restarted_replica_recovers_affinity_from_the_stream(fleet: E2EFleet) ->
         assert conv.reasons[-1] == "cache_hit"
 
 
-def test_redis_loss_degrades_per_replica_and_sync_resumes(fleet: E2EFleet) -> None:
+def test_redis_loss_degrades_per_replica_and_sync_resumes(fleet: BenchFleet) -> None:
     assert fleet.redis is not None
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     model = model_of(a)

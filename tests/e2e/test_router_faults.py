@@ -150,7 +150,8 @@ async def test_redis_outage_keeps_routing(
     redis.start()
     recovered = await wait_until(lambda: router.app[DISCOVERY].connected, 15)
     await load(1.0)
-    await asyncio.sleep(1.0)
+    polls = router.app[DISCOVERY].polls
+    await wait_until(lambda: router.app[DISCOVERY].polls >= polls + 3, 10)  # it did look again
     print(
         f"\nRedis outage: sent {len(statuses)}, ok {statuses.count(200)}, reconnected in {recovered:.2f}s"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.fleet import FleetSpec, LocalFleet
+from loadtests.fleet import BenchFleet, FleetSpec
 from loadtests.metrics import read_records
 from loadtests.options import WorkloadOptions
 from loadtests.runner import RunSpec, run
@@ -24,13 +24,14 @@ WORKLOAD = WorkloadOptions(
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[LocalFleet]:
+def fleet() -> Iterator[BenchFleet]:
     spec = FleetSpec(workers=2, cache_tokens=20_000, prefill_us_per_token=20, decode_ms_per_token=2)
-    with LocalFleet(spec) as f:
+    with spec.start() as f:
+        f.start_router({"log_level": "WARNING"})
         yield f
 
 
-def test_ten_second_run_through_the_router(fleet: LocalFleet, tmp_path: Path) -> None:
+def test_ten_second_run_through_the_router(fleet: BenchFleet, tmp_path: Path) -> None:
     spec = RunSpec(host=fleet.router_url, out=tmp_path, users=8, run_time="10s", timeout_s=120)
     summary = run(spec, WORKLOAD, quiet=True)
     assert summary.requests > 20
@@ -44,7 +45,7 @@ def test_ten_second_run_through_the_router(fleet: LocalFleet, tmp_path: Path) ->
     assert (tmp_path / "locust.html").stat().st_size > 0
 
 
-def test_same_user_directly_against_a_worker(fleet: LocalFleet, tmp_path: Path) -> None:
+def test_same_user_directly_against_a_worker(fleet: BenchFleet, tmp_path: Path) -> None:
     workload = WorkloadOptions(
         workload="multi_turn", conversations=4, turns=3, system_len=50, question_len=8, output_len=8
     )
@@ -57,7 +58,7 @@ def test_same_user_directly_against_a_worker(fleet: LocalFleet, tmp_path: Path) 
     assert all(r.ttft_s is not None and r.output_tokens == 8 for r in records)
 
 
-def test_bad_requests_fail_cleanly(fleet: LocalFleet, tmp_path: Path) -> None:
+def test_bad_requests_fail_cleanly(fleet: BenchFleet, tmp_path: Path) -> None:
     # A prompt larger than the worker's KV cache is rejected with a 4xx in the OpenAI
     # error shape: the user records a failure and the run carries on.
     workload = WorkloadOptions(

@@ -1,6 +1,6 @@
 """Real worker and router processes for end-to-end tests, with bounded waits.
 
-A thin layer over `loadtests.harness.Child` (itself `shared.procs.Child` run from this
+A thin layer over `loadtests.fleet.Child` (itself `shared.procs.Child` run from this
 checkout) for tests that start single processes next to an in-process router.
 """
 
@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from loadtests.harness import ROOT, Child
+from loadtests.fleet import ROOT, Child
 from shared.procs import free_port, wait_health
 
 __all__ = ["ROOT", "Proc", "spawn", "start_sim_worker", "wait_healthy"]

@@ -17,6 +17,7 @@ import pytest
 
 from router.cli import build_parser, serve_config
 from shared.config import ConfigError
+from shared.procs import wait_until
 from shared.redis_server import free_port
 from tests.router.processes import ROOT
 
@@ -104,8 +105,7 @@ def test_up_starts_a_fleet_and_sigint_leaves_nothing_running() -> None:
         assert len(children) >= 4  # redis, 2 workers, router
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 0
-        time.sleep(0.2)
-        assert [pid for pid in children if alive(pid)] == []
+        wait_until(lambda: not any(alive(pid) for pid in children), 10)  # they were alive above
         assert not log_dir.exists()
     finally:
         if up.poll() is None:

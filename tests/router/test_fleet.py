@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -92,28 +93,43 @@ def test_load_counts_no_request_twice() -> None:
     assert w.load == 5
 
 
+def routable(
+    fleet: Fleet, now: float, exclude: Iterable[str] = (), model: str | None = None
+) -> list[Worker]:
+    """The plain definition of who may take a request: what `Fleet.view` maintains."""
+    skip = set(exclude)
+    return [
+        w
+        for w in fleet.workers.values()
+        if w.worker_id not in skip
+        and not w.draining
+        and w.breaker.allows(now)
+        and (model is None or not w.model or w.model == model)
+    ]
+
+
 def test_registry_join_leave_epoch_and_capacity() -> None:
     hooks = Hooks()
     fleet = Fleet(RouterConfig(), hooks)
     joined, left = fleet.apply_registry(
-        {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2")}
+        {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")}
     )
     assert sorted(joined) == ["w1", "w2"] and left == []
     assert fleet.view(0.0).capacities == (100, 0)  # capacity reaches the policy here only
     assert hooks.costs == {"w1": WorkerCosts(), "w2": WorkerCosts()}
     # Every read passes the heartbeat's cost figures on (cost_aware reads them).
     fleet.apply_registry(
-        {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2", queued_prefill_tokens=7,
+        {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2", queued_prefill_tokens=7,
                                                                       prefill_us_per_token=20.0,
                                                                       decode_ms_per_token=1.5)}
     )  # fmt: skip
     assert hooks.costs["w2"] == WorkerCosts(7, 20.0, 1.5)
     # Same epoch: nothing dropped. New epoch: the worker restarted, its tree goes.
     assert fleet.apply_registry(
-        {"w1": record("w1", cache_capacity_tokens=100), "w2": record("w2")}
+        {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")}
     ) == ([], [])
     assert hooks.removed == []
-    joined, left = fleet.apply_registry({"w1": record("w1", epoch=2.0, cache_capacity_tokens=100)})
+    joined, left = fleet.apply_registry({"w1": record("w1", epoch=2.0, kv_capacity_tokens=100)})
     assert joined == ["w1"] and left == ["w2"]
     assert hooks.removed == ["w1", "w2"]
     assert set(fleet.workers) == {"w1"}
@@ -134,8 +150,10 @@ def test_routable_skips_draining_open_breaker_tried_and_other_models() -> None:
     fleet.apply_registry({f"w{i}": record(f"w{i}", draining=i == 2) for i in range(1, 5)})
     fail(fleet, fleet.workers["w3"], 0.0)
     fleet.set_model(fleet.workers["w4"], "other")
-    assert [w.worker_id for w in fleet.routable(1.0)] == ["w1", "w4"]
-    assert [w.worker_id for w in fleet.routable(1.0, exclude=["w1"], model="m")] == []
+    assert [w.worker_id for w in routable(fleet, 1.0)] == ["w1", "w4"]
+    assert [w.worker_id for w in routable(fleet, 1.0, exclude=["w1"], model="m")] == []
+    assert fleet.view(1.0).ids == ("w1", "w4")
+    assert fleet.view(1.0, "m", exclude=["w1"]).ids == ()
     assert fleet.models() == ["m", "other"]
 
 
@@ -167,11 +185,11 @@ COOLDOWN = 5.0  # time steps below are multiples of 0.5: they land exactly on co
 def expected(
     fleet: Fleet, now: float, model: str | None, exclude: list[str], remote: dict[str, int]
 ) -> tuple[tuple[str, ...], list[int], tuple[int, ...]]:
-    ws = fleet.routable(now, exclude=exclude, model=model)
+    ws = routable(fleet, now, exclude=exclude, model=model)
     return (
         tuple(w.worker_id for w in ws),
         [w.load_with(remote.get(w.worker_id, 0)) for w in ws],
-        tuple(w.cache_capacity_tokens for w in ws),
+        tuple(w.kv_capacity_tokens for w in ws),
     )
 
 
@@ -211,7 +229,7 @@ class Driver:
         if kind == "heartbeat":  # join, or a new queue / capacity / draining / model
             self.registry[wid] = WorkerRecord(
                 wid, f"http://127.0.0.1:{9000 + n}", MODELS[value % 3], "sim", 1.0,
-                running=value % 5, waiting=value // 5, cache_capacity_tokens=100 * (value % 3),
+                running=value % 5, waiting=value // 5, kv_capacity_tokens=100 * (value % 3),
                 draining=value == 7,
             )  # fmt: skip
             fleet.apply_registry(self.registry)
@@ -373,3 +391,28 @@ def test_one_view_per_served_model_and_the_fleet_view_when_one_model() -> None:
     assert fleet.view(0.0, "nobody").ids == (static.worker_id,)  # not kept: a fresh one-off
     assert fleet.view(0.0, "nobody") is not fleet.view(0.0, "nobody")
     assert not fleet.knows_model("nobody") and fleet.knows_model("x")
+
+
+def test_the_table_keeps_the_books_of_every_attempt() -> None:
+    from router.metrics import Metrics
+
+    fleet = Fleet(RouterConfig(breaker_failures=2, breaker_cooldown=5.0), Hooks())
+    fleet.apply_registry({"w1": record("w1")})
+    w1 = fleet.workers["w1"]
+    with fleet.attempt(w1, 0.0) as attempt:
+        assert (w1.in_flight, w1.requests_total, fleet.view(0.0).loads) == (1, 1, [1])
+        fleet.succeeded(attempt, predicted_tokens=4.0, cached_tokens=3)
+    assert (w1.in_flight, w1.predicted_tokens_total, w1.actual_cached_tokens_total) == (0, 4, 3)
+    # A busy worker is alive: BUSY counts toward no breaker; the other kinds do.
+    for kind in (FailureKind.BUSY, FailureKind.CONNECT, FailureKind.BUSY):
+        with fleet.attempt(w1, 1.0) as attempt:
+            fleet.failed(attempt, kind, 1.0)
+    assert w1.failures_total == 1 and w1.breaker.state(1.0) == "closed"
+    with fleet.attempt(w1, 1.0) as attempt:
+        fleet.failed(attempt, FailureKind.UPSTREAM_5XX, 1.0)
+    assert w1.failures_total == 2 and w1.breaker.state(1.0) == "open"
+    assert fleet.view(1.0).ids == ()
+    # Metrics only read the table: one count per failure, not a second one of their own.
+    text = Metrics(fleet, lambda: 1.0).render().decode()
+    assert 'radix_router_upstream_failures_total{worker="w1"} 2.0' in text
+    assert 'radix_router_actual_cached_tokens_total{worker="w1"} 3.0' in text

@@ -26,7 +26,9 @@ class Replica:
     def __init__(self, url: str, inflight: dict[str, int] | None = None) -> None:
         self.redis = Redis.from_url(url, socket_timeout=5)
         self.seen: list[tuple[str, str]] = []
-        self.inflight = inflight or {}
+        # Every worker this replica's table knows (decisions for others are not applied).
+        known = {f"w{i}": 0 for i in range(5)}
+        self.inflight = inflight if inflight is not None else known
         self.sync = DecisionSync(
             self.redis,
             Registry(self.redis, "t:"),

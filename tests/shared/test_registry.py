@@ -28,7 +28,7 @@ def record(wid: str = "w1", url: str = "http://127.0.0.1:9001", **kw: object) ->
 
 
 async def test_heartbeat_round_trip_and_expiry(registry: Registry) -> None:
-    rec = record(running=2, waiting=3, cache_capacity_tokens=100, draining=True)
+    rec = record(running=2, waiting=3, kv_capacity_tokens=100, draining=True)
     await registry.publish_heartbeat(rec, ttl_s=0.3, joined=False)
     assert await registry.read_fleet() == {"w1": rec}
     await asyncio.sleep(0.5)

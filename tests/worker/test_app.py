@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from tests.waiting import wait_until
 from tests.worker.conftest import sim_config
 from worker.app import create_app
 from worker.backends import build_engine
@@ -103,11 +104,19 @@ async def test_generate_endpoint(aiohttp_client: MakeClient) -> None:
     assert body["meta_info"]["completion_tokens"] == 3 and len(body["output_ids"]) == 3
     assert body["meta_info"]["finish_reason"] == {"type": "length"}
     resp = await client.post("/generate", json={
-        "input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 4}, "stream": True})  # fmt: skip
+        "input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "stream": True})  # fmt: skip
     events = await sse_events(resp)
     assert events[-1] == "[DONE]"
     assert events[-2]["meta_info"]["completion_tokens"] == 4
-    assert events[-2]["text"].startswith(events[0]["text"])  # cumulative, as SGLang streams
+    # Incremental (SGLang's --incremental-streaming-output): the chunks add up to the text
+    # and ids of the same request unstreamed, each sent once.
+    whole = await (await client.post("/generate", json={
+        "input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+    })).json()  # fmt: skip
+    chunks = events[:-1]
+    assert "".join(e["text"] for e in chunks) == whole["text"]
+    assert [i for e in chunks for i in e["output_ids"]] == whole["output_ids"]
     again = await client.post(
         "/generate", json={"text": LONG, "sampling_params": {"max_new_tokens": 3}}
     )
@@ -249,10 +258,7 @@ async def test_queue_full_is_503(aiohttp_client: MakeClient) -> None:
     body = {"prompt": "hold", "max_tokens": 200}
     first = asyncio.create_task(client.post("/v1/completions", json=body))
     second = asyncio.create_task(client.post("/v1/completions", json=body))
-    for _ in range(200):
-        if engine_of(client).stats().waiting == 1:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: engine_of(client).stats().waiting == 1)
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 503 and assert_error_shape(await resp.json())["code"] == "overloaded"
     for task in (first, second):

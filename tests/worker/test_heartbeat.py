@@ -39,7 +39,7 @@ def test_record_fields_and_load(redis_server: RedisServer) -> None:
         rec = record(client, "hb-fields")
         assert rec is not None
         assert (rec.url, rec.model, rec.engine) == (worker.url, "sim", "sim")
-        assert abs(rec.epoch - time.time()) < 60 and rec.cache_capacity_tokens == 50_000
+        assert abs(rec.epoch - time.time()) < 60 and rec.kv_capacity_tokens == 50_000
         assert client.sismember(f"{PREFIX}workers", "hb-fields")
         ttl_ms = client.pttl(f"{PREFIX}worker:hb-fields")
         assert 0 < ttl_ms <= 300  # a few intervals
@@ -52,7 +52,7 @@ def test_record_fields_and_load(redis_server: RedisServer) -> None:
 
         wait_until(counted, 10)
         rec = record(client, "hb-fields")
-        assert rec is not None and rec.cache_used_tokens > 0 and rec.running == 0
+        assert rec is not None and rec.kv_used_tokens > 0 and rec.running == 0
     # A clean stop leaves the fleet.
     assert record(client, "hb-fields") is None
     assert not client.sismember(f"{PREFIX}workers", "hb-fields")

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.waiting import wait_until
 from worker.backends.sim import SimConfig, SimEngine
 from worker.backends.text_tokenizer import TextTokenizer
 from worker.engine.types import (
@@ -83,11 +84,7 @@ async def test_eviction_is_real_lru() -> None:
 async def test_queue_beyond_max_running_and_overload() -> None:
     eng = engine(max_running_requests=2, max_waiting_requests=3, decode_ms_per_token=2.0)
     tasks = [asyncio.create_task(run(eng, req(f"q{i}", f"prompt {i}", 30))) for i in range(5)]
-    for _ in range(200):
-        await asyncio.sleep(0.005)
-        s = eng.stats()
-        if s.running == 2 and s.waiting == 3:
-            break
+    await wait_until(lambda: (eng.stats().running, eng.stats().waiting) == (2, 3), every=0.005)
     assert (eng.stats().running, eng.stats().waiting) == (2, 3)
     with pytest.raises(EngineOverloaded):
         eng.generate(req("too-many", "x"))

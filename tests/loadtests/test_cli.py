@@ -1,0 +1,79 @@
+"""`python -m loadtests NAME`: one way to start every benchmark, with useful --help,
+progress lines and verdicts."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+
+import pytest
+
+from loadtests.__main__ import COMMANDS, main
+from loadtests.metrics import RequestRecord
+from loadtests.options import HelpFormatter
+from loadtests.progress import Progress
+from loadtests.report import summarize
+from loadtests.runner import seconds_of, verdict
+
+
+def test_the_list_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in COMMANDS)
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_has_help_with_defaults(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([name, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m loadtests {name}")
+    assert "(default: " in out
+
+
+def test_unknown_command_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no command 'nope'")
+
+
+def test_help_formatter_shows_defaults_once() -> None:
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--users", type=int, default=16, help="users (default: %(default)s)")
+    p.add_argument("--flag", action="store_true", help="a switch")
+    text = p.format_help()
+    assert re.search(r"--seed SEED +\(default: 0\)", text)
+    assert text.count("(default: 16)") == 1 and "(default: False)" not in text
+
+
+def test_progress_estimates_what_is_left_from_the_pace() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress("compare", 4, out=out, clock=lambda: now[0])
+    progress.say("starting")
+    now[0] = 10.0
+    progress.finished("fleet up")
+    now[0] = 12.0
+    progress.say("round_robin: running")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[compare 1/4  0:00 elapsed] starting"
+    assert lines[1] == "[compare 1/4  0:10 elapsed, ~0:30 left] fleet up"
+    assert lines[2] == "[compare 2/4  0:12 elapsed, ~0:36 left] round_robin: running"
+
+
+def test_run_time_and_the_verdict() -> None:
+    assert [seconds_of(t) for t in ("90", "20s", "1m30s", "1h")] == [90, 20, 90, 3600]
+    with pytest.raises(ValueError, match="run-time"):
+        seconds_of("soon")
+    ok = RequestRecord(start=0.0, ok=True, e2e_s=0.1, ttft_s=0.05, prompt_tokens=10)
+    bad = RequestRecord(start=0.1, ok=False, e2e_s=0.1, error="HTTP 400: prompt too long")
+    records = [ok, bad, bad]
+    line = verdict(summarize(records), records)
+    assert line.startswith("verdict: FAILED, 2 of 3 requests failed")
+    assert "(2x): HTTP 400: prompt too long" in line
+    assert verdict(summarize([ok]), [ok]).startswith("verdict: OK, 1 requests")
