@@ -31,6 +31,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router-overhead": ("loadtests.bench_router_overhead", "the router vs going direct"),
     "router-fleet-size": ("loadtests.bench_router_fleet_size", "router CPU vs fleet size"),
     "worker-http": ("loadtests.bench_worker_http", "the worker's HTTP layer vs in process"),
+    "model-fusions": ("loadtests.bench_model_fusions", "merged projections, in-place RoPE (CPU)"),
+    # Imports only torch, numpy, transformers and the engine (no pydantic or redis).
+    "gpu-check": ("loadtests.gpu_check", "the engine on a GPU: correctness, kernels, roofline"),
 }
 
 

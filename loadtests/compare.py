@@ -5,7 +5,9 @@
 
 For each policy the router restarts with it and every worker's cache is flushed, so
 each policy meets the same cold fleet and the same requests in the same order. SGLang's
-Rust router (`sglang-router`) joins as a peer only when that package is installed.
+Rust router (`sglang-router`, in its own venv: `--sglang-python VENV/bin/python`) joins
+as a peer over the same workers; its per-worker counts come from the workers' /metrics
+(it names no worker in its answers).
 Prints a line per phase with elapsed time and time left, one table (throughput, TTFT
 p50/p99, hit rate, max/mean requests per worker), the cache-aware / round-robin ratios
 and a one-line verdict, and saves `policies.png`.
@@ -28,10 +30,9 @@ these defaults: loadtests/results/policies.md, "The defaults".
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import matplotlib
@@ -52,9 +53,11 @@ class RouterSpec:
     settings: dict[str, str] = field(default_factory=dict)  # RouterConfig keys of its own
 
 
+SGLANG = "sglang-router"  # SGLang's Rust router, cache_aware at its defaults
 POLICIES: dict[str, RouterSpec] = {
     "cache_aware (fleet)": RouterSpec("cache_aware", {"balance_mode": "fleet"}),
     "cache_aware (per_request)": RouterSpec("cache_aware", {"balance_mode": "per_request"}),
+    "cost_aware": RouterSpec("cost_aware"),
     "round_robin": RouterSpec("round_robin"),
     "least_load": RouterSpec("least_load"),
     "power_of_two": RouterSpec("power_of_two"),
@@ -114,32 +117,47 @@ def compare(
     run_spec: RunSpec,
     policies: list[str],
     settings: dict[str, str] | None = None,
+    sglang_python: str | None = None,
 ) -> dict[str, Summary]:
     """``settings``: RouterConfig keys for every router (thresholds, no_match, ...);
-    a policy's own keys (balance_mode) win."""
+    a policy's own keys (balance_mode) win. ``sglang_python``: a Python with
+    `sglang-router` installed; SGLang's router then runs last, as ``sglang-router``."""
     results: dict[str, Summary] = {}
+    policies = list(policies) + ([SGLANG] if sglang_python else [])
     progress = Progress("compare", 1 + len(policies))
     progress.say(f"starting Redis, {fleet_spec.workers} sim workers and a router")
     with fleet_spec.start() as fleet:
         progress.finished()
         for name in policies:
             progress.say(f"{name}: restarting the router, flushing caches, running the workload")
-            spec = POLICIES[name]
-            fleet.start_router(
-                {**(settings or {}), "policy": spec.policy, **spec.settings, "log_level": "WARNING"}
-            )
+            if name == SGLANG:
+                assert sglang_python is not None
+                fleet.start_sglang_router(sglang_python)
+            else:
+                spec = POLICIES[name]
+                fleet.start_router(
+                    {**(settings or {}), "policy": spec.policy, **spec.settings,
+                     "log_level": "WARNING"}
+                )  # fmt: skip
             fleet.flush()
+            before = fleet.worker_requests()
             out = run_spec.out / name.replace(" ", "_").replace("(", "").replace(")", "")
-            run_at = RunSpec(**{**run_spec.__dict__, "host": fleet.router_url, "out": out})
+            # Every request names the sim workers' model: SGLang's router requires one.
+            run_at = RunSpec(**{**run_spec.__dict__, "host": fleet.router_url, "out": out,
+                                "model": run_spec.model or "sim"})  # fmt: skip
             summary = run(run_at, workload, title=f"{workload.workload}: {name}", quiet=True)
             # Idle workers count: the records only name the workers that got requests.
             results[name] = r = summary.over_fleet(f"w{i}" for i in range(fleet_spec.workers))
+            if name == SGLANG:  # it names no worker in its answers: count at the workers
+                after = fleet.worker_requests()
+                counts = {w: after[w] - before[w] for w in after}
+                results[name] = r = replace(r, per_worker_requests=counts)
             progress.finished(
                 f"{name}: {r.requests} requests, {r.failures} failed, "
                 f"{r.throughput_rps:.1f} req/s, hit rate {r.hit_rate:.3f}"
             )
-    if importlib.util.find_spec("sglang_router") is None:
-        print("sglang-router is not installed: SGLang's router skipped")
+    if sglang_python is None:
+        print("no --sglang-python: SGLang's router skipped")
     return results
 
 
@@ -183,6 +201,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--router-setting", action="append", default=[], metavar="KEY=VALUE",
         help="a RouterConfig key for every router (repeatable; default: "
         "balance_abs_threshold=half of --max-running)",
+    )  # fmt: skip
+    p.add_argument(
+        "--sglang-python", default=None,
+        help="a Python with sglang-router installed (its own venv): adds SGLang's router",
     )  # fmt: skip
     p.add_argument("--users", type=int, default=8, help=f"concurrent simulated users {d}")
     p.add_argument(
@@ -232,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
     settings = {"balance_abs_threshold": str(max(1, args.max_running // 2))}
     settings |= dict(_setting(s) for s in args.router_setting)
     started = time.monotonic()
-    results = compare(fleet, workload, run_spec, policies, settings)
+    results = compare(fleet, workload, run_spec, policies, settings, args.sglang_python)
     text = table(results)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

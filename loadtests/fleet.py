@@ -180,6 +180,36 @@ class BenchFleet:
         wait_until(lambda: self.routable(child) >= len(self.workers), START_TIMEOUT_S, child)
         return child
 
+    def start_sglang_router(self, python: str) -> Child:
+        """SGLang's Rust router (`sglang-router`, installed in the venv of `python`) as the
+        fleet's router, over the workers' URLs (it reads no Redis), its cache_aware policy
+        at its defaults: the same thresholds as ours (cache 0.3, balance 64 / 1.5)."""
+        if self.router is not None:
+            self.router.stop(grace_s=5)
+        port = free_port()
+        args = [
+            "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *self.worker_urls,
+        ]  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        log = self.log_dir / "sglang-router.log"
+        self.router = Child("sglang-router", args, url, log, python=python).start()
+        self.router_headers = {}
+        wait_until(lambda: procs.answers_health(url), START_TIMEOUT_S, self.router)
+        return self.router
+
+    def worker_requests(self) -> dict[str, int]:
+        """Requests each worker has answered with 200 so far (its own /metrics)."""
+        counts = {}
+        for wid, child in self.workers.items():
+            with urllib.request.urlopen(child.url + "/metrics", timeout=10) as r:
+                lines = r.read().decode().splitlines()
+            counts[wid] = int(sum(
+                float(line.rsplit(" ", 1)[1]) for line in lines
+                if line.startswith("radix_worker_requests_total{") and 'status="200"' in line
+            ))  # fmt: skip
+        return counts
+
     @property
     def router_url(self) -> str:
         assert self.router is not None, "no router started"

@@ -44,12 +44,13 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)  # added to os.environ
     cwd: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    python: str = sys.executable  # another venv's Python runs a peer (e.g. sglang-router)
 
     def start(self) -> Self:
         # Append: a restarted child (same name) keeps the earlier run's output readable.
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", *self.args], cwd=self.cwd, stdout=out,
+                [self.python, "-m", *self.args], cwd=self.cwd, stdout=out,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env}, start_new_session=True,
             )  # fmt: skip
@@ -57,7 +58,9 @@ class Child:
 
     def fresh(self) -> Self:
         """A not-yet-started copy (same command line, URL and log) for a restart."""
-        return type(self)(self.name, self.args, self.url, self.log, self.env, self.cwd)
+        return type(self)(
+            self.name, self.args, self.url, self.log, self.env, self.cwd, python=self.python
+        )
 
     @property
     def pid(self) -> int:

@@ -2,7 +2,7 @@
 
     radix-worker serve --engine {radix,sim} --model PATH --host H --port P
                        --redis-url URL [--worker-id ID] [--config FILE] [...]
-    radix-worker make-tiny-model DIR [--hidden-size N --layers N ...]
+    radix-worker make-tiny-model DIR [--preset P] [--hidden-size N --layers N ...]
 
 Flags map one to one onto `WorkerConfig` keys (shared/config.py) and win over the
 environment (`RADIX_WORKER_<KEY>`) and the YAML file. SIGTERM (or Ctrl-C): leave the
@@ -26,6 +26,7 @@ from shared.config import ConfigError, WorkerConfig, load_config
 from shared.logging import setup_logging
 from worker.app import create_app
 from worker.backends import build_engine
+from worker.engine.model_presets import ARCHS, PRESETS
 from worker.state import HEARTBEAT, STATE
 
 log = logging.getLogger("worker")
@@ -80,7 +81,9 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-prefill-tokens", "max_prefill_tokens", int, "prefill chunk size, in tokens"),
     ("--max-model-len", "max_model_len", int, "context length cap, in tokens (unset: the model's)"),
     ("--device", "device", str, "auto, cpu, cuda, cuda:N"),
-    ("--dtype", "dtype", str, "auto, float32, bfloat16, float16"),
+    ("--dtype", "dtype", str, "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
+    ("--attention-backend", "attention_backend", str, "auto (CUDA: triton), sdpa, triton"),
+    ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
     (
         "--sim-prefill-us-per-token",
@@ -107,6 +110,7 @@ _TINY_FLAGS = {
     "--kv-heads": "num_kv_heads", "--head-dim": "head_dim",
     "--intermediate-size": "intermediate_size", "--vocab-size": "vocab_size",
     "--max-position-embeddings": "max_position_embeddings", "--seed": "seed",
+    "--num-shards": "num_shards",
 }  # fmt: skip
 
 
@@ -128,16 +132,21 @@ def _parser() -> argparse.ArgumentParser:
         else:
             serve.add_argument(flag, dest=key, type=kind, help=text)
     tiny = sub.add_parser(
-        "make-tiny-model", help="write a small random-weight model folder",
-        description="Write a small Llama-family model with random weights and a byte-level "
-        "BPE tokenizer with a chat template into DIR, made locally (nothing is downloaded). "
-        "Its text is random; its KV cache, batching and prefix caching are real.",
+        "make-tiny-model", help="write a random-weight model folder",
+        description="Write a Llama-family model with random weights and a byte-level "
+        "BPE tokenizer with a chat template into DIR, made locally (nothing is downloaded): "
+        "small by default, or a real model's shape (--preset). Its text is random; its KV "
+        "cache, batching and prefix caching are real.",
     )  # fmt: skip
     tiny.add_argument("dir", metavar="DIR", help="folder to write (created if missing)")
-    # Unset flags keep make_tiny_model's own defaults (head_dim 32: vLLM's CPU minimum).
+    tiny.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                      help="shape: tiny (tests), bench, or a real model's (random weights)")  # fmt: skip
+    # Unset flags keep the preset's values (tiny's head_dim 32: vLLM's CPU minimum).
     for flag in _TINY_FLAGS:
-        tiny.add_argument(flag, type=int, metavar="N", help="(default: make_tiny_model's)")
-    tiny.add_argument("--arch", choices=("llama", "qwen2"), help="(default llama)")
+        tiny.add_argument(flag, type=int, metavar="N", help="(default: the preset's)")
+    tiny.add_argument("--arch", choices=ARCHS, help="(default: the preset's, else llama)")
+    tiny.add_argument("--device", help="draw the weights here (default cpu; cuda is faster)")
+    tiny.add_argument("--dtype", help="weights dtype on disk (default float32)")
     down = sub.add_parser(
         "download", help="fetch a Hugging Face model into a folder (the chart's init container)",
         description="Download MODEL (a Hugging Face repo id) at --revision into --dir with "
@@ -223,9 +232,9 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     from worker.engine.tiny_model import make_tiny_model
 
     given = {kw: getattr(args, flag[2:].replace("-", "_")) for flag, kw in _TINY_FLAGS.items()}
-    if args.arch is not None:
-        given["arch"] = args.arch
-    path = make_tiny_model(args.dir, **{k: v for k, v in given.items() if v is not None})
+    given |= {"arch": args.arch, "device": args.device, "dtype": args.dtype}
+    kwargs = PRESETS[args.preset] | {k: v for k, v in given.items() if v is not None}
+    path = make_tiny_model(args.dir, **kwargs)
     print(path)
     return 0
 

@@ -8,9 +8,11 @@ For each routable worker ``w``, with the request's text of ``n`` tokens
     ttft(w) = prefill(w) × (queued(w) + n − m(w))  +  cost_decode_weight × decode(w) × load(w)
 
 - ``queued(w)``: prefill tokens already waiting or running on ``w``: the larger of what
-  its heartbeat reported and this router's own uncached tokens sent since, each counted
-  until its own predicted first token (so two requests in one heartbeat interval see
-  each other; the larger of the two, as for load, counts no token twice).
+  its heartbeat reported, less what ``w`` has prefilled since at its rate (a report is
+  up to a heartbeat plus a discovery interval old: unaged, a queue long drained kept
+  traffic away), and this router's own uncached tokens sent since, each counted until
+  its own predicted first token (so two requests in one heartbeat interval see each
+  other; the larger of the two, as for load, counts no token twice).
 - ``prefill(w)`` (ms per token) and ``decode(w)`` (ms per step): what the worker reports
   (the sim engine reports its cost model); ``cost_prefill_us_per_token`` /
   ``cost_decode_ms_per_token`` for a worker that reports none.
@@ -61,6 +63,7 @@ class CostAware(CacheAware):
         self._costs: dict[str, WorkerCosts] = {}  # as last reported, cleaned
         # This router's own uncached tokens per worker, until their predicted first token.
         self._own: dict[str, int] = {}
+        self._report_at: dict[str, float] = {}
         self._expiry: list[tuple[float, int, str, int]] = []  # (at, seq, worker, tokens)
         self._seq = 0
         # Per-worker columns in the order of ``self._ids``; rebuilt when the fleet or a
@@ -68,7 +71,11 @@ class CostAware(CacheAware):
         self._cols_for: Sequence[str] | None = None
         self._p: list[float] = []  # ms per prefill token
         self._kd: list[float] = []  # ms per unit of load
-        self._q: list[int] = []  # queued tokens: max(reported, own)
+        self._r: list[int] = []  # queued tokens as reported ...
+        self._t: list[float] = []  # ... at this time (the first request after the report)
+        self._v: list[float] = []  # ... and drained at this rate (tokens per second)
+        self._o: list[int] = []  # this router's own tokens sent there, not yet prefilled
+        self._unstamped: set[str] = set()  # reports not yet given a time
         self._seats: list[int] = []  # unknown: so many that none is ever short
         self._seat_ms: list[float] = []  # wait per request beyond the seats
 
@@ -82,6 +89,7 @@ class CostAware(CacheAware):
             int(_clean(costs.max_running_requests, _MAX_QUEUED)),
             _clean(costs.request_ms, _MAX_MS),
         )
+        self._unstamped.add(worker_id)  # the same figures again still mean "as of now"
         if self._costs.get(worker_id) != clean:
             self._costs[worker_id] = clean
             self._cols_for = None
@@ -90,6 +98,8 @@ class CostAware(CacheAware):
         super().remove_worker(worker_id)
         self._costs.pop(worker_id, None)
         self._own.pop(worker_id, None)
+        self._report_at.pop(worker_id, None)
+        self._unstamped.discard(worker_id)
         self._cols_for = None
 
     # -- the rule ----------------------------------------------------------------------
@@ -101,16 +111,25 @@ class CostAware(CacheAware):
             self._caps = None
         if caps is not self._caps and caps != self._caps:
             self._follow_capacity(caps)
-        self._expire(now)
         if self._cols_for is not self._ids:
-            self._rebuild_columns()
+            self._rebuild_columns(now)
+        self._expire(now)
+        if self._unstamped:
+            self._stamp(now)
         cpt = self._cfg.tree_chars_per_token
         n = len(text) / cpt
-        p, q = self._p, self._q
-        seats, seat_ms = self._seats, self._seat_ms
+        p = self._p
+        # The reported queue, less what the worker has prefilled since (at its rate), or
+        # this router's own tokens sent there, whichever is larger.
+        queued = [
+            max(o, r - (now - t) * v)
+            for o, r, t, v in zip(self._o, self._r, self._t, self._v, strict=True)
+        ]
         cost = [
             pi * (qi + n) + ki * li + max(0, li + 1 - si) * wi
-            for pi, qi, ki, li, si, wi in zip(p, q, self._kd, loads, seats, seat_ms, strict=True)
+            for pi, qi, ki, li, si, wi in zip(
+                p, queued, self._kd, loads, self._seats, self._seat_ms, strict=True
+            )
         ]
         matched: dict[int, int] = {}  # position -> chars cached there (routable holders)
         pos = self._pos
@@ -147,8 +166,7 @@ class CostAware(CacheAware):
     def _note_own(self, i: int, wid: str, tokens: int, until: float) -> None:
         if tokens <= 0:
             return
-        self._own[wid] = self._own.get(wid, 0) + tokens
-        self._q[i] = max(self._reported(wid), self._own[wid])
+        self._own[wid] = self._o[i] = self._own.get(wid, 0) + tokens
         self._seq += 1
         heapq.heappush(self._expiry, (until, self._seq, wid, tokens))
 
@@ -161,14 +179,18 @@ class CostAware(CacheAware):
                 continue  # the worker left or restarted meanwhile
             own[wid] = max(0, left - tokens)
             i = self._pos.get(wid)
-            if i is not None and self._cols_for is self._ids:
-                self._q[i] = max(self._reported(wid), own[wid])
+            if i is not None:
+                self._o[i] = own[wid]
 
-    def _reported(self, wid: str) -> int:
-        costs = self._costs.get(wid)
-        return costs.queued_prefill_tokens if costs is not None else 0
+    def _stamp(self, now: float) -> None:
+        for wid in self._unstamped:
+            self._report_at[wid] = now
+            i = self._pos.get(wid)
+            if i is not None:
+                self._t[i] = now
+        self._unstamped.clear()
 
-    def _rebuild_columns(self) -> None:
+    def _rebuild_columns(self, now: float) -> None:
         cfg = self._cfg
         unknown = WorkerCosts()
         costs = [self._costs.get(w, unknown) for w in self._ids]
@@ -177,10 +199,10 @@ class CostAware(CacheAware):
             cfg.cost_decode_weight * (c.decode_ms_per_token or cfg.cost_decode_ms_per_token)
             for c in costs
         ]
-        self._q = [
-            max(c.queued_prefill_tokens, self._own.get(w, 0))
-            for w, c in zip(self._ids, costs, strict=True)
-        ]
+        self._r = [c.queued_prefill_tokens for c in costs]
+        self._t = [self._report_at.get(w, now) for w in self._ids]
+        self._v = [1e3 / p for p in self._p]
+        self._o = [self._own.get(w, 0) for w in self._ids]
         known = [c.max_running_requests and c.request_ms for c in costs]
         self._seats = [
             c.max_running_requests if k else _NO_SEAT_LIMIT

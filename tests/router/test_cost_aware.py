@@ -66,6 +66,20 @@ def test_break_even_is_where_the_queue_costs_what_the_cache_saves() -> None:
         assert ask(p, "x" * 400, fleet(0, 0)).worker_id == expect, queued
 
 
+def test_a_reported_queue_drains_at_the_worker_prefill_rate_until_the_next_report() -> None:
+    p = policy(seed=2)
+    report(p, 2)
+    p.observe("w0", PREFIX + question(0), now=0.0)
+    report(p, 2, {0: 5_000})  # 100 ms of prefill queued on the holder
+    assert ask(p, PREFIX + question(1), fleet(0, 0), now=1.0).reason == "spill"
+    # w1 now holds the prefix too; 30 requests there cost 30 ms of decode. 100 ms after
+    # the report (none since) w0 has prefilled its whole queue: it wins again.
+    assert ask(p, PREFIX + question(2), fleet(0, 30), now=1.1).worker_id == "w0"
+    # The same figures reported again mean a full queue as of now: 100 ms > 30 ms.
+    report(p, 2, {0: 5_000})
+    assert ask(p, PREFIX + question(3), fleet(0, 30), now=1.11).worker_id == "w1"
+
+
 def test_decode_interference_sends_to_the_less_loaded_of_equal_holders() -> None:
     p = policy()
     report(p, 3)
@@ -155,7 +169,9 @@ def test_bad_reports_count_as_unknown_and_never_raise() -> None:
     p.set_costs("w1", WorkerCosts(10**30, -1.0, 1e12))  # type: ignore[arg-type]
     d = ask(p, "z" * 400, fleet(0, 0))
     assert d.worker_id in ("w0", "w1")
-    assert sorted(p._q) == [0, 100] and p._p == [0.02, 0.02] and p._kd == [1.0, 1.0]
+    assert (
+        p._r == [0, 0] and sorted(p._o) == [0, 100] and p._p == [0.02, 0.02] and p._kd == [1.0, 1.0]
+    )
 
 
 def test_inherits_cache_aware_bookkeeping_epochs_caps_and_fleet_views() -> None:

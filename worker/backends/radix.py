@@ -35,6 +35,8 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         kv_memory_fraction=config.kv_memory_fraction,
         device=config.device,
         dtype=config.dtype,
+        attention_backend=config.attention_backend,
+        disable_cuda_graph=config.disable_cuda_graph,
         disable_radix_cache=config.disable_radix_cache,
         max_waiting_requests=max(1, config.max_waiting_requests),
     )

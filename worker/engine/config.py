@@ -25,6 +25,10 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     device: str = "auto"
     dtype: str = "auto"
+    # auto: triton on CUDA, sdpa on CPU (worker/engine/attention/).
+    attention_backend: str = "auto"
+    # Decode-only steps replay CUDA graphs unless this is set (CUDA + triton only).
+    disable_cuda_graph: bool = False
     # Ablation / correctness baseline: NoCache instead of RadixCache.
     disable_radix_cache: bool = False
     # Evict at least this many tokens whenever eviction is needed: evicting exactly the
@@ -49,6 +53,11 @@ class EngineConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise ValueError(
+                "EngineConfig.attention_backend must be auto, sdpa or triton, "
+                f"got {self.attention_backend!r}"
+            )
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(
                 f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}"

@@ -1,8 +1,9 @@
 """Pick the device and dtype the model runs in.
 
 One place decides, so the runner, the KV pool and the tests agree: CUDA when
-present, else CPU; `dtype="auto"` means the checkpoint's `torch_dtype` on CUDA and
-fp32 on CPU (bf16/fp16 matmuls on CPU are slow and less exact than the reference).
+present, else CPU; `dtype="auto"` means bf16 on CUDA (what serving engines run,
+whatever the checkpoint was saved in) and fp32 on CPU (bf16/fp16 matmuls on CPU are
+slow and less exact than the reference). `--dtype` overrides both.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def pick_dtype(dtype: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
-    """`auto` → the checkpoint's dtype on CUDA (fp32 if it names none), fp32 on CPU."""
+    """`auto` → bf16 on CUDA, fp32 elsewhere; `config_dtype` (the checkpoint's) is not
+    used by `auto`: an fp32 checkpoint still serves in bf16 on a GPU."""
+    del config_dtype
     if dtype != "auto":
         return parse_dtype(dtype)
-    if device.type == "cpu" or config_dtype is None:
-        return torch.float32
-    return parse_dtype(config_dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32

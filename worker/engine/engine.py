@@ -74,6 +74,9 @@ class LLMEngine:
             dtype=config.dtype,
             kv_capacity_tokens=config.kv_capacity_tokens,
             kv_memory_fraction=config.kv_memory_fraction,
+            attention_backend=config.attention_backend,
+            cuda_graphs=not config.disable_cuda_graph,
+            max_running_requests=config.max_running_requests,
         )
         return cls(runner, Tokenizer.from_dir(model_dir), config)
 

@@ -1,20 +1,22 @@
 """KV pool: every layer's K and V rows for `capacity` token slots, allocated once.
 
-One tensor per kind, `[layers, capacity, kv_heads, head_dim]`; `k[layer]` and
+One tensor per kind, `[layers, capacity + 1, kv_heads, head_dim]`; `k[layer]` and
 `v[layer]` are views of it. A request's KV lives in the rows its slots name (handed
-out by the pool's SlotAllocator and shared through the radix cache), so attention
-gathers a request's K/V by slot index and a cached prefix is never recomputed.
+out by a SlotAllocator over [0, capacity) and shared through the radix cache), so
+attention reads a request's K/V by slot index and a cached prefix is never
+recomputed. Row `capacity` (`pad_slot`) is never handed out: the padding entries of
+a CUDA-graph batch write their K/V there.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
 
 from worker.engine.allocator import SlotAllocator
-from worker.engine.radix_cache import NoCache, RadixCache
 
 
 def _cpu_available_bytes() -> int:
@@ -55,12 +57,15 @@ class KVPool:
         self.capacity = capacity
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, capacity, num_kv_heads, head_dim)
+        self.pad_slot = capacity
+        shape = (num_layers, capacity + 1, num_kv_heads, head_dim)
         # Zeroed, not empty: a bug that reads an unwritten slot then gives zeros, not NaNs.
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))
         self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
+        # Transitional: the engine builds its own allocator over [0, capacity) once the
+        # scheduler's side of the runner seam lands; until then it takes this one.
         self.allocator = SlotAllocator(capacity)
 
     @staticmethod
@@ -102,18 +107,18 @@ class KVPool:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows `[*slots.shape, kv_heads, head_dim]` of `slots`, in order (copies).
 
-        `slots` may have any shape (e.g. [batch, len] for padded decode groups).
+        For tests and tools: attention reads the pool through its backend.
         """
         flat = slots.reshape(-1)
         shape = (*slots.shape, self.num_kv_heads, self.head_dim)
         k = self.k[layer].index_select(0, flat).view(shape)
         return k, self.v[layer].index_select(0, flat).view(shape)
 
-    def check_integrity(self, cache: RadixCache | NoCache, in_use: np.ndarray) -> None:
+    def check_integrity(self, cache: Any, in_use: np.ndarray) -> None:
         """free + cached + in use == capacity, and no slot owned twice (AssertionError otherwise).
 
-        `in_use` are the slots running requests hold that the cache does not (their
-        uncached suffixes). The cache must allocate from this pool's allocator.
+        `cache` is a prefix cache (radix or none) allocating from this pool's allocator;
+        `in_use` are the slots running requests hold that the cache does not.
         """
         assert cache.allocator is self.allocator, "the cache allocates from another allocator"
         cache.check_integrity()

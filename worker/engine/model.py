@@ -1,13 +1,15 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a slot-addressed KV pool.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a slot-addressed KV pool.
 
 Shapes: a forward pass runs the NEW tokens of every sequence in the batch,
 concatenated into one flat `[T]` run, so each linear layer is one matmul for the
-whole batch. Only attention is per sequence: it writes the new K/V into the pool at
-the new tokens' slots, then gathers the sequence's whole K/V (cached prefix + new)
-through its slot list, so a cached prefix is never recomputed.
+whole batch, decodes and prefill chunks alike. Attention writes the new K/V into the
+pool at the new tokens' slots, then the attention backend (worker/engine/attention/)
+reads each sequence's K/V (cached prefix + new) through the request->token table, so
+a cached prefix is never recomputed.
 
 Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...),
-so a checkpoint loads with `load_state_dict` and no renaming table.
+so a checkpoint loads with `load_state_dict` and no renaming table; `fuse_projections`
+then merges q/k/v and gate/up into one matmul each.
 
 Numerics follow transformers exactly (RMSNorm in fp32 then cast back, RoPE tables
 in fp32 then cast to the activation dtype), so fp32 logits match to ~1e-5.
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.engine.attention import AttentionBackend, AttentionMetadata
 from worker.engine.model_config import ModelConfig
 
 
@@ -31,50 +34,14 @@ class KVStore(Protocol):
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass(frozen=True)
-class SeqSpan:
-    """One sequence's share of a flat batch: query rows [q_start, q_end) of the batch,
-    `kv_slots` the slots of all its tokens (prefix + new), and the causal mask for
-    its new tokens (None when no mask is needed: a single decode token, or a prefill
-    with no prefix, which uses `is_causal`)."""
-
-    q_start: int
-    q_end: int
-    start_pos: int
-    kv_slots: torch.Tensor
-    mask: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    """Single-token (decode) sequences attended in ONE padded SDPA call instead of a
-    loop: `rows` are their query rows in the batch, `slots` [B, L] their KV slots
-    padded to the longest, `mask` [B, 1, 1, L] False on the padding."""
-
-    rows: torch.Tensor
-    slots: torch.Tensor
-    mask: torch.Tensor
-
 
 @dataclass(frozen=True)
 class ForwardContext:
     """Built once per forward by the runner and shared by every layer."""
 
     kv: KVStore
-    new_slots: torch.Tensor  # [T] slot of each new token, in batch order
-    seqs: tuple[SeqSpan, ...]  # attended one by one (prefills, chunks, a lone decode)
-    decode: DecodeGroup | None = None
-
-
-def prefix_causal_mask(start_pos: int, n_new: int, device: torch.device) -> torch.Tensor | None:
-    """New token i sees every prefix token and new tokens <= i: True = attend."""
-    if n_new == 1 or start_pos == 0:
-        return None
-    full = torch.ones(n_new, start_pos + n_new, dtype=torch.bool, device=device)
-    return full.tril(diagonal=start_pos)
+    backend: AttentionBackend
+    meta: AttentionMetadata
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -102,9 +69,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, written into x (`cos`/`sin` are [T, 1, dim/2]).
+
+    The same products and sums as transformers' form, so fp32 results match; it saves
+    the concatenated copies (three temporaries of x's size per call).
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x2_sin = x2 * sin
+    x2.mul_(cos).add_(x1 * sin)
+    x1.mul_(cos).sub_(x2_sin)
+    return x
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +95,16 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x + residual) and the new residual x + residual (x alone when None):
+        the residual stream rides along the norms, so a fused add+norm kernel can
+        replace this pair in one place."""
+        if residual is not None:
+            x = x + residual
+        return self(x), x
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -127,75 +113,41 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.kv_groups = self.num_heads // self.num_kv_heads
         d, hd = config.hidden_size, config.head_dim
         self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.o_bias)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse(): q, k, v in one matmul
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def fuse(self) -> None:
+        """One [q; k; v] projection instead of three (after the weights are loaded)."""
+        self.qkv_proj = _concat_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        ctx.kv.write(self.layer, ctx.new_slots, k, v)
-        out = torch.empty_like(q)
-        for seq in ctx.seqs:
-            if seq.start_pos == 0:
-                # Nothing cached: the K/V just computed are the whole sequence.
-                k_seq, v_seq = k[seq.q_start : seq.q_end], v[seq.q_start : seq.q_end]
-            else:
-                k_seq, v_seq = ctx.kv.read(self.layer, seq.kv_slots)
-            k_seq, v_seq, gqa = self._kv_heads(k_seq, v_seq, head_dim=1)
-            # [n, heads, dim] -> [1, heads, n, dim] for SDPA.
-            o = F.scaled_dot_product_attention(
-                q[seq.q_start : seq.q_end].transpose(0, 1).unsqueeze(0),
-                k_seq.transpose(0, 1).unsqueeze(0),
-                v_seq.transpose(0, 1).unsqueeze(0),
-                attn_mask=seq.mask,
-                is_causal=seq.start_pos == 0 and seq.q_end - seq.q_start > 1,
-                enable_gqa=gqa,
-            )
-            out[seq.q_start : seq.q_end] = o.squeeze(0).transpose(0, 1)
-        if ctx.decode is not None:
-            out[ctx.decode.rows] = self._decode_attention(q, ctx.decode, ctx.kv)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-    def _decode_attention(self, q: torch.Tensor, group: DecodeGroup, kv: KVStore) -> torch.Tensor:
-        b, length = group.slots.shape
-        k, v = kv.read(self.layer, group.slots.flatten())
-        # [B*L, kv_heads, dim] -> [B, kv_heads, L, dim]; queries [B, heads, 1, dim].
-        k = k.view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        k, v, gqa = self._kv_heads(k, v, head_dim=1)
-        o = F.scaled_dot_product_attention(
-            q[group.rows].unsqueeze(2), k, v, attn_mask=group.mask, enable_gqa=gqa
-        )
-        return o.squeeze(2)
-
-    def _kv_heads(
-        self, k: torch.Tensor, v: torch.Tensor, head_dim: int
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """K/V ready for SDPA, and whether SDPA must broadcast KV heads itself (GQA).
-
-        CUDA kernels handle GQA natively. On CPU, SDPA's `enable_gqa` path is about 100x
-        slower than repeating the KV heads first (8.4 ms vs 0.07 ms for one decode query
-        over 40 keys, measured here), so CPU repeats them.
-        """
-        if self.kv_groups == 1:
-            return k, v, False
-        if k.device.type != "cpu":
-            return k, v, True
-        return (
-            k.repeat_interleave(self.kv_groups, dim=head_dim),
-            v.repeat_interleave(self.kv_groups, dim=head_dim),
-            False,
-        )
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        apply_rope_(q, cos, sin)
+        apply_rope_(k, cos, sin)
+        ctx.kv.write(self.layer, ctx.meta.out_slots, k, v)
+        out = ctx.backend.attend(self.layer, q, k, v, ctx.meta)
+        return self.o_proj(out.reshape(t, q_size))
 
 
 class MLP(nn.Module):
@@ -207,9 +159,31 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, i, bias=bias)
         self.up_proj = nn.Linear(d, i, bias=bias)
         self.down_proj = nn.Linear(i, d, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _concat_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _concat_linears(*parts: nn.Linear) -> nn.Linear:
+    w = parts[0].weight
+    fused = nn.Linear(
+        w.shape[1], sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+        device=w.device, dtype=w.dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(False)
 
 
 class DecoderLayer(nn.Module):
@@ -221,10 +195,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -252,18 +233,24 @@ class CausalLM(nn.Module):
         # Not a checkpoint tensor: derived from the config, kept in fp32 like transformers.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
+    def fuse_projections(self) -> None:
+        """Merge q/k/v and gate/up into one matmul each (after loading HF weights)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """Final hidden states (before the last norm) of every new token: [T, hidden]."""
+        """Hidden states (before the last norm) of every new token: [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # [T, 1, head_dim]: broadcasts over heads.
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        # [T, 1, head_dim / 2]: broadcasts over heads; each half of a head uses it.
+        cos, sin = freqs.cos().to(x.dtype)[:, None, :], freqs.sin().to(x.dtype)[:, None, :]
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return x
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the given rows of `forward`'s output."""

@@ -1,6 +1,6 @@
 """A Hugging Face `config.json` (plus `generation_config.json`) as a frozen dataclass.
 
-Only the Llama family is supported (Llama, Mistral, Qwen2): every field the decoder
+Only the Llama family is supported (Llama, Mistral, Qwen2, Qwen3): every field the decoder
 needs is read here once, with the same defaults transformers uses, so the model code
 never looks at a raw dict. Unsupported features are errors at load time, not wrong
 logits later.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -47,6 +47,8 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2 always; Llama when `attention_bias`
     o_bias: bool  # Llama `attention_bias` only
     mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None  # Mistral: a token sees only the last `sliding_window` keys
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
@@ -54,10 +56,6 @@ class ModelConfig:
     @property
     def max_model_len(self) -> int:
         return self.max_position_embeddings
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_hidden_layers
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -94,10 +92,7 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(raw)
         attention_bias = bool(raw.get("attention_bias", False))
         max_len = int(raw.get("max_position_embeddings", 2048))
-        window = raw.get("sliding_window")
-        if window and (model_type == "mistral" or raw.get("use_sliding_window")):
-            # No sliding-window attention here: stop where full attention would differ.
-            max_len = min(max_len, int(window))
+        window = _sliding_window(raw, model_type, max_len)
         return cls(
             model_type=model_type,
             architecture=(raw.get("architectures") or [""])[0],
@@ -116,10 +111,26 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), (generation or {}).get("eos_token_id")),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         )
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str, max_len: int) -> int | None:
+    """Mistral's window (every layer) is supported by both attention backends. Qwen's
+    is per layer (`max_window_layers`) and is refused rather than run wrong."""
+    window = raw.get("sliding_window")
+    if model_type == "mistral":
+        return int(window) if window and int(window) < max_len else None
+    if window and raw.get("use_sliding_window"):
+        raise ValueError(
+            f"{model_type} with use_sliding_window=true is not supported (per-layer "
+            "sliding windows); only Mistral's all-layer sliding window is"
+        )
+    return None
 
 
 def _eos_ids(*values: int | list[int] | None) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Make a small random-weight Llama/Qwen2 model folder, entirely offline.
+"""Make a random-weight Llama / Qwen2 / Qwen3 model folder, entirely offline.
 
 The folder looks like a Hugging Face checkpoint (config.json, safetensors with HF
 parameter names, tokenizer.json, tokenizer_config.json with a ChatML template,
@@ -9,15 +9,17 @@ tokenizer is a byte-level BPE trained here on a generated English corpus: any te
 Weights are drawn with std 1/sqrt(fan_in) (embeddings std 1), not the usual 0.02:
 logits then spread over several units, so greedy decoding is not a coin toss
 between near-equal tokens and comparisons against transformers are meaningful.
+
+Presets: `tiny` for tests, `bench` for the CPU engine benchmark, and the real shapes
+of Qwen2.5-0.5B, Llama-3.2-1B and Qwen3-0.6B (for GPU checks where nothing can be
+downloaded; `device="cuda"` draws the weights on the GPU).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,8 +27,12 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from worker.engine.device import parse_dtype
 from worker.engine.model import CausalLM
 from worker.engine.model_config import ModelConfig
+from worker.engine.model_presets import ARCHS, PRESETS
+
+__all__ = ["ARCHS", "PRESETS", "make_tiny_model"]
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)
@@ -41,26 +47,8 @@ CHAT_TEMPLATE = """{{ bos_token }}{% for message in messages %}
 {% if add_generation_prompt %}
 {{ '<|im_start|>assistant\\n' }}{% endif %}"""
 
-# Model shapes: `tiny` for tests, `bench` (hidden 512, 8 layers) for engine benchmarks.
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-    ),
-    "bench": dict(
-        hidden_size=512,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=1408,
-        max_position_embeddings=4096,
-    ),
-}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
 
 _SUBJECTS = ("the cat", "a dog", "my friend", "the teacher", "our team", "the old man", "a child",
              "the router", "the server", "the model", "a student", "the city", "the river")  # fmt: skip
@@ -108,10 +96,10 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
 
 
 def _hf_config(arch: str, shape: dict[str, Any], tok: Tokenizer, vocab_size: int,
-               rope_theta: float, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
-    qwen = arch == "qwen2"
+               rope_theta: float, rope_scaling: dict[str, Any] | None, tied: bool,
+               dtype: str) -> dict[str, Any]:  # fmt: skip
     cfg: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": shape["hidden_size"],
@@ -127,35 +115,40 @@ def _hf_config(arch: str, shape: dict[str, Any], tok: Tokenizer, vocab_size: int
         "rope_scaling": rope_scaling,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "tie_word_embeddings": qwen,  # one of each, so both paths are exercised
+        "tie_word_embeddings": tied,
         "bos_token_id": tok.token_to_id(BOS),
         "eos_token_id": tok.token_to_id(EOS),
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "use_cache": True,
     }
-    if qwen:
+    if arch != "llama":
         cfg |= {"use_sliding_window": False, "sliding_window": None,
                 "max_window_layers": shape["num_layers"]}  # fmt: skip
-    else:
+    if arch != "qwen2":
         cfg |= {"attention_bias": False, "mlp_bias": False}
     return cfg
 
 
-def _random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    state = CausalLM(config).state_dict()
+def _random_weights(
+    config: ModelConfig, seed: int, device: str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Drawn in fp32 on `device` (a GPU draws a 1B model in a second; the CPU gives the
+    same weights for a seed as it always has), cast to `dtype`, handed back on the CPU
+    for saving."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in CausalLM(config).state_dict().items()}
     out: dict[str, torch.Tensor] = {}
-    for name in sorted(state):
-        shape = state[name].shape
+    for name in sorted(shapes):
+        shape = shapes[name]
+        t = torch.randn(shape, generator=gen, device=device)
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            t = 1.0 + 0.1 * t
         elif name.endswith("bias"):
-            t = 0.1 * torch.randn(shape, generator=gen)
-        elif "embed_tokens" in name:
-            t = torch.randn(shape, generator=gen)
-        else:
-            t = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
-        out[name] = t.contiguous()
+            t = 0.1 * t
+        elif "embed_tokens" not in name:
+            t = t / math.sqrt(shape[1])
+        out[name] = t.to(dtype).contiguous().cpu()
     return out
 
 
@@ -187,14 +180,20 @@ def make_tiny_model(
     vocab_size: int = 1024,
     max_position_embeddings: int = 2048,
     seed: int = 0,
-    arch: Literal["llama", "qwen2"] = "llama",
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama",
     rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None,
+    tie_word_embeddings: bool | None = None,
     num_shards: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> Path:
-    """Write the model folder to `out_dir` (created if needed) and return its path."""
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    """Write the model folder to `out_dir` (created if needed) and return its path.
+
+    `tie_word_embeddings` None: tied for Qwen, untied for Llama (the tiny test models
+    then cover both paths)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if arch == "qwen2" and head_dim != hidden_size // num_heads:
         raise ValueError(
             "qwen2 derives head_dim as hidden_size // num_heads; pass a matching head_dim"
@@ -207,7 +206,8 @@ def make_tiny_model(
                  max_position_embeddings=max_position_embeddings)  # fmt: skip
     # The embedding covers every tokenizer id; padded up to `vocab_size` like real models.
     model_vocab = max(vocab_size, tok.get_vocab_size())
-    hf_cfg = _hf_config(arch, shape, tok, model_vocab, rope_theta, rope_scaling)
+    tied = arch != "llama" if tie_word_embeddings is None else tie_word_embeddings
+    hf_cfg = _hf_config(arch, shape, tok, model_vocab, rope_theta, rope_scaling, tied, dtype)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     eos_ids = [tok.token_to_id(EOS), tok.token_to_id(IM_END)]
     gen_cfg = {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": eos_ids, "do_sample": False}
@@ -223,24 +223,6 @@ def make_tiny_model(
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-    weights = _random_weights(ModelConfig.from_dict(hf_cfg), seed)
+    weights = _random_weights(ModelConfig.from_dict(hf_cfg), seed, device, parse_dtype(dtype))
     _save_weights(out, weights, num_shards)
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Make a small random-weight model folder.")
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-shards", type=int, default=1)
-    args = parser.parse_args(argv)
-    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed,
-                           num_shards=args.num_shards, **PRESETS[args.preset])  # fmt: skip
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

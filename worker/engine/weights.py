@@ -3,6 +3,8 @@
 The module is built on the meta device (no memory, no random init: an 8B model
 would spend minutes in init on CPU) and the checkpoint tensors are assigned
 straight in, read from disk onto the target device and cast to the target dtype.
+Then q/k/v and gate/up are merged into one matmul each (`fuse=False` keeps the
+checkpoint's layout, e.g. to compare the two).
 """
 
 from __future__ import annotations
@@ -53,7 +55,12 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
 
 
 def load_model(
-    model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
+    model_dir: str | Path,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    fuse: bool = True,
 ) -> CausalLM:
     """Build the decoder for `config` and fill it from `model_dir`; eval mode, no grads."""
     with torch.device("meta"):
@@ -84,4 +91,6 @@ def load_model(
     # Only the RoPE buffer is left on CPU; parameters are already on `device`.
     model.to(device)
     model.eval().requires_grad_(False)
+    if fuse:
+        model.fuse_projections()
     return model

@@ -30,10 +30,12 @@ def test_shapes_and_views() -> None:
     p = pool()
     assert p.capacity == 16 and p.allocator.capacity == 16
     assert len(p.k) == len(p.v) == 2
-    assert p.k[1].shape == (16, 2, 4) and p.k_buffer.shape == (2, 16, 2, 4)
+    # One row past capacity: the pad slot CUDA-graph padding writes to.
+    assert p.k[1].shape == (17, 2, 4) and p.k_buffer.shape == (2, 17, 2, 4)
+    assert p.pad_slot == 16
     p.k[1][3] = 7.0  # the per-layer tensors are views of the one buffer
     assert bool((p.k_buffer[1, 3] == 7.0).all())
-    assert p.nbytes == 2 * 2 * 16 * 2 * 4 * 4
+    assert p.nbytes == 2 * 2 * 17 * 2 * 4 * 4
 
 
 def test_write_then_read_by_slot_leaves_other_rows_alone() -> None:

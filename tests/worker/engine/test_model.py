@@ -2,12 +2,14 @@
 
 Every comparison is at the logits of the same positions: transformers runs the whole
 sequence at once, we run it as a prefill, in chunks over a cached prefix, one token
-at a time, or batched with other sequences.
+at a time, or batched with other sequences; with the sdpa backend and with the triton
+kernels (under TRITON_INTERPRET=1 on CPU, set by tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import json
 import os
@@ -43,15 +45,19 @@ def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
 
 
 def runner_for(
-    model_dir: Path, capacity: int = 1024, dtype: str = "float32", group: bool | None = None
+    model_dir: Path, capacity: int = 1024, dtype: str = "float32", backend: str = "sdpa"
 ) -> ModelRunner:
     return ModelRunner(
         model_dir,
         device="cpu",
         dtype=dtype,
         kv_capacity_tokens=capacity,
-        group_decode_attention=group,
+        attention_backend=backend,
     )
+
+
+NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+BACKENDS = pytest.mark.parametrize("backend", ["sdpa", pytest.param("triton", marks=NO_TRITON)])
 
 
 def run_in_chunks(runner: ModelRunner, ids: list[int], cuts: list[int]) -> dict[int, torch.Tensor]:
@@ -91,8 +97,9 @@ def test_full_prefill_matches_transformers(model_dir: Path) -> None:
     assert ref[47].std() > 0.5
 
 
-def test_chunked_prefill_then_decode_matches_transformers(model_dir: Path) -> None:
-    runner = runner_for(model_dir)
+@BACKENDS
+def test_chunked_prefill_then_decode_matches_transformers(model_dir: Path, backend: str) -> None:
+    runner = runner_for(model_dir, backend=backend)
     ids = sample_ids(40, runner.config.vocab_size, seed=2)
     ref = hf_logits(model_dir, ids)
     # A 13-token prefix, chunks of 5 and 9, then one token at a time.
@@ -103,10 +110,11 @@ def test_chunked_prefill_then_decode_matches_transformers(model_dir: Path) -> No
         torch.testing.assert_close(logits, ref[pos], atol=ATOL, rtol=0, msg=f"position {pos}")
 
 
-def test_batch_of_sequences_with_shared_prefix_slots(tiny_model_dir: Path) -> None:
+@BACKENDS
+def test_batch_of_sequences_with_shared_prefix_slots(tiny_model_dir: Path, backend: str) -> None:
     """Three sequences in one forward: a fresh prefill, a suffix over a prefix another
     sequence already wrote (shared slots, as the radix cache hands out), and a decode."""
-    runner = runner_for(tiny_model_dir)
+    runner = runner_for(tiny_model_dir, backend=backend)
     vocab = runner.config.vocab_size
     alloc = runner.pool.allocator
     prefix = sample_ids(20, vocab, seed=3)
@@ -136,11 +144,11 @@ def test_batch_of_sequences_with_shared_prefix_slots(tiny_model_dir: Path) -> No
         )
 
 
-@pytest.mark.parametrize("group", [True, False], ids=["grouped", "looped"])
-def test_many_decodes_in_one_step_match_transformers(model_dir: Path, group: bool) -> None:
-    """Several one-token decodes with different context lengths (attended as one
-    padded group, or one by one), interleaved with a prefill chunk, in one forward."""
-    runner = runner_for(model_dir, group=group)
+@BACKENDS
+def test_many_decodes_in_one_step_match_transformers(model_dir: Path, backend: str) -> None:
+    """Several one-token decodes with different context lengths interleaved with a
+    prefill chunk, in one forward (a mixed step: both triton kernels run)."""
+    runner = runner_for(model_dir, backend=backend)
     vocab, alloc = runner.config.vocab_size, runner.pool.allocator
     seqs = [sample_ids(n, vocab, seed=20 + n) for n in (5, 31, 2, 17)]
     slots = [alloc.alloc(len(s)) for s in seqs]
@@ -201,7 +209,15 @@ def test_rope_scaling_matches_transformers(tmp_path: Path, rope_scaling: dict) -
     assert (unscaled - ref[99]).abs().max() > 1e-3
 
 
-def test_mistral_config_matches_transformers(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("window", "backend"),
+    [(None, "sdpa"), (7, "sdpa"), pytest.param(7, "triton", marks=NO_TRITON)],
+)
+def test_mistral_matches_transformers(
+    tmp_path: Path, tiny_model_dir: Path, window: int | None, backend: str
+) -> None:
+    """Mistral, with no window and with a sliding window of 7 tokens (shorter than the
+    prompt, the chunks and the prefix, so every attention path is cut by it)."""
     model_dir = tmp_path / "mistral"
     shutil.copytree(tiny_model_dir, model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -210,13 +226,30 @@ def test_mistral_config_matches_transformers(tmp_path: Path, tiny_model_dir: Pat
     cfg |= {
         "model_type": "mistral",
         "architectures": ["MistralForCausalLM"],
-        "sliding_window": None,
+        "sliding_window": window,
     }
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    runner = runner_for(model_dir)
+    runner = runner_for(model_dir, backend=backend)
+    assert runner.config.sliding_window == window
     ids = sample_ids(25, runner.config.vocab_size, seed=11)
-    got = run_in_chunks(runner, ids, cuts=[20])
-    torch.testing.assert_close(got[24], hf_logits(model_dir, ids)[24], atol=ATOL, rtol=0)
+    ref = hf_logits(model_dir, ids)
+    got = run_in_chunks(runner, ids, cuts=[12, 20, 21])
+    for pos in (11, 19, 20, 24):
+        torch.testing.assert_close(got[pos], ref[pos], atol=ATOL, rtol=0, msg=f"position {pos}")
+    if window:  # the window matters: full attention differs
+        full = runner_for(tiny_model_dir)
+        assert (run_in_chunks(full, ids, cuts=[])[24] - ref[24]).abs().max() > 1e-3
+
+
+@BACKENDS
+def test_qwen3_matches_transformers(tiny_qwen3_dir: Path, backend: str) -> None:
+    runner = runner_for(tiny_qwen3_dir, backend=backend)
+    assert runner.config.qk_norm and runner.config.model_type == "qwen3"
+    ids = sample_ids(30, runner.config.vocab_size, seed=14)
+    ref = hf_logits(tiny_qwen3_dir, ids)
+    got = run_in_chunks(runner, ids, cuts=[17, 29])
+    for pos in (16, 28, 29):
+        torch.testing.assert_close(got[pos], ref[pos], atol=ATOL, rtol=0, msg=f"position {pos}")
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -261,41 +294,6 @@ def test_bf16_runs_close_to_fp32(tiny_model_dir: Path) -> None:
     assert (got[15] - ref).abs().max() < 0.1 * ref.abs().max()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("group", [True, False], ids=["grouped", "looped"])
-def test_cuda_matches_transformers(tiny_model_dir: Path, group: bool) -> None:
-    runner = ModelRunner(
-        tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=1024,
-        group_decode_attention=group,
-    )  # fmt: skip
-    assert runner.pool.k[0].is_cuda
-    vocab, alloc = runner.config.vocab_size, runner.pool.allocator
-    seqs = [sample_ids(n, vocab, seed=40 + n) for n in (7, 40, 19)]
-    slots = [alloc.alloc(len(s)) for s in seqs]
-    runner.forward([SeqBatchItem(s[:-1], 0, sl[:-1]) for s, sl in zip(seqs, slots, strict=True)])
-    logits = runner.forward(
-        [SeqBatchItem(s[-1:], len(s) - 1, sl) for s, sl in zip(seqs, slots, strict=True)]
-    )
-    for row, seq in enumerate(seqs):
-        # TF32 may be on for CUDA matmuls: a looser bound than on CPU.
-        want = hf_logits(tiny_model_dir, seq)[-1]
-        torch.testing.assert_close(logits[row].cpu(), want, atol=2e-2, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_auto_dtype_and_pool_sizing(tiny_model_dir: Path) -> None:
-    runner = ModelRunner(tiny_model_dir, kv_memory_fraction=0.01)
-    assert runner.device.type == "cuda"
-    assert runner.dtype == torch.float32  # the tiny model's config says float32
-    assert runner.pool.capacity > 10_000
-    bf16 = ModelRunner(tiny_model_dir, dtype="bfloat16", kv_capacity_tokens=256)
-    slots = bf16.pool.allocator.alloc(9)
-    out = bf16.forward([SeqBatchItem(sample_ids(9, 1000, seed=50), 0, slots)])
-    assert out.dtype == torch.float32 and torch.isfinite(out).all()
-
-
 def test_config_parsing_spellings() -> None:
     base = {
         "model_type": "mistral",
@@ -319,13 +317,19 @@ def test_config_parsing_spellings() -> None:
     cfg5 = ModelConfig.from_dict(v5)
     assert cfg5.rope_theta == 1e6 and cfg5.torch_dtype == "bfloat16"
     assert cfg5.rope_scaling is not None and cfg5.rope_scaling.factor == 2.0
-    # Sliding-window attention is not implemented: the context stops at the window.
+    # Mistral's sliding window is attended as such: the context is not cut to it.
     windowed = base | {"sliding_window": 4096, "max_position_embeddings": 32768}
-    assert ModelConfig.from_dict(windowed).max_model_len == 4096
+    cfg_sw = ModelConfig.from_dict(windowed)
+    assert (cfg_sw.max_model_len, cfg_sw.sliding_window) == (32768, 4096)
     qwen_sw = windowed | {"model_type": "qwen2", "use_sliding_window": False}
-    assert ModelConfig.from_dict(qwen_sw).max_model_len == 32768
+    assert ModelConfig.from_dict(qwen_sw).sliding_window is None
+    # Qwen's per-layer windows are refused at load time, not run wrong.
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_dict(qwen_sw | {"use_sliding_window": True})
     qwen = ModelConfig.from_dict(base | {"model_type": "qwen2"})
     assert qwen.qkv_bias and not qwen.o_bias
+    qwen3 = ModelConfig.from_dict(base | {"model_type": "qwen3", "head_dim": 32})
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32
     for bad, message in [
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling"),
         ({"hidden_act": "gelu"}, "hidden_act"),

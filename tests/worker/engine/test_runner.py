@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from worker.engine.attention import make_backend
 from worker.engine.device import parse_dtype, pick_device, pick_dtype
 from worker.engine.runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, SeqBatchItem
 
@@ -39,7 +41,9 @@ def test_loads_config_device_and_pool(runner: ModelRunner) -> None:
     assert runner.max_model_len == cfg.max_position_embeddings == 2048
     assert runner.pool.capacity == 256
     assert len(runner.pool.k) == cfg.num_hidden_layers
-    assert runner.pool.k[0].shape == (256, cfg.num_key_value_heads, cfg.head_dim)
+    # One row past capacity: the pad slot CUDA-graph padding writes to.
+    assert runner.pool.k[0].shape == (257, cfg.num_key_value_heads, cfg.head_dim)
+    assert runner.pool.pad_slot == 256
     assert set(cfg.eos_token_ids) == {1, 3}  # <|end_of_text|>, <|im_end|> (generation_config)
 
 
@@ -128,7 +132,8 @@ def test_device_and_dtype_choice() -> None:
     assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert pick_dtype("auto", "bfloat16", cpu) == torch.float32
     assert pick_dtype("auto", "bfloat16", torch.device("cuda")) == torch.bfloat16
-    assert pick_dtype("auto", None, torch.device("cuda")) == torch.float32
+    assert pick_dtype("auto", None, torch.device("cuda")) == torch.bfloat16
+    assert pick_dtype("auto", "float32", torch.device("cuda")) == torch.bfloat16
     assert pick_dtype("fp16", "float32", cpu) == torch.float16
     assert parse_dtype("torch.bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -152,9 +157,15 @@ def test_any_schedule_matches_transformers(
     runner: ModelRunner, tiny_model_dir: Path, data: st.DataObject
 ) -> None:
     """Sequences of random lengths, each cut into random chunks, all advancing together
-    in mixed batches (prefill chunks next to single tokens, decodes grouped or not): every returned row equals
-    transformers' logits at that chunk's last position."""
+    in mixed batches (prefill chunks next to single tokens), through either backend, as
+    stable sequences (table rows kept, only new slots sent) or one-step rows, some
+    items not sampling: every returned row equals transformers' logits at that chunk's
+    last position."""
     runner.pool.allocator.reset()
+    backends = {"sdpa": runner.backend}
+    if importlib.util.find_spec("triton") is not None:
+        backends["triton"] = triton_backend(runner)
+    stable = data.draw(st.booleans(), label="stable seq ids")
     lengths = data.draw(st.lists(st.integers(1, 24), min_size=1, max_size=4), label="lengths")
     seqs = [ids_of(n, start=11 * i + 4) for i, n in enumerate(lengths)]
     slots = [runner.pool.allocator.alloc(n) for n in lengths]
@@ -167,12 +178,31 @@ def test_any_schedule_matches_transformers(
             if done[i] == len(seq):
                 continue
             n = data.draw(st.integers(1, len(seq) - done[i]), label=f"chunk of seq {i}")
-            items.append(SeqBatchItem(seq[done[i] : done[i] + n], done[i], slots[i][: done[i] + n]))
-            expect.append(refs[i][done[i] + n - 1])
+            sample = data.draw(st.booleans(), label="sample")
+            item = SeqBatchItem(seq[done[i] : done[i] + n], done[i], slots[i][: done[i] + n],
+                                sample=sample)  # fmt: skip
+            if stable:
+                item.seq_id, item.dirty_from = 1000 + i, done[i]
+            items.append(item)
+            if sample:
+                expect.append(refs[i][done[i] + n - 1])
             done[i] += n
-        runner.group_decode_attention = data.draw(st.booleans(), label="group decodes")
+        runner.backend = backends[data.draw(st.sampled_from(sorted(backends)), label="backend")]
         try:
             logits = runner.forward(items)
         finally:
-            runner.group_decode_attention = False
-        torch.testing.assert_close(logits, torch.stack(expect), atol=1e-4, rtol=0)
+            runner.backend = backends["sdpa"]
+        assert logits.shape == (len(expect), runner.config.vocab_size)
+        if expect:
+            torch.testing.assert_close(logits, torch.stack(expect), atol=1e-4, rtol=0)
+    for i in range(len(seqs)):
+        runner.release(1000 + i)
+    assert runner.table.num_rows == 0
+
+
+def triton_backend(runner: ModelRunner):
+    cfg = runner.config
+    return make_backend(
+        "triton", runner.pool.k, runner.pool.v, num_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim, sliding_window=None, device=runner.device,
+    )  # fmt: skip

@@ -11,7 +11,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from worker.engine.tiny_model import PRESETS, main
+from worker.cli import main
+from worker.engine.tiny_model import PRESETS
 from worker.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -169,7 +170,9 @@ def test_detokenizer_skips_special_tokens(ours: Tokenizer) -> None:
 
 
 def test_make_tiny_model_cli_and_transformers_load(tmp_path: Path) -> None:
-    assert main([str(tmp_path / "q"), "--arch", "qwen2", "--num-shards", "2"]) == 0
+    assert (
+        main(["make-tiny-model", str(tmp_path / "q"), "--arch", "qwen2", "--num-shards", "2"]) == 0
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert model.config.tie_word_embeddings

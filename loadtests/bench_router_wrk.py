@@ -1,0 +1,226 @@
+"""Router throughput under wrk and streamed time to first token, side by side in one run:
+straight to a zero-cost sim worker, through our router with 1 and with N processes
+(`serve --processes N`, replica sync through an embedded Redis), and through SGLang's
+Rust router (`sglang-router`, from its own venv) when its Python is given.
+
+    python -m loadtests.bench_router_wrk [--seconds 8] [--connections 64] [--processes 2] \\
+        [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200]
+
+Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
+connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a
+1 s warm-up; it reports requests/s and latency p50/p99. Router CPU per request is the
+utime+stime of the router's whole process tree over the measured run divided by the
+requests wrk completed: unlike latency, contention from other jobs on the machine does
+not inflate it. Non-2xx answers are counted and reported (they must be 0).
+
+Streamed TTFT: `--ttft-requests` streamed requests per target, `--ttft-concurrency` at a
+time, the targets interleaved (drift hits all alike), time from sending to the first
+body byte, with a Python aiohttp client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from shared.procs import answers_health, free_port, wait_until
+from shared.redis_server import RedisServer
+
+SYSTEM = "You are a helpful assistant. Answer briefly. " * 40  # 1,800 chars
+BODY = json.dumps({"model": "sim", "prompt": SYSTEM + " question 1", "max_tokens": 4})
+LUA = "\n".join(
+    [
+        'wrk.method = "POST"',
+        'wrk.headers["Content-Type"] = "application/json"',
+        f"wrk.body = '{BODY}'",
+        "",
+    ]
+)
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None = None  # None: the worker itself (direct)
+
+
+def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )  # fmt: skip
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """utime + stime of `pid` and every live descendant."""
+    total, stack = 0.0, [pid]
+    tick = os.sysconf("SC_CLK_TCK")
+    while stack:
+        p = stack.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def wrk(url: str, seconds: float, connections: int, script: Path) -> dict[str, float]:
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script), url],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+    def ms(label: str) -> float:
+        m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)\b", out)
+        assert m, out
+        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+
+    done = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return {"rps": rps, "p50": ms("50%"), "p99": ms("99%"), "done": done,
+            "non2xx": int(bad.group(1)) if bad else 0}  # fmt: skip
+
+
+async def ttfb(session: aiohttp.ClientSession, url: str, i: int) -> float:
+    body = {"model": "sim", "prompt": SYSTEM + f" question {i}", "max_tokens": 4, "stream": True}
+    start = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as r:
+        await r.content.readany()
+        elapsed = time.perf_counter() - start
+        await r.read()
+    return elapsed
+
+
+async def streamed(targets: list[Target], n: int, concurrency: int) -> dict[str, list[float]]:
+    """TTFB of `n` streamed requests per target, `concurrency` at a time. At 1 the targets
+    alternate request by request; above, round by round (each round `concurrency`
+    requests per target, the order reversed every round), so drift hits all alike."""
+    out: dict[str, list[float]] = {t.name: [] for t in targets}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        rounds = (n + concurrency - 1) // concurrency
+        warm = max(1, 20 // concurrency)
+        for r in range(rounds + warm):
+            order = targets if r % 2 else targets[::-1]
+            for t in order:
+                base = r * concurrency
+                values = await asyncio.gather(
+                    *(ttfb(session, t.url, base + k) for k in range(concurrency))
+                )
+                if r >= warm:  # warm-up: connections, trees, caches
+                    out[t.name].extend(values)
+    return out
+
+
+def start_targets(
+    args: argparse.Namespace, tmp: Path, worker_url: str, redis_url: str
+) -> list[Target]:
+    py = sys.executable
+    targets = [Target("direct", worker_url)]
+    for n in sorted({1, args.processes}):
+        port = free_port()
+        cmd = [py, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-url", worker_url, "--log-level", "WARNING"]  # fmt: skip
+        if n > 1:
+            cmd += ["--processes", str(n), "--redis-url", redis_url]
+        targets.append(
+            Target(f"router x{n}", f"http://127.0.0.1:{port}", spawn(cmd, tmp / f"r{n}.log"))
+        )
+    if args.sglang_python:
+        port = free_port()
+        cmd = [args.sglang_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+               "--port", str(port), "--worker-urls", worker_url, "--policy", "cache_aware",
+               "--log-level", "warn"]  # fmt: skip
+        targets.append(
+            Target("sglang-router", f"http://127.0.0.1:{port}", spawn(cmd, tmp / "sglang.log"))
+        )
+    for t in targets:
+        wait_until(lambda t=t: answers_health(t.url), 90, poll_s=0.2)
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--sglang-python", default=None, help="a Python with sglang-router installed")
+    p.add_argument("--ttft-requests", type=int, default=200)
+    p.add_argument("--ttft-concurrency", type=int, default=1)
+    args = p.parse_args(argv)
+    if shutil.which("wrk") is None:
+        raise RuntimeError("wrk is not installed (Debian: apt-get install -y wrk)")
+    with tempfile.TemporaryDirectory(prefix="bench-wrk-") as d:
+        tmp = Path(d)
+        script = tmp / "post.lua"
+        script.write_text(LUA)
+        wport = free_port()
+        worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
+                        "127.0.0.1", "--port", str(wport), "--log-level", "WARNING"], tmp / "w.log")  # fmt: skip
+        redis = RedisServer().start()
+        targets: list[Target] = []
+        try:
+            wait_until(lambda: answers_health(f"http://127.0.0.1:{wport}"), 60, poll_s=0.2)
+            targets = start_targets(args, tmp, f"http://127.0.0.1:{wport}", redis.url)
+            print("| target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
+            print("|---|---:|---:|---:|---:|---:|")
+            for t in targets:
+                url = t.url + "/v1/completions"
+                wrk(url, 1, args.connections, script)  # warm-up
+                pid = t.proc.pid if t.proc is not None else worker.pid
+                cpu0 = tree_cpu_s(pid)
+                r = wrk(url, args.seconds, args.connections, script)
+                cpu = (tree_cpu_s(pid) - cpu0) * 1e3 / max(1, r["done"])
+                print(f"| {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
+                      f"{cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
+            print("\n(direct: the CPU column is the worker's own)")
+            ttft = asyncio.run(streamed(targets, args.ttft_requests, args.ttft_concurrency))
+            base = statistics.median(ttft["direct"])
+            print(f"\nstreamed, {args.ttft_concurrency} at a time")
+            print("\n| target | streamed TTFT p50 (ms) | p99 (ms) | p50 / direct |")
+            print("|---|---:|---:|---:|")
+            for name, values in ttft.items():
+                values.sort()
+                p50, p99 = statistics.median(values), values[int(0.99 * (len(values) - 1))]
+                print(f"| {name} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | {p50 / base:.2f}x |")
+            print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        finally:
+            for t in targets:
+                if t.proc is not None:
+                    stop(t.proc)
+            stop(worker)
+            redis.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The engine on a CUDA device (`pytest -m gpu`; skipped without one).
+
+Kept apart from tests/worker/ so that it runs where only torch, triton, transformers
+and numpy are installed (the GPU machine has no pydantic, which tests/worker's
+conftest imports). `python -m loadtests gpu-check` runs these first.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker.engine.runner import ModelRunner, SeqBatchItem
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@functools.lru_cache(maxsize=2)
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_last_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(model_dir)(torch.tensor([ids])).logits[0, -1].float()
+
+
+def sample_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 1000) for _ in range(n)]
+
+
+def mixed_steps(runner: ModelRunner, seed: int = 0) -> tuple[list[list[int]], torch.Tensor]:
+    """Prefill three sequences (one in two chunks), then one mixed step: two decodes and
+    the second chunk. Returns the sequences and that step's logits."""
+    alloc = runner.pool.allocator
+    alloc.reset()
+    seqs = [sample_ids(n, seed + n) for n in (7, 40, 90)]
+    slots = [alloc.alloc(len(s)) for s in seqs]
+    first = [SeqBatchItem(seqs[i][:-1], 0, slots[i][:-1], seq_id=i) for i in (0, 1)]
+    runner.forward([*first, SeqBatchItem(seqs[2][:50], 0, slots[2][:50], seq_id=2)])
+    logits = runner.forward([
+        SeqBatchItem(seqs[0][-1:], 6, slots[0], seq_id=0, dirty_from=6),
+        SeqBatchItem(seqs[2][50:], 50, slots[2], seq_id=2, dirty_from=50),
+        SeqBatchItem(seqs[1][-1:], 39, slots[1], seq_id=1, dirty_from=39),
+    ])  # fmt: skip
+    for i in range(3):
+        runner.release(i)
+    return [seqs[0], seqs[2], seqs[1]], logits
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_cuda_matches_transformers(tiny_model_dir: Path, backend: str) -> None:
+    runner = ModelRunner(tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=1024,
+                         attention_backend=backend)  # fmt: skip
+    assert runner.pool.k[0].is_cuda and runner.backend.name == backend
+    seqs, logits = mixed_steps(runner)
+    for row, seq in enumerate(seqs):
+        want = hf_last_logits(tiny_model_dir, seq)
+        torch.testing.assert_close(logits[row].cpu(), want, atol=2e-3, rtol=0)
+
+
+def test_cuda_graph_decode_equals_eager(tiny_model_dir: Path) -> None:
+    graphs = ModelRunner(tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=2048)
+    eager = ModelRunner(tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=2048,
+                        cuda_graphs=False)  # fmt: skip
+    assert graphs.graphs is not None and eager.graphs is None
+    outs = []
+    for runner in (graphs, eager):
+        alloc = runner.pool.allocator
+        alloc.reset()
+        seqs = [sample_ids(n, n) for n in (5, 33, 70)]  # batch 3: padded to bucket 4
+        slots = [alloc.alloc(len(s) + 4) for s in seqs]
+        runner.forward([SeqBatchItem(s, 0, sl[: len(s)], seq_id=i)
+                        for i, (s, sl) in enumerate(zip(seqs, slots, strict=True))])  # fmt: skip
+        step_logits = []
+        for step in range(4):
+            batch = [SeqBatchItem([9 + step], len(s) + step, sl[: len(s) + step + 1], seq_id=i,
+                                  dirty_from=len(s) + step)
+                     for i, (s, sl) in enumerate(zip(seqs, slots, strict=True))]  # fmt: skip
+            step_logits.append(runner.forward(batch).cpu())
+        outs.append(torch.stack(step_logits))
+    assert graphs.graphs.replays == 4
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=0)
+
+
+def test_bf16_triton_close_to_sdpa(tiny_model_dir: Path) -> None:
+    a = ModelRunner(
+        tiny_model_dir, device="cuda", kv_capacity_tokens=1024, attention_backend="sdpa"
+    )
+    b = ModelRunner(tiny_model_dir, device="cuda", kv_capacity_tokens=1024)
+    assert a.dtype == b.dtype == torch.bfloat16 and b.attention_backend == "triton"
+    _, la = mixed_steps(a, seed=3)
+    _, lb = mixed_steps(b, seed=3)
+    assert (la - lb).abs().max().item() < 0.05 * la.abs().max().item()
+
+
+def test_cuda_auto_dtype_and_pool_sizing(tiny_model_dir: Path) -> None:
+    runner = ModelRunner(tiny_model_dir, kv_memory_fraction=0.01)
+    assert runner.device.type == "cuda"
+    assert runner.dtype == torch.bfloat16  # auto on CUDA, whatever the checkpoint says
+    assert runner.attention_backend == "triton"
+    assert runner.pool.capacity > 10_000
+    slots = runner.pool.allocator.alloc(9)
+    out = runner.forward([SeqBatchItem(sample_ids(9, 50), 0, np.asarray(slots))])
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
