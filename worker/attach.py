@@ -137,8 +137,8 @@ class Upstream:
             epoch=self.epoch,
             running=load.running,
             waiting=load.waiting,
-            cache_capacity_tokens=self.capacity,
-            cache_used_tokens=int(load.kv_usage * self.capacity),
+            kv_capacity_tokens=self.capacity,
+            kv_used_tokens=int(load.kv_usage * self.capacity),
             prompt_tokens_total=load.prompt_tokens_total,
             cached_tokens_total=load.cached_tokens_total,
         )
@@ -154,13 +154,16 @@ async def attach(config: AttachConfig, stop: asyncio.Event) -> None:
         upstream = Upstream(config, session)
         try:
             while not stop.is_set():
-                load = await upstream.poll()
-                if load is not None:
-                    current[:] = [upstream.record(load)]
-                    await heartbeat.beat()
-                elif heartbeat.joined:
-                    await _leave(registry, current[-1])
-                    heartbeat.joined = False
+                try:
+                    load = await upstream.poll()
+                    if load is not None:
+                        current[:] = [upstream.record(load)]
+                        await heartbeat.beat()
+                    elif heartbeat.joined:
+                        await _leave(registry, current[-1])
+                        heartbeat.joined = False
+                except Exception:  # a sidecar that dies leaves its engine unregistered
+                    log.exception("attach: unexpected error; retrying next interval")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), config.interval)
         finally:

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from loadtests.harness import Child, E2EFleet, http_json, wait_until
-from shared.procs import free_port
+from loadtests.fleet import BenchFleet, Child
+from shared.procs import free_port, http_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 MODEL = "fake-sglang-model"
@@ -86,13 +86,12 @@ async def fake() -> AsyncIterator[tuple[FakeSGLang, str]]:
     await runner.cleanup()
 
 
-def _attach(fleet: E2EFleet, upstream: str, engine: str, worker_id: str) -> Child:
+def _attach(fleet: BenchFleet, upstream: str, engine: str, worker_id: str) -> Child:
     assert fleet.redis is not None
     args = ["worker", "attach", "--upstream", upstream, "--engine", engine, "--redis-url",
             fleet.redis.url, "--worker-id", worker_id, "--interval", "0.2"]  # fmt: skip
     child = Child(f"attach-{worker_id}", args, upstream, fleet.log_dir / f"attach-{worker_id}.log")
-    fleet.workers[worker_id] = child  # stopped with the fleet
-    return child.start()
+    return fleet.adopt(child.start())  # stopped with the fleet
 
 
 async def _until(check, timeout: float = 20.0) -> None:
@@ -104,7 +103,7 @@ async def _until(check, timeout: float = 20.0) -> None:
 
 async def test_sglang_fake_behind_attach_and_the_router(fake: tuple[FakeSGLang, str]) -> None:
     server, url = fake
-    with E2EFleet() as fleet:
+    with BenchFleet() as fleet:
         sidecar = _attach(fleet, url, "sglang", "sgl-0")
         router = await asyncio.to_thread(fleet.start_router, None, (), 0)
         await _until(lambda: "sgl-0" in _workers(fleet))
@@ -139,7 +138,7 @@ async def test_sglang_fake_behind_attach_and_the_router(fake: tuple[FakeSGLang, 
 
 async def test_attach_deregisters_while_the_upstream_is_down(fake: tuple[FakeSGLang, str]) -> None:
     _, url = fake
-    with E2EFleet() as fleet:
+    with BenchFleet() as fleet:
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
         _attach(fleet, dead, "sglang", "sgl-dead")
         _attach(fleet, url, "sglang", "sgl-live")
@@ -149,7 +148,7 @@ async def test_attach_deregisters_while_the_upstream_is_down(fake: tuple[FakeSGL
         assert "sgl-dead" not in _workers(fleet)
 
 
-def _workers(fleet: E2EFleet) -> dict[str, dict]:
+def _workers(fleet: BenchFleet) -> dict[str, dict]:
     try:
         return fleet.router_workers()
     except (OSError, TypeError, KeyError):

@@ -20,8 +20,12 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from loadtests.harness import Child, E2EFleet, http_json, wait_until  # noqa: E402
-from shared.procs import free_port  # noqa: E402
+from loadtests.fleet import BenchFleet, Child  # noqa: E402
+from shared.procs import (  # noqa: E402
+    free_port,
+    http_json,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 SYSTEM = "You are a terse assistant for a prefix cache test. Keep every answer short. " * 8
@@ -29,8 +33,8 @@ MODEL = "tiny-vllm"
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path) -> Iterator[tuple[E2EFleet, Child, Child]]:
-    with E2EFleet() as f:
+def fleet(tiny_model_dir: Path) -> Iterator[tuple[BenchFleet, Child, Child]]:
+    with BenchFleet() as f:
         port = free_port()
         upstream = f"http://127.0.0.1:{port}"
         engine = Child(
@@ -44,7 +48,7 @@ def fleet(tiny_model_dir: Path) -> Iterator[tuple[E2EFleet, Child, Child]]:
              "float32"],
             upstream, f.log_dir / "vllm.log",
         )  # fmt: skip
-        f.workers["vllm"] = engine.start()
+        f.adopt(engine.start())
         wait_until(lambda: _up(upstream + "/v1/models"), 300, engine, poll_s=1.0)
         assert f.redis is not None
         sidecar = Child(
@@ -53,7 +57,7 @@ def fleet(tiny_model_dir: Path) -> Iterator[tuple[E2EFleet, Child, Child]]:
              f.redis.url, "--worker-id", "vllm-0", "--interval", "0.2"],
             upstream, f.log_dir / "attach.log",
         ).start()  # fmt: skip
-        f.workers["attach"] = sidecar
+        f.adopt(sidecar)
         f.start_router(want_workers=1)
         yield f, engine, sidecar
 
@@ -65,7 +69,7 @@ def _up(url: str) -> bool:
         return False
 
 
-def test_requests_route_and_cached_tokens_come_back(fleet: tuple[E2EFleet, Child, Child]) -> None:
+def test_requests_route_and_cached_tokens_come_back(fleet: tuple[BenchFleet, Child, Child]) -> None:
     f, _, _ = fleet
     assert f.router is not None
     w = f.router_workers()["vllm-0"]
@@ -84,7 +88,7 @@ def test_requests_route_and_cached_tokens_come_back(fleet: tuple[E2EFleet, Child
     assert cached[0] < cached[1] and cached[2] > 0, cached
 
 
-def test_load_and_kv_usage_reach_the_router(fleet: tuple[E2EFleet, Child, Child]) -> None:
+def test_load_and_kv_usage_reach_the_router(fleet: tuple[BenchFleet, Child, Child]) -> None:
     f, _, _ = fleet
     assert f.router is not None
     client = openai.AsyncOpenAI(base_url=f.router.url + "/v1", api_key="unused", max_retries=0)
@@ -105,7 +109,7 @@ def test_load_and_kv_usage_reach_the_router(fleet: tuple[E2EFleet, Child, Child]
             w = await asyncio.to_thread(f.router_workers)
             w = w.get("vllm-0", {})
             seen["running"] = max(seen["running"], w.get("running", 0) + w.get("waiting", 0))
-            seen["capacity"] = max(seen["capacity"], w.get("cache_capacity_tokens", 0))
+            seen["capacity"] = max(seen["capacity"], w.get("kv_capacity_tokens", 0))
             await asyncio.sleep(0.2)
         await task
 
@@ -114,7 +118,7 @@ def test_load_and_kv_usage_reach_the_router(fleet: tuple[E2EFleet, Child, Child]
     assert seen["capacity"] > 0, seen  # from vllm:cache_config_info
 
 
-def test_sigterm_deregisters(fleet: tuple[E2EFleet, Child, Child]) -> None:
+def test_sigterm_deregisters(fleet: tuple[BenchFleet, Child, Child]) -> None:
     f, _, sidecar = fleet
     sidecar.signal(signal.SIGTERM)
     assert sidecar.wait(15) == 0

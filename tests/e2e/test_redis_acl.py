@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from loadtests.harness import Child, free_port, http_json, prompt, wait_health, wait_until
+from loadtests.fleet import Child, wait_health
+from loadtests.traffic import prompt
+from shared.procs import free_port, http_json, wait_until
 from shared.redis_server import RedisServer
 from tests.helm.chart import render
 
