@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from loadtests.options import HelpFormatter
 from worker.engine.model import apply_rope_
 from worker.engine.runner import ModelRunner, SeqBatchItem
 from worker.engine.tiny_model import PRESETS, make_tiny_model
@@ -63,10 +64,12 @@ def rope_us(shape: tuple[int, int, int], reps: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=None)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests model-fusions", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement")
+    parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -95,7 +98,3 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text("# Model fusions on CPU\n\n`python -m loadtests model-fusions`"
                             f" (bench preset, fp32, 1 thread, process CPU time)\n\n{table}\n")  # fmt: skip
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,7 +3,7 @@ straight to a zero-cost sim worker, through our router with 1 and with N process
 (`serve --processes N`, replica sync through an embedded Redis), and through SGLang's
 Rust router (`sglang-router`, from its own venv) when its Python is given.
 
-    python -m loadtests.bench_router_wrk [--seconds 8] [--connections 64] [--processes 2] \\
+    python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200]
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
@@ -168,15 +168,20 @@ def start_targets(
     return targets
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=8.0)
-    p.add_argument("--connections", type=int, default=64)
-    p.add_argument("--processes", type=int, default=2)
-    p.add_argument("--sglang-python", default=None, help="a Python with sglang-router installed")
-    p.add_argument("--ttft-requests", type=int, default=200)
-    p.add_argument("--ttft-concurrency", type=int, default=1)
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
+    p.add_argument("--connections", type=int, default=64, help="wrk keep-alive connections")
+    p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
+    p.add_argument(
+        "--sglang-python",
+        default=None,
+        help="a Python with sglang-router installed (default: none)",
+    )
+    p.add_argument("--ttft-requests", type=int, default=200, help="streamed requests per target")
+    p.add_argument("--ttft-concurrency", type=int, default=1, help="streamed requests at a time")
+
+
+def main(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         raise RuntimeError("wrk is not installed (Debian: apt-get install -y wrk)")
     with tempfile.TemporaryDirectory(prefix="bench-wrk-") as d:
@@ -220,7 +225,3 @@ def main(argv: list[str] | None = None) -> int:
             stop(worker)
             redis.stop()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

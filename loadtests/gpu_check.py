@@ -43,11 +43,11 @@ BUDGET_S = 450  # stop starting new measurements past this (the whole check: <= 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="folder for gpu-check.json/.md")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="(default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="toy sizes (CPU smoke test)")
     p.add_argument("--presets", help="comma-separated presets (default: the two real shapes)")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--skip-pytest", action="store_true")
+    p.add_argument("--attention-backend", default="auto", help="(default: %(default)s)")
+    p.add_argument("--skip-pytest", action="store_true", help="do not run pytest -m gpu first")
 
 
 def run_pytest(deadline: float) -> dict[str, Any]:

@@ -66,6 +66,7 @@ class UpFleet:
         self.redis: RedisServer | None = None
         self.log_dir: Path | None = None
         self._stop = threading.Event()
+        self._launched: dict[str, float] = {}  # child name -> when it was started
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -118,6 +119,9 @@ class UpFleet:
         # CPU that is gigabytes for a demo, so `up` asks for a small pool unless told.
         cache_tokens = o.cache_tokens or (RADIX_DEMO_CACHE_TOKENS if o.engine == "radix" else None)
         self.say(f"      logs in {self.log_dir}" + ("" if o.keep_logs else " (removed on exit)"))
+        # Workers start together and are waited for after: each spends its start loading
+        # torch and the model, so N of them take about as long as one, not N times as long.
+        workers = []
         for i in range(o.workers):
             port = free_port()
             args = ["serve", "--engine", o.engine, "--host", o.host, "--port", str(port),
@@ -130,9 +134,10 @@ class UpFleet:
                                 ("--sim-decode-ms-per-token", o.sim_decode_ms_per_token)):  # fmt: skip
                 if value is not None:
                     args += [flag, str(value)]
-            self._spawn(
-                f"worker-{i}", "worker", args, f"http://{o.host}:{port}", f"[{i + 2}/{total}]"
-            )
+            url = f"http://{o.host}:{port}"
+            workers.append(self._launch(f"worker-{i}", "worker", args, url, f"[{i + 2}/{total}]"))
+        for worker in workers:
+            self._await(worker)
         port = o.port or free_port()
         args = [
             "serve",
@@ -150,9 +155,10 @@ class UpFleet:
         # pull all traffic to one worker. Half a worker's batch is the scale that works
         # (loadtests/results/policies.md).
         env = {"RADIX_ROUTER_BALANCE_ABS_THRESHOLD": str(max(1, o.max_running_requests // 2))}
-        router = self._spawn(
+        router = self._launch(
             "router", "router", args, f"http://{o.host}:{port}", f"[{total}/{total}]", env=env
         )
+        self._await(router)
         self._banner(router.url)
 
     def _banner(self, url: str) -> None:
@@ -194,7 +200,7 @@ class UpFleet:
                 raise StartError(f"make-tiny-model failed: {done.stderr[-2000:]}")
         return str(cache)
 
-    def _spawn(
+    def _launch(
         self,
         name: str,
         module: str,
@@ -211,8 +217,11 @@ class UpFleet:
         child = Child(name, [module, *args], url, self.log_dir / f"{name}.log", env or {}).start()
         self.children.append(child)
         self.say(f"{step} {name} (pid {child.pid}) starting on {url} ...")
-        started = time.monotonic()
-        timeout = self.options.start_timeout
+        self._launched[name] = time.monotonic()
+        return child
+
+    def _await(self, child: Child) -> None:
+        name, timeout = child.name, self.options.start_timeout
         try:
             wait_health(child, timeout, poll_s=0.2, stop=self._stop)
         except InterruptedError as e:
@@ -221,8 +230,7 @@ class UpFleet:
             raise StartError(f"{name} exited with {child.returncode}:\n{child.tail(2000)}") from e
         except TimeoutError as e:
             raise StartError(f"{name} not healthy within {timeout}s:\n{child.tail(2000)}") from e
-        self.say(f"      {name} ready in {time.monotonic() - started:.1f}s")
-        return child
+        self.say(f"      {name} ready in {time.monotonic() - self._launched[name]:.1f}s")
 
     # -- running and stopping ---------------------------------------------------------
     def _watch(self) -> int:

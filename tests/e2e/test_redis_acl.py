@@ -1,127 +1,104 @@
-"""The chart's Redis ACL users, applied to a real Redis-protocol server: a real worker
-and a real router (replica sync and the shared rate limit on) work with their role's
-user, and each role is refused what it must not do."""
+"""The Redis users the README gives for an external Redis, applied as written to a real
+Valkey server: each role does all it needs with its own user (a worker heartbeats and
+leaves; a router discovers, shares decisions and load, and rate-limits) and nothing
+past it (a worker cannot touch another worker's record or the sync stream; a router
+cannot write registrations)."""
 
 from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
-import redis
+from redis.asyncio import Redis
+from redis.exceptions import NoPermissionError
 
-from loadtests.fleet import Child, wait_health
-from loadtests.traffic import prompt
-from shared.procs import free_port, http_json, wait_until
+from router.ratelimit import RedisGcra
+from router.sync import DecisionSync
+from shared.config import RouterConfig
 from shared.redis_server import RedisServer
-from tests.helm.chart import render
+from shared.registry import Registry, WorkerRecord
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-ADMIN, ROUTER_PW, WORKER_PW = "admin-pw-1", "router-pw-2", "worker-pw-3"
-
-
-def chart_acl_rules() -> dict[str, list[str]]:
-    """user -> ACL SETUSER arguments, from the built-in Redis's start script."""
-    redis_pod = render().get("Deployment", "rr-radix-router-redis")["spec"]["template"]["spec"]
-    script = redis_pod["containers"][0]["args"][0]
-    rules = {}
-    for line in script.splitlines():
-        found = re.match(r"\s*user (radix-\w+) on >\$\{\w+\} (.*)$", line)
-        if found:
-            rules[found.group(1)] = shlex.split(found.group(2))
-    assert set(rules) == {"radix-router", "radix-worker"}, script
-    return rules
+README = Path(__file__).resolve().parents[2] / "README.md"
+PASSWORDS = {"<worker-password>": "wpw-1", "<router-password>": "rpw-2"}
 
 
-@pytest.fixture
-def acl_redis() -> Iterator[RedisServer]:
-    with RedisServer(password=ADMIN) as server:
-        admin = redis.Redis(port=server.port, password=ADMIN)
-        for user, password in (("radix-router", ROUTER_PW), ("radix-worker", WORKER_PW)):
-            admin.execute_command(
-                "ACL", "SETUSER", user, "on", f">{password}", *chart_acl_rules()[user]
-            )
-        admin.close()
+def readme_acl_lines(worker_id: str) -> list[list[str]]:
+    lines = re.findall(r"^ACL SETUSER .*$", README.read_text(), re.M)
+    assert len(lines) == 2, lines
+    out = []
+    for line in lines:
+        line = line.replace("<worker-id>", worker_id)
+        for placeholder, password in PASSWORDS.items():
+            line = line.replace(placeholder, password)
+        out.append(shlex.split(line))
+    return out
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
         yield server
 
 
-def _url(server: RedisServer, user: str, password: str) -> str:
-    return f"redis://{user}:{password}@127.0.0.1:{server.port}/0"
+@pytest.fixture
+async def users(redis_server: RedisServer) -> AsyncIterator[tuple[Redis, Redis, Redis]]:
+    admin = Redis.from_url(redis_server.url)
+    await admin.flushdb()
+    for args in readme_acl_lines("w0"):
+        await admin.execute_command(*args)
+    port = redis_server.url.rsplit(":", 1)[1].split("/")[0]
+    worker = Redis.from_url(f"redis://radix-worker-w0:wpw-1@127.0.0.1:{port}/0")
+    router = Redis.from_url(f"redis://radix-router:rpw-2@127.0.0.1:{port}/0")
+    yield admin, worker, router
+    for client in (worker, router, admin):
+        await client.aclose()
 
 
-def test_services_run_with_their_role_users(acl_redis: RedisServer, tmp_path) -> None:
-    worker_url, router_url = (
-        _url(acl_redis, "radix-worker", WORKER_PW),
-        _url(acl_redis, "radix-router", ROUTER_PW),
-    )
-    wport, rport = free_port(), free_port()
-    worker = Child("w0", ["worker", "serve", "--engine", "sim", "--host", "127.0.0.1", "--port", str(wport),
-                          "--worker-id", "w0", "--heartbeat-interval", "0.2", "--redis-url", worker_url],
-                   f"http://127.0.0.1:{wport}", tmp_path / "w0.log").start()  # fmt: skip
-    env = {"RADIX_ROUTER_SYNC": "true", "RADIX_ROUTER_RATE_LIMIT_PER_KEY": "1", "RADIX_ROUTER_RATE_LIMIT_BURST": "100",
-           "RADIX_ROUTER_DISCOVERY_INTERVAL": "0.2"}  # fmt: skip
-    router = Child("router", ["router", "serve", "--host", "127.0.0.1", "--port", str(rport), "--redis-url",
-                              router_url], f"http://127.0.0.1:{rport}", tmp_path / "router.log", env).start()  # fmt: skip
-    try:
-        wait_health(worker)
-        wait_until(
-            lambda: http_json(router.url + "/readiness")[0] == 200 if router.alive else False,
-            30,
-            router,
-        )
-        for i in range(5):
-            status, body = http_json(router.url + "/v1/completions", "POST", prompt(i, tokens=2))
-            assert status == 200, body
-        # Sync and the shared limiter wrote their keys; nothing fell back or was refused.
-        admin = redis.Redis(port=acl_redis.port, password=ADMIN)
-        keys = {k.decode() for k in admin.keys("radixrouter:*")}
-        assert "radixrouter:worker:w0" in keys and "radixrouter:decisions" in keys
-        assert any(k.startswith("radixrouter:ratelimit:") for k in keys), (keys, router.tail())
-        admin.close()
-        for child in (worker, router):
-            assert "NOPERM" not in child.output() and "falling back" not in child.output(), (
-                child.tail()
-            )
-        assert "Redis unavailable" not in router.output()
-    finally:
-        router.stop(grace_s=5)
-        worker.stop(grace_s=5)
-    admin = redis.Redis(port=acl_redis.port, password=ADMIN)
-    assert admin.exists("radixrouter:worker:w0") == 0  # the worker left on SIGTERM
-    admin.close()
+def record(wid: str) -> WorkerRecord:
+    return WorkerRecord(worker_id=wid, url="http://10.0.0.5:8001", model="m", engine="sim",
+                        epoch=1.0)  # fmt: skip
 
 
-def test_each_role_is_refused_what_it_must_not_do(acl_redis: RedisServer) -> None:
-    worker = redis.Redis(port=acl_redis.port, username="radix-worker", password=WORKER_PW)
-    router = redis.Redis(port=acl_redis.port, username="radix-router", password=ROUTER_PW)
-    worker.hset("radixrouter:worker:w9", "url", "http://127.0.0.1:1")  # its own kind of key: fine
-    refused = [
-        lambda: worker.xadd("radixrouter:decisions", {"w": "x"}),  # the routers' sync stream
-        lambda: worker.set("radixrouter:ratelimit:ab", 1),  # rate-limit cells
-        lambda: worker.hset("radixrouter:router:r1", "w0", 1000000),  # replica load
-        lambda: worker.hgetall("radixrouter:worker:w9"),  # no reads at all
-        lambda: worker.set("other:key", 1),  # outside the prefix
-        lambda: worker.flushall(),
-        lambda: router.hset("radixrouter:worker:w9", "url", "http://evil:1"),  # forge a worker
-        lambda: router.delete("radixrouter:worker:w9"),
-        lambda: router.set("other:key", 1),
-        lambda: router.flushall(),
-        lambda: router.config_get("*"),
-    ]
-    for i, call in enumerate(refused):
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            call()
-            pytest.fail(f"call {i} was allowed")
-    assert router.hgetall("radixrouter:worker:w9")  # routers read worker records
-    worker.close()
-    router.close()
+async def test_each_role_does_its_job_with_its_own_user(users: tuple[Redis, Redis, Redis]) -> None:
+    _admin, worker, router = users
+    mine = Registry(worker)
+    await mine.publish_heartbeat(record("w0"), ttl_s=5, joined=True)
+    assert list(await Registry(router).read_fleet()) == ["w0"]
+    await mine.leave(record("w0"))
+    await mine.publish_heartbeat(record("w0"), ttl_s=5, joined=False)
+
+    config = RouterConfig(sync=True)
+    seen: list[tuple[str, str]] = []
+    sync = DecisionSync(router, Registry(router), config,
+                        observe=lambda w, t, now: seen.append((w, t)),
+                        local_inflight=lambda: {"w0": 2})  # fmt: skip
+    sync.publish("w0", "a decision")
+    await sync._send_pending()
+    await sync._read_once()  # the first read replays the stream
+    assert seen == [("w0", "a decision")]
+    await sync._load_once()
+    await router.scan(match="radixrouter:router:*")
+
+    limiter = RedisGcra(router, Registry(router), rate=1.0, burst=1)
+    assert await limiter.take(b"client-a") == 0.0
 
 
-def test_the_chart_readme_documents_the_same_rules() -> None:
-    from tests.helm.chart import CHART_DIR
-
-    readme = (CHART_DIR / "README.md").read_text()
-    for user, rules in chart_acl_rules().items():
-        line = next(ln for ln in readme.splitlines() if ln.startswith(f"ACL SETUSER {user} "))
-        assert shlex.split(line)[5:] == rules, user
+async def test_no_role_reaches_past_its_keys(users: tuple[Redis, Redis, Redis]) -> None:
+    _admin, worker, router = users
+    with pytest.raises(NoPermissionError):
+        await Registry(worker).publish_heartbeat(record("w1"), ttl_s=5, joined=False)
+    for forbidden in (
+        worker.hgetall("radixrouter:worker:w1"),
+        worker.xadd("radixrouter:decisions", {"d": b"x"}),
+        worker.hset("radixrouter:router:r1", mapping={"w0": "1000000"}),
+        worker.smembers("radixrouter:workers"),
+        router.hset("radixrouter:worker:w9", mapping={"url": "http://169.254.169.254:80"}),
+        router.sadd("radixrouter:workers", "w9"),
+        router.flushdb(),
+        worker.config_get("*"),
+    ):
+        with pytest.raises(NoPermissionError):
+            await forbidden

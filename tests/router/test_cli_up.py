@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from loadtests.fleet import ROOT
 from router.cli import build_parser, serve_config
 from shared.config import ConfigError
 from shared.procs import wait_until
 from shared.redis_server import free_port
-from tests.router.processes import ROOT
 
 pytestmark = pytest.mark.slow
 
