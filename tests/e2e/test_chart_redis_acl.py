@@ -1,6 +1,5 @@
 """The chart's built-in Redis ACL users (one per role) on a real Redis-protocol server:
-a real worker
-and a real router (replica sync and the shared rate limit on) work with their role's
+a real worker and a real router (replica sync and the shared rate limit on) work with their role's
 user, and each role is refused what it must not do."""
 
 from __future__ import annotations
