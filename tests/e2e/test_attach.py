@@ -159,7 +159,7 @@ def test_attach_refuses_a_bad_upstream_url() -> None:
     import subprocess
     import sys
 
-    from tests.router.processes import ROOT
+    from tests.helm.chart import ROOT
 
     done = subprocess.run(
         [sys.executable, "-m", "worker", "attach", "--upstream", "ftp://x", "--engine", "vllm",

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from shared.procs import free_port
-from tests.router.processes import ROOT
+from tests.helm.chart import ROOT
 
 REPO = "radix-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
