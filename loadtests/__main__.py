@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replicas": ("loadtests.replicas", "router replicas with and without decision sync"),
     "faults": ("loadtests.faults", "worker, Redis and router faults under load, their cost"),
     "engine": ("loadtests.bench_engine", "engine: TTFT cached vs uncached, decode tokens/s"),
+    "scheduler": ("loadtests.bench_scheduler", "one worker: fcfs vs lpm, in-flight sharing on/off"),
     "radix-cache": ("loadtests.bench_radix_cache", "radix cache vs no cache on a trace"),
     "tree": ("loadtests.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
     "policy-cost": ("loadtests.bench_policy", "CPU per routing decision as the fleet grows"),

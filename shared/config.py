@@ -159,7 +159,11 @@ class WorkerConfig(_Frozen):
     max_model_len: int | None = Field(None, gt=0)
     max_waiting_requests: int = Field(1024, ge=0)
     disable_radix_cache: bool = False
-    # Sim engine cost model.
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    share_inflight_prefixes: bool = True  # prefill chunks enter the tree while running
+    max_n: int = Field(8, ge=1, le=128)  # most choices (`n`) one request may ask for
+    # Sim engine cost model: every step costs decode_ms (one pass over the weights)
+    # plus prefill_us per prompt token it computes.
     sim_prefill_us_per_token: float = Field(0.0, ge=0)
     sim_decode_ms_per_token: float = Field(0.0, ge=0)
     # HTTP.

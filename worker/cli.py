@@ -85,6 +85,14 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--attention-backend", "attention_backend", str, "auto (CUDA: triton), sdpa, triton"),
     ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
+    ("--schedule-policy", "schedule_policy", str, "fcfs, or lpm: longest cached prefix first"),
+    (
+        "--no-inflight-sharing",
+        "share_inflight_prefixes",
+        "false",
+        "prefixes enter the radix cache when a request ends, not per prefill chunk (ablation)",
+    ),
+    ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
     (
         "--sim-prefill-us-per-token",
         "sim_prefill_us_per_token",
@@ -124,9 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="YAML file of WorkerConfig keys")
     for flag, key, kind, described in _SERVE_FLAGS:
         default = WorkerConfig.model_fields[key].default
-        text = described if default in (None, ()) else f"{described} (default {default})"
-        if kind is None:
-            serve.add_argument(flag, dest=key, action="store_const", const=True, help=text)
+        plain = default in (None, ()) or kind == "false"
+        text = described if plain else f"{described} (default {default})"
+        if kind is None or kind == "false":  # a switch that sets True, or False
+            const = kind is None
+            serve.add_argument(flag, dest=key, action="store_const", const=const, help=text)
         elif kind == "append":
             serve.add_argument(flag, dest=key, action="append", help=text)
         else:

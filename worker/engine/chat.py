@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from worker.engine.types import EngineError, GenerateRequest
+from worker.engine.types import EngineError, EngineRequest
 
 
 class PromptTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str: ...
@@ -39,7 +40,7 @@ class ChatPrompts:
 
     tokenizer: PromptTokenizer
 
-    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+    def prompt_ids(self, request: EngineRequest) -> list[int]:
         """The request's prompt as token ids: text encoded, ids range-checked, never empty."""
         if request.prompt is not None:
             ids = self.tokenizer.encode(request.prompt)
@@ -54,6 +55,9 @@ class ChatPrompts:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -1,5 +1,5 @@
 """Prompt handling shared by the engine fronts (worker/engine/chat.py) and
-`Sequence.to_output`, through the real sim engine and the real model tokenizer."""
+`Req.to_output`, through the real sim engine and the real model tokenizer."""
 
 from __future__ import annotations
 
@@ -10,24 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from worker.backends.sim import SimConfig, SimEngine
 from worker.backends.text_tokenizer import VOCAB_SIZE, TextTokenizer
-from worker.engine.chat import render_chat
-from worker.engine.sequence import Sequence
+from worker.engine.chat import ChatPrompts, render_chat
+from worker.engine.sequence import Req
 from worker.engine.tokenizer import Tokenizer
-from worker.engine.types import EngineError, GenerateRequest, SamplingParams
+from worker.engine.types import EngineError, EngineRequest, SamplingParams
 
 
-def sim(tokenizer: TextTokenizer | Tokenizer | None = None) -> SimEngine:
-    return SimEngine(SimConfig(), tokenizer or TextTokenizer())  # type: ignore[arg-type]
+class Prompts(ChatPrompts):
+    def __init__(self, tokenizer: TextTokenizer | Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+
+def sim(tokenizer: TextTokenizer | Tokenizer | None = None) -> Prompts:
+    return Prompts(tokenizer or TextTokenizer())
 
 
 def test_prompt_ids_encode_text_and_pass_ids_through() -> None:
     eng = sim()
-    assert eng.prompt_ids(GenerateRequest("a", prompt="hello world")) == eng.tokenizer.encode(
+    assert eng.prompt_ids(EngineRequest("a", prompt="hello world")) == eng.tokenizer.encode(
         "hello world"
     )
-    assert eng.prompt_ids(GenerateRequest("b", prompt_token_ids=(5, 0, VOCAB_SIZE - 1))) == [
+    assert eng.prompt_ids(EngineRequest("b", prompt_token_ids=(5, 0, VOCAB_SIZE - 1))) == [
         5,
         0,
         VOCAB_SIZE - 1,
@@ -37,13 +41,13 @@ def test_prompt_ids_encode_text_and_pass_ids_through() -> None:
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
-        (GenerateRequest("a", prompt_token_ids=(1, VOCAB_SIZE)), f"[0, {VOCAB_SIZE})"),
-        (GenerateRequest("b", prompt_token_ids=(-1,)), "token ids must be in"),
-        (GenerateRequest("c", prompt_token_ids=()), "prompt is empty"),
-        (GenerateRequest("d", prompt=""), "prompt is empty"),
+        (EngineRequest("a", prompt_token_ids=(1, VOCAB_SIZE)), f"[0, {VOCAB_SIZE})"),
+        (EngineRequest("b", prompt_token_ids=(-1,)), "token ids must be in"),
+        (EngineRequest("c", prompt_token_ids=()), "prompt is empty"),
+        (EngineRequest("d", prompt=""), "prompt is empty"),
     ],
 )
-def test_bad_prompts_are_engine_errors_on_prompt(request_: GenerateRequest, message: str) -> None:
+def test_bad_prompts_are_engine_errors_on_prompt(request_: EngineRequest, message: str) -> None:
     with pytest.raises(EngineError, match=re.escape(message)) as info:
         sim().prompt_ids(request_)
     assert info.value.param == "prompt"
@@ -79,7 +83,7 @@ def test_to_output_takes_what_is_unsent_once() -> None:
     tok = TextTokenizer()
     prompt = tok.encode("a prompt")
     answer = tok.encode(" one two", add_special_tokens=False)
-    seq = Sequence("r", prompt, SamplingParams(max_tokens=len(answer)), tok.detokenizer(), seq_id=1)
+    seq = Req("r", prompt, SamplingParams(max_tokens=len(answer)), tok.detokenizer(), seq_id=1)
     seq.cached_tokens = 1
     for t in answer:
         seq.append_token(t, max_model_len=1000)
