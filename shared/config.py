@@ -69,6 +69,8 @@ class RouterConfig(_Frozen):
     cost_prefill_us_per_token: float = Field(50.0, gt=0)
     cost_decode_ms_per_token: float = Field(10.0, gt=0)
     cost_decode_weight: float = Field(1.0, ge=0)
+    # How many times a request's own uncached tokens count (1: its time to first token).
+    cost_miss_weight: float = Field(1.0, ge=0)
     session_header: str = "x-session-id"
     # Proxy.
     connect_timeout: float = Field(5.0, gt=0)
