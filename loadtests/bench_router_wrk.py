@@ -1,5 +1,5 @@
 """Router throughput under wrk and streamed time to first token, side by side in one run:
-straight to a zero-cost sim worker, through our router with 1 and with N processes
+straight to a sim worker (zero cost unless `--prefill-us` / `--decode-ms`), through our router with 1 and with N processes
 (`serve --processes N`, replica sync through an embedded Redis), and through SGLang's
 Rust router (`sglang-router`, from its own venv) when its Python is given.
 
@@ -179,6 +179,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ttft-requests", type=int, default=200, help="streamed requests per target")
     p.add_argument("--ttft-concurrency", type=int, default=1, help="streamed requests at a time")
+    p.add_argument(
+        "--prefill-us", type=float, default=0.0, help="the sim worker's prefill cost per token"
+    )
+    p.add_argument("--decode-ms", type=float, default=0.0, help="the sim worker's decode cost")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -190,7 +194,9 @@ def main(args: argparse.Namespace) -> int:
         script.write_text(LUA)
         wport = free_port()
         worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
-                        "127.0.0.1", "--port", str(wport), "--log-level", "WARNING"], tmp / "w.log")  # fmt: skip
+                        "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",
+                        "--sim-prefill-us-per-token", str(args.prefill_us),
+                        "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
         redis = RedisServer().start()
         targets: list[Target] = []
         try:

@@ -6,8 +6,8 @@ drains while workers still answer), a grace period, then SIGKILL. Redis is stopp
 last. Ctrl-C (SIGINT) and SIGTERM both lead there, also in the middle of starting.
 Child output goes to log files in a temporary folder, so the terminal shows only
 progress; the folder is removed on exit unless `keep_logs` (then its path is printed).
-The router's port is checked before anything starts: a port another process holds
-would otherwise answer our health check and be announced as our router.
+Before anything starts, router/preflight.py checks the router's port and what the
+children will need.
 
 The router never imports `worker`: workers are `python -m worker serve ...` and the
 tiny model is built by `python -m worker make-tiny-model DIR`.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from router.preflight import StartError, check_port, check_prerequisites
 from shared.procs import Child, free_port, http_json, wait_health
 from shared.redis_server import RedisServer
 
@@ -54,10 +54,6 @@ class UpOptions:
     keep_logs: bool = False
 
 
-class StartError(RuntimeError):
-    pass
-
-
 class UpFleet:
     def __init__(self, options: UpOptions, out: TextIO = sys.stdout) -> None:
         self.options = options
@@ -78,6 +74,7 @@ class UpFleet:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         code = 0
         try:
+            check_prerequisites(self.options.engine, self.options.redis_url)
             check_port(self.options.host, self.options.port)
             self.log_dir = Path(tempfile.mkdtemp(prefix="radix-up-"))
             self.start()
@@ -139,17 +136,8 @@ class UpFleet:
         for worker in workers:
             self._await(worker)
         port = o.port or free_port()
-        args = [
-            "serve",
-            "--host",
-            o.host,
-            "--port",
-            str(port),
-            "--redis-url",
-            redis_url,
-            "--policy",
-            o.policy,
-        ]
+        args = ["serve", "--host", o.host, "--port", str(port), "--redis-url", redis_url,
+                "--policy", o.policy]  # fmt: skip
         # The default imbalance gap (64 requests) suits GPU workers running hundreds at
         # once; a local fleet never reaches it, and a prompt every request shares would
         # pull all traffic to one worker. Half a worker's batch is the scale that works
@@ -261,27 +249,3 @@ class UpFleet:
         if self.redis is not None:
             self.redis.close()
             self.redis = None
-
-
-def check_port(host: str, port: int) -> None:
-    """Raise StartError if `port` on `host` cannot be bound (0: any port, always fine).
-
-    SO_REUSEADDR as aiohttp sets it, so a socket in TIME_WAIT is no obstacle but a
-    listening one is."""
-    if port == 0:
-        return
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except OSError as e:
-        raise StartError(f"cannot resolve --host {host}: {e}") from None
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise StartError(
-                f"port {port} on {host} is taken ({e.strerror}): stop what listens there, "
-                "or pass --port N (--port 0 picks a free one)"
-            ) from None

@@ -24,6 +24,7 @@ upstream connection and the worker sees the disconnect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -50,7 +51,7 @@ from router.upstream import (
 from router.workers import FailureKind, Worker
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
-from shared.http import EVENT_STREAM, EventStreamResponse
+from shared.http import EVENT_STREAM, DeadlineStream
 
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
 
@@ -262,25 +263,23 @@ class Proxy:
         with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
             chunk = await upstream.content.readany()
         content = upstream.content
-        resp = EventStreamResponse(
-            status=upstream.status, headers=self._response_headers(upstream, worker, decision)
-        )
+        resp = DeadlineStream(
+            request, self.config.stream_write_timeout,
+            status=upstream.status, headers=self._response_headers(upstream, worker, decision),
+        )  # fmt: skip
         await resp.prepare(request)
-        write_timeout = self.config.stream_write_timeout
         tail = b""
         broken: tuple[FailureKind, str] | None = None
         # Each chunk is written as soon as it is read; only the last one (the upstream has
         # already ended) waits to leave together with the end-of-stream marker.
         while chunk and not content.is_eof():
             try:
-                async with asyncio.timeout(write_timeout):
-                    await resp.write(chunk)
-            except (ConnectionError, TimeoutError):
-                # The client left, or does not read: drop both connections, so the worker
-                # sees the request abandoned and frees its slot and KV at once.
+                await resp.write(chunk)
+            except ConnectionError:
+                # The client left, or did not read within the deadline (DeadlineStream
+                # aborted it): drop the upstream too, so the worker sees the request
+                # abandoned and frees its slot and KV at once.
                 upstream.close()
-                if request.transport is not None:
-                    request.transport.abort()
                 return resp
             tail = (tail + chunk)[-SSE_TAIL_BYTES:]
             try:
@@ -300,12 +299,8 @@ class Proxy:
             self.fleet.failed(attempt, broken[0], self.clock())
             event = json.dumps(error_body(502, broken[1], code="upstream_error"))
             chunk = f"data: {event}\n\n".encode()
-        try:
-            async with asyncio.timeout(write_timeout):
-                await resp.write_eof(chunk)
-        except (ConnectionError, TimeoutError):  # the client left, or stopped, at the end
-            if request.transport is not None:
-                request.transport.abort()
+        with contextlib.suppress(ConnectionError):  # the client left, or stalled, at the end
+            await resp.write_eof(chunk)
         return resp
 
     def _succeeded(self, attempt: Attempt, decision: Decision, cached: int | None) -> None:

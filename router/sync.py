@@ -230,11 +230,10 @@ class DecisionSync:
 
     def _apply(self, entries: list, include_own: bool) -> None:
         """Apply other replicas' decisions. The stream is untrusted input: an entry that is
-        not `replica SEP worker SEP zlib(text)` for a worker this router knows, within the
+        not `replica SEP worker SEP zlib(text)` with a well-formed worker id, within the
         size caps (a 146 KB zlib bomb once inflated to 200 MB here), is dropped, counted
         and logged, and the reader goes on."""
         now = self.clock()
-        known = self.local_inflight()
         for entry_id, fields in entries:
             self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             entry = fields.get(b"d", b"")
@@ -243,9 +242,9 @@ class DecisionSync:
             decoded = self._decode(entry)
             if decoded is None:
                 continue
+            # Workers not (yet) in this replica's table are applied too: a replica that
+            # restarts replays the stream before discovery has found any worker.
             worker_id, text = decoded
-            if worker_id not in known:
-                continue  # a worker this replica does not (yet) route to: nothing to learn
             self.observe(worker_id, text, now)
             self.applied += 1
 

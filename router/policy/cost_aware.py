@@ -20,6 +20,10 @@ For each routable worker ``w``, with the request's text of ``n`` tokens
   delays a new request's first token by about ``cost_decode_weight`` decode steps (it
   shares the batch, or holds the seat the new one waits for).
 
+With ``cost_miss_weight`` k ≠ 1 the request's own uncached tokens count k times
+(``prefill(w) × (queued(w) + k·(n − m(w)))``): above 1 a miss is charged for the prefix
+it evicts on a full cache as well as for its own prefill (see loadtests/results/routing.md).
+
 The least ``ttft`` wins; ties go to the longer cached match, then the lower load, then
 at random. A long queue therefore loses to an idle worker unless the cached share saves
 more prefill than the queue costs, and a hot prefix whose holders are all busy is sent
@@ -125,8 +129,9 @@ class CostAware(CacheAware):
             max(o, r - (now - t) * v)
             for o, r, t, v in zip(self._o, self._r, self._t, self._v, strict=True)
         ]
+        miss = self._cfg.cost_miss_weight
         cost = [
-            pi * (qi + n) + ki * li + max(0, li + 1 - si) * wi
+            pi * (qi + miss * n) + ki * li + max(0, li + 1 - si) * wi
             for pi, qi, ki, li, si, wi in zip(
                 p, queued, self._kd, loads, self._seats, self._seat_ms, strict=True
             )
@@ -139,7 +144,7 @@ class CostAware(CacheAware):
                 if i is not None:
                     matched[i] = end
         for i, chars in matched.items():
-            cost[i] -= p[i] * (chars / cpt)
+            cost[i] -= miss * p[i] * (chars / cpt)
         i = self._pick(cost, matched, loads)
         wid = ids[i]
         chars = matched.get(i, 0)
