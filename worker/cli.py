@@ -107,6 +107,12 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
     ("--drain-timeout", "drain_timeout", float, "seconds to finish in-flight requests on SIGTERM"),
+    (
+        "--shutdown-delay",
+        "shutdown_delay",
+        float,
+        "on SIGTERM: seconds to keep serving after leaving Redis",
+    ),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body, in bytes"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING"),
 ]

@@ -239,7 +239,7 @@ def test_network_policies_follow_the_traffic(case: tuple[Any, Rendered]) -> None
 
 def test_one_statefulset_per_model(case: tuple[Any, Rendered]) -> None:
     values, rendered = case
-    models = (values or {}).get("servingEngineSpec", {}).get("modelSpec") or [{"name": "llama"}]
+    models = (values or {}).get("servingEngineSpec", {}).get("modelSpec") or [{"name": "qwen"}]
     names = sorted(s["metadata"]["name"] for s in rendered.of_kind("StatefulSet"))
     assert names == sorted(f"rr-radix-router-worker-{m['name']}" for m in models)
     for sts in rendered.of_kind("StatefulSet"):

@@ -96,7 +96,7 @@ def test_download_init_container_fills_the_volume_the_engine_reads() -> None:
         sts = _sts(rendered, name)
         (init,) = pod_spec(sts)["initContainers"]
         parsed = worker_parser().parse_args(init["args"])
-        assert parsed.command == "download" and parsed.revision and len(parsed.revision) == 40
+        assert parsed.command == "download" and parsed.revision == "main"
         mounts = {m["name"]: m for m in init["volumeMounts"]}
         assert "readOnly" not in mounts["models"] and parsed.dir.startswith(
             mounts["models"]["mountPath"]
