@@ -28,7 +28,7 @@ PolicyName = Literal[
     "power_of_two",
     "consistent_hash",
 ]
-EngineName = Literal["radix", "sim", "vllm"]
+EngineName = Literal["radix", "sim"]
 
 
 class ConfigError(ValueError):
@@ -178,6 +178,16 @@ class WorkerConfig(_Frozen):
     # (routers drop it within a discovery interval), then refuses new requests and drains.
     shutdown_delay: float = Field(0.0, ge=0)
     log_level: str = "INFO"
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _retired(cls, v: object) -> object:
+        if v == "vllm":
+            raise ValueError(
+                "the in-process vllm engine is retired: run `vllm serve` and make it a "
+                "worker with `radix-worker attach --engine vllm` (worker/attach.py)"
+            )
+        return v
 
     @field_validator("advertise_url")
     @classmethod

@@ -33,7 +33,7 @@ def render_chat(
 
 
 class ChatPrompts:
-    """Mixin for engines that tokenize with `self.tokenizer` as is (sim, vllm): prompt
+    """Mixin for engines that tokenize with `self.tokenizer` as is (sim): prompt
     ids for a request plus the `count_tokens` / `apply_chat_template` half of the
     Engine protocol. (The radix engine strips a doubled BOS and checks id types, so it
     keeps its own `encode_prompt`.)"""
