@@ -11,7 +11,10 @@ access-log line per request when it ends:
 Never the prompt, the answer or a credential: only the method, path, status, duration
 and the routing headers the service names (`fields`). Streams are logged when they
 end, with their whole duration. Logged at INFO on the `<service>.access` logger, so
-an operator can route or silence it like any other logger.
+an operator can route or silence it like any other logger: a line costs about 20 µs
+of CPU (20,000 formatted lines to /dev/null through a StreamHandler, this machine),
+a noticeable part of the router's 0.3 ms per-request budget, so
+`logging.getLogger("router.access").setLevel("WARNING")` is the switch where it matters.
 """
 
 from __future__ import annotations
