@@ -206,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
         if "radix" in backends:
             from worker.engine.tiny_model import make_tiny_model
 
-            model_dir = make_tiny_model(Path(tmp) / "tiny", arch="llama")
+            model_dir = make_tiny_model(Path(tmp) / "tiny", max_position_embeddings=8192)
         lines = run_all(backends, model_dir)
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n")

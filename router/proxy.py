@@ -15,10 +15,9 @@ Streams are relayed chunk by chunk (`readany` → `write`, no buffering), so tim
 first token through the router stays close to going direct. A write the client does
 not take within `stream_write_timeout` ends the stream and closes the upstream
 connection, so the worker frees the request's slot and KV (a client that never read
-held both for as long as it stayed connected). Every attempt is released on exit
-whatever the exit (end, error, cancel, timeout). The app runs with handler
-cancellation on, so a client that disconnects cancels the handler, which closes the
-upstream connection and the worker sees the disconnect.
+held both for as long as it stayed connected). Every attempt is released whatever the
+exit. With handler cancellation on, a client that disconnects cancels the handler,
+which closes the upstream connection: the worker sees the disconnect.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from router.upstream import (
     classify,
     encodable,
     read_capped,
+    request_fault,
     response_headers,
     worker_authorization,
 )
@@ -134,7 +134,7 @@ class Proxy:
                 failure = e
                 tried.append(worker.worker_id)
                 if e.suspect and suspects:
-                    raise self._request_fault(len(suspects) + 1) from None
+                    raise request_fault(len(suspects) + 1) from None
                 if e.suspect:
                     suspects.append(e.attempt)
                 busy_for = max(busy_for, e.retry_after)
@@ -164,16 +164,6 @@ class Proxy:
             f"all {len(tried)} attempts failed; last: {failure}",
             code="upstream_error",
         )
-
-    @staticmethod
-    def _request_fault(workers: int) -> APIError:
-        """The same request failed with 500 on two workers: the request, not the fleet,
-        is at fault, so it is answered now and counted against no breaker (three such
-        requests used to open every breaker and take the fleet to 503)."""
-        return APIError(
-            500, f"the request failed on {workers} workers (each answered 500); not retried",
-            code="request_failed",
-        )  # fmt: skip
 
     def _request_headers(self, request: web.Request) -> CIMultiDict[str]:
         forward = self._forward

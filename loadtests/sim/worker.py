@@ -150,7 +150,7 @@ class SimWorker:
         self._outputs = self.engine.step()
         batch = self.engine.last_batch
         for req in batch.admitted:
-            job = self._sampler.jobs[req.seq_id]
+            job = self._by_rid[req.request_id]  # (its sampler entry may be gone: 1 token)
             if job.admitted < 0:  # not a readmission after a preemption
                 job.admitted = now
                 job.cached = req.cached_tokens or 0

@@ -147,3 +147,12 @@ def test_cli_writes_tables_and_plots(tmp_path: Path, capsys) -> None:  # type: i
     assert "| 4 | 0.3 / 64 / smallest_tree / per_request | 40 |" in out
     for name in ("simulation.json", "sim_scale.png", "sim_ttft_cdf.png", "sim_thresholds.png"):
         assert (tmp_path / "o" / name).stat().st_size > 0
+
+
+def test_a_one_token_job_finishes_in_its_admission_step() -> None:
+    w = SimWorker(0, COST)
+    job = _job(1, list(range(10)), out=1)
+    w.submit(job)
+    end = w.start_step(0.0)
+    assert end is not None and job.admitted == 0.0 and job.cached == 0
+    assert w.finish_step(end) == [job] and job.finish == end and w.load == 0

@@ -1,7 +1,8 @@
 """Backends behind the one `Engine` protocol, chosen with `--engine`.
 
-Each is imported only when chosen: `vllm` is an optional, heavy dependency, and the
-sim engine must start without torch model weights.
+Each is imported only when chosen: the sim engine must start without torch model
+weights. (A stock vLLM or SGLang server joins the fleet through `radix-worker attach`
+instead: worker/attach.py.)
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ def build_engine(config: WorkerConfig) -> Engine:
         return build_sim_engine(config)
     if config.model is None:
         raise ConfigError(f"model: required for --engine {config.engine} (a local model folder)")
-    if config.engine == "vllm":
-        from worker.backends.vllm_backend import VllmEngine
-
-        return VllmEngine(config)
     from worker.backends.radix import build_radix_engine
 
     return build_radix_engine(config)

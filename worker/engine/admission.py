@@ -73,8 +73,7 @@ class Admission:
         aged = [s for s in queue if step - s.queued_at_step >= cfg.max_queue_wait_steps]
         fresh = [s for s in queue if step - s.queued_at_step < cfg.max_queue_wait_steps]
         hits = {
-            s.seq_id: self.cache.match_prefix(s.all_ids[:-1], record=False).prefix_len
-            for s in fresh
+            s.seq_id: self.cache.match_prefix(s.match_key, record=False).prefix_len for s in fresh
         }
         fresh.sort(key=lambda s: -hits[s.seq_id])  # stable: equal matches keep queue order
         return aged + fresh

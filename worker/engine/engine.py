@@ -123,15 +123,15 @@ class LLMEngine:
         self._check_ids(params.stop_token_ids, "stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise EngineError(
-                f"prompt has {len(ids)} tokens; this model's context length is "
-                f"{self.max_model_len} (the prompt and at least one new token must fit)",
+                f"prompt has {len(ids)} tokens; {self._context()} is {self.max_model_len} "
+                "(the prompt and at least one new token must fit)",
                 param="prompt",
                 code="context_length_exceeded",
             )
         if len(ids) + params.max_tokens > self.max_model_len:
             raise EngineError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context length {self.max_model_len}",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"{self._context()}, {self.max_model_len}",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
@@ -260,6 +260,11 @@ class LLMEngine:
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
             ids = ids[1:]
         return ids
+
+    def _context(self) -> str:
+        if self.max_model_len == self.allocator.capacity:
+            return "the context length (what this worker's KV cache holds)"
+        return "this model's context length"
 
     def _check_ids(self, ids: Any, param: str) -> list[int]:
         out = list(ids)

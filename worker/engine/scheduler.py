@@ -153,7 +153,7 @@ class Scheduler:
         for seq in self.admission.order(self.waiting, self.steps):
             if budget <= 0 or len(self.running) >= cfg.max_running_requests:
                 return
-            match = self.cache.match_prefix(seq.all_ids[:-1])
+            match = self.cache.match_prefix(seq.match_key)
             if self.admission.held_for_dedup(seq, match.prefix_len, prefilling):
                 continue  # a running prefill computes its prefix: admit it after that
             self.cache.lock(match.last_node)

@@ -126,6 +126,15 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def match_key(self) -> np.ndarray:
+        """The tokens a prefix match may cover: all but the last (its logits give the
+        next token, so it is always computed). Reuses the prompt's array when no output
+        exists yet (the common case: a new request in the queue)."""
+        if not self.output_ids:
+            return self.prompt_arr[:-1]
+        return np.asarray(self.all_ids[:-1], dtype=np.int64)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -1,6 +1,6 @@
 """The engine's public vocabulary: what a request asks for and what comes back.
 
-Every backend (`radix`, `sim`, `vllm`) speaks these types, so the HTTP layer never
+Every backend (`radix`, `sim`) speaks these types, so the HTTP layer never
 knows which engine it fronts. Pure data: no torch, no aiohttp, no Redis.
 """
 

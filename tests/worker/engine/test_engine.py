@@ -262,3 +262,31 @@ def test_stop_strings_stream_a_prefix_and_cut_at_the_first_match(
         assert any(full.startswith(streamed + s) for s in stops)
     else:
         assert streamed == full and not any(s in full for s in stops)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chunks=st.lists(st.text(alphabet="ab", max_size=5), min_size=1, max_size=20),
+    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=12), min_size=1, max_size=4),
+)
+def test_stop_matching_agrees_with_a_rescan_on_self_overlapping_stops(
+    chunks: list[str], stops: list[str]
+) -> None:
+    """The KMP matcher against the definition, a rescan after every token: the request
+    stops at the first token after which a stop string occurs, cut where the earliest
+    one occurring then starts."""
+    params = SamplingParams(max_tokens=len(chunks), stop=tuple(stops))
+    seq = Req("r", [1], params, _Chunks(chunks), seq_id=0)
+    while seq.finish_reason is None:
+        seq.append_token(5, max_model_len=10**9)
+    text, want = "", None
+    for chunk in chunks:
+        text += chunk
+        hits = [i for i in (text.find(s) for s in stops) if i != -1]
+        if hits:
+            want = text[: min(hits)]
+            break
+    if want is not None:
+        assert seq.finish_reason == "stop" and seq.text == want
+    else:
+        assert seq.finish_reason == "length" and seq.text == text
