@@ -1,11 +1,12 @@
 # syntax=docker/dockerfile:1
-# Two images from one file (the Helm chart runs both):
-#   docker build --target router -t ghcr.io/radix-router/router:0.1.0 .
-#   docker build --target worker -t ghcr.io/radix-router/worker:0.1.0 .
-#   docker build --target worker --build-arg INSTALL_VLLM=true -t ghcr.io/radix-router/worker:0.1.0-vllm .
+# Three images from one file (the Helm chart runs them):
+#   docker build --target router  -t ghcr.io/radix-router/router:0.1.0 .
+#   docker build --target worker  -t ghcr.io/radix-router/worker:0.1.0 .
+#   docker build --target sidecar -t ghcr.io/radix-router/sidecar:0.1.0 .
 # The router image carries no torch (the router never imports `worker`); the worker image
-# starts from a CUDA PyTorch runtime. For vLLM, pick a TORCH_IMAGE whose torch matches the
-# one that vLLM release pins, or pip replaces it with a second multi-GB download.
+# starts from a CUDA PyTorch runtime; the sidecar (slim, no torch) runs `radix-worker
+# attach` next to stock SGLang / vLLM images and `radix-worker download` as the init
+# container that fills the model cache.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
@@ -42,8 +43,6 @@ CMD ["serve"]
 
 # ---------------------------------------------------------------- worker
 FROM ${TORCH_IMAGE} AS worker
-ARG INSTALL_VLLM=false
-ARG VLLM_VERSION=0.10.1.1
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
@@ -54,14 +53,13 @@ COPY pyproject.toml README* ./
 COPY shared/ shared/
 COPY worker/ worker/
 # torch comes from the base image and already satisfies the worker extra, so pip keeps it.
-# The pip check fails the build if vLLM (or anything) was left with a broken requirement.
+# The pip check fails the build if anything was left with a broken requirement.
 # DL3013 (pin versions) misreads the local project ".[worker]" as an unpinned package.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[worker]" \
-    && if [ "${INSTALL_VLLM}" = "true" ]; then pip install --no-cache-dir "vllm==${VLLM_VERSION}"; fi \
     && pip check \
     && python -c "import torch, worker, shared; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-# A home the non-root user can write: torch, triton and vLLM keep caches under it.
+# A home the non-root user can write: torch and triton keep caches under it.
 RUN groupadd --system --gid 10001 radix \
     && useradd --system --uid 10001 --gid radix --create-home --home-dir /home/radix radix
 ENV HOME=/home/radix
@@ -72,3 +70,31 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=900s --retries=4 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('RADIX_WORKER_PORT', '8001'), timeout=4)"]
 ENTRYPOINT ["radix-worker"]
 CMD ["serve"]
+
+# ---------------------------------------------------------------- sidecar: build
+FROM ${PYTHON_IMAGE} AS sidecar-build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+# The worker package without its engine's dependencies (attach and download import no
+# torch), plus huggingface_hub for download.
+COPY pyproject.toml README* ./
+COPY shared/ shared/
+COPY worker/ worker/
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[sidecar]"
+
+# ---------------------------------------------------------------- sidecar
+FROM ${PYTHON_IMAGE} AS sidecar
+RUN groupadd --system --gid 10001 radix \
+    && useradd --system --uid 10001 --gid radix --no-create-home --home-dir /tmp radix
+COPY --from=sidecar-build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HOME=/tmp/hf
+USER 10001:10001
+ENTRYPOINT ["radix-worker"]
+CMD ["attach", "--help"]

@@ -27,7 +27,7 @@ from loadtests.options import HelpFormatter
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.tiny_model import PRESETS, make_tiny_model
-from worker.engine.types import GenerateRequest, SamplingParams
+from worker.engine.types import EngineRequest, SamplingParams
 
 # Decode timing clock: wall time by default; `--clock process` counts this process's
 # CPU time instead, which other tenants of a shared machine disturb far less (with
@@ -50,7 +50,7 @@ def _params(max_tokens: int) -> SamplingParams:
 def ttft(engine: LLMEngine, rid: str, prompt: tuple[int, ...]) -> tuple[float, int]:
     """Seconds from submit to the first token, and the cached tokens reported."""
     start = time.perf_counter()
-    engine.add_request(GenerateRequest(rid, prompt_token_ids=prompt, params=_params(1)))
+    engine.add_request(EngineRequest(rid, prompt_token_ids=prompt, params=_params(1)))
     while True:
         outs = engine.step()
         if outs:
@@ -107,7 +107,7 @@ def bench_decode(
     for i in range(batch):
         prompt = _ids(rng, 32)
         engine.add_request(
-            GenerateRequest(f"d{batch}-{i}", prompt_token_ids=prompt, params=_params(steps + 2))
+            EngineRequest(f"d{batch}-{i}", prompt_token_ids=prompt, params=_params(steps + 2))
         )
     produced = 0
     while produced < batch:  # prefill every request (each yields its first token)

@@ -104,7 +104,3 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text("# Model fusions on CPU\n\n`python -m loadtests model-fusions`"
                             f" (bench preset, fp32, 1 thread, process CPU time)\n\n{table}\n")  # fmt: skip
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,9 +1,9 @@
 """Router throughput under wrk and streamed time to first token, side by side in one run:
-straight to a zero-cost sim worker, through our router with 1 and with N processes
+straight to a sim worker (zero cost unless `--prefill-us` / `--decode-ms`), through our router with 1 and with N processes
 (`serve --processes N`, replica sync through an embedded Redis), and through SGLang's
 Rust router (`sglang-router`, from its own venv) when its Python is given.
 
-    python -m loadtests.bench_router_wrk [--seconds 8] [--connections 64] [--processes 2] \\
+    python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200]
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
@@ -168,15 +168,24 @@ def start_targets(
     return targets
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=8.0)
-    p.add_argument("--connections", type=int, default=64)
-    p.add_argument("--processes", type=int, default=2)
-    p.add_argument("--sglang-python", default=None, help="a Python with sglang-router installed")
-    p.add_argument("--ttft-requests", type=int, default=200)
-    p.add_argument("--ttft-concurrency", type=int, default=1)
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
+    p.add_argument("--connections", type=int, default=64, help="wrk keep-alive connections")
+    p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
+    p.add_argument(
+        "--sglang-python",
+        default=None,
+        help="a Python with sglang-router installed (default: none)",
+    )
+    p.add_argument("--ttft-requests", type=int, default=200, help="streamed requests per target")
+    p.add_argument("--ttft-concurrency", type=int, default=1, help="streamed requests at a time")
+    p.add_argument(
+        "--prefill-us", type=float, default=0.0, help="the sim worker's prefill cost per token"
+    )
+    p.add_argument("--decode-ms", type=float, default=0.0, help="the sim worker's decode cost")
+
+
+def main(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         raise RuntimeError("wrk is not installed (Debian: apt-get install -y wrk)")
     with tempfile.TemporaryDirectory(prefix="bench-wrk-") as d:
@@ -185,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         script.write_text(LUA)
         wport = free_port()
         worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
-                        "127.0.0.1", "--port", str(wport), "--log-level", "WARNING"], tmp / "w.log")  # fmt: skip
+                        "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",
+                        "--sim-prefill-us-per-token", str(args.prefill_us),
+                        "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
         redis = RedisServer().start()
         targets: list[Target] = []
         try:
@@ -220,7 +231,3 @@ def main(argv: list[str] | None = None) -> int:
             stop(worker)
             redis.stop()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -29,7 +29,7 @@ from loadtests.options import HelpFormatter
 from shared.config import WorkerConfig
 from shared.redis_server import free_port
 from worker.backends import build_engine
-from worker.engine.types import GenerateRequest, SamplingParams
+from worker.engine.types import EngineRequest, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ async def in_process(
     await engine.start()
 
     async def one(i: int, prompt: str) -> None:
-        req = GenerateRequest(f"r{i}", prompt=prompt, params=SamplingParams(max_tokens=max_tokens))
+        req = EngineRequest(f"r{i}", prompt=prompt, params=SamplingParams(max_tokens=max_tokens))
         async for _ in engine.generate(req):
             pass
 

@@ -58,6 +58,7 @@ POLICIES: dict[str, RouterSpec] = {
     "cache_aware (fleet)": RouterSpec("cache_aware", {"balance_mode": "fleet"}),
     "cache_aware (per_request)": RouterSpec("cache_aware", {"balance_mode": "per_request"}),
     "cost_aware": RouterSpec("cost_aware"),
+    "cost_aware (miss x2)": RouterSpec("cost_aware", {"cost_miss_weight": "2"}),
     "round_robin": RouterSpec("round_robin"),
     "least_load": RouterSpec("least_load"),
     "power_of_two": RouterSpec("power_of_two"),

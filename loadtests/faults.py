@@ -1,7 +1,7 @@
 """Fault scenarios at a larger scale than the tests, with a table of what each one cost.
 
     python -m loadtests faults [--workers 3] [--concurrency 64] [--redis-outage-s 30]
-                               [--only sigkill,restart,redis,hung,router_sigterm]
+        [--only sigkill,restart,redis,hung,router_sigterm,slowloris,stuck_reader]
 
 Each scenario starts a fresh fleet of real processes (Redis, sim workers, the router;
 loadtests/fleet.py), runs a steady load (`--concurrency` clients, non-streaming, plus a
@@ -14,6 +14,7 @@ few streams), injects its fault, keeps the load on, and prints one row:
     redis     Redis back → every worker's heartbeat record is in Redis again
     hung      a never-answering worker added (admin API) → its breaker is open
     router_sigterm  SIGTERM → the router exited (code shown), in-flight finished
+    slowloris, stuck_reader: bad clients, in loadtests/faults_clients.py
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Options:
     after_s: float
     redis_outage_s: float
     tokens: int
+    slow_clients: int = 16
 
 
 @dataclass
@@ -228,10 +230,17 @@ SCENARIOS = {"sigkill": sigkill, "restart": restart, "redis": redis_outage, "hun
              "router_sigterm": router_sigterm}  # fmt: skip
 
 
+def scenarios() -> dict[str, Callable[[Options], Awaitable[Row]]]:
+    from loadtests.faults_clients import CLIENT_SCENARIOS  # it imports this module
+
+    return {**SCENARIOS, **CLIENT_SCENARIOS}
+
+
 async def run(names: list[str], o: Options) -> list[Row]:
     rows = []
+    table = scenarios()
     for name in names:
-        row = await SCENARIOS[name](o)
+        row = await table[name](o)
         print(row.line(), flush=True)
         rows.append(row)
     return rows
@@ -249,10 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--after-s", type=float, default=5.0, help="load after recovery")
     ap.add_argument("--redis-outage-s", type=float, default=30.0)
     ap.add_argument("--tokens", type=int, default=40, help="max_tokens per request")
-    ap.add_argument("--only", default=",".join(SCENARIOS))
+    ap.add_argument("--slow-clients", type=int, default=16, help="slowloris connections")
+    ap.add_argument("--only", default=",".join(scenarios()))
     args = ap.parse_args(argv)
     o = Options(args.workers, args.concurrency, args.before_s, args.after_s,
-                args.redis_outage_s, args.tokens)  # fmt: skip
+                args.redis_outage_s, args.tokens, args.slow_clients)  # fmt: skip
     print("| fault | sent | succeeded | failed | retried | time to recover (s) | notes |")
     print("|---|---:|---:|---:|---:|---:|---|")
     rows = asyncio.run(run(args.only.split(","), o))

@@ -18,7 +18,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runner import ModelRunner, SeqBatchItem
-from worker.engine.types import GenerateRequest, SamplingParams
+from worker.engine.types import EngineRequest, SamplingParams
 
 # Spec memory bandwidth (bytes/s) by device name; others use the measured copy rate.
 SPEC_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12,
@@ -113,7 +113,7 @@ def ttft_cached_vs_uncached(engine: LLMEngine, prefix: int, question: int, runs:
     def one(rid: str) -> tuple[float, int]:
         ids = pre + tuple(int(t) for t in rng.integers(4, 1000, question))
         start = time.perf_counter()
-        engine.add_request(GenerateRequest(rid, prompt_token_ids=ids, params=params))
+        engine.add_request(EngineRequest(rid, prompt_token_ids=ids, params=params))
         while True:
             outs = engine.step()
             if outs:
@@ -146,7 +146,7 @@ def greedy_vs_transformers(model_dir: Path, device: torch.device, prompts: list[
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ours: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        engine.add_request(GenerateRequest(str(i), prompt_token_ids=tuple(p), params=params))
+        engine.add_request(EngineRequest(str(i), prompt_token_ids=tuple(p), params=params))
     while engine.has_work:
         for out in engine.step():
             ours[out.request_id].extend(out.token_ids)

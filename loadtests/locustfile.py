@@ -26,7 +26,6 @@ the workload starts over instead, until the time is up.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from locust.exception import StopUser
 try:
     from loadtests.metrics import HitCounter, RequestRecord
     from loadtests.options import add_workload_arguments, options_from_namespace
-    from loadtests.sse import SSEParser
+    from loadtests.responses import error_text, read_stream, read_whole
     from loadtests.workloads import LLMRequest, Session, Workload
 except ModuleNotFoundError as e:  # `locust -f` outside the repository root
     raise SystemExit(
@@ -213,9 +212,9 @@ class OpenAIUser(HttpUser):
             worker = resp.headers.get(WORKER_HEADER, "direct") if resp.headers else "direct"
             fail = lambda msg: self._fail(resp, wall, start, worker, req, msg)  # noqa: E731
             if resp.status_code != 200:
-                return fail(f"HTTP {resp.status_code}: {_error_text(resp)}"), ""
+                return fail(f"HTTP {resp.status_code}: {error_text(resp)}"), ""
             try:
-                result = _stream(resp, start) if o.stream else _whole(resp, start)
+                result = read_stream(resp, start) if o.stream else read_whole(resp, start)
             except (requests.RequestException, ValueError, KeyError, TypeError) as e:
                 return fail(f"{type(e).__name__}: {e}"), ""
             if result.error:
@@ -255,72 +254,3 @@ class OpenAIUser(HttpUser):
                 response_length=0,
                 **common,
             )
-
-
-@dataclass
-class _Result:
-    end: float = 0.0
-    first: float | None = None
-    itl: float | None = None
-    text: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    error: str = ""
-
-
-def _error_text(resp: Any) -> str:
-    try:
-        return str(resp.json()["error"]["message"])[:300]
-    except (ValueError, KeyError, TypeError):
-        return (resp.text or "")[:300]
-
-
-def _usage(result: _Result, usage: dict[str, Any]) -> None:
-    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    result.output_tokens = int(usage.get("completion_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
-    result.cached_tokens = int(details.get("cached_tokens") or 0)
-
-
-def _piece(choice: dict[str, Any]) -> str:
-    if "delta" in choice:
-        return choice["delta"].get("content") or ""
-    return choice.get("text") or ""
-
-
-def _stream(resp: Any, start: float) -> _Result:
-    result, parser, pieces, times = _Result(), SSEParser(), [], []
-    for chunk in resp.iter_content(chunk_size=None):  # None: hand over bytes as they arrive
-        now = time.perf_counter()
-        for data in parser.feed(chunk):
-            if data == "[DONE]":
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                result.error = f"stream error: {event['error'].get('message', event['error'])}"
-                continue
-            for choice in event.get("choices") or []:
-                piece = _piece(choice)
-                if piece:
-                    pieces.append(piece)
-                    times.append(now)
-            if event.get("usage"):
-                _usage(result, event["usage"])
-    result.end = time.perf_counter()
-    result.text = "".join(pieces)
-    result.first = times[0] if times else None
-    if len(times) > 1:
-        result.itl = (times[-1] - times[0]) / (len(times) - 1)
-    if not result.output_tokens:
-        result.output_tokens = len(times)
-    return result
-
-
-def _whole(resp: Any, start: float) -> _Result:
-    body = resp.json()
-    choice = body["choices"][0]
-    result = _Result(end=time.perf_counter())
-    result.text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
-    _usage(result, body.get("usage") or {})
-    return result

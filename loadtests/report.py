@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -58,6 +59,12 @@ class Summary:
         return {**asdict(self), "load_max_over_mean": self.load_max_over_mean}
 
     def table(self) -> str:
+        def ms(*values: float, digits: int = 0) -> str:
+            # Percentiles of no successful request are NaN: say so instead of printing it.
+            if any(math.isnan(v) for v in values):
+                return "n/a (no request succeeded)"
+            return " / ".join(f"{v:.{digits}f}" for v in values) + " ms"
+
         rows = [
             ("requests (failed)", f"{self.requests} ({self.failures})"),
             ("duration", f"{self.duration_s:.1f} s"),
@@ -65,12 +72,9 @@ class Summary:
                 "throughput",
                 f"{self.throughput_rps:.2f} req/s, {self.output_tokens_per_s:.0f} tok/s",
             ),
-            (
-                "TTFT p50 / p90 / p99",
-                f"{self.ttft_p50_ms:.0f} / {self.ttft_p90_ms:.0f} / {self.ttft_p99_ms:.0f} ms",
-            ),
-            ("e2e p50 / p99", f"{self.e2e_p50_ms:.0f} / {self.e2e_p99_ms:.0f} ms"),
-            ("inter-token p50", f"{self.itl_p50_ms:.1f} ms"),
+            ("TTFT p50 / p90 / p99", ms(self.ttft_p50_ms, self.ttft_p90_ms, self.ttft_p99_ms)),
+            ("e2e p50 / p99", ms(self.e2e_p50_ms, self.e2e_p99_ms)),
+            ("inter-token p50", ms(self.itl_p50_ms, digits=1)),
             ("cache hit rate", f"{self.hit_rate:.3f}"),
             ("max/mean requests per worker", f"{self.load_max_over_mean:.2f}"),
         ]

@@ -160,7 +160,7 @@ def create_app(
     rate_limit = make_rate_limit_middleware(config, clock, ratelimit_redis)
     access = make_access_middleware(
         ACCESS_LOG, (("worker", "x-radix-worker"), ("route", "x-radix-route-reason")),
-        _counter(metrics),
+        _counter(metrics), enabled=config.access_log,
     )  # fmt: skip
     app = web.Application(
         client_max_size=config.max_body_bytes,

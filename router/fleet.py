@@ -1,4 +1,4 @@
-"""The router's table of workers, the columns it keeps for the policy, and its books.
+"""The router's table of workers and its books.
 
 Workers come from three sources: the Redis registry (heartbeats), a static list
 (`worker_urls`), and the admin API. Only registry workers come and go with the
@@ -7,39 +7,22 @@ registry; the other two stay until removed by hand. What one worker's numbers me
 
 The table keeps its own books: every write to a worker goes through a method here.
 The proxy asks (`attempt`, then `succeeded` or `failed(kind)`), metrics and handlers
-only read. That is what lets the policy's columns be kept between requests instead of
-rebuilt (building them is O(fleet) in Python, ~640 µs at 1,000 workers: twice the
-router's whole CPU budget). Each event costs only what it touches:
-
-    event                                            cost
-    ───────────────────────────────────────────────  ──────────────────────────────────
-    an attempt starts or ends; heartbeat queue       one load written in place per view
-    replica sync replaces the remote in-flight map   the loads of the workers it moved
-    join, leave, draining, model, capacity;          `generation` += 1: the views are
-      a breaker opens, closes, starts/ends a probe     rebuilt by the next request
-    an open breaker's cooldown ends (time, no event) same, at the first request after it
-
-Invariant (tested against the plain definition after every kind of event):
-``view(now, model, exclude)`` holds exactly the workers not excluded, not draining,
-whose breaker allows a request at ``now`` and that serve ``model`` (or report none), in
-table order, with loads ``Worker.load_with(remote)`` and capacities
-``kv_capacity_tokens``. A view for a model is the fleet's view when every worker serves
-that model (the common case); otherwise one view per served model is kept.
+only read. That is what lets the policy's columns (`router/columns.py`) be kept between
+requests instead of rebuilt: every change of who is routable, a model or a capacity
+calls `columns.invalidate()`, and nothing else does.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from router.columns import Columns
 from router.policy.base import FleetView, WorkerCosts
 from router.workers import Breaker, FailureKind, LoadGuard, Source, Worker
 from shared.config import RouterConfig, check_worker_url
 from shared.registry import WorkerRecord
-
-_ALL: str | None = None  # the view key of the whole routable fleet
 
 
 class PolicyHooks(Protocol):
@@ -54,6 +37,7 @@ def costs_of(record: WorkerRecord) -> WorkerCosts:
     return WorkerCosts(
         record.queued_prefill_tokens, record.prefill_us_per_token, record.decode_ms_per_token,
         record.max_running_requests, record.request_ms,
+        record.cached_tokens_total / record.prompt_tokens_total if record.prompt_tokens_total else 0.0,
     )  # fmt: skip
 
 
@@ -78,7 +62,7 @@ class Attempt:
         self.guard.release()
         if self.probe and self.worker.breaker.probing:
             self.worker.breaker.abandon_probe()
-            self._fleet.generation += 1
+            self._fleet.columns.invalidate()
 
     def __enter__(self) -> Attempt:
         return self
@@ -94,16 +78,7 @@ class Fleet:
         self.config = config
         self.policy = policy
         self.workers: dict[str, Worker] = {}
-        # Bumped by every change of who is routable, a model or a capacity.
-        self.generation = 0
-        self._remote: Mapping[str, int] = {}
-        self._built = -1  # the generation the views were built at
-        # The membership holds for `now` in [valid_from, valid_until): until the earliest
-        # cooldown end of an open breaker (a transition no event announces).
-        self._valid_from, self._valid_until = math.inf, -math.inf
-        self._members: list[Worker] = []  # routable workers, table order
-        self._views: dict[str | None, FleetView] = {}
-        self._reported: tuple[int, frozenset[str]] = (-1, frozenset())
+        self.columns = Columns(self.workers)
 
     # -- membership --------------------------------------------------------------------
     def add_url(self, url: str, source: Source, worker_id: str | None = None) -> Worker:
@@ -120,7 +95,7 @@ class Fleet:
         if worker is None:
             return False
         worker.cells = []  # a request still in flight to it cannot touch the columns
-        self.generation += 1
+        self.columns.invalidate()
         self.policy.remove_worker(worker_id)
         return True
 
@@ -141,7 +116,7 @@ class Fleet:
             elif worker.epoch and worker.epoch != record.epoch:
                 self.policy.remove_worker(wid)
                 worker.breaker.record_success()  # a fresh process deserves a fresh chance
-                self.generation += 1
+                self.columns.invalidate()
                 joined.append(wid)
             self._report(worker, record)
             self.policy.set_costs(wid, costs_of(record))
@@ -158,21 +133,21 @@ class Fleet:
         """A model learnt by asking the worker (static and admin ones report none)."""
         if model != worker.model:
             worker.model = model
-            self.generation += 1
+            self.columns.invalidate()
 
     def _new(self, worker_id: str, url: str, source: Source) -> Worker:
         breaker = Breaker(self.config.breaker_failures, self.config.breaker_cooldown)
         worker = Worker(worker_id=worker_id, url=url, source=source, breaker=breaker)
-        worker.remote_in_flight = self._remote.get(worker_id, 0)
+        worker.remote_in_flight = self.columns.remote.get(worker_id, 0)
         self.workers[worker_id] = worker
-        self.generation += 1
+        self.columns.invalidate()
         return worker
 
     def _report(self, w: Worker, r: WorkerRecord) -> None:
         routing = (r.model, r.draining, r.kv_capacity_tokens)
         if routing != (w.model, w.draining, w.kv_capacity_tokens):
             w.model, w.draining, w.kv_capacity_tokens = routing
-            self.generation += 1  # a view's capacities column is replaced, not edited
+            self.columns.invalidate()  # a view's capacities column is replaced, not edited
         w.url, w.engine, w.epoch = r.url, r.engine, r.epoch
         w.kv_used_tokens = r.kv_used_tokens
         w.prompt_tokens_total, w.cached_tokens_total = r.prompt_tokens_total, r.cached_tokens_total
@@ -185,7 +160,7 @@ class Fleet:
         """Start one try on `worker` (chosen from `view`); release it when it ends."""
         probe = worker.breaker.on_attempt(now)
         if probe:
-            self.generation += 1  # a probing worker takes nothing else
+            self.columns.invalidate()  # a probing worker takes nothing else
         return Attempt(self, worker, probe)
 
     def succeeded(
@@ -195,7 +170,7 @@ class Fleet:
         `predicted_tokens` (the tree's guess) when known."""
         worker, breaker = attempt.worker, attempt.worker.breaker
         if breaker.opened_at is not None or breaker.probing:
-            self.generation += 1
+            self.columns.invalidate()
         breaker.record_success()
         if cached_tokens is not None:
             worker.predicted_tokens_total += predicted_tokens
@@ -211,7 +186,7 @@ class Fleet:
         before = (breaker.opened_at, breaker.probing)
         breaker.record_failure(now)
         if (breaker.opened_at, breaker.probing) != before:
-            self.generation += 1
+            self.columns.invalidate()
 
     # -- reads -------------------------------------------------------------------------
     def view(
@@ -221,37 +196,12 @@ class Fleet:
         exclude: Iterable[str] = (),
         remote: Mapping[str, int] | None = None,
     ) -> FleetView:
-        """What the policy reads (the invariant above). Kept between requests: read only.
-        `remote`: other replicas' in-flight counts per worker; its provider replaces the
-        mapping when it changes, so the same object means nothing changed."""
-        if remote is not None and remote is not self._remote:
-            self._set_remote(remote)
-        if self._built != self.generation or not self._valid_from <= now < self._valid_until:
-            self._rebuild(now)
-        key = self._key(model)
-        view = self._views.get(key)
-        if view is None:
-            # Kept: the whole fleet's view and one per reported model. A model nobody
-            # reports (the proxy refuses those anyway) gets a one-off, so clients cannot
-            # grow this table.
-            keep = key is _ALL or key in self._reported_models()
-            view = self._build(key, register=keep)
-            if keep:
-                self._views[key] = view
-        skip = set(exclude)
-        if not skip:
-            return view
-        # Retries only (rare): a one-off copy without the workers already tried.
-        keep_at = [i for i, wid in enumerate(view.ids) if wid not in skip]
-        return FleetView(
-            [view.ids[i] for i in keep_at],
-            [view.loads[i] for i in keep_at],
-            [view.capacities[i] for i in keep_at],
-        )
+        """What the policy reads: see `Columns.view`. Read only."""
+        return self.columns.view(now, model, exclude, remote)
 
     def knows_model(self, model: str) -> bool:
         """Whether some worker serves `model`; True too while no worker reports a model."""
-        reported = self._reported_models()
+        reported = self.columns.reported_models()
         return (
             not reported
             or model in reported
@@ -259,65 +209,8 @@ class Fleet:
         )
 
     def models(self) -> list[str]:
-        return sorted(self._reported_models())
+        return sorted(self.columns.reported_models())
 
     def in_flight_by_worker(self) -> dict[str, int]:
         """This router's requests in flight per worker (what replica sync shares)."""
         return {wid: w.in_flight for wid, w in self.workers.items()}
-
-    # -- the kept columns --------------------------------------------------------------
-    def _reported_models(self) -> frozenset[str]:
-        """Every model some worker (routable or not) reports."""
-        at, models = self._reported
-        if at != self.generation:
-            models = frozenset(w.model for w in self.workers.values()) - {""}
-            self._reported = (self.generation, models)
-        return models
-
-    def _set_remote(self, remote: Mapping[str, int]) -> None:
-        old, self._remote = self._remote, remote
-        for wid in old.keys() | remote.keys():
-            count = remote.get(wid, 0)
-            worker = self.workers.get(wid)  # replicas may name workers we dropped
-            if worker is not None and count != worker.remote_in_flight:
-                worker.remote_in_flight = count
-                worker.publish_load()
-
-    def _key(self, model: str | None) -> str | None:
-        if model is None:
-            return _ALL
-        reported = self._reported_models()
-        # Workers that report no model serve any: with at most this one model reported,
-        # the model's view is the whole fleet's.
-        if not reported or (len(reported) == 1 and model in reported):
-            return _ALL
-        return model
-
-    def _rebuild(self, now: float) -> None:
-        members: list[Worker] = []
-        until = math.inf
-        for w in self.workers.values():
-            w.cells = []
-            breaker = w.breaker
-            if breaker.opened_at is not None:
-                end = breaker.half_open_at()
-                if now < end:
-                    until = min(until, end)
-            if not w.draining and breaker.allows(now):
-                members.append(w)
-        self._members = members
-        self._views = {}
-        self._built = self.generation
-        self._valid_from, self._valid_until = now, until
-
-    def _build(self, model: str | None, register: bool) -> FleetView:
-        members = self._members
-        if model is not None:
-            members = [w for w in members if not w.model or w.model == model]
-        ids = tuple(w.worker_id for w in members)
-        loads = [w.load_with(w.remote_in_flight) for w in members]
-        view = FleetView(ids, loads, tuple(w.kv_capacity_tokens for w in members))
-        if register:
-            for i, w in enumerate(members):
-                w.cells.append((loads, i))
-        return view

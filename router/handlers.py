@@ -7,6 +7,7 @@ nor is retried across, the fleet. The handlers know nothing of which policy runs
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -25,6 +26,7 @@ from shared.peers import check_worker_id, check_worker_url, parse_networks
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
+MODELS_MAX_BYTES = 1 << 20
 
 
 async def read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
@@ -90,7 +92,8 @@ async def _probe_model(request: web.Request, worker: Worker) -> None:
             worker.url + "/v1/models", timeout=MODELS_PROBE_TIMEOUT_S, allow_redirects=False,
             headers={"Authorization": auth} if auth else None,
         ) as r:  # fmt: skip
-            data = await r.json() if r.status == 200 else {}
+            # A worker's model list is small; more is not read (workers are peers, not trusted).
+            data = json.loads(await r.content.read(MODELS_MAX_BYTES)) if r.status == 200 else {}
         ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
         model = next((i for i in ids if isinstance(i, str) and i), "")
         request.app[FLEET].set_model(worker, model)

@@ -6,8 +6,8 @@ drains while workers still answer), a grace period, then SIGKILL. Redis is stopp
 last. Ctrl-C (SIGINT) and SIGTERM both lead there, also in the middle of starting.
 Child output goes to log files in a temporary folder, so the terminal shows only
 progress; the folder is removed on exit unless `keep_logs` (then its path is printed).
-The router's port is checked before anything starts: a port another process holds
-would otherwise answer our health check and be announced as our router.
+Before anything starts, router/preflight.py checks the router's port and what the
+children will need.
 
 The router never imports `worker`: workers are `python -m worker serve ...` and the
 tiny model is built by `python -m worker make-tiny-model DIR`.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from router.preflight import StartError, check_port, check_prerequisites
 from shared.procs import Child, free_port, http_json, wait_health
 from shared.redis_server import RedisServer
 
@@ -54,10 +54,6 @@ class UpOptions:
     keep_logs: bool = False
 
 
-class StartError(RuntimeError):
-    pass
-
-
 class UpFleet:
     def __init__(self, options: UpOptions, out: TextIO = sys.stdout) -> None:
         self.options = options
@@ -66,6 +62,7 @@ class UpFleet:
         self.redis: RedisServer | None = None
         self.log_dir: Path | None = None
         self._stop = threading.Event()
+        self._launched: dict[str, float] = {}  # child name -> when it was started
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -77,6 +74,7 @@ class UpFleet:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         code = 0
         try:
+            check_prerequisites(self.options.engine, self.options.redis_url)
             check_port(self.options.host, self.options.port)
             self.log_dir = Path(tempfile.mkdtemp(prefix="radix-up-"))
             self.start()
@@ -118,6 +116,9 @@ class UpFleet:
         # CPU that is gigabytes for a demo, so `up` asks for a small pool unless told.
         cache_tokens = o.cache_tokens or (RADIX_DEMO_CACHE_TOKENS if o.engine == "radix" else None)
         self.say(f"      logs in {self.log_dir}" + ("" if o.keep_logs else " (removed on exit)"))
+        # Workers start together and are waited for after: each spends its start loading
+        # torch and the model, so N of them take about as long as one, not N times as long.
+        workers = []
         for i in range(o.workers):
             port = free_port()
             args = ["serve", "--engine", o.engine, "--host", o.host, "--port", str(port),
@@ -130,29 +131,22 @@ class UpFleet:
                                 ("--sim-decode-ms-per-token", o.sim_decode_ms_per_token)):  # fmt: skip
                 if value is not None:
                     args += [flag, str(value)]
-            self._spawn(
-                f"worker-{i}", "worker", args, f"http://{o.host}:{port}", f"[{i + 2}/{total}]"
-            )
+            url = f"http://{o.host}:{port}"
+            workers.append(self._launch(f"worker-{i}", "worker", args, url, f"[{i + 2}/{total}]"))
+        for worker in workers:
+            self._await(worker)
         port = o.port or free_port()
-        args = [
-            "serve",
-            "--host",
-            o.host,
-            "--port",
-            str(port),
-            "--redis-url",
-            redis_url,
-            "--policy",
-            o.policy,
-        ]
+        args = ["serve", "--host", o.host, "--port", str(port), "--redis-url", redis_url,
+                "--policy", o.policy]  # fmt: skip
         # The default imbalance gap (64 requests) suits GPU workers running hundreds at
         # once; a local fleet never reaches it, and a prompt every request shares would
         # pull all traffic to one worker. Half a worker's batch is the scale that works
         # (loadtests/results/policies.md).
         env = {"RADIX_ROUTER_BALANCE_ABS_THRESHOLD": str(max(1, o.max_running_requests // 2))}
-        router = self._spawn(
+        router = self._launch(
             "router", "router", args, f"http://{o.host}:{port}", f"[{total}/{total}]", env=env
         )
+        self._await(router)
         self._banner(router.url)
 
     def _banner(self, url: str) -> None:
@@ -194,7 +188,7 @@ class UpFleet:
                 raise StartError(f"make-tiny-model failed: {done.stderr[-2000:]}")
         return str(cache)
 
-    def _spawn(
+    def _launch(
         self,
         name: str,
         module: str,
@@ -211,8 +205,11 @@ class UpFleet:
         child = Child(name, [module, *args], url, self.log_dir / f"{name}.log", env or {}).start()
         self.children.append(child)
         self.say(f"{step} {name} (pid {child.pid}) starting on {url} ...")
-        started = time.monotonic()
-        timeout = self.options.start_timeout
+        self._launched[name] = time.monotonic()
+        return child
+
+    def _await(self, child: Child) -> None:
+        name, timeout = child.name, self.options.start_timeout
         try:
             wait_health(child, timeout, poll_s=0.2, stop=self._stop)
         except InterruptedError as e:
@@ -221,8 +218,7 @@ class UpFleet:
             raise StartError(f"{name} exited with {child.returncode}:\n{child.tail(2000)}") from e
         except TimeoutError as e:
             raise StartError(f"{name} not healthy within {timeout}s:\n{child.tail(2000)}") from e
-        self.say(f"      {name} ready in {time.monotonic() - started:.1f}s")
-        return child
+        self.say(f"      {name} ready in {time.monotonic() - self._launched[name]:.1f}s")
 
     # -- running and stopping ---------------------------------------------------------
     def _watch(self) -> int:
@@ -253,27 +249,3 @@ class UpFleet:
         if self.redis is not None:
             self.redis.close()
             self.redis = None
-
-
-def check_port(host: str, port: int) -> None:
-    """Raise StartError if `port` on `host` cannot be bound (0: any port, always fine).
-
-    SO_REUSEADDR as aiohttp sets it, so a socket in TIME_WAIT is no obstacle but a
-    listening one is."""
-    if port == 0:
-        return
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except OSError as e:
-        raise StartError(f"cannot resolve --host {host}: {e}") from None
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise StartError(
-                f"port {port} on {host} is taken ({e.strerror}): stop what listens there, "
-                "or pass --port N (--port 0 picks a free one)"
-            ) from None

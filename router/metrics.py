@@ -79,6 +79,18 @@ class _FleetCollector(Collector):
         actual = CounterMetricFamily(
             "radix_router_actual_cached_tokens", "Cached tokens workers reported", labels=["worker"]
         )
+        # Every engine's own prompt and prefix-hit totals, from its heartbeats (attached
+        # SGLang / vLLM too): the fleet's real hit rate, where the two above are the tree's.
+        prompt = CounterMetricFamily(
+            "radix_router_worker_prompt_tokens",
+            "Prompt tokens the worker reports having admitted",
+            labels=["worker"],
+        )
+        hits = CounterMetricFamily(
+            "radix_router_worker_cached_tokens",
+            "Prompt tokens the worker reports served from its KV cache",
+            labels=["worker"],
+        )
         count = 0
         for w in list(self.fleet.workers.values()):
             wid = [w.worker_id]
@@ -92,6 +104,8 @@ class _FleetCollector(Collector):
             used = min(w.kv_used_tokens, capacity) if capacity > 0 else 0
             kv_usage.add_metric(wid, used / capacity if capacity > 0 else 0.0)
             waiting.add_metric(wid, w.waiting)
+            prompt.add_metric(wid, w.prompt_tokens_total)
+            hits.add_metric(wid, w.cached_tokens_total)
             count += int(not w.draining and w.breaker.allows(now))
         routable.add_metric([], count)
         # What the router HPA scales on: requests this replica holds (admitted + queued).
@@ -100,7 +114,7 @@ class _FleetCollector(Collector):
         )
         replica.add_metric([], self.in_flight())
         yield from (in_flight, load, is_open, kv_usage, waiting, routable, replica)
-        yield from (failures, predicted, actual)
+        yield from (failures, predicted, actual, prompt, hits)
 
 
 class ReasonWindow:

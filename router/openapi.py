@@ -16,10 +16,13 @@ _INFERENCE_ERRORS = {
     "400": "Invalid request",
     "401": "Missing or wrong API key",
     "404": "Unknown model",
+    "408": "Request body not received within body_read_timeout",
     "413": "Request body too large",
+    "415": "Content-Encoding other than gzip or deflate",
     "429": "Router at capacity; see Retry-After",
+    "500": "The request failed on two workers (its fault, not the fleet's)",
     "502": "Every attempt on a worker failed",
-    "503": "No healthy worker, or the router is draining",
+    "503": "No healthy worker, every worker busy (see Retry-After), or draining",
     "504": "Worker timed out",
 }
 

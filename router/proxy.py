@@ -15,15 +15,15 @@ Streams are relayed chunk by chunk (`readany` → `write`, no buffering), so tim
 first token through the router stays close to going direct. A write the client does
 not take within `stream_write_timeout` ends the stream and closes the upstream
 connection, so the worker frees the request's slot and KV (a client that never read
-held both for as long as it stayed connected). Every attempt is released on exit
-whatever the exit (end, error, cancel, timeout). The app runs with handler
-cancellation on, so a client that disconnects cancels the handler, which closes the
-upstream connection and the worker sees the disconnect.
+held both for as long as it stayed connected). Every attempt is released whatever the
+exit. With handler cancellation on, a client that disconnects cancels the handler,
+which closes the upstream connection: the worker sees the disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -44,13 +44,14 @@ from router.upstream import (
     classify,
     encodable,
     read_capped,
+    request_fault,
     response_headers,
     worker_authorization,
 )
 from router.workers import FailureKind, Worker
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
-from shared.http import EVENT_STREAM, EventStreamResponse
+from shared.http import EVENT_STREAM, DeadlineStream
 
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
 
@@ -133,7 +134,7 @@ class Proxy:
                 failure = e
                 tried.append(worker.worker_id)
                 if e.suspect and suspects:
-                    raise self._request_fault(len(suspects) + 1) from None
+                    raise request_fault(len(suspects) + 1) from None
                 if e.suspect:
                     suspects.append(e.attempt)
                 busy_for = max(busy_for, e.retry_after)
@@ -163,16 +164,6 @@ class Proxy:
             f"all {len(tried)} attempts failed; last: {failure}",
             code="upstream_error",
         )
-
-    @staticmethod
-    def _request_fault(workers: int) -> APIError:
-        """The same request failed with 500 on two workers: the request, not the fleet,
-        is at fault, so it is answered now and counted against no breaker (three such
-        requests used to open every breaker and take the fleet to 503)."""
-        return APIError(
-            500, f"the request failed on {workers} workers (each answered 500); not retried",
-            code="request_failed",
-        )  # fmt: skip
 
     def _request_headers(self, request: web.Request) -> CIMultiDict[str]:
         forward = self._forward
@@ -262,25 +253,23 @@ class Proxy:
         with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
             chunk = await upstream.content.readany()
         content = upstream.content
-        resp = EventStreamResponse(
-            status=upstream.status, headers=self._response_headers(upstream, worker, decision)
-        )
+        resp = DeadlineStream(
+            request, self.config.stream_write_timeout,
+            status=upstream.status, headers=self._response_headers(upstream, worker, decision),
+        )  # fmt: skip
         await resp.prepare(request)
-        write_timeout = self.config.stream_write_timeout
         tail = b""
         broken: tuple[FailureKind, str] | None = None
         # Each chunk is written as soon as it is read; only the last one (the upstream has
         # already ended) waits to leave together with the end-of-stream marker.
         while chunk and not content.is_eof():
             try:
-                async with asyncio.timeout(write_timeout):
-                    await resp.write(chunk)
-            except (ConnectionError, TimeoutError):
-                # The client left, or does not read: drop both connections, so the worker
-                # sees the request abandoned and frees its slot and KV at once.
+                await resp.write(chunk)
+            except ConnectionError:
+                # The client left, or did not read within the deadline (DeadlineStream
+                # aborted it): drop the upstream too, so the worker sees the request
+                # abandoned and frees its slot and KV at once.
                 upstream.close()
-                if request.transport is not None:
-                    request.transport.abort()
                 return resp
             tail = (tail + chunk)[-SSE_TAIL_BYTES:]
             try:
@@ -300,12 +289,8 @@ class Proxy:
             self.fleet.failed(attempt, broken[0], self.clock())
             event = json.dumps(error_body(502, broken[1], code="upstream_error"))
             chunk = f"data: {event}\n\n".encode()
-        try:
-            async with asyncio.timeout(write_timeout):
-                await resp.write_eof(chunk)
-        except (ConnectionError, TimeoutError):  # the client left, or stopped, at the end
-            if request.transport is not None:
-                request.transport.abort()
+        with contextlib.suppress(ConnectionError):  # the client left, or stalled, at the end
+            await resp.write_eof(chunk)
         return resp
 
     def _succeeded(self, attempt: Attempt, decision: Decision, cached: int | None) -> None:

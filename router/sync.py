@@ -28,7 +28,6 @@ import contextlib
 import logging
 import time
 import uuid
-import zlib
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
@@ -36,18 +35,16 @@ from typing import Protocol
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from router.sync_wire import SEP, add_loads, decode_decision, encode_decision
 from shared.aio import reraise_if_cancelled
 from shared.config import RouterConfig
-from shared.peers import WORKER_ID, Rejections
+from shared.peers import Rejections
 from shared.registry import MAX_WORKERS, Registry
 
 log = logging.getLogger(__name__)
 
 # Decisions buffered while Redis is unreachable; beyond this the oldest are dropped.
 PENDING_MAX = 10_000
-# One stream field per decision, `replica id SEP worker id SEP zlib(text)`: a single
-# field costs redis-py a third of the packing and parsing of three. Ids hold no NUL.
-SEP = b"\x00"
 
 Observe = Callable[[str, str, float], None]  # (worker_id, text, now)
 # Other replicas' load hashes read per round; more is not a fleet of routers but a flood.
@@ -81,10 +78,6 @@ class DecisionSync:
     ) -> None:
         self.redis = redis
         self.rejections = rejections if rejections is not None else registry.rejections
-        # What one decision may inflate to (UTF-8 takes at most 4 bytes a character) and
-        # what it may weigh compressed (zlib adds at most a few bytes a 16 KiB block).
-        self._max_text_bytes = 4 * config.sync_max_chars
-        self._max_entry_bytes = self._max_text_bytes + 1024
         self.registry = registry
         self.config = config
         self.observe = observe
@@ -125,8 +118,9 @@ class DecisionSync:
 
     # -- hot path ---------------------------------------------------------------------
     def publish(self, worker_id: str, text: str) -> None:
-        payload = zlib.compress(text[: self.config.sync_max_chars].encode("utf-8", "replace"), 1)
-        self._pending.append(self._header + worker_id.encode() + SEP + payload)
+        self._pending.append(
+            encode_decision(self._header, worker_id, text, self.config.sync_max_chars)
+        )
         self._wakeup.set()
 
     def remote_inflight(self) -> Mapping[str, int]:
@@ -229,44 +223,23 @@ class DecisionSync:
             self._apply(entries, include_own=False)
 
     def _apply(self, entries: list, include_own: bool) -> None:
-        """Apply other replicas' decisions. The stream is untrusted input: an entry that is
-        not `replica SEP worker SEP zlib(text)` for a worker this router knows, within the
-        size caps (a 146 KB zlib bomb once inflated to 200 MB here), is dropped, counted
-        and logged, and the reader goes on."""
+        """Apply other replicas' decisions; a malformed entry (router/sync_wire.py) is
+        dropped, counted and logged, and the reader goes on."""
         now = self.clock()
-        known = self.local_inflight()
         for entry_id, fields in entries:
             self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             entry = fields.get(b"d", b"")
             if not include_own and entry.startswith(self._header):
                 continue
-            decoded = self._decode(entry)
-            if decoded is None:
+            try:
+                worker_id, text = decode_decision(entry, self.config.sync_max_chars)
+            except ValueError as e:
+                self.rejections.reject("sync_decisions", "stream entry", str(e))
                 continue
-            worker_id, text = decoded
-            if worker_id not in known:
-                continue  # a worker this replica does not (yet) route to: nothing to learn
+            # Workers not (yet) in this replica's table are applied too: a replica that
+            # restarts replays the stream before discovery has found any worker.
             self.observe(worker_id, text, now)
             self.applied += 1
-
-    def _decode(self, entry: object) -> tuple[str, str] | None:
-        why = "malformed entry"
-        try:
-            if not isinstance(entry, bytes) or len(entry) > self._max_entry_bytes:
-                raise ValueError("entry too large")
-            _replica, worker, payload = entry.split(SEP, 2)
-            worker_id = worker.decode()
-            if not WORKER_ID.fullmatch(worker_id):
-                raise ValueError("bad worker id")
-            inflate = zlib.decompressobj()
-            raw = inflate.decompress(payload, self._max_text_bytes)
-            if inflate.unconsumed_tail or not inflate.eof:
-                raise ValueError("text over sync_max_chars once decompressed, or truncated")
-            return worker_id, raw.decode("utf-8", "replace")
-        except (ValueError, zlib.error, UnicodeDecodeError) as e:
-            why = str(e) or why
-        self.rejections.reject("sync_decisions", "stream entry", why)
-        return None
 
     async def _load_once(self) -> None:
         interval = self.config.sync_load_interval
@@ -289,27 +262,11 @@ class DecisionSync:
             if replicas > MAX_REPLICAS:
                 self.rejections.reject("sync_load", "router keys", f"over {MAX_REPLICAS}")
                 break
-            self._add_remote(remote, name, await self.redis.hgetall(name), known)
+            counts = await self.redis.hgetall(name)
+            if len(counts) > MAX_WORKERS:
+                self.rejections.reject("sync_load", name, f"over {MAX_WORKERS} entries")
+                continue
+            for why in add_loads(remote, counts, known, self.config.max_concurrent):
+                self.rejections.reject("sync_load", name, why)
         self._remote = remote
         await asyncio.sleep(interval)
-
-    def _add_remote(
-        self, remote: dict[str, int], name: str, counts: dict, known: Mapping[str, int]
-    ) -> None:
-        """Add one replica's in-flight counts. Untrusted: each count must be an integer,
-        and is clamped to what one replica can have in flight (`max_concurrent`), so a
-        fake `{w1: 1000000}` cannot steer all traffic away from w1 and "1.5" cannot stop
-        the loop; a bad entry is dropped, counted and logged."""
-        if len(counts) > MAX_WORKERS:
-            self.rejections.reject("sync_load", name, f"over {MAX_WORKERS} entries")
-            return
-        cap = self.config.max_concurrent
-        for worker, count in counts.items():
-            wid = worker.decode("utf-8", "replace") if isinstance(worker, bytes) else str(worker)
-            try:
-                value = int(count)
-            except (TypeError, ValueError):
-                self.rejections.reject("sync_load", f"{name} {wid}", "count is not an integer")
-                continue
-            if wid in known:
-                remote[wid] = remote.get(wid, 0) + min(max(value, 0), cap)

@@ -41,6 +41,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.workers import FailureKind, Worker
 from shared.config import RouterConfig
+from shared.errors import APIError
 
 if TYPE_CHECKING:
     from router.fleet import Attempt
@@ -90,6 +91,16 @@ class AttemptFailed(Exception):
         self.retry_after = retry_after  # busy: how long the worker asked to wait
         self.suspect = suspect  # a 500: the worker's fault or the request's, not known yet
         self.attempt: Attempt | None = None  # set by the proxy: whose verdict may wait
+
+
+def request_fault(workers: int) -> APIError:
+    """The same request failed with 500 on two workers: the request, not the fleet, is at
+    fault, so it is answered now and counted against no breaker (three such requests
+    used to open every breaker and take the fleet to 503)."""
+    return APIError(
+        500, f"the request failed on {workers} workers (each answered 500); not retried",
+        code="request_failed",
+    )  # fmt: skip
 
 
 class UpstreamErrors:

@@ -15,7 +15,7 @@ Circuit breaker per worker:
 
 Only the table (`router/fleet.py`) writes these fields; everyone else reads them. The
 one exception is the load a `LoadGuard` moves: it writes the worker's load into the
-policy's columns itself (`cells`, placed there by the table), so a request costs no
+policy's columns itself (`cells`, placed there by `router/columns.py`), so a request costs no
 lookup in the table.
 """
 

@@ -11,7 +11,10 @@ access-log line per request when it ends:
 Never the prompt, the answer or a credential: only the method, path, status, duration
 and the routing headers the service names (`fields`). Streams are logged when they
 end, with their whole duration. Logged at INFO on the `<service>.access` logger, so
-an operator can route or silence it like any other logger.
+an operator can route or silence it like any other logger: a line costs about 20 µs
+of CPU (20,000 formatted lines to /dev/null through a StreamHandler, this machine),
+a noticeable part of the router's 0.3 ms per-request budget, so `access_log: false`
+(both services' config) turns the lines off; request ids stay.
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ async def stamp_request_id(request: web.Request, response: web.StreamResponse) -
 
 
 def make_access_middleware(
-    logger: logging.Logger, fields: tuple[tuple[str, str], ...] = (), on_done: OnDone | None = None
+    logger: logging.Logger,
+    fields: tuple[tuple[str, str], ...] = (),
+    on_done: OnDone | None = None,
+    enabled: bool = True,
 ) -> web.middleware:
     """`fields`: (log name, response header) pairs added to the line when present."""
 
@@ -72,7 +78,7 @@ def make_access_middleware(
             seconds = time.perf_counter() - start
             if on_done is not None:
                 on_done(request, status, seconds, response)
-            if logger.isEnabledFor(logging.INFO):
+            if enabled and logger.isEnabledFor(logging.INFO):
                 extra = ""
                 if response is not None:
                     for name, header in fields:

@@ -15,7 +15,7 @@ What a client can send, and what it gets back:
   decode what the router did not check.
 - JSON is parsed into an object (400 otherwise). Then two checks that the request
   models cannot make, in one pass that runs only when the body could fail either (the
-  common request pays two substring searches and a call per integer literal):
+  common request pays two substring searches and a count of digits):
   - every string must be encodable as UTF-8: `"\\ud800"` is valid JSON but a lone
     surrogate, which every tokenizer fails on (it was a 500 from each worker, and three
     such requests opened every breaker);
@@ -44,6 +44,11 @@ INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 # whole body (it also hunted 19-digit runs) cost 12% of the router's CPU per request
 # (py-spy, 1,800-char prompts); long integers are caught by the parser's hook instead.
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A 64-bit overflow needs a run of 19+ digits. Counting digits (bytes.translate, C speed)
+# rules most bodies out; only then is the run looked for and the parser's integer hook
+# used: a Python call per integer literal costs ~1 ms on a prompt of 8k token ids.
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+_DIGITS = b"0123456789"
 _MAX_INT_DIGITS = 20  # longer integers are not parsed at all (see _bounded_int)
 
 
@@ -56,7 +61,9 @@ def _bounded_int(digits: str) -> int | _TooLarge:
 
 
 def _may_have_surrogate(raw: bytes) -> bool:
-    return (b"\\ud" in raw or b"\\uD" in raw) and _SURROGATE.search(raw) is not None
+    # A one-byte search is a memchr (0.6 us on a 1.8 kB body); the two 3-byte searches it
+    # replaces took 10 us there, the regular expression alone 2.5 us (load average 7).
+    return b"\\" in raw and _SURROGATE.search(raw) is not None
 
 
 def _body_error(status: int, message: str, code: str) -> APIError:
@@ -92,9 +99,14 @@ async def read_body(request: web.Request, limit: int, deadline: float) -> bytes:
             415, f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none",
             code="unsupported_content_encoding",
         )  # fmt: skip
+    encoded = encoding not in ("", "identity")
     try:
+        if request.content.is_eof():
+            # Hot path: the whole body came with the headers, nothing to wait for (an
+            # asyncio.timeout costs a timer handle per request).
+            return await _read_raw(request, limit, encoded)
         async with asyncio.timeout(deadline):
-            return await _read_raw(request, limit, encoding not in ("", "identity"))
+            return await _read_raw(request, limit, encoded)
     except TimeoutError:
         # aiohttp answers, then reads (and drops) what still comes for at most its
         # lingering time (10 s) before it closes the connection; no slot is held.
@@ -151,9 +163,12 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         long_ints.append(digits)
         return _bounded_int(digits)
 
+    may_overflow = len(raw) - len(raw.translate(None, _DIGITS)) >= 19 and (
+        _LONG_DIGITS.search(raw) is not None
+    )
     try:
         text = raw.decode("utf-8")
-        data = json.loads(text, parse_int=parse_int)
+        data = json.loads(text, parse_int=parse_int) if may_overflow else json.loads(text)
     except UnicodeDecodeError:
         raise APIError(400, "request body is not valid UTF-8", code="invalid_json") from None
     except json.JSONDecodeError as e:

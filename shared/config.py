@@ -28,7 +28,7 @@ PolicyName = Literal[
     "power_of_two",
     "consistent_hash",
 ]
-EngineName = Literal["radix", "sim", "vllm"]
+EngineName = Literal["radix", "sim"]
 
 
 class ConfigError(ValueError):
@@ -62,6 +62,9 @@ class RouterConfig(_Frozen):
     balance_mode: Literal["fleet", "per_request"] = "fleet"
     no_match: Literal["least_load", "smallest_tree"] = "least_load"
     tree_max_chars: int = Field(200_000_000, gt=0)
+    # The workers' tokenizer's characters per token (English BPE about 4; the sim workers'
+    # word tokenizer 2.5): sizes the tree caps, and cost_aware's token counts, which it
+    # weighs against the queues workers report in their own tokens.
     tree_chars_per_token: float = Field(4.0, gt=0)
     # cost_aware (router/cost_aware.py): what a prefill token and a decode step cost on a
     # worker whose heartbeat reports neither, and how many decode steps each request in a
@@ -69,6 +72,8 @@ class RouterConfig(_Frozen):
     cost_prefill_us_per_token: float = Field(50.0, gt=0)
     cost_decode_ms_per_token: float = Field(10.0, gt=0)
     cost_decode_weight: float = Field(1.0, ge=0)
+    # How many times a request's own uncached tokens count (1: its time to first token).
+    cost_miss_weight: float = Field(1.0, ge=0)
     session_header: str = "x-session-id"
     # Proxy.
     connect_timeout: float = Field(5.0, gt=0)
@@ -94,6 +99,8 @@ class RouterConfig(_Frozen):
     # After SIGTERM, keep serving (readiness 503) this long before refusing new requests,
     # so load balancers stop sending first; then drain. The chart sets it.
     shutdown_delay: float = Field(0.0, ge=0)
+    # One log line per request (shared/access_log.py); about 20 µs of CPU each.
+    access_log: bool = True
     # Security.
     api_keys: tuple[str, ...] = ()
     admin_key: str | None = None
@@ -159,7 +166,11 @@ class WorkerConfig(_Frozen):
     max_model_len: int | None = Field(None, gt=0)
     max_waiting_requests: int = Field(1024, ge=0)
     disable_radix_cache: bool = False
-    # Sim engine cost model.
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    share_inflight_prefixes: bool = True  # prefill chunks enter the tree while running
+    max_n: int = Field(8, ge=1, le=128)  # most choices (`n`) one request may ask for
+    # Sim engine cost model: every step costs decode_ms (one pass over the weights)
+    # plus prefill_us per prompt token it computes.
     sim_prefill_us_per_token: float = Field(0.0, ge=0)
     sim_decode_ms_per_token: float = Field(0.0, ge=0)
     # HTTP.
@@ -171,7 +182,18 @@ class WorkerConfig(_Frozen):
     # After SIGTERM the worker leaves the registry at once but keeps serving this long
     # (routers drop it within a discovery interval), then refuses new requests and drains.
     shutdown_delay: float = Field(0.0, ge=0)
+    access_log: bool = True
     log_level: str = "INFO"
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _retired(cls, v: object) -> object:
+        if v == "vllm":
+            raise ValueError(
+                "the in-process vllm engine is retired: run `vllm serve` and make it a "
+                "worker with `radix-worker attach --engine vllm` (worker/attach.py)"
+            )
+        return v
 
     @field_validator("advertise_url")
     @classmethod

@@ -52,9 +52,29 @@ def _envelope(
     return body
 
 
+def choice(
+    index: int, content: dict[str, Any], finish_reason: WireFinishReason, logprobs: Any = None
+) -> dict[str, Any]:
+    """One choice: `content` is its text, message or delta field."""
+    return {
+        "index": index,
+        **content,
+        "logprobs": logprobs,
+        "finish_reason": _finish(finish_reason),
+    }
+
+
 def _choice(content: dict[str, Any], finish_reason: WireFinishReason) -> list[dict[str, Any]]:
-    """The one choice (n=1): `content` is its text, message or delta field."""
-    return [{"index": 0, **content, "logprobs": None, "finish_reason": _finish(finish_reason)}]
+    """The one choice (n=1)."""
+    return [choice(0, content, finish_reason)]
+
+
+def envelope(
+    obj: str, rid: str, model: str, created: int, choices: list[dict[str, Any]],
+    use: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A body (with `use`) or chunk of any number of choices."""
+    return _envelope(obj, rid, model, created, choices, use)
 
 
 def completion_body(

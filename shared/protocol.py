@@ -49,6 +49,12 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
 TopK = Literal[-1] | Annotated[int, Field(ge=1)]  # -1: no top-k cut
+Penalty = Annotated[float, Field(ge=-2, le=2)]  # OpenAI's presence / frequency range
+# Token id (as a JSON object key, a string) -> bias added to its logit.
+LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's limit
+# The most choices the schema allows; a worker's `max_n` may be lower (400 from it).
+MAX_N = 128
 
 
 class _Sampling(_Lenient):
@@ -57,7 +63,12 @@ class _Sampling(_Lenient):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: TopK = -1
-    n: int = Field(1, ge=1, le=1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    logit_bias: LogitBias | None = None
     seed: int | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
@@ -74,6 +85,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -84,6 +97,7 @@ class CompletionRequest(_Sampling):
     # One prompt: text, token ids, or a batch of exactly one text (batches are not served).
     prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)]
     echo: bool = False
+    logprobs: TopLogprobs | None = None  # completions: the number of alternatives
 
     def prompt_text(self) -> str | None:
         if isinstance(self.prompt, str):
@@ -148,6 +162,10 @@ class GenerateSamplingParams(_Lenient):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: TopK = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
     seed: int | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None

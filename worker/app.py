@@ -177,7 +177,7 @@ ROUTES = [
 def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
     app = web.Application(
         middlewares=[
-            make_access_middleware(ACCESS_LOG),
+            make_access_middleware(ACCESS_LOG, enabled=config.access_log),
             error_middleware,
             make_auth_middleware(config),
             lifecycle_middleware,

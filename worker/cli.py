@@ -1,6 +1,6 @@
 """`radix-worker`: `serve` a model over HTTP, or `make-tiny-model DIR`.
 
-    radix-worker serve --engine {radix,sim,vllm} --model PATH --host H --port P
+    radix-worker serve --engine {radix,sim} --model PATH --host H --port P
                        --redis-url URL [--worker-id ID] [--config FILE] [...]
     radix-worker make-tiny-model DIR [--preset P] [--hidden-size N --layers N ...]
 
@@ -42,7 +42,7 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         "--engine",
         "engine",
         str,
-        "radix (ours, on --model), sim (a cost model: no weights, no torch) or vllm",
+        "radix (ours, on --model) or sim (a cost model: no weights, no torch)",
     ),
     ("--model", "model", str, "local Hugging Face model folder (optional for sim)"),
     ("--served-model-name", "served_model_name", str, "name clients use (default: folder name)"),
@@ -85,6 +85,14 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--attention-backend", "attention_backend", str, "auto (CUDA: triton), sdpa, triton"),
     ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
+    ("--schedule-policy", "schedule_policy", str, "fcfs, or lpm: longest cached prefix first"),
+    (
+        "--no-inflight-sharing",
+        "share_inflight_prefixes",
+        "false",
+        "prefixes enter the radix cache when a request ends, not per prefill chunk (ablation)",
+    ),
+    ("--max-n", "max_n", int, "most choices (n) one request may ask for"),
     (
         "--sim-prefill-us-per-token",
         "sim_prefill_us_per_token",
@@ -99,6 +107,12 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
     ("--drain-timeout", "drain_timeout", float, "seconds to finish in-flight requests on SIGTERM"),
+    (
+        "--shutdown-delay",
+        "shutdown_delay",
+        float,
+        "on SIGTERM: seconds to keep serving after leaving Redis",
+    ),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body, in bytes"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING"),
 ]
@@ -124,9 +138,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="YAML file of WorkerConfig keys")
     for flag, key, kind, described in _SERVE_FLAGS:
         default = WorkerConfig.model_fields[key].default
-        text = described if default in (None, ()) else f"{described} (default {default})"
-        if kind is None:
-            serve.add_argument(flag, dest=key, action="store_const", const=True, help=text)
+        plain = default in (None, ()) or kind == "false"
+        text = described if plain else f"{described} (default {default})"
+        if kind is None or kind == "false":  # a switch that sets True, or False
+            const = kind is None
+            serve.add_argument(flag, dest=key, action="store_const", const=const, help=text)
         elif kind == "append":
             serve.add_argument(flag, dest=key, action="append", help=text)
         else:
@@ -147,6 +163,18 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", choices=ARCHS, help="(default: the preset's, else llama)")
     tiny.add_argument("--device", help="draw the weights here (default cpu; cuda is faster)")
     tiny.add_argument("--dtype", help="weights dtype on disk (default float32)")
+    down = sub.add_parser(
+        "download", help="fetch a Hugging Face model into a folder (the chart's init container)",
+        description="Download MODEL (a Hugging Face repo id) at --revision into --dir with "
+        "huggingface_hub (HF_ENDPOINT for a mirror, HF_TOKEN for gated models). "
+        "A MODEL that is a local folder is used as is.",
+    )  # fmt: skip
+    down.add_argument("model", metavar="MODEL", help="repo id, e.g. Qwen/Qwen2.5-7B-Instruct")
+    down.add_argument("--revision", help="commit, tag or branch (default main; pin it)")
+    down.add_argument("--dir", required=True, help="target folder (the model cache volume)")
+    from worker.attach import add_attach_parser
+
+    add_attach_parser(sub)
     return parser
 
 
@@ -227,10 +255,32 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _download(args: argparse.Namespace) -> int:
+    from worker.download import DownloadError, download
+
+    logging.basicConfig(
+        level="INFO", stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        done = download(args.model, args.dir, args.revision)
+    except DownloadError as exc:
+        print(f"radix-worker download: {exc}", file=sys.stderr)
+        return 1
+    state = "fetched" if done.fetched else "already present"
+    print(f"{done.path} ({args.model} at {done.commit or 'local folder'}, {state})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "make-tiny-model":
         return _make_tiny_model(args)
+    if args.command == "download":
+        return _download(args)
+    if args.command == "attach":
+        from worker.attach import run_attach
+
+        return run_attach(args)
     overrides = {key: getattr(args, key) for _, key, _, _ in _SERVE_FLAGS}
     try:
         config = load_config(WorkerConfig, args.config, overrides)

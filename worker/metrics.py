@@ -58,6 +58,10 @@ class _EngineCollector(Collector):
                 s.cached_tokens_total,
             ),
             "radix_worker_completion_tokens": ("Tokens generated", s.completion_tokens_total),
+            "radix_worker_preemptions": (
+                "Running requests sent back to the queue because KV ran short",
+                s.preemptions_total,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -1,7 +1,7 @@
 """The inference endpoints: OpenAI completions and chat, and SGLang's `/generate`.
 
-Each handler validates its body with the shared pydantic models, builds one engine
-`GenerateRequest` and a formatter for its wire format; `_run` does the rest the same
+Each handler validates its body with the shared pydantic models, builds one
+`EngineRequest` and a formatter for its wire format (worker/formats.py); `_run` does the rest the same
 way for all three: the first engine output is awaited before any byte is sent, so a
 request the engine refuses (prompt too long, queue full) still gets a clean 4xx/503,
 then the answer is returned whole or streamed as SSE. The engine stream is always
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -26,104 +26,41 @@ from shared.protocol import (
     GenerateSamplingParams,
     GenerateWireRequest,
 )
-from worker.engine.types import EngineError, EngineOverloaded, GenerateOutput, SamplingParams
-from worker.engine.types import GenerateRequest as EngineRequest
+from worker.engine.types import (
+    EngineError,
+    EngineOverloaded,
+    EngineRequest,
+    GenerateOutput,
+    SamplingParams,
+)
+from worker.formats import (
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    Format,
+    SGLangFormat,
+    Tally,
+    TokenTexts,
+)
 from worker.state import CONFIG, ENGINE, METRICS, STATE
 from worker.streaming import open_stream, send_done, send_event, send_events
 
-
-class _Format(Protocol):
-    """How one endpoint renders engine outputs."""
-
-    def body(self, text: str, ids: list[int], last: GenerateOutput) -> dict[str, Any]: ...
-    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]: ...
-    def usage_chunk(self, last: GenerateOutput) -> dict[str, Any] | None: ...
-
-
-def _usage(out: GenerateOutput) -> dict[str, Any]:
-    return wire.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+# Accepted by the OpenAI API but not served by this engine: a 400 naming the field
+# beats a 200 that ignored it. (The router passes them through untouched, so a vLLM or
+# SGLang backend that serves them still gets them.)
+UNSUPPORTED_FIELDS = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "response_format", "suffix", "best_of", "audio", "modalities", "prediction",
+)  # fmt: skip
 
 
-class _CompletionFormat:
-    def __init__(self, rid: str, model: str, echo: str, include_usage: bool) -> None:
-        self.rid, self.model, self.created = rid, model, int(time.time())
-        self.echo, self.include_usage = echo, include_usage
-
-    def body(self, text: str, ids: list[int], last: GenerateOutput) -> dict[str, Any]:
-        return wire.completion_body(
-            self.rid, self.model, self.created, self.echo + text, last.finish_reason, _usage(last)
-        )
-
-    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
-        text = (self.echo if first else "") + out.text_delta
-        if not text and not out.finished:
-            return []
-        return [wire.completion_chunk(self.rid, self.model, self.created, text, out.finish_reason)]
-
-    def usage_chunk(self, last: GenerateOutput) -> dict[str, Any] | None:
-        if not self.include_usage:
-            return None
-        return wire.usage_chunk("text_completion", self.rid, self.model, self.created, _usage(last))
-
-
-class _ChatFormat:
-    def __init__(self, rid: str, model: str, include_usage: bool) -> None:
-        self.rid, self.model, self.created = rid, model, int(time.time())
-        self.include_usage = include_usage
-
-    def body(self, text: str, ids: list[int], last: GenerateOutput) -> dict[str, Any]:
-        return wire.chat_body(
-            self.rid, self.model, self.created, text, last.finish_reason, _usage(last)
-        )
-
-    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
-        chunk = [] if not first else [self._chunk({"role": "assistant", "content": ""}, None)]
-        if out.text_delta or out.finished:
-            delta = {"content": out.text_delta} if out.text_delta else {}
-            chunk.append(self._chunk(delta, out.finish_reason))
-        return chunk
-
-    def _chunk(self, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        return wire.chat_chunk(self.rid, self.model, self.created, delta, finish)
-
-    def usage_chunk(self, last: GenerateOutput) -> dict[str, Any] | None:
-        if not self.include_usage:
-            return None
-        obj = "chat.completion.chunk"
-        return wire.usage_chunk(obj, self.rid, self.model, self.created, _usage(last))
-
-
-class _SGLangFormat:
-    """SGLang's `/generate`, streamed incrementally (as SGLang does with
-    `--incremental-streaming-output`): each chunk holds only the new text and token ids,
-    with `meta_info`. The cumulative form resent the whole text every chunk: 8k tokens
-    sent 271 MB."""
-
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.ids: list[int] = []  # token ids not sent yet (their text is still partial)
-
-    def body(self, text: str, ids: list[int], last: GenerateOutput) -> dict[str, Any]:
-        return {"text": text, "output_ids": ids, "meta_info": self._meta(last)}
-
-    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
-        self.ids.extend(out.token_ids)
-        if not out.text_delta and not out.finished:
-            return []
-        ids, self.ids = self.ids, []
-        return [{"text": out.text_delta, "output_ids": ids, "meta_info": self._meta(out)}]
-
-    def _meta(self, out: GenerateOutput) -> dict[str, Any]:
-        return {
-            "id": self.rid,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens,
-            "finish_reason": {"type": out.finish_reason} if out.finish_reason else None,
-        }
-
-    def usage_chunk(self, last: GenerateOutput) -> dict[str, Any] | None:
-        return None
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in UNSUPPORTED_FIELDS:
+        if body.get(name) not in (None, False, [], {}):
+            raise APIError(
+                400, f"{name} is not supported by this worker", param=name,
+                code="unsupported_parameter",
+            )  # fmt: skip
 
 
 def _check_model(request: web.Request, model: str | None) -> str:
@@ -137,11 +74,27 @@ def _check_model(request: web.Request, model: str | None) -> str:
     return served
 
 
-def _sampling(req: Any, max_tokens: int) -> SamplingParams:
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or len(key) > 12:
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key[:20]!r}", param="logit_bias",
+                code="invalid_value",
+            )  # fmt: skip
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def _sampling(req: Any, max_tokens: int, logprobs: bool = False, top: int = 0) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        seed=req.seed, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
+        min_p=req.min_p, seed=req.seed, stop=req.stop_list(),
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        n=getattr(req, "n", 1), presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        logit_bias=_logit_bias(getattr(req, "logit_bias", None)), logprobs=logprobs,
+        top_logprobs=top,
     )  # fmt: skip
 
 
@@ -156,7 +109,7 @@ def _engine_error(exc: Exception, params: dict[str, str]) -> APIError:
 async def _run(
     request: web.Request,
     gen: EngineRequest,
-    fmt: _Format,
+    fmt: Format,
     stream: bool,
     params: dict[str, str],
 ) -> web.StreamResponse:
@@ -173,21 +126,29 @@ async def _run(
             raise _engine_error(exc, params) from None
         first_at = time.perf_counter()
         metrics.first_output(request.path, first_at - start, first.queue_seconds)
+        tally = Tally()
         if not stream:
-            parts, ids, last = [first.text_delta], list(first.token_ids), first
-            async for out in it:
-                parts.append(out.text_delta)
-                ids.extend(out.token_ids)
+            choices = [Choice(i) for i in range(gen.params.n)]
+            out: GenerateOutput | None = first
+            last = first
+            while out is not None:
+                choices[out.index].add(out)
+                tally.add(out)
                 last = out
+                out = await anext(it, None)
             metrics.last_output(request.path, time.perf_counter() - first_at, last)
-            return web.json_response(fmt.body("".join(parts), ids, last))
+            return web.json_response(fmt.body(choices, tally))
         response = await open_stream(request, request.app[CONFIG].stream_write_timeout)
         try:
-            out, is_first = first, True
+            started: set[int] = set()
+            unfinished = gen.params.n
+            out = first
             while True:
-                events = fmt.chunks(out, is_first)
-                is_first = False
-                if out.finished:  # the last delta leaves with usage and [DONE]
+                tally.add(out)
+                events = fmt.chunks(out, out.index not in started)
+                started.add(out.index)
+                unfinished -= out.finished
+                if not unfinished:  # the last delta leaves with usage and [DONE]
                     break
                 await send_events(response, events)
                 nxt = await anext(it, None)
@@ -195,7 +156,7 @@ async def _run(
                     events = []
                     break
                 out = nxt
-            if (usage := fmt.usage_chunk(out)) is not None:
+            if (usage := fmt.usage_chunk(tally)) is not None:
                 events.append(usage)
             metrics.last_output(request.path, time.perf_counter() - first_at, out)
             await send_done(response, events)
@@ -217,9 +178,14 @@ async def _read(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _texts(request: web.Request) -> TokenTexts:
+    return request.app[ENGINE].token_texts
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     req = CompletionRequest.model_validate(body)
+    _refuse_unsupported(body)
     model = _check_model(request, req.model)
     text, ids = req.prompt_text(), req.prompt_ids()
     if req.echo and text is None:
@@ -227,16 +193,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid = wire.new_request_id("cmpl")
     gen = EngineRequest(
         request_id=rid, prompt=text, prompt_token_ids=tuple(ids) if ids is not None else None,
-        params=_sampling(req, req.max_tokens or 16),  # OpenAI's default for completions
+        params=_sampling(  # 16: OpenAI's default for completions
+            req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
+        ),
     )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    fmt = _CompletionFormat(rid, model, text if req.echo and text else "", include_usage)
+    echo = text if req.echo and text else ""
+    fmt = CompletionFormat(rid, model, echo, include_usage, _texts(request))
     return await _run(request, gen, fmt, req.stream, {})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     req = ChatCompletionRequest.model_validate(body)
+    _refuse_unsupported(body)
     model = _check_model(request, req.model)
     engine = request.app[ENGINE]
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -250,9 +220,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if max_tokens is None:  # OpenAI: as much as the context leaves
         max_tokens = max(1, engine.max_model_len - engine.count_tokens(prompt))
     rid = wire.new_request_id("chatcmpl")
-    gen = EngineRequest(request_id=rid, prompt=prompt, params=_sampling(req, max_tokens))
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(
+            400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+        )
+    params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
+    gen = EngineRequest(request_id=rid, prompt=prompt, params=params)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    fmt = _ChatFormat(rid, model, include_usage)
+    fmt = ChatFormat(rid, model, include_usage, _texts(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     return await _run(
         request, gen, fmt, req.stream, {"prompt": "messages", "max_tokens": max_param}
@@ -283,4 +258,4 @@ async def generate(request: web.Request) -> web.StreamResponse:
         "top_p": "sampling_params.top_p",
         "top_k": "sampling_params.top_k",
     }
-    return await _run(request, gen, _SGLangFormat(rid), req.stream, params)
+    return await _run(request, gen, SGLangFormat(rid), req.stream, params)

@@ -12,7 +12,9 @@ _ERRORS = {
     "400": "Invalid request",
     "401": "Missing or invalid API key",
     "404": "Unknown model",
+    "408": "Request body not received within body_read_timeout",
     "413": "Request body too large",
+    "415": "Content-Encoding other than gzip or deflate",
     "503": "Engine starting, overloaded or draining",
 }
 

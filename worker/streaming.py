@@ -15,13 +15,12 @@ both for as long as it stayed connected).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from aiohttp import web
 
-from shared.http import EVENT_STREAM, EventStreamResponse
+from shared.http import EVENT_STREAM, DeadlineStream
 
 SSE_HEADERS = {
     "Content-Type": EVENT_STREAM,
@@ -37,36 +36,8 @@ def encode_event(data: dict[str, Any]) -> bytes:
     return b"data: " + _compact(data).encode() + b"\n\n"
 
 
-class _DeadlineStream(EventStreamResponse):
-    """An event stream whose every write must be taken within `write_timeout` seconds."""
-
-    def __init__(self, request: web.Request, write_timeout: float) -> None:
-        super().__init__(status=200, headers=SSE_HEADERS)
-        self._transport = request.transport
-        self._write_timeout = write_timeout
-
-    def _stalled(self) -> ConnectionResetError:
-        if self._transport is not None:
-            self._transport.abort()
-        return ConnectionResetError("the client did not read within stream_write_timeout")
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            async with asyncio.timeout(self._write_timeout):
-                await super().write(data)
-        except TimeoutError:
-            raise self._stalled() from None
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        try:
-            async with asyncio.timeout(self._write_timeout):
-                await super().write_eof(data)
-        except TimeoutError:
-            raise self._stalled() from None
-
-
 async def open_stream(request: web.Request, write_timeout: float) -> web.StreamResponse:
-    response = _DeadlineStream(request, write_timeout)
+    response = DeadlineStream(request, write_timeout, status=200, headers=SSE_HEADERS)
     await response.prepare(request)
     return response
 

@@ -3,8 +3,9 @@
 Virtual time, no sleeping, no HTTP. Per request: the policy from `router.policy`
 (`build_policy(RouterConfig)`, with its real prefix tree) picks a worker from the
 workers' loads (running + queued, as the router sees in flight); that `SimWorker`
-(the real RadixCache + the sim cost model) queues, admits and finishes it. Finishes at
-the same instant run before arrivals, so freed capacity is seen first. The CPU time
+(the engine's own scheduler and radix cache over the sim cost model) runs it, one
+engine step at a time. Step ends at the same instant run before arrivals, so freed
+capacity is seen first. The CPU time
 (thread time) of each `select` call alone is measured: the router's cost per decision,
 apart from the simulator's own work (worker caches, event heap), and the
 policy's memory is measured once at the end by walking its object graph.
@@ -31,7 +32,7 @@ from router.policy import build_policy
 from router.policy.base import FleetView, RouteRequest, WorkerCosts
 from shared.config import RouterConfig
 
-_FINISH, _ARRIVAL = 0, 1  # event kinds: finishes sort first at equal times
+_STEP_END, _ARRIVAL = 0, 1  # event kinds: step ends sort first at equal times
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class SimResult:
     decision_us: np.ndarray
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    preemptions: int = 0
     rejected: int = 0
     makespan: float = 0.0
     policy_bytes: int = 0
@@ -88,6 +90,7 @@ class SimResult:
             "workers": self.workers,
             "requests": self.requests,
             "rejected": self.rejected,
+            "preemptions": self.preemptions,
             "throughput_rps": self.requests / self.makespan if self.makespan else 0.0,
             "hit_rate": self.hit_rate,
             "ttft_p50_ms": self.pct(self.ttft, 50) * 1e3,
@@ -130,7 +133,7 @@ class FleetSim:
         # The columns the policy reads, updated in place as loads change (a FleetView,
         # router/policy/base.py): the policy's cost per decision, not the cost of rebuilding views.
         self.views = FleetView(self.ids, capacities=(cost.cache_tokens,) * workers)
-        self._heap: list[tuple[float, int, int, Job]] = []
+        self._heap: list[tuple[float, int, int, Job | int]] = []
         self._seq = 0
         self._rids = 0
         self._done: list[Job] = []
@@ -139,9 +142,17 @@ class FleetSim:
         self.rejected = 0
         self._run_cpu_ns = 0
 
-    def _push(self, t: float, kind: int, job: Job) -> None:
+    def _push(self, t: float, kind: int, what: Job | int) -> None:
+        """An arrival carries its job, a step end its worker's index."""
         self._seq += 1
-        heapq.heappush(self._heap, (t, kind, self._seq, job))
+        heapq.heappush(self._heap, (t, kind, self._seq, what))
+
+    def _start_step(self, i: int, now: float) -> None:
+        worker = self.workers[i]
+        end = worker.start_step(now)
+        worker.busy = end is not None
+        if end is not None:
+            self._push(end, _STEP_END, i)
 
     def _job(self, req: SimRequest, session: int = -1) -> Job:
         self._rids += 1
@@ -158,6 +169,7 @@ class FleetSim:
             WorkerCosts(
                 worker.queued_prefill_tokens(now), cost.prefill_us_per_token,
                 cost.decode_ms_per_token, cost.max_running, worker.request_ms,
+                worker.cached_tokens / worker.prompt_tokens if worker.prompt_tokens else 0.0,
             ),
         )  # fmt: skip
 
@@ -172,8 +184,9 @@ class FleetSim:
         if not worker.fits(job):
             self.rejected += 1  # the live worker answers 400 context_length_exceeded
             return
-        for started in worker.submit(job, now):
-            self._push(started.finish, _FINISH, started)
+        worker.submit(job)
+        if not worker.busy:
+            self._start_step(i, now)
         self._refresh(i, now)
 
     def run(
@@ -199,22 +212,23 @@ class FleetSim:
             if first is not None:
                 self._push(first.arrival, _ARRIVAL, self._job(first))
         while self._heap:
-            now, kind, _, job = heapq.heappop(self._heap)
-            if kind == _ARRIVAL:
-                self._route(job, now)
-                if job.session < 0 and source is not None:
+            now, _, _, what = heapq.heappop(self._heap)
+            if isinstance(what, Job):
+                self._route(what, now)
+                if what.session < 0 and source is not None:
                     nxt = next(source, None)
                     if nxt is not None:
                         self._push(nxt.arrival, _ARRIVAL, self._job(nxt))
                 continue
-            worker = self.workers[job.worker]
-            for started in worker.complete(job, now):
-                self._push(started.finish, _FINISH, started)
-            self._refresh(job.worker, now)
-            self._done.append(job)
-            if job.session >= 0 and closed is not None:
-                sessions[job.session].on_reply(None, reply_text(job.rid, len(job.out_tokens)))  # type: ignore[arg-type]
-                self._next_turn(sessions, job.session, now + closed.think_s, tok)
+            finished = self.workers[what].finish_step(now)
+            self._start_step(what, now)
+            self._refresh(what, now)
+            for job in finished:
+                self._done.append(job)
+                if job.session >= 0 and closed is not None:
+                    reply = reply_text(job.rid, len(job.out_tokens))
+                    sessions[job.session].on_reply(None, reply)  # type: ignore[arg-type]
+                    self._next_turn(sessions, job.session, now + closed.think_s, tok)
         return self._done
 
     def _next_turn(
@@ -238,6 +252,7 @@ class FleetSim:
             decision_us=np.array(self._decision_ns) / 1e3,
             prompt_tokens=sum(w.prompt_tokens for w in self.workers),
             cached_tokens=sum(w.cached_tokens for w in self.workers),
+            preemptions=sum(w.preemptions for w in self.workers),
             rejected=self.rejected,
             makespan=max((j.finish for j in done), default=0.0),
             policy_bytes=deep_size(self.policy) if measure_memory else 0,

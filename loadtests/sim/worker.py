@@ -1,28 +1,31 @@
-"""A simulated worker in virtual time: the real RadixCache and the sim engine's cost model.
+"""A simulated worker in virtual time: the engine itself (worker/engine/: scheduler,
+radix cache, allocator) over the sim backend's cost model, with the clock passed in.
 
-It mirrors `worker/backends/sim.py` (the `--engine sim` worker the live fleet runs), with
-the clock passed in instead of `asyncio.sleep`:
+It is the `--engine sim` worker the live fleet runs (worker/backends/sim.py) minus the
+HTTP layer and the sleeping: `CostModelRunner` charges each step `decode_ms` plus
+`prefill_us` per prefill token, and this class turns that charge into virtual time.
+So admission (output reservation, in-flight prefix sharing, in-batch dedup, fcfs/lpm),
+chunked prefill, eviction and preemption are the engine's own code, not a copy.
 
-- at most `max_running` requests run at once, the rest wait in FIFO order;
-- admission matches the prompt (all but its last token) in the radix cache, locks the
-  path and reserves the uncached suffix + the output; when slots run short it evicts
-  least-recently-used unlocked prefixes, in batches of at least `evict_batch` tokens,
-  and a request that still does not fit waits at the head of the line;
-- a running request takes `prefill_us × uncached tokens` then `decode_ms` per output
-  token; its first token arrives after the prefill and one decode step;
-- on finish, prompt + output go into the tree and the unused slots are freed.
+A step runs from `start_step(now)` to the time it returns; `finish_step(then)` hands
+out what it produced (first tokens, finished jobs), after which the next step starts.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from worker.engine.allocator import SlotAllocator
-from worker.engine.radix_cache import RadixCache
+from worker.backends.sim import CostModelRunner, SimModelConfig
+from worker.engine.config import EngineConfig
+from worker.engine.engine import REQUEST_MS_WEIGHT, LLMEngine
+from worker.engine.sequence import Req
+from worker.engine.types import GenerateOutput, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,20 @@ class CostModel:
     max_running: int = 8
     cache_tokens: int = 65_536
     evict_batch: int = 256
+    max_prefill_tokens: int = 8192
+    schedule_policy: str = "fcfs"
+    share_inflight: bool = True
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            max_running_requests=self.max_running,
+            max_prefill_tokens=self.max_prefill_tokens,
+            kv_capacity_tokens=self.cache_tokens,
+            evict_batch_tokens=self.evict_batch,
+            max_waiting_requests=1 << 30,
+            schedule_policy=self.schedule_policy,  # type: ignore[arg-type]
+            share_inflight_prefixes=self.share_inflight,
+        )
 
 
 @dataclass(eq=False)
@@ -49,8 +66,6 @@ class Job:
     finish: float = -1.0
     cached: int = 0
     session: int = -1  # closed-loop user that sent it (-1: open loop)
-    _slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    _node: object = None
 
     @property
     def queue_delay(self) -> float:
@@ -61,95 +76,106 @@ class Job:
         return self.first_token - self.arrival
 
 
+class _Silent:
+    def push(self, token_id: int) -> str:
+        return ""  # routing needs no text: nothing is detokenized
+
+
+class _JobSampler:
+    """Each job's tokens are fixed in advance (`Job.out_tokens`)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, Job] = {}  # seq_id -> job, while its request runs
+
+    def sample(self, logits: None, reqs: Sequence[Req]) -> list[tuple[int, TokenLogprob | None]]:
+        return [(int(self.jobs[r.seq_id].out_tokens[len(r.output_ids)]), None) for r in reqs]
+
+    def release(self, seq_id: int) -> None:
+        del self.jobs[seq_id]
+
+
 class SimWorker:
     def __init__(self, index: int, cost: CostModel) -> None:
         self.index = index
         self.cost = cost
-        self.allocator = SlotAllocator(cost.cache_tokens)
-        self.cache = RadixCache(self.allocator)
-        self.waiting: deque[Job] = deque()
-        self.running = 0
+        capacity = cost.cache_tokens
+        self.runner = CostModelRunner(
+            capacity,
+            SimModelConfig(vocab_size=1 << 62, max_position_embeddings=capacity),
+            cost.prefill_us_per_token,
+            cost.decode_ms_per_token,
+            sleep=None,
+        )
+        self._sampler = _JobSampler()
+        self.engine = LLMEngine(self.runner, None, cost.engine_config(), self._sampler)
+        self.cache = self.engine.cache
+        self.allocator = self.engine.allocator
+        self.busy = False  # a step is in progress (its end is on the fleet's event heap)
+        self._by_rid: dict[str, Job] = {}
+        self._outputs: list[GenerateOutput] = []
+        self._seq_ids = 0
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        # What its heartbeat would report to cost_aware: prompt tokens waiting, plus the
-        # uncached tokens of running jobs still in prefill (a heap of their prefill ends).
-        self._waiting_tokens = 0
-        self._prefilling: list[tuple[float, int]] = []
-        self._prefilling_tokens = 0
-        self.request_ms = 0.0  # how long an admitted job holds its seat: moving mean, as
-        # worker/backends/sim.py reports it
+        # How long an admitted job holds its seat, a moving mean in virtual ms, as the
+        # live engine reports it (worker/engine/engine.py) to the cost_aware policy.
+        self.request_ms = 0.0
+
+    def queued_prefill_tokens(self, now: float) -> int:
+        """What its heartbeat would report to cost_aware (as of the last step)."""
+        return self.engine.scheduler.queued_prefill_tokens
 
     @property
     def load(self) -> int:
         """What the router sees: requests in flight to this worker (running + queued)."""
-        return self.running + len(self.waiting)
-
-    def queued_prefill_tokens(self, now: float) -> int:
-        heap = self._prefilling
-        while heap and heap[0][0] <= now:
-            self._prefilling_tokens -= heapq.heappop(heap)[1]
-        return self._waiting_tokens + self._prefilling_tokens
+        return len(self._by_rid)
 
     def fits(self, job: Job) -> bool:
         return len(job.tokens) + len(job.out_tokens) <= self.cost.cache_tokens
 
-    def submit(self, job: Job, now: float) -> list[Job]:
-        """Queue a job; returns the jobs admitted now (their times are set)."""
+    def submit(self, job: Job) -> None:
         job.worker = self.index
         self.requests += 1
-        self.waiting.append(job)
-        self._waiting_tokens += len(job.tokens)
-        return self._admit(now)
+        self._seq_ids += 1
+        params = SamplingParams(max_tokens=len(job.out_tokens), temperature=0, ignore_eos=True)
+        req = Req(str(job.rid), job.tokens.tolist(), params, _Silent(), self._seq_ids)
+        self._sampler.jobs[req.seq_id] = job
+        self._by_rid[req.request_id] = job
+        self.engine.add([req])
 
-    def complete(self, job: Job, now: float) -> list[Job]:
-        """The job finished at `now`: cache its tokens, free the rest, admit more."""
-        all_ids = np.concatenate([job.tokens, job.out_tokens])
-        n = len(all_ids)
-        self.cache.insert(all_ids, job._slots[:n], cached_len=job.cached)
-        self.allocator.free(job._slots[n:])
-        self.cache.unlock(job._node)  # type: ignore[arg-type]
-        job._slots = job._slots[:0]
-        self.running -= 1
-        self.request_ms += 0.1 * ((now - job.admitted) * 1e3 - self.request_ms)
-        return self._admit(now)
+    def start_step(self, now: float) -> float | None:
+        """Run one engine step from `now`; the time it ends, or None (nothing ran)."""
+        if not self.engine.has_work:
+            return None
+        self._outputs = self.engine.step()
+        batch = self.engine.last_batch
+        for req in batch.admitted:
+            job = self._by_rid[req.request_id]  # (its sampler entry may be gone: 1 token)
+            if job.admitted < 0:  # not a readmission after a preemption
+                job.admitted = now
+                job.cached = req.cached_tokens or 0
+                self.prompt_tokens += len(job.tokens)
+                self.cached_tokens += job.cached
+        if not batch.items:
+            return None
+        return now + self.runner.last_step_s
 
-    def _admit(self, now: float) -> list[Job]:
-        started: list[Job] = []
-        cost = self.cost
-        while self.waiting and self.running < cost.max_running:
-            job = self.waiting[0]
-            if not self._reserve(job):
-                break  # head-of-line waits for KV; the next completion retries
-            self.waiting.popleft()
-            self.running += 1
-            uncached = len(job.tokens) - job.cached
-            prefill = cost.prefill_us_per_token * uncached / 1e6
-            self._waiting_tokens -= len(job.tokens)
-            heapq.heappush(self._prefilling, (now + prefill, uncached))
-            self._prefilling_tokens += uncached
-            step = cost.decode_ms_per_token / 1e3
-            job.admitted = now
-            job.first_token = now + prefill + step
-            job.finish = now + prefill + step * len(job.out_tokens)
-            started.append(job)
-        return started
+    def finish_step(self, now: float) -> list[Job]:
+        """The step ended at `now`: its tokens arrive; returns the jobs it finished."""
+        done = []
+        for out in self._outputs:
+            job = self._by_rid[out.request_id]
+            if job.first_token < 0:
+                job.first_token = now
+            if out.finished:
+                job.finish = now
+                done.append(job)
+                held_ms = (now - job.admitted) * 1e3
+                self.request_ms += REQUEST_MS_WEIGHT * (held_ms - self.request_ms)
+                del self._by_rid[out.request_id]
+        self._outputs = []
+        return done
 
-    def _reserve(self, job: Job) -> bool:
-        match = self.cache.match_prefix(job.tokens[:-1])
-        self.cache.lock(match.last_node)
-        need = len(job.tokens) - match.prefix_len + len(job.out_tokens)
-        slots = self.allocator.alloc(need)
-        if slots is None:
-            shortfall = need - self.allocator.available
-            self.cache.evict(max(shortfall, self.cost.evict_batch))
-            slots = self.allocator.alloc(need)
-            if slots is None:
-                self.cache.unlock(match.last_node)
-                return False
-        job._slots = np.concatenate([match.slots, slots])
-        job._node = match.last_node
-        job.cached = match.prefix_len
-        self.prompt_tokens += len(job.tokens)
-        self.cached_tokens += match.prefix_len
-        return True
+    @property
+    def preemptions(self) -> int:
+        return self.engine.scheduler.num_preemptions

@@ -11,39 +11,42 @@ import json
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from dataclasses import replace
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from loadtests.fleet import BenchFleet, WorkerSpec, wait_health
 from router.app import create_app
 from router.state import DISCOVERY, FLEET, METRICS, POLICY
 from shared.config import RouterConfig
-from shared.redis_server import RedisServer, free_port
-from tests.router.processes import Proc, spawn, start_sim_worker, wait_healthy
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
+# Sim workers as `start_sim_worker` made them: no cost unless a test gives one.
+QUICK = WorkerSpec(
+    decode_ms=0.0, cache_tokens=20_000, max_running=64, extra=("--log-level", "WARNING")
+)
 
 
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.stop(signal.SIGKILL)
+def bench() -> Iterator[BenchFleet]:
+    """Redis and the workers each test starts, as processes; the router runs in process."""
+    with BenchFleet() as f:
+        yield f
 
 
-async def start_router(redis: RedisServer, n: int, **kw: object) -> TestServer:
+async def start_router(bench: BenchFleet, n: int, **kw: object) -> TestServer:
+    assert bench.redis is not None
     config = RouterConfig(
-        redis_url=redis.url, discovery_interval=0.1, host="127.0.0.1", retry_backoff=0.01, **kw
+        redis_url=bench.redis.url,
+        discovery_interval=0.1,
+        host="127.0.0.1",
+        retry_backoff=0.01,
+        **kw,
     )
     server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)
     await server.start_server()
@@ -62,13 +65,13 @@ def prompt(i: int) -> dict:
 
 
 async def test_sigkill_under_load_loses_nothing(
-    redis: RedisServer, procs: list[Proc], tmp_path: Path, http: aiohttp.ClientSession
+    bench: BenchFleet, http: aiohttp.ClientSession
 ) -> None:
     for i in range(3):
-        procs.append(start_sim_worker(f"w{i}", redis.url, tmp_path, decode_ms=5))
-    router = await start_router(redis, 3)
+        bench.start_worker(f"w{i}", replace(QUICK, decode_ms=5.0))
+    router = await start_router(bench, 3)
     url = str(router.make_url("/v1/completions"))
-    victim = procs[0]
+    victim = bench.workers["w0"]
 
     async def one(i: int) -> int:
         async with http.post(url, json=prompt(i)) as r:
@@ -82,7 +85,7 @@ async def test_sigkill_under_load_loses_nothing(
     tasks = [asyncio.create_task(one(i)) for i in range(200)]
     streams = [asyncio.create_task(stream_one(i)) for i in range(6)]
     await asyncio.sleep(0.15)
-    victim.proc.kill()
+    victim.signal(signal.SIGKILL)
     killed_at = time.monotonic()
     statuses = await asyncio.gather(*tasks)
     bodies = await asyncio.gather(*streams)
@@ -101,10 +104,10 @@ async def test_sigkill_under_load_loses_nothing(
 
 
 async def test_restarted_worker_gets_its_tree_dropped(
-    redis: RedisServer, procs: list[Proc], tmp_path: Path, http: aiohttp.ClientSession
+    bench: BenchFleet, http: aiohttp.ClientSession
 ) -> None:
-    procs.append(start_sim_worker("w0", redis.url, tmp_path))
-    router = await start_router(redis, 1)
+    bench.start_worker("w0", QUICK)
+    router = await start_router(bench, 1)
     url = str(router.make_url("/v1/completions"))
     for i in range(4):
         async with http.post(url, json=prompt(i)) as r:
@@ -112,10 +115,9 @@ async def test_restarted_worker_gets_its_tree_dropped(
     policy, fleet = router.app[POLICY], router.app[FLEET]
     epoch = fleet.workers["w0"].epoch
     assert policy.worker_stats()["w0"]["tree_chars"] > 0
-    port = int(procs[0].url.rsplit(":", 1)[1])
-    procs[0].proc.kill()
-    procs[0].proc.wait()
-    procs.append(start_sim_worker("w0", redis.url, tmp_path, port=port))
+    bench.workers["w0"].signal(signal.SIGKILL)
+    bench.workers["w0"].wait(10)
+    bench.restart_worker("w0")  # same id and port: a new epoch
     await wait_until(lambda: "w0" in fleet.workers and fleet.workers["w0"].epoch != epoch, 15)
     assert policy.worker_stats().get("w0", {}).get("tree_chars", 0) == 0
     for i in range(10):
@@ -124,12 +126,12 @@ async def test_restarted_worker_gets_its_tree_dropped(
     await router.close()
 
 
-async def test_redis_outage_keeps_routing(
-    redis: RedisServer, procs: list[Proc], tmp_path: Path, http: aiohttp.ClientSession
-) -> None:
+async def test_redis_outage_keeps_routing(bench: BenchFleet, http: aiohttp.ClientSession) -> None:
     for i in range(2):
-        procs.append(start_sim_worker(f"w{i}", redis.url, tmp_path))
-    router = await start_router(redis, 2, reconnect_grace=3.0)
+        bench.start_worker(f"w{i}", QUICK)
+    router = await start_router(bench, 2, reconnect_grace=3.0)
+    redis = bench.redis
+    assert redis is not None
     url = str(router.make_url("/v1/completions"))
     statuses: list[int] = []
 
@@ -161,22 +163,19 @@ async def test_redis_outage_keeps_routing(
 
 
 async def test_router_sigterm_drains_in_flight_streams(
-    redis: RedisServer, procs: list[Proc], tmp_path: Path, http: aiohttp.ClientSession
+    bench: BenchFleet, http: aiohttp.ClientSession
 ) -> None:
-    procs.append(start_sim_worker("w0", redis.url, tmp_path, decode_ms=40))
-    port = free_port()
-    router = spawn("router", ["-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
-                              "--redis-url", redis.url], f"http://127.0.0.1:{port}", tmp_path)  # fmt: skip
-    procs.append(router)
-    wait_healthy(router, 30)
+    bench.start_worker("w0", replace(QUICK, decode_ms=40.0))
+    router = bench.start_router()
+    wait_health(router, 30)
     body = {"prompt": "drain me", "max_tokens": 40, "stream": True}
     async with http.post(router.url + "/v1/completions", json=body) as r:
         first = await r.content.readline()
         assert first.startswith(b"data: ")
-        router.proc.send_signal(signal.SIGTERM)
+        router.signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         async with http.get(router.url + "/health") as h:
             assert h.status == 503  # stops taking work while it drains
         rest = await asyncio.wait_for(r.read(), 20)
     assert rest.rstrip().endswith(b"data: [DONE]")
-    assert await asyncio.to_thread(router.proc.wait, 20) == 0
+    assert await asyncio.to_thread(router.wait, 20) == 0

@@ -284,3 +284,20 @@ async def test_trickling_bodies_hold_no_slot_and_time_out(
         await asyncio.gather(*tricklers, return_exceptions=True)
         await router.close()
         await worker.close()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+async def test_generate_streams_each_token_once(
+    services: Services, http: aiohttp.ClientSession, target: str
+) -> None:
+    """Was: every /generate chunk resent the whole text and ids so far (SGLang's
+    cumulative form): 8k tokens sent 271 MB. Now each chunk carries only what is new, so
+    2,000 tokens cost ~2,000 small events (cumulative: ~15 MB)."""
+    body = {"text": "count", "stream": True, "sampling_params": {
+        "max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+    async with http.post(getattr(services, target) + "/generate", json=body) as r:
+        raw = await r.read()
+    assert r.status == 200
+    events = [json.loads(x[6:]) for x in raw.split(b"\n\n") if x.startswith(b"data: {")]
+    assert sum(len(e["output_ids"]) for e in events) == 2000
+    assert len(raw) < 400 * 2000, len(raw)  # linear: a few hundred bytes a token at most

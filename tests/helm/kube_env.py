@@ -24,7 +24,7 @@ _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 class FakePod:
     """The downward-API facts of one pod."""
 
-    name: str = "rr-radix-router-worker-llama-0"
+    name: str = "rr-radix-router-worker-qwen-0"
     namespace: str = "radix"
     ip: str = "10.1.2.3"
     # Secrets that exist before install (values naming an existingSecret): name -> key -> value.

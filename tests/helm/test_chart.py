@@ -32,7 +32,7 @@ CASES = [None, *EXAMPLES]
 IDS = ["defaults", *(p.stem for p in EXAMPLES)]
 KUBE_VERSIONS = ["1.30.0", "1.33.0"]
 # Custom resources kubernetes-validate has no schema for; checked field by field below.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 PROBE_PATHS = {"/health", "/liveness", "/readiness"}
 
 
@@ -77,8 +77,15 @@ def test_validator_rejects_a_broken_manifest() -> None:
 
 def _port_names(workload: dict[str, Any]) -> dict[str, int]:
     return {
-        p["name"]: p["containerPort"] for c in pod_spec(workload)["containers"] for p in c["ports"]
+        p["name"]: p["containerPort"]
+        for c in pod_spec(workload)["containers"]
+        for p in c.get("ports", [])
     }
+
+
+def serving_container(sts: dict[str, Any]) -> dict[str, Any]:
+    """Our worker, or a stock engine's server (the container with the GPUs and the port)."""
+    return pod_spec(sts)["containers"][0]
 
 
 def test_services_select_pods_and_ports(case: tuple[Any, Rendered]) -> None:
@@ -115,6 +122,9 @@ def test_probe_ports_are_container_ports(case: tuple[Any, Rendered]) -> None:
     _, rendered = case
     for w in rendered.workloads():
         for c in pod_spec(w)["containers"]:
+            if "ports" not in c:  # the attach sidecar serves nothing
+                assert c["name"] == "attach", c["name"]
+                continue
             ports = {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
             probes = [c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c]
             assert probes, f"{c['name']} has no probes"
@@ -136,7 +146,7 @@ def test_router_and_workers_have_startup_probes(case: tuple[Any, Rendered]) -> N
         c = pod_spec(w)["containers"][0]
         assert {"startupProbe", "readinessProbe", "livenessProbe"} <= c.keys()
     for sts in rendered.of_kind("StatefulSet"):
-        probe = container(sts, "worker")["startupProbe"]
+        probe = serving_container(sts)["startupProbe"]
         budget = probe["periodSeconds"] * probe["failureThreshold"]
         assert budget >= 60, "a worker needs time to load its model before liveness applies"
 
@@ -151,7 +161,7 @@ def test_gpu_requests_on_workers(case: tuple[Any, Rendered]) -> None:
         m["engine"] == "sim" for m in values["servingEngineSpec"]["modelSpec"]
     )
     for sts in rendered.of_kind("StatefulSet"):
-        resources = container(sts, "worker")["resources"]
+        resources = serving_container(sts)["resources"]
         if is_sim:
             assert not _gpu_keys(resources), "the CPU sim fleet must not ask for GPUs"
         else:
@@ -169,6 +179,7 @@ def test_gpu_resource_name_and_count_are_configurable() -> None:
         "modelSpec": [
             {
                 "name": "a",
+                "engine": "vllm",
                 "model": {"path": "/models/a"},
                 "gpu": {"count": 2, "resourceName": "amd.com/gpu"},
             },
@@ -176,7 +187,7 @@ def test_gpu_resource_name_and_count_are_configurable() -> None:
         ]
     }
     rendered = render(values)
-    a = container(rendered.get("StatefulSet", "rr-radix-router-worker-a"), "worker")["resources"]
+    a = container(rendered.get("StatefulSet", "rr-radix-router-worker-a"), "engine")["resources"]
     b = container(rendered.get("StatefulSet", "rr-radix-router-worker-b"), "worker")["resources"]
     assert a["limits"]["amd.com/gpu"] == 2 and "nvidia.com/gpu" not in a["limits"]
     assert not _gpu_keys(b)
@@ -228,7 +239,7 @@ def test_network_policies_follow_the_traffic(case: tuple[Any, Rendered]) -> None
 
 def test_one_statefulset_per_model(case: tuple[Any, Rendered]) -> None:
     values, rendered = case
-    models = (values or {}).get("servingEngineSpec", {}).get("modelSpec") or [{"name": "llama"}]
+    models = (values or {}).get("servingEngineSpec", {}).get("modelSpec") or [{"name": "qwen"}]
     names = sorted(s["metadata"]["name"] for s in rendered.of_kind("StatefulSet"))
     assert names == sorted(f"rr-radix-router-worker-{m['name']}" for m in models)
     for sts in rendered.of_kind("StatefulSet"):
@@ -239,7 +250,13 @@ def test_one_statefulset_per_model(case: tuple[Any, Rendered]) -> None:
 
 def test_pods_are_locked_down(case: tuple[Any, Rendered]) -> None:
     _, rendered = case
-    assert not rendered.of_kind("Role") and not rendered.of_kind("RoleBinding")
+    # The one Role: the hook Job that creates the built-in Redis's password Secret once.
+    for role in rendered.of_kind("Role"):
+        assert role["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+        allowed = {
+            (v, tuple(r.get("resourceNames", ()))) for r in role["rules"] for v in r["verbs"]
+        }
+        assert allowed == {("get", ("rr-radix-router-redis-auth",)), ("create", ())}, allowed
     assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
     for w in [*rendered.workloads(), *rendered.of_kind("Pod")]:
         spec = pod_spec(w)
@@ -306,8 +323,13 @@ def test_helm_test_pod_calls_the_router(case: tuple[Any, Rendered]) -> None:
     assert f"{url}/health" in script and f"{url}/v1/completions" in script
     # It asks for the model the first worker serves.
     sts = rendered.of_kind("StatefulSet")[0]
-    worker_yaml = rendered.get("ConfigMap", sts["metadata"]["name"])["data"]["worker.yaml"]
-    name = yaml.safe_load(worker_yaml)["served_model_name"]
+    args = serving_container(sts).get("args", [])
+    flag = next((a for a in args if a.startswith("--served-model-name=")), None)
+    if flag is not None:  # a stock engine
+        name = flag.split("=", 1)[1]
+    else:
+        worker_yaml = rendered.get("ConfigMap", sts["metadata"]["name"])["data"]["worker.yaml"]
+        name = yaml.safe_load(worker_yaml)["served_model_name"]
     assert f'"model": "{name}"' in script
 
 

@@ -4,6 +4,7 @@ arriving where the services read them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,6 +14,7 @@ import redis.asyncio as aioredis
 
 from shared.config import RouterConfig, WorkerConfig, load_config
 from tests.helm.chart import (
+    CHART_DIR,
     EXAMPLES,
     EXAMPLES_DIR,
     Rendered,
@@ -22,18 +24,24 @@ from tests.helm.chart import (
     pod_spec,
     render,
 )
-from tests.helm.kube_env import FakePod, config_flag, container_env, expand, mount_config_files
+from tests.helm.kube_env import FakePod, config_flag, container_env, mount_config_files
 
 CASES = [None, *EXAMPLES]
 IDS = ["defaults", *(p.stem for p in EXAMPLES)]
 ROUTER = "rr-radix-router-router"
 # The Secrets values-production.yaml tells the user to create before install.
-PROD_REDIS_URL = (
-    "rediss://:s3cret@redis.prod.internal:6380/0?ssl_ca_certs=/etc/radix-redis-tls/ca.crt"
-)
+PROD_REDIS_URL = "rediss://radix-router:s3cret@redis.prod.internal:6380/0?ssl_ca_certs=/etc/radix-redis-tls/ca.crt"
+PROD_WORKER_URL = "rediss://radix-worker:w0rker@redis.prod.internal:6380/0?ssl_ca_certs=/etc/radix-redis-tls/ca.crt"
+# What the chart's hook Job (python -m shared.kube_secret) creates for the built-in Redis.
+GENERATED = {
+    "redis-password": "admin-Pw_1",
+    "router-password": "router-Pw_2",
+    "worker-password": "worker-Pw_3",
+}
 PROD_SECRETS = {
-    "radix-redis": {"redis-url": PROD_REDIS_URL},
+    "radix-redis": {"router-url": PROD_REDIS_URL, "worker-url": PROD_WORKER_URL},
     "radix-auth": {"api-keys": "key-a,key-b", "admin-key": "admin-1"},
+    "rr-radix-router-redis-auth": GENERATED,
 }
 
 
@@ -54,6 +62,8 @@ def worker_configs(
     out = {}
     for sts in rendered.of_kind("StatefulSet"):
         name = sts["metadata"]["name"]
+        if sts["spec"]["template"]["metadata"]["labels"]["radix-router.io/engine"] in STOCK:
+            continue  # a stock engine: no worker config (see test_stock_engines_*)
         pod = FakePod(name=f"{name}-0", ip=pod_ip, external_secrets=PROD_SECRETS)
         c = container(sts, "worker")
         root = mount_config_files(rendered, sts, c, tmp_path / name)
@@ -62,12 +72,23 @@ def worker_configs(
     return out
 
 
-def redis_password(rendered: Rendered) -> str | None:
-    """The password the built-in Redis starts with, as its container would see it."""
+STOCK = ("sglang", "vllm")
+
+
+def redis_users(rendered: Rendered) -> dict[str, str]:
+    """user -> password of the built-in Redis's ACL file, as its start script writes it."""
     (redis,) = rendered.component("Deployment", "redis")
     c = container(redis, "redis")
-    args = [expand(a, container_env(rendered, c, FakePod(name="redis-0"))) for a in c["args"]]
-    return args[args.index("--requirepass") + 1] if "--requirepass" in args else None
+    env = container_env(rendered, c, FakePod(name="redis-0", external_secrets=PROD_SECRETS))
+    users = {}
+    for line in c["args"][0].splitlines():
+        parts = line.split()
+        if parts[:1] == ["user"]:
+            password = parts[3].removeprefix(">")
+            for name, value in env.items():
+                password = password.replace("${" + name + "}", value)
+            users[parts[1]] = password
+    return users
 
 
 @pytest.mark.parametrize("path", CASES, ids=IDS)
@@ -81,7 +102,8 @@ def test_router_config_loads(path: Path | None, tmp_path: Path) -> None:
     assert config.port == port and config.host == "0.0.0.0"
     expected = (values or {}).get("routerSpec", {}).get("config", {})
     for key, value in expected.items():
-        assert getattr(config, key) == value, key
+        got = getattr(config, key)
+        assert (list(got) if isinstance(got, tuple) else got) == value, key
 
 
 @pytest.mark.parametrize("path", CASES, ids=IDS)
@@ -109,17 +131,24 @@ def test_redis_url_reaches_both_services(path: Path | None, tmp_path: Path) -> N
     rendered = render(load_values(path))
     router, _ = router_config(rendered, tmp_path, FakePod(external_secrets=PROD_SECRETS))
     workers = worker_configs(rendered, tmp_path)
-    assert router.redis_url and all(w.redis_url == router.redis_url for w in workers.values())
+    assert router.redis_url and all(w.redis_url for w in workers.values())
     assert all(w.redis_prefix == router.redis_prefix for w in workers.values())
     if rendered.component("Deployment", "redis"):
-        password = redis_password(rendered)
-        assert password and len(password) >= 16
-        assert router.redis_url == f"redis://:{password}@rr-radix-router-redis.radix.svc:6379/0"
+        # Each role logs in as its own ACL user, with the password Redis was started with.
+        users = redis_users(rendered)
+        host = "rr-radix-router-redis.radix.svc:6379/0"
+        assert router.redis_url == f"redis://radix-router:{users['radix-router']}@{host}"
+        assert users["radix-router"] == GENERATED["router-password"]
+        assert all(
+            w.redis_url == f"redis://radix-worker:{users['radix-worker']}@{host}"
+            for w in workers.values()
+        )
         # The URL names the chart's Redis Service and port.
         svc = rendered.get("Service", "rr-radix-router-redis")
         assert urlsplit(router.redis_url).port == svc["spec"]["ports"][0]["port"]
     else:
         assert router.redis_url == PROD_REDIS_URL
+        assert all(w.redis_url == PROD_WORKER_URL for w in workers.values())
 
 
 def test_external_redis_tls_reaches_redis_py(tmp_path: Path) -> None:
@@ -129,28 +158,40 @@ def test_external_redis_tls_reaches_redis_py(tmp_path: Path) -> None:
     pool = aioredis.Redis.from_url(config.redis_url).connection_pool
     assert pool.connection_class.__name__ == "SSLConnection"
     assert pool.connection_kwargs["password"] == "s3cret"
+    assert pool.connection_kwargs["username"] == "radix-router"
     ca = pool.connection_kwargs["ssl_ca_certs"]
     for w in [rendered.get("Deployment", ROUTER), *rendered.of_kind("StatefulSet")]:
         mounts = {m["mountPath"] for c in pod_spec(w)["containers"] for m in c["volumeMounts"]}
         assert str(Path(ca).parent) in mounts, w["metadata"]["name"]
 
 
-def test_built_in_redis_password_is_stable_when_given() -> None:
-    values = merged(None, **{"redis.builtin.auth.password": "fixed-Pass.1"})
-    assert redis_password(render(values)) == "fixed-Pass.1"
+def test_built_in_redis_passwords_are_never_rendered_so_never_rotate() -> None:
+    """No `lookup`, no random value in a template: a GitOps re-render cannot change the
+    password. The Secret comes from the hook Job (created once), or is the user's own."""
+    for template in (CHART_DIR / "templates").glob("*"):
+        text = template.read_text() if template.is_file() else ""
+        assert not re.search(r'lookup\s+"', text) and "randAlpha" not in text, template.name
+    rendered = render(None)
+    assert rendered.find("Secret", "rr-radix-router-redis-auth") is None
+    job = rendered.get("Job", "rr-radix-router-redis-secret-init")
+    c = pod_spec(job)["containers"][0]
+    assert c["command"] == ["python", "-m", "shared.kube_secret"]
+    assert c["args"] == ["rr-radix-router-redis-auth", *GENERATED]
+    own = render(merged(None, **{"redis.builtin.auth.existingSecret": "mine"}))
+    assert not own.of_kind("Job")
 
 
 def test_api_keys_and_admin_key_reach_the_router_not_the_configmap(tmp_path: Path) -> None:
     values = merged(None, **{"auth.apiKeys": ["k-one", "k-two"], "auth.adminKey": "adm-1"})
     rendered = render(values)
-    config, _ = router_config(rendered, tmp_path, FakePod())
+    config, _ = router_config(rendered, tmp_path, FakePod(external_secrets=PROD_SECRETS))
     assert config.api_keys == ("k-one", "k-two") and config.admin_key == "adm-1"
     for cm in rendered.of_kind("ConfigMap"):
         text = str(cm["data"])
         assert "k-one" not in text and "adm-1" not in text
     # With no keys configured the router runs open, and no auth Secret is made.
     bare = render(None)
-    config, _ = router_config(bare, tmp_path / "bare", FakePod())
+    config, _ = router_config(bare, tmp_path / "bare", FakePod(external_secrets=PROD_SECRETS))
     assert config.api_keys == () and config.admin_key is None
 
 
@@ -173,7 +214,7 @@ def test_keys_from_an_existing_secret(tmp_path: Path) -> None:
 )
 def test_router_replicas_turn_sync_on(changes: dict[str, Any], sync: bool, tmp_path: Path) -> None:
     rendered = render(merged(None, **changes))
-    config, _ = router_config(rendered, tmp_path, FakePod())
+    config, _ = router_config(rendered, tmp_path, FakePod(external_secrets=PROD_SECRETS))
     assert config.sync is sync
     assert ("sync on" in rendered.notes) is sync
 
@@ -184,9 +225,9 @@ def test_router_cli_loads_the_pod_config(tmp_path: Path, monkeypatch: pytest.Mon
     rendered = render(merged(None, **{"routerSpec.replicaCount": 2, "auth.apiKeys": ["k1"]}))
     c = container(rendered.get("Deployment", ROUTER), "router")
     root = mount_config_files(rendered, rendered.get("Deployment", ROUTER), c, tmp_path)
-    for key, value in container_env(rendered, c, FakePod()).items():
+    for key, value in container_env(rendered, c, FakePod(external_secrets=PROD_SECRETS)).items():
         monkeypatch.setenv(key, value)
     argv = [str(root / a.lstrip("/")) if a.startswith("/etc/") else a for a in c["args"]]
     config = cli.serve_config(cli.build_parser().parse_args(argv))
     assert config.sync is True and config.api_keys == ("k1",)
-    assert config.redis_url and config.redis_url.startswith("redis://:")
+    assert config.redis_url and config.redis_url.startswith("redis://radix-router:")

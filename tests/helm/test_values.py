@@ -47,7 +47,7 @@ def _with_model(**model: Any) -> dict[str, Any]:
         (_with_model(config={"max_running_requests": 0}), "max_running_requests"),
         (_with_model(config={"worker_id": "fixed"}), "worker_id"),
         (_with_model(model={"path": "/m", "storage": {"type": "s3"}}), "type"),
-        (merged(None, **{"redis.builtin.auth.password": "p@ss/word"}), "password"),
+        (merged(None, **{"redis.builtin.auth.routerPasswordKey": "a b"}), "routerPasswordKey"),
         (merged(None, **{"redis.external.url": "http://redis:6379"}), "url"),
         (merged(None, **{"surprise": True}), "surprise"),
     ],
@@ -80,7 +80,7 @@ def test_config_schema_matches_the_config_models() -> None:
     [
         (merged(None, **{"redis.builtin.enabled": False}), "redis.external.url"),
         (merged(None, **{"redis.external.url": "redis://r:6379/0"}), "builtin.enabled"),
-        (_with_model(model={"path": ""}), "model.path is required"),
+        (_with_model(model={"path": ""}), "needs model.path or model.huggingface.repo"),
         (
             {"servingEngineSpec": {"modelSpec": [GOOD_MODEL, GOOD_MODEL]}},
             "used twice",

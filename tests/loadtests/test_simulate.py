@@ -29,28 +29,45 @@ def _job(rid: int, tokens: list[int], out: int = 2, arrival: float = 0.0) -> Job
     )
 
 
-def test_worker_cost_model_queue_and_cache() -> None:
+def _drain(w: SimWorker, now: float) -> float:
+    """Run steps until the worker is idle; the time it went idle."""
+    while (end := w.start_step(now)) is not None:
+        w.finish_step(end)
+        now = end
+    return now
+
+
+def test_worker_runs_the_engine_in_virtual_time() -> None:
     w = SimWorker(0, COST)
     a, b = _job(1, list(range(10))), _job(2, [*range(10), 50, 51])
-    assert w.submit(a, 0.0) == [a]
-    assert w.submit(b, 0.0) == [] and w.load == 2  # max_running 1: b queues
-    # 10 uncached tokens × 100 µs, then one 2 ms step for the first token, two for the end.
-    assert np.isclose(a.first_token, 0.001 + 0.002) and np.isclose(a.finish, 0.001 + 0.004)
-    assert w.complete(a, a.finish) == [b]
-    assert b.cached == 10 and np.isclose(b.queue_delay, a.finish)  # a's prompt was cached
-    assert np.isclose(b.finish - b.admitted, 2 * 100e-6 + 0.004)
-    w.complete(b, b.finish)
-    w.cache.check_integrity()
+    w.submit(a)
+    w.submit(b)
+    assert w.load == 2
+    # Each step: 2 ms (one pass over the weights) + 100 µs per prefill token.
+    end = w.start_step(0.0)  # max_running 1: a alone, its 10-token prefill
+    assert end is not None and np.isclose(end, 0.002 + 0.001)
+    assert a.admitted == 0.0 and b.admitted < 0
+    assert w.finish_step(end) == [] and np.isclose(a.first_token, 0.003)
+    end2 = w.start_step(end)  # a's second (last) token
+    assert end2 is not None and w.finish_step(end2) == [a] and np.isclose(a.finish, 0.005)
+    assert w.load == 1
+    end3 = w.start_step(end2)  # b: a's prompt is in the tree, 2 tokens to prefill
+    assert end3 is not None and np.isclose(end3 - end2, 0.002 + 2 * 100e-6)
+    assert b.cached == 10 and np.isclose(b.queue_delay, 0.005)
+    w.finish_step(end3)
+    _drain(w, end3)
+    assert np.isclose(b.finish - b.admitted, 2 * 100e-6 + 0.004) and w.load == 0
+    w.engine.check_integrity()
     assert w.allocator.available + w.cache.total_size == 64
 
 
 def test_worker_evicts_when_full() -> None:
     w = SimWorker(0, COST)
+    now = 0.0
     for rid in range(6):  # 6 × (20 + 2) tokens through a 64-token cache
-        job = _job(rid, [rid * 100 + i for i in range(20)])
-        w.submit(job, 0.0)
-        w.complete(job, job.finish)
-    w.cache.check_integrity()
+        w.submit(_job(rid, [rid * 100 + i for i in range(20)]))
+        now = _drain(w, now)
+        w.engine.check_integrity()
     assert w.cache.total_size <= 64 and w.cached_tokens == 0
 
 
@@ -130,3 +147,12 @@ def test_cli_writes_tables_and_plots(tmp_path: Path, capsys) -> None:  # type: i
     assert "| 4 | 0.3 / 64 / smallest_tree / per_request | 40 |" in out
     for name in ("simulation.json", "sim_scale.png", "sim_ttft_cdf.png", "sim_thresholds.png"):
         assert (tmp_path / "o" / name).stat().st_size > 0
+
+
+def test_a_one_token_job_finishes_in_its_admission_step() -> None:
+    w = SimWorker(0, COST)
+    job = _job(1, list(range(10)), out=1)
+    w.submit(job)
+    end = w.start_step(0.0)
+    assert end is not None and job.admitted == 0.0 and job.cached == 0
+    assert w.finish_step(end) == [job] and job.finish == end and w.load == 0

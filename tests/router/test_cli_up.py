@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from loadtests.fleet import ROOT
 from router.cli import build_parser, serve_config
+from router.preflight import StartError, check_prerequisites
 from shared.config import ConfigError
 from shared.procs import wait_until
 from shared.redis_server import free_port
-from tests.router.processes import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +130,16 @@ def test_up_on_a_taken_port_fails_with_one_line_before_starting_anything(tmp_pat
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: port {port} on 127.0.0.1 is taken")
     assert list(tmp_path.iterdir()) == []  # not even a log folder was made
+
+
+def test_missing_pieces_are_named_before_anything_starts() -> None:
+    def without(*missing: str):
+        return lambda name: None if name in missing else object()
+
+    check_prerequisites("radix", None, without())
+    torch_line = r"--engine radix needs torch: pip install torch==2\.13\.0 --index-url"
+    with pytest.raises(StartError, match=torch_line):
+        check_prerequisites("radix", None, without("torch"))
+    check_prerequisites("sim", None, without("torch"))  # sim runs without torch
+    with pytest.raises(StartError, match="worker package is not installed"):
+        check_prerequisites("sim", "redis://127.0.0.1:1/0", without("worker"))

@@ -9,38 +9,33 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from loadtests.fleet import BenchFleet, WorkerSpec
 from router.app import create_app
 from router.state import FLEET, POLICY
 from router.workers import LoadGuard
 from shared.config import RouterConfig
-from shared.redis_server import RedisServer
-from tests.router.processes import Proc, start_sim_worker
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fleet_procs(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[RedisServer, list[Proc]]]:
-    logs = tmp_path_factory.mktemp("logs")
-    with RedisServer() as redis:
-        workers = [start_sim_worker(f"sim-{i}", redis.url, logs) for i in range(2)]
-        try:
-            yield redis, workers
-        finally:
-            for w in workers:
-                w.stop()
+def fleet() -> Iterator[BenchFleet]:
+    """Redis and two zero-cost sim worker processes; the router runs in process."""
+    spec = WorkerSpec(decode_ms=0.0, cache_tokens=20_000, extra=("--log-level", "WARNING"))
+    with BenchFleet() as f:
+        for i in range(2):
+            f.start_worker(f"sim-{i}", spec)
+        yield f
 
 
 @pytest.fixture
-async def router(fleet_procs: tuple[RedisServer, list[Proc]]) -> AsyncIterator[TestServer]:
-    redis, workers = fleet_procs
-    config = RouterConfig(redis_url=redis.url, discovery_interval=0.1, host="127.0.0.1")
+async def router(fleet: BenchFleet) -> AsyncIterator[TestServer]:
+    assert fleet.redis is not None
+    config = RouterConfig(redis_url=fleet.redis.url, discovery_interval=0.1, host="127.0.0.1")
     server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)
     await server.start_server()
-    await wait_until(lambda: len(server.app[FLEET].workers) == len(workers), timeout=10)
+    await wait_until(lambda: len(server.app[FLEET].workers) == len(fleet.workers), timeout=10)
     yield server
     await server.close()
 

@@ -26,9 +26,7 @@ class Replica:
     def __init__(self, url: str, inflight: dict[str, int] | None = None) -> None:
         self.redis = Redis.from_url(url, socket_timeout=5)
         self.seen: list[tuple[str, str]] = []
-        # Every worker this replica's table knows (decisions for others are not applied).
-        known = {f"w{i}": 0 for i in range(5)}
-        self.inflight = inflight if inflight is not None else known
+        self.inflight = inflight if inflight is not None else {}
         self.sync = DecisionSync(
             self.redis,
             Registry(self.redis, "t:"),

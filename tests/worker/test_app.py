@@ -16,7 +16,7 @@ from tests.waiting import wait_until
 from tests.worker.conftest import sim_config
 from worker.app import create_app
 from worker.backends import build_engine
-from worker.backends.sim import SimEngine
+from worker.engine.async_engine import AsyncEngine
 from worker.state import ENGINE, STATE
 
 Client = TestClient[web.Request, web.Application]
@@ -32,9 +32,9 @@ async def started(aiohttp_client: MakeClient, **overrides: Any) -> Client:
     return client
 
 
-def engine_of(client: Client) -> SimEngine:
+def engine_of(client: Client) -> AsyncEngine:
     engine = client.app[ENGINE]
-    assert isinstance(engine, SimEngine)
+    assert isinstance(engine, AsyncEngine)
     return engine
 
 
@@ -72,7 +72,7 @@ async def test_completion_and_chat_report_cached_tokens(aiohttp_client: MakeClie
     )
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert chat.headers["x-worker-id"] == "sim-test"
-    engine_of(client).check_integrity()
+    engine_of(client).engine.check_integrity()
 
 
 async def test_streaming_chat_with_usage(aiohttp_client: MakeClient) -> None:
@@ -173,7 +173,7 @@ async def test_bad_input_gets_openai_errors(
     assert resp.headers["x-worker-id"] == "sim-test"
     ok = await client.post("/v1/completions", json={"prompt": "still fine", "max_tokens": 2})
     assert ok.status == 200
-    engine_of(client).check_integrity()
+    engine_of(client).engine.check_integrity()
 
 
 async def test_body_limit_and_unknown_route(aiohttp_client: MakeClient) -> None:
@@ -197,6 +197,7 @@ async def test_models_info_metrics_flush(aiohttp_client: MakeClient) -> None:
     metrics = await (await client.get("/metrics")).text()
     assert 'radix_worker_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
     assert "radix_worker_completion_tokens_total 2.0" in metrics
+    assert "radix_worker_preemptions_total 0.0" in metrics
     assert "radix_worker_kv_capacity_tokens 50000.0" in metrics
     assert (await (await client.post("/flush_cache")).json()) == {"flushed": True}
     assert engine_of(client).stats().cache_used_tokens == 0
@@ -234,14 +235,15 @@ async def test_health_draining_and_api_keys(aiohttp_client: MakeClient) -> None:
 async def test_health_is_503_until_the_engine_is_up(aiohttp_client: MakeClient) -> None:
     gate = asyncio.Event()
 
-    class SlowStart(SimEngine):  # the real sim engine, whose start waits for the test
+    class SlowStart(AsyncEngine):  # the real sim engine, whose start waits for the test
         async def start(self) -> None:
             await gate.wait()
+            await super().start()
 
     config = sim_config()
     base = build_engine(config)
-    assert isinstance(base, SimEngine)
-    app = create_app(config, SlowStart(base.config, base.tokenizer))
+    assert isinstance(base, AsyncEngine)
+    app = create_app(config, SlowStart(base.engine, base.model_name))
     client = await aiohttp_client(app)
     assert (await client.get("/health")).status == 503
     resp = await client.post("/v1/completions", json={"prompt": "x"})
@@ -263,4 +265,4 @@ async def test_queue_full_is_503(aiohttp_client: MakeClient) -> None:
     assert resp.status == 503 and assert_error_shape(await resp.json())["code"] == "overloaded"
     for task in (first, second):
         (await task).close()
-    engine_of(client).check_integrity()
+    engine_of(client).engine.check_integrity()

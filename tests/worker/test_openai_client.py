@@ -14,7 +14,6 @@ import pytest
 
 from shared.procs import wait_until
 from tests.worker.conftest import WorkerThread, sim_config
-from worker.backends.sim import SimEngine
 
 SYSTEM = "You are a terse assistant for a radix cache test. Keep every answer short. " * 6
 
@@ -141,7 +140,4 @@ async def test_client_disconnect_mid_stream_frees_kv(worker: WorkerThread) -> No
 def check_integrity(worker: WorkerThread) -> None:
     """Free + cached + held == every KV slot. The radix engine's step thread is idle once
     its scheduler reports nothing running, so reading its state from here is safe."""
-    if isinstance(worker.engine, SimEngine):
-        worker.run(worker.engine.check_integrity)
-    else:
-        worker.engine.engine.check_integrity()  # type: ignore[attr-defined]
+    worker.engine.engine.check_integrity()  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ import pytest
 
 from shared.config import WorkerConfig
 from worker.backends import build_engine
-from worker.engine.types import EngineOverloaded, GenerateRequest, SamplingParams
+from worker.engine.types import EngineOverloaded, EngineRequest, SamplingParams
 
 
 async def test_weights_load_in_start_not_in_the_constructor(tiny_model_dir: Path) -> None:
@@ -18,7 +18,7 @@ async def test_weights_load_in_start_not_in_the_constructor(tiny_model_dir: Path
     )
     assert backend.model_name == tiny_model_dir.name
     assert backend.max_model_len == 0 and backend.stats().cache_capacity_tokens == 0
-    request = GenerateRequest(
+    request = EngineRequest(
         "r1", prompt="hello radix", params=SamplingParams(max_tokens=3, temperature=0)
     )
     with pytest.raises(EngineOverloaded, match="loading"):

@@ -1,7 +1,8 @@
 """Backends behind the one `Engine` protocol, chosen with `--engine`.
 
-Each is imported only when chosen: `vllm` is an optional, heavy dependency, and the
-sim engine must start without torch model weights.
+Each is imported only when chosen: the sim engine must start without torch model
+weights. (A stock vLLM or SGLang server joins the fleet through `radix-worker attach`
+instead: worker/attach.py.)
 """
 
 from __future__ import annotations
@@ -22,19 +23,18 @@ def build_engine(config: WorkerConfig) -> Engine:
         return build_sim_engine(config)
     if config.model is None:
         raise ConfigError(f"model: required for --engine {config.engine} (a local model folder)")
-    if config.engine == "vllm":
-        from worker.backends.vllm_backend import VllmEngine
-
-        return VllmEngine(config)
     from worker.backends.radix import build_radix_engine
 
     return build_radix_engine(config)
 
 
 def build_sim_engine(config: WorkerConfig) -> Engine:
-    """The sim engine from the worker config: the model's tokenizer when `--model` is
-    given, else the built-in `TextTokenizer` (no files needed)."""
-    from worker.backends.sim import SimConfig, SimEngine
+    """The engine over a cost model (worker/backends/sim.py): the model's tokenizer when
+    `--model` is given, else the built-in `TextTokenizer` (no files needed)."""
+    from dataclasses import replace
+
+    from worker.backends.radix import engine_config
+    from worker.backends.sim import build_sim_engine as build
     from worker.backends.text_tokenizer import TextTokenizer
 
     tokenizer: SimTokenizer
@@ -46,16 +46,12 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
     else:
         tokenizer = TextTokenizer()
         name = "sim"
-    cache_tokens = config.cache_tokens or 1_000_000
-    sim = SimConfig(
-        model_name=config.served_model_name or name,
-        cache_tokens=cache_tokens,
-        page_size=config.page_size,
-        max_running_requests=config.max_running_requests,
-        max_waiting_requests=config.max_waiting_requests,
+    engine = replace(engine_config(config), kv_capacity_tokens=config.cache_tokens or 1_000_000)
+    return build(
+        engine,
+        tokenizer,
+        config.served_model_name or name,
         max_model_len=config.max_model_len or 32_768,
         prefill_us_per_token=config.sim_prefill_us_per_token,
         decode_ms_per_token=config.sim_decode_ms_per_token,
-        disable_radix_cache=config.disable_radix_cache,
     )
-    return SimEngine(sim, tokenizer)

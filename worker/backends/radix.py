@@ -17,12 +17,7 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.types import (
-    EngineOverloaded,
-    EngineStats,
-    GenerateOutput,
-    GenerateRequest,
-)
+from worker.engine.types import EngineOverloaded, EngineRequest, EngineStats, GenerateOutput
 
 
 def engine_config(config: WorkerConfig) -> EngineConfig:
@@ -39,6 +34,9 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         disable_cuda_graph=config.disable_cuda_graph,
         disable_radix_cache=config.disable_radix_cache,
         max_waiting_requests=max(1, config.max_waiting_requests),
+        max_n=config.max_n,
+        schedule_policy=config.schedule_policy,
+        share_inflight_prefixes=config.share_inflight_prefixes,
     )
 
 
@@ -73,15 +71,15 @@ class RadixBackend:
     async def start(self) -> None:
         if self._async is None:
             model, config = self.config.model, engine_config(self.config)
-            self._async = await asyncio.to_thread(AsyncEngine, model, config)  # type: ignore[arg-type]
-            self._async.model_name = self.model_name
+            engine = await asyncio.to_thread(LLMEngine.from_model_dir, model, config)  # type: ignore[arg-type]
+            self._async = AsyncEngine(engine, self.model_name)
         await self._async.start()
 
     async def stop(self) -> None:
         if self._async is not None:
             await self._async.stop()
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateOutput]:
         return self.loaded.generate(request)
 
     async def abort(self, request_id: str) -> None:
@@ -97,6 +95,9 @@ class RadixBackend:
 
     def count_tokens(self, text: str) -> int:
         return self.loaded.count_tokens(text)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return self.loaded.token_texts(ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -1,4 +1,5 @@
-"""`AsyncEngine`: the radix backend of the `Engine` protocol (worker/engine/types.py).
+"""`AsyncEngine`: an `LLMEngine` behind the `Engine` protocol (worker/engine/types.py),
+for the `radix` backend (a model) and the `sim` backend (a cost model) alike.
 
 The step loop runs in its own thread, never on the event loop. The event loop talks to
 it through an inbox of commands (add, abort, flush) guarded by a condition variable;
@@ -17,19 +18,17 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from worker.engine.chat import render_chat
-from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.sequence import Sequence
+from worker.engine.sequence import Req
 from worker.engine.types import (
     EngineError,
     EngineOverloaded,
+    EngineRequest,
     EngineStats,
     GenerateOutput,
-    GenerateRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -38,15 +37,13 @@ _Item = GenerateOutput | BaseException
 
 
 class AsyncEngine:
-    """Loads the model in the constructor (blocking: build it off the event loop with
-    `asyncio.to_thread` for big models); `start()` launches the step thread."""
+    """Drives a built engine (building one loads its model: do that off the event loop);
+    `start()` launches the step thread."""
 
-    def __init__(
-        self, model_dir: str | Path, config: EngineConfig, *, engine: LLMEngine | None = None
-    ) -> None:
-        self.config = config
-        self.engine = engine or LLMEngine.from_model_dir(model_dir, config)
-        self.model_name = Path(model_dir).name
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.config = engine.config
+        self.engine = engine
+        self.model_name = model_name
         self.max_model_len = self.engine.max_model_len
         self._cond = threading.Condition()
         self._inbox: list[Callable[[], None]] = []
@@ -79,7 +76,7 @@ class AsyncEngine:
 
     # --- requests ---
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateOutput]:
         """Validates now (EngineError / EngineOverloaded before anything is queued); the
         request is queued when the returned iterator is first awaited."""
         if self._thread is None or self._stopping:
@@ -91,22 +88,24 @@ class AsyncEngine:
         limit = self.config.max_running_requests + self.config.max_waiting_requests
         if len(self._active) >= limit:
             raise EngineOverloaded(f"{len(self._active)} requests in flight; try again later")
-        seq = self.engine.make_sequence(request)
-        return self._stream(seq)
+        reqs = self.engine.make_reqs(request)
+        return self._stream(reqs)
 
-    async def _stream(self, seq: Sequence) -> AsyncIterator[GenerateOutput]:
-        rid = seq.request_id
+    async def _stream(self, reqs: list[Req]) -> AsyncIterator[GenerateOutput]:
+        rid = reqs[0].request_id
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._active.add(rid)
-        self._submit(lambda: self._do_add(seq, queue))
+        self._submit(lambda: self._do_add(reqs, queue))
         done = False
+        unfinished = len(reqs)  # choices still generating
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                done = item.finished
+                unfinished -= item.finished
+                done = unfinished == 0
                 yield item
                 if done:
                     return
@@ -138,6 +137,10 @@ class AsyncEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.engine.encode_prompt(text))
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        tokenizer = self.engine.tokenizer
+        return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
@@ -166,8 +169,7 @@ class AsyncEngine:
                 log.exception("engine step failed; failing every request in flight")
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                self._dispatch(out)
+            self._dispatch(outputs)
         for rid in list(self._queues):
             self._do_abort(rid)
         # Commands that raced with the stop: resolve flushes, end late streams.
@@ -184,27 +186,30 @@ class AsyncEngine:
             except Exception:  # one bad command must not stop the loop for everyone
                 log.exception("engine command failed")
 
-    def _do_add(self, seq: Sequence, queue: asyncio.Queue[_Item]) -> None:
+    def _do_add(self, reqs: list[Req], queue: asyncio.Queue[_Item]) -> None:
         try:
-            self.engine.add(seq)
+            self.engine.add(reqs)
         except EngineError as exc:
             self._push(queue, exc)
             return
-        self._queues[seq.request_id] = queue
+        self._queues[reqs[0].request_id] = queue
 
     def _do_abort(self, request_id: str) -> None:
-        out = self.engine.abort(request_id)
+        outs = self.engine.abort(request_id)
         queue = self._queues.pop(request_id, None)
-        if queue is not None and out is not None:
-            self._push(queue, out)
+        if queue is not None:
+            for out in outs:
+                self._push(queue, out)
 
-    def _dispatch(self, out: GenerateOutput) -> None:
-        queue = self._queues.get(out.request_id)
-        if queue is None:
-            return
-        if out.finished:
-            del self._queues[out.request_id]
-        self._push(queue, out)
+    def _dispatch(self, outputs: list[GenerateOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                self._push(queue, out)
+        # After the whole step: several choices of one request may finish in it.
+        for out in outputs:
+            if out.finished and out.request_id not in self.engine.in_flight:
+                self._queues.pop(out.request_id, None)
 
     def _fail_all(self, exc: Exception) -> None:
         error = RuntimeError(f"engine step failed: {exc!r}")

@@ -7,6 +7,7 @@ or the KV pool (the effective context length, the pool capacity) live on the eng
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,22 @@ class EngineConfig:
     # Queue depth beyond the running batch: with max_running_requests + this many
     # requests in flight, new ones get `EngineOverloaded` (HTTP 503).
     max_waiting_requests: int = 4096
+    # Most choices (`n`) one request may ask for: each is a running sequence.
+    max_n: int = 8
+    # --- scheduling (worker/engine/admission.py explains each rule) ---
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    lpm_max_waiting: int = 128
+    max_queue_wait_steps: int = 256
+    # Prefill chunks enter the radix tree while their request still runs (off: only
+    # at release, the ablation for benchmarks).
+    share_inflight_prefixes: bool = True
+    inbatch_dedup_min_tokens: int = 32  # 0: off
+    # SGLang's defaults: 0.7 -> 0.098 (0.7 x 0.14) over 600 decode steps; outputs
+    # longer than 4,096 tokens are reserved as 4,096.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.098
+    new_token_ratio_decay_steps: int = 600
+    max_reserved_tokens_per_request: int = 4096
 
     def __post_init__(self) -> None:
         positive = {
@@ -45,6 +62,11 @@ class EngineConfig:
             "page_size": self.page_size,
             "evict_batch_tokens": self.evict_batch_tokens,
             "max_waiting_requests": self.max_waiting_requests,
+            "max_n": self.max_n,
+            "lpm_max_waiting": self.lpm_max_waiting,
+            "max_queue_wait_steps": self.max_queue_wait_steps,
+            "new_token_ratio_decay_steps": self.new_token_ratio_decay_steps,
+            "max_reserved_tokens_per_request": self.max_reserved_tokens_per_request,
         }
         if self.max_model_len is not None:
             positive["max_model_len"] = self.max_model_len
@@ -53,6 +75,16 @@ class EngineConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(
+                f"EngineConfig.schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}"
+            )
+        if self.inbatch_dedup_min_tokens < 0:
+            raise ValueError("EngineConfig.inbatch_dedup_min_tokens must be >= 0")
+        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ValueError(
+                "EngineConfig needs 0 <= min_new_token_ratio <= init_new_token_ratio <= 1"
+            )
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(
                 "EngineConfig.attention_backend must be auto, sdpa or triton, "

@@ -1,35 +1,46 @@
 """The synchronous engine: requests in, one `step()` at a time, outputs out.
 
-    step = schedule -> run -> sample -> postprocess
+    step = schedule -> run (the runner's forward, then the sampler) -> postprocess
 
-Not thread-safe: `async_engine.AsyncEngine` drives it from one thread. Tests drive it
-directly and call `check_integrity()` after every step.
+The runner is the model (`runner.ModelRunner`) or a cost model (the `sim` backend's
+`CostModelRunner`): the scheduler, radix cache and allocator are the same code for
+both. Not thread-safe: `async_engine.AsyncEngine` drives it from one thread. Tests
+drive it directly and call `check_integrity()` after every step.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
-from worker.engine.runner import ModelRunner, SeqBatchItem
-from worker.engine.sampler import Sampler
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
-from worker.engine.tokenizer import Tokenizer
-from worker.engine.types import EngineError, EngineStats, GenerateOutput, GenerateRequest
+from worker.engine.scheduler import Batch, Scheduler
+from worker.engine.sequence import Req
+from worker.engine.types import (
+    EngineError,
+    EngineRequest,
+    EngineStats,
+    GenerateOutput,
+    TokenLogprob,
+)
+
+REQUEST_MS_WEIGHT = 0.1  # moving mean of seat time: the last ~10 requests dominate
 
 
 class LLMEngine:
-    """Owns the scheduler, the radix cache and the sampler around one model runner.
+    """Owns the scheduler, the radix cache and the allocator around one runner.
 
     `runner` needs `config` (vocab_size, max_position_embeddings, eos_token_ids),
-    `pool.allocator`, `device` and `forward(items) -> logits`; `tokenizer` needs
-    `encode`, `detokenizer` and `eos_token_ids` — so tests can pass fakes of both.
+    `capacity` (KV slots), `forward(items)` and `release(seq_id)`; `sampler` needs
+    `sample(logits, reqs) -> [(token, TokenLogprob | None)]` and `release(seq_id)`;
+    `tokenizer` needs `encode` and `detokenizer` — so tests can pass fakes of all three.
     """
 
     def __init__(
@@ -37,20 +48,22 @@ class LLMEngine:
         runner: Any,
         tokenizer: Any,
         config: EngineConfig,
+        sampler: Any,
         *,
         cache: PrefixCache | None = None,
-        sampler: Sampler | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock
         self.runner = runner
         self.tokenizer = tokenizer
-        self.allocator = runner.pool.allocator
+        self.sampler = sampler
+        self.allocator = SlotAllocator(runner.capacity)
         if cache is None:
             cache_cls = NoCache if config.disable_radix_cache else RadixCache
             cache = cache_cls(self.allocator, page_size=config.page_size)
         self.cache: PrefixCache = cache
-        self.scheduler = Scheduler(config, self.allocator, cache)
-        self.sampler = sampler or Sampler(runner.device)
+        self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
         # The override may only shorten the model's context. And a request never holds
         # more slots than the pool has: then the oldest running request can always make
         # progress, whatever else is queued.
@@ -59,15 +72,23 @@ class LLMEngine:
             config.max_model_len or model_len, model_len, self.allocator.capacity
         )
         self.vocab_size: int = runner.config.vocab_size
-        self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(runner.config.eos_token_ids)
+        eos = getattr(tokenizer, "eos_token_ids", ())
+        self.eos_ids = frozenset(eos) | frozenset(runner.config.eos_token_ids)
         self._seq_ids = itertools.count()
-        self._seqs: dict[str, Sequence] = {}  # in-flight requests by request_id
+        self.in_flight: dict[str, list[Req]] = {}  # in-flight requests (their n choices) by id
+        self.last_batch = Batch()  # what the last step ran (the simulator and tests read it)
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.completion_tokens_total = 0
+        self.request_ms = 0.0  # how long an admitted request holds its seat: moving mean
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
+        """The engine over a model folder (imports torch: the sim path never calls it)."""
+        from worker.engine.runner import ModelRunner
+        from worker.engine.sampler import Sampler
+        from worker.engine.tokenizer import Tokenizer
+
         runner = ModelRunner(
             model_dir,
             device=config.device,
@@ -78,14 +99,15 @@ class LLMEngine:
             cuda_graphs=not config.disable_cuda_graph,
             max_running_requests=config.max_running_requests,
         )
-        return cls(runner, Tokenizer.from_dir(model_dir), config)
+        return cls(runner, Tokenizer.from_dir(model_dir), config, Sampler(runner.device))
 
     # --- requests ---
 
-    def make_sequence(self, request: GenerateRequest) -> Sequence:
-        """Validate and tokenize; reads no mutable engine state, so any thread may call it."""
+    def make_reqs(self, request: EngineRequest) -> list[Req]:
+        """Validate and tokenize (one Req per choice); reads no mutable engine state,
+        so any thread may call it."""
         params = request.params
-        params.validate()
+        params.validate(max_n=self.config.max_n, vocab_size=self.vocab_size)
         if any(not s for s in params.stop):
             raise EngineError("stop strings must not be empty", param="stop")
         if (request.prompt is None) == (request.prompt_token_ids is None):
@@ -101,52 +123,58 @@ class LLMEngine:
         self._check_ids(params.stop_token_ids, "stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise EngineError(
-                f"prompt has {len(ids)} tokens; this model's context length is "
-                f"{self.max_model_len} (the prompt and at least one new token must fit)",
+                f"prompt has {len(ids)} tokens; {self._context()} is {self.max_model_len} "
+                "(the prompt and at least one new token must fit)",
                 param="prompt",
                 code="context_length_exceeded",
             )
         if len(ids) + params.max_tokens > self.max_model_len:
             raise EngineError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context length {self.max_model_len}",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"{self._context()}, {self.max_model_len}",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
-        return Sequence(
-            request_id=request.request_id,
-            prompt_ids=ids,
-            params=params,
-            detokenizer=self.tokenizer.detokenizer(),
-            seq_id=next(self._seq_ids),
-            stop_ids=stop_ids,
-        )
-
-    def add(self, seq: Sequence) -> None:
-        if seq.request_id in self._seqs:
-            raise EngineError(
-                f"request id {seq.request_id!r} is already in flight", param="request_id"
+        return [
+            Req(
+                request_id=request.request_id,
+                prompt_ids=ids,
+                params=params,
+                detokenizer=self.tokenizer.detokenizer(),
+                seq_id=next(self._seq_ids),
+                stop_ids=stop_ids,
+                index=i,
             )
-        self._seqs[seq.request_id] = seq
-        self.scheduler.add(seq)
+            for i in range(params.n)
+        ]
 
-    def add_request(self, request: GenerateRequest) -> Sequence:
-        seq = self.make_sequence(request)
-        self.add(seq)
-        return seq
+    def add(self, reqs: list[Req]) -> None:
+        rid = reqs[0].request_id
+        if rid in self.in_flight:
+            raise EngineError(f"request id {rid!r} is already in flight", param="request_id")
+        self.in_flight[rid] = reqs
+        for seq in reqs:
+            self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> GenerateOutput | None:
-        """Drop a request and free what it held; its final output (None if unknown)."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return None
-        self.scheduler.abort(seq)
-        seq.finish_reason = "abort"
-        self._retire(seq)
-        return seq.to_output()
+    def add_request(self, request: EngineRequest) -> list[Req]:
+        reqs = self.make_reqs(request)
+        self.add(reqs)
+        return reqs
+
+    def abort(self, request_id: str) -> list[GenerateOutput]:
+        """Drop a request and free what it held; the final output of each unfinished choice."""
+        outputs = []
+        for seq in list(self.in_flight.get(request_id, ())):
+            if seq.is_finished:
+                continue
+            self.scheduler.abort(seq)
+            seq.finish_reason = "abort"
+            self._retire(seq)
+            outputs.append(seq.to_output())
+        return outputs
 
     @property
     def has_work(self) -> bool:
@@ -155,37 +183,41 @@ class LLMEngine:
     # --- the loop ---
 
     def step(self) -> list[GenerateOutput]:
-        schedule = self.scheduler.schedule()
-        if not schedule.items:
+        batch = self.last_batch = self.scheduler.schedule()
+        self._stamp_admitted(batch.admitted)
+        if not batch.items:
             return []
-        logits = self.runner.forward(
-            [SeqBatchItem(i.input_ids, i.start_pos, i.slots) for i in schedule.items]
-        )
-        sampling = [i.seq for i in schedule.items if i.samples]
-        rows = [k for k, i in enumerate(schedule.items) if i.samples]
-        self.scheduler.advance(schedule)
-        if not sampling:
-            return []
-        if len(rows) < len(schedule.items):
-            logits = logits[rows]
-        tokens = self.sampler.sample(
-            logits, [s.params for s in sampling], [s.seq_id for s in sampling]
-        )
-        outputs = []
-        for seq, token in zip(sampling, tokens, strict=True):
-            seq.append_token(token, self.max_model_len)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                self._retire(seq)
-            outputs.append(seq.to_output())
-        return outputs
+        logits = self.runner.forward(batch.items)  # rows for the sampled items only
+        sampled = batch.sampled
+        tokens = self.sampler.sample(logits, sampled)
+        self.scheduler.advance(batch)
+        return [self._postprocess(s, *t) for s, t in zip(sampled, tokens, strict=True)]
 
-    def _retire(self, seq: Sequence) -> None:
-        del self._seqs[seq.request_id]
+    def _postprocess(self, seq: Req, token: int, logprob: TokenLogprob | None) -> GenerateOutput:
+        seq.append_token(token, self.max_model_len, logprob)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            self._retire(seq)
+        return seq.to_output()
+
+    def _stamp_admitted(self, reqs: list[Req]) -> None:
+        now = self.clock()
+        for seq in reqs:
+            if seq.admitted is None:  # not a readmission after a preemption
+                seq.admitted = now
+
+    def _retire(self, seq: Req) -> None:
         self.sampler.release(seq.seq_id)
-        self.prompt_tokens_total += len(seq.prompt_ids)
-        self.cached_tokens_total += seq.cached_tokens or 0
+        if seq.admitted is not None:
+            held_ms = (self.clock() - seq.admitted) * 1e3
+            self.request_ms += REQUEST_MS_WEIGHT * (held_ms - self.request_ms)
         self.completion_tokens_total += len(seq.output_ids)
+        if seq.index == 0:  # the prompt is one, however many choices share it
+            self.prompt_tokens_total += len(seq.prompt_ids)
+            self.cached_tokens_total += seq.cached_tokens or 0
+        choices = self.in_flight[seq.request_id]
+        if all(s.is_finished for s in choices):
+            del self.in_flight[seq.request_id]
 
     # --- cache, stats, invariants ---
 
@@ -203,13 +235,21 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             completion_tokens_total=self.completion_tokens_total,
+            preemptions_total=self.scheduler.num_preemptions,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            # A cost-model runner knows its costs exactly; a model runner reports none.
+            prefill_us_per_token=getattr(self.runner, "prefill_us_per_token", 0.0),
+            decode_ms_per_token=getattr(self.runner, "decode_ms_per_token", 0.0),
+            max_running_requests=self.config.max_running_requests,
+            request_ms=self.request_ms,
         )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         in_flight = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if in_flight != len(self._seqs):
-            raise AssertionError(f"{len(self._seqs)} requests tracked, {in_flight} scheduled")
+        tracked = sum(not s.is_finished for reqs in self.in_flight.values() for s in reqs)
+        if in_flight != tracked:
+            raise AssertionError(f"{tracked} choices tracked, {in_flight} scheduled")
 
     # --- input checks ---
 
@@ -220,6 +260,11 @@ class LLMEngine:
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
             ids = ids[1:]
         return ids
+
+    def _context(self) -> str:
+        if self.max_model_len == self.allocator.capacity:
+            return "the context length (what this worker's KV cache holds)"
+        return "this model's context length"
 
     def _check_ids(self, ids: Any, param: str) -> list[int]:
         out = list(ids)

@@ -92,7 +92,9 @@ class PrefixCache(Protocol):
     hit_tokens: int
     miss_tokens: int
 
-    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult: ...
+    def match_prefix(
+        self, tokens: Sequence[int] | np.ndarray, *, record: bool = True
+    ) -> MatchResult: ...
     def insert(
         self, tokens: Sequence[int] | np.ndarray, slots: np.ndarray, cached_len: int = 0
     ) -> int: ...
@@ -185,14 +187,20 @@ class RadixCache:
         upper.children[child.kb[: self._kbytes]] = child
         return upper
 
-    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
-        """The longest cached page-aligned prefix of `tokens`, its slots and its last node."""
+    def match_prefix(
+        self, tokens: Sequence[int] | np.ndarray, *, record: bool = True
+    ) -> MatchResult:
+        """The longest cached page-aligned prefix of `tokens`, its slots and its last node.
+
+        `record=False` for the scheduler's own look-ups (queue ordering, the match after
+        an in-flight insert): they count in neither hit_tokens nor miss_tokens."""
         arr = _as_tokens(tokens)
         n = len(arr)
         self._tick += 1
         node, matched, parts = self._walk(arr, n - n % self.page_size, self._tick)
-        self.hit_tokens += matched
-        self.miss_tokens += n - matched
+        if record:
+            self.hit_tokens += matched
+            self.miss_tokens += n - matched
         slots = np.concatenate(parts) if parts else _empty_slots()
         return MatchResult(slots, node, matched)
 
@@ -387,8 +395,11 @@ class NoCache:
         self.hit_tokens = 0
         self.miss_tokens = 0
 
-    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> MatchResult:
-        self.miss_tokens += len(tokens)
+    def match_prefix(
+        self, tokens: Sequence[int] | np.ndarray, *, record: bool = True
+    ) -> MatchResult:
+        if record:
+            self.miss_tokens += len(tokens)
         return MatchResult(_empty_slots(), self.root, 0)
 
     def insert(

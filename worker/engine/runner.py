@@ -19,7 +19,6 @@ grow with context. Only new tokens count in `tokens_computed`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 
 from worker.engine.attention import make_backend, resolve_backend
 from worker.engine.attention.metadata import ReqToTokenTable, Staging, StepInputs, build_step
+from worker.engine.batch import SeqBatchItem
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.device import pick_device, pick_dtype
 from worker.engine.kv_pool import KVPool
@@ -39,17 +39,7 @@ from worker.engine.weights import load_model
 CPU_DEFAULT_KV_TOKENS = 131_072
 
 
-@dataclass
-class SeqBatchItem:
-    input_ids: list[int]  # the NEW tokens to run (uncached prompt chunk, or 1 sampled token)
-    start_pos: int  # tokens of this sequence that already have KV in the pool
-    slots: np.ndarray  # int64 slot of every token 0 .. start_pos + len(input_ids) - 1
-    # Stable while the sequence runs; None: a one-step row (every slot copied each step).
-    seq_id: int | None = None
-    # First position whose slot may differ from what the runner last saw for seq_id
-    # (0 after (re)admission). Only slots[dirty_from:] are read.
-    dirty_from: int = 0
-    sample: bool = True  # return logits for this item's last token
+__all__ = ["CPU_DEFAULT_KV_TOKENS", "ModelRunner", "SeqBatchItem"]
 
 
 class ModelRunner:
@@ -107,6 +97,11 @@ class ModelRunner:
     @property
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
+
+    @property
+    def capacity(self) -> int:
+        """KV slots in the pool: the engine's allocator hands out [0, capacity)."""
+        return self.pool.capacity
 
     def release(self, seq_id: int) -> None:
         """The sequence left the running set: its table row is free (no-op if unknown)."""

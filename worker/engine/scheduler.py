@@ -1,9 +1,10 @@
-"""Continuous batching over the radix cache.
+"""Continuous batching over the radix cache, shared while requests still run.
 
 Each step every running request that has finished its prefill decodes one token, and
 prompts (only their uncached suffix) are prefilled in chunks under a per-step token
 budget. Pure Python over ints, lists and numpy slot arrays: the model runner owns every
-tensor, so this module is tested with a fake runner.
+tensor, so this module is tested with a fake runner, and the `sim` backend and the
+virtual-time fleet simulator run it with a cost model instead of a model.
 
 The slots of one sequence (`seq.slots`, one per token of `seq.all_ids[:len(slots)]`),
 described here and sliced nowhere else:
@@ -13,122 +14,175 @@ described here and sliced nowhere else:
     owner    | radix tree      | this sequence        | this sequence        |
              | (path locked)   | (KV written)         | (KV not yet written) |
     admit    | match + lock    | alloc(num_tokens - prefix_len) -------------->|
-    step     |                 | a prefill chunk or a decode writes KV, so      |
-             |                 | num_computed grows; a decode first allocs one  |
-             |                 | slot for its input (the last sampled token)    |
+    chunk    | insert(all_ids[:aligned num_computed]): the tree takes the new |
+    done     | slots, frees the ones it already held (the sequence switches to|
+    (prefill)| the tree's), the lock moves down: prefix_len = that length     |
+    decode   |                 | first allocs one slot for its input (the last |
+             |                 | sampled token), then writes its KV            |
     release  | unlock          | insert(all_ids[:num_computed],                 | free
     (finish, |                 |   slots[:num_computed], cached_len=prefix_len):|
     preempt, |                 |   the tree keeps the new slots and frees the   |
     abort)   |                 |   duplicates and the page-unaligned tail       |
 
+Prefill chunks join the tree as soon as they are computed (SGLang's
+`cache_unfinished_req`), so a request arriving while another with the same prefix is
+still running reuses it. Decode tokens join at release only: inserting them each step
+would cost a tree walk per token per request, and the request that would reuse an
+answer (the next turn of the conversation) arrives after it finished anyway.
+
 A decoding sequence has len(slots) == num_computed == num_tokens - 1: its last sampled
 token is the next step's input. Preempted sequences keep their output tokens and, once
-readmitted, recompute whatever the tree no longer holds.
+readmitted, recompute whatever the tree no longer holds (usually nothing: their KV
+went into the tree when they were preempted).
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from worker.engine.admission import Admission
 from worker.engine.allocator import SlotAllocator
+from worker.engine.batch import SeqBatchItem
 from worker.engine.config import EngineConfig
-from worker.engine.radix_cache import PrefixCache
-from worker.engine.sequence import SeqStatus, Sequence
-
-
-@dataclass(frozen=True)
-class ScheduledItem:
-    """One sequence's share of a step: `input_ids` at positions start_pos.. ."""
-
-    seq: Sequence
-    input_ids: list[int]
-    start_pos: int
-    slots: np.ndarray  # slots of tokens 0 .. start_pos + len(input_ids) - 1
-
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + len(self.input_ids)
-
-    @property
-    def samples(self) -> bool:
-        """The last chunk of a prefill, or a decode: its logits give the next token."""
-        return self.end_pos == self.seq.num_tokens
+from worker.engine.radix_cache import NoCache, PrefixCache
+from worker.engine.sequence import Req, SeqStatus
 
 
 @dataclass
-class Schedule:
-    items: list[ScheduledItem] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+class Batch:
+    """One step's work: `items[i]` runs `reqs[i]`."""
+
+    items: list[SeqBatchItem] = field(default_factory=list)
+    reqs: list[Req] = field(default_factory=list)
+    chunked: list[Req] = field(default_factory=list)  # ran a prefill chunk
+    admitted: list[Req] = field(default_factory=list)  # left the queue this step
+    preempted: list[Req] = field(default_factory=list)
+
+    @property
+    def sampled(self) -> list[Req]:
+        """The requests whose next token this step gives, in batch order."""
+        return [r for r, item in zip(self.reqs, self.items, strict=True) if item.sample]
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: SlotAllocator, cache: PrefixCache) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: SlotAllocator,
+        cache: PrefixCache,
+        on_release: Callable[[int], None] = lambda seq_id: None,
+    ) -> None:
         self.config = config
         self.allocator = allocator
         self.cache = cache
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.on_release = on_release  # the runner forgets a sequence that left the batch
+        self.share = config.share_inflight_prefixes and not isinstance(cache, NoCache)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # in admission order: the newest is preempted first
+        self.admission = Admission(config, cache, share=self.share)
+        self.steps = 0
         self.num_preemptions = 0
+        self.waiting_prompt_tokens = 0  # prompt tokens of the queue (cost_aware reads it)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Req) -> None:
+        seq.queued_at_step = self.steps
         self.waiting.append(seq)
+        self.waiting_prompt_tokens += len(seq.prompt_ids)
 
-    def schedule(self) -> Schedule:
-        out = Schedule()
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens queued (whole prompts: a hit is known only at admission) or
+        admitted but not prefilled yet."""
+        running = sum(len(s.slots) - s.num_computed for s in self.running if s.is_prefilling)
+        return self.waiting_prompt_tokens + running
+
+    def schedule(self) -> Batch:
+        self.steps += 1
+        out = Batch()
         # Taken before the decoders get their new slot (which makes them look prefilling).
         prefilling = [s for s in self.running if s.is_prefilling]
-        decoders = self._grow_decoders(out.preempted)
-        for seq in decoders:
-            out.items.append(ScheduledItem(seq, [seq.last_token], seq.num_computed, seq.slots))
+        for seq in self._grow_decoders(out.preempted):
+            self._emit(out, seq, 1)
         budget = self.config.max_prefill_tokens
         for seq in prefilling:
             if budget <= 0:
                 break
             if seq.status is SeqStatus.RUNNING:  # not just preempted
                 budget -= self._add_chunk(out, seq, budget)
+        self.admission.after_decode(preempted=bool(out.preempted), decoded=bool(out.items))
         # Admitting right after a preemption would only thrash: memory is short.
-        while (
-            not out.preempted
-            and budget > 0
-            and self.waiting
-            and len(self.running) < self.config.max_running_requests
-            and self._admit(self.waiting[0])
-        ):
-            seq = self.waiting.popleft()
-            if seq.admitted is None:
-                seq.admitted = time.monotonic()
-            self.running.append(seq)
-            budget -= self._add_chunk(out, seq, budget)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
         return out
 
-    def advance(self, schedule: Schedule) -> None:
-        """The runner wrote the KV of every scheduled item."""
-        for item in schedule.items:
-            item.seq.num_computed = item.end_pos
+    def advance(self, batch: Batch) -> None:
+        """The runner wrote the KV of every scheduled item: prefill chunks join the tree."""
+        for seq, item in zip(batch.reqs, batch.items, strict=True):
+            seq.num_computed = item.end_pos
+        if self.share:
+            for seq in batch.chunked:
+                self._cache_unfinished(seq)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Req) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Req) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.finish(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self.waiting_prompt_tokens -= len(seq.prompt_ids)
             seq.status = SeqStatus.FINISHED
+
+    # --- admission ---
+
+    def _admit_waiting(self, out: Batch, budget: int) -> None:
+        cfg = self.config
+        prefilling = [s for s in self.running if s.is_prefilling]
+        reserved = sum(self.admission.reserve(s) for s in self.running)
+        for seq in self.admission.order(self.waiting, self.steps):
+            if budget <= 0 or len(self.running) >= cfg.max_running_requests:
+                return
+            match = self.cache.match_prefix(seq.match_key)
+            if self.admission.held_for_dedup(seq, match.prefix_len, prefilling):
+                continue  # a running prefill computes its prefix: admit it after that
+            self.cache.lock(match.last_node)
+            need = seq.num_tokens - match.prefix_len
+            reserve = self.admission.reserve(seq)
+            usable = self.allocator.available + self.cache.evictable_size
+            if need + reserve + reserved > usable or not self._ensure_free(need):
+                self.cache.unlock(match.last_node)
+                return  # head of line waits: a finishing request frees memory
+            seq.slots = np.concatenate(
+                [match.slots[: match.prefix_len], self.allocator.alloc(need)]
+            )
+            seq.prefix_len = seq.num_computed = match.prefix_len
+            seq.last_node = match.last_node
+            seq.status = SeqStatus.RUNNING
+            seq.dirty_from = 0
+            if seq.cached_tokens is None:
+                seq.cached_tokens = min(match.prefix_len, len(seq.prompt_ids))
+            self.waiting.remove(seq)
+            self.waiting_prompt_tokens -= len(seq.prompt_ids)
+            self.running.append(seq)
+            out.admitted.append(seq)
+            reserved += reserve
+            prefilling.append(seq)
+            budget -= self._add_chunk(out, seq, budget)
 
     # --- slots ---
 
-    def _grow_decoders(self, preempted: list[Sequence]) -> list[Sequence]:
+    def _grow_decoders(self, preempted: list[Req]) -> list[Req]:
         """One new slot per decoding sequence; preempt the newest until they fit."""
         decoders = [s for s in self.running if not s.is_prefilling]
         while decoders and not self._ensure_free(len(decoders)):
@@ -136,6 +190,8 @@ class Scheduler:
             self._release(victim)
             victim.status = SeqStatus.WAITING
             self.waiting.appendleft(victim)  # readmitted first, oldest ahead
+            self.waiting_prompt_tokens += len(victim.prompt_ids)
+            victim.queued_at_step = self.steps
             preempted.append(victim)
             self.num_preemptions += 1
             if victim in decoders:
@@ -146,39 +202,53 @@ class Scheduler:
                 seq.slots = np.append(seq.slots, slot)
         return decoders
 
-    def _admit(self, seq: Sequence) -> bool:
-        tokens = seq.all_ids
-        # Leave at least one token to run: its logits give the next token.
-        match = self.cache.match_prefix(tokens[:-1])
-        self.cache.lock(match.last_node)
-        need = len(tokens) - match.prefix_len
-        # Keep one decode slot per running request (and this one) for the next step, or
-        # the admission would be undone by a preemption right away.
-        if not self._ensure_free(need + len(self.running) + 1):
-            self.cache.unlock(match.last_node)
-            return False
-        seq.slots = np.concatenate([match.slots[: match.prefix_len], self.allocator.alloc(need)])
-        seq.prefix_len = seq.num_computed = match.prefix_len
-        seq.last_node = match.last_node
-        seq.status = SeqStatus.RUNNING
-        if seq.cached_tokens is None:
-            seq.cached_tokens = min(match.prefix_len, len(seq.prompt_ids))
-        return True
-
     def _ensure_free(self, n: int) -> bool:
         shortfall = n - self.allocator.available
         if shortfall > 0 and self.cache.evictable_size > 0:
             self.cache.evict(max(shortfall, self.config.evict_batch_tokens))
         return self.allocator.available >= n
 
-    def _add_chunk(self, out: Schedule, seq: Sequence, budget: int) -> int:
+    def _add_chunk(self, out: Batch, seq: Req, budget: int) -> int:
         n = min(len(seq.slots) - seq.num_computed, budget)
-        end = seq.num_computed + n
-        ids = seq.all_ids[seq.num_computed : end]
-        out.items.append(ScheduledItem(seq, ids, seq.num_computed, seq.slots[:end]))
+        self._emit(out, seq, n)
+        out.chunked.append(seq)
         return n
 
-    def _release(self, seq: Sequence) -> None:
+    def _emit(self, out: Batch, seq: Req, n: int) -> None:
+        start = seq.num_computed
+        end = start + n
+        prompt = seq.prompt_ids
+        ids = prompt[start:end] if end <= len(prompt) else seq.all_ids[start:end]
+        item = SeqBatchItem(
+            ids, start, seq.slots[:end], seq.seq_id, seq.dirty_from, end == seq.num_tokens
+        )
+        seq.dirty_from = end  # the runner sees every slot up to `end` now
+        out.items.append(item)
+        out.reqs.append(seq)
+
+    def _cache_unfinished(self, seq: Req) -> None:
+        """Hand the computed, page-aligned prefix to the tree while the request runs."""
+        n = seq.num_computed
+        limit = n - n % self.cache.page_size
+        if limit <= seq.prefix_len:
+            return
+        prompt = seq.prompt_ids
+        ids = prompt[:limit] if limit <= len(prompt) else seq.all_ids[:limit]
+        had = self.cache.insert(ids, seq.slots[:limit], cached_len=seq.prefix_len)
+        match = self.cache.match_prefix(ids, record=False)
+        assert match.prefix_len == limit, "a just-inserted prefix must match whole"
+        self.cache.lock(match.last_node)
+        if seq.last_node is not None:
+            self.cache.unlock(seq.last_node)
+        if had > seq.prefix_len:
+            # The tree held [prefix_len, had) already and freed our copies: use its slots
+            # (the same tokens at the same positions, so the same K/V).
+            seq.slots[seq.prefix_len : had] = match.slots[seq.prefix_len : had]
+            seq.dirty_from = min(seq.dirty_from, seq.prefix_len)
+        seq.prefix_len = limit
+        seq.last_node = match.last_node
+
+    def _release(self, seq: Req) -> None:
         """Hand the KV back: see the table at the top of this module."""
         n = seq.num_computed
         if n > seq.prefix_len:
@@ -188,8 +258,9 @@ class Scheduler:
         if seq.last_node is not None:
             self.cache.unlock(seq.last_node)
         seq.slots = seq.slots[:0]
-        seq.prefix_len = seq.num_computed = 0
+        seq.prefix_len = seq.num_computed = seq.dirty_from = 0
         seq.last_node = None
+        self.on_release(seq.seq_id)
 
     # --- invariants ---
 

@@ -1,8 +1,9 @@
-"""Per-request state: tokens, where their KV lives, and the text streamed so far.
+"""Per-request state (`Req`): tokens, where their KV lives, and the text streamed so far.
 
 Pure Python over ints, lists and numpy slot arrays: the scheduler reads and writes the
 KV fields, the engine's postprocess the token/text fields. Which slots belong to whom
-is explained once, in the table at the top of `scheduler.py`.
+is explained once, in the table at the top of `scheduler.py`. A request with `n` > 1
+is `n` Reqs with the same request_id and prompt (choice `index` 0..n-1).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from worker.engine.radix_cache import TreeNode
-from worker.engine.types import FinishReason, GenerateOutput, SamplingParams
+from worker.engine.types import FinishReason, GenerateOutput, SamplingParams, TokenLogprob
 
 
 class Detokenizer(Protocol):
@@ -28,8 +29,56 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"  # released: holds nothing
 
 
+class StopMatcher:
+    """Finds stop strings in text fed a few characters at a time, in time linear in
+    the characters fed (a KMP automaton per stop string). A rescan of the unsent text
+    per token cost 0.6-1 s per request with crafted stop strings (issue 15)."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._fail = [_failure(s) for s in stops]
+        self._state = [0] * len(stops)  # chars of stops[i] that end the text fed so far
+        self._fed = 0
+
+    def feed(self, chars: str) -> int | None:
+        """Feed new text; the start (in all text fed) of the earliest stop string that
+        completes within it, or None."""
+        best: int | None = None
+        for i, stop in enumerate(self.stops):
+            fail, k = self._fail[i], self._state[i]
+            for j, c in enumerate(chars):
+                while k and stop[k] != c:
+                    k = fail[k - 1]
+                if stop[k] == c:
+                    k += 1
+                if k == len(stop):
+                    start = self._fed + j + 1 - k
+                    best = start if best is None else min(best, start)
+                    k = fail[k - 1]
+                    break
+            self._state[i] = k
+        self._fed += len(chars)
+        return best
+
+    @property
+    def overlap(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        return max(self._state, default=0)
+
+
+def _failure(s: str) -> list[int]:
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
 @dataclass(eq=False)
-class Sequence:
+class Req:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -38,6 +87,7 @@ class Sequence:
     seq_id: int
     # eos (unless ignore_eos) and stop_token_ids: sampling one of them ends the request.
     stop_ids: frozenset[int] = frozenset()
+    index: int = 0  # the choice this Req produces (n > 1)
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     # Monotonic times: queued, and first admitted by the scheduler (queue-time metric).
@@ -50,6 +100,11 @@ class Sequence:
     prefix_len: int = 0  # slots[:prefix_len] belong to the radix tree (locked path)
     num_computed: int = 0  # tokens whose KV has been written
     last_node: TreeNode | None = None  # the locked tree node ending the matched prefix
+    dirty_from: int = 0  # slots[:dirty_from] are what the runner last saw (batch.py)
+    queued_at_step: int = 0  # the scheduler's step count when it last queued (lpm age)
+    # Monotonic times: queued, and first admitted (queue-time metric, seat time).
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
     # Prefix hit of the first admission: what the client is told was cached.
     cached_tokens: int | None = None
 
@@ -57,11 +112,27 @@ class Sequence:
     text: str = ""  # everything detokenized so far (stop string excluded once found)
     sent_len: int = 0  # chars of `text` already streamed
     unsent_ids: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_matcher: StopMatcher | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_arr = np.asarray(self.prompt_ids, dtype=np.int64)
+        if self.params.stop:
+            self.stop_matcher = StopMatcher(self.params.stop)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def match_key(self) -> np.ndarray:
+        """The tokens a prefix match may cover: all but the last (its logits give the
+        next token, so it is always computed). Reuses the prompt's array when no output
+        exists yet (the common case: a new request in the queue)."""
+        if not self.output_ids:
+            return self.prompt_arr[:-1]
+        return np.asarray(self.all_ids[:-1], dtype=np.int64)
 
     @property
     def num_tokens(self) -> int:
@@ -80,64 +151,58 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def append_token(self, token_id: int, max_model_len: int) -> None:
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens this request may still generate (what admission reserves for)."""
+        return self.params.max_tokens - len(self.output_ids)
+
+    def append_token(
+        self, token_id: int, max_model_len: int, logprob: TokenLogprob | None = None
+    ) -> None:
         """Record a sampled token, detokenize it and decide whether the request ends."""
         self.output_ids.append(token_id)
         self.unsent_ids.append(token_id)
+        if logprob is not None:
+            self.unsent_logprobs.append(logprob)
         if token_id in self.stop_ids:
             # Stop tokens (eos, stop_token_ids) count as completion tokens, but their
             # text is not part of the answer.
             self.finish_reason = "stop"
             return
-        self.text += self.detokenizer.push(token_id)
-        if self.params.stop and self._cut_at_stop_string():
-            self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        piece = self.detokenizer.push(token_id)
+        self.text += piece
+        if self.stop_matcher is not None and piece:
+            hit = self.stop_matcher.feed(piece)
+            if hit is not None:
+                self.text = self.text[:hit]  # the held-back tail was never sent
+                self.finish_reason = "stop"
+                return
+        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
 
     def take_text_delta(self) -> str:
         """Text that can be streamed now; holds back a tail that may start a stop string."""
         end = len(self.text)
-        if self.finish_reason is None and self.params.stop:
-            end -= _stop_prefix_overlap(self.text, self.params.stop, self.sent_len)
+        if self.finish_reason is None and self.stop_matcher is not None:
+            end -= self.stop_matcher.overlap
         delta = self.text[self.sent_len : end]
         self.sent_len = max(self.sent_len, end)
         return delta
 
-    def take_token_ids(self) -> tuple[int, ...]:
-        ids, self.unsent_ids = tuple(self.unsent_ids), []
-        return ids
-
     def to_output(self) -> GenerateOutput:
         """What the client has not seen yet, plus the counts so far (takes the deltas)."""
+        ids, self.unsent_ids = tuple(self.unsent_ids), []
+        logprobs, self.unsent_logprobs = tuple(self.unsent_logprobs), []
         return GenerateOutput(
             request_id=self.request_id,
             text_delta=self.take_text_delta(),
-            token_ids=self.take_token_ids(),
+            token_ids=ids,
             prompt_tokens=len(self.prompt_ids),
             cached_tokens=self.cached_tokens or 0,
             completion_tokens=len(self.output_ids),
             finished=self.finish_reason is not None,
             finish_reason=self.finish_reason,
+            index=self.index,
+            logprobs=logprobs,
             queue_seconds=None if self.admitted is None else self.admitted - self.arrived,
         )
-
-    def _cut_at_stop_string(self) -> bool:
-        # Only text not yet streamed can contain a new match start (earlier text was
-        # sent because no stop string could start there).
-        hits = [pos for s in self.params.stop if (pos := self.text.find(s, self.sent_len)) != -1]
-        if not hits:
-            return False
-        self.text = self.text[: min(hits)]
-        return True
-
-
-def _stop_prefix_overlap(text: str, stops: tuple[str, ...], start: int) -> int:
-    """Length of the longest suffix of text[start:] that is a proper prefix of a stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text) - start), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best

@@ -1,6 +1,6 @@
 """The engine's public vocabulary: what a request asks for and what comes back.
 
-Every backend (`radix`, `sim`, `vllm`) speaks these types, so the HTTP layer never
+Every backend (`radix`, `sim`) speaks these types, so the HTTP layer never
 knows which engine it fronts. Pure data: no torch, no aiohttp, no Redis.
 """
 
@@ -31,18 +31,34 @@ class EngineOverloaded(RuntimeError):
     """The engine cannot take the request now (queue full, draining): HTTP 503."""
 
 
+# OpenAI's limits: at most 20 alternatives per position, biases in [-100, 100].
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k cut
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # choices sampled from one prompt (its KV computed once)
+    # OpenAI's penalties over the output so far: logit -= presence * [count > 0]
+    # + frequency * count; repetition (vLLM / HF, over prompt and output): a seen
+    # token's positive logit is divided by it, a negative one multiplied.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: bool = False  # the chosen token's log-probability (temperature 1)
+    top_logprobs: int = 0  # and this many most likely alternatives
 
-    def validate(self) -> None:
+    def validate(self, max_n: int = 1 << 30, vocab_size: int | None = None) -> None:
         if self.max_tokens <= 0:
             raise EngineError("max_tokens must be at least 1", param="max_tokens")
         if self.temperature < 0:
@@ -51,10 +67,46 @@ class SamplingParams:
             raise EngineError("top_p must be in (0, 1]", param="top_p")
         if self.top_k == 0 or self.top_k < -1:
             raise EngineError("top_k must be -1 (off) or >= 1", param="top_k")
+        if not 0 <= self.min_p <= 1:
+            raise EngineError("min_p must be in [0, 1]", param="min_p")
+        if not 1 <= self.n <= max_n:
+            raise EngineError(f"n must be in [1, {max_n}] on this worker", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise EngineError(f"{name} must be in [-2, 2]", param=name)
+        if not 0 < self.repetition_penalty <= 2:
+            raise EngineError("repetition_penalty must be in (0, 2]", param="repetition_penalty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
+            )
+        for token, bias in self.logit_bias:
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise EngineError(
+                    f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
+                    param="logit_bias",
+                )
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise EngineError(
+                    f"logit_bias values must be in [-100, 100], got {bias}", param="logit_bias"
+                )
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
 
 @dataclass(frozen=True)
-class GenerateRequest:
+class TokenLogprob:
+    """A sampled token's log-probability at temperature 1 and the `top` alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
     """One generation. Exactly one of `prompt` (text) or `prompt_token_ids` is set."""
 
     request_id: str
@@ -76,8 +128,10 @@ class GenerateOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    finished: bool = False
+    finished: bool = False  # this choice is done (the request is when all n are)
     finish_reason: FinishReason | None = None
+    index: int = 0  # the choice (0 .. n-1)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
     # Seconds the request waited before the scheduler admitted it (None until admitted).
     queue_seconds: float | None = None
 
@@ -93,6 +147,7 @@ class EngineStats:
     prompt_tokens_total: int
     cached_tokens_total: int
     completion_tokens_total: int
+    preemptions_total: int = 0  # running requests sent back to the queue (KV ran short)
     # For the router's cost_aware policy (predicted time to first token): prompt tokens
     # queued or still prefilling (a waiting request's whole prompt: its cache hit is only
     # known at admission) and what a prefill token / a decode step costs. 0.0: unknown.
@@ -115,9 +170,10 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Stream outputs; closing the iterator early (client gone) aborts the request
-        and frees everything it held."""
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateOutput]:
+        """Stream outputs (choices interleaved when n > 1; it ends once every choice
+        has finished); closing the iterator early (client gone) aborts the request and
+        frees everything it held."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -127,6 +183,10 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def count_tokens(self, text: str) -> int: ...
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (for logprobs)."""
+        ...
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True

@@ -113,9 +113,63 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- fail (printf "servingEngineSpec.modelSpec: name %q is used twice" .name) }}
 {{- end }}
 {{- $_ := set $names .name true }}
-{{- if and (ne .engine "sim") (not .model.path) }}
-{{- fail (printf "servingEngineSpec.modelSpec[%s].model.path is required for engine %s" .name .engine) }}
+{{- if and (ne .engine "sim") (not .model.path) (not .model.huggingface.repo) }}
+{{- fail (printf "servingEngineSpec.modelSpec[%s]: engine %s needs model.path or model.huggingface.repo" .name .engine) }}
 {{- end }}
+{{- if and .model.huggingface.repo (eq .model.storage.type "none") }}
+{{- fail (printf "servingEngineSpec.modelSpec[%s]: model.huggingface.repo needs a model.storage volume to download into" .name) }}
+{{- end }}
+{{- if and (eq .engine "radix") (gt (int .gpu.count) 1) }}
+{{- fail (printf "servingEngineSpec.modelSpec[%s]: engine radix runs on one GPU per pod; a model that needs tensor parallelism uses engine vllm or sglang" .name) }}
+{{- end }}
+{{- $stop := add (int (default 0 .config.shutdown_delay)) (int (default 30 .config.drain_timeout)) }}
+{{- if has .engine (list "sglang" "vllm") }}{{ $stop = add (int .preStopSleepSeconds) 30 }}{{ end }}
+{{- if lt (int .terminationGracePeriodSeconds) (int $stop) }}
+{{- fail (printf "servingEngineSpec.modelSpec[%s].terminationGracePeriodSeconds (%d) must cover the shutdown delay and the drain (%d s)" .name (int .terminationGracePeriodSeconds) (int $stop)) }}
+{{- end }}
+{{- end }}
+{{- $r := .Values.routerSpec }}
+{{- $rstop := add (int $r.preStopSleepSeconds) (int (default 30 $r.config.drain_timeout)) }}
+{{- if lt (int $r.terminationGracePeriodSeconds) (int $rstop) }}
+{{- fail (printf "routerSpec.terminationGracePeriodSeconds (%d) must cover preStopSleepSeconds + config.drain_timeout (%d s)" (int $r.terminationGracePeriodSeconds) (int $rstop)) }}
+{{- end }}
+{{- end }}
+
+{{/* Is a model entry a stock engine (its own image, with the attach sidecar)? "true"/"". */}}
+{{- define "radix-router.isStock" -}}
+{{- if has .engine (list "sglang" "vllm") }}true{{ end }}
+{{- end }}
+
+{{/* The folder the engine loads: model.path, or <mountPath>/<name> for a Hub download. */}}
+{{- define "radix-router.modelPath" -}}
+{{- if .model.path }}{{ .model.path }}
+{{- else if .model.huggingface.repo }}{{ printf "%s/%s" (trimSuffix "/" .model.storage.mountPath) .name }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level extension points shared by every workload. Call with the spec map. */}}
+{{- define "radix-router.podExtras" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
 
@@ -126,29 +180,52 @@ kubelet's $(VAR) expansion (so the password must be URL-safe; the generated one 
 Call with (list $ "ROUTER").
 */}}
 {{- define "radix-router.redisEnv" -}}
-{{- $ := index . 0 }}
+{{- $ := index . 0 }}{{- $role := index . 1 }}
 {{- $b := $.Values.redis.builtin }}
 {{- if $b.enabled }}
 {{- $host := printf "%s.%s.svc:%d" (include "radix-router.redisName" $) $.Release.Namespace (int $b.port) }}
 {{- if $b.auth.enabled }}
+{{- $user := ternary "radix-router" "radix-worker" (eq $role "ROUTER") }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ include "radix-router.redisPasswordSecretName" $ }}
-      key: {{ $b.auth.existingSecretKey }}
-- name: RADIX_{{ index . 1 }}_REDIS_URL
-  value: "redis://:$(REDIS_PASSWORD)@{{ $host }}/0"
+      key: {{ ternary $b.auth.routerPasswordKey $b.auth.workerPasswordKey (eq $role "ROUTER") }}
+- name: RADIX_{{ $role }}_REDIS_URL
+  value: "redis://{{ $user }}:$(REDIS_PASSWORD)@{{ $host }}/0"
 {{- else }}
-- name: RADIX_{{ index . 1 }}_REDIS_URL
+- name: RADIX_{{ $role }}_REDIS_URL
   value: "redis://{{ $host }}/0"
 {{- end }}
 {{- else }}
-- name: RADIX_{{ index . 1 }}_REDIS_URL
+{{- $x := $.Values.redis.external }}
+- name: RADIX_{{ $role }}_REDIS_URL
   valueFrom:
     secretKeyRef:
       name: {{ include "radix-router.redisUrlSecretName" $ }}
+      {{- if and (eq $role "WORKER") $x.existingSecret $x.workerExistingSecretKey }}
+      key: {{ $x.workerExistingSecretKey }}
+      {{- else }}
       key: {{ include "radix-router.redisUrlSecretKey" $ }}
+      {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+Redis ACL rules per role (after "user NAME on >PASSWORD"), for the built-in Redis and
+documented for an external one (chart README). Keys and channels are limited to the
+fleet's prefix. Routers read worker records but cannot write them (%R~, Redis 7+); they
+own the sync stream, their load hashes and the rate-limit cells. Workers (and attach
+sidecars) may only write heartbeat records, the worker set and join/leave events.
+*/}}
+{{- define "radix-router.redisAclRouter" -}}
+{{- $p := .Values.redisPrefix -}}
+resetkeys %R~{{ $p }}worker:* ~{{ $p }}workers ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
+{{- end }}
+
+{{- define "radix-router.redisAclWorker" -}}
+{{- $p := .Values.redisPrefix -}}
+resetkeys ~{{ $p }}worker:* ~{{ $p }}workers resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +sadd +srem +del +publish +multi +exec +discard
 {{- end }}
 
 {{- define "radix-router.redisTlsVolume" -}}
@@ -173,6 +250,7 @@ Call with (list $ "ROUTER").
 {{/* The model name clients send: servedModelName, else the model folder's name, else the entry's name. */}}
 {{- define "radix-router.servedModelName" -}}
 {{- if .model.servedModelName }}{{ .model.servedModelName }}
+{{- else if .model.huggingface.repo }}{{ base .model.huggingface.repo }}
 {{- else if .model.path }}{{ base .model.path }}
 {{- else }}{{ .name }}{{ end }}
 {{- end }}
@@ -209,7 +287,40 @@ would skip) replaces the default. Returns YAML. Call with (list $defaults $entry
 {{- define "radix-router.workerConfig" -}}
 {{- $ := index . 0 }}{{- $m := index . 1 }}
 {{- $cfg := dict "host" "0.0.0.0" "port" (int $.Values.servingEngineSpec.port) "engine" $m.engine "redis_prefix" $.Values.redisPrefix }}
-{{- with $m.model.path }}{{ $_ := set $cfg "model" . }}{{ end }}
+{{- with include "radix-router.modelPath" $m }}{{ $_ := set $cfg "model" . }}{{ end }}
 {{- $_ := set $cfg "served_model_name" (include "radix-router.servedModelName" $m) }}
 {{- toYaml (mergeOverwrite (deepCopy (default dict $m.config)) $cfg) }}
+{{- end }}
+
+{{/*
+A worker pod's identity and Redis URL (our worker, or the attach sidecar of a stock
+engine): the pod's stable name is its worker id; routers dial the advertised URL.
+Call with (list $ $statefulSetName).
+*/}}
+{{- define "radix-router.workerIdentityEnv" -}}
+{{- $ := index . 0 }}{{- $name := index . 1 }}
+{{- $e := $.Values.servingEngineSpec }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: RADIX_WORKER_WORKER_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: RADIX_WORKER_ADVERTISE_URL
+  {{- if eq $e.advertise "dns" }}
+  value: "http://$(POD_NAME).{{ $name }}.$(POD_NAMESPACE).svc:{{ $e.port }}"
+  {{- else }}
+  value: "http://$(POD_IP):{{ $e.port }}"
+  {{- end }}
+{{ include "radix-router.redisEnv" (list $ "WORKER") | trim }}
 {{- end }}

@@ -16,8 +16,8 @@ from worker.engine.types import (
     Engine,
     EngineError,
     EngineOverloaded,
+    EngineRequest,
     GenerateOutput,
-    GenerateRequest,
     SamplingParams,
 )
 
@@ -28,7 +28,7 @@ CONFIG = EngineConfig(kv_capacity_tokens=4096, device="cpu")
 
 @pytest.fixture
 async def engine(tiny_model_dir: Path) -> AsyncIterator[AsyncEngine]:
-    eng = AsyncEngine(tiny_model_dir, CONFIG)
+    eng = AsyncEngine(LLMEngine.from_model_dir(tiny_model_dir, CONFIG), "tiny")
     await eng.start()
     yield eng
     await eng.stop()
@@ -39,9 +39,9 @@ def ids(seed: int, n: int = 30) -> tuple[int, ...]:
     return tuple(rng.randrange(4, 1000) for _ in range(n))
 
 
-def greedy(rid: str, prompt: tuple[int, ...], max_tokens: int = 8) -> GenerateRequest:
+def greedy(rid: str, prompt: tuple[int, ...], max_tokens: int = 8) -> EngineRequest:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return GenerateRequest(rid, prompt_token_ids=prompt, params=params)
+    return EngineRequest(rid, prompt_token_ids=prompt, params=params)
 
 
 async def collect(it: AsyncIterator[GenerateOutput]) -> list[GenerateOutput]:
@@ -59,7 +59,7 @@ async def wait_idle(eng: AsyncEngine) -> None:
 
 async def test_satisfies_the_engine_protocol(engine: AsyncEngine, tiny_model_dir: Path) -> None:
     as_protocol: Engine = engine
-    assert as_protocol.model_name == tiny_model_dir.name
+    assert as_protocol.model_name == "tiny"
     assert engine.max_model_len == 2048
     assert engine.count_tokens("the cat sees a dog") == len(
         engine.engine.encode_prompt("the cat sees a dog")
@@ -127,9 +127,9 @@ async def test_explicit_abort_ends_the_stream(engine: AsyncEngine) -> None:
 
 
 async def test_seeded_sampling_is_reproducible(engine: AsyncEngine) -> None:
-    def sampled(rid: str, seed: int) -> GenerateRequest:
+    def sampled(rid: str, seed: int) -> EngineRequest:
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
-        return GenerateRequest(rid, prompt_token_ids=ids(13), params=params)
+        return EngineRequest(rid, prompt_token_ids=ids(13), params=params)
 
     noise = [greedy(f"n{i}", ids(20 + i)) for i in range(3)]
     first, *_ = await asyncio.gather(
@@ -150,11 +150,11 @@ async def test_stop_string_over_the_async_path(engine: AsyncEngine) -> None:
     prompt = "my friend answers many questions on Monday."
     full = "".join(
         o.text_delta
-        for o in await collect(engine.generate(GenerateRequest("f", prompt=prompt, params=params)))
+        for o in await collect(engine.generate(EngineRequest("f", prompt=prompt, params=params)))
     )
     stop = full[5:8]
     stopped = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=(stop,))
-    outs = await collect(engine.generate(GenerateRequest("s", prompt=prompt, params=stopped)))
+    outs = await collect(engine.generate(EngineRequest("s", prompt=prompt, params=stopped)))
     assert "".join(o.text_delta for o in outs) == full[: full.index(stop)]
     assert outs[-1].finish_reason == "stop"
 
@@ -162,16 +162,16 @@ async def test_stop_string_over_the_async_path(engine: AsyncEngine) -> None:
 async def test_bad_request_raises_at_submit_and_good_one_completes(engine: AsyncEngine) -> None:
     good = asyncio.create_task(collect(engine.generate(greedy("good", ids(14), max_tokens=10))))
     with pytest.raises(EngineError) as err:
-        engine.generate(GenerateRequest("bad", prompt="hi", params=SamplingParams(top_p=2.0)))
+        engine.generate(EngineRequest("bad", prompt="hi", params=SamplingParams(top_p=2.0)))
     assert err.value.param == "top_p"
     with pytest.raises(EngineError):
-        engine.generate(GenerateRequest("bad2", prompt_token_ids=(1, 5000)))
+        engine.generate(EngineRequest("bad2", prompt_token_ids=(1, 5000)))
     outs = await good
     assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 10
 
 
 async def test_stop_ends_open_streams_and_refuses_new_ones(tiny_model_dir: Path) -> None:
-    eng = AsyncEngine(tiny_model_dir, CONFIG)
+    eng = AsyncEngine(LLMEngine.from_model_dir(tiny_model_dir, CONFIG), "tiny")
     with pytest.raises(EngineOverloaded):
         eng.generate(greedy("early", ids(1)))
     await eng.start()
@@ -207,7 +207,7 @@ async def test_overload_is_refused_with_engine_overloaded(tiny_model_dir: Path) 
     small = EngineConfig(
         kv_capacity_tokens=4096, device="cpu", max_running_requests=1, max_waiting_requests=1
     )
-    eng = AsyncEngine(tiny_model_dir, small)
+    eng = AsyncEngine(LLMEngine.from_model_dir(tiny_model_dir, small), "tiny")
     await eng.start()
     running = eng.generate(greedy("s0", ids(30), max_tokens=1000))
     queued = eng.generate(greedy("s1", ids(31), max_tokens=1000))

@@ -1,5 +1,5 @@
-"""Prompt handling shared by the engine fronts (worker/engine/chat.py) and
-`Sequence.to_output`, through the real sim engine and the real model tokenizer."""
+"""Prompt handling (worker/engine/chat.py, the engine's own checks) and
+`Req.to_output`, through the real sim engine and the real model tokenizer."""
 
 from __future__ import annotations
 
@@ -10,42 +10,44 @@ from pathlib import Path
 
 import pytest
 
-from worker.backends.sim import SimConfig, SimEngine
+from worker.backends.sim import build_sim_engine
 from worker.backends.text_tokenizer import VOCAB_SIZE, TextTokenizer
+from worker.engine.async_engine import AsyncEngine
 from worker.engine.chat import render_chat
-from worker.engine.sequence import Sequence
+from worker.engine.config import EngineConfig
+from worker.engine.sequence import Req
 from worker.engine.tokenizer import Tokenizer
-from worker.engine.types import EngineError, GenerateRequest, SamplingParams
+from worker.engine.types import EngineError, EngineRequest, SamplingParams
 
 
-def sim(tokenizer: TextTokenizer | Tokenizer | None = None) -> SimEngine:
-    return SimEngine(SimConfig(), tokenizer or TextTokenizer())  # type: ignore[arg-type]
+def sim(tokenizer: TextTokenizer | Tokenizer | None = None) -> AsyncEngine:
+    return build_sim_engine(EngineConfig(kv_capacity_tokens=10_000), tokenizer or TextTokenizer())
+
+
+def prompt_ids(eng: AsyncEngine, request: EngineRequest) -> list[int]:
+    return eng.engine.make_reqs(request)[0].prompt_ids
 
 
 def test_prompt_ids_encode_text_and_pass_ids_through() -> None:
     eng = sim()
-    assert eng.prompt_ids(GenerateRequest("a", prompt="hello world")) == eng.tokenizer.encode(
-        "hello world"
-    )
-    assert eng.prompt_ids(GenerateRequest("b", prompt_token_ids=(5, 0, VOCAB_SIZE - 1))) == [
-        5,
-        0,
-        VOCAB_SIZE - 1,
-    ]
+    want = eng.engine.tokenizer.encode("hello world")
+    assert prompt_ids(eng, EngineRequest("a", prompt="hello world")) == want
+    ids = (5, 0, VOCAB_SIZE - 1)
+    assert prompt_ids(eng, EngineRequest("b", prompt_token_ids=ids)) == list(ids)
 
 
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
-        (GenerateRequest("a", prompt_token_ids=(1, VOCAB_SIZE)), f"[0, {VOCAB_SIZE})"),
-        (GenerateRequest("b", prompt_token_ids=(-1,)), "token ids must be in"),
-        (GenerateRequest("c", prompt_token_ids=()), "prompt is empty"),
-        (GenerateRequest("d", prompt=""), "prompt is empty"),
+        (EngineRequest("a", prompt_token_ids=(1, VOCAB_SIZE)), f"[0, {VOCAB_SIZE})"),
+        (EngineRequest("b", prompt_token_ids=(-1,)), "token id -1 in prompt is outside"),
+        (EngineRequest("c", prompt_token_ids=()), "prompt is empty"),
+        (EngineRequest("d", prompt=""), "prompt is empty"),
     ],
 )
-def test_bad_prompts_are_engine_errors_on_prompt(request_: GenerateRequest, message: str) -> None:
+def test_bad_prompts_are_engine_errors_on_prompt(request_: EngineRequest, message: str) -> None:
     with pytest.raises(EngineError, match=re.escape(message)) as info:
-        sim().prompt_ids(request_)
+        prompt_ids(sim(), request_)
     assert info.value.param == "prompt"
 
 
@@ -79,7 +81,7 @@ def test_to_output_takes_what_is_unsent_once() -> None:
     tok = TextTokenizer()
     prompt = tok.encode("a prompt")
     answer = tok.encode(" one two", add_special_tokens=False)
-    seq = Sequence("r", prompt, SamplingParams(max_tokens=len(answer)), tok.detokenizer(), seq_id=1)
+    seq = Req("r", prompt, SamplingParams(max_tokens=len(answer)), tok.detokenizer(), seq_id=1)
     seq.cached_tokens = 1
     for t in answer:
         seq.append_token(t, max_model_len=1000)

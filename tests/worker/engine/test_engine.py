@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.sequence import Sequence
-from worker.engine.types import EngineError, GenerateOutput, GenerateRequest, SamplingParams
+from worker.engine.sequence import Req
+from worker.engine.types import EngineError, EngineRequest, GenerateOutput, SamplingParams
 
 FIRST_PLAIN_ID = 4  # 0..3 are the tiny tokenizer's special tokens
 
@@ -25,7 +25,7 @@ def make_engine(model_dir: Path, **cfg: object) -> LLMEngine:
     return LLMEngine.from_model_dir(model_dir, EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
-def run(engine: LLMEngine, *requests: GenerateRequest) -> dict[str, list[GenerateOutput]]:
+def run(engine: LLMEngine, *requests: EngineRequest) -> dict[str, list[GenerateOutput]]:
     for r in requests:
         engine.add_request(r)
     outs: dict[str, list[GenerateOutput]] = defaultdict(list)
@@ -42,11 +42,11 @@ def tokens(outs: list[GenerateOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
-def req(rid: str, ids: list[int], max_tokens: int = 8, **params: object) -> GenerateRequest:
+def req(rid: str, ids: list[int], max_tokens: int = 8, **params: object) -> EngineRequest:
     params.setdefault("temperature", 0.0)
     params.setdefault("ignore_eos", True)
     sp = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
-    return GenerateRequest(rid, prompt_token_ids=tuple(ids), params=sp)
+    return EngineRequest(rid, prompt_token_ids=tuple(ids), params=sp)
 
 
 def rand_ids(rng: random.Random, n: int) -> list[int]:
@@ -150,13 +150,13 @@ def test_stop_strings_cut_the_text_and_hold_back_partial_matches(tiny_model_dir:
     prompt = "the teacher reads three books because it is fun."
     base = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     full = "".join(
-        o.text_delta for o in run(engine, GenerateRequest("f", prompt=prompt, params=base))["f"]
+        o.text_delta for o in run(engine, EngineRequest("f", prompt=prompt, params=base))["f"]
     )
     assert len(full) > 12, full
     stop = full[6:10]
     cut = full[: full.index(stop)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=("zzzzqq", stop))
-    out = run(engine, GenerateRequest("s", prompt=prompt, params=params))["s"]
+    out = run(engine, EngineRequest("s", prompt=prompt, params=params))["s"]
     assert "".join(o.text_delta for o in out) == cut
     assert out[-1].finish_reason == "stop"
     # Nothing streamed ever reached into the stop string.
@@ -167,26 +167,26 @@ def test_stop_strings_cut_the_text_and_hold_back_partial_matches(tiny_model_dir:
 
 
 BAD_REQUESTS = [
-    ("prompt", GenerateRequest("x", prompt="")),
-    ("prompt", GenerateRequest("x", prompt_token_ids=())),
-    ("prompt", GenerateRequest("x")),
-    ("prompt", GenerateRequest("x", prompt="hi", prompt_token_ids=(5,))),
-    ("prompt", GenerateRequest("x", prompt_token_ids=(5, 1024))),
-    ("prompt", GenerateRequest("x", prompt_token_ids=(5, -1))),
-    ("prompt", GenerateRequest("x", prompt_token_ids=(5,) * 2048)),
+    ("prompt", EngineRequest("x", prompt="")),
+    ("prompt", EngineRequest("x", prompt_token_ids=())),
+    ("prompt", EngineRequest("x")),
+    ("prompt", EngineRequest("x", prompt="hi", prompt_token_ids=(5,))),
+    ("prompt", EngineRequest("x", prompt_token_ids=(5, 1024))),
+    ("prompt", EngineRequest("x", prompt_token_ids=(5, -1))),
+    ("prompt", EngineRequest("x", prompt_token_ids=(5,) * 2048)),
     (
         "max_tokens",
-        GenerateRequest("x", prompt_token_ids=(5,) * 2000, params=SamplingParams(max_tokens=49)),
+        EngineRequest("x", prompt_token_ids=(5,) * 2000, params=SamplingParams(max_tokens=49)),
     ),
-    ("max_tokens", GenerateRequest("x", prompt="hi", params=SamplingParams(max_tokens=0))),
-    ("temperature", GenerateRequest("x", prompt="hi", params=SamplingParams(temperature=-0.5))),
-    ("top_p", GenerateRequest("x", prompt="hi", params=SamplingParams(top_p=0.0))),
-    ("top_p", GenerateRequest("x", prompt="hi", params=SamplingParams(top_p=1.5))),
-    ("top_k", GenerateRequest("x", prompt="hi", params=SamplingParams(top_k=0))),
-    ("stop", GenerateRequest("x", prompt="hi", params=SamplingParams(stop=("",)))),
+    ("max_tokens", EngineRequest("x", prompt="hi", params=SamplingParams(max_tokens=0))),
+    ("temperature", EngineRequest("x", prompt="hi", params=SamplingParams(temperature=-0.5))),
+    ("top_p", EngineRequest("x", prompt="hi", params=SamplingParams(top_p=0.0))),
+    ("top_p", EngineRequest("x", prompt="hi", params=SamplingParams(top_p=1.5))),
+    ("top_k", EngineRequest("x", prompt="hi", params=SamplingParams(top_k=0))),
+    ("stop", EngineRequest("x", prompt="hi", params=SamplingParams(stop=("",)))),
     (
         "stop_token_ids",
-        GenerateRequest("x", prompt="hi", params=SamplingParams(stop_token_ids=(99999,))),
+        EngineRequest("x", prompt="hi", params=SamplingParams(stop_token_ids=(99999,))),
     ),
 ]
 
@@ -220,9 +220,9 @@ def test_abort_and_stats(tiny_model_dir: Path) -> None:
     for _ in range(3):
         engine.step()
         engine.check_integrity()
-    final = engine.abort("long")
-    assert final is not None and final.finished and final.finish_reason == "abort"
-    assert engine.abort("long") is None  # already gone
+    [final] = engine.abort("long")
+    assert final.finished and final.finish_reason == "abort"
+    assert engine.abort("long") == []  # already gone
     engine.check_integrity()
     run(engine)
     stats = engine.stats()
@@ -251,7 +251,7 @@ def test_stop_strings_stream_a_prefix_and_cut_at_the_first_match(
     chunks: list[str], stops: list[str]
 ) -> None:
     params = SamplingParams(max_tokens=len(chunks), stop=tuple(stops))
-    seq = Sequence("r", [1], params, _Chunks(chunks), seq_id=0)
+    seq = Req("r", [1], params, _Chunks(chunks), seq_id=0)
     full, streamed = "".join(chunks), ""
     while seq.finish_reason is None:
         seq.append_token(5, max_model_len=10**9)
@@ -262,3 +262,31 @@ def test_stop_strings_stream_a_prefix_and_cut_at_the_first_match(
         assert any(full.startswith(streamed + s) for s in stops)
     else:
         assert streamed == full and not any(s in full for s in stops)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chunks=st.lists(st.text(alphabet="ab", max_size=5), min_size=1, max_size=20),
+    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=12), min_size=1, max_size=4),
+)
+def test_stop_matching_agrees_with_a_rescan_on_self_overlapping_stops(
+    chunks: list[str], stops: list[str]
+) -> None:
+    """The KMP matcher against the definition, a rescan after every token: the request
+    stops at the first token after which a stop string occurs, cut where the earliest
+    one occurring then starts."""
+    params = SamplingParams(max_tokens=len(chunks), stop=tuple(stops))
+    seq = Req("r", [1], params, _Chunks(chunks), seq_id=0)
+    while seq.finish_reason is None:
+        seq.append_token(5, max_model_len=10**9)
+    text, want = "", None
+    for chunk in chunks:
+        text += chunk
+        hits = [i for i in (text.find(s) for s in stops) if i != -1]
+        if hits:
+            want = text[: min(hits)]
+            break
+    if want is not None:
+        assert seq.finish_reason == "stop" and seq.text == want
+    else:
+        assert seq.finish_reason == "length" and seq.text == text

@@ -13,7 +13,7 @@ from shared.config import WorkerConfig, load_config
 from worker.backends.radix import engine_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.types import GenerateRequest, SamplingParams
+from worker.engine.types import EngineRequest, SamplingParams
 
 
 def greedy_run(model_dir: Path, backend: str) -> tuple[dict[str, list[int]], LLMEngine]:
@@ -32,7 +32,7 @@ def greedy_run(model_dir: Path, backend: str) -> tuple[dict[str, list[int]], LLM
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for i, (rid, ids) in enumerate(prompts.items()):
-        engine.add_request(GenerateRequest(rid, prompt_token_ids=tuple(ids), params=params))
+        engine.add_request(EngineRequest(rid, prompt_token_ids=tuple(ids), params=params))
         for _ in range(i + 1):  # staggered arrivals: later ones join a running batch
             for o in engine.step():
                 out[o.request_id].extend(o.token_ids)
@@ -41,7 +41,7 @@ def greedy_run(model_dir: Path, backend: str) -> tuple[dict[str, list[int]], LLM
     # After they finished, their KV is in the radix tree: "d" prefills only its suffix.
     out["d"] = []
     d = shared + [rng.randrange(4, 1000) for _ in range(3)]
-    engine.add_request(GenerateRequest("d", prompt_token_ids=tuple(d), params=params))
+    engine.add_request(EngineRequest("d", prompt_token_ids=tuple(d), params=params))
     drain(engine, out)
     return out, engine
 

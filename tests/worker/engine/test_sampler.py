@@ -14,21 +14,21 @@ GREEDY = SamplingParams(temperature=0)
 
 def test_greedy_takes_the_argmax_of_each_row() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, -1.0, 4.9]])
-    assert Sampler(seed=0).sample(logits, [GREEDY, GREEDY], [0, 1]) == [1, 0]
+    assert Sampler(seed=0).pick(logits, [GREEDY, GREEDY], [0, 1]) == [1, 0]
 
 
 def test_top_k_one_is_greedy_even_when_hot() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=5.0, top_k=1)] * 4
     for _ in range(5):
-        assert Sampler().sample(logits, params, [0, 1, 2, 3]) == logits.argmax(-1).tolist()
+        assert Sampler().pick(logits, params, [0, 1, 2, 3]) == logits.argmax(-1).tolist()
 
 
 def test_top_k_keeps_only_the_k_best_tokens() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
     sampler = Sampler(seed=1)
     seen = {
-        sampler.sample(logits, [SamplingParams(temperature=10.0, top_k=3)], [0])[0]
+        sampler.pick(logits, [SamplingParams(temperature=10.0, top_k=3)], [0])[0]
         for _ in range(300)
     }
     assert seen == {0, 1, 2}
@@ -38,8 +38,8 @@ def test_top_p_cuts_the_tail_but_keeps_the_best_token() -> None:
     # probs 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps {0, 1}; a tiny top_p keeps {0}.
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     sampler = Sampler(seed=2)
-    wide = {sampler.sample(logits, [SamplingParams(top_p=0.7)], [0])[0] for _ in range(300)}
-    narrow = {sampler.sample(logits, [SamplingParams(top_p=0.01)], [0])[0] for _ in range(50)}
+    wide = {sampler.pick(logits, [SamplingParams(top_p=0.7)], [0])[0] for _ in range(300)}
+    narrow = {sampler.pick(logits, [SamplingParams(top_p=0.01)], [0])[0] for _ in range(50)}
     assert wide == {0, 1}
     assert narrow == {0}
 
@@ -48,7 +48,7 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
     sampler = Sampler(seed=3)
     counts = collections.Counter(
-        sampler.sample(logits, [SamplingParams(temperature=1.0)], [0])[0] for _ in range(3000)
+        sampler.pick(logits, [SamplingParams(temperature=1.0)], [0])[0] for _ in range(3000)
     )
     assert abs(counts[0] / 3000 - 0.6) < 0.05
     assert abs(counts[2] / 3000 - 0.1) < 0.03
@@ -59,9 +59,7 @@ def test_low_temperature_sharpens_high_temperature_flattens() -> None:
     sampler = Sampler(seed=4)
 
     def share_of_best(t: float) -> float:
-        picks = [
-            sampler.sample(logits, [SamplingParams(temperature=t)], [0])[0] for _ in range(1000)
-        ]
+        picks = [sampler.pick(logits, [SamplingParams(temperature=t)], [0])[0] for _ in range(1000)]
         return picks.count(0) / 1000
 
     assert share_of_best(0.1) > 0.99
@@ -85,7 +83,7 @@ def test_seeded_requests_repeat_whatever_shares_the_batch() -> None:
                     [SamplingParams(temperature=1.0)] * 3 + params + [SamplingParams(seed=9)] * 2
                 )
                 ids = [1, 2, 3, 7, 8, 9]
-            picked = sampler.sample(logits, params, ids)
+            picked = sampler.pick(logits, params, ids)
             out.append(picked[params.index(seeded)])
         return out
 
@@ -98,9 +96,9 @@ def test_release_restarts_a_seeded_stream() -> None:
     logits = torch.zeros(1, 1000)
     params = [SamplingParams(seed=42)]
     sampler = Sampler()
-    first = [sampler.sample(logits, params, [0])[0] for _ in range(4)]
+    first = [sampler.pick(logits, params, [0])[0] for _ in range(4)]
     sampler.release(0)
-    assert [sampler.sample(logits, params, [0])[0] for _ in range(4)] == first
+    assert [sampler.pick(logits, params, [0])[0] for _ in range(4)] == first
 
 
 def test_mixed_batch_greedy_rows_unaffected() -> None:
@@ -112,7 +110,7 @@ def test_mixed_batch_greedy_rows_unaffected() -> None:
         SamplingParams(seed=1),
         GREEDY,
     ]
-    out = Sampler(seed=0).sample(logits, params, list(range(5)))
+    out = Sampler(seed=0).pick(logits, params, list(range(5)))
     best = logits.argmax(-1).tolist()
     assert [out[0], out[2], out[4]] == [best[0], best[2], best[4]]
     assert all(0 <= t < 30 for t in out)

@@ -1,9 +1,11 @@
 """Scheduler units over a real SlotAllocator and RadixCache/NoCache, with a fake runner.
 
 The fake runner's "KV" of a slot is the token id written there, and its next token is
-a pure function of the whole sequence it reads back through the slot list. A slot that
-is stale, shared or freed too early therefore changes the outputs, which are compared
-with the same function applied to the true token sequence.
+a pure function of the whole sequence it reads back through the slot list. Like a
+runner with a device-side slot table, it keeps each sequence's slots from earlier
+steps and copies only `slots[dirty_from:]`. A slot that is stale, shared or freed too
+early, or a wrong `dirty_from`, therefore changes the outputs, which are compared with
+the same function applied to the true token sequence.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import numpy as np
 import pytest
 
 from worker.engine.allocator import SlotAllocator
+from worker.engine.batch import SeqBatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.radix_cache import NoCache, RadixCache
-from worker.engine.scheduler import Schedule, Scheduler
-from worker.engine.sequence import SeqStatus, Sequence
+from worker.engine.scheduler import Batch, Scheduler
+from worker.engine.sequence import Req, SeqStatus
 from worker.engine.types import SamplingParams
 
 VOCAB = 97
@@ -40,16 +43,27 @@ class FakeRunner:
     def __init__(self, capacity: int) -> None:
         self.kv = np.full(capacity, -1, dtype=np.int64)
         self.tokens_computed = 0
+        self.tables: dict[int, np.ndarray] = {}  # seq_id -> the slots it was given
+        self.released: list[int] = []
 
-    def forward(self, schedule: Schedule) -> list[int]:
+    def forward(self, items: list[SeqBatchItem]) -> list[int]:
         out = []
-        for item in schedule.items:
-            end = item.start_pos + len(item.input_ids)
-            assert len(item.slots) == end
-            self.kv[item.slots[item.start_pos :]] = item.input_ids
+        for item in items:
+            end = item.end_pos
+            assert len(item.slots) == end and item.dirty_from <= item.start_pos
+            old = self.tables.get(item.seq_id, np.empty(0, dtype=np.int64))
+            assert item.dirty_from <= len(old)
+            table = np.concatenate([old[: item.dirty_from], item.slots[item.dirty_from :]])
+            self.tables[item.seq_id] = table
+            self.kv[table[item.start_pos :]] = item.input_ids
             self.tokens_computed += len(item.input_ids)
-            out.append(next_token(self.kv[item.slots]))
+            if item.sample:
+                out.append(next_token(self.kv[table]))
         return out
+
+    def release(self, seq_id: int) -> None:
+        self.tables.pop(seq_id, None)
+        self.released.append(seq_id)
 
 
 class _NoText:
@@ -60,18 +74,18 @@ class _NoText:
 class Harness:
     """Drives a Scheduler the way LLMEngine does, checking integrity after every step."""
 
-    def __init__(self, capacity: int, cache: str = "radix", **cfg: int) -> None:
-        self.config = EngineConfig(**cfg)
+    def __init__(self, capacity: int, cache: str = "radix", **cfg: object) -> None:
+        self.config = EngineConfig(**cfg)  # type: ignore[arg-type]
         self.allocator = SlotAllocator(capacity)
         cache_cls = RadixCache if cache == "radix" else NoCache
         self.cache = cache_cls(self.allocator, page_size=self.config.page_size)
-        self.sched = Scheduler(self.config, self.allocator, self.cache)
         self.runner = FakeRunner(capacity)
-        self.schedules: list[Schedule] = []
+        self.sched = Scheduler(self.config, self.allocator, self.cache, self.runner.release)
+        self.schedules: list[Batch] = []
         self._ids = 0
 
-    def add(self, prompt: list[int], max_tokens: int) -> Sequence:
-        seq = Sequence(
+    def add(self, prompt: list[int], max_tokens: int) -> Req:
+        seq = Req(
             request_id=f"r{self._ids}",
             prompt_ids=list(prompt),
             params=SamplingParams(max_tokens=max_tokens, temperature=0),
@@ -82,19 +96,17 @@ class Harness:
         self.sched.add(seq)
         return seq
 
-    def step(self) -> Schedule:
-        schedule = self.sched.schedule()
-        sampling = [i.seq for i in schedule.items if i.samples]
-        tokens = self.runner.forward(schedule)
-        sampled = [t for t, i in zip(tokens, schedule.items, strict=True) if i.samples]
-        self.sched.advance(schedule)
-        for seq, tok in zip(sampling, sampled, strict=True):
+    def step(self) -> Batch:
+        batch = self.sched.schedule()
+        tokens = self.runner.forward(batch.items)
+        self.sched.advance(batch)
+        for seq, tok in zip(batch.sampled, tokens, strict=True):
             seq.append_token(tok, max_model_len=10**9)
             if seq.finish_reason is not None:
                 self.sched.finish(seq)
         self.sched.check_integrity()
-        self.schedules.append(schedule)
-        return schedule
+        self.schedules.append(batch)
+        return batch
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
@@ -110,7 +122,11 @@ def test_chunked_prefill_stays_under_the_budget() -> None:
     b = h.add(list(range(200, 240)), max_tokens=3)
     h.run()
     prefill = [
-        [(i.seq.request_id, len(i.input_ids)) for i in s.items if len(i.input_ids) > 1]
+        [
+            (r.request_id, len(i.input_ids))
+            for r, i in zip(s.reqs, s.items, strict=True)
+            if len(i.input_ids) > 1
+        ]
         for s in h.schedules
     ]
     # a: 100 tokens in chunks of 32; b starts in the budget a leaves over.
@@ -127,7 +143,9 @@ def test_running_requests_decode_together() -> None:
     h.step()  # all three admitted and prefilled, each samples its first token
     for _ in range(3):
         s = h.step()
-        assert [(i.seq, len(i.input_ids)) for i in s.items] == [(q, 1) for q in seqs]
+        assert [(r, len(i.input_ids)) for r, i in zip(s.reqs, s.items, strict=True)] == [
+            (q, 1) for q in seqs
+        ]
     assert not h.sched.has_work
     assert all(q.output_ids == reference(q.prompt_ids, 4) for q in seqs)
 
@@ -255,25 +273,27 @@ def test_request_that_could_never_fit_is_rejected_at_submit() -> None:
     from types import SimpleNamespace
 
     from worker.engine.engine import LLMEngine
-    from worker.engine.types import EngineError, GenerateRequest
+    from worker.engine.types import EngineError, EngineRequest
 
     runner = SimpleNamespace(
-        pool=SimpleNamespace(allocator=SlotAllocator(64)),
+        capacity=64,
         config=SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=4096, eos_token_ids=()),
-        device="cpu",
+        release=lambda seq_id: None,
     )
     tokenizer = SimpleNamespace(eos_token_ids=(), detokenizer=_NoText)
-    engine = LLMEngine(runner, tokenizer, EngineConfig())
+    engine = LLMEngine(runner, tokenizer, EngineConfig(), sampler=None)
     assert engine.max_model_len == 64  # capped by the pool, not the model's 4096
-    assert LLMEngine(runner, tokenizer, EngineConfig(max_model_len=32)).max_model_len == 32
-    runner.pool.allocator = SlotAllocator(10_000)
-    assert LLMEngine(runner, tokenizer, EngineConfig(max_model_len=9000)).max_model_len == 4096
-    runner.pool.allocator = SlotAllocator(64)
+    cfg = EngineConfig(max_model_len=32)
+    assert LLMEngine(runner, tokenizer, cfg, sampler=None).max_model_len == 32
+    runner.capacity = 10_000
+    cfg = EngineConfig(max_model_len=9000)
+    assert LLMEngine(runner, tokenizer, cfg, sampler=None).max_model_len == 4096
+    runner.capacity = 64
 
     def submit(n: int, max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens)
         engine.add_request(
-            GenerateRequest(f"n{n}-{max_tokens}", prompt_token_ids=(1,) * n, params=params)
+            EngineRequest(f"n{n}-{max_tokens}", prompt_token_ids=(1,) * n, params=params)
         )
 
     submit(40, 24)  # exactly fits

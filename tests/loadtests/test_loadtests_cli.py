@@ -77,3 +77,7 @@ def test_run_time_and_the_verdict() -> None:
     assert line.startswith("verdict: FAILED, 2 of 3 requests failed")
     assert "(2x): HTTP 400: prompt too long" in line
     assert verdict(summarize([ok]), [ok]).startswith("verdict: OK, 1 requests")
+    table = summarize([bad, bad]).table()
+    assert (
+        "nan" not in table and "TTFT p50 / p90 / p99           n/a (no request succeeded)" in table
+    )

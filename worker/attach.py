@@ -1,0 +1,242 @@
+"""`radix-worker attach`: make an unmodified SGLang or vLLM server a worker of the fleet.
+
+    radix-worker attach --upstream http://127.0.0.1:8000 --engine {sglang,vllm}
+                        --redis-url URL [--worker-id ID] [--advertise-url URL]
+
+A sidecar next to the stock server (same pod in the chart). Every `--interval` it
+scrapes the upstream's own `/metrics` (worker/upstream_metrics.py: running, queued, KV
+usage, token totals) and writes the same heartbeat record our workers write, with the
+upstream's URL (or `--advertise-url`, what routers dial), its model from `/v1/models`,
+and its KV capacity (vLLM: `vllm:cache_config_info`; SGLang: `/get_server_info`
+`max_total_num_tokens`). The router treats it as any worker: both engines serve the
+OpenAI API and report `cached_tokens`.
+
+Epochs: a router drops a worker's prefix tree when its epoch changes, so the sidecar
+starts a new one whenever the upstream's cache may have been lost: its
+`process_start_time_seconds` changed, its cumulative token counters went backwards,
+or it stopped answering and came back. While the upstream does not answer, the
+sidecar deregisters it (routers stop sending within a discovery interval) instead of
+heartbeating a dead server; it registers again once it answers.
+
+SIGTERM: deregister at once and exit 0. In the chart the engine container then keeps
+serving through its preStop delay, so requests the routers still send are answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from redis.exceptions import RedisError
+
+from shared.registry import Registry, WorkerRecord
+from worker.heartbeat import Heartbeat, connect
+from worker.upstream_metrics import StockEngine, UpstreamLoad, parse_load
+
+log = logging.getLogger("worker.attach")
+
+
+@dataclass(frozen=True)
+class AttachConfig:
+    upstream: str
+    engine: StockEngine
+    redis_url: str
+    worker_id: str
+    advertise_url: str
+    redis_prefix: str = "radixrouter:"
+    served_model_name: str | None = None
+    interval: float = 1.0
+    ttl_intervals: int = 3
+    timeout: float = 2.0
+
+
+class Upstream:
+    """What the sidecar knows of the stock server, refreshed once per interval."""
+
+    def __init__(self, config: AttachConfig, session: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.session = session
+        self.base = config.upstream.rstrip("/")
+        self.epoch = 0.0
+        self.model = ""
+        self.capacity = 0
+        self._last: UpstreamLoad | None = None
+        self._was_down = True
+
+    async def _get(self, path: str) -> Any:
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout)
+        async with self.session.get(self.base + path, timeout=timeout) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+            return await (r.text() if path == "/metrics" else r.json(content_type=None))
+
+    async def _identify(self) -> None:
+        """Model name and KV capacity: read once per epoch (they change only on restart)."""
+        models = await self._get("/v1/models")
+        ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
+        self.model = self.config.served_model_name or next(
+            (i for i in ids if isinstance(i, str) and i), ""
+        )
+        if self.config.engine == "sglang":
+            info = await self._get("/get_server_info")
+            value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+            self.capacity = value if isinstance(value, int) and value > 0 else 0
+
+    def _restarted(self, load: UpstreamLoad) -> bool:
+        last = self._last
+        if self._was_down or last is None:
+            return True
+        if (
+            load.start_time is not None
+            and last.start_time is not None
+            and (abs(load.start_time - last.start_time) > 1e-3)
+        ):
+            return True
+        return (
+            load.prompt_tokens_total < last.prompt_tokens_total
+            or load.cached_tokens_total < last.cached_tokens_total
+        )
+
+    async def poll(self) -> UpstreamLoad | None:
+        """The upstream's load now, or None when it does not answer as the engine named."""
+        try:
+            load = parse_load(self.config.engine, await self._get("/metrics"))
+            if load is None:
+                raise ValueError(f"/metrics has no {self.config.engine} load metrics")
+            if self._restarted(load):
+                await self._identify()
+                self.epoch = time.time()
+                log.info("upstream %s is up: model %r, new epoch", self.base, self.model)
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            if not self._was_down:
+                log.warning("upstream %s stopped answering (%s)", self.base, exc)
+            self._was_down = True
+            return None
+        self._was_down = False
+        self._last = load
+        if load.capacity_tokens:
+            self.capacity = load.capacity_tokens
+        return load
+
+    def record(self, load: UpstreamLoad) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.config.worker_id,
+            url=self.config.advertise_url,
+            model=self.model,
+            engine=self.config.engine,
+            epoch=self.epoch,
+            running=load.running,
+            waiting=load.waiting,
+            kv_capacity_tokens=self.capacity,
+            kv_used_tokens=int(load.kv_usage * self.capacity),
+            prompt_tokens_total=load.prompt_tokens_total,
+            cached_tokens_total=load.cached_tokens_total,
+        )
+
+
+async def attach(config: AttachConfig, stop: asyncio.Event) -> None:
+    """Heartbeat for the upstream until `stop` is set, then deregister it."""
+    redis = connect(config.redis_url, config.interval)
+    registry = Registry(redis, config.redis_prefix)
+    current: list[WorkerRecord] = []
+    heartbeat = Heartbeat(registry, lambda: current[-1], config.interval, config.ttl_intervals)
+    async with aiohttp.ClientSession() as session:
+        upstream = Upstream(config, session)
+        try:
+            while not stop.is_set():
+                try:
+                    load = await upstream.poll()
+                    if load is not None:
+                        current[:] = [upstream.record(load)]
+                        await heartbeat.beat()
+                    elif heartbeat.joined:
+                        await _leave(registry, current[-1])
+                        heartbeat.joined = False
+                except Exception:  # a sidecar that dies leaves its engine unregistered
+                    log.exception("attach: unexpected error; retrying next interval")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), config.interval)
+        finally:
+            if heartbeat.joined and current:
+                await _leave(registry, replace(current[-1], draining=True))
+            await redis.aclose()
+
+
+async def _leave(registry: Registry, record: WorkerRecord) -> None:
+    try:
+        await registry.leave(record)
+        log.info("deregistered %s", record.worker_id)
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.warning("could not deregister in Redis (%s); the record expires", exc)
+
+
+def add_attach_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "attach", help="register a stock SGLang or vLLM server as a worker (a sidecar)",
+        description=__doc__.split("\n\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument(
+        "--upstream", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000"
+    )
+    p.add_argument("--engine", required=True, choices=("sglang", "vllm"))
+    p.add_argument(
+        "--redis-url", default=os.environ.get("RADIX_WORKER_REDIS_URL"),
+        help="Redis of the fleet (default: $RADIX_WORKER_REDIS_URL, which keeps a password "
+        "out of the process list)",
+    )  # fmt: skip
+    p.add_argument("--worker-id", help="id in the fleet (default: the hostname)")
+    p.add_argument("--advertise-url", help="URL routers dial (default: --upstream)")
+    p.add_argument("--served-model-name", help="model name (default: the upstream's /v1/models)")
+    p.add_argument("--redis-prefix", default="radixrouter:")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--log-level", default="INFO")
+
+
+def run_attach(args: argparse.Namespace) -> int:
+    from shared.config import check_worker_url
+
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )  # fmt: skip
+    try:
+        upstream = check_worker_url(args.upstream)
+        advertise = check_worker_url(args.advertise_url or args.upstream)
+    except ValueError as exc:
+        print(f"radix-worker attach: {exc}", file=sys.stderr)
+        return 2
+    if not args.redis_url:
+        print(
+            "radix-worker attach: --redis-url (or RADIX_WORKER_REDIS_URL) is required",
+            file=sys.stderr,
+        )
+        return 2
+    if args.interval <= 0:
+        print("radix-worker attach: --interval must be > 0", file=sys.stderr)
+        return 2
+    config = AttachConfig(
+        upstream=upstream, engine=args.engine, redis_url=args.redis_url,
+        worker_id=args.worker_id or socket.gethostname(), advertise_url=advertise,
+        redis_prefix=args.redis_prefix, served_model_name=args.served_model_name,
+        interval=args.interval,
+    )  # fmt: skip
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await attach(config, stop)
+
+    asyncio.run(main())
+    return 0

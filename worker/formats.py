@@ -1,0 +1,221 @@
+"""How each inference endpoint renders engine outputs: OpenAI completions and chat
+(any number of choices, with logprobs in OpenAI's two shapes) and SGLang's `/generate`.
+
+A request with `n` choices streams their outputs interleaved (each carries its
+`index`); usage counts the prompt once and the completion tokens of every choice.
+Log-probabilities come from the engine as token ids; `token_texts` turns ids into the
+strings OpenAI's shapes carry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shared import openai_responses as wire
+from worker.engine.types import GenerateOutput, TokenLogprob
+
+TokenTexts = Callable[[list[int]], list[str]]
+
+
+@dataclass
+class Choice:
+    """One choice of a whole (non-streamed) answer, accumulated."""
+
+    index: int
+    parts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, out: GenerateOutput) -> None:
+        self.parts.append(out.text_delta)
+        self.ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.finish_reason = out.finish_reason
+
+
+class Tally:
+    """Usage over every choice: the prompt once, every choice's completion tokens."""
+
+    def __init__(self) -> None:
+        self.prompt = self.cached = 0
+        self._completion: dict[int, int] = {}
+
+    def add(self, out: GenerateOutput) -> None:
+        self.prompt = out.prompt_tokens
+        if out.index == 0:
+            self.cached = out.cached_tokens
+        self._completion[out.index] = out.completion_tokens
+
+    def usage(self) -> dict[str, Any]:
+        return wire.usage(self.prompt, sum(self._completion.values()), self.cached)
+
+
+class Format(Protocol):
+    def body(self, choices: list[Choice], tally: Tally) -> dict[str, Any]: ...
+    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]: ...
+    def usage_chunk(self, tally: Tally) -> dict[str, Any] | None: ...
+
+
+def _chat_logprobs(lps: list[TokenLogprob], texts: TokenTexts) -> dict[str, Any] | None:
+    if not lps:
+        return None
+    ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
+    strings = dict(zip(ids, texts(ids), strict=True))
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        s = strings[token]
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+    content = [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in lps
+    ]
+    return {"content": content}
+
+
+def _completion_logprobs(
+    lps: list[TokenLogprob], texts: TokenTexts, offset: int
+) -> dict[str, Any] | None:
+    if not lps:
+        return None
+    ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
+    strings = dict(zip(ids, texts(ids), strict=True))
+    tokens = [strings[lp.token_id] for lp in lps]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{strings[t]: v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+class CompletionFormat:
+    def __init__(
+        self, rid: str, model: str, echo: str, include_usage: bool, texts: TokenTexts
+    ) -> None:
+        self.rid, self.model, self.created = rid, model, int(time.time())
+        self.echo, self.include_usage, self.texts = echo, include_usage, texts
+        self._offset: dict[int, int] = {}  # chars streamed per choice (text_offset)
+
+    def _choice(self, index: int, text: str, lps: list[TokenLogprob], finish: str | None) -> dict:
+        start = self._offset.get(index, 0)
+        self._offset[index] = start + len(text)
+        logprobs = _completion_logprobs(lps, self.texts, start + len(self.echo))
+        return wire.choice(index, {"text": text}, finish, logprobs)
+
+    def body(self, choices: list[Choice], tally: Tally) -> dict[str, Any]:
+        out = [
+            self._choice(c.index, self.echo + c.text, c.logprobs, c.finish_reason) for c in choices
+        ]
+        return wire.envelope(
+            "text_completion", self.rid, self.model, self.created, out, tally.usage()
+        )
+
+    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
+        text = (self.echo if first else "") + out.text_delta
+        if not text and not out.finished and not out.logprobs:
+            return []
+        choice = self._choice(out.index, text, list(out.logprobs), out.finish_reason)
+        return [wire.envelope("text_completion", self.rid, self.model, self.created, [choice])]
+
+    def usage_chunk(self, tally: Tally) -> dict[str, Any] | None:
+        if not self.include_usage:
+            return None
+        return wire.usage_chunk(
+            "text_completion", self.rid, self.model, self.created, tally.usage()
+        )
+
+
+class ChatFormat:
+    def __init__(self, rid: str, model: str, include_usage: bool, texts: TokenTexts) -> None:
+        self.rid, self.model, self.created = rid, model, int(time.time())
+        self.include_usage, self.texts = include_usage, texts
+
+    def body(self, choices: list[Choice], tally: Tally) -> dict[str, Any]:
+        out = [
+            wire.choice(
+                c.index, {"message": {"role": "assistant", "content": c.text}}, c.finish_reason,
+                _chat_logprobs(c.logprobs, self.texts),
+            )
+            for c in choices
+        ]  # fmt: skip
+        return wire.envelope(
+            "chat.completion", self.rid, self.model, self.created, out, tally.usage()
+        )
+
+    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
+        chunks = [] if not first else [self._chunk(out.index, {"role": "assistant", "content": ""})]
+        if out.text_delta or out.finished or out.logprobs:
+            delta = {"content": out.text_delta} if out.text_delta else {}
+            lps = _chat_logprobs(list(out.logprobs), self.texts)
+            chunks.append(self._chunk(out.index, delta, out.finish_reason, lps))
+        return chunks
+
+    def _chunk(self, index: int, delta: dict, finish: str | None = None, lps: Any = None) -> dict:
+        choice = wire.choice(index, {"delta": delta}, finish, lps)
+        return wire.envelope("chat.completion.chunk", self.rid, self.model, self.created, [choice])
+
+    def usage_chunk(self, tally: Tally) -> dict[str, Any] | None:
+        if not self.include_usage:
+            return None
+        obj = "chat.completion.chunk"
+        return wire.usage_chunk(obj, self.rid, self.model, self.created, tally.usage())
+
+
+class SGLangFormat:
+    """SGLang's `/generate` (n = 1), streamed incrementally (as SGLang does with
+    `--incremental-streaming-output`): each chunk holds only the new text and token ids,
+    with `meta_info`. The cumulative form resent the whole text every chunk: 8k tokens
+    sent 271 MB."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.ids: list[int] = []  # token ids not sent yet (their text is still partial)
+
+    def body(self, choices: list[Choice], tally: Tally) -> dict[str, Any]:
+        c = choices[0]
+        return {
+            "text": c.text,
+            "output_ids": c.ids,
+            "meta_info": self._meta(c.finish_reason, tally),
+        }
+
+    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
+        self.ids.extend(out.token_ids)
+        if not out.text_delta and not out.finished:
+            return []
+        ids, self.ids = self.ids, []
+        tally = Tally()
+        tally.add(out)
+        return [
+            {
+                "text": out.text_delta,
+                "output_ids": ids,
+                "meta_info": self._meta(out.finish_reason, tally),
+            }
+        ]
+
+    def _meta(self, finish: str | None, tally: Tally) -> dict[str, Any]:
+        use = tally.usage()
+        return {
+            "id": self.rid,
+            "prompt_tokens": use["prompt_tokens"],
+            "completion_tokens": use["completion_tokens"],
+            "cached_tokens": tally.cached,
+            "finish_reason": {"type": finish} if finish else None,
+        }
+
+    def usage_chunk(self, tally: Tally) -> dict[str, Any] | None:
+        return None
