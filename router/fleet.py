@@ -37,6 +37,7 @@ def costs_of(record: WorkerRecord) -> WorkerCosts:
     return WorkerCosts(
         record.queued_prefill_tokens, record.prefill_us_per_token, record.decode_ms_per_token,
         record.max_running_requests, record.request_ms,
+        record.cached_tokens_total / record.prompt_tokens_total if record.prompt_tokens_total else 0.0,
     )  # fmt: skip
 
 

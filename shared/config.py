@@ -62,6 +62,9 @@ class RouterConfig(_Frozen):
     balance_mode: Literal["fleet", "per_request"] = "fleet"
     no_match: Literal["least_load", "smallest_tree"] = "least_load"
     tree_max_chars: int = Field(200_000_000, gt=0)
+    # The workers' tokenizer's characters per token (English BPE about 4; the sim workers'
+    # word tokenizer 2.5): sizes the tree caps, and cost_aware's token counts, which it
+    # weighs against the queues workers report in their own tokens.
     tree_chars_per_token: float = Field(4.0, gt=0)
     # cost_aware (router/cost_aware.py): what a prefill token and a decode step cost on a
     # worker whose heartbeat reports neither, and how many decode steps each request in a

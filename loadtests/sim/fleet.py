@@ -169,6 +169,7 @@ class FleetSim:
             WorkerCosts(
                 worker.queued_prefill_tokens(now), cost.prefill_us_per_token,
                 cost.decode_ms_per_token, cost.max_running, worker.request_ms,
+                worker.cached_tokens / worker.prompt_tokens if worker.prompt_tokens else 0.0,
             ),
         )  # fmt: skip
 

@@ -54,6 +54,7 @@ class WorkerCosts:
     decode_ms_per_token: float = 0.0  # one decode step
     max_running_requests: int = 0  # seats: requests beyond these wait
     request_ms: float = 0.0  # how long an admitted request holds its seat (recent mean)
+    hit_rate: float = 0.0  # share of its prompt tokens found cached (so far)
 
 
 class FleetView(Sequence[WorkerView]):

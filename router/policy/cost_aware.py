@@ -5,24 +5,30 @@ The rule (every knob is a ``RouterConfig`` key)
 For each routable worker ``w``, with the request's text of ``n`` tokens
 (chars / ``tree_chars_per_token``) of which ``m(w)`` are in ``w``'s tree::
 
-    ttft(w) = prefill(w) × (queued(w) + n − m(w))  +  cost_decode_weight × decode(w) × load(w)
+    wait(w) = max(0, load(w) + 1 − seats(w))          requests waiting for a seat, this one too
+    ttft(w) = prefill(w) × (queued(w) + (k + wait(w)) × (n − m(w)))
+            + wait(w) × request_ms(w) / seats(w)
+            + cost_decode_weight × decode(w) × load(w)
 
 - ``queued(w)``: prefill tokens already waiting or running on ``w``: the larger of what
-  its heartbeat reported, less what ``w`` has prefilled since at its rate (a report is
+  its heartbeat reported (waiting prompts are reported whole: scaled by 1 − the
+  worker's hit rate), less what ``w`` has prefilled since at its rate (a report is
   up to a heartbeat plus a discovery interval old: unaged, a queue long drained kept
   traffic away), and this router's own uncached tokens sent since, each counted until
   its own predicted first token (so two requests in one heartbeat interval see each
   other; the larger of the two, as for load, counts no token twice).
-- ``prefill(w)`` (ms per token) and ``decode(w)`` (ms per step): what the worker reports
-  (the sim engine reports its cost model); ``cost_prefill_us_per_token`` /
-  ``cost_decode_ms_per_token`` for a worker that reports none.
-- ``load(w)``: requests in flight or queued there (the load every policy reads); each
-  delays a new request's first token by about ``cost_decode_weight`` decode steps (it
-  shares the batch, or holds the seat the new one waits for).
-
-With ``cost_miss_weight`` k ≠ 1 the request's own uncached tokens count k times
-(``prefill(w) × (queued(w) + k·(n − m(w)))``): above 1 a miss is charged for the prefix
-it evicts on a full cache as well as for its own prefill (see loadtests/results/routing.md).
+- ``prefill(w)`` (ms per token), ``decode(w)`` (ms per step), ``seats(w)`` (requests it
+  runs at once) and ``request_ms(w)`` (how long one holds its seat): what the worker
+  reports (the sim engine reports its cost model); ``cost_prefill_us_per_token`` /
+  ``cost_decode_ms_per_token`` for a worker that reports none; unknown seats: no wait.
+- ``load(w)``: requests in flight or queued there (the load every policy reads).
+- The miss term: the request's uncached tokens count ``k = cost_miss_weight`` times (1:
+  its own TTFT) plus once per request waiting for a seat on ``w``, each of which also
+  waits out that prefill. Without it, a saturated fleet spread its misses (each
+  worker's queue hides the cache's saving), and the extra prefill saturated it further:
+  shared prefix at twice the fleet's rate, hit rate 0.625 against cache_aware's 0.882,
+  TTFT p50 756 vs 233 ms; with it 0.867 and 301 ms, p99 529 vs 661
+  (loadtests/results/routing.md).
 
 The least ``ttft`` wins; ties go to the longer cached match, then the lower load, then
 at random. A long queue therefore loses to an idle worker unless the cached share saves
@@ -75,7 +81,7 @@ class CostAware(CacheAware):
         self._cols_for: Sequence[str] | None = None
         self._p: list[float] = []  # ms per prefill token
         self._kd: list[float] = []  # ms per unit of load
-        self._r: list[int] = []  # queued tokens as reported ...
+        self._r: list[float] = []  # queued tokens as reported (expected uncached) ...
         self._t: list[float] = []  # ... at this time (the first request after the report)
         self._v: list[float] = []  # ... and drained at this rate (tokens per second)
         self._o: list[int] = []  # this router's own tokens sent there, not yet prefilled
@@ -92,6 +98,7 @@ class CostAware(CacheAware):
             _clean(costs.decode_ms_per_token, _MAX_MS),
             int(_clean(costs.max_running_requests, _MAX_QUEUED)),
             _clean(costs.request_ms, _MAX_MS),
+            min(1.0, _clean(costs.hit_rate, 1.0)),
         )
         self._unstamped.add(worker_id)  # the same figures again still mean "as of now"
         if self._costs.get(worker_id) != clean:
@@ -130,10 +137,14 @@ class CostAware(CacheAware):
             for o, r, t, v in zip(self._o, self._r, self._t, self._v, strict=True)
         ]
         miss = self._cfg.cost_miss_weight
+        # Requests waiting for a seat there, this one included: each also waits out this
+        # request's prefill, so its uncached tokens count once more per waiting request.
+        waits = [max(0, li + 1 - si) for li, si in zip(loads, self._seats, strict=True)]
+        weights = [miss + e for e in waits]
         cost = [
-            pi * (qi + miss * n) + ki * li + max(0, li + 1 - si) * wi
-            for pi, qi, ki, li, si, wi in zip(
-                p, queued, self._kd, loads, self._seats, self._seat_ms, strict=True
+            pi * (qi + mi * n) + ki * li + ei * wi
+            for pi, qi, mi, ki, li, ei, wi in zip(
+                p, queued, weights, self._kd, loads, waits, self._seat_ms, strict=True
             )
         ]
         matched: dict[int, int] = {}  # position -> chars cached there (routable holders)
@@ -144,7 +155,7 @@ class CostAware(CacheAware):
                 if i is not None:
                     matched[i] = end
         for i, chars in matched.items():
-            cost[i] -= miss * p[i] * (chars / cpt)
+            cost[i] -= weights[i] * p[i] * (chars / cpt)
         i = self._pick(cost, matched, loads)
         wid = ids[i]
         chars = matched.get(i, 0)
@@ -204,7 +215,11 @@ class CostAware(CacheAware):
             cfg.cost_decode_weight * (c.decode_ms_per_token or cfg.cost_decode_ms_per_token)
             for c in costs
         ]
-        self._r = [c.queued_prefill_tokens for c in costs]
+        # A waiting prompt is reported whole (its hit is known only at admission): count
+        # the share the worker's hit rate says it will not find cached. Unscaled, a holder
+        # whose queue was its own group's mostly cached prompts looked busy, and the
+        # spills this caused halved the shared-prefix hit rate (loadtests/results/routing.md).
+        self._r = [c.queued_prefill_tokens * (1.0 - c.hit_rate) for c in costs]
         self._t = [self._report_at.get(w, now) for w in self._ids]
         self._v = [1e3 / p for p in self._p]
         self._o = [self._own.get(w, 0) for w in self._ids]

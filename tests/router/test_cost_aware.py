@@ -80,6 +80,17 @@ def test_a_reported_queue_drains_at_the_worker_prefill_rate_until_the_next_repor
     assert ask(p, PREFIX + question(3), fleet(0, 30), now=1.11).worker_id == "w1"
 
 
+def test_a_reported_queue_counts_only_what_the_worker_hit_rate_leaves_uncached() -> None:
+    # w0 holds the prefix; 2,000 waiting prompt tokens reported whole (40 ms at 20 µs).
+    for hit_rate, expect in ((0.0, "w1"), (0.9, "w0")):
+        p = policy()
+        report(p, 2)
+        p.observe("w0", PREFIX + question(0), now=0.0)
+        p.set_costs("w0", WorkerCosts(2_000, 20.0, 1.0, hit_rate=hit_rate))
+        # 0.0: 40 + 0.02 ms against 20 ms on w1. 0.9: 4 + 0.02 ms.
+        assert ask(p, PREFIX + question(1), fleet(0, 0), now=1.0).worker_id == expect
+
+
 def test_decode_interference_sends_to_the_less_loaded_of_equal_holders() -> None:
     p = policy()
     report(p, 3)
@@ -161,6 +172,19 @@ def test_a_worker_without_a_free_seat_costs_the_wait_for_one() -> None:
     p2.observe("w0", PREFIX + question(0), now=0.0)
     # Full (load 4): 20 ms for a seat > 19.8 ms saved.
     assert ask(p2, text, fleet(4, 0), now=1.0).worker_id == "w1"
+
+
+def test_a_miss_on_a_full_worker_also_costs_the_requests_waiting_there() -> None:
+    # 4 seats; a seat frees every 1 ms (request_ms 4), so the seat wait itself is small.
+    # w0 holds the prefix behind 2,000 queued tokens: 0.02 × (2,000 + 10) = 40.2 ms.
+    # w1 would prefill all 1,000 tokens: 20 ms while a seat is free; at 4 running the
+    # request waits, and so does the one waiting there: 2 × 20 + 1 = 41 ms.
+    for w1_load, expect in ((3, "w1"), (4, "w0")):
+        p = policy(cost_decode_weight=0.0)
+        p.set_costs("w0", WorkerCosts(2_000, 20.0, 1.0, 4, 4.0))
+        p.set_costs("w1", WorkerCosts(0, 20.0, 1.0, 4, 4.0))
+        p.observe("w0", PREFIX + question(0), now=0.0)
+        assert ask(p, PREFIX + question(1), fleet(0, w1_load), now=1.0).worker_id == expect
 
 
 def test_bad_reports_count_as_unknown_and_never_raise() -> None:

@@ -124,6 +124,10 @@ def test_registry_join_leave_epoch_and_capacity() -> None:
                                                                       decode_ms_per_token=1.5)}
     )  # fmt: skip
     assert hooks.costs["w2"] == WorkerCosts(7, 20.0, 1.5)
+    fleet.apply_registry(
+        {"w1": record("w1", prompt_tokens_total=400, cached_tokens_total=100), "w2": record("w2")}
+    )
+    assert hooks.costs["w1"].hit_rate == 0.25  # the share of its prompts it found cached
     # Same epoch: nothing dropped. New epoch: the worker restarted, its tree goes.
     assert fleet.apply_registry(
         {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")}
