@@ -2,7 +2,7 @@
 replica catches up from the stream, and a Redis outage degrades without errors."""
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from redis.asyncio import Redis
@@ -14,12 +14,6 @@ from shared.registry import Registry
 from tests.waiting import wait_until
 
 CONFIG = RouterConfig(sync=True, sync_flush_interval=0.005, sync_load_interval=0.05)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 class Replica:
