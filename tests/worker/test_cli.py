@@ -94,3 +94,11 @@ def test_make_tiny_model_then_sim_serves_its_tokenizer(
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})  # fmt: skip
     assert status == 200, body
     assert body["model"] == "tiny" and body["usage"]["completion_tokens"] == 3  # type: ignore[index]
+
+
+def test_attach_refuses_a_worker_id_routers_would_drop(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["attach", "--upstream", "http://127.0.0.1:8000", "--engine", "vllm"]
+    code = main([*args, "--redis-url", "redis://127.0.0.1:1", "--worker-id", "pod/0 x"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radix-worker attach: worker id") and "Traceback" not in err
