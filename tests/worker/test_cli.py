@@ -115,3 +115,11 @@ def test_serve_with_the_triton_backend_on_cpu_answers_as_sdpa(
         assert status == 200, body
         texts.append(body["choices"][0]["text"])  # type: ignore[index]
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_attach_refuses_a_worker_id_routers_would_drop(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["attach", "--upstream", "http://127.0.0.1:8000", "--engine", "vllm"]
+    code = main([*args, "--redis-url", "redis://127.0.0.1:1", "--worker-id", "pod/0 x"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radix-worker attach: worker id") and "Traceback" not in err
