@@ -11,13 +11,25 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 
-# ---------------------------------------------------------------- router: build
-FROM ${PYTHON_IMAGE} AS router-build
+# ---------------------------------------------------------------- slim bases
+# What the router and sidecar images (no torch) share: a venv to build into, and a
+# runtime with the non-root user the chart's securityContext names.
+FROM ${PYTHON_IMAGE} AS slim-build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
+
+FROM ${PYTHON_IMAGE} AS slim
+RUN groupadd --system --gid 10001 radix \
+    && useradd --system --uid 10001 --gid radix --no-create-home --home-dir /tmp radix
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+# ---------------------------------------------------------------- router: build
+FROM slim-build AS router-build
 # Only the packages the router needs: setuptools packages what it finds, so worker/ is
 # left out of this image entirely.
 COPY pyproject.toml README* ./
@@ -26,13 +38,8 @@ COPY router/ router/
 RUN pip install --no-cache-dir .
 
 # ---------------------------------------------------------------- router
-FROM ${PYTHON_IMAGE} AS router
-RUN groupadd --system --gid 10001 radix \
-    && useradd --system --uid 10001 --gid radix --no-create-home --home-dir /tmp radix
+FROM slim AS router
 COPY --from=router-build /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001
 EXPOSE 8000
 # Same port the service uses: RADIX_ROUTER_PORT when set (the config model's env override).
@@ -72,12 +79,7 @@ ENTRYPOINT ["radix-worker"]
 CMD ["serve"]
 
 # ---------------------------------------------------------------- sidecar: build
-FROM ${PYTHON_IMAGE} AS sidecar-build
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-WORKDIR /src
+FROM slim-build AS sidecar-build
 # The worker package without its engine's dependencies (attach and download import no
 # torch), plus huggingface_hub for download.
 COPY pyproject.toml README* ./
@@ -87,14 +89,9 @@ COPY worker/ worker/
 RUN pip install --no-cache-dir ".[sidecar]"
 
 # ---------------------------------------------------------------- sidecar
-FROM ${PYTHON_IMAGE} AS sidecar
-RUN groupadd --system --gid 10001 radix \
-    && useradd --system --uid 10001 --gid radix --no-create-home --home-dir /tmp radix
+FROM slim AS sidecar
 COPY --from=sidecar-build /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    HF_HOME=/tmp/hf
+ENV HF_HOME=/tmp/hf
 USER 10001:10001
 ENTRYPOINT ["radix-worker"]
 CMD ["attach", "--help"]

@@ -1,7 +1,7 @@
 """CPU side-by-side of the model's load-time fusions (the GPU side is in gpu-check).
 
-- merged q/k/v and gate/up projections (`fuse_projections`) vs the checkpoint's
-  separate ones: decode ms/step through the runner, same weights, same batch;
+- merged q/k/v, merged q/k/v + gate/up (`fuse_projections`) and the checkpoint's
+  separate projections: decode ms/step through the runner, same weights, same batch;
 - RoPE in place (`apply_rope_`) vs transformers' out-of-place form, per call.
 
 Process CPU time, 1 torch thread (a shared machine's other tenants disturb it far less
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from loadtests.options import HelpFormatter
+from worker.engine.allocator import SlotAllocator
 from worker.engine.model import apply_rope_
 from worker.engine.runner import ModelRunner, SeqBatchItem
 from worker.engine.tiny_model import PRESETS, make_tiny_model
@@ -28,7 +29,7 @@ from worker.engine.weights import load_model
 
 
 def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
-    alloc = runner.pool.allocator
+    alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
     slots = [alloc.alloc(context + steps) for _ in range(batch)]
     times = []
@@ -76,23 +77,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "bench", **PRESETS["bench"])
         runner = ModelRunner(model_dir, device="cpu", kv_capacity_tokens=32 * 300)
-        models = {"fused": runner.model,
-                  "separate": load_model(model_dir, runner.config, runner.device, runner.dtype, fuse=False)}  # fmt: skip
+        both, separate = (
+            load_model(model_dir, runner.config, runner.device, runner.dtype, fuse=False)
+            for _ in range(2)
+        )
+        both.fuse_projections(gate_up=True)
+        models = {"q/k/v + gate/up": both, "q/k/v": runner.model, "separate": separate}
         for batch, context in ((1, 256), (8, 256), (32, 256)):
             got: dict[str, list[float]] = {name: [] for name in models}
             for _ in range(args.rounds):
                 for name, model in models.items():
                     runner.model = model
                     got[name].append(decode_ms(runner, batch, context, args.steps))
-            f, s = statistics.median(got["fused"]), statistics.median(got["separate"])
-            rows.append(
-                f"| decode batch {batch}, context {context} | {f:.2f} ms | {s:.2f} ms | {f / s:.2f} |"
-            )
-    for shape in ((32, 8, 64), (2048, 8, 64)):
+            ms = [statistics.median(got[name]) for name in models]
+            cells = " | ".join(f"{m:.2f} ms ({m / ms[-1]:.2f})" for m in ms)
+            rows.append(f"| decode batch {batch}, context {context} | {cells} |")
+    rope = []
+    for shape in ((1, 8, 64), (32, 8, 64), (2048, 8, 64)):
         a, b = rope_us(shape, reps=50)
-        rows.append(f"| RoPE on q {list(shape)} | {a:.1f} µs | {b:.1f} µs | {a / b:.2f} |")
-    table = "\n".join(["| measure | fused / in place | separate / copies | ratio |",
-                       "|---|---|---|---|", *rows])  # fmt: skip
+        rope.append(f"| RoPE on q {list(shape)} | {a:.1f} µs | {b:.1f} µs | {a / b:.2f} |")
+    table = "\n".join([
+        "| decode step | merged q/k/v + gate/up | merged q/k/v | separate |", "|---|---|---|---|",
+        *rows, "", "| RoPE | in place | transformers' form | ratio |", "|---|---|---|---|", *rope,
+    ])  # fmt: skip
     print(table)
     if args.out:
         args.out.write_text("# Model fusions on CPU\n\n`python -m loadtests model-fusions`"

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,12 @@ def check_preset(preset: str, device: torch.device, sizes: dict, backend: str, t
     res["make_model_s"] = round(time.monotonic() - t0, 1)
     vocab = min(int(json.loads((model_dir / "config.json").read_text())["vocab_size"]), 1000)
     prompts = [[4 + (13 * i + 7 * n) % (vocab - 4) for i in range(n)] for n in sizes["prompts"]]
-    res["greedy"] = gb.greedy_vs_transformers(
-        model_dir, device, prompts, sizes["new_tokens"], backend
-    )
+    try:
+        res["greedy"] = gb.greedy_vs_transformers(
+            model_dir, device, prompts, sizes["new_tokens"], backend
+        )
+    except Exception:  # recorded, and the measurements still run
+        res["greedy"] = {"all_equal": False, "equal": "error", "error": traceback.format_exc()}
     batches, contexts, steps = sizes["batches"], sizes["contexts"], sizes["steps"]
     capacity = max(batches) * (max(contexts) + steps + 4)
     runner = ModelRunner(model_dir, device=str(device), kv_capacity_tokens=capacity,
@@ -89,7 +93,10 @@ def check_preset(preset: str, device: torch.device, sizes: dict, backend: str, t
         torch.cuda.reset_peak_memory_stats(device)
     res["dtype"] = str(runner.dtype).removeprefix("torch.")
     res["attention_backend"] = runner.attention_backend
-    res["kernels"] = gb.kernels_of_one_step(runner)
+    try:
+        res["kernels"] = gb.kernels_of_one_step(runner)
+    except Exception as exc:  # e.g. no CUPTI for the profiler
+        res["kernels"] = [f"profiler failed: {exc!r}"]
     bw = gb.bandwidth(device)
     res["bandwidth"] = bw
     weights, per_token = gb.weight_bytes(runner), gb.kv_bytes_per_token(runner)
@@ -129,10 +136,13 @@ def check_preset(preset: str, device: torch.device, sizes: dict, backend: str, t
 def to_markdown(report: dict[str, Any]) -> str:
     lines = [f"# GPU check: {report['device']}", "",
              f"torch {report['torch']}, triton {report['triton']}, python {report['python']}; "
-             f"`{report['command']}`; {report['seconds']:.0f} s.", ""]  # fmt: skip
+             f"`{report['command']}`; {report.get('seconds', 0):.0f} s.", ""]  # fmt: skip
     py = report["pytest"]
     lines += [f"pytest -m gpu: {'skipped (' + py['why'] + ')' if not py['ran'] else ('passed' if py['passed'] else 'FAILED')}", ""]  # fmt: skip
     for r in report["presets"]:
+        if "error" in r:
+            lines += [f"## {r['preset']}: FAILED", "", "```", r["error"][-3000:], "```", ""]
+            continue
         bw = r["bandwidth"]
         g = r["greedy"]
         lines += [
@@ -194,13 +204,21 @@ def main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
-            report["presets"].append(check_preset(preset, device, sizes, args.attention_backend,
-                                                  Path(tmp), deadline))  # fmt: skip
+            try:
+                result = check_preset(preset, device, sizes, args.attention_backend, Path(tmp),
+                                      deadline)  # fmt: skip
+            except Exception:  # one preset failing still leaves the other's numbers
+                result = {"preset": preset, "error": traceback.format_exc()}
+            report["presets"].append(result)
+            # Written after each preset: a run cut short by a time limit keeps what it has.
+            (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     report["seconds"] = time.monotonic() - start
     (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2))
     md = to_markdown(report)
     (args.out / "gpu-check.md").write_text(md)
     print(md)
-    ok = all(r["greedy"]["all_equal"] for r in report["presets"])
+    ok = all("error" not in r and r["greedy"]["all_equal"] for r in report["presets"])
     ok = ok and report["pytest"].get("passed", True)
     return 0 if ok else 1

@@ -14,22 +14,62 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily as CounterFamily
+from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
 from router.fleet import Fleet
-from shared.http import LATENCY_BUCKETS
+from router.workers import Worker
+from shared.metrics import ServiceMetrics, kv_usage_ratio
 from shared.peers import Rejections
 
+Family = GaugeFamily | CounterFamily
+
 RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0, float("inf"))
+
+
+# Per worker, read from the table at scrape time: (family, name, help, value).
+_PER_WORKER: tuple[tuple[type[Family], str, str, Callable[[Worker, float], float]], ...] = (
+    (GaugeFamily, "radix_router_worker_in_flight", "Requests in flight", lambda w, _: w.in_flight),
+    (GaugeFamily, "radix_router_worker_load", "Load as the policy sees it", lambda w, _: w.load),
+    (
+        GaugeFamily, "radix_router_worker_breaker_open", "1 when the breaker is open",
+        lambda w, now: int(w.breaker.state(now) != "closed"),
+    ),
+    (
+        GaugeFamily, "radix_router_worker_kv_cache_usage_ratio",
+        "KV cache in use / capacity, as the worker last reported it (0..1)",
+        lambda w, _: kv_usage_ratio(w.kv_used_tokens, w.kv_capacity_tokens),
+    ),
+    (
+        GaugeFamily, "radix_router_worker_waiting_requests",
+        "Requests queued in the worker's engine, as it last reported", lambda w, _: w.waiting,
+    ),
+    (
+        CounterFamily, "radix_router_upstream_failures", "Failed attempts to a worker",
+        lambda w, _: w.failures_total,
+    ),
+    (
+        CounterFamily, "radix_router_predicted_cached_tokens", "Cached tokens the tree predicted",
+        lambda w, _: w.predicted_tokens_total,
+    ),
+    (
+        CounterFamily, "radix_router_actual_cached_tokens", "Cached tokens workers reported",
+        lambda w, _: w.actual_cached_tokens_total,
+    ),
+    # Every engine's own prompt and prefix-hit totals, from its heartbeats (attached
+    # SGLang / vLLM too): the fleet's real hit rate, where the two above are the tree's.
+    (
+        CounterFamily, "radix_router_worker_prompt_tokens",
+        "Prompt tokens the worker reports having admitted", lambda w, _: w.prompt_tokens_total,
+    ),
+    (
+        CounterFamily, "radix_router_worker_cached_tokens",
+        "Prompt tokens the worker reports served from its KV cache",
+        lambda w, _: w.cached_tokens_total,
+    ),
+)  # fmt: skip
 
 
 class _FleetCollector(Collector):
@@ -44,77 +84,25 @@ class _FleetCollector(Collector):
         self.clock = clock
         self.in_flight = in_flight
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Family]:
         now = self.clock()
-        in_flight = GaugeMetricFamily(
-            "radix_router_worker_in_flight", "Requests in flight", labels=["worker"]
-        )
-        load = GaugeMetricFamily(
-            "radix_router_worker_load", "Load as the policy sees it", labels=["worker"]
-        )
-        is_open = GaugeMetricFamily(
-            "radix_router_worker_breaker_open", "1 when the breaker is open", labels=["worker"]
-        )
-        kv_usage = GaugeMetricFamily(
-            "radix_router_worker_kv_cache_usage_ratio",
-            "KV cache in use / capacity, as the worker last reported it (0..1)",
-            labels=["worker"],
-        )
-        waiting = GaugeMetricFamily(
-            "radix_router_worker_waiting_requests",
-            "Requests queued in the worker's engine, as it last reported",
-            labels=["worker"],
-        )
-        routable = GaugeMetricFamily(
-            "radix_router_workers_routable", "Workers that can take requests"
-        )
-        failures = CounterMetricFamily(
-            "radix_router_upstream_failures", "Failed attempts to a worker", labels=["worker"]
-        )
-        predicted = CounterMetricFamily(
-            "radix_router_predicted_cached_tokens",
-            "Cached tokens the tree predicted",
-            labels=["worker"],
-        )
-        actual = CounterMetricFamily(
-            "radix_router_actual_cached_tokens", "Cached tokens workers reported", labels=["worker"]
-        )
-        # Every engine's own prompt and prefix-hit totals, from its heartbeats (attached
-        # SGLang / vLLM too): the fleet's real hit rate, where the two above are the tree's.
-        prompt = CounterMetricFamily(
-            "radix_router_worker_prompt_tokens",
-            "Prompt tokens the worker reports having admitted",
-            labels=["worker"],
-        )
-        hits = CounterMetricFamily(
-            "radix_router_worker_cached_tokens",
-            "Prompt tokens the worker reports served from its KV cache",
-            labels=["worker"],
-        )
-        count = 0
+        families = [kind(name, doc, labels=["worker"]) for kind, name, doc, _ in _PER_WORKER]
+        values = [value for *_, value in _PER_WORKER]
+        routable = 0
         for w in list(self.fleet.workers.values()):
             wid = [w.worker_id]
-            in_flight.add_metric(wid, w.in_flight)
-            load.add_metric(wid, w.load)
-            is_open.add_metric(wid, 0 if w.breaker.state(now) == "closed" else 1)
-            failures.add_metric(wid, w.failures_total)
-            predicted.add_metric(wid, w.predicted_tokens_total)
-            actual.add_metric(wid, w.actual_cached_tokens_total)
-            capacity = w.kv_capacity_tokens
-            used = min(w.kv_used_tokens, capacity) if capacity > 0 else 0
-            kv_usage.add_metric(wid, used / capacity if capacity > 0 else 0.0)
-            waiting.add_metric(wid, w.waiting)
-            prompt.add_metric(wid, w.prompt_tokens_total)
-            hits.add_metric(wid, w.cached_tokens_total)
-            count += int(not w.draining and w.breaker.allows(now))
-        routable.add_metric([], count)
-        # What the router HPA scales on: requests this replica holds (admitted + queued).
-        replica = GaugeMetricFamily(
-            "radix_router_in_flight_requests", "Requests held by this router replica"
+            for family, value in zip(families, values, strict=True):
+                family.add_metric(wid, value(w, now))
+            routable += int(not w.draining and w.breaker.allows(now))
+        yield from families
+        yield GaugeFamily(
+            "radix_router_workers_routable", "Workers that can take requests", routable
         )
-        replica.add_metric([], self.in_flight())
-        yield from (in_flight, load, is_open, kv_usage, waiting, routable, replica)
-        yield from (failures, predicted, actual, prompt, hits)
+        # What the router HPA scales on: requests this replica holds (admitted + queued).
+        yield GaugeFamily(
+            "radix_router_in_flight_requests", "Requests held by this router replica",
+            self.in_flight(),
+        )  # fmt: skip
 
 
 class ReasonWindow:
@@ -167,8 +155,8 @@ class _RejectionsCollector(Collector):
     def __init__(self, rejections: Rejections) -> None:
         self.rejections = rejections
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(
+    def collect(self) -> Iterator[CounterFamily]:
+        family = CounterFamily(
             "radix_router_untrusted_rejected",
             "Entries read from Redis and dropped as malformed or out of bounds",
             labels=["source"],
@@ -178,7 +166,7 @@ class _RejectionsCollector(Collector):
         yield family
 
 
-class Metrics:
+class Metrics(ServiceMetrics):
     def __init__(
         self,
         fleet: Fleet,
@@ -186,16 +174,10 @@ class Metrics:
         in_flight: Callable[[], int] = lambda: 0,
         rejections: Rejections | None = None,
     ) -> None:
+        super().__init__("radix_router")
         self.clock = clock
         self.reasons = ReasonWindow()
-        self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        # process_* (CPU, memory, open fds) and python_info, as the default registry has.
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        self.requests = Counter(
-            "radix_router_requests", "Requests answered", ["endpoint", "status"], registry=r
-        )
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
         )
@@ -208,10 +190,6 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        self.latency = Histogram(
-            "radix_router_request_duration_seconds", "Time to the end of the response",
-            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
         self.worker_requests = Counter(
             "radix_router_worker_requests", "Requests answered, by the worker that answered",
             ["worker", "status"], registry=r,
@@ -224,37 +202,21 @@ class Metrics:
         r.register(_FleetCollector(fleet, clock, in_flight))
         if rejections is not None:
             r.register(_RejectionsCollector(rejections))
-        # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
-        key = (metric._name, *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
-    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
-        self._child(self.requests, endpoint, str(status)).inc()
-        self._child(self.latency, endpoint).observe(seconds)
 
     def answered(self, worker: str, status: int) -> None:
-        self._child(self.worker_requests, worker, str(status)).inc()
+        self.child(self.worker_requests, worker, str(status)).inc()
 
     def refused(self, reason: str) -> None:
-        self._child(self.rejected, reason).inc()
+        self.child(self.rejected, reason).inc()
 
     def decision(self, reason: str) -> None:
-        self._child(self.decisions, reason).inc()
+        self.child(self.decisions, reason).inc()
         self.reasons.add(reason, self.clock())
 
     def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None:
         """The ratio histogram (the totals are the fleet's, read at scrape time)."""
         if predicted_tokens > 0:
-            self._child(self.cache_ratio, worker_id).observe(actual / predicted_tokens)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+            self.child(self.cache_ratio, worker_id).observe(actual / predicted_tokens)
 
 
 # The key, then its integer value: workers put `usage` last, so the last occurrence is

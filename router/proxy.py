@@ -123,7 +123,7 @@ class Proxy:
         failure: AttemptFailed | None = None
         suspects: list[Attempt] = []  # tries that got a 500: the worker's fault, or ours?
         busy_for = 0  # the longest Retry-After of the busy workers
-        for attempt in range(self.config.max_retries + 1):
+        for tries in range(self.config.max_retries + 1):
             picked = self._select(routed, tried)
             if picked is None:
                 break
@@ -138,9 +138,9 @@ class Proxy:
                 if e.suspect:
                     suspects.append(e.attempt)
                 busy_for = max(busy_for, e.retry_after)
-                if attempt < self.config.max_retries:
+                if tries < self.config.max_retries:
                     self.metrics.retries.inc()
-                    await asyncio.sleep(self.config.retry_backoff * (2**attempt))
+                    await asyncio.sleep(self.config.retry_backoff * (2**tries))
                 continue
             if suspects and response.status < 400:
                 # Another worker answered what the suspect answered 500 to: its failure.

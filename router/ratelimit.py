@@ -16,8 +16,10 @@ updated by one Lua script per request (atomic, on Redis's clock), so N replicas 
 the configured rate in total, not N times it. The script is the whole protocol: one
 round trip, no read-modify-write race between replicas. When Redis does not answer
 within `rate_limit_redis_timeout`, each replica falls back to its own in-process token
-bucket (logged once per outage): a Redis outage must not stop traffic. Without Redis,
-the in-process bucket is the limiter.
+bucket (logged once per outage) and asks Redis again only `REDIS_RETRY_S` later: a Redis
+outage must not stop traffic, nor slow it (a Redis that stopped answering used to add
+the whole timeout to every request until it came back). Without Redis, the in-process
+bucket is the limiter.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from shared.registry import Registry
 log = logging.getLogger(__name__)
 
 MAX_CLIENTS = 100_000
+REDIS_RETRY_S = 1.0  # after Redis failed, how long the local bucket decides alone
 
 # GCRA (the generic cell rate algorithm): one number per client, the theoretical arrival
 # time (TAT) of its next request, in microseconds of Redis's clock. A request at `now` is
@@ -154,21 +157,21 @@ def make_rate_limit_middleware(
         else RedisGcra(redis, Registry(redis, config.redis_prefix), rate, burst)
     )
     identity = ClientIdentity(config)
-    failing = False
+    failed_at: float | None = None  # when Redis last failed; None while it answers
 
     async def wait_for(client: bytes) -> float:
-        nonlocal failing
-        if shared is not None:
+        nonlocal failed_at
+        if shared is not None and (failed_at is None or clock() >= failed_at + REDIS_RETRY_S):
             try:
                 wait = await shared.take(client)
             except (RedisError, OSError, TimeoutError) as exc:
-                if not failing:
+                if failed_at is None:
                     log.warning("rate limit: Redis unavailable (%s); limiting per replica", exc)
-                failing = True
+                failed_at = clock()
             else:
-                if failing:
+                if failed_at is not None:
                     log.info("rate limit: Redis reachable again; limiting across replicas")
-                failing = False
+                failed_at = None
                 return wait
         return local.take(client)
 

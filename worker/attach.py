@@ -117,7 +117,7 @@ class Upstream:
                 await self._identify()
                 self.epoch = time.time()
                 log.info("upstream %s is up: model %r, new epoch", self.base, self.model)
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError, TypeError) as exc:
             if not self._was_down:
                 log.warning("upstream %s stopped answering (%s)", self.base, exc)
             self._was_down = True
@@ -203,7 +203,7 @@ def add_attach_parser(sub: Any) -> None:
 
 
 def run_attach(args: argparse.Namespace) -> int:
-    from shared.config import check_worker_url
+    from shared.peers import check_worker_id, check_worker_url
 
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
@@ -212,6 +212,8 @@ def run_attach(args: argparse.Namespace) -> int:
     try:
         upstream = check_worker_url(args.upstream)
         advertise = check_worker_url(args.advertise_url or args.upstream)
+        # Routers drop a record whose id has another shape: refuse it here, loudly.
+        worker_id = check_worker_id(args.worker_id or socket.gethostname())
     except ValueError as exc:
         print(f"radix-worker attach: {exc}", file=sys.stderr)
         return 2
@@ -226,7 +228,7 @@ def run_attach(args: argparse.Namespace) -> int:
         return 2
     config = AttachConfig(
         upstream=upstream, engine=args.engine, redis_url=args.redis_url,
-        worker_id=args.worker_id or socket.gethostname(), advertise_url=advertise,
+        worker_id=worker_id, advertise_url=advertise,
         redis_prefix=args.redis_prefix, served_model_name=args.served_model_name,
         interval=args.interval,
     )  # fmt: skip

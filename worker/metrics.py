@@ -1,5 +1,4 @@
-"""Prometheus metrics of one worker, in a registry of its own (not the global one), so
-two apps in one process (tests, benchmarks) never share or clash on counters.
+"""Prometheus metrics of one worker (its registry and request metrics: `shared/metrics.py`).
 
 Engine state (queue, KV usage, cumulative tokens) is read from `engine.stats()` at
 scrape time by a collector, so it is never stale and never counted twice.
@@ -9,18 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    generate_latest,
-)
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.http import LATENCY_BUCKETS
+from shared.metrics import LATENCY_BUCKETS, ServiceMetrics, kv_usage_ratio
 from worker.engine.types import EngineStats, GenerateOutput
 
 # Per output token: decode steps run from about a millisecond (small models, big GPUs)
@@ -41,12 +33,9 @@ class _EngineCollector(Collector):
             "radix_worker_kv_capacity_tokens": ("KV cache capacity", s.cache_capacity_tokens),
             "radix_worker_kv_used_tokens": ("KV slots in use or cached", s.cache_used_tokens),
             "radix_worker_draining": ("1 while shutting down", int(self._draining())),
-            # What Kubernetes-native inference gateways read (vLLM: kv_cache_usage_perc).
             "radix_worker_kv_cache_usage_ratio": (
                 "KV cache in use / capacity (0..1)",
-                min(1.0, s.cache_used_tokens / s.cache_capacity_tokens)
-                if s.cache_capacity_tokens > 0
-                else 0.0,
+                kv_usage_ratio(s.cache_used_tokens, s.cache_capacity_tokens),
             ),
         }
         for name, (doc, value) in gauges.items():
@@ -67,42 +56,30 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
 
 
-class WorkerMetrics:
+class WorkerMetrics(ServiceMetrics):
     def __init__(self, stats: Callable[[], EngineStats], draining: Callable[[], bool]) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "radix_worker_requests", "HTTP requests answered", ["endpoint", "status"],
-            registry=self.registry,
-        )  # fmt: skip
-        self.latency = Histogram(
-            "radix_worker_request_duration_seconds", "Time to the last byte", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+        super().__init__("radix_worker")
+        r = self.registry
         self.ttft = Histogram(
             "radix_worker_time_to_first_token_seconds", "Time to the first generated token",
-            ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue = Histogram(
             "radix_worker_queue_time_seconds", "Time waiting in the engine before admission",
-            ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.tpot = Histogram(
             "radix_worker_time_per_output_token_seconds",
             "Inter-token latency: (last token - first token) / (completion tokens - 1)",
-            ["endpoint"], buckets=_TPOT_BUCKETS, registry=self.registry,
+            ["endpoint"], buckets=_TPOT_BUCKETS, registry=r,
         )  # fmt: skip
-        self.registry.register(_EngineCollector(stats, draining))
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
+        r.register(_EngineCollector(stats, draining))
 
     def first_output(self, endpoint: str, ttft: float, queue_seconds: float | None) -> None:
-        self.ttft.labels(endpoint).observe(ttft)
+        self.child(self.ttft, endpoint).observe(ttft)
         if queue_seconds is not None:
-            self.queue.labels(endpoint).observe(queue_seconds)
+            self.child(self.queue, endpoint).observe(queue_seconds)
 
     def last_output(self, endpoint: str, since_first: float, last: GenerateOutput) -> None:
         if last.completion_tokens > 1:
-            self.tpot.labels(endpoint).observe(since_first / (last.completion_tokens - 1))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+            self.child(self.tpot, endpoint).observe(since_first / (last.completion_tokens - 1))

@@ -11,7 +11,7 @@ import re
 import socket
 import tracemalloc
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -28,20 +28,6 @@ from tests.fuzz.conftest import start_router, start_worker, worker_config
 
 PREFIX = "radixrouter:"
 GOOD = {"prompt": "hello", "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server.url)
-    await client.flushdb()
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from redis.asyncio import Redis
@@ -21,16 +20,8 @@ from tests.waiting import ManualClock, wait_until
 
 
 @pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-async def registry(redis_server: RedisServer) -> AsyncIterator[Registry]:
-    redis = Redis.from_url(redis_server.url)
-    yield Registry(redis)
-    await redis.aclose()
+def registry(redis: Redis) -> Registry:
+    return Registry(redis)
 
 
 def rec(wid: str, port: int, epoch: float = 1.0, **kw: object) -> WorkerRecord:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from aiohttp import web
+import asyncio
 
-from router.ratelimit import ClientIdentity, TokenBuckets
+from aiohttp import web
+from redis.asyncio import Redis
+
+from router.ratelimit import (
+    REDIS_RETRY_S,
+    ClientIdentity,
+    TokenBuckets,
+    make_rate_limit_middleware,
+)
 from shared.config import RouterConfig
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 
@@ -74,3 +82,45 @@ def test_with_api_keys_clients_are_their_key() -> None:
     who = ClientIdentity(RouterConfig(api_keys=("k1", "k2")))
     same_ip = [_request("10.0.0.1", {"Authorization": f"Bearer {k}"}) for k in ("k1", "k2")]
     assert who(same_ip[0]) != who(same_ip[1])
+
+
+async def test_a_silent_redis_is_asked_again_only_after_the_retry_interval() -> None:
+    """Redis accepts connections but never answers: the first request waits out
+    `rate_limit_redis_timeout` and falls back to the local bucket; the next ones go
+    straight to the local bucket until `REDIS_RETRY_S` has passed on the router's clock."""
+    commands = 0  # reads of what a client sent (the handshake, then the script)
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal commands
+        while await reader.read(65536):
+            commands += 1
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    redis = Redis.from_url(f"redis://127.0.0.1:{port}", socket_timeout=0.05)
+    now = [1000.0]
+    config = RouterConfig(rate_limit_per_key=1000.0, rate_limit_burst=100)
+    middleware = make_rate_limit_middleware(config, lambda: now[0], redis)
+    assert middleware is not None
+
+    async def ok(_: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok")
+
+    async def send() -> int:
+        return (await middleware(_request("10.0.0.1", {}), ok)).status
+
+    try:
+        assert await send() == 200  # Redis timed out: the local bucket admitted it
+        asked = commands
+        assert asked >= 1
+        for _ in range(20):
+            assert await send() == 200
+        assert commands == asked  # no request waited on Redis again
+        now[0] += REDIS_RETRY_S
+        assert await send() == 200
+        assert commands > asked  # retry interval over: Redis asked again
+    finally:
+        await redis.aclose()
+        server.close()
+        await server.wait_closed()

@@ -2,7 +2,7 @@
 replica catches up from the stream, and a Redis outage degrades without errors."""
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from redis.asyncio import Redis
@@ -14,12 +14,6 @@ from shared.registry import Registry
 from tests.waiting import wait_until
 
 CONFIG = RouterConfig(sync=True, sync_flush_interval=0.005, sync_load_interval=0.05)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 class Replica:
@@ -115,3 +109,22 @@ async def test_redis_outage_degrades_and_recovers(
     await wait_until(lambda: ("w1", "during the outage") in b.seen, timeout=10)
     a.sync.publish("w2", "after the outage")
     await wait_until(lambda: ("w2", "after the outage") in b.seen, timeout=10)
+
+
+async def test_an_unchanged_round_keeps_the_remote_mapping(
+    replicas: Callable[..., Replica],
+) -> None:
+    """The fleet takes a new mapping for a change of load and walks every worker on the
+    next request (router/columns.py), so a round that changed nothing keeps the old one."""
+    a = replicas(inflight={"w1": 0})
+    b = replicas(inflight={"w1": 2})
+    await b.sync._load_once()
+    await a.sync._load_once()
+    first = a.sync.remote_inflight()
+    assert first == {"w1": 2}
+    await a.sync._load_once()
+    assert a.sync.remote_inflight() is first
+    b.inflight["w1"] = 1
+    await b.sync._load_once()
+    await a.sync._load_once()
+    assert a.sync.remote_inflight() == {"w1": 1}

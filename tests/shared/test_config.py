@@ -52,6 +52,13 @@ def test_bad_values_name_the_key(overrides: dict, needle: str) -> None:
     assert needle in str(e.value)
 
 
+def test_a_worker_id_routers_would_drop_is_refused_at_start() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(WorkerConfig, overrides={"worker_id": "w/1 bad"}, environ={})
+    assert "worker_id" in str(e.value) and "A-Za-z0-9" in str(e.value)
+    assert load_config(WorkerConfig, overrides={"worker_id": "w-1.a:b"}, environ={}).worker_id
+
+
 def test_bad_env_names_its_source() -> None:
     with pytest.raises(ConfigError, match=r"heartbeat_interval: .*\(from environment\)"):
         load_config(WorkerConfig, environ={"RADIX_WORKER_HEARTBEAT_INTERVAL": "-1"})

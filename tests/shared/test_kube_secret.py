@@ -4,12 +4,10 @@ every upgrade or GitOps sync never rotates the Redis passwords."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from shared.procs import free_port
+from tests.app_thread import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "rr-radix-router-redis-auth"
@@ -52,18 +51,8 @@ def api() -> Iterator[tuple[FakeApi, str]]:
     app = web.Application()
     app.router.add_get("/api/v1/namespaces/radix/secrets/{name}", fake.get)
     app.router.add_post("/api/v1/namespaces/radix/secrets", fake.post)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    port = free_port()
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield fake, f"http://127.0.0.1:{port}"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.run_until_complete(runner.cleanup())
-    loop.close()
+    with serve_in_thread(app) as url:
+        yield fake, url
 
 
 def _run(url: str, token_file: Path) -> subprocess.CompletedProcess[str]:

@@ -1,6 +1,5 @@
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from redis.asyncio import Redis
@@ -9,18 +8,9 @@ from shared.redis_server import RedisServer
 from shared.registry import Registry, WorkerRecord
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture
-async def registry(redis_server: RedisServer) -> AsyncIterator[Registry]:
-    client = Redis.from_url(redis_server.url)
-    await client.flushdb()
-    yield Registry(client, prefix="t:")
-    await client.aclose()
+def registry(redis: Redis) -> Registry:
+    return Registry(redis, prefix="t:")
 
 
 def record(wid: str = "w1", url: str = "http://127.0.0.1:9001", **kw: object) -> WorkerRecord:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from shared.config import WorkerConfig
 from shared.procs import wait_until
-from shared.redis_server import RedisServer, free_port
+from shared.redis_server import free_port
 from worker.app import create_app
 from worker.backends import build_engine
 from worker.engine.types import Engine
@@ -93,12 +93,6 @@ def sim_config(**overrides: Any) -> WorkerConfig:
 def sim_worker() -> Iterator[WorkerThread]:
     with WorkerThread(sim_config()) as worker:
         yield worker
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 class WorkerProcess:

@@ -33,6 +33,7 @@ def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, d
         (["--engine", "tpu"], {}, "engine"),
         ([], {"RADIX_WORKER_PAGE_SIZE": "0"}, "page_size"),
         (["--engine", "radix"], {}, "model"),
+        (["--attention-backend", "flash"], {}, "attention_backend"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(
@@ -94,3 +95,31 @@ def test_make_tiny_model_then_sim_serves_its_tokenizer(
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})  # fmt: skip
     assert status == 200, body
     assert body["model"] == "tiny" and body["usage"]["completion_tokens"] == 3  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_serve_with_the_triton_backend_on_cpu_answers_as_sdpa(
+    tiny_model_dir: Path, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    """`--device cpu --attention-backend triton` (triton's interpreter: TRITON_INTERPRET=1
+    is set for the tests on a machine without a GPU) gives sdpa's greedy completion."""
+    pytest.importorskip("triton")
+    texts = []
+    for backend in ("sdpa", "triton"):
+        worker = spawn_worker("--engine", "radix", "--model", str(tiny_model_dir),
+                              "--device", "cpu", "--attention-backend", backend,
+                              "--cache-tokens", "2048", "--served-model-name", "tiny").wait_ready()  # fmt: skip
+        status, body = post(worker.url + "/v1/completions", {
+            "model": "tiny", "prompt": "The cat sees a red ball", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True})  # fmt: skip
+        assert status == 200, body
+        texts.append(body["choices"][0]["text"])  # type: ignore[index]
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_attach_refuses_a_worker_id_routers_would_drop(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["attach", "--upstream", "http://127.0.0.1:8000", "--engine", "vllm"]
+    code = main([*args, "--redis-url", "redis://127.0.0.1:1", "--worker-id", "pod/0 x"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("radix-worker attach: worker id") and "Traceback" not in err

@@ -12,14 +12,13 @@ import hashlib
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from shared.procs import free_port
+from tests.app_thread import serve_in_thread
 from tests.helm.chart import ROOT
 
 REPO = "radix-test/tiny-llama"
@@ -92,25 +91,13 @@ class FakeHub:
 
 @pytest.fixture
 def hub(tiny_model_dir: Path) -> Iterator[tuple[FakeHub, str]]:
-    import asyncio
-
     fake = FakeHub(tiny_model_dir, token=TOKEN)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(fake.app())
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield fake, f"http://127.0.0.1:{port}"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.run_until_complete(runner.cleanup())
-    loop.close()
+    with serve_in_thread(fake.app()) as url:
+        yield fake, url
 
 
 def _download(
-    endpoint: str, target: Path, *extra: str, token: str | None = TOKEN
+    endpoint: str, target: Path, *extra: str, token: str | None = TOKEN, revision: str = "main"
 ) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
@@ -130,7 +117,7 @@ def _download(
             "download",
             REPO,
             "--revision",
-            "main",
+            revision,
             "--dir",
             str(target),
             *extra,
@@ -176,29 +163,5 @@ def test_download_without_the_token_fails_clearly(hub: tuple[FakeHub, str], tmp_
 
 def test_unknown_revision_fails_clearly(hub: tuple[FakeHub, str], tmp_path: Path) -> None:
     _, endpoint = hub
-    env_target = tmp_path / "m"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "worker",
-            "download",
-            REPO,
-            "--revision",
-            "nope",
-            "--dir",
-            str(env_target),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={
-            **os.environ,
-            "HF_ENDPOINT": endpoint,
-            "HF_HUB_OFFLINE": "0",
-            "HF_TOKEN": TOKEN,
-            "HF_HOME": str(tmp_path / "hf-home"),
-        },
-    )
+    done = _download(endpoint, tmp_path / "m", revision="nope")
     assert done.returncode != 0 and "nope" in done.stderr and "Traceback" not in done.stderr

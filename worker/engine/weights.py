@@ -3,8 +3,8 @@
 The module is built on the meta device (no memory, no random init: an 8B model
 would spend minutes in init on CPU) and the checkpoint tensors are assigned
 straight in, read from disk onto the target device and cast to the target dtype.
-Then q/k/v and gate/up are merged into one matmul each (`fuse=False` keeps the
-checkpoint's layout, e.g. to compare the two).
+Then q/k/v (and on GPUs gate/up) are merged into one matmul each (`fuse=False`
+keeps the checkpoint's layout, e.g. to compare the two).
 """
 
 from __future__ import annotations
@@ -92,5 +92,5 @@ def load_model(
     model.to(device)
     model.eval().requires_grad_(False)
     if fuse:
-        model.fuse_projections()
+        model.fuse_projections(gate_up=device.type != "cpu")
     return model

@@ -28,7 +28,7 @@ import torch
 class AttentionMetadata:
     """One forward's view of the batch, shared by every layer (int32 unless noted)."""
 
-    table: torch.Tensor  # [rows, width] the request->token table
+    table: torch.Tensor  # [rows, width] the request->token table (int64 on CPU)
     out_slots: torch.Tensor  # [T] int64: slot of each new token, in batch order
     rows: torch.Tensor  # [B] table row of each item
     prefix_lens: torch.Tensor  # [B] tokens with KV before this step (start_pos)
@@ -50,7 +50,11 @@ class ReqToTokenTable:
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
         self.width = width
         self.device = device
-        self.table = torch.zeros(rows + 1, width, dtype=torch.int32, device=device)
+        # int32 on the GPU (half the memory; the kernels widen on load). int64 on CPU,
+        # where SDPA's index_select of a row measured ~4% of a decode step slower with
+        # an int32 index (bench preset, batch 8).
+        self.dtype = torch.int64 if device.type == "cpu" else torch.int32
+        self.table = torch.zeros(rows + 1, width, dtype=self.dtype, device=device)
         self._free = list(range(rows - 1, -1, -1))
         self._row_of: dict[Any, int] = {}
         self._known: dict[Any, int] = {}  # positions of the row the runner has written
@@ -92,7 +96,7 @@ class ReqToTokenTable:
     def _grow(self) -> None:
         old = self.table
         rows = old.shape[0] - 1
-        self.table = torch.zeros(2 * rows + 1, self.width, dtype=torch.int32, device=self.device)
+        self.table = torch.zeros(2 * rows + 1, self.width, dtype=self.dtype, device=self.device)
         self.table[:rows] = old[:rows]
         self._free = list(range(2 * rows - 1, rows - 1, -1))
         self.generation += 1
@@ -190,7 +194,7 @@ def build_step(
     dev = staging.upload(packed)
     u = len(upd_vals)
     ids, pos, out_slots = dev[: 3 * t].view(3, t)
-    table.table.view(-1)[dev[3 * t + u : 3 * t + 2 * u]] = dev[3 * t : 3 * t + u].to(torch.int32)
+    table.table.view(-1)[dev[3 * t + u : 3 * t + 2 * u]] = dev[3 * t : 3 * t + u].to(table.dtype)
     off = 3 * t + 2 * u
     per_item = dev[off : off + 5 * b].to(torch.int32).view(5, b)
     off += 5 * b

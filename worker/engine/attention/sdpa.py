@@ -51,7 +51,7 @@ class SdpaBackend:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         assert meta.host is not None, "the sdpa backend needs the host-side item table"
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous (q may be a view of the fused qkv)
         groups = q.shape[1] // self.k[layer].shape[1]
         window = self.window
         for q_loc, n, start, row in meta.host.tolist():

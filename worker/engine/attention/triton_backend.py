@@ -53,7 +53,7 @@ class TritonBackend:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous (q may be a view of the fused qkv)
         n_decode = meta.decode_idx.shape[0]
         if n_decode:
             decode_attention(
