@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from loadtests.options import HelpFormatter
+from worker.engine.allocator import SlotAllocator
 from worker.engine.model import apply_rope_
 from worker.engine.runner import ModelRunner, SeqBatchItem
 from worker.engine.tiny_model import PRESETS, make_tiny_model
@@ -28,7 +29,7 @@ from worker.engine.weights import load_model
 
 
 def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
-    alloc = runner.pool.allocator
+    alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
     slots = [alloc.alloc(context + steps) for _ in range(batch)]
     times = []

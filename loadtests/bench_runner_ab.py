@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from worker.engine.allocator import SlotAllocator
 from worker.engine.runner import ModelRunner, SeqBatchItem
 from worker.engine.tiny_model import PRESETS, make_tiny_model
 
@@ -55,7 +56,7 @@ def load_base(root: Path, tmp: Path) -> Any:
 
 def step_ms(runner: Any, item_type: Any, batch: int, context: int, steps: int) -> float:
     stable = "seq_id" in {f.name for f in dataclasses.fields(item_type)}
-    alloc = runner.pool.allocator
+    alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
     slots = [alloc.alloc(context + steps + 1) for _ in range(batch)]
 
@@ -78,6 +79,8 @@ def step_ms(runner: Any, item_type: Any, batch: int, context: int, steps: int) -
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.rounds < 2:
+        raise ValueError("--rounds must be at least 2 (the verdict is a median of pairs)")
     torch.set_num_threads(1)
     lines = ["| batch | context | base ms/step | ours ms/step | ours / base (paired median, quartiles) |",
              "|---|---|---|---|---|"]  # fmt: skip

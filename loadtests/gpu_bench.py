@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runner import ModelRunner, SeqBatchItem
@@ -67,7 +68,7 @@ def kv_bytes_per_token(runner: ModelRunner) -> int:
 def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
     """Median ms per decode step of `batch` sequences at `context` tokens. Their K/V
     are random rows of the pool (decode time does not depend on the values)."""
-    alloc = runner.pool.allocator
+    alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
     slots = [alloc.alloc(context + steps + 3) for _ in range(batch)]
     if any(s is None for s in slots):
@@ -90,7 +91,7 @@ def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> floa
 
 
 def prefill_tokens_s(runner: ModelRunner, seqs: int, length: int) -> float:
-    alloc = runner.pool.allocator
+    alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
     rng = np.random.default_rng(0)
     rates = []
@@ -173,7 +174,7 @@ def kernels_of_one_step(runner: ModelRunner) -> list[str]:
         return [f"{runner.attention_backend} (CPU: no kernel profile)"]
     from torch.profiler import ProfilerActivity, profile
 
-    alloc = runner.pool.allocator
+    alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
     a, b = alloc.alloc(65), alloc.alloc(40)
     runner.forward([SeqBatchItem(list(range(4, 68)), 0, a[:64])])

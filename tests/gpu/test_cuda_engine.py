@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.worker.engine.slots import allocator_for
 from worker.engine.runner import ModelRunner, SeqBatchItem
 
 pytestmark = [
@@ -43,7 +44,7 @@ def sample_ids(n: int, seed: int) -> list[int]:
 def mixed_steps(runner: ModelRunner, seed: int = 0) -> tuple[list[list[int]], torch.Tensor]:
     """Prefill three sequences (one in two chunks), then one mixed step: two decodes and
     the second chunk. Returns the sequences and that step's logits."""
-    alloc = runner.pool.allocator
+    alloc = allocator_for(runner)
     alloc.reset()
     seqs = [sample_ids(n, seed + n) for n in (7, 40, 90)]
     slots = [alloc.alloc(len(s)) for s in seqs]
@@ -77,7 +78,7 @@ def test_cuda_graph_decode_equals_eager(tiny_model_dir: Path) -> None:
     assert graphs.graphs is not None and eager.graphs is None
     outs = []
     for runner in (graphs, eager):
-        alloc = runner.pool.allocator
+        alloc = allocator_for(runner)
         alloc.reset()
         seqs = [sample_ids(n, n) for n in (5, 33, 70)]  # batch 3: padded to bucket 4
         slots = [alloc.alloc(len(s) + 4) for s in seqs]
@@ -111,6 +112,6 @@ def test_cuda_auto_dtype_and_pool_sizing(tiny_model_dir: Path) -> None:
     assert runner.dtype == torch.bfloat16  # auto on CUDA, whatever the checkpoint says
     assert runner.attention_backend == "triton"
     assert runner.pool.capacity > 10_000
-    slots = runner.pool.allocator.alloc(9)
+    slots = allocator_for(runner).alloc(9)
     out = runner.forward([SeqBatchItem(sample_ids(9, 50), 0, np.asarray(slots))])
     assert out.dtype == torch.float32 and torch.isfinite(out).all()

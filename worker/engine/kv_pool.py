@@ -11,12 +11,8 @@ a CUDA-graph batch write their K/V there.
 from __future__ import annotations
 
 import os
-from typing import Any
 
-import numpy as np
 import torch
-
-from worker.engine.allocator import SlotAllocator
 
 
 def _cpu_available_bytes() -> int:
@@ -64,9 +60,6 @@ class KVPool:
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))
         self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
-        # Transitional: the engine builds its own allocator over [0, capacity) once the
-        # scheduler's side of the runner seam lands; until then it takes this one.
-        self.allocator = SlotAllocator(capacity)
 
     @staticmethod
     def bytes_per_token(
@@ -113,14 +106,3 @@ class KVPool:
         shape = (*slots.shape, self.num_kv_heads, self.head_dim)
         k = self.k[layer].index_select(0, flat).view(shape)
         return k, self.v[layer].index_select(0, flat).view(shape)
-
-    def check_integrity(self, cache: Any, in_use: np.ndarray) -> None:
-        """free + cached + in use == capacity, and no slot owned twice (AssertionError otherwise).
-
-        `cache` is a prefix cache (radix or none) allocating from this pool's allocator;
-        `in_use` are the slots running requests hold that the cache does not.
-        """
-        assert cache.allocator is self.allocator, "the cache allocates from another allocator"
-        cache.check_integrity()
-        owned = np.concatenate((cache.cached_slots(), np.asarray(in_use, dtype=np.int64)))
-        self.allocator.check_integrity(owned=owned)

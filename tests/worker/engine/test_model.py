@@ -23,6 +23,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tests.worker.engine.slots import allocator_for
 from worker.engine.model_config import ModelConfig
 from worker.engine.runner import ModelRunner, SeqBatchItem
 from worker.engine.tiny_model import make_tiny_model
@@ -63,7 +64,7 @@ BACKENDS = pytest.mark.parametrize("backend", ["sdpa", pytest.param("triton", ma
 def run_in_chunks(runner: ModelRunner, ids: list[int], cuts: list[int]) -> dict[int, torch.Tensor]:
     """Run `ids` split at `cuts`, each chunk over the KV of the previous ones; returns the
     logits of each chunk's last position, keyed by position."""
-    slots = runner.pool.allocator.alloc(len(ids))
+    slots = allocator_for(runner).alloc(len(ids))
     assert slots is not None
     out: dict[int, torch.Tensor] = {}
     bounds = [0, *cuts, len(ids)]
@@ -116,7 +117,7 @@ def test_batch_of_sequences_with_shared_prefix_slots(tiny_model_dir: Path, backe
     sequence already wrote (shared slots, as the radix cache hands out), and a decode."""
     runner = runner_for(tiny_model_dir, backend=backend)
     vocab = runner.config.vocab_size
-    alloc = runner.pool.allocator
+    alloc = allocator_for(runner)
     prefix = sample_ids(20, vocab, seed=3)
     a = [*prefix, *sample_ids(6, vocab, seed=4)]
     b = [*prefix, *sample_ids(11, vocab, seed=5)]
@@ -149,7 +150,7 @@ def test_many_decodes_in_one_step_match_transformers(model_dir: Path, backend: s
     """Several one-token decodes with different context lengths interleaved with a
     prefill chunk, in one forward (a mixed step: both triton kernels run)."""
     runner = runner_for(model_dir, backend=backend)
-    vocab, alloc = runner.config.vocab_size, runner.pool.allocator
+    vocab, alloc = runner.config.vocab_size, allocator_for(runner)
     seqs = [sample_ids(n, vocab, seed=20 + n) for n in (5, 31, 2, 17)]
     slots = [alloc.alloc(len(s)) for s in seqs]
     runner.forward([SeqBatchItem(s[:-1], 0, sl[:-1]) for s, sl in zip(seqs, slots, strict=True)])

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tests.worker.engine.slots import allocator_for
 from worker.engine.attention import make_backend
 from worker.engine.device import parse_dtype, pick_device, pick_dtype
 from worker.engine.runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, SeqBatchItem
@@ -27,7 +28,7 @@ def runner(tiny_model_dir: Path) -> ModelRunner:
 
 @pytest.fixture(autouse=True)
 def _fresh_slots(runner: ModelRunner) -> None:
-    runner.pool.allocator.reset()
+    allocator_for(runner).reset()
 
 
 def ids_of(n: int, start: int = 10) -> list[int]:
@@ -50,7 +51,7 @@ def test_loads_config_device_and_pool(runner: ModelRunner) -> None:
 def test_cached_prefix_is_not_recomputed(runner: ModelRunner) -> None:
     """A second request sharing a 40-token prefix runs only its suffix and gets the
     same logits as running everything from scratch."""
-    alloc = runner.pool.allocator
+    alloc = allocator_for(runner)
     prompt = ids_of(48)
     first = alloc.alloc(48)
     runner.forward([SeqBatchItem(prompt, 0, first)])
@@ -79,7 +80,7 @@ def test_kv_is_written_to_the_given_slots(runner: ModelRunner) -> None:
 
 
 def test_tokens_computed_counts_every_new_token(runner: ModelRunner) -> None:
-    alloc = runner.pool.allocator
+    alloc = allocator_for(runner)
     a, b = alloc.alloc(10), alloc.alloc(3)
     before = runner.tokens_computed
     logits = runner.forward([SeqBatchItem(ids_of(10), 0, a), SeqBatchItem(ids_of(3), 0, b)])
@@ -120,7 +121,7 @@ def test_empty_batch_is_an_error(runner: ModelRunner) -> None:
 def test_pool_sized_from_memory_fraction(tiny_model_dir: Path) -> None:
     small = ModelRunner(tiny_model_dir, device="cpu", kv_memory_fraction=1e-6)
     assert 0 < small.pool.capacity < CPU_DEFAULT_KV_TOKENS
-    assert small.pool.capacity == small.pool.allocator.capacity
+    assert small.capacity == small.pool.capacity
     # Half of host RAM is far more than the CPU cap.
     default = ModelRunner(tiny_model_dir, device="cpu")
     assert default.pool.capacity == CPU_DEFAULT_KV_TOKENS
@@ -161,14 +162,14 @@ def test_any_schedule_matches_transformers(
     stable sequences (table rows kept, only new slots sent) or one-step rows, some
     items not sampling: every returned row equals transformers' logits at that chunk's
     last position."""
-    runner.pool.allocator.reset()
+    allocator_for(runner).reset()
     backends = {"sdpa": runner.backend}
     if importlib.util.find_spec("triton") is not None:
         backends["triton"] = triton_backend(runner)
     stable = data.draw(st.booleans(), label="stable seq ids")
     lengths = data.draw(st.lists(st.integers(1, 24), min_size=1, max_size=4), label="lengths")
     seqs = [ids_of(n, start=11 * i + 4) for i, n in enumerate(lengths)]
-    slots = [runner.pool.allocator.alloc(n) for n in lengths]
+    slots = [allocator_for(runner).alloc(n) for n in lengths]
     with torch.no_grad():
         refs = [hf_model(tiny_model_dir)(torch.tensor([s])).logits[0] for s in seqs]
     done = [0] * len(seqs)

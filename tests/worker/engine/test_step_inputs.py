@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.worker.engine.slots import allocator_for
 from worker.engine.cuda_graphs import BUCKETS, bucket_for
 from worker.engine.runner import ModelRunner, SeqBatchItem
 
@@ -43,9 +44,9 @@ def decode_steps(runner: ModelRunner, context: int, steps: int = 3) -> list[int]
     """Prefill 3 sequences to `context` tokens, then decode `steps` tokens each, every
     step sending only the new slot (dirty_from = start_pos); the host->device int64
     count of each decode step."""
-    runner.pool.allocator.reset()
+    allocator_for(runner).reset()
     seqs = {sid: ids(context, sid) for sid in (1, 2, 3)}
-    slots = {sid: runner.pool.allocator.alloc(context + steps) for sid in seqs}
+    slots = {sid: allocator_for(runner).alloc(context + steps) for sid in seqs}
     runner.forward([SeqBatchItem(s, 0, slots[i][:context], seq_id=i) for i, s in seqs.items()])
     moved = []
     for step in range(steps):
@@ -70,9 +71,9 @@ def test_host_work_per_decode_step_does_not_grow_with_context(runner: ModelRunne
 
 
 def test_stable_rows_give_the_same_logits_as_full_slot_lists(runner: ModelRunner) -> None:
-    runner.pool.allocator.reset()
+    allocator_for(runner).reset()
     seq = ids(40, 9)
-    slots = runner.pool.allocator.alloc(41)
+    slots = allocator_for(runner).alloc(41)
     runner.forward([SeqBatchItem(seq[:30], 0, slots[:30], seq_id=7)])
     runner.forward([SeqBatchItem(seq[30:40], 30, slots[:40], seq_id=7, dirty_from=30)])
     got = runner.forward([SeqBatchItem([11], 40, slots, seq_id=7, dirty_from=40)])
@@ -84,13 +85,13 @@ def test_stable_rows_give_the_same_logits_as_full_slot_lists(runner: ModelRunner
 def test_dirty_prefix_slots_are_rewritten(runner: ModelRunner) -> None:
     """The scheduler re-points prefix slots (e.g. a radix insert kept another copy of
     the same tokens): the runner reads the new slots from dirty_from on."""
-    runner.pool.allocator.reset()
+    allocator_for(runner).reset()
     seq = ids(30, 4)
-    slots = runner.pool.allocator.alloc(31)
+    slots = allocator_for(runner).alloc(31)
     runner.forward([SeqBatchItem(seq, 0, slots[:30], seq_id=3)])
     before = runner.forward([SeqBatchItem([9], 30, slots, seq_id=3, dirty_from=30)])
     # Move positions 10..29 to fresh slots holding the same K/V; the old ones are zeroed.
-    moved = runner.pool.allocator.alloc(20)
+    moved = allocator_for(runner).alloc(20)
     for layer in range(runner.config.num_hidden_layers):
         for buf in (runner.pool.k[layer], runner.pool.v[layer]):
             buf[moved] = buf[slots[10:30]]
@@ -105,8 +106,8 @@ def test_dirty_prefix_slots_are_rewritten(runner: ModelRunner) -> None:
 
 
 def test_bad_dirty_from_is_a_clear_error(runner: ModelRunner) -> None:
-    runner.pool.allocator.reset()
-    slots = runner.pool.allocator.alloc(12)
+    allocator_for(runner).reset()
+    slots = allocator_for(runner).alloc(12)
     with pytest.raises(ValueError, match="new to the runner"):
         runner.forward([SeqBatchItem(ids(2, 1), 10, slots, seq_id=50, dirty_from=10)])
     runner.forward([SeqBatchItem(ids(5, 1), 0, slots[:5], seq_id=51)])
@@ -119,9 +120,9 @@ def test_bad_dirty_from_is_a_clear_error(runner: ModelRunner) -> None:
 
 
 def test_table_grows_past_its_initial_rows(runner: ModelRunner) -> None:
-    runner.pool.allocator.reset()
+    allocator_for(runner).reset()
     generation = runner.table.generation
-    batch = [SeqBatchItem(ids(4, i), 0, runner.pool.allocator.alloc(4), seq_id=100 + i)
+    batch = [SeqBatchItem(ids(4, i), 0, allocator_for(runner).alloc(4), seq_id=100 + i)
              for i in range(5)]  # fmt: skip
     first = runner.forward(batch)
     assert runner.table.num_rows == 5 and runner.table.generation > generation
