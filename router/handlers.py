@@ -22,7 +22,7 @@ from router.workers import Worker
 from shared.body import read_json
 from shared.errors import APIError
 from shared.http import PROMETHEUS_TEXT
-from shared.peers import check_worker_id, check_worker_url, parse_networks
+from shared.peers import check_worker_id, check_worker_url, parse_networks, served_model
 from shared.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -94,10 +94,8 @@ async def _probe_model(request: web.Request, worker: Worker) -> None:
         ) as r:  # fmt: skip
             # A worker's model list is small; more is not read (workers are peers, not trusted).
             data = json.loads(await r.content.read(MODELS_MAX_BYTES)) if r.status == 200 else {}
-        ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-        model = next((i for i in ids if isinstance(i, str) and i), "")
-        request.app[FLEET].set_model(worker, model)
-    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+        request.app[FLEET].set_model(worker, served_model(data))
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         return  # the worker stays without a model name; routing does not need one
 
 

@@ -1,4 +1,4 @@
-"""What a peer may tell us about a worker: its id and its URL, checked before use.
+"""What a peer may tell us about a worker: its id, its URL and its model, checked before use.
 
 Worker ids and URLs arrive from Redis (anyone who can write to it), from the admin API
 and from config. The URL ends up in the proxy, the id in response headers, metric
@@ -49,6 +49,19 @@ def check_worker_id(worker_id: object) -> str:
     if not isinstance(worker_id, str) or not WORKER_ID.fullmatch(worker_id):
         raise ValueError(f"worker id must be 1-128 of A-Za-z0-9._:- , got {worker_id!r:.80}")
     return worker_id
+
+
+def served_model(answer: object) -> str:
+    """The first model id in a `/v1/models` answer, or "" when it names none. Anything
+    but a list of objects with a printable id of at most 256 characters (what the
+    registry accepts of a model) names none: a `{"data": 5}` once made the router's own
+    `GET /v1/models` answer 500."""
+    models = answer.get("data") if isinstance(answer, dict) else None
+    for model in models if isinstance(models, list) else ():
+        name = model.get("id") if isinstance(model, dict) else None
+        if isinstance(name, str) and name and len(name) <= 256 and name.isprintable():
+            return name
+    return ""
 
 
 def parse_networks(cidrs: Iterable[str]) -> tuple[Network, ...]:

@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 from redis.exceptions import RedisError
 
+from shared.peers import served_model
 from shared.registry import Registry, WorkerRecord
 from worker.heartbeat import Heartbeat, connect
 from worker.upstream_metrics import StockEngine, UpstreamLoad, parse_load
@@ -83,10 +84,7 @@ class Upstream:
     async def _identify(self) -> None:
         """Model name and KV capacity: read once per epoch (they change only on restart)."""
         models = await self._get("/v1/models")
-        ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
-        self.model = self.config.served_model_name or next(
-            (i for i in ids if isinstance(i, str) and i), ""
-        )
+        self.model = self.config.served_model_name or served_model(models)
         if self.config.engine == "sglang":
             info = await self._get("/get_server_info")
             value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
@@ -117,7 +115,7 @@ class Upstream:
                 await self._identify()
                 self.epoch = time.time()
                 log.info("upstream %s is up: model %r, new epoch", self.base, self.model)
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError, TypeError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             if not self._was_down:
                 log.warning("upstream %s stopped answering (%s)", self.base, exc)
             self._was_down = True

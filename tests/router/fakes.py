@@ -26,6 +26,7 @@ class FakeWorker:
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
+    models_answer: object = None  # what GET /v1/models answers; None: this worker's model
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -37,6 +38,8 @@ class FakeWorker:
         return app
 
     async def models(self, request: web.Request) -> web.Response:
+        if self.models_answer is not None:
+            return web.json_response(self.models_answer)
         return web.json_response(
             {"object": "list", "data": [{"id": f"model-{self.name}", "object": "model"}]}
         )

@@ -256,6 +256,21 @@ async def test_half_open_breaker_lets_exactly_one_probe_through(
     assert (await client.post("/v1/completions", json=BODY)).status == 200 and w.seen == 3
 
 
+async def test_a_worker_naming_no_model_sensibly_names_none(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    """Static workers are asked their model; an answer of the wrong shape names none
+    (it made the router's own /v1/models answer 500), and the worker still serves."""
+    workers = await fake_workers("ok", "ok", "ok")
+    answers = [{"data": 5}, {"data": [{"id": "x" * 300}, {"id": "bad\nname"}]}, [1, 2]]
+    for (w, _), answer in zip(workers, answers, strict=True):
+        w.models_answer = answer
+    client = await start_router([url_of(s) for _, s in workers], policy="round_robin")
+    r = await client.get("/v1/models")
+    assert r.status == 200 and (await r.json())["data"] == []
+    assert (await client.post("/v1/completions", json=BODY)).status == 200
+
+
 async def test_requests_naming_a_model_reach_only_its_workers(
     fake_workers: StartWorkers, start_router: StartRouter
 ) -> None:
