@@ -11,7 +11,7 @@ from router.ratelimit import (
     REDIS_RETRY_S,
     ClientIdentity,
     TokenBuckets,
-    make_rate_limit_middleware,
+    make_rate_limit_check,
 )
 from shared.config import RouterConfig
 from tests.router.conftest import StartRouter, StartWorkers, url_of
@@ -101,14 +101,12 @@ async def test_a_silent_redis_is_asked_again_only_after_the_retry_interval() -> 
     redis = Redis.from_url(f"redis://127.0.0.1:{port}", socket_timeout=0.05)
     now = [1000.0]
     config = RouterConfig(rate_limit_per_key=1000.0, rate_limit_burst=100)
-    middleware = make_rate_limit_middleware(config, lambda: now[0], redis)
-    assert middleware is not None
-
-    async def ok(_: web.Request) -> web.StreamResponse:
-        return web.Response(text="ok")
+    check = make_rate_limit_check(config, lambda: now[0], redis)
+    assert check is not None
 
     async def send() -> int:
-        return (await middleware(_request("10.0.0.1", {}), ok)).status
+        await check(_request("10.0.0.1", {}))  # raises the 429 when refused
+        return 200
 
     try:
         assert await send() == 200  # Redis timed out: the local bucket admitted it
