@@ -9,7 +9,6 @@ Serving it (signals, drain) is `serve()`, used by the CLI.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -50,6 +49,7 @@ from router.sync import DecisionSync, ReplicaSync
 from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
+from shared.errors import ERROR_CODE
 from shared.peers import Rejections, parse_networks
 
 log = logging.getLogger(__name__)
@@ -120,12 +120,8 @@ def _counter(metrics: Metrics) -> OnDone:
         worker = response.headers.get("x-radix-worker")
         if worker is not None:
             metrics.answered(worker, status)
-        elif status in (429, 503) and isinstance(response, web.Response) and response.body:
-            try:
-                code = json.loads(response.body)["error"]["code"]  # type: ignore[arg-type]
-            except (ValueError, KeyError, TypeError):
-                code = None
-            metrics.refused(code if isinstance(code, str) else str(status))
+        elif status in (429, 503):
+            metrics.refused(request.get(ERROR_CODE) or str(status))
 
     return on_done
 

@@ -91,6 +91,9 @@ def validation_error(e: ValidationError) -> APIError:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Where the APIError's `code` is left for the hooks that count refusals by it (the
+# router's access hook) without parsing the body back.
+ERROR_CODE = "error_code"
 
 
 def error_response_for(request: web.Request, e: Exception) -> web.Response | None:
@@ -98,6 +101,7 @@ def error_response_for(request: web.Request, e: Exception) -> web.Response | Non
     HTTPException (a redirect), which the caller re-raises. Call it from the `except`
     block: a bug is logged with its traceback."""
     if isinstance(e, APIError):
+        request[ERROR_CODE] = e.code
         return error_response(e)
     if isinstance(e, ValidationError):
         return error_response(validation_error(e))

@@ -122,3 +122,16 @@ async def test_a_silent_redis_is_asked_again_only_after_the_retry_interval() -> 
         await redis.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_refusals_are_counted_by_their_error_code(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(_, server)] = await fake_workers("ok")
+    client = await start_router([url_of(server)], rate_limit_per_key=0.01, rate_limit_burst=1)
+    assert [(await client.post("/v1/completions", json=BODY)).status for _ in range(3)] == [
+        200, 429, 429,
+    ]  # fmt: skip
+    metrics = await (await client.get("/metrics")).text()
+    assert 'radix_router_rejected_total{reason="rate_limit_exceeded"} 2.0' in metrics
+    assert 'radix_router_worker_requests_total{status="200",worker="' in metrics
