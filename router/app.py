@@ -9,7 +9,6 @@ Serving it (signals, drain) is `serve()`, used by the CLI.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -21,15 +20,16 @@ from redis.asyncio import Redis
 
 from router import handlers
 from router.admission import Admission
-from router.auth import make_auth_middleware
+from router.auth import make_auth_check
 from router.discovery import Discovery
+from router.edge import make_edge_middleware
 from router.fleet import Fleet
 from router.metrics import Metrics
 from router.openapi import build_openapi
 from router.policy import build_policy
 from router.policy.base import Policy
 from router.proxy import Proxy
-from router.ratelimit import make_rate_limit_middleware
+from router.ratelimit import make_rate_limit_check
 from router.resolver import GuardedResolver
 from router.state import (
     ADMISSION,
@@ -46,10 +46,10 @@ from router.state import (
     SYNC,
 )
 from router.sync import DecisionSync, ReplicaSync
-from shared.access_log import OnDone, make_access_middleware, stamp_request_id
+from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
-from shared.errors import error_middleware
+from shared.errors import ERROR_CODE
 from shared.peers import Rejections, parse_networks
 
 log = logging.getLogger(__name__)
@@ -120,12 +120,8 @@ def _counter(metrics: Metrics) -> OnDone:
         worker = response.headers.get("x-radix-worker")
         if worker is not None:
             metrics.answered(worker, status)
-        elif status in (429, 503) and isinstance(response, web.Response) and response.body:
-            try:
-                code = json.loads(response.body)["error"]["code"]  # type: ignore[arg-type]
-            except (ValueError, KeyError, TypeError):
-                code = None
-            metrics.refused(code if isinstance(code, str) else str(status))
+        elif status in (429, 503):
+            metrics.refused(request.get(ERROR_CODE) or str(status))
 
     return on_done
 
@@ -157,20 +153,12 @@ def create_app(
         ratelimit_redis = Redis.from_url(
             config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
         )
-    rate_limit = make_rate_limit_middleware(config, clock, ratelimit_redis)
-    access = make_access_middleware(
+    edge = make_edge_middleware(
         ACCESS_LOG, (("worker", "x-radix-worker"), ("route", "x-radix-route-reason")),
-        _counter(metrics), enabled=config.access_log,
+        _counter(metrics), make_auth_check(config),
+        make_rate_limit_check(config, clock, ratelimit_redis), access_log=config.access_log,
     )  # fmt: skip
-    app = web.Application(
-        client_max_size=config.max_body_bytes,
-        middlewares=[
-            access,
-            error_middleware,
-            make_auth_middleware(config),
-            *([rate_limit] if rate_limit is not None else []),
-        ],
-    )
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[edge])
     app[CONFIG] = config
     app[CLOCK] = clock
     app[POLICY] = policy

@@ -66,13 +66,18 @@ class Discovery:
         return cls(registry, fleet, interval, grace, clock, allow=allow)
 
     def _allowed(self, records: dict[str, WorkerRecord]) -> dict[str, WorkerRecord]:
-        """Records whose URL lies in `worker_url_allow_cidrs` (the registry checked the rest)."""
-        if not self.allow:
-            return records
+        """Records the registry may apply: not claiming the id of a worker configured by
+        hand (a record naming a static worker's `host:port` took over its URL, so a
+        Redis writer redirected the operator's own worker), and with their URL in
+        `worker_url_allow_cidrs` (the registry checked the rest)."""
         kept = {}
         for wid, record in records.items():
+            worker = self.fleet.workers.get(wid)
             try:
-                check_worker_url(record.url, self.allow)
+                if worker is not None and worker.source != "redis":
+                    raise ValueError(f"the id of a worker added by hand ({worker.source})")
+                if self.allow:
+                    check_worker_url(record.url, self.allow)
             except ValueError as e:
                 self.registry.rejections.reject("registry", wid, str(e))
                 continue

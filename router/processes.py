@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 QUICK_EXIT_S = 5.0  # a child that exits sooner than this after its start failed to start
 MAX_QUICK_EXITS = 3
 POLL_S = 0.5
+STOP_MARGIN_S = 5.0  # beyond a child's own stop (shutdown_delay + drain_timeout)
 
 
 def child_config(config: RouterConfig) -> RouterConfig:
@@ -107,10 +108,12 @@ class Supervisor:
         for proc, _ in self._children:
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGTERM)  # each drains its own requests
-        deadline = time.monotonic() + self.config.drain_timeout + 5.0
+        config = self.config
+        deadline = time.monotonic() + STOP_MARGIN_S + config.shutdown_delay + config.drain_timeout
         for proc, _ in self._children:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
+                log.warning("router process %s did not stop in time; killed", proc.pid)
                 proc.kill()
                 proc.join()
 

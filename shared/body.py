@@ -15,7 +15,7 @@ What a client can send, and what it gets back:
   decode what the router did not check.
 - JSON is parsed into an object (400 otherwise). Then two checks that the request
   models cannot make, in one pass that runs only when the body could fail either (the
-  common request pays two substring searches and a count of digits):
+  common request pays a byte search and one pass of bytes.translate):
   - every string must be encodable as UTF-8: `"\\ud800"` is valid JSON but a lone
     surrogate, which every tokenizer fails on (it was a 500 from each worker, and three
     such requests opened every breaker);
@@ -44,11 +44,14 @@ INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 # whole body (it also hunted 19-digit runs) cost 12% of the router's CPU per request
 # (py-spy, 1,800-char prompts); long integers are caught by the parser's hook instead.
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
-# A 64-bit overflow needs a run of 19+ digits. Counting digits (bytes.translate, C speed)
-# rules most bodies out; only then is the run looked for and the parser's integer hook
-# used: a Python call per integer literal costs ~1 ms on a prompt of 8k token ids.
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
-_DIGITS = b"0123456789"
+# A 64-bit overflow needs a run of 19+ digits. It is looked for by mapping every digit
+# to "0" and every other byte to " " (bytes.translate) and searching for 19 zeros: 1.0 us
+# on a 1.8 kB body. The regular expression [0-9]{19} it replaces took 11 us there, and
+# the digit count that was meant to spare it did not: any prompt with 19 digits in all
+# (a date, a few numbers) paid it. Only then is the parser's integer hook used: a Python
+# call per integer literal costs ~1 ms on a prompt of 8k token ids.
+_DIGIT_MASK = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"0" * 19
 _MAX_INT_DIGITS = 20  # longer integers are not parsed at all (see _bounded_int)
 
 
@@ -163,9 +166,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         long_ints.append(digits)
         return _bounded_int(digits)
 
-    may_overflow = len(raw) - len(raw.translate(None, _DIGITS)) >= 19 and (
-        _LONG_DIGITS.search(raw) is not None
-    )
+    may_overflow = _LONG_RUN in raw.translate(_DIGIT_MASK)
     try:
         text = raw.decode("utf-8")
         data = json.loads(text, parse_int=parse_int) if may_overflow else json.loads(text)

@@ -91,25 +91,39 @@ def validation_error(e: ValidationError) -> APIError:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Where the APIError's `code` is left for the hooks that count refusals by it (the
+# router's access hook) without parsing the body back.
+ERROR_CODE = "error_code"
+
+
+def error_response_for(request: web.Request, e: Exception) -> web.Response | None:
+    """The OpenAI-shaped answer to what a handler raised; None for a non-error
+    HTTPException (a redirect), which the caller re-raises. Call it from the `except`
+    block: a bug is logged with its traceback."""
+    if isinstance(e, APIError):
+        request[ERROR_CODE] = e.code
+        return error_response(e)
+    if isinstance(e, ValidationError):
+        return error_response(validation_error(e))
+    if isinstance(e, web.HTTPException):
+        if e.status < 400:
+            return None
+        return web.json_response(
+            error_body(e.status, e.reason or "error"),
+            status=e.status,
+            headers={k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")},
+        )
+    # A bug must not kill the process nor leak a traceback to the client.
+    log.exception("unhandled error on %s %s", request.method, request.path)
+    return web.json_response(error_body(500, "internal server error"), status=500)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except APIError as e:
-        return error_response(e)
-    except ValidationError as e:
-        return error_response(validation_error(e))
-    except web.HTTPException as e:
-        if e.status < 400:
+    except Exception as e:
+        response = error_response_for(request, e)
+        if response is None:
             raise
-        return web.json_response(
-            error_body(e.status, e.reason or "error"),
-            status=e.status,
-            headers={k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")},
-        )
-    except Exception:
-        # A bug must not kill the process nor leak a traceback to the client.
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response(error_body(500, "internal server error"), status=500)
+        return response

@@ -150,16 +150,14 @@ class Registry:
         """Every live worker. Ids whose hash expired are removed from the set; malformed
         ids and records are skipped, counted and logged (`rejections`), never routed to."""
         ids: list[str] = []
-        for member in await self.redis.smembers(self.workers_key):
+        for member in await self._members():
             wid = member.decode("utf-8", "replace") if isinstance(member, bytes) else member
             try:
                 ids.append(check_worker_id(wid))
             except ValueError as e:
                 self.rejections.reject("registry", wid, str(e))
         ids.sort()
-        if len(ids) > MAX_WORKERS:
-            self.rejections.reject("registry", f"{len(ids)} ids", f"over {MAX_WORKERS} workers")
-            ids = ids[:MAX_WORKERS]
+        ids = ids[:MAX_WORKERS]
         if not ids:
             return {}
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -183,6 +181,21 @@ class Registry:
         if gone:
             await self.redis.srem(self.workers_key, *gone)
         return fleet
+
+    async def _members(self) -> list[bytes | str]:
+        """The set's ids, at most about MAX_WORKERS of them. Anyone who may heartbeat may
+        add ids: a set flooded with millions was read whole on every poll of every router
+        (SMEMBERS), so past the bound a slice of it is read instead (SSCAN)."""
+        size = await self.redis.scard(self.workers_key)
+        if size <= MAX_WORKERS:
+            return list(await self.redis.smembers(self.workers_key))
+        self.rejections.reject("registry", f"{size} ids", f"over {MAX_WORKERS} workers")
+        members: list[bytes | str] = []
+        async for member in self.redis.sscan_iter(self.workers_key, count=MAX_WORKERS):
+            members.append(member)
+            if len(members) >= MAX_WORKERS:
+                break
+        return members
 
 
 def _event(kind: str, record: WorkerRecord) -> str:

@@ -90,6 +90,23 @@ async def test_malformed_record_is_never_routed(
         await stop(task)
 
 
+async def test_a_record_cannot_take_over_a_worker_added_by_hand(
+    redis_server: RedisServer, registry: Registry
+) -> None:
+    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    static = fleet.add_url("http://127.0.0.1:9500", "static")
+    discovery, task = await start(redis_server, fleet)
+    try:
+        # Same id (host:port), another URL.
+        await registry.publish_heartbeat(rec(static.worker_id, 9004), ttl_s=30, joined=True)
+        await registry.publish_heartbeat(rec("ok", 9003), ttl_s=30, joined=True)
+        await wait_until(lambda: "ok" in fleet.workers)
+        assert static.url == "http://127.0.0.1:9500" and static.source == "static"
+        assert discovery.registry.rejections.counts["registry"] >= 1
+    finally:
+        await stop(task)
+
+
 async def test_redis_outage_keeps_the_fleet_and_recovers(redis_server: RedisServer) -> None:
     fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
     clock = ManualClock()

@@ -11,7 +11,7 @@ from router.ratelimit import (
     REDIS_RETRY_S,
     ClientIdentity,
     TokenBuckets,
-    make_rate_limit_middleware,
+    make_rate_limit_check,
 )
 from shared.config import RouterConfig
 from tests.router.conftest import StartRouter, StartWorkers, url_of
@@ -101,14 +101,12 @@ async def test_a_silent_redis_is_asked_again_only_after_the_retry_interval() -> 
     redis = Redis.from_url(f"redis://127.0.0.1:{port}", socket_timeout=0.05)
     now = [1000.0]
     config = RouterConfig(rate_limit_per_key=1000.0, rate_limit_burst=100)
-    middleware = make_rate_limit_middleware(config, lambda: now[0], redis)
-    assert middleware is not None
-
-    async def ok(_: web.Request) -> web.StreamResponse:
-        return web.Response(text="ok")
+    check = make_rate_limit_check(config, lambda: now[0], redis)
+    assert check is not None
 
     async def send() -> int:
-        return (await middleware(_request("10.0.0.1", {}), ok)).status
+        await check(_request("10.0.0.1", {}))  # raises the 429 when refused
+        return 200
 
     try:
         assert await send() == 200  # Redis timed out: the local bucket admitted it
@@ -124,3 +122,16 @@ async def test_a_silent_redis_is_asked_again_only_after_the_retry_interval() -> 
         await redis.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_refusals_are_counted_by_their_error_code(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(_, server)] = await fake_workers("ok")
+    client = await start_router([url_of(server)], rate_limit_per_key=0.01, rate_limit_burst=1)
+    assert [(await client.post("/v1/completions", json=BODY)).status for _ in range(3)] == [
+        200, 429, 429,
+    ]  # fmt: skip
+    metrics = await (await client.get("/metrics")).text()
+    assert 'radix_router_rejected_total{reason="rate_limit_exceeded"} 2.0' in metrics
+    assert 'radix_router_worker_requests_total{status="200",worker="' in metrics

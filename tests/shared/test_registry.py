@@ -4,6 +4,7 @@ import json
 import pytest
 from redis.asyncio import Redis
 
+from shared import registry as registry_module
 from shared.redis_server import RedisServer
 from shared.registry import Registry, WorkerRecord
 
@@ -57,6 +58,17 @@ async def test_malformed_records_are_ignored(registry: Registry) -> None:
     await registry.redis.hset(registry.worker_key("half"), mapping={"worker_id": "half"})
     await registry.redis.sadd(registry.workers_key, "evil", "half")
     assert list(await registry.read_fleet()) == ["good"]
+
+
+async def test_a_flooded_id_set_is_read_only_up_to_the_bound(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that may heartbeat may flood the id set; a poll reads about MAX_WORKERS of
+    it, never the whole set (each id read is one rejection here: none has a record)."""
+    monkeypatch.setattr(registry_module, "MAX_WORKERS", 50)
+    await registry.redis.sadd(registry.workers_key, *[f"bad id {i}" for i in range(5000)])
+    assert await registry.read_fleet() == {}
+    assert 1 < registry.rejections.counts["registry"] <= 50 + 1
 
 
 def test_server_restarts_on_same_port(redis_server: RedisServer) -> None:

@@ -137,3 +137,14 @@ def test_graph_buckets() -> None:
     assert bucket_for(BUCKETS[-1]) == BUCKETS[-1] and bucket_for(BUCKETS[-1] + 1) is None
     assert list(BUCKETS) == sorted(set(BUCKETS))
     assert bucket_for(5, (2, 8)) == 8
+
+
+def test_decode_split_count_depends_on_the_batch_only() -> None:
+    """A CUDA graph captured for a batch size must stay valid at any context length."""
+    from worker.engine.attention.triton_backend import MAX_SPLITS, splits_for
+
+    assert splits_for(1, 2) == MAX_SPLITS  # one sequence: spread its context wide
+    assert splits_for(128, 8) == 1  # enough programs already
+    counts = [splits_for(b, 2) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert counts == sorted(counts, reverse=True)
+    assert all(c & (c - 1) == 0 for c in counts)  # powers of two

@@ -180,6 +180,11 @@ def test_make_tiny_model_cli_and_transformers_load(tmp_path: Path) -> None:
         transformers.AutoTokenizer.from_pretrained(tmp_path / "q").bos_token == "<|begin_of_text|>"
     )
     assert PRESETS["bench"]["hidden_size"] == 512 and PRESETS["bench"]["num_layers"] == 8
+    # A preset's shape with flags on top: a one-layer Qwen3.
+    argv = ["make-tiny-model", str(tmp_path / "q3"), "--preset", "tiny", "--arch", "qwen3"]
+    assert main([*argv, "--layers", "1", "--heads", "4", "--kv-heads", "2"]) == 0
+    q3 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q3")
+    assert type(q3).__name__ == "Qwen3ForCausalLM" and q3.config.num_hidden_layers == 1
 
 
 def test_folder_resaved_by_transformers_loads_the_same(
