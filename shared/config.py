@@ -13,9 +13,17 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from shared.peers import check_worker_id, check_worker_url, parse_networks
 
@@ -150,6 +158,9 @@ class WorkerConfig(_Frozen):
     model: str | None = None  # local HF folder; optional for the sim engine
     served_model_name: str | None = None
     redis_url: str | None = None
+    # The Redis password, read from this file at connect time (the chart mounts each pod's
+    # own credential here), so it appears in no URL, environment or ConfigMap.
+    redis_password_file: str | None = None
     redis_prefix: str = "radixrouter:"
     heartbeat_interval: float = Field(1.0, gt=0)
     heartbeat_ttl_intervals: int = Field(3, ge=2)
@@ -206,6 +217,36 @@ class WorkerConfig(_Frozen):
         # Refused here, not only by every router reading the registry: a worker with an
         # id routers drop would heartbeat happily and never get a request.
         return None if v is None else check_worker_id(v)
+
+    @field_validator("redis_password_file")
+    @classmethod
+    def _password_file(cls, v: str | None) -> str | None:
+        if v is not None:
+            read_password_file(v)  # ValueError: missing, unreadable or empty
+        return v
+
+    @model_validator(mode="after")
+    def _one_password(self) -> WorkerConfig:
+        if self.redis_password_file is not None:
+            if not self.redis_url:
+                raise ValueError("redis_password_file needs redis_url")
+            if urlsplit(self.redis_url).password is not None:
+                raise ValueError("redis_url has a password and redis_password_file is set")
+        return self
+
+
+def read_password_file(path: str) -> str:
+    """The password in a file (one line; a trailing newline is dropped). ValueError names
+    the file when it is missing, unreadable, empty or more than one line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(4097)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read password file {path}: {exc}") from None
+    password = text.removesuffix("\n").removesuffix("\r")
+    if not password or len(password) > 4096 or any(c in password for c in "\r\n"):
+        raise ValueError(f"password file {path} must hold one non-empty line")
+    return password
 
 
 ConfigT = TypeVar("ConfigT", bound=_Frozen)

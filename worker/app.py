@@ -141,7 +141,7 @@ async def _heartbeat_ctx(app: web.Application) -> AsyncIterator[None]:
     if not config.redis_url:
         yield
         return
-    redis = connect(config.redis_url, config.heartbeat_interval)
+    redis = connect(config.redis_url, config.heartbeat_interval, config.redis_password_file)
     heartbeat = Heartbeat(
         Registry(redis, config.redis_prefix),
         lambda: make_record(config, engine, state),

@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 from redis.exceptions import RedisError
 
+from shared.config import read_password_file
 from shared.peers import served_model
 from shared.registry import Registry, WorkerRecord
 from worker.heartbeat import Heartbeat, connect
@@ -55,6 +56,7 @@ class AttachConfig:
     worker_id: str
     advertise_url: str
     redis_prefix: str = "radixrouter:"
+    redis_password_file: str | None = None
     served_model_name: str | None = None
     interval: float = 1.0
     ttl_intervals: int = 3
@@ -144,7 +146,7 @@ class Upstream:
 
 async def attach(config: AttachConfig, stop: asyncio.Event) -> None:
     """Heartbeat for the upstream until `stop` is set, then deregister it."""
-    redis = connect(config.redis_url, config.interval)
+    redis = connect(config.redis_url, config.interval, config.redis_password_file)
     registry = Registry(redis, config.redis_prefix)
     current: list[WorkerRecord] = []
     heartbeat = Heartbeat(registry, lambda: current[-1], config.interval, config.ttl_intervals)
@@ -192,6 +194,11 @@ def add_attach_parser(sub: Any) -> None:
         help="Redis of the fleet (default: $RADIX_WORKER_REDIS_URL, which keeps a password "
         "out of the process list)",
     )  # fmt: skip
+    p.add_argument(
+        "--redis-password-file", default=os.environ.get("RADIX_WORKER_REDIS_PASSWORD_FILE"),
+        help="file holding the Redis password (default: $RADIX_WORKER_REDIS_PASSWORD_FILE); "
+        "the URL then names only the user",
+    )  # fmt: skip
     p.add_argument("--worker-id", help="id in the fleet (default: the hostname)")
     p.add_argument("--advertise-url", help="URL routers dial (default: --upstream)")
     p.add_argument("--served-model-name", help="model name (default: the upstream's /v1/models)")
@@ -221,13 +228,20 @@ def run_attach(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.redis_password_file:
+        try:
+            read_password_file(args.redis_password_file)
+        except ValueError as exc:
+            print(f"radix-worker attach: --redis-password-file: {exc}", file=sys.stderr)
+            return 2
     if args.interval <= 0:
         print("radix-worker attach: --interval must be > 0", file=sys.stderr)
         return 2
     config = AttachConfig(
         upstream=upstream, engine=args.engine, redis_url=args.redis_url,
         worker_id=worker_id, advertise_url=advertise,
-        redis_prefix=args.redis_prefix, served_model_name=args.served_model_name,
+        redis_prefix=args.redis_prefix, redis_password_file=args.redis_password_file,
+        served_model_name=args.served_model_name,
         interval=args.interval,
     )  # fmt: skip
 

@@ -49,6 +49,7 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--host", "host", str, "bind address"),
     ("--port", "port", int, "bind port; 0: any free port"),
     ("--redis-url", "redis_url", str, "Redis for heartbeats (omit to run standalone)"),
+    ("--redis-password-file", "redis_password_file", str, "file holding the Redis password"),
     ("--redis-prefix", "redis_prefix", str, "Redis key prefix"),
     ("--worker-id", "worker_id", str, "id in the fleet (default: <hostname>-<port>)"),
     ("--advertise-url", "advertise_url", str, "URL routers dial (default: http://host:port)"),

@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from shared.aio import reraise_if_cancelled, stop_task
+from shared.config import read_password_file
 from shared.registry import Registry, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,17 @@ log = logging.getLogger(__name__)
 _FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 
 
-def connect(url: str, interval: float) -> Redis:
-    """A client that fails fast: a beat must never block longer than about an interval."""
+def connect(url: str, interval: float, password_file: str | None = None) -> Redis:
+    """A client that fails fast: a beat must never block longer than about an interval.
+    With `password_file`, the password comes from that file (the URL names the user)."""
     timeout = max(0.2, interval)
+    extra = {} if password_file is None else {"password": read_password_file(password_file)}
     return Redis.from_url(
-        url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        **extra,
     )
 
 

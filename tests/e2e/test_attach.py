@@ -168,3 +168,17 @@ def test_attach_refuses_a_bad_upstream_url() -> None:
     )  # fmt: skip
     assert done.returncode == 2 and "worker URL" in done.stderr
     wait_until(lambda: True, 1)
+
+
+def test_attach_refuses_an_unreadable_password_file(tmp_path) -> None:
+    """The chart's attach sidecar reads its pod's Redis password from a file: a missing
+    one stops it at once, naming the flag, not at the first heartbeat."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "worker", "attach", "--engine", "vllm",
+            "--upstream", "http://127.0.0.1:1", "--redis-url", "redis://radix-worker-p-0@127.0.0.1:1/0",
+            "--redis-password-file", str(tmp_path / "missing")]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "--redis-password-file: cannot read password file" in done.stderr

@@ -36,6 +36,7 @@ WORKER_CHART_KEYS = frozenset(
         "served_model_name",
         "redis_prefix",
         "redis_url",
+        "redis_password_file",
         "worker_id",
         "advertise_url",
         "api_keys",

@@ -9,7 +9,9 @@ the chart renders (or from Secrets the user creates beforehand, passed in).
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,3 +121,30 @@ def config_flag(container: Mapping[str, Any]) -> str:
     if "--config" not in argv:
         raise AssertionError(f"container {container['name']} runs {argv} without --config")
     return argv[argv.index("--config") + 1]
+
+
+def run_init_container(
+    workload: Mapping[str, Any], name: str, pod: FakePod, root: Path
+) -> subprocess.CompletedProcess[str]:
+    """Run a `sh -c` init container's own script here, as the kubelet would start it: its
+    Secret volumes (from `pod.external_secrets`, the Secrets the hook Job makes) and
+    emptyDirs appear under `root` (a path P in the pod is `root / P`)."""
+    spec = pod_spec(dict(workload))
+    (init,) = [c for c in spec.get("initContainers", []) if c["name"] == name]
+    assert init["command"] == ["sh", "-c"], init["command"]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    script = init["args"][0]
+    for mount in init.get("volumeMounts", []):
+        target = root / mount["mountPath"].lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        if "secret" in volumes[mount["name"]]:
+            data = pod.external_secrets.get(volumes[mount["name"]]["secret"]["secretName"], {})
+            for key, text in data.items():
+                (target / key).write_text(text)
+        script = script.replace(mount["mountPath"], str(target))
+    env = {"PATH": os.environ["PATH"]}
+    for item in init.get("env", []):
+        env[item["name"]] = item.get("value") or _field(
+            item["valueFrom"]["fieldRef"]["fieldPath"], pod
+        )
+    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)

@@ -250,13 +250,15 @@ def test_one_statefulset_per_model(case: tuple[Any, Rendered]) -> None:
 
 def test_pods_are_locked_down(case: tuple[Any, Rendered]) -> None:
     _, rendered = case
-    # The one Role: the hook Job that creates the built-in Redis's password Secret once.
+    # The one Role: the hook Job that creates the built-in Redis's password Secrets once
+    # (and adds worker pods' keys): only those two Secrets can be read or patched.
     for role in rendered.of_kind("Role"):
         assert role["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
         allowed = {
             (v, tuple(r.get("resourceNames", ()))) for r in role["rules"] for v in r["verbs"]
         }
-        assert allowed == {("get", ("rr-radix-router-redis-auth",)), ("create", ())}, allowed
+        named = ("rr-radix-router-redis-auth", "rr-radix-router-redis-workers")
+        assert allowed == {("get", named), ("patch", named), ("create", ())}, allowed
     assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
     for w in [*rendered.workloads(), *rendered.of_kind("Pod")]:
         spec = pod_spec(w)

@@ -24,7 +24,13 @@ from tests.helm.chart import (
     pod_spec,
     render,
 )
-from tests.helm.kube_env import FakePod, config_flag, container_env, mount_config_files
+from tests.helm.kube_env import (
+    FakePod,
+    config_flag,
+    container_env,
+    mount_config_files,
+    run_init_container,
+)
 
 CASES = [None, *EXAMPLES]
 IDS = ["defaults", *(p.stem for p in EXAMPLES)]
@@ -33,16 +39,27 @@ ROUTER = "rr-radix-router-router"
 PROD_REDIS_URL = "rediss://radix-router:s3cret@redis.prod.internal:6380/0?ssl_ca_certs=/etc/radix-redis-tls/ca.crt"
 PROD_WORKER_URL = "rediss://radix-worker:w0rker@redis.prod.internal:6380/0?ssl_ca_certs=/etc/radix-redis-tls/ca.crt"
 # What the chart's hook Job (python -m shared.kube_secret) creates for the built-in Redis.
-GENERATED = {
-    "redis-password": "admin-Pw_1",
-    "router-password": "router-Pw_2",
-    "worker-password": "worker-Pw_3",
-}
+GENERATED = {"redis-password": "admin-Pw_1", "router-password": "router-Pw_2"}
+WORKER_SECRET = "rr-radix-router-redis-workers"
 PROD_SECRETS = {
     "radix-redis": {"router-url": PROD_REDIS_URL, "worker-url": PROD_WORKER_URL},
     "radix-auth": {"api-keys": "key-a,key-b", "admin-key": "admin-1"},
     "rr-radix-router-redis-auth": GENERATED,
 }
+
+
+def job_secrets(rendered: Rendered) -> dict[str, dict[str, str]]:
+    """The Secrets the hook Job would create (`kube_secret NAME KEY... -- NAME KEY...`),
+    with a made-up password per key; PROD_SECRETS when there is no Job."""
+    jobs = rendered.of_kind("Job")
+    if not jobs:
+        return PROD_SECRETS
+    (job,) = jobs
+    groups: list[list[str]] = [[]]
+    for arg in pod_spec(job)["containers"][0]["args"]:
+        groups.append([]) if arg == "--" else groups[-1].append(arg)
+    made = {name: {key: f"pw_{key}" for key in keys} for name, *keys in groups}
+    return {**PROD_SECRETS, **made, "rr-radix-router-redis-auth": GENERATED}
 
 
 def router_config(
@@ -64,10 +81,16 @@ def worker_configs(
         name = sts["metadata"]["name"]
         if sts["spec"]["template"]["metadata"]["labels"]["radix-router.io/engine"] in STOCK:
             continue  # a stock engine: no worker config (see test_stock_engines_*)
-        pod = FakePod(name=f"{name}-0", ip=pod_ip, external_secrets=PROD_SECRETS)
+        pod = FakePod(name=f"{name}-0", ip=pod_ip, external_secrets=job_secrets(rendered))
         c = container(sts, "worker")
         root = mount_config_files(rendered, sts, c, tmp_path / name)
         env = container_env(rendered, c, pod)
+        if "RADIX_WORKER_REDIS_PASSWORD_FILE" in env:
+            # The pod's init container copies its own password where the worker reads it.
+            done = run_init_container(sts, "redis-credential", pod, root)
+            assert done.returncode == 0, done.stderr
+            path = env["RADIX_WORKER_REDIS_PASSWORD_FILE"]
+            env["RADIX_WORKER_REDIS_PASSWORD_FILE"] = str(root / path.lstrip("/"))
         out[name] = load_config(WorkerConfig, file=root / config_flag(c).lstrip("/"), environ=env)
     return out
 
@@ -79,15 +102,18 @@ def redis_users(rendered: Rendered) -> dict[str, str]:
     """user -> password of the built-in Redis's ACL file, as its start script writes it."""
     (redis,) = rendered.component("Deployment", "redis")
     c = container(redis, "redis")
-    env = container_env(rendered, c, FakePod(name="redis-0", external_secrets=PROD_SECRETS))
+    secrets = job_secrets(rendered)
+    env = container_env(rendered, c, FakePod(name="redis-0", external_secrets=secrets))
     users = {}
     for line in c["args"][0].splitlines():
-        parts = line.split()
-        if parts[:1] == ["user"]:
-            password = parts[3].removeprefix(">")
+        parts = re.match(r"\s*user (\S+) on >(\$\(cat [^)]*\)|\S+) ", line)
+        if parts:
+            password = parts.group(2)
             for name, value in env.items():
                 password = password.replace("${" + name + "}", value)
-            users[parts[1]] = password
+            if found := re.fullmatch(r"\$\(cat /run/radix-worker-passwords/([-\w.]+)\)", password):
+                password = secrets[WORKER_SECRET][found.group(1)]
+            users[parts.group(1)] = password
     return users
 
 
@@ -139,10 +165,12 @@ def test_redis_url_reaches_both_services(path: Path | None, tmp_path: Path) -> N
         host = "rr-radix-router-redis.radix.svc:6379/0"
         assert router.redis_url == f"redis://radix-router:{users['radix-router']}@{host}"
         assert users["radix-router"] == GENERATED["router-password"]
-        assert all(
-            w.redis_url == f"redis://radix-worker:{users['radix-worker']}@{host}"
-            for w in workers.values()
-        )
+        for name, w in workers.items():
+            # Pod 0's own user, and its own password from the file its init container wrote.
+            assert w.redis_url == f"redis://radix-worker-{name}-0@{host}"
+            assert w.redis_password_file
+            password = Path(w.redis_password_file).read_text()
+            assert password == users[f"radix-worker-{name}-0"] == f"pw_{name}-0"
         # The URL names the chart's Redis Service and port.
         svc = rendered.get("Service", "rr-radix-router-redis")
         assert urlsplit(router.redis_url).port == svc["spec"]["ports"][0]["port"]
@@ -176,9 +204,13 @@ def test_built_in_redis_passwords_are_never_rendered_so_never_rotate() -> None:
     job = rendered.get("Job", "rr-radix-router-redis-secret-init")
     c = pod_spec(job)["containers"][0]
     assert c["command"] == ["python", "-m", "shared.kube_secret"]
-    assert c["args"] == ["rr-radix-router-redis-auth", *GENERATED]
+    pods = ["rr-radix-router-worker-qwen-0", "rr-radix-router-worker-qwen-1"]
+    assert c["args"] == ["rr-radix-router-redis-auth", *GENERATED, "--", WORKER_SECRET, *pods]
+    # With your own admin/router Secret the Job still makes the worker pods' passwords.
     own = render(merged(None, **{"redis.builtin.auth.existingSecret": "mine"}))
-    assert not own.of_kind("Job")
+    assert pod_spec(own.get("Job", "rr-radix-router-redis-secret-init"))["containers"][0][
+        "args"
+    ] == [WORKER_SECRET, *pods]
 
 
 def test_api_keys_and_admin_key_reach_the_router_not_the_configmap(tmp_path: Path) -> None:
@@ -231,3 +263,47 @@ def test_router_cli_loads_the_pod_config(tmp_path: Path, monkeypatch: pytest.Mon
     config = cli.serve_config(cli.build_parser().parse_args(argv))
     assert config.sync is True and config.api_keys == ("k1",)
     assert config.redis_url and config.redis_url.startswith("redis://radix-router:")
+
+
+QWEN = {"name": "qwen", "model": {"path": "/models/qwen", "storage": {"type": "emptyDir"}}}
+
+
+@pytest.mark.parametrize(
+    ("changes", "count"),
+    [
+        ({}, 2),  # replicaCount of the default entry
+        ({"servingEngineSpec.modelSpec": [{**QWEN, "replicaCount": 3}]}, 3),
+        # KEDA: every pod the scaler may make, up to its maximum.
+        (
+            {
+                "servingEngineSpec.modelDefaults.keda.enabled": True,
+                "servingEngineSpec.modelDefaults.keda.maxReplicaCount": 5,
+            },
+            5,
+        ),
+    ],
+)
+def test_one_redis_user_per_worker_pod(changes: dict, count: int, tmp_path: Path) -> None:
+    rendered = render(merged(None, **changes))
+    sts = rendered.get("StatefulSet", "rr-radix-router-worker-qwen")
+    pods = [f"rr-radix-router-worker-qwen-{i}" for i in range(count)]
+    users = redis_users(rendered)
+    assert sorted(users) == sorted(
+        ["default", "radix-router", *(f"radix-worker-{p}" for p in pods)]
+    )
+    assert len(set(users.values())) == len(users)  # no two users share a password
+    # The last pod starts with its own credential; the next ordinal has no user and its
+    # init container fails saying what to raise.
+    secrets = job_secrets(rendered)
+    last = FakePod(name=pods[-1], external_secrets=secrets)
+    assert run_init_container(sts, "redis-credential", last, tmp_path / "last").returncode == 0
+    assert (tmp_path / "last/run/radix-redis/password").read_text() == f"pw_{pods[-1]}"
+    beyond = FakePod(name=f"rr-radix-router-worker-qwen-{count}", external_secrets=secrets)
+    done = run_init_container(sts, "redis-credential", beyond, tmp_path / "beyond")
+    assert done.returncode == 1, done
+    assert f"no Redis user for worker pod rr-radix-router-worker-qwen-{count}" in done.stderr
+    assert "raise it and run helm upgrade" in done.stderr
+    assert not (tmp_path / "beyond/run/radix-redis/password").exists()
+    # The worker container sees only its own password, never the Secret of all of them.
+    mounts = {m["name"] for m in container(sts, "worker")["volumeMounts"]}
+    assert "redis-credential" in mounts and "worker-passwords" not in mounts

@@ -160,7 +160,7 @@ def test_init_container_fills_a_writable_model_volume() -> None:
             model={"path": "/models/m", "storage": {"type": "emptyDir"}, "initContainer": init}
         )
     )
-    (fetch,) = pod_spec(sts)["initContainers"]
+    (fetch,) = [c for c in pod_spec(sts)["initContainers"] if c["name"] == "fetch-model"]
     assert {"name": "MODEL_DIR", "value": "/models/m"} in fetch["env"]
     assert [m["mountPath"] for m in fetch["volumeMounts"]] == ["/models"]
     # Without an init container the worker only reads the weights.

@@ -82,3 +82,26 @@ def test_dump_round_trips(tmp_path: Path) -> None:
     f = tmp_path / "w.yaml"
     f.write_text(dump_config(cfg))
     assert load_config(WorkerConfig, file=f, environ={}) == cfg
+
+
+def test_redis_password_file_is_checked_at_start(tmp_path: Path) -> None:
+    """The chart's worker pods read their own Redis password from a file; a missing or
+    empty file, or a URL that also carries a password, is refused naming the key."""
+    url = {"RADIX_WORKER_REDIS_URL": "redis://radix-worker-w-0@redis:6379/0"}
+    good = tmp_path / "password"
+    good.write_text("s3cret\n")
+    cfg = load_config(WorkerConfig, environ={**url, "RADIX_WORKER_REDIS_PASSWORD_FILE": str(good)})
+    assert cfg.redis_password_file == str(good)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for path, needle in ((tmp_path / "missing", "cannot read"), (empty, "one non-empty line")):
+        with pytest.raises(ConfigError, match=f"redis_password_file: .*{needle}"):
+            load_config(WorkerConfig, overrides={"redis_password_file": str(path)}, environ=url)
+    with pytest.raises(ConfigError, match="has a password"):
+        load_config(
+            WorkerConfig,
+            overrides={"redis_url": "redis://u:pw@redis:6379/0", "redis_password_file": str(good)},
+            environ={},
+        )
+    with pytest.raises(ConfigError, match="needs redis_url"):
+        load_config(WorkerConfig, overrides={"redis_password_file": str(good)}, environ={})

@@ -184,15 +184,20 @@ Call with (list $ "ROUTER").
 {{- $b := $.Values.redis.builtin }}
 {{- if $b.enabled }}
 {{- $host := printf "%s.%s.svc:%d" (include "radix-router.redisName" $) $.Release.Namespace (int $b.port) }}
-{{- if $b.auth.enabled }}
-{{- $user := ternary "radix-router" "radix-worker" (eq $role "ROUTER") }}
+{{- if and $b.auth.enabled (eq $role "WORKER") }}
+{{- /* User radix-worker-<pod name>; the password file is the pod's own (worker-statefulset.yaml). */}}
+- name: RADIX_WORKER_REDIS_URL
+  value: "redis://radix-worker-$(POD_NAME)@{{ $host }}/0"
+- name: RADIX_WORKER_REDIS_PASSWORD_FILE
+  value: /run/radix-redis/password
+{{- else if $b.auth.enabled }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ include "radix-router.redisPasswordSecretName" $ }}
-      key: {{ ternary $b.auth.routerPasswordKey $b.auth.workerPasswordKey (eq $role "ROUTER") }}
+      key: {{ $b.auth.routerPasswordKey }}
 - name: RADIX_{{ $role }}_REDIS_URL
-  value: "redis://{{ $user }}:$(REDIS_PASSWORD)@{{ $host }}/0"
+  value: "redis://radix-router:$(REDIS_PASSWORD)@{{ $host }}/0"
 {{- else }}
 - name: RADIX_{{ $role }}_REDIS_URL
   value: "redis://{{ $host }}/0"
@@ -212,20 +217,62 @@ Call with (list $ "ROUTER").
 {{- end }}
 
 {{/*
-Redis ACL rules per role (after "user NAME on >PASSWORD"), for the built-in Redis and
-documented for an external one (chart README). Keys and channels are limited to the
-fleet's prefix. Routers read worker records but cannot write them (%R~, Redis 7+); they
-own the sync stream, their load hashes and the rate-limit cells. Workers (and attach
-sidecars) may only write heartbeat records, the worker set and join/leave events.
+Redis ACL rules (after "user NAME on >PASSWORD"), for the built-in Redis and documented
+for an external one (chart README). Keys and channels are limited to the fleet's prefix.
+Routers read worker records but cannot write them (%R~, Redis 7+); they own the sync
+stream, their load hashes and the rate-limit cells. Each worker pod (or its attach
+sidecar) may only write its own heartbeat record, the worker set and join/leave events.
 */}}
 {{- define "radix-router.redisAclRouter" -}}
 {{- $p := .Values.redisPrefix -}}
 resetkeys %R~{{ $p }}worker:* ~{{ $p }}workers ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
 {{- end }}
 
+{{/*
+One worker pod's rules: its own heartbeat hash only (its id is its pod name), the shared
+id set and the events channel. Call with (list $ $podName).
+*/}}
 {{- define "radix-router.redisAclWorker" -}}
-{{- $p := .Values.redisPrefix -}}
-resetkeys ~{{ $p }}worker:* ~{{ $p }}workers resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +sadd +srem +del +publish +multi +exec +discard
+{{- $ := index . 0 }}{{- $pod := index . 1 }}{{- $p := $.Values.redisPrefix -}}
+resetkeys ~{{ $p }}worker:{{ $pod }} ~{{ $p }}workers resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +sadd +srem +del +publish +multi +exec +discard
+{{- end }}
+
+{{/*
+True (non-empty) when each worker pod logs in as its own Redis user: the built-in Redis
+with auth. Its passwords live in their own Secret, one key per pod name.
+*/}}
+{{- define "radix-router.perWorkerUsers" -}}
+{{- if and .Values.redis.builtin.enabled .Values.redis.builtin.auth.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "radix-router.workerPasswordsSecretName" -}}
+{{- printf "%s-workers" (include "radix-router.redisName" .) }}
+{{- end }}
+
+{{/*
+The pod names one model entry's StatefulSet can have, as JSON {"pods": [...]}: ordinals
+0 .. n-1, n being replicaCount, or keda.maxReplicaCount when KEDA scales the entry (the
+scaler never goes past it). A pod past them (a manual `kubectl scale`) finds no
+credential and its init container fails saying so. Call with (list $ $model).
+*/}}
+{{- define "radix-router.workerPods" -}}
+{{- $ := index . 0 }}{{- $m := index . 1 }}
+{{- $name := include "radix-router.workerName" (list $ $m) }}
+{{- $n := ternary $m.keda.maxReplicaCount $m.replicaCount (and $m.keda $m.keda.enabled | default false) }}
+{{- $pods := list }}
+{{- range $i := until (int $n) }}
+{{- $pods = append $pods (printf "%s-%d" $name $i) }}
+{{- end }}
+{{- toJson (dict "pods" $pods) }}
+{{- end }}
+
+{{/* Every worker pod name of the release, as JSON {"pods": [...]}. */}}
+{{- define "radix-router.allWorkerPods" -}}
+{{- $all := list }}
+{{- range (include "radix-router.models" . | fromYaml).models }}
+{{- $all = concat $all (include "radix-router.workerPods" (list $ .) | fromJson).pods }}
+{{- end }}
+{{- toJson (dict "pods" $all) }}
 {{- end }}
 
 {{- define "radix-router.redisTlsVolume" -}}
