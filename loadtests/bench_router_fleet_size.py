@@ -2,7 +2,7 @@
 side by side in one run.
 
     python -m loadtests router-fleet-size [--sizes 1,64,256,1000] [--seconds 6]
-        [--concurrency 16] [--before-ref b102ab7]
+        [--concurrency 16] [--before-ref b102ab7] [--together]
 
 One zero-cost sim worker process listens on 0.0.0.0; the router gets N static workers
 `http://127.0.a.b:PORT`, distinct loopback addresses that all reach that one process, so
@@ -11,7 +11,10 @@ workers) while the serving cost stays one cheap process. For each N, a router bu
 from `--before-ref` (extracted with `git archive` into a temp dir: the code before the
 change) and one from this working tree run the same closed loop, in alternating order.
 Measured: the router process's utime + stime from /proc over the loop, divided by the
-requests it answered. Before the loop, `GET /v1/models` lets the router learn every
+requests it answered. With `--together`, both routers run at the same time, each with its
+own closed loop of `--concurrency` clients, so both see the same contention moment by
+moment (on a shared machine, runs one after the other differ by ±30% from the load of
+the minute alone). Before the loop, `GET /v1/models` lets the router learn every
 worker's model (what a registry heartbeat reports), and a warm-up fills the trees.
 """
 
@@ -116,18 +119,42 @@ async def closed_loop(url: str, concurrency: int, seconds: float, pid: int) -> d
     return {"cpu_us": cpu / n * 1e6, "rps": n / elapsed, "p50_ms": pct(latencies, 0.5) * 1e3}
 
 
-def run_router(tree: Path, config: Path, concurrency: int, seconds: float) -> dict[str, float]:
+def start_router(tree: Path, config: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     args = ["router", "serve", "--config", str(config), "--host", "127.0.0.1",
             "--port", str(port), "--log-level", "WARNING"]  # fmt: skip
-    router = spawn(args, port, tree)
+    return spawn(args, port, tree), f"http://127.0.0.1:{port}"
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+def run_router(tree: Path, config: Path, concurrency: int, seconds: float) -> dict[str, float]:
+    router, url = start_router(tree, config)
     try:
-        return asyncio.run(
-            closed_loop(f"http://127.0.0.1:{port}", concurrency, seconds, router.pid)
-        )
+        return asyncio.run(closed_loop(url, concurrency, seconds, router.pid))
     finally:
-        router.terminate()
-        router.wait(10)
+        stop(router)
+
+
+def run_together(
+    trees: dict[str, Path], config: Path, concurrency: int, seconds: float
+) -> dict[str, dict[str, float]]:
+    """Every router of `trees` under its own closed loop, all at the same time."""
+    started = {name: start_router(tree, config) for name, tree in trees.items()}
+
+    async def both() -> list[dict[str, float]]:
+        return await asyncio.gather(
+            *(closed_loop(url, concurrency, seconds, proc.pid) for proc, url in started.values())
+        )
+
+    try:
+        return dict(zip(started, asyncio.run(both()), strict=True))
+    finally:
+        for proc, _ in started.values():
+            stop(proc)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--before-ref", default="b102ab7")
+    parser.add_argument(
+        "--together", action="store_true", help="run before and after at the same time"
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     wport = free_port()
@@ -151,15 +181,19 @@ def main(argv: list[str] | None = None) -> None:
                 config = write_config(Path(tmp) / f"fleet{n}.yaml", n, wport)
                 order = [("before", before), ("after", ROOT)]
                 result = {}
-                for name, tree in order if j % 2 == 0 else order[::-1]:
-                    result[name] = run_router(tree, config, args.concurrency, args.seconds)
+                if args.together:
+                    result = run_together(dict(order), config, args.concurrency, args.seconds)
+                else:
+                    for name, tree in order if j % 2 == 0 else order[::-1]:
+                        result[name] = run_router(tree, config, args.concurrency, args.seconds)
+                for name, _ in order:
                     print(f"  {n:>5} workers {name:>6}: {result[name]}", flush=True)
                 rows.append((n, result["before"], result["after"]))
     finally:
         worker.terminate()
         worker.wait(10)
     print(f"\nRouter CPU per request vs fleet size (closed loop, {args.concurrency} clients, "
-          f"{args.seconds:.0f} s each; before = {args.before_ref}; {os.cpu_count()} cores, "
+          f"{args.seconds:.0f} s each{', together' if args.together else ''}; before = {args.before_ref}; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f})\n")  # fmt: skip
     print("| workers | CPU µs/req before | CPU µs/req after | before / after "
           "| req/s before | req/s after | p50 ms before | p50 ms after |")  # fmt: skip
