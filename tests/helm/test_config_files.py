@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
+import yaml
 
 from shared.config import RouterConfig, WorkerConfig, load_config
 from tests.helm.chart import (
@@ -265,7 +266,8 @@ def test_router_cli_loads_the_pod_config(tmp_path: Path, monkeypatch: pytest.Mon
     assert config.redis_url and config.redis_url.startswith("redis://radix-router:")
 
 
-QWEN = {"name": "qwen", "model": {"path": "/models/qwen", "storage": {"type": "emptyDir"}}}
+# The chart's default model entry.
+QWEN = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["servingEngineSpec"]["modelSpec"][0]
 
 
 @pytest.mark.parametrize(
@@ -304,6 +306,9 @@ def test_one_redis_user_per_worker_pod(changes: dict, count: int, tmp_path: Path
     assert f"no Redis user for worker pod rr-radix-router-worker-qwen-{count}" in done.stderr
     assert "raise it and run helm upgrade" in done.stderr
     assert not (tmp_path / "beyond/run/radix-redis/password").exists()
+    # Scaling changes the users, not the pod template: no worker restarts for it.
+    two = render(merged(None)).get("StatefulSet", "rr-radix-router-worker-qwen")
+    assert sts["spec"]["template"] == two["spec"]["template"]
     # The worker container sees only its own password, never the Secret of all of them.
     mounts = {m["name"] for m in container(sts, "worker")["volumeMounts"]}
     assert "redis-credential" in mounts and "worker-passwords" not in mounts
