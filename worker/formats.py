@@ -3,12 +3,25 @@
 
 A request with `n` choices streams their outputs interleaved (each carries its
 `index`); usage counts the prompt once and the completion tokens of every choice.
-Log-probabilities come from the engine as token ids; `token_texts` turns ids into the
-strings OpenAI's shapes carry.
+Log-probabilities come from the engine as token ids; `token_bytes` gives each token's
+raw UTF-8 bytes. A byte-level BPE token may hold only part of a character (the three
+bytes of '€' can be three tokens), so, as in OpenAI's and vLLM's answers:
+
+- chat entries carry `bytes` = the token's raw bytes (joined over consecutive tokens
+  they rebuild the character) and `token` = those bytes decoded with U+FFFD for a
+  partial character;
+- completions carry the same `token` strings, so `"".join(tokens)` equals `text` only
+  when no character is split; what always holds is that the bytes of all tokens,
+  decoded, give `text` (invalid bytes as U+FFFD), except that a trailing incomplete
+  character at a length stop is withheld from `text`. `text_offset[k]` is the index in
+  `text` (counting the echoed prompt) of the character holding token k's first byte:
+  the length of the text the tokens before it complete, so the tokens of one split
+  character share the offset of that character.
 """
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +30,7 @@ from typing import Any, Protocol
 from shared import openai_responses as wire
 from worker.engine.types import GenerateOutput, TokenLogprob
 
-TokenTexts = Callable[[list[int]], list[str]]
+TokenBytes = Callable[[list[int]], list[bytes]]
 
 
 @dataclass
@@ -64,15 +77,23 @@ class Format(Protocol):
     def usage_chunk(self, tally: Tally) -> dict[str, Any] | None: ...
 
 
-def _chat_logprobs(lps: list[TokenLogprob], texts: TokenTexts) -> dict[str, Any] | None:
+def _raw_bytes(lps: list[TokenLogprob], token_bytes: TokenBytes) -> dict[int, bytes]:
+    """token id -> raw bytes, for every sampled and top-alternative token of `lps`."""
+    ids = list(dict.fromkeys([lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]))
+    return dict(zip(ids, token_bytes(ids), strict=True))
+
+
+def _shown(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def _chat_logprobs(lps: list[TokenLogprob], token_bytes: TokenBytes) -> dict[str, Any] | None:
     if not lps:
         return None
-    ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
-    strings = dict(zip(ids, texts(ids), strict=True))
+    raw = _raw_bytes(lps, token_bytes)
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
-        s = strings[token]
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+        return {"token": _shown(raw[token]), "logprob": logprob, "bytes": list(raw[token])}
 
     content = [
         {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
@@ -81,38 +102,47 @@ def _chat_logprobs(lps: list[TokenLogprob], texts: TokenTexts) -> dict[str, Any]
     return {"content": content}
 
 
+class TextOffsets:
+    """One choice's `text_offset` counter: the characters its tokens' bytes complete so
+    far (an incremental UTF-8 decoder holds a partial character back, as the engine's
+    detokenizer does for `text`), starting after the echoed prompt."""
+
+    def __init__(self, start: int) -> None:
+        self.chars = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, raw: bytes) -> int:
+        """The offset of a token with these bytes; advances past what it completes."""
+        at = self.chars
+        self.chars += len(self._utf8.decode(raw))
+        return at
+
+
 def _completion_logprobs(
-    lps: list[TokenLogprob], texts: TokenTexts, offset: int
+    lps: list[TokenLogprob], token_bytes: TokenBytes, offsets: TextOffsets
 ) -> dict[str, Any] | None:
     if not lps:
         return None
-    ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
-    strings = dict(zip(ids, texts(ids), strict=True))
-    tokens = [strings[lp.token_id] for lp in lps]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
+    raw = _raw_bytes(lps, token_bytes)
     return {
-        "tokens": tokens,
+        "tokens": [_shown(raw[lp.token_id]) for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{strings[t]: v for t, v in lp.top} for lp in lps],
-        "text_offset": offsets,
+        "top_logprobs": [{_shown(raw[t]): v for t, v in lp.top} for lp in lps],
+        "text_offset": [offsets.take(raw[lp.token_id]) for lp in lps],
     }
 
 
 class CompletionFormat:
     def __init__(
-        self, rid: str, model: str, echo: str, include_usage: bool, texts: TokenTexts
+        self, rid: str, model: str, echo: str, include_usage: bool, token_bytes: TokenBytes
     ) -> None:
         self.rid, self.model, self.created = rid, model, int(time.time())
-        self.echo, self.include_usage, self.texts = echo, include_usage, texts
-        self._offset: dict[int, int] = {}  # chars streamed per choice (text_offset)
+        self.echo, self.include_usage, self.token_bytes = echo, include_usage, token_bytes
+        self._offsets: dict[int, TextOffsets] = {}  # per choice, across its chunks
 
     def _choice(self, index: int, text: str, lps: list[TokenLogprob], finish: str | None) -> dict:
-        start = self._offset.get(index, 0)
-        self._offset[index] = start + len(text)
-        logprobs = _completion_logprobs(lps, self.texts, start + len(self.echo))
+        offsets = self._offsets.setdefault(index, TextOffsets(len(self.echo)))
+        logprobs = _completion_logprobs(lps, self.token_bytes, offsets)
         return wire.choice(index, {"text": text}, finish, logprobs)
 
     def body(self, choices: list[Choice], tally: Tally) -> dict[str, Any]:
@@ -139,15 +169,15 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    def __init__(self, rid: str, model: str, include_usage: bool, texts: TokenTexts) -> None:
+    def __init__(self, rid: str, model: str, include_usage: bool, token_bytes: TokenBytes) -> None:
         self.rid, self.model, self.created = rid, model, int(time.time())
-        self.include_usage, self.texts = include_usage, texts
+        self.include_usage, self.token_bytes = include_usage, token_bytes
 
     def body(self, choices: list[Choice], tally: Tally) -> dict[str, Any]:
         out = [
             wire.choice(
                 c.index, {"message": {"role": "assistant", "content": c.text}}, c.finish_reason,
-                _chat_logprobs(c.logprobs, self.texts),
+                _chat_logprobs(c.logprobs, self.token_bytes),
             )
             for c in choices
         ]  # fmt: skip
@@ -159,7 +189,7 @@ class ChatFormat:
         chunks = [] if not first else [self._chunk(out.index, {"role": "assistant", "content": ""})]
         if out.text_delta or out.finished or out.logprobs:
             delta = {"content": out.text_delta} if out.text_delta else {}
-            lps = _chat_logprobs(list(out.logprobs), self.texts)
+            lps = _chat_logprobs(list(out.logprobs), self.token_bytes)
             chunks.append(self._chunk(out.index, delta, out.finish_reason, lps))
         return chunks
 

@@ -40,7 +40,7 @@ from worker.formats import (
     Format,
     SGLangFormat,
     Tally,
-    TokenTexts,
+    TokenBytes,
 )
 from worker.state import CONFIG, ENGINE, METRICS, STATE
 from worker.streaming import open_stream, send_done, send_event, send_events
@@ -178,8 +178,8 @@ async def _read(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _texts(request: web.Request) -> TokenTexts:
-    return request.app[ENGINE].token_texts
+def _token_bytes(request: web.Request) -> TokenBytes:
+    return request.app[ENGINE].token_bytes
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -199,7 +199,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = text if req.echo and text else ""
-    fmt = CompletionFormat(rid, model, echo, include_usage, _texts(request))
+    fmt = CompletionFormat(rid, model, echo, include_usage, _token_bytes(request))
     return await _run(request, gen, fmt, req.stream, {})
 
 
@@ -227,7 +227,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
     gen = EngineRequest(request_id=rid, prompt=prompt, params=params)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    fmt = ChatFormat(rid, model, include_usage, _texts(request))
+    fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     return await _run(
         request, gen, fmt, req.stream, {"prompt": "messages", "max_tokens": max_param}

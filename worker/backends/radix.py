@@ -96,8 +96,8 @@ class RadixBackend:
     def count_tokens(self, text: str) -> int:
         return self.loaded.count_tokens(text)
 
-    def token_texts(self, ids: list[int]) -> list[str]:
-        return self.loaded.token_texts(ids)
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        return self.loaded.token_bytes(ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,6 +30,7 @@ class SimTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]: ...
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str: ...

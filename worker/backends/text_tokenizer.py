@@ -88,6 +88,10 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return b"".join(_id_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's raw UTF-8 bytes (ids below 256 are single, maybe partial, bytes)."""
+        return [_id_bytes(int(i)) for i in ids]
+
     def detokenizer(self, skip_special_tokens: bool = True) -> ByteDetokenizer:
         return ByteDetokenizer()
 

@@ -137,9 +137,8 @@ class AsyncEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.engine.encode_prompt(text))
 
-    def token_texts(self, ids: list[int]) -> list[str]:
-        tokenizer = self.engine.tokenizer
-        return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        return self.engine.tokenizer.token_bytes(ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

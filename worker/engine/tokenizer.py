@@ -10,6 +10,7 @@ not needed at run time; the tests check that the results equal its.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +20,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
 
 
 def _token_content(value: str | dict[str, Any] | None) -> str | None:
@@ -27,6 +30,20 @@ def _token_content(value: str | dict[str, Any] | None) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted (char -> byte): byte-level BPE vocabularies
+    spell every byte as one printable char (printable Latin-1 as itself, the rest as
+    U+0100 + n), so a token's raw bytes are its vocab string mapped back through this."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    others = (b for b in range(256) if b not in printable)
+    table.update({chr(0x100 + n): b for n, b in enumerate(others)})
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -137,6 +154,9 @@ class Tokenizer:
         self._special_tokens = dict(special_tokens or {})
         self._special_tokens.setdefault("bos_token", bos_token or "")
         self._special_tokens.setdefault("eos_token", eos_token or "")
+        self._added_ids = set(tokenizer.get_added_tokens_decoder())
+        self._byte_level = isinstance(tokenizer.decoder, ByteLevel)
+        self._bytes: dict[int, bytes] = {}  # token id -> raw bytes, filled on first use
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -209,6 +229,35 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own raw UTF-8 bytes (OpenAI's logprob `bytes`): a byte-level BPE
+        token may hold part of a character, which `decode([id])` would turn into U+FFFD;
+        these bytes, joined over consecutive tokens, rebuild it."""
+        out = []
+        for i in ids:
+            raw = self._bytes.get(int(i))
+            if raw is None:
+                raw = self._bytes[int(i)] = self._raw_bytes(int(i))
+            out.append(raw)
+        return out
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:  # an id past the vocabulary (padded embedding rows)
+            return b""
+        if token_id in self._added_ids:  # added/special tokens are stored as plain text
+            return piece.encode()
+        if self._byte_level:
+            # As the Rust ByteLevel decoder: map every char back, or (some char outside
+            # the table) take the piece's own UTF-8.
+            if all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            return piece.encode()
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes((int(m.group(1), 16),))
+        # Other decoders (Metaspace, WordPiece) only produce whole characters per token.
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok, skip_special_tokens=skip_special_tokens)

@@ -184,8 +184,8 @@ class Engine(Protocol):
 
     def count_tokens(self, text: str) -> int: ...
 
-    def token_texts(self, ids: list[int]) -> list[str]:
-        """Each token's own text (for logprobs)."""
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own raw UTF-8 bytes (for logprobs; may be part of a character)."""
         ...
 
     def apply_chat_template(

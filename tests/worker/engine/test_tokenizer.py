@@ -169,6 +169,36 @@ def test_detokenizer_skips_special_tokens(ours: Tokenizer) -> None:
     assert "".join(detok.push(i) for i in ids) == ours.decode(ids) == "user\nhi 🙂\nassistant\n"
 
 
+def test_token_bytes_rebuild_characters_split_across_tokens(ours: Tokenizer) -> None:
+    ids = ours.encode("5€", add_special_tokens=False)
+    raw = ours.token_bytes(ids)
+    euro = [r for r in raw if not r.isascii()]
+    # The tiny BPE splits '€' (E2 82 AC) into byte tokens: each alone is no character,
+    # which is why decode([id]) shows U+FFFD and OpenAI's `bytes` field exists.
+    assert len(euro) >= 2 and all(ours.decode([i]) == "\ufffd" for i in ids[-len(euro) :])
+    assert b"".join(euro) == "€".encode() and b"".join(raw) == b"5\xe2\x82\xac"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_to_the_text(ours: Tokenizer, text: str) -> None:
+    ids = ours.encode(text, add_special_tokens=False)
+    assert b"".join(ours.token_bytes(ids)) == text.encode()
+
+
+def test_token_bytes_agree_with_decode_for_every_whole_token(ours: Tokenizer) -> None:
+    whole = 0
+    for i in range(ours.vocab_size):
+        (raw,) = ours.token_bytes([i])
+        text = ours.decode([i], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            assert raw == text.encode(), i
+            whole += 1
+        else:
+            assert raw.decode("utf-8", errors="replace") == text, i
+    assert whole > ours.vocab_size // 2
+    assert ours.token_bytes([ours.eos_token_ids[0]]) == [b"<|end_of_text|>"]
+
+
 def test_make_tiny_model_cli_and_transformers_load(tmp_path: Path) -> None:
     assert (
         main(["make-tiny-model", str(tmp_path / "q"), "--arch", "qwen2", "--num-shards", "2"]) == 0
