@@ -105,7 +105,9 @@ def _chat_logprobs(lps: list[TokenLogprob], token_bytes: TokenBytes) -> dict[str
 class TextOffsets:
     """One choice's `text_offset` counter: the characters its tokens' bytes complete so
     far (an incremental UTF-8 decoder holds a partial character back, as the engine's
-    detokenizer does for `text`), starting after the echoed prompt."""
+    detokenizer does for `text`), starting after the echoed prompt. A special token
+    (skipped from `text`) still counts its bytes, so offsets after one mid-text are
+    ahead by its length; the usual one, the eos token, ends the text."""
 
     def __init__(self, start: int) -> None:
         self.chars = start
