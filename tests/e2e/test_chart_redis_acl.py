@@ -125,6 +125,7 @@ def test_services_run_with_their_role_users(acl_redis: ChartRedis, tmp_path) -> 
                               router_url], f"http://127.0.0.1:{rport}", tmp_path / "router.log", env).start()  # fmt: skip
     try:
         wait_health(worker)
+        wait_health(router)  # listening: /readiness below answers instead of refusing
         wait_until(
             lambda: http_json(router.url + "/readiness")[0] == 200 if router.alive else False,
             30,
