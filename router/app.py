@@ -66,7 +66,12 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(
         limit=0, ttl_dns_cache=60, keepalive_timeout=30, resolver=resolver
     )
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+    # No cookie jar: a worker's Set-Cookie was kept and sent back to it with every later
+    # request, whichever client's (tests/router/test_passthrough.py); it also spares a
+    # jar lookup per request.
+    session = aiohttp.ClientSession(
+        connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
+    )
     app[SESSION] = session
     app[PROXY] = Proxy(
         config, app[FLEET], app[POLICY], session, app[METRICS], app[CLOCK], app[SYNC]

@@ -55,3 +55,30 @@ async def test_unknown_and_unsupported_fields_pass_through(
     # A known field out of its schema range is still refused at the edge.
     resp = await client.post("/v1/chat/completions", json={**body, "top_logprobs": 21})
     assert resp.status == 400 and len(bodies) == 1
+
+
+async def test_a_worker_cookie_is_never_kept_nor_sent_back(start_router: StartRouter) -> None:
+    """The router's upstream session keeps no cookie jar: a Set-Cookie from a worker is
+    neither stored nor replayed to it with later requests (other clients' requests)."""
+    cookies: list[str | None] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        response = web.json_response({"id": "x", "object": "chat.completion", "choices": []})
+        response.set_cookie("session", "client-a-secret")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        # A host name, not an IP: aiohttp's default jar refuses cookies from IP hosts.
+        client = await start_router([f"http://localhost:{server.port}"])
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(2):
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status == 200, await resp.text()
+        assert cookies == [None, None]
+    finally:
+        await server.close()
