@@ -6,21 +6,25 @@ users, and each is refused what it must not do: a worker pod cannot touch anothe
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shlex
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from loadtests.fleet import Child, wait_health
 from loadtests.traffic import prompt
 from shared.procs import free_port, http_json, wait_until
 from shared.redis_server import find_server_binary
+from tests.e2e.test_attach import FakeSGLang, fake  # noqa: F401 (the fixture)
 from tests.helm.chart import render
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -231,3 +235,33 @@ def test_the_chart_readme_documents_the_same_rules() -> None:
         generic = "radix-worker-POD" if user != "radix-router" else user
         line = next(ln for ln in readme.splitlines() if ln.startswith(f"ACL SETUSER {generic} "))
         assert [arg.replace(":POD", f":{pod}") for arg in shlex.split(line)[5:]] == rules, user
+
+
+async def test_an_attach_sidecar_heartbeats_with_its_pods_credential(
+    acl_redis: ChartRedis,
+    fake: tuple[FakeSGLang, str],  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+) -> None:
+    """A stock engine's pod: the attach sidecar logs in as the pod's user with the password
+    file (RADIX_WORKER_REDIS_PASSWORD_FILE, as the chart sets it) and registers the engine."""
+    _, upstream = fake
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORDS[f"radix-worker-{POD1}"] + "\n")
+    url = f"redis://radix-worker-{POD1}@127.0.0.1:{acl_redis.port}/0"
+    env = {"RADIX_WORKER_REDIS_URL": url, "RADIX_WORKER_REDIS_PASSWORD_FILE": str(password_file)}
+    args = ["worker", "attach", "--upstream", upstream, "--engine", "sglang", "--worker-id", POD1,
+            "--interval", "0.2"]  # fmt: skip
+    sidecar = Child("attach", args, upstream, tmp_path / "attach.log", env).start()
+    admin = aioredis.Redis(port=acl_redis.port, password=ADMIN)
+    try:
+        deadline = time.monotonic() + 20
+        while not await admin.exists(f"radixrouter:worker:{POD1}"):
+            assert sidecar.alive and time.monotonic() < deadline, sidecar.tail()
+            await asyncio.sleep(0.1)
+        record = await admin.hgetall(f"radixrouter:worker:{POD1}")
+        assert record[b"engine"] == b"sglang" and record[b"url"] == upstream.encode()
+    finally:
+        await asyncio.to_thread(sidecar.stop, 5)
+    assert not await admin.exists(f"radixrouter:worker:{POD1}")  # it left on SIGTERM
+    assert "NOPERM" not in sidecar.output(), sidecar.tail()
+    await admin.aclose()
