@@ -1,21 +1,30 @@
 """The chart's built-in Redis ACL users (the routers', one per worker pod) on a real
-Redis-protocol server: a real worker (its password from a file, as the chart's init container
+Redis-protocol server started by the chart's own container command (its script writes the
+ACL file from the Secrets' passwords): a real worker (its password from a file, as the chart's init container
 leaves it) and a real router (replica sync and the shared rate limit on) work with their
 users, and each is refused what it must not do: a worker pod cannot touch another's record."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 import shlex
+import subprocess
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from loadtests.fleet import Child, wait_health
 from loadtests.traffic import prompt
 from shared.procs import free_port, http_json, wait_until
-from shared.redis_server import RedisServer
+from shared.redis_server import find_server_binary
+from tests.e2e.test_attach import FakeSGLang, fake  # noqa: F401 (the fixture)
 from tests.helm.chart import render
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -37,21 +46,73 @@ def chart_acl_rules() -> dict[str, list[str]]:
     return rules
 
 
+@dataclass(frozen=True)
+class ChartRedis:
+    port: int
+
+
+def chart_redis_command(tmp_path: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """The built-in Redis container's own command (its start script writes the ACL file),
+    with the pod's paths moved under `tmp_path`, its Secrets as the hook Job leaves them,
+    `redis-server` being the local server binary, on a loopback port."""
+    c = render().get("Deployment", "rr-radix-router-redis")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    data, secrets, bin_dir = tmp_path / "data", tmp_path / "worker-passwords", tmp_path / "bin"
+    for d in (data, secrets, bin_dir):
+        d.mkdir(parents=True)
+    for user, password in PASSWORDS.items():
+        if user != "radix-router":
+            (secrets / user.removeprefix("radix-worker-")).write_text(password)
+    (bin_dir / "redis-server").symlink_to(find_server_binary())
+    script = c["args"][0].replace("/run/radix-worker-passwords", str(secrets))
+    script = script.replace("/data/", f"{data}/")
+    args = c["args"][1:]
+    args[args.index("--port") + 1] = str(port)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "REDIS_PASSWORD": ADMIN,
+        "ROUTER_PASSWORD": ROUTER_PW,
+    }
+    return [*c["command"], script, *args, "--bind", "127.0.0.1", "--dir", str(data)], env
+
+
 @pytest.fixture
-def acl_redis() -> Iterator[RedisServer]:
-    with RedisServer(password=ADMIN) as server:
-        admin = redis.Redis(port=server.port, password=ADMIN)
-        for user, rules in chart_acl_rules().items():
-            admin.execute_command("ACL", "SETUSER", user, "on", f">{PASSWORDS[user]}", *rules)
+def acl_redis(tmp_path: Path) -> Iterator[ChartRedis]:
+    port = free_port()
+    argv, env = chart_redis_command(tmp_path / "redis", port)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    admin = redis.Redis(port=port, password=ADMIN)
+    try:
+        wait_until(lambda: _pings(admin) or proc.poll() is not None, 10)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        yield ChartRedis(port)
+    finally:
         admin.close()
-        yield server
+        proc.terminate()
+        proc.wait(10)
 
 
-def _url(server: RedisServer, user: str, password: str) -> str:
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+def test_the_chart_redis_refuses_to_start_without_a_worker_password(tmp_path: Path) -> None:
+    argv, env = chart_redis_command(tmp_path, free_port())
+    (tmp_path / "worker-passwords" / POD1).unlink()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    assert f"no Redis password for worker pod {POD1}" in done.stderr
+
+
+def _url(server: ChartRedis, user: str, password: str) -> str:
     return f"redis://{user}:{password}@127.0.0.1:{server.port}/0"
 
 
-def test_services_run_with_their_role_users(acl_redis: RedisServer, tmp_path) -> None:
+def test_services_run_with_their_role_users(acl_redis: ChartRedis, tmp_path) -> None:
     # As in the pod: the URL names the pod's user, the password is in a file of its own.
     worker_url = f"redis://radix-worker-{POD0}@127.0.0.1:{acl_redis.port}/0"
     password_file = tmp_path / "password"
@@ -68,6 +129,7 @@ def test_services_run_with_their_role_users(acl_redis: RedisServer, tmp_path) ->
                               router_url], f"http://127.0.0.1:{rport}", tmp_path / "router.log", env).start()  # fmt: skip
     try:
         wait_health(worker)
+        wait_health(router)  # listening: /readiness below answers instead of refusing
         wait_until(
             lambda: http_json(router.url + "/readiness")[0] == 200 if router.alive else False,
             30,
@@ -95,7 +157,7 @@ def test_services_run_with_their_role_users(acl_redis: RedisServer, tmp_path) ->
     admin.close()
 
 
-def test_each_role_is_refused_what_it_must_not_do(acl_redis: RedisServer) -> None:
+def test_each_role_is_refused_what_it_must_not_do(acl_redis: ChartRedis) -> None:
     user0 = f"radix-worker-{POD0}"
     worker = redis.Redis(port=acl_redis.port, username=user0, password=PASSWORDS[user0])
     router = redis.Redis(port=acl_redis.port, username="radix-router", password=ROUTER_PW)
@@ -131,7 +193,7 @@ def test_each_role_is_refused_what_it_must_not_do(acl_redis: RedisServer) -> Non
     admin.close()
 
 
-def test_a_worker_pod_heartbeats_only_as_itself(acl_redis: RedisServer) -> None:
+def test_a_worker_pod_heartbeats_only_as_itself(acl_redis: ChartRedis) -> None:
     """The registry's own writes (shared/registry.py) with pod 0's user: as pod 0 they
     go through, as pod 1 the whole transaction is refused and nothing is written."""
     import asyncio
@@ -173,3 +235,33 @@ def test_the_chart_readme_documents_the_same_rules() -> None:
         generic = "radix-worker-POD" if user != "radix-router" else user
         line = next(ln for ln in readme.splitlines() if ln.startswith(f"ACL SETUSER {generic} "))
         assert [arg.replace(":POD", f":{pod}") for arg in shlex.split(line)[5:]] == rules, user
+
+
+async def test_an_attach_sidecar_heartbeats_with_its_pods_credential(
+    acl_redis: ChartRedis,
+    fake: tuple[FakeSGLang, str],  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+) -> None:
+    """A stock engine's pod: the attach sidecar logs in as the pod's user with the password
+    file (RADIX_WORKER_REDIS_PASSWORD_FILE, as the chart sets it) and registers the engine."""
+    _, upstream = fake
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORDS[f"radix-worker-{POD1}"] + "\n")
+    url = f"redis://radix-worker-{POD1}@127.0.0.1:{acl_redis.port}/0"
+    env = {"RADIX_WORKER_REDIS_URL": url, "RADIX_WORKER_REDIS_PASSWORD_FILE": str(password_file)}
+    args = ["worker", "attach", "--upstream", upstream, "--engine", "sglang", "--worker-id", POD1,
+            "--interval", "0.2"]  # fmt: skip
+    sidecar = Child("attach", args, upstream, tmp_path / "attach.log", env).start()
+    admin = aioredis.Redis(port=acl_redis.port, password=ADMIN)
+    try:
+        deadline = time.monotonic() + 20
+        while not await admin.exists(f"radixrouter:worker:{POD1}"):
+            assert sidecar.alive and time.monotonic() < deadline, sidecar.tail()
+            await asyncio.sleep(0.1)
+        record = await admin.hgetall(f"radixrouter:worker:{POD1}")
+        assert record[b"engine"] == b"sglang" and record[b"url"] == upstream.encode()
+    finally:
+        await asyncio.to_thread(sidecar.stop, 5)
+    assert not await admin.exists(f"radixrouter:worker:{POD1}")  # it left on SIGTERM
+    assert "NOPERM" not in sidecar.output(), sidecar.tail()
+    await admin.aclose()
