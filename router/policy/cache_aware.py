@@ -73,14 +73,19 @@ class CacheAware(Policy):
         self._pos: dict[str, int] = {}
         self._caps: Sequence[int] | None = None
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        text = request.text
+    def _follow_fleet(self, workers: Sequence[WorkerView]) -> tuple[Sequence[str], Sequence[int]]:
+        """The view's ids and loads; positions and tree caps follow when the fleet changed."""
         ids, loads, caps = columns(workers)
         if ids is not self._ids and ids != self._ids:
             self._ids, self._pos = ids, dict(zip(ids, range(len(ids)), strict=True))
             self._caps = None
         if caps is not self._caps and caps != self._caps:
             self._follow_capacity(caps)
+        return ids, loads
+
+    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+        text = request.text
+        ids, loads = self._follow_fleet(workers)
         path = self._tree.match_path(text) if text else []
         i, reason = self._choose(len(text), loads, path)
         wid = ids[i]

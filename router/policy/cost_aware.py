@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import eq
 
-from router.policy.base import Decision, RouteRequest, WorkerCosts, WorkerView, columns
+from router.policy.base import Decision, RouteRequest, WorkerCosts, WorkerView
 from router.policy.cache_aware import CacheAware
 from shared.config import RouterConfig
 
@@ -116,12 +116,7 @@ class CostAware(CacheAware):
     # -- the rule ----------------------------------------------------------------------
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
         text = request.text
-        ids, loads, caps = columns(workers)
-        if ids is not self._ids and ids != self._ids:
-            self._ids, self._pos = ids, dict(zip(ids, range(len(ids)), strict=True))
-            self._caps = None
-        if caps is not self._caps and caps != self._caps:
-            self._follow_capacity(caps)
+        ids, loads = self._follow_fleet(workers)
         if self._cols_for is not self._ids:
             self._rebuild_columns(now)
         self._expire(now)
