@@ -108,6 +108,41 @@ class Harness:
         self.schedules.append(batch)
         return batch
 
+    def drive_random(
+        self,
+        rng: random.Random,
+        stems: list[list[int]],
+        *,
+        steps: int,
+        arrive_until: int,
+        p_arrive: float,
+        p_abort: float,
+        max_suffix: int,
+        max_tokens: int,
+    ) -> list[Req]:
+        """Random arrivals (a stem plus a random suffix) and aborts for `steps` steps, then
+        run to the end; every request that was not aborted must equal the reference."""
+        seqs, aborted = [], set()
+        for step in range(steps):
+            if step < arrive_until and rng.random() < p_arrive:
+                suffix = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, max_suffix))]
+                seqs.append(
+                    self.add(rng.choice(stems) + suffix, max_tokens=rng.randrange(1, max_tokens))
+                )
+            live = [s for s in seqs if s.status is not SeqStatus.FINISHED]
+            if live and rng.random() < p_abort:
+                victim = rng.choice(live)
+                self.sched.abort(victim)
+                aborted.add(victim.seq_id)
+                self.sched.check_integrity()
+            if self.sched.has_work:
+                self.step()
+        self.run()
+        for seq in seqs:
+            if seq.seq_id not in aborted:
+                assert seq.output_ids == reference(seq.prompt_ids, seq.params.max_tokens)
+        return seqs
+
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
             if not self.sched.has_work:
@@ -246,25 +281,10 @@ def test_random_load_with_aborts_keeps_integrity(seed: int) -> None:
         max_running_requests=rng.randrange(2, 8),
         evict_batch_tokens=rng.randrange(1, 32),
     )
-    seqs, aborted = [], set()
-    for step in range(400):
-        if step < 150 and rng.random() < 0.3:
-            prompt = rng.choice(stems) + [
-                rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20))
-            ]
-            seqs.append(h.add(prompt, max_tokens=rng.randrange(1, 25)))
-        live = [s for s in seqs if s.status is not SeqStatus.FINISHED]
-        if live and rng.random() < 0.05:
-            victim = rng.choice(live)
-            h.sched.abort(victim)
-            aborted.add(victim.seq_id)
-            h.sched.check_integrity()
-        if h.sched.has_work:
-            h.step()
-    h.run()
-    for seq in seqs:
-        if seq.seq_id not in aborted:
-            assert seq.output_ids == reference(seq.prompt_ids, seq.params.max_tokens)
+    h.drive_random(
+        rng, stems, steps=400, arrive_until=150, p_arrive=0.3, p_abort=0.05, max_suffix=20,
+        max_tokens=25,
+    )  # fmt: skip
     h.cache.reset()
     assert h.allocator.available == h.allocator.capacity
 

@@ -151,23 +151,10 @@ def test_property_mixed_load_keeps_integrity_every_step(
         init_new_token_ratio=rng.choice([0.0, 0.7]),
         min_new_token_ratio=0.0,
     )
-    seqs, aborted = [], set()
-    for step in range(300):
-        if step < 120 and rng.random() < 0.35:
-            prompt = rng.choice(stems) + rand(rng, rng.randrange(1, 16))
-            seqs.append(h.add(prompt, max_tokens=rng.randrange(1, 30)))
-        live = [s for s in seqs if s.status is not SeqStatus.FINISHED]
-        if live and rng.random() < 0.04:
-            victim = rng.choice(live)
-            h.sched.abort(victim)
-            aborted.add(victim.seq_id)
-            h.sched.check_integrity()
-        if h.sched.has_work:
-            h.step()
-    h.run()
-    for seq in seqs:
-        if seq.seq_id not in aborted:
-            assert seq.output_ids == reference(seq.prompt_ids, seq.params.max_tokens)
+    seqs = h.drive_random(
+        rng, stems, steps=300, arrive_until=120, p_arrive=0.35, p_abort=0.04, max_suffix=16,
+        max_tokens=30,
+    )  # fmt: skip
     released = set(h.runner.released)
     assert all(
         s.seq_id in released for s in seqs if s.num_tokens > 0 and s.cached_tokens is not None
