@@ -34,10 +34,10 @@ from loadtests.sim.worker import CostModel
 from shared.config import RouterConfig
 
 COLUMNS = (
-    "| workers | policy | requests | hit rate | TTFT p50 / p99 (ms) | queue p99 (ms) | "
+    "| workers | policy | requests | req/s | hit rate | TTFT p50 / p99 (ms) | queue p99 (ms) | "
     "max/mean requests per worker | decision CPU µs mean / p99 | sim CPU µs / request | "
     "policy memory (MB) |\n"
-    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -63,7 +63,7 @@ def simulate_one(
 def row(r: SimResult, name: str) -> str:
     d = r.row()
     return (
-        f"| {r.workers} | {name} | {r.requests} | {r.hit_rate:.3f} | "
+        f"| {r.workers} | {name} | {r.requests} | {d['throughput_rps']:.0f} | {r.hit_rate:.3f} | "
         f"{d['ttft_p50_ms']:.1f} / {d['ttft_p99_ms']:.1f} | {d['queue_p99_ms']:.1f} | "
         f"{r.load_max_over_mean:.2f} | {d['decision_us_mean']:.1f} / {d['decision_us_p99']:.1f} | "
         f"{r.sim_us_per_request:.0f} | {d['policy_mb']:.2f} |"
