@@ -49,6 +49,7 @@ from router.upstream import (
     worker_authorization,
 )
 from router.workers import FailureKind, Worker
+from shared.access_log import REQUEST_ID
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
 from shared.http import EVENT_STREAM, DeadlineStream
@@ -172,7 +173,7 @@ class Proxy:
         )
         headers["Content-Type"] = "application/json"  # the body was parsed as JSON
         # One id names the request in the router's and the worker's logs (shared/access_log.py).
-        headers["x-request-id"] = request.get("request_id") or headers.get("x-request-id", "")
+        headers["x-request-id"] = request.get(REQUEST_ID) or headers.get("x-request-id", "")
         if self._worker_auth is not None:
             headers["Authorization"] = self._worker_auth
         elif self.config.forward_authorization and "Authorization" in request.headers:
