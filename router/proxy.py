@@ -50,6 +50,7 @@ from router.upstream import (
 from router.upstream_client import UpstreamPool
 from router.upstream_conn import UpstreamBroken, WorkerConnection
 from router.workers import FailureKind, Worker
+from shared.access_log import REQUEST_ID
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
 from shared.http import EVENT_STREAM, DeadlineStream
@@ -175,7 +176,7 @@ class Proxy:
         ]
         lines.append("Content-Type: application/json\r\n")  # the body was parsed as JSON
         # One id names the request in the router's and the worker's logs (shared/access_log.py).
-        rid = request.get("request_id") or incoming.get("x-request-id", "")
+        rid = request.get(REQUEST_ID) or incoming.get("x-request-id", "")
         if encodable(rid):
             lines.append(f"x-request-id: {rid}\r\n")
         auth = self._worker_auth
