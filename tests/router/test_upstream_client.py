@@ -208,3 +208,37 @@ async def test_a_compressed_answer_is_a_bad_answer(
     client = await start_router([worker.url], max_retries=0)
     r = await client.post("/v1/completions", json=BODY)
     assert r.status == 502 and "content encoding" in (await r.json())["error"]["message"]
+
+
+async def test_a_connection_the_worker_closed_while_idle_is_not_handed_out(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    """Keep-alive in the headers, then the worker hangs up (an idle timeout of 0): each
+    request finds its kept connection gone and opens another, charged to no one."""
+    worker = await raw_workers(lambda c, n: (OK, "close"))
+    client = await start_router([worker.url], max_retries=0)
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json=BODY)).status == 200
+    assert worker.connections == 3 and failures(client) == {worker.url: 0}
+
+
+async def test_idle_connections_are_closed_after_keepalive_and_at_shutdown(
+    raw_workers: Any,
+) -> None:
+    from router.resolver import GuardedResolver
+    from router.upstream_client import UpstreamPool
+
+    worker = await raw_workers(lambda c, n: OK)
+    pool = UpstreamPool(GuardedResolver(), 1.0, 5.0, 1 << 20, keepalive_s=0.2)
+    for _ in range(2):
+        conn = await pool.post(worker.url, "/v1/completions", b"", b"{}")
+        assert await conn.read_body() == ANSWER
+        pool.release(worker.url, conn)
+    assert pool.connects == 1 and conn.error is None
+    await asyncio.sleep(0.5)  # past keepalive_s: the sweeper closed it
+    assert conn.error is not None and not pool._origins
+    conn = await pool.post(worker.url, "/v1/completions", b"", b"{}")
+    await conn.read_body()
+    pool.release(worker.url, conn)
+    await pool.close()
+    assert pool.connects == 2 and conn.error is not None
