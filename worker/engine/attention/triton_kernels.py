@@ -28,6 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.engine.attention.triton_compat import patch_interpreter
+
+patch_interpreter()  # triton < 3.7 under TRITON_INTERPRET=1 (see triton_compat.py)
+
 
 @triton.jit
 def _decode_split_kernel(
