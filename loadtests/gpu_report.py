@@ -43,6 +43,8 @@ def _problems(title: str, result: dict[str, Any]) -> list[str]:
         out.append(f"- {title}: skipped, {result['skipped']}")
     if "process_error" in result:
         out.append(f"- {title}: {result['process_error']}")
+    if "unfinished" in result:
+        out.append(f"- {title}: {result['unfinished']} (killed?)")
     for key, value in result.items():
         if isinstance(value, dict) and "error" in value:
             out += [f"- {title} / {key} FAILED:", "", "```", value["error"].strip(), "```", ""]

@@ -31,9 +31,15 @@ PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "num
 
 
 class Recorder:
-    def __init__(self, path: Path, deadline: float) -> None:
+    """A section's results so far, in its state file (for the parent) and merged into
+    the report in `out` (for a run killed with no chance to merge: SIGKILL)."""
+
+    def __init__(self, path: Path, deadline: float, out: Path | None = None,
+                 name: str = "") -> None:  # fmt: skip
         self.path = path
         self.deadline = deadline
+        self.out = out
+        self.name = name
         self.data: dict[str, Any] = {"steps_s": {}}
         self.save()
 
@@ -44,6 +50,14 @@ class Recorder:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=2, default=str))
         tmp.replace(self.path)
+        report_file = self.out / "gpu-check.json" if self.out else None
+        if report_file is not None and report_file.exists():
+            from loadtests.gpu_check import write  # the parent waits: no one else writes
+
+            report = json.loads(report_file.read_text())
+            unfinished = {"unfinished": "the section had not finished when this was written"}
+            report["sections"][self.name] = self.data | unfinished
+            write(report_file.parent, report)
 
     def step(self, name: str, fn: Callable[[], Any], need_s: float = 2.0) -> Any:
         """Run `fn` as step `name` unless fewer than `need_s` seconds are left."""
@@ -65,7 +79,7 @@ class Recorder:
 
 
 def run_section(args: argparse.Namespace) -> int:
-    rec = Recorder(args.state, args.deadline)
+    rec = Recorder(args.state, args.deadline, args.out, args.section)
     device = torch.device(args.device)
     sizes = QUICK if args.quick else FULL
     name = args.section

@@ -110,7 +110,7 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert preset["prefill_tokens_s"] > 0 and preset["eager_point"]["ms"] > 0
     md = (out / "gpu-check.md").read_text()
     assert "| batch | context | ms/step | roofline ms | ratio |" in md
-    assert "FAILED" not in md and "skipped" not in md
+    assert "FAILED" not in md and "skipped" not in md and "unfinished" not in md
 
 
 def args_for(out: Path, **kw: object) -> Namespace:
@@ -128,12 +128,16 @@ def test_a_section_that_dies_or_is_killed_leaves_the_others(
     state.mkdir()
     args = args_for(tmp_path / "out")
     args.out.mkdir()
+    gpu_check.write(args.out, {"sections": {}})
     dead = gpu_check.run_child(args, "no-such-section", state, allowed=120)
     assert "exited with code" in dead["process_error"]
     # Less time than a step needs: each step is recorded as skipped, none is started.
     skipped = gpu_check.run_child(args, "env", state, allowed=gpu_check.CHILD_GRACE_S + 1)
     assert "process_error" not in skipped
     assert all("time budget" in skipped[k]["skipped"] for k in ("versions", "device", "bandwidth"))
+    # The child merged each step into the report itself (what a SIGKILL of both leaves).
+    merged = json.loads((args.out / "gpu-check.json").read_text())["sections"]["env"]
+    assert "unfinished" in merged and "time budget" in merged["bandwidth"]["skipped"]
     # A section that hangs (its process sleeps before it starts) is killed at its limit,
     # and what its state file held by then (one finished step, here) is kept.
     (state / "preset-tiny.json").write_text(json.dumps({"model": "/tmp/m", "steps_s": {}}))
