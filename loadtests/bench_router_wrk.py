@@ -4,14 +4,17 @@ straight to a sim worker (zero cost unless `--prefill-us` / `--decode-ms`), thro
 Rust router (`sglang-router`, from its own venv) when its Python is given.
 
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
-        [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200]
+        [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300]
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
 connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a
 1 s warm-up; it reports requests/s and latency p50/p99. Router CPU per request is the
 utime+stime of the router's whole process tree over the measured run divided by the
 requests wrk completed: unlike latency, contention from other jobs on the machine does
-not inflate it. Non-2xx answers are counted and reported (they must be 0).
+not inflate it. Non-2xx answers are counted and reported (they must be 0). `--rate R`
+holds the offered load near R requests/s instead of as fast as possible (each
+connection waits `connections / R` s after each answer, wrk's `delay()` hook; no wrk2
+here), for latency below saturation; wrk's latency excludes that wait.
 
 Streamed TTFT: `--ttft-requests` streamed requests per target, `--ttft-concurrency` at a
 time, the targets interleaved (drift hits all alike), time from sending to the first
@@ -90,6 +93,13 @@ def tree_cpu_s(pid: int) -> float:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
+
+
+def lua(rate: float, connections: int) -> str:
+    """The wrk script: one POST, paced to about `rate` req/s in all when `rate` > 0."""
+    if rate <= 0:
+        return LUA
+    return LUA + f"function delay()\n  return {connections / rate * 1e3:.3f}\nend\n"
 
 
 def wrk(url: str, seconds: float, connections: int, script: Path) -> dict[str, float]:
@@ -171,6 +181,9 @@ def start_targets(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
     p.add_argument("--connections", type=int, default=64, help="wrk keep-alive connections")
+    p.add_argument(
+        "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
+    )
     p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
     p.add_argument(
         "--sglang-python",
@@ -191,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-wrk-") as d:
         tmp = Path(d)
         script = tmp / "post.lua"
-        script.write_text(LUA)
+        script.write_text(lua(args.rate, args.connections))
         wport = free_port()
         worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
                         "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",

@@ -1,7 +1,7 @@
 """`create_app(config) -> web.Application`: the router service, assembled once.
 
 Pure state (fleet table, policy, metrics, admission) is built here; every resource
-that needs the running loop (the upstream ClientSession, discovery, replica sync) is
+that needs the running loop (the upstream pool and ClientSession, discovery, replica sync) is
 one async generator in `cleanup_ctx`, set up above `yield` and torn down below.
 Serving it (signals, drain) is `serve()`, used by the CLI.
 """
@@ -46,6 +46,7 @@ from router.state import (
     SYNC,
 )
 from router.sync import DecisionSync, ReplicaSync
+from router.upstream_client import UpstreamPool
 from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
@@ -72,11 +73,15 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(
         connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
     )
-    app[SESSION] = session
-    app[PROXY] = Proxy(
-        config, app[FLEET], app[POLICY], session, app[METRICS], app[CLOCK], app[SYNC]
+    app[SESSION] = session  # model probes; inference goes through the pool below
+    # The inference path's own client (router/upstream_client.py): ~13% of the router's
+    # CPU per request was aiohttp's ClientSession (loadtests/results/router_overhead.md).
+    pool = UpstreamPool(
+        resolver, config.connect_timeout, config.request_timeout, config.max_response_bytes
     )
+    app[PROXY] = Proxy(config, app[FLEET], app[POLICY], pool, app[METRICS], app[CLOCK], app[SYNC])
     yield
+    await pool.close()
     await session.close()
 
 

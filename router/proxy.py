@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -48,7 +47,10 @@ from router.upstream import (
     response_headers,
     worker_authorization,
 )
+from router.upstream_client import UpstreamPool
+from router.upstream_conn import UpstreamBroken, WorkerConnection
 from router.workers import FailureKind, Worker
+from shared.access_log import REQUEST_ID
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
 from shared.http import EVENT_STREAM, DeadlineStream
@@ -74,7 +76,7 @@ class Proxy:
         config: RouterConfig,
         fleet: Fleet,
         policy: Policy,
-        session: aiohttp.ClientSession,
+        pool: UpstreamPool,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         sync: ReplicaSync | None = None,
@@ -82,16 +84,15 @@ class Proxy:
         self.config = config
         self.fleet = fleet
         self.policy = policy
-        self.session = session
+        # Keep-alive connections to workers; its timeouts come from the config: no total,
+        # a stream may last as long as it keeps sending, but each wait for bytes (the head
+        # of an answer, or the next chunk) is bounded by request_timeout, so a hung worker
+        # is caught without cutting a healthy long stream.
+        self.pool = pool
         self.metrics = metrics
         self.clock = clock
-        # No total: a stream may last as long as it keeps sending. request_timeout bounds
-        # each wait for bytes (the first byte of a buffered answer, or the next chunk), so a
-        # hung worker is caught without cutting a healthy long stream.
-        self.timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout, sock_read=config.request_timeout
-        )
-        self._forward = FORWARD_REQUEST | {config.session_header.lower()}
+        # x-request-id is sent once, below
+        self._forward = (FORWARD_REQUEST | {config.session_header.lower()}) - {"x-request-id"}
         self._worker_auth = worker_authorization(config)
         # Router replicas sharing decisions (router/sync.py); None on a lone router.
         self.sync = sync
@@ -165,24 +166,30 @@ class Proxy:
             code="upstream_error",
         )
 
-    def _request_headers(self, request: web.Request) -> CIMultiDict[str]:
+    def _request_head(self, request: web.Request) -> bytes:
+        """The header lines sent to the worker (allow-listed; Host and the body's framing
+        are the pool's)."""
         forward = self._forward
-        headers = CIMultiDict(
-            [(k, v) for k, v in request.headers.items() if k.lower() in forward and encodable(v)]
-        )
-        headers["Content-Type"] = "application/json"  # the body was parsed as JSON
+        incoming = request.headers
+        lines = [
+            f"{k}: {v}\r\n" for k, v in incoming.items() if k.lower() in forward and encodable(v)
+        ]
+        lines.append("Content-Type: application/json\r\n")  # the body was parsed as JSON
         # One id names the request in the router's and the worker's logs (shared/access_log.py).
-        headers["x-request-id"] = request.get("request_id") or headers.get("x-request-id", "")
-        if self._worker_auth is not None:
-            headers["Authorization"] = self._worker_auth
-        elif self.config.forward_authorization and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        return headers
+        rid = request.get(REQUEST_ID) or incoming.get("x-request-id", "")
+        if encodable(rid):
+            lines.append(f"x-request-id: {rid}\r\n")
+        auth = self._worker_auth
+        if auth is None and self.config.forward_authorization:
+            auth = incoming.get("Authorization")
+        if auth is not None and encodable(auth):
+            lines.append(f"Authorization: {auth}\r\n")
+        return "".join(lines).encode()
 
     def _response_headers(
-        self, upstream: aiohttp.ClientResponse, worker: Worker, d: Decision
+        self, upstream: WorkerConnection, worker: Worker, d: Decision
     ) -> CIMultiDict[str]:
-        headers = response_headers(upstream.headers)
+        headers = response_headers(upstream.headers)  # type: ignore[arg-type]
         headers["x-radix-worker"] = worker.worker_id
         headers["x-radix-route-reason"] = d.reason
         headers["x-radix-matched-chars"] = str(d.matched_chars)
@@ -205,10 +212,9 @@ class Proxy:
     ) -> web.StreamResponse:
         worker = attempt.worker
         with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
-            upstream = await self.session.post(
-                worker.url + routed.path, data=routed.body, allow_redirects=False,
-                headers=self._request_headers(request), timeout=self.timeout,
-            )  # fmt: skip
+            upstream = await self.pool.post(
+                worker.url, routed.path, self._request_head(request), routed.body
+            )
         done = False
         try:
             await classify(upstream, worker)
@@ -222,12 +228,12 @@ class Proxy:
             # Anything but a complete relay (error, cancel) must drop the connection, so
             # the worker sees the request abandoned instead of a pooled half-read socket.
             if done:
-                upstream.release()
+                self.pool.release(worker.url, upstream)
             else:
                 upstream.close()
 
     async def _relay_buffered(
-        self, upstream: aiohttp.ClientResponse, attempt: Attempt, decision: Decision
+        self, upstream: WorkerConnection, attempt: Attempt, decision: Decision
     ) -> web.Response:
         worker = attempt.worker
         body = await read_capped(upstream, self.config.max_response_bytes, worker)
@@ -242,7 +248,7 @@ class Proxy:
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: WorkerConnection,
         attempt: Attempt,
         decision: Decision,
     ) -> web.StreamResponse:
@@ -251,8 +257,8 @@ class Proxy:
         # fails before its first event is retried elsewhere like any failure before the
         # first byte, and the headers leave together with that chunk.
         with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
-            chunk = await upstream.content.readany()
-        content = upstream.content
+            chunk = await upstream.readany()
+        content = upstream
         resp = DeadlineStream(
             request, self.config.stream_write_timeout,
             status=upstream.status, headers=self._response_headers(upstream, worker, decision),
@@ -277,12 +283,9 @@ class Proxy:
             except TimeoutError:
                 chunk = b""
                 broken = FailureKind.TIMEOUT, f"worker {worker.worker_id} timed out mid-stream"
-            except aiohttp.ClientError as e:
+            except UpstreamBroken as e:
                 chunk = b""
-                broken = (
-                    FailureKind.BROKEN,
-                    f"worker {worker.worker_id} broke off mid-stream: {type(e).__name__}",
-                )
+                broken = FailureKind.BROKEN, f"worker {worker.worker_id} broke off mid-stream: {e}"
         if broken is None:
             self._succeeded(attempt, decision, cached_tokens_from_sse(tail + chunk))
         else:

@@ -12,8 +12,10 @@ Redis) chooses its status, headers and body. So:
   `text/html` with a script, wildcard CORS with credentials, `WWW-Authenticate`,
   `Refresh` and HSTS, and all of it reached clients.
 - **Content type** of an inference answer is `application/json` or `text/event-stream`;
-  anything else is a broken worker (502, retried elsewhere).
-- **Redirects** are never followed (`allow_redirects=False` on every call): a worker
+  anything else is a broken worker (502, retried elsewhere). So is an answer with a
+  `Content-Encoding`: the router asks for `identity` and relays bodies as they come.
+- **Redirects** are never followed (the upstream client, `router/upstream_client.py`,
+  has no notion of them; `allow_redirects=False` on every aiohttp call): a worker
   answering 307 to a metadata address had the router fetch it with the client's body
   and return the result. A 3xx is a broken worker like any other odd status.
 - **Size**: a buffered (non-streamed) answer is read to at most `max_response_bytes`
@@ -36,9 +38,9 @@ import json
 import math
 from typing import TYPE_CHECKING
 
-import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from router.upstream_conn import UpstreamBroken, WorkerConnection
 from router.workers import FailureKind, Worker
 from shared.config import RouterConfig
 from shared.errors import APIError
@@ -59,8 +61,10 @@ def worker_authorization(config: RouterConfig) -> str | None:
 
 
 def encodable(value: str) -> bool:
-    """aiohttp hands over non-UTF-8 header bytes surrogate-escaped; sending them on would
-    fail in the client with an error that is not a ClientError."""
+    """aiohttp hands over non-UTF-8 header bytes surrogate-escaped; they cannot be sent
+    on. CR and LF never pass (its parser refuses them; this does not rely on that)."""
+    if "\r" in value or "\n" in value:
+        return False
     if value.isascii():
         return True
     try:
@@ -123,7 +127,7 @@ class UpstreamErrors:
         wid = self.worker.worker_id
         if kind is not None and issubclass(kind, TimeoutError):
             raise AttemptFailed(f"worker {wid} timed out", FailureKind.TIMEOUT, 504) from None
-        if isinstance(e, aiohttp.ClientError):
+        if isinstance(e, UpstreamBroken):
             message = f"{self.what.format(wid)}: {type(e).__name__}"
             raise AttemptFailed(message, self.kind) from None
 
@@ -137,11 +141,11 @@ def _retry_after(value: str | None) -> int:
     return min(MAX_RETRY_AFTER_S, math.ceil(seconds)) if math.isfinite(seconds) else 0
 
 
-async def _says_overloaded(upstream: aiohttp.ClientResponse) -> bool:
+async def _says_overloaded(upstream: WorkerConnection) -> bool:
     try:
-        body = await upstream.content.read(MAX_ERROR_BYTES)
-        error = json.loads(body).get("error", {})
-    except (ValueError, AttributeError, aiohttp.ClientError, TimeoutError):
+        body = await upstream.read_body()
+        error = json.loads(body[:MAX_ERROR_BYTES]).get("error", {})
+    except (ValueError, AttributeError, UpstreamBroken, TimeoutError):
         return False
     return isinstance(error, dict) and "overloaded" in (
         str(error.get("code")),
@@ -149,7 +153,7 @@ async def _says_overloaded(upstream: aiohttp.ClientResponse) -> bool:
     )
 
 
-async def classify(upstream: aiohttp.ClientResponse, worker: Worker) -> None:
+async def classify(upstream: WorkerConnection, worker: Worker) -> None:
     """Raise `AttemptFailed` unless `upstream` is an answer to relay (see the table above)."""
     status = upstream.status
     wid = worker.worker_id
@@ -172,22 +176,30 @@ async def classify(upstream: aiohttp.ClientResponse, worker: Worker) -> None:
             f"worker {wid} answered with content type {upstream.content_type[:60]!r}",
             FailureKind.BAD_ANSWER,
         )
+    encoding = upstream.headers.get("Content-Encoding")  # type: ignore[union-attr]
+    if encoding is not None and encoding.strip().lower() != "identity":
+        raise AttemptFailed(
+            f"worker {wid} answered with content encoding {encoding[:40]!r} (identity was asked)",
+            FailureKind.BAD_ANSWER,
+        )
 
 
-async def read_capped(upstream: aiohttp.ClientResponse, limit: int, worker: Worker) -> bytes:
-    """The whole body of a buffered answer, at most `limit` bytes (AttemptFailed beyond)."""
+async def read_capped(upstream: WorkerConnection, limit: int, worker: Worker) -> bytes:
+    """The whole body of a buffered answer, at most `limit` bytes (AttemptFailed beyond;
+    the connection stops reading at `max_response_bytes` whatever `limit` is)."""
     size = upstream.content_length
     if size is not None and size > limit:
         raise _too_big(worker, limit)
-    with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
-        if size is not None and "Content-Encoding" not in upstream.headers:
-            return await upstream.read()  # hot path: exactly `size` bytes, one call
-        body = bytearray()
-        async for chunk in upstream.content.iter_chunked(65536):
-            body += chunk
-            if len(body) > limit:
-                raise _too_big(worker, limit)
-        return bytes(body)
+    try:
+        with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
+            body = await upstream.read_body()
+    except AttemptFailed:
+        if upstream.too_big:
+            raise _too_big(worker, limit) from None
+        raise
+    if len(body) > limit:
+        raise _too_big(worker, limit)
+    return body
 
 
 def _too_big(worker: Worker, limit: int) -> AttemptFailed:

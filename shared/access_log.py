@@ -29,9 +29,10 @@ from collections.abc import Callable
 from aiohttp import web
 
 from shared.errors import Handler
+from shared.http import request_key
 
 REQUEST_ID_HEADER = "x-request-id"
-REQUEST_ID = "request_id"  # the key in the aiohttp request's dict
+REQUEST_ID = request_key("request_id")  # the key in the aiohttp request's dict
 _VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 # (request, status, seconds, response or None): what a service counts per request.

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
+from shared.http import request_key
+
 log = logging.getLogger(__name__)
 
 _TYPES = {
@@ -93,7 +95,7 @@ def validation_error(e: ValidationError) -> APIError:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Where the APIError's `code` is left for the hooks that count refusals by it (the
 # router's access hook) without parsing the body back.
-ERROR_CODE = "error_code"
+ERROR_CODE = request_key("error_code")
 
 
 def error_response_for(request: web.Request, e: Exception) -> web.Response | None:

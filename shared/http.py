@@ -4,6 +4,7 @@ classes."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiohttp import web
 
@@ -12,6 +13,15 @@ from aiohttp import web
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 
 EVENT_STREAM = "text/event-stream"
+
+
+def request_key(name: str) -> Any:
+    """A key for a value kept in an aiohttp request's dict: `web.RequestKey` where aiohttp
+    has it (3.13 and later warn on plain strings: NotAppKeyWarning), else the name."""
+    key_type = getattr(web, "RequestKey", None)
+    return key_type(name, str) if key_type else name
+
+
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 

@@ -1,0 +1,244 @@
+"""The router's own upstream client (router/upstream_client.py, router/upstream_conn.py)
+against a raw TCP worker on loopback whose every byte the test scripts: keep-alive reuse,
+a keep-alive connection the worker closed under the router, garbage, broken chunked
+framing, a stall mid-body, bytes nobody asked for. Through a real router app, so the
+failure classes, retries and breaker counts are the proxy's own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from router.state import FLEET, PROXY
+from tests.router.conftest import StartRouter
+
+BODY = {"prompt": "hello there", "max_tokens": 3}
+ANSWER = json.dumps({"id": "x", "object": "text_completion", "choices": []}).encode()
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(ANSWER),
+    ANSWER,
+)
+# Script: (connection number, request number on it) -> bytes to send, or a verb.
+Script = Callable[[int, int], Any]
+
+
+class RawWorker:
+    """Reads each request (head + Content-Length body) and does what `script` says:
+    bytes to send, "close" (hang up without a byte), "stall" (send nothing, keep open),
+    or (bytes, "close"): send, then hang up."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn, n = self.connections, 0
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.requests.append(head + await reader.readexactly(length))
+                action = self.script(conn, n)
+                n += 1
+                if action == "close":
+                    break
+                if action == "stall":
+                    await asyncio.sleep(30)
+                if isinstance(action, tuple):
+                    writer.write(action[0])
+                    break
+                writer.write(action)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+@pytest.fixture
+async def raw_workers() -> AsyncIterator[Callable[..., Awaitable[RawWorker]]]:
+    started: list[RawWorker] = []
+
+    async def start(script: Script) -> RawWorker:
+        worker = RawWorker(script)
+        worker.server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        assert worker.server is not None
+        worker.server.close()
+
+
+def failures(client: Any) -> dict[str, int]:
+    return {w.url: w.failures_total for w in client.server.app[FLEET].workers.values()}
+
+
+async def test_keep_alive_connections_are_reused(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    worker = await raw_workers(lambda c, n: OK)
+    client = await start_router([worker.url], policy="round_robin")
+    for _ in range(5):
+        assert (await client.post("/v1/completions", json=BODY)).status == 200
+    assert worker.connections == 1 and len(worker.requests) == 5
+    head = worker.requests[0].split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"post /v1/completions http/1.1\r\n")
+    assert b"\r\nhost: 127.0.0.1:" in head and b"accept-encoding: identity" in head
+    assert client.server.app[PROXY].pool.connects == 1
+
+
+async def test_a_keep_alive_connection_closed_under_the_router_is_retried_uncharged(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    """The worker hangs up the kept connection as the next request arrives (its idle
+    timeout racing the router's send): resent once on a fresh connection, no failure."""
+    worker = await raw_workers(lambda c, n: "close" if (c, n) == (0, 1) else OK)
+    client = await start_router([worker.url], policy="round_robin", max_retries=0)
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json=BODY)).status == 200
+    pool = client.server.app[PROXY].pool
+    assert pool.stale_retries == 1 and worker.connections == 2
+    assert failures(client) == {worker.url: 0}
+
+
+async def test_a_worker_that_hangs_up_on_fresh_connections_is_a_failure(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    worker = await raw_workers(lambda c, n: "close")
+    client = await start_router([worker.url], max_retries=0)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_error"
+    assert failures(client) == {worker.url: 1} and worker.connections == 1
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HELLO WORLD\r\n\r\n",  # not HTTP
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 3\r\n"
+        b"Content-Length: 9\r\n\r\n{}}",  # two lengths
+        b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * 70000 + b"\r\n\r\n",  # a huge head
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked"
+        b"\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",  # a chunk size that is not hex
+        OK + b"HTTP/1.1 200 OK\r\n\r\n",  # a second answer nobody asked for
+    ],
+    ids=["garbage", "two-lengths", "huge-head", "bad-chunk", "second-answer"],
+)
+async def test_a_garbage_speaking_worker_harms_no_other_request(
+    raw_workers: Any, start_router: StartRouter, answer: bytes
+) -> None:
+    bad = await raw_workers(lambda c, n: answer)
+    good = await raw_workers(lambda c, n: OK)
+    client = await start_router([bad.url, good.url], policy="round_robin", max_retries=1)
+    for _ in range(4):
+        r = await client.post("/v1/completions", json=BODY)
+        assert r.status == 200, await r.text()
+    pool = client.server.app[PROXY].pool
+    # The bad worker's connections never went back to the pool: one per request it got.
+    assert bad.connections == len(bad.requests)
+    assert good.connections == 1 and failures(client)[good.url] == 0
+    if answer.startswith(OK):  # a sound answer with garbage after it: relayed, then closed
+        assert failures(client)[bad.url] == 0
+    else:
+        assert failures(client)[bad.url] == len(bad.requests) >= 1
+    assert pool.stale_retries == 0
+
+
+async def test_a_stream_with_broken_chunked_framing_ends_with_an_error_event(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    event = b'data: {"choices": []}\n\n'
+    worker = await raw_workers(lambda c, n: head + b"%x\r\n%s\r\nqq\r\n" % (len(event), event))
+    client = await start_router([worker.url], max_retries=0)
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    text = await r.text()
+    assert r.status == 200 and text.startswith(event.decode())
+    assert "upstream_error" in text and "not HTTP/1.1" in text
+    assert failures(client) == {worker.url: 1}
+
+
+async def test_a_worker_that_stalls_mid_body_times_out_and_is_not_reused(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    partial = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    # The first connection stalls after one byte of the body.
+    worker = await raw_workers(lambda c, n: partial if c == 0 else OK)
+    client = await start_router([worker.url], max_retries=0, request_timeout=0.3)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status == 504, await r.text()
+    assert failures(client) == {worker.url: 1}
+    assert (await client.post("/v1/completions", json=BODY)).status == 200
+    assert worker.connections == 2  # the stalled connection was dropped, not pooled
+
+
+async def test_a_body_ending_with_the_connection_is_read_whole(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    answer = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + ANSWER
+    worker = await raw_workers(lambda c, n: (answer, "close"))
+    client = await start_router([worker.url], max_retries=0)
+    for _ in range(2):
+        r = await client.post("/v1/completions", json=BODY)
+        assert r.status == 200 and await r.read() == ANSWER
+    assert worker.connections == 2 and failures(client) == {worker.url: 0}
+
+
+async def test_a_compressed_answer_is_a_bad_answer(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    answer = OK.replace(b"Content-Length", b"Content-Encoding: gzip\r\nContent-Length")
+    worker = await raw_workers(lambda c, n: answer)
+    client = await start_router([worker.url], max_retries=0)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status == 502 and "content encoding" in (await r.json())["error"]["message"]
+
+
+async def test_a_connection_the_worker_closed_while_idle_is_not_handed_out(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    """Keep-alive in the headers, then the worker hangs up (an idle timeout of 0): each
+    request finds its kept connection gone and opens another, charged to no one."""
+    worker = await raw_workers(lambda c, n: (OK, "close"))
+    client = await start_router([worker.url], max_retries=0)
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json=BODY)).status == 200
+    assert worker.connections == 3 and failures(client) == {worker.url: 0}
+
+
+async def test_idle_connections_are_closed_after_keepalive_and_at_shutdown(
+    raw_workers: Any,
+) -> None:
+    from router.resolver import GuardedResolver
+    from router.upstream_client import UpstreamPool
+
+    worker = await raw_workers(lambda c, n: OK)
+    pool = UpstreamPool(GuardedResolver(), 1.0, 5.0, 1 << 20, keepalive_s=0.2)
+    for _ in range(2):
+        conn = await pool.post(worker.url, "/v1/completions", b"", b"{}")
+        assert await conn.read_body() == ANSWER
+        pool.release(worker.url, conn)
+    assert pool.connects == 1 and conn.error is None
+    await asyncio.sleep(0.5)  # past keepalive_s: the sweeper closed it
+    assert conn.error is not None and not pool._origins
+    conn = await pool.post(worker.url, "/v1/completions", b"", b"{}")
+    await conn.read_body()
+    pool.release(worker.url, conn)
+    await pool.close()
+    assert pool.connects == 2 and conn.error is not None
