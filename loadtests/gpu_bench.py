@@ -162,9 +162,13 @@ def greedy_vs_transformers(model_dir: Path, device: torch.device, prompts: list[
                               do_sample=False, min_new_tokens=max_tokens)  # fmt: skip
             theirs.append(out[0, len(p) :].tolist())
     del hf
-    equal = [ours[str(i)] == theirs[i] for i in range(len(prompts))]
-    return {"equal": equal, "all_equal": all(equal), "ours": [ours[str(i)] for i in range(len(prompts))],
-            "transformers": theirs, "graph_replays": graphs}  # fmt: skip
+    mine = [ours[str(i)] for i in range(len(prompts))]
+    equal = [a == b for a, b in zip(mine, theirs, strict=True)]
+    # Where they part (a near-tie between two tokens flips on any rounding difference).
+    first_diff = [next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+                  for a, b in zip(mine, theirs, strict=True)]  # fmt: skip
+    return {"equal": equal, "all_equal": all(equal), "first_difference": first_diff,
+            "ours": mine, "transformers": theirs, "graph_replays": graphs}  # fmt: skip
 
 
 def kernels_of_one_step(runner: ModelRunner) -> list[str]:

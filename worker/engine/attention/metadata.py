@@ -103,8 +103,8 @@ class ReqToTokenTable:
 
 
 class Staging:
-    """Host->device copies of int64 arrays: through a reused pinned buffer on CUDA
-    (so the copy is asynchronous), a plain tensor view on CPU."""
+    """Host->device copies of numpy arrays: through a reused pinned buffer on CUDA (so
+    the copy is asynchronous: no host synchronisation), the array itself on CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -112,19 +112,22 @@ class Staging:
         self._done: Any = None  # CUDA event: the last copy out of the pinned buffer
 
     def upload(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(array)
+        host = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type != "cuda":
-            return host.to(self.device)
-        n = host.numel()
+            return host
+        raw = host.view(-1).view(torch.uint8)
+        n = raw.numel()
         if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 4096) * 2, dtype=torch.int64, pin_memory=True)
-        elif self._done is not None:
-            self._done.synchronize()  # the previous copy must have left the buffer
-        self._pinned[:n].copy_(host)
+            self._pinned = torch.empty(max(n, 32768) * 2, dtype=torch.uint8, pin_memory=True)
+        elif self._done is not None and not self._done.query():
+            # The previous copy has not left the buffer yet. Rare: each engine step ends
+            # in the sampler's one synchronisation, which completes every earlier copy.
+            self._done.synchronize()
+        self._pinned[:n].copy_(raw)
         out = self._pinned[:n].to(self.device, non_blocking=True)
         self._done = torch.cuda.Event()
         self._done.record()
-        return out
+        return out.view(host.dtype).view(host.shape)
 
 
 @dataclass(frozen=True)

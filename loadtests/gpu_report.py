@@ -1,0 +1,123 @@
+"""The GPU check's markdown page, from its JSON report (loadtests/gpu_check.py).
+
+Written for a partial report too: a section or step that failed shows its error,
+one that was skipped says why, one that never ran is absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    sections = report.get("sections", {})
+    env = sections.get("env", {})
+    device = env.get("device", {}) if isinstance(env.get("device"), dict) else {}
+    versions = env.get("versions", {}) if isinstance(env.get("versions"), dict) else {}
+    lines = [f"# GPU check: {device.get('name', 'device unknown')}", ""]
+    vs = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "torch_cuda")
+    lines += [f"{vs or 'versions unknown'}; `{report.get('command', '')}`; "
+              f"{report.get('seconds', 0):.0f} s of a {report.get('budget_s', 0):.0f} s budget; "
+              f"started {report.get('started', '?')}.", ""]  # fmt: skip
+    bw = env.get("bandwidth")
+    if isinstance(bw, dict) and "used_bytes_s" in bw:
+        lines += [f"Memory bandwidth: measured copy {bw['measured_copy_bytes_s'] / 1e12:.2f} TB/s; "
+                  f"the roofline uses {bw['used_bytes_s'] / 1e12:.2f} TB/s "
+                  f"({'spec' if bw.get('spec_bytes_s') else 'measured'}).", ""]  # fmt: skip
+    for name, result in sections.items():
+        if name == "env":
+            lines += _problems("env", result)
+        elif name == "correctness":
+            lines += _correctness(result)
+        elif name.startswith("preset:"):
+            lines += _preset(name.split(":", 1)[1], result)
+        elif name == "pytest":
+            lines += _pytest(result)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _problems(title: str, result: dict[str, Any]) -> list[str]:
+    """Skips, errors and a dead process of a section, as lines."""
+    out = []
+    if "skipped" in result:
+        out.append(f"- {title}: skipped, {result['skipped']}")
+    if "process_error" in result:
+        out.append(f"- {title}: {result['process_error']}")
+    if "unfinished" in result:
+        out.append(f"- {title}: {result['unfinished']} (killed?)")
+    for key, value in result.items():
+        if isinstance(value, dict) and "error" in value:
+            out += [f"- {title} / {key} FAILED:", "", "```", value["error"].strip(), "```", ""]
+        elif isinstance(value, dict) and "skipped" in value:
+            out.append(f"- {title} / {key}: skipped, {value['skipped']}")
+    return out + ([""] if out else [])
+
+
+def _correctness(r: dict[str, Any]) -> list[str]:
+    lines = ["## Correctness on the device", ""]
+    k = r.get("kernels")
+    if isinstance(k, dict) and "cases" in k:
+        worst = max((c["max_abs_diff"] for c in k["cases"]), default=0.0)
+        lines.append(f"- triton kernels vs SDPA, {len(k['cases'])} random mixed batches "
+                     f"(decodes, prefix hits, chunked prefills; GQA 1/4/7; head dims 64/128; "
+                     f"fp32 and bf16): {'equal' if k['passed'] else 'DIFFERENT'} "
+                     f"(worst max abs diff {worst:.2e})")  # fmt: skip
+    s = r.get("syncs")
+    if isinstance(s, dict) and "per_step" in s:
+        each = ", ".join(f"{k} {v}" for k, v in s["per_step"].items())
+        lines.append(f"- host synchronisations per engine step ({s['how']}): {each} "
+                     f"({'one each' if s['passed'] else 'NOT one each'})")  # fmt: skip
+    return [*lines, "", *_problems("correctness", r)]
+
+
+def _preset(preset: str, r: dict[str, Any]) -> list[str]:
+    run = r.get("runner") if isinstance(r.get("runner"), dict) else {}
+    lines = [f"## {preset} ({run.get('dtype', '?')}, attention {run.get('attention_backend', '?')})",
+             ""]  # fmt: skip
+    if "weight_bytes" in run:
+        lines.append(f"- weights {run['weight_bytes'] / 1e9:.2f} GB, KV "
+                     f"{run['kv_bytes_per_token'] / 1024:.1f} KiB/token")  # fmt: skip
+    g = r.get("greedy")
+    if isinstance(g, dict) and "equal" in g:
+        lines.append(f"- greedy tokens equal to transformers' (fp32, 3 prompts): {g['equal']}")
+    if isinstance(r.get("kernels"), list):
+        lines.append(
+            f"- attention kernels in a mixed step: {', '.join(r['kernels']) or 'none seen'}"
+        )
+    if isinstance(r.get("prefill_tokens_s"), (int, float)):
+        lines.append(f"- prefill: {r['prefill_tokens_s']:,.0f} tokens/s")
+    t = r.get("ttft")
+    if isinstance(t, dict) and "ratio" in t:
+        lines.append(f"- TTFT with a {t['prefix_tokens']}-token prefix: uncached "
+                     f"{t['uncached_ms']:.1f} ms, cached {t['cached_ms']:.1f} ms (ratio "
+                     f"{t['ratio']:.3f}, {t['cached_tokens']} tokens hit)")  # fmt: skip
+    e = r.get("eager_point")
+    if isinstance(e, dict) and "ms" in e:
+        lines.append(f"- eager (no CUDA graph) at batch {e['batch']}, context {e['context']}: "
+                     f"{e['ms']} ms/step; CUDA graph replays {r.get('graph_replays', 0)}")  # fmt: skip
+    if "peak_memory_gib" in r:
+        lines.append(f"- peak device memory {r['peak_memory_gib']} GiB")
+    cells = r.get("decode")
+    if isinstance(cells, list) and cells:
+        lines += [
+            "",
+            "| batch | context | ms/step | roofline ms | ratio |",
+            "|---|---|---|---|---|",
+        ]
+        for d in sorted(cells, key=lambda d: (d["context"], d["batch"])):
+            if "ms" in d:
+                lines.append(f"| {d['batch']} | {d['context']} | {d['ms']} | {d['roofline_ms']} "
+                             f"| {d['roofline_ratio']} |")  # fmt: skip
+            else:
+                why = "skipped (time budget)" if "skipped" in d else "FAILED (see the JSON)"
+                lines.append(f"| {d['batch']} | {d['context']} | {why} | | |")
+    return [*lines, "", *_problems(preset, r)]
+
+
+def _pytest(r: dict[str, Any]) -> list[str]:
+    if "skipped" in r:
+        return [f"pytest -m gpu: skipped, {r['skipped']}", ""]
+    lines = [f"pytest -m gpu: {'passed' if r.get('passed') else 'FAILED'} (`{r.get('command')}`)"]
+    if not r.get("passed"):
+        lines += ["", "```", str(r.get("tail", "")).strip()[-2500:], "```"]
+    return [*lines, ""]

@@ -1,0 +1,157 @@
+"""Count the times the host waits for the device during a block of engine work.
+
+On CUDA this is CUDA's own account: `torch.cuda.set_sync_debug_mode("warn")` makes
+every synchronising call (a device->host read, a blocking host->device copy, a
+stream or device synchronize) raise a warning, and each one is counted.
+
+On CPU nothing ever waits, so the count is of the calls that WOULD wait on a GPU:
+device->host reads of a tensor (`item`, `tolist`, `numpy`, `cpu`, `bool`/`int`/
+`float`/`index` of a tensor), host->device copies that are not asynchronous
+(`torch.tensor`/`torch.as_tensor` with a device, `Tensor.to(device)` without
+`non_blocking=True`; `Staging.upload`, which copies from pinned memory without
+blocking, is the allowed way up), and explicit synchronizes. `paused()` stops
+counting around work that is the device's own (a triton kernel launch, which the
+interpreter runs on the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+class SyncCounter:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.events: list[str] = []  # what synchronised, and where (file:line)
+        self._paused = 0
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._warnings: Any = None
+        self._log: list[warnings.WarningMessage] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.events) + sum("synchroniz" in str(w.message) for w in self._log)
+
+    def reset(self) -> None:
+        self.events.clear()
+        self._log.clear()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def __enter__(self) -> SyncCounter:
+        if self.device.type == "cuda":
+            self._warnings = warnings.catch_warnings(record=True)
+            self._log = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            return self
+        for name in _READS:
+            self._wrap(torch.Tensor, name, lambda *a, **k: True)
+        self._wrap(torch.Tensor, "to", _is_blocking_move)
+        self._wrap(torch.Tensor, "cuda", lambda *a, **k: not k.get("non_blocking"))
+        for name in ("tensor", "as_tensor"):
+            self._wrap(torch, name, lambda *a, **k: k.get("device") is not None)
+        self._wrap(torch.cuda, "synchronize", lambda *a, **k: True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._warnings is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
+            self._warnings = None
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+    def _wrap(self, owner: Any, name: str, counts: Any) -> None:
+        original = getattr(owner, name)
+        counter = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not counter._paused and counts(*args, **kwargs):
+                caller = sys._getframe(1)
+                where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+                counter.events.append(f"{name} at {where}")
+            counter._paused += 1  # what it calls inside is the same event
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counter._paused -= 1
+
+        self._undo.append((owner, name, original))
+        setattr(owner, name, wrapper)
+
+
+def _is_blocking_move(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+    """`Tensor.to(...)` that names a device and does not ask for non_blocking."""
+    target = kwargs.get("device", args[0] if args else None)
+    if not isinstance(target, (torch.device, str)):
+        return False
+    return not kwargs.get("non_blocking", len(args) > 2 and args[2])
+
+
+def syncs_per_step(engine: Any, counter: SyncCounter) -> dict[str, Any]:
+    """Host synchronisations of each engine step in three scenarios, run twice: the
+    first pass warms up (triton compiles, CUDA graphs are captured: those wait on
+    purpose), the second is counted. Also how many steps were mixed (decodes + a
+    prefill chunk). A step that samples nothing (a chunk that is not a prompt's last)
+    must not synchronise at all; a step that samples must do so exactly once."""
+    from worker.engine.types import EngineRequest, SamplingParams
+
+    vocab = min(engine.vocab_size, 1000)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    fancy = SamplingParams(max_tokens=5, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05,
+                           presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                           logit_bias=((5, 2.0),), logprobs=True, top_logprobs=3, seed=7,
+                           ignore_eos=True)  # fmt: skip
+    long_prompt = 3 * engine.config.max_prefill_tokens + 5
+    scenarios = {  # name: [(prompt length, params, steps to wait before adding it)]
+        "decode": [(9, greedy, 0), (17, greedy, 0), (5, greedy, 0)],
+        "mixed": [(9, greedy, 0), (12, greedy, 0), (long_prompt, greedy, 2)],
+        "penalties_logprobs": [(9, fancy, 0), (14, fancy, 0), (6, greedy, 0), (11, fancy, 0)],
+    }
+    result: dict[str, Any] = {}
+    for counted in (False, True):
+        for name, plan in scenarios.items():
+            engine.flush_cache()
+            result[name] = _run(engine, counter, plan, vocab, EngineRequest, counted)
+    per_step = {name: sorted({n for n, sampled, _ in r if sampled}) for name, r in result.items()}
+    ok = all(n == (1 if sampled else 0) for r in result.values() for n, sampled, _ in r)
+    mixed = sum(m for _, _, m in result["mixed"])
+    return {"per_step": per_step, "steps": {k: len(v) for k, v in result.items()},
+            "mixed_steps": mixed, "passed": ok and mixed > 0,
+            "events": counter.events[:20]}  # fmt: skip
+
+
+def _run(engine: Any, counter: SyncCounter, plan: list, vocab: int, request: Any,
+         counted: bool) -> list[tuple[int, bool, bool]]:  # fmt: skip
+    steps: list[tuple[int, bool, bool]] = []
+    pending = sorted(enumerate(plan), key=lambda x: x[1][2])
+    step = 0
+    while pending or engine.has_work:
+        while pending and pending[0][1][2] <= step:
+            i, (n, params, _) = pending.pop(0)
+            ids = tuple(4 + (7 * j + 13 * i) % (vocab - 4) for j in range(n))
+            engine.add_request(request(f"r{i}", prompt_token_ids=ids, params=params))
+        counter.reset()
+        engine.step()
+        items = engine.last_batch.items
+        lens = {len(it.input_ids) == 1 for it in items}
+        if counted and items:
+            steps.append((counter.count, bool(engine.last_batch.sampled), lens == {True, False}))
+        step += 1
+    return steps
