@@ -1,7 +1,8 @@
-"""CPU per routing decision as the fleet grows: cache_aware vs round_robin (the floor).
+"""CPU per routing decision as the fleet grows: cache_aware, cost_aware, round_robin (floor).
 
     python -m loadtests policy-cost [--workers 8,64,256,1000] [--requests 2000]
         [--warmup 2000] [--groups 512] [--system-chars 8000] [--tail-chars 500]
+        [--policies cache_aware,round_robin,least_load] [--reports 1]
 
 Workload: ``groups`` system prompts of ``system-chars`` chars, picked Zipf-like (a
 few hot groups, a long tail), each followed by a unique tail of ``tail-chars``: the
@@ -9,17 +10,28 @@ SGLang "generated shared prefix" shape at the DESIGN budget's prompt size (8,000
 chars). Loads move the way a live fleet's do: before each request two random workers
 get a new load (0–16) and, one request in 50, one worker a spike (+100), so the
 imbalance rule fires now and then and hot prefixes replicate onto several workers.
+Heartbeats: every worker reports its costs (``WorkerCosts``: 30 µs a prefill token,
+3 ms a decode step, 8 seats, a random queue, request time and hit rate) before the
+first request, then ``--reports`` random workers report new figures before each one
+(the simulator reports at every change; a live router reads the whole fleet once per
+discovery interval). Only cost_aware reads them.
 Each policy runs twice: on a list of ``WorkerView`` whose changed entries are
 replaced, and on a ``FleetView`` (router/policy/base.py: id/load/capacity columns the
 caller updates in place, as the simulator does); updates are outside the timed region.
 
-Per request the timed region is exactly ``policy.select(...)``: CPU by
+Per request the timed region is exactly ``policy.set_costs(...)`` for that request's
+reports (a no-op but for cost_aware) and ``policy.select(...)``: CPU by
 ``time.thread_time_ns`` (does not count waiting for a core on a shared machine; the
 timer pair's own cost, measured empty, is subtracted) and wall-clock p50/p99 by
 ``perf_counter_ns``. Every policy replays the same requests and load changes after
 the same ``--warmup`` requests. ``views µs`` is what a caller pays to build a fresh
 list of ``WorkerView`` per request (router/proxy.py does): measured once per size,
 for scale, outside the policy.
+
+``cost_aware_reference`` is cost_aware as it was before its price went over numpy
+columns, frozen in tests/router/cost_aware_reference.py (run from the repository root):
+with both in ``--policies`` the table shows them side by side and the last column says
+whether they made the same decisions (worker and reason) on every request.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from dataclasses import dataclass
 
 from loadtests.options import HelpFormatter
 from router.policy import build_policy
-from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
+from router.policy.base import FleetView, Policy, RouteRequest, WorkerCosts, WorkerView
 from shared.config import RouterConfig
 
 VOCAB = [f"{a}{b}" for a in "bcdfghjklmnpqrstvwz" for b in ("a", "e", "i", "o", "u", "ay", "ee")]
@@ -48,6 +60,7 @@ class Row:
     p50_us: float  # wall clock
     p99_us: float
     reasons: dict[str, int]
+    decisions: list[tuple[str, str]]
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -85,6 +98,30 @@ def load_changes(n: int, total: int, rng: random.Random) -> list[list[tuple[int,
     return out
 
 
+def cost_reports(
+    n: int, total: int, per_request: int, rng: random.Random
+) -> list[list[tuple[int, WorkerCosts]]]:
+    """Per request (plus one first entry: the whole fleet), the heartbeats to apply."""
+
+    def report() -> WorkerCosts:
+        return WorkerCosts(
+            rng.randrange(4_000), 30.0, 3.0, 8, rng.uniform(50.0, 200.0), rng.random()
+        )
+
+    first = [(i, report()) for i in range(n)]
+    return [first] + [
+        [(rng.randrange(n), report()) for _ in range(per_request)] for _ in range(total)
+    ]
+
+
+def build(name: str, seed: int) -> Policy:
+    if name == "cost_aware_reference":  # the frozen copy: tests/ is importable from the root
+        from tests.router.cost_aware_reference import CostAwareReference
+
+        return CostAwareReference(RouterConfig(policy="cost_aware"), random.Random(seed))
+    return build_policy(RouterConfig(policy=name), random.Random(seed))  # type: ignore[arg-type]
+
+
 def timer_overhead_ns() -> float:
     t = time.thread_time_ns
     samples = []
@@ -95,7 +132,8 @@ def timer_overhead_ns() -> float:
 
 
 def run(policy: Policy, n: int, texts: list[str], changes: list[list[tuple[int, int]]],
-        warmup: int, overhead: float, columns: bool) -> Row:  # fmt: skip
+        reports: list[list[tuple[int, WorkerCosts]]], warmup: int, overhead: float,
+        columns: bool) -> Row:  # fmt: skip
     """``columns``: pass a FleetView updated in place; else a list of WorkerView with
     the changed entries replaced (the caller's objects are reused across requests)."""
     ids = [f"worker-{i:04d}" for i in range(n)]
@@ -104,24 +142,30 @@ def run(policy: Policy, n: int, texts: list[str], changes: list[list[tuple[int, 
     cpu: list[int] = []
     wall: list[int] = []
     reasons: dict[str, int] = {}
+    decisions: list[tuple[str, str]] = []
     thread, perf = time.thread_time_ns, time.perf_counter_ns
-    for r, (text, step) in enumerate(zip(texts, changes, strict=True)):
+    for i, costs in reports[0]:
+        policy.set_costs(ids[i], costs)
+    for r, (text, step, beats) in enumerate(zip(texts, changes, reports[1:], strict=True)):
         for i, load in step:
             fleet.loads[i] = load
             views[i] = WorkerView(ids[i], load, 65_536)
         workers: Sequence[WorkerView] = fleet if columns else views
         request = RouteRequest(text)
         c0, w0 = thread(), perf()
-        decision = policy.select(request, workers, float(r))
+        for i, costs in beats:
+            policy.set_costs(ids[i], costs)
+        decision = policy.select(request, workers, float(r) * 0.01)
         w1, c1 = perf(), thread()
         if r >= warmup:
             cpu.append(c1 - c0)
             wall.append(w1 - w0)
             reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
+        decisions.append((decision.worker_id, decision.reason))
     q = statistics.quantiles(wall, n=100)
     name = f"{policy.name} ({'FleetView' if columns else 'list'})"
     return Row(n, name, max(0.0, statistics.fmean(cpu) - overhead) / 1e3,
-               statistics.median(wall) / 1e3, q[98] / 1e3, reasons)  # fmt: skip
+               statistics.median(wall) / 1e3, q[98] / 1e3, reasons, decisions)  # fmt: skip
 
 
 def views_cost_us(n: int, repeats: int = 200) -> float:
@@ -142,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--groups", type=int, default=512)
     ap.add_argument("--system-chars", type=int, default=8000)
     ap.add_argument("--tail-chars", type=int, default=500)
+    ap.add_argument("--reports", type=int, default=1, help="heartbeats before each request")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -152,22 +197,30 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(texts)} requests ({args.warmup} warm-up), mean {mean_chars:,.0f} chars; "
           f"timer pair {overhead:.0f} ns subtracted from CPU")  # fmt: skip
     print("| workers | policy | CPU µs / decision | wall p50 µs | wall p99 µs | "
-          "× round_robin (list, CPU) | reasons | views µs |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---|---:|")
+          "× round_robin (list, CPU) | reasons | views µs | = reference |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---|---:|---|")
     for n in (int(x) for x in args.workers.split(",")):
         changes = load_changes(n, len(texts), random.Random(args.seed + n))
+        reports = cost_reports(n, len(texts), args.reports, random.Random(args.seed + 2 * n))
         views_us = views_cost_us(n)
         rows = {}
         for name in policies:
             for columns in (False, True):
-                config = RouterConfig(policy=name)  # type: ignore[arg-type]
-                policy = build_policy(config, random.Random(args.seed))
-                row = run(policy, n, texts, changes, args.warmup, overhead, columns)
+                policy = build(name, args.seed)
+                row = run(policy, n, texts, changes, reports, args.warmup, overhead, columns)
                 rows[row.policy] = row
         floor = rows.get("round_robin (list)")
         for name, row in rows.items():
             ratio = f"{row.cpu_us / floor.cpu_us:.1f}" if floor and floor.cpu_us else "-"
             reasons = " ".join(f"{k} {v}" for k, v in sorted(row.reasons.items()))
+            ref = rows.get(name.replace("cost_aware", "cost_aware_reference", 1))
+            same = (
+                ""
+                if ref is None or ref is row
+                else "yes"
+                if ref.decisions == row.decisions
+                else "NO"
+            )
+            shown = reasons if name.startswith(("cache_aware", "cost_aware")) else ""
             print(f"| {n} | {name} | {row.cpu_us:.1f} | {row.p50_us:.1f} | {row.p99_us:.1f} | "
-                  f"{ratio} | {reasons if name.startswith('cache_aware') else ''} | {views_us:.1f} |",
-                  flush=True)  # fmt: skip
+                  f"{ratio} | {shown} | {views_us:.1f} | {same} |", flush=True)  # fmt: skip

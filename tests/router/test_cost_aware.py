@@ -252,9 +252,9 @@ def test_bad_reports_count_as_unknown_and_never_raise() -> None:
     p.set_costs("w1", WorkerCosts(10**30, -1.0, 1e12))  # type: ignore[arg-type]
     d = ask(p, "z" * 400, fleet(0, 0))
     assert d.worker_id in ("w0", "w1")
-    assert (
-        p._r == [0, 0] and sorted(p._o) == [0, 100] and p._p == [0.02, 0.02] and p._kd == [1.0, 1.0]
-    )
+    cols = p._cols  # the inputs as priced: unknown figures took the configured defaults
+    assert cols.r.tolist() == [0, 0] and sorted(cols.o.tolist()) == [0, 100]
+    assert cols.p.tolist() == [0.02, 0.02] and cols.kd.tolist() == [1.0, 1.0]
 
 
 def test_inherits_cache_aware_bookkeeping_epochs_caps_and_fleet_views() -> None:

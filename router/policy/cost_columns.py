@@ -1,0 +1,95 @@
+"""cost_aware's per-worker inputs as numpy columns in the fleet's order, and its price
+over all of them at once (the rule: router/policy/cost_aware.py's docstring).
+
+Why columns: priced in Python, one list comprehension per term over the fleet, a
+decision cost O(workers) at ~1 µs a worker (policy-cost benchmark: 283 µs at 256
+workers against cache_aware's 21), and every changed heartbeat rebuilt every column
+(half of that). Here a heartbeat writes its worker's row (`report`, O(1)); a fleet
+change rebuilds them all (`rebuild`, rare); a request runs ~20 array operations of
+~1 µs each whatever the fleet's size (`price`).
+
+Exactness: each array expression performs the reference's float operations in the same
+order (IEEE doubles, one rounding per operation, as Python's floats), and integers
+(loads, seats, tokens) are exact in a double below 2**53, so every price, every tie and
+therefore every decision is the one the per-worker Python made
+(tests/router/test_cost_equivalence.py replays both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from router.policy.base import WorkerCosts
+from shared.config import RouterConfig
+
+_NO_SEAT_LIMIT = float(1 << 62)  # unknown seats: so many that none is ever short
+_UNKNOWN = WorkerCosts()
+
+Column = np.ndarray
+
+
+class CostColumns:
+    """One row per worker of the fleet the columns were built for (its view order)."""
+
+    __slots__ = ("_cfg", "full", "kd", "o", "p", "r", "seat_ms", "seats", "t", "v")
+
+    def __init__(self, config: RouterConfig) -> None:
+        self._cfg = config
+        self.p = self.kd = self.r = self.t = self.v = self.o = np.zeros(0)
+        self.seats = self.full = self.seat_ms = np.zeros(0)
+
+    def rebuild(
+        self,
+        ids: Sequence[str],
+        costs: Mapping[str, WorkerCosts],
+        report_at: Mapping[str, float],
+        own: Mapping[str, int],
+        now: float,
+    ) -> None:
+        """Every row for the fleet ``ids`` (it changed: a join, a leave, a new epoch)."""
+        n = len(ids)
+        self.p, self.kd, self.r, self.v = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+        self.seats, self.full, self.seat_ms = np.zeros(n), np.zeros(n), np.zeros(n)
+        for i, wid in enumerate(ids):
+            self.report(i, costs.get(wid, _UNKNOWN))
+        self.t = np.array([report_at.get(w, now) for w in ids], dtype=np.float64)
+        self.o = np.array([own.get(w, 0) for w in ids], dtype=np.float64)
+
+    def report(self, i: int, c: WorkerCosts) -> None:
+        """Row ``i`` from the worker's (cleaned) report; the time is stamped apart."""
+        cfg = self._cfg
+        p = (c.prefill_us_per_token or cfg.cost_prefill_us_per_token) / 1e3
+        self.p[i] = p  # ms per prefill token
+        self.kd[i] = cfg.cost_decode_weight * (
+            c.decode_ms_per_token or cfg.cost_decode_ms_per_token
+        )
+        # A waiting prompt is reported whole (its hit is known only at admission): count
+        # the share the worker's hit rate says it will not find cached. Unscaled, a holder
+        # whose queue was its own group's mostly cached prompts looked busy, and the
+        # spills this caused halved the shared-prefix hit rate (loadtests/results/routing.md).
+        self.r[i] = c.queued_prefill_tokens * (1.0 - c.hit_rate)
+        self.v[i] = 1e3 / p  # the queue drains at this many tokens a second
+        known = c.max_running_requests and c.request_ms
+        self.seats[i] = seats = c.max_running_requests if known else _NO_SEAT_LIMIT
+        self.full[i] = seats - 1  # a load above this waits (exact: integers below 2**53)
+        self.seat_ms[i] = c.request_ms / c.max_running_requests if known else 0.0
+
+    def price(
+        self, loads: Sequence[int], now: float, tokens: float, miss: float, stall: float
+    ) -> tuple[Column, Column, Column]:
+        """(price, miss weight, stalled requests) per worker for a request of ``tokens``
+        with nothing cached; a holder's price then drops by weight × prefill × its hit."""
+        load = np.array(loads, dtype=np.float64)
+        # The reported queue, less what the worker has prefilled since (at its rate), or
+        # this router's own tokens sent there, whichever is larger.
+        queued = np.maximum(self.o, self.r - (now - self.t) * self.v)
+        # Requests waiting for a seat there, this one included: each also waits out this
+        # request's prefill, so its uncached tokens count once more per waiting request.
+        waits = np.maximum(load - self.full, 0.0)
+        # ... and each request running there has its next token stalled by it.
+        stalled = stall * np.minimum(load, self.seats)
+        weights = miss + waits + stalled
+        cost = self.p * (queued + weights * tokens) + self.kd * load + waits * self.seat_ms
+        return cost, weights, stalled
