@@ -80,7 +80,7 @@ import random
 from collections.abc import Mapping, Sequence
 from functools import partial
 from itertools import compress, repeat
-from operator import is_not
+from operator import eq, is_not, itemgetter, ne
 
 import numpy as np
 
@@ -93,7 +93,8 @@ _MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is 
 _MAX_MS = 1e7
 _MAX_QUEUED = 1 << 40
 _NOT_NONE = partial(is_not, None)
-_FEW = 8  # holders priced one by one; more: as one array operation (~2.5 µs)
+_SMALL = 16  # workers: up to this many priced in lists (arrays' fixed cost outweighs)
+_FEW = 4  # holders handled one by one; more: as array operations (~1 µs each)
 
 
 def _clean(value: float, high: float) -> float:
@@ -166,17 +167,18 @@ class CostAware(CacheAware):
         cfg = self._cfg
         cpt = cfg.tree_chars_per_token
         n = len(text) / cpt
-        cost, weights, stalled = cols.price(
-            loads, now, n, cfg.cost_miss_weight, cfg.cost_stall_weight
-        )
+        # A small fleet is priced in lists, a larger one in arrays (the same arithmetic).
+        small = len(loads) <= _SMALL
+        price = cols.price_small if small else cols.price
+        miss, stall = cfg.cost_miss_weight, cfg.cost_stall_weight
+        cost, weights, stalled, p = price(loads, now, n, miss, stall)
         at, ends = self._holders_of(text)  # routable holders, chars cached there
-        if len(at) > _FEW:
-            where = np.array(at)
-            cost[where] -= weights[where] * cols.p[where] * (np.array(ends, np.float64) / cpt)
-        else:  # a few: scalar updates cost less than building index arrays (~0.3 µs each)
-            p = cols.p
+        if small or len(at) <= _FEW:
             for j, end in zip(at, ends, strict=True):
                 cost[j] -= weights[j] * p[j] * (end / cpt)
+        else:
+            where = np.array(at)
+            cost[where] -= weights[where] * p[where] * (np.array(ends, np.float64) / cpt)
         matched = dict(zip(at, ends, strict=True))
         i = self._pick(cost, matched, loads)
         longest = max(ends, default=0)
@@ -187,7 +189,7 @@ class CostAware(CacheAware):
         reason = "no_match" if not longest else "cache_hit" if chars == longest else "spill"
         uncached = n - chars / cpt
         # Its own first token: the price less the stall it causes to the running requests.
-        ttft = float(cost[i] - stalled[i] * cols.p[i] * uncached)
+        ttft = float(cost[i] - stalled[i] * p[i] * uncached)
         self._note_own(i, wid, math.ceil(uncached), now + ttft / 1e3)
         self._tree.insert(text, wid, now)
         return Decision(wid, reason, chars, chars / len(text) if text else 0.0)
@@ -200,30 +202,45 @@ class CostAware(CacheAware):
             return [], []
         # Root side first: a deeper end overwrites a shallower one in place, so the order
         # is the first node's. Each node's holders are a subset of its parent's: a node
-        # with as many as its child has the same, all overwritten next (skipped).
-        ends: dict[object, int] = dict(zip(path[0][0], repeat(path[0][1])))
-        for k in range(1, len(path)):
+        # with as many as its child has the same, all overwritten next (skipped, in C:
+        # Mooncake's block-hashed prompts make paths of dozens of nodes).
+        ends: dict[object, int] = dict.fromkeys(path[0][0], path[0][1])
+        sizes = list(map(len, map(itemgetter(0), path)))
+        for k in compress(range(1, len(path)), map(ne, sizes[1:], [*sizes[2:], -1])):
             held, end = path[k]
-            if k + 1 < len(path) and len(path[k + 1][0]) == len(held):
-                continue
             ends.update(zip(held, repeat(end)))
         found = list(map(self._pos.get, ends))  # type: ignore[arg-type]
         keep = list(map(_NOT_NONE, found))
         return list(compress(found, keep)), list(compress(ends.values(), keep))
 
-    def _hold(self, i: int, cost: Column, at: list[int], ends: list[int], longest: int) -> int:
+    def _hold(
+        self, i: int, cost: Column | list[float], at: list[int], ends: list[int], longest: int
+    ) -> int:
         """The best holder of the longest match instead of ``i`` when ``i`` is predicted
         faster by no more than ``cost_hold_margin`` of the holder's seat intervals."""
-        best = np.array(at)[np.array(ends) == longest]
-        h = int(best[np.argmin(cost[best])])  # ties: the first in path order
+        if len(at) > _FEW and isinstance(cost, np.ndarray):
+            best = np.array(at)[np.array(ends) == longest]
+            h = int(best[np.argmin(cost[best])])  # ties: the first in path order
+        else:
+            h = min(
+                (j for j, c in zip(at, ends, strict=True) if c == longest), key=cost.__getitem__
+            )
         return h if cost[h] - cost[i] <= self._cfg.cost_hold_margin * self._cols.seat_ms[h] else i
 
-    def _pick(self, cost: Column, matched: Mapping[int, int], loads: Sequence[int]) -> int:
-        first = int(cost.argmin())
-        if np.count_nonzero(cost == cost[first]) == 1:
-            return first
+    def _pick(
+        self, cost: Column | list[float], matched: Mapping[int, int], loads: Sequence[int]
+    ) -> int:
+        if isinstance(cost, list):
+            low = min(cost)
+            if cost.count(low) == 1:
+                return cost.index(low)
+            cands = list(compress(range(len(cost)), map(eq, cost, repeat(low))))
+        else:
+            first = int(cost.argmin())
+            if np.count_nonzero(cost == cost[first]) == 1:
+                return first
+            cands = np.flatnonzero(cost == cost[first]).tolist()
         # Ties: the longer cached match, then the lower load, then at random.
-        cands = np.flatnonzero(cost == cost[first]).tolist()
         best = max(matched.get(i, 0) for i in cands)
         cands = [i for i in cands if matched.get(i, 0) == best]
         least = min(loads[i] for i in cands)
