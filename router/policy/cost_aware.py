@@ -93,7 +93,7 @@ _MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is 
 _MAX_MS = 1e7
 _MAX_QUEUED = 1 << 40
 _NOT_NONE = partial(is_not, None)
-_SMALL = 16  # workers: up to this many priced in lists (arrays' fixed cost outweighs)
+_SMALL = 12  # workers: up to this many priced in lists (policy-cost: lists win at 8, arrays at 16)
 _FEW = 4  # holders handled one by one; more: as array operations (~1 µs each)
 
 
