@@ -102,6 +102,11 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
             w, text = rng.choice(every), rng.choice(systems)[: rng.randrange(4, 160, 4)]
             for p in both:
                 p.observe(w, text, now)
+        if rng.random() < 0.02:  # other replicas spread a hot prefix over half the fleet
+            text = rng.choice(systems)[: rng.randrange(40, 160, 4)]
+            for w in rng.sample(every, n // 2):
+                for p in both:
+                    p.observe(w, text, now)
         if rng.random() < 0.01:
             w = rng.choice(every)
             for p in both:
