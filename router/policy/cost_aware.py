@@ -175,14 +175,14 @@ class CostAware(CacheAware):
         price = cols.price_small if small else cols.price
         miss, stall = cfg.cost_miss_weight, cfg.cost_stall_weight
         cost, weights, stalled, p = price(loads, now, n, miss, stall)
-        at, ends = self._holders_of(text)  # routable holders, chars cached there
+        matched = self._holders_of(text)  # routable holders: chars cached there
+        at, ends = list(matched), list(matched.values())
         if small or len(at) <= _FEW:
             for j, end in zip(at, ends, strict=True):
                 cost[j] -= weights[j] * p[j] * (end / cpt)
         else:
             where = np.array(at)
             cost[where] -= weights[where] * p[where] * (np.array(ends, np.float64) / cpt)
-        matched = dict(zip(at, ends, strict=True))
         i = self._pick(cost, matched, loads)
         longest = max(ends, default=0)
         if matched.get(i, 0) < longest and cfg.cost_hold_margin:
@@ -197,24 +197,31 @@ class CostAware(CacheAware):
         self._tree.insert(text, wid, now)
         return Decision(wid, reason, chars, chars / len(text) if text else 0.0)
 
-    def _holders_of(self, text: str) -> tuple[list[int], list[int]]:
-        """(positions, chars matched) of the routable workers holding a prefix of
+    def _holders_of(self, text: str) -> dict[int, int]:
+        """Position → chars cached there, for the routable workers holding a prefix of
         ``text``, in the order they first appear on its path (the tie order of `_hold`)."""
         path = self._tree.match_path(text) if text else []
-        if not path:
-            return [], []
-        # Root side first: a deeper end overwrites a shallower one in place, so the order
-        # is the first node's. Each node's holders are a subset of its parent's: a node
-        # with as many as its child has the same, all overwritten next (skipped, in C:
-        # Mooncake's block-hashed prompts make paths of dozens of nodes).
+        pos = self._pos
+        if not path or len(path[0][0]) <= _FEW:  # a few holders: the plain loop is fastest
+            matched: dict[int, int] = {}
+            for held, end in path:
+                for wid in held:
+                    i = pos.get(wid)  # type: ignore[arg-type]
+                    if i is not None:
+                        matched[i] = end
+            return matched
+        # Many (a hot prefix on many workers), in C passes. Root side first: a deeper end
+        # overwrites a shallower one in place, so the order is the first node's. Each
+        # node's holders are a subset of its parent's: a node with as many as its child
+        # has the same, all overwritten next (skipped).
         ends: dict[object, int] = dict.fromkeys(path[0][0], path[0][1])
         sizes = list(map(len, map(itemgetter(0), path)))
         for k in compress(range(1, len(path)), map(ne, sizes[1:], [*sizes[2:], -1])):
             held, end = path[k]
             ends.update(zip(held, repeat(end)))
-        found = list(map(self._pos.get, ends))  # type: ignore[arg-type]
+        found = list(map(pos.get, ends))  # type: ignore[arg-type]
         keep = list(map(_NOT_NONE, found))
-        return list(compress(found, keep)), list(compress(ends.values(), keep))
+        return dict(zip(compress(found, keep), compress(ends.values(), keep), strict=True))
 
     def _hold(
         self, i: int, cost: Column | list[float], at: list[int], ends: list[int], longest: int
