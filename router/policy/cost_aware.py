@@ -108,10 +108,11 @@ def _clean(value: float, high: float) -> float:
 class CostAware(CacheAware):
     """The rule at the top of this module.
 
-    Cost per request: cache_aware's tree walk, ~20 numpy operations over the fleet's
-    columns (router/policy/cost_columns.py) and Python work only for the holders of the
-    matched text; a heartbeat writes its worker's row. policy-cost benchmark, 256
-    workers: 283 → ~40 µs a decision (loadtests/results/policy_cost.md).
+    Cost per request: cache_aware's tree walk, ~16 numpy operations over the fleet's
+    columns (router/policy/cost_columns.py) and work per holder of the matched text (C
+    passes when many); a heartbeat writes its worker's row. policy-cost benchmark:
+    241 → 48 µs a decision at 256 workers, 870 → 50 at 1,000, the same decisions
+    (loadtests/results/policy_cost.md; tests/router/test_cost_equivalence.py).
     """
 
     name = "cost_aware"
