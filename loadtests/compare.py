@@ -59,6 +59,10 @@ POLICIES: dict[str, RouterSpec] = {
     "cache_aware (per_request)": RouterSpec("cache_aware", {"balance_mode": "per_request"}),
     "cost_aware": RouterSpec("cost_aware"),
     "cost_aware (miss x2)": RouterSpec("cost_aware", {"cost_miss_weight": "2"}),
+    # The rule before the stall and hold terms (loadtests/results/routing.md, 2026-12-01).
+    "cost_aware (before)": RouterSpec(
+        "cost_aware", {"cost_stall_weight": "0", "cost_hold_margin": "0"}
+    ),
     "round_robin": RouterSpec("round_robin"),
     "least_load": RouterSpec("least_load"),
     "power_of_two": RouterSpec("power_of_two"),

@@ -25,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from loadtests.compare import POLICIES, RouterSpec
 from loadtests.options import WorkloadOptions, add_workload_arguments, options_from_namespace
 from loadtests.progress import Progress, clock_text
 from loadtests.sim.fleet import ClosedLoop, FleetSim, SimResult
@@ -33,10 +34,10 @@ from loadtests.sim.worker import CostModel
 from shared.config import RouterConfig
 
 COLUMNS = (
-    "| workers | policy | requests | hit rate | TTFT p50 / p99 (ms) | queue p99 (ms) | "
+    "| workers | policy | requests | req/s | hit rate | TTFT p50 / p99 (ms) | queue p99 (ms) | "
     "max/mean requests per worker | decision CPU µs mean / p99 | sim CPU µs / request | "
     "policy memory (MB) |\n"
-    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -52,17 +53,17 @@ def simulate_one(
         # Same requests per second per worker at every fleet size.
         speedup = o.speedup * n / (copies * args.workers_per_copy)
         sim.run(source=mooncake_requests(o, n, args.workers_per_copy, speedup, args.sim_seed))
-    elif o.workload == "multi_turn":
+    elif o.workload == "multi_turn" or args.closed:
         sim.run(closed=ClosedLoop(o, users=args.users_per_worker * n))
     else:
         sim.run(source=generated_requests(o, args.rate_per_worker * n, args.sim_seed))
-    return sim.result(f"{config.policy}", measure_memory=not args.no_memory)
+    return sim.result(config.policy, measure_memory=not args.no_memory)
 
 
 def row(r: SimResult, name: str) -> str:
     d = r.row()
     return (
-        f"| {r.workers} | {name} | {r.requests} | {r.hit_rate:.3f} | "
+        f"| {r.workers} | {name} | {r.requests} | {d['throughput_rps']:.0f} | {r.hit_rate:.3f} | "
         f"{d['ttft_p50_ms']:.1f} / {d['ttft_p99_ms']:.1f} | {d['queue_p99_ms']:.1f} | "
         f"{r.load_max_over_mean:.2f} | {d['decision_us_mean']:.1f} / {d['decision_us_p99']:.1f} | "
         f"{r.sim_us_per_request:.0f} | {d['policy_mb']:.2f} |"
@@ -138,8 +139,9 @@ def _floats(s: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", default="8,64", help="fleet sizes to simulate, comma-separated")
     p.add_argument(
-        "--policies", default="cache_aware,round_robin,least_load", help="comma-separated"
-    )
+        "--policies", default="cache_aware,round_robin,least_load",
+        help="comma-separated: policy names, or compare's variants (e.g. 'cost_aware (before)')",
+    )  # fmt: skip
     p.add_argument(
         "--cache-tokens", type=int, default=16_384, help="KV capacity per worker, in tokens"
     )
@@ -154,7 +156,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rate-per-worker", type=float, default=4.0, help="shared_prefix/rag: req/s per worker"
     )
-    p.add_argument("--users-per-worker", type=int, default=4, help="multi_turn: users per worker")
+    p.add_argument(
+        "--users-per-worker", type=int, default=4,
+        help="multi_turn and --closed: closed-loop users per worker",
+    )  # fmt: skip
+    p.add_argument(
+        "--closed", action="store_true",
+        help="shared_prefix/rag: closed-loop users (each sends its next request when the "
+        "last one finished, as the live locust users do) instead of Poisson arrivals",
+    )  # fmt: skip
     p.add_argument(
         "--cache-threshold", type=float, default=0.3, help="cache_aware: match rate to follow"
     )
@@ -209,7 +219,9 @@ def main(args: argparse.Namespace) -> int:
     for n in sizes:
         for p in policies:
             progress.say(f"{n} workers, {p}: simulating")
-            r = simulate_one(RouterConfig(policy=p, **base), n, cost, o, args)  # type: ignore[arg-type]
+            spec = POLICIES.get(p, RouterSpec(p))
+            config = RouterConfig(policy=spec.policy, **{**base, **spec.settings})  # type: ignore[arg-type]
+            r = simulate_one(config, n, cost, o, args)
             results[(n, p)] = r
             progress.finished()
             print(row(r, p), flush=True)

@@ -79,6 +79,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     pool = UpstreamPool(
         resolver, config.connect_timeout, config.request_timeout, config.max_response_bytes
     )
+    app[METRICS].watch_pool(pool)
     app[PROXY] = Proxy(config, app[FLEET], app[POLICY], pool, app[METRICS], app[CLOCK], app[SYNC])
     yield
     await pool.close()

@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
 from router.fleet import Fleet
+from router.upstream_client import UpstreamPool
 from router.workers import Worker
 from shared.metrics import ServiceMetrics, kv_usage_ratio
 from shared.peers import Rejections
@@ -166,6 +167,26 @@ class _RejectionsCollector(Collector):
         yield family
 
 
+class _PoolCollector(Collector):
+    """The upstream pool's connections: how often keep-alive saves a connect, and how
+    often a worker closed a kept connection under a request (resent, not its failure)."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[CounterFamily]:
+        yield CounterFamily(
+            "radix_router_upstream_connections_opened",
+            "Connections opened to workers for inference requests",
+            value=self.pool.connects,
+        )
+        yield CounterFamily(
+            "radix_router_upstream_stale_retries",
+            "Requests resent on a fresh connection: the worker closed the kept one first",
+            value=self.pool.stale_retries,
+        )
+
+
 class Metrics(ServiceMetrics):
     def __init__(
         self,
@@ -202,6 +223,9 @@ class Metrics(ServiceMetrics):
         r.register(_FleetCollector(fleet, clock, in_flight))
         if rejections is not None:
             r.register(_RejectionsCollector(rejections))
+
+    def watch_pool(self, pool: UpstreamPool) -> None:
+        self.registry.register(_PoolCollector(pool))
 
     def answered(self, worker: str, status: int) -> None:
         self.child(self.worker_requests, worker, str(status)).inc()

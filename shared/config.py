@@ -82,6 +82,12 @@ class RouterConfig(_Frozen):
     cost_decode_weight: float = Field(1.0, ge=0)
     # How many times a request's own uncached tokens count (1: its time to first token).
     cost_miss_weight: float = Field(1.0, ge=0)
+    # How many times each request running on a worker counts a new request's uncached
+    # prefill, which stalls its next token (1: once; 0: cost_aware before 2026-12-01).
+    cost_stall_weight: float = Field(1.0, ge=0)
+    # A holder of the longest match keeps a request unless another worker is predicted
+    # faster by more than this many of its seat intervals (request_ms / seats; 0: off).
+    cost_hold_margin: float = Field(1.0, ge=0)
     session_header: str = "x-session-id"
     # Proxy.
     connect_timeout: float = Field(5.0, gt=0)

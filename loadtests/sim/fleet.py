@@ -27,7 +27,7 @@ import numpy as np
 from loadtests.options import WorkloadOptions
 from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
-from loadtests.workloads import ConversationSession, Workload
+from loadtests.workloads import Session, Workload
 from router.policy import build_policy
 from router.policy.base import FleetView, RouteRequest, WorkerCosts
 from shared.config import RouterConfig
@@ -37,7 +37,9 @@ _STEP_END, _ARRIVAL = 0, 1  # event kinds: step ends sort first at equal times
 
 @dataclass(frozen=True)
 class ClosedLoop:
-    """`users` users each send a turn when their previous one finished (+ think time)."""
+    """`users` users each send a request when their previous one finished (+ think time):
+    multi-turn users keep a conversation each; for the other workloads they take the
+    next request of one shared stream, as the live locust users do."""
 
     options: WorkloadOptions
     users: int
@@ -200,11 +202,11 @@ class FleetSim:
             self._run_cpu_ns += time.thread_time_ns() - t0
 
     def _run(self, source: Iterator[SimRequest] | None, closed: ClosedLoop | None) -> list[Job]:
-        sessions: list[ConversationSession] = []
+        sessions: list[Session] = []
         tok = WordTokenizer()
         if closed is not None:
             workload = Workload(closed.options)
-            sessions = [ConversationSession(workload) for _ in range(closed.users)]
+            sessions = [workload.new_session() for _ in range(closed.users)]
             for s, _ in enumerate(sessions):
                 self._next_turn(sessions, s, 0.0, tok)
         if source is not None:
@@ -231,9 +233,7 @@ class FleetSim:
                     self._next_turn(sessions, job.session, now + closed.think_s, tok)
         return self._done
 
-    def _next_turn(
-        self, sessions: list[ConversationSession], s: int, now: float, tok: WordTokenizer
-    ) -> None:
+    def _next_turn(self, sessions: list[Session], s: int, now: float, tok: WordTokenizer) -> None:
         req = sessions[s].next_request()
         if req is not None:
             text = req.text()

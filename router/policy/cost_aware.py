@@ -1,22 +1,25 @@
-"""``cost_aware``: route to the least predicted time to first token (TTFT).
+"""``cost_aware``: route to the least predicted time to first token (TTFT), priced with
+the delay the request's prefill adds to the requests already on the worker.
 
 The rule (every knob is a ``RouterConfig`` key)
 ===============================================
 For each routable worker ``w``, with the request's text of ``n`` tokens
 (chars / ``tree_chars_per_token``) of which ``m(w)`` are in ``w``'s tree::
 
-    wait(w) = max(0, load(w) + 1 − seats(w))          requests waiting for a seat, this one too
-    ttft(w) = prefill(w) × (queued(w) + (k + wait(w)) × (n − m(w)))
-            + wait(w) × request_ms(w) / seats(w)
-            + cost_decode_weight × decode(w) × load(w)
+    wait(w)  = max(0, load(w) + 1 − seats(w))          requests waiting for a seat, this one too
+    run(w)   = min(load(w), seats(w))                   requests running there
+    ttft(w)  = prefill(w) × (queued(w) + (k + wait(w)) × (n − m(w)))
+             + wait(w) × request_ms(w) / seats(w)
+             + cost_decode_weight × decode(w) × load(w)
+    price(w) = ttft(w) + prefill(w) × s × run(w) × (n − m(w))
 
 - ``queued(w)``: prefill tokens already waiting or running on ``w``: the larger of what
   its heartbeat reported (waiting prompts are reported whole: scaled by 1 − the
   worker's hit rate), less what ``w`` has prefilled since at its rate (a report is
   up to a heartbeat plus a discovery interval old: unaged, a queue long drained kept
   traffic away), and this router's own uncached tokens sent since, each counted until
-  its own predicted first token (so two requests in one heartbeat interval see each
-  other; the larger of the two, as for load, counts no token twice).
+  its own predicted first token, ``ttft`` (so two requests in one heartbeat interval
+  see each other; the larger of the two, as for load, counts no token twice).
 - ``prefill(w)`` (ms per token), ``decode(w)`` (ms per step), ``seats(w)`` (requests it
   runs at once) and ``request_ms(w)`` (how long one holds its seat): what the worker
   reports (the sim engine reports its cost model); ``cost_prefill_us_per_token`` /
@@ -27,15 +30,43 @@ For each routable worker ``w``, with the request's text of ``n`` tokens
   waits out that prefill. Without it, a saturated fleet spread its misses (each
   worker's queue hides the cache's saving), and the extra prefill saturated it further:
   shared prefix at twice the fleet's rate, hit rate 0.625 against cache_aware's 0.882,
-  TTFT p50 756 vs 233 ms; with it 0.867 and 301 ms, p99 529 vs 661
-  (loadtests/results/routing.md).
+  TTFT p50 756 vs 233 ms; with it 0.867 and 301 ms, p99 529 vs 661.
+- The stall term, ``s = cost_stall_weight`` (1): a prefill runs in the engine's step,
+  so every request running on ``w`` waits out the uncached tokens for its next token.
+  A miss on a busy worker therefore costs the fleet its prefill once per request
+  there, a hit almost nothing. Without it, with every worker near its batch, a holder
+  with one request waiting for a seat (one seat interval, ~19 ms) was predicted slower
+  than a miss elsewhere (~16–30 ms of prefill); the flip copied the prefix into a full
+  cache and evicted another group's: closed-loop shared prefix in the simulator, hit
+  rate 0.613 against cache_aware's 0.882 (live 0.52–0.62 against 0.86).
+- The hold margin, ``cost_hold_margin`` (1): the best holder of the longest match keeps
+  the request unless another worker's price is lower by more than that many of the
+  holder's seat intervals (``request_ms / seats``). The seat wait is predicted in whole
+  intervals while the next seat frees anywhere within one: a smaller gap is below the
+  prediction's resolution, and acting on it traded a certain hit for a coin flip.
 
-The least ``ttft`` wins; ties go to the longer cached match, then the lower load, then
-at random. A long queue therefore loses to an idle worker unless the cached share saves
-more prefill than the queue costs, and a hot prefix whose holders are all busy is sent
-to the next best worker, whose tree then holds it too (the prefix is replicated; reason
-``spill``). Reasons: ``cache_hit`` (a worker with the longest match won), ``spill`` (a
-longer match existed elsewhere), ``no_match`` (no worker holds any of the text).
+Measured with both terms (loadtests/results/routing.md, "Closing the hit-rate gap"):
+live on 4 sim workers, hit rate on shared prefix 0.667 → 0.858 (cache_aware 0.867), Zipf
+0.768 → 0.849 (0.857), RAG 0.170 → 0.225–0.230 (0.245–0.248), multi-turn 0.813 → 0.856
+(0.683), throughput at or above cache_aware's on each. Each term alone, in the
+simulator (closed-loop shared prefix / RAG / Mooncake at 64 workers; before 0.613 /
+0.217 / 0.583): the stall 0.853 / 0.242 / 0.605, the margin 0.769 / 0.272 / 0.609, both
+0.856 / 0.257 / 0.611. A margin of two intervals kept more hits (0.869 / 0.272 / 0.618)
+but spread a hot prefix less: Zipf at 8 workers max/mean 1.25 against 1.17 (target 1.2).
+
+The least ``price`` wins (the hold margin aside); ties go to the longer cached match,
+then the lower load, then at random. A long queue therefore loses to an idle worker
+unless the cached share saves more than the queue costs, and a hot prefix whose holders
+are all busy is sent to the next best worker, whose tree then holds it too (the prefix
+is replicated; reason ``spill``). Reasons: ``cache_hit`` (a worker with the longest match
+won), ``spill`` (a longer match existed elsewhere), ``no_match`` (no worker holds any of
+the text).
+
+Evaluated and left out (simulator, loadtests/results/routing.md): pricing the eviction a
+miss causes (uncached tokens beyond the tree's cap × prefill × the worker's reuse,
+``hit / (1 − hit)`` capped at 1) moved hit rates by ≤ 1 point at weights 1–10: the holder
+evicts its own uncached tokens too, so the term separates holder and non-holder by
+only the cached share, which the stall term already prices ``run(w)`` times over.
 
 Everything ``cache_aware`` keeps (its trees, caps per worker, replica observations, a
 new epoch dropping a tree) is inherited from it unchanged.
@@ -131,11 +162,16 @@ class CostAware(CacheAware):
             max(o, r - (now - t) * v)
             for o, r, t, v in zip(self._o, self._r, self._t, self._v, strict=True)
         ]
-        miss = self._cfg.cost_miss_weight
+        cfg = self._cfg
+        seats = self._seats
         # Requests waiting for a seat there, this one included: each also waits out this
         # request's prefill, so its uncached tokens count once more per waiting request.
-        waits = [max(0, li + 1 - si) for li, si in zip(loads, self._seats, strict=True)]
-        weights = [miss + e for e in waits]
+        waits = [max(0, li + 1 - si) for li, si in zip(loads, seats, strict=True)]
+        # ... and each request running there has its next token stalled by it.
+        stall = cfg.cost_stall_weight
+        stalled = [stall * min(li, si) for li, si in zip(loads, seats, strict=True)]
+        miss = cfg.cost_miss_weight
+        weights = [miss + e + r for e, r in zip(waits, stalled, strict=True)]
         cost = [
             pi * (qi + mi * n) + ki * li + ei * wi
             for pi, qi, mi, ki, li, ei, wi in zip(
@@ -152,13 +188,24 @@ class CostAware(CacheAware):
         for i, chars in matched.items():
             cost[i] -= weights[i] * p[i] * (chars / cpt)
         i = self._pick(cost, matched, loads)
+        longest = max(matched.values(), default=0)
+        if matched.get(i, 0) < longest and cfg.cost_hold_margin:
+            i = self._hold(i, cost, matched, longest)
         wid = ids[i]
         chars = matched.get(i, 0)
-        longest = max(matched.values(), default=0)
         reason = "no_match" if not longest else "cache_hit" if chars == longest else "spill"
-        self._note_own(i, wid, math.ceil(n - chars / cpt), now + cost[i] / 1e3)
+        uncached = n - chars / cpt
+        # Its own first token: the price less the stall it causes to the running requests.
+        ttft = cost[i] - stalled[i] * p[i] * uncached
+        self._note_own(i, wid, math.ceil(uncached), now + ttft / 1e3)
         self._tree.insert(text, wid, now)
         return Decision(wid, reason, chars, chars / len(text) if text else 0.0)
+
+    def _hold(self, i: int, cost: list[float], matched: dict[int, int], longest: int) -> int:
+        """The best holder of the longest match instead of ``i`` when ``i`` is predicted
+        faster by no more than ``cost_hold_margin`` of the holder's seat intervals."""
+        h = min((j for j, c in matched.items() if c == longest), key=cost.__getitem__)
+        return h if cost[h] - cost[i] <= self._cfg.cost_hold_margin * self._seat_ms[h] else i
 
     def _pick(self, cost: list[float], matched: dict[int, int], loads: list[int]) -> int:
         low = min(cost)

@@ -132,6 +132,35 @@ def test_closed_loop_multi_turn_hits_on_later_turns() -> None:
     assert r.hit_rate > 0.5 and r.reasons["cache_hit"] >= 18
 
 
+def test_closed_loop_users_share_one_stream_of_an_open_workload() -> None:
+    # Locust's shape: each user sends the stream's next request when its last finished.
+    o = WorkloadOptions(
+        workload="shared_prefix", groups=4, prompts_per_group=5, system_len=20,
+        question_len=4, output_len=3,
+    )  # fmt: skip
+    cost = CostModel(
+        prefill_us_per_token=30, decode_ms_per_token=1, max_running=2, cache_tokens=4096
+    )
+    sim = FleetSim(RouterConfig(policy="cost_aware", tree_chars_per_token=5.0), 2, cost)
+    done = sim.run(closed=ClosedLoop(o, users=3))
+    assert len(done) == 20 and len({j.text for j in done}) == 20  # each request once
+    events = sorted([(j.arrival, 1) for j in done] + [(j.finish, -1) for j in done])
+    in_flight = list(itertools.accumulate(d for _, d in events))
+    assert max(in_flight) == 3  # never more than the users
+
+
+def test_cli_runs_compare_variants_closed_loop(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc = cli([
+        "simulate", "--workers", "2", "--workload", "shared_prefix", "--groups", "3",
+        "--prompts-per-group", "4", "--system-len", "20", "--question-len", "4", "--output-len", "2",
+        "--closed", "--users-per-worker", "2", "--no-memory",
+        "--policies", "cost_aware (before),cost_aware", "--out", str(tmp_path),
+    ])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| 2 | cost_aware (before) | 12 |" in out and "| 2 | cost_aware | 12 |" in out
+
+
 def test_cli_writes_tables_and_plots(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     o = _trace(tmp_path)
     rc = cli([

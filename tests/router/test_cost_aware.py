@@ -158,15 +158,18 @@ def test_hot_prefix_replicates_when_its_holder_is_busy_and_both_then_hold_it() -
         assert got.worker_id in ("w0", replica) and got.reason == "cache_hit"
 
 
+SEAT_TERMS_ONLY = {"cost_decode_weight": 0.0, "cost_stall_weight": 0.0, "cost_hold_margin": 0.0}
+
+
 def test_a_worker_without_a_free_seat_costs_the_wait_for_one() -> None:
     # 4 seats, a request holds one for 80 ms: each request beyond them waits ~20 ms more.
-    p = policy(cost_decode_weight=0.0)
+    p = policy(**SEAT_TERMS_ONLY)
     for i in range(2):
         p.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
     p.observe("w0", PREFIX + question(0), now=0.0)
     text = PREFIX + question(1)  # w0 saves 990 × 0.02 = 19.8 ms of prefill
     assert ask(p, text, fleet(3, 0), now=1.0).worker_id == "w0"  # a seat is free
-    p2 = policy(cost_decode_weight=0.0)
+    p2 = policy(**SEAT_TERMS_ONLY)
     for i in range(2):
         p2.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
     p2.observe("w0", PREFIX + question(0), now=0.0)
@@ -180,11 +183,67 @@ def test_a_miss_on_a_full_worker_also_costs_the_requests_waiting_there() -> None
     # w1 would prefill all 1,000 tokens: 20 ms while a seat is free; at 4 running the
     # request waits, and so does the one waiting there: 2 × 20 + 1 = 41 ms.
     for w1_load, expect in ((3, "w1"), (4, "w0")):
-        p = policy(cost_decode_weight=0.0)
+        p = policy(**SEAT_TERMS_ONLY)
         p.set_costs("w0", WorkerCosts(2_000, 20.0, 1.0, 4, 4.0))
         p.set_costs("w1", WorkerCosts(0, 20.0, 1.0, 4, 4.0))
         p.observe("w0", PREFIX + question(0), now=0.0)
         assert ask(p, PREFIX + question(1), fleet(0, w1_load), now=1.0).worker_id == expect
+
+
+def seated(p: CostAware, n: int = 2) -> None:
+    """Workers with 4 seats, each request holding one for 80 ms: a seat every 20 ms."""
+    for i in range(n):
+        p.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
+
+
+def test_a_miss_stalls_the_requests_running_there_so_a_busy_non_holder_loses() -> None:
+    # The flip measured on shared prefixes: the holder w0 is full (one request waits
+    # for a seat: 20 ms), w1 has a seat free but 3 requests running. Counting only
+    # this request, w1's 1,000-token miss (20 ms) beats w0's seat wait (20.4 ms); but
+    # that prefill also stalls w1's 3 running requests 20 ms each: w1 costs 80 ms.
+    text = PREFIX + question(1)
+    for stall, expect in ((0.0, "w1"), (1.0, "w0")):
+        p = policy(cost_decode_weight=0.0, cost_hold_margin=0.0, cost_stall_weight=stall)
+        seated(p)
+        p.observe("w0", PREFIX + question(0), now=0.0)
+        assert ask(p, text, fleet(4, 3), now=1.0).worker_id == expect, stall
+    # Among non-holders: w0 runs 3 requests, w1 none but has 500 tokens queued (10 ms).
+    # For the request alone w0 is faster (20 against 30 ms); its stall of w0's 3 makes
+    # w0 cost 80 ms.
+    for stall, expect in ((0.0, "w0"), (1.0, "w1")):
+        p = policy(cost_decode_weight=0.0, cost_hold_margin=0.0, cost_stall_weight=stall)
+        for i, queued in enumerate((0, 500)):
+            p.set_costs(f"w{i}", WorkerCosts(queued, 20.0, 1.0, 4, 80.0))
+        assert ask(p, "n" * 4_000, fleet(3, 0), now=1.0).worker_id == expect, stall
+
+
+def test_a_holder_keeps_a_request_unless_another_is_faster_by_a_seat_interval() -> None:
+    # Stall and decode off: w0 holds the prefix, w1 is idle (1,000-token miss: 20 ms).
+    # Load 4 on w0: one seat wait (20 ms) + 10 uncached tokens twice (0.4 ms) = 20.4 ms,
+    # slower by 0.4 ms < one seat interval (20 ms): w0 keeps it. Load 5: 40.6 ms, slower
+    # by 20.6 ms > 20 ms: w1 (a spill). Without the margin the 0.4 ms decides.
+    text = PREFIX + question(1)
+    for w0_load, margin, expect in ((4, 1.0, "w0"), (5, 1.0, "w1"), (4, 0.0, "w1")):
+        p = policy(cost_decode_weight=0.0, cost_stall_weight=0.0, cost_hold_margin=margin)
+        seated(p)
+        p.observe("w0", PREFIX + question(0), now=0.0)
+        d = ask(p, text, fleet(w0_load, 0), now=1.0)
+        assert d.worker_id == expect, (w0_load, margin)
+        assert d.reason == ("cache_hit" if expect == "w0" else "spill")
+    # Seats unknown (a worker that reports none): no interval, no margin.
+    p = policy(cost_decode_weight=0.0, cost_stall_weight=0.0)
+    report(p, 2, {0: 1_010})  # w0: 20.2 + 0.2 ms against w1's 20 ms
+    p.observe("w0", PREFIX + question(0), now=0.0)
+    assert ask(p, text, fleet(0, 0), now=1.0).worker_id == "w1"
+
+
+def test_own_tokens_count_until_the_predicted_first_token_not_the_stall_priced_in() -> None:
+    # w0 runs 3 requests (no seat limit known): a 1,000-token miss there is priced at
+    # 20 ms for itself + 3 × 20 ms of stall, but its own first token is due in 20 ms.
+    p = policy(cost_decode_weight=0.0)
+    report(p, 2)
+    ask(p, "a" * 4_000, fleet(3, 9), now=0.0)  # w1 is priced at 200 ms: w0
+    assert p._expiry[0][0] == pytest.approx(0.020) and p._expiry[0][2] == "w0"
 
 
 def test_bad_reports_count_as_unknown_and_never_raise() -> None:

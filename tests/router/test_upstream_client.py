@@ -113,6 +113,9 @@ async def test_a_keep_alive_connection_closed_under_the_router_is_retried_unchar
     pool = client.server.app[PROXY].pool
     assert pool.stale_retries == 1 and worker.connections == 2
     assert failures(client) == {worker.url: 0}
+    scraped = await (await client.get("/metrics")).text()
+    assert "radix_router_upstream_stale_retries_total 1.0" in scraped
+    assert "radix_router_upstream_connections_opened_total 2.0" in scraped
 
 
 async def test_a_worker_that_hangs_up_on_fresh_connections_is_a_failure(
