@@ -68,6 +68,7 @@ def _correctness(r: dict[str, Any]) -> list[str]:
         each = ", ".join(f"{k} {v}" for k, v in s["per_step"].items())
         lines.append(f"- host synchronisations per engine step ({s['how']}): {each} "
                      f"({'one each' if s['passed'] else 'NOT one each'})")  # fmt: skip
+        lines += [f"  - extra: {e}" for e in s.get("unexpected", [])[:8]]
     return [*lines, "", *_problems("correctness", r)]
 
 
