@@ -58,10 +58,11 @@ def _correctness(r: dict[str, Any]) -> list[str]:
     k = r.get("kernels")
     if isinstance(k, dict) and "cases" in k:
         worst = max((c["max_abs_diff"] for c in k["cases"]), default=0.0)
+        dtypes = " and ".join(sorted({c["dtype"] for c in k["cases"]}))
         lines.append(f"- triton kernels vs SDPA, {len(k['cases'])} random mixed batches "
                      f"(decodes, prefix hits, chunked prefills; GQA 1/4/7; head dims 64/128; "
-                     f"fp32 and bf16): {'equal' if k['passed'] else 'DIFFERENT'} "
-                     f"(worst max abs diff {worst:.2e})")  # fmt: skip
+                     f"{dtypes}): {'equal' if k['passed'] else 'DIFFERENT'} (worst "
+                     f"difference {worst:.2e}; in bf16 relative to the largest output)")  # fmt: skip
     s = r.get("syncs")
     if isinstance(s, dict) and "per_step" in s:
         each = ", ".join(f"{k} {v}" for k, v in s["per_step"].items())

@@ -116,22 +116,27 @@ class Sampler:
         `with_logprobs`). Nothing here waits for the device."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
-        cols = self._staging.upload(_columns(params, logits.shape[1]))
+        sampling = any(p.temperature > 0 for p in params)
+        cols = None  # the per-row parameters, uploaded only when a stage needs them
+        if sampling or any(_penalized(p) for p in params):
+            cols = self._staging.upload(_columns(params, logits.shape[1]))
         raw = logits
         logits = _penalize(logits, params, outputs or [()] * len(params), prompts,
                            self._staging, cols)  # fmt: skip
         logits = _bias(logits, params, self._staging)
         ids = logits.argmax(dim=-1)
-        if any(p.temperature > 0 for p in params):
+        if sampling:
+            assert cols is not None
             seeds = seeds or [p.seed for p in params]
             drawn = self._draw(logits.float(), params, cols, seeds, seq_ids)
             ids = torch.where(cols[:, _GREEDY] > 0, ids, drawn)
         parts = [ids.double()[:, None]]
-        if with_logprobs:
-            logp = raw.float().log_softmax(dim=-1)
-            k = max(p.top_logprobs for p in params)
-            top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-            parts += [logp.gather(1, ids[:, None]).double(), top_v.double(), top_i.double()]
+        if not with_logprobs:
+            return parts[0]
+        logp = raw.float().log_softmax(dim=-1)
+        k = max(p.top_logprobs for p in params)
+        top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        parts += [logp.gather(1, ids[:, None]).double(), top_v.double(), top_i.double()]
         return torch.cat(parts, dim=1)
 
     def _draw(
@@ -171,6 +176,10 @@ def _columns(params: list[SamplingParams], vocab: int) -> np.ndarray:
     ).reshape(len(params), 8)  # fmt: skip
 
 
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+
+
 def _counts(
     ids: Sequence[Sequence[int]], vocab: int, device: torch.device, staging: Staging
 ) -> torch.Tensor:
@@ -195,8 +204,7 @@ def _penalize(
     cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Penalties on every row (a row without any has neutral values: 1, 0, 0)."""
-    if not any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-               for p in params):  # fmt: skip
+    if not any(_penalized(p) for p in params):
         return logits
     dev, vocab = logits.device, logits.shape[1]
     staging = staging or Staging(dev)
@@ -221,9 +229,11 @@ def _bias(
         return logits
     staging = staging or Staging(logits.device)
     logits = logits.float().clone()
-    index = staging.upload(np.array([(r, c) for r, c, _ in entries], dtype=np.int64).T.copy())
+    vocab = logits.shape[1]
+    # One scatter_add over the flat logits (no sort, unlike an accumulating index_put).
+    flat = staging.upload(np.array([r * vocab + c for r, c, _ in entries], dtype=np.int64))
     values = staging.upload(np.array([b for _, _, b in entries], dtype=np.float32))
-    logits.index_put_((index[0], index[1]), values, accumulate=True)
+    logits.view(-1).scatter_add_(0, flat, values)
     return logits
 
 
