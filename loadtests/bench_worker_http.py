@@ -1,4 +1,4 @@
-"""Worker HTTP overhead: the sim engine at zero cost, called in process vs through HTTP.
+"""Worker HTTP overhead: the sim engine in process vs through HTTP, worker CPU per token.
 
     python -m loadtests worker-http --requests 300 --concurrency 64 --max-tokens 128
         [--step-ms 5] [--before-ref main] [--rounds 3]
@@ -232,8 +232,8 @@ async def _main(argv: list[str] | None) -> None:
         description=__doc__.split("\n")[0], formatter_class=HelpFormatter
     )
     parser.add_argument("--requests", type=int, default=2000, help="per phase and round")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     parser.add_argument(
         "--step-ms", type=float, default=0.0, help="what one engine step costs (sim sleep)"
     )
