@@ -207,9 +207,9 @@ def run_pytest(args: argparse.Namespace, allowed: float) -> dict:
 def passed(report: dict[str, Any]) -> bool:
     """Every section ran whole (nothing failed, nothing skipped) and its checks held."""
     for result in report["sections"].values():
-        if {"process_error", "skipped", "unfinished"} & result.keys() or result.get(
-            "passed"
-        ) is False:
+        if {"process_error", "skipped", "unfinished", "fallback"} & result.keys():
+            return False
+        if result.get("passed") is False:
             return False
         for value in result.values():
             for part in value if isinstance(value, list) else [value]:

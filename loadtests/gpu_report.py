@@ -68,13 +68,17 @@ def _correctness(r: dict[str, Any]) -> list[str]:
         each = ", ".join(f"{k} {v}" for k, v in s["per_step"].items())
         lines.append(f"- host synchronisations per engine step ({s['how']}): {each} "
                      f"({'one each' if s['passed'] else 'NOT one each'})")  # fmt: skip
+        lines += [f"  - extra: {e}" for e in s.get("unexpected", [])[:8]]
     return [*lines, "", *_problems("correctness", r)]
 
 
 def _preset(preset: str, r: dict[str, Any]) -> list[str]:
-    run = r.get("runner") if isinstance(r.get("runner"), dict) else {}
+    run = r.get("runner_sdpa", r.get("runner"))
+    run = run if isinstance(run, dict) else {}
     lines = [f"## {preset} ({run.get('dtype', '?')}, attention {run.get('attention_backend', '?')})",
              ""]  # fmt: skip
+    if "fallback" in r:
+        lines.append(f"- FALLBACK: {r['fallback']}")
     if "weight_bytes" in run:
         lines.append(f"- weights {run['weight_bytes'] / 1e9:.2f} GB, KV "
                      f"{run['kv_bytes_per_token'] / 1024:.1f} KiB/token")  # fmt: skip
