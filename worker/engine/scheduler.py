@@ -231,11 +231,8 @@ class Scheduler:
     def _emit(self, out: Batch, seq: Req, n: int) -> None:
         start = seq.num_computed
         end = start + n
-        prompt = seq.prompt_ids
-        ids = prompt[start:end] if end <= len(prompt) else seq.all_ids[start:end]
-        item = SeqBatchItem(
-            ids, start, seq.slots[:end], seq.seq_id, seq.dirty_from, end == seq.num_tokens
-        )
+        ids, sample = seq.ids(start, end), end == seq.num_tokens
+        item = SeqBatchItem(ids, start, seq.slots[:end], seq.seq_id, seq.dirty_from, sample)
         seq.dirty_from = end  # the runner sees every slot up to `end` now
         out.items.append(item)
         out.reqs.append(seq)

@@ -340,3 +340,11 @@ def test_decode_slots_grow_in_place_and_earlier_views_hold() -> None:
     assert a.output_ids == reference(a.prompt_ids, 300)
     assert b.output_ids == reference(b.prompt_ids, 150)
     assert not h.sched._slot_buffers  # released with their sequences
+
+
+def test_ids_between_positions_equal_the_slice_of_all_ids() -> None:
+    h = Harness(100)
+    seq = h.add([11, 12, 13, 14], max_tokens=3)
+    seq.output_ids = [21, 22, 23]
+    whole = seq.all_ids
+    assert all(seq.ids(a, b) == whole[a:b] for a in range(8) for b in range(a, 8))
