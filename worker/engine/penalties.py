@@ -57,7 +57,9 @@ class PenaltyCounts:
             index = staging.upload(np.array(added, dtype=np.int64))
             self.counts.view(-1).index_add_(0, index, torch.ones(len(added), device=self.device))
         if prompt:
-            self.seen.view(-1)[staging.upload(np.array(prompt, dtype=np.int64))] = True
+            # index_fill_ takes the value as a kernel argument (an assignment of a Python
+            # bool may first copy it to the device).
+            self.seen.view(-1).index_fill_(0, staging.upload(np.array(prompt, np.int64)), True)
         index = staging.upload(np.array(rows, dtype=np.int64))
         return self.counts[index], self.seen[index]
 
