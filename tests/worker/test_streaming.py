@@ -12,7 +12,7 @@ import pytest
 
 from shared import openai_responses as wire
 from shared.http import DeadlineStream
-from tests.worker.test_app import LONG, MakeClient, sse_events, started
+from tests.worker.test_app import LONG, MakeClient, engine_of, sse_events, started
 from worker.formats import ChatFormat, CompletionFormat
 from worker.streaming import DeltaEvents, encode_event
 
@@ -118,3 +118,30 @@ async def test_outputs_waiting_together_leave_in_one_write(
         c["index"]: c.get("text", c.get("message", {}).get("content")) for c in plain["choices"]
     }
     assert text == whole
+
+
+async def test_deltas_ready_before_an_engine_failure_still_reach_the_client(
+    aiohttp_client: MakeClient,
+) -> None:
+    client = await started(aiohttp_client, sim_decode_ms_per_token=2.0)
+    runner = engine_of(client).engine.runner
+    forward, steps = runner.forward, 0
+
+    def fails_at_step_10(batch: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        if steps == 10:
+            raise RuntimeError("device lost")
+        return forward(batch)
+
+    runner.forward = fails_at_step_10  # fault injection on this instance only
+    body = {"prompt": LONG, "max_tokens": 30}
+    events = await stream(client, "/v1/completions", body, 0.5)  # steps 2-9 and the error pile up
+    del runner.forward
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["type"] == "server_error" and "device lost" in error["message"]
+    deltas = [e["choices"][0]["text"] for e in events[:-2]]
+    assert len(deltas) == 2 and all(deltas)  # the first token, then steps 2-9 merged
+    again = await (await client.post("/v1/completions", json=body)).json()
+    assert again["choices"][0]["text"].startswith("".join(deltas))  # the same answer
