@@ -58,22 +58,27 @@ def _correctness(r: dict[str, Any]) -> list[str]:
     k = r.get("kernels")
     if isinstance(k, dict) and "cases" in k:
         worst = max((c["max_abs_diff"] for c in k["cases"]), default=0.0)
+        dtypes = " and ".join(sorted({c["dtype"] for c in k["cases"]}))
         lines.append(f"- triton kernels vs SDPA, {len(k['cases'])} random mixed batches "
                      f"(decodes, prefix hits, chunked prefills; GQA 1/4/7; head dims 64/128; "
-                     f"fp32 and bf16): {'equal' if k['passed'] else 'DIFFERENT'} "
-                     f"(worst max abs diff {worst:.2e})")  # fmt: skip
+                     f"{dtypes}): {'equal' if k['passed'] else 'DIFFERENT'} (worst "
+                     f"difference {worst:.2e}; in bf16 relative to the largest output)")  # fmt: skip
     s = r.get("syncs")
     if isinstance(s, dict) and "per_step" in s:
         each = ", ".join(f"{k} {v}" for k, v in s["per_step"].items())
         lines.append(f"- host synchronisations per engine step ({s['how']}): {each} "
                      f"({'one each' if s['passed'] else 'NOT one each'})")  # fmt: skip
+        lines += [f"  - extra: {e}" for e in s.get("unexpected", [])[:8]]
     return [*lines, "", *_problems("correctness", r)]
 
 
 def _preset(preset: str, r: dict[str, Any]) -> list[str]:
-    run = r.get("runner") if isinstance(r.get("runner"), dict) else {}
+    run = r.get("runner_sdpa", r.get("runner"))
+    run = run if isinstance(run, dict) else {}
     lines = [f"## {preset} ({run.get('dtype', '?')}, attention {run.get('attention_backend', '?')})",
              ""]  # fmt: skip
+    if "fallback" in r:
+        lines.append(f"- FALLBACK: {r['fallback']}")
     if "weight_bytes" in run:
         lines.append(f"- weights {run['weight_bytes'] / 1e9:.2f} GB, KV "
                      f"{run['kv_bytes_per_token'] / 1024:.1f} KiB/token")  # fmt: skip

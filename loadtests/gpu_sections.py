@@ -142,10 +142,11 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
     capacity = max(batches) * (max(contexts) + steps + 4)
     holder: dict[str, Any] = {}
 
-    def make_runner() -> dict[str, Any]:
+    def make_runner(name: str) -> dict[str, Any]:
+        holder.clear()
         runner = holder["runner"] = ModelRunner(
             model_dir, device=str(device), kv_capacity_tokens=capacity,
-            attention_backend=backend, max_running_requests=max(batches))  # fmt: skip
+            attention_backend=name, max_running_requests=max(batches))  # fmt: skip
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         return {"dtype": str(runner.dtype).removeprefix("torch."),
@@ -154,27 +155,52 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
                 "kv_bytes_per_token": gb.kv_bytes_per_token(runner),
                 "bandwidth": gb.bandwidth(device)}  # fmt: skip
 
-    info = rec.step("runner", make_runner, need_s=10)
-    if not isinstance(info, dict) or "runner" not in holder:
+    def fall_back(why: str) -> dict[str, Any] | None:
+        """The table with sdpa (no CUDA graphs) beats no table: when triton fails at
+        once (a compile error, say; not a CUDA fault, which would poison this process)."""
+        rec.data["fallback"] = f"{why}; what follows ran with the sdpa backend"
+        info = rec.step("runner_sdpa", lambda: make_runner("sdpa"), need_s=10)
+        return info if isinstance(info, dict) and "error" not in info else None
+
+    info = rec.step("runner", lambda: make_runner(backend), need_s=10)
+    if not isinstance(info, dict):  # skipped: no time left
         return
+    if "error" in info:
+        if backend == "sdpa":
+            return
+        info = fall_back("the runner failed with the triton backend")
+        if info is None:
+            return
     runner = holder["runner"]
     rec.data["decode"] = cells = []
     order = list(sizes["first_cells"])
     order += [(b, c) for c in contexts for b in batches if (b, c) not in order]
     for batch, context in order:
         cell: dict[str, Any] = {"batch": batch, "context": context}
-        if rec.left() < 4:
-            cell["skipped"] = "time budget"
-        else:
+        for _attempt in range(2):
+            if rec.left() < 4:
+                cell["skipped"] = "time budget"
+                break
             try:
                 ms = gb.decode_ms(runner, batch, context, steps)
                 floor = 1000 * (info["weight_bytes"] + batch * context * info["kv_bytes_per_token"])
                 floor /= info["bandwidth"]["used_bytes_s"]
                 cell |= {"ms": round(ms, 3), "roofline_ms": round(floor, 3),
                          "roofline_ratio": round(ms / floor, 2)}  # fmt: skip
+                cell.pop("error", None)
+                break
             except Exception:
                 traceback.print_exc()
                 cell["error"] = traceback.format_exc()[-2000:]
+                first = not any("ms" in c for c in cells)
+                if not (first and runner.attention_backend == "triton"):
+                    break
+                runner = None
+                if not (info := fall_back("the first decode cell failed with triton")):
+                    cells.append(cell)
+                    rec.save()
+                    return
+                runner = holder["runner"]
         cells.append(cell)
         rec.save()
     rec.step("kernels", lambda: gb.kernels_of_one_step(runner))
@@ -209,4 +235,4 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
     vocab = min(int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]), 1000)
     prompts = [[4 + (13 * i + 7 * n) % (vocab - 4) for i in range(n)] for n in sizes["prompts"]]
     rec.step("greedy", lambda: gb.greedy_vs_transformers(
-        Path(model_dir), device, prompts, sizes["new_tokens"], backend), need_s=25)  # fmt: skip
+        Path(model_dir), device, prompts, sizes["new_tokens"], info["attention_backend"]), need_s=25)  # fmt: skip

@@ -9,6 +9,7 @@ Serving it (signals, drain) is `serve()`, used by the CLI.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -197,7 +198,15 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     # Several router processes share the port (router/processes.py): the kernel spreads
-    # connections over them.
+    # connections over them, to a child the moment it binds. A child (re)started beside
+    # running siblings therefore binds once it has read the registry: bound before, it
+    # answered its share of requests 503 "no healthy worker" while its siblings routed
+    # (tests/e2e/test_router_processes.py failed 1 run in 3 that way).
+    discovery = app.get(DISCOVERY)
+    if config.processes > 1 and discovery is not None:
+        with contextlib.suppress(TimeoutError):
+            # A poll gives up within 2 intervals (router/discovery.py); Redis down: bind.
+            await asyncio.wait_for(discovery.first_poll.wait(), 3 * config.discovery_interval + 1)
     site = web.TCPSite(runner, config.host, config.port, reuse_port=config.processes > 1)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else config.port

@@ -50,6 +50,7 @@ class Discovery:
         self.polls = 0
         self.errors = 0
         self._wake = asyncio.Event()
+        self.first_poll = asyncio.Event()  # set once the first read of the registry ended
         self._grace_until = 0.0
         self.stopping = False  # set by the owner before it cancels run(); see stop_task
 
@@ -106,12 +107,14 @@ class Discovery:
                     if not self.connected:
                         log.info("registry reachable")
                     self.connected = True
+                    self.first_poll.set()
                     backoff = self.interval
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self.interval)
                 except (RedisError, OSError, TimeoutError) as e:
                     reraise_if_cancelled()
+                    self.first_poll.set()  # unreachable: routing goes on without it
                     self.errors += 1
                     if self.connected:
                         log.warning("registry unreachable, keeping the last known fleet: %s", e)

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from shared import openai_responses as wire
 from worker.engine.types import GenerateOutput, TokenLogprob
+from worker.streaming import DeltaEvents, Event
 
 TokenBytes = Callable[[list[int]], list[bytes]]
 
@@ -73,7 +74,7 @@ class Tally:
 
 class Format(Protocol):
     def body(self, choices: list[Choice], tally: Tally) -> dict[str, Any]: ...
-    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]: ...
+    def chunks(self, out: GenerateOutput, first: bool) -> list[Event]: ...
     def usage_chunk(self, tally: Tally) -> dict[str, Any] | None: ...
 
 
@@ -141,6 +142,11 @@ class CompletionFormat:
         self.rid, self.model, self.created = rid, model, int(time.time())
         self.echo, self.include_usage, self.token_bytes = echo, include_usage, token_bytes
         self._offsets: dict[int, TextOffsets] = {}  # per choice, across its chunks
+        self._plain = DeltaEvents(
+            lambda i, text: wire.envelope(
+                "text_completion", rid, model, self.created, [wire.choice(i, {"text": text}, None)]
+            )
+        )
 
     def _choice(self, index: int, text: str, lps: list[TokenLogprob], finish: str | None) -> dict:
         offsets = self._offsets.setdefault(index, TextOffsets(len(self.echo)))
@@ -155,10 +161,10 @@ class CompletionFormat:
             "text_completion", self.rid, self.model, self.created, out, tally.usage()
         )
 
-    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
+    def chunks(self, out: GenerateOutput, first: bool) -> list[Event]:
         text = (self.echo if first else "") + out.text_delta
-        if not text and not out.finished and not out.logprobs:
-            return []
+        if not out.finished and not out.logprobs:
+            return [self._plain.event(out.index, text)] if text else []
         choice = self._choice(out.index, text, list(out.logprobs), out.finish_reason)
         return [wire.envelope("text_completion", self.rid, self.model, self.created, [choice])]
 
@@ -174,6 +180,7 @@ class ChatFormat:
     def __init__(self, rid: str, model: str, include_usage: bool, token_bytes: TokenBytes) -> None:
         self.rid, self.model, self.created = rid, model, int(time.time())
         self.include_usage, self.token_bytes = include_usage, token_bytes
+        self._plain = DeltaEvents(lambda i, text: self._chunk(i, {"content": text}))
 
     def body(self, choices: list[Choice], tally: Tally) -> dict[str, Any]:
         out = [
@@ -187,9 +194,13 @@ class ChatFormat:
             "chat.completion", self.rid, self.model, self.created, out, tally.usage()
         )
 
-    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
-        chunks = [] if not first else [self._chunk(out.index, {"role": "assistant", "content": ""})]
-        if out.text_delta or out.finished or out.logprobs:
+    def chunks(self, out: GenerateOutput, first: bool) -> list[Event]:
+        chunks: list[Event] = []
+        if first:
+            chunks.append(self._chunk(out.index, {"role": "assistant", "content": ""}))
+        if out.text_delta and not out.finished and not out.logprobs:
+            chunks.append(self._plain.event(out.index, out.text_delta))
+        elif out.text_delta or out.finished or out.logprobs:
             delta = {"content": out.text_delta} if out.text_delta else {}
             lps = _chat_logprobs(list(out.logprobs), self.token_bytes)
             chunks.append(self._chunk(out.index, delta, out.finish_reason, lps))
@@ -224,7 +235,7 @@ class SGLangFormat:
             "meta_info": self._meta(c.finish_reason, tally),
         }
 
-    def chunks(self, out: GenerateOutput, first: bool) -> list[dict[str, Any]]:
+    def chunks(self, out: GenerateOutput, first: bool) -> list[Event]:
         self.ids.extend(out.token_ids)
         if not out.text_delta and not out.finished:
             return []

@@ -43,7 +43,7 @@ from worker.formats import (
     TokenBytes,
 )
 from worker.state import CONFIG, ENGINE, METRICS, STATE
-from worker.streaming import open_stream, send_done, send_event, send_events
+from worker.streaming import Event, open_stream, send_done, send_events
 
 # Accepted by the OpenAI API but not served by this engine: a 400 naming the field
 # beats a 200 that ignored it. (The router passes them through untouched, so a vLLM or
@@ -139,21 +139,23 @@ async def _run(
             metrics.last_output(request.path, time.perf_counter() - first_at, last)
             return web.json_response(fmt.body(choices, tally))
         response = await open_stream(request, request.app[CONFIG].stream_write_timeout)
+        events: list[Event] = []  # ready, not sent yet
         try:
             started: set[int] = set()
             unfinished = gen.params.n
             out = first
             while True:
                 tally.add(out)
-                events = fmt.chunks(out, out.index not in started)
+                events += fmt.chunks(out, out.index not in started)
                 started.add(out.index)
                 unfinished -= out.finished
                 if not unfinished:  # the last delta leaves with usage and [DONE]
                     break
-                await send_events(response, events)
+                if not outputs.ready():  # else the next output joins this write
+                    await send_events(response, events)
+                    events = []
                 nxt = await anext(it, None)
                 if nxt is None:
-                    events = []
                     break
                 out = nxt
             if (usage := fmt.usage_chunk(tally)) is not None:
@@ -167,8 +169,7 @@ async def _run(
             message = exc.message if isinstance(exc, EngineError) else f"generation failed: {exc}"
             error = {"message": message, "type": "server_error", "param": None, "code": None}
             with contextlib.suppress(ConnectionResetError):
-                await send_event(response, {"error": error})
-                await send_done(response)
+                await send_done(response, [*events, {"error": error}])
         return response
 
 

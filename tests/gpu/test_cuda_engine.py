@@ -115,3 +115,18 @@ def test_cuda_auto_dtype_and_pool_sizing(tiny_model_dir: Path) -> None:
     slots = allocator_for(runner).alloc(9)
     out = runner.forward([SeqBatchItem(sample_ids(9, 50), 0, np.asarray(slots))])
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_one_host_sync_per_step_on_cuda(tiny_model_dir: Path) -> None:
+    """CUDA's sync debug mode counts every synchronising call of each engine step:
+    one per step that samples (the ids), none for a step that samples nothing; in
+    decode-only, mixed, and penalties + logit_bias + seeds + logprobs steps."""
+    from loadtests.gpu_syncs import SyncCounter, syncs_per_step
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
+
+    config = EngineConfig(device="cuda", kv_capacity_tokens=4096, max_prefill_tokens=16)
+    engine = LLMEngine.from_model_dir(tiny_model_dir, config)
+    with SyncCounter("cuda") as counter:
+        result = syncs_per_step(engine, counter)
+    assert result["passed"], result

@@ -181,6 +181,28 @@ def test_an_outer_timeout_still_leaves_the_report(tmp_path: Path) -> None:
     assert "stopped by SIGTERM" in report["sections"]["env"]["process_error"]
 
 
+def test_a_preset_falls_back_to_sdpa_when_triton_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton failing at once (here: on CPU without the interpreter it refuses to run)
+    still gives the table, measured with sdpa, marked as a fallback and not passed."""
+    from loadtests import gpu_check
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = args_for(tmp_path / "out", attention_backend="triton")
+    args.out.mkdir()
+    state = tmp_path / "state"
+    state.mkdir()
+    r = gpu_check.run_child(args, "preset:tiny", state, allowed=600)
+    assert "TRITON_INTERPRET=1" in r["runner"]["error"] and "fallback" in r
+    assert r["runner_sdpa"]["attention_backend"] == "sdpa"
+    assert len(r["decode"]) == 4 and all(c["ms"] > 0 for c in r["decode"])
+    assert r["greedy"]["all_equal"]  # with the backend that worked
+    report = {"sections": {"preset:tiny": r}}
+    assert not gpu_check.passed(report)
+    assert "FALLBACK: the runner failed with the triton backend" in gpu_check.to_markdown(report)
+
+
 def test_the_budget_skips_what_would_start_too_late(tmp_path: Path) -> None:
     from loadtests import gpu_check
 

@@ -9,7 +9,6 @@ what Kubernetes startup probes and `radix-router up` expect.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.types import EngineOverloaded, EngineRequest, EngineStats, GenerateOutput
+from worker.engine.types import EngineOverloaded, EngineRequest, EngineStats, OutputStream
 
 
 def engine_config(config: WorkerConfig) -> EngineConfig:
@@ -79,7 +78,7 @@ class RadixBackend:
         if self._async is not None:
             await self._async.stop()
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateOutput]:
+    def generate(self, request: EngineRequest) -> OutputStream:
         return self.loaded.generate(request)
 
     async def abort(self, request_id: str) -> None:

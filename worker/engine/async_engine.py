@@ -4,9 +4,11 @@ for the `radix` backend (a model) and the `sim` backend (a cost model) alike.
 The step loop runs in its own thread, never on the event loop. The event loop talks to
 it through an inbox of commands (add, abort, flush) guarded by a condition variable;
 the thread sleeps on that condition while it has nothing to do (no busy spin). Outputs
-go back through `loop.call_soon_threadsafe` into one asyncio.Queue per request.
+go back to one `Mailbox` per request, all of a step in one hand-over to the loop; a
+stream yields what its mailbox holds merged per choice (worker/engine/mailbox.py),
+except for requests that asked for logprobs, which get one output per step.
 
-Threads: `_inbox` is shared under `_cond`; `_queues` belongs to the engine thread;
+Threads: `_inbox` is shared under `_cond`; `_boxes` belongs to the engine thread;
 `_active` (request ids of open streams, for duplicate and overload checks) to the loop.
 """
 
@@ -14,14 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from worker.engine.chat import render_chat
 from worker.engine.engine import LLMEngine
+from worker.engine.mailbox import (
+    Delivery,
+    Item,
+    Mailbox,
+    RequestStream,
+    coalesce,
+    send,
+    split,
+)
 from worker.engine.sequence import Req
 from worker.engine.types import (
     EngineError,
@@ -32,8 +43,6 @@ from worker.engine.types import (
 )
 
 log = logging.getLogger(__name__)
-
-_Item = GenerateOutput | BaseException
 
 
 class AsyncEngine:
@@ -50,7 +59,7 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._boxes: dict[str, Mailbox] = {}
         self._active: set[str] = set()
 
     # --- lifecycle ---
@@ -76,7 +85,7 @@ class AsyncEngine:
 
     # --- requests ---
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateOutput]:
+    def generate(self, request: EngineRequest) -> RequestStream:
         """Validates now (EngineError / EngineOverloaded before anything is queued); the
         request is queued when the returned iterator is first awaited."""
         if self._thread is None or self._stopping:
@@ -89,18 +98,27 @@ class AsyncEngine:
         if len(self._active) >= limit:
             raise EngineOverloaded(f"{len(self._active)} requests in flight; try again later")
         reqs = self.engine.make_reqs(request)
-        return self._stream(reqs)
+        assert self._loop is not None
+        box, pending = Mailbox(self._loop), deque[Item]()
+        return RequestStream(box, pending).start(self._stream(reqs, box, pending))
 
-    async def _stream(self, reqs: list[Req]) -> AsyncIterator[GenerateOutput]:
+    async def _stream(
+        self, reqs: list[Req], box: Mailbox, pending: deque[Item]
+    ) -> AsyncGenerator[GenerateOutput, None]:
         rid = reqs[0].request_id
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        merge = not reqs[0].params.needs_logprobs  # logprobs: one output per step
         self._active.add(rid)
-        self._submit(lambda: self._do_add(reqs, queue))
+        self._submit(lambda: self._do_add(reqs, box))
         done = False
         unfinished = len(reqs)  # choices still generating
         try:
             while True:
-                item = await queue.get()
+                if not pending:
+                    outputs, error = split(await box.take())
+                    pending.extend(coalesce(outputs) if merge else outputs)
+                    if error is not None:
+                        pending.append(error)
+                item = pending.popleft()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -169,14 +187,12 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._dispatch(outputs)
-        for rid in list(self._queues):
-            self._do_abort(rid)
+        self._abort_all()
         # Commands that raced with the stop: resolve flushes, end late streams.
         with self._cond:
             late, self._inbox = self._inbox, []
         self._run_commands(late)
-        for rid in list(self._queues):
-            self._do_abort(rid)
+        self._abort_all()
 
     def _run_commands(self, commands: list[Callable[[], None]]) -> None:
         for command in commands:
@@ -185,39 +201,45 @@ class AsyncEngine:
             except Exception:  # one bad command must not stop the loop for everyone
                 log.exception("engine command failed")
 
-    def _do_add(self, reqs: list[Req], queue: asyncio.Queue[_Item]) -> None:
+    def _do_add(self, reqs: list[Req], box: Mailbox) -> None:
         try:
             self.engine.add(reqs)
         except EngineError as exc:
-            self._push(queue, exc)
+            self._send([(box, exc)])
             return
-        self._queues[reqs[0].request_id] = queue
+        self._boxes[reqs[0].request_id] = box
 
     def _do_abort(self, request_id: str) -> None:
         outs = self.engine.abort(request_id)
-        queue = self._queues.pop(request_id, None)
-        if queue is not None:
-            for out in outs:
-                self._push(queue, out)
+        box = self._boxes.pop(request_id, None)
+        if box is not None:
+            self._send([(box, out) for out in outs])
+
+    def _abort_all(self) -> None:
+        for rid in list(self._boxes):
+            self._do_abort(rid)
 
     def _dispatch(self, outputs: list[GenerateOutput]) -> None:
+        boxes = self._boxes
+        delivery: Delivery = []
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                self._push(queue, out)
+            box = boxes.get(out.request_id)
+            if box is not None:
+                delivery.append((box, out))
         # After the whole step: several choices of one request may finish in it.
         for out in outputs:
             if out.finished and out.request_id not in self.engine.in_flight:
-                self._queues.pop(out.request_id, None)
+                boxes.pop(out.request_id, None)
+        self._send(delivery)
 
     def _fail_all(self, exc: Exception) -> None:
         error = RuntimeError(f"engine step failed: {exc!r}")
-        for rid in list(self._queues):
+        delivery: Delivery = []
+        for rid in list(self._boxes):
             self.engine.abort(rid)
-            self._push(self._queues.pop(rid), error)
+            delivery.append((self._boxes.pop(rid), error))
+        self._send(delivery)
 
-    def _push(self, queue: asyncio.Queue[_Item], item: _Item) -> None:
+    def _send(self, delivery: list[tuple[Mailbox, Item]]) -> None:
         assert self._loop is not None
-        # RuntimeError: the event loop is closed, nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(queue.put_nowait, item)
+        send(self._loop, delivery)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from worker.engine.attention.metadata import Staging
+from worker.engine.penalties import PenaltyCounts
 from worker.engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -54,10 +55,12 @@ class Sampler:
             self._rng.manual_seed(seed)
         self._seeded: dict[int, torch.Generator] = {}  # seq_id -> generator
         self._staging = Staging(self.device)
+        self._penalties = PenaltyCounts(self.device)
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished request's generator."""
+        """Forget a finished request's generator and penalty counts."""
         self._seeded.pop(seq_id, None)
+        self._penalties.release(seq_id)
 
     def sample(
         self, logits: torch.Tensor, reqs: list[Req]
@@ -66,14 +69,22 @@ class Sampler:
         if not reqs:
             return []
         params = [r.params for r in reqs]
+        seq_ids = [r.seq_id for r in reqs]
+        tables = None
+        if any(_penalized(p) for p in params):  # counts kept on the device (penalties.py)
+            tables = self._penalties.tables(
+                logits.shape[1], seq_ids, [r.output_ids for r in reqs],
+                [r.prompt_ids for r in reqs], [_penalized(p) for p in params], self._staging,
+            )  # fmt: skip
         rows = self._packed(
             logits,
             params,
-            [r.seq_id for r in reqs],
-            outputs=[r.output_ids for r in reqs],
-            prompts=[r.prompt_ids for r in reqs],
+            seq_ids,
+            outputs=None,
+            prompts=None,
             seeds=[None if r.params.seed is None else r.params.seed + r.index for r in reqs],
             with_logprobs=any(p.needs_logprobs for p in params),
+            tables=tables,
         ).tolist()  # the step's one host synchronisation
         out: list[tuple[int, TokenLogprob | None]] = []
         for row, p in zip(rows, params, strict=True):
@@ -98,7 +109,7 @@ class Sampler:
         seeds: Sequence[int | None] | None = None,
     ) -> list[int]:
         """One token per row of `logits` [batch, vocab]."""
-        packed = self._packed(logits, params, seq_ids, outputs, prompts, seeds, False)
+        packed = self._packed(logits, params, seq_ids, outputs, prompts, seeds, False, None)
         return [int(t) for t in packed[:, 0].tolist()]
 
     def _packed(
@@ -110,28 +121,34 @@ class Sampler:
         prompts: Sequence[Sequence[int]] | None,
         seeds: Sequence[int | None] | None,
         with_logprobs: bool,
+        tables: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """[batch, 2 + 2k] float64 on the device: token, its logprob, the k best
         logprobs, their ids (k = the largest top_logprobs; logprob columns only
         `with_logprobs`). Nothing here waits for the device."""
         if logits.shape[0] != len(params):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
-        cols = self._staging.upload(_columns(params, logits.shape[1]))
+        sampling = any(p.temperature > 0 for p in params)
+        cols = None  # the per-row parameters, uploaded only when a stage needs them
+        if sampling or any(_penalized(p) for p in params):
+            cols = self._staging.upload(_columns(params, logits.shape[1]))
         raw = logits
         logits = _penalize(logits, params, outputs or [()] * len(params), prompts,
-                           self._staging, cols)  # fmt: skip
+                           self._staging, cols, tables)  # fmt: skip
         logits = _bias(logits, params, self._staging)
         ids = logits.argmax(dim=-1)
-        if any(p.temperature > 0 for p in params):
+        if sampling:
+            assert cols is not None
             seeds = seeds or [p.seed for p in params]
             drawn = self._draw(logits.float(), params, cols, seeds, seq_ids)
             ids = torch.where(cols[:, _GREEDY] > 0, ids, drawn)
         parts = [ids.double()[:, None]]
-        if with_logprobs:
-            logp = raw.float().log_softmax(dim=-1)
-            k = max(p.top_logprobs for p in params)
-            top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-            parts += [logp.gather(1, ids[:, None]).double(), top_v.double(), top_i.double()]
+        if not with_logprobs:
+            return parts[0]
+        logp = raw.float().log_softmax(dim=-1)
+        k = max(p.top_logprobs for p in params)
+        top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        parts += [logp.gather(1, ids[:, None]).double(), top_v.double(), top_i.double()]
         return torch.cat(parts, dim=1)
 
     def _draw(
@@ -171,6 +188,10 @@ def _columns(params: list[SamplingParams], vocab: int) -> np.ndarray:
     ).reshape(len(params), 8)  # fmt: skip
 
 
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+
+
 def _counts(
     ids: Sequence[Sequence[int]], vocab: int, device: torch.device, staging: Staging
 ) -> torch.Tensor:
@@ -193,20 +214,24 @@ def _penalize(
     prompts: Sequence[Sequence[int]] | None,
     staging: Staging | None = None,
     cols: torch.Tensor | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Penalties on every row (a row without any has neutral values: 1, 0, 0)."""
-    if not any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-               for p in params):  # fmt: skip
+    """Penalties on every row (a row without any has neutral values: 1, 0, 0). The
+    counts come from `tables` (output counts, prompt seen; the engine's sequences keep
+    theirs on the device) or are counted here from `outputs` and `prompts`."""
+    if not any(_penalized(p) for p in params):
         return logits
     dev, vocab = logits.device, logits.shape[1]
     staging = staging or Staging(dev)
     if cols is None:
         cols = staging.upload(_columns(params, vocab))
     logits = logits.float()
-    counts = _counts(outputs, vocab, dev, staging)
+    counts = _counts(outputs, vocab, dev, staging) if tables is None else tables[0]
     if any(p.repetition_penalty != 1 for p in params):
         seen = counts > 0
-        if prompts is not None:
+        if tables is not None:
+            seen |= tables[1]
+        elif prompts is not None:
             seen |= _counts(prompts, vocab, dev, staging) > 0
         rep = cols[:, _REP, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
@@ -221,9 +246,11 @@ def _bias(
         return logits
     staging = staging or Staging(logits.device)
     logits = logits.float().clone()
-    index = staging.upload(np.array([(r, c) for r, c, _ in entries], dtype=np.int64).T.copy())
+    vocab = logits.shape[1]
+    # One scatter_add over the flat logits (no sort, unlike an accumulating index_put).
+    flat = staging.upload(np.array([r * vocab + c for r, c, _ in entries], dtype=np.int64))
     values = staging.upload(np.array([b for _, _, b in entries], dtype=np.float32))
-    logits.index_put_((index[0], index[1]), values, accumulate=True)
+    logits.view(-1).scatter_add_(0, flat, values)
     return logits
 
 

@@ -125,6 +125,16 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids(self, start: int, end: int) -> list[int]:
+        """`all_ids[start:end]` without building all_ids: a decode step's one input token
+        cost a copy of the whole sequence per request per step (O(length²) a request)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def match_key(self) -> np.ndarray:
         """The tokens a prefix match may cover: all but the last (its logits give the

@@ -6,7 +6,7 @@ knows which engine it fronts. Pure data: no torch, no aiohttp, no Redis.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -160,6 +160,20 @@ class EngineStats:
     request_ms: float = 0.0
 
 
+class OutputStream(Protocol):
+    """A request's outputs (choices interleaved when n > 1; it ends once every choice has
+    finished); closing it early (client gone) aborts the request and frees everything it
+    held. `ready()`: the next output is there already (awaiting it will not wait)."""
+
+    def __aiter__(self) -> OutputStream: ...
+
+    def __anext__(self) -> Awaitable[GenerateOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+    def ready(self) -> bool: ...
+
+
 class Engine(Protocol):
     """What the worker's HTTP layer needs from a backend."""
 
@@ -170,11 +184,7 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateOutput]:
-        """Stream outputs (choices interleaved when n > 1; it ends once every choice
-        has finished); closing the iterator early (client gone) aborts the request and
-        frees everything it held."""
-        ...
+    def generate(self, request: EngineRequest) -> OutputStream: ...
 
     async def abort(self, request_id: str) -> None: ...
 

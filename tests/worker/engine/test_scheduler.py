@@ -324,3 +324,27 @@ def test_request_that_could_never_fit_is_rejected_at_submit() -> None:
         submit(40, 25)
     assert err.value.param == "max_tokens"
     assert len(engine.scheduler.waiting) == 1  # nothing of the rejected ones was queued
+
+
+def test_decode_slots_grow_in_place_and_earlier_views_hold() -> None:
+    """Decoding appends each slot into a buffer that doubles when full (`_grow`): 300
+    tokens cross several doublings, every batch item still reads the slots it was given,
+    and the buffers go with their sequences; outputs stay exact."""
+    h = Harness(1000)
+    a = h.add(list(range(1, 21)), max_tokens=300)
+    b = h.add(list(range(30, 45)), max_tokens=150)
+    views = []
+    while h.sched.has_work:
+        views += [(item.slots, item.slots.copy()) for item in h.step().items]
+    assert all((view == seen).all() for view, seen in views)
+    assert a.output_ids == reference(a.prompt_ids, 300)
+    assert b.output_ids == reference(b.prompt_ids, 150)
+    assert not h.sched._slot_buffers  # released with their sequences
+
+
+def test_ids_between_positions_equal_the_slice_of_all_ids() -> None:
+    h = Harness(100)
+    seq = h.add([11, 12, 13, 14], max_tokens=3)
+    seq.output_ids = [21, 22, 23]
+    whole = seq.all_ids
+    assert all(seq.ids(a, b) == whole[a:b] for a in range(8) for b in range(a, 8))

@@ -103,31 +103,25 @@ class ReqToTokenTable:
 
 
 class Staging:
-    """Host->device copies of numpy arrays: through a reused pinned buffer on CUDA (so
-    the copy is asynchronous: no host synchronisation), the array itself on CPU."""
+    """Host->device copies of numpy arrays that never make the host wait: on CUDA each
+    array goes through a pinned buffer and an asynchronous copy; on CPU the array is
+    used as it is.
+
+    The pinned buffer comes from torch's caching host allocator, which records an
+    event on every asynchronous copy out of a block and hands that block out again
+    only once the copy is done; so a fresh buffer per upload is safe even when a step
+    uploads several arrays, and costs no allocation after the first steps. (A single
+    reused buffer would have to wait for the previous copy before each upload: one
+    host synchronisation more for every upload after the first in a step.)"""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pinned: torch.Tensor | None = None
-        self._done: Any = None  # CUDA event: the last copy out of the pinned buffer
 
     def upload(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type != "cuda":
             return host
-        raw = host.view(-1).view(torch.uint8)
-        n = raw.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 32768) * 2, dtype=torch.uint8, pin_memory=True)
-        elif self._done is not None and not self._done.query():
-            # The previous copy has not left the buffer yet. Rare: each engine step ends
-            # in the sampler's one synchronisation, which completes every earlier copy.
-            self._done.synchronize()
-        self._pinned[:n].copy_(raw)
-        out = self._pinned[:n].to(self.device, non_blocking=True)
-        self._done = torch.cuda.Event()
-        self._done.record()
-        return out.view(host.dtype).view(host.shape)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
 
 @dataclass(frozen=True)
