@@ -86,6 +86,7 @@ class CostColumns:
         # The one O(fleet) pass in Python's objects (~20 ns a worker): loads move per
         # request, written in place by the table. As int64, the fastest conversion here
         # (1,000 workers: 20 µs against 30 for float64); the terms below cast it exactly.
+        # Loads are counts (`WorkerView.load: int`; the registry parses them with int()).
         load = np.fromiter(loads, np.int64, len(loads))
         # The reported queue, less what the worker has prefilled since (at its rate), or
         # this router's own tokens sent there, whichever is larger.
