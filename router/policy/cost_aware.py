@@ -111,7 +111,7 @@ class CostAware(CacheAware):
     Cost per request: cache_aware's tree walk, ~16 numpy operations over the fleet's
     columns (router/policy/cost_columns.py) and work per holder of the matched text (C
     passes when many); a heartbeat writes its worker's row. policy-cost benchmark:
-    241 → 48 µs a decision at 256 workers, 870 → 50 at 1,000, the same decisions
+    244 → 49 µs a decision at 256 workers, 881 → 52 at 1,000, the same decisions
     (loadtests/results/policy_cost.md; tests/router/test_cost_equivalence.py).
     """
 
@@ -251,11 +251,13 @@ class CostAware(CacheAware):
             if np.count_nonzero(cost == cost[first]) == 1:
                 return first
             cands = np.flatnonzero(cost == cost[first]).tolist()
-        # Ties: the longer cached match, then the lower load, then at random.
-        best = max(matched.get(i, 0) for i in cands)
-        cands = [i for i in cands if matched.get(i, 0) == best]
-        least = min(loads[i] for i in cands)
-        cands = [i for i in cands if loads[i] == least]
+        # Ties: the longer cached match, then the lower load, then at random. C passes:
+        # an idle uniform fleet ties hundreds of workers on every request without a hit.
+        if matched:
+            held = list(map(matched.get, cands, repeat(0)))
+            cands = list(compress(cands, map(eq, held, repeat(max(held)))))
+        load = list(map(loads.__getitem__, cands))
+        cands = list(compress(cands, map(eq, load, repeat(min(load)))))
         return cands[0] if len(cands) == 1 else self._rng.choice(cands)
 
     # -- own in-flight prefill ---------------------------------------------------------

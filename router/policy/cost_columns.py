@@ -2,11 +2,11 @@
 over all of them at once (the rule: router/policy/cost_aware.py's docstring).
 
 Why columns: priced in Python, one list comprehension per term over the fleet, a
-decision cost O(workers) at ~1 µs a worker (policy-cost benchmark: 241 / 870 µs at
-256 / 1,000 workers against cache_aware's 20 / 38), and every changed heartbeat rebuilt
+decision cost O(workers) at ~1 µs a worker (policy-cost benchmark: 244 / 881 µs at
+256 / 1,000 workers against cache_aware's 19 / 38), and every changed heartbeat rebuilt
 every column (half of that). Here a heartbeat writes its worker's row (`report`, O(1));
 a fleet change rebuilds them all (`rebuild`, rare); a request runs ~16 array operations
-of ~1 µs each whatever the fleet's size (`price`): 48 / 50 µs at 256 / 1,000 workers.
+of ~1 µs each whatever the fleet's size (`price`): 49 / 52 µs at 256 / 1,000 workers.
 Up to a dozen workers lists are cheaper than arrays' fixed cost (`price_small`).
 
 Exactness: each array expression performs the reference's float operations in the same
