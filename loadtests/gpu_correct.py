@@ -11,7 +11,6 @@ ratios 1 / 4 / 7 and head dims 64 / 128, in fp32 (max abs diff <= 1e-3) and bf16
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +19,12 @@ import torch
 
 from worker.engine.attention import make_backend
 from worker.engine.attention.metadata import ReqToTokenTable, Staging, build_step
+from worker.engine.batch import SeqBatchItem
 
 
-@dataclass
-class Item:
-    input_ids: list[int]
-    start_pos: int
-    slots: np.ndarray
-    dirty_from: int = 0
-    sample: bool = True
-
-
-def random_batch(rng: np.random.Generator, capacity: int, n_items: int, scale: int) -> list[Item]:
+def random_batch(
+    rng: np.random.Generator, capacity: int, n_items: int, scale: int
+) -> list[SeqBatchItem]:
     free = rng.permutation(capacity)
     items, used = [], 0
     for _ in range(n_items):
@@ -44,7 +37,7 @@ def random_batch(rng: np.random.Generator, capacity: int, n_items: int, scale: i
             start, n = 0, int(rng.integers(1, 10 * scale))
         slots = free[used : used + start + n].astype(np.int64)
         used += start + n
-        items.append(Item(list(rng.integers(0, 100, n)), start, slots))
+        items.append(SeqBatchItem(list(rng.integers(0, 100, n)), start, slots))
     return items
 
 

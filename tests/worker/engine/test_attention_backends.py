@@ -10,14 +10,13 @@ head dims 64 and 128.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
 
 from worker.engine.attention import make_backend, resolve_backend
 from worker.engine.attention.metadata import ReqToTokenTable, Staging, build_step
+from worker.engine.batch import SeqBatchItem
 
 pytest.importorskip("triton")
 
@@ -25,16 +24,7 @@ CPU = torch.device("cpu")
 CAPACITY = 700
 
 
-@dataclass
-class Item:
-    input_ids: list[int]
-    start_pos: int
-    slots: np.ndarray
-    dirty_from: int = 0
-    sample: bool = True
-
-
-def random_batch(rng: np.random.Generator, n_items: int) -> list[Item]:
+def random_batch(rng: np.random.Generator, n_items: int) -> list[SeqBatchItem]:
     free = rng.permutation(CAPACITY)
     items, used = [], 0
     for _ in range(n_items):
@@ -47,7 +37,7 @@ def random_batch(rng: np.random.Generator, n_items: int) -> list[Item]:
             start, n = 0, int(rng.integers(1, 40))
         slots = free[used : used + start + n].astype(np.int64)
         used += start + n
-        items.append(Item(list(rng.integers(0, 100, n)), start, slots))
+        items.append(SeqBatchItem(list(rng.integers(0, 100, n)), start, slots))
     return items
 
 
@@ -63,7 +53,7 @@ def backends(heads: int, kv_heads: int, head_dim: int, window: int = 0, splits: 
     return sdpa, triton, k[0], v[0]
 
 
-def run_both(batch: list[Item], heads: int, kv_heads: int, head_dim: int, **kw):
+def run_both(batch: list[SeqBatchItem], heads: int, kv_heads: int, head_dim: int, **kw):
     sdpa, triton, k_buf, v_buf = backends(heads, kv_heads, head_dim, **kw)
     table = ReqToTokenTable(4, 256, CPU)  # fewer rows than items: the table grows
     inputs = build_step(batch, list(range(len(batch))), table, Staging(CPU))
@@ -94,7 +84,7 @@ def test_decode_splits_longer_and_shorter_than_the_context(splits: int) -> None:
     """Flash-decoding merges the pieces exactly, also when most pieces are empty."""
     rng = np.random.default_rng(splits)
     free = rng.permutation(CAPACITY)
-    batch = [Item([1], n - 1, free[o : o + n].astype(np.int64))
+    batch = [SeqBatchItem([1], n - 1, free[o : o + n].astype(np.int64))
              for n, o in ((3, 0), (200, 3), (57, 203))]  # fmt: skip
     want, got, meta = run_both(batch, 8, 2, 64, splits=splits)
     assert meta.extend_idx.numel() == 0
@@ -116,7 +106,9 @@ def test_padded_decode_batch_gives_the_same_rows() -> None:
     sdpa, triton, k_buf, v_buf = backends(8, 2, 64)
     rng = np.random.default_rng(3)
     free = rng.permutation(CAPACITY)
-    batch = [Item([5], n - 1, free[o : o + n].astype(np.int64)) for n, o in ((9, 0), (70, 9))]
+    batch = [
+        SeqBatchItem([5], n - 1, free[o : o + n].astype(np.int64)) for n, o in ((9, 0), (70, 9))
+    ]
     table = ReqToTokenTable(4, 128, CPU)
     plain = build_step(batch, ["a", "b"], table, Staging(CPU))
     padded = build_step(batch, ["a", "b"], table, Staging(CPU), pad_to=8, pad_slot=CAPACITY)
@@ -132,7 +124,7 @@ def test_padded_decode_batch_gives_the_same_rows() -> None:
         b = backend.attend(0, q, k_buf[slots], v_buf[slots], padded.meta)
         torch.testing.assert_close(a, b[:2], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="decode batch"):
-        build_step([Item([1, 2], 0, np.arange(2))], ["c"], table, Staging(CPU), pad_to=4)
+        build_step([SeqBatchItem([1, 2], 0, np.arange(2))], ["c"], table, Staging(CPU), pad_to=4)
 
 
 def test_backend_choice() -> None:
