@@ -3,7 +3,9 @@ GPU: `triton.compile` with an explicit target runs the whole pipeline (TTIR, TTG
 LLVM IR, PTX, then the wheel's own ptxas to a cubin), so this catches what the
 interpreter cannot: constexpr misuse, `tl.dot` shape and dtype limits, block shapes,
 shared memory beyond what a Hopper block may have (227 KiB), register spills
-(ptxas -v, the wheel's own ptxas, as triton runs it on the GPU machine).
+(ptxas -v, the wheel's own ptxas, as triton runs it on the GPU machine), and that the
+bf16 attention loops are software-pipelined (`cp.async` in the PTX: the next tiles'
+K/V loads in flight while one is reduced).
 
 The launches compiled are the real ones: the backend attends a batch on CPU tensors
 while the kernels are swapped for recorders, so the signatures (dtypes, constexprs,
@@ -60,6 +62,8 @@ def test_kernels_compile_for_hopper() -> None:
         assert r["shared"] <= HOPPER_SMEM, r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r  # no register spills
         assert 0 < r["regs"] <= 255, r
+        if r["dtype"] == "torch.bfloat16" and r["kernel"] != "_decode_merge_kernel":
+            assert r["stages"] > 1 and r["cp_async"], r  # K/V loads software-pipelined
 
 
 class Recorder:
@@ -79,9 +83,18 @@ class Recorder:
             key = (self.fn.fn.__name__, tuple(sorted(sig.items())),
                    tuple(sorted(constexprs.items())), tuple(sorted(options.items())))  # fmt: skip
             consts = {(names.index(k),): v for k, v in constexprs.items()}
-            self.seen[key] = (self.fn, sig, consts, options)
+            # The JIT's alignment specialisation: a pointer or an int divisible by 16
+            # is marked so (vectorised, cp.async-able loads depend on it).
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args) if _aligned(a)}
+            self.seen[key] = (self.fn, sig, consts, options, attrs)
 
         return launch
+
+
+def _aligned(arg: Any) -> bool:
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr() % 16 == 0
+    return isinstance(arg, int) and not isinstance(arg, bool) and arg % 16 == 0
 
 
 def _type(arg: Any) -> str:
@@ -165,16 +178,19 @@ def main() -> None:
     rows = []
     for dtype in DTYPES:
         for shape in SHAPES:
-            for fn, sig, constexprs, options in launches(dtype, *shape).values():
-                kernel = triton.compile(ASTSource(fn, sig, constexprs), target=hopper,
+            for fn, sig, constexprs, options, attrs in launches(dtype, *shape).values():
+                kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=hopper,
                                         options=options)  # fmt: skip
                 row = {"kernel": fn.fn.__name__, "dtype": str(dtype), "shape": shape,
                        "constexprs": {fn.arg_names[k[0]]: v for k, v in constexprs.items()},
-                       "shared": kernel.metadata.shared, "warps": kernel.metadata.num_warps}  # fmt: skip
+                       "shared": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
+                       "stages": options.get("num_stages", 3),
+                       "cp_async": "cp.async" in kernel.asm["ptx"]}  # fmt: skip
                 arch = "sm_90a" if "sm_90a" in kernel.asm["ptx"] else "sm_90"
                 row |= resources(kernel.asm["ptx"], arch, tool)
                 print(f"{row['kernel']:22} {row['dtype']:15} {shape} shared {row['shared']:6} "
-                      f"warps {row['warps']} regs {row['regs']:3} spills {row['spill_stores']} "
+                      f"warps {row['warps']} stages {row['stages']} cp.async {row['cp_async']:d} "
+                      f"regs {row['regs']:3} spills {row['spill_stores']} "
                       f"{row['constexprs']}",
                       file=sys.stderr)  # fmt: skip
                 rows.append(row)
