@@ -104,7 +104,9 @@ def test_each_sequence_uses_the_pieces_its_length_calls_for() -> None:
     batch = [SeqBatchItem([1], n - 1, free[o : o + n].astype(np.int64))
              for n, o in zip(lens, offsets, strict=False)]  # fmt: skip
     sdpa, _, k_buf, v_buf = backends(8, 2, 64)
-    meta = build_step(batch, list(range(len(batch))), ReqToTokenTable(8, 256, CPU), Staging(CPU)).meta
+    meta = build_step(
+        batch, list(range(len(batch))), ReqToTokenTable(8, 256, CPU), Staging(CPU)
+    ).meta
     q = torch.randn(len(lens), 8, 64)
     out = torch.empty_like(q)
     o_part = torch.empty(len(lens), 8, 8, 64)

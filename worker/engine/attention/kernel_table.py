@@ -34,6 +34,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 ENV = "RADIX_KERNEL_TABLE"
 
@@ -74,7 +75,7 @@ def _overrides() -> dict[tuple[int, int], Blocks]:
     path = os.environ.get(ENV)
     if not path:
         return {}
-    rows = json.loads(open(path).read())
+    rows = json.loads(Path(path).read_text())
     out = {}
     for row in rows:
         key = (int(row.pop("head_dim")), int(row.pop("element_size")))
@@ -103,8 +104,10 @@ def blocks_for(head_dim: int, element_size: int, *, tuned: bool = True) -> Block
 def rows() -> list[dict]:
     """The table as JSON rows (the format RADIX_KERNEL_TABLE reads)."""
     out = [{"head_dim": d, "element_size": s, **asdict(b)} for (d, s), b in sorted(TABLE.items())]
-    return out + [{"head_dim": d, "element_size": 4, **asdict(blocks_for(d, 4, tuned=False))}
-                  for d, _ in sorted(TABLE)]
+    return out + [
+        {"head_dim": d, "element_size": 4, **asdict(blocks_for(d, 4, tuned=False))}
+        for d, _ in sorted(TABLE)
+    ]
 
 
 if __name__ == "__main__":
