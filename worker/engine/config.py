@@ -26,7 +26,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     device: str = "auto"
     dtype: str = "auto"
-    # auto: triton on CUDA, sdpa on CPU (worker/engine/attention/).
+    # auto: triton on CUDA, sdpa on CPU (worker/engine/runtime/attention/).
     attention_backend: str = "auto"
     # What the KV pool stores: auto (the activations' dtype) or fp8_e4m3 (one byte per
     # value with per-tensor scales: twice the tokens, half the KV bytes per step).

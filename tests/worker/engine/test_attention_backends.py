@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine.attention import make_backend, resolve_backend
-from worker.engine.attention.metadata import ReqToTokenTable, Staging, build_step
 from worker.engine.batch import SeqBatchItem
+from worker.engine.runtime.attention import make_backend, resolve_backend
+from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
 
 pytest.importorskip("triton")
 
@@ -95,7 +95,7 @@ def test_each_sequence_uses_the_pieces_its_length_calls_for() -> None:
     """The grid has 8 pieces per sequence; a sequence uses cdiv(len, min_split_len) of
     them (at most 8; pieces are whole 32-key tiles under the interpreter): the unused
     ones end with lse = -inf and weigh nothing."""
-    from worker.engine.attention.triton_kernels import decode_attention
+    from worker.engine.runtime.attention.triton_kernels import decode_attention
 
     rng = np.random.default_rng(11)
     free = rng.permutation(CAPACITY)
@@ -123,7 +123,7 @@ def test_each_sequence_uses_the_pieces_its_length_calls_for() -> None:
 def test_extend_reads_kv_once_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """One extend program per (item, KV head, token block): a group's query heads share
     it, so the grid's second axis is the KV heads, not the query heads."""
-    from worker.engine.attention import triton_kernels
+    from worker.engine.runtime.attention import triton_kernels
 
     grids = []
     kernel = triton_kernels._extend_kernel

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.fused_ops import TorchOps, TritonOps, ops_for
-from worker.engine.kv_pool import KVPool
+from worker.engine.runtime.fused_ops import TorchOps, TritonOps, ops_for
+from worker.engine.runtime.kv_pool import KVPool
 
 pytest.importorskip("triton")
 
@@ -85,7 +85,7 @@ def test_model_logits_equal_with_fused_ops(tiny_model_dir) -> None:
     import numpy as np
 
     from worker.engine.batch import SeqBatchItem
-    from worker.engine.runner import ModelRunner
+    from worker.engine.runtime.runner import ModelRunner
 
     logits = []
     for backend in ("sdpa", "triton"):

@@ -18,12 +18,12 @@ import torch
 from pydantic import ValidationError
 
 from shared.config import WorkerConfig
-from worker.engine.attention import make_backend
-from worker.engine.attention.metadata import ReqToTokenTable, Staging, build_step
 from worker.engine.batch import SeqBatchItem
 from worker.engine.config import EngineConfig
-from worker.engine.kv_pool import KVPool
-from worker.engine.runner import ModelRunner
+from worker.engine.runtime.attention import make_backend
+from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
+from worker.engine.runtime.kv_pool import KVPool
+from worker.engine.runtime.runner import ModelRunner
 
 CPU = torch.device("cpu")
 FP8 = torch.float8_e4m3fn

@@ -9,8 +9,8 @@ import collections
 import pytest
 import torch
 
-from worker.engine.sampler import Sampler
-from worker.engine.threshold_filter import filtered_probs, sorted_reference, top_p_threshold
+from worker.engine.runtime.sampler import Sampler
+from worker.engine.runtime.threshold_filter import filtered_probs, sorted_reference, top_p_threshold
 from worker.engine.types import SamplingParams
 
 
@@ -88,7 +88,7 @@ def test_top_p_one_keeps_the_whole_row_next_to_a_cut_row() -> None:
     logits = torch.randn(2, 151_936, generator=g) * 4
     logits[:, :10] += 20  # peaked: the tail's mass is below fp32's resolution of 1.0
     params = [SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0)]
-    from worker.engine.sampler import _columns, _filtered_probs
+    from worker.engine.runtime.sampler import _columns, _filtered_probs
 
     cols = torch.from_numpy(_columns(params, logits.shape[1]))
     probs, order = _filtered_probs(logits, params, cols)
