@@ -34,6 +34,7 @@ def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, d
         ([], {"RADIX_WORKER_PAGE_SIZE": "0"}, "page_size"),
         (["--engine", "radix"], {}, "model"),
         (["--attention-backend", "flash"], {}, "attention_backend"),
+        (["--kv-cache-dtype", "fp8"], {}, "kv_cache_dtype"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(
