@@ -14,12 +14,12 @@ calls `columns.invalidate()`, and nothing else does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from router.fleet.columns import Columns
-from router.fleet.workers import Breaker, FailureKind, LoadGuard, Source, Worker
+from router.fleet.columns import NO_REMOTE, Columns
+from router.fleet.workers import Breaker, FailureKind, Source, Worker
 from router.policy.base import FleetView, WorkerCosts
 from shared.config import RouterConfig, check_worker_url
 from shared.registry import WorkerRecord
@@ -48,21 +48,35 @@ def static_worker_id(url: str) -> str:
 
 
 class Attempt:
-    """One try of one request on one worker: holds its load from `Fleet.attempt` until
-    `release` (idempotent; also the `with` exit), and notes whether it is the breaker's
-    half-open probe, so a probe that ends without a verdict lets the next one through."""
+    """One try of one request on one worker: counts one request in flight there from
+    `Fleet.attempt` until `release`, and notes whether it is the breaker's half-open
+    probe, so a probe that ends without a verdict lets the next one through.
 
-    __slots__ = ("_fleet", "guard", "probe", "worker")
+    Release is idempotent, so every exit path (body end, error, cancel, timeout, retry)
+    may call it and the count still drops exactly once. It holds the Worker itself, so a
+    worker removed from the table mid-request is still decremented (and its successor, a
+    new Worker under the same id, is left alone).
+    """
+
+    __slots__ = ("_fleet", "_released", "probe", "worker")
 
     def __init__(self, fleet: Fleet, worker: Worker, probe: bool) -> None:
         self._fleet, self.worker, self.probe = fleet, worker, probe
-        self.guard = LoadGuard(worker)
+        self._released = False
+        worker.in_flight += 1
+        worker.requests_total += 1
+        fleet.columns.publish(worker)
 
     def release(self) -> None:
-        self.guard.release()
-        if self.probe and self.worker.breaker.probing:
-            self.worker.breaker.abandon_probe()
-            self._fleet.columns.invalidate()
+        if self._released:
+            return
+        self._released = True
+        worker, columns = self.worker, self._fleet.columns
+        worker.in_flight -= 1
+        columns.publish(worker)
+        if self.probe and worker.breaker.probing:
+            worker.breaker.abandon_probe()
+            columns.invalidate()
 
     def __enter__(self) -> Attempt:
         return self
@@ -74,11 +88,18 @@ class Attempt:
 class Fleet:
     """The worker table. `workers` is for reading; change it through the methods."""
 
-    def __init__(self, config: RouterConfig, policy: PolicyHooks) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        policy: PolicyHooks,
+        remote_in_flight: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        """`remote_in_flight`: other router replicas' requests in flight per worker
+        (replica sync's `remote_inflight`); it returns the same mapping until one moves."""
         self.config = config
         self.policy = policy
         self.workers: dict[str, Worker] = {}
-        self.columns = Columns(self.workers)
+        self.columns = Columns(self.workers, remote_in_flight or (lambda: NO_REMOTE))
 
     # -- membership --------------------------------------------------------------------
     def add_url(self, url: str, source: Source, worker_id: str | None = None) -> Worker:
@@ -94,7 +115,7 @@ class Fleet:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return False
-        worker.cells = []  # a request still in flight to it cannot touch the columns
+        self.columns.forget(worker)  # a request still in flight to it writes nowhere
         self.columns.invalidate()
         self.policy.remove_worker(worker_id)
         return True
@@ -138,7 +159,6 @@ class Fleet:
     def _new(self, worker_id: str, url: str, source: Source) -> Worker:
         breaker = Breaker(self.config.breaker_failures, self.config.breaker_cooldown)
         worker = Worker(worker_id=worker_id, url=url, source=source, breaker=breaker)
-        worker.remote_in_flight = self.columns.remote.get(worker_id, 0)
         self.workers[worker_id] = worker
         self.columns.invalidate()
         return worker
@@ -153,7 +173,7 @@ class Fleet:
         w.prompt_tokens_total, w.cached_tokens_total = r.prompt_tokens_total, r.cached_tokens_total
         if (r.running, r.waiting) != (w.running, w.waiting):
             w.running, w.waiting = r.running, r.waiting
-            w.publish_load()
+            self.columns.publish(w)
 
     # -- the books: what the proxy asks ------------------------------------------------
     def attempt(self, worker: Worker, now: float) -> Attempt:
@@ -189,15 +209,9 @@ class Fleet:
             self.columns.invalidate()
 
     # -- reads -------------------------------------------------------------------------
-    def view(
-        self,
-        now: float,
-        model: str | None = None,
-        exclude: Iterable[str] = (),
-        remote: Mapping[str, int] | None = None,
-    ) -> FleetView:
+    def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView:
         """What the policy reads: see `Columns.view`. Read only."""
-        return self.columns.view(now, model, exclude, remote)
+        return self.columns.view(now, model, exclude)
 
     def knows_model(self, model: str) -> bool:
         """Whether some worker serves `model`; True too while no worker reports a model."""

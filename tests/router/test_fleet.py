@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.fleet.table import Attempt, Fleet
-from router.fleet.workers import Breaker, FailureKind, LoadGuard, Worker
+from router.fleet.workers import Breaker, FailureKind, Worker
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerCosts, WorkerView
 from shared.config import RouterConfig
@@ -62,15 +62,15 @@ def test_breaker_opens_after_consecutive_failures_then_half_opens_for_one_probe(
     assert b.state(24.3) == "closed" and b.allows(24.3)
 
 
-def test_load_guard_releases_exactly_once() -> None:
+def test_an_attempt_releases_its_load_exactly_once() -> None:
     fleet = Fleet(RouterConfig(), Hooks())
     w = fleet.add_url("http://127.0.0.1:9001", "static")
-    guard = LoadGuard(w)
+    attempt = fleet.attempt(w, 0.0)
     assert w.in_flight == 1 and w.load == 1
-    guard.release()
-    guard.release()
+    attempt.release()
+    attempt.release()
     assert w.in_flight == 0
-    with pytest.raises(RuntimeError), LoadGuard(w):
+    with pytest.raises(RuntimeError), fleet.attempt(w, 0.0):
         assert w.in_flight == 1
         raise RuntimeError("boom")
     assert w.in_flight == 0
@@ -81,15 +81,13 @@ def test_load_counts_no_request_twice() -> None:
     fleet.apply_registry({"w1": record("w1", running=3, waiting=2)})
     w = fleet.workers["w1"]
     # The reported queue already holds this router's requests: the larger count wins.
-    with LoadGuard(w):
+    with fleet.attempt(w, 0.0):
         assert w.load == 5
-    guards = [LoadGuard(w) for _ in range(7)]
-    for g in guards:
-        g.__enter__()
+    attempts = [fleet.attempt(w, 0.0) for _ in range(7)]
     assert w.load == 7
     assert w.load_with(remote_in_flight=2) == 9  # other replicas' in-flight (replica sync)
-    for g in guards:
-        g.__exit__(None, None, None)
+    for a in attempts:
+        a.__exit__(None, None, None)
     assert w.load == 5
 
 
@@ -200,7 +198,7 @@ def expected(
 def assert_views_match(fleet: Fleet, now: float, remote: dict[str, int]) -> None:
     for model in (None, "m", "other", "", "unknown"):
         for exclude in ([], sorted(fleet.workers)[:1]):
-            view = fleet.view(now, model, exclude=exclude, remote=remote)
+            view = fleet.view(now, model, exclude=exclude)
             got = (view.ids, list(view.loads), view.capacities)
             assert got == expected(fleet, now, model, exclude, remote), (model, exclude)
     for model in ("m", "other", "unknown"):
@@ -220,11 +218,12 @@ class Driver:
     """Applies events the way the router's components do, to one fleet."""
 
     def __init__(self) -> None:
-        self.fleet = Fleet(RouterConfig(breaker_failures=2, breaker_cooldown=COOLDOWN), Hooks())
+        self.remote: dict[str, int] = {}
+        config = RouterConfig(breaker_failures=2, breaker_cooldown=COOLDOWN)
+        self.fleet = Fleet(config, Hooks(), lambda: self.remote)
         self.now = 0.0
         self.registry: dict[str, WorkerRecord] = {}
         self.attempts: list[Attempt] = []
-        self.remote: dict[str, int] = {}
 
     def apply(self, kind: str, n: int, value: int) -> None:
         fleet, wid = self.fleet, f"w{n}"
@@ -351,33 +350,37 @@ def test_open_breaker_rejoins_the_view_exactly_when_its_cooldown_ends() -> None:
 
 
 def test_loads_are_written_in_place_and_membership_changes_replace_the_columns() -> None:
-    fleet = Fleet(RouterConfig(), Hooks())
+    remote: dict[str, int] = {}  # other replicas' in-flight, as replica sync provides it
+    fleet = Fleet(RouterConfig(), Hooks(), lambda: remote)
     fleet.apply_registry({"w1": record("w1", running=1), "w2": record("w2")})
     view = fleet.view(0.0)
     loads, ids = view.loads, view.ids
-    guard = LoadGuard(fleet.workers["w2"])
-    guard.__enter__()
-    guard.__enter__()  # entering twice is one request, as before
+    attempt = fleet.attempt(fleet.workers["w2"], 0.0)
+    attempt.__enter__()
+    attempt.__enter__()  # entering twice is one request, as before
     assert fleet.view(0.0) is view and loads == [1, 1]
     fleet.apply_registry({"w1": record("w1", running=4, waiting=2), "w2": record("w2")})
-    assert fleet.view(0.0, remote={"w2": 3}).loads is loads and loads == [6, 4]
-    guard.release()
+    remote = {"w2": 3}  # the provider replaces its mapping when a count moves
+    assert fleet.view(0.0).loads is loads and loads == [6, 4]
+    attempt.release()
     assert loads == [6, 3]
+    remote = {}
+    assert fleet.view(0.0).loads is loads and loads == [6, 0]
     # The policy notices fleet changes by the identity of `ids`: a change gives new tuples.
     fleet.apply_registry(
         {"w1": record("w1", running=4, waiting=2, draining=True), "w2": record("w2")}
     )
-    assert fleet.view(0.0, remote={"w2": 3}).ids == ("w2",) and ids == ("w1", "w2")
+    assert fleet.view(0.0).ids == ("w2",) and ids == ("w1", "w2")
 
 
-def test_a_guard_on_a_removed_worker_leaves_its_successor_alone() -> None:
+def test_an_attempt_on_a_removed_worker_leaves_its_successor_alone() -> None:
     fleet = Fleet(RouterConfig(), Hooks())
     old = fleet.add_url("http://127.0.0.1:9001", "admin")
-    guard = LoadGuard(old)
+    attempt = fleet.attempt(old, 0.0)
     fleet.remove(old.worker_id)
     new = fleet.add_url("http://127.0.0.1:9001", "admin")
     assert fleet.view(0.0).loads == [0]
-    guard.release()  # the old request ends after the worker was replaced
+    attempt.release()  # the old request ends after the worker was replaced
     assert old.in_flight == 0 and new.in_flight == 0 and fleet.view(0.0).loads == [0]
 
 
