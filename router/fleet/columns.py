@@ -6,7 +6,8 @@ touches:
 
     event                                            cost
     ───────────────────────────────────────────────  ──────────────────────────────────
-    an attempt starts or ends; heartbeat queue       one load written in place per view
+    an attempt starts or ends                        one load written in place per view
+    a heartbeat (routing fields unchanged)           its record and load, in place per view
     replica sync replaces the remote in-flight map   the loads of the workers it moved
       (read from the provider the table was given)
     join, leave, draining, model, capacity;          `invalidate()`: the views are
@@ -16,12 +17,14 @@ touches:
 Invariant (tested against the plain definition after every kind of event):
 ``view(now, model, exclude)`` holds exactly the workers not excluded, not draining,
 whose breaker allows a request at ``now`` and that serve ``model`` (or report none), in
-table order, with loads ``Worker.load_with(remote[id])`` and capacities
-``kv_capacity_tokens``. A view for a model is the fleet's view when every worker serves
-that model (the common case); otherwise one view per served model is kept.
+table order, with loads ``Worker.load_with(remote[id])``, capacities
+``report.kv_capacity_tokens`` and each worker's ``report`` and ``reported_at``. A view
+for a model is the fleet's view when every worker serves that model (the common case);
+otherwise one view per served model is kept.
 
-Only the table (`router/fleet/table.py`) calls `invalidate` and `publish` (a worker's load
-moved); the cells each worker's load is written to are kept here, not on the worker.
+Only the table (`router/fleet/table.py`) calls `invalidate`, `publish` (a worker's load
+moved) and `report` (a heartbeat); the cells each worker's figures are written to are
+kept here, not on the worker.
 """
 
 from __future__ import annotations
@@ -50,10 +53,10 @@ class Columns:
         # until it changes (its provider replaces it), so identity means "nothing moved".
         self._remote_of = remote
         self.remote: Mapping[str, int] = NO_REMOTE
-        # (loads column, index) of every kept view holding a worker: where `publish`
-        # writes its load. Keyed by the Worker itself, so a request still in flight to a
-        # worker that left (and was replaced under the same id) writes nowhere.
-        self._cells: dict[Worker, list[tuple[list[int], int]]] = {}
+        # (view, index) of every kept view holding a worker: where `publish` writes its
+        # load. Keyed by the Worker itself, so a request still in flight to a worker that
+        # left (and was replaced under the same id) writes nowhere.
+        self._cells: dict[Worker, list[tuple[FleetView, int]]] = {}
         self._built = -1  # the generation the views were built at
         # The membership holds for `now` in [valid_from, valid_until): until the earliest
         # cooldown end of an open breaker (a transition no event announces).
@@ -71,8 +74,15 @@ class Columns:
         cells = self._cells.get(worker)
         if cells:
             load = worker.load_with(self.remote.get(worker.worker_id, 0))
-            for loads, i in cells:
-                loads[i] = load
+            for view, i in cells:
+                view.loads[i] = load
+
+    def report(self, worker: Worker) -> None:
+        """A heartbeat of `worker` that changed no routing field: its record and load."""
+        self.publish(worker)
+        for view, i in self._cells.get(worker, ()):
+            view.reports[i], view.reported_at[i] = worker.report, worker.reported_at
+            view.reported += 1
 
     def forget(self, worker: Worker) -> None:
         """`worker` left the table: a request still in flight to it writes nowhere."""
@@ -104,13 +114,15 @@ class Columns:
             [view.ids[i] for i in keep_at],
             [view.loads[i] for i in keep_at],
             [view.capacities[i] for i in keep_at],
+            [view.reports[i] for i in keep_at],
+            [view.reported_at[i] for i in keep_at],
         )
 
     def reported_models(self) -> frozenset[str]:
         """Every model some worker (routable or not) reports."""
         at, models = self._reported
         if at != self._generation:
-            models = frozenset(w.model for w in self._workers.values()) - {""}
+            models = frozenset(w.report.model for w in self._workers.values()) - {""}
             self._reported = (self._generation, models)
         return models
 
@@ -141,7 +153,7 @@ class Columns:
                 end = breaker.half_open_at()
                 if now < end:
                     until = min(until, end)
-            if not w.draining and breaker.allows(now):
+            if not w.report.draining and breaker.allows(now):
                 members.append(w)
         self._members = members
         self._views = {}
@@ -151,13 +163,19 @@ class Columns:
     def _build(self, model: str | None, register: bool) -> FleetView:
         members = self._members
         if model is not None:
-            members = [w for w in members if not w.model or w.model == model]
+            members = [w for w in members if not w.report.model or w.report.model == model]
         ids = tuple(w.worker_id for w in members)
         remote = self.remote
         loads = [w.load_with(remote.get(w.worker_id, 0)) for w in members]
-        view = FleetView(ids, loads, tuple(w.kv_capacity_tokens for w in members))
+        view = FleetView(
+            ids,
+            loads,
+            tuple(w.report.kv_capacity_tokens for w in members),
+            [w.report for w in members],
+            [w.reported_at for w in members],
+        )
         if register:
             cells = self._cells
             for i, w in enumerate(members):
-                cells.setdefault(w, []).append((loads, i))
+                cells.setdefault(w, []).append((view, i))
         return view

@@ -15,30 +15,22 @@ calls `columns.invalidate()`, and nothing else does.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Protocol
 from urllib.parse import urlsplit
 
 from router.fleet.columns import NO_REMOTE, Columns
 from router.fleet.workers import Breaker, FailureKind, Source, Worker
-from router.policy.base import FleetView, WorkerCosts
+from router.policy.base import FleetView
 from shared.config import RouterConfig, check_worker_url
 from shared.registry import WorkerRecord
 
 
 class PolicyHooks(Protocol):
-    """What the table tells the policy; `router.policy.base.Policy` satisfies it."""
+    """What the table tells the policy; `router.policy.base.Policy` satisfies it. Every
+    figure a worker reports reaches the policy in the view (`FleetView.reports`)."""
 
     def remove_worker(self, worker_id: str) -> None: ...
-
-    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None: ...
-
-
-def costs_of(record: WorkerRecord) -> WorkerCosts:
-    return WorkerCosts(
-        record.queued_prefill_tokens, record.prefill_us_per_token, record.decode_ms_per_token,
-        record.max_running_requests, record.request_ms,
-        record.cached_tokens_total / record.prompt_tokens_total if record.prompt_tokens_total else 0.0,
-    )  # fmt: skip
 
 
 def static_worker_id(url: str) -> str:
@@ -121,9 +113,10 @@ class Fleet:
         return True
 
     def apply_registry(
-        self, records: dict[str, WorkerRecord], drop_missing: bool = True
+        self, records: dict[str, WorkerRecord], drop_missing: bool = True, now: float = 0.0
     ) -> tuple[list[str], list[str]]:
-        """Bring registry-sourced workers in line with a full read of the registry.
+        """Bring registry-sourced workers in line with a full read of the registry, read
+        at `now` (the policy ages a reported queue from then).
 
         Returns (joined or restarted, left). A changed epoch means the worker restarted
         with an empty cache, so its tree is dropped and its breaker closed.
@@ -134,13 +127,12 @@ class Fleet:
             if worker is None:
                 worker = self._new(wid, record.url, "redis")
                 joined.append(wid)
-            elif worker.epoch and worker.epoch != record.epoch:
+            elif worker.report.epoch and worker.report.epoch != record.epoch:
                 self.policy.remove_worker(wid)
                 worker.breaker.record_success()  # a fresh process deserves a fresh chance
                 self.columns.invalidate()
                 joined.append(wid)
-            self._report(worker, record)
-            self.policy.set_costs(wid, costs_of(record))
+            self._report(worker, record, now)
         if not drop_missing:
             return joined, []
         left = [
@@ -152,28 +144,29 @@ class Fleet:
 
     def set_model(self, worker: Worker, model: str) -> None:
         """A model learnt by asking the worker (static and admin ones report none)."""
-        if model != worker.model:
-            worker.model = model
+        if model != worker.report.model:
+            worker.report = replace(worker.report, model=model)
             self.columns.invalidate()
 
     def _new(self, worker_id: str, url: str, source: Source) -> Worker:
         breaker = Breaker(self.config.breaker_failures, self.config.breaker_cooldown)
-        worker = Worker(worker_id=worker_id, url=url, source=source, breaker=breaker)
+        blank = WorkerRecord(worker_id, url, model="", engine="", epoch=0.0)
+        worker = Worker(worker_id, url, source, breaker, blank)
         self.workers[worker_id] = worker
         self.columns.invalidate()
         return worker
 
-    def _report(self, w: Worker, r: WorkerRecord) -> None:
-        routing = (r.model, r.draining, r.kv_capacity_tokens)
-        if routing != (w.model, w.draining, w.kv_capacity_tokens):
-            w.model, w.draining, w.kv_capacity_tokens = routing
+    def _report(self, w: Worker, r: WorkerRecord, now: float) -> None:
+        old = w.report
+        w.report, w.reported_at, w.url = r, now, r.url
+        if (r.model, r.draining, r.kv_capacity_tokens) != (
+            old.model,
+            old.draining,
+            old.kv_capacity_tokens,
+        ):
             self.columns.invalidate()  # a view's capacities column is replaced, not edited
-        w.url, w.engine, w.epoch = r.url, r.engine, r.epoch
-        w.kv_used_tokens = r.kv_used_tokens
-        w.prompt_tokens_total, w.cached_tokens_total = r.prompt_tokens_total, r.cached_tokens_total
-        if (r.running, r.waiting) != (w.running, w.waiting):
-            w.running, w.waiting = r.running, r.waiting
-            self.columns.publish(w)
+        else:
+            self.columns.report(w)  # the heartbeat and the load it moved, in place
 
     # -- the books: what the proxy asks ------------------------------------------------
     def attempt(self, worker: Worker, now: float) -> Attempt:
@@ -219,7 +212,7 @@ class Fleet:
         return (
             not reported
             or model in reported
-            or (not model and any(not w.model for w in self.workers.values()))
+            or (not model and any(not w.report.model for w in self.workers.values()))
         )
 
     def models(self) -> list[str]:

@@ -23,6 +23,8 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.registry import WorkerRecord
+
 Source = Literal["redis", "static", "admin"]
 BreakerState = Literal["closed", "open", "half_open"]
 
@@ -95,17 +97,12 @@ class Worker:
     url: str
     source: Source
     breaker: Breaker
-    epoch: float = 0.0
-    engine: str = ""
-    model: str = ""
-    draining: bool = False
-    kv_capacity_tokens: int = 0
-    kv_used_tokens: int = 0
-    running: int = 0
-    waiting: int = 0
+    # Its last heartbeat as the registry holds it (one shape from the worker to the
+    # policy), and when this router read it. A worker added by URL reports none: a blank
+    # record whose model the router may learn by asking (`Fleet.set_model`).
+    report: WorkerRecord
+    reported_at: float = 0.0
     in_flight: int = 0
-    prompt_tokens_total: int = 0
-    cached_tokens_total: int = 0
     requests_total: int = 0
     failures_total: int = 0
     predicted_tokens_total: float = 0.0
@@ -117,28 +114,28 @@ class Worker:
         return self.load_with(0)
 
     def load_with(self, remote_in_flight: int) -> int:
-        return max(self.in_flight + remote_in_flight, self.running + self.waiting)
+        report = self.report
+        return max(self.in_flight + remote_in_flight, report.running + report.waiting)
 
     def describe(self, now: float) -> dict[str, object]:
+        r = self.report
         return {
             "worker_id": self.worker_id,
             "url": self.url,
             "source": self.source,
-            "model": self.model,
-            "engine": self.engine,
-            "epoch": self.epoch,
+            "model": r.model,
+            "engine": r.engine,
+            "epoch": r.epoch,
             "load": self.load,
             "in_flight": self.in_flight,
-            "running": self.running,
-            "waiting": self.waiting,
-            "draining": self.draining,
+            "running": r.running,
+            "waiting": r.waiting,
+            "draining": r.draining,
             "breaker": self.breaker.state(now),
-            "kv_capacity_tokens": self.kv_capacity_tokens,
-            "kv_used_tokens": self.kv_used_tokens,
+            "kv_capacity_tokens": r.kv_capacity_tokens,
+            "kv_used_tokens": r.kv_used_tokens,
             "reported_hit_rate": (
-                self.cached_tokens_total / self.prompt_tokens_total
-                if self.prompt_tokens_total
-                else 0.0
+                r.cached_tokens_total / r.prompt_tokens_total if r.prompt_tokens_total else 0.0
             ),
             "requests_total": self.requests_total,
             "failures_total": self.failures_total,

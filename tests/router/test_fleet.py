@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import Breaker, FailureKind, Worker
 from router.policy import build_policy
-from router.policy.base import RouteRequest, WorkerCosts, WorkerView
+from router.policy.base import RouteRequest, WorkerView
 from shared.config import RouterConfig
 from shared.registry import WorkerRecord
 
@@ -26,13 +26,9 @@ def record(wid: str, epoch: float = 1.0, **kw: object) -> WorkerRecord:
 class Hooks:
     def __init__(self) -> None:
         self.removed: list[str] = []
-        self.costs: dict[str, WorkerCosts] = {}
 
     def remove_worker(self, worker_id: str) -> None:
         self.removed.append(worker_id)
-
-    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
-        self.costs[worker_id] = costs
 
 
 def fail(fleet: Fleet, worker: Worker, now: float) -> None:
@@ -100,9 +96,9 @@ def routable(
         w
         for w in fleet.workers.values()
         if w.worker_id not in skip
-        and not w.draining
+        and not w.report.draining
         and w.breaker.allows(now)
-        and (model is None or not w.model or w.model == model)
+        and (model is None or not w.report.model or w.report.model == model)
     ]
 
 
@@ -113,19 +109,16 @@ def test_registry_join_leave_epoch_and_capacity() -> None:
         {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")}
     )
     assert sorted(joined) == ["w1", "w2"] and left == []
-    assert fleet.view(0.0).capacities == (100, 0)  # capacity reaches the policy here only
-    assert hooks.costs == {"w1": WorkerCosts(), "w2": WorkerCosts()}
-    # Every read passes the heartbeat's cost figures on (cost_aware reads them).
-    fleet.apply_registry(
-        {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2", queued_prefill_tokens=7,
-                                                                      prefill_us_per_token=20.0,
-                                                                      decode_ms_per_token=1.5)}
-    )  # fmt: skip
-    assert hooks.costs["w2"] == WorkerCosts(7, 20.0, 1.5)
-    fleet.apply_registry(
-        {"w1": record("w1", prompt_tokens_total=400, cached_tokens_total=100), "w2": record("w2")}
-    )
-    assert hooks.costs["w1"].hit_rate == 0.25  # the share of its prompts it found cached
+    view = fleet.view(0.0)
+    assert view.capacities == (100, 0)  # every reported figure reaches the policy here only
+    # Every read writes each heartbeat, as read and when, into the kept view in place.
+    beat = record("w2", queued_prefill_tokens=7, prefill_us_per_token=20.0)
+    fleet.apply_registry({"w1": record("w1", kv_capacity_tokens=100), "w2": beat}, now=3.0)
+    written = view.reported
+    assert fleet.view(3.0) is view and view.reports[1] is beat and view.reported_at[1] == 3.0
+    assert written >= 2 and fleet.workers["w2"].report is beat
+    fleet.apply_registry({"w1": record("w1", kv_capacity_tokens=100), "w2": beat}, now=4.0)
+    assert view.reported_at[1] == 4.0 and view.reported == written + 2  # the same figures again
     # Same epoch: nothing dropped. New epoch: the worker restarted, its tree goes.
     assert fleet.apply_registry(
         {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")}
@@ -186,12 +179,14 @@ COOLDOWN = 5.0  # time steps below are multiples of 0.5: they land exactly on co
 
 def expected(
     fleet: Fleet, now: float, model: str | None, exclude: list[str], remote: dict[str, int]
-) -> tuple[tuple[str, ...], list[int], tuple[int, ...]]:
+) -> tuple[object, ...]:
     ws = routable(fleet, now, exclude=exclude, model=model)
     return (
         tuple(w.worker_id for w in ws),
         [w.load_with(remote.get(w.worker_id, 0)) for w in ws],
-        tuple(w.kv_capacity_tokens for w in ws),
+        tuple(w.report.kv_capacity_tokens for w in ws),
+        [w.report for w in ws],
+        [w.reported_at for w in ws],
     )
 
 
@@ -199,12 +194,18 @@ def assert_views_match(fleet: Fleet, now: float, remote: dict[str, int]) -> None
     for model in (None, "m", "other", "", "unknown"):
         for exclude in ([], sorted(fleet.workers)[:1]):
             view = fleet.view(now, model, exclude=exclude)
-            got = (view.ids, list(view.loads), view.capacities)
+            got = (
+                view.ids,
+                list(view.loads),
+                view.capacities,
+                list(view.reports),
+                list(view.reported_at),
+            )
             assert got == expected(fleet, now, model, exclude, remote), (model, exclude)
     for model in ("m", "other", "unknown"):
         assert fleet.knows_model(model) == (
-            any(w.model == model for w in fleet.workers.values())
-            or not any(w.model for w in fleet.workers.values())
+            any(w.report.model == model for w in fleet.workers.values())
+            or not any(w.report.model for w in fleet.workers.values())
         )
 
 
@@ -235,15 +236,15 @@ class Driver:
                 running=value % 5, waiting=value // 5, kv_capacity_tokens=100 * (value % 3),
                 draining=value == 7,
             )  # fmt: skip
-            fleet.apply_registry(self.registry)
+            fleet.apply_registry(self.registry, now=self.now)
         elif kind == "leave":
             self.registry.pop(wid, None)
-            fleet.apply_registry(self.registry, drop_missing=value % 2 == 0)
+            fleet.apply_registry(self.registry, drop_missing=value % 2 == 0, now=self.now)
         elif kind == "restart" and wid in self.registry:
             self.registry[wid] = WorkerRecord(
                 **{**self.registry[wid].__dict__, "epoch": 2.0 + value}
             )
-            fleet.apply_registry(self.registry)
+            fleet.apply_registry(self.registry, now=self.now)
         elif kind == "static":
             fleet.add_url(f"http://127.0.0.{n + 2}:8000", "static" if value % 2 else "admin")
         elif kind == "tick":
@@ -277,7 +278,7 @@ class Driver:
             self.registry[worker.worker_id] = WorkerRecord(
                 **{**old.__dict__, "draining": not old.draining}
             )
-            fleet.apply_registry(self.registry)
+            fleet.apply_registry(self.registry, now=self.now)
         elif kind == "probe_model":
             fleet.set_model(worker, MODELS[value % 3])  # what GET /v1/models does
 
