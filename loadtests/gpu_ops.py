@@ -31,7 +31,8 @@ import torch
 from worker.engine.batch import SeqBatchItem
 from worker.engine.runtime.attention import kernel_table, make_backend, triton_kernels
 from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
-from worker.engine.runtime.fused_ops import TorchOps, TritonOps
+from worker.engine.runtime.fused_kernels import TritonOps
+from worker.engine.runtime.fused_ops import TorchOps
 from worker.engine.runtime.kv_pool import KVPool
 from worker.engine.runtime.threshold_filter import filtered_probs, sorted_reference
 

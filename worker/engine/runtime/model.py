@@ -27,9 +27,7 @@ from torch import nn
 
 from worker.engine.model_config import ModelConfig
 from worker.engine.runtime.attention import AttentionBackend, AttentionMetadata
-from worker.engine.runtime.fused_ops import TORCH_OPS, TorchOps, TritonOps
-
-Ops = TorchOps | TritonOps
+from worker.engine.runtime.fused_ops import TORCH_OPS, Ops
 
 
 class KVStore(Protocol):
