@@ -24,6 +24,20 @@ import torch
 import torch.nn.functional as F
 
 
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, written into x (`cos`/`sin` are [T, 1, dim/2]).
+
+    The same products and sums as transformers' form, so fp32 results match; it saves
+    the concatenated copies (three temporaries of x's size per call).
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x2_sin = x2 * sin
+    x2.mul_(cos).add_(x1 * sin)
+    x1.mul_(cos).sub_(x2_sin)
+    return x
+
+
 class Ops(Protocol):
     """What the model calls; TorchOps and fused_kernels.TritonOps both are one."""
 
@@ -64,8 +78,6 @@ class TorchOps:
     ) -> None:  # fmt: skip
         """RoPE on qk [T, heads + kv_heads, dim] in place, then k = qk[:, heads:] and v
         into the pool."""
-        from worker.engine.runtime.model import apply_rope_
-
         apply_rope_(qk, cos, sin)
         kv.write(layer, slots, qk[:, heads:], v)
 

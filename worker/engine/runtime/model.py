@@ -27,7 +27,7 @@ from torch import nn
 
 from worker.engine.model_config import ModelConfig
 from worker.engine.runtime.attention import AttentionBackend, AttentionMetadata
-from worker.engine.runtime.fused_ops import TORCH_OPS, Ops
+from worker.engine.runtime.fused_ops import TORCH_OPS, Ops, apply_rope_
 
 
 class KVStore(Protocol):
@@ -73,20 +73,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
-
-
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, written into x (`cos`/`sin` are [T, 1, dim/2]).
-
-    The same products and sums as transformers' form, so fp32 results match; it saves
-    the concatenated copies (three temporaries of x's size per call).
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    x2_sin = x2 * sin
-    x2.mul_(cos).add_(x1 * sin)
-    x1.mul_(cos).sub_(x2_sin)
-    return x
 
 
 class RMSNorm(nn.Module):
