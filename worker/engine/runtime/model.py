@@ -12,7 +12,10 @@ so a checkpoint loads with `load_state_dict` and no renaming table; `fuse_projec
 then merges q/k/v and gate/up into one matmul each.
 
 Numerics follow transformers exactly (RMSNorm in fp32 then cast back, RoPE tables
-in fp32 then cast to the activation dtype), so fp32 logits match to ~1e-5.
+in fp32 then cast to the activation dtype), so fp32 logits match to ~1e-5. With the
+triton backend, add+RMSNorm, RoPE+KV store and SiLU*mul are fused kernels
+(fused_ops.py, `self.ops`) that round where these ops round: equal in fp32 to float
+rounding, within one rounding step in bf16.
 """
 
 from __future__ import annotations
