@@ -18,6 +18,11 @@ with one difference, on purpose: tokens tied with the last one kept are all kept
 (a threshold cannot split equal values; the sorted version splits them by an
 arbitrary sort order). A row with top_p = 1 keeps its whole distribution: no cut
 is computed for it, so no rounding of a sum can drop its tail.
+
+Reproducibility: on CPU the same logits give the same kept set every time. On CUDA
+the histograms' scatter-adds are atomic, so their fp32 sums may round differently
+from run to run; only a token whose inclusion is decided within ~1e-7 of top_p can
+flip (a seeded request then repeats except in that case). Not measured on a GPU.
 """
 
 from __future__ import annotations
