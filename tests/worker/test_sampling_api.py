@@ -123,8 +123,7 @@ def test_response_format_text_is_the_default_and_accepted(worker: WorkerThread) 
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format"),  # fmt: skip
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"n": 5}, "n"),  # over this worker's max_n
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"999999999": 1}}, "logit_bias"),  # outside the vocabulary
