@@ -186,10 +186,14 @@ class WorkerConfig(_Frozen):
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     share_inflight_prefixes: bool = True  # prefill chunks enter the tree while running
     max_n: int = Field(8, ge=1, le=128)  # most choices (`n`) one request may ask for
-    # Sim engine cost model: every step costs decode_ms (one pass over the weights)
-    # plus prefill_us per prompt token it computes.
+    # Sim engine cost model (worker/backends/sim.py): every step costs decode_ms (one
+    # pass over the weights), plus decode_us_per_seq per sequence in it, plus
+    # decode_us_per_1k_context per 1,000 context tokens its sequences read, plus
+    # prefill_us per prompt token it computes.
     sim_prefill_us_per_token: float = Field(0.0, ge=0)
     sim_decode_ms_per_token: float = Field(0.0, ge=0)
+    sim_decode_us_per_seq: float = Field(0.0, ge=0)
+    sim_decode_us_per_1k_context: float = Field(0.0, ge=0)
     # HTTP.
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     body_read_timeout: float = Field(30.0, gt=0)  # as the router's

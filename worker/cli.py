@@ -106,6 +106,18 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         float,
         "sim engine: decode cost, milliseconds per output token",
     ),
+    (
+        "--sim-decode-us-per-seq",
+        "sim_decode_us_per_seq",
+        float,
+        "sim engine: decode step cost per sequence in the batch, microseconds",
+    ),
+    (
+        "--sim-decode-us-per-1k-context",
+        "sim_decode_us_per_1k_context",
+        float,
+        "sim engine: decode step cost per 1,000 context tokens read (the KV), microseconds",
+    ),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
     ("--drain-timeout", "drain_timeout", float, "seconds to finish in-flight requests on SIGTERM"),
     (
