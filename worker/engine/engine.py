@@ -98,6 +98,7 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             cuda_graphs=not config.disable_cuda_graph,
             max_running_requests=config.max_running_requests,
+            debug_checks=config.debug_checks,
         )
         return cls(runner, Tokenizer.from_dir(model_dir), config, Sampler(runner.device))
 

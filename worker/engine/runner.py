@@ -27,6 +27,7 @@ import torch
 from worker.engine.attention import make_backend, resolve_backend
 from worker.engine.attention.metadata import ReqToTokenTable, Staging, StepInputs, build_step
 from worker.engine.batch import SeqBatchItem
+from worker.engine.config import debug_from_env
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.device import pick_device, pick_dtype
 from worker.engine.kv_pool import KVPool
@@ -54,6 +55,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         max_running_requests: int = 64,
+        debug_checks: bool | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -91,6 +93,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and self.attention_backend == "triton":
             self.graphs = DecodeGraphs(self.model, self.pool, self.backend, self.table)
+        # Per-step batch validation: tests and RADIX_ENGINE_DEBUG=1 (config.py says why).
+        self.debug_checks = debug_from_env() if debug_checks is None else debug_checks
         self.tokens_computed = 0
         self.host_elements_last_step = 0  # int64 values moved host->device (tests)
 
@@ -109,9 +113,7 @@ class ModelRunner:
 
     def _check(self, batch: list[SeqBatchItem]) -> None:
         """Bad items are caller bugs, but a clear error beats a CUDA index assert.
-        Reads only what the step moves (new ids, slots[dirty_from:])."""
-        if not batch:
-            raise ValueError("forward() needs at least one item")
+        Reads only what the step moves (new ids, slots[dirty_from:]); debug mode only."""
         for i, item in enumerate(batch):
             n = len(item.input_ids)
             if n == 0:
@@ -140,7 +142,10 @@ class ModelRunner:
     def forward(self, batch: list[SeqBatchItem]) -> torch.Tensor:
         """fp32 logits [items with sample, vocab] of each such item's last input token,
         in batch order; writes the K/V of every new token into its slot."""
-        self._check(batch)
+        if not batch:
+            raise ValueError("forward() needs at least one item")
+        if self.debug_checks:
+            self._check(batch)
         keys = [("step", i) if it.seq_id is None else it.seq_id for i, it in enumerate(batch)]
         decode_only = all(len(it.input_ids) == 1 for it in batch)
         bucket = self.graphs.bucket_for(len(batch)) if self.graphs and decode_only else None
