@@ -175,6 +175,8 @@ class WorkerConfig(_Frozen):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "sdpa", "triton"] = "auto"  # auto: triton on CUDA
     disable_cuda_graph: bool = False
+    # Schedule step N+1 while step N runs on the device (worker/engine/engine.py).
+    disable_overlap_schedule: bool = False
     cache_tokens: int | None = Field(None, gt=0)  # KV capacity; None: kv_memory_fraction
     kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     page_size: int = Field(1, ge=1)

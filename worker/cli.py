@@ -85,6 +85,12 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--dtype", "dtype", str, "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
     ("--attention-backend", "attention_backend", str, "auto (CUDA: triton), sdpa, triton"),
     ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
+    (
+        "--disable-overlap-schedule",
+        "disable_overlap_schedule",
+        None,
+        "schedule each step after the previous one finished (no host/device overlap)",
+    ),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
     ("--schedule-policy", "schedule_policy", str, "fcfs, or lpm: longest cached prefix first"),
     (

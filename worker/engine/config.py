@@ -38,6 +38,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Decode-only steps replay CUDA graphs unless this is set (CUDA + triton only).
     disable_cuda_graph: bool = False
+    # Schedule step N+1 while step N runs on the device (engine.py): the host's
+    # scheduling and postprocessing hide behind the forward. Off: strictly in order.
+    overlap_schedule: bool = True
     # Validate every step's batch against the pool and vocabulary before it runs
     # (runner._check): a clear error instead of a CUDA index assert, for caller bugs
     # only. It was ~40% of a batch-64 step's host work, so it runs in tests and when
