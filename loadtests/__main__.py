@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router-fleet-size": ("loadtests.bench_router_fleet_size", "router CPU vs fleet size"),
     "worker-http": ("loadtests.bench_worker_http", "the worker's HTTP layer vs in process"),
     "model-fusions": ("loadtests.bench_model_fusions", "merged projections, in-place RoPE (CPU)"),
+    "host-step": ("loadtests.bench_host_step", "host work per decode step at batch 64, on/off"),
     "sim-calibrate": ("loadtests.calibrate_sim_cost", "fit the sim step price to CPU steps"),
     "runner-ab": ("loadtests.bench_runner_ab", "decode step time vs another checkout's runner"),
     # Imports only torch, numpy, transformers and the engine (no pydantic or redis).
