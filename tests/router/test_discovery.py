@@ -82,6 +82,7 @@ async def test_malformed_record_is_never_routed(
         await registry.redis.hset(
             "radixrouter:worker:evil", mapping={**rec("evil", 1).to_hash(), "url": "file:///x"}
         )
+        await registry.redis.sadd("radixrouter:workers", "evil")
         await registry.publish_heartbeat(rec("ok", 9003), ttl_s=30, joined=True)
         await wait_until(lambda: "ok" in fleet.workers)
         assert "evil" not in fleet.workers
