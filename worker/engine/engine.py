@@ -97,8 +97,8 @@ class LLMEngine:
         self.overlap = (
             config.overlap_schedule and hasattr(runner, "futures") and hasattr(sampler, "launch")
         )
-        if self.overlap:
-            runner.overlap_inputs = True
+        if hasattr(runner, "overlap_inputs"):  # engines may share a runner (GPU check)
+            runner.overlap_inputs = self.overlap
         self._launched: _Launched | None = None  # the step whose draws are unread
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0

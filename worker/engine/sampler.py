@@ -158,9 +158,11 @@ class Sampler:
         for i, (seed, seq_id) in enumerate(zip(seeds, seq_ids, strict=True)):
             if seed is not None and params[i].temperature > 0:
                 noise[i].exponential_(generator=self._generator(seq_id, seed))
-        ranks = (probs / noise).argmax(dim=-1)
         if order is None:
-            return ranks
+            return (probs / noise).argmax(dim=-1)
+        # Noise belongs to token ids, not ranks: whether this row was sorted (some row of
+        # the batch cuts) must not change a seeded request's draw.
+        ranks = (probs / noise.gather(1, order)).argmax(dim=-1)
         return order.gather(1, ranks.unsqueeze(1)).squeeze(1)
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
@@ -303,8 +305,11 @@ def _filtered_probs(
     if any(p.top_p < 1 for p in params):
         # Drop a token when the tokens ranked above it already cover top_p; the most
         # likely token always stays.
+        # Only rows that cut: the fp32 sum reaches 1.0 before a large vocabulary ends,
+        # and a top_p = 1 row would lose its tail to whichever row shares its batch.
         before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(before >= cols[:, _TOP_P, None], 0.0)
+        cut = (before >= cols[:, _TOP_P, None]) & (cols[:, _TOP_P, None] < 1)
+        probs = probs.masked_fill(cut, 0.0)
     if any(p.min_p > 0 for p in params):
         best = probs[:, :1]  # column 0: the best
         probs = probs.masked_fill(probs < cols[:, _MIN_P, None] * best, 0.0)
