@@ -27,7 +27,7 @@ FULL = dict(batches=(1, 32, 64, 128), contexts=(256, 2048), steps=12, prefill=(4
             overlap_point=(64, 2048, 32, 1))  # fmt: skip
 QUICK = dict(batches=(1, 3), contexts=(16, 40), steps=2, prefill=(2, 32), prefix=64,
              question=8, prompts=(5, 12, 20), new_tokens=4, eager_point=(3, 40),
-             first_cells=((3, 40),), overlap_point=(3, 16, 3, 2))  # fmt: skip
+             first_cells=((3, 40),), overlap_point=(3, 16, 3, 1))  # fmt: skip
 PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy")
 
 
@@ -148,8 +148,7 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
         holder.clear()
         runner = holder["runner"] = ModelRunner(
             model_dir, device=str(device), kv_capacity_tokens=capacity,
-            attention_backend=name, max_running_requests=max(batches),
-            emulate_cuda_graphs=not cuda)  # CPU smoke runs: the graphs' life cycle, eagerly  # fmt: skip
+            attention_backend=name, max_running_requests=max(batches))  # fmt: skip
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         return {"dtype": str(runner.dtype).removeprefix("torch."),

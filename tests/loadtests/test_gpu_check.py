@@ -108,10 +108,10 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert all(d["ms"] > 0 and d["roofline_ratio"] > 0 for d in preset["decode"])
     assert preset["ttft"]["cached_tokens"] >= 64
     assert preset["prefill_tokens_s"] > 0 and preset["eager_point"]["ms"] > 0
-    # Issue 25: buckets 1, 2, 4 (3 running) captured at start, none in the decode cells.
-    assert preset["startup_capture"]["captures"] == 3
-    traffic = preset["no_capture_in_traffic"]
-    assert traffic["passed"] and traffic["late_captures"] == 0 and traffic["replays"] > 0
+    # Issue 25 (CPU: no graphs; tests/worker/engine/test_graph_capture.py runs the
+    # emulated ones): the steps run and report.
+    assert preset["startup_capture"]["seconds"] == 0.0
+    assert preset["no_capture_in_traffic"]["passed"]
     overlap = preset["overlap_decode"]
     assert overlap["greedy_equal"] and overlap["overlap_ms"] > 0 and overlap["in_order_ms"] > 0
     md = (out / "gpu-check.md").read_text()
