@@ -41,8 +41,8 @@ import torch
 from loadtests.options import HelpFormatter
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.tiny_model import PRESETS, make_tiny_model
 from worker.engine.types import EngineRequest, SamplingParams
+from worker.models.tiny_model import PRESETS, make_tiny_model
 
 VARIANTS = {  # name: EngineConfig keywords
     "before": dict(debug_checks=True, overlap_schedule=False),

@@ -32,8 +32,8 @@ import torch
 
 from loadtests.options import HelpFormatter
 from worker.engine.batch import SeqBatchItem
-from worker.engine.runner import ModelRunner
-from worker.engine.tiny_model import PRESETS, make_tiny_model
+from worker.engine.runtime.runner import ModelRunner
+from worker.models.tiny_model import PRESETS, make_tiny_model
 
 
 def step_ms(runner: ModelRunner, batch: int, context: int, reps: int) -> float:

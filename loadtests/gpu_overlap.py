@@ -40,7 +40,7 @@ def overlap_decode(runner: Any, model_dir: Path, batch: int, context: int, steps
                    rounds: int = 2) -> dict[str, Any]:  # fmt: skip
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
-    from worker.engine.sampler import Sampler
+    from worker.engine.runtime.sampler import Sampler
     from worker.engine.tokenizer import Tokenizer
     from worker.engine.types import EngineRequest, SamplingParams
 

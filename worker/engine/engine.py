@@ -9,7 +9,7 @@ N+1 ran:
     host    schedule N+1 | launch N+1 | read N, postprocess N (stop, detokenize, stream)
     device  .. N ........| N+1 ............................................| N+2 ...
 
-Step N's tokens are placeholders on the host until then (futures.py): N+1's input
+Step N's tokens are placeholders on the host until then (runtime/futures.py): N+1's input
 ids hold them and the device swaps in the drawn ids. So a request that ended in step
 N decodes once more in N+1, and that token is dropped. Steps whose requests need
 their own output ids on the host to sample (penalties) read the previous step first.
@@ -108,8 +108,8 @@ class LLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
         """The engine over a model folder (imports torch: the sim path never calls it)."""
-        from worker.engine.runner import ModelRunner
-        from worker.engine.sampler import Sampler
+        from worker.engine.runtime.runner import ModelRunner
+        from worker.engine.runtime.sampler import Sampler
         from worker.engine.tokenizer import Tokenizer
 
         runner = ModelRunner(

@@ -1,4 +1,4 @@
-"""Decode graphs are captured before traffic (worker/engine/cuda_graphs.py), on CPU's
+"""Decode graphs are captured before traffic (worker/engine/runtime/cuda_graphs.py), on CPU's
 emulated path: the same static buffers, padding, capture at start-up, load and replay,
 with the replay run eagerly (no CUDA here; tests/gpu/ runs the real graphs)."""
 
@@ -13,10 +13,10 @@ import pytest
 from shared.config import WorkerConfig
 from worker.backends.radix import engine_config
 from worker.engine.config import EngineConfig
-from worker.engine.cuda_graphs import BUCKETS
 from worker.engine.engine import LLMEngine
-from worker.engine.runner import ModelRunner
-from worker.engine.sampler import Sampler
+from worker.engine.runtime.cuda_graphs import BUCKETS
+from worker.engine.runtime.runner import ModelRunner
+from worker.engine.runtime.sampler import Sampler
 from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import EngineRequest, SamplingParams
 
@@ -54,7 +54,7 @@ def _traffic(engine: LLMEngine) -> dict[str, list[int]]:
 def test_every_bucket_is_captured_at_start_and_none_during_traffic(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="worker.engine.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="worker.engine.runtime.cuda_graphs"):
         engine = _engine(tiny_model_dir, graphs=True)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.emulate

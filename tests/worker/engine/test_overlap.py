@@ -16,7 +16,7 @@ import torch
 
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.futures import FutureTokens
+from worker.engine.runtime.futures import FutureTokens
 from worker.engine.types import EngineRequest, SamplingParams
 
 # A pool far smaller than the work, and admission that reserves nothing for outputs:
