@@ -4,21 +4,28 @@ with the replay run eagerly (no CUDA here; tests/gpu/ runs the real graphs)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+import threading
+from functools import partialmethod
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from shared.config import WorkerConfig
+from worker.app import create_app
+from worker.backends import build_engine
 from worker.backends.radix import engine_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.runtime.cuda_graphs import BUCKETS
+from worker.engine.runtime.cuda_graphs import BUCKETS, DecodeGraphs
 from worker.engine.runtime.runner import ModelRunner
 from worker.engine.runtime.sampler import Sampler
 from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import EngineRequest, SamplingParams
+from worker.state import ENGINE, STATE
 
 MAX_RUNNING = 10
 
@@ -86,3 +93,36 @@ def test_disable_cuda_graph_still_runs_eagerly(tiny_model_dir: Path) -> None:
         steps += 1
         engine.step()
     assert steps >= 3 and engine.stats().completion_tokens_total == 3
+
+
+async def test_worker_is_not_ready_until_every_graph_is_captured(
+    tiny_model_dir: Path, aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's real start-up (RadixBackend.start builds the runner, which captures
+    every bucket): /health says 503 and requests are refused until capture is done;
+    the heartbeat waits on the same `ready` event."""
+    gate, capturing = threading.Event(), threading.Event()
+    capture_all = DecodeGraphs.capture_all
+
+    def slow_capture(self: DecodeGraphs, max_batch: int) -> float:
+        capturing.set()
+        assert gate.wait(30)
+        return capture_all(self, max_batch)
+
+    monkeypatch.setattr(DecodeGraphs, "capture_all", slow_capture)
+    # CPU has no CUDA graphs: the runner the worker builds takes the emulated ones.
+    monkeypatch.setattr(ModelRunner, "__init__",
+                        partialmethod(ModelRunner.__init__, emulate_cuda_graphs=True))  # fmt: skip
+    config = WorkerConfig(model=str(tiny_model_dir), worker_id="w", device="cpu",
+                          cache_tokens=1024, max_running_requests=4)  # fmt: skip
+    app = create_app(config, build_engine(config))
+    client = await aiohttp_client(app)
+    assert await asyncio.to_thread(capturing.wait, 60)  # capture has started ...
+    assert (await client.get("/health")).status == 503  # ... and is not done: not ready
+    resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "not_ready"
+    gate.set()
+    await asyncio.wait_for(app[STATE].ready.wait(), 60)
+    assert (await client.get("/health")).status == 200
+    graphs = app[ENGINE].engine.runner.graphs
+    assert graphs.captures == 3 and graphs.late_captures == 0  # buckets 1, 2, 4
