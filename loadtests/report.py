@@ -1,9 +1,13 @@
 """Summary and plots of one load-test run, computed from its per-request records.
 
-`summarize(records)` gives the numbers (throughput, TTFT / latency percentiles, cache
-hit rate, requests per worker); `write_report(records, out_dir)` also writes
-`summary.json` and three PNGs a person would rather look at than read:
-`ttft.png` (distribution), `latency_over_time.png`, `hit_rate_per_worker.png`.
+`summarize(records, slo, workers)` gives the numbers: vLLM's serving metrics (TTFT,
+TPOT, ITL, E2E latency, throughput, goodput; loadtests/serving.py) for the run and per
+worker, and the figures only a cache-aware fleet has (hit rate from `cached_tokens`,
+requests per worker over every worker of the fleet, idle ones included).
+`write_report(records, out_dir)` also writes `summary.json`, the result file, under
+`vllm bench serve`'s field names where the meaning is the same (`completed`,
+`request_throughput`, `p99_ttft_ms`, ...), and three PNGs a person would rather look at
+than read: `ttft.png` (distribution), `latency_over_time.png`, `hit_rate_per_worker.png`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import argparse
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -22,28 +26,34 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from loadtests.metrics import HitCounter, RequestRecord
+from loadtests.serving import SLO, Latency, ServingMetrics, per_worker, serving_metrics
 
 
 @dataclass(frozen=True)
 class Summary:
-    requests: int
+    requests: int  # sent, failed ones included
     failures: int
-    duration_s: float
-    throughput_rps: float
-    output_tokens_per_s: float
-    ttft_p50_ms: float
-    ttft_p90_ms: float
-    ttft_p99_ms: float
-    e2e_p50_ms: float
-    e2e_p99_ms: float
-    itl_p50_ms: float
+    serving: ServingMetrics  # the whole run, vLLM's metrics (loadtests/serving.py)
     hit_rate: float
     per_worker_requests: dict[str, int]
     per_worker_hit_rate: dict[str, float]
+    per_worker_serving: dict[str, ServingMetrics]
+    slo: SLO | None = None
+
+    # The figures every caller reads, from the serving metrics.
+    duration_s = property(lambda self: self.serving.duration)
+    throughput_rps = property(lambda self: self.serving.request_throughput)
+    output_tokens_per_s = property(lambda self: self.serving.output_throughput)
+    ttft_p50_ms = property(lambda self: self.serving.ttft.p50)
+    ttft_p90_ms = property(lambda self: self.serving.ttft.p90)
+    ttft_p99_ms = property(lambda self: self.serving.ttft.p99)
+    e2e_p50_ms = property(lambda self: self.serving.e2el.p50)
+    e2e_p99_ms = property(lambda self: self.serving.e2el.p99)
+    itl_p50_ms = property(lambda self: self.serving.itl.p50)
 
     @property
     def load_max_over_mean(self) -> float:
-        """Max / mean requests per worker: 1.0 is a perfectly even spread."""
+        """Max / mean requests per worker, over every worker listed: 1.0 is an even spread."""
         counts = list(self.per_worker_requests.values())
         return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else 0.0
 
@@ -51,66 +61,107 @@ class Summary:
         """The same run, with the fleet's idle workers counted (0 requests): a policy
         that sends everything to one of 4 workers spreads max/mean 4.0, not 1.0."""
         ids = list(worker_ids)
-        counts = dict.fromkeys(ids, 0) | self.per_worker_requests
+        counts = dict(sorted((dict.fromkeys(ids, 0) | self.per_worker_requests).items()))
         rates = dict.fromkeys(ids, 0.0) | self.per_worker_hit_rate
-        return replace(self, per_worker_requests=counts, per_worker_hit_rate=rates)
+        idle = serving_metrics([], self.slo, self.serving.duration)
+        per = dict(sorted((dict.fromkeys(ids, idle) | self.per_worker_serving).items()))
+        return replace(self, per_worker_requests=counts, per_worker_hit_rate=rates,
+                       per_worker_serving=per)  # fmt: skip
 
     def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "load_max_over_mean": self.load_max_over_mean}
+        """The result file: vLLM's field names where the meaning is the same, then ours."""
+        return {
+            **self.serving.to_vllm(),
+            "requests": self.requests,
+            "slo": self.slo.text() if self.slo else None,
+            "hit_rate": self.hit_rate,
+            "load_max_over_mean": self.load_max_over_mean,
+            "per_worker": {
+                w: {
+                    "requests": n,
+                    "hit_rate": self.per_worker_hit_rate.get(w, 0.0),
+                    **self.per_worker_serving[w].to_vllm(),
+                }
+                for w, n in self.per_worker_requests.items()
+            },
+        }
 
     def table(self) -> str:
-        def ms(*values: float, digits: int = 0) -> str:
-            # Percentiles of no successful request are NaN: say so instead of printing it.
-            if any(math.isnan(v) for v in values):
-                return "n/a (no request succeeded)"
-            return " / ".join(f"{v:.{digits}f}" for v in values) + " ms"
-
+        s = self.serving
+        goodput = "no --slo given"
+        if self.slo is not None and s.request_goodput is not None:
+            share = s.request_goodput / s.request_throughput if s.request_throughput else 0.0
+            goodput = (
+                f"{s.request_goodput:.2f} req/s ({share:.0%} of requests meet {self.slo.text()} ms)"
+            )
+        # A latency without values: nothing succeeded, or answers came whole (no stream).
+        none = "n/a (no request succeeded)" if not s.completed else "n/a (no streamed answer)"
         rows = [
             ("requests (failed)", f"{self.requests} ({self.failures})"),
-            ("duration", f"{self.duration_s:.1f} s"),
-            (
-                "throughput",
-                f"{self.throughput_rps:.2f} req/s, {self.output_tokens_per_s:.0f} tok/s",
-            ),
-            ("TTFT p50 / p90 / p99", ms(self.ttft_p50_ms, self.ttft_p90_ms, self.ttft_p99_ms)),
-            ("e2e p50 / p99", ms(self.e2e_p50_ms, self.e2e_p99_ms)),
-            ("inter-token p50", ms(self.itl_p50_ms, digits=1)),
-            ("cache hit rate", f"{self.hit_rate:.3f}"),
-            ("max/mean requests per worker", f"{self.load_max_over_mean:.2f}"),
-        ]
+            ("duration", f"{s.duration:.1f} s"),
+            ("request throughput", f"{s.request_throughput:.2f} req/s"),
+            ("output token throughput", f"{s.output_throughput:.0f} tok/s"),
+            ("total token throughput", f"{s.total_token_throughput:.0f} tok/s"),
+            ("goodput", goodput),
+            ("", "mean / p50 / p90 / p99"),
+            ("TTFT", _ms(s.ttft, none)),
+            ("TPOT", _ms(s.tpot, none, 1)),
+            ("ITL", _ms(s.itl, none, 1)),
+            ("E2E latency", _ms(s.e2el, none)),
+            ("cache hit rate", f"{self.hit_rate:.3f} (cached / prompt tokens)"),
+            ("max/mean requests per worker", f"{self.load_max_over_mean:.2f} "
+             f"(over {len(self.per_worker_requests)} workers; 1.00 is even)"),
+        ]  # fmt: skip
         return "\n".join(f"{k:<30} {v}" for k, v in rows)
 
+    def worker_table(self) -> str:
+        """One line per worker, idle ones included."""
+        head = (f"{'worker':<16} {'requests':>8} {'failed':>6} {'hit rate':>8} {'req/s':>7} "
+                f"{'goodput req/s':>13} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
+                f"{'TPOT p99 ms':>11} {'E2E p99 ms':>10}")  # fmt: skip
+        lines = [head]
+        for w, n in self.per_worker_requests.items():
+            m = self.per_worker_serving[w]
+            good = "-" if m.request_goodput is None else f"{m.request_goodput:.2f}"
+            lines.append(
+                f"{w:<16} {n:>8} {m.failed:>6} {self.per_worker_hit_rate.get(w, 0.0):>8.3f} "
+                f"{m.request_throughput:>7.2f} {good:>13} {_v(m.ttft.p50):>11} "
+                f"{_v(m.ttft.p99):>11} {_v(m.tpot.p99, 1):>11} {_v(m.e2el.p99):>10}"
+            )
+        return "\n".join(lines)
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) * 1000 if values else float("nan")
+
+def _v(x: float, digits: int = 0) -> str:
+    return "-" if math.isnan(x) else f"{x:.{digits}f}"
 
 
-def summarize(records: list[RequestRecord]) -> Summary:
-    ok = [r for r in records if r.ok]
+def _ms(lat: Latency, none: str, digits: int = 0) -> str:
+    if math.isnan(lat.mean):  # say why instead of printing NaN
+        return none
+    values = (lat.mean, lat.p50, lat.p90, lat.p99)
+    return " / ".join(f"{v:.{digits}f}" for v in values) + " ms"
+
+
+def summarize(
+    records: list[RequestRecord], slo: SLO | None = None, workers: Iterable[str] = ()
+) -> Summary:
+    """`workers`: the fleet's worker ids (the router's GET /workers), so that a worker
+    that got no request is listed and counted in the spread."""
     hits = HitCounter.from_records(records)
-    if records:
-        duration = max(r.start + r.e2e_s for r in records) - min(r.start for r in records)
-    else:
-        duration = 0.0
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    itl = [r.itl_s for r in ok if r.itl_s is not None]
-    e2e = [r.e2e_s for r in ok]
+    serving = serving_metrics(records, slo)
+    # Per worker: its answered requests (a request the router refused itself names no
+    # worker), over the whole run's duration so that the throughputs add up.
+    ok = [r for r in records if r.ok]
     return Summary(
         requests=len(records),
         failures=len(records) - len(ok),
-        duration_s=duration,
-        throughput_rps=len(ok) / duration if duration > 0 else 0.0,
-        output_tokens_per_s=sum(r.output_tokens for r in ok) / duration if duration > 0 else 0.0,
-        ttft_p50_ms=_pct(ttft, 50),
-        ttft_p90_ms=_pct(ttft, 90),
-        ttft_p99_ms=_pct(ttft, 99),
-        e2e_p50_ms=_pct(e2e, 50),
-        e2e_p99_ms=_pct(e2e, 99),
-        itl_p50_ms=_pct(itl, 50),
+        serving=serving,
         hit_rate=hits.hit_rate,
         per_worker_requests=dict(sorted(hits.requests.items())),
         per_worker_hit_rate={w: hits.worker_hit_rate(w) for w in sorted(hits.prompt)},
-    )
+        per_worker_serving=per_worker(ok, (), slo, serving.duration),
+        slo=slo,
+    ).over_fleet(workers)
 
 
 def plot_ttft(records: list[RequestRecord], path: Path, title: str = "") -> None:
@@ -179,11 +230,21 @@ def plot_hit_rate_per_worker(summary: Summary, path: Path, title: str = "") -> N
     plt.close(fig)
 
 
-def write_report(records: list[RequestRecord], out_dir: str | Path, title: str = "") -> Summary:
+def write_report(
+    records: list[RequestRecord],
+    out_dir: str | Path,
+    title: str = "",
+    slo: SLO | None = None,
+    workers: Iterable[str] = (),
+    run_info: dict[str, object] | None = None,
+) -> Summary:
+    """`run_info`: how the load was offered, under vLLM's names (request_rate,
+    burstiness, max_concurrency), written into summary.json with the metrics."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(records)
-    (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    summary = summarize(records, slo, workers)
+    result = {**summary.to_dict(), **(run_info or {})}
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     plot_ttft(records, out / "ttft.png", title)
     plot_latency_over_time(records, out / "latency_over_time.png", title)
     plot_hit_rate_per_worker(summary, out / "hit_rate_per_worker.png", title)
@@ -195,13 +256,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=Path, default=None, help="folder for the plots (default: the records' folder)"
     )
+    p.add_argument("--slo", default="", help="goodput objectives in ms, e.g. ttft=500,tpot=50")
 
 
 def main(args: argparse.Namespace) -> int:
-    from loadtests.metrics import HitCounter, read_records
+    from loadtests.metrics import read_records
 
     records = read_records(args.records)
-    summary = write_report(records, args.out or Path(args.records).parent)
+    summary = write_report(records, args.out or Path(args.records).parent, slo=SLO.parse(args.slo))
     print(summary.table())
-    print(HitCounter.from_records(records).table())
+    print(summary.worker_table())
     return 0
