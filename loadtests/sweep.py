@@ -236,10 +236,18 @@ def plot(results: dict[str, list[Point]], path: Path, title: str) -> None:
                        color=line.get_color(), zorder=3)  # fmt: skip
         ax.set(xlabel="offered load (req/s, Poisson)", ylabel=label, title=label)
         ax.grid(alpha=0.3)
+    for name, points in results.items():  # goodput under the throughput, dashed (with --slo)
+        good = [(p.offered, p.summary.serving.request_goodput) for p in points]
+        if good and all(g is not None for _, g in good):
+            color = next(ln.get_color() for ln in axes[2].get_lines() if ln.get_label() == name)
+            axes[2].plot(*zip(*good, strict=True), ls=":", marker=".", color=color,
+                         label=f"{name} goodput")  # fmt: skip
+    axes[2].set_ylabel("throughput, goodput (req/s)")
     top = max((p.offered for pts in results.values() for p in pts), default=1.0)
     axes[2].plot([0, top], [0, top], ls="--", lw=0.8, color="gray", label="offered")
     axes[0].set_yscale("log")
     axes[0].legend(fontsize=8, title="× not sustained", title_fontsize=7)
+    axes[2].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
