@@ -62,8 +62,10 @@ def verdict(summary: Summary, records: list[RequestRecord]) -> str:
             f"verdict: FAILED, {summary.failures} of {summary.requests} requests failed; "
             f"commonest error ({count}x): {error[:300]}"
         )
+    good = summary.serving.request_goodput
+    goodput = "" if good is None else f", goodput {good:.1f} req/s"
     return (
-        f"verdict: OK, {summary.requests} requests, {summary.throughput_rps:.1f} req/s, "
+        f"verdict: OK, {summary.requests} requests, {summary.throughput_rps:.1f} req/s{goodput}, "
         f"TTFT p50 {summary.ttft_p50_ms:.0f} ms, hit rate {summary.hit_rate:.2f}"
     )
 
