@@ -68,11 +68,20 @@ class Point:
         return s.request_goodput / s.request_throughput if s.request_throughput else 0.0
 
     @property
-    def sustained(self) -> bool:
+    def why_not(self) -> str:
+        """Why the rate is not sustained ("" when it is)."""
         if self.summary.failures or not self.summary.serving.completed:
-            return False
+            return f"{self.summary.failures} failed"
+        if self.kept < KEEP_UP * self.offered:
+            return "fell behind"
         good = self.good_share
-        return self.kept >= KEEP_UP * self.offered and (good is None or good >= KEEP_UP)
+        if good is not None and good < KEEP_UP:
+            return f"{good:.0%} within the SLO"
+        return ""
+
+    @property
+    def sustained(self) -> bool:
+        return not self.why_not
 
     def to_dict(self) -> dict[str, object]:
         return {"policy": self.policy, "request_rate": self.rate, "offered_rate": self.offered,
@@ -167,7 +176,7 @@ def sweep(
                 progress.finished(
                     f"{name} at {rate:g} req/s: {s.request_throughput:.2f} req/s answered, "
                     f"kept {p.kept:.2f} of {p.offered:.2f} offered, TTFT p99 "
-                    f"{s.ttft.p99:.0f} ms: {'sustained' if p.sustained else 'SATURATED'}"
+                    f"{s.ttft.p99:.0f} ms: {p.why_not or 'sustained'}"
                 )
                 if not p.sustained and not keep_going:
                     progress.done += len(rates) - i - 1  # the rest of this policy is skipped
@@ -193,7 +202,7 @@ def table(results: dict[str, list[Point]]) -> str:
                 f"| {name} | {p.rate:g} | {p.offered:.2f} | {s.request_throughput:.2f} | {good} "
                 f"| {s.ttft.p50:.0f} | {s.ttft.p99:.0f} | {s.tpot.p99:.1f} "
                 f"| {p.summary.hit_rate:.3f} | {p.summary.load_max_over_mean:.2f} "
-                f"| {p.summary.failures} | {'yes' if p.sustained else '**no**'} |"
+                f"| {p.summary.failures} | {'yes' if p.sustained else f'**no**: {p.why_not}'} |"
             )
     return "\n".join(lines)
 

@@ -42,7 +42,9 @@ def test_a_rate_is_sustained_when_answers_keep_pace_and_meet_the_slo() -> None:
     assert not point(4, kept=4, failed=True).sustained
     slo = SLO(ttft_ms=100)
     assert point(4, kept=4, ttft_ms=90, slo=slo).sustained
-    assert not point(4, kept=4, ttft_ms=110, slo=slo).sustained  # every request misses it
+    missed = point(4, kept=4, ttft_ms=110, slo=slo)  # every request misses it
+    assert not missed.sustained and missed.why_not == "0% within the SLO"
+    assert point(4, kept=3.5).why_not == "fell behind"
 
 
 def test_saturation_is_the_first_rate_not_sustained() -> None:
