@@ -47,6 +47,7 @@ from loadtests.serving import SLO
 from loadtests.summary import Summary
 from loadtests.workloads import read_trace
 
+LATE_S = 0.05  # a send this much after its due time waited for a free user
 KEEP_UP = 0.9  # share of the offered rate (and of requests within the SLO) that counts as kept
 DEFAULT_POLICIES = "cache_aware,cost_aware,round_robin"
 HOST = "host"
@@ -59,6 +60,7 @@ class Point:
     offered: float  # arrivals per second, first to last due time (the Poisson draw's own)
     kept: float  # completions per second, first to last answer
     summary: Summary
+    late: float = 0.0  # share of requests sent LATE_S or more after they were due
 
     @property
     def good_share(self) -> float | None:
@@ -73,7 +75,9 @@ class Point:
         if self.summary.failures or not self.summary.serving.completed:
             return f"{self.summary.failures} failed"
         if self.kept < KEEP_UP * self.offered:
-            return "fell behind"
+            # Sent late: every user was busy, so the client's --users cap (max_concurrency)
+            # held requests back; with answers as fast as before, that is the client's limit.
+            return f"fell behind ({self.late:.0%} sent late)" if self.late >= 0.1 else "fell behind"
         good = self.good_share
         if good is not None and good < KEEP_UP:
             return f"{good:.0%} within the SLO"
@@ -85,7 +89,7 @@ class Point:
 
     def to_dict(self) -> dict[str, object]:
         return {"policy": self.policy, "request_rate": self.rate, "offered_rate": self.offered,
-                "kept_rate": self.kept, "sustained": self.sustained,
+                "kept_rate": self.kept, "sent_late": self.late, "sustained": self.sustained,
                 **self.summary.to_dict()}  # fmt: skip
 
 
@@ -98,6 +102,12 @@ def rates_per_s(records: list[RequestRecord]) -> tuple[float, float]:
         return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 and ts[-1] > ts[0] else 0.0
 
     return per_s(dues), per_s(ends)
+
+
+def late_share(records: list[RequestRecord]) -> float:
+    """Share of requests sent LATE_S or more after they were due (open loop only)."""
+    due = [r for r in records if r.due is not None]
+    return sum(1 for r in due if r.start - r.due >= LATE_S) / len(due) if due else 0.0  # type: ignore[operator]
 
 
 def sustained_rate(points: list[Point]) -> float | None:
@@ -148,8 +158,9 @@ def run_point(
     out = spec.out / policy.replace(" ", "_").replace("(", "").replace(")", "") / f"rate_{rate:g}"
     at = replace(spec, out=out, request_rate=poisson, max_requests=n)
     summary = run(at, load, title=f"{workload.workload}: {policy}, {rate:g} req/s", quiet=True)
-    offered, kept = rates_per_s(read_records(out / "records.jsonl"))
-    return Point(policy, rate, offered, kept, summary)
+    records = read_records(out / "records.jsonl")
+    offered, kept = rates_per_s(records)
+    return Point(policy, rate, offered, kept, summary, late_share(records))
 
 
 def sweep(

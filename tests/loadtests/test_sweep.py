@@ -5,6 +5,7 @@ when workers are added."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,16 @@ from loadtests.options import WorkloadOptions
 from loadtests.runner import RunSpec
 from loadtests.serving import SLO
 from loadtests.summary import summarize
-from loadtests.sweep import Point, load_for, rates_per_s, saturation, sustained_rate, sweep, verdict
+from loadtests.sweep import (
+    Point,
+    late_share,
+    load_for,
+    rates_per_s,
+    saturation,
+    sustained_rate,
+    sweep,
+    verdict,
+)
 from loadtests.workloads import mooncake
 
 
@@ -45,6 +55,8 @@ def test_a_rate_is_sustained_when_answers_keep_pace_and_meet_the_slo() -> None:
     missed = point(4, kept=4, ttft_ms=110, slo=slo)  # every request misses it
     assert not missed.sustained and missed.why_not == "0% within the SLO"
     assert point(4, kept=3.5).why_not == "fell behind"
+    held = replace(point(4, kept=3.5), late=0.4)  # every user busy: the client held them back
+    assert held.why_not == "fell behind (40% sent late)"
 
 
 def test_saturation_is_the_first_rate_not_sustained() -> None:
@@ -67,6 +79,8 @@ def test_offered_and_kept_rates_each_over_their_own_span() -> None:
     recs = [RequestRecord(start=i * 0.25, due=i * 0.25, ok=True, e2e_s=0.1 + i * 0.25)
             for i in range(9)]  # fmt: skip
     assert rates_per_s(recs) == (pytest.approx(4.0), pytest.approx(2.0))
+    late = [RequestRecord(start=1.0 + d, due=1.0, ok=True, e2e_s=0.1) for d in (0, 0.01, 0.2, 1)]
+    assert late_share(late) == 0.5 and late_share([]) == 0.0
 
 
 def test_a_trace_keeps_its_own_arrivals_sped_up_to_the_rate() -> None:
