@@ -15,18 +15,17 @@ from loadtests.fleet import FleetSpec
 from loadtests.metrics import RequestRecord
 from loadtests.options import WorkloadOptions
 from loadtests.runner import RunSpec
-from loadtests.serving import SLO
-from loadtests.summary import summarize
-from loadtests.sweep import (
+from loadtests.saturation import (
     Point,
     late_share,
-    load_for,
     rates_per_s,
     saturation,
     sustained_rate,
-    sweep,
     verdict,
 )
+from loadtests.serving import SLO
+from loadtests.summary import summarize
+from loadtests.sweep import load_for, sweep
 from loadtests.workloads import mooncake
 
 
