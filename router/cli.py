@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any, get_args
@@ -153,13 +154,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         from router.processes import run_processes
 
         return run_processes(config)
-    run_router(config)
-    return 0
+    return run_router(config)
 
 
-def run_router(config: RouterConfig) -> None:
-    """One router process, in the foreground until SIGTERM/SIGINT."""
+def run_router(config: RouterConfig) -> int:
+    """One router process, in the foreground until SIGTERM/SIGINT; 1 when it cannot
+    listen (the port taken: one line says so, within seconds, in every mode)."""
     from router.app import serve
+    from shared.http_server import BindError
 
     setup_logging(config.log_level)
     try:
@@ -168,7 +170,12 @@ def run_router(config: RouterConfig) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except BindError as e:
+        logging.getLogger("router").error("%s", e)
+        return 1
+    return 0
 
 
 def _run_up(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ The parent only supervises. It starts the children with multiprocessing's `spawn
 (fresh interpreters: nothing of an event loop is forked), passes SIGTERM/SIGINT on so
 each drains its own requests, restarts a child that exits on its own, and gives up
 (stopping the rest, exit status 1) when children keep dying within seconds of starting,
-as one that cannot bind the port does.
+or at once when one cannot bind the port (taken by another program).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from multiprocessing.process import BaseProcess
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 QUICK_EXIT_S = 5.0  # a child that exits sooner than this after its start failed to start
 MAX_QUICK_EXITS = 3
 POLL_S = 0.5
-STOP_MARGIN_S = 5.0  # beyond a child's own stop (shutdown_delay + drain_timeout)
+STOP_MARGIN_S = 5.0
+CANNOT_LISTEN = 3  # a child's exit status when its port is taken: the parent gives up  # beyond a child's own stop (shutdown_delay + drain_timeout)
 
 
 def child_config(config: RouterConfig) -> RouterConfig:
@@ -52,7 +54,10 @@ def child_config(config: RouterConfig) -> RouterConfig:
 def _run_child(config: RouterConfig) -> None:
     from router.cli import run_router  # in the child: the whole router is imported here
 
-    run_router(config)
+    # 1 from run_router: it could not listen (the port taken by another program). That
+    # is no crash a restart cures, and a child slow to start (imports, the first
+    # registry read) did not count as a quick exit: it was restarted forever.
+    sys.exit(CANNOT_LISTEN if run_router(config) == 1 else 0)
 
 
 class Supervisor:
@@ -93,6 +98,9 @@ class Supervisor:
         for i, (proc, started) in enumerate(self._children):
             if proc.is_alive() or self._stop.is_set():
                 continue
+            if proc.exitcode == CANNOT_LISTEN:
+                log.error("router processes cannot listen (see above); stopping")
+                return True
             quick = time.monotonic() - started < QUICK_EXIT_S
             self._quick_exits = self._quick_exits + 1 if quick else 0
             if self._quick_exits >= MAX_QUICK_EXITS:
