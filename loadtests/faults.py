@@ -1,7 +1,7 @@
 """Fault scenarios at a larger scale than the tests, with a table of what each one cost.
 
     python -m loadtests faults [--workers 3] [--concurrency 64] [--redis-outage-s 30]
-        [--only sigkill,restart,redis,hung,router_sigterm,slowloris,stuck_reader]
+        [--only sigkill,restart,redis,hung,router_sigterm,slowloris,stuck_reader,up_kill]
 
 Each scenario starts a fresh fleet of real processes (Redis, sim workers, the router;
 loadtests/fleet.py), runs a steady load (`--concurrency` clients, non-streaming, plus a
@@ -15,6 +15,8 @@ few streams), injects its fault, keeps the load on, and prints one row:
     hung      a never-answering worker added (admin API) → its breaker is open
     router_sigterm  SIGTERM → the router exited (code shown), in-flight finished
     slowloris, stuck_reader: bad clients, in loadtests/faults_clients.py
+    up_kill   kill -9 of a worker under `radix-router up` → it is back (new epoch) and
+              routed to again (loadtests/faults_up.py)
 """
 
 from __future__ import annotations
@@ -80,7 +82,15 @@ async def with_load(
 ) -> tuple[list[Outcome], float, str]:  # fmt: skip
     """Steady load plus 4 long streams, the fault in the middle, then `after_s` more."""
     assert fleet.router is not None
-    url = fleet.router.url + "/v1/completions"
+    return await load_around(fleet.router.url, o, fault, body)
+
+
+async def load_around(
+    router_url: str, o: Options, fault: Callable[[], Awaitable[tuple[float, str]]],
+    body: Callable[[int], dict[str, Any]] | None = None,
+) -> tuple[list[Outcome], float, str]:  # fmt: skip
+    """`with_load` against any router URL (a fleet `radix-router up` started, too)."""
+    url = router_url + "/v1/completions"
     async with session(timeout=120) as http:
         load = SteadyLoad(http, url, o.concurrency, body or (lambda i: prompt(i, o.tokens)))
         load.start()
@@ -232,8 +242,9 @@ SCENARIOS = {"sigkill": sigkill, "restart": restart, "redis": redis_outage, "hun
 
 def scenarios() -> dict[str, Callable[[Options], Awaitable[Row]]]:
     from loadtests.faults_clients import CLIENT_SCENARIOS  # it imports this module
+    from loadtests.faults_up import UP_SCENARIOS  # so does this one
 
-    return {**SCENARIOS, **CLIENT_SCENARIOS}
+    return {**SCENARIOS, **CLIENT_SCENARIOS, **UP_SCENARIOS}
 
 
 async def run(names: list[str], o: Options) -> list[Row]:
