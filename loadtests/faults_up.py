@@ -1,6 +1,6 @@
 """The `up_kill` fault scenario: a worker killed under `radix-router up`.
 
-`up` supervises its children (router/local_fleet.py, router/restarts.py): the killed
+`up` supervises its children (router/up/local_fleet.py, router/up/restarts.py): the killed
 worker is reported in one line and restarted on its port after a backoff, and the router
 routes around it meanwhile. The row's time to recover is kill → the new process (a new
 epoch) is in the router's `/workers` with a closed breaker; the note says whether `up`

@@ -151,7 +151,7 @@ def serve_config(args: argparse.Namespace) -> RouterConfig:
 def _run_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     if config.processes > 1:
-        from router.processes import run_processes
+        from router.up.processes import run_processes
 
         return run_processes(config)
     return run_router(config)
@@ -160,7 +160,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def run_router(config: RouterConfig) -> int:
     """One router process, in the foreground until SIGTERM/SIGINT; 1 when it cannot
     listen (the port taken: one line says so, within seconds, in every mode)."""
-    from router.app import serve
+    from router.http.app import serve
     from shared.http_server import BindError
 
     setup_logging(config.log_level)
@@ -179,7 +179,7 @@ def run_router(config: RouterConfig) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from router.local_fleet import UpFleet, UpOptions
+    from router.up.local_fleet import UpFleet, UpOptions
 
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")

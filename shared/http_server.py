@@ -10,7 +10,7 @@ request's head is not complete `header_read_timeout` seconds after the connectio
 or after the first byte of a later request on a kept-alive connection. An idle
 kept-alive connection (no byte of a next request) is aiohttp's keep-alive timeout's
 business: `KEEPALIVE_S`, like aiohttp's own `run_app` default, above the routers' 30 s
-pool of idle worker connections (router/upstream_client.py) so a worker never closes one
+pool of idle worker connections (router/upstream/pool.py) so a worker never closes one
 a router is about to reuse.
 
 The wrapper reads three fields of aiohttp's RequestHandler (`_request_count`,

@@ -4,9 +4,9 @@ Layout (prefix default `radixrouter:`):
 
     <prefix>worker:<id>   hash, written every heartbeat, expires after a few intervals
     <prefix>events        pub/sub channel: JSON {"event": "join"|"leave", "worker_id", "url"}
-    <prefix>decisions     stream of routing decisions shared by router replicas (router/sync.py)
+    <prefix>decisions     stream of routing decisions shared by router replicas (router/fleet/sync.py)
     <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
-    <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/ratelimit.py)
+    <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/http/ratelimit.py)
 
 Workers write (`publish_heartbeat`, `leave`); routers read (`read_fleet`).
 
@@ -16,7 +16,7 @@ credential can add, remove or replace another worker: an earlier shared id set t
 every worker could DEL/SREM/SADD let one worker empty every router's fleet or stand in
 for the others. A worker's hash names itself in its key; a record whose `worker_id`
 disagrees with its key is rejected. The events channel only wakes routers early (its
-content is never trusted; router/discovery.py bounds how often it may wake them).
+content is never trusted; router/fleet/discovery.py bounds how often it may wake them).
 
 Cost: SCAN walks the whole database, not only matching keys, so a poll costs
 O(keys in the db / SCAN_COUNT) round trips plus one pipelined HGETALL per worker

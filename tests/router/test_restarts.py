@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router.restarts import Restarts, describe_exit
+from router.up.restarts import Restarts, describe_exit
 from shared.procs import Child
 
 
