@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from loadtests.faults import Options, Row, _cut, load_around, poll
+from loadtests.faults_kit import Options, Row, cut_note, load_around, poll
 from loadtests.fleet import ROOT
 from shared.procs import free_port, http_json, wait_until
 
@@ -73,7 +73,7 @@ async def up_kill(o: Options) -> Row:
         tokens = _metric(_workers(url)["worker-0"]["url"], "radix_worker_completion_tokens_total")
         report = next((ln.strip() for ln in lines if ln.startswith("worker-0 exited")), "none")
         note = (f"up still running: {up.poll() is None}; it printed: `{report[:90]}…`; "
-                f"the new worker-0 then generated {tokens:.0f} tokens" + _cut(outcomes))  # fmt: skip
+                f"the new worker-0 then generated {tokens:.0f} tokens" + cut_note(outcomes))  # fmt: skip
         retried = _metric(url, "radix_router_retries_total")
         return Row("worker SIGKILL under up", len(outcomes), sum(x.ok for x in outcomes),
                    retried, rec, note)  # fmt: skip

@@ -10,14 +10,11 @@ Flags override the environment (`RADIX_ROUTER_*`), which overrides `--config FIL
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
 from shared.config import ConfigError, PolicyName, RouterConfig, load_config
-from shared.logging import setup_logging
 
 POLICIES = get_args(PolicyName)
 
@@ -154,28 +151,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         from router.up.processes import run_processes
 
         return run_processes(config)
+    from router.http.app import run_router  # the serving path, imported only to serve
+
     return run_router(config)
-
-
-def run_router(config: RouterConfig) -> int:
-    """One router process, in the foreground until SIGTERM/SIGINT; 1 when it cannot
-    listen (the port taken: one line says so, within seconds, in every mode)."""
-    from router.http.app import serve
-    from shared.http_server import BindError
-
-    setup_logging(config.log_level)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        asyncio.run(serve(config))
-    except BindError as e:
-        logging.getLogger("router").error("%s", e)
-        return 1
-    return 0
 
 
 def _run_up(args: argparse.Namespace) -> int:

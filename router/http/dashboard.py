@@ -60,8 +60,8 @@ def snapshot(app: web.Application) -> dict[str, Any]:
     trees = app[POLICY].worker_stats()
     workers = list(app[FLEET].workers.values())
     rows = [_worker_row(w, now, trees.get(w.worker_id, {})) for w in workers]
-    prompt = sum(w.prompt_tokens_total for w in workers)
-    cached = sum(w.cached_tokens_total for w in workers)
+    prompt = sum(w.report.prompt_tokens_total for w in workers)
+    cached = sum(w.report.cached_tokens_total for w in workers)
     predicted = sum(r["predicted_cached_tokens_total"] for r in rows)
     actual = sum(r["actual_cached_tokens_total"] for r in rows)
     breakers = Counter(r["breaker"] for r in rows)

@@ -52,7 +52,7 @@ def child_config(config: RouterConfig) -> RouterConfig:
 
 
 def _run_child(config: RouterConfig) -> None:
-    from router.cli import run_router  # in the child: the whole router is imported here
+    from router.http.app import run_router  # in the child: the whole router is imported here
 
     # 1 from run_router: it could not listen (the port taken by another program). That
     # is no crash a restart cures, and a child slow to start (imports, the first
