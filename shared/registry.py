@@ -195,14 +195,13 @@ class Registry:
             wid = name[start:]
             if wid in found:
                 continue
+            if len(found) >= MAX_WORKERS:
+                self.rejections.reject("registry", "scan", f"over {MAX_WORKERS} workers")
+                break
             try:
                 found.add(check_worker_id(wid))
             except ValueError as e:
                 self.rejections.reject("registry", wid, str(e))
-                continue
-            if len(found) >= MAX_WORKERS:
-                self.rejections.reject("registry", "scan", f"over {MAX_WORKERS} workers")
-                break
         return sorted(found)
 
 
