@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 QUICK_EXIT_S = 5.0  # a child that exits sooner than this after its start failed to start
 MAX_QUICK_EXITS = 3
 POLL_S = 0.5
-STOP_MARGIN_S = 5.0
-CANNOT_LISTEN = 3  # a child's exit status when its port is taken: the parent gives up  # beyond a child's own stop (shutdown_delay + drain_timeout)
+STOP_MARGIN_S = 5.0  # beyond a child's own stop (shutdown_delay + drain_timeout)
+CANNOT_LISTEN = 3  # a child's exit status when its port is taken: the parent gives up
 
 
 def child_config(config: RouterConfig) -> RouterConfig:
