@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from router.fleet.discovery import Discovery
 from router.fleet.sync import DecisionSync, ReplicaSync
 from router.fleet.table import Fleet
-from router.http import handlers
+from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import make_edge_middleware
 from router.http.gate import Admission
@@ -37,7 +37,6 @@ from router.http.state import (
     METRICS,
     OPENAPI,
     POLICY,
-    PROXY,
     REJECTIONS,
     SESSION,
     SYNC,
@@ -46,7 +45,7 @@ from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
 from router.upstream.pool import UpstreamPool
-from router.upstream.proxy import Proxy
+from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
 from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
@@ -140,6 +139,26 @@ def _counter(metrics: Metrics) -> OnDone:
     return on_done
 
 
+def routes() -> list[web.RouteDef]:
+    """Every route, in one table (the dashboard's two among them)."""
+    return [
+        web.post("/v1/chat/completions", handlers.chat_completions),
+        web.post("/v1/completions", handlers.completions),
+        web.post("/generate", handlers.generate),
+        web.get("/v1/models", handlers.models),
+        web.get("/health", handlers.health),
+        web.get("/liveness", handlers.liveness),
+        web.get("/readiness", handlers.readiness),
+        web.get("/metrics", handlers.metrics),
+        web.get("/workers", handlers.list_workers),
+        web.post("/workers", handlers.add_worker),
+        web.delete("/workers/{worker_id}", handlers.delete_worker),
+        web.get("/openapi.json", handlers.openapi),
+        web.get(dashboard.PAGE_PATH, dashboard.page),
+        web.get(dashboard.DATA_PATH, dashboard.data),
+    ]
+
+
 def create_app(
     config: RouterConfig,
     *,
@@ -189,7 +208,7 @@ def create_app(
         app[RATELIMIT_REDIS] = ratelimit_redis
     app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx, _ratelimit_redis_ctx])
-    app.router.add_routes(handlers.routes())
+    app.router.add_routes(routes())
     return app
 
 

@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from shared.config import ConfigError, RouterConfig
@@ -51,25 +52,30 @@ def child_config(config: RouterConfig) -> RouterConfig:
     return config
 
 
-def _run_child(config: RouterConfig) -> None:
-    from router.http.app import run_router  # in the child: the whole router is imported here
+RunRouter = Callable[[RouterConfig], int]  # one router process's body (picklable: spawn)
 
-    # 1 from run_router: it could not listen (the port taken by another program). That
-    # is no crash a restart cures, and a child slow to start (imports, the first
-    # registry read) did not count as a quick exit: it was restarted forever.
+
+def _child(run_router: RunRouter, config: RouterConfig) -> None:
+    """A child's body: `run_router`, its 1 (it could not listen: the port taken by another
+    program) turned into CANNOT_LISTEN. That is no crash a restart cures, and a child
+    slow to start (imports, the first registry read) did not count as a quick exit: it
+    was restarted forever."""
     sys.exit(CANNOT_LISTEN if run_router(config) == 1 else 0)
 
 
 class Supervisor:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, run_router: RunRouter) -> None:
         self.config = child_config(config)
+        self._run_router = run_router
         self._ctx = multiprocessing.get_context("spawn")
         self._children: list[tuple[BaseProcess, float]] = []  # (process, started at)
         self._stop = threading.Event()
         self._quick_exits = 0
 
     def _start(self) -> tuple[BaseProcess, float]:
-        proc = self._ctx.Process(target=_run_child, args=(self.config,), name="radix-router")
+        proc = self._ctx.Process(
+            target=_child, args=(self._run_router, self.config), name="radix-router"
+        )
         proc.start()
         return proc, time.monotonic()
 
@@ -126,10 +132,11 @@ class Supervisor:
                 proc.join()
 
 
-def run_processes(config: RouterConfig) -> int:
-    """Supervise `config.processes` router processes until SIGTERM/SIGINT."""
+def run_processes(config: RouterConfig, run_router: RunRouter) -> int:
+    """Supervise `config.processes` router processes, each running `run_router` (the
+    cli's: this module knows no router code), until SIGTERM/SIGINT."""
     setup_logging(config.log_level)
-    supervisor = Supervisor(config)
+    supervisor = Supervisor(config, run_router)
     previous = {
         sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
     }
