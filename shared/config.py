@@ -103,6 +103,9 @@ class RouterConfig(_Frozen):
     # request, so the worker frees its slot and KV.
     body_read_timeout: float = Field(30.0, gt=0)
     stream_write_timeout: float = Field(30.0, gt=0)
+    # A connection whose request head (line and headers) is not complete this long after
+    # it opened, or after the first byte of a later request, is closed (shared/http_server.py).
+    header_read_timeout: float = Field(10.0, gt=0)
     # A non-streamed worker answer larger than this is refused with 502, never buffered.
     max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_concurrent: int = Field(1024, ge=1)
@@ -178,6 +181,8 @@ class WorkerConfig(_Frozen):
     # twice the tokens per pool, half the KV bytes a decode step reads).
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     disable_cuda_graph: bool = False
+    # Schedule step N+1 while step N runs on the device (worker/engine/engine.py).
+    disable_overlap_schedule: bool = False
     cache_tokens: int | None = Field(None, gt=0)  # KV capacity; None: kv_memory_fraction
     kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     page_size: int = Field(1, ge=1)
@@ -189,13 +194,18 @@ class WorkerConfig(_Frozen):
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     share_inflight_prefixes: bool = True  # prefill chunks enter the tree while running
     max_n: int = Field(8, ge=1, le=128)  # most choices (`n`) one request may ask for
-    # Sim engine cost model: every step costs decode_ms (one pass over the weights)
-    # plus prefill_us per prompt token it computes.
+    # Sim engine cost model (worker/backends/sim.py): every step costs decode_ms (one
+    # pass over the weights), plus decode_us_per_seq per sequence in it, plus
+    # decode_us_per_1k_context per 1,000 context tokens its sequences read, plus
+    # prefill_us per prompt token it computes.
     sim_prefill_us_per_token: float = Field(0.0, ge=0)
     sim_decode_ms_per_token: float = Field(0.0, ge=0)
+    sim_decode_us_per_seq: float = Field(0.0, ge=0)
+    sim_decode_us_per_1k_context: float = Field(0.0, ge=0)
     # HTTP.
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     body_read_timeout: float = Field(30.0, gt=0)  # as the router's
+    header_read_timeout: float = Field(10.0, gt=0)  # as the router's
     stream_write_timeout: float = Field(30.0, gt=0)  # then the request is aborted
     api_keys: tuple[str, ...] = ()
     drain_timeout: float = Field(30.0, ge=0)
