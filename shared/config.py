@@ -170,6 +170,12 @@ class WorkerConfig(_Frozen):
     redis_prefix: str = "radixrouter:"
     heartbeat_interval: float = Field(1.0, gt=0)
     heartbeat_ttl_intervals: int = Field(3, ge=2)
+    # KV-cache events (worker/kv_publisher.py): every block the radix cache stores or drops,
+    # in vLLM's schema, onto this worker's bounded Redis stream for routers' exact index.
+    kv_events: bool = False
+    kv_events_block_size: int = Field(16, ge=1, le=4096)
+    kv_events_stream_len: int = Field(10_000, ge=100)  # entries kept (MAXLEN ~)
+    kv_events_interval: float = Field(0.05, gt=0)  # seconds between stream writes
     # Engine.
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -20,6 +20,7 @@ import numpy as np
 
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
+from worker.engine.kv_blocks import BlockEvents
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
 from worker.engine.scheduler import Batch, Scheduler
 from worker.engine.sequence import Req
@@ -63,6 +64,10 @@ class LLMEngine:
             cache_cls = NoCache if config.disable_radix_cache else RadixCache
             cache = cache_cls(self.allocator, page_size=config.page_size)
         self.cache: PrefixCache = cache
+        self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
+        if config.kv_events_block_size and isinstance(cache, RadixCache):
+            self.kv_events = BlockEvents(config.kv_events_block_size)
+            cache.publish_events(self.kv_events)
         self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
         # The override may only shorten the model's context. And a request never holds
         # more slots than the pool has: then the oldest running request can always make

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from worker.engine.radix_cache import TreeNode
 
 _TB = 8  # bytes per token id in a node key (int64), as in radix_cache
+MAX_EVENT_BLOCKS = 1024  # blocks per BlockStored (shared/kv_events.MAX_BLOCKS bounds readers)
 
 
 class BlockEvents:
@@ -56,6 +57,7 @@ class BlockEvents:
         self.pending: deque[KVEvent] = deque([AllBlocksCleared()])  # a new epoch: empty
         self.dropped = 0  # events lost to a full backlog (then the tree is republished)
         self._lost = False
+        self._due = False  # a republish was requested (request_republish)
         self._snapshot = 0  # events of the last republish still counted in `pending`
         self.root: TreeNode | None = None  # set by the cache; the republish walks it
 
@@ -67,19 +69,28 @@ class BlockEvents:
         if not self._lost:
             self.pending.append(event)
 
-    def drain(self, limit: int) -> list[KVEvent]:
-        """Up to `limit` events, oldest first (any thread; deque pops are atomic)."""
+    def request_republish(self) -> None:
+        """Republish the whole tree at the next store (any thread): readers that start
+        after the stream dropped this epoch's first entries resync at its AllBlocksCleared."""
+        self._due = True
+
+    def drain(self, limit: int, max_tokens: int = 1 << 62) -> list[KVEvent]:
+        """Up to `limit` events carrying about `max_tokens` token ids at most, oldest
+        first (any thread; deque pops are atomic)."""
         out: list[KVEvent] = []
-        pending = self.pending
-        while pending and len(out) < limit:
-            out.append(pending.popleft())
+        pending, tokens = self.pending, 0
+        while pending and len(out) < limit and tokens < max_tokens:
+            event = pending.popleft()
+            out.append(event)
+            if isinstance(event, BlockStored):
+                tokens += len(event.token_ids)
         self._snapshot = max(0, self._snapshot - len(out))
         return out
 
     # ---- the three tree changes ---------------------------------------------------
     def stored(self, leaf: TreeNode, arr: np.ndarray, start: int, end: int) -> None:
         """`leaf` now holds arr[start:end] (token positions along its path)."""
-        if self._lost:
+        if self._lost or self._due:
             self._republish()
         bs = self.block_size
         leaf.bend = (start // bs + 1) * bs - start
@@ -95,7 +106,15 @@ class BlockEvents:
             prev = engine_block_hash(prev, raw[j * bs * _TB : (j + 1) * bs * _TB])
             hashes.append(prev)
         leaf.blocks = tuple(hashes)
-        self._emit(BlockStored(leaf.blocks, parent, tuple(tokens.tolist()), bs, self.medium))
+        ids = tokens.tolist()
+        for i in range(0, len(hashes), MAX_EVENT_BLOCKS):  # readers bound an event's size
+            chunk = leaf.blocks[i : i + MAX_EVENT_BLOCKS]
+            self._emit(
+                BlockStored(
+                    chunk, parent, tuple(ids[i * bs : (i + len(chunk)) * bs]), bs, self.medium
+                )
+            )
+            parent = chunk[-1]
 
     def removed(self, node: TreeNode) -> None:
         if node.blocks:
@@ -112,7 +131,7 @@ class BlockEvents:
     # ---- republish after a lost backlog -------------------------------------------
     def _republish(self) -> None:
         """AllBlocksCleared, then every block the tree holds (parents before children)."""
-        self._lost = False
+        self._lost = self._due = False
         self.pending.append(AllBlocksCleared())
         if self.root is None:
             return
@@ -128,10 +147,11 @@ class BlockEvents:
                 first = (depth - len(node.value) + node.bend) // bs - 1
                 raw = path[first * bs * _TB : (first + len(node.blocks)) * bs * _TB]
                 tokens = memoryview(raw).cast("q").tolist()
-                self.pending.append(
-                    BlockStored(node.blocks, parent, tuple(tokens), bs, self.medium)
-                )
-                parent = node.blocks[-1]
+                for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
+                    chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
+                    ids = tuple(tokens[i * bs : (i + len(chunk)) * bs])
+                    self.pending.append(BlockStored(chunk, parent, ids, bs, self.medium))
+                    parent = chunk[-1]
             stack.extend((c, path, parent) for c in node.children.values())
         self._snapshot = len(self.pending)  # a republish never overflows the backlog itself
 
