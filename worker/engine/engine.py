@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.kv_blocks import BlockEvents
@@ -259,12 +260,8 @@ class LLMEngine:
     # --- input checks ---
 
     def encode_prompt(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        # A chat template's output already starts with BOS; encoding adds a second one.
-        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-            ids = ids[1:]
-        return ids
+        # shared/: the router computes the same ids for its block index (issue 26).
+        return encode_prompt(self.tokenizer, text)
 
     def _context(self) -> str:
         if self.max_model_len == self.allocator.capacity:

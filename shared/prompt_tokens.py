@@ -1,0 +1,144 @@
+"""A request's prompt as the worker's token ids: the same code on both sides (issue 26).
+
+The worker renders chat messages with the model's chat template and encodes the text
+(`encode_prompt`); the router does the same with `PromptTokens` to look the request up
+in its block index, and prompts given as token ids are used as they are.
+
+Repeated conversation prefixes are not re-tokenized: the rendered text is cut at the
+tokenizer's special tokens (template tags such as `<|im_start|>`), which every tokenizer
+splits off before anything else, so the ids of the whole are the ids of the pieces in
+order. Each piece's ids are remembered (LRU), so a new turn costs only its new text.
+Whether that holds for a tokenizer is checked when it is loaded (a normalizer that
+treats the first piece differently, e.g. SentencePiece's leading `▁`, fails the check);
+where it does not, the whole text is encoded each time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+_CHECK = [
+    {"role": "system", "content": "You are brief. Answer in one line."},
+    {"role": "user", "content": "Hello there,  world! 12 + 30 = ?"},
+    {"role": "assistant", "content": " 42.\n\nAnything else?"},
+    {"role": "user", "content": "No — thanks. ¿Qué tal?"},
+]
+
+
+class Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+def encode_prompt(tokenizer: Encoder, text: str) -> list[int]:
+    """The worker's prompt ids for `text` (a rendered chat or a completion prompt)."""
+    ids = tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    # A chat template's output already starts with BOS; encoding adds a second one.
+    if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+        ids = ids[1:]
+    return ids
+
+
+def load_tokenizer(setting: str) -> Encoder:
+    """`sim`: the sim workers' built-in tokenizer; else a local model or tokenizer folder."""
+    if setting == "sim":
+        from shared.text_tokenizer import TextTokenizer
+
+        return TextTokenizer()
+    from shared.tokenizer import Tokenizer
+
+    if not Path(setting, "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer: {setting} has no tokenizer.json (or use 'sim')")
+    return Tokenizer.from_dir(setting)
+
+
+class PromptTokens:
+    def __init__(self, tokenizer: Encoder, max_pieces: int = 100_000) -> None:
+        self.tokenizer = tokenizer
+        self.max_pieces = max_pieces
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._split = _special_split(tokenizer)
+        self._lead: list[int] = []  # what encoding adds in front (BOS), once per prompt
+        self.hits = self.misses = 0
+        if self._split is not None and not self._pieces_agree():
+            self._split = None
+        self.hits = self.misses = 0
+
+    @classmethod
+    def load(cls, setting: str) -> PromptTokens:
+        return cls(load_tokenizer(setting))
+
+    @property
+    def piecewise(self) -> bool:
+        return self._split is not None
+
+    def chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt)
+        return self.text(text)
+
+    def text(self, text: str) -> list[int]:
+        if self._split is None:
+            return encode_prompt(self.tokenizer, text)
+        ids = list(self._lead)
+        cache = self._pieces
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            got = cache.get(piece)
+            if got is None:
+                self.misses += 1
+                got = self.tokenizer.encode(piece, add_special_tokens=False)
+                cache[piece] = got
+                if len(cache) > self.max_pieces:
+                    cache.popitem(last=False)
+            else:
+                self.hits += 1
+                cache.move_to_end(piece)
+            ids += got
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    def _pieces_agree(self) -> bool:
+        """Pieces encoded apart == the whole encoded, on a sample chat and a plain text."""
+        tok = self.tokenizer
+        plain = "Hello world"
+        whole, bare = tok.encode(plain), tok.encode(plain, add_special_tokens=False)
+        if whole[len(whole) - len(bare) :] != bare:
+            return False  # something added at the end (EOS, SEP): not a prefix
+        self._lead = whole[: len(whole) - len(bare)]
+        try:
+            samples = [
+                tok.apply_chat_template(_CHECK, True),
+                tok.apply_chat_template(_CHECK[:2], True),
+            ]
+        except ValueError:  # no template: completion prompts only
+            samples = []
+        samples += [plain, "  two leading spaces\nand lines", "x<|y|>z"]
+        for sample in samples:
+            if self.text(sample) != encode_prompt(tok, sample):
+                return False
+        self._pieces.clear()
+        return True
+
+
+def _special_split(tokenizer: Encoder) -> re.Pattern[str] | None:
+    """A regex that cuts text around the tokenizer's special tokens (kept as pieces)."""
+    hf = getattr(tokenizer, "_tok", None)
+    if hf is None:  # the sim tokenizer: its template tags are `<|role|>` and `<|end|>`
+        return re.compile(r"(<\|[a-z]+\|>)")
+    added = [t.content for t in hf.get_added_tokens_decoder().values() if t.content]
+    if not added:
+        return None
+    added.sort(key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, added)) + ")")
