@@ -15,8 +15,20 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router import dashboard
+from router.kv_score import request_tokens
 from router.proxy import Routed
-from router.state import ADMISSION, CLOCK, CONFIG, FLEET, METRICS, OPENAPI, POLICY, PROXY, SESSION
+from router.state import (
+    ADMISSION,
+    CLOCK,
+    CONFIG,
+    FLEET,
+    METRICS,
+    OPENAPI,
+    POLICY,
+    PROXY,
+    SESSION,
+    TOKENS,
+)  # fmt: skip
 from router.upstream import worker_authorization
 from router.workers import Worker
 from shared.body import read_json
@@ -64,7 +76,8 @@ def _inference(endpoint: str, path: str) -> Any:
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
-            routed = Routed(endpoint, path, raw, text, session_key, model)
+            ids = request_tokens(app.get(TOKENS), parsed) if app[CONFIG].kv_events else None
+            routed = Routed(endpoint, path, raw, text, session_key, model, ids)
             async with app[ADMISSION].slot():
                 response = await app[PROXY].forward(request, routed)
             status = response.status

@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
 from router.fleet import Fleet
+from router.kv_feed import KvEventFeed
 from router.upstream_client import UpstreamPool
 from router.workers import Worker
 from shared.metrics import ServiceMetrics, kv_usage_ratio
@@ -167,6 +168,38 @@ class _RejectionsCollector(Collector):
         yield family
 
 
+class _KvFeedCollector(Collector):
+    """The KV-event index: its size, each worker's trust status, what was dropped."""
+
+    def __init__(self, feed: KvEventFeed) -> None:
+        self.feed = feed
+
+    def collect(self) -> Iterator[Family]:
+        feed = self.feed
+        blocks = GaugeFamily(
+            "radix_router_kv_index_blocks", "Token blocks in the KV-event index", labels=["model"]
+        )
+        for model, index in sorted(feed.indexes.items()):
+            blocks.add_metric([model], len(index))
+        yield blocks
+        status = GaugeFamily(
+            "radix_router_kv_events_status",
+            "1 for each worker's KV-event status (ok: its index is used; else the tree)",
+            labels=["worker", "status"],
+        )
+        for wid, state in sorted(feed.streams.items()):
+            status.add_metric([wid, state.status], 1)
+        yield status
+        dropped = CounterFamily(
+            "radix_router_kv_events_dropped",
+            "KV-event stream entries dropped (malformed, oversized, other_worker, gap, ...)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(feed.dropped.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+
+
 class _PoolCollector(Collector):
     """The upstream pool's connections: how often keep-alive saves a connect, and how
     often a worker closed a kept connection under a request (resent, not its failure)."""
@@ -223,6 +256,9 @@ class Metrics(ServiceMetrics):
         r.register(_FleetCollector(fleet, clock, in_flight))
         if rejections is not None:
             r.register(_RejectionsCollector(rejections))
+
+    def watch_kv_feed(self, feed: KvEventFeed) -> None:
+        self.registry.register(_KvFeedCollector(feed))
 
     def watch_pool(self, pool: UpstreamPool) -> None:
         self.registry.register(_PoolCollector(pool))

@@ -10,12 +10,14 @@ from aiohttp import web
 from router.admission import Admission
 from router.discovery import Discovery
 from router.fleet import Fleet
+from router.kv_feed import KvEventFeed
 from router.metrics import Metrics
 from router.policy.base import Policy
 from router.proxy import Proxy
 from router.sync import ReplicaSync
 from shared.config import RouterConfig
 from shared.peers import Rejections
+from shared.prompt_tokens import PromptTokens
 
 CONFIG = web.AppKey("config", RouterConfig)
 CLOCK = web.AppKey("clock", Callable[[], float])
@@ -26,6 +28,8 @@ ADMISSION = web.AppKey("admission", Admission)
 OPENAPI = web.AppKey("openapi", dict)
 REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis boundary
 SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
+TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `tokenizer`)
+KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
 # Set up in cleanup_ctx (they need the running loop):
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 PROXY = web.AppKey("proxy", Proxy)

@@ -108,9 +108,10 @@ def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[BenchFlee
         predicted = feed.match(MODEL, follow_up)["vllm-ev"]
         actual = await cached(follow_up)
         assert abs(predicted - actual) <= index.block_size, (predicted, actual, first)
+        print(f"vLLM block {index.block_size}: held {held}, predicted {predicted}, actual {actual}")
         # Other prompts through the small pool: vLLM evicts the first, the index follows.
         for k in range(6):
-            await cached([(k + 1) * 600 + i % 400 for i in range(700)])
+            await cached([k + 3, *((k * 37 + i * 11) % 400 + 5 for i in range(699))])
         await settle(lambda: feed.match(MODEL, prompt).get("vllm-ev", 0) < held)
         assert feed.trusted("vllm-ev") and not feed.dropped, feed.dropped
         await redis.aclose()
