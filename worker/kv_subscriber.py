@@ -15,7 +15,7 @@ what it missed; on start it asks for everything the publisher still buffers (fro
 so a sidecar started after the engine learns what the engine already cached. Missed
 batches it cannot get back (no replay socket, or the publisher dropped them) make a gap
 in *our* stream's sequence too, so routers stop trusting this worker's index rather
-than trust a wrong one (router/kv_feed.py).
+than trust a wrong one (router/fleet/kv_feed.py).
 
 The forwarder writes batches re-encoded (validated, unknown fields dropped) under the
 heartbeat's epoch; a new epoch (the engine restarted) starts at sequence 0 with an

@@ -176,7 +176,7 @@ class CostAware(CacheAware):
         price = cols.price_small if small else cols.price
         miss, stall = cfg.cost_miss_weight, cfg.cost_stall_weight
         cost, weights, stalled, p = price(loads, now, n, miss, stall)
-        matched = self._holders_of(text)  # routable holders: chars cached there
+        matched = self._holders_of(request, now)  # routable holders: chars cached there
         at, ends = list(matched), list(matched.values())
         if small or len(at) <= _FEW:
             for j, end in zip(at, ends, strict=True):
@@ -196,12 +196,17 @@ class CostAware(CacheAware):
         ttft = float(cost[i] - stalled[i] * p[i] * uncached)
         self._note_own(i, wid, math.ceil(uncached), now + ttft / 1e3)
         self._tree.insert(text, wid, now)
-        return Decision(wid, reason, chars, chars / len(text) if text else 0.0)
+        rate = chars / len(text) if text else 0.0
+        tokens = request.tokens
+        return Decision(wid, reason, chars, rate, rate * len(tokens) if tokens else None)
 
-    def _holders_of(self, text: str) -> dict[int, int]:
+    def _holders_of(self, request: RouteRequest, now: float) -> dict[int, int]:
         """Position → chars cached there, for the routable workers holding a prefix of
         ``text``, in the order they first appear on its path (the tie order of `_hold`)."""
+        text = request.text
         path = self._tree.match_path(text) if text else []
+        if self.kv is not None and request.tokens:  # the workers' own reports (kv_score.py)
+            path = self.kv.correct(path, request.tokens, request.model, len(text), now)
         pos = self._pos
         if not path or len(path[0][0]) <= _FEW:  # a few holders: the plain loop is fastest
             matched: dict[int, int] = {}

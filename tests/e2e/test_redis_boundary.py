@@ -19,9 +19,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
-from router.kv_feed import FeedMember, KvEventFeed
-from router.resolver import GuardedResolver
-from router.sync import SEP, DecisionSync
+from router.fleet.kv_feed import FeedMember, KvEventFeed
+from router.fleet.sync import SEP, DecisionSync
+from router.upstream.resolver import GuardedResolver
 from shared.config import RouterConfig
 from shared.kv_events import (
     MAX_BATCH_BYTES,

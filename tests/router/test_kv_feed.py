@@ -10,7 +10,7 @@ import asyncio
 import aiohttp
 from redis.asyncio import Redis
 
-from router.kv_feed import FeedMember, KvEventFeed
+from router.fleet.kv_feed import FeedMember, KvEventFeed
 from shared.kv_events import AllBlocksCleared, BlockStored, encode_batch, entry_fields
 from shared.redis_server import RedisServer
 from shared.registry import Registry

@@ -11,7 +11,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from router.state import FLEET, KV_FEED
+from router.http.state import FLEET, KV_FEED
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer, free_port
 from tests.fuzz.conftest import start_router, worker_config

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 from redis.asyncio import Redis
 
-from router.kv_feed import FeedMember, KvEventFeed
+from router.fleet.kv_feed import FeedMember, KvEventFeed
 from shared.kv_events import BlockStored, encode_batch
 from shared.redis_server import free_port
 from shared.registry import Registry

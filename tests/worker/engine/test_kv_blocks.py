@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import invariant, rule
 
-from router.kv_index import BlockIndex
+from router.fleet.kv_index import BlockIndex
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
 from tests.worker.engine.test_radix_cache import CacheModel, PagedCacheModel, make, put
 from worker.engine.allocator import SlotAllocator

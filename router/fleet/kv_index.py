@@ -1,0 +1,178 @@
+"""The exact index: which workers hold which token blocks, from their own KV events.
+
+Beside the approximate prefix tree (router/policy/tree.py: what this router *sent*), the index
+says what each worker *reports* holding (shared/kv_events.py). One index per model and
+block size. A block is keyed by its content and its parent's key (`block_key`), never by
+the engine's hash, so workers with different hash functions (vLLM's sha256, SGLang's,
+ours) that hold the same tokens hold the same block:
+
+    blocks   key -> {worker: (media bits, engine hash)}   (LRU order; `max_blocks`)
+    per worker: engine hash -> key               (what a BlockRemoved names)
+
+A lookup (`match`) keys the request's token blocks in turn and follows the holders of
+each: a worker's score is its longest run of held blocks from the start, in tokens.
+
+Bounded memory: past `max_blocks` the least recently stored blocks are forgotten for
+every holder (an under-estimate, never a wrong holder). A BlockStored whose parent the
+index does not know (forgotten, or stored before a gap) cannot be keyed and is dropped
+(counted as `orphan`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    block_key,
+)
+
+_MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
+_TB = 8  # bytes per token id (int64)
+
+
+@dataclass
+class _WorkerBlocks:
+    by_hash: dict[BlockHash, int] = field(default_factory=dict)  # engine hash -> key
+
+
+class BlockIndex:
+    """One model's blocks of `block_size` tokens -> their holders."""
+
+    def __init__(self, block_size: int, max_blocks: int = 2_000_000) -> None:
+        if block_size < 1 or max_blocks < 1:
+            raise ValueError("block_size and max_blocks must be >= 1")
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[int, dict[str, tuple[int, BlockHash]]] = OrderedDict()
+        self._workers: dict[str, _WorkerBlocks] = {}
+        self.orphans = 0  # stored blocks whose parent is unknown (dropped)
+        self.forgotten = 0  # blocks dropped to stay under max_blocks
+
+    # ---- events -----------------------------------------------------------------
+    def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
+        """Apply one batch of `worker`'s events (already validated by shared/kv_events)."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._stored(worker, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(worker, event.block_hashes, _MEDIA.get(event.medium, 1))
+            elif isinstance(event, AllBlocksCleared):
+                self.drop_worker(worker)
+
+    def _stored(self, worker: str, event: BlockStored) -> None:
+        bs = self.block_size
+        if event.block_size != bs:
+            raise ValueError(f"block size {event.block_size} is not the index's {bs}")
+        wb = self._workers.setdefault(worker, _WorkerBlocks())
+        if event.parent_block_hash is None:
+            parent = 0
+        else:
+            known = wb.by_hash.get(event.parent_block_hash)
+            if known is None:
+                self.orphans += len(event.block_hashes)
+                return
+            parent = known
+        media = _MEDIA.get(event.medium, 1)
+        raw = np.asarray(event.token_ids, dtype=np.int64).tobytes()
+        blocks, step = self._blocks, bs * _TB
+        for i, engine_hash in enumerate(event.block_hashes):
+            parent = block_key(parent, raw[i * step : (i + 1) * step])
+            holders = blocks.get(parent)
+            if holders is None:
+                blocks[parent] = holders = {}
+            else:
+                blocks.move_to_end(parent)
+            held = holders.get(worker)
+            if held is not None and held[1] != engine_hash:
+                wb.by_hash.pop(held[1], None)  # the same content under a new engine hash
+            holders[worker] = (media | (held[0] if held else 0), engine_hash)
+            old = wb.by_hash.get(engine_hash)
+            if old is not None and old != parent:
+                self._unhold(worker, old, 7)
+            wb.by_hash[engine_hash] = parent
+        while len(blocks) > self.max_blocks:
+            _, holders = blocks.popitem(last=False)
+            self.forgotten += 1
+            for w, (_, h) in holders.items():
+                self._workers[w].by_hash.pop(h, None)
+
+    def _removed(self, worker: str, hashes: Sequence[BlockHash], media: int) -> None:
+        wb = self._workers.get(worker)
+        if wb is None:
+            return
+        for engine_hash in hashes:
+            key = wb.by_hash.get(engine_hash)
+            if key is not None and not self._unhold(worker, key, media):
+                del wb.by_hash[engine_hash]
+
+    def _unhold(self, worker: str, key: int, media: int) -> int:
+        """Clear `media` bits of `worker` on `key`; returns the bits it still holds."""
+        holders = self._blocks.get(key)
+        if holders is None:
+            return 0
+        held = holders.get(worker)
+        left = 0 if held is None else held[0] & ~media
+        if left:
+            holders[worker] = (left, held[1])  # type: ignore[index]
+            return left
+        holders.pop(worker, None)
+        if not holders:
+            del self._blocks[key]
+        return 0
+
+    def drop_worker(self, worker: str) -> None:
+        """Forget everything `worker` holds (cleared, restarted, gone, out of sync)."""
+        wb = self._workers.pop(worker, None)
+        if wb is None:
+            return
+        for key in set(wb.by_hash.values()):
+            self._unhold(worker, key, 7)
+
+    # ---- lookups ----------------------------------------------------------------
+    def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
+        """The chain of block keys of `tokens` (whole blocks only)."""
+        bs = self.block_size
+        raw = np.asarray(tokens, dtype=np.int64).tobytes()
+        step, out, parent = bs * _TB, [], 0
+        for i in range(len(raw) // step):
+            parent = block_key(parent, raw[i * step : (i + 1) * step])
+            out.append(parent)
+        return out
+
+    def match(self, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
+        """Per worker, how many leading tokens of `tokens` it holds (whole blocks, > 0)."""
+        blocks = self._blocks
+        out: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, key in enumerate(self.keys(tokens)):
+            holders = blocks.get(key)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive.intersection(holders)
+            if not alive:
+                break
+            end = (i + 1) * self.block_size
+            for w in alive:
+                out[w] = end
+        return out
+
+    def blocks_of(self, worker: str) -> int:
+        wb = self._workers.get(worker)
+        return 0 if wb is None else len(wb.by_hash)
+
+    def holds(self, worker: str, key: int) -> bool:
+        return worker in self._blocks.get(key, ())
+
+    def __len__(self) -> int:
+        return len(self._blocks)
