@@ -219,6 +219,10 @@ class KvEventFeed:
             return {}
         return {w: n for w, n in index.match(tokens).items() if self.trusted(w)}
 
+    def status_of(self, wid: str) -> str:
+        state = self.streams.get(wid)
+        return state.status if state is not None else "syncing"
+
     def only_model(self) -> str:
         """The model when the fleet serves one (requests that name none)."""
         return next(iter(self.indexes)) if len(self.indexes) == 1 else ""

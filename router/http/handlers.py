@@ -21,6 +21,7 @@ from router.http.state import (
     CLOCK,
     CONFIG,
     FLEET,
+    KV_FEED,
     METRICS,
     OPENAPI,
     POLICY,
@@ -166,6 +167,8 @@ async def list_workers(request: web.Request) -> web.Response:
     for w in list(app[FLEET].workers.values()):
         item = w.describe(now)
         item["tree"] = trees.get(w.worker_id, {})
+        feed = app.get(KV_FEED)
+        item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
         out.append(item)
     return web.json_response({"object": "list", "data": out})
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
@@ -75,6 +76,13 @@ async def test_a_prompt_warmed_on_a_worker_routes_there(
             assert raw.headers["x-radix-worker"] == wid, (i, raw.headers["x-radix-route-reason"])
             usage = raw.parse().usage
             assert usage.prompt_tokens_details.cached_tokens > 0.8 * usage.prompt_tokens
+        async with aiohttp.ClientSession() as http:  # the status, where operators look
+            async with http.get(router.make_url("/workers")) as r:
+                listed = {w["worker_id"]: w["kv_events"] for w in (await r.json())["data"]}
+            async with http.get(router.make_url("/metrics")) as r:
+                metrics = await r.text()
+        assert listed == {"w0": "ok", "w1": "ok"}
+        assert 'radix_router_kv_events_status{status="ok",worker="w0"} 1.0' in metrics
     finally:
         await router.close()
         for w in workers:
