@@ -225,7 +225,7 @@ sidecar) may only write its own heartbeat record, the worker set and join/leave 
 */}}
 {{- define "radix-router.redisAclRouter" -}}
 {{- $p := .Values.redisPrefix -}}
-resetkeys %R~{{ $p }}worker:* ~{{ $p }}workers ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
+resetkeys %R~{{ $p }}worker:* %R~{{ $p }}kvevents:* ~{{ $p }}workers ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
 {{- end }}
 
 {{/*
@@ -234,7 +234,7 @@ id set and the events channel. Call with (list $ $podName).
 */}}
 {{- define "radix-router.redisAclWorker" -}}
 {{- $ := index . 0 }}{{- $pod := index . 1 }}{{- $p := $.Values.redisPrefix -}}
-resetkeys ~{{ $p }}worker:{{ $pod }} ~{{ $p }}workers resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +sadd +srem +del +publish +multi +exec +discard
+resetkeys ~{{ $p }}worker:{{ $pod }} ~{{ $p }}workers ~{{ $p }}kvevents:{{ $pod }} resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +sadd +srem +del +publish +multi +exec +discard +xadd
 {{- end }}
 
 {{/*
