@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import msgpack
+import numpy as np
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -48,7 +49,7 @@ BlockHash: TypeAlias = bytes | int
 class BlockStored:
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]  # len == len(block_hashes) * block_size
+    token_ids: Sequence[int] | np.ndarray  # len == len(block_hashes) * block_size
     block_size: int
     medium: str | None = MEDIUM_GPU
 
@@ -76,12 +77,49 @@ class EventBatch:
 # ---- block identity -----------------------------------------------------------------
 
 
-def block_key(parent: int, tokens: bytes) -> int:
-    """A block's identity: its tokens (int64 bytes) and its parent's key (0 at the root).
+_MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
+_BASE = np.uint64(0x100000001B3 | 1)  # odd: invertible mod 2**64
+_BASE_INV = np.uint64(pow(int(_BASE), -1, 2**64))
+_POS = np.random.default_rng(20261202).integers(1, 2**63, MAX_BLOCK_SIZE, dtype=np.uint64) | 1
+_powers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    Process-local (Python's bytes hash is salted per process): each router replica keys
-    its own index, and request-side and event-side keys come from this one function."""
-    return hash((parent, tokens))
+
+def _pows(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """BASE**i and BASE**-i for i < n (mod 2**64), grown in powers of two."""
+    size = 1 << max(6, (n - 1).bit_length())
+    got = _powers.get(size)
+    if got is None:
+        with np.errstate(over="ignore"):
+            up = np.cumprod(np.full(size, _BASE, dtype=np.uint64), dtype=np.uint64)
+            up = np.concatenate(([np.uint64(1)], up[:-1]))
+            down = np.cumprod(np.full(size, _BASE_INV, dtype=np.uint64), dtype=np.uint64)
+            down = np.concatenate(([np.uint64(1)], down[:-1]))
+        got = _powers[size] = (up, down)
+    return got
+
+
+def block_keys(tokens: np.ndarray, block_size: int, parent: int = 0) -> np.ndarray:
+    """Each whole block's identity (uint64): its tokens and everything before it, chained
+    from `parent` (0 at the root), so a block's key is its content and its parent's key.
+
+    K_i = K_(i-1) * B + h_i (mod 2**64), h_i a mix of block i's tokens, computed for all
+    blocks at once (no Python loop per block or token): a 2k-token prompt costs a few
+    microseconds. Both the index's events and the requests' lookups key blocks here."""
+    nb = len(tokens) // block_size
+    if nb == 0:
+        return np.empty(0, dtype=np.uint64)
+    # Array arithmetic on uint64 wraps mod 2**64 silently (only scalar ops warn).
+    # The offset keeps token 0 from mixing to 0 (then [0]*16 and [0]*32 shared a key).
+    x = (np.asarray(tokens[: nb * block_size]).astype(np.uint64) + _MIX2) * _MIX1
+    x ^= x >> np.uint64(29)
+    x *= _MIX2
+    x ^= x >> np.uint64(32)
+    h = (x.reshape(nb, block_size) * _POS[:block_size]).sum(axis=1, dtype=np.uint64)
+    up, down = _pows(nb + 1)
+    keys = np.cumsum(h * down[:nb], dtype=np.uint64) * up[:nb]
+    if parent:
+        keys += np.full(nb, parent, dtype=np.uint64) * up[1 : nb + 1]
+    return keys
 
 
 def engine_block_hash(parent: BlockHash | None, tokens: bytes) -> int:
@@ -100,7 +138,7 @@ def _event_obj(event: KVEvent) -> dict[str, Any]:
             "type": "BlockStored",
             "block_hashes": list(event.block_hashes),
             "parent_block_hash": event.parent_block_hash,
-            "token_ids": list(event.token_ids),
+            "token_ids": np.asarray(event.token_ids, dtype=np.int64).tolist(),
             "block_size": event.block_size,
             "lora_id": None,
             "medium": event.medium,
@@ -179,13 +217,16 @@ def _event(raw: object) -> KVEvent:
         tokens = f.get("token_ids")
         if not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
             raise ValueError("token_ids is not block_size tokens per block")
-        for t in tokens:
-            if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
-                raise ValueError("token id out of range")
+        ids = np.array(tokens)  # checked as a whole: no Python loop per token
+        if ids.dtype.kind not in "iu" or ids.ndim != 1:
+            raise ValueError("token ids are not integers")
+        if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
+            raise ValueError("token id out of range")
         parent = f.get("parent_block_hash")
         return BlockStored(
-            hashes, None if parent is None else _hash(parent), tuple(tokens), size, _medium(f)
-        )
+            hashes, None if parent is None else _hash(parent), ids.astype(np.int64), size,
+            _medium(f),
+        )  # fmt: skip
     if tag == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_ORDER)
         return BlockRemoved(_hashes(f.get("block_hashes")), _medium(f))

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 _CHECK = [
     {"role": "system", "content": "You are brief. Answer in one line."},
     {"role": "user", "content": "Hello there,  world! 12 + 30 = ?"},
@@ -63,9 +65,9 @@ class PromptTokens:
     def __init__(self, tokenizer: Encoder, max_pieces: int = 100_000) -> None:
         self.tokenizer = tokenizer
         self.max_pieces = max_pieces
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, np.ndarray] = OrderedDict()
         self._split = _special_split(tokenizer)
-        self._lead: list[int] = []  # what encoding adds in front (BOS), once per prompt
+        self._lead = np.empty(0, dtype=np.int64)  # what encoding adds in front (BOS)
         self.hits = self.misses = 0
         if self._split is not None and not self._pieces_agree():
             self._split = None
@@ -81,14 +83,15 @@ class PromptTokens:
 
     def chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> list[int]:
+    ) -> np.ndarray:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt)
         return self.text(text)
 
-    def text(self, text: str) -> list[int]:
+    def text(self, text: str) -> np.ndarray:
+        """int64 ids: the block index keys them with array arithmetic, no list round trip."""
         if self._split is None:
-            return encode_prompt(self.tokenizer, text)
-        ids = list(self._lead)
+            return np.asarray(encode_prompt(self.tokenizer, text), dtype=np.int64)
+        parts = [self._lead]
         cache = self._pieces
         for piece in self._split.split(text):
             if not piece:
@@ -96,14 +99,15 @@ class PromptTokens:
             got = cache.get(piece)
             if got is None:
                 self.misses += 1
-                got = self.tokenizer.encode(piece, add_special_tokens=False)
+                got = np.asarray(self.tokenizer.encode(piece, add_special_tokens=False), np.int64)
                 cache[piece] = got
                 if len(cache) > self.max_pieces:
                     cache.popitem(last=False)
             else:
                 self.hits += 1
                 cache.move_to_end(piece)
-            ids += got
+            parts.append(got)
+        ids = np.concatenate(parts)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
             ids = ids[1:]
@@ -116,7 +120,7 @@ class PromptTokens:
         whole, bare = tok.encode(plain), tok.encode(plain, add_special_tokens=False)
         if whole[len(whole) - len(bare) :] != bare:
             return False  # something added at the end (EOS, SEP): not a prefix
-        self._lead = whole[: len(whole) - len(bare)]
+        self._lead = np.asarray(whole[: len(whole) - len(bare)], dtype=np.int64)
         try:
             samples = [
                 tok.apply_chat_template(_CHECK, True),
@@ -126,7 +130,7 @@ class PromptTokens:
             samples = []
         samples += [plain, "  two leading spaces\nand lines", "x<|y|>z"]
         for sample in samples:
-            if self.text(sample) != encode_prompt(tok, sample):
+            if self.text(sample).tolist() != encode_prompt(tok, sample):
                 return False
         self._pieces.clear()
         return True

@@ -2,7 +2,7 @@
 
 Beside the approximate prefix tree (router/policy/tree.py: what this router *sent*), the index
 says what each worker *reports* holding (shared/kv_events.py). One index per model and
-block size. A block is keyed by its content and its parent's key (`block_key`), never by
+block size. A block is keyed by its content and its parent's key (`block_keys`), never by
 the engine's hash, so workers with different hash functions (vLLM's sha256, SGLang's,
 ours) that hold the same tokens hold the same block:
 
@@ -34,16 +34,18 @@ from shared.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    block_key,
+    block_keys,
 )
 
 _MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
-_TB = 8  # bytes per token id (int64)
 
 
 @dataclass
 class _WorkerBlocks:
     by_hash: dict[BlockHash, int] = field(default_factory=dict)  # engine hash -> key
+    # Stores not yet removed, per engine hash: our engine can hold one block in two tree
+    # nodes (below page granularity) and then reports it stored twice, removed twice.
+    stores: dict[BlockHash, int] = field(default_factory=dict)
 
 
 class BlockIndex:
@@ -84,10 +86,9 @@ class BlockIndex:
                 return
             parent = known
         media = _MEDIA.get(event.medium, 1)
-        raw = np.asarray(event.token_ids, dtype=np.int64).tobytes()
-        blocks, step = self._blocks, bs * _TB
-        for i, engine_hash in enumerate(event.block_hashes):
-            parent = block_key(parent, raw[i * step : (i + 1) * step])
+        blocks = self._blocks
+        keys = block_keys(np.asarray(event.token_ids, dtype=np.int64), bs, parent).tolist()
+        for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)
             if holders is None:
                 blocks[parent] = holders = {}
@@ -96,22 +97,31 @@ class BlockIndex:
             held = holders.get(worker)
             if held is not None and held[1] != engine_hash:
                 wb.by_hash.pop(held[1], None)  # the same content under a new engine hash
+                wb.stores.pop(held[1], None)
             holders[worker] = (media | (held[0] if held else 0), engine_hash)
             old = wb.by_hash.get(engine_hash)
             if old is not None and old != parent:
                 self._unhold(worker, old, 7)
+                wb.stores.pop(engine_hash, None)
             wb.by_hash[engine_hash] = parent
+            wb.stores[engine_hash] = wb.stores.get(engine_hash, 0) + 1
         while len(blocks) > self.max_blocks:
             _, holders = blocks.popitem(last=False)
             self.forgotten += 1
             for w, (_, h) in holders.items():
                 self._workers[w].by_hash.pop(h, None)
+                self._workers[w].stores.pop(h, None)
 
     def _removed(self, worker: str, hashes: Sequence[BlockHash], media: int) -> None:
         wb = self._workers.get(worker)
         if wb is None:
             return
         for engine_hash in hashes:
+            left = wb.stores.get(engine_hash, 0) - 1
+            if left > 0:  # another copy of the block is still stored
+                wb.stores[engine_hash] = left
+                continue
+            wb.stores.pop(engine_hash, None)
             key = wb.by_hash.get(engine_hash)
             if key is not None and not self._unhold(worker, key, media):
                 del wb.by_hash[engine_hash]
@@ -142,13 +152,7 @@ class BlockIndex:
     # ---- lookups ----------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
         """The chain of block keys of `tokens` (whole blocks only)."""
-        bs = self.block_size
-        raw = np.asarray(tokens, dtype=np.int64).tobytes()
-        step, out, parent = bs * _TB, [], 0
-        for i in range(len(raw) // step):
-            parent = block_key(parent, raw[i * step : (i + 1) * step])
-            out.append(parent)
-        return out
+        return block_keys(np.asarray(tokens, dtype=np.int64), self.block_size).tolist()
 
     def match(self, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
         """Per worker, how many leading tokens of `tokens` it holds (whole blocks, > 0)."""

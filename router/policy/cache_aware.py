@@ -89,7 +89,9 @@ class CacheAware(Policy):
         text = request.text
         ids, loads = self._follow_fleet(workers)
         path = self._tree.match_path(text) if text else []
-        if self.kv is not None and request.tokens:  # the workers' own reports (kv_score.py)
+        if (
+            self.kv is not None and request.tokens is not None
+        ):  # the workers' own reports (kv_score.py)
             path = self.kv.correct(path, request.tokens, request.model, len(text), now)
         i, reason = self._choose(len(text), loads, path)
         wid = ids[i]
@@ -98,7 +100,9 @@ class CacheAware(Policy):
         self._tree.insert(text, wid, now)
         rate = matched / len(text) if text else 0.0
         tokens = request.tokens
-        return Decision(wid, reason, matched, rate, rate * len(tokens) if tokens else None)
+        return Decision(
+            wid, reason, matched, rate, rate * len(tokens) if tokens is not None else None
+        )
 
     def _holders(self, held: Iterable[object]) -> list[int]:
         """Positions of the routable workers among ``held``, in view order."""

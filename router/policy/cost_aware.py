@@ -198,14 +198,18 @@ class CostAware(CacheAware):
         self._tree.insert(text, wid, now)
         rate = chars / len(text) if text else 0.0
         tokens = request.tokens
-        return Decision(wid, reason, chars, rate, rate * len(tokens) if tokens else None)
+        return Decision(
+            wid, reason, chars, rate, rate * len(tokens) if tokens is not None else None
+        )
 
     def _holders_of(self, request: RouteRequest, now: float) -> dict[int, int]:
         """Position → chars cached there, for the routable workers holding a prefix of
         ``text``, in the order they first appear on its path (the tie order of `_hold`)."""
         text = request.text
         path = self._tree.match_path(text) if text else []
-        if self.kv is not None and request.tokens:  # the workers' own reports (kv_score.py)
+        if (
+            self.kv is not None and request.tokens is not None
+        ):  # the workers' own reports (kv_score.py)
             path = self.kv.correct(path, request.tokens, request.model, len(text), now)
         pos = self._pos
         if not path or len(path[0][0]) <= _FEW:  # a few holders: the plain loop is fastest

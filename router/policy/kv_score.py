@@ -39,7 +39,7 @@ class KvScorer:
         self, path: Path, tokens: Sequence[int], model: str, text_len: int, now: float
     ) -> Path:
         feed = self.feed
-        if not feed.streams or not tokens:
+        if not feed.streams or not len(tokens):
             return path
         held = feed.match(model or feed.only_model(), tokens)
         trusted = feed.trusted
@@ -64,7 +64,7 @@ class KvScorer:
         return [({w: now for w, e in best.items() if e >= end}, int(end)) for end in ends]
 
 
-def request_tokens(tokens: PromptTokens | None, parsed: object) -> list[int] | None:
+def request_tokens(tokens: PromptTokens | None, parsed: object) -> Sequence[int] | None:
     """The prompt ids the worker will compute for a parsed request (None: unknown).
 
     Token-id prompts are used as they are; text is encoded, chats rendered with the

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -68,7 +68,7 @@ class Routed:
     text: str  # what the policy routes on
     session_key: str | None
     model: str | None
-    tokens: list[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
+    tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
 
 
 class Proxy:

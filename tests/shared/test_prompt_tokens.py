@@ -33,8 +33,8 @@ def test_conversations_tokenize_as_the_worker_does(setting: str) -> None:
         for user, answer in turns:
             chat.append({"role": "user", "content": user})
             text = worker.apply_chat_template(chat, True)
-            assert router.chat(chat) == encode_prompt(worker, text)
-            assert router.text(user + answer) == encode_prompt(worker, user + answer)
+            assert router.chat(chat).tolist() == encode_prompt(worker, text)
+            assert router.text(user + answer).tolist() == encode_prompt(worker, user + answer)
             chat.append({"role": "assistant", "content": answer})
 
     check()

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from shared.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -37,8 +39,6 @@ from shared.kv_events import (
 )
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from worker.engine.radix_cache import TreeNode
 
 _TB = 8  # bytes per token id in a node key (int64), as in radix_cache
@@ -106,14 +106,10 @@ class BlockEvents:
             prev = engine_block_hash(prev, raw[j * bs * _TB : (j + 1) * bs * _TB])
             hashes.append(prev)
         leaf.blocks = tuple(hashes)
-        ids = tokens.tolist()
         for i in range(0, len(hashes), MAX_EVENT_BLOCKS):  # readers bound an event's size
             chunk = leaf.blocks[i : i + MAX_EVENT_BLOCKS]
-            self._emit(
-                BlockStored(
-                    chunk, parent, tuple(ids[i * bs : (i + len(chunk)) * bs]), bs, self.medium
-                )
-            )
+            ids = tokens[i * bs : (i + len(chunk)) * bs].copy()  # not a view of the request's
+            self._emit(BlockStored(chunk, parent, ids, bs, self.medium))
             parent = chunk[-1]
 
     def removed(self, node: TreeNode) -> None:
@@ -146,10 +142,10 @@ class BlockEvents:
                 depth = len(path) // _TB
                 first = (depth - len(node.value) + node.bend) // bs - 1
                 raw = path[first * bs * _TB : (first + len(node.blocks)) * bs * _TB]
-                tokens = memoryview(raw).cast("q").tolist()
+                tokens = np.frombuffer(raw, dtype=np.int64)
                 for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
                     chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
-                    ids = tuple(tokens[i * bs : (i + len(chunk)) * bs])
+                    ids = tokens[i * bs : (i + len(chunk)) * bs].copy()
                     self.pending.append(BlockStored(chunk, parent, ids, bs, self.medium))
                     parent = chunk[-1]
             stack.extend((c, path, parent) for c in node.children.values())

@@ -93,7 +93,7 @@ def test_worked_example_from_the_module_doc() -> None:
     put(c, list(range(50)))
     stored = [e for e in events.drain(100) if isinstance(e, BlockStored)]
     assert [len(e.block_hashes) for e in stored] == [3]  # 48 of 50 tokens: 3 whole blocks
-    assert stored[0].token_ids == tuple(range(48)) and stored[0].parent_block_hash is None
+    assert stored[0].token_ids.tolist() == list(range(48)) and stored[0].parent_block_hash is None
     put(c, [*range(20), 99])  # splits at 20: the blocks stay, the new leaf holds none
     assert events.drain(100) == []
     c.evict(200)
@@ -150,3 +150,21 @@ def test_a_split_on_a_block_boundary_keeps_the_block_above() -> None:
     c.evict(3)  # the older lower half [3 4 5] goes, and only the block ending at 6
     replay(events, index)
     assert held_keys(index, "w") == expected_keys(c, index) == set(index.keys([0, 1, 2]))
+
+
+def test_blocks_of_zeros_at_different_depths_have_different_keys() -> None:
+    index = BlockIndex(4)
+    keys = index.keys([0] * 12)
+    assert len(set(keys)) == 3 and 0 not in keys  # 0 is the root's parent key
+
+
+def test_a_block_held_twice_below_page_granularity_stays_until_both_go() -> None:
+    _a, c = make(capacity=160, page_size=16)
+    events = BlockEvents(8)
+    c.publish_events(events)
+    index = BlockIndex(8)
+    put(c, [0] * 16)
+    put(c, [0] * 8 + [1] * 8)  # another page: the first 8 tokens are cached a second time
+    c.evict(1)  # the older leaf goes; the second copy of the [0]*8 block stays
+    replay(events, index)
+    assert held_keys(index, "w") == expected_keys(c, index) == set(index.keys([0] * 8 + [1] * 8))
