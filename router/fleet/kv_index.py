@@ -155,20 +155,26 @@ class BlockIndex:
         return block_keys(np.asarray(tokens, dtype=np.int64), self.block_size).tolist()
 
     def match(self, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
-        """Per worker, how many leading tokens of `tokens` it holds (whole blocks, > 0)."""
+        """Per worker, how many leading tokens of `tokens` it holds (whole blocks, > 0).
+
+        By bisection over the block chain, a few dict look-ups per holder of the first
+        block instead of one per block: an engine holds a block only with its parent and
+        evicts leaves first, so what a worker holds of a chain is a prefix of it."""
+        keys = self.keys(tokens)
         blocks = self._blocks
+        first = blocks.get(keys[0]) if keys else None
+        if not first:
+            return {}
         out: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, key in enumerate(self.keys(tokens)):
-            holders = blocks.get(key)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive.intersection(holders)
-            if not alive:
-                break
-            end = (i + 1) * self.block_size
-            for w in alive:
-                out[w] = end
+        for w in first:
+            lo, hi = 1, len(keys)  # w holds keys[:lo]; the run ends at or before hi
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if w in blocks.get(keys[mid - 1], ()):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[w] = lo * self.block_size
         return out
 
     def blocks_of(self, worker: str) -> int:
