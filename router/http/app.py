@@ -56,6 +56,7 @@ from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import ERROR_CODE
+from shared.logging import setup_logging
 from shared.peers import Rejections, parse_networks
 from shared.prompt_tokens import PromptTokens
 from shared.registry import Registry
@@ -135,9 +136,9 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
 
     def members() -> list[FeedMember]:
         return [
-            FeedMember(w.worker_id, w.model, w.epoch)
+            FeedMember(w.worker_id, w.report.model, w.report.epoch)
             for w in fleet.workers.values()
-            if w.source == "redis" and w.epoch
+            if w.source == "redis" and w.report.epoch
         ]
 
     task = asyncio.create_task(feed.run(members, idle), name="kv-events")
@@ -180,14 +181,17 @@ def create_app(
     """The router. `sync` shares decisions and load with other replicas; by default a
     `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
     policy = policy if policy is not None else build_policy(config)
-    fleet = Fleet(config, policy)
-    for url in config.worker_urls:
-        fleet.add_url(url, "static")
     rejections = Rejections()  # what the Redis boundary refused (shared/peers.py)
     if sync is None and config.sync and config.redis_url:
+        # The sync shares the fleet's in-flight counts and the fleet reads the sync's:
+        # the fleet is given the sync's figures at construction, the sync asks the
+        # fleet (built next) when it flushes.
         sync = DecisionSync.connect(
-            config, policy.observe, fleet.in_flight_by_worker, clock, rejections
+            config, policy.observe, lambda: fleet.in_flight_by_worker(), clock, rejections
         )
+    fleet = Fleet(config, policy, sync.remote_inflight if sync is not None else None)
+    for url in config.worker_urls:
+        fleet.add_url(url, "static")
     admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
     metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting, rejections)
     # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
@@ -274,3 +278,15 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+
+
+def run_router(config: RouterConfig) -> None:
+    """One router process, in the foreground until SIGTERM/SIGINT."""
+    setup_logging(config.log_level)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(config))

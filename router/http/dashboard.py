@@ -63,8 +63,8 @@ def snapshot(app: web.Application) -> dict[str, Any]:
     feed = app.get(KV_FEED)
     for row in rows:  # ok: routed on its KV-event index; else why the tree stands in
         row["kv_events"] = feed.status_of(row["worker_id"]) if feed is not None else None
-    prompt = sum(w.prompt_tokens_total for w in workers)
-    cached = sum(w.cached_tokens_total for w in workers)
+    prompt = sum(w.report.prompt_tokens_total for w in workers)
+    cached = sum(w.report.cached_tokens_total for w in workers)
     predicted = sum(r["predicted_cached_tokens_total"] for r in rows)
     actual = sum(r["actual_cached_tokens_total"] for r in rows)
     breakers = Counter(r["breaker"] for r in rows)
