@@ -55,7 +55,7 @@ async def drive(url: str, args: argparse.Namespace, seed: int) -> int:
 
             async def one(chat: list[dict], turn: int = turn) -> None:
                 chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(WORDS)}?"})
-                body = {"model": "sim", "messages": chat, "max_tokens": 4}
+                body = {"messages": chat, "max_tokens": 4}  # the fleet's one model
                 async with http.post(url + "/v1/chat/completions", json=body) as r:
                     data = await r.json()
                     assert r.status == 200, data
