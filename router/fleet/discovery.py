@@ -15,17 +15,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.fleet.table import Fleet
+from router.fleet.workers import Worker
 from shared.aio import reraise_if_cancelled, stop_task
 from shared.peers import Network, Rejections, check_worker_url
 from shared.registry import Registry, WorkerRecord
 
 log = logging.getLogger(__name__)
+
+
+class RegistryFleet(Protocol):
+    """What discovery reads and tells of the worker table (`router.fleet.table.Fleet`)."""
+
+    @property
+    def workers(self) -> Mapping[str, Worker]: ...
+
+    def apply_registry(
+        self, records: dict[str, WorkerRecord], drop_missing: bool = True, now: float = 0.0
+    ) -> tuple[list[str], list[str]]: ...
+
 
 MAX_BACKOFF_S = 5.0
 
@@ -34,7 +47,7 @@ class Discovery:
     def __init__(
         self,
         registry: Registry,
-        fleet: Fleet,
+        fleet: RegistryFleet,
         interval: float,
         reconnect_grace: float,
         clock: Callable[[], float] = time.monotonic,
@@ -56,7 +69,7 @@ class Discovery:
 
     @classmethod
     def from_url(
-        cls, url: str, prefix: str, fleet: Fleet, interval: float, grace: float,
+        cls, url: str, prefix: str, fleet: RegistryFleet, interval: float, grace: float,
         clock: Callable[[], float] = time.monotonic, rejections: Rejections | None = None,
         allow: tuple[Network, ...] = (),
     ) -> Discovery:  # fmt: skip

@@ -23,7 +23,7 @@ from router.fleet.discovery import Discovery
 from router.fleet.kv_feed import FeedMember, KvEventFeed
 from router.fleet.sync import DecisionSync, ReplicaSync
 from router.fleet.table import Fleet
-from router.http import handlers
+from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import make_edge_middleware
 from router.http.gate import Admission
@@ -39,7 +39,6 @@ from router.http.state import (
     METRICS,
     OPENAPI,
     POLICY,
-    PROXY,
     REJECTIONS,
     SESSION,
     SYNC,
@@ -50,7 +49,7 @@ from router.policy import build_policy
 from router.policy.base import Policy
 from router.policy.kv_score import KvScorer
 from router.upstream.pool import UpstreamPool
-from router.upstream.proxy import Proxy
+from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
 from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
@@ -171,6 +170,26 @@ def _counter(metrics: Metrics) -> OnDone:
     return on_done
 
 
+def routes() -> list[web.RouteDef]:
+    """Every route, in one table (the dashboard's two among them)."""
+    return [
+        web.post("/v1/chat/completions", handlers.chat_completions),
+        web.post("/v1/completions", handlers.completions),
+        web.post("/generate", handlers.generate),
+        web.get("/v1/models", handlers.models),
+        web.get("/health", handlers.health),
+        web.get("/liveness", handlers.liveness),
+        web.get("/readiness", handlers.readiness),
+        web.get("/metrics", handlers.metrics),
+        web.get("/workers", handlers.list_workers),
+        web.post("/workers", handlers.add_worker),
+        web.delete("/workers/{worker_id}", handlers.delete_worker),
+        web.get("/openapi.json", handlers.openapi),
+        web.get(dashboard.PAGE_PATH, dashboard.page),
+        web.get(dashboard.DATA_PATH, dashboard.data),
+    ]
+
+
 def create_app(
     config: RouterConfig,
     *,
@@ -232,7 +251,7 @@ def create_app(
     app.cleanup_ctx.extend(
         [_session_ctx, _discovery_ctx, _sync_ctx, _kv_events_ctx, _ratelimit_redis_ctx]
     )
-    app.router.add_routes(handlers.routes())
+    app.router.add_routes(routes())
     return app
 
 

@@ -1,4 +1,6 @@
-"""The router app's typed state: every AppKey in one place."""
+"""The router app's typed state: every AppKey in one place but the proxy's
+(`router.upstream.proxy.PROXY`, beside its class: the HTTP room's state then sits above
+the upstream room, not between it and the handlers)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from router.fleet.table import Fleet
 from router.http.gate import Admission
 from router.metrics import Metrics
 from router.policy.base import Policy
-from router.upstream.proxy import Proxy
 from shared.config import RouterConfig
 from shared.peers import Rejections
 from shared.prompt_tokens import PromptTokens
@@ -32,5 +33,4 @@ TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `t
 KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
 # Set up in cleanup_ctx (they need the running loop):
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-PROXY = web.AppKey("proxy", Proxy)
 DISCOVERY = web.AppKey("discovery", Discovery)

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from shared.config import ConfigError, RouterConfig
@@ -49,22 +50,20 @@ def child_config(config: RouterConfig) -> RouterConfig:
     return config
 
 
-def _run_child(config: RouterConfig) -> None:
-    from router.http.app import run_router  # in the child: the whole router is imported here
-
-    run_router(config)
+RunRouter = Callable[[RouterConfig], None]  # one router process's body (picklable: spawn)
 
 
 class Supervisor:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, run_router: RunRouter) -> None:
         self.config = child_config(config)
+        self._run_router = run_router
         self._ctx = multiprocessing.get_context("spawn")
         self._children: list[tuple[BaseProcess, float]] = []  # (process, started at)
         self._stop = threading.Event()
         self._quick_exits = 0
 
     def _start(self) -> tuple[BaseProcess, float]:
-        proc = self._ctx.Process(target=_run_child, args=(self.config,), name="radix-router")
+        proc = self._ctx.Process(target=self._run_router, args=(self.config,), name="radix-router")
         proc.start()
         return proc, time.monotonic()
 
@@ -118,10 +117,11 @@ class Supervisor:
                 proc.join()
 
 
-def run_processes(config: RouterConfig) -> int:
-    """Supervise `config.processes` router processes until SIGTERM/SIGINT."""
+def run_processes(config: RouterConfig, run_router: RunRouter) -> int:
+    """Supervise `config.processes` router processes, each running `run_router` (the
+    cli's: this module knows no router code), until SIGTERM/SIGINT."""
     setup_logging(config.log_level)
-    supervisor = Supervisor(config)
+    supervisor = Supervisor(config, run_router)
     previous = {
         sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
     }
