@@ -21,16 +21,26 @@ request's own chars-per-token.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-from router.fleet.kv_feed import KvEventFeed
 from shared.prompt_tokens import PromptTokens
 from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 Path = list[tuple[Mapping[object, float], int]]
 
 
+class BlockHolders(Protocol):
+    """What scoring reads of the KV-event feed (router/fleet/kv_feed.py's KvEventFeed)."""
+
+    @property
+    def streams(self) -> Mapping[str, object]: ...
+    def trusted(self, wid: str) -> bool: ...
+    def only_model(self) -> str: ...
+    def match(self, model: str, tokens: Sequence[int]) -> dict[str, int]: ...
+
+
 class KvScorer:
-    def __init__(self, feed: KvEventFeed, inflight: float) -> None:
+    def __init__(self, feed: BlockHolders, inflight: float) -> None:
         self.feed = feed
         self.inflight = inflight
         self.corrected = 0  # requests where the index changed the prediction

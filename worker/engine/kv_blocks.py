@@ -25,7 +25,7 @@ holds a block the cache lost without being told.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -38,8 +38,18 @@ from shared.kv_events import (
     engine_block_hash,
 )
 
-if TYPE_CHECKING:
-    from worker.engine.radix_cache import TreeNode
+
+class TreeNode(Protocol):
+    """What the hook reads and writes of a radix cache node (radix_cache.TreeNode; not
+    imported: the cache imports this module)."""
+
+    parent: TreeNode | None
+    children: dict[bytes, TreeNode]
+    kb: bytes
+    value: np.ndarray
+    blocks: tuple[int, ...]
+    bend: int
+
 
 _TB = 8  # bytes per token id in a node key (int64), as in radix_cache
 MAX_EVENT_BLOCKS = 1024  # blocks per BlockStored (shared/kv_events.MAX_BLOCKS bounds readers)
