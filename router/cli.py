@@ -158,8 +158,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         from router.up.processes import run_processes
 
         return run_processes(config, run_router)
-    run_router(config)
-    return 0
+    return run_router(config)
 
 
 def _run_up(args: argparse.Namespace) -> int:
