@@ -74,6 +74,18 @@ class RouterConfig(_Frozen):
     # word tokenizer 2.5): sizes the tree caps, and cost_aware's token counts, which it
     # weighs against the queues workers report in their own tokens.
     tree_chars_per_token: float = Field(4.0, gt=0)
+    # The workers' tokenizer (shared/prompt_tokens.py): a local model or tokenizer folder,
+    # or "sim" (the sim engine's). Set, the router computes each request's prompt ids as
+    # the worker does, to look them up in the KV-event index.
+    tokenizer: str | None = None
+    # KV events (router/fleet/kv_feed.py): read every worker's KV-event stream into an exact
+    # block index beside the tree (needs redis_url and tokenizer). A routed request's tree
+    # entry still counts for `kv_events_inflight` seconds (its KV is on its way); a worker
+    # whose stream has a gap or lags by over `kv_events_max_lag` s is routed on the tree.
+    kv_events: bool = False
+    kv_events_max_blocks: int = Field(2_000_000, ge=1)
+    kv_events_max_lag: float = Field(2.0, gt=0)
+    kv_events_inflight: float = Field(2.0, ge=0)
     # cost_aware (router/cost_aware.py): what a prefill token and a decode step cost on a
     # worker whose heartbeat reports neither, and how many decode steps each request in a
     # worker's load delays a new one's first token.
@@ -151,6 +163,12 @@ class RouterConfig(_Frozen):
     def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(check_worker_url(u) for u in v)
 
+    @model_validator(mode="after")
+    def _kv_events_inputs(self) -> RouterConfig:
+        if self.kv_events and not (self.redis_url and self.tokenizer):
+            raise ValueError("kv_events needs redis_url (the streams) and tokenizer (the ids)")
+        return self
+
     @field_validator("worker_url_allow_cidrs", "trusted_proxies")
     @classmethod
     def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -173,6 +191,12 @@ class WorkerConfig(_Frozen):
     redis_prefix: str = "radixrouter:"
     heartbeat_interval: float = Field(1.0, gt=0)
     heartbeat_ttl_intervals: int = Field(3, ge=2)
+    # KV-cache events (worker/kv_publisher.py): every block the radix cache stores or drops,
+    # in vLLM's schema, onto this worker's bounded Redis stream for routers' exact index.
+    kv_events: bool = False
+    kv_events_block_size: int = Field(16, ge=1, le=4096)
+    kv_events_stream_len: int = Field(10_000, ge=100)  # entries kept (MAXLEN ~)
+    kv_events_interval: float = Field(0.05, gt=0)  # seconds between stream writes
     # Engine.
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -68,6 +68,8 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         "share of free device memory for the KV cache, 0-0.95",
     ),
     ("--page-size", "page_size", int, "radix cache page size in tokens"),
+    ("--kv-events", "kv_events", None, "publish KV-cache events to Redis for routers' index"),
+    ("--kv-events-block-size", "kv_events_block_size", int, "tokens per block in KV events"),
     (
         "--max-running-requests",
         "max_running_requests",

@@ -66,6 +66,8 @@ class EngineConfig:
     # Prefill chunks enter the radix tree while their request still runs (off: only
     # at release, the ablation for benchmarks).
     share_inflight_prefixes: bool = True
+    # KV events (worker/engine/kv_blocks.py): the block size routers index; 0: off.
+    kv_events_block_size: int = 0
     inbatch_dedup_min_tokens: int = 32  # 0: off
     # SGLang's defaults: 0.7 -> 0.098 (0.7 x 0.14) over 600 decode steps; outputs
     # longer than 4,096 tokens are reserved as 4,096.

@@ -32,8 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from shared.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
+from worker.engine.kv_blocks import BlockEvents
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
 from worker.engine.scheduler import Batch, Scheduler
 from worker.engine.sequence import Req
@@ -78,6 +80,10 @@ class LLMEngine:
             cache_cls = NoCache if config.disable_radix_cache else RadixCache
             cache = cache_cls(self.allocator, page_size=config.page_size)
         self.cache: PrefixCache = cache
+        self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
+        if config.kv_events_block_size and isinstance(cache, RadixCache):
+            self.kv_events = BlockEvents(config.kv_events_block_size)
+            cache.publish_events(self.kv_events)
         self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
         # The override may only shorten the model's context. And a request never holds
         # more slots than the pool has: then the oldest running request can always make
@@ -319,12 +325,8 @@ class LLMEngine:
     # --- input checks ---
 
     def encode_prompt(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        # A chat template's output already starts with BOS; encoding adds a second one.
-        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-            ids = ids[1:]
-        return ids
+        # shared/: the router computes the same ids for its block index (issue 26).
+        return encode_prompt(self.tokenizer, text)
 
     def _context(self) -> str:
         if self.max_model_len == self.allocator.capacity:
