@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,25 +167,26 @@ class Proxy:
             code="upstream_error",
         )
 
-    def _request_head(self, request: web.Request) -> bytes:
-        """The header lines sent to the worker (allow-listed; Host and the body's framing
-        are the pool's)."""
+    def _request_head(self, request: web.Request) -> list[tuple[str, str]]:
+        """The header lines sent to the worker (allow-listed; Host, the body's framing and
+        the request id are the transport's)."""
         forward = self._forward
         incoming = request.headers
-        lines = [
-            f"{k}: {v}\r\n" for k, v in incoming.items() if k.lower() in forward and encodable(v)
-        ]
-        lines.append("Content-Type: application/json\r\n")  # the body was parsed as JSON
-        # One id names the request in the router's and the worker's logs (shared/access_log.py).
-        rid = request.get(REQUEST_ID) or incoming.get("x-request-id", "")
-        if encodable(rid):
-            lines.append(f"x-request-id: {rid}\r\n")
+        lines = [(k, v) for k, v in incoming.items() if k.lower() in forward and encodable(v)]
+        lines.append(("Content-Type", "application/json"))  # the body was parsed as JSON
         auth = self._worker_auth
         if auth is None and self.config.forward_authorization:
             auth = incoming.get("Authorization")
         if auth is not None and encodable(auth):
-            lines.append(f"Authorization: {auth}\r\n")
-        return "".join(lines).encode()
+            lines.append(("Authorization", auth))
+        return lines
+
+    @staticmethod
+    def _wire_id(request: web.Request) -> str:
+        """The `x-request-id` sent to the worker: the request's id (shared/access_log.py),
+        so one id names it in both services' logs. The transport checks its echo before a
+        connection is reused (router/upstream_conn.py)."""
+        return request.get(REQUEST_ID) or os.urandom(16).hex()
 
     def _response_headers(
         self, upstream: WorkerConnection, worker: Worker, d: Decision
@@ -213,8 +215,9 @@ class Proxy:
         worker = attempt.worker
         with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
             upstream = await self.pool.post(
-                worker.url, routed.path, self._request_head(request), routed.body
-            )
+                worker.url, routed.path, self._request_head(request), routed.body,
+                self._wire_id(request),
+            )  # fmt: skip
         done = False
         try:
             await classify(upstream, worker)
