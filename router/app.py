@@ -47,7 +47,7 @@ from router.state import (
     SYNC,
 )
 from router.sync import DecisionSync, ReplicaSync
-from router.upstream_client import UpstreamPool
+from router.transport import make_transport
 from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
@@ -75,11 +75,13 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
     )
     app[SESSION] = session  # model probes; inference goes through the pool below
-    # The inference path's own client (router/upstream_client.py): ~13% of the router's
-    # CPU per request was aiohttp's ClientSession (loadtests/results/router_overhead.md).
-    pool = UpstreamPool(
-        resolver, config.connect_timeout, config.request_timeout, config.max_response_bytes
-    )
+    # The inference path's client (router/transport.py): the project's own by default
+    # (~13% of the router's CPU per request was aiohttp's ClientSession,
+    # loadtests/results/router_overhead.md), or aiohttp's behind the same interface.
+    pool = make_transport(
+        config.upstream_client, resolver, config.connect_timeout, config.request_timeout,
+        config.max_response_bytes, config.max_buffered_answer_bytes,
+    )  # fmt: skip
     app[METRICS].watch_pool(pool)
     app[PROXY] = Proxy(config, app[FLEET], app[POLICY], pool, app[METRICS], app[CLOCK], app[SYNC])
     yield

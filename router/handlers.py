@@ -64,7 +64,8 @@ def _inference(endpoint: str, path: str) -> Any:
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
-            routed = Routed(endpoint, path, raw, text, session_key, model)
+            stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
+            routed = Routed(endpoint, path, raw, text, session_key, model, stream)
             async with app[ADMISSION].slot():
                 response = await app[PROXY].forward(request, routed)
             status = response.status

@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
 from router.fleet import Fleet
-from router.upstream_client import UpstreamPool
+from router.transport import Transport
 from router.workers import Worker
 from shared.metrics import ServiceMetrics, kv_usage_ratio
 from shared.peers import Rejections
@@ -171,7 +171,7 @@ class _PoolCollector(Collector):
     """The upstream pool's connections: how often keep-alive saves a connect, and how
     often a worker closed a kept connection under a request (resent, not its failure)."""
 
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: Transport) -> None:
         self.pool = pool
 
     def collect(self) -> Iterator[CounterFamily]:
@@ -224,7 +224,7 @@ class Metrics(ServiceMetrics):
         if rejections is not None:
             r.register(_RejectionsCollector(rejections))
 
-    def watch_pool(self, pool: UpstreamPool) -> None:
+    def watch_pool(self, pool: Transport) -> None:
         self.registry.register(_PoolCollector(pool))
 
     def answered(self, worker: str, status: int) -> None:

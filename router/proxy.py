@@ -37,6 +37,7 @@ from router.fleet import Attempt, Fleet
 from router.metrics import Metrics, cached_tokens_from_json, cached_tokens_from_sse
 from router.policy.base import Decision, Policy, RouteRequest
 from router.sync import ReplicaSync
+from router.transport import Answer, Transport
 from router.upstream import (
     FORWARD_REQUEST,
     AttemptFailed,
@@ -48,8 +49,7 @@ from router.upstream import (
     response_headers,
     worker_authorization,
 )
-from router.upstream_client import UpstreamPool
-from router.upstream_conn import UpstreamBroken, WorkerConnection
+from router.upstream_conn import UpstreamBroken
 from router.workers import FailureKind, Worker
 from shared.access_log import REQUEST_ID
 from shared.config import RouterConfig
@@ -69,6 +69,7 @@ class Routed:
     text: str  # what the policy routes on
     session_key: str | None
     model: str | None
+    stream: bool = False  # the client asked for a stream (a timeout is then the worker's)
 
 
 class Proxy:
@@ -77,7 +78,7 @@ class Proxy:
         config: RouterConfig,
         fleet: Fleet,
         policy: Policy,
-        pool: UpstreamPool,
+        pool: Transport,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         sync: ReplicaSync | None = None,
@@ -136,7 +137,7 @@ class Proxy:
                 failure = e
                 tried.append(worker.worker_id)
                 if e.suspect and suspects:
-                    raise request_fault(len(suspects) + 1) from None
+                    raise request_fault(len(suspects) + 1, e, self.config) from None
                 if e.suspect:
                     suspects.append(e.attempt)
                 busy_for = max(busy_for, e.retry_after)
@@ -188,9 +189,7 @@ class Proxy:
         connection is reused (router/upstream_conn.py)."""
         return request.get(REQUEST_ID) or os.urandom(16).hex()
 
-    def _response_headers(
-        self, upstream: WorkerConnection, worker: Worker, d: Decision
-    ) -> CIMultiDict[str]:
+    def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
         headers = response_headers(upstream.headers)  # type: ignore[arg-type]
         headers["x-radix-worker"] = worker.worker_id
         headers["x-radix-route-reason"] = d.reason
@@ -213,11 +212,18 @@ class Proxy:
         self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision
     ) -> web.StreamResponse:
         worker = attempt.worker
-        with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
-            upstream = await self.pool.post(
-                worker.url, routed.path, self._request_head(request), routed.body,
-                self._wire_id(request),
-            )  # fmt: skip
+        try:
+            with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
+                upstream = await self.pool.post(
+                    worker.url, routed.path, self._request_head(request), routed.body,
+                    self._wire_id(request),
+                )  # fmt: skip
+        except AttemptFailed as e:
+            if e.kind is FailureKind.TIMEOUT and not routed.stream:
+                # No head within request_timeout: a hung worker, or a request that takes
+                # longer than the limit anywhere. The next worker's answer decides.
+                e.suspect, e.limit = True, "request_timeout"
+            raise
         done = False
         try:
             await classify(upstream, worker)
@@ -236,10 +242,10 @@ class Proxy:
                 upstream.close()
 
     async def _relay_buffered(
-        self, upstream: WorkerConnection, attempt: Attempt, decision: Decision
+        self, upstream: Answer, attempt: Attempt, decision: Decision
     ) -> web.Response:
         worker = attempt.worker
-        body = await read_capped(upstream, self.config.max_response_bytes, worker)
+        body = await read_capped(upstream, self.config, worker)
         cached = cached_tokens_from_json(body) if upstream.status == 200 else None
         self._succeeded(attempt, decision, cached)
         return web.Response(
@@ -251,7 +257,7 @@ class Proxy:
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: WorkerConnection,
+        upstream: Answer,
         attempt: Attempt,
         decision: Decision,
     ) -> web.StreamResponse:
@@ -289,6 +295,9 @@ class Proxy:
             except UpstreamBroken as e:
                 chunk = b""
                 broken = FailureKind.BROKEN, f"worker {worker.worker_id} broke off mid-stream: {e}"
+        if broken is None and not (tail + chunk).endswith((b"\n\n", b"\r\n\r\n")):
+            # A stream that ended with its connection mid-event was cut short, not done.
+            broken = FailureKind.BROKEN, f"worker {worker.worker_id} ended the stream mid-event"
         if broken is None:
             self._succeeded(attempt, decision, cached_tokens_from_sse(tail + chunk))
         else:

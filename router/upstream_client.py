@@ -147,29 +147,35 @@ class UpstreamPool:
     async def _connect(self, origin: _Origin) -> WorkerConnection:
         loop = asyncio.get_running_loop()
         tls = self._tls_context() if origin.tls else None
-        async with asyncio.timeout(self.connect_timeout):
-            if origin.literal:
-                addresses = [(origin.host, origin.port)]
-            else:
-                try:
-                    found = await self.resolver.resolve(origin.host, origin.port, socket.AF_UNSPEC)
-                except OSError as e:
-                    raise UpstreamBroken(f"cannot resolve {origin.host!r}: {e}") from None
-                addresses = [(r["host"], r["port"]) for r in found]
-            last: OSError | None = None
-            for host, port in addresses:
-                try:
-                    _, conn = await loop.create_connection(
-                        self._protocol, host, port, ssl=tls,
-                        server_hostname=origin.host if tls is not None else None,
-                    )  # fmt: skip
-                except OSError as e:
-                    last = e
-                    continue
-                self.connects += 1
-                self._open.add(conn)
-                return conn
-        raise UpstreamBroken(f"cannot connect: {last}")
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                if origin.literal:
+                    addresses = [(origin.host, origin.port)]
+                else:
+                    try:
+                        found = await self.resolver.resolve(
+                            origin.host, origin.port, socket.AF_UNSPEC
+                        )
+                    except OSError as e:
+                        raise UpstreamBroken(f"cannot resolve {origin.host!r}: {e}") from None
+                    addresses = [(r["host"], r["port"]) for r in found]
+                last: OSError | None = None
+                for host, port in addresses:
+                    try:
+                        _, conn = await loop.create_connection(
+                            self._protocol, host, port, ssl=tls,
+                            server_hostname=origin.host if tls is not None else None,
+                        )  # fmt: skip
+                    except OSError as e:
+                        last = e
+                        continue
+                    self.connects += 1
+                    self._open.add(conn)
+                    return conn
+                raise UpstreamBroken(f"cannot connect: {last}")
+        except TimeoutError:
+            # The worker's failure to accept, never the request's (not a read timeout).
+            raise UpstreamBroken(f"cannot connect within {self.connect_timeout:g} s") from None
 
     def _protocol(self) -> WorkerConnection:
         return WorkerConnection(self.read_timeout, self.max_buffered, self._lost, self.budget)

@@ -340,6 +340,10 @@ class WorkerConnection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    @property
+    def close_delimited(self) -> bool:
+        return self.content_length is None and not self._chunked
+
     def is_eof(self) -> bool:
         return self.complete and not self._chunks
 

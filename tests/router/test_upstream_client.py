@@ -203,9 +203,25 @@ async def test_a_worker_that_stalls_mid_body_times_out_and_is_not_reused(
     client = await start_router([worker.url], max_retries=0, request_timeout=0.3)
     r = await client.post("/v1/completions", json=BODY)
     assert r.status == 504, await r.text()
-    assert failures(client) == {worker.url: 1}
+    # One timeout, no other worker to compare with: not known to be the worker's fault.
+    assert failures(client) == {worker.url: 0}
     assert (await client.post("/v1/completions", json=BODY)).status == 200
     assert worker.connections == 2  # the stalled connection was dropped, not pooled
+
+
+async def test_a_stall_that_another_worker_does_not_repeat_is_the_workers_failure(
+    raw_workers: Any, start_router: StartRouter
+) -> None:
+    partial = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    stalls = await raw_workers(lambda c, n: partial)
+    good = await raw_workers(lambda c, n: OK)
+    client = await start_router(
+        [stalls.url, good.url], policy="round_robin", max_retries=1, request_timeout=0.3
+    )
+    for _ in range(2):  # round robin: one of the two goes to the stalling worker first
+        assert (await client.post("/v1/completions", json=BODY)).status == 200
+    assert failures(client) == {stalls.url: len(stalls.requests), good.url: 0}
+    assert len(stalls.requests) >= 1
 
 
 async def test_a_body_ending_with_the_connection_is_read_whole(
