@@ -59,6 +59,14 @@ from shared.http import EVENT_STREAM, DeadlineStream
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
 
 
+def _event_end(data: bytes) -> int:
+    """Where the last whole SSE event in `data` ends (0: none ends in it)."""
+    if data.endswith(b"\n\n"):  # the usual case: a chunk of whole events
+        return len(data)
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
 @dataclass(frozen=True)
 class Routed:
     """A validated request, ready to forward."""
@@ -274,19 +282,27 @@ class Proxy:
         )  # fmt: skip
         await resp.prepare(request)
         tail = b""
+        held = b""  # the start of an event not yet whole: it leaves once it is
         broken: tuple[FailureKind, str] | None = None
-        # Each chunk is written as soon as it is read; only the last one (the upstream has
-        # already ended) waits to leave together with the end-of-stream marker.
+        # Each chunk is written as soon as it is read (whole events: a partial one waits
+        # for its end, so an error event never lands inside it); only the last one (the
+        # upstream has already ended) waits to leave together with the end-of-stream marker.
         while chunk and not content.is_eof():
-            try:
-                await resp.write(chunk)
-            except ConnectionError:
-                # The client left, or did not read within the deadline (DeadlineStream
-                # aborted it): drop the upstream too, so the worker sees the request
-                # abandoned and frees its slot and KV at once.
-                upstream.close()
-                return resp
-            tail = (tail + chunk)[-SSE_TAIL_BYTES:]
+            if held:
+                chunk = held + chunk
+            cut = _event_end(chunk)
+            held = chunk[cut:]
+            out = chunk[:cut] if held else chunk
+            if out:
+                try:
+                    await resp.write(out)
+                except ConnectionError:
+                    # The client left, or did not read within the deadline (DeadlineStream
+                    # aborted it): drop the upstream too, so the worker sees the request
+                    # abandoned and frees its slot and KV at once.
+                    upstream.close()
+                    return resp
+                tail = (tail + out)[-SSE_TAIL_BYTES:]
             try:
                 chunk = await content.readany()
             except TimeoutError:
@@ -295,17 +311,19 @@ class Proxy:
             except UpstreamBroken as e:
                 chunk = b""
                 broken = FailureKind.BROKEN, f"worker {worker.worker_id} broke off mid-stream: {e}"
-        if broken is None and not (tail + chunk).endswith((b"\n\n", b"\r\n\r\n")):
-            # A stream that ended with its connection mid-event was cut short, not done.
+        last = held + chunk
+        cut = _event_end(last)
+        if broken is None and cut < len(last):
+            # The stream ended (its connection closed) mid-event: cut short, not done.
             broken = FailureKind.BROKEN, f"worker {worker.worker_id} ended the stream mid-event"
         if broken is None:
-            self._succeeded(attempt, decision, cached_tokens_from_sse(tail + chunk))
+            self._succeeded(attempt, decision, cached_tokens_from_sse(tail + last))
         else:
             self.fleet.failed(attempt, broken[0], self.clock())
             event = json.dumps(error_body(502, broken[1], code="upstream_error"))
-            chunk = f"data: {event}\n\n".encode()
+            last = last[:cut] + f"data: {event}\n\n".encode()  # the partial event dropped
         with contextlib.suppress(ConnectionError):  # the client left, or stalled, at the end
-            await resp.write_eof(chunk)
+            await resp.write_eof(last)
         return resp
 
     def _succeeded(self, attempt: Attempt, decision: Decision, cached: int | None) -> None:

@@ -127,6 +127,7 @@ class AiohttpAnswer:
                     size += len(chunk)
                     budget.used += len(chunk)
                     self._held += len(chunk)
+                    budget.peak = max(budget.peak, budget.used)
                     if size > self.max_buffered:
                         self.too_big = True
                         raise UpstreamBroken(f"answer over {self.max_buffered} bytes")

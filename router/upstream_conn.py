@@ -68,11 +68,12 @@ class BufferBudget:
     """Bytes of buffered (non-streamed) answers held across every connection of a pool:
     16 concurrent 64 MB answers took the router from 70 MB to 1.2 GB (issue 21)."""
 
-    __slots__ = ("limit", "used")
+    __slots__ = ("limit", "peak", "used")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.peak = 0  # the most held at once (a test's and an operator's check)
 
 
 def _no_parser(data: bytes) -> None:
@@ -238,6 +239,8 @@ class WorkerConnection(asyncio.Protocol):
             budget = self.budget
             budget.used += n
             self._held += n
+            if budget.used > budget.peak:
+                budget.peak = budget.used
             if self._size > self._cap:
                 self.too_big = True
                 self._break(f"answer over {self._cap} bytes")

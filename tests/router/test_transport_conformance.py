@@ -237,3 +237,65 @@ async def test_a_late_answer_on_a_reused_connection_is_refused(
     w = await worker([ANSWER, ("sleep", 0.05), stolen], [("sleep", 0.2), ANSWER])
     assert await exchange(transport, w.url, "rid-1") == ("ok", 200, OK_BODY)
     assert await exchange(transport, w.url, "rid-2") == ("broken",)
+
+
+# --- Through a router: what a client sees (issue 21, finding 5) -------------------------
+
+ROUTED: dict[str, tuple[Steps, int, str]] = {
+    # (worker steps, client status, what the client's body holds)
+    "trickle": (CASES["slow-trickle"][0], 504, "timed out"),
+    "close-delimited-cut": ([ST + JSON + b"\r\n" + OK_BODY[:5], "close"], 502, "upstream_error"),
+    "short-content-length": (CASES["short-content-length"][0], 502, "upstream_error"),
+    "103-then-200": (CASES["103-then-200"][0], 200, '"ok": true'),
+    "100-then-200": (CASES["100-then-200"][0], 200, '"ok": true'),
+    "204-with-body": (CASES["204-with-body"][0], 502, "upstream_error"),
+}
+
+
+@pytest.mark.parametrize("kind", ["own", "aiohttp"])
+@pytest.mark.parametrize("case", list(ROUTED))
+async def test_through_the_router(worker: Any, start_router: Any, kind: str, case: str) -> None:
+    steps, status, holds = ROUTED[case]
+    w = await worker(steps)
+    client = await start_router(
+        [w.url], upstream_client=kind, max_retries=0, request_timeout=READ_TIMEOUT
+    )
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status == status and holds in await r.text()
+
+
+@pytest.mark.parametrize("kind", ["own", "aiohttp"])
+async def test_informational_answers_are_no_strike(
+    worker: Any, start_router: Any, kind: str
+) -> None:
+    from router.state import FLEET
+
+    w = await worker(CASES["103-then-200"][0])
+    client = await start_router([w.url], upstream_client=kind, breaker_failures=1)
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json={"prompt": "hi"})).status == 200
+    assert [x.failures_total for x in client.server.app[FLEET].workers.values()] == [0]
+
+
+@pytest.mark.parametrize("kind", ["own", "aiohttp"])
+@pytest.mark.parametrize(
+    "steps",
+    [
+        # ends with the connection, mid-event: a clean close is no end of an event
+        [ST + SSE + b"\r\n" + EVENT + b'data: {"choi', "close"],
+        # chunked, cut before the last chunk
+        [ST + SSE + TE + chunked(EVENT) + chunked(b'data: {"choi'), ("sleep", 0.02), "close"],
+    ],
+    ids=["close-delimited", "chunked"],
+)
+async def test_a_stream_cut_short_ends_with_an_error_event(
+    worker: Any, start_router: Any, kind: str, steps: Steps
+) -> None:
+    w = await worker(steps)
+    client = await start_router([w.url], upstream_client=kind, max_retries=0)
+    r = await client.post("/v1/completions", json={"prompt": "hi", "stream": True})
+    text = await r.text()
+    # The whole event, then the error event; the partial one is dropped, not glued to it.
+    events = text.split("\n\n")
+    assert r.status == 200 and events[0] + "\n\n" == EVENT.decode() and events[2:] == [""]
+    assert events[1].startswith('data: {"error"') and "upstream_error" in events[1]
