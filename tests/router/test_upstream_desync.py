@@ -3,7 +3,7 @@ unrequested second answer 0, 1 or 5 ms after the first must never have that answ
 as the next request's. 20 clients x 50 requests through a real router app against a
 raw-socket worker; each answer names the client request it belongs to, so a mix-up is
 visible in the body. Run against a worker that echoes `x-request-id` (as ours does) and
-one that does not (as stock engines may not)."""
+one that does not (as stock engines may not), over both upstream transports."""
 
 from __future__ import annotations
 
@@ -114,9 +114,11 @@ async def _run_clients(client: Any, same_id: bool = False) -> tuple[int, int, li
     ids=["echoing", "not-echoing", "echoing-one-client-id"],
 )
 @pytest.mark.parametrize("delay_ms", [0, 1, 5])
+@pytest.mark.parametrize("transport", ["own", "aiohttp"])
 async def test_no_client_gets_another_clients_answer(
     servers: list[asyncio.Server],
     start_router: StartRouter,
+    transport: str,
     delay_ms: int,
     echo: bool,
     same_id: bool,
@@ -127,8 +129,9 @@ async def test_no_client_gets_another_clients_answer(
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     # A breaker that never opens, so every request reaches the bad worker.
     client = await start_router(
-        [url], policy="round_robin", max_retries=1, retry_backoff=0, breaker_failures=10**6
-    )
+        [url], policy="round_robin", max_retries=1, retry_backoff=0, breaker_failures=10**6,
+        upstream_client=transport,
+    )  # fmt: skip
     delivered, refused, mixed = await _run_clients(client, same_id)
     assert mixed == [], f"{len(mixed)} of {CLIENTS * REQUESTS} mixed up: {mixed[:5]}"
     assert delivered + refused == CLIENTS * REQUESTS

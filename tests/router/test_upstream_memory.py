@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,7 +37,8 @@ async def _huge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             head = await reader.readuntil(b"\r\n\r\n")
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
             await reader.readexactly(length)
-            rid = head.lower().split(b"x-request-id: ")[1].split(b"\r\n")[0]
+            found = re.search(rb"\r\nx-request-id: ([^\r]*)", head, re.IGNORECASE)
+            rid = found[1] if found else b"-"
             writer.write(
                 b"HTTP/1.1 200 OK\r\nx-request-id: %s\r\nContent-Type: application/json\r\n"
                 b"Transfer-Encoding: chunked\r\n\r\n" % rid
