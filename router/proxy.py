@@ -132,7 +132,9 @@ class Proxy:
             )
         tried: list[str] = []
         failure: AttemptFailed | None = None
-        suspects: list[Attempt] = []  # tries that got a 500: the worker's fault, or ours?
+        # Tries that got a 500, a timeout or an oversized answer: the worker's fault, or
+        # the request's? (each carries its attempt, and the limit it ran into: None for a 500)
+        suspects: list[AttemptFailed] = []
         busy_for = 0  # the longest Retry-After of the busy workers
         for tries in range(self.config.max_retries + 1):
             picked = self._select(routed, tried)
@@ -144,19 +146,20 @@ class Proxy:
             except AttemptFailed as e:
                 failure = e
                 tried.append(worker.worker_id)
-                if e.suspect and suspects:
-                    raise request_fault(len(suspects) + 1, e, self.config) from None
                 if e.suspect:
-                    suspects.append(e.attempt)
+                    same = sum(1 for s in suspects if s.limit == e.limit)
+                    if same:  # a second worker failed the same way: the request's fault
+                        raise request_fault(same + 1, e, self.config) from None
+                    suspects.append(e)
                 busy_for = max(busy_for, e.retry_after)
                 if tries < self.config.max_retries:
                     self.metrics.retries.inc()
                     await asyncio.sleep(self.config.retry_backoff * (2**tries))
                 continue
             if suspects and response.status < 400:
-                # Another worker answered what the suspect answered 500 to: its failure.
+                # Another worker answered what the suspect failed: the suspect's failure.
                 for suspect in suspects:
-                    self.fleet.failed(suspect, FailureKind.UPSTREAM_5XX, self.clock())
+                    self.fleet.failed(suspect.attempt, suspect.kind, self.clock())  # type: ignore[arg-type]
             return response
         if failure is None:
             raise APIError(

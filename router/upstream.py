@@ -23,13 +23,20 @@ Redis) chooses its status, headers and body. So:
 
 Failure classes (`classify`), which decide retries and the breaker (`router/fleet.py`):
 
-    connect error, timeout, 502/503/504, 3xx, other 5xx, bad type  → worker health:
-        retry elsewhere, counts toward the worker's breaker
+    connect error, broken framing, 502/503/504, 3xx, other 5xx,    → worker health:
+    bad type, a timeout on a stream                                  retry elsewhere,
+                                                                     counts toward the
+                                                                     worker's breaker
     503 with Retry-After, or an "overloaded" error; 429            → busy, not broken:
         retry elsewhere, no breaker; all busy → 503 + Retry-After to the client
-    500                                                            → suspect: retry once
-        elsewhere; a second 500 for the same request is the request's fault (stop,
-        answer 500, no breaker); a success elsewhere makes it the worker's failure
+    500; on a non-streamed request a timeout (request_timeout) or → suspect: retry once
+    an answer over max_response_bytes                                elsewhere
+        A second such failure for the same request is the request's fault: stop, answer
+        500 / 504 `request_timeout` / 502 `response_too_large` naming the limit, charge
+        no breaker (`request_timeout: 2` and three long generations used to open every
+        breaker). A success elsewhere makes the suspect the worker's failure.
+    the router's own max_buffered_answer_bytes full                → 503 overloaded,
+        no retry, no breaker
 """
 
 from __future__ import annotations
