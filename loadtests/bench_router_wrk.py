@@ -9,7 +9,7 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/refs.py`) as one more target, so a change's price is measured side by side;
-`--upstream-client aiohttp` adds a router on aiohttp's client (router/transport.py).
+`--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
 connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a

@@ -10,13 +10,11 @@ Flags override the environment (`RADIX_ROUTER_*`), which overrides `--config FIL
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
 from shared.config import ConfigError, PolicyName, RouterConfig, load_config
-from shared.logging import setup_logging
 
 POLICIES = get_args(PolicyName)
 
@@ -150,29 +148,17 @@ def serve_config(args: argparse.Namespace) -> RouterConfig:
 def _run_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     if config.processes > 1:
-        from router.processes import run_processes
+        from router.up.processes import run_processes
 
         return run_processes(config)
+    from router.http.app import run_router  # the serving path, imported only to serve
+
     run_router(config)
     return 0
 
 
-def run_router(config: RouterConfig) -> None:
-    """One router process, in the foreground until SIGTERM/SIGINT."""
-    from router.app import serve
-
-    setup_logging(config.log_level)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(config))
-
-
 def _run_up(args: argparse.Namespace) -> int:
-    from router.local_fleet import UpFleet, UpOptions
+    from router.up.local_fleet import UpFleet, UpOptions
 
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")

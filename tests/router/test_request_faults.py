@@ -3,7 +3,7 @@ over max_response_bytes) is the request's fault, not the fleet's. Tried once mor
 another worker; when that one fails the same way the client gets 504/502 naming the
 limit, and no breaker is charged. Real aiohttp workers over loopback: a prompt "slow"
 is answered after 5 s, "big" with a 20 KB answer, anything else at once. Run over both
-upstream transports (router/transport.py)."""
+upstream transports (router/upstream/transport.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.state import FLEET
+from router.http.state import FLEET
 from tests.router.conftest import StartRouter
 
 SMALL = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}]}

@@ -1,4 +1,4 @@
-"""One conformance suite for the router's upstream transport (router/transport.py), run
+"""One conformance suite for the router's upstream transport (router/upstream/transport.py), run
 against the project's own HTTP/1.1 client and against aiohttp's ClientSession through the
 same interface: the same scripted worker bytes must give the same outcome through both.
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from router.resolver import GuardedResolver
-from router.transport import Transport, make_transport
-from router.upstream_conn import UpstreamBroken
+from router.upstream.connection import UpstreamBroken
+from router.upstream.resolver import GuardedResolver
+from router.upstream.transport import Transport, make_transport
 
 OK_BODY = b'{"ok": true}'
 ST = b"HTTP/1.1 200 OK\r\nx-request-id: {RID}\r\n"
@@ -189,7 +189,11 @@ async def test_one_answer(transport: Transport, worker: Any, case: str) -> None:
 
 # Cases where HTTP leaves a choice: both transports must make the same one.
 _AGREED: dict[str, tuple[Any, ...]] = {
-    "status-999": ("ok", 999, b""),  # framed well; the proxy refuses it (router/upstream.py)
+    "status-999": (
+        "ok",
+        999,
+        b"",
+    ),  # framed well; the proxy refuses it (router/upstream/answers.py)
     "lf-in-value": ("broken",),
 }
 
@@ -268,7 +272,7 @@ async def test_through_the_router(worker: Any, start_router: Any, kind: str, cas
 async def test_informational_answers_are_no_strike(
     worker: Any, start_router: Any, kind: str
 ) -> None:
-    from router.state import FLEET
+    from router.http.state import FLEET
 
     w = await worker(CASES["103-then-200"][0])
     client = await start_router([w.url], upstream_client=kind, breaker_failures=1)

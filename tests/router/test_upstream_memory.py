@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from router.resolver import GuardedResolver
-from router.state import FLEET, PROXY
-from router.upstream_client import UpstreamPool
-from router.upstream_conn import UpstreamBroken
+from router.http.state import FLEET, PROXY
+from router.upstream.connection import UpstreamBroken
+from router.upstream.pool import UpstreamPool
+from router.upstream.resolver import GuardedResolver
 from tests.router.conftest import StartRouter
 
 MB = 1 << 20

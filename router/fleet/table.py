@@ -1,0 +1,223 @@
+"""The router's table of workers and its books.
+
+Workers come from three sources: the Redis registry (heartbeats), a static list
+(`worker_urls`), and the admin API. Only registry workers come and go with the
+registry; the other two stay until removed by hand. What one worker's numbers mean
+(load, breaker states) is documented in `router/fleet/workers.py`.
+
+The table keeps its own books: every write to a worker goes through a method here.
+The proxy asks (`attempt`, then `succeeded` or `failed(kind)`), metrics and handlers
+only read. That is what lets the policy's columns (`router/fleet/columns.py`) be kept between
+requests instead of rebuilt: every change of who is routable, a model or a capacity
+calls `columns.invalidate()`, and nothing else does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from router.fleet.columns import NO_REMOTE, Columns
+from router.fleet.workers import Breaker, FailureKind, Source, Worker
+from router.policy.base import FleetView
+from shared.config import RouterConfig, check_worker_url
+from shared.registry import WorkerRecord
+
+
+class PolicyHooks(Protocol):
+    """What the table tells the policy; `router.policy.base.Policy` satisfies it. Every
+    figure a worker reports reaches the policy in the view (`FleetView.reports`)."""
+
+    def remove_worker(self, worker_id: str) -> None: ...
+
+
+def static_worker_id(url: str) -> str:
+    """Workers given by URL are named by host:port (what an operator would type)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}"
+
+
+class Attempt:
+    """One try of one request on one worker: counts one request in flight there from
+    `Fleet.attempt` until `release`, and notes whether it is the breaker's half-open
+    probe, so a probe that ends without a verdict lets the next one through.
+
+    Release is idempotent, so every exit path (body end, error, cancel, timeout, retry)
+    may call it and the count still drops exactly once. It holds the Worker itself, so a
+    worker removed from the table mid-request is still decremented (and its successor, a
+    new Worker under the same id, is left alone).
+    """
+
+    __slots__ = ("_fleet", "_released", "probe", "worker")
+
+    def __init__(self, fleet: Fleet, worker: Worker, probe: bool) -> None:
+        self._fleet, self.worker, self.probe = fleet, worker, probe
+        self._released = False
+        worker.in_flight += 1
+        worker.requests_total += 1
+        fleet.columns.publish(worker)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        worker, columns = self.worker, self._fleet.columns
+        worker.in_flight -= 1
+        columns.publish(worker)
+        if self.probe and worker.breaker.probing:
+            worker.breaker.abandon_probe()
+            columns.invalidate()
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Fleet:
+    """The worker table. `workers` is for reading; change it through the methods."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        policy: PolicyHooks,
+        remote_in_flight: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        """`remote_in_flight`: other router replicas' requests in flight per worker
+        (replica sync's `remote_inflight`); it returns the same mapping until one moves."""
+        self.config = config
+        self.policy = policy
+        self.workers: dict[str, Worker] = {}
+        self.columns = Columns(self.workers, remote_in_flight or (lambda: NO_REMOTE))
+
+    # -- membership --------------------------------------------------------------------
+    def add_url(self, url: str, source: Source, worker_id: str | None = None) -> Worker:
+        url = check_worker_url(url)
+        wid = worker_id or static_worker_id(url)
+        worker = self.workers.get(wid)
+        if worker is None:
+            return self._new(wid, url, source)
+        worker.url, worker.source = url, source
+        return worker
+
+    def remove(self, worker_id: str) -> bool:
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return False
+        self.columns.forget(worker)  # a request still in flight to it writes nowhere
+        self.columns.invalidate()
+        self.policy.remove_worker(worker_id)
+        return True
+
+    def apply_registry(
+        self, records: dict[str, WorkerRecord], drop_missing: bool = True, now: float = 0.0
+    ) -> tuple[list[str], list[str]]:
+        """Bring registry-sourced workers in line with a full read of the registry, read
+        at `now` (the policy ages a reported queue from then).
+
+        Returns (joined or restarted, left). A changed epoch means the worker restarted
+        with an empty cache, so its tree is dropped and its breaker closed.
+        """
+        joined: list[str] = []
+        for wid, record in records.items():
+            worker = self.workers.get(wid)
+            if worker is None:
+                worker = self._new(wid, record.url, "redis")
+                joined.append(wid)
+            elif worker.report.epoch and worker.report.epoch != record.epoch:
+                self.policy.remove_worker(wid)
+                worker.breaker.record_success()  # a fresh process deserves a fresh chance
+                self.columns.invalidate()
+                joined.append(wid)
+            self._report(worker, record, now)
+        if not drop_missing:
+            return joined, []
+        left = [
+            wid for wid, w in self.workers.items() if w.source == "redis" and wid not in records
+        ]
+        for wid in left:
+            self.remove(wid)
+        return joined, left
+
+    def set_model(self, worker: Worker, model: str) -> None:
+        """A model learnt by asking the worker (static and admin ones report none)."""
+        if model != worker.report.model:
+            worker.report = replace(worker.report, model=model)
+            self.columns.invalidate()
+
+    def _new(self, worker_id: str, url: str, source: Source) -> Worker:
+        breaker = Breaker(self.config.breaker_failures, self.config.breaker_cooldown)
+        blank = WorkerRecord(worker_id, url, model="", engine="", epoch=0.0)
+        worker = Worker(worker_id, url, source, breaker, blank)
+        self.workers[worker_id] = worker
+        self.columns.invalidate()
+        return worker
+
+    def _report(self, w: Worker, r: WorkerRecord, now: float) -> None:
+        old = w.report
+        w.report, w.reported_at, w.url = r, now, r.url
+        if (r.model, r.draining, r.kv_capacity_tokens) != (
+            old.model,
+            old.draining,
+            old.kv_capacity_tokens,
+        ):
+            self.columns.invalidate()  # a view's capacities column is replaced, not edited
+        else:
+            self.columns.report(w)  # the heartbeat and the load it moved, in place
+
+    # -- the books: what the proxy asks ------------------------------------------------
+    def attempt(self, worker: Worker, now: float) -> Attempt:
+        """Start one try on `worker` (chosen from `view`); release it when it ends."""
+        probe = worker.breaker.on_attempt(now)
+        if probe:
+            self.columns.invalidate()  # a probing worker takes nothing else
+        return Attempt(self, worker, probe)
+
+    def succeeded(
+        self, attempt: Attempt, predicted_tokens: float = 0.0, cached_tokens: int | None = None
+    ) -> None:
+        """The worker answered; `cached_tokens` is what it reports having reused, against
+        `predicted_tokens` (the tree's guess) when known."""
+        worker, breaker = attempt.worker, attempt.worker.breaker
+        if breaker.opened_at is not None or breaker.probing:
+            self.columns.invalidate()
+        breaker.record_success()
+        if cached_tokens is not None:
+            worker.predicted_tokens_total += predicted_tokens
+            worker.actual_cached_tokens_total += cached_tokens
+
+    def failed(self, attempt: Attempt, kind: FailureKind, now: float) -> None:
+        """The try failed (see `FailureKind`). A busy worker is alive: BUSY counts toward no
+        breaker (a worker's 503 "overloaded" used to), every other kind does."""
+        if kind is FailureKind.BUSY:
+            return
+        worker, breaker = attempt.worker, attempt.worker.breaker
+        worker.failures_total += 1
+        before = (breaker.opened_at, breaker.probing)
+        breaker.record_failure(now)
+        if (breaker.opened_at, breaker.probing) != before:
+            self.columns.invalidate()
+
+    # -- reads -------------------------------------------------------------------------
+    def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView:
+        """What the policy reads: see `Columns.view`. Read only."""
+        return self.columns.view(now, model, exclude)
+
+    def knows_model(self, model: str) -> bool:
+        """Whether some worker serves `model`; True too while no worker reports a model."""
+        reported = self.columns.reported_models()
+        return (
+            not reported
+            or model in reported
+            or (not model and any(not w.report.model for w in self.workers.values()))
+        )
+
+    def models(self) -> list[str]:
+        return sorted(self.columns.reported_models())
+
+    def in_flight_by_worker(self) -> dict[str, int]:
+        """This router's requests in flight per worker (what replica sync shares)."""
+        return {wid: w.in_flight for wid, w in self.workers.items()}
