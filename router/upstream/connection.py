@@ -44,6 +44,7 @@ the protocol as its callbacks: the cycle kept both, and the chunks, until a full
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections.abc import Callable
 
@@ -53,6 +54,9 @@ from multidict import CIMultiDict
 MAX_HEAD_BYTES = 65536  # status line and headers of one answer; beyond: a broken worker
 MAX_HEADERS = 128
 MAX_FIELD_BYTES = 8190  # one header name, value, or the status line (aiohttp's limits)
+# What a header value may hold: visible ASCII, space and tab (no other controls, no DEL,
+# no bytes above 0x7f: they became mojibake on the way to clients).
+BAD_VALUE = re.compile(rb"[^\t\x20-\x7e]")
 HIGH_WATER = 262144  # streamed bytes held before the socket is paused
 
 
@@ -74,6 +78,11 @@ class BufferBudget:
         self.limit = limit
         self.used = 0
         self.peak = 0  # the most held at once (a test's and an operator's check)
+
+
+def only_chunked(values: list[str]) -> bool:
+    """Transfer-Encoding lines that say `chunked` once and nothing else."""
+    return [v.strip().lower() for line in values for v in line.split(",")] == ["chunked"]
 
 
 def _no_parser(data: bytes) -> None:
@@ -170,6 +179,7 @@ class WorkerConnection(asyncio.Protocol):
         elif self.error is None:
             self.error = "closed"
         self._drop_parser()
+        self.transport = None  # the transport holds us too: no cycle left for a GC
         self._wake()
         self.on_lost(self)
 
@@ -196,8 +206,8 @@ class WorkerConnection(asyncio.Protocol):
             raise _Garbage(f"header block over {MAX_HEAD_BYTES} bytes or {MAX_HEADERS} lines")
         if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
             raise _Garbage(f"header field over {MAX_FIELD_BYTES} bytes")
-        if not value.isascii():
-            raise _Garbage("a header value that is not ASCII")
+        if BAD_VALUE.search(value) is not None:
+            raise _Garbage("a header value that is not visible ASCII")
         if self.headers is None:  # trailers (after a chunked body) are read and dropped
             self._raw.append((name.decode("ascii", "replace"), value.decode("ascii")))
 
@@ -213,6 +223,10 @@ class WorkerConnection(asyncio.Protocol):
             return
         self.status = status
         headers = self.headers = CIMultiDict(self._raw)
+        coding = headers.getall("Transfer-Encoding", None)
+        if coding is not None and not only_chunked(coding):
+            # No TE was sent, so chunked is the only coding a worker may apply (once).
+            raise _Garbage("a transfer coding other than chunked")
         echo = headers.get("x-request-id")
         if echo is not None and echo != self.request_id:
             raise _Garbage("an answer to another request (x-request-id differs)")
@@ -220,7 +234,7 @@ class WorkerConnection(asyncio.Protocol):
             raise _Garbage("no x-request-id echo on a reused connection")
         self.echoed = echo is not None
         self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
-        self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        self._chunked = coding is not None
         length = headers.get("Content-Length")
         if length is not None:
             self.content_length = int(length)  # llhttp accepted it: digits only

@@ -4,7 +4,8 @@ same interface: the same scripted worker bytes must give the same outcome throug
 
 The worker is a raw TCP server on loopback whose every byte the case scripts: framing
 (CL+TE, chunk-size overflow, two lengths), statuses (1xx skipped, 101, 304, 999), header
-limits (70 KB and 9 KB names, 9 KB values), CR/LF/NUL and non-ASCII in values, trailers,
+limits (70 KB and 9 KB names, 9 KB values), CR/LF/NUL/DEL/controls and non-ASCII in
+values, transfer codings other than chunked, odd lengths and status lines, trailers,
 truncation (short length, chunked cut, a reset close-delimited body, a stream cut short),
 a slow trickle, a stall, pipelined extras, a 204 with a body, request-id echoes, and
 bytes that arrive while a connection sits in the pool."""
@@ -170,6 +171,27 @@ CASES: dict[str, tuple[Steps, tuple[Any, ...]]] = {
     "stall-mid-body": ([ST + JSON + b"Content-Length: 100\r\n\r\n{", ("sleep", 5)], ("timeout",)),
     # One byte every 0.2 s: each wait is under read_timeout, the whole is not.
     "slow-trickle": ([ST + JSON + b"Content-Length: 12\r\n\r\n", *[x for b in OK_BODY for x in (bytes([b]), ("sleep", 0.2))]], ("timeout",)),
+    "chunk-extension-1mb": ([ST + JSON + TE + b"c;ext=" + b"e" * (1 << 20) + b"\r\n" + OK_BODY + b"\r\n0\r\n\r\n"], ("ok", 200, OK_BODY)),
+    "space-before-colon": ([ST + b"X-A : 1\r\n" + ANSWER[len(ST):]], ("broken",)),
+    "no-reason-phrase": ([b"HTTP/1.1 200\r\nx-request-id: {RID}\r\n" + ANSWER[len(ST):]], ("ok", 200, OK_BODY)),
+    "http10-keep-alive": ([b"HTTP/1.0 200 OK\r\nx-request-id: {RID}\r\nConnection: keep-alive\r\n" + ANSWER[len(ST):]], ("ok", 200, OK_BODY)),
+    "length-plus-sign": ([ST + JSON + b"Content-Length: +12\r\n\r\n" + OK_BODY], ("broken",)),
+    "length-negative": ([ST + JSON + b"Content-Length: -1\r\n\r\n" + OK_BODY], ("broken",)),
+    "same-length-twice": ([ST + JSON + b"Content-Length: 12\r\nContent-Length: 12\r\n\r\n" + OK_BODY], ("broken",)),
+    "length-list": ([ST + JSON + b"Content-Length: 12, 12\r\n\r\n" + OK_BODY], ("broken",)),
+    # No TE is sent: chunked, once, is the only transfer coding a worker may apply.
+    "te-gzip-chunked": ([ST + JSON + b"Transfer-Encoding: gzip, chunked\r\n\r\n" + chunked(OK_BODY) + b"0\r\n\r\n"], ("broken",)),
+    "te-chunked-identity": ([ST + JSON + b"Transfer-Encoding: chunked, identity\r\n\r\n" + chunked(OK_BODY) + b"0\r\n\r\n", "close"], ("broken",)),
+    "te-identity": ([ST + JSON + b"Transfer-Encoding: identity\r\n\r\n" + OK_BODY, "close"], ("broken",)),
+    "te-chunked-twice": ([ST + JSON + TE.replace(b"\r\n\r\n", b"\r\n") + TE + chunked(OK_BODY) + b"0\r\n\r\n"], ("broken",)),
+    "http2-status-line": ([b"HTTP/2 200 OK\r\nx-request-id: {RID}\r\n" + ANSWER[len(ST):]], ("broken",)),
+    "http09-no-head": ([OK_BODY, "close"], ("broken",)),
+    "lowercase-http": ([b"http/1.1 200 OK\r\nx-request-id: {RID}\r\n" + ANSWER[len(ST):]], ("broken",)),
+    "chunk-lines-lf-only": ([ST + JSON + TE + b"c\n" + OK_BODY + b"\n0\n\n"], ("broken",)),
+    "empty-header-name": ([ST + b": x\r\n" + ANSWER[len(ST):]], ("broken",)),
+    "tab-in-value": ([ST + b"X-A: a\tb\r\n" + ANSWER[len(ST):]], ("ok", 200, OK_BODY)),
+    "del-in-value": ([ST + b"X-A: a\x7fb\r\n" + ANSWER[len(ST):]], ("broken",)),
+    "control-in-value": ([ST + b"X-A: a\x01b\r\n" + ANSWER[len(ST):]], ("broken",)),
     "sse-stream": ([ST + SSE + TE + chunked(EVENT, EVENT) + b"0\r\n\r\n"], ("ok", 200, EVENT + EVENT)),
     "sse-stream-cut": ([ST + SSE + TE + chunked(EVENT), ("sleep", 0.02), "close"], ("broken",)),
     # A stream lives as long as it keeps sending: each wait is bounded, not the whole.
@@ -196,6 +218,28 @@ _AGREED: dict[str, tuple[Any, ...]] = {
     ),  # framed well; the proxy refuses it (router/upstream/answers.py)
     "lf-in-value": ("broken",),
 }
+
+
+# Where HTTP lets a recipient be lenient and aiohttp is, the own client refuses: an
+# answer framed in an obsolete or ambiguous way is no answer to relay.
+STRICTER: dict[str, Steps] = {
+    "obs-fold": [ST + b"X-A: a\r\n b\r\n" + ANSWER[len(ST):]],
+    "chunk-size-trailing-space": [ST + JSON + TE + b"c \r\n" + OK_BODY + b"\r\n0\r\n\r\n"],
+    "head-lines-lf-only": [ANSWER.replace(b"\r\n", b"\n")],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(STRICTER))
+async def test_the_own_client_is_at_least_as_strict(worker: Any, case: str) -> None:
+    w = await worker(STRICTER[case])
+    own = make_transport("own", GuardedResolver(), 2.0, READ_TIMEOUT, 4096, 1 << 20)
+    lenient = make_transport("aiohttp", GuardedResolver(), 2.0, READ_TIMEOUT, 4096, 1 << 20)
+    try:
+        assert await exchange(own, w.url, "rid-1") == ("broken",)
+        assert await exchange(lenient, w.url, "rid-1") in {("broken",), ("ok", 200, OK_BODY)}
+    finally:
+        await own.close()
+        await lenient.close()
 
 
 async def test_bytes_that_arrive_while_pooled_are_never_an_answer(
