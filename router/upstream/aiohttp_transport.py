@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import re
 import weakref
 from typing import Any
 
@@ -28,10 +27,9 @@ import aiohttp
 from aiohttp.abc import AbstractResolver
 from multidict import CIMultiDictProxy
 
-from router.upstream.connection import BufferBudget, UpstreamBroken, only_chunked
+from router.upstream.limits import BAD_TEXT_VALUE, BufferBudget, UpstreamBroken, only_chunked
 
 EVENT_STREAM = "text/event-stream"
-_BAD_VALUE = re.compile(r"[^\t\x20-\x7e]")  # as connection.BAD_VALUE, on decoded text
 _SENDING = contextvars.ContextVar[str]("upstream_request_id", default="")
 
 
@@ -243,7 +241,7 @@ class AiohttpTransport:
             why = "no x-request-id echo on a reused connection"
         elif resp.status < 200:
             why = f"an answer with status {resp.status}"  # 1xx are skipped; 101 never asked
-        elif any(_BAD_VALUE.search(v) for v in resp.headers.values()):
+        elif any(BAD_TEXT_VALUE.search(v) for v in resp.headers.values()):
             why = "a header value that is not visible ASCII"
         elif (coding := resp.headers.getall("Transfer-Encoding", None)) is not None and (
             not only_chunked(coding)

@@ -29,7 +29,8 @@ nothing: the late bytes may be on the wire when the connection is handed out aga
   breaks it (`data_received` when not busy, a second message begun).
 
 Informational answers (100, 103) are skipped as HTTP says; 101 is refused. Header
-names and values are capped like aiohttp's (`MAX_FIELD_BYTES`) and values must be ASCII.
+names and values are capped like aiohttp's and values must be visible ASCII
+(`router/upstream/limits.py`).
 
 Deadlines: the head and a buffered body must arrive within `read_timeout` of the send
 (one overall deadline: a trickle of one byte every few seconds is cut); a stream's
@@ -44,45 +45,29 @@ the protocol as its callbacks: the cycle kept both, and the chunks, until a full
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 from collections.abc import Callable
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 from multidict import CIMultiDict
 
-MAX_HEAD_BYTES = 65536  # status line and headers of one answer; beyond: a broken worker
-MAX_HEADERS = 128
-MAX_FIELD_BYTES = 8190  # one header name, value, or the status line (aiohttp's limits)
-# What a header value may hold: visible ASCII, space and tab (no other controls, no DEL,
-# no bytes above 0x7f: they became mojibake on the way to clients).
-BAD_VALUE = re.compile(rb"[^\t\x20-\x7e]")
+from router.upstream.limits import (
+    BAD_VALUE,
+    MAX_FIELD_BYTES,
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    BufferBudget,
+    UpstreamBroken,
+    only_chunked,
+)
+
+__all__ = ["BufferBudget", "UpstreamBroken", "WorkerConnection"]
+
 HIGH_WATER = 262144  # streamed bytes held before the socket is paused
-
-
-class UpstreamBroken(Exception):
-    """The connection failed, or the worker's bytes are not one well-framed answer."""
 
 
 class _Garbage(Exception):
     pass
-
-
-class BufferBudget:
-    """Bytes of buffered (non-streamed) answers held across every connection of a pool:
-    16 concurrent 64 MB answers took the router from 70 MB to 1.2 GB (issue 21)."""
-
-    __slots__ = ("limit", "peak", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0  # the most held at once (a test's and an operator's check)
-
-
-def only_chunked(values: list[str]) -> bool:
-    """Transfer-Encoding lines that say `chunked` once and nothing else."""
-    return [v.strip().lower() for line in values for v in line.split(",")] == ["chunked"]
 
 
 def _no_parser(data: bytes) -> None:

@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 from aiohttp.abc import AbstractResolver
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.upstream.connection import UpstreamBroken
+from router.upstream.limits import UpstreamBroken
 
 __all__ = ["Answer", "Transport", "UpstreamBroken"]
 
