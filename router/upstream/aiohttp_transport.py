@@ -75,9 +75,12 @@ def _broken(e: BaseException) -> UpstreamBroken:
 
 
 class AiohttpAnswer:
+    """One answer from aiohttp's client, read under the transport's rules."""
+
     __slots__ = (
-        "_deadline", "_held", "_proto", "budget", "close_delimited", "content_length", "content_type", "echoed",
-        "headers", "max_buffered", "over_budget", "resp", "status", "too_big",
+        "_deadline", "_held", "_proto", "budget", "close_delimited", "content_length",
+        "content_type", "echoed", "headers", "max_buffered", "over_budget", "resp", "status",
+        "too_big",
     )  # fmt: skip
 
     def __init__(
