@@ -2,7 +2,8 @@
 
 The inference path talks to workers through a `Transport` and reads each answer through
 an `Answer`; nothing else about the client leaks into the proxy. Two transports
-implement it, selected by `upstream_client` (shared/config.py):
+implement it, selected by `upstream_client` (shared/config.py;
+`router/upstream/clients.py` builds the one chosen):
 
 - `own` (default): the hand-written HTTP/1.1 client on httptools
   (`router/upstream/pool.py`, `router/upstream/connection.py`), ~30% less router CPU per
@@ -24,9 +25,8 @@ scripted worker bytes give the same outcome through either. The rules both keep:
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Protocol
 
-from aiohttp.abc import AbstractResolver
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.upstream.limits import UpstreamBroken
@@ -81,26 +81,3 @@ class Transport(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-def make_transport(
-    kind: Literal["own", "aiohttp"],
-    resolver: AbstractResolver,
-    connect_timeout: float,
-    read_timeout: float,
-    max_buffered: int,
-    max_buffered_total: int,
-) -> Transport:
-    if kind == "aiohttp":
-        from router.upstream.aiohttp_transport import AiohttpTransport
-
-        return AiohttpTransport(
-            resolver, connect_timeout, read_timeout, max_buffered,
-            max_buffered_total=max_buffered_total,
-        )  # fmt: skip
-    from router.upstream.pool import UpstreamPool
-
-    return UpstreamPool(
-        resolver, connect_timeout, read_timeout, max_buffered,
-        max_buffered_total=max_buffered_total,
-    )  # fmt: skip

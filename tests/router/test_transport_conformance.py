@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
+from router.upstream.clients import make_transport
 from router.upstream.connection import UpstreamBroken
 from router.upstream.resolver import GuardedResolver
-from router.upstream.transport import Transport, make_transport
+from router.upstream.transport import Transport
 
 OK_BODY = b'{"ok": true}'
 ST = b"HTTP/1.1 200 OK\r\nx-request-id: {RID}\r\n"

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from router.http.state import FLEET, PROXY
+from router.http.state import FLEET
 from router.upstream.connection import UpstreamBroken
 from router.upstream.pool import UpstreamPool
+from router.upstream.proxy import PROXY
 from router.upstream.resolver import GuardedResolver
 from tests.router.conftest import StartRouter
 
