@@ -56,6 +56,16 @@ _PER_WORKER: tuple[tuple[type[Family], str, str, Callable[[Worker, float], float
         CounterFamily, "radix_router_actual_cached_tokens", "Cached tokens workers reported",
         lambda w, _: w.actual_cached_tokens_total,
     ),
+    (
+        GaugeFamily, "radix_router_worker_chars_per_token",
+        "Chars of routed text per prompt token, learned from the worker's answers (0: not yet)",
+        lambda w, _: w.chars_per_token or 0.0,
+    ),
+    (
+        CounterFamily, "radix_router_worker_calibration_rejected",
+        "Answers whose usage.prompt_tokens was implausible and ignored",
+        lambda w, _: w.calibration_rejected_total,
+    ),
     # Every engine's own prompt and prefix-hit totals, from its heartbeats (attached
     # SGLang / vLLM too): the fleet's real hit rate, where the two above are the tree's.
     (

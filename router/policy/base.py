@@ -166,6 +166,10 @@ class Policy(ABC):
         """Another router replica sent ``text`` to ``worker_id``."""
         return
 
+    def calibrate(self, worker_id: str, chars_per_token: float) -> None:
+        """The worker's chars per token, as learned from its answers (no tokenizer)."""
+        return
+
     def worker_stats(self) -> dict[str, dict[str, int]]:
         return {}
 

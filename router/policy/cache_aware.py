@@ -28,7 +28,9 @@ Always: the text is then inserted into the chosen worker's tree (so a spill
 replicates the prefix). Remaining ties (equal load) are broken by the injected
 ``random.Random``, so a cold fleet spreads new prefixes instead of piling them on
 the first worker. Each worker's tree is capped at
-``kv_capacity_tokens × tree_chars_per_token`` chars (unknown capacity: no cap) and
+``kv_capacity_tokens × chars per token`` chars (unknown capacity: no cap; chars per
+token learned from the worker's answers, router/fleet/calibration.py, and
+``tree_chars_per_token`` until then) and
 all trees together at ``tree_max_chars`` stored chars (router/policy/tree.py).
 
 ``router/policy/cost_aware.py`` builds on this one (same trees, caps and epochs) and
@@ -68,6 +70,9 @@ class CacheAware(Policy):
         self._rng = rng
         self._tree: PrefixTree[str] = PrefixTree(max_chars=config.tree_max_chars)
         self._capacity: dict[str, int] = {}  # last capacity applied per worker, in tokens
+        # Chars per token per worker, learned from answers (router/fleet/calibration.py);
+        # absent: the configured ``tree_chars_per_token``.
+        self._chars_per_token: dict[str, float] = {}
         # The fleet as last seen: ids in view order, their positions, their capacities.
         # Fleets change rarely, so comparing the lists (C, identity-fast) skips rebuilds.
         self._ids: Sequence[str] = ()
@@ -157,12 +162,25 @@ class CacheAware(Policy):
     def remove_worker(self, worker_id: str) -> None:
         self._tree.remove_tenant(worker_id)
         self._capacity.pop(worker_id, None)
+        self._chars_per_token.pop(worker_id, None)
         self._caps = None  # a worker that comes back must get its cap again
 
     def _set_capacity(self, worker_id: str, cache_tokens: int) -> None:
         self._capacity[worker_id] = cache_tokens
-        cap = int(cache_tokens * self._cfg.tree_chars_per_token) if cache_tokens > 0 else None
+        per_token = self._chars_per_token.get(worker_id, self._cfg.tree_chars_per_token)
+        cap = int(cache_tokens * per_token) if cache_tokens > 0 else None
         self._tree.set_cap(worker_id, cap)
+
+    def calibrate(self, worker_id: str, chars_per_token: float) -> None:
+        # The cap follows a change of more than 10% (an EWMA moves a little every answer;
+        # re-capping on each would evict a little on each).
+        old = self._chars_per_token.get(worker_id, self._cfg.tree_chars_per_token)
+        if abs(chars_per_token - old) <= 0.1 * old and worker_id in self._chars_per_token:
+            return
+        self._chars_per_token[worker_id] = chars_per_token
+        cache_tokens = self._capacity.get(worker_id)
+        if cache_tokens:
+            self._set_capacity(worker_id, cache_tokens)
 
     def _follow_capacity(self, caps: Sequence[int]) -> None:
         # The one channel capacity reaches the policy by: the views carry the capacity

@@ -35,6 +35,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import Counter
 
+from router.fleet.calibration import calibrate, chars_per_token, prompt_tokens_from
 from router.fleet.sync import ReplicaSync
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import FailureKind, Worker
@@ -252,9 +253,9 @@ class Proxy:
         try:
             await classify(upstream, worker)
             if upstream.content_type == EVENT_STREAM:
-                resp = await self._relay_stream(request, upstream, attempt, decision)
+                resp = await self._relay_stream(request, upstream, attempt, decision, routed)
             else:
-                resp = await self._relay_buffered(upstream, attempt, decision)
+                resp = await self._relay_buffered(upstream, attempt, decision, routed)
             done = True
             return resp
         finally:
@@ -266,12 +267,14 @@ class Proxy:
                 upstream.close()
 
     async def _relay_buffered(
-        self, upstream: Answer, attempt: Attempt, decision: Decision
+        self, upstream: Answer, attempt: Attempt, decision: Decision, routed: Routed
     ) -> web.Response:
         worker = attempt.worker
         body = await read_capped(upstream, self.config, worker)
-        cached = cached_tokens_from_json(body) if upstream.status == 200 else None
-        self._succeeded(attempt, decision, cached)
+        if upstream.status == 200:
+            self._succeeded(attempt, decision, routed, body, cached_tokens_from_json(body))
+        else:
+            self._succeeded(attempt, decision, routed, b"", None)
         return web.Response(
             body=body,
             status=upstream.status,
@@ -284,6 +287,7 @@ class Proxy:
         upstream: Answer,
         attempt: Attempt,
         decision: Decision,
+        routed: Routed,
     ) -> web.StreamResponse:
         worker = attempt.worker
         # The first chunk is read before anything goes to the client, so a worker that
@@ -333,7 +337,8 @@ class Proxy:
             # The stream ended (its connection closed) mid-event: cut short, not done.
             broken = FailureKind.BROKEN, f"worker {worker.worker_id} ended the stream mid-event"
         if broken is None:
-            self._succeeded(attempt, decision, cached_tokens_from_sse(tail + last))
+            answer = tail + last
+            self._succeeded(attempt, decision, routed, answer, cached_tokens_from_sse(answer))
         else:
             self.fleet.failed(attempt, broken[0], self.clock())
             event = json.dumps(error_body(502, broken[1], code="upstream_error"))
@@ -342,10 +347,20 @@ class Proxy:
             await resp.write_eof(last)
         return resp
 
-    def _succeeded(self, attempt: Attempt, decision: Decision, cached: int | None) -> None:
+    def _succeeded(
+        self, attempt: Attempt, decision: Decision, routed: Routed, answer: bytes,
+        cached: int | None,
+    ) -> None:  # fmt: skip
         predicted = decision.predicted_tokens
-        if predicted is None:  # no prompt ids: the configured chars per token
-            predicted = decision.matched_chars / self.config.tree_chars_per_token
+        worker = attempt.worker
+        if predicted is None:  # no prompt ids: the worker's chars per token, as learned so far
+            predicted = decision.matched_chars / chars_per_token(
+                worker, self.config.tree_chars_per_token
+            )
+            if routed.tokens is None and calibrate(
+                worker, len(routed.text), prompt_tokens_from(answer)
+            ):
+                self.policy.calibrate(worker.worker_id, worker.chars_per_token)  # type: ignore[arg-type]
         self.fleet.succeeded(attempt, predicted, cached)
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)
