@@ -76,7 +76,8 @@ class RouterConfig(_Frozen):
     tree_chars_per_token: float = Field(4.0, gt=0)
     # The workers' tokenizer (shared/prompt_tokens.py): a local model or tokenizer folder,
     # or "sim" (the sim engine's). Set, the router computes each request's prompt ids as
-    # the worker does, to look them up in the KV-event index.
+    # the worker does: the policies' trees key on them (matches and caps in tokens) and
+    # the KV-event index is looked up with them.
     tokenizer: str | None = None
     # KV events (router/fleet/kv_feed.py): read every worker's KV-event stream into an exact
     # block index beside the tree (needs redis_url and tokenizer). A routed request's tree

@@ -240,8 +240,9 @@ def create_app(
     app[OPENAPI] = build_openapi()
     if ratelimit_redis is not None:
         app[RATELIMIT_REDIS] = ratelimit_redis
-    if config.kv_events and config.tokenizer:
+    if config.tokenizer:  # the prompt ids: the policies' trees key on them
         app[TOKENS] = PromptTokens.load(config.tokenizer)
+    if config.kv_events and config.tokenizer:
         feed = app[KV_FEED] = KvEventFeed(
             None,
             config.kv_events_max_blocks,

@@ -75,7 +75,8 @@ def _inference(endpoint: str, path: str) -> Any:
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
-            ids = request_tokens(app.get(TOKENS), parsed) if app[CONFIG].kv_events else None
+            tokens = app.get(TOKENS)  # the router's tokenizer, where one is configured
+            ids = request_tokens(tokens, parsed) if tokens is not None else None
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
             routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream)
             async with app[ADMISSION].slot():

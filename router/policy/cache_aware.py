@@ -4,7 +4,8 @@ The routing rule (``cache_aware``; every threshold is a ``RouterConfig`` key)
 =============================================================================
 Inputs: the request text, and for each routable worker its load (requests in flight
 from this router + the queue it reports) and its tree (what it probably caches).
-``rate(w) = matched chars on w / text chars``.
+``rate(w) = matched chars on w / text chars``. With a ``tokenizer`` configured the tree
+keys on the prompt ids instead, and every length below is in tokens.
 
 ``balance_mode: fleet`` (default; the SGLang / vLLM router rule):
   1. Imbalance: if ``max(load) - min(load) > balance_abs_threshold`` (64) and
@@ -47,7 +48,7 @@ from itertools import compress, repeat
 from operator import eq, is_not
 
 from router.policy.base import Decision, Policy, RouteRequest, WorkerView, columns, least_index
-from router.policy.kv_score import KvScorer
+from router.policy.kv_score import KvScorer, Path
 from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
@@ -68,7 +69,10 @@ class CacheAware(Policy):
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
         self._cfg = config
         self._rng = rng
-        self._tree: PrefixTree[str] = PrefixTree(max_chars=config.tree_max_chars)
+        self._tree: PrefixTree = PrefixTree(max_chars=config.tree_max_chars)  # type: ignore[type-arg]
+        # With a tokenizer the tree keys on the prompt ids (the worker's own units): matches,
+        # rates and caps are in tokens and no chars-per-token guess enters (issue 26).
+        self._on_tokens = config.tokenizer is not None
         self._capacity: dict[str, int] = {}  # last capacity applied per worker, in tokens
         # Chars per token per worker, learned from answers (router/fleet/calibration.py);
         # absent: the configured ``tree_chars_per_token``.
@@ -90,21 +94,39 @@ class CacheAware(Policy):
             self._follow_capacity(caps)
         return ids, loads
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        text = request.text
-        ids, loads = self._follow_fleet(workers)
-        path = self._tree.match_path(text) if text else []
+    def _key(self, request: RouteRequest) -> tuple[str | tuple[int, ...], int]:
+        """What the tree keys this request on, and the request's length in the units the
+        tree and the caps count: the prompt ids where the router tokenizes (``tokenizer``
+        set), else the routing text (chars)."""
+        ids = request.tokens
+        if self._on_tokens and ids is not None:
+            if type(ids) is not tuple:
+                # Plain ints (an int64 array's items would compare one by one in Python).
+                ids = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)
+            return ids, len(ids)
+        return request.text, len(request.text)
+
+    def _path(self, request: RouteRequest, key: str | tuple[int, ...], now: float) -> Path:
+        path = self._tree.match_path(key) if key else []
         if (
             self.kv is not None and request.tokens is not None
-        ):  # the workers' own reports (kv_score.py)
-            path = self.kv.correct(path, request.tokens, request.model, len(text), now)
-        i, reason = self._choose(len(text), loads, path)
+        ):  # the workers' own reports (kv_score.py), in the tree's units
+            path = self.kv.correct(path, request.tokens, request.model, len(key), now)
+        return path
+
+    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+        key, n = self._key(request)
+        ids, loads = self._follow_fleet(workers)
+        path = self._path(request, key, now)
+        i, reason = self._choose(n, loads, path)
         wid = ids[i]
         # Before the insert: ``path`` holds the live holder dicts, which it updates.
         matched = next((end for held, end in reversed(path) if wid in held), 0)
-        self._tree.insert(text, wid, now)
-        rate = matched / len(text) if text else 0.0
+        self._tree.insert(key, wid, now)
+        rate = matched / n if n else 0.0
         tokens = request.tokens
+        if type(key) is tuple:  # the match is in tokens already
+            return Decision(wid, reason, matched, rate, float(matched))
         return Decision(
             wid, reason, matched, rate, rate * len(tokens) if tokens is not None else None
         )
@@ -167,7 +189,11 @@ class CacheAware(Policy):
 
     def _set_capacity(self, worker_id: str, cache_tokens: int) -> None:
         self._capacity[worker_id] = cache_tokens
-        per_token = self._chars_per_token.get(worker_id, self._cfg.tree_chars_per_token)
+        per_token = (
+            1.0
+            if self._on_tokens
+            else self._chars_per_token.get(worker_id, self._cfg.tree_chars_per_token)
+        )
         cap = int(cache_tokens * per_token) if cache_tokens > 0 else None
         self._tree.set_cap(worker_id, cap)
 
@@ -193,7 +219,11 @@ class CacheAware(Policy):
         self._caps = caps
 
     def observe(self, worker_id: str, text: str, now: float) -> None:
-        self._tree.insert(text, worker_id, now)
+        # Another replica's decision carries its text, not the ids: a tree on tokens
+        # cannot use it (it would only count chars against a cap in tokens). The
+        # KV-event index still shares what the workers hold across replicas.
+        if not self._on_tokens:
+            self._tree.insert(text, worker_id, now)
 
     def worker_stats(self) -> dict[str, dict[str, int]]:
         tree = self._tree

@@ -4,7 +4,7 @@ the delay the request's prefill adds to the requests already on the worker.
 The rule (every knob is a ``RouterConfig`` key)
 ===============================================
 For each routable worker ``w``, with the request's text of ``n`` tokens
-(chars / ``tree_chars_per_token``) of which ``m(w)`` are in ``w``'s tree::
+(chars / ``tree_chars_per_token``; the prompt ids, with a ``tokenizer``) of which ``m(w)`` are in ``w``'s tree::
 
     wait(w)  = max(0, load(w) + 1 − seats(w))          requests waiting for a seat, this one too
     run(w)   = min(load(w), seats(w))                   requests running there
@@ -124,13 +124,14 @@ class CostAware(CacheAware):
 
     # -- the rule ----------------------------------------------------------------------
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        text = request.text
+        key, n = self._key(request)
         ids, loads = self._follow_fleet(workers)
         self._read_reports(workers)
         self._expire(now)
         cfg, cols = self._cfg, self._cols
-        chars_per_token = cfg.tree_chars_per_token
-        tokens = len(text) / chars_per_token
+        on_tokens = type(key) is tuple  # the tree's lengths are tokens already
+        chars_per_token = 1.0 if on_tokens else cfg.tree_chars_per_token
+        tokens = n / chars_per_token
         # A small fleet is priced in lists, a larger one in arrays (the same arithmetic).
         small = len(loads) <= _SMALL
         price_of = cols.price_small if small else cols.price
@@ -138,7 +139,7 @@ class CostAware(CacheAware):
             loads, now, tokens, cfg.cost_miss_weight, cfg.cost_stall_weight
         )
         prefill_ms = cols.prefill_ms.tolist() if small else cols.prefill_ms
-        matched = self._holders_of(request, now)  # routable holders: chars cached there
+        matched = self._holders_of(request, key, now)  # routable holders: length cached there
         at, ends = list(matched), list(matched.values())
         # A holder saves its cached tokens × its miss weight. One by one up to _FEW
         # holders (one costs ~0.7 µs in numpy scalars), above in array operations (~1 µs
@@ -161,20 +162,20 @@ class CostAware(CacheAware):
         # Its own first token: the price less the stall it causes to the running requests.
         ttft = float(price[i] - stalled[i] * prefill_ms[i] * uncached)
         self._note_own(i, wid, math.ceil(uncached), now + ttft / 1e3)
-        self._tree.insert(text, wid, now)
-        rate = chars / len(text) if text else 0.0
+        self._tree.insert(key, wid, now)
+        rate = chars / n if n else 0.0
+        if on_tokens:
+            return Decision(wid, reason, chars, rate, float(chars))
         ids = request.tokens  # the prompt ids, where the router has a tokenizer
         return Decision(wid, reason, chars, rate, rate * len(ids) if ids is not None else None)
 
-    def _holders_of(self, request: RouteRequest, now: float) -> dict[int, int]:
-        """Position → chars cached there, for the routable workers holding a prefix of
-        ``text``, in the order they first appear on its path (the tie order of `_hold`)."""
-        text = request.text
-        path = self._tree.match_path(text) if text else []
-        if (
-            self.kv is not None and request.tokens is not None
-        ):  # the workers' own reports (kv_score.py)
-            path = self.kv.correct(path, request.tokens, request.model, len(text), now)
+    def _holders_of(
+        self, request: RouteRequest, key: str | tuple[int, ...], now: float
+    ) -> dict[int, int]:
+        """Position → length cached there (the tree's units), for the routable workers
+        holding a prefix of ``key``, in the order they first appear on its path (the tie
+        order of `_hold`)."""
+        path = self._path(request, key, now)
         pos = self._pos
         if not path or len(path[0][0]) <= _FEW:  # a few holders: the plain loop is fastest
             matched: dict[int, int] = {}
