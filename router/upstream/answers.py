@@ -142,7 +142,7 @@ def _retry_after(value: str | None) -> int:
 
 async def _says_overloaded(upstream: WorkerConnection) -> bool:
     try:
-        body = await upstream.read_body()
+        body = await upstream.read_all()
         error = json.loads(body[:MAX_ERROR_BYTES]).get("error", {})
     except (ValueError, AttributeError, UpstreamBroken, TimeoutError):
         return False
@@ -191,7 +191,7 @@ async def read_capped(upstream: WorkerConnection, limit: int, worker: Worker) ->
         raise _too_big(worker, limit)
     try:
         with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
-            body = await upstream.read_body()
+            body = await upstream.read_all()
     except AttemptFailed:
         if upstream.too_big:
             raise _too_big(worker, limit) from None

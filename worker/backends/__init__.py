@@ -14,7 +14,7 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.types import Engine
 
 if TYPE_CHECKING:
-    from worker.backends.sim_model import SimTokenizer
+    from worker.engine.protocols import Tokenizer
 
 
 def build_engine(config: WorkerConfig) -> Engine:
@@ -34,20 +34,20 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
     from dataclasses import replace
 
     from worker.backends.radix import engine_config
-    from worker.backends.sim import build_sim_engine as build
+    from worker.backends.sim import build_sim_async_engine
     from worker.backends.text_tokenizer import TextTokenizer
 
-    tokenizer: SimTokenizer
+    tokenizer: Tokenizer
     if config.model is not None:
-        from worker.engine.tokenizer import Tokenizer
+        from worker.engine.tokenizer import ModelTokenizer
 
-        tokenizer = Tokenizer.from_dir(config.model)
+        tokenizer = ModelTokenizer.from_dir(config.model)
         name = Path(config.model).name
     else:
         tokenizer = TextTokenizer()
         name = "sim"
     engine = replace(engine_config(config), kv_capacity_tokens=config.cache_tokens or 1_000_000)
-    return build(
+    return build_sim_async_engine(
         engine,
         tokenizer,
         config.served_model_name or name,

@@ -16,6 +16,7 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.runtime.load import load_engine
 from worker.engine.types import EngineOverloaded, EngineRequest, EngineStats, OutputStream
 
 
@@ -70,7 +71,7 @@ class RadixBackend:
     async def start(self) -> None:
         if self._async is None:
             model, config = self.config.model, engine_config(self.config)
-            engine = await asyncio.to_thread(LLMEngine.from_model_dir, model, config)  # type: ignore[arg-type]
+            engine = await asyncio.to_thread(load_engine, model, config)  # type: ignore[arg-type]
             self._async = AsyncEngine(engine, self.model_name)
         await self._async.start()
 
@@ -92,8 +93,8 @@ class RadixBackend:
             return EngineStats(0, 0, 0, 0, 0, 0, 0)
         return self._async.stats()
 
-    def count_tokens(self, text: str) -> int:
-        return self.loaded.count_tokens(text)
+    def tokenize(self, text: str) -> list[int]:
+        return self.loaded.tokenize(text)
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
         return self.loaded.token_bytes(ids)

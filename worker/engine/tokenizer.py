@@ -1,4 +1,4 @@
-"""Tokenizer: HF `tokenizers` for text ⇄ ids, jinja2 for chat templates.
+"""ModelTokenizer: HF `tokenizers` for text ⇄ ids, jinja2 for chat templates.
 
 Reads `tokenizer.json` (the fast tokenizer: normalizer, pre-tokenizer, model,
 post-processor, decoder) and `tokenizer_config.json` (bos/eos tokens,
@@ -126,7 +126,7 @@ class IncrementalDetokenizer:
         return self._stream.step(self._tokenizer, int(token_id)) or ""
 
 
-class Tokenizer:
+class ModelTokenizer:
     def __init__(
         self,
         tokenizer: HFTokenizer,
@@ -159,7 +159,7 @@ class Tokenizer:
         self._bytes: dict[int, bytes] = {}  # token id -> raw bytes, filled on first use
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_dir(cls, model_dir: str | Path) -> ModelTokenizer:
         model_dir = Path(model_dir)
         tok_path = model_dir / "tokenizer.json"
         if not tok_path.is_file():
