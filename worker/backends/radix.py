@@ -16,7 +16,6 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.runtime.load import load_engine
 from worker.engine.types import EngineOverloaded, EngineRequest, EngineStats, OutputStream
 
 
@@ -70,6 +69,10 @@ class RadixBackend:
 
     async def start(self) -> None:
         if self._async is None:
+            # torch comes in here, with the model: the sim path (which builds its
+            # EngineConfig with `engine_config` above) never imports it.
+            from worker.engine.runtime.load import load_engine
+
             model, config = self.config.model, engine_config(self.config)
             engine = await asyncio.to_thread(load_engine, model, config)  # type: ignore[arg-type]
             self._async = AsyncEngine(engine, self.model_name)
