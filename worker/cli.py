@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from shared.config import ConfigError, WorkerConfig, load_config
+from shared.http_server import KEEPALIVE_S, BindError, bind
 from shared.logging import setup_logging
 from worker.app import create_app
 from worker.backends import build_engine
@@ -67,6 +68,8 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         "share of free device memory for the KV cache, 0-0.95",
     ),
     ("--page-size", "page_size", int, "radix cache page size in tokens"),
+    ("--kv-events", "kv_events", None, "publish KV-cache events to Redis for routers' index"),
+    ("--kv-events-block-size", "kv_events_block_size", int, "tokens per block in KV events"),
     (
         "--max-running-requests",
         "max_running_requests",
@@ -85,6 +88,12 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--dtype", "dtype", str, "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
     ("--attention-backend", "attention_backend", str, "auto (CUDA: triton), sdpa, triton"),
     ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
+    (
+        "--disable-overlap-schedule",
+        "disable_overlap_schedule",
+        None,
+        "schedule each step after the previous one finished (no host/device overlap)",
+    ),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
     ("--schedule-policy", "schedule_policy", str, "fcfs, or lpm: longest cached prefix first"),
     (
@@ -105,6 +114,18 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         "sim_decode_ms_per_token",
         float,
         "sim engine: decode cost, milliseconds per output token",
+    ),
+    (
+        "--sim-decode-us-per-seq",
+        "sim_decode_us_per_seq",
+        float,
+        "sim engine: decode step cost per sequence in the batch, microseconds",
+    ),
+    (
+        "--sim-decode-us-per-1k-context",
+        "sim_decode_us_per_1k_context",
+        float,
+        "sim engine: decode step cost per 1,000 context tokens read (the KV), microseconds",
     ),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
     ("--drain-timeout", "drain_timeout", float, "seconds to finish in-flight requests on SIGTERM"),
@@ -191,18 +212,23 @@ async def serve(config: WorkerConfig) -> int:
     state = app[STATE]
     # handler_cancellation: a client that hangs up cancels its handler, which aborts
     # its engine request (non-streaming requests otherwise notice only when answering).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=KEEPALIVE_S)  # fmt: skip
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    if state.url is None:
-        state.url = f"http://{_url_host(config.host)}:{port}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        try:  # a port that is taken: one line and exit 1, the engine and runner stopped
+            await bind(runner, config.host, config.port,
+                       header_read_timeout=config.header_read_timeout)  # fmt: skip
+        except BindError as e:
+            log.error("%s", e)
+            return 1
+        port = runner.addresses[0][1]
+        if state.url is None:
+            state.url = f"http://{_url_host(config.host)}:{port}"
         waiters = [asyncio.ensure_future(state.booted.wait()), asyncio.ensure_future(stop.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for waiter in waiters:

@@ -7,6 +7,10 @@ left as it was (routing goes on with the last known workers) and the poller retr
 with exponential backoff. After Redis comes back it may be empty until every worker
 has sent its next heartbeat, so for `reconnect_grace` seconds after an outage a
 registry worker is not dropped for being absent (its breaker still guards it).
+
+Any worker may publish on the events channel, and a poll reads every worker's hash, so
+events wake the poller at most once per `MIN_WAKE_GAP_S`: a worker flooding the channel
+buys at most that many polls, not one per message.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class RegistryFleet(Protocol):
 
 
 MAX_BACKOFF_S = 5.0
+MIN_WAKE_GAP_S = 0.1
 
 
 class Discovery:
@@ -123,9 +128,12 @@ class Discovery:
                     self.connected = True
                     self.first_poll.set()
                     backoff = self.interval
+                    polled_at = time.monotonic()
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self.interval)
+                    gap = min(self.interval, MIN_WAKE_GAP_S)
+                    await asyncio.sleep(max(0.0, polled_at + gap - time.monotonic()))
                 except (RedisError, OSError, TimeoutError) as e:
                     reraise_if_cancelled()
                     self.first_poll.set()  # unreachable: routing goes on without it

@@ -20,6 +20,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from router.fleet.discovery import Discovery
+from router.fleet.kv_feed import FeedMember, KvEventFeed
 from router.fleet.sync import DecisionSync, ReplicaSync
 from router.fleet.table import Fleet
 from router.http import dashboard, handlers
@@ -34,16 +35,19 @@ from router.http.state import (
     DISCOVERY,
     FLEET,
     GATE,
+    KV_FEED,
     METRICS,
     OPENAPI,
     POLICY,
     REJECTIONS,
     SESSION,
     SYNC,
+    TOKENS,
 )
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
+from router.policy.kv_score import KvScorer
 from router.upstream.pool import UpstreamPool
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
@@ -51,8 +55,11 @@ from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import ERROR_CODE
+from shared.http_server import KEEPALIVE_S, BindError, bind
 from shared.logging import setup_logging
 from shared.peers import Rejections, parse_networks
+from shared.prompt_tokens import PromptTokens
+from shared.registry import Registry
 
 log = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger("router.access")
@@ -112,6 +119,32 @@ async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
     await sync.start()
     yield
     await sync.stop()
+
+
+async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Every worker's KV-event stream into the index (router/fleet/kv_feed.py), while up."""
+    feed = app.get(KV_FEED)
+    config = app[CONFIG]
+    if feed is None or not config.redis_url:
+        yield
+        return
+    idle = min(0.5, config.discovery_interval)
+    # Its own client: XREAD blocks for up to `idle`, longer than a short socket timeout.
+    redis = Redis.from_url(config.redis_url, socket_timeout=idle + 5, socket_connect_timeout=5)
+    feed.registry = Registry(redis, config.redis_prefix)
+    fleet = app[FLEET]
+
+    def members() -> list[FeedMember]:
+        return [
+            FeedMember(w.worker_id, w.report.model, w.report.epoch)
+            for w in fleet.workers.values()
+            if w.source == "redis" and w.report.epoch
+        ]
+
+    task = asyncio.create_task(feed.run(members, idle), name="kv-events")
+    yield
+    await stop_task(task)
+    await redis.aclose()
 
 
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -205,8 +238,20 @@ def create_app(
     app[OPENAPI] = build_openapi()
     if ratelimit_redis is not None:
         app[RATELIMIT_REDIS] = ratelimit_redis
+    if config.kv_events and config.tokenizer:
+        app[TOKENS] = PromptTokens.load(config.tokenizer)
+        feed = app[KV_FEED] = KvEventFeed(
+            None,
+            config.kv_events_max_blocks,
+            max_lag=config.kv_events_max_lag,  # type: ignore[arg-type]
+        )
+        if hasattr(policy, "kv"):  # cache_aware and cost_aware: the index beside the tree
+            policy.kv = KvScorer(feed, config.kv_events_inflight)  # type: ignore[attr-defined]
+        metrics.watch_kv_feed(feed)
     app.on_response_prepare.append(stamp_request_id)
-    app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx, _ratelimit_redis_ctx])
+    app.cleanup_ctx.extend(
+        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_events_ctx, _ratelimit_redis_ctx]
+    )
     app.router.add_routes(routes())
     return app
 
@@ -218,29 +263,36 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     app = create_app(config)
     # handler_cancellation: a client that disconnects cancels its handler, which
     # cancels the upstream request and releases its load guard.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=KEEPALIVE_S)  # fmt: skip
     await runner.setup()
-    # Several router processes share the port (router/up/processes.py): the kernel spreads
-    # connections over them, to a child the moment it binds. A child (re)started beside
-    # running siblings therefore binds once it has read the registry: bound before, it
-    # answered its share of requests 503 "no healthy worker" while its siblings routed
-    # (tests/e2e/test_router_processes.py failed 1 run in 3 that way).
-    discovery = app.get(DISCOVERY)
-    if config.processes > 1 and discovery is not None:
-        with contextlib.suppress(TimeoutError):
-            # A poll gives up within 2 intervals (router/fleet/discovery.py); Redis down: bind.
-            await asyncio.wait_for(discovery.first_poll.wait(), 3 * config.discovery_interval + 1)
-    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.processes > 1)
-    await site.start()
-    port = runner.addresses[0][1] if runner.addresses else config.port
-    log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
-    if ready is not None:
-        ready(port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    # Everything from here on inside the try: a bind that fails (port taken) must clean
+    # the runner up, else its tasks (discovery, replica sync) kept the process alive,
+    # deaf to SIGTERM (issue 21). BindError goes up to the CLI: exit 1.
     try:
+        # Several router processes share the port (router/up/processes.py): the kernel
+        # spreads connections over them, to a child the moment it binds. A child
+        # (re)started beside running siblings therefore binds once it has read the
+        # registry: bound before, it answered its share of requests 503 "no healthy
+        # worker" while its siblings routed (tests/e2e/test_router_processes.py failed 1
+        # run in 3 that way).
+        discovery = app.get(DISCOVERY)
+        if config.processes > 1 and discovery is not None:
+            with contextlib.suppress(TimeoutError):
+                # A poll gives up within 2 intervals (router/fleet/discovery.py); Redis down.
+                first = discovery.first_poll.wait()
+                await asyncio.wait_for(first, 3 * config.discovery_interval + 1)
+        await bind(runner, config.host, config.port, reuse_port=config.processes > 1,
+                   header_read_timeout=config.header_read_timeout)  # fmt: skip
+        port = runner.addresses[0][1] if runner.addresses else config.port
+        log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
+        if ready is not None:
+            ready(port)
         await stop.wait()
         app[GATE].stopping = True
         if config.shutdown_delay > 0:
@@ -250,13 +302,14 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
         if not await app[GATE].drain(config.drain_timeout):
             log.warning("drain timeout: %d requests still in flight", app[GATE].active)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
 
 
-def run_router(config: RouterConfig) -> None:
-    """One router process, in the foreground until SIGTERM/SIGINT."""
+def run_router(config: RouterConfig) -> int:
+    """One router process, in the foreground until SIGTERM/SIGINT; 1 when it cannot
+    listen (the port taken: one line says so, within seconds, in every mode)."""
     setup_logging(config.log_level)
     try:
         import uvloop
@@ -264,4 +317,9 @@ def run_router(config: RouterConfig) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except BindError as e:
+        log.error("%s", e)
+        return 1
+    return 0

@@ -148,9 +148,9 @@ def test_download_fills_the_folder_a_worker_loads(
     assert again.returncode == 0, again.stderr
     assert fake.gets == first_gets
     # And the worker's own loader takes the folder.
-    from worker.engine.tokenizer import ModelTokenizer
+    from worker.engine.tokenizer import Tokenizer
 
-    assert ModelTokenizer.from_dir(str(target)).encode("hello")
+    assert Tokenizer.from_dir(str(target)).encode("hello")
 
 
 def test_download_without_the_token_fails_clearly(hub: tuple[FakeHub, str], tmp_path: Path) -> None:

@@ -8,21 +8,19 @@ from __future__ import annotations
 import pytest
 
 from worker.backends.text_tokenizer import TextTokenizer
-from worker.engine.tokenizer import ModelTokenizer
+from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import GenerateOutput, TokenLogprob
 from worker.formats import ChatFormat, Choice, CompletionFormat, Tally
 
 
 @pytest.fixture(params=["tiny-bpe", "sim"])
-def tokenizer(request: pytest.FixtureRequest) -> ModelTokenizer | TextTokenizer:
+def tokenizer(request: pytest.FixtureRequest) -> Tokenizer | TextTokenizer:
     if request.param == "sim":
         return TextTokenizer()
-    return ModelTokenizer.from_dir(request.getfixturevalue("tiny_model_dir"))
+    return Tokenizer.from_dir(request.getfixturevalue("tiny_model_dir"))
 
 
-def outputs(
-    tokenizer: ModelTokenizer | TextTokenizer, text: str, cut: int = 0
-) -> list[GenerateOutput]:
+def outputs(tokenizer: Tokenizer | TextTokenizer, text: str, cut: int = 0) -> list[GenerateOutput]:
     """One streamed output per token of `text` but the last `cut`, with the text the
     engine's detokenizer gives."""
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -14,7 +14,7 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.types import Engine
 
 if TYPE_CHECKING:
-    from worker.engine.protocols import Tokenizer
+    from worker.engine.protocols import EngineTokenizer
 
 
 def build_engine(config: WorkerConfig) -> Engine:
@@ -37,11 +37,11 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
     from worker.backends.sim import build_sim_async_engine
     from worker.backends.text_tokenizer import TextTokenizer
 
-    tokenizer: Tokenizer
+    tokenizer: EngineTokenizer
     if config.model is not None:
-        from worker.engine.tokenizer import ModelTokenizer
+        from worker.engine.tokenizer import Tokenizer
 
-        tokenizer = ModelTokenizer.from_dir(config.model)
+        tokenizer = Tokenizer.from_dir(config.model)
         name = Path(config.model).name
     else:
         tokenizer = TextTokenizer()
@@ -54,4 +54,6 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
         max_model_len=config.max_model_len or 32_768,
         prefill_us_per_token=config.sim_prefill_us_per_token,
         decode_ms_per_token=config.sim_decode_ms_per_token,
+        decode_us_per_seq=config.sim_decode_us_per_seq,
+        decode_us_per_1k_context=config.sim_decode_us_per_1k_context,
     )

@@ -16,6 +16,7 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.kv_blocks import BlockEvents
 from worker.engine.types import EngineOverloaded, EngineRequest, EngineStats, OutputStream
 
 
@@ -31,11 +32,13 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         dtype=config.dtype,
         attention_backend=config.attention_backend,
         disable_cuda_graph=config.disable_cuda_graph,
+        overlap_schedule=not config.disable_overlap_schedule,
         disable_radix_cache=config.disable_radix_cache,
         max_waiting_requests=max(1, config.max_waiting_requests),
         max_n=config.max_n,
         schedule_policy=config.schedule_policy,
         share_inflight_prefixes=config.share_inflight_prefixes,
+        kv_events_block_size=config.kv_events_block_size if config.kv_events else 0,
     )
 
 
@@ -69,11 +72,11 @@ class RadixBackend:
 
     async def start(self) -> None:
         if self._async is None:
+            model, config = self.config.model, engine_config(self.config)
             # torch comes in here, with the model: the sim path (which builds its
             # EngineConfig with `engine_config` above) never imports it.
             from worker.engine.runtime.load import load_engine
 
-            model, config = self.config.model, engine_config(self.config)
             engine = await asyncio.to_thread(load_engine, model, config)  # type: ignore[arg-type]
             self._async = AsyncEngine(engine, self.model_name)
         await self._async.start()
@@ -95,6 +98,10 @@ class RadixBackend:
         if self._async is None:
             return EngineStats(0, 0, 0, 0, 0, 0, 0)
         return self._async.stats()
+
+    @property
+    def kv_events(self) -> BlockEvents | None:
+        return None if self._async is None else self._async.kv_events
 
     def tokenize(self, text: str) -> list[int]:
         return self.loaded.tokenize(text)

@@ -6,10 +6,19 @@ in-flight prefix sharing, LRU eviction, preemption.
 
 Only the model is fake:
 
-- cost (`CostModelRunner`): a step costs `decode_ms_per_token` (one pass over the
-  weights, paid by every step) plus `prefill_us_per_token` per token of the prefill
-  chunks it runs. The live worker sleeps it in the engine thread; the virtual-time
-  simulator (`loadtests/sim/worker.py`) adds it to its clock instead.
+- cost (`CostModelRunner`): a step costs
+
+      decode_ms_per_token                      one pass over the weights, every step
+    + decode_us_per_seq x decoders in it       per-row work (sampling, activations)
+    + decode_us_per_1k_context x context / 1k  the KV every decoder reads (all its
+                                               tokens so far, each step)
+    + prefill_us_per_token x prefill tokens    the prefill chunks it runs
+
+  At batch 64 x 2k context the KV read is ~63% of a Llama-3.2-1B step's bytes: a
+  constant step price under-priced every long-context fleet study. The form is fitted
+  to the engine's own CPU steps by `python -m loadtests sim-calibrate`
+  (loadtests/results/sim_cost.md). The live worker sleeps it in the engine thread;
+  the virtual-time simulator (`loadtests/sim/worker.py`) adds it to its clock instead.
 - output (`SimSampler`): the prompt's deterministic answer (`sim_model.answer_ids`,
   same prompt, same answer), one token per step, cut short only by a stop string or a
   stop token id. It never emits EOS; penalties and biases do not change it; logprobs
@@ -28,7 +37,7 @@ from worker.engine.async_engine import AsyncEngine
 from worker.engine.batch import BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.protocols import Tokenizer
+from worker.engine.protocols import EngineTokenizer
 from worker.engine.types import TokenLogprob
 
 if TYPE_CHECKING:
@@ -54,6 +63,8 @@ class CostModelRunner:
         prefill_us_per_token: float = 0.0,
         decode_ms_per_token: float = 0.0,
         sleep: Callable[[float], None] | None = time.sleep,
+        decode_us_per_seq: float = 0.0,
+        decode_us_per_1k_context: float = 0.0,
     ) -> None:
         self.capacity = capacity
         self.config = model
@@ -61,16 +72,32 @@ class CostModelRunner:
         self.decode_ms_per_token = decode_ms_per_token
         self.prefill_s = prefill_us_per_token / 1e6
         self.step_s = decode_ms_per_token / 1e3
+        self.seq_s = decode_us_per_seq / 1e6
+        self.context_s = decode_us_per_1k_context / 1e9  # per context token
         self.sleep = sleep  # None: virtual time, the caller reads `last_step_s`
         self.tokens_computed = 0
         self.last_step_s = 0.0
 
     def forward(self, batch: list[BatchItem]) -> None:
-        prefill = sum(len(i.input_ids) for i in batch if len(i.input_ids) > 1)
-        self.tokens_computed += sum(len(i.input_ids) for i in batch)
-        self.last_step_s = self.step_s + self.prefill_s * prefill
+        self.last_step_s = self.step_cost(batch)
         if self.sleep is not None and self.last_step_s > 0:
             self.sleep(self.last_step_s)
+
+    def step_cost(self, batch: list[BatchItem]) -> float:
+        """Seconds the step takes (the module docstring's formula); counts its tokens."""
+        prefill = context = decoders = 0
+        for item in batch:
+            n = len(item.input_ids)
+            self.tokens_computed += n
+            if n > 1:
+                prefill += n  # its price per token covers its attention too
+            else:
+                decoders += 1
+                context += item.start_pos + 1  # a decoder reads all its KV
+        return (
+            self.step_s + self.seq_s * decoders + self.context_s * context
+            + self.prefill_s * prefill
+        )  # fmt: skip
 
     def release(self, seq_id: int) -> None:
         pass  # no per-sequence state
@@ -79,7 +106,7 @@ class CostModelRunner:
 class SimSampler:
     """The next token of each request's deterministic answer."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: EngineTokenizer) -> None:
         self.tokenizer = tokenizer
         self._answers: dict[int, list[int]] = {}  # seq_id -> its whole answer
 
@@ -101,22 +128,27 @@ class SimSampler:
 
 def build_sim_llm_engine(
     config: EngineConfig,
-    tokenizer: Tokenizer,
+    tokenizer: EngineTokenizer,
     *,
     max_model_len: int = 32_768,
     prefill_us_per_token: float = 0.0,
     decode_ms_per_token: float = 0.0,
     sleep: Callable[[float], None] | None = time.sleep,
+    decode_us_per_seq: float = 0.0,
+    decode_us_per_1k_context: float = 0.0,
 ) -> LLMEngine:
     """The engine over a cost model; `config.kv_capacity_tokens` sizes its KV."""
     model = SimModelConfig(tokenizer.vocab_size, max_model_len)
     capacity = config.kv_capacity_tokens or 1_000_000
-    runner = CostModelRunner(capacity, model, prefill_us_per_token, decode_ms_per_token, sleep)
+    runner = CostModelRunner(
+        capacity, model, prefill_us_per_token, decode_ms_per_token, sleep,
+        decode_us_per_seq, decode_us_per_1k_context,
+    )  # fmt: skip
     return LLMEngine(runner, tokenizer, config, SimSampler(tokenizer))
 
 
 def build_sim_async_engine(
-    config: EngineConfig, tokenizer: Tokenizer, model_name: str = "sim", **cost: float
+    config: EngineConfig, tokenizer: EngineTokenizer, model_name: str = "sim", **cost: float
 ) -> AsyncEngine:
     """The live `--engine sim` worker's engine: the cost is slept in the step thread."""
     return AsyncEngine(build_sim_llm_engine(config, tokenizer, **cost), model_name)  # type: ignore[arg-type]

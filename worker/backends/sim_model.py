@@ -11,7 +11,7 @@ import random
 
 import numpy as np
 
-from worker.engine.protocols import Tokenizer
+from worker.engine.protocols import EngineTokenizer
 
 _WORDS = (
     "the", "cache", "holds", "a", "prefix", "of", "every", "prompt", "so", "router", "that",
@@ -21,7 +21,7 @@ _WORDS = (
 )  # fmt: skip
 
 
-def answer_ids(tokenizer: Tokenizer, prompt_ids: list[int], n: int) -> list[int]:
+def answer_ids(tokenizer: EngineTokenizer, prompt_ids: list[int], n: int) -> list[int]:
     """Exactly `n` token ids of the prompt's deterministic answer."""
     digest = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8)
     rng = random.Random(digest.digest())

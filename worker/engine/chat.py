@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.engine.protocols import Tokenizer
+from worker.engine.protocols import EngineTokenizer
 from worker.engine.types import EngineError
 
 
 def render_chat(
-    tokenizer: Tokenizer,
+    tokenizer: EngineTokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
 ) -> str:

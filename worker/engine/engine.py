@@ -1,6 +1,19 @@
-"""The synchronous engine: requests in, one `step()` at a time, outputs out.
+"""The engine: requests in, one `step()` at a time, outputs out.
 
-    step = schedule -> run (the runner's forward, then the sampler) -> postprocess
+    step = schedule -> launch (the runner's forward, the sampler's draws) -> postprocess
+
+With overlap scheduling (`EngineConfig.overlap_schedule`, SGLang's default) a step
+launches step N+1 and then postprocesses step N, whose draws were read back while
+N+1 ran:
+
+    host    schedule N+1 | launch N+1 | read N, postprocess N (stop, detokenize, stream)
+    device  .. N ........| N+1 ............................................| N+2 ...
+
+Step N's tokens are placeholders on the host until then (runtime/futures.py): N+1's input
+ids hold them and the device swaps in the drawn ids. So a request that ended in step
+N decodes once more in N+1, and that token is dropped. Steps whose requests need
+their own output ids on the host to sample (penalties) read the previous step first.
+The cost-model runner of the sim backend has no futures: it always runs in order.
 
 The runner is the model (`runner.ModelRunner`) or a cost model (the `sim` backend's
 `CostModelRunner`): the scheduler, radix cache and allocator are the same code for
@@ -13,14 +26,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from shared.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch
 from worker.engine.config import EngineConfig
-from worker.engine.protocols import Runner, Sampler, Tokenizer
+from worker.engine.kv_blocks import BlockEvents
+from worker.engine.protocols import EngineTokenizer, Runner, Sampler
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
 from worker.engine.req import Req
 from worker.engine.scheduler import Scheduler
@@ -29,6 +45,7 @@ from worker.engine.types import (
     EngineRequest,
     EngineStats,
     GenerateOutput,
+    SamplingParams,
     TokenLogprob,
 )
 
@@ -38,14 +55,16 @@ REQUEST_MS_WEIGHT = 0.1  # moving mean of seat time: the last ~10 requests domin
 class LLMEngine:
     """Owns the scheduler, the radix cache and the allocator around one runner.
 
-    Its collaborators are typed by `worker/engine/protocols.py` (tests pass fakes of all
-    three); `worker.engine.runtime.load.load_engine` builds one over a model folder.
+    `runner` needs `config` (vocab_size, max_position_embeddings, eos_token_ids),
+    `capacity` (KV slots), `forward(items)` and `release(seq_id)`; `sampler` needs
+    `sample(logits, reqs) -> [(token, TokenLogprob | None)]` and `release(seq_id)`;
+    `tokenizer` needs `encode` and `detokenizer` — so tests can pass fakes of all three.
     """
 
     def __init__(
         self,
         runner: Runner,
-        tokenizer: Tokenizer,
+        tokenizer: EngineTokenizer,
         config: EngineConfig,
         sampler: Sampler,
         *,
@@ -62,6 +81,10 @@ class LLMEngine:
             cache_cls = NoCache if config.disable_radix_cache else RadixCache
             cache = cache_cls(self.allocator, page_size=config.page_size)
         self.cache: PrefixCache = cache
+        self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
+        if config.kv_events_block_size and isinstance(cache, RadixCache):
+            self.kv_events = BlockEvents(config.kv_events_block_size)
+            cache.publish_events(self.kv_events)
         self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
         # The override may only shorten the model's context. And a request never holds
         # more slots than the pool has: then the oldest running request can always make
@@ -76,6 +99,14 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.in_flight: dict[str, list[Req]] = {}  # in-flight requests (their n choices) by id
         self.last_batch = Batch()  # what the last step ran (the simulator and tests read it)
+        # Overlap needs a runner that keeps draws on the device and a sampler that
+        # launches without reading back (the model's; not the sim's cost model).
+        self.overlap = (
+            config.overlap_schedule and hasattr(runner, "futures") and hasattr(sampler, "launch")
+        )
+        if hasattr(runner, "overlap_inputs"):  # engines may share a runner (GPU check)
+            runner.overlap_inputs = self.overlap
+        self._launched: _Launched | None = None  # the step whose draws are unread
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.completion_tokens_total = 0
@@ -151,6 +182,7 @@ class LLMEngine:
             if req.is_finished:
                 continue
             self.scheduler.abort(req)
+            req.drop_placeholders()  # a draw not read yet is never sent
             req.finish_reason = "abort"
             self._retire(req)
             outputs.append(req.to_output())
@@ -158,27 +190,66 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._launched is not None
 
     # --- the loop ---
 
     def step(self) -> list[GenerateOutput]:
+        """Schedule and launch a step; the outputs of the step whose draws are read
+        now: this one (in order), or the one before it (overlap)."""
+        try:
+            return self._step()
+        except BaseException:
+            self._launched = None  # its requests are failed by the caller (async_engine)
+            raise
+
+    def _step(self) -> list[GenerateOutput]:
+        outputs: list[GenerateOutput] = []
+        before = self._launched
+        if before is not None and before.needs_host_ids:
+            outputs, before = self._postprocess(before), None  # penalties count real ids
         batch = self.last_batch = self.scheduler.schedule()
         self._stamp_admitted(batch.admitted)
-        if not batch.items:
-            return []
+        self._launched = self._launch(batch) if batch.items else None
+        if before is not None:
+            outputs += self._postprocess(before)  # while the device runs this step
+        if not self.overlap and self._launched is not None:
+            outputs += self._postprocess(self._launched)
+            self._launched = None
+        return outputs
+
+    def _launch(self, batch: Batch) -> _Launched:
         logits = self.runner.forward(batch.items)  # rows for the sampled items only
         sampled = batch.sampled
-        tokens = self.sampler.sample(logits, sampled)
+        if not hasattr(self.sampler, "launch"):  # a sampler that answers at once (sim)
+            ready = _Ready(self.sampler.sample(logits, sampled))
+            self.scheduler.advance(batch)
+            return _Launched(sampled, ready, False)
+        drawn = self.sampler.launch(logits, sampled)
         self.scheduler.advance(batch)
-        return [self._postprocess(s, *t) for s, t in zip(sampled, tokens, strict=True)]
+        if self.overlap and sampled:
+            futures = self.runner.futures
+            start = futures.take(len(sampled))
+            futures.publish(start, drawn.ids)
+            for i, req in enumerate(sampled):
+                req.add_placeholder(-(start + i + 1))
+        penalized = any(_penalized(s.params) for s in sampled)
+        return _Launched(sampled, drawn, penalized)
 
-    def _postprocess(self, req: Req, token: int, logprob: TokenLogprob | None) -> GenerateOutput:
-        req.append_token(token, self.max_model_len, logprob)
-        if req.finish_reason is not None:
-            self.scheduler.finish(req)
-            self._retire(req)
-        return req.to_output()
+    def _postprocess(self, launched: _Launched) -> list[GenerateOutput]:
+        """Read a launched step's draws (the host waits for that step only) and hand
+        each request its token: stop checks, detokenizing, the output to stream."""
+        outputs = []
+        for req, (token, logprob) in zip(launched.reqs, launched.drawn.result(), strict=True):
+            if req.is_finished:
+                continue  # aborted, or ended the step before (overlap's one extra step)
+            req.append_token(token, self.max_model_len, logprob)
+            if req.finish_reason is not None:
+                req.drop_placeholders()
+                self.scheduler.abort(req)  # running, or queued again by a preemption
+                self._retire(req)
+            outputs.append(req.to_output())
+        return outputs
 
     def _stamp_admitted(self, reqs: list[Req]) -> None:
         now = self.clock()
@@ -234,12 +305,8 @@ class LLMEngine:
     # --- input checks ---
 
     def encode_prompt(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        # A chat template's output already starts with BOS; encoding adds a second one.
-        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-            ids = ids[1:]
-        return ids
+        # shared/: the router computes the same ids for its block index (issue 26).
+        return encode_prompt(self.tokenizer, text)
 
     def _context(self) -> str:
         if self.max_model_len == self.allocator.capacity:
@@ -257,3 +324,27 @@ class LLMEngine:
                     param=param,
                 )
         return [int(t) for t in out]
+
+
+class _Ready:
+    """Draws already on the host (a sampler without `launch`)."""
+
+    def __init__(self, tokens: list[tuple[int, TokenLogprob | None]]) -> None:
+        self.tokens = tokens
+
+    def result(self) -> list[tuple[int, TokenLogprob | None]]:
+        return self.tokens
+
+
+@dataclass
+class _Launched:
+    """A step on the device: its sampled requests, in batch order, and their draws."""
+
+    reqs: list[Req]
+    drawn: Any  # `sampler.Sampled` or `_Ready`: `result()` -> [(token, logprob)]
+    # Its requests need their real ids on the host before they sample again.
+    needs_host_ids: bool
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)

@@ -2,7 +2,7 @@
 follows a request through them: the runner that owns every tensor, the sampler that
 picks each next token, and the tokenizer. The torch implementations live in
 `worker/engine/runtime/` (`ModelRunner`, `TorchSampler`) and `worker/engine/tokenizer.py`
-(`ModelTokenizer`); the sim engine's in `worker/backends/` (`CostModelRunner`,
+(`Tokenizer`, shared/tokenizer.py); the sim engine's in `worker/backends/` (`CostModelRunner`,
 `SimSampler`, `TextTokenizer`); tests pass fakes of each.
 """
 
@@ -55,7 +55,7 @@ class Sampler(Protocol):
     def release(self, seq_id: int) -> None: ...
 
 
-class Tokenizer(Protocol):
+class EngineTokenizer(Protocol):
     """Text ⇄ token ids, and the chat template."""
 
     @property

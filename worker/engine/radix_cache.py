@@ -31,6 +31,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from worker.engine.allocator import SlotAllocator
+from worker.engine.kv_blocks import BlockEvents
 
 _TB = 8  # bytes per token id in a key (int64)
 
@@ -52,7 +53,10 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 class TreeNode:
-    __slots__ = ("children", "heap_tick", "id", "kb", "last_access", "lock_ref", "parent", "value")
+    __slots__ = (
+        "bend", "blocks", "children", "heap_tick", "id", "kb", "last_access", "lock_ref",
+        "parent", "value",
+    )  # fmt: skip
 
     def __init__(
         self, parent: TreeNode | None, kb: bytes, value: np.ndarray, tick: int, node_id: int
@@ -65,6 +69,8 @@ class TreeNode:
         self.last_access = tick
         self.heap_tick = -1  # last_access when its live LRU heap entry was pushed; -1: none
         self.id = node_id  # tie-break in the LRU heap (ticks repeat along a path)
+        self.blocks: tuple[int, ...] = ()  # KV-event block hashes ending here (kv_blocks.py)
+        self.bend = 0  # offset of the first block boundary in this node (kv_blocks.py)
 
     @property
     def key(self) -> np.ndarray:
@@ -128,6 +134,14 @@ class RadixCache:
         self._protected = 0
         self.hit_tokens = 0
         self.miss_tokens = 0
+        self.kv_events: BlockEvents | None = None  # the one hook: publish_events()
+
+    def publish_events(self, events: BlockEvents) -> None:
+        """Report every block stored and removed from now on (call on an empty tree)."""
+        if self.root.children:
+            raise RuntimeError("KV events must be on from the start (the tree is not empty)")
+        events.root = self.root
+        self.kv_events = events
 
     # ---- lookup -------------------------------------------------------------------
     def _walk(
@@ -185,6 +199,8 @@ class RadixCache:
         child.parent = upper
         parent.children[upper.kb[: self._kbytes]] = upper
         upper.children[child.kb[: self._kbytes]] = child
+        if self.kv_events is not None:
+            self.kv_events.split(upper, child, m)
         return upper
 
     def match_prefix(
@@ -243,6 +259,8 @@ class RadixCache:
             self._leaves.add(leaf)
             self._push(leaf)
             self._evictable += limit - matched
+            if self.kv_events is not None:
+                self.kv_events.stored(leaf, arr, matched, limit)
         if matched > cached_len:
             self.allocator.free(slots[cached_len:matched])
         tail = max(limit, cached_len)
@@ -280,7 +298,7 @@ class RadixCache:
             return 0
         if len(self._heap) > 2 * len(self._leaves) + 1024:
             self._rebuild_heap()  # too many dead entries piled up
-        heap, root, kbytes = self._heap, self.root, self._kbytes
+        heap, root, kbytes, events = self._heap, self.root, self._kbytes, self.kv_events
         freed = 0
         runs: list[np.ndarray] = []
         locked: list[tuple[int, int, TreeNode]] = []
@@ -296,6 +314,8 @@ class RadixCache:
                 locked.append(entry)  # still a valid leaf: back in once we are done
                 continue
             node.heap_tick = -1
+            if events is not None:
+                events.removed(node)
             runs.append(node.value)
             freed += len(node.value)
             parent = node.parent

@@ -16,11 +16,11 @@ from worker.engine.async_engine import AsyncEngine
 from worker.engine.chat import render_chat
 from worker.engine.config import EngineConfig
 from worker.engine.req import Req
-from worker.engine.tokenizer import ModelTokenizer
+from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import EngineError, EngineRequest, SamplingParams
 
 
-def sim(tokenizer: TextTokenizer | ModelTokenizer | None = None) -> AsyncEngine:
+def sim(tokenizer: TextTokenizer | Tokenizer | None = None) -> AsyncEngine:
     return build_sim_async_engine(
         EngineConfig(kv_capacity_tokens=10_000), tokenizer or TextTokenizer()
     )
@@ -54,7 +54,7 @@ def test_bad_prompts_are_engine_errors_on_prompt(request_: EngineRequest, messag
 
 
 def test_tokenize_and_chat_template_use_the_engine_tokenizer(tiny_model_dir: Path) -> None:
-    tok = ModelTokenizer.from_dir(tiny_model_dir)
+    tok = Tokenizer.from_dir(tiny_model_dir)
     eng = sim(tok)
     messages = [{"role": "user", "content": "hi there"}]
     assert eng.apply_chat_template(messages) == tok.apply_chat_template(messages)
@@ -69,7 +69,7 @@ def test_template_errors_become_engine_errors_on_messages(
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
     del cfg["chat_template"]
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    tok = ModelTokenizer.from_dir(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
     for call in (
         lambda: render_chat(tok, [{"role": "user", "content": "hi"}]),
         lambda: sim(tok).apply_chat_template([{"role": "user", "content": "hi"}]),

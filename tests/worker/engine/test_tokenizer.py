@@ -1,4 +1,4 @@
-"""ModelTokenizer and chat template against transformers; the tiny model maker's outputs."""
+"""Tokenizer and chat template against transformers; the tiny model maker's outputs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from worker.cli import main
-from worker.engine.tokenizer import ModelTokenizer
+from worker.engine.tokenizer import Tokenizer
 from worker.models.tiny_model import PRESETS
 
 transformers = pytest.importorskip("transformers")
@@ -43,8 +43,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def ours(tiny_model_dir: Path) -> ModelTokenizer:
-    return ModelTokenizer.from_dir(tiny_model_dir)
+def ours(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +52,14 @@ def theirs(tiny_model_dir: Path):
     return transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def test_special_tokens_and_vocab(ours: ModelTokenizer, theirs) -> None:
+def test_special_tokens_and_vocab(ours: Tokenizer, theirs) -> None:
     assert ours.bos_token_id == theirs.bos_token_id == 0
     assert ours.eos_token_ids == (1, 3)  # tokenizer eos, then generation_config's extra
     assert ours.vocab_size == len(theirs) == 1024
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_encode_matches_transformers_and_round_trips(
-    ours: ModelTokenizer, theirs, text: str
-) -> None:
+def test_encode_matches_transformers_and_round_trips(ours: Tokenizer, theirs, text: str) -> None:
     ids = ours.encode(text)
     assert ids == theirs.encode(text)
     assert ids[0] == ours.bos_token_id
@@ -72,7 +70,7 @@ def test_encode_matches_transformers_and_round_trips(
     assert ours.decode(ids, skip_special_tokens=False) == "<|begin_of_text|>" + text
 
 
-def test_common_words_are_single_tokens(ours: ModelTokenizer) -> None:
+def test_common_words_are_single_tokens(ours: Tokenizer) -> None:
     # The BPE was trained: frequent corpus words do not fall apart into bytes.
     assert len(ours.encode(" the model", add_special_tokens=False)) == 2
 
@@ -80,7 +78,7 @@ def test_common_words_are_single_tokens(ours: ModelTokenizer) -> None:
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(
-    ours: ModelTokenizer,
+    ours: Tokenizer,
     theirs,
     messages: list[dict],
     add_generation_prompt: bool,
@@ -94,7 +92,7 @@ def test_chat_template_matches_transformers(
     assert got.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
-def test_chat_prompt_encodes_to_chatml_specials(ours: ModelTokenizer) -> None:
+def test_chat_prompt_encodes_to_chatml_specials(ours: Tokenizer) -> None:
     text = ours.apply_chat_template([{"role": "user", "content": "hi"}])
     ids = ours.encode(text, add_special_tokens=False)
     assert ids[:2] == [0, 2]  # <|begin_of_text|><|im_start|>: specials stay single tokens
@@ -112,7 +110,7 @@ def test_template_features_transformers_provides(tiny_model_dir: Path, tmp_path:
         "{% endfor %}{{ eos_token }}"
     )
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    ours = ModelTokenizer.from_dir(model_dir)
+    ours = Tokenizer.from_dir(model_dir)
     theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "user", "content": f"<b>{i}</b> é"} for i in range(4)]
     got = ours.apply_chat_template(messages)
@@ -129,7 +127,7 @@ def test_missing_chat_template_is_a_clear_error(tiny_model_dir: Path, tmp_path: 
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
     del cfg["chat_template"]
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    tok = ModelTokenizer.from_dir(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
     assert not tok.has_chat_template
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -141,12 +139,11 @@ def test_chat_template_jinja_file_wins(tiny_model_dir: Path, tmp_path: Path) -> 
     shutil.copytree(tiny_model_dir, model_dir)
     (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] | upper }}")
     assert (
-        ModelTokenizer.from_dir(model_dir).apply_chat_template([{"role": "u", "content": "hi"}])
-        == "HI"
+        Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "u", "content": "hi"}]) == "HI"
     )
 
 
-def test_bad_messages_are_value_errors(ours: ModelTokenizer) -> None:
+def test_bad_messages_are_value_errors(ours: Tokenizer) -> None:
     with pytest.raises(ValueError, match="list of objects"):
         ours.apply_chat_template("hello")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chat template"):
@@ -154,7 +151,7 @@ def test_bad_messages_are_value_errors(ours: ModelTokenizer) -> None:
 
 
 @pytest.mark.parametrize("text", TEXTS[2:4])
-def test_incremental_detokenizer_equals_full_decode(ours: ModelTokenizer, text: str) -> None:
+def test_incremental_detokenizer_equals_full_decode(ours: Tokenizer, text: str) -> None:
     ids = ours.encode(text, add_special_tokens=False)
     detok = ours.detokenizer()
     deltas = [detok.push(i) for i in ids]
@@ -165,14 +162,14 @@ def test_incremental_detokenizer_equals_full_decode(ours: ModelTokenizer, text: 
     assert "" in deltas
 
 
-def test_detokenizer_skips_special_tokens(ours: ModelTokenizer) -> None:
+def test_detokenizer_skips_special_tokens(ours: Tokenizer) -> None:
     text = ours.apply_chat_template([{"role": "user", "content": "hi 🙂"}])
     ids = ours.encode(text, add_special_tokens=False)
     detok = ours.detokenizer()
     assert "".join(detok.push(i) for i in ids) == ours.decode(ids) == "user\nhi 🙂\nassistant\n"
 
 
-def test_token_bytes_rebuild_characters_split_across_tokens(ours: ModelTokenizer) -> None:
+def test_token_bytes_rebuild_characters_split_across_tokens(ours: Tokenizer) -> None:
     ids = ours.encode("5€", add_special_tokens=False)
     raw = ours.token_bytes(ids)
     euro = [r for r in raw if not r.isascii()]
@@ -183,12 +180,12 @@ def test_token_bytes_rebuild_characters_split_across_tokens(ours: ModelTokenizer
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_token_bytes_join_to_the_text(ours: ModelTokenizer, text: str) -> None:
+def test_token_bytes_join_to_the_text(ours: Tokenizer, text: str) -> None:
     ids = ours.encode(text, add_special_tokens=False)
     assert b"".join(ours.token_bytes(ids)) == text.encode()
 
 
-def test_token_bytes_agree_with_decode_for_every_whole_token(ours: ModelTokenizer) -> None:
+def test_token_bytes_agree_with_decode_for_every_whole_token(ours: Tokenizer) -> None:
     whole = 0
     for i in range(ours.vocab_size):
         (raw,) = ours.token_bytes([i])
@@ -221,12 +218,12 @@ def test_make_tiny_model_cli_and_transformers_load(tmp_path: Path) -> None:
 
 
 def test_folder_resaved_by_transformers_loads_the_same(
-    ours: ModelTokenizer, theirs, tmp_path: Path
+    ours: Tokenizer, theirs, tmp_path: Path
 ) -> None:
     """transformers 5 writes chat_template.jinja and a different tokenizer_config."""
     theirs.save_pretrained(tmp_path)
     assert (tmp_path / "chat_template.jinja").is_file()
-    resaved = ModelTokenizer.from_dir(tmp_path)
+    resaved = Tokenizer.from_dir(tmp_path)
     messages = CONVERSATIONS[1]
     assert resaved.apply_chat_template(messages) == ours.apply_chat_template(messages)
     assert resaved.encode(TEXTS[3]) == ours.encode(TEXTS[3])

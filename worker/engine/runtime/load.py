@@ -12,7 +12,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.runner import ModelRunner
 from worker.engine.runtime.sampler import TorchSampler
-from worker.engine.tokenizer import ModelTokenizer
+from worker.engine.tokenizer import Tokenizer
 
 
 def load_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
@@ -25,6 +25,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
         attention_backend=config.attention_backend,
         cuda_graphs=not config.disable_cuda_graph,
         max_running_requests=config.max_running_requests,
+        debug_checks=config.debug_checks,
     )
     sampler = TorchSampler(runner.device)
-    return LLMEngine(runner, ModelTokenizer.from_dir(model_dir), config, sampler)
+    return LLMEngine(runner, Tokenizer.from_dir(model_dir), config, sampler)
