@@ -21,7 +21,7 @@ import numpy as np
 from worker.backends.sim import CostModelRunner, SimModelConfig
 from worker.engine.config import EngineConfig
 from worker.engine.engine import REQUEST_MS_WEIGHT, LLMEngine
-from worker.engine.sequence import Req
+from worker.engine.req import Req
 from worker.engine.types import GenerateOutput, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ _ALL: str | None = None  # the view key of the whole routable fleet
 NO_REMOTE: Mapping[str, int] = MappingProxyType({})  # a lone router: no other replica's load
 
 
-class Columns:
+class FleetColumns:
     """The routable workers of `workers` (the table's own dict) and their views."""
 
     def __init__(

@@ -53,7 +53,7 @@ import numpy as np
 
 from router.policy.base import Decision, RouteRequest, WorkerView, reports_of
 from router.policy.cache_aware import CacheAware
-from router.policy.cost_columns import Column, CostColumns, Figures, figures
+from router.policy.cost_columns import CostColumns, Figures, figures
 from shared.config import RouterConfig
 from shared.registry import WorkerRecord
 
@@ -198,7 +198,7 @@ class CostAware(CacheAware):
         return dict(zip(compress(found, keep), compress(ends.values(), keep), strict=True))
 
     def _hold(
-        self, i: int, price: Column | list[float], at: list[int], ends: list[int], longest: int
+        self, i: int, price: np.ndarray | list[float], at: list[int], ends: list[int], longest: int
     ) -> int:
         """The best holder of the longest match instead of ``i`` when ``i`` is predicted
         faster by no more than ``cost_hold_margin`` of the holder's seat intervals."""
@@ -214,7 +214,7 @@ class CostAware(CacheAware):
         return h if price[h] - price[i] <= margin else i
 
     def _pick(
-        self, price: Column | list[float], matched: Mapping[int, int], loads: Sequence[int]
+        self, price: np.ndarray | list[float], matched: Mapping[int, int], loads: Sequence[int]
     ) -> int:
         if isinstance(price, list):
             low = min(price)

@@ -35,8 +35,6 @@ _MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is 
 _MAX_MS = 1e7
 _MAX_QUEUED = 1 << 40
 
-Column = np.ndarray
-
 
 class Figures(NamedTuple):
     """What cost_aware reads of a worker's heartbeat (`WorkerRecord`), cleaned. Zeros:
@@ -142,7 +140,7 @@ class CostColumns:
         tokens: float,
         miss_weight: float,
         stall_weight: float,
-    ) -> tuple[Column, Column, Column]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(price, miss weight, stalled requests) per worker for a request of ``tokens``
         with nothing cached; a holder's price then drops by
         miss weight × prefill_ms × its cached tokens."""

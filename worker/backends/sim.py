@@ -32,15 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from worker.backends.sim_model import SimTokenizer, answer_ids
+from worker.backends.sim_model import answer_ids
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.protocols import EngineTokenizer
 from worker.engine.types import TokenLogprob
 
 if TYPE_CHECKING:
-    from worker.engine.sequence import Req
+    from worker.engine.req import Req
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,12 @@ class CostModelRunner:
         self.tokens_computed = 0
         self.last_step_s = 0.0
 
-    def forward(self, batch: list[SeqBatchItem]) -> None:
+    def forward(self, batch: list[BatchItem]) -> None:
         self.last_step_s = self.step_cost(batch)
         if self.sleep is not None and self.last_step_s > 0:
             self.sleep(self.last_step_s)
 
-    def step_cost(self, batch: list[SeqBatchItem]) -> float:
+    def step_cost(self, batch: list[BatchItem]) -> float:
         """Seconds the step takes (the module docstring's formula); counts its tokens."""
         prefill = context = decoders = 0
         for item in batch:
@@ -105,19 +106,19 @@ class CostModelRunner:
 class SimSampler:
     """The next token of each request's deterministic answer."""
 
-    def __init__(self, tokenizer: SimTokenizer) -> None:
+    def __init__(self, tokenizer: EngineTokenizer) -> None:
         self.tokenizer = tokenizer
         self._answers: dict[int, list[int]] = {}  # seq_id -> its whole answer
 
     def sample(self, logits: None, reqs: list[Req]) -> list[tuple[int, TokenLogprob | None]]:
         out: list[tuple[int, TokenLogprob | None]] = []
-        for seq in reqs:
-            answer = self._answers.get(seq.seq_id)
+        for req in reqs:
+            answer = self._answers.get(req.seq_id)
             if answer is None:
-                answer = answer_ids(self.tokenizer, seq.prompt_ids, seq.params.max_tokens)
-                self._answers[seq.seq_id] = answer
-            token = answer[len(seq.output_ids)]
-            lp = TokenLogprob(token, 0.0, ((token, 0.0),)) if seq.params.needs_logprobs else None
+                answer = answer_ids(self.tokenizer, req.prompt_ids, req.params.max_tokens)
+                self._answers[req.seq_id] = answer
+            token = answer[len(req.output_ids)]
+            lp = TokenLogprob(token, 0.0, ((token, 0.0),)) if req.params.needs_logprobs else None
             out.append((token, lp))
         return out
 
@@ -127,7 +128,7 @@ class SimSampler:
 
 def build_sim_llm_engine(
     config: EngineConfig,
-    tokenizer: SimTokenizer,
+    tokenizer: EngineTokenizer,
     *,
     max_model_len: int = 32_768,
     prefill_us_per_token: float = 0.0,
@@ -146,8 +147,8 @@ def build_sim_llm_engine(
     return LLMEngine(runner, tokenizer, config, SimSampler(tokenizer))
 
 
-def build_sim_engine(
-    config: EngineConfig, tokenizer: SimTokenizer, model_name: str = "sim", **cost: float
+def build_sim_async_engine(
+    config: EngineConfig, tokenizer: EngineTokenizer, model_name: str = "sim", **cost: float
 ) -> AsyncEngine:
     """The live `--engine sim` worker's engine: the cost is slept in the step thread."""
     return AsyncEngine(build_sim_llm_engine(config, tokenizer, **cost), model_name)  # type: ignore[arg-type]

@@ -192,7 +192,10 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def count_tokens(self, text: str) -> int: ...
+    def tokenize(self, text: str) -> list[int]:
+        """The prompt ids the engine would run for `text` (a rendered chat prompt is
+        tokenized once, here, and sent as ids)."""
+        ...
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
         """Each token's own raw UTF-8 bytes (for logprobs; may be part of a character)."""

@@ -1,14 +1,10 @@
 """The model runner: owns the model, the KV pool, the attention backend and every
 device tensor, including the request->token table and the logits.
 
-The scheduler hands it a batch of `SeqBatchItem`s (pure Python: ids, a start
+The scheduler hands it a batch of `BatchItem`s (pure Python: ids, a start
 position and a numpy slot list) and gets back one row of fp32 logits per item that
-samples. How one item's slots line up with its tokens:
-
-    positions  0 ...... dirty_from ...... start_pos-1 | start_pos ..... start_pos+n-1
-    tokens     cached prefix                          | input_ids (n NEW tokens)
-    slots      as last seen | may have changed        | new: K/V computed now
-    table row  kept         | rewritten from slots[dirty_from:] ------------------>|
+samples. How one item's slots line up with its tokens and its table row: the picture
+in worker/engine/batch.py.
 
 A decode step is an item with n = 1; a prefill chunk has start_pos = the tokens
 already cached or prefilled. The table row of a sequence lives on the device while
@@ -25,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.config import debug_from_env
 from worker.engine.model_config import ModelConfig
 from worker.engine.runtime.attention import make_backend, resolve_backend
@@ -48,7 +44,7 @@ from worker.engine.runtime.weights import load_model
 CPU_DEFAULT_KV_TOKENS = 131_072
 
 
-__all__ = ["CPU_DEFAULT_KV_TOKENS", "ModelRunner", "SeqBatchItem"]
+__all__ = ["CPU_DEFAULT_KV_TOKENS", "BatchItem", "ModelRunner"]
 
 
 class ModelRunner:
@@ -139,7 +135,7 @@ class ModelRunner:
         """The sequence left the running set: its table row is free (no-op if unknown)."""
         self.table.release(seq_id)
 
-    def _check(self, batch: list[SeqBatchItem]) -> None:
+    def _check(self, batch: list[BatchItem]) -> None:
         """Bad items are caller bugs, but a clear error beats a CUDA index assert.
         Reads only what the step moves (new ids, slots[dirty_from:]); debug mode only."""
         for i, item in enumerate(batch):
@@ -168,7 +164,7 @@ class ModelRunner:
                 raise ValueError(f"item {i}: slots must be in [0, {self.pool.capacity})")
 
     @torch.inference_mode()
-    def forward(self, batch: list[SeqBatchItem]) -> torch.Tensor:
+    def forward(self, batch: list[BatchItem]) -> torch.Tensor:
         """fp32 logits [items with sample, vocab] of each such item's last input token,
         in batch order; writes the K/V of every new token into its slot."""
         if not batch:
