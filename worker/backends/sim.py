@@ -31,7 +31,15 @@ from worker.engine.engine import LLMEngine
 from worker.engine.types import TokenLogprob
 
 if TYPE_CHECKING:
+    from worker.engine.host_tier import KVCopies
     from worker.engine.sequence import Req
+
+
+# The host tier's defaults: an 8B-class model's KV (Llama-3-8B: 32 layers x 8 KV heads x
+# 128 x 2 (K, V) x 2 bytes = 128 KiB a token) over PCIe 5 x16 at a practical 25 GB/s
+# (load ~5.2 us a token, against a prefill cost of tens of us a token on the same GPU).
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
+DEFAULT_HOST_LOAD_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True)
@@ -53,8 +61,18 @@ class CostModelRunner:
         prefill_us_per_token: float = 0.0,
         decode_ms_per_token: float = 0.0,
         sleep: Callable[[float], None] | None = time.sleep,
+        host_capacity: int = 0,
+        host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
     ) -> None:
         self.capacity = capacity
+        # The host tier (0: off): a load costs its bytes over the bandwidth, added to the
+        # next forward (the forward waits for the loads, as the CUDA runner's does).
+        # Write-backs run the other way over a full-duplex link: not charged.
+        self.host_capacity = host_capacity
+        self.host_load_bytes_per_s = host_load_bytes_per_s
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._load_s = 0.0
         self.config = model
         self.prefill_us_per_token = prefill_us_per_token  # reported in the engine's stats
         self.decode_ms_per_token = decode_ms_per_token
@@ -67,9 +85,14 @@ class CostModelRunner:
     def forward(self, batch: list[SeqBatchItem]) -> None:
         prefill = sum(len(i.input_ids) for i in batch if len(i.input_ids) > 1)
         self.tokens_computed += sum(len(i.input_ids) for i in batch)
-        self.last_step_s = self.step_s + self.prefill_s * prefill
+        self.last_step_s = self.step_s + self.prefill_s * prefill + self._load_s
+        self._load_s = 0.0
         if self.sleep is not None and self.last_step_s > 0:
             self.sleep(self.last_step_s)
+
+    def copy_kv(self, copies: KVCopies) -> None:
+        nbytes = copies.load_tokens * self.kv_bytes_per_token
+        self._load_s += nbytes / self.host_load_bytes_per_s
 
     def release(self, seq_id: int) -> None:
         pass  # no per-sequence state
@@ -106,11 +129,19 @@ def build_sim_llm_engine(
     prefill_us_per_token: float = 0.0,
     decode_ms_per_token: float = 0.0,
     sleep: Callable[[float], None] | None = time.sleep,
+    host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S,
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
 ) -> LLMEngine:
-    """The engine over a cost model; `config.kv_capacity_tokens` sizes its KV."""
+    """The engine over a cost model; `config.kv_capacity_tokens` sizes its KV and
+    `config.host_cache_tokens` its host tier."""
     model = SimModelConfig(tokenizer.vocab_size, max_model_len)
     capacity = config.kv_capacity_tokens or 1_000_000
-    runner = CostModelRunner(capacity, model, prefill_us_per_token, decode_ms_per_token, sleep)
+    runner = CostModelRunner(
+        capacity, model, prefill_us_per_token, decode_ms_per_token, sleep,
+        host_capacity=config.host_cache_tokens,
+        host_load_bytes_per_s=host_load_bytes_per_s,
+        kv_bytes_per_token=kv_bytes_per_token,
+    )  # fmt: skip
     return LLMEngine(runner, tokenizer, config, SimSampler(tokenizer))
 
 

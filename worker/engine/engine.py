@@ -20,6 +20,7 @@ import numpy as np
 
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
+from worker.engine.host_tier import HostTier
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
 from worker.engine.scheduler import Batch, Scheduler
 from worker.engine.sequence import Req
@@ -60,8 +61,14 @@ class LLMEngine:
         self.sampler = sampler
         self.allocator = SlotAllocator(runner.capacity)
         if cache is None:
-            cache_cls = NoCache if config.disable_radix_cache else RadixCache
-            cache = cache_cls(self.allocator, page_size=config.page_size)
+            if config.disable_radix_cache:
+                cache = NoCache(self.allocator, page_size=config.page_size)
+            else:
+                # The runner owns the host pool's memory (it sized and allocated it).
+                host_capacity = getattr(runner, "host_capacity", 0)
+                write_through = config.host_write_policy == "write_through"
+                host = HostTier(host_capacity, write_through) if host_capacity else None
+                cache = RadixCache(self.allocator, page_size=config.page_size, host=host)
         self.cache: PrefixCache = cache
         self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
         # The override may only shorten the model's context. And a request never holds
@@ -79,6 +86,7 @@ class LLMEngine:
         self.last_batch = Batch()  # what the last step ran (the simulator and tests read it)
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.host_cached_tokens_total = 0  # of them, loaded from the host tier
         self.completion_tokens_total = 0
         self.request_ms = 0.0  # how long an admitted request holds its seat: moving mean
 
@@ -95,6 +103,7 @@ class LLMEngine:
             dtype=config.dtype,
             kv_capacity_tokens=config.kv_capacity_tokens,
             kv_memory_fraction=config.kv_memory_fraction,
+            host_cache_tokens=config.host_cache_tokens,
             attention_backend=config.attention_backend,
             cuda_graphs=not config.disable_cuda_graph,
             max_running_requests=config.max_running_requests,
@@ -185,6 +194,9 @@ class LLMEngine:
     def step(self) -> list[GenerateOutput]:
         batch = self.last_batch = self.scheduler.schedule()
         self._stamp_admitted(batch.admitted)
+        copies = self.cache.take_copies()
+        if copies is not None:  # write-backs and loads the step planned: before the forward
+            self.runner.copy_kv(copies)
         if not batch.items:
             return []
         logits = self.runner.forward(batch.items)  # rows for the sampled items only
@@ -215,6 +227,7 @@ class LLMEngine:
         if seq.index == 0:  # the prompt is one, however many choices share it
             self.prompt_tokens_total += len(seq.prompt_ids)
             self.cached_tokens_total += seq.cached_tokens or 0
+            self.host_cached_tokens_total += seq.host_cached_tokens
         choices = self.in_flight[seq.request_id]
         if all(s.is_finished for s in choices):
             del self.in_flight[seq.request_id]
@@ -242,7 +255,22 @@ class LLMEngine:
             decode_ms_per_token=getattr(self.runner, "decode_ms_per_token", 0.0),
             max_running_requests=self.config.max_running_requests,
             request_ms=self.request_ms,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, Any]:
+        host = getattr(self.cache, "host", None)
+        if host is None:
+            return {}
+        return {
+            "host_cache_capacity_tokens": host.capacity,
+            "host_cache_used_tokens": host.used,
+            "host_cached_tokens_total": self.host_cached_tokens_total,
+            "host_load_tokens_total": host.loaded_tokens,
+            "host_write_tokens_total": host.written_tokens,
+            "host_load_bytes_per_s": getattr(self.runner, "host_load_bytes_per_s", 0.0),
+            "kv_bytes_per_token": getattr(self.runner, "kv_bytes_per_token", 0),
+        }
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -29,6 +29,8 @@ from worker.engine.attention.metadata import ReqToTokenTable, Staging, StepInput
 from worker.engine.batch import SeqBatchItem
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.device import pick_device, pick_dtype
+from worker.engine.host_pool import HostKVPool
+from worker.engine.host_tier import KVCopies
 from worker.engine.kv_pool import KVPool
 from worker.engine.model import ForwardContext
 from worker.engine.model_config import ModelConfig
@@ -51,6 +53,7 @@ class ModelRunner:
         dtype: str = "auto",
         kv_capacity_tokens: int | None = None,
         kv_memory_fraction: float = 0.5,
+        host_cache_tokens: int = 0,
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         max_running_requests: int = 64,
@@ -79,6 +82,8 @@ class ModelRunner:
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
             capacity, self.dtype, self.device,
         )  # fmt: skip
+        # The host tier's pool (None: off); refused here when host memory cannot hold it.
+        self.host_pool = HostKVPool(self.pool, host_cache_tokens) if host_cache_tokens else None
         self.backend = make_backend(
             self.attention_backend, self.pool.k, self.pool.v,
             num_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
@@ -102,6 +107,26 @@ class ModelRunner:
     def capacity(self) -> int:
         """KV slots in the pool: the engine's allocator hands out [0, capacity)."""
         return self.pool.capacity
+
+    @property
+    def host_capacity(self) -> int:
+        """Host tier slots (0: no host tier): the engine sizes the radix cache's from it."""
+        return 0 if self.host_pool is None else self.host_pool.capacity
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return KVPool.bytes_per_token(
+            self.pool.num_layers, self.pool.num_kv_heads, self.pool.head_dim, self.pool.dtype
+        )
+
+    @property
+    def host_load_bytes_per_s(self) -> float:
+        return 0.0 if self.host_pool is None else self.host_pool.load_bytes_per_s
+
+    def copy_kv(self, copies: KVCopies) -> None:
+        """The step's planned write-backs and loads (host_pool.py: no host sync on CUDA)."""
+        assert self.host_pool is not None, "copies planned without a host pool"
+        self.host_pool.copy(copies)
 
     def release(self, seq_id: int) -> None:
         """The sequence left the running set: its table row is free (no-op if unknown)."""

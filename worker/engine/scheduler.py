@@ -155,24 +155,29 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= cfg.max_running_requests:
                 return
             match = self.cache.match_prefix(seq.match_key)
-            if self.admission.held_for_dedup(seq, match.prefix_len, prefilling):
+            hit = match.prefix_len + match.host_len  # host tokens are loaded, not computed
+            if self.admission.held_for_dedup(seq, hit, prefilling):
                 continue  # a running prefill computes its prefix: admit it after that
-            self.cache.lock(match.last_node)
-            need = seq.num_tokens - match.prefix_len
+            self.cache.lock(match.last_node)  # both tiers: the host run stays until loaded
+            need = seq.num_tokens - match.prefix_len  # device slots: loads + new tokens
             reserve = self.admission.reserve(seq)
             usable = self.allocator.available + self.cache.evictable_size
             if need + reserve + reserved > usable or not self._ensure_free(need):
                 self.cache.unlock(match.last_node)
                 return  # head of line waits: a finishing request frees memory
+            loaded = self.cache.load(match.last_node) if match.host_len else match.slots[:0]
             seq.slots = np.concatenate(
-                [match.slots[: match.prefix_len], self.allocator.alloc(need)]
+                [match.slots, loaded, self.allocator.alloc(seq.num_tokens - hit)]
             )
-            seq.prefix_len = seq.num_computed = match.prefix_len
+            seq.prefix_len = seq.num_computed = hit
             seq.last_node = match.last_node
             seq.status = SeqStatus.RUNNING
             seq.dirty_from = 0
             if seq.cached_tokens is None:
-                seq.cached_tokens = min(match.prefix_len, len(seq.prompt_ids))
+                seq.cached_tokens = min(hit, len(seq.prompt_ids))
+                seq.host_cached_tokens = seq.cached_tokens - min(
+                    match.prefix_len, seq.cached_tokens
+                )
             self.waiting.remove(seq)
             self.waiting_prompt_tokens -= len(seq.prompt_ids)
             self.running.append(seq)
@@ -277,7 +282,8 @@ class Scheduler:
     # --- invariants ---
 
     def check_integrity(self) -> None:
-        """free + cached + held by running == capacity, no slot twice."""
+        """Per tier: free + cached (+ held by running, on the device) == capacity, no slot
+        twice (the host tier's sum is checked by the cache: running requests hold none)."""
         self.cache.check_integrity()
         cached = np.asarray(self.cache.cached_slots(), dtype=np.int64)
         held = [s.slots[s.prefix_len :] for s in self.running]
