@@ -68,6 +68,18 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ),
     ("--page-size", "page_size", int, "radix cache page size in tokens"),
     (
+        "--host-cache-tokens",
+        "host_cache_tokens",
+        int,
+        "host-memory KV tier under the radix cache, in tokens (0: off)",
+    ),
+    (
+        "--host-write-policy",
+        "host_write_policy",
+        str,
+        "write_back (copy a page to host when evicted) or write_through (when cached)",
+    ),
+    (
         "--max-running-requests",
         "max_running_requests",
         int,
