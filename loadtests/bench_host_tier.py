@@ -64,8 +64,9 @@ def run_one(
     if workload == "mooncake":
         speedup = args.light_speedup if load == "light" else args.busy_speedup
         o = WorkloadOptions(
-            workload="mooncake", block_words=args.block_words, max_output=args.max_output
-        )
+            workload="mooncake", block_words=args.block_words, max_output=args.max_output,
+            trace_limit=args.trace_limit,
+        )  # fmt: skip
         copies = max(1, math.ceil(n / args.workers_per_copy))
         per_worker = speedup * n / (copies * args.workers_per_copy)
         sim.run(source=mooncake_requests(o, n, args.workers_per_copy, per_worker, 0))
@@ -94,8 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-words", type=int, default=16, help="mooncake: tokens a block")
     p.add_argument("--max-output", type=int, default=64, help="mooncake: output cap")
     p.add_argument("--workers-per-copy", type=int, default=32, help="mooncake: trace copies")
-    p.add_argument("--light-speedup", type=float, default=40.0, help="mooncake, light")
-    p.add_argument("--busy-speedup", type=float, default=200.0, help="mooncake, busy")
+    p.add_argument("--trace-limit", type=int, default=None, help="mooncake: first N lines")
+    p.add_argument("--light-speedup", type=float, default=10.0, help="mooncake, light")
+    p.add_argument("--busy-speedup", type=float, default=80.0, help="mooncake, busy")
     p.add_argument("--users-per-worker", type=int, default=8, help="multi_turn")
     p.add_argument("--conversations-per-worker", type=int, default=24, help="multi_turn")
     p.add_argument("--turns", type=int, default=8)
@@ -104,6 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--light-think-s", type=float, default=10.0, help="multi_turn, light")
     p.add_argument("--busy-think-s", type=float, default=1.0, help="multi_turn, busy")
+    p.add_argument("--variants", default="no tier,host 4x,host 10x,unbounded")
     p.add_argument("--out", type=Path, default=Path("loadtests/out/host_tier"))
 
 
@@ -111,7 +114,8 @@ def main(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.workers.split(",")]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     loads = [x.strip() for x in args.loads.split(",") if x.strip()]
-    runs = variants(args)
+    wanted = {v.strip() for v in args.variants.split(",")}
+    runs = [(name, cost) for name, cost in variants(args) if name in wanted]
     progress = Progress("host-tier", len(sizes) * len(workloads) * len(loads) * len(runs))
     rows, lines = [], []
     print(HEADER)
@@ -133,6 +137,8 @@ def main(args: argparse.Namespace) -> int:
                     )
                     rows.append({"workload": workload, "workers": n, "load": load,
                                  "variant": name, **d, "hit_rate": r.hit_rate})  # fmt: skip
+                if not {"host 4x", "no tier", "unbounded"} <= got.keys():
+                    continue
                 tier, none, top = got["host 4x"], got["no tier"], got["unbounded"]
                 p99 = tier.row()["ttft_p99_ms"] / none.row()["ttft_p99_ms"]  # type: ignore[operator]
                 lines.append(
