@@ -26,8 +26,8 @@ import torch
 from loadtests.options import HelpFormatter
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.tiny_model import PRESETS, make_tiny_model
 from worker.engine.types import EngineRequest, SamplingParams
+from worker.models.tiny_model import PRESETS, make_tiny_model
 
 # Decode timing clock: wall time by default; `--clock process` counts this process's
 # CPU time instead, which other tenants of a shared machine disturb far less (with

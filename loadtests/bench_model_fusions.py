@@ -22,10 +22,10 @@ import torch
 
 from loadtests.options import HelpFormatter
 from worker.engine.allocator import SlotAllocator
-from worker.engine.model import apply_rope_
-from worker.engine.runner import ModelRunner, SeqBatchItem
-from worker.engine.tiny_model import PRESETS, make_tiny_model
-from worker.engine.weights import load_model
+from worker.engine.runtime.model import apply_rope_
+from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.weights import load_model
+from worker.models.tiny_model import PRESETS, make_tiny_model
 
 
 def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:

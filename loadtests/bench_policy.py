@@ -25,7 +25,7 @@ reports (a no-op but for cost_aware) and ``policy.select(...)``: CPU by
 timer pair's own cost, measured empty, is subtracted) and wall-clock p50/p99 by
 ``perf_counter_ns``. Every policy replays the same requests and load changes after
 the same ``--warmup`` requests. ``views µs`` is what a caller pays to build a fresh
-list of ``WorkerView`` per request (router/proxy.py does): measured once per size,
+list of ``WorkerView`` per request (router/upstream/proxy.py does): measured once per size,
 for scale, outside the policy.
 
 ``cost_aware_reference`` is cost_aware as it was before its price went over numpy

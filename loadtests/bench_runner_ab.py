@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from worker.engine.allocator import SlotAllocator
-from worker.engine.runner import ModelRunner, SeqBatchItem
-from worker.engine.tiny_model import PRESETS, make_tiny_model
+from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.models.tiny_model import PRESETS, make_tiny_model
 
 CASES = ((1, 40), (8, 40), (32, 40), (32, 256))
 

@@ -204,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = None
         if "radix" in backends:
-            from worker.engine.tiny_model import make_tiny_model
+            from worker.models.tiny_model import make_tiny_model
 
             model_dir = make_tiny_model(Path(tmp) / "tiny", max_position_embeddings=8192)
         lines = run_all(backends, model_dir)

@@ -11,7 +11,7 @@ decision for every implementation), insert the text for it. Every implementation
 replays the same requests and must return the same matches (checked).
 
 Rows:
-- ``PrefixTree``: router/tree.py, one shared tree, no budget (nothing evicted).
+- ``PrefixTree``: router/policy/tree.py, one shared tree, no budget (nothing evicted).
 - ``PrefixTree, budget``: the same with a global budget of a quarter of what the
   workload stores, so eviction runs throughout.
 - ``pygtrie``: one ``pygtrie.CharTrie`` per worker. ``longest_prefix`` only finds a
@@ -46,7 +46,7 @@ import pygtrie
 from loadtests.options import HelpFormatter
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
-from router.tree import PrefixTree
+from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
 WORDS = [

@@ -12,7 +12,7 @@ What the callers need of it: start, kill and restart one worker (fault tests); s
 the router again with another policy while the workers stay, and flush every worker's
 cache between runs, so each policy meets the same cold fleet (`compare`); more routers
 next to the first (`replicas`, the replica-sync tests), stopped with the fleet.
-`radix-router up` (router/local_fleet.py) is the user's fleet: it starts one and keeps
+`radix-router up` (router/up/local_fleet.py) is the user's fleet: it starts one and keeps
 it until Ctrl-C, and never needs any of that.
 """
 

@@ -18,7 +18,7 @@ import torch
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
 from worker.engine.types import EngineRequest, SamplingParams
 
 # Spec memory bandwidth (bytes/s) by device name; others use the measured copy rate.

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.engine.attention import make_backend
-from worker.engine.attention.metadata import ReqToTokenTable, Staging, build_step
 from worker.engine.batch import SeqBatchItem
+from worker.engine.runtime.attention import make_backend
+from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
 
 
 def random_batch(
@@ -92,7 +92,7 @@ def host_syncs(device: torch.device) -> dict[str, Any]:
     from loadtests.gpu_syncs import SyncCounter, syncs_per_step
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
-    from worker.engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-syncs-")))
     backend = "triton" if device.type == "cuda" else "sdpa"

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.engine.host_pool import HostKVPool
 from worker.engine.host_tier import KVCopies
-from worker.engine.kv_pool import KVPool
+from worker.engine.runtime.host_pool import HostKVPool
+from worker.engine.runtime.kv_pool import KVPool
 
 
 def _sync(device: torch.device) -> None:
@@ -100,8 +100,8 @@ def no_host_sync(device: torch.device) -> dict[str, Any]:
 def greedy_equal(device: torch.device, quick: bool) -> dict[str, Any]:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
-    from worker.engine.tiny_model import PRESETS, make_tiny_model
     from worker.engine.types import EngineRequest, SamplingParams
+    from worker.models.tiny_model import PRESETS, make_tiny_model
 
     cuda = device.type == "cuda"
     model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-host-tier-")), **PRESETS["tiny"],

@@ -131,10 +131,10 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
     from loadtests import gpu_bench as gb
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
-    from worker.engine.runner import ModelRunner
-    from worker.engine.sampler import Sampler
-    from worker.engine.tiny_model import PRESETS, make_tiny_model
+    from worker.engine.runtime.runner import ModelRunner
+    from worker.engine.runtime.sampler import Sampler
     from worker.engine.tokenizer import Tokenizer
+    from worker.models.tiny_model import PRESETS, make_tiny_model
 
     cuda = device.type == "cuda"
     tmp = Path(tempfile.mkdtemp(prefix=f"gpu-check-{preset}-"))

@@ -150,7 +150,7 @@ def serve_config(args: argparse.Namespace) -> RouterConfig:
 def _run_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     if config.processes > 1:
-        from router.processes import run_processes
+        from router.up.processes import run_processes
 
         return run_processes(config)
     run_router(config)
@@ -159,7 +159,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def run_router(config: RouterConfig) -> None:
     """One router process, in the foreground until SIGTERM/SIGINT."""
-    from router.app import serve
+    from router.http.app import serve
 
     setup_logging(config.log_level)
     try:
@@ -172,7 +172,7 @@ def run_router(config: RouterConfig) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from router.local_fleet import UpFleet, UpOptions
+    from router.up.local_fleet import UpFleet, UpOptions
 
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")

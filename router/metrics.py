@@ -19,9 +19,9 @@ from prometheus_client.core import CounterMetricFamily as CounterFamily
 from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
-from router.fleet import Fleet
-from router.upstream_client import UpstreamPool
-from router.workers import Worker
+from router.fleet.table import Fleet
+from router.fleet.workers import Worker
+from router.upstream.pool import UpstreamPool
 from shared.metrics import ServiceMetrics, kv_usage_ratio
 from shared.peers import Rejections
 

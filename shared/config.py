@@ -97,7 +97,7 @@ class RouterConfig(_Frozen):
     breaker_failures: int = Field(3, ge=1)
     breaker_cooldown: float = Field(10.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
-    # Slow peers (shared/body.py, router/proxy.py): a body must arrive within
+    # Slow peers (shared/body.py, router/upstream/proxy.py): a body must arrive within
     # body_read_timeout, before it may take an admission slot; a stream write to a client
     # that blocks longer than stream_write_timeout aborts the stream and its upstream
     # request, so the worker frees its slot and KV.
@@ -124,7 +124,7 @@ class RouterConfig(_Frozen):
     # Worker URLs from Redis or the admin API must resolve into one of these networks
     # (e.g. the pod CIDR); empty: any address but link-local and metadata ones.
     worker_url_allow_cidrs: tuple[str, ...] = ()
-    # Per-client token bucket on inference requests (router/ratelimit.py); None: off.
+    # Per-client token bucket on inference requests (router/http/ratelimit.py); None: off.
     rate_limit_per_key: float | None = Field(None, gt=0)
     rate_limit_burst: int = Field(20, ge=1)
     # With a Redis URL the limit is shared by every replica (one Lua script per request);
@@ -132,9 +132,9 @@ class RouterConfig(_Frozen):
     rate_limit_redis_timeout: float = Field(0.25, gt=0)
     # CIDRs of load balancers / ingress whose X-Forwarded-For names the client (rate limit).
     trusted_proxies: tuple[str, ...] = ()
-    # Several replicas share routing decisions and in-flight load through Redis (router/sync.py).
+    # Several replicas share routing decisions and in-flight load through Redis (router/fleet/sync.py).
     sync: bool = False
-    # Router processes on this host behind one port (SO_REUSEPORT; router/processes.py).
+    # Router processes on this host behind one port (SO_REUSEPORT; router/up/processes.py).
     # Above 1 they route as replicas: sync is turned on when redis_url is set.
     processes: int = Field(1, ge=1, le=256)
     sync_stream_maxlen: int = Field(20_000, ge=100)
@@ -180,7 +180,7 @@ class WorkerConfig(_Frozen):
     page_size: int = Field(1, ge=1)
     # Host KV tier under the radix cache, in tokens (0: off): evicted device pages stay
     # cached in host memory (pinned on CUDA) and are loaded back on a hit. The pod needs
-    # that much memory on top of the weights (worker/engine/host_pool.py).
+    # that much memory on top of the weights (worker/engine/runtime/host_pool.py).
     host_cache_tokens: int = Field(0, ge=0, strict=True)
     host_write_policy: Literal["write_back", "write_through"] = "write_back"
     max_running_requests: int = Field(64, ge=1)

@@ -14,7 +14,7 @@ labels and Redis key names, so both are held to narrow shapes:
   services live), a known metadata address, unspecified, multicast or broadcast; an
   IPv4-mapped IPv6 address (`::ffff:169.254.169.254`) is judged as the IPv4 it maps;
 - with `worker_url_allow_cidrs` set (say, the pod network), a literal address must lie
-  in one of them; DNS names are checked when they resolve (`router/resolver.py`), so a
+  in one of them; DNS names are checked when they resolve (`router/upstream/resolver.py`), so a
   name cannot point somewhere a literal could not.
 
 Loopback stays allowed unless the allow-list excludes it: local fleets run on it.

@@ -1,6 +1,6 @@
 """Service child processes: start one, wait until it answers, stop it and all it spawned.
 
-Used by `radix-router up` (router/local_fleet.py), the benchmark fleets in `loadtests/`
+Used by `radix-router up` (router/up/local_fleet.py), the benchmark fleets in `loadtests/`
 and the end-to-end tests, so the mechanics live once:
 
 - each child runs `python -m <module> ...` in its own session (process group), so a

@@ -5,9 +5,9 @@ Layout (prefix default `radixrouter:`):
     <prefix>worker:<id>   hash, written every heartbeat, expires after a few intervals
     <prefix>workers       set of worker ids (may hold ids whose hash already expired)
     <prefix>events        pub/sub channel: JSON {"event": "join"|"leave", "worker_id", "url"}
-    <prefix>decisions     stream of routing decisions shared by router replicas (router/sync.py)
+    <prefix>decisions     stream of routing decisions shared by router replicas (router/fleet/sync.py)
     <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
-    <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/ratelimit.py)
+    <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/http/ratelimit.py)
 
 Workers write (`publish_heartbeat`, `leave`); routers read (`read_fleet`). A worker
 whose hash expired is gone even if its id is still in the set; readers prune such ids.

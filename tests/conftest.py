@@ -21,12 +21,12 @@ if TYPE_CHECKING:
 # The repository root on sys.path, so `python -m pytest` works without an install.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# --- worker model: tiny random-weight model folders (worker/engine/tiny_model.py) ---
+# --- worker model: tiny random-weight model folders (worker/models/tiny_model.py) ---
 # Built once per session; nothing downloads (transformers is told to stay offline).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Without a GPU the triton attention kernels run in triton's interpreter on CPU tensors.
-# Set before worker/engine/attention/triton_kernels.py is imported: @triton.jit reads it.
+# Set before worker/engine/runtime/attention/triton_kernels.py is imported: @triton.jit reads it.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -34,7 +34,7 @@ if not os.path.exists("/dev/nvidia0"):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama (untied embeddings) with a trained BPE tokenizer and chat template."""
-    from worker.engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
 
@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 (q/k/v biases, tied embeddings)."""
-    from worker.engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
 
@@ -50,7 +50,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 (q_norm / k_norm, head_dim not hidden / heads, tied embeddings)."""
-    from worker.engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return make_tiny_model(
         tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3", num_heads=4, num_kv_heads=2

@@ -26,7 +26,7 @@ from shared.config import ConfigError, WorkerConfig, load_config
 from shared.logging import setup_logging
 from worker.app import create_app
 from worker.backends import build_engine
-from worker.engine.model_presets import ARCHS, PRESETS
+from worker.models.model_presets import ARCHS, PRESETS
 from worker.state import HEARTBEAT, STATE
 
 log = logging.getLogger("worker")
@@ -258,7 +258,7 @@ def _run(config: WorkerConfig) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from worker.engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     given = {kw: getattr(args, flag[2:].replace("-", "_")) for flag, kw in _TINY_FLAGS.items()}
     given |= {"arch": args.arch, "device": args.device, "dtype": args.dtype}

@@ -29,7 +29,7 @@ replicates the prefix). Remaining ties (equal load) are broken by the injected
 ``random.Random``, so a cold fleet spreads new prefixes instead of piling them on
 the first worker. Each worker's tree is capped at
 ``kv_capacity_tokens × tree_chars_per_token`` chars (unknown capacity: no cap) and
-all trees together at ``tree_max_chars`` stored chars (router/tree.py).
+all trees together at ``tree_max_chars`` stored chars (router/policy/tree.py).
 
 ``router/policy/cost_aware.py`` builds on this one (same trees, caps and epochs) and
 routes on predicted time to first token instead. The other policies (load only) are in
@@ -45,7 +45,7 @@ from itertools import compress, repeat
 from operator import eq, is_not
 
 from router.policy.base import Decision, Policy, RouteRequest, WorkerView, columns, least_index
-from router.tree import PrefixTree
+from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
 _NOT_NONE = partial(is_not, None)

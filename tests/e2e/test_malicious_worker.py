@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.state import FLEET
+from router.http.state import FLEET
 from shared.config import RouterConfig
 from tests.fuzz.conftest import start_router
 

@@ -15,8 +15,8 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError
 
-from router.ratelimit import RedisGcra
-from router.sync import DecisionSync
+from router.fleet.sync import DecisionSync
+from router.http.ratelimit import RedisGcra
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.registry import Registry, WorkerRecord

@@ -18,8 +18,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
-from router.resolver import GuardedResolver
-from router.sync import SEP, DecisionSync
+from router.fleet.sync import SEP, DecisionSync
+from router.upstream.resolver import GuardedResolver
 from shared.config import RouterConfig
 from shared.peers import Rejections, parse_networks
 from shared.redis_server import RedisServer

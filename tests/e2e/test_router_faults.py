@@ -18,8 +18,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from loadtests.fleet import BenchFleet, WorkerSpec, wait_health
-from router.app import create_app
-from router.state import DISCOVERY, FLEET, METRICS, POLICY
+from router.http.app import create_app
+from router.http.state import DISCOVERY, FLEET, METRICS, POLICY
 from shared.config import RouterConfig
 from tests.waiting import wait_until
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp.test_utils import TestServer
 
-from router.state import FLEET
+from router.http.state import FLEET
 from shared.config import RouterConfig
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 from tests.waiting import wait_until

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 from aiohttp.test_utils import TestServer
 
-from router.app import create_app as create_router
+from router.http.app import create_app as create_router
 from shared.config import RouterConfig, WorkerConfig
 from worker.app import create_app as create_worker
 from worker.backends import build_engine

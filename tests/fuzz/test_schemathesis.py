@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from loadtests.fleet import BenchFleet, WorkerSpec
-from router.openapi import build_openapi
+from router.http.openapi import build_openapi
 from shared.procs import http_json
 from worker.openapi import openapi_document
 

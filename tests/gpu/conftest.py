@@ -16,6 +16,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama (untied embeddings), as tests/conftest.py makes it."""
-    from worker.engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.worker.engine.slots import allocator_for
-from worker.engine.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
 
 pytestmark = [
     pytest.mark.gpu,

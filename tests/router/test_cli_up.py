@@ -17,7 +17,7 @@ import pytest
 
 from loadtests.fleet import ROOT
 from router.cli import build_parser, serve_config
-from router.preflight import StartError, check_prerequisites
+from router.up.preflight import StartError, check_prerequisites
 from shared.config import ConfigError
 from shared.procs import wait_until
 from shared.redis_server import free_port

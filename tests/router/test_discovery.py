@@ -8,8 +8,8 @@ import contextlib
 import pytest
 from redis.asyncio import Redis
 
-from router.discovery import Discovery
-from router.fleet import Fleet
+from router.fleet.discovery import Discovery
+from router.fleet.table import Fleet
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
 from shared.aio import stop_task

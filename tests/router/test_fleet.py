@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.fleet import Attempt, Fleet
+from router.fleet.table import Attempt, Fleet
+from router.fleet.workers import Breaker, FailureKind, LoadGuard, Worker
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerCosts, WorkerView
-from router.workers import Breaker, FailureKind, LoadGuard, Worker
 from shared.config import RouterConfig
 from shared.registry import WorkerRecord
 

@@ -10,9 +10,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from loadtests.fleet import BenchFleet, WorkerSpec
-from router.app import create_app
-from router.state import FLEET, POLICY
-from router.workers import LoadGuard
+from router.fleet.workers import LoadGuard
+from router.http.app import create_app
+from router.http.state import FLEET, POLICY
 from shared.config import RouterConfig
 from tests.waiting import wait_until
 

@@ -16,7 +16,7 @@ import pytest
 
 from router.policy import build_policy
 from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
-from router.tree import PrefixTree
+from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
 

@@ -12,7 +12,7 @@ import pytest
 from redis import Redis as SyncRedisClient
 
 from router.cli import build_parser, serve_config
-from router.processes import STOP_MARGIN_S, child_config
+from router.up.processes import STOP_MARGIN_S, child_config
 from shared.config import ConfigError, RouterConfig
 from shared.procs import Child, free_port, http_json, wait_until
 from shared.redis_server import RedisServer

@@ -7,7 +7,7 @@ import json
 
 from aiohttp.test_utils import TestClient
 
-from router.state import FLEET, METRICS
+from router.http.state import FLEET, METRICS
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 from tests.waiting import ManualClock, wait_until
@@ -16,7 +16,7 @@ BODY = {"prompt": "hello there", "max_tokens": 3}
 
 
 class OtherReplicas:
-    """Stands in for `DecisionSync` (router/sync.py, tested over real Redis in
+    """Stands in for `DecisionSync` (router/fleet/sync.py, tested over real Redis in
     test_sync.py): here only the load other replicas report matters, set by the test."""
 
     def __init__(self) -> None:
@@ -219,7 +219,7 @@ async def test_breaker_half_opens_and_closes_when_the_worker_recovers(
 def test_only_allow_listed_response_headers_pass() -> None:
     from multidict import CIMultiDict, CIMultiDictProxy
 
-    from router.upstream import response_headers
+    from router.upstream.answers import response_headers
 
     incoming = CIMultiDict(
         [("Connection", "keep-alive, X-Private"), ("X-Private", "1"), ("Keep-Alive", "timeout=5"),

@@ -7,7 +7,7 @@ import asyncio
 from aiohttp import web
 from redis.asyncio import Redis
 
-from router.ratelimit import (
+from router.http.ratelimit import (
     REDIS_RETRY_S,
     ClientIdentity,
     TokenBuckets,

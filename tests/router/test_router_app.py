@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.state import ADMISSION, FLEET
+from router.http.state import ADMISSION, FLEET
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 from tests.waiting import wait_until
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from redis.asyncio import Redis
 
-from router.sync import DecisionSync
+from router.fleet.sync import DecisionSync
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.registry import Registry
@@ -115,7 +115,7 @@ async def test_an_unchanged_round_keeps_the_remote_mapping(
     replicas: Callable[..., Replica],
 ) -> None:
     """The fleet takes a new mapping for a change of load and walks every worker on the
-    next request (router/columns.py), so a round that changed nothing keeps the old one."""
+    next request (router/fleet/columns.py), so a round that changed nothing keeps the old one."""
     a = replicas(inflight={"w1": 0})
     b = replicas(inflight={"w1": 2})
     await b.sync._load_once()

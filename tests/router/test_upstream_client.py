@@ -1,4 +1,4 @@
-"""The router's own upstream client (router/upstream_client.py, router/upstream_conn.py)
+"""The router's own upstream client (router/upstream/pool.py, router/upstream/connection.py)
 against a raw TCP worker on loopback whose every byte the test scripts: keep-alive reuse,
 a keep-alive connection the worker closed under the router, garbage, broken chunked
 framing, a stall mid-body, bytes nobody asked for. Through a real router app, so the
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from router.state import FLEET, PROXY
+from router.http.state import FLEET, PROXY
 from tests.router.conftest import StartRouter
 
 BODY = {"prompt": "hello there", "max_tokens": 3}
@@ -228,8 +228,8 @@ async def test_a_connection_the_worker_closed_while_idle_is_not_handed_out(
 async def test_idle_connections_are_closed_after_keepalive_and_at_shutdown(
     raw_workers: Any,
 ) -> None:
-    from router.resolver import GuardedResolver
-    from router.upstream_client import UpstreamPool
+    from router.upstream.pool import UpstreamPool
+    from router.upstream.resolver import GuardedResolver
 
     worker = await raw_workers(lambda c, n: OK)
     pool = UpstreamPool(GuardedResolver(), 1.0, 5.0, 1 << 20, keepalive_s=0.2)

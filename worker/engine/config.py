@@ -26,7 +26,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     device: str = "auto"
     dtype: str = "auto"
-    # auto: triton on CUDA, sdpa on CPU (worker/engine/attention/).
+    # auto: triton on CUDA, sdpa on CPU (worker/engine/runtime/attention/).
     attention_backend: str = "auto"
     # Decode-only steps replay CUDA graphs unless this is set (CUDA + triton only).
     disable_cuda_graph: bool = False

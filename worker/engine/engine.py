@@ -93,8 +93,8 @@ class LLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
         """The engine over a model folder (imports torch: the sim path never calls it)."""
-        from worker.engine.runner import ModelRunner
-        from worker.engine.sampler import Sampler
+        from worker.engine.runtime.runner import ModelRunner
+        from worker.engine.runtime.sampler import Sampler
         from worker.engine.tokenizer import Tokenizer
 
         runner = ModelRunner(

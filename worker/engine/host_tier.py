@@ -4,7 +4,7 @@ Pure numpy, like the scheduler: the radix cache decides which pages move between
 device pool and the host pool (a write-back when the device LRU evicts a page, a load
 when a match reaches host-resident pages) and records them here; once per step the
 engine takes the plan (`take`) and the runner makes the copies, all write-backs in one
-batched copy and then all loads in one (worker/engine/host_pool.py does the tensors).
+batched copy and then all loads in one (worker/engine/runtime/host_pool.py does the tensors).
 
 Why one plan per step is safe without ordering the copies one by one:
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine.attention import make_backend, resolve_backend
-from worker.engine.attention.metadata import ReqToTokenTable, Staging, build_step
 from worker.engine.batch import SeqBatchItem
+from worker.engine.runtime.attention import make_backend, resolve_backend
+from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
 
 pytest.importorskip("triton")
 

@@ -22,7 +22,7 @@ import torch
 from loadtests.gpu_syncs import SyncCounter, syncs_per_step
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.sampler import Sampler
+from worker.engine.runtime.sampler import Sampler
 from worker.engine.types import SamplingParams
 
 
@@ -41,7 +41,7 @@ def test_one_sync_per_sampling_step(
     engine = engine_for(tiny_model_dir, backend)
     counter = SyncCounter("cpu")
     if backend == "triton":
-        from worker.engine.attention import triton_backend
+        from worker.engine.runtime.attention import triton_backend
 
         for name in ("decode_attention", "extend_attention"):
             launch = getattr(triton_backend, name)

@@ -13,8 +13,8 @@ import pytest
 
 from tests.worker.engine.test_engine import make_engine, rand_ids, req, run, tokens
 from worker.engine.config import EngineConfig
-from worker.engine.host_pool import check_host_memory
-from worker.engine.kv_pool import cpu_available_bytes
+from worker.engine.runtime.host_pool import check_host_memory
+from worker.engine.runtime.kv_pool import cpu_available_bytes
 
 
 @pytest.mark.parametrize(("page_size", "host", "policy"), [

@@ -25,8 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.worker.engine.slots import allocator_for
 from worker.engine.model_config import ModelConfig
-from worker.engine.runner import ModelRunner, SeqBatchItem
-from worker.engine.tiny_model import make_tiny_model
+from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.models.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Penalty counts kept on the device per sequence (worker/engine/penalties.py): the
+"""Penalty counts kept on the device per sequence (worker/engine/runtime/penalties.py): the
 engine's sampler gives the same tokens as counting everything again each step, and
 what it uploads per step does not grow with the sequences' lengths."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.sampler import Sampler
+from worker.engine.runtime.sampler import Sampler
 from worker.engine.types import SamplingParams
 
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.worker.engine.slots import allocator_for
-from worker.engine.attention import make_backend
-from worker.engine.device import parse_dtype, pick_device, pick_dtype
-from worker.engine.runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, SeqBatchItem
+from worker.engine.runtime.attention import make_backend
+from worker.engine.runtime.device import parse_dtype, pick_device, pick_dtype
+from worker.engine.runtime.runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, SeqBatchItem
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import collections
 
 import torch
 
-from worker.engine.sampler import Sampler
+from worker.engine.runtime.sampler import Sampler
 from worker.engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tests.worker.engine.test_engine import make_engine, rand_ids, req, run, tokens
-from worker.engine.sampler import Sampler, _penalize
+from worker.engine.runtime.sampler import Sampler, _penalize
 from worker.engine.types import SamplingParams
 
 

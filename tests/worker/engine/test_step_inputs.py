@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.worker.engine.slots import allocator_for
-from worker.engine.cuda_graphs import BUCKETS, bucket_for
-from worker.engine.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.cuda_graphs import BUCKETS, bucket_for
+from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
 
 
 class WatchedSlots(np.ndarray):
@@ -141,7 +141,7 @@ def test_graph_buckets() -> None:
 
 def test_decode_split_count_depends_on_the_batch_only() -> None:
     """A CUDA graph captured for a batch size must stay valid at any context length."""
-    from worker.engine.attention.triton_backend import MAX_SPLITS, splits_for
+    from worker.engine.runtime.attention.triton_backend import MAX_SPLITS, splits_for
 
     assert splits_for(1, 2) == MAX_SPLITS  # one sequence: spread its context wide
     assert splits_for(128, 8) == 1  # enough programs already

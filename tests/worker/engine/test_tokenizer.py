@@ -12,8 +12,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from worker.cli import main
-from worker.engine.tiny_model import PRESETS
 from worker.engine.tokenizer import Tokenizer
+from worker.models.tiny_model import PRESETS
 
 transformers = pytest.importorskip("transformers")
 

@@ -101,8 +101,8 @@ class _Item:
 def launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> dict:
     """Every distinct kernel launch of a decode batch (1 and 16 splits) and of
     extends with short and long new-token runs, as the GPU would get them."""
-    from worker.engine.attention import triton_backend, triton_kernels
-    from worker.engine.attention.metadata import ReqToTokenTable, Staging, build_step
+    from worker.engine.runtime.attention import triton_backend, triton_kernels
+    from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
 
     seen: dict = {}
     originals = {name: getattr(triton_kernels, name) for name in KERNELS}

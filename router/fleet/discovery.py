@@ -1,0 +1,149 @@
+"""Worker discovery from the Redis registry.
+
+A full read of the registry (`Registry.read_fleet`) every `discovery_interval` is the
+source of truth; join/leave events on the pub/sub channel only wake the poller early,
+so a lost event costs at most one interval. While Redis is unreachable the fleet is
+left as it was (routing goes on with the last known workers) and the poller retries
+with exponential backoff. After Redis comes back it may be empty until every worker
+has sent its next heartbeat, so for `reconnect_grace` seconds after an outage a
+registry worker is not dropped for being absent (its breaker still guards it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from router.fleet.table import Fleet
+from shared.aio import reraise_if_cancelled, stop_task
+from shared.peers import Network, Rejections, check_worker_url
+from shared.registry import Registry, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 5.0
+
+
+class Discovery:
+    def __init__(
+        self,
+        registry: Registry,
+        fleet: Fleet,
+        interval: float,
+        reconnect_grace: float,
+        clock: Callable[[], float] = time.monotonic,
+        allow: tuple[Network, ...] = (),
+    ) -> None:
+        self.registry = registry
+        self.fleet = fleet
+        self.allow = allow  # worker_url_allow_cidrs
+        self.interval = interval
+        self.reconnect_grace = reconnect_grace
+        self.clock = clock
+        self.connected = False
+        self.polls = 0
+        self.errors = 0
+        self._wake = asyncio.Event()
+        self.first_poll = asyncio.Event()  # set once the first read of the registry ended
+        self._grace_until = 0.0
+        self.stopping = False  # set by the owner before it cancels run(); see stop_task
+
+    @classmethod
+    def from_url(
+        cls, url: str, prefix: str, fleet: Fleet, interval: float, grace: float,
+        clock: Callable[[], float] = time.monotonic, rejections: Rejections | None = None,
+        allow: tuple[Network, ...] = (),
+    ) -> Discovery:  # fmt: skip
+        # Short socket timeouts: a dead Redis must not stall a poll for long.
+        timeout = max(1.0, 2 * interval)
+        redis = Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        registry = Registry(redis, prefix, rejections)
+        return cls(registry, fleet, interval, grace, clock, allow=allow)
+
+    def _allowed(self, records: dict[str, WorkerRecord]) -> dict[str, WorkerRecord]:
+        """Records the registry may apply: not claiming the id of a worker configured by
+        hand (a record naming a static worker's `host:port` took over its URL, so a
+        Redis writer redirected the operator's own worker), and with their URL in
+        `worker_url_allow_cidrs` (the registry checked the rest)."""
+        kept = {}
+        for wid, record in records.items():
+            worker = self.fleet.workers.get(wid)
+            try:
+                if worker is not None and worker.source != "redis":
+                    raise ValueError(f"the id of a worker added by hand ({worker.source})")
+                if self.allow:
+                    check_worker_url(record.url, self.allow)
+            except ValueError as e:
+                self.registry.rejections.reject("registry", wid, str(e))
+                continue
+            kept[wid] = record
+        return kept
+
+    async def poll_once(self) -> None:
+        records = self._allowed(
+            await asyncio.wait_for(self.registry.read_fleet(), timeout=max(1.0, 2 * self.interval))
+        )
+        # Right after an outage the registry may not hold every worker again yet.
+        drop = self.clock() >= self._grace_until
+        joined, left = self.fleet.apply_registry(records, drop_missing=drop)
+        if joined or left:
+            log.info("fleet changed: joined %s, left %s", joined, left)
+
+    async def run(self) -> None:
+        """Poll forever (cancel to stop), with the event listener alongside."""
+        listener = asyncio.create_task(self._listen())
+        backoff = self.interval
+        try:
+            while not self.stopping:
+                try:
+                    await self.poll_once()
+                    self.polls += 1
+                    if not self.connected:
+                        log.info("registry reachable")
+                    self.connected = True
+                    self.first_poll.set()
+                    backoff = self.interval
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.interval)
+                except (RedisError, OSError, TimeoutError) as e:
+                    reraise_if_cancelled()
+                    self.first_poll.set()  # unreachable: routing goes on without it
+                    self.errors += 1
+                    if self.connected:
+                        log.warning("registry unreachable, keeping the last known fleet: %s", e)
+                    self.connected = False
+                    self._grace_until = self.clock() + self.reconnect_grace
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+        finally:
+            await stop_task(listener, timeout=2.0)
+            await self.registry.redis.aclose()
+
+    async def _listen(self) -> None:
+        """Wake the poller on join/leave events; reconnect with backoff when Redis drops."""
+        backoff = self.interval
+        while not self.stopping:
+            pubsub = self.registry.redis.pubsub()
+            try:
+                await pubsub.subscribe(self.registry.events_channel)
+                backoff = self.interval
+                while not self.stopping:
+                    msg = await pubsub.get_message(
+                        ignore_subscribe_messages=True, timeout=self.interval
+                    )
+                    if msg is not None:
+                        self._wake.set()
+            except (RedisError, OSError, TimeoutError):
+                reraise_if_cancelled()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()

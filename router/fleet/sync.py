@@ -1,0 +1,276 @@
+"""Router replicas route as one: routing decisions and in-flight load shared through Redis.
+
+Behind a Kubernetes Service, consecutive turns of one conversation reach different
+router replicas. A replica that learns only from its own requests sends turn 2 to a
+worker picked without knowing where turn 1 went, and the KV cache built by turn 1 is
+wasted. So every replica:
+
+- `publish(worker_id, text)` on each decision. The hot path only appends to a bounded
+  in-memory buffer; a flusher task sends the buffer every `sync_flush_interval` as one
+  pipelined batch of XADDs (stream trimmed near `sync_stream_maxlen` entries, text capped
+  at `sync_max_chars` and zlib-compressed, one field per entry). No Redis round trip happens before forwarding.
+- A reader task applies the other replicas' decisions to its own trees through
+  `Policy.observe`. On start it first replays the whole (bounded) stream, so a replica
+  that starts late or restarts recovers the fleet's affinity instead of starting empty;
+  after a Redis outage it resumes from the last entry it applied.
+- Every `sync_load_interval` it writes its in-flight count per worker to a short-lived
+  hash and reads the other replicas' hashes; `remote_inflight()` is their sum, which the
+  fleet adds to its own in-flight count when computing load.
+
+If Redis is unreachable, each replica keeps routing on what it knows (per-replica
+routing) and the tasks retry with backoff; nothing here raises into request handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from router.fleet.sync_wire import SEP, add_loads, decode_decision, encode_decision
+from shared.aio import reraise_if_cancelled
+from shared.config import RouterConfig
+from shared.peers import Rejections
+from shared.registry import MAX_WORKERS, Registry
+
+log = logging.getLogger(__name__)
+
+# Decisions buffered while Redis is unreachable; beyond this the oldest are dropped.
+PENDING_MAX = 10_000
+
+Observe = Callable[[str, str, float], None]  # (worker_id, text, now)
+# Other replicas' load hashes read per round; more is not a fleet of routers but a flood.
+MAX_REPLICAS = 256
+
+
+class ReplicaSync(Protocol):
+    """What the router app and its proxy need of replica sync (`DecisionSync` is one);
+    given to `create_app` and the `Proxy` at construction."""
+
+    def publish(self, worker_id: str, text: str) -> None: ...
+
+    def remote_inflight(self) -> Mapping[str, int]: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class DecisionSync:
+    def __init__(
+        self,
+        redis: Redis,
+        registry: Registry,
+        config: RouterConfig,
+        observe: Observe,
+        local_inflight: Callable[[], Mapping[str, int]],
+        clock: Callable[[], float] = time.monotonic,
+        replica_id: str | None = None,
+        rejections: Rejections | None = None,
+    ) -> None:
+        self.redis = redis
+        self.rejections = rejections if rejections is not None else registry.rejections
+        self.registry = registry
+        self.config = config
+        self.observe = observe
+        self.local_inflight = local_inflight
+        self.clock = clock
+        # A fresh id per process: a restarted replica replays its own earlier decisions too.
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self._header = self.replica_id.encode() + SEP
+        self._pending: deque[bytes] = deque(maxlen=PENDING_MAX)
+        self._wakeup = asyncio.Event()
+        self._last_id = "0-0"
+        self._remote: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.applied = 0
+        self.published = 0
+        self.caught_up = asyncio.Event()
+        self._stopping = False
+        self._owns_redis = False
+
+    @classmethod
+    def connect(
+        cls,
+        config: RouterConfig,
+        observe: Observe,
+        local_inflight: Callable[[], Mapping[str, int]],
+        clock: Callable[[], float] = time.monotonic,
+        rejections: Rejections | None = None,
+    ) -> DecisionSync:
+        """A sync on its own Redis client (to `config.redis_url`), closed by `stop`."""
+        assert config.redis_url
+        redis = Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        sync = cls(
+            redis, Registry(redis, config.redis_prefix, rejections), config, observe,
+            local_inflight, clock,
+        )  # fmt: skip
+        sync._owns_redis = True
+        return sync
+
+    # -- hot path ---------------------------------------------------------------------
+    def publish(self, worker_id: str, text: str) -> None:
+        self._pending.append(
+            encode_decision(self._header, worker_id, text, self.config.sync_max_chars)
+        )
+        self._wakeup.set()
+
+    def remote_inflight(self) -> Mapping[str, int]:
+        return self._remote
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._run(self._flush_once, "flush"), name="sync-flush"),
+            asyncio.create_task(self._run(self._read_once, "read"), name="sync-read"),
+            asyncio.create_task(self._run(self._load_once, "load"), name="sync-load"),
+        ]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            # redis-py may turn a cancellation mid-read into a ConnectionError; the
+            # `_stopping` flag ends the retry loop either way.
+            await asyncio.wait(self._tasks, timeout=5)
+        with contextlib.suppress(RedisError, OSError):
+            await self._send_pending()
+            await self.redis.delete(self.registry.router_key(self.replica_id))
+        if self._owns_redis:
+            await self.redis.aclose()
+
+    async def _run(self, step: Callable[[], object], what: str) -> None:
+        """Run `step` forever; on Redis errors back off (0.1 s doubling to 2 s) and retry."""
+        backoff = 0.1
+        failing = False
+        while not self._stopping:
+            try:
+                await step()  # type: ignore[misc]
+                if failing:
+                    log.info("replica sync (%s) reconnected to Redis", what)
+                failing, backoff = False, 0.1
+            except (RedisError, OSError) as e:
+                reraise_if_cancelled()
+                if not failing:
+                    log.warning(
+                        "replica sync (%s): Redis unavailable (%s); routing per replica", what, e
+                    )
+                failing = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:
+                if self._stopping:
+                    return
+                log.exception("replica sync (%s) failed; retrying", what)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    # -- tasks ------------------------------------------------------------------------
+    async def _flush_once(self) -> None:
+        self._wakeup.clear()
+        if not self._pending:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=1.0)
+            return
+        await self._send_pending()
+        await asyncio.sleep(self.config.sync_flush_interval)
+
+    async def _send_pending(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, deque(maxlen=PENDING_MAX)
+        try:
+            stream = self.registry.decisions_stream
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for entry in batch:
+                    pipe.xadd(stream, {"d": entry})
+                # One trim per batch instead of MAXLEN on every XADD: same bound, fewer args.
+                pipe.xtrim(stream, maxlen=self.config.sync_stream_maxlen, approximate=True)
+                await pipe.execute()
+        except BaseException:
+            # Unsent decisions go back in front of what arrived meanwhile (oldest dropped first).
+            batch.extend(self._pending)
+            self._pending = batch
+            raise
+        self.published += len(batch)
+
+    async def _read_once(self) -> None:
+        if not self.caught_up.is_set():
+            # Replay the bounded stream from its start, in pages.
+            while True:
+                start = "-" if self._last_id == "0-0" else f"({self._last_id}"
+                page = await self.redis.xrange(
+                    self.registry.decisions_stream, min=start, count=1000
+                )
+                self._apply(page, include_own=True)
+                if len(page) < 1000:
+                    break
+            self.caught_up.set()
+            return
+        reply = await self.redis.xread(
+            {self.registry.decisions_stream: self._last_id}, count=1000, block=1000
+        )
+        for _stream, entries in reply or ():
+            self._apply(entries, include_own=False)
+
+    def _apply(self, entries: list, include_own: bool) -> None:
+        """Apply other replicas' decisions; a malformed entry (router/fleet/sync_wire.py) is
+        dropped, counted and logged, and the reader goes on."""
+        now = self.clock()
+        for entry_id, fields in entries:
+            self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            entry = fields.get(b"d", b"")
+            if not include_own and entry.startswith(self._header):
+                continue
+            try:
+                worker_id, text = decode_decision(entry, self.config.sync_max_chars)
+            except ValueError as e:
+                self.rejections.reject("sync_decisions", "stream entry", str(e))
+                continue
+            # Workers not (yet) in this replica's table are applied too: a replica that
+            # restarts replays the stream before discovery has found any worker.
+            self.observe(worker_id, text, now)
+            self.applied += 1
+
+    async def _load_once(self) -> None:
+        interval = self.config.sync_load_interval
+        known = self.local_inflight()
+        mine = {k: v for k, v in known.items() if v > 0}
+        own_key = self.registry.router_key(self.replica_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(own_key)
+            if mine:
+                pipe.hset(own_key, mapping=mine)
+                pipe.pexpire(own_key, int(interval * 4 * 1000))
+            await pipe.execute()
+        remote: dict[str, int] = {}
+        replicas = 0
+        async for key in self.redis.scan_iter(match=self.registry.router_pattern, count=100):
+            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+            if name == own_key:
+                continue
+            replicas += 1
+            if replicas > MAX_REPLICAS:
+                self.rejections.reject("sync_load", "router keys", f"over {MAX_REPLICAS}")
+                break
+            # Counted before it is read: a flooded hash is never pulled into memory.
+            if await self.redis.hlen(name) > MAX_WORKERS:
+                self.rejections.reject("sync_load", name, f"over {MAX_WORKERS} entries")
+                continue
+            counts = await self.redis.hgetall(name)
+            for why in add_loads(remote, counts, known, self.config.max_concurrent):
+                self.rejections.reject("sync_load", name, why)
+        # A new mapping tells the fleet the loads moved (it then walks every worker on the
+        # next request), so an unchanged round keeps the old one.
+        if remote != self._remote:
+            self._remote = remote
+        await asyncio.sleep(interval)

@@ -1,0 +1,191 @@
+"""One worker as the router knows it: what it reported, its breaker, its requests in flight.
+
+Load, as the policy sees it, is `max(in_flight + remote, running + waiting)`: requests
+this router (plus, with replica sync, the other replicas) has in flight to the worker,
+exact and instant (counted by `LoadGuard`), or the queue the worker last reported in
+its heartbeat, which includes every router's traffic but is up to one heartbeat stale.
+Taking the larger of the two counts no request twice (the reported queue already holds
+this router's requests) and still sees replicas without sync.
+
+Circuit breaker per worker:
+
+    closed ──(breaker_failures consecutive failures)──▶ open
+    open ──(breaker_cooldown elapsed)──▶ half-open: one probe request at a time
+    half-open ──probe succeeds──▶ closed      half-open ──probe fails──▶ open
+
+Only the table (`router/fleet/table.py`) writes these fields; everyone else reads them. The
+one exception is the load a `LoadGuard` moves: it writes the worker's load into the
+policy's columns itself (`cells`, placed there by `router/fleet/columns.py`), so a request costs no
+lookup in the table.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+Source = Literal["redis", "static", "admin"]
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+class FailureKind(enum.Enum):
+    """Why an attempt to a worker failed before the client got a byte (or mid-stream).
+
+    Every kind but BUSY counts toward the worker's breaker (`Fleet.failed`): a busy
+    worker is healthy, a refused connection is not. Which answers are which is
+    `router/upstream/answers.py`.
+    """
+
+    CONNECT = "connect"  # no connection: refused, reset or unreachable before a status
+    TIMEOUT = "timeout"  # no byte within request_timeout (first byte or next chunk)
+    UPSTREAM_5XX = "upstream_5xx"  # the worker answered 5xx (and did not say it is busy)
+    BUSY = "busy"  # 503 with Retry-After, or an "overloaded" answer: alive but full
+    BROKEN = "broken"  # the body or stream was cut short after the status line
+    BAD_ANSWER = "bad_answer"  # a redirect, a content type not JSON/SSE, an oversized body
+
+
+@dataclass
+class Breaker:
+    failures_to_open: int
+    cooldown: float
+    failures: int = 0
+    opened_at: float | None = None
+    probing: bool = False  # a half-open probe is in flight
+
+    def half_open_at(self) -> float:
+        """When an open breaker lets a probe through (only meaningful while open)."""
+        assert self.opened_at is not None
+        return self.opened_at + self.cooldown
+
+    def state(self, now: float) -> BreakerState:
+        if self.opened_at is None:
+            return "closed"
+        # Written against `half_open_at()` so the fleet's view, which refreshes when
+        # `now` reaches that instant, agrees with this to the last bit.
+        return "open" if now < self.half_open_at() else "half_open"
+
+    def allows(self, now: float) -> bool:
+        state = self.state(now)
+        return state == "closed" or (state == "half_open" and not self.probing)
+
+    def on_attempt(self, now: float) -> bool:
+        """Note an attempt; True when it is the half-open probe."""
+        if self.state(now) == "half_open" and not self.probing:
+            self.probing = True
+            return True
+        return False
+
+    def abandon_probe(self) -> None:
+        """The probe ended without a verdict (client left): let the next request probe."""
+        self.probing = False
+
+    def record_success(self) -> None:
+        self.failures, self.opened_at, self.probing = 0, None, False
+
+    def record_failure(self, now: float) -> None:
+        self.failures += 1
+        # A failed probe re-opens at once; otherwise open after N in a row.
+        if self.probing or self.failures >= self.failures_to_open:
+            self.opened_at = now
+        self.probing = False
+
+
+@dataclass(eq=False)
+class Worker:
+    worker_id: str
+    url: str
+    source: Source
+    breaker: Breaker
+    epoch: float = 0.0
+    engine: str = ""
+    model: str = ""
+    draining: bool = False
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    in_flight: int = 0
+    remote_in_flight: int = 0  # other router replicas' requests in flight (replica sync)
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    requests_total: int = 0
+    failures_total: int = 0
+    predicted_tokens_total: float = 0.0
+    actual_cached_tokens_total: int = 0
+    # (loads column, index) of every kept policy view holding this worker; set by the
+    # table when it builds views, emptied when the worker leaves it.
+    cells: list[tuple[list[int], int]] = field(default_factory=list, repr=False)
+
+    @property
+    def load(self) -> int:
+        """This router's view of the load (no other replica's requests)."""
+        return self.load_with(0)
+
+    def load_with(self, remote_in_flight: int) -> int:
+        return max(self.in_flight + remote_in_flight, self.running + self.waiting)
+
+    def publish_load(self) -> None:
+        """Write the load the policy sees into every view column holding this worker."""
+        if self.cells:
+            load = self.load_with(self.remote_in_flight)
+            for loads, i in self.cells:
+                loads[i] = load
+
+    def describe(self, now: float) -> dict[str, object]:
+        return {
+            "worker_id": self.worker_id,
+            "url": self.url,
+            "source": self.source,
+            "model": self.model,
+            "engine": self.engine,
+            "epoch": self.epoch,
+            "load": self.load,
+            "in_flight": self.in_flight,
+            "running": self.running,
+            "waiting": self.waiting,
+            "draining": self.draining,
+            "breaker": self.breaker.state(now),
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_used_tokens": self.kv_used_tokens,
+            "reported_hit_rate": (
+                self.cached_tokens_total / self.prompt_tokens_total
+                if self.prompt_tokens_total
+                else 0.0
+            ),
+            "requests_total": self.requests_total,
+            "failures_total": self.failures_total,
+            "predicted_cached_tokens_total": round(self.predicted_tokens_total),
+            "actual_cached_tokens_total": self.actual_cached_tokens_total,
+        }
+
+
+class LoadGuard:
+    """Counts one request in flight to a worker, from before it is sent until `release`.
+
+    Release is idempotent, so every exit path (body end, error, cancel, timeout, retry)
+    may call it and the count still drops exactly once. It holds the Worker itself, so
+    a worker removed from the table mid-request is still decremented (and its successor,
+    a new Worker, is left alone).
+    """
+
+    __slots__ = ("_released", "worker")
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._released = False
+        worker.in_flight += 1
+        worker.requests_total += 1
+        worker.publish_load()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.worker.in_flight -= 1
+            self.worker.publish_load()
+
+    def __enter__(self) -> LoadGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

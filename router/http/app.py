@@ -1,0 +1,232 @@
+"""`create_app(config) -> web.Application`: the router service, assembled once.
+
+Pure state (fleet table, policy, metrics, admission) is built here; every resource
+that needs the running loop (the upstream pool and ClientSession, discovery, replica sync) is
+one async generator in `cleanup_ctx`, set up above `yield` and torn down below.
+Serving it (signals, drain) is `serve()`, used by the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+from redis.asyncio import Redis
+
+from router.fleet.discovery import Discovery
+from router.fleet.sync import DecisionSync, ReplicaSync
+from router.fleet.table import Fleet
+from router.http import handlers
+from router.http.auth import make_auth_check
+from router.http.edge import make_edge_middleware
+from router.http.gate import Admission
+from router.http.openapi import build_openapi
+from router.http.ratelimit import make_rate_limit_check
+from router.http.state import (
+    ADMISSION,
+    CLOCK,
+    CONFIG,
+    DISCOVERY,
+    FLEET,
+    METRICS,
+    OPENAPI,
+    POLICY,
+    PROXY,
+    REJECTIONS,
+    SESSION,
+    SYNC,
+)
+from router.metrics import Metrics
+from router.policy import build_policy
+from router.policy.base import Policy
+from router.upstream.pool import UpstreamPool
+from router.upstream.proxy import Proxy
+from router.upstream.resolver import GuardedResolver
+from shared.access_log import OnDone, stamp_request_id
+from shared.aio import stop_task
+from shared.config import RouterConfig
+from shared.errors import ERROR_CODE
+from shared.peers import Rejections, parse_networks
+
+log = logging.getLogger(__name__)
+ACCESS_LOG = logging.getLogger("router.access")
+RATELIMIT_REDIS = web.AppKey("ratelimit_redis", Redis)
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    # No connection cap here: admission already bounds concurrency, and a pool limit
+    # would queue requests invisibly. Keep-alive connections to workers are reused.
+    # The resolver refuses link-local, metadata and not-allowed addresses (router/upstream/resolver.py).
+    resolver = GuardedResolver(parse_networks(config.worker_url_allow_cidrs))
+    connector = aiohttp.TCPConnector(
+        limit=0, ttl_dns_cache=60, keepalive_timeout=30, resolver=resolver
+    )
+    # No cookie jar: a worker's Set-Cookie was kept and sent back to it with every later
+    # request, whichever client's (tests/router/test_passthrough.py); it also spares a
+    # jar lookup per request.
+    session = aiohttp.ClientSession(
+        connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
+    )
+    app[SESSION] = session  # model probes; inference goes through the pool below
+    # The inference path's own client (router/upstream/pool.py): ~13% of the router's
+    # CPU per request was aiohttp's ClientSession (loadtests/results/router_overhead.md).
+    pool = UpstreamPool(
+        resolver, config.connect_timeout, config.request_timeout, config.max_response_bytes
+    )
+    app[METRICS].watch_pool(pool)
+    app[PROXY] = Proxy(config, app[FLEET], app[POLICY], pool, app[METRICS], app[CLOCK], app[SYNC])
+    yield
+    await pool.close()
+    await session.close()
+
+
+async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    if not config.redis_url:
+        yield
+        return
+    discovery = Discovery.from_url(
+        config.redis_url, config.redis_prefix, app[FLEET], config.discovery_interval,
+        config.reconnect_grace, app[CLOCK], app[REJECTIONS],
+        parse_networks(config.worker_url_allow_cidrs),
+    )  # fmt: skip
+    app[DISCOVERY] = discovery
+    task = asyncio.create_task(discovery.run(), name="discovery")
+    yield
+    discovery.stopping = True
+    await stop_task(task)
+
+
+async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
+    sync = app[SYNC]
+    if sync is None:
+        yield
+        return
+    await sync.start()
+    yield
+    await sync.stop()
+
+
+async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    redis = app.get(RATELIMIT_REDIS)
+    if redis is not None:
+        await redis.aclose()
+
+
+def _counter(metrics: Metrics) -> OnDone:
+    """Per request: the worker that answered, or why the router refused it."""
+
+    def on_done(
+        request: web.Request, status: int, seconds: float, response: web.StreamResponse | None
+    ) -> None:
+        if response is None:
+            return
+        worker = response.headers.get("x-radix-worker")
+        if worker is not None:
+            metrics.answered(worker, status)
+        elif status in (429, 503):
+            metrics.refused(request.get(ERROR_CODE) or str(status))
+
+    return on_done
+
+
+def create_app(
+    config: RouterConfig,
+    *,
+    policy: Policy | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sync: ReplicaSync | None = None,
+) -> web.Application:
+    """The router. `sync` shares decisions and load with other replicas; by default a
+    `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
+    policy = policy if policy is not None else build_policy(config)
+    fleet = Fleet(config, policy)
+    for url in config.worker_urls:
+        fleet.add_url(url, "static")
+    rejections = Rejections()  # what the Redis boundary refused (shared/peers.py)
+    if sync is None and config.sync and config.redis_url:
+        sync = DecisionSync.connect(
+            config, policy.observe, fleet.in_flight_by_worker, clock, rejections
+        )
+    admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
+    metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting, rejections)
+    # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
+    ratelimit_redis = None
+    if config.rate_limit_per_key is not None and config.redis_url:
+        timeout = config.rate_limit_redis_timeout
+        ratelimit_redis = Redis.from_url(
+            config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
+    edge = make_edge_middleware(
+        ACCESS_LOG, (("worker", "x-radix-worker"), ("route", "x-radix-route-reason")),
+        _counter(metrics), make_auth_check(config),
+        make_rate_limit_check(config, clock, ratelimit_redis), access_log=config.access_log,
+    )  # fmt: skip
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[edge])
+    app[CONFIG] = config
+    app[CLOCK] = clock
+    app[POLICY] = policy
+    app[FLEET] = fleet
+    app[SYNC] = sync
+    app[METRICS] = metrics
+    app[REJECTIONS] = rejections
+    app[ADMISSION] = admission
+    app[OPENAPI] = build_openapi()
+    if ratelimit_redis is not None:
+        app[RATELIMIT_REDIS] = ratelimit_redis
+    app.on_response_prepare.append(stamp_request_id)
+    app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx, _ratelimit_redis_ctx])
+    app.router.add_routes(handlers.routes())
+    return app
+
+
+async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then: readiness 503 at once while still serving for
+    `shutdown_delay` (load balancers stop sending), then refuse new work (503) and let
+    in-flight requests (streams included) finish within `drain_timeout`, and return."""
+    app = create_app(config)
+    # handler_cancellation: a client that disconnects cancels its handler, which
+    # cancels the upstream request and releases its load guard.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    # Several router processes share the port (router/up/processes.py): the kernel spreads
+    # connections over them, to a child the moment it binds. A child (re)started beside
+    # running siblings therefore binds once it has read the registry: bound before, it
+    # answered its share of requests 503 "no healthy worker" while its siblings routed
+    # (tests/e2e/test_router_processes.py failed 1 run in 3 that way).
+    discovery = app.get(DISCOVERY)
+    if config.processes > 1 and discovery is not None:
+        with contextlib.suppress(TimeoutError):
+            # A poll gives up within 2 intervals (router/fleet/discovery.py); Redis down: bind.
+            await asyncio.wait_for(discovery.first_poll.wait(), 3 * config.discovery_interval + 1)
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.processes > 1)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else config.port
+    log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
+    if ready is not None:
+        ready(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        app[ADMISSION].stopping = True
+        if config.shutdown_delay > 0:
+            log.info("stopping: not ready, still serving for %.1fs", config.shutdown_delay)
+            await asyncio.sleep(config.shutdown_delay)
+        log.info("draining: %d in flight, up to %.0fs", app[ADMISSION].active, config.drain_timeout)
+        if not await app[ADMISSION].drain(config.drain_timeout):
+            log.warning("drain timeout: %d requests still in flight", app[ADMISSION].active)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()

@@ -1,0 +1,218 @@
+"""HTTP handlers: validate at the edge, then hand inference to the proxy.
+
+A bad request is answered here (400/404/413 in the OpenAI shape) and never reaches,
+nor is retried across, the fleet. The handlers know nothing of which policy runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from pydantic import ValidationError
+
+from router.fleet.workers import Worker
+from router.http import dashboard
+from router.http.state import (
+    ADMISSION,
+    CLOCK,
+    CONFIG,
+    FLEET,
+    METRICS,
+    OPENAPI,
+    POLICY,
+    PROXY,
+    SESSION,
+)
+from router.upstream.answers import worker_authorization
+from router.upstream.proxy import Routed
+from shared.body import read_json
+from shared.errors import APIError
+from shared.http import PROMETHEUS_TEXT
+from shared.peers import check_worker_id, check_worker_url, parse_networks, served_model
+from shared.protocol import routing_text
+
+MODELS_PROBE_TIMEOUT_S = 2.0
+MODELS_MAX_BYTES = 1 << 20
+
+
+async def read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    """The decoded body (what is forwarded) and its checked JSON object (shared/body.py)."""
+    config = request.app[CONFIG]
+    return await read_json(request, config.max_body_bytes, config.body_read_timeout)
+
+
+def _status_of(error: BaseException) -> int:
+    """The status a failed handler answers with (the error middleware makes the response)."""
+    if isinstance(error, APIError):
+        return error.status
+    if isinstance(error, ValidationError):
+        return 400
+    if isinstance(error, web.HTTPException):
+        return error.status
+    # The client went away before an answer (nginx's convention), or a bug (500).
+    return 499 if isinstance(error, asyncio.CancelledError) else 500
+
+
+def _inference(endpoint: str, path: str) -> Any:
+    # Timing lives in the handler rather than in a middleware: one coroutine layer less on
+    # every request, and only inference requests are timed anyway.
+    async def handler(request: web.Request) -> web.StreamResponse:
+        app = request.app
+        clock, metrics = app[CLOCK], app[METRICS]
+        start = clock()
+        status = 499
+        try:
+            # The body is read and checked before the request may take a slot: a client
+            # trickling its body holds no capacity (shared/body.py).
+            raw, data = await read_body(request)
+            text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
+            session_key = request.headers.get(app[CONFIG].session_header) or getattr(
+                parsed, "user", None
+            )
+            model = getattr(parsed, "model", None)
+            routed = Routed(endpoint, path, raw, text, session_key, model)
+            async with app[ADMISSION].slot():
+                response = await app[PROXY].forward(request, routed)
+            status = response.status
+            return response
+        except BaseException as e:
+            status = _status_of(e)
+            raise
+        finally:
+            metrics.request_done(endpoint, status, clock() - start)
+
+    handler.__name__ = f"{endpoint}_handler"
+    return handler
+
+
+chat_completions = _inference("chat", "/v1/chat/completions")
+completions = _inference("completions", "/v1/completions")
+generate = _inference("generate", "/generate")
+
+
+async def _probe_model(request: web.Request, worker: Worker) -> None:
+    """Workers not from the registry (static, admin) report no model: ask them once."""
+    try:
+        auth = worker_authorization(request.app[CONFIG])
+        async with request.app[SESSION].get(
+            worker.url + "/v1/models", timeout=MODELS_PROBE_TIMEOUT_S, allow_redirects=False,
+            headers={"Authorization": auth} if auth else None,
+        ) as r:  # fmt: skip
+            # A worker's model list is small; more is not read (workers are peers, not trusted).
+            data = json.loads(await r.content.read(MODELS_MAX_BYTES)) if r.status == 200 else {}
+        request.app[FLEET].set_model(worker, served_model(data))
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return  # the worker stays without a model name; routing does not need one
+
+
+async def models(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET]
+    unknown = [w for w in fleet.workers.values() if not w.model]
+    if unknown:
+        await asyncio.gather(*(_probe_model(request, w) for w in unknown))
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "radix-router"}
+        for m in fleet.models()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    app = request.app
+    if app[ADMISSION].draining:
+        return web.json_response({"status": "draining"}, status=503)
+    routable = len(app[FLEET].view(app[CLOCK]()))  # the kept view: no pass over the fleet
+    if routable == 0:
+        return web.json_response({"status": "no_workers", "workers": 0}, status=503)
+    return web.json_response({"status": "ok", "workers": routable})
+
+
+async def liveness(request: web.Request) -> web.Response:
+    """The process and its event loop are up: nothing else (no workers needed), so a
+    router is never restarted while a fleet's models are still loading."""
+    return web.json_response({"status": "alive"})
+
+
+async def readiness(request: web.Request) -> web.Response:
+    """Ready to take traffic: not shutting down and at least one worker routable."""
+    app = request.app
+    admission = app[ADMISSION]
+    if admission.stopping or admission.draining:
+        return web.json_response({"status": "not_ready", "reason": "shutting_down"}, status=503)
+    routable = len(app[FLEET].view(app[CLOCK]()))
+    if routable == 0:
+        reason = "no routable worker (none registered, all draining, or all breakers open)"
+        return web.json_response({"status": "not_ready", "reason": reason}, status=503)
+    return web.json_response({"status": "ready", "workers": routable})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    app = request.app
+    now = app[CLOCK]()
+    trees = app[POLICY].worker_stats()
+    out = []
+    for w in list(app[FLEET].workers.values()):
+        item = w.describe(now)
+        item["tree"] = trees.get(w.worker_id, {})
+        out.append(item)
+    return web.json_response({"object": "list", "data": out})
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    _, data = await read_body(request)
+    url, wid = data.get("url"), data.get("worker_id")
+    if not isinstance(url, str):
+        raise APIError(400, "url: a string http(s)://host:port is required", param="url")
+    if wid is not None:
+        try:
+            check_worker_id(wid)
+        except ValueError as e:
+            raise APIError(
+                400, f"worker_id: {e}", param="worker_id", code="invalid_value"
+            ) from None
+    try:
+        check_worker_url(url, parse_networks(request.app[CONFIG].worker_url_allow_cidrs))
+    except ValueError as e:
+        raise APIError(400, f"url: {e}", param="url", code="invalid_value") from None
+    worker = request.app[FLEET].add_url(url, "admin", wid)
+    return web.json_response(worker.describe(request.app[CLOCK]()), status=201)
+
+
+async def delete_worker(request: web.Request) -> web.Response:
+    wid = request.match_info["worker_id"]
+    if not request.app[FLEET].remove(wid):
+        raise APIError(404, f"no worker {wid!r}", param="worker_id", code="worker_not_found")
+    return web.json_response({"deleted": wid})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+def routes() -> list[web.RouteDef]:
+    """Every route, in one table."""
+    return [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.post("/generate", generate),
+        web.get("/v1/models", models),
+        web.get("/health", health),
+        web.get("/liveness", liveness),
+        web.get("/readiness", readiness),
+        web.get("/metrics", metrics),
+        web.get("/workers", list_workers),
+        web.post("/workers", add_worker),
+        web.delete("/workers/{worker_id}", delete_worker),
+        web.get("/openapi.json", openapi),
+        web.get(dashboard.PAGE_PATH, dashboard.page),
+        web.get(dashboard.DATA_PATH, dashboard.data),
+    ]

@@ -1,0 +1,32 @@
+"""The router app's typed state: every AppKey in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from router.fleet.discovery import Discovery
+from router.fleet.sync import ReplicaSync
+from router.fleet.table import Fleet
+from router.http.gate import Admission
+from router.metrics import Metrics
+from router.policy.base import Policy
+from router.upstream.proxy import Proxy
+from shared.config import RouterConfig
+from shared.peers import Rejections
+
+CONFIG = web.AppKey("config", RouterConfig)
+CLOCK = web.AppKey("clock", Callable[[], float])
+FLEET = web.AppKey("fleet", Fleet)
+POLICY = web.AppKey("policy", Policy)
+METRICS = web.AppKey("metrics", Metrics)
+ADMISSION = web.AppKey("admission", Admission)
+OPENAPI = web.AppKey("openapi", dict)
+REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis boundary
+SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
+# Set up in cleanup_ctx (they need the running loop):
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+PROXY = web.AppKey("proxy", Proxy)
+DISCOVERY = web.AppKey("discovery", Discovery)

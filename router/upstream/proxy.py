@@ -1,0 +1,303 @@
+"""Forward one inference request to the worker the policy picks, and its answer back.
+
+Attempt loop: select among routable workers not yet tried → send → on a failure
+*before anything reached the client* retry on another worker, up to `max_retries`
+times with exponential backoff; what a worker's answer means (broken, busy, or a 500
+that may be the request's fault) and what may pass in either direction is
+`router/upstream/answers.py`. Once the first byte of a stream went to the client a failure
+cannot be retried: the stream ends with an SSE error event.
+
+The proxy keeps no books: each try is a `Fleet.attempt` (the load it holds, the breaker
+probe), and its outcome is told to the table (`succeeded`, or `failed` with a
+`FailureKind`); the table updates the breaker, the counters and the policy's columns.
+
+Streams are relayed chunk by chunk (`readany` → `write`, no buffering), so time to
+first token through the router stays close to going direct. A write the client does
+not take within `stream_write_timeout` ends the stream and closes the upstream
+connection, so the worker frees the request's slot and KV (a client that never read
+held both for as long as it stayed connected). Every attempt is released whatever the
+exit. With handler cancellation on, a client that disconnects cancels the handler,
+which closes the upstream connection: the worker sees the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.fleet.sync import ReplicaSync
+from router.fleet.table import Attempt, Fleet
+from router.fleet.workers import FailureKind, Worker
+from router.metrics import Metrics, cached_tokens_from_json, cached_tokens_from_sse
+from router.policy.base import Decision, Policy, RouteRequest
+from router.upstream.answers import (
+    FORWARD_REQUEST,
+    AttemptFailed,
+    UpstreamErrors,
+    classify,
+    encodable,
+    read_capped,
+    request_fault,
+    response_headers,
+    worker_authorization,
+)
+from router.upstream.connection import UpstreamBroken, WorkerConnection
+from router.upstream.pool import UpstreamPool
+from shared.access_log import REQUEST_ID
+from shared.config import RouterConfig
+from shared.errors import APIError, error_body
+from shared.http import EVENT_STREAM, DeadlineStream
+
+SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A validated request, ready to forward."""
+
+    endpoint: str  # metrics label: chat | completions | generate
+    path: str  # upstream path, e.g. /v1/chat/completions
+    body: bytes  # forwarded unchanged
+    text: str  # what the policy routes on
+    session_key: str | None
+    model: str | None
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        fleet: Fleet,
+        policy: Policy,
+        pool: UpstreamPool,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        sync: ReplicaSync | None = None,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.policy = policy
+        # Keep-alive connections to workers; its timeouts come from the config: no total,
+        # a stream may last as long as it keeps sending, but each wait for bytes (the head
+        # of an answer, or the next chunk) is bounded by request_timeout, so a hung worker
+        # is caught without cutting a healthy long stream.
+        self.pool = pool
+        self.metrics = metrics
+        self.clock = clock
+        # x-request-id is sent once, below
+        self._forward = (FORWARD_REQUEST | {config.session_header.lower()}) - {"x-request-id"}
+        self._worker_auth = worker_authorization(config)
+        # Router replicas sharing decisions (router/fleet/sync.py); None on a lone router.
+        self.sync = sync
+
+    def _select(self, routed: Routed, tried: list[str]) -> tuple[Worker, Decision] | None:
+        now = self.clock()
+        # The fleet keeps this view current as workers, breakers and loads change, so a
+        # request costs no pass over the fleet in Python (a one-off copy only on retries).
+        sync = self.sync
+        remote = sync.remote_inflight() if sync is not None else None
+        view = self.fleet.view(now, routed.model, exclude=tried, remote=remote)
+        if not view:
+            return None
+        decision = self.policy.select(RouteRequest(routed.text, routed.session_key), view, now)
+        if sync is not None:
+            sync.publish(decision.worker_id, routed.text)
+        self.metrics.decision(decision.reason)
+        return self.fleet.workers[decision.worker_id], decision
+
+    async def forward(self, request: web.Request, routed: Routed) -> web.StreamResponse:
+        if routed.model and not self.fleet.knows_model(routed.model):
+            raise APIError(
+                404,
+                f"model {routed.model!r} is not served by this fleet",
+                param="model",
+                code="model_not_found",
+            )
+        tried: list[str] = []
+        failure: AttemptFailed | None = None
+        suspects: list[Attempt] = []  # tries that got a 500: the worker's fault, or ours?
+        busy_for = 0  # the longest Retry-After of the busy workers
+        for tries in range(self.config.max_retries + 1):
+            picked = self._select(routed, tried)
+            if picked is None:
+                break
+            worker, decision = picked
+            try:
+                response = await self._attempt(request, routed, worker, decision)
+            except AttemptFailed as e:
+                failure = e
+                tried.append(worker.worker_id)
+                if e.suspect and suspects:
+                    raise request_fault(len(suspects) + 1) from None
+                if e.suspect:
+                    suspects.append(e.attempt)
+                busy_for = max(busy_for, e.retry_after)
+                if tries < self.config.max_retries:
+                    self.metrics.retries.inc()
+                    await asyncio.sleep(self.config.retry_backoff * (2**tries))
+                continue
+            if suspects and response.status < 400:
+                # Another worker answered what the suspect answered 500 to: its failure.
+                for suspect in suspects:
+                    self.fleet.failed(suspect, FailureKind.UPSTREAM_5XX, self.clock())
+            return response
+        if failure is None:
+            raise APIError(
+                503,
+                "no healthy worker is available",
+                code="no_workers",
+                headers={"Retry-After": "1"},
+            )
+        if failure.kind is FailureKind.BUSY:
+            raise APIError(
+                503, f"all {len(tried)} workers tried are busy; retry later",
+                code="overloaded", headers={"Retry-After": str(busy_for)},
+            )  # fmt: skip
+        raise APIError(
+            failure.status,
+            f"all {len(tried)} attempts failed; last: {failure}",
+            code="upstream_error",
+        )
+
+    def _request_head(self, request: web.Request) -> bytes:
+        """The header lines sent to the worker (allow-listed; Host and the body's framing
+        are the pool's)."""
+        forward = self._forward
+        incoming = request.headers
+        lines = [
+            f"{k}: {v}\r\n" for k, v in incoming.items() if k.lower() in forward and encodable(v)
+        ]
+        lines.append("Content-Type: application/json\r\n")  # the body was parsed as JSON
+        # One id names the request in the router's and the worker's logs (shared/access_log.py).
+        rid = request.get(REQUEST_ID) or incoming.get("x-request-id", "")
+        if encodable(rid):
+            lines.append(f"x-request-id: {rid}\r\n")
+        auth = self._worker_auth
+        if auth is None and self.config.forward_authorization:
+            auth = incoming.get("Authorization")
+        if auth is not None and encodable(auth):
+            lines.append(f"Authorization: {auth}\r\n")
+        return "".join(lines).encode()
+
+    def _response_headers(
+        self, upstream: WorkerConnection, worker: Worker, d: Decision
+    ) -> CIMultiDict[str]:
+        headers = response_headers(upstream.headers)  # type: ignore[arg-type]
+        headers["x-radix-worker"] = worker.worker_id
+        headers["x-radix-route-reason"] = d.reason
+        headers["x-radix-matched-chars"] = str(d.matched_chars)
+        return headers
+
+    async def _attempt(
+        self, request: web.Request, routed: Routed, worker: Worker, decision: Decision
+    ) -> web.StreamResponse:
+        with self.fleet.attempt(worker, self.clock()) as attempt:
+            try:
+                return await self._send(request, routed, attempt, decision)
+            except AttemptFailed as e:
+                e.attempt = attempt
+                if not e.suspect:  # a suspect's verdict waits for the next worker's answer
+                    self.fleet.failed(attempt, e.kind, self.clock())
+                raise
+
+    async def _send(
+        self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision
+    ) -> web.StreamResponse:
+        worker = attempt.worker
+        with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
+            upstream = await self.pool.post(
+                worker.url, routed.path, self._request_head(request), routed.body
+            )
+        done = False
+        try:
+            await classify(upstream, worker)
+            if upstream.content_type == EVENT_STREAM:
+                resp = await self._relay_stream(request, upstream, attempt, decision)
+            else:
+                resp = await self._relay_buffered(upstream, attempt, decision)
+            done = True
+            return resp
+        finally:
+            # Anything but a complete relay (error, cancel) must drop the connection, so
+            # the worker sees the request abandoned instead of a pooled half-read socket.
+            if done:
+                self.pool.release(worker.url, upstream)
+            else:
+                upstream.close()
+
+    async def _relay_buffered(
+        self, upstream: WorkerConnection, attempt: Attempt, decision: Decision
+    ) -> web.Response:
+        worker = attempt.worker
+        body = await read_capped(upstream, self.config.max_response_bytes, worker)
+        cached = cached_tokens_from_json(body) if upstream.status == 200 else None
+        self._succeeded(attempt, decision, cached)
+        return web.Response(
+            body=body,
+            status=upstream.status,
+            headers=self._response_headers(upstream, worker, decision),
+        )
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: WorkerConnection,
+        attempt: Attempt,
+        decision: Decision,
+    ) -> web.StreamResponse:
+        worker = attempt.worker
+        # The first chunk is read before anything goes to the client, so a worker that
+        # fails before its first event is retried elsewhere like any failure before the
+        # first byte, and the headers leave together with that chunk.
+        with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
+            chunk = await upstream.readany()
+        content = upstream
+        resp = DeadlineStream(
+            request, self.config.stream_write_timeout,
+            status=upstream.status, headers=self._response_headers(upstream, worker, decision),
+        )  # fmt: skip
+        await resp.prepare(request)
+        tail = b""
+        broken: tuple[FailureKind, str] | None = None
+        # Each chunk is written as soon as it is read; only the last one (the upstream has
+        # already ended) waits to leave together with the end-of-stream marker.
+        while chunk and not content.is_eof():
+            try:
+                await resp.write(chunk)
+            except ConnectionError:
+                # The client left, or did not read within the deadline (DeadlineStream
+                # aborted it): drop the upstream too, so the worker sees the request
+                # abandoned and frees its slot and KV at once.
+                upstream.close()
+                return resp
+            tail = (tail + chunk)[-SSE_TAIL_BYTES:]
+            try:
+                chunk = await content.readany()
+            except TimeoutError:
+                chunk = b""
+                broken = FailureKind.TIMEOUT, f"worker {worker.worker_id} timed out mid-stream"
+            except UpstreamBroken as e:
+                chunk = b""
+                broken = FailureKind.BROKEN, f"worker {worker.worker_id} broke off mid-stream: {e}"
+        if broken is None:
+            self._succeeded(attempt, decision, cached_tokens_from_sse(tail + chunk))
+        else:
+            self.fleet.failed(attempt, broken[0], self.clock())
+            event = json.dumps(error_body(502, broken[1], code="upstream_error"))
+            chunk = f"data: {event}\n\n".encode()
+        with contextlib.suppress(ConnectionError):  # the client left, or stalled, at the end
+            await resp.write_eof(chunk)
+        return resp
+
+    def _succeeded(self, attempt: Attempt, decision: Decision, cached: int | None) -> None:
+        predicted = decision.matched_chars / self.config.tree_chars_per_token
+        self.fleet.succeeded(attempt, predicted, cached)
+        if cached is not None:
+            self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)

@@ -1,0 +1,278 @@
+"""Next-token sampling for a batch, on the device the logits live on.
+
+    logits -> penalties (presence, frequency, repetition) -> logit_bias
+           -> greedy argmax | temperature, top-k, top-p, min_p, then a draw
+
+Every stage is one batched tensor operation over the whole batch (no Python loop over
+the vocabulary), and the host waits for the device once per step: the per-row
+parameters go up in one asynchronous copy (`Staging`, pinned memory on CUDA), and
+the chosen ids, their log-probabilities and the top alternatives come back packed in
+one tensor, read with one `.tolist()` (tests/worker/engine/test_host_syncs.py counts
+it; the GPU check counts it with CUDA's sync debug mode). Which stages run is decided
+on the host from the parameters alone, never from a device value.
+
+Token counts for the penalties come from one scatter of the sequences' ids, biases
+from one index_put. Every row takes the argmax; if any row samples, all rows share
+one sort for top-k/top-p and one softmax, and a draw is the argmax of p / E with E
+exponential(1) noise (the exponential race: the same distribution as a multinomial
+draw, without `torch.multinomial`'s validity check, which reads a device value). A
+seeded request draws its noise from its own `torch.Generator` (seed + choice index),
+created on first use and kept until `release`, so its tokens depend only on its seed
+and its logits, not on which other requests share the batch. Unseeded rows draw
+together from the sampler's generator.
+
+Log-probabilities (`logprobs`, `top_logprobs`) are the log-softmax of the model's
+logits at temperature 1, before penalties and biases, as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from worker.engine.runtime.attention.metadata import Staging
+from worker.engine.runtime.penalties import PenaltyCounts
+from worker.engine.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from worker.engine.sequence import Req
+
+
+# Columns of the per-row parameter array (float32; token ids < 2**24 stay exact).
+_TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _FREQ, _PRES, _GREEDY = range(8)
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        self._rng = torch.Generator(device=self.device)
+        if seed is None:
+            self._rng.seed()
+        else:
+            self._rng.manual_seed(seed)
+        self._seeded: dict[int, torch.Generator] = {}  # seq_id -> generator
+        self._staging = Staging(self.device)
+        self._penalties = PenaltyCounts(self.device)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished request's generator and penalty counts."""
+        self._seeded.pop(seq_id, None)
+        self._penalties.release(seq_id)
+
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Req]
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        """The engine's call: one (token, logprob or None) per request, in order."""
+        if not reqs:
+            return []
+        params = [r.params for r in reqs]
+        seq_ids = [r.seq_id for r in reqs]
+        tables = None
+        if any(_penalized(p) for p in params):  # counts kept on the device (penalties.py)
+            tables = self._penalties.tables(
+                logits.shape[1], seq_ids, [r.output_ids for r in reqs],
+                [r.prompt_ids for r in reqs], [_penalized(p) for p in params], self._staging,
+            )  # fmt: skip
+        rows = self._packed(
+            logits,
+            params,
+            seq_ids,
+            outputs=None,
+            prompts=None,
+            seeds=[None if r.params.seed is None else r.params.seed + r.index for r in reqs],
+            with_logprobs=any(p.needs_logprobs for p in params),
+            tables=tables,
+        ).tolist()  # the step's one host synchronisation
+        out: list[tuple[int, TokenLogprob | None]] = []
+        for row, p in zip(rows, params, strict=True):
+            token = int(row[0])
+            lp = None
+            if p.needs_logprobs:
+                k, n = (len(row) - 2) // 2, p.top_logprobs
+                top = tuple(
+                    (int(t), v) for t, v in zip(row[2 + k : 2 + k + n], row[2 : 2 + n], strict=True)
+                )
+                lp = TokenLogprob(token, row[1], top)
+            out.append((token, lp))
+        return out
+
+    def pick(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seq_ids: list[int],
+        outputs: Sequence[Sequence[int]] | None = None,
+        prompts: Sequence[Sequence[int]] | None = None,
+        seeds: Sequence[int | None] | None = None,
+    ) -> list[int]:
+        """One token per row of `logits` [batch, vocab]."""
+        packed = self._packed(logits, params, seq_ids, outputs, prompts, seeds, False, None)
+        return [int(t) for t in packed[:, 0].tolist()]
+
+    def _packed(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seq_ids: list[int],
+        outputs: Sequence[Sequence[int]] | None,
+        prompts: Sequence[Sequence[int]] | None,
+        seeds: Sequence[int | None] | None,
+        with_logprobs: bool,
+        tables: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """[batch, 2 + 2k] float64 on the device: token, its logprob, the k best
+        logprobs, their ids (k = the largest top_logprobs; logprob columns only
+        `with_logprobs`). Nothing here waits for the device."""
+        if logits.shape[0] != len(params):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
+        sampling = any(p.temperature > 0 for p in params)
+        cols = None  # the per-row parameters, uploaded only when a stage needs them
+        if sampling or any(_penalized(p) for p in params):
+            cols = self._staging.upload(_columns(params, logits.shape[1]))
+        raw = logits
+        logits = _penalize(logits, params, outputs or [()] * len(params), prompts,
+                           self._staging, cols, tables)  # fmt: skip
+        logits = _bias(logits, params, self._staging)
+        ids = logits.argmax(dim=-1)
+        if sampling:
+            assert cols is not None
+            seeds = seeds or [p.seed for p in params]
+            drawn = self._draw(logits.float(), params, cols, seeds, seq_ids)
+            ids = torch.where(cols[:, _GREEDY] > 0, ids, drawn)
+        parts = [ids.double()[:, None]]
+        if not with_logprobs:
+            return parts[0]
+        logp = raw.float().log_softmax(dim=-1)
+        k = max(p.top_logprobs for p in params)
+        top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        parts += [logp.gather(1, ids[:, None]).double(), top_v.double(), top_i.double()]
+        return torch.cat(parts, dim=1)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        cols: torch.Tensor,
+        seeds: Sequence[int | None],
+        seq_ids: list[int],
+    ) -> torch.Tensor:
+        probs, order = _filtered_probs(logits, params, cols)
+        noise = torch.empty_like(probs).exponential_(generator=self._rng)
+        for i, (seed, seq_id) in enumerate(zip(seeds, seq_ids, strict=True)):
+            if seed is not None and params[i].temperature > 0:
+                noise[i].exponential_(generator=self._generator(seq_id, seed))
+        ranks = (probs / noise).argmax(dim=-1)
+        if order is None:
+            return ranks
+        return order.gather(1, ranks.unsqueeze(1)).squeeze(1)
+
+    def _generator(self, seq_id: int, seed: int) -> torch.Generator:
+        gen = self._seeded.get(seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self._seeded[seq_id] = gen
+        return gen
+
+
+def _columns(params: list[SamplingParams], vocab: int) -> np.ndarray:
+    """[batch, 8] float32 per-row parameters, built on the host (see _TEMP...)."""
+    return np.array(
+        [(p.temperature if p.temperature > 0 else 1.0, p.top_k if p.top_k != -1 else vocab,
+          p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+          float(p.temperature == 0)) for p in params],
+        dtype=np.float32,
+    ).reshape(len(params), 8)  # fmt: skip
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+
+
+def _counts(
+    ids: Sequence[Sequence[int]], vocab: int, device: torch.device, staging: Staging
+) -> torch.Tensor:
+    """[rows, vocab] occurrences of each token id: one padded scatter."""
+    width = max((len(x) for x in ids), default=0)
+    counts = torch.zeros(len(ids), vocab + 1, device=device)
+    if width:
+        padded = np.full((len(ids), width), vocab, dtype=np.int64)  # pad: a spare column
+        for r, x in enumerate(ids):
+            padded[r, : len(x)] = x
+        index = staging.upload(padded)
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _penalize(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]] | None,
+    staging: Staging | None = None,
+    cols: torch.Tensor | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Penalties on every row (a row without any has neutral values: 1, 0, 0). The
+    counts come from `tables` (output counts, prompt seen; the engine's sequences keep
+    theirs on the device) or are counted here from `outputs` and `prompts`."""
+    if not any(_penalized(p) for p in params):
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    staging = staging or Staging(dev)
+    if cols is None:
+        cols = staging.upload(_columns(params, vocab))
+    logits = logits.float()
+    counts = _counts(outputs, vocab, dev, staging) if tables is None else tables[0]
+    if any(p.repetition_penalty != 1 for p in params):
+        seen = counts > 0
+        if tables is not None:
+            seen |= tables[1]
+        elif prompts is not None:
+            seen |= _counts(prompts, vocab, dev, staging) > 0
+        rep = cols[:, _REP, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - cols[:, _FREQ, None] * counts - cols[:, _PRES, None] * (counts > 0)
+
+
+def _bias(
+    logits: torch.Tensor, params: list[SamplingParams], staging: Staging | None = None
+) -> torch.Tensor:
+    entries = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias]
+    if not entries:
+        return logits
+    staging = staging or Staging(logits.device)
+    logits = logits.float().clone()
+    vocab = logits.shape[1]
+    # One scatter_add over the flat logits (no sort, unlike an accumulating index_put).
+    flat = staging.upload(np.array([r * vocab + c for r, c, _ in entries], dtype=np.int64))
+    values = staging.upload(np.array([b for _, _, b in entries], dtype=np.float32))
+    logits.view(-1).scatter_add_(0, flat, values)
+    return logits
+
+
+def _filtered_probs(
+    logits: torch.Tensor, params: list[SamplingParams], cols: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Probabilities after temperature, top-k, top-p and min_p; with a cut they come
+    in descending-logit order and `order` maps a rank back to its token id."""
+    logits = logits / cols[:, _TEMP, None]
+    if all(p.top_k == -1 and p.top_p == 1 and p.min_p == 0 for p in params):
+        return logits.softmax(dim=-1), None  # no cut: skip the vocab-wide sort
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    if any(p.top_k != -1 for p in params):
+        sorted_logits = sorted_logits.masked_fill(ranks >= cols[:, _TOP_K, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    if any(p.top_p < 1 for p in params):
+        # Drop a token when the tokens ranked above it already cover top_p; the most
+        # likely token always stays.
+        before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(before >= cols[:, _TOP_P, None], 0.0)
+    if any(p.min_p > 0 for p in params):
+        best = probs[:, :1]  # column 0: the best
+        probs = probs.masked_fill(probs < cols[:, _MIN_P, None] * best, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True), order
