@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--light-think-s", type=float, default=10.0, help="multi_turn, light")
-    p.add_argument("--busy-think-s", type=float, default=1.0, help="multi_turn, busy")
+    p.add_argument("--busy-think-s", type=float, default=0.5, help="multi_turn, busy")
     p.add_argument("--variants", default="no tier,host 4x,host 10x,unbounded")
     p.add_argument("--out", type=Path, default=Path("loadtests/out/host_tier"))
 
