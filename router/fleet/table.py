@@ -150,6 +150,15 @@ class Fleet:
             self.columns.invalidate()  # a view's capacities column is replaced, not edited
         w.url, w.engine, w.epoch = r.url, r.engine, r.epoch
         w.kv_used_tokens = r.kv_used_tokens
+        w.host_kv_capacity_tokens, w.host_kv_used_tokens = (
+            r.host_kv_capacity_tokens,
+            r.host_kv_used_tokens,
+        )
+        w.host_cached_tokens_total = r.host_cached_tokens_total
+        w.host_load_bytes_per_s, w.kv_bytes_per_token = (
+            r.host_load_bytes_per_s,
+            r.kv_bytes_per_token,
+        )
         w.prompt_tokens_total, w.cached_tokens_total = r.prompt_tokens_total, r.cached_tokens_total
         if (r.running, r.waiting) != (w.running, w.waiting):
             w.running, w.waiting = r.running, r.waiting

@@ -103,6 +103,12 @@ class Worker:
     draining: bool = False
     kv_capacity_tokens: int = 0
     kv_used_tokens: int = 0
+    # The worker's host KV tier as its heartbeat reports it (0: none or unknown).
+    host_kv_capacity_tokens: int = 0
+    host_kv_used_tokens: int = 0
+    host_cached_tokens_total: int = 0
+    host_load_bytes_per_s: float = 0.0
+    kv_bytes_per_token: int = 0
     running: int = 0
     waiting: int = 0
     in_flight: int = 0
@@ -148,6 +154,10 @@ class Worker:
             "breaker": self.breaker.state(now),
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "kv_used_tokens": self.kv_used_tokens,
+            "host_kv_capacity_tokens": self.host_kv_capacity_tokens,
+            "host_kv_used_tokens": self.host_kv_used_tokens,
+            "host_cached_tokens_total": self.host_cached_tokens_total,
+            "host_load_bytes_per_s": self.host_load_bytes_per_s,
             "reported_hit_rate": (
                 self.cached_tokens_total / self.prompt_tokens_total
                 if self.prompt_tokens_total
