@@ -19,6 +19,16 @@ tick of its live entry (`heap_tick`, -1 for none), which retires superseded entr
 and those of nodes that gained a child or were evicted. So an eviction costs
 O((evicted + touched since last time) log n), not a pass over every leaf (SGLang
 walks the whole tree to collect leaves on each call).
+
+Host tier (optional, `host=HostTier(...)`, SGLang's HiCache idea): a node's KV may sit
+on the device (`value`), in host memory (`host_value`), or both. The device LRU above
+evicts device leaves; with a host tier an evicted leaf keeps its node, written back to
+host slots first unless it has a copy there (write-through makes one at insert). A
+match may run on into host-only nodes (`MatchResult.host_len`); `load` gives them
+device slots and plans the copies. The host pool has its own lazy LRU heap (the same
+scheme), which drops host copies, and host-only leaves with them, when it needs room.
+Every change of a node's residency goes through `_retier` (the place for a KV event
+hook: stored / removed, with its tier).
 """
 
 from __future__ import annotations
