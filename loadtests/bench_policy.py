@@ -10,17 +10,18 @@ SGLang "generated shared prefix" shape at the DESIGN budget's prompt size (8,000
 chars). Loads move the way a live fleet's do: before each request two random workers
 get a new load (0–16) and, one request in 50, one worker a spike (+100), so the
 imbalance rule fires now and then and hot prefixes replicate onto several workers.
-Heartbeats: every worker reports its costs (``WorkerCosts``: 30 µs a prefill token,
-3 ms a decode step, 8 seats, a random queue, request time and hit rate) before the
-first request, then ``--reports`` random workers report new figures before each one
+Heartbeats: every worker reports its figures (a ``WorkerRecord``: 30 µs a prefill
+token, 3 ms a decode step, 8 seats, a random queue, request time and hit rate) before
+the first request, then ``--reports`` random workers report new figures before each one
 (the simulator reports at every change; a live router reads the whole fleet once per
 discovery interval). Only cost_aware reads them.
 Each policy runs twice: on a list of ``WorkerView`` whose changed entries are
 replaced, and on a ``FleetView`` (router/policy/base.py: id/load/capacity columns the
 caller updates in place, as the simulator does); updates are outside the timed region.
 
-Per request the timed region is exactly ``policy.set_costs(...)`` for that request's
-reports (a no-op but for cost_aware) and ``policy.select(...)``: CPU by
+Per request the timed region is exactly the delivery of that request's reports (written
+into the view's ``reports`` column in place, as the router's table does; the frozen
+reference takes them by ``set_costs``) and ``policy.select(...)``: CPU by
 ``time.thread_time_ns`` (does not count waiting for a core on a shared machine; the
 timer pair's own cost, measured empty, is subtracted) and wall-clock p50/p99 by
 ``perf_counter_ns``. Every policy replays the same requests and load changes after
@@ -45,8 +46,9 @@ from dataclasses import dataclass
 
 from loadtests.options import HelpFormatter
 from router.policy import build_policy
-from router.policy.base import FleetView, Policy, RouteRequest, WorkerCosts, WorkerView
+from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
+from shared.registry import WorkerRecord
 
 VOCAB = [f"{a}{b}" for a in "bcdfghjklmnpqrstvwz" for b in ("a", "e", "i", "o", "u", "ay", "ee")]
 POLICIES = ("cache_aware", "round_robin", "least_load")
@@ -100,17 +102,22 @@ def load_changes(n: int, total: int, rng: random.Random) -> list[list[tuple[int,
 
 def cost_reports(
     n: int, total: int, per_request: int, rng: random.Random
-) -> list[list[tuple[int, WorkerCosts]]]:
+) -> list[list[tuple[int, WorkerRecord]]]:
     """Per request (plus one first entry: the whole fleet), the heartbeats to apply."""
 
-    def report() -> WorkerCosts:
-        return WorkerCosts(
-            rng.randrange(4_000), 30.0, 3.0, 8, rng.uniform(50.0, 200.0), rng.random()
-        )
+    def report(i: int) -> WorkerRecord:
+        return WorkerRecord(
+            f"worker-{i:04d}", "http://w", "m", "sim", 1.0,
+            queued_prefill_tokens=rng.randrange(4_000), prefill_us_per_token=30.0,
+            decode_ms_per_token=3.0, max_running_requests=8,
+            request_ms=rng.uniform(50.0, 200.0), prompt_tokens_total=1_000_000,
+            cached_tokens_total=rng.randrange(1_000_001),
+        )  # fmt: skip
 
-    first = [(i, report()) for i in range(n)]
+    first = [(i, report(i)) for i in range(n)]
     return [first] + [
-        [(rng.randrange(n), report()) for _ in range(per_request)] for _ in range(total)
+        [(i, report(i)) for i in (rng.randrange(n) for _ in range(per_request))]
+        for _ in range(total)
     ]
 
 
@@ -132,7 +139,7 @@ def timer_overhead_ns() -> float:
 
 
 def run(policy: Policy, n: int, texts: list[str], changes: list[list[tuple[int, int]]],
-        reports: list[list[tuple[int, WorkerCosts]]], warmup: int, overhead: float,
+        reports: list[list[tuple[int, WorkerRecord]]], warmup: int, overhead: float,
         columns: bool) -> Row:  # fmt: skip
     """``columns``: pass a FleetView updated in place; else a list of WorkerView with
     the changed entries replaced (the caller's objects are reused across requests)."""
@@ -144,18 +151,33 @@ def run(policy: Policy, n: int, texts: list[str], changes: list[list[tuple[int, 
     reasons: dict[str, int] = {}
     decisions: list[tuple[str, str]] = []
     thread, perf = time.thread_time_ns, time.perf_counter_ns
-    for i, costs in reports[0]:
-        policy.set_costs(ids[i], costs)
+    set_costs = getattr(policy, "set_costs", None)  # the frozen reference's input
+    costs_of = None
+    if set_costs is not None:
+        from tests.router.cost_aware_reference import costs_of
+
+    def deliver(beats: list[tuple[int, WorkerRecord]], now: float) -> None:
+        for i, record in beats:
+            if set_costs is not None and costs_of is not None:
+                set_costs(ids[i], costs_of(record))
+            elif columns:
+                fleet.reports[i], fleet.reported_at[i] = record, now
+                fleet.reported += 1
+            else:
+                v = views[i]
+                views[i] = WorkerView(v.worker_id, v.load, 65_536, record, now)
+
+    deliver(reports[0], 0.0)
     for r, (text, step, beats) in enumerate(zip(texts, changes, reports[1:], strict=True)):
         for i, load in step:
             fleet.loads[i] = load
-            views[i] = WorkerView(ids[i], load, 65_536)
+            views[i] = WorkerView(ids[i], load, 65_536, views[i].report, views[i].reported_at)
         workers: Sequence[WorkerView] = fleet if columns else views
         request = RouteRequest(text)
+        now = float(r) * 0.01
         c0, w0 = thread(), perf()
-        for i, costs in beats:
-            policy.set_costs(ids[i], costs)
-        decision = policy.select(request, workers, float(r) * 0.01)
+        deliver(beats, now)
+        decision = policy.select(request, workers, now)
         w1, c1 = perf(), thread()
         if r >= warmup:
             cpu.append(c1 - c0)

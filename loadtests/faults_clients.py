@@ -20,7 +20,7 @@ import json
 import socket
 import time
 
-from loadtests.faults import SPEC, Options, Row, poll, row, with_load
+from loadtests.faults_kit import SPEC, Options, Row, poll, row, with_load
 from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet
 from shared.procs import http_json
 

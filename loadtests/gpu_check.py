@@ -35,11 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-from loadtests.gpu_report import to_markdown
+from loadtests.gpu_report import to_markdown, write
 
 PRESETS = ("qwen2.5-0.5b", "llama-3.2-1b")
 # The most seconds each section may take (also cut by what is left of --budget-s);
@@ -220,18 +219,3 @@ def passed(report: dict[str, Any]) -> bool:
                                                or part.get("all_equal") is False):  # fmt: skip
                     return False
     return True
-
-
-def write(out: Path, report: dict[str, Any]) -> None:
-    """gpu-check.json and gpu-check.md, replaced atomically (a kill mid-write keeps the
-    previous version)."""
-    try:
-        md = to_markdown(report)
-    except Exception:  # a report bug must not cost the JSON
-        md = "# GPU check\n\nthe markdown failed; gpu-check.json has the results\n\n```\n"
-        md += traceback.format_exc() + "```\n"
-    for name, text in (("gpu-check.json", json.dumps(report, indent=2, default=str)),
-                       ("gpu-check.md", md)):  # fmt: skip
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)

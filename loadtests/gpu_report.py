@@ -6,6 +6,9 @@ one that was skipped says why, one that never ran is absent.
 
 from __future__ import annotations
 
+import json
+import traceback
+from pathlib import Path
 from typing import Any
 
 
@@ -130,3 +133,18 @@ def _pytest(r: dict[str, Any]) -> list[str]:
     if not r.get("passed"):
         lines += ["", "```", str(r.get("tail", "")).strip()[-2500:], "```"]
     return [*lines, ""]
+
+
+def write(out: Path, report: dict[str, Any]) -> None:
+    """gpu-check.json and gpu-check.md, replaced atomically (a kill mid-write keeps the
+    previous version)."""
+    try:
+        md = to_markdown(report)
+    except Exception:  # a report bug must not cost the JSON
+        md = "# GPU check\n\nthe markdown failed; gpu-check.json has the results\n\n```\n"
+        md += traceback.format_exc() + "```\n"
+    for name, text in (("gpu-check.json", json.dumps(report, indent=2, default=str)),
+                       ("gpu-check.md", md)):  # fmt: skip
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)

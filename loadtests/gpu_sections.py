@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from loadtests.gpu_report import write
+
 FULL = dict(batches=(1, 32, 64, 128), contexts=(256, 2048), steps=12, prefill=(4, 2048),
             prefix=4096, question=64, prompts=(7, 60, 300), new_tokens=16,
             eager_point=(64, 2048), first_cells=((64, 2048), (1, 2048)))  # fmt: skip
@@ -52,12 +54,10 @@ class Recorder:
         tmp.replace(self.path)
         report_file = self.out / "gpu-check.json" if self.out else None
         if report_file is not None and report_file.exists():
-            from loadtests.gpu_check import write  # the parent waits: no one else writes
-
             report = json.loads(report_file.read_text())
             unfinished = {"unfinished": "the section had not finished when this was written"}
             report["sections"][self.name] = self.data | unfinished
-            write(report_file.parent, report)
+            write(report_file.parent, report)  # the parent waits: no one else writes
 
     def step(self, name: str, fn: Callable[[], Any], need_s: float = 2.0) -> Any:
         """Run `fn` as step `name` unless fewer than `need_s` seconds are left."""

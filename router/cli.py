@@ -10,13 +10,11 @@ Flags override the environment (`RADIX_ROUTER_*`), which overrides `--config FIL
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
 from shared.config import ConfigError, PolicyName, RouterConfig, load_config
-from shared.logging import setup_logging
 
 POLICIES = get_args(PolicyName)
 
@@ -153,22 +151,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         from router.up.processes import run_processes
 
         return run_processes(config)
+    from router.http.app import run_router  # the serving path, imported only to serve
+
     run_router(config)
     return 0
-
-
-def run_router(config: RouterConfig) -> None:
-    """One router process, in the foreground until SIGTERM/SIGINT."""
-    from router.http.app import serve
-
-    setup_logging(config.log_level)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(serve(config))
 
 
 def _run_up(args: argparse.Namespace) -> int:

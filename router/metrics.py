@@ -41,11 +41,11 @@ _PER_WORKER: tuple[tuple[type[Family], str, str, Callable[[Worker, float], float
     (
         GaugeFamily, "radix_router_worker_kv_cache_usage_ratio",
         "KV cache in use / capacity, as the worker last reported it (0..1)",
-        lambda w, _: kv_usage_ratio(w.kv_used_tokens, w.kv_capacity_tokens),
+        lambda w, _: kv_usage_ratio(w.report.kv_used_tokens, w.report.kv_capacity_tokens),
     ),
     (
         GaugeFamily, "radix_router_worker_waiting_requests",
-        "Requests queued in the worker's engine, as it last reported", lambda w, _: w.waiting,
+        "Requests queued in the worker's engine, as it last reported", lambda w, _: w.report.waiting,
     ),
     (
         CounterFamily, "radix_router_upstream_failures", "Failed attempts to a worker",
@@ -63,12 +63,12 @@ _PER_WORKER: tuple[tuple[type[Family], str, str, Callable[[Worker, float], float
     # SGLang / vLLM too): the fleet's real hit rate, where the two above are the tree's.
     (
         CounterFamily, "radix_router_worker_prompt_tokens",
-        "Prompt tokens the worker reports having admitted", lambda w, _: w.prompt_tokens_total,
+        "Prompt tokens the worker reports having admitted", lambda w, _: w.report.prompt_tokens_total,
     ),
     (
         CounterFamily, "radix_router_worker_cached_tokens",
         "Prompt tokens the worker reports served from its KV cache",
-        lambda w, _: w.cached_tokens_total,
+        lambda w, _: w.report.cached_tokens_total,
     ),
 )  # fmt: skip
 
@@ -94,7 +94,7 @@ class _FleetCollector(Collector):
             wid = [w.worker_id]
             for family, value in zip(families, values, strict=True):
                 family.add_metric(wid, value(w, now))
-            routable += int(not w.draining and w.breaker.allows(now))
+            routable += int(not w.report.draining and w.breaker.allows(now))
         yield from families
         yield GaugeFamily(
             "radix_router_workers_routable", "Workers that can take requests", routable

@@ -29,8 +29,9 @@ from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, repl
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import Session, Workload
 from router.policy import build_policy
-from router.policy.base import FleetView, RouteRequest, WorkerCosts
+from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
+from shared.registry import WorkerRecord
 
 _STEP_END, _ARRIVAL = 0, 1  # event kinds: step ends sort first at equal times
 
@@ -151,6 +152,7 @@ class FleetSim:
         self.reasons: Counter[str] = Counter()
         self.rejected = 0
         self._run_cpu_ns = 0
+        self._unread: set[int] = set()  # heartbeats the router reads at the next request
 
     def _push(self, t: float, kind: int, what: Job | int) -> None:
         """An arrival carries its job, a step end its worker's index."""
@@ -170,21 +172,30 @@ class FleetSim:
         return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session)
 
     def _refresh(self, i: int, now: float) -> None:
-        # A heartbeat at every change: loads for every policy, costs for cost_aware.
+        # A heartbeat at every change: loads for every policy, the worker's record
+        # (cost_aware's figures) into the view as the router's table writes it. Read at
+        # the next request (`_route`), as the simulator always has: its results stay
+        # comparable with the ones recorded before the record reached the view.
         worker = self.workers[i]
-        self.views.loads[i] = worker.load
+        views = self.views
+        views.loads[i] = worker.load
         cost = worker.cost
-        self.policy.set_costs(
-            self.ids[i],
-            WorkerCosts(
-                worker.queued_prefill_tokens(now), cost.prefill_us_per_token,
-                cost.decode_ms_per_token, cost.max_running, worker.request_ms,
-                worker.cached_tokens / worker.prompt_tokens if worker.prompt_tokens else 0.0,
-            ),
+        views.reports[i] = WorkerRecord(
+            self.ids[i], "sim://", "sim", "sim", 1.0,
+            queued_prefill_tokens=worker.queued_prefill_tokens(now),
+            prefill_us_per_token=cost.prefill_us_per_token,
+            decode_ms_per_token=cost.decode_ms_per_token, max_running_requests=cost.max_running,
+            request_ms=worker.request_ms, prompt_tokens_total=worker.prompt_tokens,
+            cached_tokens_total=worker.cached_tokens,
         )  # fmt: skip
+        views.reported += 1
+        self._unread.add(i)
 
     def _route(self, job: Job, now: float) -> None:
         request = RouteRequest(job.text)
+        for i in self._unread:
+            self.views.reported_at[i] = now
+        self._unread.clear()
         t0 = time.thread_time_ns()
         decision = self.policy.select(request, self.views, now)
         self._decision_ns.append(time.thread_time_ns() - t0)

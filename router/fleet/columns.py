@@ -6,8 +6,10 @@ touches:
 
     event                                            cost
     ───────────────────────────────────────────────  ──────────────────────────────────
-    an attempt starts or ends; heartbeat queue       one load written in place per view
+    an attempt starts or ends                        one load written in place per view
+    a heartbeat (routing fields unchanged)           its record and load, in place per view
     replica sync replaces the remote in-flight map   the loads of the workers it moved
+      (read from the provider the table was given)
     join, leave, draining, model, capacity;          `invalidate()`: the views are
       a breaker opens, closes, starts/ends a probe     rebuilt by the next request
     an open breaker's cooldown ends (time, no event) same, at the first request after it
@@ -15,33 +17,46 @@ touches:
 Invariant (tested against the plain definition after every kind of event):
 ``view(now, model, exclude)`` holds exactly the workers not excluded, not draining,
 whose breaker allows a request at ``now`` and that serve ``model`` (or report none), in
-table order, with loads ``Worker.load_with(remote)`` and capacities
-``kv_capacity_tokens``. A view for a model is the fleet's view when every worker serves
-that model (the common case); otherwise one view per served model is kept.
+table order, with loads ``Worker.load_with(remote[id])``, capacities
+``report.kv_capacity_tokens + report.host_kv_capacity_tokens`` (both tiers) and each worker's ``report`` and ``reported_at``. A view
+for a model is the fleet's view when every worker serves that model (the common case);
+otherwise one view per served model is kept.
 
-Only the table (`router/fleet/table.py`) calls `invalidate`; the loads move in place through
-each worker's `cells` (`Worker.publish_load`).
+Only the table (`router/fleet/table.py`) calls `invalidate`, `publish` (a worker's load
+moved) and `report` (a heartbeat); the cells each worker's figures are written to are
+kept here, not on the worker.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 
 from router.fleet.workers import Worker
 from router.policy.base import FleetView
 
 _ALL: str | None = None  # the view key of the whole routable fleet
+NO_REMOTE: Mapping[str, int] = MappingProxyType({})  # a lone router: no other replica's load
 
 
 class Columns:
     """The routable workers of `workers` (the table's own dict) and their views."""
 
-    def __init__(self, workers: Mapping[str, Worker]) -> None:
+    def __init__(
+        self, workers: Mapping[str, Worker], remote: Callable[[], Mapping[str, int]]
+    ) -> None:
         self._workers = workers
         # Bumped by every change of who is routable, a model or a capacity.
         self._generation = 0
-        self.remote: Mapping[str, int] = {}  # other replicas' in-flight counts per worker
+        # Other replicas' in-flight counts per worker: `remote()` returns the same mapping
+        # until it changes (its provider replaces it), so identity means "nothing moved".
+        self._remote_of = remote
+        self.remote: Mapping[str, int] = NO_REMOTE
+        # (view, index) of every kept view holding a worker: where `publish` writes its
+        # load. Keyed by the Worker itself, so a request still in flight to a worker that
+        # left (and was replaced under the same id) writes nowhere.
+        self._cells: dict[Worker, list[tuple[FleetView, int]]] = {}
         self._built = -1  # the generation the views were built at
         # The membership holds for `now` in [valid_from, valid_until): until the earliest
         # cooldown end of an open breaker (a transition no event announces).
@@ -54,17 +69,29 @@ class Columns:
         """Who is routable, a model or a capacity changed: rebuild at the next read."""
         self._generation += 1
 
-    def view(
-        self,
-        now: float,
-        model: str | None = None,
-        exclude: Iterable[str] = (),
-        remote: Mapping[str, int] | None = None,
-    ) -> FleetView:
-        """What the policy reads (the invariant above). Kept between requests: read only.
-        `remote`: other replicas' in-flight counts per worker; its provider replaces the
-        mapping when it changes, so the same object means nothing changed."""
-        if remote is not None and remote is not self.remote:
+    def publish(self, worker: Worker) -> None:
+        """`worker`'s load moved: write it into every kept view holding it."""
+        cells = self._cells.get(worker)
+        if cells:
+            load = worker.load_with(self.remote.get(worker.worker_id, 0))
+            for view, i in cells:
+                view.loads[i] = load
+
+    def report(self, worker: Worker) -> None:
+        """A heartbeat of `worker` that changed no routing field: its record and load."""
+        self.publish(worker)
+        for view, i in self._cells.get(worker, ()):
+            view.reports[i], view.reported_at[i] = worker.report, worker.reported_at
+            view.reported += 1
+
+    def forget(self, worker: Worker) -> None:
+        """`worker` left the table: a request still in flight to it writes nowhere."""
+        self._cells.pop(worker, None)
+
+    def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView:
+        """What the policy reads (the invariant above). Kept between requests: read only."""
+        remote = self._remote_of()
+        if remote is not self.remote:
             self._set_remote(remote)
         if self._built != self._generation or not self._valid_from <= now < self._valid_until:
             self._rebuild(now)
@@ -87,24 +114,24 @@ class Columns:
             [view.ids[i] for i in keep_at],
             [view.loads[i] for i in keep_at],
             [view.capacities[i] for i in keep_at],
+            [view.reports[i] for i in keep_at],
+            [view.reported_at[i] for i in keep_at],
         )
 
     def reported_models(self) -> frozenset[str]:
         """Every model some worker (routable or not) reports."""
         at, models = self._reported
         if at != self._generation:
-            models = frozenset(w.model for w in self._workers.values()) - {""}
+            models = frozenset(w.report.model for w in self._workers.values()) - {""}
             self._reported = (self._generation, models)
         return models
 
     def _set_remote(self, remote: Mapping[str, int]) -> None:
         old, self.remote = self.remote, remote
         for wid in old.keys() | remote.keys():
-            count = remote.get(wid, 0)
             worker = self._workers.get(wid)  # replicas may name workers we dropped
-            if worker is not None and count != worker.remote_in_flight:
-                worker.remote_in_flight = count
-                worker.publish_load()
+            if worker is not None and remote.get(wid, 0) != old.get(wid, 0):
+                self.publish(worker)
 
     def _key(self, model: str | None) -> str | None:
         if model is None:
@@ -119,14 +146,14 @@ class Columns:
     def _rebuild(self, now: float) -> None:
         members: list[Worker] = []
         until = math.inf
+        self._cells = {}
         for w in self._workers.values():
-            w.cells = []
             breaker = w.breaker
             if breaker.opened_at is not None:
                 end = breaker.half_open_at()
                 if now < end:
                     until = min(until, end)
-            if not w.draining and breaker.allows(now):
+            if not w.report.draining and breaker.allows(now):
                 members.append(w)
         self._members = members
         self._views = {}
@@ -136,11 +163,20 @@ class Columns:
     def _build(self, model: str | None, register: bool) -> FleetView:
         members = self._members
         if model is not None:
-            members = [w for w in members if not w.model or w.model == model]
+            members = [w for w in members if not w.report.model or w.report.model == model]
         ids = tuple(w.worker_id for w in members)
-        loads = [w.load_with(w.remote_in_flight) for w in members]
-        view = FleetView(ids, loads, tuple(w.kv_capacity_tokens for w in members))
+        remote = self.remote
+        loads = [w.load_with(remote.get(w.worker_id, 0)) for w in members]
+        view = FleetView(
+            ids,
+            loads,
+            # A worker's tree cap follows what it caches in both tiers.
+            tuple(w.report.kv_capacity_tokens + w.report.host_kv_capacity_tokens for w in members),
+            [w.report for w in members],
+            [w.reported_at for w in members],
+        )
         if register:
+            cells = self._cells
             for i, w in enumerate(members):
-                w.cells.append((loads, i))
+                cells.setdefault(w, []).append((view, i))
         return view

@@ -90,8 +90,9 @@ class Discovery:
             await asyncio.wait_for(self.registry.read_fleet(), timeout=max(1.0, 2 * self.interval))
         )
         # Right after an outage the registry may not hold every worker again yet.
-        drop = self.clock() >= self._grace_until
-        joined, left = self.fleet.apply_registry(records, drop_missing=drop)
+        now = self.clock()
+        drop = now >= self._grace_until
+        joined, left = self.fleet.apply_registry(records, drop_missing=drop, now=now)
         if joined or left:
             log.info("fleet changed: joined %s, left %s", joined, left)
 

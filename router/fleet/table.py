@@ -14,31 +14,23 @@ calls `columns.invalidate()`, and nothing else does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from router.fleet.columns import Columns
-from router.fleet.workers import Breaker, FailureKind, LoadGuard, Source, Worker
-from router.policy.base import FleetView, WorkerCosts
+from router.fleet.columns import NO_REMOTE, Columns
+from router.fleet.workers import Breaker, FailureKind, Source, Worker
+from router.policy.base import FleetView
 from shared.config import RouterConfig, check_worker_url
 from shared.registry import WorkerRecord
 
 
 class PolicyHooks(Protocol):
-    """What the table tells the policy; `router.policy.base.Policy` satisfies it."""
+    """What the table tells the policy; `router.policy.base.Policy` satisfies it. Every
+    figure a worker reports reaches the policy in the view (`FleetView.reports`)."""
 
     def remove_worker(self, worker_id: str) -> None: ...
-
-    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None: ...
-
-
-def costs_of(record: WorkerRecord) -> WorkerCosts:
-    return WorkerCosts(
-        record.queued_prefill_tokens, record.prefill_us_per_token, record.decode_ms_per_token,
-        record.max_running_requests, record.request_ms,
-        record.cached_tokens_total / record.prompt_tokens_total if record.prompt_tokens_total else 0.0,
-    )  # fmt: skip
 
 
 def static_worker_id(url: str) -> str:
@@ -48,21 +40,35 @@ def static_worker_id(url: str) -> str:
 
 
 class Attempt:
-    """One try of one request on one worker: holds its load from `Fleet.attempt` until
-    `release` (idempotent; also the `with` exit), and notes whether it is the breaker's
-    half-open probe, so a probe that ends without a verdict lets the next one through."""
+    """One try of one request on one worker: counts one request in flight there from
+    `Fleet.attempt` until `release`, and notes whether it is the breaker's half-open
+    probe, so a probe that ends without a verdict lets the next one through.
 
-    __slots__ = ("_fleet", "guard", "probe", "worker")
+    Release is idempotent, so every exit path (body end, error, cancel, timeout, retry)
+    may call it and the count still drops exactly once. It holds the Worker itself, so a
+    worker removed from the table mid-request is still decremented (and its successor, a
+    new Worker under the same id, is left alone).
+    """
+
+    __slots__ = ("_fleet", "_released", "probe", "worker")
 
     def __init__(self, fleet: Fleet, worker: Worker, probe: bool) -> None:
         self._fleet, self.worker, self.probe = fleet, worker, probe
-        self.guard = LoadGuard(worker)
+        self._released = False
+        worker.in_flight += 1
+        worker.requests_total += 1
+        fleet.columns.publish(worker)
 
     def release(self) -> None:
-        self.guard.release()
-        if self.probe and self.worker.breaker.probing:
-            self.worker.breaker.abandon_probe()
-            self._fleet.columns.invalidate()
+        if self._released:
+            return
+        self._released = True
+        worker, columns = self.worker, self._fleet.columns
+        worker.in_flight -= 1
+        columns.publish(worker)
+        if self.probe and worker.breaker.probing:
+            worker.breaker.abandon_probe()
+            columns.invalidate()
 
     def __enter__(self) -> Attempt:
         return self
@@ -74,11 +80,18 @@ class Attempt:
 class Fleet:
     """The worker table. `workers` is for reading; change it through the methods."""
 
-    def __init__(self, config: RouterConfig, policy: PolicyHooks) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        policy: PolicyHooks,
+        remote_in_flight: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        """`remote_in_flight`: other router replicas' requests in flight per worker
+        (replica sync's `remote_inflight`); it returns the same mapping until one moves."""
         self.config = config
         self.policy = policy
         self.workers: dict[str, Worker] = {}
-        self.columns = Columns(self.workers)
+        self.columns = Columns(self.workers, remote_in_flight or (lambda: NO_REMOTE))
 
     # -- membership --------------------------------------------------------------------
     def add_url(self, url: str, source: Source, worker_id: str | None = None) -> Worker:
@@ -94,15 +107,16 @@ class Fleet:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return False
-        worker.cells = []  # a request still in flight to it cannot touch the columns
+        self.columns.forget(worker)  # a request still in flight to it writes nowhere
         self.columns.invalidate()
         self.policy.remove_worker(worker_id)
         return True
 
     def apply_registry(
-        self, records: dict[str, WorkerRecord], drop_missing: bool = True
+        self, records: dict[str, WorkerRecord], drop_missing: bool = True, now: float = 0.0
     ) -> tuple[list[str], list[str]]:
-        """Bring registry-sourced workers in line with a full read of the registry.
+        """Bring registry-sourced workers in line with a full read of the registry, read
+        at `now` (the policy ages a reported queue from then).
 
         Returns (joined or restarted, left). A changed epoch means the worker restarted
         with an empty cache, so its tree is dropped and its breaker closed.
@@ -113,13 +127,12 @@ class Fleet:
             if worker is None:
                 worker = self._new(wid, record.url, "redis")
                 joined.append(wid)
-            elif worker.epoch and worker.epoch != record.epoch:
+            elif worker.report.epoch and worker.report.epoch != record.epoch:
                 self.policy.remove_worker(wid)
                 worker.breaker.record_success()  # a fresh process deserves a fresh chance
                 self.columns.invalidate()
                 joined.append(wid)
-            self._report(worker, record)
-            self.policy.set_costs(wid, costs_of(record))
+            self._report(worker, record, now)
         if not drop_missing:
             return joined, []
         left = [
@@ -131,38 +144,30 @@ class Fleet:
 
     def set_model(self, worker: Worker, model: str) -> None:
         """A model learnt by asking the worker (static and admin ones report none)."""
-        if model != worker.model:
-            worker.model = model
+        if model != worker.report.model:
+            worker.report = replace(worker.report, model=model)
             self.columns.invalidate()
 
     def _new(self, worker_id: str, url: str, source: Source) -> Worker:
         breaker = Breaker(self.config.breaker_failures, self.config.breaker_cooldown)
-        worker = Worker(worker_id=worker_id, url=url, source=source, breaker=breaker)
-        worker.remote_in_flight = self.columns.remote.get(worker_id, 0)
+        blank = WorkerRecord(worker_id, url, model="", engine="", epoch=0.0)
+        worker = Worker(worker_id, url, source, breaker, blank)
         self.workers[worker_id] = worker
         self.columns.invalidate()
         return worker
 
-    def _report(self, w: Worker, r: WorkerRecord) -> None:
-        routing = (r.model, r.draining, r.kv_capacity_tokens)
-        if routing != (w.model, w.draining, w.kv_capacity_tokens):
-            w.model, w.draining, w.kv_capacity_tokens = routing
+    def _report(self, w: Worker, r: WorkerRecord, now: float) -> None:
+        old = w.report
+        w.report, w.reported_at, w.url = r, now, r.url
+        if (r.model, r.draining, r.kv_capacity_tokens, r.host_kv_capacity_tokens) != (
+            old.model,
+            old.draining,
+            old.kv_capacity_tokens,
+            old.host_kv_capacity_tokens,
+        ):
             self.columns.invalidate()  # a view's capacities column is replaced, not edited
-        w.url, w.engine, w.epoch = r.url, r.engine, r.epoch
-        w.kv_used_tokens = r.kv_used_tokens
-        w.host_kv_capacity_tokens, w.host_kv_used_tokens = (
-            r.host_kv_capacity_tokens,
-            r.host_kv_used_tokens,
-        )
-        w.host_cached_tokens_total = r.host_cached_tokens_total
-        w.host_load_bytes_per_s, w.kv_bytes_per_token = (
-            r.host_load_bytes_per_s,
-            r.kv_bytes_per_token,
-        )
-        w.prompt_tokens_total, w.cached_tokens_total = r.prompt_tokens_total, r.cached_tokens_total
-        if (r.running, r.waiting) != (w.running, w.waiting):
-            w.running, w.waiting = r.running, r.waiting
-            w.publish_load()
+        else:
+            self.columns.report(w)  # the heartbeat and the load it moved, in place
 
     # -- the books: what the proxy asks ------------------------------------------------
     def attempt(self, worker: Worker, now: float) -> Attempt:
@@ -198,15 +203,9 @@ class Fleet:
             self.columns.invalidate()
 
     # -- reads -------------------------------------------------------------------------
-    def view(
-        self,
-        now: float,
-        model: str | None = None,
-        exclude: Iterable[str] = (),
-        remote: Mapping[str, int] | None = None,
-    ) -> FleetView:
+    def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView:
         """What the policy reads: see `Columns.view`. Read only."""
-        return self.columns.view(now, model, exclude, remote)
+        return self.columns.view(now, model, exclude)
 
     def knows_model(self, model: str) -> bool:
         """Whether some worker serves `model`; True too while no worker reports a model."""
@@ -214,7 +213,7 @@ class Fleet:
         return (
             not reported
             or model in reported
-            or (not model and any(not w.model for w in self.workers.values()))
+            or (not model and any(not w.report.model for w in self.workers.values()))
         )
 
     def models(self) -> list[str]:

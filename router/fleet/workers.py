@@ -2,7 +2,7 @@
 
 Load, as the policy sees it, is `max(in_flight + remote, running + waiting)`: requests
 this router (plus, with replica sync, the other replicas) has in flight to the worker,
-exact and instant (counted by `LoadGuard`), or the queue the worker last reported in
+exact and instant (counted by the table's `Attempt`), or the queue the worker last reported in
 its heartbeat, which includes every router's traffic but is up to one heartbeat stale.
 Taking the larger of the two counts no request twice (the reported queue already holds
 this router's requests) and still sees replicas without sync.
@@ -13,17 +13,17 @@ Circuit breaker per worker:
     open ──(breaker_cooldown elapsed)──▶ half-open: one probe request at a time
     half-open ──probe succeeds──▶ closed      half-open ──probe fails──▶ open
 
-Only the table (`router/fleet/table.py`) writes these fields; everyone else reads them. The
-one exception is the load a `LoadGuard` moves: it writes the worker's load into the
-policy's columns itself (`cells`, placed there by `router/fleet/columns.py`), so a request costs no
-lookup in the table.
+Only the table (`router/fleet/table.py`) writes these fields, loads included (its
+`Attempt` counts a request in flight); everyone else reads them.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from shared.registry import WorkerRecord
 
 Source = Literal["redis", "static", "admin"]
 BreakerState = Literal["closed", "open", "half_open"]
@@ -97,31 +97,16 @@ class Worker:
     url: str
     source: Source
     breaker: Breaker
-    epoch: float = 0.0
-    engine: str = ""
-    model: str = ""
-    draining: bool = False
-    kv_capacity_tokens: int = 0
-    kv_used_tokens: int = 0
-    # The worker's host KV tier as its heartbeat reports it (0: none or unknown).
-    host_kv_capacity_tokens: int = 0
-    host_kv_used_tokens: int = 0
-    host_cached_tokens_total: int = 0
-    host_load_bytes_per_s: float = 0.0
-    kv_bytes_per_token: int = 0
-    running: int = 0
-    waiting: int = 0
+    # Its last heartbeat as the registry holds it (one shape from the worker to the
+    # policy), and when this router read it. A worker added by URL reports none: a blank
+    # record whose model the router may learn by asking (`Fleet.set_model`).
+    report: WorkerRecord
+    reported_at: float = 0.0
     in_flight: int = 0
-    remote_in_flight: int = 0  # other router replicas' requests in flight (replica sync)
-    prompt_tokens_total: int = 0
-    cached_tokens_total: int = 0
     requests_total: int = 0
     failures_total: int = 0
     predicted_tokens_total: float = 0.0
     actual_cached_tokens_total: int = 0
-    # (loads column, index) of every kept policy view holding this worker; set by the
-    # table when it builds views, emptied when the worker leaves it.
-    cells: list[tuple[list[int], int]] = field(default_factory=list, repr=False)
 
     @property
     def load(self) -> int:
@@ -129,73 +114,35 @@ class Worker:
         return self.load_with(0)
 
     def load_with(self, remote_in_flight: int) -> int:
-        return max(self.in_flight + remote_in_flight, self.running + self.waiting)
-
-    def publish_load(self) -> None:
-        """Write the load the policy sees into every view column holding this worker."""
-        if self.cells:
-            load = self.load_with(self.remote_in_flight)
-            for loads, i in self.cells:
-                loads[i] = load
+        report = self.report
+        return max(self.in_flight + remote_in_flight, report.running + report.waiting)
 
     def describe(self, now: float) -> dict[str, object]:
+        r = self.report
         return {
             "worker_id": self.worker_id,
             "url": self.url,
             "source": self.source,
-            "model": self.model,
-            "engine": self.engine,
-            "epoch": self.epoch,
+            "model": r.model,
+            "engine": r.engine,
+            "epoch": r.epoch,
             "load": self.load,
             "in_flight": self.in_flight,
-            "running": self.running,
-            "waiting": self.waiting,
-            "draining": self.draining,
+            "running": r.running,
+            "waiting": r.waiting,
+            "draining": r.draining,
             "breaker": self.breaker.state(now),
-            "kv_capacity_tokens": self.kv_capacity_tokens,
-            "kv_used_tokens": self.kv_used_tokens,
-            "host_kv_capacity_tokens": self.host_kv_capacity_tokens,
-            "host_kv_used_tokens": self.host_kv_used_tokens,
-            "host_cached_tokens_total": self.host_cached_tokens_total,
-            "host_load_bytes_per_s": self.host_load_bytes_per_s,
+            "kv_capacity_tokens": r.kv_capacity_tokens,
+            "kv_used_tokens": r.kv_used_tokens,
+            "host_kv_capacity_tokens": r.host_kv_capacity_tokens,
+            "host_kv_used_tokens": r.host_kv_used_tokens,
+            "host_cached_tokens_total": r.host_cached_tokens_total,
+            "host_load_bytes_per_s": r.host_load_bytes_per_s,
             "reported_hit_rate": (
-                self.cached_tokens_total / self.prompt_tokens_total
-                if self.prompt_tokens_total
-                else 0.0
+                r.cached_tokens_total / r.prompt_tokens_total if r.prompt_tokens_total else 0.0
             ),
             "requests_total": self.requests_total,
             "failures_total": self.failures_total,
             "predicted_cached_tokens_total": round(self.predicted_tokens_total),
             "actual_cached_tokens_total": self.actual_cached_tokens_total,
         }
-
-
-class LoadGuard:
-    """Counts one request in flight to a worker, from before it is sent until `release`.
-
-    Release is idempotent, so every exit path (body end, error, cancel, timeout, retry)
-    may call it and the count still drops exactly once. It holds the Worker itself, so
-    a worker removed from the table mid-request is still decremented (and its successor,
-    a new Worker, is left alone).
-    """
-
-    __slots__ = ("_released", "worker")
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self._released = False
-        worker.in_flight += 1
-        worker.requests_total += 1
-        worker.publish_load()
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.worker.in_flight -= 1
-            self.worker.publish_load()
-
-    def __enter__(self) -> LoadGuard:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

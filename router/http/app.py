@@ -52,6 +52,7 @@ from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import ERROR_CODE
+from shared.logging import setup_logging
 from shared.peers import Rejections, parse_networks
 
 log = logging.getLogger(__name__)
@@ -148,14 +149,17 @@ def create_app(
     """The router. `sync` shares decisions and load with other replicas; by default a
     `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
     policy = policy if policy is not None else build_policy(config)
-    fleet = Fleet(config, policy)
-    for url in config.worker_urls:
-        fleet.add_url(url, "static")
     rejections = Rejections()  # what the Redis boundary refused (shared/peers.py)
     if sync is None and config.sync and config.redis_url:
+        # The sync shares the fleet's in-flight counts and the fleet reads the sync's:
+        # the fleet is given the sync's figures at construction, the sync asks the
+        # fleet (built next) when it flushes.
         sync = DecisionSync.connect(
-            config, policy.observe, fleet.in_flight_by_worker, clock, rejections
+            config, policy.observe, lambda: fleet.in_flight_by_worker(), clock, rejections
         )
+    fleet = Fleet(config, policy, sync.remote_inflight if sync is not None else None)
+    for url in config.worker_urls:
+        fleet.add_url(url, "static")
     admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
     metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting, rejections)
     # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
@@ -230,3 +234,15 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+
+
+def run_router(config: RouterConfig) -> None:
+    """One router process, in the foreground until SIGTERM/SIGINT."""
+    setup_logging(config.log_level)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(config))

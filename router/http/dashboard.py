@@ -62,8 +62,8 @@ def snapshot(app: web.Application) -> dict[str, Any]:
     trees = app[POLICY].worker_stats()
     workers = list(app[FLEET].workers.values())
     rows = [_worker_row(w, now, trees.get(w.worker_id, {})) for w in workers]
-    prompt = sum(w.prompt_tokens_total for w in workers)
-    cached = sum(w.cached_tokens_total for w in workers)
+    prompt = sum(w.report.prompt_tokens_total for w in workers)
+    cached = sum(w.report.cached_tokens_total for w in workers)
     predicted = sum(r["predicted_cached_tokens_total"] for r in rows)
     actual = sum(r["actual_cached_tokens_total"] for r in rows)
     breakers = Counter(r["breaker"] for r in rows)
@@ -76,7 +76,7 @@ def snapshot(app: web.Application) -> dict[str, Any]:
             "failures_total": sum(r["failures_total"] for r in rows),
             "prompt_tokens_total": prompt,
             "cached_tokens_total": cached,
-            "host_cached_tokens_total": sum(w.host_cached_tokens_total for w in workers),
+            "host_cached_tokens_total": sum(w.report.host_cached_tokens_total for w in workers),
             "hit_rate": cached / prompt if prompt else None,
             "predicted_cached_tokens_total": predicted,
             "actual_cached_tokens_total": actual,

@@ -111,7 +111,7 @@ async def _probe_model(request: web.Request, worker: Worker) -> None:
 
 async def models(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
-    unknown = [w for w in fleet.workers.values() if not w.model]
+    unknown = [w for w in fleet.workers.values() if not w.report.model]
     if unknown:
         await asyncio.gather(*(_probe_model(request, w) for w in unknown))
     data = [

@@ -1,7 +1,7 @@
 """Routing policies: pick one worker per request.
 
 ``base`` holds what every policy is (``Policy``, its input ``RouteRequest`` /
-``WorkerView`` / ``FleetView`` / ``WorkerCosts``, its output ``Decision``);
+``WorkerView`` / ``FleetView``, its output ``Decision``);
 ``cache_aware`` the default rule, documented with every threshold at the top of its
 module; ``cost_aware`` the least predicted time to first token over the same trees;
 ``simple`` the load-only baselines. ``build_policy`` is the one place a name becomes a policy.

@@ -22,6 +22,8 @@ from itertools import compress, islice, repeat
 from operator import attrgetter, eq
 from typing import ClassVar
 
+from shared.registry import WorkerRecord
+
 
 @dataclass(frozen=True)
 class RouteRequest:
@@ -42,19 +44,10 @@ class WorkerView:
     worker_id: str
     load: int  # requests in flight from this router + queue the worker reports
     kv_capacity_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerCosts:
-    """What a worker's heartbeat says a new request would wait for (cost_aware's inputs;
-    `shared.registry.WorkerRecord` carries them). Zeros: unknown."""
-
-    queued_prefill_tokens: int = 0  # waiting prompts + the unprefilled rest of running ones
-    prefill_us_per_token: float = 0.0
-    decode_ms_per_token: float = 0.0  # one decode step
-    max_running_requests: int = 0  # seats: requests beyond these wait
-    request_ms: float = 0.0  # how long an admitted request holds its seat (recent mean)
-    hit_rate: float = 0.0  # share of its prompt tokens found cached (so far)
+    # The worker's last heartbeat, as the registry holds it (None: it reports none), and
+    # when the router read it: cost_aware prices from it and ages its queue from then.
+    report: WorkerRecord | None = None
+    reported_at: float = 0.0
 
 
 class FleetView(Sequence[WorkerView]):
@@ -64,34 +57,53 @@ class FleetView(Sequence[WorkerView]):
     passes over the fleet (reading ids, loads and capacities out of n objects costs
     ~50 ns a worker each: 0.15 ms per request at 1,000 workers on the dev box).
     Contract: ``ids`` and ``capacities`` are tuples the caller *replaces* when the
-    fleet or a capacity changes (rare; the policy notices by identity), and ``loads``
-    is a list it writes in place (``loads[i] = ...``) as loads move. Policies only read.
+    fleet or a capacity changes (rare; the policy notices by identity); ``loads``,
+    ``reports`` and ``reported_at`` are lists it writes in place (``loads[i] = ...``) as
+    loads move and heartbeats arrive, counting each heartbeat written in ``reported``
+    (so a policy that prices reports notices a new one without a pass). Policies only
+    read.
     """
 
-    __slots__ = ("capacities", "ids", "loads")
+    __slots__ = ("capacities", "ids", "loads", "reported", "reported_at", "reports")
 
     def __init__(
         self,
         ids: Sequence[str],
         loads: list[int] | None = None,
         capacities: Sequence[int] | None = None,
+        reports: list[WorkerRecord | None] | None = None,
+        reported_at: list[float] | None = None,
     ) -> None:
         self.ids = tuple(ids)
-        self.loads = loads if loads is not None else [0] * len(self.ids)
-        self.capacities = tuple(capacities) if capacities is not None else (0,) * len(self.ids)
-        if not len(self.loads) == len(self.capacities) == len(self.ids):
-            raise ValueError("ids, loads and capacities must have one entry per worker")
+        n = len(self.ids)
+        self.loads = loads if loads is not None else [0] * n
+        self.capacities = tuple(capacities) if capacities is not None else (0,) * n
+        self.reports: list[WorkerRecord | None] = reports if reports is not None else [None] * n
+        self.reported_at = reported_at if reported_at is not None else [0.0] * n
+        self.reported = 0
+        if (
+            not len(self.loads)
+            == len(self.capacities)
+            == len(self.reports)
+            == len(self.reported_at)
+            == n
+        ):
+            raise ValueError("ids, loads, capacities and reports must have one entry per worker")
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> WorkerView:  # type: ignore[override]
-        return WorkerView(self.ids[i], self.loads[i], self.capacities[i])
+        return WorkerView(
+            self.ids[i], self.loads[i], self.capacities[i], self.reports[i], self.reported_at[i]
+        )
 
 
 _ID = attrgetter("worker_id")
 _LOAD = attrgetter("load")
 _CAP = attrgetter("kv_capacity_tokens")
+_REPORT = attrgetter("report")
+_REPORTED_AT = attrgetter("reported_at")
 
 
 def least_index(loads: list[int], rng: random.Random, low: int | None = None) -> int:
@@ -117,6 +129,16 @@ def columns(
     return list(map(_ID, workers)), list(map(_LOAD, workers)), list(map(_CAP, workers))
 
 
+def reports_of(
+    workers: Sequence[WorkerView],
+) -> tuple[Sequence[WorkerRecord | None], Sequence[float], int | None]:
+    """(reports, reported_at, reports written so far): a FleetView's own columns, else
+    one pass each and None (a list carries no count: every read may hold news)."""
+    if isinstance(workers, FleetView):
+        return workers.reports, workers.reported_at, workers.reported
+    return list(map(_REPORT, workers)), list(map(_REPORTED_AT, workers)), None
+
+
 def loads_of(workers: Sequence[WorkerView]) -> list[int]:
     return workers.loads if isinstance(workers, FleetView) else list(map(_LOAD, workers))
 
@@ -128,16 +150,13 @@ class Policy(ABC):
 
     @abstractmethod
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        """``workers`` is non-empty and routable (the caller filters). Capacities reach
-        the policy only here, in ``WorkerView.kv_capacity_tokens``."""
+        """``workers`` is non-empty and routable (the caller filters). Every figure a
+        worker reports reaches the policy only here: its capacity, and its heartbeat
+        (``WorkerView.report``)."""
 
     # Only policies with per-worker state override these; the rest have none to keep.
     def remove_worker(self, worker_id: str) -> None:
         """Worker left or restarted (new epoch, empty cache): forget what we knew."""
-        return
-
-    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
-        """The worker's heartbeat: what a new request would wait for there (cost_aware)."""
         return
 
     def observe(self, worker_id: str, text: str, now: float) -> None:

@@ -84,25 +84,18 @@ from operator import eq, is_not, itemgetter, ne
 
 import numpy as np
 
-from router.policy.base import Decision, RouteRequest, WorkerCosts, WorkerView
+from router.policy.base import Decision, RouteRequest, WorkerView, reports_of
 from router.policy.cache_aware import CacheAware
-from router.policy.cost_columns import Column, CostColumns
+from router.policy.cost_columns import Column, CostColumns, Figures, figures
 from shared.config import RouterConfig
+from shared.registry import WorkerRecord
 
-_MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is untrusted
-_MAX_MS = 1e7
-_MAX_QUEUED = 1 << 40
 _NOT_NONE = partial(is_not, None)
 _SMALL = 12  # workers: up to this many priced in lists (policy-cost: lists win at 8, arrays at 16)
 # Holders handled one by one up to these counts, above as array operations: each array
 # call costs ~1 µs, one holder ~0.7 µs priced (numpy scalars) and ~0.1 µs compared.
 _FEW = 16
 _MANY = 64
-
-
-def _clean(value: float, high: float) -> float:
-    """A reported figure as a usable number: NaN, negative or absurd → 0 (unknown)."""
-    return value if isinstance(value, int | float) and 0 <= value <= high else 0.0
 
 
 class CostAware(CacheAware):
@@ -119,55 +112,55 @@ class CostAware(CacheAware):
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
         super().__init__(config, rng)
-        self._costs: dict[str, WorkerCosts] = {}  # as last reported, cleaned
         # This router's own uncached tokens per worker, until their predicted first token.
         self._own: dict[str, int] = {}
-        self._report_at: dict[str, float] = {}
         self._expiry: list[tuple[float, int, str, int]] = []  # (at, seq, worker, tokens)
         self._seq = 0
         # The inputs per worker in the order of ``self._ids``: rebuilt when the fleet
-        # changes, a row rewritten by its worker's report.
+        # changes, a row rewritten when its worker's heartbeat is new.
         self._cols = CostColumns(config)
         self._cols_for: Sequence[str] | None = None
-        self._unstamped: set[str] = set()  # reports not yet given a time
+        self._rows: list[Figures] = []  # each row's figures, as priced
+        # The heartbeats the rows were read from (the view's column, and a copy of it
+        # then) and how many the view had written: a new heartbeat is a new object.
+        self._reports: Sequence[WorkerRecord | None] | None = None
+        self._read: list[WorkerRecord | None] = []
+        self._written: int | None = None
 
     # -- inputs ------------------------------------------------------------------------
-    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
-        """The worker's heartbeat: its queue of prefill tokens, its step costs, its seats."""
-        clean = WorkerCosts(
-            int(_clean(costs.queued_prefill_tokens, _MAX_QUEUED)),
-            _clean(costs.prefill_us_per_token, _MAX_PREFILL_US),
-            _clean(costs.decode_ms_per_token, _MAX_MS),
-            int(_clean(costs.max_running_requests, _MAX_QUEUED)),
-            _clean(costs.request_ms, _MAX_MS),
-            min(1.0, _clean(costs.hit_rate, 1.0)),
-        )
-        self._unstamped.add(worker_id)  # the same figures again still mean "as of now"
-        if self._costs.get(worker_id) != clean:
-            self._costs[worker_id] = clean
-            i = self._pos.get(worker_id) if self._cols_for is self._ids else None
-            if i is not None:
-                self._cols.report(i, clean)
-
     def remove_worker(self, worker_id: str) -> None:
         super().remove_worker(worker_id)
-        self._costs.pop(worker_id, None)
         self._own.pop(worker_id, None)
-        self._report_at.pop(worker_id, None)
-        self._unstamped.discard(worker_id)
         self._cols_for = None
+
+    def _read_reports(self, workers: Sequence[WorkerView]) -> None:
+        """The heartbeats as the view holds them: every row when the fleet changed, else
+        the rows whose heartbeat is a new one (a count says whether any is)."""
+        reports, reported_at, written = reports_of(workers)
+        cols = self._cols
+        if self._cols_for is not self._ids:
+            self._rows = list(map(figures, reports))
+            cols.rebuild(self._ids, self._rows, reported_at, self._own)
+            self._cols_for = self._ids
+        elif reports is self._reports and written is not None and written == self._written:
+            return
+        else:
+            rows, t = self._rows, cols.t
+            for i in compress(range(len(reports)), map(is_not, reports, self._read)):
+                row = figures(reports[i])
+                if row != rows[i]:
+                    rows[i] = row
+                    cols.report(i, row)
+                t[i] = reported_at[i]  # the same figures again still mean "as of then"
+        self._reports, self._read, self._written = reports, list(reports), written
 
     # -- the rule ----------------------------------------------------------------------
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
         text = request.text
         ids, loads = self._follow_fleet(workers)
-        cols = self._cols
-        if self._cols_for is not self._ids:
-            cols.rebuild(self._ids, self._costs, self._report_at, self._own, now)
-            self._cols_for = self._ids
+        self._read_reports(workers)
         self._expire(now)
-        if self._unstamped:
-            self._stamp(now)
+        cols = self._cols
         cfg = self._cfg
         cpt = cfg.tree_chars_per_token
         n = len(text) / cpt
@@ -280,11 +273,3 @@ class CostAware(CacheAware):
             i = self._pos.get(wid)
             if i is not None:
                 self._cols.o[i] = own[wid]
-
-    def _stamp(self, now: float) -> None:
-        for wid in self._unstamped:
-            self._report_at[wid] = now
-            i = self._pos.get(wid)
-            if i is not None:
-                self._cols.t[i] = now
-        self._unstamped.clear()

@@ -4,7 +4,7 @@ over all of them at once (the rule: router/policy/cost_aware.py's docstring).
 Why columns: priced in Python, one list comprehension per term over the fleet, a
 decision cost O(workers) at ~1 µs a worker (policy-cost benchmark: 244 / 881 µs at
 256 / 1,000 workers against cache_aware's 19 / 38), and every changed heartbeat rebuilt
-every column (half of that). Here a heartbeat writes its worker's row (`report`, O(1));
+every column (half of that). Here a new heartbeat writes its worker's row (`report`, O(1));
 a fleet change rebuilds them all (`rebuild`, rare); a request runs ~16 array operations
 of ~1 µs each whatever the fleet's size (`price`): 49 / 52 µs at 256 / 1,000 workers.
 Up to a dozen workers lists are cheaper than arrays' fixed cost (`price_small`).
@@ -19,16 +19,55 @@ therefore every decision is the one the per-worker Python made
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from router.policy.base import WorkerCosts
 from shared.config import RouterConfig
+from shared.registry import WorkerRecord
 
 _NO_SEAT_LIMIT = float(1 << 62)  # unknown seats: so many that none is ever short
-_UNKNOWN = WorkerCosts()
+_MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is untrusted
+_MAX_MS = 1e7
+_MAX_QUEUED = 1 << 40
 
 Column = np.ndarray
+
+
+class Figures(NamedTuple):
+    """What cost_aware reads of a worker's heartbeat (`WorkerRecord`), cleaned. Zeros:
+    unknown."""
+
+    queued_prefill_tokens: int  # waiting prompts + the unprefilled rest of running ones
+    prefill_us_per_token: float
+    decode_ms_per_token: float  # one decode step
+    max_running_requests: int  # seats: requests beyond these wait
+    request_ms: float  # how long an admitted request holds its seat (recent mean)
+    hit_rate: float  # share of its prompt tokens found cached (so far)
+
+
+UNKNOWN = Figures(0, 0.0, 0.0, 0, 0.0, 0.0)
+
+
+def _clean(value: float, high: float) -> float:
+    """A reported figure as a usable number: NaN, negative or absurd → 0 (unknown)."""
+    return value if isinstance(value, int | float) and 0 <= value <= high else 0.0
+
+
+def figures(report: WorkerRecord | None) -> Figures:
+    """The figures of a heartbeat (None: the worker reports none)."""
+    if report is None:
+        return UNKNOWN
+    prompt = report.prompt_tokens_total
+    hit = report.cached_tokens_total / prompt if prompt else 0.0
+    return Figures(
+        int(_clean(report.queued_prefill_tokens, _MAX_QUEUED)),
+        _clean(report.prefill_us_per_token, _MAX_PREFILL_US),
+        _clean(report.decode_ms_per_token, _MAX_MS),
+        int(_clean(report.max_running_requests, _MAX_QUEUED)),
+        _clean(report.request_ms, _MAX_MS),
+        min(1.0, _clean(hit, 1.0)),
+    )
 
 
 class CostColumns:
@@ -44,22 +83,21 @@ class CostColumns:
     def rebuild(
         self,
         ids: Sequence[str],
-        costs: Mapping[str, WorkerCosts],
-        report_at: Mapping[str, float],
+        rows: Sequence[Figures],
+        reported_at: Sequence[float],
         own: Mapping[str, int],
-        now: float,
     ) -> None:
         """Every row for the fleet ``ids`` (it changed: a join, a leave, a new epoch)."""
         n = len(ids)
         self.p, self.kd, self.r, self.v = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         self.seats, self.full, self.seat_ms = np.zeros(n), np.zeros(n), np.zeros(n)
-        for i, wid in enumerate(ids):
-            self.report(i, costs.get(wid, _UNKNOWN))
-        self.t = np.array([report_at.get(w, now) for w in ids], dtype=np.float64)
+        for i, row in enumerate(rows):
+            self.report(i, row)
+        self.t = np.array(reported_at, dtype=np.float64)
         self.o = np.array([own.get(w, 0) for w in ids], dtype=np.float64)
 
-    def report(self, i: int, c: WorkerCosts) -> None:
-        """Row ``i`` from the worker's (cleaned) report; the time is stamped apart."""
+    def report(self, i: int, c: Figures) -> None:
+        """Row ``i`` from the worker's figures; the report's time is written apart."""
         cfg = self._cfg
         p = (c.prefill_us_per_token or cfg.cost_prefill_us_per_token) / 1e3
         self.p[i] = p  # ms per prefill token

@@ -50,7 +50,7 @@ def child_config(config: RouterConfig) -> RouterConfig:
 
 
 def _run_child(config: RouterConfig) -> None:
-    from router.cli import run_router  # in the child: the whole router is imported here
+    from router.http.app import run_router  # in the child: the whole router is imported here
 
     run_router(config)
 

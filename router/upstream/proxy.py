@@ -101,14 +101,12 @@ class Proxy:
         now = self.clock()
         # The fleet keeps this view current as workers, breakers and loads change, so a
         # request costs no pass over the fleet in Python (a one-off copy only on retries).
-        sync = self.sync
-        remote = sync.remote_inflight() if sync is not None else None
-        view = self.fleet.view(now, routed.model, exclude=tried, remote=remote)
+        view = self.fleet.view(now, routed.model, exclude=tried)
         if not view:
             return None
         decision = self.policy.select(RouteRequest(routed.text, routed.session_key), view, now)
-        if sync is not None:
-            sync.publish(decision.worker_id, routed.text)
+        if self.sync is not None:
+            self.sync.publish(decision.worker_id, routed.text)
         self.metrics.decision(decision.reason)
         return self.fleet.workers[decision.worker_id], decision
 

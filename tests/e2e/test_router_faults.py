@@ -113,12 +113,14 @@ async def test_restarted_worker_gets_its_tree_dropped(
         async with http.post(url, json=prompt(i)) as r:
             assert r.status == 200
     policy, fleet = router.app[POLICY], router.app[FLEET]
-    epoch = fleet.workers["w0"].epoch
+    epoch = fleet.workers["w0"].report.epoch
     assert policy.worker_stats()["w0"]["tree_chars"] > 0
     bench.workers["w0"].signal(signal.SIGKILL)
     bench.workers["w0"].wait(10)
     bench.restart_worker("w0")  # same id and port: a new epoch
-    await wait_until(lambda: "w0" in fleet.workers and fleet.workers["w0"].epoch != epoch, 15)
+    await wait_until(
+        lambda: "w0" in fleet.workers and fleet.workers["w0"].report.epoch != epoch, 15
+    )
     assert policy.worker_stats().get("w0", {}).get("tree_chars", 0) == 0
     for i in range(10):
         async with http.post(url, json=prompt(i)) as r:

@@ -3,6 +3,11 @@ frozen: the reference that tests/router/test_cost_equivalence.py replays against
 live class, and that ``python -m loadtests policy-cost`` times side by side with it
 (policy ``cost_aware_reference``). The rule is documented at the top of
 router/policy/cost_aware.py; this copy must not change.
+
+Its input is as it was then: ``set_costs`` per heartbeat, stamped at the next ``select``
+(the live class reads the heartbeat from the view, stamped when the router read it; the
+harness reads both at the same instant). ``WorkerCosts`` and ``costs_of`` came along
+from the router when the heartbeat became one shape (``WorkerRecord``) there.
 """
 
 from __future__ import annotations
@@ -11,12 +16,36 @@ import heapq
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import eq
 
-from router.policy.base import Decision, RouteRequest, WorkerCosts, WorkerView
+from router.policy.base import Decision, RouteRequest, WorkerView
 from router.policy.cache_aware import CacheAware
 from shared.config import RouterConfig
+from shared.registry import WorkerRecord
+
+
+@dataclass(frozen=True)
+class WorkerCosts:
+    """What a worker's heartbeat says a new request would wait for. Zeros: unknown."""
+
+    queued_prefill_tokens: int = 0  # waiting prompts + the unprefilled rest of running ones
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0  # one decode step
+    max_running_requests: int = 0  # seats: requests beyond these wait
+    request_ms: float = 0.0  # how long an admitted request holds its seat (recent mean)
+    hit_rate: float = 0.0  # share of its prompt tokens found cached (so far)
+
+
+def costs_of(record: WorkerRecord) -> WorkerCosts:
+    prompt = record.prompt_tokens_total
+    return WorkerCosts(
+        record.queued_prefill_tokens, record.prefill_us_per_token, record.decode_ms_per_token,
+        record.max_running_requests, record.request_ms,
+        record.cached_tokens_total / prompt if prompt else 0.0,
+    )  # fmt: skip
+
 
 _MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is untrusted
 _MAX_MS = 1e7

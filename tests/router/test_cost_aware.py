@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from router.policy import build_policy
-from router.policy.base import Decision, FleetView, RouteRequest, WorkerCosts, WorkerView
+from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
 from router.policy.cost_aware import CostAware
 from shared.config import RouterConfig
+from shared.registry import WorkerRecord
 
 PREFIX = "p" * 3_960  # with a 40-char question: 4,000 chars, 1,000 tokens
 
@@ -22,6 +23,7 @@ PREFIX = "p" * 3_960  # with a 40-char question: 4,000 chars, 1,000 tokens
 def policy(seed: int = 0, **keys: Any) -> CostAware:
     p = build_policy(RouterConfig(policy="cost_aware", **keys), random.Random(seed))
     assert isinstance(p, CostAware)
+    HEARTBEATS[id(p)] = {}
     return p
 
 
@@ -29,8 +31,40 @@ def fleet(*loads: int) -> list[WorkerView]:
     return [WorkerView(f"w{i}", load) for i, load in enumerate(loads)]
 
 
+# The table's side: each policy's workers' last heartbeats, as (record, read at). A
+# heartbeat given by `beat` is read just before the next request (`ask`), as discovery
+# reads the registry between requests.
+HEARTBEATS: dict[int, dict[str, tuple[WorkerRecord, float | None]]] = {}
+
+
+def beat(
+    p: CostAware, worker_id: str, queued: int = 0, prefill_us: float = 0.0,
+    decode_ms: float = 0.0, seats: int = 0, request_ms: float = 0.0, hit_rate: float = 0.0,
+) -> None:  # fmt: skip
+    prompt = 1_000_000 if hit_rate else 0  # hit rates here are multiples of 1e-6
+    record = WorkerRecord(
+        worker_id, "http://w", "m", "sim", 1.0, queued_prefill_tokens=queued,
+        prefill_us_per_token=prefill_us, decode_ms_per_token=decode_ms,
+        max_running_requests=seats, request_ms=request_ms, prompt_tokens_total=prompt,
+        cached_tokens_total=round(hit_rate * prompt),
+    )  # fmt: skip
+    HEARTBEATS.setdefault(id(p), {})[worker_id] = (record, None)
+
+
+def with_reports(p: CostAware, workers: list[WorkerView], now: float) -> list[WorkerView]:
+    beats = HEARTBEATS.setdefault(id(p), {})
+    for wid, (record, at) in beats.items():
+        if at is None:
+            beats[wid] = (record, now)
+    out = []
+    for w in workers:
+        record, at = beats.get(w.worker_id, (None, 0.0))
+        out.append(WorkerView(w.worker_id, w.load, w.kv_capacity_tokens, record, at or 0.0))
+    return out
+
+
 def ask(p: CostAware, text: str, workers: list[WorkerView], now: float = 0.0) -> Decision:
-    return p.select(RouteRequest(text), workers, now)
+    return p.select(RouteRequest(text), with_reports(p, workers, now), now)
 
 
 def question(i: int) -> str:
@@ -39,7 +73,7 @@ def question(i: int) -> str:
 
 def report(p: CostAware, n: int, queued: dict[int, int] | None = None, us: float = 20.0) -> None:
     for i in range(n):
-        p.set_costs(f"w{i}", WorkerCosts((queued or {}).get(i, 0), us, 1.0))
+        beat(p, f"w{i}", (queued or {}).get(i, 0), us, 1.0)
 
 
 def test_long_queue_loses_to_idle_worker_unless_the_cached_share_saves_more() -> None:
@@ -60,8 +94,8 @@ def test_break_even_is_where_the_queue_costs_what_the_cache_saves() -> None:
     # queued w1 wins, above it w0, and at exactly 25 the tie goes to the longer match.
     for queued, expect in ((24, "w1"), (25, "w1"), (26, "w0")):
         p = policy(cost_decode_weight=0.0)
-        p.set_costs("w0", WorkerCosts(0, 1_000.0, 1.0))
-        p.set_costs("w1", WorkerCosts(queued, 1_000.0, 1.0))
+        beat(p, "w0", 0, 1_000.0, 1.0)
+        beat(p, "w1", queued, 1_000.0, 1.0)
         p.observe("w1", "x" * 100, now=0.0)
         assert ask(p, "x" * 400, fleet(0, 0)).worker_id == expect, queued
 
@@ -86,7 +120,7 @@ def test_a_reported_queue_counts_only_what_the_worker_hit_rate_leaves_uncached()
         p = policy()
         report(p, 2)
         p.observe("w0", PREFIX + question(0), now=0.0)
-        p.set_costs("w0", WorkerCosts(2_000, 20.0, 1.0, hit_rate=hit_rate))
+        beat(p, "w0", 2_000, 20.0, 1.0, hit_rate=hit_rate)
         # 0.0: 40 + 0.02 ms against 20 ms on w1. 0.9: 4 + 0.02 ms.
         assert ask(p, PREFIX + question(1), fleet(0, 0), now=1.0).worker_id == expect
 
@@ -131,14 +165,14 @@ def test_own_requests_since_the_heartbeat_count_until_their_predicted_first_toke
 
 def test_reported_and_own_queues_take_the_larger_not_the_sum() -> None:
     p = policy(cost_decode_weight=0.0)
-    p.set_costs("w0", WorkerCosts(0, 1_000.0, 1.0))
-    p.set_costs("w1", WorkerCosts(0, 1_000.0, 1.0))
+    beat(p, "w0", 0, 1_000.0, 1.0)
+    beat(p, "w1", 0, 1_000.0, 1.0)
     assert ask(p, "a" * 400, fleet(0, 0), now=0.0).worker_id in ("w0", "w1")
     first = "w0" if p._own.get("w0") else "w1"  # 100 own tokens pending there
     other = "w1" if first == "w0" else "w0"
     # The heartbeat now reports those same 100 tokens: still 100 queued, not 200.
-    p.set_costs(first, WorkerCosts(100, 1_000.0, 1.0))
-    p.set_costs(other, WorkerCosts(99, 1_000.0, 1.0))
+    beat(p, first, 100, 1_000.0, 1.0)
+    beat(p, other, 99, 1_000.0, 1.0)
     assert ask(p, "b" * 400, fleet(0, 0), now=0.01).worker_id == other
 
 
@@ -165,13 +199,13 @@ def test_a_worker_without_a_free_seat_costs_the_wait_for_one() -> None:
     # 4 seats, a request holds one for 80 ms: each request beyond them waits ~20 ms more.
     p = policy(**SEAT_TERMS_ONLY)
     for i in range(2):
-        p.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
+        beat(p, f"w{i}", 0, 20.0, 1.0, 4, 80.0)
     p.observe("w0", PREFIX + question(0), now=0.0)
     text = PREFIX + question(1)  # w0 saves 990 × 0.02 = 19.8 ms of prefill
     assert ask(p, text, fleet(3, 0), now=1.0).worker_id == "w0"  # a seat is free
     p2 = policy(**SEAT_TERMS_ONLY)
     for i in range(2):
-        p2.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
+        beat(p2, f"w{i}", 0, 20.0, 1.0, 4, 80.0)
     p2.observe("w0", PREFIX + question(0), now=0.0)
     # Full (load 4): 20 ms for a seat > 19.8 ms saved.
     assert ask(p2, text, fleet(4, 0), now=1.0).worker_id == "w1"
@@ -184,8 +218,8 @@ def test_a_miss_on_a_full_worker_also_costs_the_requests_waiting_there() -> None
     # request waits, and so does the one waiting there: 2 × 20 + 1 = 41 ms.
     for w1_load, expect in ((3, "w1"), (4, "w0")):
         p = policy(**SEAT_TERMS_ONLY)
-        p.set_costs("w0", WorkerCosts(2_000, 20.0, 1.0, 4, 4.0))
-        p.set_costs("w1", WorkerCosts(0, 20.0, 1.0, 4, 4.0))
+        beat(p, "w0", 2_000, 20.0, 1.0, 4, 4.0)
+        beat(p, "w1", 0, 20.0, 1.0, 4, 4.0)
         p.observe("w0", PREFIX + question(0), now=0.0)
         assert ask(p, PREFIX + question(1), fleet(0, w1_load), now=1.0).worker_id == expect
 
@@ -193,7 +227,7 @@ def test_a_miss_on_a_full_worker_also_costs_the_requests_waiting_there() -> None
 def seated(p: CostAware, n: int = 2) -> None:
     """Workers with 4 seats, each request holding one for 80 ms: a seat every 20 ms."""
     for i in range(n):
-        p.set_costs(f"w{i}", WorkerCosts(0, 20.0, 1.0, 4, 80.0))
+        beat(p, f"w{i}", 0, 20.0, 1.0, 4, 80.0)
 
 
 def test_a_miss_stalls_the_requests_running_there_so_a_busy_non_holder_loses() -> None:
@@ -213,7 +247,7 @@ def test_a_miss_stalls_the_requests_running_there_so_a_busy_non_holder_loses() -
     for stall, expect in ((0.0, "w0"), (1.0, "w1")):
         p = policy(cost_decode_weight=0.0, cost_hold_margin=0.0, cost_stall_weight=stall)
         for i, queued in enumerate((0, 500)):
-            p.set_costs(f"w{i}", WorkerCosts(queued, 20.0, 1.0, 4, 80.0))
+            beat(p, f"w{i}", queued, 20.0, 1.0, 4, 80.0)
         assert ask(p, "n" * 4_000, fleet(3, 0), now=1.0).worker_id == expect, stall
 
 
@@ -248,8 +282,8 @@ def test_own_tokens_count_until_the_predicted_first_token_not_the_stall_priced_i
 
 def test_bad_reports_count_as_unknown_and_never_raise() -> None:
     p = policy(cost_prefill_us_per_token=20.0, cost_decode_ms_per_token=1.0)
-    p.set_costs("w0", WorkerCosts(-5, float("nan"), float("inf")))
-    p.set_costs("w1", WorkerCosts(10**30, -1.0, 1e12))  # type: ignore[arg-type]
+    beat(p, "w0", -5, float("nan"), float("inf"))
+    beat(p, "w1", 10**30, -1.0, 1e12)  # type: ignore[arg-type]
     d = ask(p, "z" * 400, fleet(0, 0))
     assert d.worker_id in ("w0", "w1")
     cols = p._cols  # the inputs as priced: unknown figures took the configured defaults
@@ -261,9 +295,9 @@ def test_inherits_cache_aware_bookkeeping_epochs_caps_and_fleet_views() -> None:
     p = policy(tree_chars_per_token=4.0)
     report(p, 2)
     p.observe("w0", PREFIX, now=0.0)
-    p.set_costs("w0", WorkerCosts(50, 20.0, 1.0))
-    p.remove_worker("w0")  # new epoch: tree, reports and own queue go
-    assert "w0" not in p._costs and p._tree.tenant_size("w0") == 0
+    beat(p, "w0", 50, 20.0, 1.0)
+    p.remove_worker("w0")  # new epoch: tree and own queue go
+    assert "w0" not in p._own and p._tree.tenant_size("w0") == 0
     view = FleetView(["w0", "w1"], [0, 0], [0, 250])  # w1 caches 250 tokens: 1,000 chars
     p.select(RouteRequest("r" * 100), view, 1.0)
     p.observe("w1", "q" * 4_000, now=2.0)
@@ -279,7 +313,7 @@ def test_every_decision_names_a_routable_worker(n: int) -> None:
     for k in range(200):
         workers = fleet(*(rng.randrange(5) for _ in range(n)))
         if k % 7 == 0:
-            p.set_costs(f"w{rng.randrange(n)}", WorkerCosts(rng.randrange(3_000), 20.0, 1.0))
+            beat(p, f"w{rng.randrange(n)}", rng.randrange(3_000), 20.0, 1.0)
         text = rng.choice(("sys-a ", "sys-b ", "")) * 50 + str(rng.random())
         d = ask(p, text, workers, now=k * 0.01)
         assert d.worker_id in {w.worker_id for w in workers}

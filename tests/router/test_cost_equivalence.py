@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from router.policy.base import Decision, FleetView, RouteRequest, WorkerCosts, WorkerView
+from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
 from router.policy.cost_aware import CostAware
 from shared.config import RouterConfig
-from tests.router.cost_aware_reference import CostAwareReference
+from shared.registry import WorkerRecord
+from tests.router.cost_aware_reference import CostAwareReference, costs_of
 
 
 class CountingRandom(random.Random):
@@ -47,17 +50,60 @@ class CountingReference(CostAwareReference):
         return held
 
 
-def heartbeat(rng: random.Random) -> WorkerCosts:
+def heartbeat(rng: random.Random, w: str) -> WorkerRecord:
     if rng.random() < 0.05:  # garbage from Redis: counts as unknown
-        return WorkerCosts(-3, float("nan"), float("inf"), -1, 1e12, 7.0)  # type: ignore[arg-type]
-    return WorkerCosts(
-        rng.choice((0, 0, 40, 400, 4_000)),
-        rng.choice((0.0, 20.0, 30.0, 1_000.0)),
-        rng.choice((0.0, 1.0, 3.0)),
-        rng.choice((0, 4, 8)),
-        rng.choice((0.0, 40.0, 80.0)),
-        rng.choice((0.0, 0.0, 0.5, rng.random())),
-    )
+        return WorkerRecord(
+            w, "http://w", "m", "sim", 1.0, queued_prefill_tokens=-3,
+            prefill_us_per_token=float("nan"), decode_ms_per_token=float("inf"),
+            max_running_requests=-1, request_ms=1e12, prompt_tokens_total=1, cached_tokens_total=7,
+        )  # fmt: skip
+    prompt = rng.choice((0, 1_000, 1_000_000))
+    return WorkerRecord(
+        w, "http://w", "m", "sim", 1.0,
+        queued_prefill_tokens=rng.choice((0, 0, 40, 400, 4_000)),
+        prefill_us_per_token=rng.choice((0.0, 20.0, 30.0, 1_000.0)),
+        decode_ms_per_token=rng.choice((0.0, 1.0, 3.0)),
+        max_running_requests=rng.choice((0, 4, 8)),
+        request_ms=rng.choice((0.0, 40.0, 80.0)),
+        prompt_tokens_total=prompt,
+        cached_tokens_total=rng.choice((0, 0, prompt // 2, rng.randrange(prompt + 1))),
+    )  # fmt: skip
+
+
+class Heartbeats:
+    """The table's side of the stream: each worker's last heartbeat and when it was read.
+    The reference takes it as ``set_costs`` and stamps it at its next ``select``; the view
+    carries it stamped with that same instant (``read`` before each select)."""
+
+    def __init__(self, ref: CostAwareReference) -> None:
+        self.ref = ref
+        self.records: dict[str, WorkerRecord] = {}
+        self.at: dict[str, float] = {}
+        self.unread: set[str] = set()
+
+    def beat(self, record: WorkerRecord) -> None:
+        w = record.worker_id
+        self.ref.set_costs(w, costs_of(record))
+        self.records[w] = replace(record)  # a heartbeat is a new object, same figures or not
+        self.unread.add(w)
+
+    def forget(self, w: str) -> None:  # a new epoch: no report until its next heartbeat
+        self.records.pop(w, None)
+        self.at.pop(w, None)
+        self.unread.discard(w)
+
+    def read(self, now: float) -> None:
+        for w in self.unread:
+            self.at[w] = now
+        self.unread.clear()
+
+    def write(self, view: FleetView) -> None:
+        """Into the kept view, in place, as the table does."""
+        for i, w in enumerate(view.ids):
+            record, at = self.records.get(w), self.at.get(w, 0.0)
+            if view.reports[i] is not record or view.reported_at[i] != at:
+                view.reports[i], view.reported_at[i] = record, at
+                view.reported += 1
 
 
 def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
@@ -67,6 +113,7 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
     ref = CountingReference(config, draws)
     new = CostAware(config, random.Random(seed))
     both = (ref, new)
+    beats = Heartbeats(ref)
     rng = random.Random(seed + 1)
     every = [f"w{i}" for i in range(n)]
     caps = {w: rng.choice((0, 0, 60, 200)) for w in every}
@@ -75,9 +122,7 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
     systems = ["".join(rng.choices("ab", k=160)) for _ in range(6)]
     for w in every:
         if rng.random() < 0.8:
-            costs = heartbeat(rng)
-            for p in both:
-                p.set_costs(w, costs)
+            beats.beat(heartbeat(rng, w))
     view = None
     now = 0.0
     for _ in range(steps):
@@ -86,18 +131,16 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
             w = rng.choice(every)
             loads[w] = rng.choice((0, 1, 3, 4, 5, 8, 9, 12))
         for _ in range(rng.choice((0, 0, 1, 3))):
-            w, costs = rng.choice(every), heartbeat(rng)
-            for p in both:
-                p.set_costs(w, costs)
-                if rng.random() < 0.3:
-                    p.set_costs(w, costs)  # the same figures again: a fresh stamp only
+            record = heartbeat(rng, rng.choice(every))
+            beats.beat(record)
+            if rng.random() < 0.3:
+                beats.beat(record)  # the same figures again: a fresh stamp only
         quiet = rng.random() < 0.02  # all idle, all reporting the same figures, a new text
         if quiet:
-            costs = heartbeat(rng)
+            record = heartbeat(rng, "")
             loads = dict.fromkeys(every, 0)
-            for p in both:
-                for w in every:
-                    p.set_costs(w, costs)
+            for w in every:
+                beats.beat(replace(record, worker_id=w))
         if rng.random() < 0.05:
             w, text = rng.choice(every), rng.choice(systems)[: rng.randrange(4, 160, 4)]
             for p in both:
@@ -111,6 +154,7 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
             w = rng.choice(every)
             for p in both:
                 p.remove_worker(w)  # a new epoch: its tree, reports and own queue go
+            beats.forget(w)
         w = rng.choice(every)
         if rng.random() < 0.03 and (w in out or len(out) < max(1, n // 4)):
             out ^= {w}  # a worker leaves or rejoins the routable set
@@ -119,7 +163,14 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
         if view is None or rng.random() < 0.02:  # also: a retry's one-off view
             view = FleetView(ids, [0] * len(ids), [caps[w] for w in ids])
         view.loads[:] = [loads[w] for w in ids]
-        workers = view if rng.random() < 0.8 else [WorkerView(w, loads[w], caps[w]) for w in ids]
+        beats.read(now)
+        beats.write(view)
+        workers: Sequence[WorkerView] = view
+        if rng.random() >= 0.8:
+            workers = [
+                WorkerView(w, loads[w], caps[w], beats.records.get(w), beats.at.get(w, 0.0))
+                for w in ids
+            ]
         if rng.random() < 0.02:
             text = ""
         elif quiet:

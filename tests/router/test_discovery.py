@@ -55,7 +55,7 @@ async def test_join_expire_leave_and_epoch(redis_server: RedisServer, registry: 
         )
         await registry.publish_heartbeat(rec("b", 9002), ttl_s=0.5, joined=True)
         await wait_until(lambda: set(fleet.workers) == {"a", "b"})
-        assert fleet.workers["a"].kv_capacity_tokens == 1000
+        assert fleet.workers["a"].report.kv_capacity_tokens == 1000
         # b stops heartbeating: it leaves once its hash expires.
         await wait_until(lambda: set(fleet.workers) == {"a"})
         # a restarts: new epoch → its tree is dropped.
@@ -64,7 +64,7 @@ async def test_join_expire_leave_and_epoch(redis_server: RedisServer, registry: 
         await registry.publish_heartbeat(
             rec("a", 9001, epoch=2.0, kv_capacity_tokens=1000), ttl_s=30, joined=True
         )
-        await wait_until(lambda: fleet.workers["a"].epoch == 2.0)
+        await wait_until(lambda: fleet.workers["a"].report.epoch == 2.0)
         assert policy.worker_stats().get("a", {}).get("tree_chars", 0) == 0
         await registry.leave(rec("a", 9001, epoch=2.0))
         await wait_until(lambda: fleet.workers == {})

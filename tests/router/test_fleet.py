@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.fleet.table import Attempt, Fleet
-from router.fleet.workers import Breaker, FailureKind, LoadGuard, Worker
+from router.fleet.workers import Breaker, FailureKind, Worker
 from router.policy import build_policy
-from router.policy.base import RouteRequest, WorkerCosts, WorkerView
+from router.policy.base import RouteRequest, WorkerView
 from shared.config import RouterConfig
 from shared.registry import WorkerRecord
 
@@ -26,13 +26,9 @@ def record(wid: str, epoch: float = 1.0, **kw: object) -> WorkerRecord:
 class Hooks:
     def __init__(self) -> None:
         self.removed: list[str] = []
-        self.costs: dict[str, WorkerCosts] = {}
 
     def remove_worker(self, worker_id: str) -> None:
         self.removed.append(worker_id)
-
-    def set_costs(self, worker_id: str, costs: WorkerCosts) -> None:
-        self.costs[worker_id] = costs
 
 
 def fail(fleet: Fleet, worker: Worker, now: float) -> None:
@@ -62,15 +58,15 @@ def test_breaker_opens_after_consecutive_failures_then_half_opens_for_one_probe(
     assert b.state(24.3) == "closed" and b.allows(24.3)
 
 
-def test_load_guard_releases_exactly_once() -> None:
+def test_an_attempt_releases_its_load_exactly_once() -> None:
     fleet = Fleet(RouterConfig(), Hooks())
     w = fleet.add_url("http://127.0.0.1:9001", "static")
-    guard = LoadGuard(w)
+    attempt = fleet.attempt(w, 0.0)
     assert w.in_flight == 1 and w.load == 1
-    guard.release()
-    guard.release()
+    attempt.release()
+    attempt.release()
     assert w.in_flight == 0
-    with pytest.raises(RuntimeError), LoadGuard(w):
+    with pytest.raises(RuntimeError), fleet.attempt(w, 0.0):
         assert w.in_flight == 1
         raise RuntimeError("boom")
     assert w.in_flight == 0
@@ -81,15 +77,13 @@ def test_load_counts_no_request_twice() -> None:
     fleet.apply_registry({"w1": record("w1", running=3, waiting=2)})
     w = fleet.workers["w1"]
     # The reported queue already holds this router's requests: the larger count wins.
-    with LoadGuard(w):
+    with fleet.attempt(w, 0.0):
         assert w.load == 5
-    guards = [LoadGuard(w) for _ in range(7)]
-    for g in guards:
-        g.__enter__()
+    attempts = [fleet.attempt(w, 0.0) for _ in range(7)]
     assert w.load == 7
     assert w.load_with(remote_in_flight=2) == 9  # other replicas' in-flight (replica sync)
-    for g in guards:
-        g.__exit__(None, None, None)
+    for a in attempts:
+        a.__exit__(None, None, None)
     assert w.load == 5
 
 
@@ -102,9 +96,9 @@ def routable(
         w
         for w in fleet.workers.values()
         if w.worker_id not in skip
-        and not w.draining
+        and not w.report.draining
         and w.breaker.allows(now)
-        and (model is None or not w.model or w.model == model)
+        and (model is None or not w.report.model or w.report.model == model)
     ]
 
 
@@ -115,19 +109,16 @@ def test_registry_join_leave_epoch_and_capacity() -> None:
         {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")}
     )
     assert sorted(joined) == ["w1", "w2"] and left == []
-    assert fleet.view(0.0).capacities == (100, 0)  # capacity reaches the policy here only
-    assert hooks.costs == {"w1": WorkerCosts(), "w2": WorkerCosts()}
-    # Every read passes the heartbeat's cost figures on (cost_aware reads them).
-    fleet.apply_registry(
-        {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2", queued_prefill_tokens=7,
-                                                                      prefill_us_per_token=20.0,
-                                                                      decode_ms_per_token=1.5)}
-    )  # fmt: skip
-    assert hooks.costs["w2"] == WorkerCosts(7, 20.0, 1.5)
-    fleet.apply_registry(
-        {"w1": record("w1", prompt_tokens_total=400, cached_tokens_total=100), "w2": record("w2")}
-    )
-    assert hooks.costs["w1"].hit_rate == 0.25  # the share of its prompts it found cached
+    view = fleet.view(0.0)
+    assert view.capacities == (100, 0)  # every reported figure reaches the policy here only
+    # Every read writes each heartbeat, as read and when, into the kept view in place.
+    beat = record("w2", queued_prefill_tokens=7, prefill_us_per_token=20.0)
+    fleet.apply_registry({"w1": record("w1", kv_capacity_tokens=100), "w2": beat}, now=3.0)
+    written = view.reported
+    assert fleet.view(3.0) is view and view.reports[1] is beat and view.reported_at[1] == 3.0
+    assert written >= 2 and fleet.workers["w2"].report is beat
+    fleet.apply_registry({"w1": record("w1", kv_capacity_tokens=100), "w2": beat}, now=4.0)
+    assert view.reported_at[1] == 4.0 and view.reported == written + 2  # the same figures again
     # Same epoch: nothing dropped. New epoch: the worker restarted, its tree goes.
     assert fleet.apply_registry(
         {"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")}
@@ -137,6 +128,17 @@ def test_registry_join_leave_epoch_and_capacity() -> None:
     assert joined == ["w1"] and left == ["w2"]
     assert hooks.removed == ["w1", "w2"]
     assert set(fleet.workers) == {"w1"}
+
+
+def test_a_workers_tree_cap_follows_its_device_and_host_capacity() -> None:
+    fleet = Fleet(RouterConfig(), Hooks())
+    fleet.apply_registry({"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")})
+    assert fleet.view(0.0).capacities == (100, 0)
+    fleet.apply_registry(
+        {"w1": record("w1", kv_capacity_tokens=100, host_kv_capacity_tokens=800),
+         "w2": record("w2")}
+    )  # fmt: skip
+    assert fleet.view(0.0).capacities == (900, 0)  # a new host tier: the column is replaced
 
 
 def test_missing_workers_kept_when_not_dropping_and_static_never_dropped() -> None:
@@ -188,25 +190,33 @@ COOLDOWN = 5.0  # time steps below are multiples of 0.5: they land exactly on co
 
 def expected(
     fleet: Fleet, now: float, model: str | None, exclude: list[str], remote: dict[str, int]
-) -> tuple[tuple[str, ...], list[int], tuple[int, ...]]:
+) -> tuple[object, ...]:
     ws = routable(fleet, now, exclude=exclude, model=model)
     return (
         tuple(w.worker_id for w in ws),
         [w.load_with(remote.get(w.worker_id, 0)) for w in ws],
-        tuple(w.kv_capacity_tokens for w in ws),
+        tuple(w.report.kv_capacity_tokens for w in ws),
+        [w.report for w in ws],
+        [w.reported_at for w in ws],
     )
 
 
 def assert_views_match(fleet: Fleet, now: float, remote: dict[str, int]) -> None:
     for model in (None, "m", "other", "", "unknown"):
         for exclude in ([], sorted(fleet.workers)[:1]):
-            view = fleet.view(now, model, exclude=exclude, remote=remote)
-            got = (view.ids, list(view.loads), view.capacities)
+            view = fleet.view(now, model, exclude=exclude)
+            got = (
+                view.ids,
+                list(view.loads),
+                view.capacities,
+                list(view.reports),
+                list(view.reported_at),
+            )
             assert got == expected(fleet, now, model, exclude, remote), (model, exclude)
     for model in ("m", "other", "unknown"):
         assert fleet.knows_model(model) == (
-            any(w.model == model for w in fleet.workers.values())
-            or not any(w.model for w in fleet.workers.values())
+            any(w.report.model == model for w in fleet.workers.values())
+            or not any(w.report.model for w in fleet.workers.values())
         )
 
 
@@ -220,11 +230,12 @@ class Driver:
     """Applies events the way the router's components do, to one fleet."""
 
     def __init__(self) -> None:
-        self.fleet = Fleet(RouterConfig(breaker_failures=2, breaker_cooldown=COOLDOWN), Hooks())
+        self.remote: dict[str, int] = {}
+        config = RouterConfig(breaker_failures=2, breaker_cooldown=COOLDOWN)
+        self.fleet = Fleet(config, Hooks(), lambda: self.remote)
         self.now = 0.0
         self.registry: dict[str, WorkerRecord] = {}
         self.attempts: list[Attempt] = []
-        self.remote: dict[str, int] = {}
 
     def apply(self, kind: str, n: int, value: int) -> None:
         fleet, wid = self.fleet, f"w{n}"
@@ -236,15 +247,15 @@ class Driver:
                 running=value % 5, waiting=value // 5, kv_capacity_tokens=100 * (value % 3),
                 draining=value == 7,
             )  # fmt: skip
-            fleet.apply_registry(self.registry)
+            fleet.apply_registry(self.registry, now=self.now)
         elif kind == "leave":
             self.registry.pop(wid, None)
-            fleet.apply_registry(self.registry, drop_missing=value % 2 == 0)
+            fleet.apply_registry(self.registry, drop_missing=value % 2 == 0, now=self.now)
         elif kind == "restart" and wid in self.registry:
             self.registry[wid] = WorkerRecord(
                 **{**self.registry[wid].__dict__, "epoch": 2.0 + value}
             )
-            fleet.apply_registry(self.registry)
+            fleet.apply_registry(self.registry, now=self.now)
         elif kind == "static":
             fleet.add_url(f"http://127.0.0.{n + 2}:8000", "static" if value % 2 else "admin")
         elif kind == "tick":
@@ -278,7 +289,7 @@ class Driver:
             self.registry[worker.worker_id] = WorkerRecord(
                 **{**old.__dict__, "draining": not old.draining}
             )
-            fleet.apply_registry(self.registry)
+            fleet.apply_registry(self.registry, now=self.now)
         elif kind == "probe_model":
             fleet.set_model(worker, MODELS[value % 3])  # what GET /v1/models does
 
@@ -351,33 +362,37 @@ def test_open_breaker_rejoins_the_view_exactly_when_its_cooldown_ends() -> None:
 
 
 def test_loads_are_written_in_place_and_membership_changes_replace_the_columns() -> None:
-    fleet = Fleet(RouterConfig(), Hooks())
+    remote: dict[str, int] = {}  # other replicas' in-flight, as replica sync provides it
+    fleet = Fleet(RouterConfig(), Hooks(), lambda: remote)
     fleet.apply_registry({"w1": record("w1", running=1), "w2": record("w2")})
     view = fleet.view(0.0)
     loads, ids = view.loads, view.ids
-    guard = LoadGuard(fleet.workers["w2"])
-    guard.__enter__()
-    guard.__enter__()  # entering twice is one request, as before
+    attempt = fleet.attempt(fleet.workers["w2"], 0.0)
+    attempt.__enter__()
+    attempt.__enter__()  # entering twice is one request, as before
     assert fleet.view(0.0) is view and loads == [1, 1]
     fleet.apply_registry({"w1": record("w1", running=4, waiting=2), "w2": record("w2")})
-    assert fleet.view(0.0, remote={"w2": 3}).loads is loads and loads == [6, 4]
-    guard.release()
+    remote = {"w2": 3}  # the provider replaces its mapping when a count moves
+    assert fleet.view(0.0).loads is loads and loads == [6, 4]
+    attempt.release()
     assert loads == [6, 3]
+    remote = {}
+    assert fleet.view(0.0).loads is loads and loads == [6, 0]
     # The policy notices fleet changes by the identity of `ids`: a change gives new tuples.
     fleet.apply_registry(
         {"w1": record("w1", running=4, waiting=2, draining=True), "w2": record("w2")}
     )
-    assert fleet.view(0.0, remote={"w2": 3}).ids == ("w2",) and ids == ("w1", "w2")
+    assert fleet.view(0.0).ids == ("w2",) and ids == ("w1", "w2")
 
 
-def test_a_guard_on_a_removed_worker_leaves_its_successor_alone() -> None:
+def test_an_attempt_on_a_removed_worker_leaves_its_successor_alone() -> None:
     fleet = Fleet(RouterConfig(), Hooks())
     old = fleet.add_url("http://127.0.0.1:9001", "admin")
-    guard = LoadGuard(old)
+    attempt = fleet.attempt(old, 0.0)
     fleet.remove(old.worker_id)
     new = fleet.add_url("http://127.0.0.1:9001", "admin")
     assert fleet.view(0.0).loads == [0]
-    guard.release()  # the old request ends after the worker was replaced
+    attempt.release()  # the old request ends after the worker was replaced
     assert old.in_flight == 0 and new.in_flight == 0 and fleet.view(0.0).loads == [0]
 
 

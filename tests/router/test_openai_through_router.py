@@ -10,7 +10,6 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from loadtests.fleet import BenchFleet, WorkerSpec
-from router.fleet.workers import LoadGuard
 from router.http.app import create_app
 from router.http.state import FLEET, POLICY
 from shared.config import RouterConfig
@@ -104,7 +103,7 @@ async def test_imbalance_sends_to_the_least_loaded(router: TestServer) -> None:
     fleet = router.app[FLEET]
     other = next(w for w in fleet.workers if w != home)
     # Pretend 100 requests are in flight to `home` (beyond both balance thresholds).
-    guards = [LoadGuard(fleet.workers[home]) for _ in range(100)]
+    guards = [fleet.attempt(fleet.workers[home], 0.0) for _ in range(100)]
     try:
         raw = await client.completions.with_raw_response.create(
             model="sim", prompt=prefix + "b", max_tokens=1

@@ -1,0 +1,182 @@
+"""The house's shape, from the code's own imports (every import statement, at any depth in
+a file: a function-level import is an arrow too).
+
+- No import circles among the files of router/, worker/, shared/, loadtests/.
+- router/'s deepest import chain (its files only) is at most 8 files.
+- README's "Layout" list names folders that exist, and every package folder of router/
+  and worker/ is on it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("router", "worker", "shared", "loadtests")
+MAX_ROUTER_DEPTH = 8
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of `known` that `path` names in any import statement."""
+    found: set[str] = set()
+    package = (
+        module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    )
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from a import b` names the module a.b when there is one, else a.
+            names = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        found.update(name for name in names if name in known)
+    found.discard(module_name(path))
+    return found
+
+
+@cache
+def graph() -> dict[str, frozenset[str]]:
+    known = modules()
+    return {name: frozenset(imports_of(path, known)) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, frozenset[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one file (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def deepest_chain(edges: dict[str, frozenset[str]]) -> list[str]:
+    """The longest import chain (in files) of an acyclic graph."""
+    best: dict[str, list[str]] = {}
+
+    def chain(node: str) -> list[str]:
+        if node not in best:
+            below = [chain(child) for child in sorted(edges[node])]
+            best[node] = [node, *max(below, key=len, default=[])]
+        return best[node]
+
+    return max((chain(node) for node in sorted(edges)), key=len, default=[])
+
+
+def test_cycle_finder_finds_a_circle_held_open_by_a_function_level_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import x\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n    return a\n")
+    known = {"pkg": pkg / "__init__.py", "pkg.a": pkg / "a.py", "pkg.b": pkg / "b.py"}
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        edges = {name: frozenset(imports_of(path, known)) for name, path in known.items()}
+    finally:
+        ROOT = saved
+    assert edges["pkg.a"] == {"pkg.b"} and edges["pkg.b"] == {"pkg.a"}
+    assert cycles(edges) == [["pkg.a", "pkg.b"]]
+    assert deepest_chain({"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset()}) == [
+        "a",
+        "b",
+        "c",
+    ]
+
+
+def test_no_import_circles() -> None:
+    assert cycles(graph()) == []
+
+
+@pytest.mark.xfail(strict=True, reason="12 files deep until the house's stage 4 (issue 23)")
+def test_router_import_chain_is_short() -> None:
+    edges = graph()
+    router = {
+        n: frozenset(m for m in e if m.startswith("router"))
+        for n, e in edges.items()
+        if n.startswith("router")
+    }
+    chain = deepest_chain(router)
+    assert len(chain) <= MAX_ROUTER_DEPTH, " -> ".join(chain)
+
+
+def test_router_never_imports_worker_and_back() -> None:
+    for name, targets in graph().items():
+        top = name.split(".")[0]
+        other = {"router": "worker", "worker": "router"}.get(top)
+        assert not any(t.split(".")[0] == other for t in targets), (name, sorted(targets))
+
+
+def test_readme_layout_matches_the_folders() -> None:
+    text = (ROOT / "README.md").read_text()
+    layout = text.split("## Layout\n", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+(?:/[a-z_]+)*)/`", layout))
+    for folder in named:
+        candidates = [ROOT / folder, ROOT / "router" / folder, ROOT / "worker" / folder]
+        assert any(c.is_dir() for c in candidates), folder
+    for top in ("router", "worker"):
+        for init in (ROOT / top).rglob("__init__.py"):
+            folder = init.parent.relative_to(ROOT / top).as_posix()
+            if folder == "." or "/attention" in folder:
+                continue
+            assert folder in named or f"{top}/{folder}" in named, (
+                f"{top}/{folder} is not in the Layout"
+            )
