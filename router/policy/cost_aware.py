@@ -25,6 +25,13 @@ For each routable worker ``w``, with the request's text of ``n`` tokens
   reports (the sim engine reports its cost model); ``cost_prefill_us_per_token`` /
   ``cost_decode_ms_per_token`` for a worker that reports none; unknown seats: no wait.
 - ``load(w)``: requests in flight or queued there (the load every policy reads).
+- A host KV tier: a cached token the worker must load from host memory saves its
+  prefill less its load (KV bytes per token / load bandwidth, both reported). The tree
+  does not know a prefix's tier, so each of the ``m(w)`` cached tokens is priced at the
+  expected load: the share of the worker's hits served from its host tier × a host
+  token's load; the holder's price drops by ``weight × (prefill(w) − that)`` per cached
+  token instead of ``weight × prefill(w)``. (The tree's cap follows device + host
+  capacity, so ``m(w)`` may lie on the host.)
 - The miss term: the request's uncached tokens count ``k = cost_miss_weight`` times (1:
   its own TTFT) plus once per request waiting for a seat on ``w``, each of which also
   waits out that prefill. Without it, a saturated fleet spread its misses (each
@@ -171,12 +178,13 @@ class CostAware(CacheAware):
         cost, weights, stalled, p = price(loads, now, n, miss, stall)
         matched = self._holders_of(text)  # routable holders: chars cached there
         at, ends = list(matched), list(matched.values())
+        save = cols.hit_ms  # ms a cached token saves there: its prefill less its host load
         if small or len(at) <= _FEW:
             for j, end in zip(at, ends, strict=True):
-                cost[j] -= weights[j] * p[j] * (end / cpt)
+                cost[j] -= weights[j] * float(save[j]) * (end / cpt)
         else:
             where = np.array(at)
-            cost[where] -= weights[where] * p[where] * (np.array(ends, np.float64) / cpt)
+            cost[where] -= weights[where] * save[where] * (np.array(ends, np.float64) / cpt)
         i = self._pick(cost, matched, loads)
         longest = max(ends, default=0)
         if matched.get(i, 0) < longest and cfg.cost_hold_margin:

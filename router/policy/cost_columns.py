@@ -44,6 +44,9 @@ class Figures(NamedTuple):
     max_running_requests: int  # seats: requests beyond these wait
     request_ms: float  # how long an admitted request holds its seat (recent mean)
     hit_rate: float  # share of its prompt tokens found cached (so far)
+    # What a cached token costs to bring back, expected (ms): the share of its hits the
+    # worker served from its host tier x a host token's load (KV bytes / bandwidth).
+    host_load_ms: float = 0.0
 
 
 UNKNOWN = Figures(0, 0.0, 0.0, 0, 0.0, 0.0)
@@ -67,17 +70,29 @@ def figures(report: WorkerRecord | None) -> Figures:
         int(_clean(report.max_running_requests, _MAX_QUEUED)),
         _clean(report.request_ms, _MAX_MS),
         min(1.0, _clean(hit, 1.0)),
+        _host_load_ms(report),
     )
+
+
+def _host_load_ms(report: WorkerRecord) -> float:
+    """A host tier's load price per cached token, in expectation (0.0: no tier, or no
+    figures to price it by): the router's tree does not know a prefix's tier, the worker
+    knows what share of its hits came from the host."""
+    cached, rate = report.cached_tokens_total, _clean(report.host_load_bytes_per_s, 1e15)
+    if not cached or not rate:
+        return 0.0
+    share = min(1.0, _clean(report.host_cached_tokens_total / cached, 1.0))
+    return share * _clean(report.kv_bytes_per_token, 1e9) / rate * 1e3
 
 
 class CostColumns:
     """One row per worker of the fleet the columns were built for (its view order)."""
 
-    __slots__ = ("_cfg", "full", "kd", "o", "p", "r", "seat_ms", "seats", "t", "v")
+    __slots__ = ("_cfg", "full", "hit_ms", "kd", "o", "p", "r", "seat_ms", "seats", "t", "v")
 
     def __init__(self, config: RouterConfig) -> None:
         self._cfg = config
-        self.p = self.kd = self.r = self.t = self.v = self.o = np.zeros(0)
+        self.p = self.kd = self.r = self.t = self.v = self.o = self.hit_ms = np.zeros(0)
         self.seats = self.full = self.seat_ms = np.zeros(0)
 
     def rebuild(
@@ -90,6 +105,7 @@ class CostColumns:
         """Every row for the fleet ``ids`` (it changed: a join, a leave, a new epoch)."""
         n = len(ids)
         self.p, self.kd, self.r, self.v = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+        self.hit_ms = np.zeros(n)
         self.seats, self.full, self.seat_ms = np.zeros(n), np.zeros(n), np.zeros(n)
         for i, row in enumerate(rows):
             self.report(i, row)
@@ -101,6 +117,9 @@ class CostColumns:
         cfg = self._cfg
         p = (c.prefill_us_per_token or cfg.cost_prefill_us_per_token) / 1e3
         self.p[i] = p  # ms per prefill token
+        # ms a cached token saves: its prefill, less its expected load from a host tier
+        # (p - 0.0 is exact: without a tier, the prices are the ones before tiers).
+        self.hit_ms[i] = max(0.0, p - c.host_load_ms)
         self.kd[i] = cfg.cost_decode_weight * (
             c.decode_ms_per_token or cfg.cost_decode_ms_per_token
         )
