@@ -187,6 +187,10 @@ class FleetSim:
             decode_ms_per_token=cost.decode_ms_per_token, max_running_requests=cost.max_running,
             request_ms=worker.request_ms, prompt_tokens_total=worker.prompt_tokens,
             cached_tokens_total=worker.cached_tokens,
+            host_kv_capacity_tokens=cost.host_cache_tokens,
+            host_cached_tokens_total=worker.host_cached_tokens,
+            host_load_bytes_per_s=cost.host_load_bytes_per_s if cost.host_cache_tokens else 0.0,
+            kv_bytes_per_token=cost.kv_bytes_per_token,
         )  # fmt: skip
         views.reported += 1
         self._unread.add(i)
