@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("loadtests.runner", "locust, headless, against a URL: a workload, a report, plots"),
     "report": ("loadtests.report", "the summary and plots of a records.jsonl again"),
     "compare": ("loadtests.compare", "routing policies side by side on a local sim fleet"),
+    "sweep": ("loadtests.sweep", "request rates per policy: saturation point, goodput, a plot"),
     "host-reload": ("loadtests.bench_host_reload", "engine (CPU): reload N host tokens vs prefill"),
     "host-tier": ("loadtests.bench_host_tier", "simulator: host KV tier 0 / 4x / 10x vs unbounded"),
     "simulate": ("loadtests.simulate", "the routing policies on 8-1,000 simulated workers"),
@@ -35,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router-wrk": ("loadtests.bench_router_wrk", "wrk through 1 and N router processes, TTFT"),
     "router-fleet-size": ("loadtests.bench_router_fleet_size", "router CPU vs fleet size"),
     "worker-http": ("loadtests.bench_worker_http", "the worker's HTTP layer vs in process"),
+    "registry-scan": (
+        "loadtests.bench_registry_scan",
+        "one read of the fleet registry: SCAN vs the old id set",
+    ),
     "model-fusions": ("loadtests.bench_model_fusions", "merged projections, in-place RoPE (CPU)"),
     "runner-ab": ("loadtests.bench_runner_ab", "decode step time vs another checkout's runner"),
     # Imports only torch, numpy, transformers and the engine (no pydantic or redis).

@@ -2,12 +2,19 @@
 router, side by side in one run.
 
     python -m loadtests router-overhead [--requests 600] [--concurrency 32] [--seconds 8]
+    python -m loadtests router-overhead --before-ref REF [--rounds 4]
 
 Processes: a Redis-free sim worker (prefill and decode cost 0), the router
 (`python -m router serve --worker-url ...`, the default cache_aware policy), and this
 client. Latency is measured at concurrency 1 with direct and routed requests
 interleaved (so drift hits both alike); throughput is a closed loop of `--concurrency`
 clients for `--seconds` each way. Streamed time to first byte is measured the same way.
+
+`--before-ref REF`: the router's CPU per request at git commit REF against this tree's,
+side by side in one run: REF's files are checked out into a temporary folder, both
+routers front the same worker, and `--rounds` closed-loop rounds alternate between them
+(so drift on a shared machine hits both alike). CPU is each router process's own
+utime + stime over the requests it served.
 """
 
 from __future__ import annotations
@@ -37,11 +44,12 @@ def body(i: int, stream: bool = False) -> dict:
     return {"prompt": SYSTEM + f"question {i}", "max_tokens": 4, "stream": stream}
 
 
-def spawn(args: list[str], port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def spawn(args: list[str], port: int, root: Path = ROOT) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+        [sys.executable, "-m", *args], env=env, cwd=root, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with contextlib.suppress(TimeoutError):
         wait_until(lambda: proc.poll() is not None or answers_health(url), 60, poll_s=0.1)
@@ -144,6 +152,74 @@ async def bench(args: argparse.Namespace, direct: str, routed: str, pids: dict[s
     print(f"\np50 overhead {added:.3f} ms (target <= 1 ms): {'met' if added <= 1.0 else 'NOT met'}")
 
 
+def checkout(ref: str, into: Path) -> None:
+    """REF's tracked files into `into` (git archive: no worktree left behind)."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", ref], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+
+
+async def before_after(
+    args: argparse.Namespace, urls: dict[str, str], pids: dict[str, int]
+) -> None:
+    connector = aiohttp.TCPConnector(limit=0)
+    cpu: dict[str, list[float]] = {name: [] for name in urls}
+    rps: dict[str, list[float]] = {name: [] for name in urls}
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for url in urls.values():  # warm up both
+            for i in range(50):
+                await one(session, url + "/v1/completions", body(i))
+        for r in range(args.rounds):
+            order = list(urls) if r % 2 == 0 else list(reversed(urls))
+            for name in order:
+                rate, per = await throughput(
+                    session, urls[name], args.concurrency, args.seconds, {name: pids[name]}
+                )
+                cpu[name].append(per[name])
+                rps[name].append(rate)
+    print(f"\nRouter CPU per request, {args.before_ref} (before) vs this tree (after): "
+          f"{args.rounds} alternating rounds of {args.concurrency} concurrent for "
+          f"{args.seconds}s, on {os.cpu_count()} cores (load average "
+          f"{os.getloadavg()[0]:.1f})\n")  # fmt: skip
+    print("| router | CPU ms / request, each round | median | requests/s, median |")
+    print("|---|---|---:|---:|")
+    for name in urls:
+        rounds = ", ".join(f"{c:.3f}" for c in cpu[name])
+        print(f"| {name} | {rounds} | {statistics.median(cpu[name]):.3f} | "
+              f"{statistics.median(rps[name]):.0f} |")  # fmt: skip
+    ratio = statistics.median(cpu["after"]) / statistics.median(cpu["before"])
+    print(f"\nafter / before CPU per request: {ratio:.2f}x")
+
+
+def main_before_after(args: argparse.Namespace) -> None:
+    import tempfile
+
+    wport = free_port()
+    ports = {"before": free_port(), "after": free_port()}
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="router-before-") as tmp:
+        checkout(args.before_ref, Path(tmp))
+        roots = {"before": Path(tmp), "after": ROOT}
+        try:
+            procs.append(spawn(["worker", "serve", "--engine", "sim", "--host", "127.0.0.1",
+                                "--port", str(wport), "--worker-id", "bench", "--log-level",
+                                "WARNING"], wport))  # fmt: skip
+            pids = {}
+            for name, port in ports.items():
+                proc = spawn(["router", "serve", "--host", "127.0.0.1", "--port", str(port),
+                              "--policy", args.policy, "--worker-url", f"http://127.0.0.1:{wport}",
+                              "--log-level", "WARNING"], port, roots[name])  # fmt: skip
+                procs.append(proc)
+                pids[name] = proc.pid
+            urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+            asyncio.run(before_after(args, urls, pids))
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(10)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=HelpFormatter
@@ -152,7 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--before-ref", help="git commit to compare this tree's router CPU against")
+    parser.add_argument("--rounds", type=int, default=4, help="with --before-ref: rounds each")
     args = parser.parse_args(argv)
+    if args.before_ref:
+        main_before_after(args)
+        return
     wport, rport = free_port(), free_port()
     worker = spawn(["worker", "serve", "--engine", "sim", "--host", "127.0.0.1", "--port", str(wport),
                     "--worker-id", "bench", "--log-level", "WARNING"], wport)  # fmt: skip

@@ -1,7 +1,7 @@
 """Fault scenarios at a larger scale than the tests, with a table of what each one cost.
 
     python -m loadtests faults [--workers 3] [--concurrency 64] [--redis-outage-s 30]
-        [--only sigkill,restart,redis,hung,router_sigterm,slowloris,stuck_reader]
+        [--only sigkill,restart,redis,hung,router_sigterm,slowloris,stuck_reader,up_kill]
 
 Each scenario starts a fresh fleet of real processes (Redis, sim workers, the router;
 loadtests/fleet.py), runs a steady load (`--concurrency` clients, non-streaming, plus a
@@ -15,6 +15,8 @@ few streams), injects its fault, keeps the load on, and prints one row:
     hung      a never-answering worker added (admin API) → its breaker is open
     router_sigterm  SIGTERM → the router exited (code shown), in-flight finished
     slowloris, stuck_reader: bad clients, in loadtests/faults_clients.py
+    up_kill   kill -9 of a worker under `radix-router up` → it is back (new epoch) and
+              routed to again (loadtests/faults_up.py)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import redis as redis_sync
 
 from loadtests.faults_clients import CLIENT_SCENARIOS
 from loadtests.faults_kit import ADMIN_KEY, SPEC, Options, Row, poll, row, with_load
+from loadtests.faults_up import UP_SCENARIOS
 from loadtests.fleet import sim_fleet
 from loadtests.options import HelpFormatter
 from loadtests.traffic import call, prompt, session
@@ -153,7 +156,7 @@ SCENARIOS = {"sigkill": sigkill, "restart": restart, "redis": redis_outage, "hun
 
 
 def scenarios() -> dict[str, Callable[[Options], Awaitable[Row]]]:
-    return {**SCENARIOS, **CLIENT_SCENARIOS}
+    return {**SCENARIOS, **CLIENT_SCENARIOS, **UP_SCENARIOS}
 
 
 async def run(names: list[str], o: Options) -> list[Row]:

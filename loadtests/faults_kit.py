@@ -1,4 +1,4 @@
-"""What every fault scenario shares (loadtests/faults.py, loadtests/faults_clients.py):
+"""What every fault scenario shares (loadtests/faults.py, faults_clients.py, faults_up.py):
 the options, a result row, the steady load around a fault, and polling for recovery."""
 
 from __future__ import annotations
@@ -57,7 +57,15 @@ async def with_load(
 ) -> tuple[list[Outcome], float, str]:  # fmt: skip
     """Steady load plus 4 long streams, the fault in the middle, then `after_s` more."""
     assert fleet.router is not None
-    url = fleet.router.url + "/v1/completions"
+    return await load_around(fleet.router.url, o, fault, body)
+
+
+async def load_around(
+    router_url: str, o: Options, fault: Callable[[], Awaitable[tuple[float, str]]],
+    body: Callable[[int], dict[str, Any]] | None = None,
+) -> tuple[list[Outcome], float, str]:  # fmt: skip
+    """`with_load` against any router URL (a fleet `radix-router up` started, too)."""
+    url = router_url + "/v1/completions"
     async with session(timeout=120) as http:
         load = SteadyLoad(http, url, o.concurrency, body or (lambda i: prompt(i, o.tokens)))
         load.start()
@@ -78,11 +86,16 @@ async def with_load(
 def row(name: str, fleet: BenchFleet, outcomes: list[Outcome], recover_s: float, note: str) -> Row:
     retried = fleet.router_metric("radix_router_retries_total")
     return Row(
-        name, len(outcomes), sum(x.ok for x in outcomes), retried, recover_s, note + _cut(outcomes)
+        name,
+        len(outcomes),
+        sum(x.ok for x in outcomes),
+        retried,
+        recover_s,
+        note + cut_note(outcomes),
     )
 
 
-def _cut(outcomes: list[Outcome]) -> str:
+def cut_note(outcomes: list[Outcome]) -> str:
     """What the failures were: cut streams (with their error event) and other answers."""
     cut = [x.stream_error["message"] for x in outcomes if x.stream_error is not None]
     other = sorted(

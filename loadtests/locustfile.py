@@ -7,26 +7,29 @@
 Run it from the repository root with `python -m locust` (which puts the root on
 `sys.path`, so `loadtests` imports), and `--headless` unless you want locust's web UI.
 
-Each request streams over locust's HTTP client, with the SSE parsed as bytes arrive, and
-fires request events of its own next to locust's `POST` entry (response_time is in ms
-except where noted):
+Each request streams over locust's HTTP client, with the SSE parsed as bytes arrive.
+Locust's own tables hold only the real HTTP requests (one `POST` row per endpoint; its
+times are milliseconds of whole requests, its counts requests). The LLM metrics are
+not locust requests: they are printed when the test stops, in tables of their own
+with a unit on every figure (loadtests/summary.py: TTFT, TPOT, ITL and E2E latency
+in ms, throughput in req/s and tok/s, the cache hit rate), and written per request to
+`--records-file` for the report. The hit rate is `usage.prompt_tokens_details.cached_tokens
+/ prompt_tokens`, overall and per worker (the router names the worker in the
+`x-radix-worker` header).
 
-    LLM  ttft      time to the first generated text
-    LLM  itl       mean gap between later chunks (inter-token latency)
-    LLM  e2e       whole request; response_length = output tokens
-    LLM  tokens/s  output tokens per second of the request (the value, not ms)
-
-`usage.prompt_tokens_details.cached_tokens / prompt_tokens` adds up to a cache hit rate,
-overall and per worker (the router names the worker in the `x-radix-worker` header),
-printed when the test stops and written per request to `--records-file` for the report.
-The run stops by itself once the workload has no more requests; with `-t/--run-time`
-the workload starts over instead, until the time is up.
+Arrivals: closed loop by default (each user sends its next request when the last one
+ends); with `--request-rate R` open loop, a Poisson process of R requests per second
+shared by all users (`-u` caps how many are in flight, vLLM's max_concurrency); a
+Mooncake trace replays its own timestamps. The run stops by itself once the workload
+has no more requests (or after `--max-requests`); with `-t/--run-time` the workload
+starts over instead, until the time is up.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -41,6 +44,7 @@ try:
     from loadtests.metrics import HitCounter, RequestRecord
     from loadtests.options import add_workload_arguments, options_from_namespace
     from loadtests.responses import error_text, read_stream, read_whole
+    from loadtests.summary import summarize
     from loadtests.workloads import LLMRequest, Session, Workload
 except ModuleNotFoundError as e:  # `locust -f` outside the repository root
     raise SystemExit(
@@ -64,6 +68,10 @@ def _add_arguments(parser: Any) -> None:
         help="stop after this many requests (per locust process; 0: when the workload ends)",
     )  # fmt: skip
     parser.add_argument("--records-file", default="", env_var="LOCUST_RECORDS_FILE")
+    parser.add_argument(
+        "--request-rate", type=float, default=0.0, env_var="LOCUST_REQUEST_RATE",
+        help="open loop: Poisson arrivals at this many requests/s (default: 0, closed loop)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,21 @@ class UserOptions:
     stream: bool
     max_requests: int
     records_file: str
+    request_rate: float = 0.0  # req/s, Poisson; 0: closed loop
+
+
+class PoissonArrivals:
+    """Open-loop send times: exponential gaps at `rate` per second, seeded (same run,
+    same times), as offsets from the start of the test."""
+
+    def __init__(self, rate: float, seed: int) -> None:
+        self.rate = rate
+        self.rng = random.Random(f"{seed}:arrivals")
+        self.t = 0.0
+
+    def next(self) -> float:
+        self.t += self.rng.expovariate(self.rate)
+        return self.t
 
 
 class RunState:
@@ -82,7 +105,11 @@ class RunState:
         self.workload = workload
         self.options = options
         self.hits = HitCounter()
+        self.done: list[RequestRecord] = []  # this process's records, for its tables
         self.t0 = time.monotonic()
+        self.wall0 = time.time()
+        rate = options.request_rate
+        self.arrivals = PoissonArrivals(rate, workload.options.seed) if rate > 0 else None
         self.sent = 0
         self.active_users = 0
         # Open for the whole test (closed at test_stop): one line per finished request.
@@ -90,15 +117,19 @@ class RunState:
         if options.records_file:
             self.records = open(options.records_file, "a")  # noqa: SIM115
 
-    def take(self, session: Session) -> LLMRequest | None:
+    def take(self, session: Session) -> tuple[LLMRequest, float | None] | None:
+        """The next request and when it is due (seconds from the start; None: now)."""
         if self.options.max_requests and self.sent >= self.options.max_requests:
             return None
         req = session.next_request()
-        if req is not None:
-            self.sent += 1
-        return req
+        if req is None:
+            return None
+        self.sent += 1
+        due = self.arrivals.next() if self.arrivals is not None else req.arrival_s
+        return req, due
 
     def finish(self, record: RequestRecord) -> None:
+        self.done.append(record)
         if record.ok:
             self.hits.add(record.worker, record.prompt_tokens, record.cached_tokens)
         if self.records is not None:
@@ -122,7 +153,7 @@ def _start(environment: Environment) -> RunState:
     o = environment.parsed_options
     options = UserOptions(
         model=o.model, api_key=o.api_key, stream=not o.no_stream,
-        max_requests=o.max_requests, records_file=o.records_file,
+        max_requests=o.max_requests, records_file=o.records_file, request_rate=o.request_rate,
     )  # fmt: skip
     workload = options_from_namespace(o)
     # A run bounded by time repeats the workload: one that ran out first would end the
@@ -143,6 +174,10 @@ def _on_test_start(environment: Environment, **_: Any) -> None:
 def _on_test_stop(environment: Environment, **_: Any) -> None:
     state = getattr(environment, "radix_run", None)
     if state is not None:
+        if state.done:  # with --processes each process has its share; the master none
+            s = summarize(state.done)
+            log.info("LLM serving metrics (locust's tables below: HTTP requests, times in ms):"
+                     "\n%s\n\n%s", s.table(), s.worker_table())  # fmt: skip
         log.info("cache hit rate (cached_tokens / prompt_tokens):\n%s", state.hits.table())
         state.close()
 
@@ -185,13 +220,16 @@ class OpenAIUser(HttpUser):
 
     @task
     def send(self) -> None:
-        req = self.state.take(self.session)
-        if req is None:
+        taken = self.state.take(self.session)
+        if taken is None:
             self._done()
             return
-        if req.arrival_s is not None:
-            gevent.sleep(max(0.0, self.state.t0 + req.arrival_s - time.monotonic()))
+        req, due = taken
+        if due is not None:
+            gevent.sleep(max(0.0, self.state.t0 + due - time.monotonic()))
         record, reply = self._request(req)
+        if due is not None:
+            record = dataclasses.replace(record, due=self.state.wall0 + due)
         self.state.finish(record)
         if record.ok:
             self.session.on_reply(req, reply)
@@ -223,11 +261,10 @@ class OpenAIUser(HttpUser):
         record = RequestRecord(
             start=wall, ok=True, e2e_s=result.end - start,
             ttft_s=None if result.first is None else result.first - start,
-            itl_s=result.itl, prompt_tokens=result.prompt_tokens,
+            itl_s=result.itl, itls_s=result.itls, prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens, output_tokens=result.output_tokens,
             worker=worker, tag=req.tag,
         )  # fmt: skip
-        self._fire(name, record)
         return record, result.text
 
     def _fail(
@@ -238,19 +275,3 @@ class OpenAIUser(HttpUser):
         return RequestRecord(
             start=wall, ok=False, e2e_s=e2e, worker=worker, tag=req.tag, error=msg[:300]
         )
-
-    def _fire(self, name: str, r: RequestRecord) -> None:
-        fire = self.environment.events.request.fire
-        common = {"request_type": "LLM", "exception": None, "context": {}}
-        if r.ttft_s is not None:
-            fire(name="ttft", response_time=r.ttft_s * 1000, response_length=0, **common)
-        if r.itl_s is not None:
-            fire(name="itl", response_time=r.itl_s * 1000, response_length=0, **common)
-        fire(name="e2e", response_time=r.e2e_s * 1000, response_length=r.output_tokens, **common)
-        if r.e2e_s > 0:
-            fire(
-                name="tokens/s",
-                response_time=r.output_tokens / r.e2e_s,
-                response_length=0,
-                **common,
-            )

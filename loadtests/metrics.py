@@ -20,15 +20,21 @@ class RequestRecord:
     e2e_s: float
     ttft_s: float | None = None
     itl_s: float | None = None  # mean gap between streamed chunks after the first
+    itls_s: list[float] = field(default_factory=list)  # every gap between streamed chunks
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
     worker: str = "direct"  # x-radix-worker header from the router; "direct" without one
     tag: str = ""
     error: str = ""
+    # Open-loop runs (a request rate): when the request was due, epoch seconds. A send
+    # later than that means every user was busy (the client's concurrency cap).
+    due: float | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        d = asdict(self)
+        d["itls_s"] = [round(g, 6) for g in self.itls_s]  # µs: enough, and half the bytes
+        return json.dumps(d, separators=(",", ":"))
 
 
 def read_records(path: str | Path) -> list[RequestRecord]:

@@ -1,18 +1,20 @@
-"""Summary and plots of one load-test run, computed from its per-request records.
+"""The report of one load-test run, from its per-request records: the result file and plots.
 
-`summarize(records)` gives the numbers (throughput, TTFT / latency percentiles, cache
-hit rate, requests per worker); `write_report(records, out_dir)` also writes
-`summary.json` and three PNGs a person would rather look at than read:
-`ttft.png` (distribution), `latency_over_time.png`, `hit_rate_per_worker.png`.
+`summarize(records, slo, workers)` (loadtests/summary.py) gives the numbers: vLLM's
+serving metrics (TTFT, TPOT, ITL, E2E latency, throughput, goodput) for the run and per
+worker, and the figures only a cache-aware fleet has (hit rate from `cached_tokens`,
+requests per worker over every worker of the fleet, idle ones included).
+`write_report(records, out_dir)` also writes `summary.json`, the result file, under
+`vllm bench serve`'s field names where the meaning is the same (`completed`,
+`request_throughput`, `p99_ttft_ms`, ...), and three PNGs a person would rather look at
+than read: `ttft.png` (distribution), `latency_over_time.png`, `hit_rate_per_worker.png`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -21,96 +23,11 @@ matplotlib.use("Agg")  # files only, no display: works headless and in CI
 import matplotlib.pyplot as plt
 import numpy as np
 
-from loadtests.metrics import HitCounter, RequestRecord
+from loadtests.metrics import RequestRecord
+from loadtests.serving import SLO
+from loadtests.summary import Summary, summarize
 
-
-@dataclass(frozen=True)
-class Summary:
-    requests: int
-    failures: int
-    duration_s: float
-    throughput_rps: float
-    output_tokens_per_s: float
-    ttft_p50_ms: float
-    ttft_p90_ms: float
-    ttft_p99_ms: float
-    e2e_p50_ms: float
-    e2e_p99_ms: float
-    itl_p50_ms: float
-    hit_rate: float
-    per_worker_requests: dict[str, int]
-    per_worker_hit_rate: dict[str, float]
-
-    @property
-    def load_max_over_mean(self) -> float:
-        """Max / mean requests per worker: 1.0 is a perfectly even spread."""
-        counts = list(self.per_worker_requests.values())
-        return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else 0.0
-
-    def over_fleet(self, worker_ids: Iterable[str]) -> Summary:
-        """The same run, with the fleet's idle workers counted (0 requests): a policy
-        that sends everything to one of 4 workers spreads max/mean 4.0, not 1.0."""
-        ids = list(worker_ids)
-        counts = dict.fromkeys(ids, 0) | self.per_worker_requests
-        rates = dict.fromkeys(ids, 0.0) | self.per_worker_hit_rate
-        return replace(self, per_worker_requests=counts, per_worker_hit_rate=rates)
-
-    def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "load_max_over_mean": self.load_max_over_mean}
-
-    def table(self) -> str:
-        def ms(*values: float, digits: int = 0) -> str:
-            # Percentiles of no successful request are NaN: say so instead of printing it.
-            if any(math.isnan(v) for v in values):
-                return "n/a (no request succeeded)"
-            return " / ".join(f"{v:.{digits}f}" for v in values) + " ms"
-
-        rows = [
-            ("requests (failed)", f"{self.requests} ({self.failures})"),
-            ("duration", f"{self.duration_s:.1f} s"),
-            (
-                "throughput",
-                f"{self.throughput_rps:.2f} req/s, {self.output_tokens_per_s:.0f} tok/s",
-            ),
-            ("TTFT p50 / p90 / p99", ms(self.ttft_p50_ms, self.ttft_p90_ms, self.ttft_p99_ms)),
-            ("e2e p50 / p99", ms(self.e2e_p50_ms, self.e2e_p99_ms)),
-            ("inter-token p50", ms(self.itl_p50_ms, digits=1)),
-            ("cache hit rate", f"{self.hit_rate:.3f}"),
-            ("max/mean requests per worker", f"{self.load_max_over_mean:.2f}"),
-        ]
-        return "\n".join(f"{k:<30} {v}" for k, v in rows)
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) * 1000 if values else float("nan")
-
-
-def summarize(records: list[RequestRecord]) -> Summary:
-    ok = [r for r in records if r.ok]
-    hits = HitCounter.from_records(records)
-    if records:
-        duration = max(r.start + r.e2e_s for r in records) - min(r.start for r in records)
-    else:
-        duration = 0.0
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    itl = [r.itl_s for r in ok if r.itl_s is not None]
-    e2e = [r.e2e_s for r in ok]
-    return Summary(
-        requests=len(records),
-        failures=len(records) - len(ok),
-        duration_s=duration,
-        throughput_rps=len(ok) / duration if duration > 0 else 0.0,
-        output_tokens_per_s=sum(r.output_tokens for r in ok) / duration if duration > 0 else 0.0,
-        ttft_p50_ms=_pct(ttft, 50),
-        ttft_p90_ms=_pct(ttft, 90),
-        ttft_p99_ms=_pct(ttft, 99),
-        e2e_p50_ms=_pct(e2e, 50),
-        e2e_p99_ms=_pct(e2e, 99),
-        itl_p50_ms=_pct(itl, 50),
-        hit_rate=hits.hit_rate,
-        per_worker_requests=dict(sorted(hits.requests.items())),
-        per_worker_hit_rate={w: hits.worker_hit_rate(w) for w in sorted(hits.prompt)},
-    )
+__all__ = ["Summary", "summarize", "write_report"]
 
 
 def plot_ttft(records: list[RequestRecord], path: Path, title: str = "") -> None:
@@ -179,11 +96,21 @@ def plot_hit_rate_per_worker(summary: Summary, path: Path, title: str = "") -> N
     plt.close(fig)
 
 
-def write_report(records: list[RequestRecord], out_dir: str | Path, title: str = "") -> Summary:
+def write_report(
+    records: list[RequestRecord],
+    out_dir: str | Path,
+    title: str = "",
+    slo: SLO | None = None,
+    workers: Iterable[str] = (),
+    run_info: dict[str, object] | None = None,
+) -> Summary:
+    """`run_info`: how the load was offered, under vLLM's names (request_rate,
+    burstiness, max_concurrency), written into summary.json with the metrics."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(records)
-    (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    summary = summarize(records, slo, workers)
+    result = {**summary.to_dict(), **(run_info or {})}
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     plot_ttft(records, out / "ttft.png", title)
     plot_latency_over_time(records, out / "latency_over_time.png", title)
     plot_hit_rate_per_worker(summary, out / "hit_rate_per_worker.png", title)
@@ -195,13 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=Path, default=None, help="folder for the plots (default: the records' folder)"
     )
+    p.add_argument("--slo", default="", help="goodput objectives in ms, e.g. ttft=500,tpot=50")
 
 
 def main(args: argparse.Namespace) -> int:
-    from loadtests.metrics import HitCounter, read_records
+    from loadtests.metrics import read_records
 
     records = read_records(args.records)
-    summary = write_report(records, args.out or Path(args.records).parent)
+    summary = write_report(records, args.out or Path(args.records).parent, slo=SLO.parse(args.slo))
     print(summary.table())
-    print(HitCounter.from_records(records).table())
+    print(summary.worker_table())
     return 0

@@ -5,9 +5,10 @@ usage (prompt, cached and output tokens). Parsed as bytes arrive (loadtests/sse.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loadtests.sse import SSEParser
@@ -18,6 +19,7 @@ class Result:
     end: float = 0.0
     first: float | None = None
     itl: float | None = None
+    itls: list[float] = field(default_factory=list)  # every gap between chunks
     text: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -68,6 +70,7 @@ def read_stream(resp: Any, start: float) -> Result:
     result.first = times[0] if times else None
     if len(times) > 1:
         result.itl = (times[-1] - times[0]) / (len(times) - 1)
+        result.itls = [b - a for a, b in itertools.pairwise(times)]
     if not result.output_tokens:
         result.output_tokens = len(times)
     return result

@@ -4,8 +4,13 @@
         --groups 8 --prompts-per-group 8 --system-len 512 --users 16 --out loadtests/out/run1
 
 Writes into `--out`: locust's CSVs (`locust_stats.csv`, ...) and HTML report
-(`locust.html`), `records.jsonl` (one line per request), `summary.json`, and the PNGs
-of `loadtests.report`. Without `--run-time` the run ends when the workload does; with
+(`locust.html`), `records.jsonl` (one line per request), `summary.json` (the result
+file, under `vllm bench serve`'s field names), and the PNGs of `loadtests.report`.
+Every worker of the fleet is in the report: the router's GET /workers lists them before
+the run, so a worker that received nothing shows 0 requests and counts in the spread
+(against a worker directly, or a server without /workers, the records name them).
+`--slo ttft=MS,tpot=MS` adds goodput; `--request-rate R` sends open loop (Poisson,
+R req/s, at most `--users` in flight). Without `--run-time` the run ends when the workload does; with
 one, the workload starts over until the time is up. A progress line every few seconds
 (requests done, failures, time left), and a one-line verdict at the end that names the
 commonest error if requests failed.
@@ -21,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtests.metrics import HitCounter, RequestRecord, read_records
+from loadtests.metrics import RequestRecord, read_records
 from loadtests.options import (
     WorkloadOptions,
     add_workload_arguments,
@@ -30,6 +35,8 @@ from loadtests.options import (
 )
 from loadtests.progress import Progress, clock_text
 from loadtests.report import Summary, write_report
+from loadtests.serving import SLO
+from shared.procs import http_json
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 PROGRESS_EVERY_S = 5.0
@@ -55,8 +62,10 @@ def verdict(summary: Summary, records: list[RequestRecord]) -> str:
             f"verdict: FAILED, {summary.failures} of {summary.requests} requests failed; "
             f"commonest error ({count}x): {error[:300]}"
         )
+    good = summary.serving.request_goodput
+    goodput = "" if good is None else f", goodput {good:.1f} req/s"
     return (
-        f"verdict: OK, {summary.requests} requests, {summary.throughput_rps:.1f} req/s, "
+        f"verdict: OK, {summary.requests} requests, {summary.throughput_rps:.1f} req/s{goodput}, "
         f"TTFT p50 {summary.ttft_p50_ms:.0f} ms, hit rate {summary.hit_rate:.2f}"
     )
 
@@ -80,6 +89,22 @@ class RunSpec:
     model: str = ""
     stream: bool = True
     timeout_s: float = 3600.0  # hard stop for the locust process
+    request_rate: float = 0.0  # req/s, open loop (Poisson); 0: closed loop, `users` at once
+    slo: SLO | None = None
+    api_key: str = ""
+
+
+def fleet_workers(host: str, api_key: str = "") -> list[str] | None:
+    """The worker ids a router knows (GET /workers), or None where `host` has no such
+    list (a worker, another server): then the records are all there is."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        status, body = http_json(host.rstrip("/") + "/workers", headers=headers, timeout=5.0)
+    except (OSError, ValueError):
+        return None
+    if status != 200 or not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        return None
+    return sorted(str(w["worker_id"]) for w in body["data"] if "worker_id" in w)
 
 
 def locust_command(spec: RunSpec, workload: WorkloadOptions) -> list[str]:
@@ -97,6 +122,10 @@ def locust_command(spec: RunSpec, workload: WorkloadOptions) -> list[str]:
         cmd += ["--max-requests", str(spec.max_requests)]
     if spec.model:
         cmd += ["--model", spec.model]
+    if spec.request_rate:
+        cmd += ["--request-rate", str(spec.request_rate)]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
     if not spec.stream:
         cmd.append("--no-stream")
     return cmd + options_to_argv(workload)
@@ -110,6 +139,7 @@ def run(spec: RunSpec, workload: WorkloadOptions, title: str = "", quiet: bool =
     log_path = spec.out / "locust.log"
     total = seconds_of(spec.run_time) if spec.run_time else None
     progress = Progress("run", 1)
+    workers = fleet_workers(spec.host, spec.api_key)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             locust_command(spec, workload), stdout=log, stderr=subprocess.STDOUT,
@@ -136,10 +166,19 @@ def run(spec: RunSpec, workload: WorkloadOptions, title: str = "", quiet: bool =
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"locust exited with {proc.returncode}; log {log_path}:\n{tail}")
     records = read_records(records_path)
-    summary = write_report(records, spec.out, title or workload.workload)
+    # vLLM's traffic fields: "inf" rate when every user sends as soon as it can.
+    run_info = {
+        "request_rate": spec.request_rate or "inf", "burstiness": 1.0,
+        "max_concurrency": spec.users, "workers_from": "GET /workers" if workers else "records",
+    }  # fmt: skip
+    summary = write_report(
+        records, spec.out, title or workload.workload, spec.slo, workers or (), run_info
+    )
     if not quiet:
         print(summary.table())
-        print(HitCounter.from_records(records).table())
+        print(summary.worker_table())
+        if workers is None:
+            print("(workers as the records name them: the host has no GET /workers)")
         print(f"report: {spec.out} (locust's log: {log_path})")
         print(f"{verdict(summary, records)} ({clock_text(progress.elapsed)})")
     return summary
@@ -176,6 +215,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=3600.0, help=f"hard stop for locust, in seconds {d}"
     )
+    p.add_argument(
+        "--request-rate", type=float, default=0.0,
+        help="open loop: Poisson arrivals, requests/s, at most --users in flight "
+        "(default: 0, closed loop: each user sends when its last request ends)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slo", default="",
+        help="goodput objectives per request, ms, e.g. ttft=500,tpot=50 (keys: ttft, tpot, e2el)",
+    )  # fmt: skip
+    p.add_argument("--api-key", default="", help="bearer token for the router (and /workers)")
     add_workload_arguments(p)
 
 
@@ -183,7 +232,8 @@ def main(args: argparse.Namespace) -> int:
     spec = RunSpec(
         host=args.host, out=args.out, users=args.users, spawn_rate=args.spawn_rate,
         run_time=args.run_time, max_requests=args.max_requests, model=args.model,
-        stream=not args.no_stream, timeout_s=args.timeout,
+        stream=not args.no_stream, timeout_s=args.timeout, request_rate=args.request_rate,
+        slo=SLO.parse(args.slo), api_key=args.api_key,
     )  # fmt: skip
     summary = run(spec, options_from_namespace(args))
     return 1 if summary.failures else 0

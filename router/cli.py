@@ -147,14 +147,13 @@ def serve_config(args: argparse.Namespace) -> RouterConfig:
 
 def _run_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
+    from router.http.app import run_router  # the serving path, imported only to serve
+
     if config.processes > 1:
         from router.up.processes import run_processes
 
-        return run_processes(config)
-    from router.http.app import run_router  # the serving path, imported only to serve
-
-    run_router(config)
-    return 0
+        return run_processes(config, run_router)
+    return run_router(config)
 
 
 def _run_up(args: argparse.Namespace) -> int:

@@ -8,20 +8,17 @@ the worker's actual cached tokens to the tokens the tree predicted
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily as CounterFamily
 from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
-from router.fleet.table import Fleet
 from router.fleet.workers import Worker
-from router.upstream.pool import UpstreamPool
 from shared.metrics import ServiceMetrics, kv_usage_ratio
 from shared.peers import Rejections
 
@@ -73,13 +70,30 @@ _PER_WORKER: tuple[tuple[type[Family], str, str, Callable[[Worker, float], float
 )  # fmt: skip
 
 
+class WorkerTable(Protocol):
+    """What metrics read of the fleet at scrape time (`router.fleet.table.Fleet`)."""
+
+    @property
+    def workers(self) -> Mapping[str, Worker]: ...
+
+
+class PoolCounts(Protocol):
+    """What metrics read of the upstream pool (`router.upstream.pool.UpstreamPool`)."""
+
+    @property
+    def connects(self) -> int: ...
+
+    @property
+    def stale_retries(self) -> int: ...
+
+
 class _FleetCollector(Collector):
     """Per-worker numbers read from the fleet table at scrape time: the table keeps the
     books (no second count on the hot path). A worker's counters go with it when it
     leaves the table."""
 
     def __init__(
-        self, fleet: Fleet, clock: Callable[[], float], in_flight: Callable[[], int]
+        self, fleet: WorkerTable, clock: Callable[[], float], in_flight: Callable[[], int]
     ) -> None:
         self.fleet = fleet
         self.clock = clock
@@ -171,7 +185,7 @@ class _PoolCollector(Collector):
     """The upstream pool's connections: how often keep-alive saves a connect, and how
     often a worker closed a kept connection under a request (resent, not its failure)."""
 
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: PoolCounts) -> None:
         self.pool = pool
 
     def collect(self) -> Iterator[CounterFamily]:
@@ -190,7 +204,7 @@ class _PoolCollector(Collector):
 class Metrics(ServiceMetrics):
     def __init__(
         self,
-        fleet: Fleet,
+        fleet: WorkerTable,
         clock: Callable[[], float] = time.monotonic,
         in_flight: Callable[[], int] = lambda: 0,
         rejections: Rejections | None = None,
@@ -224,7 +238,7 @@ class Metrics(ServiceMetrics):
         if rejections is not None:
             r.register(_RejectionsCollector(rejections))
 
-    def watch_pool(self, pool: UpstreamPool) -> None:
+    def watch_pool(self, pool: PoolCounts) -> None:
         self.registry.register(_PoolCollector(pool))
 
     def answered(self, worker: str, status: int) -> None:
@@ -241,33 +255,3 @@ class Metrics(ServiceMetrics):
         """The ratio histogram (the totals are the fleet's, read at scrape time)."""
         if predicted_tokens > 0:
             self.child(self.cache_ratio, worker_id).observe(actual / predicted_tokens)
-
-
-# The key, then its integer value: workers put `usage` last, so the last occurrence is
-# usage's. Quotes inside JSON strings are escaped, so the quoted key cannot come from text.
-_CACHED_KEY = b'"cached_tokens"'
-_CACHED_VALUE = re.compile(rb"\s*:\s*(\d+)")
-
-
-def cached_tokens_from_json(body: bytes) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens` of a JSON body, or None.
-
-    Found by searching from the end instead of parsing the whole body: on the router's
-    hot path a full `json.loads` of every answer cost more than the rest of this metric.
-    """
-    at = body.rfind(_CACHED_KEY)
-    if at < 0 or body.rfind(b'"prompt_tokens_details"', 0, at) < 0:
-        return None
-    found = _CACHED_VALUE.match(body, at + len(_CACHED_KEY))
-    return int(found[1]) if found else None
-
-
-def cached_tokens_from_sse(tail: bytes) -> int | None:
-    """The last `cached_tokens` reported in the tail of an SSE stream (the final usage chunk)."""
-    at = tail.rfind(_CACHED_KEY)
-    if at < 0:
-        return None
-    start = tail.rfind(b"\n", 0, at) + 1  # the event line holding the key
-    end = tail.find(b"\n", at)
-    line = tail[start : end if end >= 0 else len(tail)].strip()
-    return cached_tokens_from_json(line) if line.startswith(b"data:") else None

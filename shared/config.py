@@ -103,6 +103,9 @@ class RouterConfig(_Frozen):
     # request, so the worker frees its slot and KV.
     body_read_timeout: float = Field(30.0, gt=0)
     stream_write_timeout: float = Field(30.0, gt=0)
+    # A connection whose request head (line and headers) is not complete this long after
+    # it opened, or after the first byte of a later request, is closed (shared/http_server.py).
+    header_read_timeout: float = Field(10.0, gt=0)
     # A non-streamed worker answer larger than this is refused with 502, never buffered.
     max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_concurrent: int = Field(1024, ge=1)
@@ -198,6 +201,7 @@ class WorkerConfig(_Frozen):
     # HTTP.
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     body_read_timeout: float = Field(30.0, gt=0)  # as the router's
+    header_read_timeout: float = Field(10.0, gt=0)  # as the router's
     stream_write_timeout: float = Field(30.0, gt=0)  # then the request is aborted
     api_keys: tuple[str, ...] = ()
     drain_timeout: float = Field(30.0, ge=0)

@@ -84,6 +84,22 @@ class Child:
     def tail(self, chars: int = 3000) -> str:
         return self.output()[-chars:]
 
+    def last_line(self, max_chars: int = 240) -> str:
+        """The last non-empty line of the log, whole (a tail cut at a byte offset starts
+        mid-line), shortened to `max_chars` with an ellipsis: for one-line reports."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 16384))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        if size > 16384 and lines:
+            lines = lines[1:]  # the first one is cut
+        last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+        return last if len(last) <= max_chars else last[: max_chars - 1] + "…"
+
     def signal(self, sig: int) -> None:
         """Signal the child's whole process group (pgid == pid: its own session)."""
         if self.proc is not None:

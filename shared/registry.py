@@ -3,14 +3,24 @@
 Layout (prefix default `radixrouter:`):
 
     <prefix>worker:<id>   hash, written every heartbeat, expires after a few intervals
-    <prefix>workers       set of worker ids (may hold ids whose hash already expired)
     <prefix>events        pub/sub channel: JSON {"event": "join"|"leave", "worker_id", "url"}
     <prefix>decisions     stream of routing decisions shared by router replicas (router/fleet/sync.py)
     <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
     <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/http/ratelimit.py)
 
-Workers write (`publish_heartbeat`, `leave`); routers read (`read_fleet`). A worker
-whose hash expired is gone even if its id is still in the set; readers prune such ids.
+Workers write (`publish_heartbeat`, `leave`); routers read (`read_fleet`).
+
+Membership is the set of live heartbeat hashes, found by SCAN, and nothing else. Each
+worker's Redis user may write only its own hash (README's ACL lines), so no worker
+credential can add, remove or replace another worker: an earlier shared id set that
+every worker could DEL/SREM/SADD let one worker empty every router's fleet or stand in
+for the others. A worker's hash names itself in its key; a record whose `worker_id`
+disagrees with its key is rejected. The events channel only wakes routers early (its
+content is never trusted; router/fleet/discovery.py bounds how often it may wake them).
+
+Cost: SCAN walks the whole database, not only matching keys, so a poll costs
+O(keys in the db / SCAN_COUNT) round trips plus one pipelined HGETALL per worker
+(loadtests/results/registry_scan.md has the numbers at 1,000 workers).
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from shared.peers import Rejections, check_worker_id, check_worker_url
 
 # Counts and sizes a worker reports (tokens, requests) are far below this; larger is a lie.
 MAX_COUNT = 10**15
-MAX_WORKERS = 4096  # ids read from the set per poll
+MAX_WORKERS = 4096  # worker hashes read per poll
+SCAN_COUNT = 10_000  # keys the server walks per SCAN round trip (~1 ms of its time)
 
 
 @dataclass(frozen=True)
@@ -116,8 +127,9 @@ class Registry:
         return f"{self.prefix}worker:{worker_id}"
 
     @property
-    def workers_key(self) -> str:
-        return f"{self.prefix}workers"
+    def worker_pattern(self) -> str:
+        """SCAN pattern of every worker hash (glob characters in the prefix escaped)."""
+        return f"{_glob_escape(self.prefix)}worker:*"
 
     @property
     def events_channel(self) -> str:
@@ -142,7 +154,6 @@ class Registry:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=record.to_hash())
             pipe.pexpire(key, max(1, int(ttl_s * 1000)))
-            pipe.sadd(self.workers_key, record.worker_id)
             if joined:
                 pipe.publish(self.events_channel, _event("join", record))
             await pipe.execute()
@@ -150,35 +161,28 @@ class Registry:
     async def leave(self, record: WorkerRecord) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.worker_key(record.worker_id))
-            pipe.srem(self.workers_key, record.worker_id)
             pipe.publish(self.events_channel, _event("leave", record))
             await pipe.execute()
 
     async def read_fleet(self) -> dict[str, WorkerRecord]:
-        """Every live worker. Ids whose hash expired are removed from the set; malformed
-        ids and records are skipped, counted and logged (`rejections`), never routed to."""
-        ids: list[str] = []
-        for member in await self._members():
-            wid = member.decode("utf-8", "replace") if isinstance(member, bytes) else member
-            try:
-                ids.append(check_worker_id(wid))
-            except ValueError as e:
-                self.rejections.reject("registry", wid, str(e))
-        ids.sort()
-        ids = ids[:MAX_WORKERS]
+        """Every live worker: each heartbeat hash under the prefix. Malformed ids and
+        records, and records naming another id than their key, are skipped, counted and
+        logged (`rejections`), never routed to."""
+        ids = await self._worker_ids()
         if not ids:
             return {}
         async with self.redis.pipeline(transaction=False) as pipe:
             for wid in ids:
                 pipe.hgetall(self.worker_key(wid))
-            hashes = await pipe.execute()
+            # One hash that is not a hash (WRONGTYPE) must not hide the others.
+            hashes = await pipe.execute(raise_on_error=False)
         fleet: dict[str, WorkerRecord] = {}
-        gone: list[str] = []
         for wid, raw in zip(ids, hashes, strict=True):
-            if not raw:
-                gone.append(wid)
+            if not raw:  # expired between SCAN and HGETALL
                 continue
             try:
+                if isinstance(raw, Exception):
+                    raise ValueError(f"unreadable record: {raw}")
                 record = WorkerRecord.from_hash(raw)
                 if record.worker_id != wid:
                     raise ValueError(f"record names another worker ({record.worker_id!r:.40})")
@@ -186,24 +190,32 @@ class Registry:
                 self.rejections.reject("registry", wid, str(e))
                 continue
             fleet[wid] = record
-        if gone:
-            await self.redis.srem(self.workers_key, *gone)
         return fleet
 
-    async def _members(self) -> list[bytes | str]:
-        """The set's ids, at most about MAX_WORKERS of them. Anyone who may heartbeat may
-        add ids: a set flooded with millions was read whole on every poll of every router
-        (SMEMBERS), so past the bound a slice of it is read instead (SSCAN)."""
-        size = await self.redis.scard(self.workers_key)
-        if size <= MAX_WORKERS:
-            return list(await self.redis.smembers(self.workers_key))
-        self.rejections.reject("registry", f"{size} ids", f"over {MAX_WORKERS} workers")
-        members: list[bytes | str] = []
-        async for member in self.redis.sscan_iter(self.workers_key, count=MAX_WORKERS):
-            members.append(member)
-            if len(members) >= MAX_WORKERS:
+    async def _worker_ids(self) -> list[str]:
+        """The ids of the worker hashes (from their keys), sorted, at most MAX_WORKERS."""
+        start = len(self.worker_key(""))
+        found: set[str] = set()  # SCAN may return a key twice
+        async for key in self.redis.scan_iter(
+            match=self.worker_pattern, count=SCAN_COUNT, _type="hash"
+        ):
+            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+            wid = name[start:]
+            if wid in found:
+                continue
+            if len(found) >= MAX_WORKERS:
+                self.rejections.reject("registry", "scan", f"over {MAX_WORKERS} workers")
                 break
-        return members
+            try:
+                found.add(check_worker_id(wid))
+            except ValueError as e:
+                self.rejections.reject("registry", wid, str(e))
+        return sorted(found)
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a Redis glob pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
 def _event(kind: str, record: WorkerRecord) -> str:

@@ -14,8 +14,6 @@ import re
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "shared", "loadtests")
 MAX_ROUTER_DEPTH = 8
@@ -146,7 +144,6 @@ def test_no_import_circles() -> None:
     assert cycles(graph()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="12 files deep until the house's stage 4 (issue 23)")
 def test_router_import_chain_is_short() -> None:
     edges = graph()
     router = {

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from shared.config import ConfigError, WorkerConfig, load_config
+from shared.http_server import KEEPALIVE_S, BindError, bind
 from shared.logging import setup_logging
 from worker.app import create_app
 from worker.backends import build_engine
@@ -203,18 +204,23 @@ async def serve(config: WorkerConfig) -> int:
     state = app[STATE]
     # handler_cancellation: a client that hangs up cancels its handler, which aborts
     # its engine request (non-streaming requests otherwise notice only when answering).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=KEEPALIVE_S)  # fmt: skip
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    if state.url is None:
-        state.url = f"http://{_url_host(config.host)}:{port}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        try:  # a port that is taken: one line and exit 1, the engine and runner stopped
+            await bind(runner, config.host, config.port,
+                       header_read_timeout=config.header_read_timeout)  # fmt: skip
+        except BindError as e:
+            log.error("%s", e)
+            return 1
+        port = runner.addresses[0][1]
+        if state.url is None:
+            state.url = f"http://{_url_host(config.host)}:{port}"
         waiters = [asyncio.ensure_future(state.booted.wait()), asyncio.ensure_future(stop.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for waiter in waiters:

@@ -7,6 +7,10 @@ left as it was (routing goes on with the last known workers) and the poller retr
 with exponential backoff. After Redis comes back it may be empty until every worker
 has sent its next heartbeat, so for `reconnect_grace` seconds after an outage a
 registry worker is not dropped for being absent (its breaker still guards it).
+
+Any worker may publish on the events channel, and a poll reads every worker's hash, so
+events wake the poller at most once per `MIN_WAKE_GAP_S`: a worker flooding the channel
+buys at most that many polls, not one per message.
 """
 
 from __future__ import annotations
@@ -15,26 +19,40 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.fleet.table import Fleet
+from router.fleet.workers import Worker
 from shared.aio import reraise_if_cancelled, stop_task
 from shared.peers import Network, Rejections, check_worker_url
 from shared.registry import Registry, WorkerRecord
 
 log = logging.getLogger(__name__)
 
+
+class RegistryFleet(Protocol):
+    """What discovery reads and tells of the worker table (`router.fleet.table.Fleet`)."""
+
+    @property
+    def workers(self) -> Mapping[str, Worker]: ...
+
+    def apply_registry(
+        self, records: dict[str, WorkerRecord], drop_missing: bool = True, now: float = 0.0
+    ) -> tuple[list[str], list[str]]: ...
+
+
 MAX_BACKOFF_S = 5.0
+MIN_WAKE_GAP_S = 0.1
 
 
 class Discovery:
     def __init__(
         self,
         registry: Registry,
-        fleet: Fleet,
+        fleet: RegistryFleet,
         interval: float,
         reconnect_grace: float,
         clock: Callable[[], float] = time.monotonic,
@@ -56,7 +74,7 @@ class Discovery:
 
     @classmethod
     def from_url(
-        cls, url: str, prefix: str, fleet: Fleet, interval: float, grace: float,
+        cls, url: str, prefix: str, fleet: RegistryFleet, interval: float, grace: float,
         clock: Callable[[], float] = time.monotonic, rejections: Rejections | None = None,
         allow: tuple[Network, ...] = (),
     ) -> Discovery:  # fmt: skip
@@ -110,9 +128,12 @@ class Discovery:
                     self.connected = True
                     self.first_poll.set()
                     backoff = self.interval
+                    polled_at = time.monotonic()
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self.interval)
+                    gap = min(self.interval, MIN_WAKE_GAP_S)
+                    await asyncio.sleep(max(0.0, polled_at + gap - time.monotonic()))
                 except (RedisError, OSError, TimeoutError) as e:
                     reraise_if_cancelled()
                     self.first_poll.set()  # unreachable: routing goes on without it

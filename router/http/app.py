@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from router.fleet.discovery import Discovery
 from router.fleet.sync import DecisionSync, ReplicaSync
 from router.fleet.table import Fleet
-from router.http import handlers
+from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import make_edge_middleware
 from router.http.gate import Admission
@@ -37,7 +37,6 @@ from router.http.state import (
     METRICS,
     OPENAPI,
     POLICY,
-    PROXY,
     REJECTIONS,
     SESSION,
     SYNC,
@@ -46,12 +45,13 @@ from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
 from router.upstream.pool import UpstreamPool
-from router.upstream.proxy import Proxy
+from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
 from shared.access_log import OnDone, stamp_request_id
 from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.errors import ERROR_CODE
+from shared.http_server import KEEPALIVE_S, BindError, bind
 from shared.logging import setup_logging
 from shared.peers import Rejections, parse_networks
 
@@ -139,6 +139,26 @@ def _counter(metrics: Metrics) -> OnDone:
     return on_done
 
 
+def routes() -> list[web.RouteDef]:
+    """Every route, in one table (the dashboard's two among them)."""
+    return [
+        web.post("/v1/chat/completions", handlers.chat_completions),
+        web.post("/v1/completions", handlers.completions),
+        web.post("/generate", handlers.generate),
+        web.get("/v1/models", handlers.models),
+        web.get("/health", handlers.health),
+        web.get("/liveness", handlers.liveness),
+        web.get("/readiness", handlers.readiness),
+        web.get("/metrics", handlers.metrics),
+        web.get("/workers", handlers.list_workers),
+        web.post("/workers", handlers.add_worker),
+        web.delete("/workers/{worker_id}", handlers.delete_worker),
+        web.get("/openapi.json", handlers.openapi),
+        web.get(dashboard.PAGE_PATH, dashboard.page),
+        web.get(dashboard.DATA_PATH, dashboard.data),
+    ]
+
+
 def create_app(
     config: RouterConfig,
     *,
@@ -188,7 +208,7 @@ def create_app(
         app[RATELIMIT_REDIS] = ratelimit_redis
     app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx, _ratelimit_redis_ctx])
-    app.router.add_routes(handlers.routes())
+    app.router.add_routes(routes())
     return app
 
 
@@ -199,29 +219,36 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     app = create_app(config)
     # handler_cancellation: a client that disconnects cancels its handler, which
     # cancels the upstream request and releases its load guard.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=KEEPALIVE_S)  # fmt: skip
     await runner.setup()
-    # Several router processes share the port (router/up/processes.py): the kernel spreads
-    # connections over them, to a child the moment it binds. A child (re)started beside
-    # running siblings therefore binds once it has read the registry: bound before, it
-    # answered its share of requests 503 "no healthy worker" while its siblings routed
-    # (tests/e2e/test_router_processes.py failed 1 run in 3 that way).
-    discovery = app.get(DISCOVERY)
-    if config.processes > 1 and discovery is not None:
-        with contextlib.suppress(TimeoutError):
-            # A poll gives up within 2 intervals (router/fleet/discovery.py); Redis down: bind.
-            await asyncio.wait_for(discovery.first_poll.wait(), 3 * config.discovery_interval + 1)
-    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.processes > 1)
-    await site.start()
-    port = runner.addresses[0][1] if runner.addresses else config.port
-    log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
-    if ready is not None:
-        ready(port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    # Everything from here on inside the try: a bind that fails (port taken) must clean
+    # the runner up, else its tasks (discovery, replica sync) kept the process alive,
+    # deaf to SIGTERM (issue 21). BindError goes up to the CLI: exit 1.
     try:
+        # Several router processes share the port (router/up/processes.py): the kernel
+        # spreads connections over them, to a child the moment it binds. A child
+        # (re)started beside running siblings therefore binds once it has read the
+        # registry: bound before, it answered its share of requests 503 "no healthy
+        # worker" while its siblings routed (tests/e2e/test_router_processes.py failed 1
+        # run in 3 that way).
+        discovery = app.get(DISCOVERY)
+        if config.processes > 1 and discovery is not None:
+            with contextlib.suppress(TimeoutError):
+                # A poll gives up within 2 intervals (router/fleet/discovery.py); Redis down.
+                first = discovery.first_poll.wait()
+                await asyncio.wait_for(first, 3 * config.discovery_interval + 1)
+        await bind(runner, config.host, config.port, reuse_port=config.processes > 1,
+                   header_read_timeout=config.header_read_timeout)  # fmt: skip
+        port = runner.addresses[0][1] if runner.addresses else config.port
+        log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
+        if ready is not None:
+            ready(port)
         await stop.wait()
         app[ADMISSION].stopping = True
         if config.shutdown_delay > 0:
@@ -231,13 +258,14 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
         if not await app[ADMISSION].drain(config.drain_timeout):
             log.warning("drain timeout: %d requests still in flight", app[ADMISSION].active)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
 
 
-def run_router(config: RouterConfig) -> None:
-    """One router process, in the foreground until SIGTERM/SIGINT."""
+def run_router(config: RouterConfig) -> int:
+    """One router process, in the foreground until SIGTERM/SIGINT; 1 when it cannot
+    listen (the port taken: one line says so, within seconds, in every mode)."""
     setup_logging(config.log_level)
     try:
         import uvloop
@@ -245,4 +273,9 @@ def run_router(config: RouterConfig) -> None:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except BindError as e:
+        log.error("%s", e)
+        return 1
+    return 0

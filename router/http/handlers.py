@@ -15,7 +15,6 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router.fleet.workers import Worker
-from router.http import dashboard
 from router.http.state import (
     ADMISSION,
     CLOCK,
@@ -24,11 +23,10 @@ from router.http.state import (
     METRICS,
     OPENAPI,
     POLICY,
-    PROXY,
     SESSION,
 )
 from router.upstream.answers import worker_authorization
-from router.upstream.proxy import Routed
+from router.upstream.proxy import PROXY, Routed
 from shared.body import read_json
 from shared.errors import APIError
 from shared.http import PROMETHEUS_TEXT
@@ -196,23 +194,3 @@ async def delete_worker(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[OPENAPI])
-
-
-def routes() -> list[web.RouteDef]:
-    """Every route, in one table."""
-    return [
-        web.post("/v1/chat/completions", chat_completions),
-        web.post("/v1/completions", completions),
-        web.post("/generate", generate),
-        web.get("/v1/models", models),
-        web.get("/health", health),
-        web.get("/liveness", liveness),
-        web.get("/readiness", readiness),
-        web.get("/metrics", metrics),
-        web.get("/workers", list_workers),
-        web.post("/workers", add_worker),
-        web.delete("/workers/{worker_id}", delete_worker),
-        web.get("/openapi.json", openapi),
-        web.get(dashboard.PAGE_PATH, dashboard.page),
-        web.get(dashboard.DATA_PATH, dashboard.data),
-    ]

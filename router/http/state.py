@@ -1,4 +1,6 @@
-"""The router app's typed state: every AppKey in one place."""
+"""The router app's typed state: every AppKey in one place but the proxy's
+(`router.upstream.proxy.PROXY`, beside its class: the HTTP room's state then sits above
+the upstream room, not between it and the handlers)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from router.fleet.table import Fleet
 from router.http.gate import Admission
 from router.metrics import Metrics
 from router.policy.base import Policy
-from router.upstream.proxy import Proxy
 from shared.config import RouterConfig
 from shared.peers import Rejections
 
@@ -28,5 +29,4 @@ REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis bounda
 SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
 # Set up in cleanup_ctx (they need the running loop):
 SESSION = web.AppKey("session", aiohttp.ClientSession)
-PROXY = web.AppKey("proxy", Proxy)
 DISCOVERY = web.AppKey("discovery", Discovery)

@@ -4,6 +4,10 @@ Each worker and the router run in their own session (process group), so stopping
 kills whatever they spawned too: SIGTERM to every group (the router first, so it
 drains while workers still answer), a grace period, then SIGKILL. Redis is stopped
 last. Ctrl-C (SIGINT) and SIGTERM both lead there, also in the middle of starting.
+While it runs, `up` supervises: a worker or the router that exits is reported in one
+line and restarted on its port after a backoff, while the rest keep serving; only a
+child that keeps exiting (router/up/restarts.py: more than 5 exits within 120 s) stops the
+fleet (exit 1). The embedded Redis is not restarted.
 Child output goes to log files in a temporary folder, so the terminal shows only
 progress; the folder is removed on exit unless `keep_logs` (then its path is printed).
 Before anything starts, router/up/preflight.py checks the router's port and what the
@@ -27,7 +31,8 @@ from pathlib import Path
 from typing import TextIO
 
 from router.up.preflight import StartError, check_port, check_prerequisites
-from shared.procs import Child, free_port, http_json, wait_health
+from router.up.restarts import Restarts, describe_exit
+from shared.procs import Child, answers_health, free_port, http_json, wait_health
 from shared.redis_server import RedisServer
 
 STOP_GRACE_S = 10.0
@@ -63,6 +68,7 @@ class UpFleet:
         self.log_dir: Path | None = None
         self._stop = threading.Event()
         self._launched: dict[str, float] = {}  # child name -> when it was started
+        self.restarts = Restarts()
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -222,15 +228,48 @@ class UpFleet:
 
     # -- running and stopping ---------------------------------------------------------
     def _watch(self) -> int:
+        """Serve until Ctrl-C/SIGTERM (0), restarting what exits (router/up/restarts.py);
+        1 when a child keeps exiting. Each exit and each comeback is one line."""
+        down: dict[int, float] = {}  # index in self.children -> when to restart it
+        coming_back: set[int] = set()  # restarted, not yet answering /health
         while not self._stop.wait(0.5):
-            for child in self.children:
-                if not child.alive:
-                    self.say(
-                        f"{child.name} exited unexpectedly ({child.returncode}):\n{child.tail(2000)}"
-                    )
+            now = time.monotonic()
+            for i, child in enumerate(self.children):
+                if i in down:
+                    if now >= down[i]:
+                        del down[i]
+                        self.children[i] = child = child.fresh().start()
+                        self._launched[child.name] = now
+                        coming_back.add(i)
+                    continue
+                if child.alive:
+                    if i in coming_back and answers_health(child.url):
+                        coming_back.discard(i)
+                        took = now - self._launched[child.name]
+                        self.say(f"{child.name} is back (pid {child.pid}, ready in {took:.1f}s)")
+                    continue
+                coming_back.discard(i)
+                child.signal(signal.SIGKILL)  # whatever it spawned goes with it
+                if not self._on_exit(child.name, describe_exit(child.returncode),
+                                     child.last_line(), now, i, down):  # fmt: skip
                     return 1
         self.say("stopping ...")
         return 0
+
+    def _on_exit(self, name: str, how: str, last: str, now: float, i: int,
+                 down: dict[int, float]) -> bool:  # fmt: skip
+        """Report an exit in one line and schedule the restart; False: give up."""
+        delay = self.restarts.on_exit(name, now)
+        said = f"{name} exited ({how})" + (f"; its last log line: {last}" if last else "")
+        if delay is None:
+            self.say(f"{said}. It exited {self.restarts.recent(name)} times within "
+                     f"{self.restarts.window_s:.0f}s: giving up, stopping the fleet.")  # fmt: skip
+            return False
+        self.say(f"{said}. Restarting it in {delay:.0f}s (restart {self.restarts.recent(name)} "
+                 f"of at most {self.restarts.max_restarts} within "
+                 f"{self.restarts.window_s:.0f}s); the others keep serving.")  # fmt: skip
+        down[i] = now + delay
+        return True
 
     def stop(self) -> None:
         # The router first, so it stops taking work while the workers can still finish.

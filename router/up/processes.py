@@ -16,7 +16,7 @@ The parent only supervises. It starts the children with multiprocessing's `spawn
 (fresh interpreters: nothing of an event loop is forked), passes SIGTERM/SIGINT on so
 each drains its own requests, restarts a child that exits on its own, and gives up
 (stopping the rest, exit status 1) when children keep dying within seconds of starting,
-as one that cannot bind the port does.
+or at once when one cannot bind the port (taken by another program).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from shared.config import ConfigError, RouterConfig
@@ -38,6 +40,7 @@ QUICK_EXIT_S = 5.0  # a child that exits sooner than this after its start failed
 MAX_QUICK_EXITS = 3
 POLL_S = 0.5
 STOP_MARGIN_S = 5.0  # beyond a child's own stop (shutdown_delay + drain_timeout)
+CANNOT_LISTEN = 3  # a child's exit status when its port is taken: the parent gives up
 
 
 def child_config(config: RouterConfig) -> RouterConfig:
@@ -49,22 +52,30 @@ def child_config(config: RouterConfig) -> RouterConfig:
     return config
 
 
-def _run_child(config: RouterConfig) -> None:
-    from router.http.app import run_router  # in the child: the whole router is imported here
+RunRouter = Callable[[RouterConfig], int]  # one router process's body (picklable: spawn)
 
-    run_router(config)
+
+def _child(run_router: RunRouter, config: RouterConfig) -> None:
+    """A child's body: `run_router`, its 1 (it could not listen: the port taken by another
+    program) turned into CANNOT_LISTEN. That is no crash a restart cures, and a child
+    slow to start (imports, the first registry read) did not count as a quick exit: it
+    was restarted forever."""
+    sys.exit(CANNOT_LISTEN if run_router(config) == 1 else 0)
 
 
 class Supervisor:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, run_router: RunRouter) -> None:
         self.config = child_config(config)
+        self._run_router = run_router
         self._ctx = multiprocessing.get_context("spawn")
         self._children: list[tuple[BaseProcess, float]] = []  # (process, started at)
         self._stop = threading.Event()
         self._quick_exits = 0
 
     def _start(self) -> tuple[BaseProcess, float]:
-        proc = self._ctx.Process(target=_run_child, args=(self.config,), name="radix-router")
+        proc = self._ctx.Process(
+            target=_child, args=(self._run_router, self.config), name="radix-router"
+        )
         proc.start()
         return proc, time.monotonic()
 
@@ -93,6 +104,9 @@ class Supervisor:
         for i, (proc, started) in enumerate(self._children):
             if proc.is_alive() or self._stop.is_set():
                 continue
+            if proc.exitcode == CANNOT_LISTEN:
+                log.error("router processes cannot listen (see above); stopping")
+                return True
             quick = time.monotonic() - started < QUICK_EXIT_S
             self._quick_exits = self._quick_exits + 1 if quick else 0
             if self._quick_exits >= MAX_QUICK_EXITS:
@@ -118,10 +132,11 @@ class Supervisor:
                 proc.join()
 
 
-def run_processes(config: RouterConfig) -> int:
-    """Supervise `config.processes` router processes until SIGTERM/SIGINT."""
+def run_processes(config: RouterConfig, run_router: RunRouter) -> int:
+    """Supervise `config.processes` router processes, each running `run_router` (the
+    cli's: this module knows no router code), until SIGTERM/SIGINT."""
     setup_logging(config.log_level)
-    supervisor = Supervisor(config)
+    supervisor = Supervisor(config, run_router)
     previous = {
         sig: signal.signal(sig, supervisor.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
     }

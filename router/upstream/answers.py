@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING
+import re
+from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -44,9 +45,6 @@ from router.fleet.workers import FailureKind, Worker
 from router.upstream.connection import UpstreamBroken, WorkerConnection
 from shared.config import RouterConfig
 from shared.errors import APIError
-
-if TYPE_CHECKING:
-    from router.fleet.table import Attempt
 
 FORWARD_REQUEST = frozenset({"accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
 FORWARD_RESPONSE = frozenset({"content-type", "cache-control", "retry-after", "x-request-id"})
@@ -94,7 +92,8 @@ class AttemptFailed(Exception):
         self.kind, self.status = kind, status
         self.retry_after = retry_after  # busy: how long the worker asked to wait
         self.suspect = suspect  # a 500: the worker's fault or the request's, not known yet
-        self.attempt: Attempt | None = None  # set by the proxy: whose verdict may wait
+        # The proxy's `Attempt` (router/fleet/table.py): whose verdict may wait.
+        self.attempt: Any = None
 
 
 def request_fault(workers: int) -> APIError:
@@ -207,3 +206,33 @@ def _too_big(worker: Worker, limit: int) -> AttemptFailed:
         f"worker {worker.worker_id} answer exceeds max_response_bytes ({limit})",
         FailureKind.BAD_ANSWER,
     )
+
+
+# The key, then its integer value: workers put `usage` last, so the last occurrence is
+# usage's. Quotes inside JSON strings are escaped, so the quoted key cannot come from text.
+_CACHED_KEY = b'"cached_tokens"'
+_CACHED_VALUE = re.compile(rb"\s*:\s*(\d+)")
+
+
+def cached_tokens_from_json(body: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of a JSON body, or None.
+
+    Found by searching from the end instead of parsing the whole body: on the router's
+    hot path a full `json.loads` of every answer cost more than the rest of this metric.
+    """
+    at = body.rfind(_CACHED_KEY)
+    if at < 0 or body.rfind(b'"prompt_tokens_details"', 0, at) < 0:
+        return None
+    found = _CACHED_VALUE.match(body, at + len(_CACHED_KEY))
+    return int(found[1]) if found else None
+
+
+def cached_tokens_from_sse(tail: bytes) -> int | None:
+    """The last `cached_tokens` reported in the tail of an SSE stream (the final usage chunk)."""
+    at = tail.rfind(_CACHED_KEY)
+    if at < 0:
+        return None
+    start = tail.rfind(b"\n", 0, at) + 1  # the event line holding the key
+    end = tail.find(b"\n", at)
+    line = tail[start : end if end >= 0 else len(tail)].strip()
+    return cached_tokens_from_json(line) if line.startswith(b"data:") else None

@@ -28,19 +28,22 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
+from prometheus_client import Counter
 
 from router.fleet.sync import ReplicaSync
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import FailureKind, Worker
-from router.metrics import Metrics, cached_tokens_from_json, cached_tokens_from_sse
 from router.policy.base import Decision, Policy, RouteRequest
 from router.upstream.answers import (
     FORWARD_REQUEST,
     AttemptFailed,
     UpstreamErrors,
+    cached_tokens_from_json,
+    cached_tokens_from_sse,
     classify,
     encodable,
     read_capped,
@@ -70,6 +73,16 @@ class Routed:
     model: str | None
 
 
+class ProxyMetrics(Protocol):
+    """What the proxy reports (`router.metrics.Metrics` is one)."""
+
+    retries: Counter  # attempts retried on another worker
+
+    def decision(self, reason: str) -> None: ...
+
+    def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None: ...
+
+
 class Proxy:
     def __init__(
         self,
@@ -77,7 +90,7 @@ class Proxy:
         fleet: Fleet,
         policy: Policy,
         pool: UpstreamPool,
-        metrics: Metrics,
+        metrics: ProxyMetrics,
         clock: Callable[[], float] = time.monotonic,
         sync: ReplicaSync | None = None,
     ) -> None:
@@ -299,3 +312,6 @@ class Proxy:
         self.fleet.succeeded(attempt, predicted, cached)
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)
+
+
+PROXY = web.AppKey("proxy", Proxy)  # set up in the app's cleanup_ctx (needs the loop)

@@ -169,6 +169,11 @@ def test_each_role_is_refused_what_it_must_not_do(acl_redis: ChartRedis) -> None
         lambda: worker.hset(other, "url", "http://evil:1"),  # another worker's record
         lambda: worker.pexpire(other, 1),
         lambda: worker.delete(other),
+        lambda: worker.unlink(other),
+        lambda: worker.rename(other, own),
+        lambda: worker.delete("radixrouter:workers"),  # the old shared id set (issue 21)
+        lambda: worker.sadd("radixrouter:workers", POD0),
+        lambda: worker.srem("radixrouter:workers", POD1),
         lambda: worker.hset("radixrouter:worker:new-pod", "url", "http://evil:1"),  # a new id
         lambda: worker.xadd("radixrouter:decisions", {"w": "x"}),  # the routers' sync stream
         lambda: worker.set("radixrouter:ratelimit:ab", 1),  # rate-limit cells
@@ -215,7 +220,8 @@ def test_a_worker_pod_heartbeats_only_as_itself(acl_redis: ChartRedis) -> None:
             await registry.leave(forged)
         await client.aclose()
         admin = Redis(port=acl_redis.port, password=ADMIN)
-        assert await admin.smembers("radixrouter:workers") == {POD0.encode()}
+        assert not await admin.exists("radixrouter:workers")  # membership is the hashes
+        assert list(await Registry(admin).read_fleet()) == [POD0]
         assert (await admin.hgetall(f"radixrouter:worker:{POD0}"))[
             b"url"
         ] == b"http://10.0.0.1:8001"

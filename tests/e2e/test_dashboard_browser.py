@@ -122,6 +122,28 @@ def test_dashboard_lists_workers_and_follows_traffic(fleet: BenchFleet, tmp_path
                 shot = tmp_path / "dashboard.png"
                 page.screenshot(path=str(shot), full_page=True)
             assert traffic.statuses and set(traffic.statuses) == {200}
+            # The predicted-vs-actual card says what its number means and which way is good,
+            # and the number is predicted / actual as the JSON has them.
+            help_text = page.inner_text("#pred-help")
+            assert "1.00× is a perfect guess" in help_text and "over-predicts" in help_text
+            fleet_json = page.evaluate(
+                "async () => (await (await fetch('dashboard.json')).json()).fleet"
+            )
+            ratio = (
+                fleet_json["predicted_cached_tokens_total"]
+                / fleet_json["actual_cached_tokens_total"]
+            )
+            shown = float(page.inner_text("#pred-ratio").rstrip("×"))
+            assert abs(shown - ratio) < 0.2, (shown, ratio)  # a poll apart
+            assert "predicted" in page.inner_text("#pred-sub")
+            # Both charts have axes with units.
+            for chart, y_label in (
+                ("reasons-chart", "decisions per 10 s"),
+                ("hit-chart", "hit rate (%)"),
+            ):
+                labels = page.locator(f"#{chart} text.axis").all_text_contents()
+                assert y_label in labels and any(t.startswith("time (") for t in labels), labels
+                assert page.locator(f"#{chart} text.tick").count() >= 5
             assert float(page.inner_text("#hit-rate").rstrip("%")) > 0
             tree_cells = [rows.nth(i).locator("td").nth(11).inner_text() for i in range(WORKERS)]
             assert any(number(t) > 0 for t in tree_cells), tree_cells

@@ -95,7 +95,16 @@ async def test_no_role_reaches_past_its_keys(users: tuple[Redis, Redis, Redis]) 
         worker.xadd("radixrouter:decisions", {"d": b"x"}),
         worker.hset("radixrouter:router:r1", mapping={"w0": "1000000"}),
         worker.smembers("radixrouter:workers"),
+        # Membership is each worker's own hash: a worker can delete or replace no other.
+        worker.delete("radixrouter:worker:w1"),
+        worker.unlink("radixrouter:worker:w1"),
+        worker.pexpire("radixrouter:worker:w1", 1),
+        worker.delete("radixrouter:workers"),  # the old shared id set (issue 21)
+        worker.sadd("radixrouter:workers", "w0"),
+        worker.srem("radixrouter:workers", "w1"),
+        worker.flushdb(),
         router.hset("radixrouter:worker:w9", mapping={"url": "http://169.254.169.254:80"}),
+        router.delete("radixrouter:worker:w9"),
         router.sadd("radixrouter:workers", "w9"),
         router.flushdb(),
         worker.config_get("*"),

@@ -40,7 +40,6 @@ async def worker() -> AsyncIterator[str]:
 async def register(redis: Redis, wid: str, fields: dict[str, str]) -> None:
     """What anyone with write access can do: no Registry, raw commands."""
     await redis.hset(f"{PREFIX}worker:{wid}", mapping=fields)
-    await redis.sadd(f"{PREFIX}workers", wid)
 
 
 def record(wid: str, url: str, **kw: str) -> dict[str, str]:

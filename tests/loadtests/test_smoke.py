@@ -5,7 +5,9 @@ The same locust user runs unchanged against the router and directly against a wo
 
 from __future__ import annotations
 
+import csv
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,10 +41,69 @@ def test_ten_second_run_through_the_router(fleet: BenchFleet, tmp_path: Path) ->
     assert summary.hit_rate > 0
     # The router names the worker: both workers served and each reports cached tokens.
     assert set(summary.per_worker_requests) == {"w0", "w1"}
-    assert json.loads((tmp_path / "summary.json").read_text())["failures"] == 0
-    stats = (tmp_path / "locust_stats.csv").read_text()
-    assert "ttft" in stats and "tokens/s" in stats and "/v1/chat/completions" in stats
+    assert json.loads((tmp_path / "summary.json").read_text())["failed"] == 0
     assert (tmp_path / "locust.html").stat().st_size > 0
+    # Locust counts only real requests: one row per endpoint (its CSV is written a moment
+    # before the last requests end, so the count is checked on its final table).
+    with open(tmp_path / "locust_stats.csv") as f:
+        assert {row["Name"] for row in csv.DictReader(f)} == {"/v1/chat/completions", "Aggregated"}
+    check_units(summary.requests, (tmp_path / "locust.log").read_text())
+
+
+# Every column of the LLM tables the locust process prints, and its unit.
+WORKER_COLUMNS = {
+    "worker": "id", "requests": "count", "failed": "count", "hit rate": "ratio",
+    "req/s": "req/s", "goodput req/s": "req/s", "TTFT p50 ms": "ms", "TTFT p99 ms": "ms",
+    "TPOT p99 ms": "ms", "E2E p99 ms": "ms",
+}  # fmt: skip
+RUN_ROWS = {
+    "requests (failed)": "", "duration": " s", "request throughput": " req/s",
+    "output token throughput": " tok/s", "total token throughput": " tok/s",
+    "goodput": "no --slo given", "TTFT": " ms", "TPOT": " ms", "ITL": " ms",
+    "E2E latency": " ms", "cache hit rate": "(cached / prompt tokens)",
+    "max/mean requests per worker": "1.00 is even)",
+}  # fmt: skip
+
+
+def check_units(requests: int, log: str) -> None:
+    """The locust log: the LLM tables with a unit on every figure, and locust's own tables
+    with only HTTP rows (no pseudo-request under its millisecond columns)."""
+    lines = log.splitlines()
+    start = next(i for i, line in enumerate(lines) if "LLM serving metrics" in line)
+    run_rows = {line[:30].strip(): line[31:] for line in lines[start + 1 : start + 14]}
+    assert set(run_rows) - {""} == set(RUN_ROWS), run_rows
+    for row, unit in RUN_ROWS.items():
+        assert run_rows[row].endswith(unit) or unit in run_rows[row], (row, run_rows[row])
+    assert run_rows[""] == "mean / p50 / p90 / p99"
+    head = next(line for line in lines[start:] if line.startswith("worker "))
+    assert head.split() == " ".join(WORKER_COLUMNS).split()
+    # Locust's request table: Type, Name, counts, then times (ms) and rates (/s).
+    table = [line for line in lines if re.match(r"^\s*(POST|GET|LLM)\s|^\s*Aggregated", line)]
+    assert table and all(not line.lstrip().startswith("LLM") for line in table), table
+    aggregated = [line.split() for line in table if line.lstrip().startswith("Aggregated")]
+    assert int(aggregated[0][1]) == requests  # the request table's # reqs
+
+
+def test_one_worker_gets_everything_and_the_report_says_so(
+    fleet: BenchFleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every conversation starts with one system prompt, and the router's default
+    # imbalance gap (64) is never reached by 4 users: all go to the prompt's holder.
+    # The report lists the other worker (GET /workers) with 0 and a spread of 2.00.
+    chat = WorkloadOptions(workload="multi_turn", conversations=4, turns=3, system_len=60,
+                           question_len=8, output_len=8)  # fmt: skip
+    spec = RunSpec(host=fleet.router_url, out=tmp_path, users=4, timeout_s=120)
+    summary = run(spec, chat)
+    assert summary.failures == 0
+    assert sorted(summary.per_worker_requests.values()) == [0, 12]
+    assert summary.load_max_over_mean == 2.0
+    out = capsys.readouterr().out
+    idle = next(w for w, n in summary.per_worker_requests.items() if n == 0)
+    assert re.search(rf"^{idle} +0 +0 ", out, re.MULTILINE), out
+    assert "max/mean requests per worker   2.00 (over 2 workers" in out
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert result["per_worker"][idle]["completed"] == 0 and result["load_max_over_mean"] == 2.0
+    assert result["workers_from"] == "GET /workers"
 
 
 def test_a_run_time_repeats_a_workload_that_runs_out_first(

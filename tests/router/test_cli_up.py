@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -143,3 +144,61 @@ def test_missing_pieces_are_named_before_anything_starts() -> None:
     check_prerequisites("sim", None, without("torch"))  # sim runs without torch
     with pytest.raises(StartError, match="worker package is not installed"):
         check_prerequisites("sim", "redis://127.0.0.1:1/0", without("worker"))
+
+
+def test_up_restarts_a_killed_worker_while_the_fleet_keeps_serving() -> None:
+    """Was: one worker dying ended `up` (exit 1) with a log tail cut mid-line. Now the
+    exit is one line, the router routes around it, and the worker comes back on its
+    port with a new epoch (an empty cache) and is routed to again."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "router", "up", "--workers", "2", "--engine", "sim", "--port", str(port),
+         "--start-timeout", "60", "--policy", "round_robin"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(
+        target=lambda: lines.extend(iter(up.stdout.readline, "")), daemon=True
+    )  # type: ignore[union-attr]
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: any("Press Ctrl-C" in ln for ln in lines) or up.poll() is not None, 90)
+        assert up.poll() is None, "".join(lines)
+        pid = int(re.findall(r"worker-1 \(pid (\d+)\) starting", "".join(lines))[0])
+        epoch = workers(url)["worker-1"]["epoch"]
+        os.killpg(pid, signal.SIGKILL)
+        for i in range(20):  # while it is down and after: every request is answered
+            assert complete(url, f"while worker-1 is down {i}")[0] == 200
+        wait_until(lambda: any("worker-1 is back" in ln for ln in lines), 60)
+        wait_until(lambda: workers(url).get("worker-1", {}).get("epoch", epoch) != epoch, 30)
+        answered_by = {complete(url, f"after {i}")[1] for i in range(10)}
+        assert "worker-1" in answered_by, answered_by
+        assert up.poll() is None
+        reports = [ln for ln in lines if ln.startswith("worker-1 exited")]
+        assert len(reports) == 1 and "(killed by SIGKILL)" in reports[0], "".join(lines)
+        assert "Restarting it in 1s (restart 1 of at most 5 within 120s)" in reports[0]
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 0
+    finally:
+        print("".join(lines))  # shown when the test fails
+        if up.poll() is None:
+            for child in descendants(up.pid):
+                os.kill(child, signal.SIGKILL)
+            up.kill()
+            up.wait()
+
+
+def workers(url: str) -> dict[str, dict]:
+    with urllib.request.urlopen(url + "/workers", timeout=5) as r:
+        return {w["worker_id"]: w for w in json.loads(r.read())["data"]}
+
+
+def complete(url: str, prompt: str) -> tuple[int, str]:
+    body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+    req = urllib.request.Request(
+        url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.status, r.headers["x-radix-worker"]

@@ -307,8 +307,8 @@ def test_bad_reports_count_as_unknown_and_never_raise() -> None:
     d = ask(p, "z" * 400, fleet(0, 0))
     assert d.worker_id in ("w0", "w1")
     cols = p._cols  # the inputs as priced: unknown figures took the configured defaults
-    assert cols.r.tolist() == [0, 0] and sorted(cols.o.tolist()) == [0, 100]
-    assert cols.p.tolist() == [0.02, 0.02] and cols.kd.tolist() == [1.0, 1.0]
+    assert cols.reported_queue.tolist() == [0, 0] and sorted(cols.own_queue.tolist()) == [0, 100]
+    assert cols.prefill_ms.tolist() == [0.02, 0.02] and cols.decode_ms.tolist() == [1.0, 1.0]
 
 
 def test_inherits_cache_aware_bookkeeping_epochs_caps_and_fleet_views() -> None:

@@ -197,7 +197,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("keys", CONFIGS)
-@pytest.mark.parametrize("n", [4, 14, 64, 256])  # 14: 11–14 routable, across `_SMALL`
+@pytest.mark.parametrize("n", [4, 14, 64, 256])  # 14: 11–14 routable (lists priced apart once)
 def test_numpy_columns_make_every_decision_the_reference_made(n: int, keys: dict[str, Any]) -> None:
     seen = replay(
         n, seed=n * 7 + len(keys), keys=keys, steps={4: 1_500, 14: 1_000, 64: 800, 256: 400}[n]

@@ -82,7 +82,6 @@ async def test_malformed_record_is_never_routed(
         await registry.redis.hset(
             "radixrouter:worker:evil", mapping={**rec("evil", 1).to_hash(), "url": "file:///x"}
         )
-        await registry.redis.sadd("radixrouter:workers", "evil")
         await registry.publish_heartbeat(rec("ok", 9003), ttl_s=30, joined=True)
         await wait_until(lambda: "ok" in fleet.workers)
         assert "evil" not in fleet.workers
@@ -159,3 +158,26 @@ async def test_stops_even_when_a_cancel_is_lost(redis_server: RedisServer) -> No
     discovery.stopping = True
     await stop_task(task, timeout=3)
     assert task.done()
+
+
+async def test_a_flood_of_events_wakes_the_poller_only_so_often(
+    redis_server: RedisServer, registry: Registry
+) -> None:
+    """Any worker may publish on the events channel and each wake-up reads every
+    worker's record: 0.5 s of events (thousands) buy at most one read per 0.1 s."""
+    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    discovery = Discovery.from_url(redis_server.url, "radixrouter:", fleet, interval=30.0,
+                                   grace=0.0, clock=ManualClock())  # fmt: skip
+    task = asyncio.create_task(discovery.run())
+    try:
+        await wait_until(lambda: discovery.polls == 1)
+        await asyncio.sleep(0.2)  # the listener has subscribed
+        loop = asyncio.get_running_loop()
+        end, sent = loop.time() + 0.5, 0
+        while loop.time() < end:
+            await registry.redis.publish(registry.events_channel, "{}")
+            sent += 1
+        assert sent > 100
+        assert 2 <= discovery.polls <= 1 + 0.5 / 0.1 + 2, discovery.polls
+    finally:
+        await stop(task)

@@ -6,7 +6,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.metrics import cached_tokens_from_json, cached_tokens_from_sse
+from router.upstream.answers import cached_tokens_from_json, cached_tokens_from_sse
 
 
 def completion(text: str, cached: int | None) -> bytes:

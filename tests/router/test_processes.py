@@ -123,7 +123,6 @@ def test_a_child_binds_the_shared_port_once_it_has_read_the_registry(
     registry_key = registry.worker_key("w0")
     with SyncRedisClient.from_url(redis_server.url) as r:
         r.hset(registry_key, mapping=record.to_hash())
-        r.sadd(registry.workers_key, "w0")
     proxy = SlowProxy(int(redis_server.url.rsplit(":", 1)[1].split("/")[0]), delay_s=0.7)
     port = free_port()
     router = Child(

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from router.http.state import FLEET, PROXY
+from router.http.state import FLEET
+from router.upstream.proxy import PROXY
 from tests.router.conftest import StartRouter
 
 BODY = {"prompt": "hello there", "max_tokens": 3}

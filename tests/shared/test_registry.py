@@ -24,8 +24,6 @@ async def test_heartbeat_round_trip_and_expiry(registry: Registry) -> None:
     assert await registry.read_fleet() == {"w1": rec}
     await asyncio.sleep(0.5)
     assert await registry.read_fleet() == {}
-    # the expired id was pruned from the set
-    assert await registry.redis.smembers(registry.workers_key) == set()
 
 
 async def test_join_and_leave_events(registry: Registry) -> None:
@@ -56,19 +54,37 @@ async def test_malformed_records_are_ignored(registry: Registry) -> None:
     }
     await registry.redis.hset(registry.worker_key("evil"), mapping=bad)
     await registry.redis.hset(registry.worker_key("half"), mapping={"worker_id": "half"})
-    await registry.redis.sadd(registry.workers_key, "evil", "half")
+    # A record under another worker's key, a key that is not a hash, a bad id in a key.
+    await registry.redis.hset(registry.worker_key("thief"), mapping=record("good").to_hash())
+    await registry.redis.set(registry.worker_key("string"), "x")
+    await registry.redis.hset(registry.worker_key("bad id"), mapping=record("bad id").to_hash())
     assert list(await registry.read_fleet()) == ["good"]
+    assert registry.rejections.counts["registry"] == 4  # evil, half, thief, "bad id"
 
 
-async def test_a_flooded_id_set_is_read_only_up_to_the_bound(
+async def test_a_flood_of_worker_keys_is_read_only_up_to_the_bound(
     registry: Registry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A peer that may heartbeat may flood the id set; a poll reads about MAX_WORKERS of
-    it, never the whole set (each id read is one rejection here: none has a record)."""
+    """However many worker hashes the db holds (an operator's mistake: each worker user
+    may write only its own), a poll reads about MAX_WORKERS of them."""
     monkeypatch.setattr(registry_module, "MAX_WORKERS", 50)
-    await registry.redis.sadd(registry.workers_key, *[f"bad id {i}" for i in range(5000)])
-    assert await registry.read_fleet() == {}
-    assert 1 < registry.rejections.counts["registry"] <= 50 + 1
+    async with registry.redis.pipeline(transaction=False) as pipe:
+        for i in range(2000):
+            pipe.hset(registry.worker_key(f"w{i}"), mapping=record(f"w{i}").to_hash())
+        await pipe.execute()
+    assert len(await registry.read_fleet()) == 50
+    assert registry.rejections.counts["registry"] == 1
+
+
+async def test_membership_is_the_heartbeat_hashes_under_the_prefix(redis: Redis) -> None:
+    """Glob characters in the prefix are literal: `a*:` sees only its own workers, not
+    those of prefix `ab:`; nothing but the worker hashes decides who is in the fleet."""
+    star, other = Registry(redis, prefix="a*:"), Registry(redis, prefix="ab:")
+    await star.publish_heartbeat(record("w1"), ttl_s=5, joined=False)
+    await other.publish_heartbeat(record("w2"), ttl_s=5, joined=False)
+    await redis.sadd("a*:workers", "ghost")  # the old id set means nothing now
+    assert list(await star.read_fleet()) == ["w1"]
+    assert list(await other.read_fleet()) == ["w2"]
 
 
 def test_server_restarts_on_same_port(redis_server: RedisServer) -> None:

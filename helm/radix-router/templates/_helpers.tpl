@@ -221,20 +221,22 @@ Redis ACL rules (after "user NAME on >PASSWORD"), for the built-in Redis and doc
 for an external one (chart README). Keys and channels are limited to the fleet's prefix.
 Routers read worker records but cannot write them (%R~, Redis 7+); they own the sync
 stream, their load hashes and the rate-limit cells. Each worker pod (or its attach
-sidecar) may only write its own heartbeat record, the worker set and join/leave events.
+sidecar) may only write its own heartbeat record and publish join/leave events: membership
+is the heartbeat records themselves (routers SCAN them), so no worker can erase or forge
+another (shared/registry.py).
 */}}
 {{- define "radix-router.redisAclRouter" -}}
 {{- $p := .Values.redisPrefix -}}
-resetkeys %R~{{ $p }}worker:* ~{{ $p }}workers ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
+resetkeys %R~{{ $p }}worker:* ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
 {{- end }}
 
 {{/*
-One worker pod's rules: its own heartbeat hash only (its id is its pod name), the shared
-id set and the events channel. Call with (list $ $podName).
+One worker pod's rules: its own heartbeat hash only (its id is its pod name) and the
+events channel. Call with (list $ $podName).
 */}}
 {{- define "radix-router.redisAclWorker" -}}
 {{- $ := index . 0 }}{{- $pod := index . 1 }}{{- $p := $.Values.redisPrefix -}}
-resetkeys ~{{ $p }}worker:{{ $pod }} ~{{ $p }}workers resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +sadd +srem +del +publish +multi +exec +discard
+resetkeys ~{{ $p }}worker:{{ $pod }} resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +del +publish +multi +exec +discard
 {{- end }}
 
 {{/*
