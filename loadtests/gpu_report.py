@@ -107,6 +107,17 @@ def _preset(preset: str, r: dict[str, Any]) -> list[str]:
     if isinstance(e, dict) and "ms" in e:
         lines.append(f"- eager (no CUDA graph) at batch {e['batch']}, context {e['context']}: "
                      f"{e['ms']} ms/step; CUDA graph replays {r.get('graph_replays', 0)}")  # fmt: skip
+    c = r.get("startup_capture")
+    if isinstance(c, dict) and "seconds" in c:
+        late = r.get("no_capture_in_traffic", {})
+        lines.append(f"- decode graphs captured at start-up: {c.get('captures', 0)} buckets in "
+                     f"{c['seconds']} s; captured during traffic: "
+                     f"{late.get('late_captures', '?') if isinstance(late, dict) else '?'}")  # fmt: skip
+    o = r.get("overlap_decode")
+    if isinstance(o, dict) and "overlap_ms" in o:
+        lines.append(f"- engine decode at batch {o['batch']}, context {o['context']}: overlap "
+                     f"{o['overlap_ms']} ms/step vs in order {o['in_order_ms']} ms/step "
+                     f"({o['speedup']}x); greedy equal: {o['greedy_equal']}")  # fmt: skip
     if "peak_memory_gib" in r:
         lines.append(f"- peak device memory {r['peak_memory_gib']} GiB")
     cells = r.get("decode")

@@ -25,10 +25,11 @@ from loadtests.gpu_report import write
 
 FULL = dict(batches=(1, 32, 64, 128), contexts=(256, 2048), steps=12, prefill=(4, 2048),
             prefix=4096, question=64, prompts=(7, 60, 300), new_tokens=16,
-            eager_point=(64, 2048), first_cells=((64, 2048), (1, 2048)))  # fmt: skip
+            eager_point=(64, 2048), first_cells=((64, 2048), (1, 2048)),
+            overlap_point=(64, 2048, 32, 1))  # fmt: skip
 QUICK = dict(batches=(1, 3), contexts=(16, 40), steps=2, prefill=(2, 32), prefix=64,
              question=8, prompts=(5, 12, 20), new_tokens=4, eager_point=(3, 40),
-             first_cells=((3, 40),))  # fmt: skip
+             first_cells=((3, 40),), overlap_point=(3, 16, 3, 1))  # fmt: skip
 PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy")
 
 
@@ -129,6 +130,7 @@ def env_section(rec: Recorder, device: torch.device) -> None:
 def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict,
                    backend: str) -> None:  # fmt: skip
     from loadtests import gpu_bench as gb
+    from loadtests import gpu_overlap as go
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     from worker.engine.runtime.runner import ModelRunner
@@ -176,6 +178,8 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
         if info is None:
             return
     runner = holder["runner"]
+    # Issue 25: every bucket captured when the runner was built, before any traffic.
+    rec.step("startup_capture", lambda: go.startup_capture(runner))
     rec.data["decode"] = cells = []
     order = list(sizes["first_cells"])
     order += [(b, c) for c in contexts for b in batches if (b, c) not in order]
@@ -218,7 +222,10 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
         finally:
             runner.graphs = graphs
 
+    rec.step("no_capture_in_traffic", lambda: go.no_capture_in_traffic(runner))
     rec.step("eager_point", eager, need_s=5)
+    rec.step("overlap_decode", lambda: go.overlap_decode(runner, Path(model_dir),
+                                                         *sizes["overlap_point"]), need_s=30)  # fmt: skip
     rec.data["graph_replays"] = runner.graphs.replays if runner.graphs else 0
     rec.step("prefill_tokens_s", lambda: round(gb.prefill_tokens_s(runner, *sizes["prefill"]), 1),
              need_s=5)  # fmt: skip

@@ -65,6 +65,9 @@ class SyncCounter:
             self._log = self._warnings.__enter__()
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
+            # The sampler reads a step's draws after waiting on that step's copy event
+            # (runtime/sampler.py `Sampled`): a wait the debug mode does not report.
+            self._wrap(torch.cuda.Event, "synchronize", lambda *a, **k: True)
             return self
         for name in _READS:
             self._wrap(torch.Tensor, name, lambda *a, **k: True)
@@ -150,6 +153,9 @@ def _run(engine: Any, counter: SyncCounter, plan: list, vocab: int, request: Any
     steps: list[tuple[int, bool, bool]] = []
     pending = sorted(enumerate(plan), key=lambda x: x[1][2])
     step = 0
+    # With overlap scheduling (worker/engine/engine.py) a step reads the draws of the
+    # step launched before it, so that one's sampling is what this one waits for.
+    overlap, launched_sampled = getattr(engine, "overlap", False), False
     while pending or engine.has_work:
         while pending and pending[0][1][2] <= step:
             i, (n, params, _) = pending.pop(0)
@@ -159,8 +165,10 @@ def _run(engine: Any, counter: SyncCounter, plan: list, vocab: int, request: Any
         engine.step()
         items = engine.last_batch.items
         lens = {len(it.input_ids) == 1 for it in items}
+        sampled_now = bool(items) and bool(engine.last_batch.sampled)
+        sampled = launched_sampled if overlap else sampled_now
+        launched_sampled = sampled_now
         if counted and items:
-            sampled = bool(engine.last_batch.sampled)
             steps.append((counter.count, sampled, lens == {True, False}))
             if counter.count > sampled:
                 unexpected += counter.events

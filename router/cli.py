@@ -111,6 +111,11 @@ def _up_flags(p: argparse.ArgumentParser) -> None:
         "--keep-logs", action="store_true",
         help="keep the children's log folder on exit and print its path (default: removed)",
     )  # fmt: skip
+    p.add_argument(
+        "--no-kv-events", dest="kv_events", action="store_false",
+        help="route on the prefix tree alone: workers publish no KV events and the router "
+        "computes no prompt ids (default: on)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +173,7 @@ def _run_up(args: argparse.Namespace) -> int:
         sim_prefill_us_per_token=args.sim_prefill_us_per_token,
         sim_decode_ms_per_token=args.sim_decode_ms_per_token,
         model_cache_dir=args.model_cache_dir, start_timeout=args.start_timeout,
-        keep_logs=args.keep_logs,
+        keep_logs=args.keep_logs, kv_events=args.kv_events,
     )  # fmt: skip
     return UpFleet(options).run()
 

@@ -77,6 +77,14 @@ class WorkerTable(Protocol):
     def workers(self) -> Mapping[str, Worker]: ...
 
 
+class KvFeedView(Protocol):
+    """What the KV-event collector reads (router/fleet/kv_feed.py's KvEventFeed)."""
+
+    indexes: Mapping[str, Any]
+    streams: Mapping[str, Any]
+    dropped: Mapping[str, int]
+
+
 class PoolCounts(Protocol):
     """What metrics read of the upstream pool (`router.upstream.pool.UpstreamPool`)."""
 
@@ -181,6 +189,38 @@ class _RejectionsCollector(Collector):
         yield family
 
 
+class _KvFeedCollector(Collector):
+    """The KV-event index: its size, each worker's trust status, what was dropped."""
+
+    def __init__(self, feed: KvFeedView) -> None:
+        self.feed = feed
+
+    def collect(self) -> Iterator[Family]:
+        feed = self.feed
+        blocks = GaugeFamily(
+            "radix_router_kv_index_blocks", "Token blocks in the KV-event index", labels=["model"]
+        )
+        for model, index in sorted(feed.indexes.items()):
+            blocks.add_metric([model], len(index))
+        yield blocks
+        status = GaugeFamily(
+            "radix_router_kv_events_status",
+            "1 for each worker's KV-event status (ok: its index is used; else the tree)",
+            labels=["worker", "status"],
+        )
+        for wid, state in sorted(feed.streams.items()):
+            status.add_metric([wid, state.status], 1)
+        yield status
+        dropped = CounterFamily(
+            "radix_router_kv_events_dropped",
+            "KV-event stream entries dropped (malformed, oversized, other_worker, gap, ...)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(feed.dropped.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+
+
 class _PoolCollector(Collector):
     """The upstream pool's connections: how often keep-alive saves a connect, and how
     often a worker closed a kept connection under a request (resent, not its failure)."""
@@ -237,6 +277,9 @@ class Metrics(ServiceMetrics):
         r.register(_FleetCollector(fleet, clock, in_flight))
         if rejections is not None:
             r.register(_RejectionsCollector(rejections))
+
+    def watch_kv_feed(self, feed: KvFeedView) -> None:
+        self.registry.register(_KvFeedCollector(feed))
 
     def watch_pool(self, pool: PoolCounts) -> None:
         self.registry.register(_PoolCollector(pool))

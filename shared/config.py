@@ -74,6 +74,18 @@ class RouterConfig(_Frozen):
     # word tokenizer 2.5): sizes the tree caps, and cost_aware's token counts, which it
     # weighs against the queues workers report in their own tokens.
     tree_chars_per_token: float = Field(4.0, gt=0)
+    # The workers' tokenizer (shared/prompt_tokens.py): a local model or tokenizer folder,
+    # or "sim" (the sim engine's). Set, the router computes each request's prompt ids as
+    # the worker does, to look them up in the KV-event index.
+    tokenizer: str | None = None
+    # KV events (router/fleet/kv_feed.py): read every worker's KV-event stream into an exact
+    # block index beside the tree (needs redis_url and tokenizer). A routed request's tree
+    # entry still counts for `kv_events_inflight` seconds (its KV is on its way); a worker
+    # whose stream has a gap or lags by over `kv_events_max_lag` s is routed on the tree.
+    kv_events: bool = False
+    kv_events_max_blocks: int = Field(2_000_000, ge=1)
+    kv_events_max_lag: float = Field(2.0, gt=0)
+    kv_events_inflight: float = Field(2.0, ge=0)
     # cost_aware (router/cost_aware.py): what a prefill token and a decode step cost on a
     # worker whose heartbeat reports neither, and how many decode steps each request in a
     # worker's load delays a new one's first token.
@@ -151,6 +163,12 @@ class RouterConfig(_Frozen):
     def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(check_worker_url(u) for u in v)
 
+    @model_validator(mode="after")
+    def _kv_events_inputs(self) -> RouterConfig:
+        if self.kv_events and not (self.redis_url and self.tokenizer):
+            raise ValueError("kv_events needs redis_url (the streams) and tokenizer (the ids)")
+        return self
+
     @field_validator("worker_url_allow_cidrs", "trusted_proxies")
     @classmethod
     def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -173,11 +191,19 @@ class WorkerConfig(_Frozen):
     redis_prefix: str = "radixrouter:"
     heartbeat_interval: float = Field(1.0, gt=0)
     heartbeat_ttl_intervals: int = Field(3, ge=2)
+    # KV-cache events (worker/kv_publisher.py): every block the radix cache stores or drops,
+    # in vLLM's schema, onto this worker's bounded Redis stream for routers' exact index.
+    kv_events: bool = False
+    kv_events_block_size: int = Field(16, ge=1, le=4096)
+    kv_events_stream_len: int = Field(10_000, ge=100)  # entries kept (MAXLEN ~)
+    kv_events_interval: float = Field(0.05, gt=0)  # seconds between stream writes
     # Engine.
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "sdpa", "triton"] = "auto"  # auto: triton on CUDA
     disable_cuda_graph: bool = False
+    # Schedule step N+1 while step N runs on the device (worker/engine/engine.py).
+    disable_overlap_schedule: bool = False
     cache_tokens: int | None = Field(None, gt=0)  # KV capacity; None: kv_memory_fraction
     kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     page_size: int = Field(1, ge=1)
@@ -194,10 +220,14 @@ class WorkerConfig(_Frozen):
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     share_inflight_prefixes: bool = True  # prefill chunks enter the tree while running
     max_n: int = Field(8, ge=1, le=128)  # most choices (`n`) one request may ask for
-    # Sim engine cost model: every step costs decode_ms (one pass over the weights)
-    # plus prefill_us per prompt token it computes.
+    # Sim engine cost model (worker/backends/sim.py): every step costs decode_ms (one
+    # pass over the weights), plus decode_us_per_seq per sequence in it, plus
+    # decode_us_per_1k_context per 1,000 context tokens its sequences read, plus
+    # prefill_us per prompt token it computes.
     sim_prefill_us_per_token: float = Field(0.0, ge=0)
     sim_decode_ms_per_token: float = Field(0.0, ge=0)
+    sim_decode_us_per_seq: float = Field(0.0, ge=0)
+    sim_decode_us_per_1k_context: float = Field(0.0, ge=0)
     # HTTP.
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
     body_read_timeout: float = Field(30.0, gt=0)  # as the router's

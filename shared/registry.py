@@ -7,6 +7,8 @@ Layout (prefix default `radixrouter:`):
     <prefix>decisions     stream of routing decisions shared by router replicas (router/fleet/sync.py)
     <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
     <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/http/ratelimit.py)
+    <prefix>kvevents:<id> stream of worker <id>'s KV-cache events (shared/kv_events.py),
+                          bounded (MAXLEN ~); written under the worker's own ACL like its hash
 
 Workers write (`publish_heartbeat`, `leave`); routers read (`read_fleet`).
 
@@ -31,6 +33,7 @@ from dataclasses import asdict, dataclass, fields
 
 from redis.asyncio import Redis
 
+from shared.kv_events import entry_fields
 from shared.peers import Rejections, check_worker_id, check_worker_url
 
 # Counts and sizes a worker reports (tokens, requests) are far below this; larger is a lie.
@@ -138,6 +141,41 @@ class Registry:
     @property
     def decisions_stream(self) -> str:
         return f"{self.prefix}decisions"
+
+    def kv_events_key(self, worker_id: str) -> str:
+        return f"{self.prefix}kvevents:{worker_id}"
+
+    async def append_kv_events(
+        self, worker_id: str, epoch: float, seq: int, payload: bytes, maxlen: int
+    ) -> None:
+        """One batch onto the worker's bounded event stream (trimmed approximately: cheap)."""
+        await self.redis.xadd(
+            self.kv_events_key(worker_id),
+            entry_fields(worker_id, epoch, seq, payload),  # type: ignore[arg-type]
+            maxlen=maxlen,
+            approximate=True,
+        )
+
+    async def read_kv_events(
+        self, cursors: dict[str, str], count: int, block_ms: int | None
+    ) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
+        """New entries of each worker's stream after its cursor (an entry id; "0" for all,
+        "$" for only new), as [(worker_id, [(entry_id, fields), ...]), ...]."""
+        if not cursors:
+            return []
+        streams = {self.kv_events_key(w): c for w, c in cursors.items()}
+        replies = await self.redis.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
+        cut = len(self.kv_events_key(""))
+        out = []
+        for key, entries in replies or ():
+            name = key.decode() if isinstance(key, bytes) else key
+            out.append((name[cut:], entries))
+        return out
+
+    async def last_kv_event_id(self, worker_id: str) -> bytes | None:
+        """The id of the newest entry in the worker's stream (None when empty)."""
+        entries = await self.redis.xrevrange(self.kv_events_key(worker_id), count=1)
+        return entries[0][0] if entries else None
 
     def router_key(self, replica_id: str) -> str:
         return f"{self.prefix}router:{replica_id}"

@@ -25,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Built once per session; nothing downloads (transformers is told to stay offline).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The engine's per-step validation (worker/engine/config.py `debug_checks`), off in
+# serving, on in every test: a bad batch fails loudly here.
+os.environ.setdefault("RADIX_ENGINE_DEBUG", "1")
 # Without a GPU the triton attention kernels run in triton's interpreter on CPU tensors.
 # Set before worker/engine/runtime/attention/triton_kernels.py is imported: @triton.jit reads it.
 if not os.path.exists("/dev/nvidia0"):

@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from shared.access_log import make_access_middleware, stamp_request_id
+from shared.aio import stop_task
 from shared.auth import KeySet, unauthorized
 from shared.config import WorkerConfig
 from shared.errors import APIError, Handler, error_middleware
@@ -26,6 +27,7 @@ from shared.registry import Registry, WorkerRecord
 from worker import admin_api, openai_api
 from worker.engine.types import Engine
 from worker.heartbeat import Heartbeat, connect
+from worker.kv_publisher import KvEventPublisher
 from worker.metrics import WorkerMetrics
 from worker.state import CONFIG, ENGINE, HEARTBEAT, METRICS, STATE, WorkerState
 
@@ -164,6 +166,29 @@ async def _heartbeat_ctx(app: web.Application) -> AsyncIterator[None]:
         await redis.aclose()
 
 
+async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With `kv_events` and Redis: the cache's KV events onto this worker's stream."""
+    config, engine, state = app[CONFIG], app[ENGINE], app[STATE]
+    if not (config.kv_events and config.redis_url):
+        yield
+        return
+    redis = connect(config.redis_url, config.heartbeat_interval, config.redis_password_file)
+    publisher = KvEventPublisher(
+        Registry(redis, config.redis_prefix),
+        state.worker_id,
+        state.epoch,
+        lambda: getattr(engine, "kv_events", None),  # the radix backend has it once loaded
+        config.kv_events_stream_len,
+        config.kv_events_interval,
+    )
+    task = asyncio.create_task(publisher.run(state.ready), name="kv-events")
+    try:
+        yield
+    finally:
+        await stop_task(task)
+        await redis.aclose()
+
+
 ROUTES = [
     web.post("/v1/completions", openai_api.completions),
     web.post("/v1/chat/completions", openai_api.chat_completions),
@@ -199,6 +224,6 @@ def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
     app[METRICS] = WorkerMetrics(engine.stats, lambda: state.draining)
     app.on_response_prepare.append(_stamp_worker_id)
     app.on_response_prepare.append(stamp_request_id)
-    app.cleanup_ctx.extend([_engine_ctx, _heartbeat_ctx])
+    app.cleanup_ctx.extend([_engine_ctx, _heartbeat_ctx, _kv_events_ctx])
     app.add_routes(ROUTES)
     return app

@@ -34,12 +34,14 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 from redis.exceptions import RedisError
 
+from shared.aio import stop_task
 from shared.config import read_password_file
 from shared.peers import served_model
 from shared.registry import Registry, WorkerRecord
@@ -62,6 +64,10 @@ class AttachConfig:
     interval: float = 1.0
     ttl_intervals: int = 3
     timeout: float = 2.0
+    # The engine's ZMQ KV-event publisher and replay socket (worker/kv_subscriber.py).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_stream_len: int = 10_000
 
 
 class Upstream:
@@ -152,8 +158,12 @@ async def attach(config: AttachConfig, stop: asyncio.Event) -> None:
     registry = Registry(redis, config.redis_prefix)
     current: list[WorkerRecord] = []
     heartbeat = Heartbeat(registry, lambda: current[-1], config.interval, config.ttl_intervals)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as session, contextlib.AsyncExitStack() as tasks:
         upstream = Upstream(config, session)
+        if config.kv_events:
+            tasks.push_async_callback(
+                _stop_all, _start_kv_events(config, registry, lambda: upstream.epoch)
+            )
         try:
             while not stop.is_set():
                 try:
@@ -172,6 +182,28 @@ async def attach(config: AttachConfig, stop: asyncio.Event) -> None:
             if heartbeat.joined and current:
                 await _leave(registry, replace(current[-1], draining=True))
             await redis.aclose()
+
+
+def _start_kv_events(
+    config: AttachConfig, registry: Registry, epoch: Callable[[], float]
+) -> list[asyncio.Task[None]]:
+    from worker.kv_subscriber import ZmqEventSubscriber, forward
+
+    queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
+    assert config.kv_events is not None
+    subscriber = ZmqEventSubscriber(config.kv_events, config.kv_events_replay, queue)
+    return [
+        asyncio.create_task(subscriber.run(), name="kv-events-sub"),
+        asyncio.create_task(
+            forward(queue, registry, config.worker_id, epoch, config.kv_events_stream_len),
+            name="kv-events-forward",
+        ),
+    ]
+
+
+async def _stop_all(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        await stop_task(task)
 
 
 async def _leave(registry: Registry, record: WorkerRecord) -> None:
@@ -205,6 +237,15 @@ def add_attach_parser(sub: Any) -> None:
     p.add_argument("--advertise-url", help="URL routers dial (default: --upstream)")
     p.add_argument("--served-model-name", help="model name (default: the upstream's /v1/models)")
     p.add_argument("--redis-prefix", default="radixrouter:")
+    p.add_argument(
+        "--kv-events", metavar="ENDPOINT",
+        help="the engine's ZMQ KV-event publisher, e.g. tcp://127.0.0.1:5557 (vLLM "
+        "--kv-events-config endpoint): forwarded to this worker's Redis stream",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-events-replay", metavar="ENDPOINT",
+        help="the publisher's replay socket (vLLM replay_endpoint), asked on a gap",
+    )  # fmt: skip
     p.add_argument("--interval", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--log-level", default="INFO")
 
@@ -244,7 +285,7 @@ def run_attach(args: argparse.Namespace) -> int:
         worker_id=worker_id, advertise_url=advertise,
         redis_prefix=args.redis_prefix, redis_password_file=args.redis_password_file,
         served_model_name=args.served_model_name,
-        interval=args.interval,
+        interval=args.interval, kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
     )  # fmt: skip
 
     async def main() -> None:

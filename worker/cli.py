@@ -68,6 +68,8 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         "share of free device memory for the KV cache, 0-0.95",
     ),
     ("--page-size", "page_size", int, "radix cache page size in tokens"),
+    ("--kv-events", "kv_events", None, "publish KV-cache events to Redis for routers' index"),
+    ("--kv-events-block-size", "kv_events_block_size", int, "tokens per block in KV events"),
     (
         "--host-cache-tokens",
         "host_cache_tokens",
@@ -98,6 +100,12 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--dtype", "dtype", str, "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
     ("--attention-backend", "attention_backend", str, "auto (CUDA: triton), sdpa, triton"),
     ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
+    (
+        "--disable-overlap-schedule",
+        "disable_overlap_schedule",
+        None,
+        "schedule each step after the previous one finished (no host/device overlap)",
+    ),
     ("--disable-radix-cache", "disable_radix_cache", None, "no prefix caching (ablation)"),
     ("--schedule-policy", "schedule_policy", str, "fcfs, or lpm: longest cached prefix first"),
     (
@@ -118,6 +126,18 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         "sim_decode_ms_per_token",
         float,
         "sim engine: decode cost, milliseconds per output token",
+    ),
+    (
+        "--sim-decode-us-per-seq",
+        "sim_decode_us_per_seq",
+        float,
+        "sim engine: decode step cost per sequence in the batch, microseconds",
+    ),
+    (
+        "--sim-decode-us-per-1k-context",
+        "sim_decode_us_per_1k_context",
+        float,
+        "sim engine: decode step cost per 1,000 context tokens read (the KV), microseconds",
     ),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
     ("--drain-timeout", "drain_timeout", float, "seconds to finish in-flight requests on SIGTERM"),

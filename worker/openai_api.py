@@ -54,9 +54,14 @@ UNSUPPORTED_FIELDS = (
 )  # fmt: skip
 
 
+# What each field may hold and still mean "nothing asked": plain text is OpenAI's
+# default `response_format`, and some SDKs send it explicitly on every request.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"response_format": ({"type": "text"},)}
+
+
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     for name in UNSUPPORTED_FIELDS:
-        if body.get(name) not in (None, False, [], {}):
+        if body.get(name) not in (None, False, [], {}, *_NEUTRAL.get(name, ())):
             raise APIError(
                 400, f"{name} is not supported by this worker", param=name,
                 code="unsupported_parameter",

@@ -3,7 +3,7 @@ radix cache, allocator) over the sim backend's cost model, with the clock passed
 
 It is the `--engine sim` worker the live fleet runs (worker/backends/sim.py) minus the
 HTTP layer and the sleeping: `CostModelRunner` charges each step `decode_ms` plus
-`prefill_us` per prefill token, and this class turns that charge into virtual time.
+`prefill_us` per prefill token (and the KV its decoders read), and this class turns that charge into virtual time.
 So admission (output reservation, in-flight prefix sharing, in-batch dedup, fcfs/lpm),
 chunked prefill, eviction and preemption are the engine's own code, not a copy.
 
@@ -43,6 +43,13 @@ class CostModel:
     max_prefill_tokens: int = 8192
     schedule_policy: str = "fcfs"
     share_inflight: bool = True
+    # The KV every decode step reads (worker/backends/sim.py). The default is
+    # Llama-3.2-1B's bytes: 32 KiB of KV per token against 2.47 GB of bf16 weights, so
+    # 1,000 context tokens cost 1.33% of a pass over the weights (3 ms -> 40 us); at
+    # batch 64 x 2k context the KV is 63% of the step. The engine's CPU steps fit this
+    # form (loadtests/results/sim_cost.md).
+    decode_us_per_1k_context: float = 40.0
+    decode_us_per_seq: float = 0.0
     # The host KV tier (0: off): its capacity in tokens, and a load's price: the KV
     # bytes of a token over the host -> device bandwidth (defaults: an 8B model over
     # PCIe 5, worker/backends/sim.py), added to the step that needs the pages.
@@ -121,6 +128,8 @@ class SimWorker:
             cost.prefill_us_per_token,
             cost.decode_ms_per_token,
             sleep=None,
+            decode_us_per_seq=cost.decode_us_per_seq,
+            decode_us_per_1k_context=cost.decode_us_per_1k_context,
             host_capacity=cost.host_cache_tokens,
             host_load_bytes_per_s=cost.host_load_bytes_per_s,
             kv_bytes_per_token=cost.kv_bytes_per_token,

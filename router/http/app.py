@@ -20,6 +20,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from router.fleet.discovery import Discovery
+from router.fleet.kv_feed import FeedMember, KvEventFeed
 from router.fleet.sync import DecisionSync, ReplicaSync
 from router.fleet.table import Fleet
 from router.http import dashboard, handlers
@@ -34,16 +35,19 @@ from router.http.state import (
     CONFIG,
     DISCOVERY,
     FLEET,
+    KV_FEED,
     METRICS,
     OPENAPI,
     POLICY,
     REJECTIONS,
     SESSION,
     SYNC,
+    TOKENS,
 )
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
+from router.policy.kv_score import KvScorer
 from router.upstream.pool import UpstreamPool
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
@@ -54,6 +58,8 @@ from shared.errors import ERROR_CODE
 from shared.http_server import KEEPALIVE_S, BindError, bind
 from shared.logging import setup_logging
 from shared.peers import Rejections, parse_networks
+from shared.prompt_tokens import PromptTokens
+from shared.registry import Registry
 
 log = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger("router.access")
@@ -113,6 +119,32 @@ async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
     await sync.start()
     yield
     await sync.stop()
+
+
+async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Every worker's KV-event stream into the index (router/fleet/kv_feed.py), while up."""
+    feed = app.get(KV_FEED)
+    config = app[CONFIG]
+    if feed is None or not config.redis_url:
+        yield
+        return
+    idle = min(0.5, config.discovery_interval)
+    # Its own client: XREAD blocks for up to `idle`, longer than a short socket timeout.
+    redis = Redis.from_url(config.redis_url, socket_timeout=idle + 5, socket_connect_timeout=5)
+    feed.registry = Registry(redis, config.redis_prefix)
+    fleet = app[FLEET]
+
+    def members() -> list[FeedMember]:
+        return [
+            FeedMember(w.worker_id, w.report.model, w.report.epoch)
+            for w in fleet.workers.values()
+            if w.source == "redis" and w.report.epoch
+        ]
+
+    task = asyncio.create_task(feed.run(members, idle), name="kv-events")
+    yield
+    await stop_task(task)
+    await redis.aclose()
 
 
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -206,8 +238,20 @@ def create_app(
     app[OPENAPI] = build_openapi()
     if ratelimit_redis is not None:
         app[RATELIMIT_REDIS] = ratelimit_redis
+    if config.kv_events and config.tokenizer:
+        app[TOKENS] = PromptTokens.load(config.tokenizer)
+        feed = app[KV_FEED] = KvEventFeed(
+            None,
+            config.kv_events_max_blocks,
+            max_lag=config.kv_events_max_lag,  # type: ignore[arg-type]
+        )
+        if hasattr(policy, "kv"):  # cache_aware and cost_aware: the index beside the tree
+            policy.kv = KvScorer(feed, config.kv_events_inflight)  # type: ignore[attr-defined]
+        metrics.watch_kv_feed(feed)
     app.on_response_prepare.append(stamp_request_id)
-    app.cleanup_ctx.extend([_session_ctx, _discovery_ctx, _sync_ctx, _ratelimit_redis_ctx])
+    app.cleanup_ctx.extend(
+        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_events_ctx, _ratelimit_redis_ctx]
+    )
     app.router.add_routes(routes())
     return app
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.http.state import CLOCK, FLEET, METRICS, POLICY
+from router.http.state import CLOCK, FLEET, KV_FEED, METRICS, POLICY
 
 PAGE_PATH = "/dashboard"
 DATA_PATH = "/dashboard.json"
@@ -62,6 +62,9 @@ def snapshot(app: web.Application) -> dict[str, Any]:
     trees = app[POLICY].worker_stats()
     workers = list(app[FLEET].workers.values())
     rows = [_worker_row(w, now, trees.get(w.worker_id, {})) for w in workers]
+    feed = app.get(KV_FEED)
+    for row in rows:  # ok: routed on its KV-event index; else why the tree stands in
+        row["kv_events"] = feed.status_of(row["worker_id"]) if feed is not None else None
     prompt = sum(w.report.prompt_tokens_total for w in workers)
     cached = sum(w.report.cached_tokens_total for w in workers)
     predicted = sum(r["predicted_cached_tokens_total"] for r in rows)

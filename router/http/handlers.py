@@ -20,11 +20,14 @@ from router.http.state import (
     CLOCK,
     CONFIG,
     FLEET,
+    KV_FEED,
     METRICS,
     OPENAPI,
     POLICY,
     SESSION,
+    TOKENS,
 )
+from router.policy.kv_score import request_tokens
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed
 from shared.body import read_json
@@ -72,7 +75,8 @@ def _inference(endpoint: str, path: str) -> Any:
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
-            routed = Routed(endpoint, path, raw, text, session_key, model)
+            ids = request_tokens(app.get(TOKENS), parsed) if app[CONFIG].kv_events else None
+            routed = Routed(endpoint, path, raw, text, session_key, model, ids)
             async with app[ADMISSION].slot():
                 response = await app[PROXY].forward(request, routed)
             status = response.status
@@ -161,6 +165,8 @@ async def list_workers(request: web.Request) -> web.Response:
     for w in list(app[FLEET].workers.values()):
         item = w.describe(now)
         item["tree"] = trees.get(w.worker_id, {})
+        feed = app.get(KV_FEED)
+        item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
         out.append(item)
     return web.json_response({"object": "list", "data": out})
 

@@ -10,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from router.fleet.discovery import Discovery
+from router.fleet.kv_feed import KvEventFeed
 from router.fleet.sync import ReplicaSync
 from router.fleet.table import Fleet
 from router.http.gate import Admission
@@ -17,6 +18,7 @@ from router.metrics import Metrics
 from router.policy.base import Policy
 from shared.config import RouterConfig
 from shared.peers import Rejections
+from shared.prompt_tokens import PromptTokens
 
 CONFIG = web.AppKey("config", RouterConfig)
 CLOCK = web.AppKey("clock", Callable[[], float])
@@ -27,6 +29,8 @@ ADMISSION = web.AppKey("admission", Admission)
 OPENAPI = web.AppKey("openapi", dict)
 REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis boundary
 SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
+TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `tokenizer`)
+KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
 # Set up in cleanup_ctx (they need the running loop):
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 DISCOVERY = web.AppKey("discovery", Discovery)

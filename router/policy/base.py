@@ -29,6 +29,8 @@ from shared.registry import WorkerRecord
 class RouteRequest:
     text: str  # canonical text to route on
     session_key: str | None = None  # consistent_hash: header value or the OpenAI `user` field
+    tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Decision:
     reason: str  # cache_hit | balance | no_match | spill | <policy name>
     matched_chars: int = 0  # predicted cached prefix length (chars) on the chosen worker
     match_rate: float = 0.0
+    predicted_tokens: float | None = None  # the same in tokens, where the prompt ids are known
 
 
 @dataclass(frozen=True)

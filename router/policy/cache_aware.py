@@ -45,6 +45,7 @@ from itertools import compress, repeat
 from operator import eq, is_not
 
 from router.policy.base import Decision, Policy, RouteRequest, WorkerView, columns, least_index
+from router.policy.kv_score import KvScorer
 from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
@@ -72,6 +73,7 @@ class CacheAware(Policy):
         self._ids: Sequence[str] = ()
         self._pos: dict[str, int] = {}
         self._caps: Sequence[int] | None = None
+        self.kv: KvScorer | None = None  # the exact index beside the tree, when on
 
     def _follow_fleet(self, workers: Sequence[WorkerView]) -> tuple[Sequence[str], Sequence[int]]:
         """The view's ids and loads; positions and tree caps follow when the fleet changed."""
@@ -87,12 +89,20 @@ class CacheAware(Policy):
         text = request.text
         ids, loads = self._follow_fleet(workers)
         path = self._tree.match_path(text) if text else []
+        if (
+            self.kv is not None and request.tokens is not None
+        ):  # the workers' own reports (kv_score.py)
+            path = self.kv.correct(path, request.tokens, request.model, len(text), now)
         i, reason = self._choose(len(text), loads, path)
         wid = ids[i]
         # Before the insert: ``path`` holds the live holder dicts, which it updates.
         matched = next((end for held, end in reversed(path) if wid in held), 0)
         self._tree.insert(text, wid, now)
-        return Decision(wid, reason, matched, matched / len(text) if text else 0.0)
+        rate = matched / len(text) if text else 0.0
+        tokens = request.tokens
+        return Decision(
+            wid, reason, matched, rate, rate * len(tokens) if tokens is not None else None
+        )
 
     def _holders(self, held: Iterable[object]) -> list[int]:
         """Positions of the routable workers among ``held``, in view order."""

@@ -143,7 +143,7 @@ class CostAware(CacheAware):
         )
         # ms a cached token saves there: its prefill, less its load from a host tier.
         hit_ms = cols.hit_ms.tolist() if small else cols.hit_ms
-        matched = self._holders_of(text)  # routable holders: chars cached there
+        matched = self._holders_of(request, now)  # routable holders: chars cached there
         at, ends = list(matched), list(matched.values())
         # A holder saves its cached tokens × its miss weight. One by one up to _FEW
         # holders (one costs ~0.7 µs in numpy scalars), above in array operations (~1 µs
@@ -167,12 +167,19 @@ class CostAware(CacheAware):
         ttft = float(price[i] - stalled[i] * cols.prefill_ms[i] * uncached)
         self._note_own(i, wid, math.ceil(uncached), now + ttft / 1e3)
         self._tree.insert(text, wid, now)
-        return Decision(wid, reason, chars, chars / len(text) if text else 0.0)
+        rate = chars / len(text) if text else 0.0
+        ids = request.tokens  # the prompt ids, where the router has a tokenizer
+        return Decision(wid, reason, chars, rate, rate * len(ids) if ids is not None else None)
 
-    def _holders_of(self, text: str) -> dict[int, int]:
+    def _holders_of(self, request: RouteRequest, now: float) -> dict[int, int]:
         """Position → chars cached there, for the routable workers holding a prefix of
         ``text``, in the order they first appear on its path (the tie order of `_hold`)."""
+        text = request.text
         path = self._tree.match_path(text) if text else []
+        if (
+            self.kv is not None and request.tokens is not None
+        ):  # the workers' own reports (kv_score.py)
+            path = self.kv.correct(path, request.tokens, request.model, len(text), now)
         pos = self._pos
         if not path or len(path[0][0]) <= _FEW:  # a few holders: the plain loop is fastest
             matched: dict[int, int] = {}

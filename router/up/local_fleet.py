@@ -57,6 +57,8 @@ class UpOptions:
     model_cache_dir: str | None = None
     start_timeout: float = 120.0
     keep_logs: bool = False
+    # Workers publish KV events and the router indexes them with the workers' tokenizer.
+    kv_events: bool = True
 
 
 class UpFleet:
@@ -131,6 +133,8 @@ class UpFleet:
                     "--redis-url", redis_url, "--worker-id", f"worker-{i}"]  # fmt: skip
             if model:
                 args += ["--model", model]
+            if o.kv_events:
+                args += ["--kv-events"]
             for flag, value in (("--cache-tokens", cache_tokens),
                                 ("--max-running-requests", o.max_running_requests),
                                 ("--sim-prefill-us-per-token", o.sim_prefill_us_per_token),
@@ -149,6 +153,8 @@ class UpFleet:
         # pull all traffic to one worker. Half a worker's batch is the scale that works
         # (loadtests/results/policies.md).
         env = {"RADIX_ROUTER_BALANCE_ABS_THRESHOLD": str(max(1, o.max_running_requests // 2))}
+        if o.kv_events:  # the exact index beside the tree, on the workers' own tokens
+            env |= {"RADIX_ROUTER_KV_EVENTS": "true", "RADIX_ROUTER_TOKENIZER": model or "sim"}
         router = self._launch(
             "router", "router", args, f"http://{o.host}:{port}", f"[{total}/{total}]", env=env
         )

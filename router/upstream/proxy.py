@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,6 +71,7 @@ class Routed:
     text: str  # what the policy routes on
     session_key: str | None
     model: str | None
+    tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
 
 
 class ProxyMetrics(Protocol):
@@ -117,7 +118,8 @@ class Proxy:
         view = self.fleet.view(now, routed.model, exclude=tried)
         if not view:
             return None
-        decision = self.policy.select(RouteRequest(routed.text, routed.session_key), view, now)
+        request = RouteRequest(routed.text, routed.session_key, routed.tokens, routed.model or "")
+        decision = self.policy.select(request, view, now)
         if self.sync is not None:
             self.sync.publish(decision.worker_id, routed.text)
         self.metrics.decision(decision.reason)
@@ -308,7 +310,9 @@ class Proxy:
         return resp
 
     def _succeeded(self, attempt: Attempt, decision: Decision, cached: int | None) -> None:
-        predicted = decision.matched_chars / self.config.tree_chars_per_token
+        predicted = decision.predicted_tokens
+        if predicted is None:  # no prompt ids: the configured chars per token
+            predicted = decision.matched_chars / self.config.tree_chars_per_token
         self.fleet.succeeded(attempt, predicted, cached)
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)

@@ -82,6 +82,11 @@ async def test_each_role_does_its_job_with_its_own_user(users: tuple[Redis, Redi
     await sync._load_once()
     await router.scan(match="radixrouter:router:*")
 
+    # KV events: the worker appends to its own stream, the router reads every stream.
+    await mine.append_kv_events("w0", 1.0, 0, b"batch", maxlen=100)
+    feed_read = await Registry(router).read_kv_events({"w0": "0"}, 10, None)
+    assert [w for w, _ in feed_read] == ["w0"]
+
     limiter = RedisGcra(router, Registry(router), rate=1.0, burst=1)
     assert await limiter.take(b"client-a") == 0.0
 
@@ -93,6 +98,9 @@ async def test_no_role_reaches_past_its_keys(users: tuple[Redis, Redis, Redis]) 
     for forbidden in (
         worker.hgetall("radixrouter:worker:w1"),
         worker.xadd("radixrouter:decisions", {"d": b"x"}),
+        worker.xadd("radixrouter:kvevents:w1", {"batch": b"x"}),  # another worker's stream
+        worker.xread({"radixrouter:kvevents:w0": "0"}),
+        router.xadd("radixrouter:kvevents:w0", {"batch": b"x"}),  # routers only read them
         worker.hset("radixrouter:router:r1", mapping={"w0": "1000000"}),
         worker.smembers("radixrouter:workers"),
         # Membership is each worker's own hash: a worker can delete or replace no other.

@@ -14,13 +14,22 @@ import zlib
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgpack
 import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
+from router.fleet.kv_feed import FeedMember, KvEventFeed
 from router.fleet.sync import SEP, DecisionSync
 from router.upstream.resolver import GuardedResolver
 from shared.config import RouterConfig
+from shared.kv_events import (
+    MAX_BATCH_BYTES,
+    AllBlocksCleared,
+    BlockStored,
+    encode_batch,
+    entry_fields,
+)
 from shared.peers import Rejections, parse_networks
 from shared.redis_server import RedisServer
 from shared.registry import Registry, WorkerRecord
@@ -211,3 +220,37 @@ async def test_sync_load_values_are_type_checked_and_clamped(redis: Redis) -> No
         assert sync.rejections.counts["sync_load"] >= 2
     finally:
         await sync.stop()
+
+
+async def test_kv_event_entries_malformed_oversized_foreign_or_out_of_order_are_dropped(
+    redis: Redis,
+) -> None:
+    """A worker's KV-event stream holds whatever was written to it: only well-formed
+    entries of that worker, in sequence, of its epoch, reach the index."""
+    good = encode_batch([AllBlocksCleared(), BlockStored((1,), None, (5, 6), 2)])
+    key = f"{PREFIX}kvevents:w1"
+    for fields in [
+        entry_fields("w1", 1.0, 0, good),  # the good one: applied
+        {"worker": "w1", "epoch": "1.0", "seq": "x", "batch": good},  # malformed seq
+        {"worker": "w1"},  # missing fields
+        entry_fields("w1", 1.0, 1, b"\xc1 not msgpack"),
+        entry_fields("w1", 1.0, 1, b"\x00" * (MAX_BATCH_BYTES + 1)),  # oversized
+        entry_fields("w1", 1.0, 1, encode_batch([BlockStored((2,), None, (9,) * 3, 2)])),
+        entry_fields("w1", 1.0, 1, msgpack.packb([1.0, [["BlockStored", [b"x" * 99]]]])),
+        entry_fields("w2", 1.0, 1, encode_batch([BlockStored((3,), None, (7, 8), 2)])),
+        entry_fields("w1", 1.0, 0, encode_batch([BlockStored((4,), None, (7, 8), 2)])),  # replay
+        entry_fields("w1", 0.5, 1, encode_batch([BlockStored((5,), None, (7, 8), 2)])),  # old
+        {**entry_fields("w1", 1.0, 1, good), "epoch": "nan"},
+    ]:
+        await redis.xadd(key, fields)  # type: ignore[arg-type]
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([FeedMember("w1", "sim", 1.0)])
+    while await feed.poll():
+        pass
+    assert feed.match("sim", [5, 6]) == {"w1": 2}  # the good entry, still trusted
+    assert feed.match("sim", [7, 8]) == {} and feed.match("sim", [9, 9]) == {}
+    assert feed.dropped == {
+        "malformed": 6, "oversized": 1, "other_worker": 1, "out_of_sequence": 1,
+        "stale_epoch": 1,
+    }  # fmt: skip
+    assert feed.trusted("w1")

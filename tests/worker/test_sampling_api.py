@@ -102,11 +102,28 @@ def test_penalties_and_bias_are_accepted(worker: WorkerThread) -> None:
     assert resp.usage.completion_tokens >= 1
 
 
+def test_response_format_text_is_the_default_and_accepted(worker: WorkerThread) -> None:
+    """OpenAI's default `response_format`, sent explicitly by some SDKs: plain text is
+    what this worker serves, so it must not be refused like json_object is."""
+    c = client(worker)
+    chat = c.chat.completions.create(
+        model=worker.engine.model_name, messages=MESSAGES, max_tokens=2,
+        response_format={"type": "text"}, temperature=0,
+    )  # fmt: skip
+    plain = c.chat.completions.create(
+        model=worker.engine.model_name, messages=MESSAGES, max_tokens=2, temperature=0
+    )
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    assert chat.usage.completion_tokens == 2
+    worker.engine.engine.check_integrity()
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"n": 5}, "n"),  # over this worker's max_n
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"999999999": 1}}, "logit_bias"),  # outside the vocabulary

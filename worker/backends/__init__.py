@@ -54,4 +54,6 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
         max_model_len=config.max_model_len or 32_768,
         prefill_us_per_token=config.sim_prefill_us_per_token,
         decode_ms_per_token=config.sim_decode_ms_per_token,
+        decode_us_per_seq=config.sim_decode_us_per_seq,
+        decode_us_per_1k_context=config.sim_decode_us_per_1k_context,
     )

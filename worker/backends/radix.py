@@ -16,6 +16,7 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.kv_blocks import BlockEvents
 from worker.engine.types import EngineOverloaded, EngineRequest, EngineStats, OutputStream
 
 
@@ -33,11 +34,13 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         dtype=config.dtype,
         attention_backend=config.attention_backend,
         disable_cuda_graph=config.disable_cuda_graph,
+        overlap_schedule=not config.disable_overlap_schedule,
         disable_radix_cache=config.disable_radix_cache,
         max_waiting_requests=max(1, config.max_waiting_requests),
         max_n=config.max_n,
         schedule_policy=config.schedule_policy,
         share_inflight_prefixes=config.share_inflight_prefixes,
+        kv_events_block_size=config.kv_events_block_size if config.kv_events else 0,
     )
 
 
@@ -93,6 +96,10 @@ class RadixBackend:
         if self._async is None:
             return EngineStats(0, 0, 0, 0, 0, 0, 0)
         return self._async.stats()
+
+    @property
+    def kv_events(self) -> BlockEvents | None:
+        return None if self._async is None else self._async.kv_events
 
     def count_tokens(self, text: str) -> int:
         return self.loaded.count_tokens(text)

@@ -6,10 +6,19 @@ in-flight prefix sharing, LRU eviction, preemption.
 
 Only the model is fake:
 
-- cost (`CostModelRunner`): a step costs `decode_ms_per_token` (one pass over the
-  weights, paid by every step) plus `prefill_us_per_token` per token of the prefill
-  chunks it runs. The live worker sleeps it in the engine thread; the virtual-time
-  simulator (`loadtests/sim/worker.py`) adds it to its clock instead.
+- cost (`CostModelRunner`): a step costs
+
+      decode_ms_per_token                      one pass over the weights, every step
+    + decode_us_per_seq x decoders in it       per-row work (sampling, activations)
+    + decode_us_per_1k_context x context / 1k  the KV every decoder reads (all its
+                                               tokens so far, each step)
+    + prefill_us_per_token x prefill tokens    the prefill chunks it runs
+
+  At batch 64 x 2k context the KV read is ~63% of a Llama-3.2-1B step's bytes: a
+  constant step price under-priced every long-context fleet study. The form is fitted
+  to the engine's own CPU steps by `python -m loadtests sim-calibrate`
+  (loadtests/results/sim_cost.md). The live worker sleeps it in the engine thread;
+  the virtual-time simulator (`loadtests/sim/worker.py`) adds it to its clock instead.
 - output (`SimSampler`): the prompt's deterministic answer (`sim_model.answer_ids`,
   same prompt, same answer), one token per step, cut short only by a stop string or a
   stop token id. It never emits EOS; penalties and biases do not change it; logprobs
@@ -61,6 +70,8 @@ class CostModelRunner:
         prefill_us_per_token: float = 0.0,
         decode_ms_per_token: float = 0.0,
         sleep: Callable[[float], None] | None = time.sleep,
+        decode_us_per_seq: float = 0.0,
+        decode_us_per_1k_context: float = 0.0,
         host_capacity: int = 0,
         host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S,
         kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
@@ -78,17 +89,33 @@ class CostModelRunner:
         self.decode_ms_per_token = decode_ms_per_token
         self.prefill_s = prefill_us_per_token / 1e6
         self.step_s = decode_ms_per_token / 1e3
+        self.seq_s = decode_us_per_seq / 1e6
+        self.context_s = decode_us_per_1k_context / 1e9  # per context token
         self.sleep = sleep  # None: virtual time, the caller reads `last_step_s`
         self.tokens_computed = 0
         self.last_step_s = 0.0
 
     def forward(self, batch: list[SeqBatchItem]) -> None:
-        prefill = sum(len(i.input_ids) for i in batch if len(i.input_ids) > 1)
-        self.tokens_computed += sum(len(i.input_ids) for i in batch)
-        self.last_step_s = self.step_s + self.prefill_s * prefill + self._load_s
+        self.last_step_s = self.step_cost(batch) + self._load_s
         self._load_s = 0.0
         if self.sleep is not None and self.last_step_s > 0:
             self.sleep(self.last_step_s)
+
+    def step_cost(self, batch: list[SeqBatchItem]) -> float:
+        """Seconds the step takes (the module docstring's formula); counts its tokens."""
+        prefill = context = decoders = 0
+        for item in batch:
+            n = len(item.input_ids)
+            self.tokens_computed += n
+            if n > 1:
+                prefill += n  # its price per token covers its attention too
+            else:
+                decoders += 1
+                context += item.start_pos + 1  # a decoder reads all its KV
+        return (
+            self.step_s + self.seq_s * decoders + self.context_s * context
+            + self.prefill_s * prefill
+        )  # fmt: skip
 
     def copy_kv(self, copies: KVCopies) -> None:
         nbytes = copies.load_tokens * self.kv_bytes_per_token
@@ -129,6 +156,8 @@ def build_sim_llm_engine(
     prefill_us_per_token: float = 0.0,
     decode_ms_per_token: float = 0.0,
     sleep: Callable[[float], None] | None = time.sleep,
+    decode_us_per_seq: float = 0.0,
+    decode_us_per_1k_context: float = 0.0,
     host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S,
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
 ) -> LLMEngine:
@@ -138,6 +167,7 @@ def build_sim_llm_engine(
     capacity = config.kv_capacity_tokens or 1_000_000
     runner = CostModelRunner(
         capacity, model, prefill_us_per_token, decode_ms_per_token, sleep,
+        decode_us_per_seq, decode_us_per_1k_context,
         host_capacity=config.host_cache_tokens,
         host_load_bytes_per_s=host_load_bytes_per_s,
         kv_bytes_per_token=kv_bytes_per_token,

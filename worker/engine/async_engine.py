@@ -24,6 +24,7 @@ from typing import Any
 
 from worker.engine.chat import render_chat
 from worker.engine.engine import LLMEngine
+from worker.engine.kv_blocks import BlockEvents
 from worker.engine.mailbox import (
     Delivery,
     Item,
@@ -151,6 +152,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def kv_events(self) -> BlockEvents | None:
+        return self.engine.kv_events
 
     def count_tokens(self, text: str) -> int:
         return len(self.engine.encode_prompt(text))

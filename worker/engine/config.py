@@ -6,8 +6,16 @@ or the KV pool (the effective context length, the pool capacity) live on the eng
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Literal
+
+# Set to 1 (the test suite does, tests/conftest.py) for the per-step checks below.
+DEBUG_ENV = "RADIX_ENGINE_DEBUG"
+
+
+def debug_from_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,14 @@ class EngineConfig:
     # nothing, at the price of a copy per new page).
     host_cache_tokens: int = 0
     host_write_policy: Literal["write_back", "write_through"] = "write_back"
+    # Schedule step N+1 while step N runs on the device (engine.py): the host's
+    # scheduling and postprocessing hide behind the forward. Off: strictly in order.
+    overlap_schedule: bool = True
+    # Validate every step's batch against the pool and vocabulary before it runs
+    # (runner._check): a clear error instead of a CUDA index assert, for caller bugs
+    # only. It was ~40% of a batch-64 step's host work, so it runs in tests and when
+    # RADIX_ENGINE_DEBUG=1, not in serving.
+    debug_checks: bool = field(default_factory=debug_from_env)
     # Ablation / correctness baseline: NoCache instead of RadixCache.
     disable_radix_cache: bool = False
     # Evict at least this many tokens whenever eviction is needed: evicting exactly the
@@ -53,6 +69,8 @@ class EngineConfig:
     # Prefill chunks enter the radix tree while their request still runs (off: only
     # at release, the ablation for benchmarks).
     share_inflight_prefixes: bool = True
+    # KV events (worker/engine/kv_blocks.py): the block size routers index; 0: off.
+    kv_events_block_size: int = 0
     inbatch_dedup_min_tokens: int = 32  # 0: off
     # SGLang's defaults: 0.7 -> 0.098 (0.7 x 0.14) over 600 decode steps; outputs
     # longer than 4,096 tokens are reserved as 4,096.

@@ -1,6 +1,19 @@
-"""The synchronous engine: requests in, one `step()` at a time, outputs out.
+"""The engine: requests in, one `step()` at a time, outputs out.
 
-    step = schedule -> run (the runner's forward, then the sampler) -> postprocess
+    step = schedule -> launch (the runner's forward, the sampler's draws) -> postprocess
+
+With overlap scheduling (`EngineConfig.overlap_schedule`, SGLang's default) a step
+launches step N+1 and then postprocesses step N, whose draws were read back while
+N+1 ran:
+
+    host    schedule N+1 | launch N+1 | read N, postprocess N (stop, detokenize, stream)
+    device  .. N ........| N+1 ............................................| N+2 ...
+
+Step N's tokens are placeholders on the host until then (runtime/futures.py): N+1's input
+ids hold them and the device swaps in the drawn ids. So a request that ended in step
+N decodes once more in N+1, and that token is dropped. Steps whose requests need
+their own output ids on the host to sample (penalties) read the previous step first.
+The cost-model runner of the sim backend has no futures: it always runs in order.
 
 The runner is the model (`runner.ModelRunner`) or a cost model (the `sim` backend's
 `CostModelRunner`): the scheduler, radix cache and allocator are the same code for
@@ -13,14 +26,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shared.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.host_tier import HostTier
+from worker.engine.kv_blocks import BlockEvents
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
 from worker.engine.scheduler import Batch, Scheduler
 from worker.engine.sequence import Req
@@ -29,6 +45,7 @@ from worker.engine.types import (
     EngineRequest,
     EngineStats,
     GenerateOutput,
+    SamplingParams,
     TokenLogprob,
 )
 
@@ -70,6 +87,10 @@ class LLMEngine:
                 host = HostTier(host_capacity, write_through) if host_capacity else None
                 cache = RadixCache(self.allocator, page_size=config.page_size, host=host)
         self.cache: PrefixCache = cache
+        self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
+        if config.kv_events_block_size and isinstance(cache, RadixCache):
+            self.kv_events = BlockEvents(config.kv_events_block_size)
+            cache.publish_events(self.kv_events)
         self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
         # The override may only shorten the model's context. And a request never holds
         # more slots than the pool has: then the oldest running request can always make
@@ -84,6 +105,14 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.in_flight: dict[str, list[Req]] = {}  # in-flight requests (their n choices) by id
         self.last_batch = Batch()  # what the last step ran (the simulator and tests read it)
+        # Overlap needs a runner that keeps draws on the device and a sampler that
+        # launches without reading back (the model's; not the sim's cost model).
+        self.overlap = (
+            config.overlap_schedule and hasattr(runner, "futures") and hasattr(sampler, "launch")
+        )
+        if hasattr(runner, "overlap_inputs"):  # engines may share a runner (GPU check)
+            runner.overlap_inputs = self.overlap
+        self._launched: _Launched | None = None  # the step whose draws are unread
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.host_cached_tokens_total = 0  # of them, loaded from the host tier
@@ -107,6 +136,7 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             cuda_graphs=not config.disable_cuda_graph,
             max_running_requests=config.max_running_requests,
+            debug_checks=config.debug_checks,
         )
         return cls(runner, Tokenizer.from_dir(model_dir), config, Sampler(runner.device))
 
@@ -180,6 +210,7 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             self.scheduler.abort(seq)
+            seq.drop_placeholders()  # a draw not read yet is never sent
             seq.finish_reason = "abort"
             self._retire(seq)
             outputs.append(seq.to_output())
@@ -187,30 +218,69 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._launched is not None
 
     # --- the loop ---
 
     def step(self) -> list[GenerateOutput]:
+        """Schedule and launch a step; the outputs of the step whose draws are read
+        now: this one (in order), or the one before it (overlap)."""
+        try:
+            return self._step()
+        except BaseException:
+            self._launched = None  # its requests are failed by the caller (async_engine)
+            raise
+
+    def _step(self) -> list[GenerateOutput]:
+        outputs: list[GenerateOutput] = []
+        before = self._launched
+        if before is not None and before.needs_host_ids:
+            outputs, before = self._postprocess(before), None  # penalties count real ids
         batch = self.last_batch = self.scheduler.schedule()
         self._stamp_admitted(batch.admitted)
         copies = self.cache.take_copies()
-        if copies is not None:  # write-backs and loads the step planned: before the forward
-            self.runner.copy_kv(copies)
-        if not batch.items:
-            return []
+        if copies is not None:  # the step's write-backs and loads: before its forward
+            self.runner.copy_kv(copies)  # (on CUDA ordered after the step still running)
+        self._launched = self._launch(batch) if batch.items else None
+        if before is not None:
+            outputs += self._postprocess(before)  # while the device runs this step
+        if not self.overlap and self._launched is not None:
+            outputs += self._postprocess(self._launched)
+            self._launched = None
+        return outputs
+
+    def _launch(self, batch: Batch) -> _Launched:
         logits = self.runner.forward(batch.items)  # rows for the sampled items only
         sampled = batch.sampled
-        tokens = self.sampler.sample(logits, sampled)
+        if not hasattr(self.sampler, "launch"):  # a sampler that answers at once (sim)
+            ready = _Ready(self.sampler.sample(logits, sampled))
+            self.scheduler.advance(batch)
+            return _Launched(sampled, ready, False)
+        drawn = self.sampler.launch(logits, sampled)
         self.scheduler.advance(batch)
-        return [self._postprocess(s, *t) for s, t in zip(sampled, tokens, strict=True)]
+        if self.overlap and sampled:
+            futures = self.runner.futures
+            start = futures.take(len(sampled))
+            futures.publish(start, drawn.ids)
+            for i, seq in enumerate(sampled):
+                seq.add_placeholder(-(start + i + 1))
+        penalized = any(_penalized(s.params) for s in sampled)
+        return _Launched(sampled, drawn, penalized)
 
-    def _postprocess(self, seq: Req, token: int, logprob: TokenLogprob | None) -> GenerateOutput:
-        seq.append_token(token, self.max_model_len, logprob)
-        if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
-            self._retire(seq)
-        return seq.to_output()
+    def _postprocess(self, launched: _Launched) -> list[GenerateOutput]:
+        """Read a launched step's draws (the host waits for that step only) and hand
+        each request its token: stop checks, detokenizing, the output to stream."""
+        outputs = []
+        for seq, (token, logprob) in zip(launched.reqs, launched.drawn.result(), strict=True):
+            if seq.is_finished:
+                continue  # aborted, or ended the step before (overlap's one extra step)
+            seq.append_token(token, self.max_model_len, logprob)
+            if seq.finish_reason is not None:
+                seq.drop_placeholders()
+                self.scheduler.abort(seq)  # running, or queued again by a preemption
+                self._retire(seq)
+            outputs.append(seq.to_output())
+        return outputs
 
     def _stamp_admitted(self, reqs: list[Req]) -> None:
         now = self.clock()
@@ -282,12 +352,8 @@ class LLMEngine:
     # --- input checks ---
 
     def encode_prompt(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        # A chat template's output already starts with BOS; encoding adds a second one.
-        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-            ids = ids[1:]
-        return ids
+        # shared/: the router computes the same ids for its block index (issue 26).
+        return encode_prompt(self.tokenizer, text)
 
     def _context(self) -> str:
         if self.max_model_len == self.allocator.capacity:
@@ -305,3 +371,27 @@ class LLMEngine:
                     param=param,
                 )
         return [int(t) for t in out]
+
+
+class _Ready:
+    """Draws already on the host (a sampler without `launch`)."""
+
+    def __init__(self, tokens: list[tuple[int, TokenLogprob | None]]) -> None:
+        self.tokens = tokens
+
+    def result(self) -> list[tuple[int, TokenLogprob | None]]:
+        return self.tokens
+
+
+@dataclass
+class _Launched:
+    """A step on the device: its sampled requests, in batch order, and their draws."""
+
+    reqs: list[Req]
+    drawn: Any  # `sampler.Sampled` or `_Ready`: `result()` -> [(token, logprob)]
+    # Its requests need their real ids on the host before they sample again.
+    needs_host_ids: bool
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)

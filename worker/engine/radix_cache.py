@@ -42,6 +42,7 @@ import numpy as np
 
 from worker.engine.allocator import SlotAllocator
 from worker.engine.host_tier import HostTier, KVCopies
+from worker.engine.kv_blocks import BlockEvents
 
 _TB = 8  # bytes per token id in a key (int64)
 
@@ -64,8 +65,8 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 class TreeNode:
     __slots__ = (
-        "children", "copy_epoch", "dev_children", "heap_tick", "host_tick", "host_value",
-        "id", "kb", "last_access", "lock_ref", "parent", "value",
+        "bend", "blocks", "children", "copy_epoch", "dev_children", "heap_tick", "host_tick",
+        "host_value", "id", "kb", "last_access", "lock_ref", "parent", "value",
     )  # fmt: skip
 
     def __init__(
@@ -84,6 +85,8 @@ class TreeNode:
         self.host_tick = -1  # the same for the host LRU heap
         self.copy_epoch = 0  # the host tier's plan that copies this node (see host_tier.py)
         self.id = node_id  # tie-break in the LRU heap (ticks repeat along a path)
+        self.blocks: tuple[int, ...] = ()  # KV-event block hashes ending here (kv_blocks.py)
+        self.bend = 0  # offset of the first block boundary in this node (kv_blocks.py)
 
     @property
     def key(self) -> np.ndarray:
@@ -174,6 +177,18 @@ class RadixCache:
         self.hit_tokens = 0  # device hits
         self.host_hit_tokens = 0
         self.miss_tokens = 0
+        self.kv_events: BlockEvents | None = None  # the one hook: publish_events()
+
+    def publish_events(self, events: BlockEvents) -> None:
+        """Report every block stored and removed from now on (call on an empty tree).
+
+        A block is reported stored while the tree holds it in either tier (a host hit is
+        a hit, loaded not computed) and removed when its node leaves the tree; a move
+        between tiers (`_retier`) sends nothing yet (the events' medium stays GPU)."""
+        if self.root.children:
+            raise RuntimeError("KV events must be on from the start (the tree is not empty)")
+        events.root = self.root
+        self.kv_events = events
 
     # ---- lookup -------------------------------------------------------------------
     def _walk(
@@ -238,6 +253,8 @@ class RadixCache:
         child.parent = upper
         parent.children[upper.kb[: self._kbytes]] = upper
         upper.children[child.kb[: self._kbytes]] = child
+        if self.kv_events is not None:
+            self.kv_events.split(upper, child, m)
         return upper
 
     def match_prefix(
@@ -298,6 +315,8 @@ class RadixCache:
             leaf = TreeNode(node, kb, None, self._tick, next(self._ids))
             node.children[kb[: self._kbytes]] = leaf
             self._retier(leaf, device=_frozen(slots[matched:limit].copy()))
+            if self.kv_events is not None:
+                self.kv_events.stored(leaf, arr, matched, limit)
             if self.host is not None and self.host.write_through:
                 self._write_back(leaf)
         if on_device > cached_len:
@@ -469,6 +488,8 @@ class RadixCache:
         """Detach a node held in no tier any more (slots already freed by the caller)."""
         parent = node.parent
         assert parent is not None and not node.children
+        if self.kv_events is not None:
+            self.kv_events.removed(node)
         self._retier(node, device=None, host=None)
         del parent.children[node.kb[: self._kbytes]]
         node.parent = None

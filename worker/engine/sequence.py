@@ -116,6 +116,8 @@ class Req:
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_matcher: StopMatcher | None = None
+    # Output ids still placeholders (overlap scheduling, futures.py): the last ones.
+    pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_arr = np.asarray(self.prompt_ids, dtype=np.int64)
@@ -167,11 +169,29 @@ class Req:
         """Output tokens this request may still generate (what admission reserves for)."""
         return self.params.max_tokens - len(self.output_ids)
 
+    def add_placeholder(self, placeholder: int) -> None:
+        """A token drawn on the device, not read yet: the next step's input all the same."""
+        self.output_ids.append(placeholder)
+        self.pending_tokens += 1
+
+    def drop_placeholders(self) -> None:
+        """The request ended: draws made after its last token (one step of lag) go."""
+        if self.pending_tokens:
+            del self.output_ids[-self.pending_tokens :]
+            self.pending_tokens = 0
+
     def append_token(
         self, token_id: int, max_model_len: int, logprob: TokenLogprob | None = None
     ) -> None:
-        """Record a sampled token, detokenize it and decide whether the request ends."""
-        self.output_ids.append(token_id)
+        """Record a sampled token (in place of its placeholder, the oldest one, if it
+        has one), detokenize it and decide whether the request ends."""
+        if self.pending_tokens:
+            n = len(self.output_ids) - self.pending_tokens + 1  # outputs up to this one
+            self.output_ids[n - 1] = token_id
+            self.pending_tokens -= 1
+        else:
+            self.output_ids.append(token_id)
+            n = len(self.output_ids)
         self.unsent_ids.append(token_id)
         if logprob is not None:
             self.unsent_logprobs.append(logprob)
@@ -188,7 +208,7 @@ class Req:
                 self.text = self.text[:hit]  # the held-back tail was never sent
                 self.finish_reason = "stop"
                 return
-        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        if n >= self.params.max_tokens or len(self.prompt_ids) + n >= max_model_len:
             self.finish_reason = "length"
 
     def take_text_delta(self) -> str:
@@ -210,7 +230,7 @@ class Req:
             token_ids=ids,
             prompt_tokens=len(self.prompt_ids),
             cached_tokens=self.cached_tokens or 0,
-            completion_tokens=len(self.output_ids),
+            completion_tokens=len(self.output_ids) - self.pending_tokens,
             finished=self.finish_reason is not None,
             finish_reason=self.finish_reason,
             index=self.index,

@@ -227,7 +227,7 @@ another (shared/registry.py).
 */}}
 {{- define "radix-router.redisAclRouter" -}}
 {{- $p := .Values.redisPrefix -}}
-resetkeys %R~{{ $p }}worker:* ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
+resetkeys %R~{{ $p }}worker:* %R~{{ $p }}kvevents:* ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
 {{- end }}
 
 {{/*
@@ -236,7 +236,7 @@ events channel. Call with (list $ $podName).
 */}}
 {{- define "radix-router.redisAclWorker" -}}
 {{- $ := index . 0 }}{{- $pod := index . 1 }}{{- $p := $.Values.redisPrefix -}}
-resetkeys ~{{ $p }}worker:{{ $pod }} resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +del +publish +multi +exec +discard
+resetkeys ~{{ $p }}worker:{{ $pod }} ~{{ $p }}kvevents:{{ $pod }} resetchannels &{{ $p }}events -@all +@connection -@dangerous +hset +pexpire +del +publish +multi +exec +discard +xadd
 {{- end }}
 
 {{/*

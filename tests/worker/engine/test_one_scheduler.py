@@ -80,7 +80,8 @@ def test_sim_and_radix_make_the_same_scheduling_decisions(tiny_model_dir: Path) 
         schedule_policy="lpm",
         device="cpu",
     )
-    radix = make_engine(tiny_model_dir, **cfg)
+    # The sim runs in order (no futures); so must the model's engine to decide alike.
+    radix = make_engine(tiny_model_dir, **cfg, overlap_schedule=False)
     sim = build_sim_llm_engine(EngineConfig(**cfg), TextTokenizer(), sleep=None)  # type: ignore[arg-type]
     assert sim.scheduler.__class__ is radix.scheduler.__class__
     got_radix, got_sim = _decisions(radix, arrivals), _decisions(sim, arrivals)

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.worker.engine.slots import allocator_for
+from worker.engine.config import EngineConfig
+from worker.engine.engine import LLMEngine
 from worker.engine.runtime.attention import make_backend
 from worker.engine.runtime.device import parse_dtype, pick_device, pick_dtype
 from worker.engine.runtime.runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, SeqBatchItem
@@ -111,6 +113,26 @@ def test_bad_items_raise_clear_errors(
     assert runner.tokens_computed == before
     # The runner is still usable afterwards.
     assert runner.forward([SeqBatchItem([5, 6], 0, np.arange(2))]).shape[0] == 1
+
+
+def test_validation_runs_in_debug_mode_only(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-step validation is a debug mode: on in tests (RADIX_ENGINE_DEBUG=1, set by
+    tests/conftest.py), off in serving, where it was ~40% of a step's host work."""
+    assert EngineConfig().debug_checks  # the suite's environment
+    monkeypatch.setenv("RADIX_ENGINE_DEBUG", "0")
+    assert not EngineConfig().debug_checks
+    fast = ModelRunner(tiny_model_dir, device="cpu", kv_capacity_tokens=256, debug_checks=False)
+    checked = ModelRunner(tiny_model_dir, device="cpu", kv_capacity_tokens=256, debug_checks=True)
+    calls = []
+    for r in (fast, checked):
+        monkeypatch.setattr(r, "_check", lambda batch, r=r: calls.append(r))
+        r.forward([SeqBatchItem([5, 6], 0, np.arange(2))])
+    assert calls == [checked]
+    engine = LLMEngine.from_model_dir(tiny_model_dir, EngineConfig(device="cpu",
+                                      kv_capacity_tokens=256, debug_checks=False))  # fmt: skip
+    assert not engine.runner.debug_checks
 
 
 def test_empty_batch_is_an_error(runner: ModelRunner) -> None:

@@ -6,7 +6,7 @@ import collections
 
 import torch
 
-from worker.engine.runtime.sampler import Sampler
+from worker.engine.runtime.sampler import Sampler, _filtered_probs
 from worker.engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -114,3 +114,34 @@ def test_mixed_batch_greedy_rows_unaffected() -> None:
     best = logits.argmax(-1).tolist()
     assert [out[0], out[2], out[4]] == [best[0], best[2], best[4]]
     assert all(0 <= t < 30 for t in out)
+
+
+QWEN_VOCAB = 151_936  # a large vocabulary: fp32 cumulative sums reach 1.0 before its end
+
+
+def test_top_p_one_keeps_every_token_whatever_shares_the_batch() -> None:
+    """A row with top_p = 1 keeps its whole tail, and a seeded request draws the same
+    tokens, whether or not another row of its batch cuts with top_p < 1 (once, the
+    fp32 cumulative sum of the shared sort reached 1.0 and cut ~10% of its vocabulary)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, QWEN_VOCAB, generator=gen) * 3  # row 0: 15,235 tokens were cut
+    mine = SamplingParams(temperature=1.0, seed=77)
+    other = SamplingParams(temperature=1.0, top_p=0.5)
+    cols = torch.tensor([[1.0, QWEN_VOCAB, p.top_p, 0, 1, 0, 0, 0] for p in (mine, other)])
+    probs, order = _filtered_probs(rows[:2], [mine, other], cols)
+    assert order is not None
+    assert int((probs[0] > 0).sum()) == QWEN_VOCAB  # every token of the top_p = 1 row
+    alone = torch.zeros(QWEN_VOCAB).scatter(0, order[0], probs[0])
+    torch.testing.assert_close(alone, rows[0].softmax(-1), rtol=1e-4, atol=1e-9)
+
+    def draws(partner: bool) -> list[int]:
+        sampler = Sampler()  # unseeded: only the request's own seed may matter
+        out = []
+        for step in range(8):
+            logits, params = rows[step : step + 1], [mine]
+            if partner:
+                logits, params = torch.cat([logits, rows[(step + 1) % 8 :][:1]]), [mine, other]
+            out.append(sampler.pick(logits, params, [0, 1][: len(params)])[0])
+        return out
+
+    assert draws(partner=True) == draws(partner=False)

@@ -54,7 +54,8 @@ def test_penalties_change_greedy_output_as_defined(tiny_model_dir: Path) -> None
 
 
 def test_logprobs_are_log_softmax_of_the_logits(tiny_model_dir: Path) -> None:
-    engine = make_engine(tiny_model_dir)
+    # In order, one forward per token (overlap runs one more: test_overlap.py).
+    engine = make_engine(tiny_model_dir, overlap_schedule=False)
     seen: list[torch.Tensor] = []
     forward = engine.runner.forward
 
@@ -77,7 +78,7 @@ def test_logprobs_are_log_softmax_of_the_logits(tiny_model_dir: Path) -> None:
 
 
 def test_n_choices_share_the_prompt_kv_and_count_it_once(tiny_model_dir: Path) -> None:
-    engine = make_engine(tiny_model_dir)
+    engine = make_engine(tiny_model_dir, overlap_schedule=False)  # counts in-order tokens
     prompt = rand_ids(random.Random(9), 80)
     outs = run(engine, req("n", prompt, max_tokens=6, n=3))["n"]
     by_choice = {i: [t for o in outs if o.index == i for t in o.token_ids] for i in range(3)}

@@ -19,12 +19,14 @@ grow with context. Only new tokens count in `tokens_computed`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from worker.engine.batch import SeqBatchItem
+from worker.engine.config import debug_from_env
 from worker.engine.host_tier import KVCopies
 from worker.engine.model_config import ModelConfig
 from worker.engine.runtime.attention import make_backend, resolve_backend
@@ -36,6 +38,7 @@ from worker.engine.runtime.attention.metadata import (
 )
 from worker.engine.runtime.cuda_graphs import DecodeGraphs
 from worker.engine.runtime.device import pick_device, pick_dtype
+from worker.engine.runtime.futures import FutureTokens
 from worker.engine.runtime.host_pool import HostKVPool
 from worker.engine.runtime.kv_pool import KVPool
 from worker.engine.runtime.model import ForwardContext
@@ -62,6 +65,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         max_running_requests: int = 64,
+        debug_checks: bool | None = None,
+        emulate_cuda_graphs: bool = False,  # CPU tests: the graphs' life cycle, run eagerly
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = cfg = ModelConfig.from_dir(self.model_dir)
@@ -99,10 +104,23 @@ class ModelRunner:
         self.table = ReqToTokenTable(max_running_requests, width, self.device)
         self.staging = Staging(self.device)
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda" and self.attention_backend == "triton":
-            self.graphs = DecodeGraphs(self.model, self.pool, self.backend, self.table)
+        if emulate_cuda_graphs or (
+            cuda_graphs and self.device.type == "cuda" and self.attention_backend == "triton"
+        ):
+            self.graphs = DecodeGraphs(
+                self.model, self.pool, self.backend, self.table, emulate=emulate_cuda_graphs
+            )
+        # Per-step batch validation: tests and RADIX_ENGINE_DEBUG=1 (config.py says why).
+        self.debug_checks = debug_from_env() if debug_checks is None else debug_checks
+        # Step N's draws, read by step N+1 on the device (overlap scheduling).
+        self.futures = FutureTokens(max_running_requests, self.device)
+        self.overlap_inputs = False  # set by the engine when it schedules with overlap
         self.tokens_computed = 0
         self.host_elements_last_step = 0  # int64 values moved host->device (tests)
+        # Every decode bucket captured now, before the worker reports ready.
+        self.graph_capture_s = 0.0
+        if self.graphs is not None:
+            self.graph_capture_s = self.graphs.capture_all(max_running_requests)
 
     @property
     def max_model_len(self) -> int:
@@ -139,9 +157,7 @@ class ModelRunner:
 
     def _check(self, batch: list[SeqBatchItem]) -> None:
         """Bad items are caller bugs, but a clear error beats a CUDA index assert.
-        Reads only what the step moves (new ids, slots[dirty_from:])."""
-        if not batch:
-            raise ValueError("forward() needs at least one item")
+        Reads only what the step moves (new ids, slots[dirty_from:]); debug mode only."""
         for i, item in enumerate(batch):
             n = len(item.input_ids)
             if n == 0:
@@ -160,7 +176,8 @@ class ModelRunner:
                     f"item {i}: {item.start_pos + n} tokens exceed max_model_len {self.max_model_len}"
                 )
             ids = np.asarray(item.input_ids)
-            if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            low = -self.futures.size if self.overlap_inputs else 0  # placeholders
+            if ids.min() < low or ids.max() >= self.config.vocab_size:
                 raise ValueError(f"item {i}: token ids must be in [0, {self.config.vocab_size})")
             slots = np.asarray(item.slots[item.dirty_from :])
             if slots.min() < 0 or slots.max() >= self.pool.capacity:
@@ -170,7 +187,10 @@ class ModelRunner:
     def forward(self, batch: list[SeqBatchItem]) -> torch.Tensor:
         """fp32 logits [items with sample, vocab] of each such item's last input token,
         in batch order; writes the K/V of every new token into its slot."""
-        self._check(batch)
+        if not batch:
+            raise ValueError("forward() needs at least one item")
+        if self.debug_checks:
+            self._check(batch)
         keys = [("step", i) if it.seq_id is None else it.seq_id for i, it in enumerate(batch)]
         decode_only = all(len(it.input_ids) == 1 for it in batch)
         bucket = self.graphs.bucket_for(len(batch)) if self.graphs and decode_only else None
@@ -183,6 +203,9 @@ class ModelRunner:
                 if isinstance(key, tuple):
                     self.table.release(key)
         self.host_elements_last_step = inputs.host_elements
+        if self.overlap_inputs:
+            # Placeholders of the previous step's draws: swapped on the device (futures.py).
+            inputs = replace(inputs, input_ids=self.futures.resolve(inputs.input_ids))
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.run(inputs, bucket)

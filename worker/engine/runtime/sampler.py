@@ -65,10 +65,15 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, reqs: list[Req]
     ) -> list[tuple[int, TokenLogprob | None]]:
-        """The engine's call: one (token, logprob or None) per request, in order."""
-        if not reqs:
-            return []
+        """One (token, logprob or None) per request, in order; waits for the device."""
+        return self.launch(logits, reqs).result()
+
+    def launch(self, logits: torch.Tensor, reqs: list[Req]) -> Sampled:
+        """The engine's call: the step's draws enqueued on the device, read later
+        (`Sampled.result`), so the host can schedule the next step meanwhile."""
         params = [r.params for r in reqs]
+        if not reqs:
+            return Sampled(None, params, self.device)
         seq_ids = [r.seq_id for r in reqs]
         tables = None
         if any(_penalized(p) for p in params):  # counts kept on the device (penalties.py)
@@ -76,7 +81,7 @@ class Sampler:
                 logits.shape[1], seq_ids, [r.output_ids for r in reqs],
                 [r.prompt_ids for r in reqs], [_penalized(p) for p in params], self._staging,
             )  # fmt: skip
-        rows = self._packed(
+        packed = self._packed(
             logits,
             params,
             seq_ids,
@@ -85,19 +90,8 @@ class Sampler:
             seeds=[None if r.params.seed is None else r.params.seed + r.index for r in reqs],
             with_logprobs=any(p.needs_logprobs for p in params),
             tables=tables,
-        ).tolist()  # the step's one host synchronisation
-        out: list[tuple[int, TokenLogprob | None]] = []
-        for row, p in zip(rows, params, strict=True):
-            token = int(row[0])
-            lp = None
-            if p.needs_logprobs:
-                k, n = (len(row) - 2) // 2, p.top_logprobs
-                top = tuple(
-                    (int(t), v) for t, v in zip(row[2 + k : 2 + k + n], row[2 : 2 + n], strict=True)
-                )
-                lp = TokenLogprob(token, row[1], top)
-            out.append((token, lp))
-        return out
+        )
+        return Sampled(packed, params, self.device)
 
     def pick(
         self,
@@ -164,9 +158,11 @@ class Sampler:
         for i, (seed, seq_id) in enumerate(zip(seeds, seq_ids, strict=True)):
             if seed is not None and params[i].temperature > 0:
                 noise[i].exponential_(generator=self._generator(seq_id, seed))
-        ranks = (probs / noise).argmax(dim=-1)
         if order is None:
-            return ranks
+            return (probs / noise).argmax(dim=-1)
+        # Noise belongs to token ids, not ranks: whether this row was sorted (some row of
+        # the batch cuts) must not change a seeded request's draw.
+        ranks = (probs / noise.gather(1, order)).argmax(dim=-1)
         return order.gather(1, ranks.unsqueeze(1)).squeeze(1)
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
@@ -176,6 +172,45 @@ class Sampler:
             gen.manual_seed(seed)
             self._seeded[seq_id] = gen
         return gen
+
+
+class Sampled:
+    """One step's draws, packed on the device: `ids` (int64, one per request) stay
+    there for the next step's input (runner.FutureTokens); `result()` reads the packed
+    rows back once. On CUDA the copy to pinned memory is enqueued right after the
+    draws, so reading it later waits for this step only, not for the step launched
+    after it."""
+
+    def __init__(
+        self, packed: torch.Tensor | None, params: list[SamplingParams], device: torch.device
+    ) -> None:
+        self.params = params
+        self.ids = None if packed is None else packed[:, 0].long()
+        self._host, self._done = packed, None
+        if packed is not None and device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> list[tuple[int, TokenLogprob | None]]:
+        if self._host is None:
+            return []
+        if self._done is not None:
+            self._done.synchronize()
+        rows = self._host.tolist()  # the step's one host synchronisation
+        out: list[tuple[int, TokenLogprob | None]] = []
+        for row, p in zip(rows, self.params, strict=True):
+            token = int(row[0])
+            lp = None
+            if p.needs_logprobs:
+                k, n = (len(row) - 2) // 2, p.top_logprobs
+                top = tuple(
+                    (int(t), v) for t, v in zip(row[2 + k : 2 + k + n], row[2 : 2 + n], strict=True)
+                )
+                lp = TokenLogprob(token, row[1], top)
+            out.append((token, lp))
+        return out
 
 
 def _columns(params: list[SamplingParams], vocab: int) -> np.ndarray:
@@ -270,8 +305,11 @@ def _filtered_probs(
     if any(p.top_p < 1 for p in params):
         # Drop a token when the tokens ranked above it already cover top_p; the most
         # likely token always stays.
+        # Only rows that cut: the fp32 sum reaches 1.0 before a large vocabulary ends,
+        # and a top_p = 1 row would lose its tail to whichever row shares its batch.
         before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(before >= cols[:, _TOP_P, None], 0.0)
+        cut = (before >= cols[:, _TOP_P, None]) & (cols[:, _TOP_P, None] < 1)
+        probs = probs.masked_fill(cut, 0.0)
     if any(p.min_p > 0 for p in params):
         best = probs[:, :1]  # column 0: the best
         probs = probs.masked_fill(probs < cols[:, _MIN_P, None] * best, 0.0)

@@ -1,0 +1,248 @@
+"""Workers' KV-event streams (Redis) into the router's block index, with trust per worker.
+
+Every router replica reads every worker's stream itself (XREAD, no consumer group) and
+keeps one `BlockIndex` per model (router/fleet/kv_index.py). The fleet (router/fleet/table.py) says
+which workers exist and their epochs; the streams say what they hold.
+
+A worker's index is *trusted* (used for routing) only while the feed is sure it has
+every event since a known state. Otherwise the router routes that worker on its tree
+alone and says why (`status`, in /metrics and on the dashboard):
+
+    syncing     no known state yet (just joined, or the stream began mid-epoch)
+    gap         an entry is missing (a sequence jump; a dropped bad entry makes one)
+    stale       the heartbeat names a newer epoch than any entry read
+    lagging     the reader is more than `max_lag` behind a busy stream
+    block_size  the worker's blocks are not the model index's size
+    ok          trusted
+
+Resync: an AllBlocksCleared (an empty cache, or our engine's periodic republish of its
+whole tree) is a known state; the feed applies events from it on. A new epoch clears the
+worker's index and waits for one.
+
+Entries are untrusted input: malformed, oversized, naming another worker, of an older
+epoch, or out of sequence, they are dropped and counted (`dropped[reason]`); none raises
+out of the feed or reaches the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from redis.exceptions import RedisError
+
+from router.fleet.kv_index import BlockIndex
+from shared.aio import reraise_if_cancelled
+from shared.kv_events import AllBlocksCleared, BlockStored, KVEvent, parse_entry
+from shared.registry import Registry
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("ok", "syncing", "gap", "stale", "lagging", "block_size")
+
+
+@dataclass
+class StreamState:
+    model: str
+    heartbeat_epoch: float
+    cursor: bytes | str = "0"  # the last entry id read ("0": from the stream's start)
+    epoch: float = -1.0  # of the entries applied
+    next_seq: int | None = None  # the sequence number the next entry must carry
+    status: str = "syncing"
+    applied: int = 0  # entries applied
+
+
+@dataclass(frozen=True)
+class FeedMember:
+    worker_id: str
+    model: str
+    epoch: float
+
+
+class KvEventFeed:
+    def __init__(
+        self,
+        registry: Registry,
+        max_blocks: int = 2_000_000,
+        read_count: int = 256,
+        max_lag: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = registry
+        self.max_blocks = max_blocks
+        self.read_count = read_count
+        self.max_lag = max_lag
+        self.clock = clock
+        self.indexes: dict[str, BlockIndex] = {}  # model -> blocks
+        self.streams: dict[str, StreamState] = {}  # worker id -> what was read
+        self.dropped: Counter[str] = Counter()
+        self.failures = 0
+
+    # ---- membership (from the fleet) --------------------------------------------
+    def follow(self, members: Iterable[FeedMember]) -> None:
+        """Start reading joined workers, forget departed ones, notice new epochs."""
+        seen = set()
+        for m in members:
+            seen.add(m.worker_id)
+            state = self.streams.get(m.worker_id)
+            if state is None or state.model != m.model:
+                if state is not None:
+                    self._forget(m.worker_id)
+                self.streams[m.worker_id] = StreamState(m.model, m.epoch)
+                continue
+            if m.epoch != state.heartbeat_epoch:
+                state.heartbeat_epoch = m.epoch
+            if m.epoch > state.epoch and state.status == "ok":
+                self._untrust(m.worker_id, "stale")  # the worker restarted: entries to come
+        for wid in [w for w in self.streams if w not in seen]:
+            self._forget(wid)
+            del self.streams[wid]
+
+    def _forget(self, wid: str) -> None:
+        state = self.streams.get(wid)
+        if state is not None and state.model in self.indexes:
+            self.indexes[state.model].drop_worker(wid)
+
+    def _untrust(self, wid: str, status: str) -> None:
+        self._forget(wid)
+        self.streams[wid].status = status
+
+    # ---- reading ----------------------------------------------------------------
+    async def poll(self, block_ms: int | None = None) -> int:
+        """One XREAD over every followed stream; returns the entries read."""
+        cursors = {w: s.cursor for w, s in self.streams.items()}
+        try:
+            replies = await self.registry.read_kv_events(cursors, self.read_count, block_ms)
+        except (RedisError, OSError, TimeoutError) as exc:
+            reraise_if_cancelled()
+            self.failures += 1
+            log.debug("KV event streams unreadable: %s", exc)
+            return 0
+        read = 0
+        for wid, entries in replies:
+            state = self.streams.get(wid)
+            if state is None:
+                continue
+            for entry_id, fields in entries:
+                state.cursor = entry_id
+                self.apply_entry(wid, fields)
+                read += 1
+            self._check_lag(state, entries)
+        return read
+
+    def _check_lag(self, state: StreamState, entries: Sequence[tuple[bytes, object]]) -> None:
+        """A full read means more is waiting: behind by more than max_lag is untrusted."""
+        if len(entries) < self.read_count:
+            if state.status == "lagging":
+                state.status = "ok"
+            return
+        last = entries[-1][0]
+        ms = int((last.decode() if isinstance(last, bytes) else last).split("-")[0])
+        if self.clock() - ms / 1000 > self.max_lag and state.status == "ok":
+            state.status = "lagging"  # still applied: only trust waits
+
+    def apply_entry(self, wid: str, fields: dict[bytes, bytes]) -> None:
+        state = self.streams[wid]
+        try:
+            entry = parse_entry(wid, fields)
+        except ValueError as exc:
+            reason = "other_worker" if "another worker" in str(exc) else "malformed"
+            if "too large" in str(exc):
+                reason = "oversized"
+            self.dropped[reason] += 1
+            return
+        if entry.epoch < max(state.epoch, 0.0) or entry.epoch < state.heartbeat_epoch - 1e-6:
+            self.dropped["stale_epoch"] += 1
+            return
+        events: Sequence[KVEvent] = entry.batch.events
+        if entry.epoch > state.epoch:  # a new epoch: its cache started empty
+            self._forget(wid)
+            state.epoch, state.next_seq = entry.epoch, None
+            if state.status != "block_size":
+                state.status = "syncing"
+        if state.next_seq is not None and entry.seq != state.next_seq:
+            if entry.seq < state.next_seq:
+                self.dropped["out_of_sequence"] += 1
+                return
+            self.dropped["gap"] += 1
+            if state.status in ("ok", "lagging"):
+                self._untrust(wid, "gap")
+        state.next_seq = entry.seq + 1
+        if state.status not in ("ok", "lagging"):
+            resync = _last_clear(events)
+            if resync is None or state.status == "block_size":
+                return  # nothing known to build on yet
+            events = events[resync:]
+            state.status = "ok"
+        index = self._index(state.model, events)
+        try:
+            index.apply(wid, events)
+        except ValueError:  # a block size other than the model's
+            self.dropped["block_size"] += 1
+            self._untrust(wid, "block_size")
+            return
+        state.applied += 1
+
+    def _index(self, model: str, events: Sequence[KVEvent]) -> BlockIndex:
+        index = self.indexes.get(model)
+        if index is None:
+            size = next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+            if size is None:
+                return _EMPTY
+            index = self.indexes[model] = BlockIndex(size, self.max_blocks)
+        return index
+
+    async def run(self, members: Callable[[], Iterable[FeedMember]], idle: float) -> None:
+        """Follow the fleet and read forever (cancel to stop)."""
+        while True:
+            self.follow(members())
+            failures = self.failures
+            if self.streams:
+                await self.poll(block_ms=int(idle * 1000))  # waits up to `idle` for news
+            if not self.streams or self.failures != failures:
+                await asyncio.sleep(idle)
+
+    # ---- routing ----------------------------------------------------------------
+    def trusted(self, wid: str) -> bool:
+        state = self.streams.get(wid)
+        return state is not None and state.status == "ok"
+
+    def match(self, model: str, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
+        """Tokens of `tokens` each trusted worker holds (whole blocks from the start)."""
+        index = self.indexes.get(model)
+        if index is None:
+            return {}
+        return {w: n for w, n in index.match(tokens).items() if self.trusted(w)}
+
+    def status_of(self, wid: str) -> str:
+        state = self.streams.get(wid)
+        return state.status if state is not None else "syncing"
+
+    def only_model(self) -> str:
+        """The model when the fleet serves one (requests that name none)."""
+        return next(iter(self.indexes)) if len(self.indexes) == 1 else ""
+
+    def status_counts(self) -> Counter[str]:
+        return Counter(s.status for s in self.streams.values())
+
+
+class _NoIndex(BlockIndex):
+    """Events with no stored block for a model not indexed yet: nothing to hold."""
+
+    def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
+        return None
+
+
+_EMPTY = _NoIndex(1, 1)
+
+
+def _last_clear(events: Sequence[KVEvent]) -> int | None:
+    for i in range(len(events) - 1, -1, -1):
+        if isinstance(events[i], AllBlocksCleared):
+            return i
+    return None

@@ -1,0 +1,119 @@
+"""A real `vllm serve` (CPU build, prefix caching, KV events over ZMQ) behind
+`radix-worker attach --kv-events`: the router's index (router/fleet/kv_feed.py, reading the
+worker's Redis stream) holds the blocks vLLM reports, predicts the next request's
+`cached_tokens` within one block, and drops the blocks vLLM evicts from its small pool.
+
+Runs in the vLLM virtualenv (`.ci/vllm-tests`); skipped elsewhere. Prompts are token ids,
+so the test and vLLM agree on the tokens without a tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from redis.asyncio import Redis  # noqa: E402
+
+from loadtests.fleet import BenchFleet, Child  # noqa: E402
+from router.fleet.kv_feed import FeedMember, KvEventFeed  # noqa: E402
+from shared.procs import free_port, http_json, wait_until  # noqa: E402
+from shared.registry import Registry  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+MODEL = "tiny-vllm-events"
+BLOCKS = 24  # vLLM's KV pool, in blocks (--num-gpu-blocks-override): evicts soon
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: Path) -> Iterator[tuple[BenchFleet, str]]:
+    with BenchFleet() as f:
+        port, pub, replay = free_port(), free_port(), free_port()
+        upstream = f"http://127.0.0.1:{port}"
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}  # fmt: skip
+        engine = Child(
+            "vllm",
+            ["vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
+             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
+             "--max-model-len", "1024", "--enforce-eager", "--enable-prefix-caching",
+             "--enable-prompt-tokens-details", "--max-num-seqs", "4", "--dtype", "float32",
+             "--num-gpu-blocks-override", str(BLOCKS), "--kv-events-config", json.dumps(events)],
+            upstream, f.log_dir / "vllm.log",
+        )  # fmt: skip
+        f.adopt(engine.start())
+        wait_until(lambda: _up(upstream + "/v1/models"), 300, engine, poll_s=1.0)
+        assert f.redis is not None
+        sidecar = Child(
+            "attach",
+            ["worker", "attach", "--upstream", upstream, "--engine", "vllm", "--redis-url",
+             f.redis.url, "--worker-id", "vllm-ev", "--interval", "0.2",
+             "--kv-events", f"tcp://127.0.0.1:{pub}",
+             "--kv-events-replay", f"tcp://127.0.0.1:{replay}"],
+            upstream, f.log_dir / "attach.log",
+        ).start()  # fmt: skip
+        f.adopt(sidecar)
+        yield f, upstream
+
+
+def _up(url: str) -> bool:
+    try:
+        return http_json(url, timeout=2.0)[0] == 200
+    except OSError:
+        return False
+
+
+def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[BenchFleet, str]) -> None:
+    f, upstream = fleet
+    assert f.redis is not None
+    client = openai.AsyncOpenAI(base_url=upstream + "/v1", api_key="unused", max_retries=0)
+
+    async def cached(prompt: list[int]) -> int:
+        r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        return r.usage.prompt_tokens_details.cached_tokens or 0  # type: ignore[union-attr]
+
+    async def main() -> None:
+        redis = Redis.from_url(f.redis.url)
+        registry = Registry(redis)
+        fleet_ = await registry.read_fleet()
+        for _ in range(100):
+            if "vllm-ev" in fleet_:
+                break
+            await asyncio.sleep(0.2)
+            fleet_ = await registry.read_fleet()
+        member = FeedMember("vllm-ev", MODEL, fleet_["vllm-ev"].epoch)
+        feed = KvEventFeed(registry)
+
+        async def settle(cond) -> None:
+            for _ in range(300):
+                feed.follow([member])
+                await feed.poll(block_ms=50)
+                if cond():
+                    return
+            raise AssertionError(f"never got there: {feed.streams}, {feed.dropped}")
+
+        prompt = [(7 * i) % 500 + 3 for i in range(700)]
+        first = await cached(prompt)
+        await settle(lambda: feed.match(MODEL, prompt).get("vllm-ev", 0) > 0)
+        index = feed.indexes[MODEL]
+        held = feed.match(MODEL, prompt)["vllm-ev"]
+        assert held == len(prompt) // index.block_size * index.block_size, (held, index.block_size)
+        follow_up = [*prompt, 11, 12, 13]
+        predicted = feed.match(MODEL, follow_up)["vllm-ev"]
+        actual = await cached(follow_up)
+        assert abs(predicted - actual) <= index.block_size, (predicted, actual, first)
+        print(f"vLLM block {index.block_size}: held {held}, predicted {predicted}, actual {actual}")
+        # Other prompts through the small pool: vLLM evicts the first, the index follows.
+        for k in range(6):
+            await cached([k + 3, *((k * 37 + i * 11) % 400 + 5 for i in range(699))])
+        await settle(lambda: feed.match(MODEL, prompt).get("vllm-ev", 0) < held)
+        assert feed.trusted("vllm-ev") and not feed.dropped, feed.dropped
+        await redis.aclose()
+
+    asyncio.run(main())

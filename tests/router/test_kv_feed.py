@@ -1,0 +1,125 @@
+"""A real sim worker's KV events, through a real Redis-protocol server, into the router's
+index: what the worker's radix cache holds is what the index says it holds, after
+requests, evictions, a flush and a restart; a gap or a new epoch makes it untrusted
+until a resync."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from redis.asyncio import Redis
+
+from router.fleet.kv_feed import FeedMember, KvEventFeed
+from shared.kv_events import AllBlocksCleared, BlockStored, encode_batch, entry_fields
+from shared.redis_server import RedisServer
+from shared.registry import Registry
+from tests.fuzz.conftest import start_worker, worker_config
+from tests.worker.engine.test_kv_blocks import expected_keys, held_keys
+from worker.state import ENGINE, STATE
+
+
+async def settle(feed: KvEventFeed, cond, rounds: int = 200) -> None:
+    for _ in range(rounds):
+        await feed.poll(block_ms=20)
+        if cond():
+            return
+    raise AssertionError("the feed never got there")
+
+
+async def post(url: str, path: str, body: dict | None = None) -> dict:
+    async with aiohttp.ClientSession() as http, http.post(url + path, json=body or {}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def test_the_index_follows_a_real_workers_cache(
+    redis_server: RedisServer, redis: Redis
+) -> None:
+    config = worker_config(
+        redis_url=redis_server.url, worker_id="w1", kv_events=True, kv_events_block_size=4,
+        kv_events_interval=0.01, cache_tokens=600,
+    )  # fmt: skip
+    server = await start_worker(config)
+    app = server.app
+    url = str(server.make_url("")).rstrip("/")
+    cache = app[ENGINE].engine.cache
+    member = FeedMember("w1", "sim", app[STATE].epoch)
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([member])
+
+    def same() -> bool:
+        index = feed.indexes.get("sim")
+        return index is not None and held_keys(index, "w1") == expected_keys(cache, index)
+
+    try:
+        text = "The quick brown fox jumps over the lazy dog. " * 8
+        await post(url, "/v1/completions", {"prompt": text, "max_tokens": 3})
+        await settle(feed, lambda: same() and feed.trusted("w1"))
+        index = feed.indexes["sim"]
+        assert len(held_keys(index, "w1")) >= 20
+        tokens = app[ENGINE].engine.tokenizer.encode(text)
+        assert feed.match("sim", tokens)["w1"] >= len(tokens) - 4
+        # Other prompts until the small pool evicts the first: the index drops it too.
+        for i in range(12):
+            await post(
+                url, "/v1/completions", {"prompt": f"{i} other words " * 20, "max_tokens": 2}
+            )
+        await settle(feed, same)
+        assert feed.match("sim", tokens).get("w1", 0) < len(tokens) - 4
+        # A flush empties both.
+        await post(url, "/flush_cache")
+        await settle(feed, lambda: same() and not held_keys(feed.indexes["sim"], "w1"))
+        assert feed.dropped == {}
+    finally:
+        await server.close()
+
+
+async def test_a_gap_untrusts_until_a_clear_and_a_new_epoch_resets(redis: Redis) -> None:
+    registry = Registry(redis)
+    feed = KvEventFeed(registry)
+    feed.follow([FeedMember("w2", "m", 5.0)])
+
+    async def write(epoch: float, seq: int, *events) -> None:
+        await registry.append_kv_events("w2", epoch, seq, encode_batch(events), 1000)
+
+    block = BlockStored((11,), None, (1, 2), 2)
+    await write(5.0, 0, AllBlocksCleared(), block)
+    await settle(feed, lambda: feed.trusted("w2"))
+    assert feed.match("m", [1, 2, 3]) == {"w2": 2}
+    await write(5.0, 2, BlockStored((12,), None, (3, 4), 2))  # seq 1 is missing
+    await settle(feed, lambda: feed.streams["w2"].status == "gap")
+    assert feed.match("m", [1, 2]) == {} and feed.dropped["gap"] == 1
+    await write(5.0, 3, AllBlocksCleared(), BlockStored((13,), None, (5, 6), 2))
+    await settle(feed, lambda: feed.trusted("w2"))
+    assert feed.match("m", [1, 2]) == {} and feed.match("m", [5, 6]) == {"w2": 2}
+    # The heartbeat names a newer epoch: untrusted until its entries come.
+    feed.follow([FeedMember("w2", "m", 6.0)])
+    assert feed.streams["w2"].status == "stale" and feed.match("m", [5, 6]) == {}
+    await write(5.0, 4, BlockStored((14,), None, (7, 8), 2))  # the old epoch: dropped
+    await write(6.0, 0, AllBlocksCleared(), BlockStored((21,), None, (7, 8), 2))
+    await settle(feed, lambda: feed.trusted("w2"))
+    assert feed.dropped["stale_epoch"] == 1
+    assert feed.match("m", [7, 8]) == {"w2": 2} and feed.match("m", [5, 6]) == {}
+    # A worker that leaves the fleet leaves the index.
+    feed.follow([])
+    assert feed.match("m", [7, 8]) == {} and not feed.streams
+    assert entry_fields("w2", 1.0, 0, b"")["worker"] == "w2"
+
+
+async def test_a_lagging_reader_untrusts_until_caught_up(redis: Redis) -> None:
+    registry = Registry(redis)
+    now = [0.0]
+    feed = KvEventFeed(registry, read_count=2, max_lag=1.0, clock=lambda: now[0])
+    feed.follow([FeedMember("w3", "m", 1.0)])
+    for seq in range(5):
+        events = [AllBlocksCleared()] if seq == 0 else []
+        events.append(BlockStored((100 + seq,), None if seq == 0 else 99 + seq, (seq, seq), 2))
+        await registry.append_kv_events("w3", 1.0, seq, encode_batch(events), 1000)
+    now[0] = 10**10  # the entries' ids are far in the past
+    await feed.poll()
+    await feed.poll()
+    assert feed.streams["w3"].status == "lagging" and feed.match("m", [0, 0]) == {}
+    await feed.poll()  # the last, short read: caught up
+    assert feed.trusted("w3") and feed.match("m", [0, 0, 1, 1, 2, 2]) == {"w3": 6}
+    await asyncio.sleep(0)

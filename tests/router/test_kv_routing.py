@@ -1,0 +1,89 @@
+"""Routing on what workers report: prompts warmed by sending them straight to one worker
+(not through the router, so its tree never saw them) are then routed to that worker.
+Real sim workers publishing KV events, a real Redis-protocol server, the real router app
+with `kv_events` and the sim tokenizer; the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from router.http.state import FLEET, KV_FEED
+from shared.config import RouterConfig
+from shared.redis_server import RedisServer, free_port
+from tests.fuzz.conftest import start_router, worker_config
+from worker.app import create_app
+from worker.backends import build_engine
+
+
+def create_worker(config):
+    return create_app(config, build_engine(config))
+
+
+SYSTEM = "You answer questions about the warehouse inventory, briefly and exactly. "
+
+
+def chat(i: int, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": f"Team {i}. " + SYSTEM * 12},
+            {"role": "user", "content": question}]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "cost_aware"])
+async def test_a_prompt_warmed_on_a_worker_routes_there(
+    redis_server: RedisServer, policy: str
+) -> None:
+    workers = []
+    for i in range(2):
+        port = free_port()
+        app = create_worker(worker_config(
+            redis_url=redis_server.url, worker_id=f"w{i}", kv_events=True, kv_events_interval=0.02,
+            heartbeat_interval=0.3, port=port, advertise_url=f"http://127.0.0.1:{port}",
+        ))  # fmt: skip
+        server = TestServer(app, host="127.0.0.1", port=port)
+        await server.start_server()
+        workers.append(server)
+    router = await start_router(RouterConfig(
+        host="127.0.0.1", redis_url=redis_server.url, discovery_interval=0.1, policy=policy,
+        kv_events=True, tokenizer="sim", access_log=False,
+    ))  # fmt: skip
+    urls = [str(w.make_url("/v1")) for w in workers]
+    direct = [openai.AsyncOpenAI(base_url=u, api_key="x", max_retries=0) for u in urls]
+    client = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        for _ in range(100):
+            models = await client.models.list()
+            if models.data and len(router.app[FLEET].workers) == 2:
+                break
+            await asyncio.sleep(0.05)
+        feed = router.app[KV_FEED]
+        warmed = {i: f"w{i % 2}" for i in range(4)}
+        for i, wid in warmed.items():
+            await direct[int(wid[1])].chat.completions.create(
+                model="sim", messages=chat(i, "How many boxes?"), max_tokens=2
+            )
+        for _ in range(200):
+            if all(feed.trusted(w) for w in ("w0", "w1")) and len(feed.indexes.get("sim", ())) > 40:
+                break
+            await asyncio.sleep(0.05)
+        for i, wid in warmed.items():
+            raw = await client.chat.completions.with_raw_response.create(
+                model="sim", messages=chat(i, "And how many pallets?"), max_tokens=2
+            )
+            assert raw.headers["x-radix-worker"] == wid, (i, raw.headers["x-radix-route-reason"])
+            usage = raw.parse().usage
+            assert usage.prompt_tokens_details.cached_tokens > 0.8 * usage.prompt_tokens
+        async with aiohttp.ClientSession() as http:  # the status, where operators look
+            async with http.get(router.make_url("/workers")) as r:
+                listed = {w["worker_id"]: w["kv_events"] for w in (await r.json())["data"]}
+            async with http.get(router.make_url("/metrics")) as r:
+                metrics = await r.text()
+        assert listed == {"w0": "ok", "w1": "ok"}
+        assert 'radix_router_kv_events_status{status="ok",worker="w0"} 1.0' in metrics
+    finally:
+        await router.close()
+        for w in workers:
+            await w.close()

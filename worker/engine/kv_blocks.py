@@ -1,0 +1,171 @@
+"""KV events out of the radix cache: which fixed-size token blocks it holds, as they change.
+
+The cache keeps tokens at page granularity; routers index blocks of `block_size` tokens
+along each path from the root (vLLM's schema, shared/kv_events.py). A block is held
+while the tree holds its last token, so each block belongs to the node holding its end:
+
+    depth   0 ........ 16 ........ 32 ........ 48      block_size 16
+    path    [ node A: 0..20 ][ node B: 20..41  ][ C: 41..50 ]
+    blocks  A: end 16         B: ends 32        C: end 48
+            (block 16..32 starts in A but ends in B: evicting leaf B removes it)
+
+So the tree's three changes map to events one to one:
+- a new leaf (insert) stores the blocks that end in it (`stored`);
+- evicting a leaf removes the blocks that end in it (`removed`);
+- a split moves each block to whichever half holds its end (`split`; no event).
+
+Each node records the hashes of the blocks ending in it (`blocks`) and where in the node
+the first block boundary falls (`bend`, 1..block_size), which is all a split needs.
+The engine thread appends to a deque; the worker's publisher drains it from the event loop.
+If the publisher falls behind by `max_pending` events, the backlog is dropped and the
+next change republishes the whole tree after an AllBlocksCleared, so a reader never
+holds a block the cache lost without being told.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import numpy as np
+
+from shared.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    engine_block_hash,
+)
+
+
+class TreeNode(Protocol):
+    """What the hook reads and writes of a radix cache node (radix_cache.TreeNode; not
+    imported: the cache imports this module)."""
+
+    parent: TreeNode | None
+    children: dict[bytes, TreeNode]
+    kb: bytes
+    value: np.ndarray | None  # None: host-resident only (its tokens: len(kb) // 8)
+    blocks: tuple[int, ...]
+    bend: int
+
+
+_TB = 8  # bytes per token id in a node key (int64), as in radix_cache
+MAX_EVENT_BLOCKS = 1024  # blocks per BlockStored (shared/kv_events.MAX_BLOCKS bounds readers)
+
+
+class BlockEvents:
+    """The radix cache's hook: node changes in, KV events out."""
+
+    def __init__(self, block_size: int, medium: str = MEDIUM_GPU, max_pending: int = 200_000):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.medium = medium
+        self.max_pending = max_pending
+        self.pending: deque[KVEvent] = deque([AllBlocksCleared()])  # a new epoch: empty
+        self.dropped = 0  # events lost to a full backlog (then the tree is republished)
+        self._lost = False
+        self._due = False  # a republish was requested (request_republish)
+        self._snapshot = 0  # events of the last republish still counted in `pending`
+        self.root: TreeNode | None = None  # set by the cache; the republish walks it
+
+    def _emit(self, event: KVEvent) -> None:
+        if len(self.pending) >= self.max_pending + self._snapshot:
+            self.dropped += len(self.pending)
+            self.pending.clear()
+            self._lost = True
+        if not self._lost:
+            self.pending.append(event)
+
+    def request_republish(self) -> None:
+        """Republish the whole tree at the next store (any thread): readers that start
+        after the stream dropped this epoch's first entries resync at its AllBlocksCleared."""
+        self._due = True
+
+    def drain(self, limit: int, max_tokens: int = 1 << 62) -> list[KVEvent]:
+        """Up to `limit` events carrying about `max_tokens` token ids at most, oldest
+        first (any thread; deque pops are atomic)."""
+        out: list[KVEvent] = []
+        pending, tokens = self.pending, 0
+        while pending and len(out) < limit and tokens < max_tokens:
+            event = pending.popleft()
+            out.append(event)
+            if isinstance(event, BlockStored):
+                tokens += len(event.token_ids)
+        self._snapshot = max(0, self._snapshot - len(out))
+        return out
+
+    # ---- the three tree changes ---------------------------------------------------
+    def stored(self, leaf: TreeNode, arr: np.ndarray, start: int, end: int) -> None:
+        """`leaf` now holds arr[start:end] (token positions along its path)."""
+        if self._lost or self._due:
+            self._republish()
+        bs = self.block_size
+        leaf.bend = (start // bs + 1) * bs - start
+        first, stop = start // bs, end // bs  # blocks first..stop-1 end inside the leaf
+        if first >= stop:
+            return
+        parent = _last_block(leaf.parent)
+        hashes: list[int] = []
+        tokens = arr[first * bs : stop * bs]
+        raw = tokens.tobytes()
+        prev = parent
+        for j in range(stop - first):
+            prev = engine_block_hash(prev, raw[j * bs * _TB : (j + 1) * bs * _TB])
+            hashes.append(prev)
+        leaf.blocks = tuple(hashes)
+        for i in range(0, len(hashes), MAX_EVENT_BLOCKS):  # readers bound an event's size
+            chunk = leaf.blocks[i : i + MAX_EVENT_BLOCKS]
+            ids = tokens[i * bs : (i + len(chunk)) * bs].copy()  # not a view of the request's
+            self._emit(BlockStored(chunk, parent, ids, bs, self.medium))
+            parent = chunk[-1]
+
+    def removed(self, node: TreeNode) -> None:
+        if node.blocks:
+            self._emit(BlockRemoved(node.blocks, self.medium))
+
+    def split(self, upper: TreeNode, lower: TreeNode, m: int) -> None:
+        """`lower` (the old node) lost its first m tokens to the new `upper`."""
+        bs, bend, blocks = self.block_size, lower.bend, lower.blocks
+        upper.bend = bend
+        n_upper = 0 if bend > m else (m - bend) // bs + 1
+        upper.blocks, lower.blocks = blocks[:n_upper], blocks[n_upper:]
+        lower.bend = (bend - 1 - m) % bs + 1
+
+    # ---- republish after a lost backlog -------------------------------------------
+    def _republish(self) -> None:
+        """AllBlocksCleared, then every block the tree holds (parents before children)."""
+        self._lost = self._due = False
+        self.pending.append(AllBlocksCleared())
+        if self.root is None:
+            return
+        bs = self.block_size
+        stack: list[tuple[TreeNode, bytes, int | None]] = [
+            (c, b"", None) for c in self.root.children.values()
+        ]
+        while stack:
+            node, above, parent = stack.pop()
+            path = above + node.kb
+            if node.blocks:
+                depth = len(path) // _TB
+                first = (depth - len(node.kb) // _TB + node.bend) // bs - 1
+                raw = path[first * bs * _TB : (first + len(node.blocks)) * bs * _TB]
+                tokens = np.frombuffer(raw, dtype=np.int64)
+                for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
+                    chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
+                    ids = tokens[i * bs : (i + len(chunk)) * bs].copy()
+                    self.pending.append(BlockStored(chunk, parent, ids, bs, self.medium))
+                    parent = chunk[-1]
+            stack.extend((c, path, parent) for c in node.children.values())
+        self._snapshot = len(self.pending)  # a republish never overflows the backlog itself
+
+
+def _last_block(node: TreeNode | None) -> int | None:
+    """The hash of the last block ending at or above `node` (None at the root)."""
+    while node is not None:
+        if node.blocks:
+            return node.blocks[-1]  # type: ignore[return-value]
+        node = node.parent
+    return None
