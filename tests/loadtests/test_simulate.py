@@ -195,6 +195,7 @@ def test_host_tier_hit_costs_its_load_not_a_prefill() -> None:
     cost = CostModel(
         prefill_us_per_token=100.0, decode_ms_per_token=2.0, max_running=1, cache_tokens=64,
         evict_batch=8, host_cache_tokens=256, host_load_bytes_per_s=1e9, kv_bytes_per_token=10_000,
+        decode_us_per_1k_context=0.0,  # the step's price here: weights pass + loads only
     )  # fmt: skip
     assert np.isclose(cost.host_load_us_per_token, 10.0)
     w = SimWorker(0, cost)

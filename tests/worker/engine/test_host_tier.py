@@ -276,3 +276,30 @@ def test_cache_units_split_lock_and_host_only_nodes() -> None:
     assert c.evictable_size == 4
     a.check_integrity(owned=c.cached_slots())
     c.check_integrity()
+
+
+def test_kv_events_keep_a_block_stored_while_either_tier_holds_it() -> None:
+    """Device -> host sends nothing (the block is still cached: a hit, loaded); leaving
+    the tree (the host LRU drops it) sends BlockRemoved; a republish walks host-only
+    nodes too."""
+    from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from worker.engine.kv_blocks import BlockEvents
+
+    a = SlotAllocator(16)
+    c = RadixCache(a, host=HostTier(8))
+    events = BlockEvents(block_size=4)
+    c.publish_events(events)
+    events.drain(100)  # the epoch's AllBlocksCleared
+    c.insert(list(range(1, 9)), a.alloc(8))
+    assert [type(e) for e in events.drain(100)] == [BlockStored]
+    assert c.evict(8) == 8 and c.take_copies() is not None  # written back, still cached
+    assert events.drain(100) == []
+    events.request_republish()
+    c.insert(list(range(20, 24)), a.alloc(4))  # the republish walks the host-only node
+    kinds = [type(e) for e in events.drain(100)]
+    assert kinds[0] is AllBlocksCleared and kinds.count(BlockStored) == 2
+    c.insert(list(range(30, 38)), a.alloc(8))
+    assert c.evict(16) >= 8  # the host tier (8 slots) must drop the first prompt for room
+    removed = [e for e in events.drain(100) if isinstance(e, BlockRemoved)]
+    assert removed and c.match_prefix(list(range(1, 9)), record=False).host_len == 0
+    c.check_integrity()
