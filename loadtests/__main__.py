@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "one read of the fleet registry: SCAN vs the old id set",
     ),
     "model-fusions": ("loadtests.bench_model_fusions", "merged projections, in-place RoPE (CPU)"),
+    "sampler-filter": ("loadtests.bench_sampler_filter", "top-k/top-p: vocab sort vs thresholds"),
     "host-step": ("loadtests.bench_host_step", "host work per decode step at batch 64, on/off"),
     "sim-calibrate": ("loadtests.calibrate_sim_cost", "fit the sim step price to CPU steps"),
     "runner-ab": ("loadtests.bench_runner_ab", "decode step time vs another checkout's runner"),

@@ -7,6 +7,10 @@ address poisons the process that hit it, not the sections after it):
     correctness  our kernels vs SDPA on the device (GQA 1/4/7, head dims 64/128, fp32
                  and bf16), host synchronisations per engine step (decode-only, mixed,
                  penalties + logprobs)
+    ops          issue 25's pieces (loadtests/gpu_ops.py): the decode kernel at batch 64
+                 x context 2,048 vs the bandwidth floor, bf16 and fp8 KV; block sizes
+                 timed for the kernel table; fused ops vs eager; sampler sort vs
+                 thresholds
     PRESET       per model preset (random weights at the real shapes, drawn on the
                  device, so nothing downloads): decode ms/step at batch 1/32/64/128 x
                  context 256/2,048 (bf16, CUDA graphs) with roofline ratios, the
@@ -43,7 +47,7 @@ from loadtests.gpu_report import to_markdown, write
 PRESETS = ("qwen2.5-0.5b", "llama-3.2-1b")
 # The most seconds each section may take (also cut by what is left of --budget-s);
 # estimates for one H200 are in loadtests/results/gpu.md.
-SECTION_CAP_S = {"env": 60, "correctness": 100, "preset": 170, "pytest": 120}
+SECTION_CAP_S = {"env": 60, "correctness": 100, "ops": 75, "preset": 170, "pytest": 120}
 MIN_START_S = 25  # a section is not started with less than this left
 CHILD_GRACE_S = 15  # a section stops starting steps this long before it is killed
 
@@ -55,9 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presets", help=f"comma-separated (default: {','.join(PRESETS)})")
     p.add_argument("--attention-backend", default="auto", help="(default: %(default)s)")
     p.add_argument("--skip-pytest", action="store_true", help="leave out the pytest section")
-    p.add_argument(
-        "--sections", help="comma-separated subset of env,correctness,host_tier,presets,pytest"
-    )
+    p.add_argument("--sections",
+                   help="comma-separated subset of env,correctness,ops,host_tier,presets,pytest")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="wall-clock seconds for the whole run; what would start later is "
                         "skipped (default: %(default)s)")  # fmt: skip
@@ -91,7 +94,7 @@ def plan(args: argparse.Namespace) -> list[str]:
     presets = args.presets.split(",") if args.presets else (["tiny"] if args.quick else PRESETS)
     wanted = set(args.sections.split(",")) if args.sections else None
     names = []
-    for name in ("env", "correctness", "host_tier", "presets", "pytest"):
+    for name in ("env", "correctness", "ops", "host_tier", "presets", "pytest"):
         if wanted is not None and name not in wanted:
             continue
         if name == "pytest" and args.skip_pytest:

@@ -32,6 +32,8 @@ def to_markdown(report: dict[str, Any]) -> str:
             lines += _problems("env", result)
         elif name == "correctness":
             lines += _correctness(result)
+        elif name == "ops":
+            lines += _ops(result)
         elif name == "host_tier":
             from loadtests.gpu_host_tier import to_markdown as host_tier_markdown
 
@@ -79,6 +81,40 @@ def _correctness(r: dict[str, Any]) -> list[str]:
     return [*lines, "", *_problems("correctness", r)]
 
 
+def _ops(r: dict[str, Any]) -> list[str]:
+    lines = ["## Kernels, fused ops, sampler, FP8 KV (issue 25)", ""]
+    d = r.get("decode")
+    if isinstance(d, dict) and "fp8_speedup" in d:
+        lines.append(f"- decode attention, batch {d['batch']} x context {d['context']}, one "
+                     f"layer (floor: its K/V bytes / measured copy bandwidth):")  # fmt: skip
+        for name, v in d.items():
+            if isinstance(v, dict):
+                lines.append(f"  - {name} KV: {v['us_per_layer']} us, floor {v['floor_us']} us, "
+                             f"ratio {v['ratio']}; vs SDPA {v['rel_diff_vs_sdpa']:.1e} "
+                             f"({'equal' if v['passed'] else 'DIFFERENT'})")  # fmt: skip
+        lines.append(f"  - fp8 KV vs {d.get('fp8_vs', '16-bit')}: {d['fp8_speedup']}x faster")
+    t = r.get("table")
+    if isinstance(t, dict) and "fastest_row" in t:
+        lines.append(
+            f"- fastest blocks timed (RADIX_KERNEL_TABLE row): `{json.dumps(t['fastest_row'])}`"
+        )
+    f = r.get("fused")
+    if isinstance(f, dict) and "tokens" in f:
+        for name, v in f.items():
+            if isinstance(v, dict):
+                lines.append(f"- {name} ({f['tokens']} tokens, {f['dtype']}): eager {v['eager_us']} "
+                             f"us, fused {v['fused_us']} us ({v['speedup']}x); difference "
+                             f"{v['rel_diff']:.1e} ({'equal' if v['passed'] else 'DIFFERENT'})")  # fmt: skip
+    sm = r.get("sampler")
+    if isinstance(sm, dict) and "speedup" in sm:
+        lines.append(f"- top-k/top-p, batch {sm['batch']} x vocab {sm['vocab']:,}: sort "
+                     f"{sm['sort_ms']} ms, thresholds {sm['threshold_ms']} ms ({sm['speedup']}x); "
+                     f"rows whose kept set differs: {sm['rows_whose_kept_set_differs']}; rows "
+                     f"off an fp64 reference: sort {sm['rows_off_fp64_sort']}, thresholds "
+                     f"{sm['rows_off_fp64_threshold']}")  # fmt: skip
+    return [*lines, "", *_problems("ops", r)]
+
+
 def _preset(preset: str, r: dict[str, Any]) -> list[str]:
     run = r.get("runner_sdpa", r.get("runner"))
     run = run if isinstance(run, dict) else {}
@@ -124,16 +160,18 @@ def _preset(preset: str, r: dict[str, Any]) -> list[str]:
     if isinstance(cells, list) and cells:
         lines += [
             "",
-            "| batch | context | ms/step | roofline ms | ratio |",
-            "|---|---|---|---|---|",
+            "| batch | context | ms/step | roofline ms | ratio | floor at measured copy bw, ms "
+            "| ratio |",
+            "|---|---|---|---|---|---|---|",
         ]
         for d in sorted(cells, key=lambda d: (d["context"], d["batch"])):
             if "ms" in d:
                 lines.append(f"| {d['batch']} | {d['context']} | {d['ms']} | {d['roofline_ms']} "
-                             f"| {d['roofline_ratio']} |")  # fmt: skip
+                             f"| {d['roofline_ratio']} | {d.get('measured_floor_ms', '')} "
+                             f"| {d.get('measured_ratio', '')} |")  # fmt: skip
             else:
                 why = "skipped (time budget)" if "skipped" in d else "FAILED (see the JSON)"
-                lines.append(f"| {d['batch']} | {d['context']} | {why} | | |")
+                lines.append(f"| {d['batch']} | {d['context']} | {why} | | | | |")
     return [*lines, "", *_problems(preset, r)]
 
 

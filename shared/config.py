@@ -201,6 +201,9 @@ class WorkerConfig(_Frozen):
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "sdpa", "triton"] = "auto"  # auto: triton on CUDA
+    # KV pool storage: auto (the activations' dtype) or fp8_e4m3 (per-tensor scales;
+    # twice the tokens per pool, half the KV bytes a decode step reads).
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     disable_cuda_graph: bool = False
     # Schedule step N+1 while step N runs on the device (worker/engine/engine.py).
     disable_overlap_schedule: bool = False

@@ -99,6 +99,12 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--device", "device", str, "auto, cpu, cuda, cuda:N"),
     ("--dtype", "dtype", str, "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"),
     ("--attention-backend", "attention_backend", str, "auto (CUDA: triton), sdpa, triton"),
+    (
+        "--kv-cache-dtype",
+        "kv_cache_dtype",
+        str,
+        "KV cache storage: auto (the model dtype) or fp8_e4m3 (per-tensor scales, 2x tokens)",
+    ),
     ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
     (
         "--disable-overlap-schedule",

@@ -83,6 +83,7 @@ def test_the_guard_refuses_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # five sections, each a process; the kernels in the interpreter
 def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     tmp_path: Path,
 ) -> None:
@@ -96,10 +97,18 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.md"]
     report = json.loads((out / "gpu-check.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["env", "correctness", "host_tier", "preset:tiny", "pytest"]
+    assert list(sections) == ["env", "correctness", "ops", "host_tier", "preset:tiny", "pytest"]
     assert sections["pytest"]["passed"], sections["pytest"]["tail"]  # tests/gpu skip on CPU
     assert sections["correctness"]["kernels"]["passed"]
     assert sections["correctness"]["syncs"]["passed"]
+    ops = sections["ops"]  # issue 25's pieces, toy sizes, kernels in the interpreter
+    for kv in ("fp32", "fp8_e4m3"):
+        assert ops["decode"][kv]["passed"] and ops["decode"][kv]["us_per_layer"] > 0
+        assert ops["decode"][kv]["floor_us"] > 0
+    assert ops["decode"]["fp8_e4m3"]["kv_bytes"] * 4 == ops["decode"]["fp32"]["kv_bytes"]
+    assert set(ops["table"]["fastest_row"]) >= {"head_dim", "element_size", "decode_block_n"}
+    assert all(ops["fused"][op]["passed"] for op in ("add_rmsnorm", "silu_mul", "rope_store"))
+    assert ops["sampler"]["passed"] and ops["sampler"]["rows_off_fp64_threshold"] == 0
     host_tier = sections["host_tier"]
     assert host_tier["load_bandwidth"]["load_bytes_s"] > 0
     assert host_tier["greedy_equal"]["passed"] and host_tier["greedy_equal"]["host_loaded"] > 0
@@ -109,6 +118,7 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     cells = {(d["batch"], d["context"]) for d in preset["decode"]}
     assert cells == {(1, 16), (3, 16), (1, 40), (3, 40)}
     assert all(d["ms"] > 0 and d["roofline_ratio"] > 0 for d in preset["decode"])
+    assert all(d["measured_ratio"] > 0 for d in preset["decode"])
     assert preset["ttft"]["cached_tokens"] >= 64
     assert preset["prefill_tokens_s"] > 0 and preset["eager_point"]["ms"] > 0
     # Issue 25 (CPU: no graphs; tests/worker/engine/test_graph_capture.py runs the
@@ -119,6 +129,7 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert overlap["greedy_equal"] and overlap["overlap_ms"] > 0 and overlap["in_order_ms"] > 0
     md = (out / "gpu-check.md").read_text()
     assert "| batch | context | ms/step | roofline ms | ratio |" in md
+    assert "## Kernels, fused ops, sampler, FP8 KV (issue 25)" in md
     assert "FAILED" not in md and "skipped" not in md and "unfinished" not in md
 
 
@@ -218,7 +229,14 @@ def test_the_budget_skips_what_would_start_too_late(tmp_path: Path) -> None:
     args = args_for(tmp_path / "out", budget_s=gpu_check.MIN_START_S - 1, skip_pytest=False)
     assert gpu_check.orchestrate(args) == 1  # skipped is not passed
     report = json.loads((args.out / "gpu-check.json").read_text())
-    assert list(report["sections"]) == ["env", "correctness", "host_tier", "preset:tiny", "pytest"]
+    assert list(report["sections"]) == [
+        "env",
+        "correctness",
+        "ops",
+        "host_tier",
+        "preset:tiny",
+        "pytest",
+    ]
     assert all("time budget" in s["skipped"] for s in report["sections"].values())
     assert "skipped, time budget" in (args.out / "gpu-check.md").read_text()
 

@@ -39,6 +39,7 @@ def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, d
         ([], {"RADIX_WORKER_HOST_CACHE_TOKENS": "1.5"}, "host_cache_tokens"),
         ([], {"RADIX_WORKER_HOST_CACHE_TOKENS": "'8'"}, "host_cache_tokens"),
         (["--host-write-policy", "sometimes"], {}, "host_write_policy"),
+        (["--kv-cache-dtype", "fp8"], {}, "kv_cache_dtype"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(

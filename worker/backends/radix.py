@@ -33,6 +33,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         device=config.device,
         dtype=config.dtype,
         attention_backend=config.attention_backend,
+        kv_cache_dtype=config.kv_cache_dtype,
         disable_cuda_graph=config.disable_cuda_graph,
         overlap_schedule=not config.disable_overlap_schedule,
         disable_radix_cache=config.disable_radix_cache,

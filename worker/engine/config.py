@@ -36,6 +36,9 @@ class EngineConfig:
     dtype: str = "auto"
     # auto: triton on CUDA, sdpa on CPU (worker/engine/runtime/attention/).
     attention_backend: str = "auto"
+    # What the KV pool stores: auto (the activations' dtype) or fp8_e4m3 (one byte per
+    # value with per-tensor scales: twice the tokens, half the KV bytes per step).
+    kv_cache_dtype: str = "auto"
     # Decode-only steps replay CUDA graphs unless this is set (CUDA + triton only).
     disable_cuda_graph: bool = False
     # Host KV tier under the radix cache, in tokens (0: off): device pages the LRU
@@ -126,6 +129,10 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.attention_backend must be auto, sdpa or triton, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}"
             )
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(

@@ -136,6 +136,7 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             cuda_graphs=not config.disable_cuda_graph,
             max_running_requests=config.max_running_requests,
+            kv_cache_dtype=config.kv_cache_dtype,
             debug_checks=config.debug_checks,
         )
         return cls(runner, Tokenizer.from_dir(model_dir), config, Sampler(runner.device))

@@ -5,7 +5,7 @@ On a machine without a GPU the kernels run in triton's interpreter on CPU tensor
 Each batch mixes decodes (one token over a long context), prefix hits of random
 lengths (a suffix over cached slots) and fresh or chunked prefills, with slots drawn
 at random from the pool (so nothing is contiguous), for GQA ratios 1, 4 and 7 and
-head dims 64 and 128.
+head dims 32, 80 (not a power of two: masked lanes) and 128.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run_both(batch: list[SeqBatchItem], heads: int, kv_heads: int, head_dim: int
     return sdpa.attend(0, q, k, v, meta), triton.attend(0, q, k, v, meta), meta
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 80, 128])
 @pytest.mark.parametrize("group", [1, 4, 7])
 def test_triton_equals_sdpa_on_mixed_batches(group: int, head_dim: int) -> None:
     kv_heads = 1 if group == 7 else 2
@@ -88,6 +88,56 @@ def test_decode_splits_longer_and_shorter_than_the_context(splits: int) -> None:
              for n, o in ((3, 0), (200, 3), (57, 203))]  # fmt: skip
     want, got, meta = run_both(batch, 8, 2, 64, splits=splits)
     assert meta.extend_idx.numel() == 0
+    assert (got - want).abs().max().item() <= 1e-3
+
+
+def test_each_sequence_uses_the_pieces_its_length_calls_for() -> None:
+    """The grid has 8 pieces per sequence; a sequence uses cdiv(len, min_split_len) of
+    them (at most 8; pieces are whole 32-key tiles under the interpreter): the unused
+    ones end with lse = -inf and weigh nothing."""
+    from worker.engine.runtime.attention.triton_kernels import decode_attention
+
+    rng = np.random.default_rng(11)
+    free = rng.permutation(CAPACITY)
+    lens = (3, 256, 57, 32, 33)
+    offsets = np.cumsum((0, *lens))
+    batch = [SeqBatchItem([1], n - 1, free[o : o + n].astype(np.int64))
+             for n, o in zip(lens, offsets, strict=False)]  # fmt: skip
+    sdpa, _, k_buf, v_buf = backends(8, 2, 64)
+    meta = build_step(
+        batch, list(range(len(batch))), ReqToTokenTable(8, 256, CPU), Staging(CPU)
+    ).meta
+    q = torch.randn(len(lens), 8, 64)
+    out = torch.empty_like(q)
+    o_part = torch.empty(len(lens), 8, 8, 64)
+    lse = torch.empty(len(lens), 8, 8)
+    decode_attention(q, k_buf, v_buf, out, meta.table, meta.decode_idx, meta.rows, meta.seq_lens,
+                     meta.q_loc, num_splits=8, sm_scale=64**-0.5, partials=(o_part, lse),
+                     min_split_len=32)  # fmt: skip
+    used = torch.isfinite(lse[:, 0]).sum(dim=1).tolist()
+    assert used == [1, 8, 2, 1, 2]
+    want = sdpa.attend(0, q, k_buf[meta.out_slots], v_buf[meta.out_slots], meta)
+    assert (out - want).abs().max().item() <= 1e-3
+
+
+def test_extend_reads_kv_once_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One extend program per (item, KV head, token block): a group's query heads share
+    it, so the grid's second axis is the KV heads, not the query heads."""
+    from worker.engine.runtime.attention import triton_kernels
+
+    grids = []
+    kernel = triton_kernels._extend_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_kernels, "_extend_kernel", Spy())
+    batch = [SeqBatchItem(list(range(30)), 10, np.arange(40)),
+             SeqBatchItem(list(range(5)), 0, np.arange(40, 45))]  # fmt: skip
+    want, got, _ = run_both(batch, 14, 2, 32)
+    assert [g[:2] for g in grids] == [(2, 2)]
     assert (got - want).abs().max().item() <= 1e-3
 
 

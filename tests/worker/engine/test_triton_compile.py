@@ -3,7 +3,9 @@ GPU: `triton.compile` with an explicit target runs the whole pipeline (TTIR, TTG
 LLVM IR, PTX, then the wheel's own ptxas to a cubin), so this catches what the
 interpreter cannot: constexpr misuse, `tl.dot` shape and dtype limits, block shapes,
 shared memory beyond what a Hopper block may have (227 KiB), register spills
-(ptxas -v, the wheel's own ptxas, as triton runs it on the GPU machine).
+(ptxas -v, the wheel's own ptxas, as triton runs it on the GPU machine), and that the
+bf16 attention loops are software-pipelined (`cp.async` in the PTX: the next tiles'
+K/V loads in flight while one is reduced).
 
 The launches compiled are the real ones: the backend attends a batch on CPU tensors
 while the kernels are swapped for recorders, so the signatures (dtypes, constexprs,
@@ -36,10 +38,15 @@ import torch
 HOPPER_SMEM = 227 * 1024  # the most dynamic shared memory one block may have on sm_90
 KERNELS = ("_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel")
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+         torch.float8_e4m3fn: "fp8e4nv",
          torch.int32: "i32", torch.int64: "i64"}  # fmt: skip
 # (heads, kv_heads, head_dim): the presets, Qwen3's head dim, the tiny model, GQA 1.
 SHAPES = [(14, 2, 64), (32, 8, 64), (16, 8, 128), (2, 1, 32), (4, 4, 128)]
 DTYPES = (torch.bfloat16, torch.float32)
+# bf16 activations over an fp8 KV pool (--kv-cache-dtype fp8_e4m3): the presets' shape
+# and head dim 128.
+FP8_KV_SHAPES = [(32, 8, 64), (16, 8, 128)]
+FP8_KV = "torch.bfloat16+fp8-kv"
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -54,12 +61,14 @@ def test_kernels_compile_for_hopper() -> None:
     rows = json.loads(done.stdout.splitlines()[-1])
     assert {(r["dtype"], tuple(r["shape"])) for r in rows} == {
         (str(d), s) for d in DTYPES for s in SHAPES
-    }
+    } | {(FP8_KV, s) for s in FP8_KV_SHAPES}
     assert {r["kernel"] for r in rows} == set(KERNELS)
     for r in rows:
         assert r["shared"] <= HOPPER_SMEM, r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r  # no register spills
         assert 0 < r["regs"] <= 255, r
+        if r["dtype"] in ("torch.bfloat16", FP8_KV) and r["kernel"] != "_decode_merge_kernel":
+            assert r["stages"] > 1 and r["cp_async"], r  # K/V loads software-pipelined
 
 
 class Recorder:
@@ -79,9 +88,18 @@ class Recorder:
             key = (self.fn.fn.__name__, tuple(sorted(sig.items())),
                    tuple(sorted(constexprs.items())), tuple(sorted(options.items())))  # fmt: skip
             consts = {(names.index(k),): v for k, v in constexprs.items()}
-            self.seen[key] = (self.fn, sig, consts, options)
+            # The JIT's alignment specialisation: a pointer or an int divisible by 16
+            # is marked so (vectorised, cp.async-able loads depend on it).
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args) if _aligned(a)}
+            self.seen[key] = (self.fn, sig, consts, options, attrs)
 
         return launch
+
+
+def _aligned(arg: Any) -> bool:
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr() % 16 == 0
+    return isinstance(arg, int) and not isinstance(arg, bool) and arg % 16 == 0
 
 
 def _type(arg: Any) -> str:
@@ -98,7 +116,9 @@ class _Item:
         self.dirty_from, self.sample = 0, True
 
 
-def launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> dict:
+def launches(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, fp8_kv: bool = False
+) -> dict:
     """Every distinct kernel launch of a decode batch (1 and 16 splits) and of
     extends with short and long new-token runs, as the GPU would get them."""
     from worker.engine.runtime.attention import triton_backend, triton_kernels
@@ -109,9 +129,9 @@ def launches(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> di
     for name, fn in originals.items():
         setattr(triton_kernels, name, Recorder(fn, seen))
     cpu = torch.device("cpu")
-    k_buf = torch.zeros(600, kv_heads, head_dim, dtype=dtype)
+    k_buf = torch.zeros(600, kv_heads, head_dim, dtype=torch.float8_e4m3fn if fp8_kv else dtype)
     backend = triton_backend.TritonBackend([k_buf], [k_buf], num_heads=heads, head_dim=head_dim,
-                                           device=cpu)  # fmt: skip
+                                           device=cpu, kv_scales=[(0.5, 0.5)] if fp8_kv else None)  # fmt: skip
     rng = np.random.default_rng(0)
     batches = ([(40, 1), (90, 1), (7, 1)], [(0, 9), (30, 12), (5, 1)], [(0, 70), (50, 40)])
     try:
@@ -163,21 +183,26 @@ def main() -> None:
 
     tool = Path(get_ptxas(90).path)  # the one triton itself runs for sm_90
     rows = []
-    for dtype in DTYPES:
-        for shape in SHAPES:
-            for fn, sig, constexprs, options in launches(dtype, *shape).values():
-                kernel = triton.compile(ASTSource(fn, sig, constexprs), target=hopper,
-                                        options=options)  # fmt: skip
-                row = {"kernel": fn.fn.__name__, "dtype": str(dtype), "shape": shape,
-                       "constexprs": {fn.arg_names[k[0]]: v for k, v in constexprs.items()},
-                       "shared": kernel.metadata.shared, "warps": kernel.metadata.num_warps}  # fmt: skip
-                arch = "sm_90a" if "sm_90a" in kernel.asm["ptx"] else "sm_90"
-                row |= resources(kernel.asm["ptx"], arch, tool)
-                print(f"{row['kernel']:22} {row['dtype']:15} {shape} shared {row['shared']:6} "
-                      f"warps {row['warps']} regs {row['regs']:3} spills {row['spill_stores']} "
-                      f"{row['constexprs']}",
-                      file=sys.stderr)  # fmt: skip
-                rows.append(row)
+    runs = [(d, s, False) for d in DTYPES for s in SHAPES]
+    runs += [(torch.bfloat16, s, True) for s in FP8_KV_SHAPES]
+    for dtype, shape, fp8_kv in runs:
+        for fn, sig, constexprs, options, attrs in launches(dtype, *shape, fp8_kv).values():
+            kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=hopper,
+                                    options=options)  # fmt: skip
+            label = FP8_KV if fp8_kv else str(dtype)
+            row = {"kernel": fn.fn.__name__, "dtype": label, "shape": shape,
+                   "constexprs": {fn.arg_names[k[0]]: v for k, v in constexprs.items()},
+                   "shared": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
+                   "stages": options.get("num_stages", 3),
+                   "cp_async": "cp.async" in kernel.asm["ptx"]}  # fmt: skip
+            arch = "sm_90a" if "sm_90a" in kernel.asm["ptx"] else "sm_90"
+            row |= resources(kernel.asm["ptx"], arch, tool)
+            print(f"{row['kernel']:22} {row['dtype']:15} {shape} shared {row['shared']:6} "
+                  f"warps {row['warps']} stages {row['stages']} cp.async {row['cp_async']:d} "
+                  f"regs {row['regs']:3} spills {row['spill_stores']} "
+                  f"{row['constexprs']}",
+                  file=sys.stderr)  # fmt: skip
+            rows.append(row)
     print(f"triton {triton.__version__}: {len(rows)} kernels compiled for sm_90", file=sys.stderr)
     print(json.dumps(rows))
 

@@ -12,7 +12,10 @@ so a checkpoint loads with `load_state_dict` and no renaming table; `fuse_projec
 then merges q/k/v and gate/up into one matmul each.
 
 Numerics follow transformers exactly (RMSNorm in fp32 then cast back, RoPE tables
-in fp32 then cast to the activation dtype), so fp32 logits match to ~1e-5.
+in fp32 then cast to the activation dtype), so fp32 logits match to ~1e-5. With the
+triton backend, add+RMSNorm, RoPE+KV store and SiLU*mul are fused kernels
+(fused_ops.py, `self.ops`) that round where these ops round: equal in fp32 to float
+rounding, within one rounding step in bf16.
 """
 
 from __future__ import annotations
@@ -27,12 +30,18 @@ from torch import nn
 
 from worker.engine.model_config import ModelConfig
 from worker.engine.runtime.attention import AttentionBackend, AttentionMetadata
+from worker.engine.runtime.fused_ops import TORCH_OPS, Ops, apply_rope_
 
 
 class KVStore(Protocol):
     """What attention needs from the KV pool (worker/engine/runtime/kv_pool.py)."""
 
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def scales(self, layer: int) -> tuple[float, float] | None: ...
 
 
 @dataclass(frozen=True)
@@ -69,20 +78,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, written into x (`cos`/`sin` are [T, 1, dim/2]).
-
-    The same products and sums as transformers' form, so fp32 results match; it saves
-    the concatenated copies (three temporaries of x's size per call).
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    x2_sin = x2 * sin
-    x2.mul_(cos).add_(x1 * sin)
-    x1.mul_(cos).sub_(x2_sin)
-    return x
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -94,16 +89,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(x + residual) and the new residual x + residual (x alone when None):
-        the residual stream rides along the norms, so a fused add+norm kernel can
-        replace this pair in one place."""
-        if residual is not None:
-            x = x + residual
-        return self(x), x
 
 
 class Attention(nn.Module):
@@ -130,29 +115,35 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+        ops: Ops = TORCH_OPS,
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None and not self.qk_norm:
             qkv = self.qkv_proj(x)
-            # q and k sit side by side in the merged output: one RoPE call for both
-            # (half the elementwise launches; ~1% of a CPU decode step at batch 1).
+            # q and k sit side by side in the merged output: one RoPE call for both,
+            # and with the fused ops one kernel for RoPE and the K/V store.
             qk = qkv[:, : q_size + kv_size].view(t, heads + kv_heads, dim)
-            apply_rope_(qk, cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(t, kv_heads, dim)
+            ops.rope_store(qk, v, cos, sin, ctx.kv, self.layer, ctx.meta.out_slots, heads)
+            q, k = qk[:, :heads], qk[:, heads:]
+            out = ctx.backend.attend(self.layer, q, k, v, ctx.meta)
+            return self.o_proj(out.reshape(t, q_size))
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         else:
-            if self.qkv_proj is not None:
-                q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q, k, v = q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            apply_rope_(q, cos, sin)
-            apply_rope_(k, cos, sin)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        apply_rope_(q, cos, sin)
+        apply_rope_(k, cos, sin)
         ctx.kv.write(self.layer, ctx.meta.out_slots, k, v)
         out = ctx.backend.attend(self.layer, q, k, v, ctx.meta)
         return self.o_proj(out.reshape(t, q_size))
@@ -173,12 +164,12 @@ class MLP(nn.Module):
         self.gate_up_proj = _concat_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops = TORCH_OPS) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 def _concat_linears(*parts: nn.Linear) -> nn.Linear:
@@ -209,11 +200,14 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         ctx: ForwardContext,
+        ops: Ops = TORCH_OPS,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, ctx)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        norm = self.input_layernorm
+        h, residual = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, ctx, ops)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 class DecoderModel(nn.Module):
@@ -240,6 +234,9 @@ class CausalLM(nn.Module):
         )
         # Not a checkpoint tensor: derived from the config, kept in fp32 like transformers.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # The layers' elementwise ops: eager torch, or the fused triton kernels when
+        # the runner picks the triton attention backend (fused_ops.py).
+        self.ops: Ops = TORCH_OPS
 
     def fuse_projections(self, gate_up: bool = True) -> None:
         """Merge q/k/v (and gate/up) into one matmul each, after loading HF weights.
@@ -263,7 +260,7 @@ class CausalLM(nn.Module):
         cos, sin = freqs.cos().to(x.dtype)[:, None, :], freqs.sin().to(x.dtype)[:, None, :]
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
+            x, residual = layer(x, residual, cos, sin, ctx, self.ops)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

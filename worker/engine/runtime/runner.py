@@ -38,9 +38,10 @@ from worker.engine.runtime.attention.metadata import (
 )
 from worker.engine.runtime.cuda_graphs import DecodeGraphs
 from worker.engine.runtime.device import pick_device, pick_dtype
+from worker.engine.runtime.fused_ops import ops_for
 from worker.engine.runtime.futures import FutureTokens
 from worker.engine.runtime.host_pool import HostKVPool
-from worker.engine.runtime.kv_pool import KVPool
+from worker.engine.runtime.kv_pool import KV_CACHE_DTYPES, KVPool
 from worker.engine.runtime.model import ForwardContext
 from worker.engine.runtime.weights import load_model
 
@@ -65,6 +66,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         max_running_requests: int = 64,
+        kv_cache_dtype: str = "auto",
         debug_checks: bool | None = None,
         emulate_cuda_graphs: bool = False,  # CPU tests: the graphs' life cycle, run eagerly
     ) -> None:
@@ -73,14 +75,20 @@ class ModelRunner:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, cfg.torch_dtype, self.device)
         self.attention_backend = resolve_backend(attention_backend, self.device)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+            )
+        self.kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype)
+        self.model.ops = ops_for(self.attention_backend)
         # The pool is sized after the weights are on the device, so "free memory" is
         # what is really left for KV.
         capacity = kv_capacity_tokens
         if capacity is None:
             capacity = KVPool.capacity_for_memory(
                 cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                self.dtype, self.device, kv_memory_fraction,
+                self.kv_dtype, self.device, kv_memory_fraction,
             )  # fmt: skip
             if self.device.type == "cpu":
                 # Host RAM is shared with everything else on the machine, and the pool is
@@ -90,7 +98,7 @@ class ModelRunner:
             raise ValueError(f"KV pool capacity must be positive, got {capacity} tokens")
         self.pool = KVPool(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-            capacity, self.dtype, self.device,
+            capacity, self.dtype, self.device, kv_dtype=self.kv_dtype,
         )  # fmt: skip
         # The host tier's pool (None: off); refused here when host memory cannot hold it.
         self.host_pool = HostKVPool(self.pool, host_cache_tokens) if host_cache_tokens else None
@@ -98,6 +106,7 @@ class ModelRunner:
             self.attention_backend, self.pool.k, self.pool.v,
             num_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
             sliding_window=cfg.sliding_window, device=self.device,
+            kv_scales=self.pool.all_scales(),
         )  # fmt: skip
         # A sequence never has more tokens than the pool has slots.
         width = min(cfg.max_position_embeddings, capacity)

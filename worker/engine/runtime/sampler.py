@@ -13,7 +13,8 @@ on the host from the parameters alone, never from a device value.
 
 Token counts for the penalties come from one scatter of the sequences' ids, biases
 from one index_put. Every row takes the argmax; if any row samples, all rows share
-one sort for top-k/top-p and one softmax, and a draw is the argmax of p / E with E
+one softmax and the top-k/top-p/min_p cuts, each a per-row threshold found without
+sorting the vocabulary (threshold_filter.py), and a draw is the argmax of p / E with E
 exponential(1) noise (the exponential race: the same distribution as a multinomial
 draw, without `torch.multinomial`'s validity check, which reads a device value). A
 seeded request draws its noise from its own `torch.Generator` (seed + choice index),
@@ -35,6 +36,7 @@ import torch
 
 from worker.engine.runtime.attention.metadata import Staging
 from worker.engine.runtime.penalties import PenaltyCounts
+from worker.engine.runtime.threshold_filter import filtered_probs
 from worker.engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -292,25 +294,15 @@ def _bias(
 def _filtered_probs(
     logits: torch.Tensor, params: list[SamplingParams], cols: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Probabilities after temperature, top-k, top-p and min_p; with a cut they come
-    in descending-logit order and `order` maps a rank back to its token id."""
-    logits = logits / cols[:, _TEMP, None]
-    if all(p.top_k == -1 and p.top_p == 1 and p.min_p == 0 for p in params):
-        return logits.softmax(dim=-1), None  # no cut: skip the vocab-wide sort
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-    if any(p.top_k != -1 for p in params):
-        sorted_logits = sorted_logits.masked_fill(ranks >= cols[:, _TOP_K, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    if any(p.top_p < 1 for p in params):
-        # Drop a token when the tokens ranked above it already cover top_p; the most
-        # likely token always stays.
-        # Only rows that cut: the fp32 sum reaches 1.0 before a large vocabulary ends,
-        # and a top_p = 1 row would lose its tail to whichever row shares its batch.
-        before = probs.cumsum(dim=-1) - probs
-        cut = (before >= cols[:, _TOP_P, None]) & (cols[:, _TOP_P, None] < 1)
-        probs = probs.masked_fill(cut, 0.0)
-    if any(p.min_p > 0 for p in params):
-        best = probs[:, :1]  # column 0: the best
-        probs = probs.masked_fill(probs < cols[:, _MIN_P, None] * best, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True), order
+    """Probabilities after temperature, top-k, top-p and min_p, in vocabulary order
+    (`order` is None: kept for callers of the sorted form). Each cut is a per-row
+    threshold found without sorting the vocabulary (threshold_filter.py); which cuts
+    run is decided from the parameters on the host."""
+    ks = [p.top_k for p in params if p.top_k != -1]
+    return filtered_probs(
+        logits, cols[:, _TEMP],
+        cols[:, _TOP_K] if ks else None,
+        cols[:, _TOP_P] if any(p.top_p < 1 for p in params) else None,
+        cols[:, _MIN_P] if any(p.min_p > 0 for p in params) else None,
+        max_k=max(ks, default=0),
+    ), None  # fmt: skip

@@ -60,18 +60,23 @@ def make_backend(
     head_dim: int,
     sliding_window: int | None,
     device: torch.device,
+    kv_scales: list[tuple[float, float]] | None = None,
 ) -> AttentionBackend:
-    """The backend `name` (already resolved) over the pool's per-layer K/V buffers."""
+    """The backend `name` (already resolved) over the pool's per-layer K/V buffers
+    (`kv_scales`: per layer (k, v) scales of an fp8 pool, None when not quantized)."""
     window = sliding_window or 0
     if name == "sdpa":
         from worker.engine.runtime.attention.sdpa import SdpaBackend
 
-        return SdpaBackend(k_buffers, v_buffers, head_dim=head_dim, window=window)
+        return SdpaBackend(
+            k_buffers, v_buffers, head_dim=head_dim, window=window, kv_scales=kv_scales
+        )
     from worker.engine.runtime.attention.triton_backend import TritonBackend
 
     return TritonBackend(
-        k_buffers, v_buffers, num_heads=num_heads, head_dim=head_dim, window=window, device=device
-    )
+        k_buffers, v_buffers, num_heads=num_heads, head_dim=head_dim, window=window,
+        device=device, kv_scales=kv_scales,
+    )  # fmt: skip
 
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "make_backend", "resolve_backend"]

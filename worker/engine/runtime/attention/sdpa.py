@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine.runtime.attention.metadata import AttentionMetadata
+from worker.engine.runtime.kv_pool import gather_rows
 
 
 def window_causal_mask(
@@ -41,11 +42,13 @@ class SdpaBackend:
         *,
         head_dim: int,
         window: int = 0,
+        kv_scales: list[tuple[float, float]] | None = None,
     ) -> None:
         self.k = k_buffers
         self.v = v_buffers
         self.head_dim = head_dim
         self.window = window
+        self.kv_scales = kv_scales  # per layer (k, v) of an fp8 pool; None: not quantized
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -56,15 +59,25 @@ class SdpaBackend:
         window = self.window
         for q_loc, n, start, row in meta.host.tolist():
             end = start + n
-            if start == 0 and (window == 0 or n <= window):
-                # Nothing cached: the K/V just computed are the whole sequence.
+            if start == 0 and (window == 0 or n <= window) and self.kv_scales is None:
+                # Nothing cached: the K/V just computed are the whole sequence (an fp8
+                # pool reads them back quantized instead, as the triton kernels do).
                 k_seq, v_seq = k[q_loc : q_loc + n], v[q_loc : q_loc + n]
                 mask, causal = None, n > 1
             else:
                 lo = max(0, start - window + 1) if window > 0 else 0
                 slots = meta.table[row, lo:end]
-                k_seq = self.k[layer].index_select(0, slots)
-                v_seq = self.v[layer].index_select(0, slots)
+                if self.kv_scales is None:
+                    k_seq = self.k[layer].index_select(0, slots)
+                    v_seq = self.v[layer].index_select(0, slots)
+                else:  # fp8 pool: dequantized as the kernels read it
+                    k_seq, v_seq = (
+                        gather_rows(self.k[layer], slots),
+                        gather_rows(self.v[layer], slots),
+                    )
+                    k_scale, v_scale = self.kv_scales[layer]
+                    k_seq = (k_seq.float() * k_scale).to(q.dtype)
+                    v_seq = (v_seq.float() * v_scale).to(q.dtype)
                 mask, causal = window_causal_mask(start, n, lo, window, q.device), False
             if groups > 1 and q.device.type == "cpu":
                 # SDPA's enable_gqa path is ~100x slower on CPU than repeating the KV
