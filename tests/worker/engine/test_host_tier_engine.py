@@ -76,3 +76,29 @@ def test_engine_config_refuses_a_bad_host_size_by_name(bad: object) -> None:
 def test_engine_config_refuses_an_unknown_write_policy() -> None:
     with pytest.raises(ValueError, match="host_write_policy"):
         EngineConfig(host_write_policy="write_around")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_host_pool_round_trip_restores_the_exact_rows(kv_dtype: str | None) -> None:
+    """Write-back then load into other device slots: the rows come back bit for bit
+    (an fp8 pool moves as its bytes)."""
+    import numpy as np
+    import torch
+
+    from worker.engine.host_tier import KVCopies
+    from worker.engine.runtime.host_pool import HostKVPool
+    from worker.engine.runtime.kv_pool import KVPool
+
+    dtype = getattr(torch, kv_dtype) if kv_dtype else None
+    pool = KVPool(2, 2, 8, 64, torch.float32, torch.device("cpu"), kv_dtype=dtype)
+    torch.manual_seed(0)
+    for buf in (pool.k_buffer, pool.v_buffer):
+        buf.copy_(torch.randn(buf.shape).clamp(-4, 4).to(buf.dtype))
+    host = HostKVPool(pool, 32)
+    src, hs, dst = np.arange(3, 13), np.array([20, 21, 22, 5, 6, 7, 8, 0, 1, 31]), np.arange(40, 50)
+    empty = np.empty(0, dtype=np.int64)
+    host.copy(KVCopies(src, hs, empty, empty))
+    host.copy(KVCopies(empty, empty, hs, dst))
+    for buf in (pool.k_buffer, pool.v_buffer):
+        a, b = buf[:, src].view(torch.uint8), buf[:, dst].view(torch.uint8)
+        assert torch.equal(a, b)

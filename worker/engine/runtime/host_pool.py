@@ -68,8 +68,13 @@ class HostKVPool:
         shape = (capacity, dp.num_layers, dp.num_kv_heads, dp.head_dim)
         # Not zeroed: a host slot is always written before it is read, and touching
         # tens of GB at start would take seconds.
-        self.k = torch.empty(shape, dtype=dp.dtype, pin_memory=self.cuda)
-        self.v = torch.empty(shape, dtype=dp.dtype, pin_memory=self.cuda)
+        # An fp8 pool is copied as its bytes (index ops on float8 are not everywhere):
+        # its per-tensor scales are per layer, not per token, so nothing else moves.
+        fp8 = dp.k_buffer.element_size() == 1
+        self._store = torch.uint8 if fp8 else dp.dtype
+        self._dev = [b.view(torch.uint8) if fp8 else b for b in (dp.k_buffer, dp.v_buffer)]
+        self.k = torch.empty(shape, dtype=self._store, pin_memory=self.cuda)
+        self.v = torch.empty(shape, dtype=self._store, pin_memory=self.cuda)
         self.stream = torch.cuda.Stream(dp.device) if self.cuda else None
         self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
         self.load_bytes = 0  # timed loads so far
@@ -125,8 +130,7 @@ class HostKVPool:
             return
         idx = self._index(device_slots)
         runs = _runs(host_slots)
-        dp = self.device_pool
-        for dev_buf, host_buf in ((dp.k_buffer, self.k), (dp.v_buffer, self.v)):
+        for dev_buf, host_buf in zip(self._dev, (self.k, self.v), strict=True):
             rows = dev_buf.index_select(1, idx).transpose(0, 1).contiguous()  # token-major
             for a, b, h in runs:
                 host_buf[h : h + b - a].copy_(rows[a:b], non_blocking=self.cuda)
@@ -136,10 +140,10 @@ class HostKVPool:
             return
         idx = self._index(device_slots)
         runs = _runs(host_slots)
-        dp = self.device_pool
-        for dev_buf, host_buf in ((dp.k_buffer, self.k), (dp.v_buffer, self.v)):
+        device = self.device_pool.device
+        for dev_buf, host_buf in zip(self._dev, (self.k, self.v), strict=True):
             rows = torch.empty(
-                (len(host_slots), *host_buf.shape[1:]), dtype=dp.dtype, device=dp.device
+                (len(host_slots), *host_buf.shape[1:]), dtype=self._store, device=device
             )
             for a, b, h in runs:
                 rows[a:b].copy_(host_buf[h : h + b - a], non_blocking=self.cuda)
