@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "policy-cost": ("loadtests.bench_policy", "CPU per routing decision as the fleet grows"),
     "router-overhead": ("loadtests.bench_router_overhead", "the router vs going direct"),
     "router-wrk": ("loadtests.bench_router_wrk", "wrk through 1 and N router processes, TTFT"),
+    "upstream-reuse": (
+        "loadtests.bench_upstream_reuse",
+        "router CPU: a worker that echoes request ids vs one that does not",
+    ),
     "router-fleet-size": ("loadtests.bench_router_fleet_size", "router CPU vs fleet size"),
     "worker-http": ("loadtests.bench_worker_http", "the worker's HTTP layer vs in process"),
     "registry-scan": (

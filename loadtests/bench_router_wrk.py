@@ -4,7 +4,12 @@ straight to a sim worker (zero cost unless `--prefill-us` / `--decode-ms`), thro
 Rust router (`sglang-router`, from its own venv) when its Python is given.
 
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
-        [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300]
+        [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
+        [--before-ref main] [--upstream-client aiohttp]
+
+`--before-ref REF` adds the router at REF (checked out into a temporary worktree,
+`loadtests/refs.py`) as one more target, so a change's price is measured side by side;
+`--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
 connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -40,6 +46,7 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtests.refs import checkout
 from shared.procs import answers_health, free_port, wait_until
 from shared.redis_server import RedisServer
 
@@ -62,11 +69,15 @@ class Target:
     proc: subprocess.Popen[bytes] | None = None  # None: the worker itself (direct)
 
 
-def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], log: Path, tree: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `cmd` from `tree` (default: this checkout; `--before-ref`: the ref's)."""
+    root = str(tree or os.getcwd())
     with open(log, "ab") as out:
         return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": os.getcwd()},
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root,
+            start_new_session=True, env={**os.environ, "PYTHONPATH": root, **(env or {})},
         )  # fmt: skip
 
 
@@ -152,19 +163,26 @@ async def streamed(targets: list[Target], n: int, concurrency: int) -> dict[str,
 
 
 def start_targets(
-    args: argparse.Namespace, tmp: Path, worker_url: str, redis_url: str
+    args: argparse.Namespace, tmp: Path, worker_url: str, redis_url: str, before: Path | None
 ) -> list[Target]:
     py = sys.executable
     targets = [Target("direct", worker_url)]
-    for n in sorted({1, args.processes}):
+
+    def router(name: str, n: int, tree: Path | None = None, env: dict | None = None) -> None:
         port = free_port()
         cmd = [py, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--worker-url", worker_url, "--log-level", "WARNING"]  # fmt: skip
         if n > 1:
             cmd += ["--processes", str(n), "--redis-url", redis_url]
-        targets.append(
-            Target(f"router x{n}", f"http://127.0.0.1:{port}", spawn(cmd, tmp / f"r{n}.log"))
-        )
+        log = tmp / f"{len(targets)}.log"
+        targets.append(Target(name, f"http://127.0.0.1:{port}", spawn(cmd, log, tree, env)))
+
+    if before is not None:
+        router(f"router x1 @{args.before_ref}", 1, before)
+    for n in sorted({1, args.processes}):
+        router(f"router x{n}", n)
+    for client in args.upstream_clients:
+        router(f"router x1 ({client} client)", 1, env={"RADIX_ROUTER_UPSTREAM_CLIENT": client})
     if args.sglang_python:
         port = free_port()
         cmd = [args.sglang_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -196,6 +214,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-us", type=float, default=0.0, help="the sim worker's prefill cost per token"
     )
     p.add_argument("--decode-ms", type=float, default=0.0, help="the sim worker's decode cost")
+    p.add_argument(
+        "--before-ref",
+        default=None,
+        help="also run the router at this git ref (a temporary worktree), side by side",
+    )
+    p.add_argument(
+        "--upstream-client",
+        dest="upstream_clients",
+        action="append",
+        default=[],
+        choices=["own", "aiohttp"],
+        help="also run a router with this upstream_client (repeatable)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -212,9 +243,11 @@ def main(args: argparse.Namespace) -> int:
                         "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
         redis = RedisServer().start()
         targets: list[Target] = []
+        stack = contextlib.ExitStack()
         try:
+            before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
             wait_until(lambda: answers_health(f"http://127.0.0.1:{wport}"), 60, poll_s=0.2)
-            targets = start_targets(args, tmp, f"http://127.0.0.1:{wport}", redis.url)
+            targets = start_targets(args, tmp, f"http://127.0.0.1:{wport}", redis.url, before)
             print("| target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
             print("|---|---:|---:|---:|---:|---:|")
             for t in targets:
@@ -243,4 +276,5 @@ def main(args: argparse.Namespace) -> int:
                     stop(t.proc)
             stop(worker)
             redis.stop()
+            stack.close()
     return 0

@@ -120,6 +120,12 @@ class RouterConfig(_Frozen):
     header_read_timeout: float = Field(10.0, gt=0)
     # A non-streamed worker answer larger than this is refused with 502, never buffered.
     max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # All non-streamed answers being read at once hold at most this many bytes; an answer
+    # that would go over is refused with 503 "overloaded" (router/upstream/transport.py).
+    max_buffered_answer_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    # The inference path's HTTP client (router/upstream/transport.py): the project's own
+    # ("own", less CPU per request) or aiohttp's; both pass one conformance suite.
+    upstream_client: Literal["own", "aiohttp"] = "own"
     max_concurrent: int = Field(1024, ge=1)
     max_queue: int = Field(4096, ge=0)
     queue_timeout: float = Field(30.0, gt=0)

@@ -48,7 +48,7 @@ from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
 from router.policy.kv_score import KvScorer
-from router.upstream.pool import UpstreamPool
+from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
 from shared.access_log import OnDone, stamp_request_id
@@ -82,11 +82,13 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()
     )
     app[SESSION] = session  # model probes; inference goes through the pool below
-    # The inference path's own client (router/upstream/pool.py): ~13% of the router's
-    # CPU per request was aiohttp's ClientSession (loadtests/results/router_overhead.md).
-    pool = UpstreamPool(
-        resolver, config.connect_timeout, config.request_timeout, config.max_response_bytes
-    )
+    # The inference path's client (router/upstream/transport.py): the project's own by default
+    # (~13% of the router's CPU per request was aiohttp's ClientSession,
+    # loadtests/results/router_overhead.md), or aiohttp's behind the same interface.
+    pool = make_transport(
+        config.upstream_client, resolver, config.connect_timeout, config.request_timeout,
+        config.max_response_bytes, config.max_buffered_answer_bytes,
+    )  # fmt: skip
     app[METRICS].watch_pool(pool)
     app[PROXY] = Proxy(config, app[FLEET], app[POLICY], pool, app[METRICS], app[CLOCK], app[SYNC])
     yield

@@ -76,7 +76,8 @@ def _inference(endpoint: str, path: str) -> Any:
             )
             model = getattr(parsed, "model", None)
             ids = request_tokens(app.get(TOKENS), parsed) if app[CONFIG].kv_events else None
-            routed = Routed(endpoint, path, raw, text, session_key, model, ids)
+            stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
+            routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream)
             async with app[ADMISSION].slot():
                 response = await app[PROXY].forward(request, routed)
             status = response.status

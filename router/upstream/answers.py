@@ -23,13 +23,20 @@ Redis) chooses its status, headers and body. So:
 
 Failure classes (`classify`), which decide retries and the breaker (`router/fleet/table.py`):
 
-    connect error, timeout, 502/503/504, 3xx, other 5xx, bad type  → worker health:
-        retry elsewhere, counts toward the worker's breaker
+    connect error, broken framing, 502/503/504, 3xx, other 5xx,    → worker health:
+    bad type, a timeout on a stream                                  retry elsewhere,
+                                                                     counts toward the
+                                                                     worker's breaker
     503 with Retry-After, or an "overloaded" error; 429            → busy, not broken:
         retry elsewhere, no breaker; all busy → 503 + Retry-After to the client
-    500                                                            → suspect: retry once
-        elsewhere; a second 500 for the same request is the request's fault (stop,
-        answer 500, no breaker); a success elsewhere makes it the worker's failure
+    500; on a non-streamed request a timeout (request_timeout) or → suspect: retry once
+    an answer over max_response_bytes                                elsewhere
+        A second such failure for the same request is the request's fault: stop, answer
+        500 / 504 `request_timeout` / 502 `response_too_large` naming the limit, charge
+        no breaker (`request_timeout: 2` and three long generations used to open every
+        breaker). A success elsewhere makes the suspect the worker's failure.
+    the router's own max_buffered_answer_bytes full                → 503 overloaded,
+        no retry, no breaker
 """
 
 from __future__ import annotations
@@ -37,14 +44,17 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.fleet.workers import FailureKind, Worker
-from router.upstream.connection import UpstreamBroken, WorkerConnection
+from router.upstream.connection import UpstreamBroken
 from shared.config import RouterConfig
 from shared.errors import APIError
+
+if TYPE_CHECKING:
+    from router.upstream.transport import Answer
 
 FORWARD_REQUEST = frozenset({"accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
 FORWARD_RESPONSE = frozenset({"content-type", "cache-control", "retry-after", "x-request-id"})
@@ -87,22 +97,47 @@ class AttemptFailed(Exception):
         *,
         retry_after: int = 0,
         suspect: bool = False,
+        limit: str | None = None,
     ) -> None:
         super().__init__(message)
         self.kind, self.status = kind, status
         self.retry_after = retry_after  # busy: how long the worker asked to wait
-        self.suspect = suspect  # a 500: the worker's fault or the request's, not known yet
+        # A 500, a timeout or an oversized answer (non-streamed): the worker's fault or the
+        # request's, not known until another worker answers the same request.
+        self.suspect = suspect
+        self.limit = limit  # the config key a suspect ran into, if any
         # The proxy's `Attempt` (router/fleet/table.py): whose verdict may wait.
         self.attempt: Any = None
 
 
-def request_fault(workers: int) -> APIError:
-    """The same request failed with 500 on two workers: the request, not the fleet, is at
-    fault, so it is answered now and counted against no breaker (three such requests
-    used to open every breaker and take the fleet to 503)."""
+def request_fault(workers: int, failure: AttemptFailed, config: RouterConfig) -> APIError:
+    """The same request failed the same way on two workers (a 500, request_timeout, or
+    max_response_bytes): the request, not the fleet, is at fault, so it is answered now
+    and counted against no breaker (three such requests used to open every breaker and
+    take the fleet to 503)."""
+    if failure.limit == "request_timeout":
+        return APIError(
+            504, f"the request took longer than request_timeout ({config.request_timeout:g} s) "
+            f"on {workers} workers; not retried", code="request_timeout",
+        )  # fmt: skip
+    if failure.limit == "max_response_bytes":
+        return APIError(
+            502, f"the answer is larger than max_response_bytes ({config.max_response_bytes}) "
+            f"on {workers} workers; not retried", code="response_too_large",
+        )  # fmt: skip
     return APIError(
         500, f"the request failed on {workers} workers (each answered 500); not retried",
         code="request_failed",
+    )  # fmt: skip
+
+
+def over_budget(config: RouterConfig) -> APIError:
+    """The router holds `max_buffered_answer_bytes` of answers already: its own limit,
+    neither the worker's fault nor the request's (no breaker, no retry)."""
+    return APIError(
+        503, "the router is holding max_buffered_answer_bytes "
+        f"({config.max_buffered_answer_bytes}) of answers; retry later",
+        code="overloaded", headers={"Retry-After": "1"},
     )  # fmt: skip
 
 
@@ -140,7 +175,7 @@ def _retry_after(value: str | None) -> int:
     return min(MAX_RETRY_AFTER_S, math.ceil(seconds)) if math.isfinite(seconds) else 0
 
 
-async def _says_overloaded(upstream: WorkerConnection) -> bool:
+async def _says_overloaded(upstream: Answer) -> bool:
     try:
         body = await upstream.read_body()
         error = json.loads(body[:MAX_ERROR_BYTES]).get("error", {})
@@ -152,7 +187,7 @@ async def _says_overloaded(upstream: WorkerConnection) -> bool:
     )
 
 
-async def classify(upstream: WorkerConnection, worker: Worker) -> None:
+async def classify(upstream: Answer, worker: Worker) -> None:
     """Raise `AttemptFailed` unless `upstream` is an answer to relay (see the table above)."""
     status = upstream.status
     wid = worker.worker_id
@@ -183,29 +218,44 @@ async def classify(upstream: WorkerConnection, worker: Worker) -> None:
         )
 
 
-async def read_capped(upstream: WorkerConnection, limit: int, worker: Worker) -> bytes:
-    """The whole body of a buffered answer, at most `limit` bytes (AttemptFailed beyond;
-    the connection stops reading at `max_response_bytes` whatever `limit` is)."""
+async def read_capped(upstream: Answer, config: RouterConfig, worker: Worker) -> bytes:
+    """The whole body of a buffered answer, at most `max_response_bytes` (a suspect
+    AttemptFailed beyond; the transport stops reading there), within `request_timeout`
+    of the send (a suspect timeout). A body that ended with the connection must be
+    whole JSON: a close cut it short otherwise (a 200 with half an answer)."""
+    limit = config.max_response_bytes
     size = upstream.content_length
     if size is not None and size > limit:
         raise _too_big(worker, limit)
     try:
         with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
             body = await upstream.read_body()
-    except AttemptFailed:
+    except AttemptFailed as e:
+        if upstream.over_budget:
+            raise over_budget(config) from None
         if upstream.too_big:
             raise _too_big(worker, limit) from None
+        if e.kind is FailureKind.TIMEOUT:
+            e.suspect, e.limit = True, "request_timeout"
         raise
     if len(body) > limit:
         raise _too_big(worker, limit)
+    if upstream.close_delimited and upstream.content_type == "application/json":
+        try:
+            json.loads(body)
+        except ValueError:
+            raise AttemptFailed(
+                f"worker {worker.worker_id} closed the connection mid-answer (not whole JSON)",
+                FailureKind.BROKEN,
+            ) from None
     return body
 
 
 def _too_big(worker: Worker, limit: int) -> AttemptFailed:
     return AttemptFailed(
         f"worker {worker.worker_id} answer exceeds max_response_bytes ({limit})",
-        FailureKind.BAD_ANSWER,
-    )
+        FailureKind.BAD_ANSWER, suspect=True, limit="max_response_bytes",
+    )  # fmt: skip
 
 
 # The key, then its integer value: workers put `usage` last, so the last occurrence is

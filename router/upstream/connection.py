@@ -13,10 +13,33 @@ parse error, bytes nobody asked for, a second answer, a header block over
 request gets `UpstreamBroken`, and the pool never hands it out again. Only a connection
 whose answer was read to its end, and which the worker did not ask to close, goes back.
 
-Waits for bytes (the head, then each wait for body) are bounded by `read_timeout`
-(`TimeoutError`): a hung worker is caught without cutting a long, live stream. A buffered
-answer over `max_buffered` bytes stops being read at once (`too_big`); a streamed one is
-read as it is relayed, the socket paused while more than `HIGH_WATER` bytes wait.
+**Reuse only when provably idle** (issue 21: a worker that sent an unrequested second
+answer 1-5 ms after the first had it read as the next client's answer). Silence proves
+nothing: the late bytes may be on the wire when the connection is handed out again. So:
+
+- every request carries its `x-request-id` (`router/upstream/proxy.py`), and a connection is not
+  reused for a request whose id is the one it last carried (a client may send one id
+  twice): a late copy of an answer then always echoes an id other than the one sent;
+- an answer whose echo differs is an answer to another request: the connection is
+  broken (`UpstreamBroken`, retried elsewhere), the answer never delivered;
+- a connection goes back to the pool only after an answer that echoed the id sent, and
+  an answer on a reused connection must echo it: a worker that does not echo (a stock
+  engine) gets a fresh connection per request, whose first answer is provably its own;
+- any byte after an answer is complete, or while the connection sits in the pool,
+  breaks it (`data_received` when not busy, a second message begun).
+
+Informational answers (100, 103) are skipped as HTTP says; 101 is refused. Header
+names and values are capped like aiohttp's and values must be visible ASCII
+(`router/upstream/limits.py`).
+
+Deadlines: the head and a buffered body must arrive within `read_timeout` of the send
+(one overall deadline: a trickle of one byte every few seconds is cut); a stream's
+waits for bytes are bounded by `read_timeout` each, so a long, live stream is never cut.
+A buffered answer over `max_buffered` bytes stops being read at once (`too_big`), and
+all buffered answers together hold at most the pool's `BufferBudget` (`over_budget`); a
+streamed one is read as it is relayed, the socket paused while more than `HIGH_WATER`
+bytes wait. A broken connection drops its parser and buffers at once (the parser holds
+the protocol as its callbacks: the cycle kept both, and the chunks, until a full GC).
 """
 
 from __future__ import annotations
@@ -28,17 +51,27 @@ from collections.abc import Callable
 from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
 from multidict import CIMultiDict
 
-MAX_HEAD_BYTES = 65536  # status line and headers of one answer; beyond: a broken worker
-MAX_HEADERS = 128
+from router.upstream.limits import (
+    BAD_VALUE,
+    MAX_FIELD_BYTES,
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    BufferBudget,
+    UpstreamBroken,
+    only_chunked,
+)
+
+__all__ = ["BufferBudget", "UpstreamBroken", "WorkerConnection"]
+
 HIGH_WATER = 262144  # streamed bytes held before the socket is paused
-
-
-class UpstreamBroken(Exception):
-    """The connection failed, or the worker's bytes are not one well-framed answer."""
 
 
 class _Garbage(Exception):
     pass
+
+
+def _no_parser(data: bytes) -> None:
+    raise HttpParserError("the connection is closed")
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:
@@ -54,16 +87,21 @@ class WorkerConnection(asyncio.Protocol):
         read_timeout: float,
         max_buffered: int,
         on_lost: Callable[[WorkerConnection], None],
+        budget: BufferBudget,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.read_timeout = read_timeout
         self.max_buffered = max_buffered
         self.on_lost = on_lost
+        self.budget = budget
         self.transport: asyncio.Transport | None = None
         self.parser = HttpResponseParser(self)
+        self.feed = self.parser.feed_data
         self.error: str | None = None  # why the connection is broken; None while sound
+        self.spoiled: str | None = None  # the worker sent what is not one answer
         self.exchanges = 0  # answers started on this connection (0: fresh)
         self.idle_since = 0.0
+        self.request_id = ""  # the id sent with the current request
         self._reset()
 
     def _reset(self) -> None:
@@ -78,6 +116,11 @@ class WorkerConnection(asyncio.Protocol):
         self._chunked = False
         self._cap: int | None = None  # buffered answers: max_buffered; streams: none
         self.too_big = False
+        self.over_budget = False
+        self.echoed = False  # the answer's x-request-id is the one sent
+        self._informational = False  # a 1xx head is being skipped
+        self._deadline: float | None = None  # head and buffered body: one overall deadline
+        self._held = 0  # bytes counted in the budget
         self.complete = False  # the answer's last byte arrived
         self.keep_alive = False
         self._chunks: list[bytes] = []
@@ -100,7 +143,7 @@ class WorkerConnection(asyncio.Protocol):
             return
         self.got_bytes = True
         try:
-            self.parser.feed_data(data)
+            self.feed(data)
         except HttpParserUpgrade:
             self._break("the worker switched protocols")
         except HttpParserError as e:  # bad framing, or a callback's _Garbage
@@ -112,15 +155,23 @@ class WorkerConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.busy and not self.complete and self.error is None:
-            if self.headers is not None and self.content_length is None and not self._chunked:
+            close_delimited = self.content_length is None and not self._chunked
+            if self.headers is not None and close_delimited and exc is None:
                 self.complete = True  # a body that ends with the connection (HTTP/1.0 style)
                 self.keep_alive = False
-            else:
+            else:  # a reset is no end of a body: it was cut short
                 self.error = "the worker closed the connection" + (f" ({exc})" if exc else "")
         elif self.error is None:
             self.error = "closed"
+        self._drop_parser()
+        self.transport = None  # the transport holds us too: no cycle left for a GC
         self._wake()
         self.on_lost(self)
+
+    def _drop_parser(self) -> None:
+        """Break the protocol <-> parser cycle now, not at the next full GC."""
+        self.parser = None
+        self.feed = _no_parser
 
     # --- httptools callbacks ------------------------------------------------------
 
@@ -128,32 +179,74 @@ class WorkerConnection(asyncio.Protocol):
         if self.headers is not None or self._head_bytes:
             raise _Garbage("a second answer to one request")
 
+    def on_status(self, reason: bytes) -> None:
+        self._head_bytes += len(reason)
+        if self._head_bytes > MAX_FIELD_BYTES:
+            raise _Garbage(f"status line over {MAX_FIELD_BYTES} bytes")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        # llhttp may hand a field over in pieces; over the caps either way.
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES or len(self._raw) >= MAX_HEADERS:
             raise _Garbage(f"header block over {MAX_HEAD_BYTES} bytes or {MAX_HEADERS} lines")
-        self._raw.append((name.decode("latin-1"), value.decode("latin-1")))
+        if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
+            raise _Garbage(f"header field over {MAX_FIELD_BYTES} bytes")
+        if BAD_VALUE.search(value) is not None:
+            raise _Garbage("a header value that is not visible ASCII")
+        if self.headers is None:  # trailers (after a chunked body) are read and dropped
+            self._raw.append((name.decode("ascii", "replace"), value.decode("ascii")))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()  # type: ignore[union-attr]
+        if 100 <= status < 200:
+            if status == 101:
+                raise _Garbage("the worker switched protocols")
+            # Informational (100 Continue, 103 Early Hints): not the answer; skip it.
+            self._informational = True
+            self._raw = []
+            self._head_bytes = 0
+            return
+        self.status = status
         headers = self.headers = CIMultiDict(self._raw)
+        coding = headers.getall("Transfer-Encoding", None)
+        if coding is not None and not only_chunked(coding):
+            # No TE was sent, so chunked is the only coding a worker may apply (once).
+            raise _Garbage("a transfer coding other than chunked")
+        echo = headers.get("x-request-id")
+        if echo is not None and echo != self.request_id:
+            raise _Garbage("an answer to another request (x-request-id differs)")
+        if echo is None and self.exchanges > 1:
+            raise _Garbage("no x-request-id echo on a reused connection")
+        self.echoed = echo is not None
         self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
-        self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        self._chunked = coding is not None
         length = headers.get("Content-Length")
         if length is not None:
             self.content_length = int(length)  # llhttp accepted it: digits only
         if self.content_type != "text/event-stream":
             self._cap = self.max_buffered
+        else:
+            self._deadline = None  # a stream: each wait for bytes has its own timer
         self._wake()
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
-        self._size += len(body)
-        self._buffered += len(body)
+        n = len(body)
+        self._size += n
+        self._buffered += n
         if self._cap is not None:  # buffered: read whole, up to the cap
+            budget = self.budget
+            budget.used += n
+            self._held += n
+            if budget.used > budget.peak:
+                budget.peak = budget.used
             if self._size > self._cap:
                 self.too_big = True
                 self._break(f"answer over {self._cap} bytes")
+                return
+            if budget.used > budget.limit:
+                self.over_budget = True
+                self._break(f"buffered answers over {budget.limit} bytes in all")
                 return
         elif self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
@@ -161,6 +254,9 @@ class WorkerConnection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()
@@ -170,9 +266,19 @@ class WorkerConnection(asyncio.Protocol):
     def _break(self, why: str) -> None:
         if self.error is None:
             self.error = why
+        if self.spoiled is None:
+            self.spoiled = why
+        if self._cap is not None:  # a buffered answer's bytes are of no use now
+            self._chunks = []
+        self._give_back()
         if self.transport is not None:
             self.transport.abort()
         self._wake()
+
+    def _give_back(self) -> None:
+        if self._held:
+            self.budget.used -= self._held
+            self._held = 0
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -180,19 +286,26 @@ class WorkerConnection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def _wait(self) -> None:
+        delay = self.read_timeout
+        if self._deadline is not None:
+            delay = min(delay, self._deadline - self.loop.time())
+            if delay <= 0:
+                raise TimeoutError
         waiter = self._waiter = self.loop.create_future()
-        timer = self.loop.call_later(self.read_timeout, _expire, waiter)
+        timer = self.loop.call_later(delay, _expire, waiter)
         try:
             await waiter
         finally:
             timer.cancel()
             self._waiter = None
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, data: bytes, request_id: str) -> None:
         """Send one request and wait for the head of its answer."""
         self._reset()
         self.busy = True
         self.exchanges += 1
+        self.request_id = request_id
+        self._deadline = self.loop.time() + self.read_timeout
         self.transport.write(data)  # type: ignore[union-attr]
         while self.headers is None:
             if self.error is not None:
@@ -205,8 +318,11 @@ class WorkerConnection(asyncio.Protocol):
             if self.error is not None:
                 raise UpstreamBroken(self.error)
             await self._wait()
+        if self.spoiled is not None:  # e.g. a 204 with a body: what followed is no answer
+            raise UpstreamBroken(self.spoiled)
         chunks = self._chunks
         self._chunks = []
+        self._give_back()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def readany(self) -> bytes:
@@ -226,15 +342,25 @@ class WorkerConnection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    @property
+    def close_delimited(self) -> bool:
+        return self.content_length is None and not self._chunked
+
     def is_eof(self) -> bool:
         return self.complete and not self._chunks
 
     def reusable(self) -> bool:
-        """Read to its end, sound, and not asked to close: may carry another request."""
-        return self.complete and self.keep_alive and self.error is None and not self._chunks
+        """Read to its end, sound, not asked to close, and the answer echoed the id sent
+        (silence does not prove a connection idle: see the module docstring)."""
+        return (
+            self.complete and self.keep_alive and self.echoed
+            and self.error is None and not self._chunks
+        )  # fmt: skip
 
     def close(self) -> None:
         if self.error is None:
             self.error = "closed by the router"
+        self._chunks = []
+        self._give_back()
         if self.transport is not None:
             self.transport.close()

@@ -7,10 +7,12 @@ connections in use: admission (`max_concurrent`) bounds them, and a pool limit w
 queue requests invisibly. Idle connections are capped (`max_idle`, extra ones are
 closed) and closed after `keepalive_s` unused.
 
-What is sent: `POST <path> HTTP/1.1`, `Host`, the caller's header block (already
-allow-listed: `router/upstream/answers.py`), `Accept-Encoding: identity` (the body is relayed
-as it comes, so no compressed answer is asked for), and the body with its
-Content-Length, in one write. Redirects are not followed: an answer is an answer.
+What is sent: `POST <path> HTTP/1.1`, `Host`, the caller's header lines (already
+allow-listed: `router/upstream/answers.py`), the exchange's `x-request-id`, `Accept-Encoding:
+identity` (the body is relayed as it comes, so no compressed answer is asked for), and
+the body with its Content-Length, in one write. Redirects are not followed: an answer
+is an answer. A connection is reused only after an answer that echoed its request id
+(`router/upstream/connection.py` says why silence is not enough).
 
 A stale connection (the worker closed a keep-alive connection just as the request went
 out, so not one byte of an answer came back) is not the worker's failure: the request
@@ -35,7 +37,7 @@ from urllib.parse import urlsplit
 
 from aiohttp.abc import AbstractResolver
 
-from router.upstream.connection import UpstreamBroken, WorkerConnection
+from router.upstream.connection import BufferBudget, UpstreamBroken, WorkerConnection
 
 
 class _Origin:
@@ -65,6 +67,7 @@ class UpstreamPool:
         read_timeout: float,
         max_buffered: int,
         *,
+        max_buffered_total: int | None = None,
         keepalive_s: float = 30.0,
         max_idle: int = 256,
     ) -> None:
@@ -72,6 +75,7 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_buffered = max_buffered
+        self.budget = BufferBudget(max_buffered_total or 4 * max_buffered)
         self.keepalive_s = keepalive_s
         self.max_idle = max_idle
         self._origins: dict[str, _Origin] = {}
@@ -81,22 +85,30 @@ class UpstreamPool:
         self.stale_retries = 0  # requests re-sent after a stale keep-alive connection
         self.connects = 0  # connections opened
 
-    async def post(self, base_url: str, path: str, head: bytes, body: bytes) -> WorkerConnection:
+    async def post(
+        self, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes, request_id: str
+    ) -> WorkerConnection:
         """Send the request; return the connection once the answer's head has arrived.
         The caller reads the body, then `release`s it (read to its end) or closes it."""
         origin = self._origins.get(base_url)
         if origin is None:
             origin = self._origins[base_url] = _Origin(base_url)
-        data = b"POST %s HTTP/1.1\r\nHost: %s\r\n%sAccept-Encoding: identity\r\nContent-Length: %d\r\n\r\n%s" % (
-            path.encode("ascii"), origin.host_header, head, len(body), body,
+        head = "".join([f"{k}: {v}\r\n" for k, v in headers]).encode()
+        data = b"POST %s HTTP/1.1\r\nHost: %s\r\n%sx-request-id: %s\r\nAccept-Encoding: identity\r\nContent-Length: %d\r\n\r\n%s" % (
+            path.encode("ascii"), origin.host_header, head, request_id.encode("ascii"), len(body), body,
         )  # fmt: skip
         idle = origin.idle
         while idle:
             conn = idle.pop()
             if conn.error is not None or conn.transport is None or conn.transport.is_closing():
                 continue
+            if conn.request_id == request_id:
+                # A late copy of the last answer would echo this id too (a client may
+                # send one id twice): only a different id tells the two apart.
+                conn.close()
+                continue
             try:
-                await conn.send(data)
+                await conn.send(data, request_id)
                 return conn
             except UpstreamBroken:
                 conn.close()
@@ -109,7 +121,7 @@ class UpstreamPool:
                 raise
         conn = await self._connect(origin)
         try:
-            await conn.send(data)
+            await conn.send(data, request_id)
         except BaseException:
             conn.close()
             raise
@@ -135,32 +147,38 @@ class UpstreamPool:
     async def _connect(self, origin: _Origin) -> WorkerConnection:
         loop = asyncio.get_running_loop()
         tls = self._tls_context() if origin.tls else None
-        async with asyncio.timeout(self.connect_timeout):
-            if origin.literal:
-                addresses = [(origin.host, origin.port)]
-            else:
-                try:
-                    found = await self.resolver.resolve(origin.host, origin.port, socket.AF_UNSPEC)
-                except OSError as e:
-                    raise UpstreamBroken(f"cannot resolve {origin.host!r}: {e}") from None
-                addresses = [(r["host"], r["port"]) for r in found]
-            last: OSError | None = None
-            for host, port in addresses:
-                try:
-                    _, conn = await loop.create_connection(
-                        self._protocol, host, port, ssl=tls,
-                        server_hostname=origin.host if tls is not None else None,
-                    )  # fmt: skip
-                except OSError as e:
-                    last = e
-                    continue
-                self.connects += 1
-                self._open.add(conn)
-                return conn
-        raise UpstreamBroken(f"cannot connect: {last}")
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                if origin.literal:
+                    addresses = [(origin.host, origin.port)]
+                else:
+                    try:
+                        found = await self.resolver.resolve(
+                            origin.host, origin.port, socket.AF_UNSPEC
+                        )
+                    except OSError as e:
+                        raise UpstreamBroken(f"cannot resolve {origin.host!r}: {e}") from None
+                    addresses = [(r["host"], r["port"]) for r in found]
+                last: OSError | None = None
+                for host, port in addresses:
+                    try:
+                        _, conn = await loop.create_connection(
+                            self._protocol, host, port, ssl=tls,
+                            server_hostname=origin.host if tls is not None else None,
+                        )  # fmt: skip
+                    except OSError as e:
+                        last = e
+                        continue
+                    self.connects += 1
+                    self._open.add(conn)
+                    return conn
+                raise UpstreamBroken(f"cannot connect: {last}")
+        except TimeoutError:
+            # The worker's failure to accept, never the request's (not a read timeout).
+            raise UpstreamBroken(f"cannot connect within {self.connect_timeout:g} s") from None
 
     def _protocol(self) -> WorkerConnection:
-        return WorkerConnection(self.read_timeout, self.max_buffered, self._lost)
+        return WorkerConnection(self.read_timeout, self.max_buffered, self._lost, self.budget)
 
     def _lost(self, conn: WorkerConnection) -> None:
         self._open.discard(conn)  # an idle one is skipped when next popped, or swept

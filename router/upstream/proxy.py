@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,14 +52,22 @@ from router.upstream.answers import (
     response_headers,
     worker_authorization,
 )
-from router.upstream.connection import UpstreamBroken, WorkerConnection
-from router.upstream.pool import UpstreamPool
+from router.upstream.connection import UpstreamBroken
+from router.upstream.transport import Answer, Transport
 from shared.access_log import REQUEST_ID
 from shared.config import RouterConfig
 from shared.errors import APIError, error_body
 from shared.http import EVENT_STREAM, DeadlineStream
 
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
+
+
+def _event_end(data: bytes) -> int:
+    """Where the last whole SSE event in `data` ends (0: none ends in it)."""
+    if data.endswith(b"\n\n"):  # the usual case: a chunk of whole events
+        return len(data)
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class Routed:
     session_key: str | None
     model: str | None
     tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
+    stream: bool = False  # the client asked for a stream (a timeout is then the worker's)
 
 
 class ProxyMetrics(Protocol):
@@ -90,7 +100,7 @@ class Proxy:
         config: RouterConfig,
         fleet: Fleet,
         policy: Policy,
-        pool: UpstreamPool,
+        pool: Transport,
         metrics: ProxyMetrics,
         clock: Callable[[], float] = time.monotonic,
         sync: ReplicaSync | None = None,
@@ -135,7 +145,9 @@ class Proxy:
             )
         tried: list[str] = []
         failure: AttemptFailed | None = None
-        suspects: list[Attempt] = []  # tries that got a 500: the worker's fault, or ours?
+        # Tries that got a 500, a timeout or an oversized answer: the worker's fault, or
+        # the request's? (each carries its attempt, and the limit it ran into: None for a 500)
+        suspects: list[AttemptFailed] = []
         busy_for = 0  # the longest Retry-After of the busy workers
         for tries in range(self.config.max_retries + 1):
             picked = self._select(routed, tried)
@@ -147,19 +159,20 @@ class Proxy:
             except AttemptFailed as e:
                 failure = e
                 tried.append(worker.worker_id)
-                if e.suspect and suspects:
-                    raise request_fault(len(suspects) + 1) from None
                 if e.suspect:
-                    suspects.append(e.attempt)
+                    same = sum(1 for s in suspects if s.limit == e.limit)
+                    if same:  # a second worker failed the same way: the request's fault
+                        raise request_fault(same + 1, e, self.config) from None
+                    suspects.append(e)
                 busy_for = max(busy_for, e.retry_after)
                 if tries < self.config.max_retries:
                     self.metrics.retries.inc()
                     await asyncio.sleep(self.config.retry_backoff * (2**tries))
                 continue
             if suspects and response.status < 400:
-                # Another worker answered what the suspect answered 500 to: its failure.
+                # Another worker answered what the suspect failed: the suspect's failure.
                 for suspect in suspects:
-                    self.fleet.failed(suspect, FailureKind.UPSTREAM_5XX, self.clock())
+                    self.fleet.failed(suspect.attempt, suspect.kind, self.clock())  # type: ignore[arg-type]
             return response
         if failure is None:
             raise APIError(
@@ -179,29 +192,28 @@ class Proxy:
             code="upstream_error",
         )
 
-    def _request_head(self, request: web.Request) -> bytes:
-        """The header lines sent to the worker (allow-listed; Host and the body's framing
-        are the pool's)."""
+    def _request_head(self, request: web.Request) -> list[tuple[str, str]]:
+        """The header lines sent to the worker (allow-listed; Host, the body's framing and
+        the request id are the transport's)."""
         forward = self._forward
         incoming = request.headers
-        lines = [
-            f"{k}: {v}\r\n" for k, v in incoming.items() if k.lower() in forward and encodable(v)
-        ]
-        lines.append("Content-Type: application/json\r\n")  # the body was parsed as JSON
-        # One id names the request in the router's and the worker's logs (shared/access_log.py).
-        rid = request.get(REQUEST_ID) or incoming.get("x-request-id", "")
-        if encodable(rid):
-            lines.append(f"x-request-id: {rid}\r\n")
+        lines = [(k, v) for k, v in incoming.items() if k.lower() in forward and encodable(v)]
+        lines.append(("Content-Type", "application/json"))  # the body was parsed as JSON
         auth = self._worker_auth
         if auth is None and self.config.forward_authorization:
             auth = incoming.get("Authorization")
         if auth is not None and encodable(auth):
-            lines.append(f"Authorization: {auth}\r\n")
-        return "".join(lines).encode()
+            lines.append(("Authorization", auth))
+        return lines
 
-    def _response_headers(
-        self, upstream: WorkerConnection, worker: Worker, d: Decision
-    ) -> CIMultiDict[str]:
+    @staticmethod
+    def _wire_id(request: web.Request) -> str:
+        """The `x-request-id` sent to the worker: the request's id (shared/access_log.py),
+        so one id names it in both services' logs. The transport checks its echo before a
+        connection is reused (router/upstream/connection.py)."""
+        return request.get(REQUEST_ID) or os.urandom(16).hex()
+
+    def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
         headers = response_headers(upstream.headers)  # type: ignore[arg-type]
         headers["x-radix-worker"] = worker.worker_id
         headers["x-radix-route-reason"] = d.reason
@@ -224,10 +236,18 @@ class Proxy:
         self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision
     ) -> web.StreamResponse:
         worker = attempt.worker
-        with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
-            upstream = await self.pool.post(
-                worker.url, routed.path, self._request_head(request), routed.body
-            )
+        try:
+            with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
+                upstream = await self.pool.post(
+                    worker.url, routed.path, self._request_head(request), routed.body,
+                    self._wire_id(request),
+                )  # fmt: skip
+        except AttemptFailed as e:
+            if e.kind is FailureKind.TIMEOUT and not routed.stream:
+                # No head within request_timeout: a hung worker, or a request that takes
+                # longer than the limit anywhere. The next worker's answer decides.
+                e.suspect, e.limit = True, "request_timeout"
+            raise
         done = False
         try:
             await classify(upstream, worker)
@@ -246,10 +266,10 @@ class Proxy:
                 upstream.close()
 
     async def _relay_buffered(
-        self, upstream: WorkerConnection, attempt: Attempt, decision: Decision
+        self, upstream: Answer, attempt: Attempt, decision: Decision
     ) -> web.Response:
         worker = attempt.worker
-        body = await read_capped(upstream, self.config.max_response_bytes, worker)
+        body = await read_capped(upstream, self.config, worker)
         cached = cached_tokens_from_json(body) if upstream.status == 200 else None
         self._succeeded(attempt, decision, cached)
         return web.Response(
@@ -261,7 +281,7 @@ class Proxy:
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: WorkerConnection,
+        upstream: Answer,
         attempt: Attempt,
         decision: Decision,
     ) -> web.StreamResponse:
@@ -278,19 +298,27 @@ class Proxy:
         )  # fmt: skip
         await resp.prepare(request)
         tail = b""
+        held = b""  # the start of an event not yet whole: it leaves once it is
         broken: tuple[FailureKind, str] | None = None
-        # Each chunk is written as soon as it is read; only the last one (the upstream has
-        # already ended) waits to leave together with the end-of-stream marker.
+        # Each chunk is written as soon as it is read (whole events: a partial one waits
+        # for its end, so an error event never lands inside it); only the last one (the
+        # upstream has already ended) waits to leave together with the end-of-stream marker.
         while chunk and not content.is_eof():
-            try:
-                await resp.write(chunk)
-            except ConnectionError:
-                # The client left, or did not read within the deadline (DeadlineStream
-                # aborted it): drop the upstream too, so the worker sees the request
-                # abandoned and frees its slot and KV at once.
-                upstream.close()
-                return resp
-            tail = (tail + chunk)[-SSE_TAIL_BYTES:]
+            if held:
+                chunk = held + chunk
+            cut = _event_end(chunk)
+            held = chunk[cut:]
+            out = chunk[:cut] if held else chunk
+            if out:
+                try:
+                    await resp.write(out)
+                except ConnectionError:
+                    # The client left, or did not read within the deadline (DeadlineStream
+                    # aborted it): drop the upstream too, so the worker sees the request
+                    # abandoned and frees its slot and KV at once.
+                    upstream.close()
+                    return resp
+                tail = (tail + out)[-SSE_TAIL_BYTES:]
             try:
                 chunk = await content.readany()
             except TimeoutError:
@@ -299,14 +327,19 @@ class Proxy:
             except UpstreamBroken as e:
                 chunk = b""
                 broken = FailureKind.BROKEN, f"worker {worker.worker_id} broke off mid-stream: {e}"
+        last = held + chunk
+        cut = _event_end(last)
+        if broken is None and cut < len(last):
+            # The stream ended (its connection closed) mid-event: cut short, not done.
+            broken = FailureKind.BROKEN, f"worker {worker.worker_id} ended the stream mid-event"
         if broken is None:
-            self._succeeded(attempt, decision, cached_tokens_from_sse(tail + chunk))
+            self._succeeded(attempt, decision, cached_tokens_from_sse(tail + last))
         else:
             self.fleet.failed(attempt, broken[0], self.clock())
             event = json.dumps(error_body(502, broken[1], code="upstream_error"))
-            chunk = f"data: {event}\n\n".encode()
+            last = last[:cut] + f"data: {event}\n\n".encode()  # the partial event dropped
         with contextlib.suppress(ConnectionError):  # the client left, or stalled, at the end
-            await resp.write_eof(chunk)
+            await resp.write_eof(last)
         return resp
 
     def _succeeded(self, attempt: Attempt, decision: Decision, cached: int | None) -> None:
