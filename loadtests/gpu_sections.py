@@ -94,6 +94,10 @@ def run_section(args: argparse.Namespace) -> int:
         from loadtests.gpu_ops import ops_section
 
         ops_section(rec, device, args.quick)
+    elif name == "host_tier":
+        from loadtests.gpu_host_tier import host_tier_section
+
+        host_tier_section(rec, device, args.quick)
     elif name.startswith("preset:"):
         preset_section(rec, device, name.split(":", 1)[1], sizes, args.attention_backend)
     else:

@@ -159,10 +159,11 @@ class Fleet:
     def _report(self, w: Worker, r: WorkerRecord, now: float) -> None:
         old = w.report
         w.report, w.reported_at, w.url = r, now, r.url
-        if (r.model, r.draining, r.kv_capacity_tokens) != (
+        if (r.model, r.draining, r.kv_capacity_tokens, r.host_kv_capacity_tokens) != (
             old.model,
             old.draining,
             old.kv_capacity_tokens,
+            old.host_kv_capacity_tokens,
         ):
             self.columns.invalidate()  # a view's capacities column is replaced, not edited
         else:

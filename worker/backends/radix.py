@@ -28,6 +28,8 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         page_size=config.page_size,
         kv_capacity_tokens=config.cache_tokens,
         kv_memory_fraction=config.kv_memory_fraction,
+        host_cache_tokens=config.host_cache_tokens,
+        host_write_policy=config.host_write_policy,
         device=config.device,
         dtype=config.dtype,
         attention_backend=config.attention_backend,

@@ -41,7 +41,15 @@ from worker.engine.protocols import EngineTokenizer
 from worker.engine.types import TokenLogprob
 
 if TYPE_CHECKING:
+    from worker.engine.host_tier import KVCopies
     from worker.engine.req import Req
+
+
+# The host tier's defaults: an 8B-class model's KV (Llama-3-8B: 32 layers x 8 KV heads x
+# 128 x 2 (K, V) x 2 bytes = 128 KiB a token) over PCIe 5 x16 at a practical 25 GB/s
+# (load ~5.2 us a token, against a prefill cost of tens of us a token on the same GPU).
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
+DEFAULT_HOST_LOAD_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,18 @@ class CostModelRunner:
         sleep: Callable[[float], None] | None = time.sleep,
         decode_us_per_seq: float = 0.0,
         decode_us_per_1k_context: float = 0.0,
+        host_capacity: int = 0,
+        host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
     ) -> None:
         self.capacity = capacity
+        # The host tier (0: off): a load costs its bytes over the bandwidth, added to the
+        # next forward (the forward waits for the loads, as the CUDA runner's does).
+        # Write-backs run the other way over a full-duplex link: not charged.
+        self.host_capacity = host_capacity
+        self.host_load_bytes_per_s = host_load_bytes_per_s
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._load_s = 0.0
         self.config = model
         self.prefill_us_per_token = prefill_us_per_token  # reported in the engine's stats
         self.decode_ms_per_token = decode_ms_per_token
@@ -79,7 +97,8 @@ class CostModelRunner:
         self.last_step_s = 0.0
 
     def forward(self, batch: list[BatchItem]) -> None:
-        self.last_step_s = self.step_cost(batch)
+        self.last_step_s = self.step_cost(batch) + self._load_s
+        self._load_s = 0.0
         if self.sleep is not None and self.last_step_s > 0:
             self.sleep(self.last_step_s)
 
@@ -98,6 +117,10 @@ class CostModelRunner:
             self.step_s + self.seq_s * decoders + self.context_s * context
             + self.prefill_s * prefill
         )  # fmt: skip
+
+    def copy_kv(self, copies: KVCopies) -> None:
+        nbytes = copies.load_tokens * self.kv_bytes_per_token
+        self._load_s += nbytes / self.host_load_bytes_per_s
 
     def release(self, seq_id: int) -> None:
         pass  # no per-sequence state
@@ -136,13 +159,19 @@ def build_sim_llm_engine(
     sleep: Callable[[float], None] | None = time.sleep,
     decode_us_per_seq: float = 0.0,
     decode_us_per_1k_context: float = 0.0,
+    host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S,
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
 ) -> LLMEngine:
-    """The engine over a cost model; `config.kv_capacity_tokens` sizes its KV."""
+    """The engine over a cost model; `config.kv_capacity_tokens` sizes its KV and
+    `config.host_cache_tokens` its host tier."""
     model = SimModelConfig(tokenizer.vocab_size, max_model_len)
     capacity = config.kv_capacity_tokens or 1_000_000
     runner = CostModelRunner(
         capacity, model, prefill_us_per_token, decode_ms_per_token, sleep,
         decode_us_per_seq, decode_us_per_1k_context,
+        host_capacity=config.host_cache_tokens,
+        host_load_bytes_per_s=host_load_bytes_per_s,
+        kv_bytes_per_token=kv_bytes_per_token,
     )  # fmt: skip
     return LLMEngine(runner, tokenizer, config, SimSampler(tokenizer))
 

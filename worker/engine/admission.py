@@ -72,9 +72,10 @@ class AdmissionRules:
             return queue[:_SCAN]
         aged = [s for s in queue if step - s.queued_at_step >= cfg.max_queue_wait_steps]
         fresh = [s for s in queue if step - s.queued_at_step < cfg.max_queue_wait_steps]
-        hits = {
-            s.seq_id: self.cache.match_prefix(s.match_key, record=False).prefix_len for s in fresh
-        }
+        hits = {}
+        for s in fresh:  # a host-resident prefix counts: it is loaded, not computed
+            m = self.cache.match_prefix(s.match_key, record=False)
+            hits[s.seq_id] = m.prefix_len + m.host_len
         fresh.sort(key=lambda s: -hits[s.seq_id])  # stable: equal matches keep queue order
         return aged + fresh
 

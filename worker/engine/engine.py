@@ -35,6 +35,7 @@ from shared.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch
 from worker.engine.config import EngineConfig
+from worker.engine.host_tier import HostTier
 from worker.engine.kv_blocks import BlockEvents
 from worker.engine.protocols import EngineTokenizer, Runner, Sampler
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
@@ -78,8 +79,14 @@ class LLMEngine:
         self.sampler = sampler
         self.allocator = SlotAllocator(runner.capacity)
         if cache is None:
-            cache_cls = NoCache if config.disable_radix_cache else RadixCache
-            cache = cache_cls(self.allocator, page_size=config.page_size)
+            if config.disable_radix_cache:
+                cache = NoCache(self.allocator, page_size=config.page_size)
+            else:
+                # The runner owns the host pool's memory (it sized and allocated it).
+                host_capacity = getattr(runner, "host_capacity", 0)
+                write_through = config.host_write_policy == "write_through"
+                host = HostTier(host_capacity, write_through) if host_capacity else None
+                cache = RadixCache(self.allocator, page_size=config.page_size, host=host)
         self.cache: PrefixCache = cache
         self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
         if config.kv_events_block_size and isinstance(cache, RadixCache):
@@ -109,6 +116,7 @@ class LLMEngine:
         self._launched: _Launched | None = None  # the step whose draws are unread
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.host_cached_tokens_total = 0  # of them, loaded from the host tier
         self.completion_tokens_total = 0
         self.request_ms = 0.0  # how long an admitted request holds its seat: moving mean
 
@@ -210,6 +218,9 @@ class LLMEngine:
             outputs, before = self._postprocess(before), None  # penalties count real ids
         batch = self.last_batch = self.scheduler.schedule()
         self._stamp_admitted(batch.admitted)
+        copies = self.cache.take_copies()
+        if copies is not None:  # the step's write-backs and loads: before its forward
+            self.runner.copy_kv(copies)  # (on CUDA ordered after the step still running)
         self._launched = self._launch(batch) if batch.items else None
         if before is not None:
             outputs += self._postprocess(before)  # while the device runs this step
@@ -266,6 +277,7 @@ class LLMEngine:
         if req.index == 0:  # the prompt is one, however many choices share it
             self.prompt_tokens_total += len(req.prompt_ids)
             self.cached_tokens_total += req.cached_tokens or 0
+            self.host_cached_tokens_total += req.host_cached_tokens
         choices = self.in_flight[req.request_id]
         if all(s.is_finished for s in choices):
             del self.in_flight[req.request_id]
@@ -293,7 +305,22 @@ class LLMEngine:
             decode_ms_per_token=getattr(self.runner, "decode_ms_per_token", 0.0),
             max_running_requests=self.config.max_running_requests,
             request_ms=self.request_ms,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, Any]:
+        host = getattr(self.cache, "host", None)
+        if host is None:
+            return {}
+        return {
+            "host_cache_capacity_tokens": host.capacity,
+            "host_cache_used_tokens": host.used,
+            "host_cached_tokens_total": self.host_cached_tokens_total,
+            "host_load_tokens_total": host.loaded_tokens,
+            "host_write_tokens_total": host.written_tokens,
+            "host_load_bytes_per_s": getattr(self.runner, "host_load_bytes_per_s", 0.0),
+            "kv_bytes_per_token": getattr(self.runner, "kv_bytes_per_token", 0),
+        }
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

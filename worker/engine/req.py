@@ -107,6 +107,7 @@ class Req:
     admitted: float | None = None
     # Prefix hit of the first admission: what the client is told was cached.
     cached_tokens: int | None = None
+    host_cached_tokens: int = 0  # of them, loaded from the host tier
 
     # --- output text (owned by the engine's postprocess) ---
     text: str = ""  # everything detokenized so far (stop string excluded once found)

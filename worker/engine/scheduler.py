@@ -30,6 +30,13 @@ still running reuses it. Decode tokens join at release only: inserting them each
 would cost a tree walk per token per request, and the request that would reuse an
 answer (the next turn of the conversation) arrives after it finished anyway.
 
+With a host tier (radix_cache.py) a match may end in host-resident nodes: admission
+locks the whole matched path, makes room for them like for new tokens, and
+`cache.load` gives them device slots at once (so the prefix is the tree's, locked, as
+above); the copies are planned, and the engine has the runner make them before the
+step's forward (host_tier.py). A host hit counts in `cached_tokens` (and
+`host_cached_tokens`): it is loaded, not computed.
+
 A decoding sequence has len(slots) == num_computed == num_tokens - 1: its last sampled
 token is the next step's input. Preempted sequences keep their output tokens and, once
 readmitted, recompute whatever the tree no longer holds (usually nothing: their KV
@@ -138,24 +145,29 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= cfg.max_running_requests:
                 return
             match = self.cache.match_prefix(req.match_key)
-            if self.admission.held_for_dedup(req, match.prefix_len, prefilling):
+            hit = match.prefix_len + match.host_len  # host tokens are loaded, not computed
+            if self.admission.held_for_dedup(req, hit, prefilling):
                 continue  # a running prefill computes its prefix: admit it after that
-            self.cache.lock(match.last_node)
-            need = req.num_tokens - match.prefix_len
+            self.cache.lock(match.last_node)  # both tiers: the host run stays until loaded
+            need = req.num_tokens - match.prefix_len  # device slots: loads + new tokens
             reserve = self.admission.reserve(req)
             usable = self.allocator.available + self.cache.evictable_size
             if need + reserve + reserved > usable or not self._ensure_free(need):
                 self.cache.unlock(match.last_node)
                 return  # head of line waits: a finishing request frees memory
+            loaded = self.cache.load(match.last_node) if match.host_len else match.slots[:0]
             req.slots = np.concatenate(
-                [match.slots[: match.prefix_len], self.allocator.alloc(need)]
+                [match.slots, loaded, self.allocator.alloc(req.num_tokens - hit)]
             )
-            req.prefix_len = req.num_computed = match.prefix_len
+            req.prefix_len = req.num_computed = hit
             req.last_node = match.last_node
             req.status = ReqStatus.RUNNING
             req.dirty_from = 0
             if req.cached_tokens is None:
-                req.cached_tokens = min(match.prefix_len, len(req.prompt_ids))
+                req.cached_tokens = min(hit, len(req.prompt_ids))
+                req.host_cached_tokens = req.cached_tokens - min(
+                    match.prefix_len, req.cached_tokens
+                )
             self.waiting.remove(req)
             self.waiting_prompt_tokens -= len(req.prompt_ids)
             self.running.append(req)
@@ -260,7 +272,8 @@ class Scheduler:
     # --- invariants ---
 
     def check_integrity(self) -> None:
-        """free + cached + held by running == capacity, no slot twice."""
+        """Per tier: free + cached (+ held by running, on the device) == capacity, no slot
+        twice (the host tier's sum is checked by the cache: running requests hold none)."""
         self.cache.check_integrity()
         cached = np.asarray(self.cache.cached_slots(), dtype=np.int64)
         held = [s.slots[s.prefix_len :] for s in self.running]

@@ -22,6 +22,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
         dtype=config.dtype,
         kv_capacity_tokens=config.kv_capacity_tokens,
         kv_memory_fraction=config.kv_memory_fraction,
+        host_cache_tokens=config.host_cache_tokens,
         attention_backend=config.attention_backend,
         cuda_graphs=not config.disable_cuda_graph,
         max_running_requests=config.max_running_requests,
