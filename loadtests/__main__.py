@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("loadtests.report", "the summary and plots of a records.jsonl again"),
     "compare": ("loadtests.compare", "routing policies side by side on a local sim fleet"),
     "sweep": ("loadtests.sweep", "request rates per policy: saturation point, goodput, a plot"),
+    "host-reload": ("loadtests.bench_host_reload", "engine (CPU): reload N host tokens vs prefill"),
+    "host-tier": ("loadtests.bench_host_tier", "simulator: host KV tier 0 / 4x / 10x vs unbounded"),
     "simulate": ("loadtests.simulate", "the routing policies on 8-1,000 simulated workers"),
     "replicas": ("loadtests.replicas", "router replicas with and without decision sync"),
     "faults": ("loadtests.faults", "worker, Redis and router faults under load, their cost"),

@@ -26,6 +26,7 @@ import torch
 from loadtests.options import HelpFormatter
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.runtime.load import load_engine
 from worker.engine.types import EngineRequest, SamplingParams
 from worker.models.tiny_model import PRESETS, make_tiny_model
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "bench-llama", **PRESETS["bench"])
         config = EngineConfig(kv_capacity_tokens=16384, device=args.device)
-        engine = LLMEngine.from_model_dir(model_dir, config)
+        engine = load_engine(model_dir, config)
         ttft(engine, "warmup", _ids(random.Random(9), 256))  # first-call allocations
         t = (
             {"uncached_s": float("nan"), "cached_s": float("nan"), "cached_tokens": 0}

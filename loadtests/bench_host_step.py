@@ -41,6 +41,7 @@ import torch
 from loadtests.options import HelpFormatter
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.runtime.load import load_engine
 from worker.engine.types import EngineRequest, SamplingParams
 from worker.models.tiny_model import PRESETS, make_tiny_model
 
@@ -76,7 +77,7 @@ def build(model_dir: Path, batch: int, context: int, steps: int, **cfg: Any) -> 
         device="cpu", max_running_requests=batch, max_prefill_tokens=batch * context,
         kv_capacity_tokens=batch * (context + steps + 8) + 64, **cfg,
     )  # fmt: skip
-    return LLMEngine.from_model_dir(model_dir, config)
+    return load_engine(model_dir, config)
 
 
 def measure(

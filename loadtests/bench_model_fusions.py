@@ -23,7 +23,7 @@ import torch
 from loadtests.options import HelpFormatter
 from worker.engine.allocator import SlotAllocator
 from worker.engine.runtime.model import apply_rope_
-from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.runner import BatchItem, ModelRunner
 from worker.engine.runtime.weights import load_model
 from worker.models.tiny_model import PRESETS, make_tiny_model
 
@@ -35,7 +35,7 @@ def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> floa
     times = []
     for step in range(steps):
         pos = context - 1 + step
-        items = [SeqBatchItem([5 + i], pos, slots[i][: pos + 1], seq_id=i, dirty_from=0 if step == 0 else pos)
+        items = [BatchItem([5 + i], pos, slots[i][: pos + 1], seq_id=i, dirty_from=0 if step == 0 else pos)
                  for i in range(batch)]  # fmt: skip
         start = time.process_time()
         runner.forward(items)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from worker.engine.allocator import SlotAllocator
-from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.runner import BatchItem, ModelRunner
 from worker.models.tiny_model import PRESETS, make_tiny_model
 
 CASES = ((1, 40), (8, 40), (32, 40), (32, 256))
@@ -89,8 +89,8 @@ def main(args: argparse.Namespace) -> int:
         model_dir = make_tiny_model(Path(tmp) / "bench", **PRESETS["bench"])
         capacity = max(b * (c + args.steps + 1) for b, c in CASES)
         runners = [
-            (base.ModelRunner(model_dir, device="cpu", kv_capacity_tokens=capacity), base.SeqBatchItem),
-            (ModelRunner(model_dir, device="cpu", kv_capacity_tokens=capacity), SeqBatchItem),
+            (base.ModelRunner(model_dir, device="cpu", kv_capacity_tokens=capacity), base.BatchItem),
+            (ModelRunner(model_dir, device="cpu", kv_capacity_tokens=capacity), BatchItem),
         ]  # fmt: skip
         for batch, context in CASES:
             ms: list[list[float]] = [[], []]

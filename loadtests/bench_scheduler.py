@@ -33,6 +33,7 @@ from worker.backends.sim import build_sim_llm_engine
 from worker.backends.text_tokenizer import TextTokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.runtime.load import load_engine
 from worker.engine.types import EngineRequest, SamplingParams
 
 PREFILL_US, DECODE_MS = 30.0, 3.0  # the sim cost model (a mid-size model on one GPU)
@@ -156,7 +157,7 @@ def build(backend: str, cfg: EngineConfig, model_dir: Path | None) -> tuple[LLME
         )  # fmt: skip
         return engine, _Clock(virtual=True)
     assert model_dir is not None
-    return LLMEngine.from_model_dir(model_dir, cfg), _Clock(virtual=False)
+    return load_engine(model_dir, cfg), _Clock(virtual=False)
 
 
 def run_all(backends: list[str], model_dir: Path | None) -> list[str]:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from loadtests.options import HelpFormatter
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.runtime.runner import ModelRunner
 from worker.models.tiny_model import PRESETS, make_tiny_model
 
@@ -39,7 +39,7 @@ from worker.models.tiny_model import PRESETS, make_tiny_model
 def step_ms(runner: ModelRunner, batch: int, context: int, reps: int) -> float:
     """Median ms of a decode step of `batch` sequences, each at `context` tokens."""
     items = [
-        SeqBatchItem([7], context - 1, np.arange(i * context, (i + 1) * context), i, 0)
+        BatchItem([7], context - 1, np.arange(i * context, (i + 1) * context), i, 0)
         for i in range(batch)
     ]
     runner.forward(items)  # writes the table rows (and warms up)

@@ -18,7 +18,8 @@ import torch
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.load import load_engine
+from worker.engine.runtime.runner import BatchItem, ModelRunner
 from worker.engine.types import EngineRequest, SamplingParams
 
 # Spec memory bandwidth (bytes/s) by device name; others use the measured copy rate.
@@ -79,7 +80,7 @@ def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> floa
     times = []
     for step in range(steps + 3):
         pos = context + step
-        items = [SeqBatchItem([7 + i], pos, slots[i][: pos + 1], seq_id=i,
+        items = [BatchItem([7 + i], pos, slots[i][: pos + 1], seq_id=i,
                               dirty_from=0 if step == 0 else pos) for i in range(batch)]  # fmt: skip
         sync(runner.device)
         start = time.perf_counter()
@@ -90,18 +91,18 @@ def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> floa
     return 1000 * statistics.median(times[3:])  # the first steps compile and capture
 
 
-def prefill_tokens_s(runner: ModelRunner, seqs: int, length: int) -> float:
+def prefill_tokens_s(runner: ModelRunner, reqs: int, length: int) -> float:
     alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
     rng = np.random.default_rng(0)
     rates = []
     for _ in range(3):
-        items = [SeqBatchItem(rng.integers(4, 1000, length).tolist(), 0, alloc.alloc(length))
-                 for _ in range(seqs)]  # fmt: skip
+        items = [BatchItem(rng.integers(4, 1000, length).tolist(), 0, alloc.alloc(length))
+                 for _ in range(reqs)]  # fmt: skip
         sync(runner.device)
         start = time.perf_counter()
         runner.forward(items).argmax(-1).tolist()
-        rates.append(seqs * length / (time.perf_counter() - start))
+        rates.append(reqs * length / (time.perf_counter() - start))
         alloc.reset()
     return max(rates)
 
@@ -143,7 +144,7 @@ def greedy_vs_transformers(model_dir: Path, device: torch.device, prompts: list[
 
     config = EngineConfig(device=str(device), dtype="float32", attention_backend=backend,
                           kv_capacity_tokens=16384, max_prefill_tokens=256)  # fmt: skip
-    engine = LLMEngine.from_model_dir(model_dir, config)
+    engine = load_engine(model_dir, config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ours: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
@@ -181,8 +182,8 @@ def kernels_of_one_step(runner: ModelRunner) -> list[str]:
     alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
     a, b = alloc.alloc(65), alloc.alloc(40)
-    runner.forward([SeqBatchItem(list(range(4, 68)), 0, a[:64])])
-    items = [SeqBatchItem([9], 64, a), SeqBatchItem(list(range(4, 44)), 0, b)]
+    runner.forward([BatchItem(list(range(4, 68)), 0, a[:64])])
+    items = [BatchItem([9], 64, a), BatchItem(list(range(4, 44)), 0, b)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         runner.forward(items)
         sync(runner.device)

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", help="(default: %(default)s)")
     p.add_argument("--skip-pytest", action="store_true", help="leave out the pytest section")
     p.add_argument("--sections",
-                   help="comma-separated subset of env,correctness,ops,presets,pytest")  # fmt: skip
+                   help="comma-separated subset of env,correctness,ops,host_tier,presets,pytest")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="wall-clock seconds for the whole run; what would start later is "
                         "skipped (default: %(default)s)")  # fmt: skip
@@ -94,7 +94,7 @@ def plan(args: argparse.Namespace) -> list[str]:
     presets = args.presets.split(",") if args.presets else (["tiny"] if args.quick else PRESETS)
     wanted = set(args.sections.split(",")) if args.sections else None
     names = []
-    for name in ("env", "correctness", "ops", "presets", "pytest"):
+    for name in ("env", "correctness", "ops", "host_tier", "presets", "pytest"):
         if wanted is not None and name not in wanted:
             continue
         if name == "pytest" and args.skip_pytest:

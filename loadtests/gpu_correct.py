@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.runtime.attention import make_backend
 from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
 
 
 def random_batch(
     rng: np.random.Generator, capacity: int, n_items: int, scale: int
-) -> list[SeqBatchItem]:
+) -> list[BatchItem]:
     free = rng.permutation(capacity)
     items, used = [], 0
     for _ in range(n_items):
@@ -37,7 +37,7 @@ def random_batch(
             start, n = 0, int(rng.integers(1, 10 * scale))
         slots = free[used : used + start + n].astype(np.int64)
         used += start + n
-        items.append(SeqBatchItem(list(rng.integers(0, 100, n)), start, slots))
+        items.append(BatchItem(list(rng.integers(0, 100, n)), start, slots))
     return items
 
 
@@ -91,14 +91,14 @@ def host_syncs(device: torch.device) -> dict[str, Any]:
     """Syncs per engine step on the tiny model (the count does not depend on size)."""
     from loadtests.gpu_syncs import SyncCounter, syncs_per_step
     from worker.engine.config import EngineConfig
-    from worker.engine.engine import LLMEngine
+    from worker.engine.runtime.load import load_engine
     from worker.models.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-syncs-")))
     backend = "triton" if device.type == "cuda" else "sdpa"
     config = EngineConfig(device=str(device), kv_capacity_tokens=4096, max_prefill_tokens=16,
                           attention_backend=backend)  # fmt: skip
-    engine = LLMEngine.from_model_dir(model_dir, config)
+    engine = load_engine(model_dir, config)
     counter = SyncCounter(device)
     with counter:
         result = syncs_per_step(engine, counter)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.runtime.attention import kernel_table, make_backend, triton_kernels
 from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
 from worker.engine.runtime.fused_kernels import TritonOps
@@ -65,7 +65,7 @@ def _batch(device: torch.device, s: dict, items: list[tuple[int, int]], capacity
     rng = np.random.default_rng(0)
     free, used, batch = rng.permutation(capacity), 0, []
     for start, n in items:
-        batch.append(SeqBatchItem([1] * n, start, free[used : used + start + n].astype(np.int64)))
+        batch.append(BatchItem([1] * n, start, free[used : used + start + n].astype(np.int64)))
         used += start + n
     width = max(a + b for a, b in items)
     table = ReqToTokenTable(len(items), width, device)

@@ -40,7 +40,7 @@ def overlap_decode(runner: Any, model_dir: Path, batch: int, context: int, steps
                    rounds: int = 2) -> dict[str, Any]:  # fmt: skip
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
-    from worker.engine.runtime.sampler import Sampler
+    from worker.engine.runtime.sampler import TorchSampler
     from worker.engine.tokenizer import Tokenizer
     from worker.engine.types import EngineRequest, SamplingParams
 
@@ -52,7 +52,7 @@ def overlap_decode(runner: Any, model_dir: Path, batch: int, context: int, steps
         config = EngineConfig(device=str(device), max_running_requests=batch,
                               max_prefill_tokens=max(8192, context), overlap_schedule=overlap,
                               debug_checks=False)  # fmt: skip
-        engine = LLMEngine(runner, tokenizer, config, Sampler(device))
+        engine = LLMEngine(runner, tokenizer, config, TorchSampler(device))
         params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
         for i in range(batch):
             ids = [4 + (i * 131 + j * 7) % (vocab - 4) for j in range(context)]

@@ -34,6 +34,10 @@ def to_markdown(report: dict[str, Any]) -> str:
             lines += _correctness(result)
         elif name == "ops":
             lines += _ops(result)
+        elif name == "host_tier":
+            from loadtests.gpu_host_tier import to_markdown as host_tier_markdown
+
+            lines += host_tier_markdown(result) + _problems("host_tier", result)
         elif name.startswith("preset:"):
             lines += _preset(name.split(":", 1)[1], result)
         elif name == "pytest":

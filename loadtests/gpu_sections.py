@@ -94,6 +94,10 @@ def run_section(args: argparse.Namespace) -> int:
         from loadtests.gpu_ops import ops_section
 
         ops_section(rec, device, args.quick)
+    elif name == "host_tier":
+        from loadtests.gpu_host_tier import host_tier_section
+
+        host_tier_section(rec, device, args.quick)
     elif name.startswith("preset:"):
         preset_section(rec, device, name.split(":", 1)[1], sizes, args.attention_backend)
     else:
@@ -134,7 +138,7 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     from worker.engine.runtime.runner import ModelRunner
-    from worker.engine.runtime.sampler import Sampler
+    from worker.engine.runtime.sampler import TorchSampler
     from worker.engine.tokenizer import Tokenizer
     from worker.models.tiny_model import PRESETS, make_tiny_model
 
@@ -237,7 +241,9 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
 
     def ttft() -> dict[str, Any]:
         config = EngineConfig(device=str(device), attention_backend=backend)
-        engine = LLMEngine(runner, Tokenizer.from_dir(model_dir), config, Sampler(runner.device))
+        engine = LLMEngine(
+            runner, Tokenizer.from_dir(model_dir), config, TorchSampler(runner.device)
+        )
         out = gb.ttft_cached_vs_uncached(engine, sizes["prefix"], sizes["question"], runs=3)
         return out | {"prefix_tokens": sizes["prefix"]}
 

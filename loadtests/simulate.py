@@ -32,6 +32,7 @@ from loadtests.sim.fleet import ClosedLoop, FleetSim, SimResult
 from loadtests.sim.sources import generated_requests, mooncake_requests
 from loadtests.sim.worker import CostModel
 from shared.config import RouterConfig
+from worker.backends.sim import DEFAULT_HOST_LOAD_BYTES_PER_S, DEFAULT_KV_BYTES_PER_TOKEN
 
 COLUMNS = (
     "| workers | policy | requests | req/s | hit rate | TTFT p50 / p99 (ms) | queue p99 (ms) | "
@@ -151,6 +152,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-ms", type=float, default=3.0, help="decode cost, ms per output token")
     p.add_argument("--max-running", type=int, default=8, help="requests a worker runs at once")
     p.add_argument(
+        "--host-cache-tokens", type=int, default=0,
+        help="host KV tier per worker, in tokens (0: off); a load costs its bytes over "
+        "--host-load-gbps",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-load-gbps", type=float, default=DEFAULT_HOST_LOAD_BYTES_PER_S / 1e9,
+        help="host -> device KV bandwidth, GB/s",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
+        help="KV bytes of one token (the model's layers x KV heads x head dim x 2 x dtype)",
+    )  # fmt: skip
+    p.add_argument(
         "--workers-per-copy", type=int, default=8, help="mooncake: workers per trace copy"
     )
     p.add_argument(
@@ -193,9 +207,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
 
 
+def cost_model(args: argparse.Namespace) -> CostModel:
+    if args.host_cache_tokens < 0:
+        raise SystemExit(f"--host-cache-tokens must be >= 0, got {args.host_cache_tokens}")
+    if args.host_load_gbps <= 0 or args.kv_bytes_per_token <= 0:
+        raise SystemExit("--host-load-gbps and --kv-bytes-per-token must be positive")
+    return CostModel(
+        args.prefill_us, args.decode_ms, args.max_running, args.cache_tokens,
+        host_cache_tokens=args.host_cache_tokens,
+        host_load_bytes_per_s=args.host_load_gbps * 1e9,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+    )  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> int:
     o = options_from_namespace(args)
-    cost = CostModel(args.prefill_us, args.decode_ms, args.max_running, args.cache_tokens)
+    cost = cost_model(args)
     sizes = [int(x) for x in args.workers.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     absolutes = [int(x) for x in _floats(args.balance_abs)]

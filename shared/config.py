@@ -217,6 +217,11 @@ class WorkerConfig(_Frozen):
     cache_tokens: int | None = Field(None, gt=0)  # KV capacity; None: kv_memory_fraction
     kv_memory_fraction: float = Field(0.5, gt=0, le=0.95)
     page_size: int = Field(1, ge=1)
+    # Host KV tier under the radix cache, in tokens (0: off): evicted device pages stay
+    # cached in host memory (pinned on CUDA) and are loaded back on a hit. The pod needs
+    # that much memory on top of the weights (worker/engine/runtime/host_pool.py).
+    host_cache_tokens: int = Field(0, ge=0, strict=True)
+    host_write_policy: Literal["write_back", "write_through"] = "write_back"
     max_running_requests: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)
     max_model_len: int | None = Field(None, gt=0)

@@ -64,56 +64,12 @@ def choice(
     }
 
 
-def _choice(content: dict[str, Any], finish_reason: WireFinishReason) -> list[dict[str, Any]]:
-    """The one choice (n=1)."""
-    return [choice(0, content, finish_reason)]
-
-
 def envelope(
     obj: str, rid: str, model: str, created: int, choices: list[dict[str, Any]],
     use: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """A body (with `use`) or chunk of any number of choices."""
     return _envelope(obj, rid, model, created, choices, use)
-
-
-def completion_body(
-    rid: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: WireFinishReason,
-    use: dict[str, Any],
-) -> dict[str, Any]:
-    choices = _choice({"text": text}, finish_reason)
-    return _envelope("text_completion", rid, model, created, choices, use)
-
-
-def completion_chunk(
-    rid: str, model: str, created: int, text: str, finish_reason: WireFinishReason
-) -> dict[str, Any]:
-    choices = _choice({"text": text}, finish_reason)
-    return _envelope("text_completion", rid, model, created, choices)
-
-
-def chat_body(
-    rid: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: WireFinishReason,
-    use: dict[str, Any],
-) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    choices = _choice({"message": message}, finish_reason)
-    return _envelope("chat.completion", rid, model, created, choices, use)
-
-
-def chat_chunk(
-    rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: WireFinishReason
-) -> dict[str, Any]:
-    choices = _choice({"delta": delta}, finish_reason)
-    return _envelope("chat.completion.chunk", rid, model, created, choices)
 
 
 def usage_chunk(

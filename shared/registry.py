@@ -62,6 +62,14 @@ class WorkerRecord:
     decode_ms_per_token: float = 0.0
     max_running_requests: int = 0
     request_ms: float = 0.0
+    # The host KV tier (0: none): capacity and use in tokens, prompt tokens served from
+    # it (part of cached_tokens_total), its load bandwidth and the KV bytes of a token
+    # (a host hit costs kv_bytes_per_token / host_load_bytes_per_s, not a prefill).
+    host_kv_capacity_tokens: int = 0
+    host_kv_used_tokens: int = 0
+    host_cached_tokens_total: int = 0
+    host_load_bytes_per_s: float = 0.0
+    kv_bytes_per_token: int = 0
 
     def to_hash(self) -> dict[str, str]:
         return {

@@ -177,3 +177,24 @@ def test_readme_layout_matches_the_folders() -> None:
             assert folder in named or f"{top}/{folder}" in named, (
                 f"{top}/{folder} is not in the Layout"
             )
+
+
+def test_the_engine_is_torch_free_and_the_runtime_holds_the_torch_side() -> None:
+    """worker/engine/ (its runtime/ aside) imports neither torch nor triton nor its own
+    runtime, nor aiohttp or Redis, at any depth in a file; every module that imports
+    torch or triton is under runtime/ (or is the tools that make models)."""
+    heavy = ("torch", "triton", "aiohttp", "redis")
+    for name, path in modules().items():
+        tops = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                tops.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                tops.add(node.module)
+        if name.startswith("worker.engine") and not name.startswith("worker.engine.runtime"):
+            bad = {
+                t for t in tops if t.split(".")[0] in heavy or t.startswith("worker.engine.runtime")
+            }
+            assert not bad, (name, sorted(bad))
+        if name.startswith("worker.") and any(t.split(".")[0] in ("torch", "triton") for t in tops):
+            assert name.startswith(("worker.engine.runtime", "worker.models")), name

@@ -135,6 +135,11 @@ def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> Wor
         decode_ms_per_token=stats.decode_ms_per_token,
         max_running_requests=stats.max_running_requests,
         request_ms=stats.request_ms,
+        host_kv_capacity_tokens=stats.host_cache_capacity_tokens,
+        host_kv_used_tokens=stats.host_cache_used_tokens,
+        host_cached_tokens_total=stats.host_cached_tokens_total,
+        host_load_bytes_per_s=stats.host_load_bytes_per_s,
+        kv_bytes_per_token=stats.kv_bytes_per_token,
     )
 
 

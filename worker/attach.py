@@ -9,7 +9,8 @@ usage, token totals) and writes the same heartbeat record our workers write, wit
 upstream's URL (or `--advertise-url`, what routers dial), its model from `/v1/models`,
 and its KV capacity (vLLM: `vllm:cache_config_info`; SGLang: `/get_server_info`
 `max_total_num_tokens`). The router treats it as any worker: both engines serve the
-OpenAI API and report `cached_tokens`.
+OpenAI API and report `cached_tokens`. Of a host KV tier only SGLang's host hits are
+exported in tokens (worker/upstream_metrics.py says what each engine exposes).
 
 Epochs: a router drops a worker's prefix tree when its epoch changes, so the sidecar
 starts a new one whenever the upstream's cache may have been lost: its
@@ -147,6 +148,7 @@ class Upstream:
             kv_used_tokens=int(load.kv_usage * self.capacity),
             prompt_tokens_total=load.prompt_tokens_total,
             cached_tokens_total=load.cached_tokens_total,
+            host_cached_tokens_total=load.host_cached_tokens_total,
         )
 
 

@@ -71,6 +71,18 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--kv-events", "kv_events", None, "publish KV-cache events to Redis for routers' index"),
     ("--kv-events-block-size", "kv_events_block_size", int, "tokens per block in KV events"),
     (
+        "--host-cache-tokens",
+        "host_cache_tokens",
+        int,
+        "host-memory KV tier under the radix cache, in tokens (0: off)",
+    ),
+    (
+        "--host-write-policy",
+        "host_write_policy",
+        str,
+        "write_back (copy a page to host when evicted) or write_through (when cached)",
+    ),
+    (
         "--max-running-requests",
         "max_running_requests",
         int,

@@ -38,8 +38,32 @@ class _EngineCollector(Collector):
                 kv_usage_ratio(s.cache_used_tokens, s.cache_capacity_tokens),
             ),
         }
+        if s.host_cache_capacity_tokens:
+            gauges |= {
+                "radix_worker_host_kv_capacity_tokens": (
+                    "Host KV tier capacity (tokens)",
+                    s.host_cache_capacity_tokens,
+                ),
+                "radix_worker_host_kv_used_tokens": (
+                    "Host KV tier slots holding cached pages",
+                    s.host_cache_used_tokens,
+                ),
+                "radix_worker_host_load_bytes_per_second": (
+                    "Host -> device KV load bandwidth, measured (sim: configured); 0 before the first load",
+                    s.host_load_bytes_per_s,
+                ),
+                "radix_worker_kv_bytes_per_token": ("KV bytes of one token", s.kv_bytes_per_token),
+            }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        tiers = CounterMetricFamily(
+            "radix_worker_cached_tokens_by_tier",
+            "Prompt tokens served from the KV cache, by the tier that held them",
+            labels=["tier"],
+        )
+        tiers.add_metric(["device"], s.cached_tokens_total - s.host_cached_tokens_total)
+        tiers.add_metric(["host"], s.host_cached_tokens_total)
+        yield tiers
         counters = {
             "radix_worker_prompt_tokens": ("Prompt tokens admitted", s.prompt_tokens_total),
             "radix_worker_cached_tokens": (
@@ -47,6 +71,14 @@ class _EngineCollector(Collector):
                 s.cached_tokens_total,
             ),
             "radix_worker_completion_tokens": ("Tokens generated", s.completion_tokens_total),
+            "radix_worker_host_load_tokens": (
+                "Tokens loaded from the host KV tier into the device pool",
+                s.host_load_tokens_total,
+            ),
+            "radix_worker_host_write_tokens": (
+                "Tokens written back from the device pool to the host KV tier",
+                s.host_write_tokens_total,
+            ),
             "radix_worker_preemptions": (
                 "Running requests sent back to the queue because KV ran short",
                 s.preemptions_total,

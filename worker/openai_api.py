@@ -222,16 +222,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     except EngineError as exc:
         raise _engine_error(exc, {"prompt": "messages"}) from None
+    ids = engine.tokenize(prompt)  # once: the engine runs these ids
     max_tokens = req.effective_max_tokens
     if max_tokens is None:  # OpenAI: as much as the context leaves
-        max_tokens = max(1, engine.max_model_len - engine.count_tokens(prompt))
+        max_tokens = max(1, engine.max_model_len - len(ids))
     rid = wire.new_request_id("chatcmpl")
     if req.top_logprobs and not req.logprobs:
         raise APIError(
             400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
-    gen = EngineRequest(request_id=rid, prompt=prompt, params=params)
+    gen = EngineRequest(request_id=rid, prompt_token_ids=tuple(ids), params=params)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"

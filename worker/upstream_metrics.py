@@ -13,6 +13,13 @@ reports comes from here. Each engine names the same facts differently:
     KV capacity (tokens)     /get_server_info            vllm:cache_config_info
                              max_total_num_tokens        num_gpu_blocks × block_size
 
+Host KV tier: SGLang's HiCache labels its hits `sglang:cached_tokens_total{cache_source=
+"host"}` (sources device, host, storage_<backend>); they are reported as host hits
+(still part of the cached total). Neither engine exports its host tier's size in tokens
+(vLLM's CPU offloading exports blocks used and loaded, `vllm:simple_kv_offload_*`,
+whose block size is not in the series), so an attached worker reports no host capacity
+and the router's tree cap stays at its device capacity.
+
 Series of one name (one per model, engine or data-parallel rank) are summed, except
 the usage ratio, which is averaged. The text is untrusted: a missing or unparsable
 family reads as absent, never as an exception out of the heartbeat loop.
@@ -57,6 +64,7 @@ class UpstreamLoad:
     cached_tokens_total: int
     capacity_tokens: int | None  # from /metrics when the engine exports it (vLLM)
     start_time: float | None  # process_start_time_seconds: changes when it restarts
+    host_cached_tokens_total: int = 0  # of cached_tokens_total, served from a host tier
 
 
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -109,4 +117,14 @@ def parse_load(engine: StockEngine, text: str) -> UpstreamLoad | None:
         cached_tokens_total=max(0, int(sum(_first(samples, names["cached"]) or []))),
         capacity_tokens=_vllm_capacity(samples) if engine == "vllm" else None,
         start_time=min(start) if start else None,
+        host_cached_tokens_total=_host_hits(samples) if engine == "sglang" else 0,
     )
+
+
+def _host_hits(samples: dict[str, list[tuple[dict[str, str], float]]]) -> int:
+    hits = (
+        v
+        for labels, v in samples.get("sglang:cached_tokens", [])
+        if labels.get("cache_source") == "host"
+    )
+    return max(0, int(sum(hits)))

@@ -64,6 +64,8 @@ class SimResult:
     policy_bytes: int = 0
     run_cpu_s: float = 0.0  # thread CPU of the whole replay, policy included
     reasons: Counter[str] = field(default_factory=Counter)
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from host tiers
+    busy: float = 0.0  # virtual time workers spent in steps / (workers x makespan)
 
     @property
     def requests(self) -> int:
@@ -105,6 +107,10 @@ class SimResult:
             "decision_us_p99": self.pct(self.decision_us, 99),
             "policy_mb": self.policy_bytes / 2**20,
             "sim_us_per_request": self.sim_us_per_request,
+            "host_hit_rate": self.host_cached_tokens / self.prompt_tokens
+            if self.prompt_tokens
+            else 0.0,
+            "busy": self.busy,
             "reasons": dict(self.reasons),
         }
 
@@ -132,10 +138,12 @@ class FleetSim:
         self.workers = [SimWorker(i, cost) for i in range(workers)]
         self.ids = [f"w{i}" for i in range(workers)]
         self.index = {wid: i for i, wid in enumerate(self.ids)}
-        self.capacity = cost.cache_tokens
+        # A worker's tree cap follows what it caches in both tiers (as the router reads
+        # it from heartbeats: kv_capacity_tokens + host_kv_capacity_tokens).
+        self.capacity = cost.cache_tokens + cost.host_cache_tokens
         # The columns the policy reads, updated in place as loads change (a FleetView,
         # router/policy/base.py): the policy's cost per decision, not the cost of rebuilding views.
-        self.views = FleetView(self.ids, capacities=(cost.cache_tokens,) * workers)
+        self.views = FleetView(self.ids, capacities=(self.capacity,) * workers)
         self._heap: list[tuple[float, int, int, Job | int]] = []
         self._seq = 0
         self._rids = 0
@@ -179,6 +187,10 @@ class FleetSim:
             decode_ms_per_token=cost.decode_ms_per_token, max_running_requests=cost.max_running,
             request_ms=worker.request_ms, prompt_tokens_total=worker.prompt_tokens,
             cached_tokens_total=worker.cached_tokens,
+            host_kv_capacity_tokens=cost.host_cache_tokens,
+            host_cached_tokens_total=worker.host_cached_tokens,
+            host_load_bytes_per_s=cost.host_load_bytes_per_s if cost.host_cache_tokens else 0.0,
+            kv_bytes_per_token=cost.kv_bytes_per_token,
         )  # fmt: skip
         views.reported += 1
         self._unread.add(i)
@@ -269,4 +281,14 @@ class FleetSim:
             policy_bytes=deep_size(self.policy) if measure_memory else 0,
             run_cpu_s=self._run_cpu_ns / 1e9,
             reasons=self.reasons,
+            host_cached_tokens=sum(w.host_cached_tokens for w in self.workers),
+            busy=busy_fraction(self.workers, done),
         )
+
+
+def busy_fraction(workers: list[SimWorker], done: list[Job]) -> float:
+    """Step time over the span from the first arrival to the last finish, all workers."""
+    if not done:
+        return 0.0
+    span = max(j.finish for j in done) - min(j.arrival for j in done)
+    return sum(w.busy_s for w in workers) / (len(workers) * span) if span > 0 else 0.0

@@ -18,10 +18,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from worker.backends.sim import CostModelRunner, SimModelConfig
+from worker.backends.sim import (
+    DEFAULT_HOST_LOAD_BYTES_PER_S,
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    CostModelRunner,
+    SimModelConfig,
+)
 from worker.engine.config import EngineConfig
 from worker.engine.engine import REQUEST_MS_WEIGHT, LLMEngine
-from worker.engine.sequence import Req
+from worker.engine.req import Req
 from worker.engine.types import GenerateOutput, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -45,12 +50,23 @@ class CostModel:
     # form (loadtests/results/sim_cost.md).
     decode_us_per_1k_context: float = 40.0
     decode_us_per_seq: float = 0.0
+    # The host KV tier (0: off): its capacity in tokens, and a load's price: the KV
+    # bytes of a token over the host -> device bandwidth (defaults: an 8B model over
+    # PCIe 5, worker/backends/sim.py), added to the step that needs the pages.
+    host_cache_tokens: int = 0
+    host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+
+    @property
+    def host_load_us_per_token(self) -> float:
+        return self.kv_bytes_per_token / self.host_load_bytes_per_s * 1e6
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             max_running_requests=self.max_running,
             max_prefill_tokens=self.max_prefill_tokens,
             kv_capacity_tokens=self.cache_tokens,
+            host_cache_tokens=self.host_cache_tokens,
             evict_batch_tokens=self.evict_batch,
             max_waiting_requests=1 << 30,
             schedule_policy=self.schedule_policy,  # type: ignore[arg-type]
@@ -114,6 +130,9 @@ class SimWorker:
             sleep=None,
             decode_us_per_seq=cost.decode_us_per_seq,
             decode_us_per_1k_context=cost.decode_us_per_1k_context,
+            host_capacity=cost.host_cache_tokens,
+            host_load_bytes_per_s=cost.host_load_bytes_per_s,
+            kv_bytes_per_token=cost.kv_bytes_per_token,
         )
         self._sampler = _JobSampler()
         self.engine = LLMEngine(self.runner, None, cost.engine_config(), self._sampler)
@@ -126,6 +145,8 @@ class SimWorker:
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.host_cached_tokens = 0
+        self.busy_s = 0.0  # virtual seconds spent in steps (utilization)
         # How long an admitted job holds its seat, a moving mean in virtual ms, as the
         # live engine reports it (worker/engine/engine.py) to the cost_aware policy.
         self.request_ms = 0.0
@@ -165,8 +186,10 @@ class SimWorker:
                 job.cached = req.cached_tokens or 0
                 self.prompt_tokens += len(job.tokens)
                 self.cached_tokens += job.cached
+                self.host_cached_tokens += req.host_cached_tokens
         if not batch.items:
             return None
+        self.busy_s += self.runner.last_step_s
         return now + self.runner.last_step_s
 
     def finish_step(self, now: float) -> list[Job]:

@@ -18,7 +18,7 @@ Invariant (tested against the plain definition after every kind of event):
 ``view(now, model, exclude)`` holds exactly the workers not excluded, not draining,
 whose breaker allows a request at ``now`` and that serve ``model`` (or report none), in
 table order, with loads ``Worker.load_with(remote[id])``, capacities
-``report.kv_capacity_tokens`` and each worker's ``report`` and ``reported_at``. A view
+``report.kv_capacity_tokens + report.host_kv_capacity_tokens`` (both tiers) and each worker's ``report`` and ``reported_at``. A view
 for a model is the fleet's view when every worker serves that model (the common case);
 otherwise one view per served model is kept.
 
@@ -40,7 +40,7 @@ _ALL: str | None = None  # the view key of the whole routable fleet
 NO_REMOTE: Mapping[str, int] = MappingProxyType({})  # a lone router: no other replica's load
 
 
-class Columns:
+class FleetColumns:
     """The routable workers of `workers` (the table's own dict) and their views."""
 
     def __init__(
@@ -170,7 +170,8 @@ class Columns:
         view = FleetView(
             ids,
             loads,
-            tuple(w.report.kv_capacity_tokens for w in members),
+            # A worker's tree cap follows what it caches in both tiers.
+            tuple(w.report.kv_capacity_tokens + w.report.host_kv_capacity_tokens for w in members),
             [w.report for w in members],
             [w.reported_at for w in members],
         )

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from router.fleet.columns import NO_REMOTE, Columns
+from router.fleet.columns import NO_REMOTE, FleetColumns
 from router.fleet.workers import Breaker, FailureKind, Source, Worker
 from router.policy.base import FleetView
 from shared.config import RouterConfig, check_worker_url
@@ -91,7 +91,7 @@ class Fleet:
         self.config = config
         self.policy = policy
         self.workers: dict[str, Worker] = {}
-        self.columns = Columns(self.workers, remote_in_flight or (lambda: NO_REMOTE))
+        self.columns = FleetColumns(self.workers, remote_in_flight or (lambda: NO_REMOTE))
 
     # -- membership --------------------------------------------------------------------
     def add_url(self, url: str, source: Source, worker_id: str | None = None) -> Worker:
@@ -159,10 +159,11 @@ class Fleet:
     def _report(self, w: Worker, r: WorkerRecord, now: float) -> None:
         old = w.report
         w.report, w.reported_at, w.url = r, now, r.url
-        if (r.model, r.draining, r.kv_capacity_tokens) != (
+        if (r.model, r.draining, r.kv_capacity_tokens, r.host_kv_capacity_tokens) != (
             old.model,
             old.draining,
             old.kv_capacity_tokens,
+            old.host_kv_capacity_tokens,
         ):
             self.columns.invalidate()  # a view's capacities column is replaced, not edited
         else:
@@ -203,7 +204,7 @@ class Fleet:
 
     # -- reads -------------------------------------------------------------------------
     def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView:
-        """What the policy reads: see `Columns.view`. Read only."""
+        """What the policy reads: see `FleetColumns.view`. Read only."""
         return self.columns.view(now, model, exclude)
 
     def knows_model(self, model: str) -> bool:

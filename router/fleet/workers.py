@@ -137,6 +137,10 @@ class Worker:
             "breaker": self.breaker.state(now),
             "kv_capacity_tokens": r.kv_capacity_tokens,
             "kv_used_tokens": r.kv_used_tokens,
+            "host_kv_capacity_tokens": r.host_kv_capacity_tokens,
+            "host_kv_used_tokens": r.host_kv_used_tokens,
+            "host_cached_tokens_total": r.host_cached_tokens_total,
+            "host_load_bytes_per_s": r.host_load_bytes_per_s,
             "reported_hit_rate": (
                 r.cached_tokens_total / r.prompt_tokens_total if r.prompt_tokens_total else 0.0
             ),

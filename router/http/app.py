@@ -26,15 +26,15 @@ from router.fleet.table import Fleet
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import make_edge_middleware
-from router.http.gate import Admission
+from router.http.gate import AdmissionGate
 from router.http.openapi import build_openapi
 from router.http.ratelimit import make_rate_limit_check
 from router.http.state import (
-    ADMISSION,
     CLOCK,
     CONFIG,
     DISCOVERY,
     FLEET,
+    GATE,
     KV_FEED,
     METRICS,
     OPENAPI,
@@ -214,7 +214,7 @@ def create_app(
     fleet = Fleet(config, policy, sync.remote_inflight if sync is not None else None)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
-    admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout)
+    admission = AdmissionGate(config.max_concurrent, config.max_queue, config.queue_timeout)
     metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting, rejections)
     # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
     ratelimit_redis = None
@@ -236,7 +236,7 @@ def create_app(
     app[SYNC] = sync
     app[METRICS] = metrics
     app[REJECTIONS] = rejections
-    app[ADMISSION] = admission
+    app[GATE] = admission
     app[OPENAPI] = build_openapi()
     if ratelimit_redis is not None:
         app[RATELIMIT_REDIS] = ratelimit_redis
@@ -297,13 +297,13 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
         if ready is not None:
             ready(port)
         await stop.wait()
-        app[ADMISSION].stopping = True
+        app[GATE].stopping = True
         if config.shutdown_delay > 0:
             log.info("stopping: not ready, still serving for %.1fs", config.shutdown_delay)
             await asyncio.sleep(config.shutdown_delay)
-        log.info("draining: %d in flight, up to %.0fs", app[ADMISSION].active, config.drain_timeout)
-        if not await app[ADMISSION].drain(config.drain_timeout):
-            log.warning("drain timeout: %d requests still in flight", app[ADMISSION].active)
+        log.info("draining: %d in flight, up to %.0fs", app[GATE].active, config.drain_timeout)
+        if not await app[GATE].drain(config.drain_timeout):
+            log.warning("drain timeout: %d requests still in flight", app[GATE].active)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

@@ -4,8 +4,8 @@ The page (`router/http/dashboard.html`) is one self-contained file: no build ste
 or font fetched from elsewhere, so it works on an air-gapped cluster. It asks for
 `dashboard.json` once a second and draws what it gets. The JSON is one snapshot:
 
-- each worker as `GET /workers` describes it (state, breaker, load, queue, KV usage,
-  requests, failures, prefix-tree size);
+- each worker as `GET /workers` describes it (state, breaker, load, queue, KV usage
+  of the device pool and of its host tier, requests, failures, prefix-tree size);
 - the fleet's hit rate, from the cumulative `cached_tokens` / prompt tokens the workers
   report in their heartbeats (what the engines actually reused, not the router's guess);
 - the router's guess next to it: cached tokens its trees predicted vs the cached tokens
@@ -43,6 +43,8 @@ def _worker_row(worker: Any, now: float, tree: dict[str, Any]) -> dict[str, Any]
     row = worker.describe(now)
     capacity = row["kv_capacity_tokens"] or 0
     row["kv_usage"] = row["kv_used_tokens"] / capacity if capacity else None
+    host = row["host_kv_capacity_tokens"] or 0
+    row["host_kv_usage"] = row["host_kv_used_tokens"] / host if host else None
     row["tree_chars"] = tree.get("tree_chars", 0)
     if row["draining"]:
         row["state"] = "draining"
@@ -77,6 +79,7 @@ def snapshot(app: web.Application) -> dict[str, Any]:
             "failures_total": sum(r["failures_total"] for r in rows),
             "prompt_tokens_total": prompt,
             "cached_tokens_total": cached,
+            "host_cached_tokens_total": sum(w.report.host_cached_tokens_total for w in workers),
             "hit_rate": cached / prompt if prompt else None,
             "predicted_cached_tokens_total": predicted,
             "actual_cached_tokens_total": actual,

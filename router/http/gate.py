@@ -1,4 +1,4 @@
-"""Admission control: at most `max_concurrent` requests proxied at once, a bounded queue.
+"""AdmissionGate control: at most `max_concurrent` requests proxied at once, a bounded queue.
 
 A request that finds the queue full, or waits longer than `queue_timeout`, is refused
 with 429 and a `Retry-After` header rather than piling up unbounded memory and latency.
@@ -13,7 +13,7 @@ import math
 from shared.errors import APIError
 
 
-class Admission:
+class AdmissionGate:
     def __init__(self, max_concurrent: int, max_queue: int, queue_timeout: float) -> None:
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
@@ -84,7 +84,7 @@ class _Slot:
 
     __slots__ = ("_admission",)
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: AdmissionGate) -> None:
         self._admission = admission
 
     async def __aenter__(self) -> None:

@@ -16,10 +16,10 @@ from pydantic import ValidationError
 
 from router.fleet.workers import Worker
 from router.http.state import (
-    ADMISSION,
     CLOCK,
     CONFIG,
     FLEET,
+    GATE,
     KV_FEED,
     METRICS,
     OPENAPI,
@@ -40,7 +40,7 @@ MODELS_PROBE_TIMEOUT_S = 2.0
 MODELS_MAX_BYTES = 1 << 20
 
 
-async def read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+async def read_request_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     """The decoded body (what is forwarded) and its checked JSON object (shared/body.py)."""
     config = request.app[CONFIG]
     return await read_json(request, config.max_body_bytes, config.body_read_timeout)
@@ -69,7 +69,7 @@ def _inference(endpoint: str, path: str) -> Any:
         try:
             # The body is read and checked before the request may take a slot: a client
             # trickling its body holds no capacity (shared/body.py).
-            raw, data = await read_body(request)
+            raw, data = await read_request_json(request)
             text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
             session_key = request.headers.get(app[CONFIG].session_header) or getattr(
                 parsed, "user", None
@@ -79,7 +79,7 @@ def _inference(endpoint: str, path: str) -> Any:
             ids = request_tokens(tokens, parsed) if tokens is not None else None
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
             routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream)
-            async with app[ADMISSION].slot():
+            async with app[GATE].slot():
                 response = await app[PROXY].forward(request, routed)
             status = response.status
             return response
@@ -127,7 +127,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     app = request.app
-    if app[ADMISSION].draining:
+    if app[GATE].draining:
         return web.json_response({"status": "draining"}, status=503)
     routable = len(app[FLEET].view(app[CLOCK]()))  # the kept view: no pass over the fleet
     if routable == 0:
@@ -144,7 +144,7 @@ async def liveness(request: web.Request) -> web.Response:
 async def readiness(request: web.Request) -> web.Response:
     """Ready to take traffic: not shutting down and at least one worker routable."""
     app = request.app
-    admission = app[ADMISSION]
+    admission = app[GATE]
     if admission.stopping or admission.draining:
         return web.json_response({"status": "not_ready", "reason": "shutting_down"}, status=503)
     routable = len(app[FLEET].view(app[CLOCK]()))
@@ -174,7 +174,7 @@ async def list_workers(request: web.Request) -> web.Response:
 
 
 async def add_worker(request: web.Request) -> web.Response:
-    _, data = await read_body(request)
+    _, data = await read_request_json(request)
     url, wid = data.get("url"), data.get("worker_id")
     if not isinstance(url, str):
         raise APIError(400, "url: a string http(s)://host:port is required", param="url")

@@ -13,7 +13,7 @@ from router.fleet.discovery import Discovery
 from router.fleet.kv_feed import KvEventFeed
 from router.fleet.sync import ReplicaSync
 from router.fleet.table import Fleet
-from router.http.gate import Admission
+from router.http.gate import AdmissionGate
 from router.metrics import Metrics
 from router.policy.base import Policy
 from shared.config import RouterConfig
@@ -25,7 +25,7 @@ CLOCK = web.AppKey("clock", Callable[[], float])
 FLEET = web.AppKey("fleet", Fleet)
 POLICY = web.AppKey("policy", Policy)
 METRICS = web.AppKey("metrics", Metrics)
-ADMISSION = web.AppKey("admission", Admission)
+GATE = web.AppKey("gate", AdmissionGate)
 OPENAPI = web.AppKey("openapi", dict)
 REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis boundary
 SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router

@@ -123,7 +123,7 @@ def least_index(loads: list[int], rng: random.Random, low: int | None = None) ->
     return next(islice(compress(range(len(loads)), map(eq, loads, repeat(low))), k, None))
 
 
-def columns(
+def view_columns(
     workers: Sequence[WorkerView],
 ) -> tuple[Sequence[str], list[int], Sequence[int]]:
     """(ids, loads, capacities): a FleetView's own lists, else one pass each."""

@@ -47,7 +47,7 @@ from functools import partial
 from itertools import compress, repeat
 from operator import eq, is_not
 
-from router.policy.base import Decision, Policy, RouteRequest, WorkerView, columns, least_index
+from router.policy.base import Decision, Policy, RouteRequest, WorkerView, least_index, view_columns
 from router.policy.kv_score import KvScorer, Path
 from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
@@ -86,7 +86,7 @@ class CacheAware(Policy):
 
     def _follow_fleet(self, workers: Sequence[WorkerView]) -> tuple[Sequence[str], Sequence[int]]:
         """The view's ids and loads; positions and tree caps follow when the fleet changed."""
-        ids, loads, caps = columns(workers)
+        ids, loads, caps = view_columns(workers)
         if ids is not self._ids and ids != self._ids:
             self._ids, self._pos = ids, dict(zip(ids, range(len(ids)), strict=True))
             self._caps = None

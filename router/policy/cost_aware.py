@@ -22,6 +22,10 @@ worker's price is lower by more than ``cost_hold_margin`` of its seat intervals.
   (its heartbeat; unknown: no seat wait).
 - ``prefill(w)`` ms a prefill token, ``decode(w)`` ms a decode step: its heartbeat, else
   ``cost_prefill_us_per_token`` / ``cost_decode_ms_per_token``.
+- A host KV tier: the tree does not know a prefix's tier, so each of the ``m(w)``
+  cached tokens saves ``prefill(w)`` less its expected load: the share of ``w``'s hits
+  served from its host tier × KV bytes per token / load bandwidth (its heartbeat). The
+  tree's cap follows device + host capacity.
 - ``queued(w)``: the larger of its reported prefill queue (× 1 − its hit rate, aged at
   its prefill rate since the router read it) and this router's own uncached tokens sent
   there, each counted until its predicted first token ``ttft``.
@@ -53,7 +57,7 @@ import numpy as np
 
 from router.policy.base import Decision, RouteRequest, WorkerView, reports_of
 from router.policy.cache_aware import CacheAware
-from router.policy.cost_columns import Column, CostColumns, Figures, figures
+from router.policy.cost_columns import CostColumns, Figures, figures
 from shared.config import RouterConfig
 from shared.registry import WorkerRecord
 
@@ -138,7 +142,8 @@ class CostAware(CacheAware):
         price, weights, stalled = price_of(
             loads, now, tokens, cfg.cost_miss_weight, cfg.cost_stall_weight
         )
-        prefill_ms = cols.prefill_ms.tolist() if small else cols.prefill_ms
+        # ms a cached token saves there: its prefill, less its load from a host tier.
+        hit_ms = cols.hit_ms.tolist() if small else cols.hit_ms
         matched = self._holders_of(request, key, now)  # routable holders: length cached there
         at, ends = list(matched), list(matched.values())
         # A holder saves its cached tokens × its miss weight. One by one up to _FEW
@@ -146,11 +151,11 @@ class CostAware(CacheAware):
         # each, whatever their number).
         if small or len(at) <= _FEW:
             for j, end in zip(at, ends, strict=True):
-                price[j] -= weights[j] * prefill_ms[j] * (end / chars_per_token)
+                price[j] -= weights[j] * hit_ms[j] * (end / chars_per_token)
         else:
             where = np.array(at)
             cached = np.array(ends, np.float64) / chars_per_token
-            price[where] -= weights[where] * prefill_ms[where] * cached  # type: ignore[index]
+            price[where] -= weights[where] * hit_ms[where] * cached  # type: ignore[index]
         i = self._pick(price, matched, loads)
         longest = max(ends, default=0)
         if matched.get(i, 0) < longest and cfg.cost_hold_margin:
@@ -160,7 +165,7 @@ class CostAware(CacheAware):
         reason = "no_match" if not longest else "cache_hit" if chars == longest else "spill"
         uncached = tokens - chars / chars_per_token
         # Its own first token: the price less the stall it causes to the running requests.
-        ttft = float(price[i] - stalled[i] * prefill_ms[i] * uncached)
+        ttft = float(price[i] - stalled[i] * cols.prefill_ms[i] * uncached)
         self._note_own(i, wid, math.ceil(uncached), now + ttft / 1e3)
         self._tree.insert(key, wid, now)
         rate = chars / n if n else 0.0
@@ -199,7 +204,7 @@ class CostAware(CacheAware):
         return dict(zip(compress(found, keep), compress(ends.values(), keep), strict=True))
 
     def _hold(
-        self, i: int, price: Column | list[float], at: list[int], ends: list[int], longest: int
+        self, i: int, price: np.ndarray | list[float], at: list[int], ends: list[int], longest: int
     ) -> int:
         """The best holder of the longest match instead of ``i`` when ``i`` is predicted
         faster by no more than ``cost_hold_margin`` of the holder's seat intervals."""
@@ -215,7 +220,7 @@ class CostAware(CacheAware):
         return h if price[h] - price[i] <= margin else i
 
     def _pick(
-        self, price: Column | list[float], matched: Mapping[int, int], loads: Sequence[int]
+        self, price: np.ndarray | list[float], matched: Mapping[int, int], loads: Sequence[int]
     ) -> int:
         if isinstance(price, list):
             low = min(price)

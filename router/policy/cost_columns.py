@@ -35,8 +35,6 @@ _MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is 
 _MAX_MS = 1e7
 _MAX_QUEUED = 1 << 40
 
-Column = np.ndarray
-
 
 class Figures(NamedTuple):
     """What cost_aware reads of a worker's heartbeat (`WorkerRecord`), cleaned. Zeros:
@@ -48,6 +46,9 @@ class Figures(NamedTuple):
     max_running_requests: int  # seats: requests beyond these wait
     request_ms: float  # how long an admitted request holds its seat (recent mean)
     hit_rate: float  # share of its prompt tokens found cached (so far)
+    # What a cached token costs to bring back, expected (ms): the share of its hits the
+    # worker served from its host tier x a host token's load (KV bytes / bandwidth).
+    host_load_ms: float = 0.0
 
 
 UNKNOWN = Figures(0, 0.0, 0.0, 0, 0.0, 0.0)
@@ -71,21 +72,34 @@ def figures(report: WorkerRecord | None) -> Figures:
         int(_clean(report.max_running_requests, _MAX_QUEUED)),
         _clean(report.request_ms, _MAX_MS),
         min(1.0, _clean(hit, 1.0)),
+        _host_load_ms(report),
     )
+
+
+def _host_load_ms(report: WorkerRecord) -> float:
+    """A host tier's load price per cached token, in expectation (0.0: no tier, or no
+    figures to price it by): the router's tree does not know a prefix's tier, the worker
+    knows what share of its hits came from the host."""
+    cached, rate = report.cached_tokens_total, _clean(report.host_load_bytes_per_s, 1e15)
+    if not cached or not rate:
+        return 0.0
+    share = min(1.0, _clean(report.host_cached_tokens_total / cached, 1.0))
+    return share * _clean(report.kv_bytes_per_token, 1e9) / rate * 1e3
 
 
 class CostColumns:
     """One row per worker of the fleet the columns were built for (its view order)."""
 
     __slots__ = (
-        "_cfg", "decode_ms", "drain_per_s", "own_queue", "prefill_ms", "reported_at",
-        "reported_queue", "seat_interval_ms", "seats", "seats_less_one",
+        "_cfg", "decode_ms", "drain_per_s", "hit_ms", "own_queue", "prefill_ms",
+        "reported_at", "reported_queue", "seat_interval_ms", "seats", "seats_less_one",
     )  # fmt: skip
 
     def __init__(self, config: RouterConfig) -> None:
         self._cfg = config
         empty = np.zeros(0)
         self.prefill_ms = empty  # ms per prefill token
+        self.hit_ms = empty  # ms a cached token saves: its prefill less its host load
         self.decode_ms = empty  # cost_decode_weight × ms per decode step
         self.reported_queue = empty  # reported prefill tokens it will not find cached
         self.reported_at = empty  # when the router read that report
@@ -104,7 +118,7 @@ class CostColumns:
     ) -> None:
         """Every row for the fleet ``ids`` (it changed: a join, a leave, a new epoch)."""
         n = len(ids)
-        self.prefill_ms, self.decode_ms = np.zeros(n), np.zeros(n)
+        self.prefill_ms, self.decode_ms, self.hit_ms = np.zeros(n), np.zeros(n), np.zeros(n)
         self.reported_queue, self.drain_per_s = np.zeros(n), np.zeros(n)
         self.seats, self.seats_less_one, self.seat_interval_ms = (
             np.zeros(n),
@@ -121,6 +135,9 @@ class CostColumns:
         cfg = self._cfg
         prefill_ms = (c.prefill_us_per_token or cfg.cost_prefill_us_per_token) / 1e3
         self.prefill_ms[i] = prefill_ms
+        # A cached token on a host tier is loaded, not free: it saves its prefill less
+        # its expected load (p - 0.0 is exact: without a tier, the prices are unchanged).
+        self.hit_ms[i] = max(0.0, prefill_ms - c.host_load_ms)
         self.decode_ms[i] = cfg.cost_decode_weight * (
             c.decode_ms_per_token or cfg.cost_decode_ms_per_token
         )
@@ -142,7 +159,7 @@ class CostColumns:
         tokens: float,
         miss_weight: float,
         stall_weight: float,
-    ) -> tuple[Column, Column, Column]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(price, miss weight, stalled requests) per worker for a request of ``tokens``
         with nothing cached; a holder's price then drops by
         miss weight × prefill_ms × its cached tokens."""

@@ -116,7 +116,7 @@ class AiohttpAnswer:
             return True
         return bool(proto._buffer or proto._tail)
 
-    async def read_body(self) -> bytes:
+    async def read_all(self) -> bytes:
         chunks: list[bytes] = []
         size = 0
         budget = self.budget

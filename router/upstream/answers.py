@@ -177,7 +177,7 @@ def _retry_after(value: str | None) -> int:
 
 async def _says_overloaded(upstream: Answer) -> bool:
     try:
-        body = await upstream.read_body()
+        body = await upstream.read_all()
         error = json.loads(body[:MAX_ERROR_BYTES]).get("error", {})
     except (ValueError, AttributeError, UpstreamBroken, TimeoutError):
         return False
@@ -229,7 +229,7 @@ async def read_capped(upstream: Answer, config: RouterConfig, worker: Worker) ->
         raise _too_big(worker, limit)
     try:
         with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
-            body = await upstream.read_body()
+            body = await upstream.read_all()
     except AttemptFailed as e:
         if upstream.over_budget:
             raise over_budget(config) from None

@@ -312,7 +312,7 @@ class WorkerConnection(asyncio.Protocol):
                 raise UpstreamBroken(self.error)
             await self._wait()
 
-    async def read_body(self) -> bytes:
+    async def read_all(self) -> bytes:
         """The whole body (a buffered answer: `too_big` beyond `max_buffered`)."""
         while not self.complete:
             if self.error is not None:

@@ -45,7 +45,7 @@ class Answer(Protocol):
     too_big: bool  # over the transport's max_buffered
     over_budget: bool  # over the budget of all buffered answers together
 
-    async def read_body(self) -> bytes:
+    async def read_all(self) -> bytes:
         """The whole body (`UpstreamBroken`, `TimeoutError`)."""
         ...
 

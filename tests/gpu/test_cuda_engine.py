@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.worker.engine.slots import allocator_for
-from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.runner import BatchItem, ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,18 +46,18 @@ def mixed_steps(runner: ModelRunner, seed: int = 0) -> tuple[list[list[int]], to
     the second chunk. Returns the sequences and that step's logits."""
     alloc = allocator_for(runner)
     alloc.reset()
-    seqs = [sample_ids(n, seed + n) for n in (7, 40, 90)]
-    slots = [alloc.alloc(len(s)) for s in seqs]
-    first = [SeqBatchItem(seqs[i][:-1], 0, slots[i][:-1], seq_id=i) for i in (0, 1)]
-    runner.forward([*first, SeqBatchItem(seqs[2][:50], 0, slots[2][:50], seq_id=2)])
+    reqs = [sample_ids(n, seed + n) for n in (7, 40, 90)]
+    slots = [alloc.alloc(len(s)) for s in reqs]
+    first = [BatchItem(reqs[i][:-1], 0, slots[i][:-1], seq_id=i) for i in (0, 1)]
+    runner.forward([*first, BatchItem(reqs[2][:50], 0, slots[2][:50], seq_id=2)])
     logits = runner.forward([
-        SeqBatchItem(seqs[0][-1:], 6, slots[0], seq_id=0, dirty_from=6),
-        SeqBatchItem(seqs[2][50:], 50, slots[2], seq_id=2, dirty_from=50),
-        SeqBatchItem(seqs[1][-1:], 39, slots[1], seq_id=1, dirty_from=39),
+        BatchItem(reqs[0][-1:], 6, slots[0], seq_id=0, dirty_from=6),
+        BatchItem(reqs[2][50:], 50, slots[2], seq_id=2, dirty_from=50),
+        BatchItem(reqs[1][-1:], 39, slots[1], seq_id=1, dirty_from=39),
     ])  # fmt: skip
     for i in range(3):
         runner.release(i)
-    return [seqs[0], seqs[2], seqs[1]], logits
+    return [reqs[0], reqs[2], reqs[1]], logits
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
@@ -65,9 +65,9 @@ def test_cuda_matches_transformers(tiny_model_dir: Path, backend: str) -> None:
     runner = ModelRunner(tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=1024,
                          attention_backend=backend)  # fmt: skip
     assert runner.pool.k[0].is_cuda and runner.backend.name == backend
-    seqs, logits = mixed_steps(runner)
-    for row, seq in enumerate(seqs):
-        want = hf_last_logits(tiny_model_dir, seq)
+    reqs, logits = mixed_steps(runner)
+    for row, req in enumerate(reqs):
+        want = hf_last_logits(tiny_model_dir, req)
         torch.testing.assert_close(logits[row].cpu(), want, atol=2e-3, rtol=0)
 
 
@@ -80,15 +80,15 @@ def test_cuda_graph_decode_equals_eager(tiny_model_dir: Path) -> None:
     for runner in (graphs, eager):
         alloc = allocator_for(runner)
         alloc.reset()
-        seqs = [sample_ids(n, n) for n in (5, 33, 70)]  # batch 3: padded to bucket 4
-        slots = [alloc.alloc(len(s) + 4) for s in seqs]
-        runner.forward([SeqBatchItem(s, 0, sl[: len(s)], seq_id=i)
-                        for i, (s, sl) in enumerate(zip(seqs, slots, strict=True))])  # fmt: skip
+        reqs = [sample_ids(n, n) for n in (5, 33, 70)]  # batch 3: padded to bucket 4
+        slots = [alloc.alloc(len(s) + 4) for s in reqs]
+        runner.forward([BatchItem(s, 0, sl[: len(s)], seq_id=i)
+                        for i, (s, sl) in enumerate(zip(reqs, slots, strict=True))])  # fmt: skip
         step_logits = []
         for step in range(4):
-            batch = [SeqBatchItem([9 + step], len(s) + step, sl[: len(s) + step + 1], seq_id=i,
+            batch = [BatchItem([9 + step], len(s) + step, sl[: len(s) + step + 1], seq_id=i,
                                   dirty_from=len(s) + step)
-                     for i, (s, sl) in enumerate(zip(seqs, slots, strict=True))]  # fmt: skip
+                     for i, (s, sl) in enumerate(zip(reqs, slots, strict=True))]  # fmt: skip
             step_logits.append(runner.forward(batch).cpu())
         outs.append(torch.stack(step_logits))
     assert graphs.graphs.replays == 4
@@ -113,7 +113,7 @@ def test_cuda_auto_dtype_and_pool_sizing(tiny_model_dir: Path) -> None:
     assert runner.attention_backend == "triton"
     assert runner.pool.capacity > 10_000
     slots = allocator_for(runner).alloc(9)
-    out = runner.forward([SeqBatchItem(sample_ids(9, 50), 0, np.asarray(slots))])
+    out = runner.forward([BatchItem(sample_ids(9, 50), 0, np.asarray(slots))])
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
@@ -123,10 +123,10 @@ def test_one_host_sync_per_step_on_cuda(tiny_model_dir: Path) -> None:
     decode-only, mixed, and penalties + logit_bias + seeds + logprobs steps."""
     from loadtests.gpu_syncs import SyncCounter, syncs_per_step
     from worker.engine.config import EngineConfig
-    from worker.engine.engine import LLMEngine
+    from worker.engine.runtime.load import load_engine
 
     config = EngineConfig(device="cuda", kv_capacity_tokens=4096, max_prefill_tokens=16)
-    engine = LLMEngine.from_model_dir(tiny_model_dir, config)
+    engine = load_engine(tiny_model_dir, config)
     with SyncCounter("cuda") as counter:
         result = syncs_per_step(engine, counter)
     assert result["passed"], result

@@ -46,6 +46,9 @@ def _with_model(**model: Any) -> dict[str, Any]:
         (_with_model(gpu={"count": -1}), "count"),
         (_with_model(config={"max_running_requests": 0}), "max_running_requests"),
         (_with_model(config={"worker_id": "fixed"}), "worker_id"),
+        (_with_model(config={"host_cache_tokens": -1}), "host_cache_tokens"),
+        (_with_model(config={"host_cache_tokens": 1.5}), "host_cache_tokens"),
+        (_with_model(config={"host_write_policy": "never"}), "host_write_policy"),
         (_with_model(model={"path": "/m", "storage": {"type": "s3"}}), "type"),
         (merged(None, **{"redis.builtin.auth.routerPasswordKey": "a b"}), "routerPasswordKey"),
         (merged(None, **{"redis.external.url": "http://redis:6379"}), "url"),
@@ -183,6 +186,13 @@ def test_shm_size_and_entry_overrides_keep_defaults() -> None:
     assert worker["startupProbe"]["failureThreshold"] == 180, "defaults fill what the entry omits"
     cm = rendered.get("ConfigMap", "rr-radix-router-worker-m")["data"]["worker.yaml"]
     assert "cache_tokens: 1000" in cm and "max_running_requests: 64" in cm
+
+
+def test_host_tier_keys_reach_the_worker_config_file() -> None:
+    config = {"host_cache_tokens": 1_000_000, "host_write_policy": "write_through"}
+    rendered = render(_with_model(config=config))
+    cm = rendered.get("ConfigMap", "rr-radix-router-worker-m")["data"]["worker.yaml"]
+    assert "host_cache_tokens: 1000000" in cm and "host_write_policy: write_through" in cm
 
 
 def test_a_config_change_rolls_only_that_models_pods() -> None:

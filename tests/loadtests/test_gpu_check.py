@@ -97,7 +97,7 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.md"]
     report = json.loads((out / "gpu-check.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["env", "correctness", "ops", "preset:tiny", "pytest"]
+    assert list(sections) == ["env", "correctness", "ops", "host_tier", "preset:tiny", "pytest"]
     assert sections["pytest"]["passed"], sections["pytest"]["tail"]  # tests/gpu skip on CPU
     assert sections["correctness"]["kernels"]["passed"]
     assert sections["correctness"]["syncs"]["passed"]
@@ -109,6 +109,9 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert set(ops["table"]["fastest_row"]) >= {"head_dim", "element_size", "decode_block_n"}
     assert all(ops["fused"][op]["passed"] for op in ("add_rmsnorm", "silu_mul", "rope_store"))
     assert ops["sampler"]["passed"] and ops["sampler"]["rows_off_fp64_threshold"] == 0
+    host_tier = sections["host_tier"]
+    assert host_tier["load_bandwidth"]["load_bytes_s"] > 0
+    assert host_tier["greedy_equal"]["passed"] and host_tier["greedy_equal"]["host_loaded"] > 0
     preset = sections["preset:tiny"]
     assert preset["runner"]["attention_backend"] == "triton"
     assert preset["greedy"]["all_equal"] and len(preset["greedy"]["equal"]) == 3
@@ -226,7 +229,14 @@ def test_the_budget_skips_what_would_start_too_late(tmp_path: Path) -> None:
     args = args_for(tmp_path / "out", budget_s=gpu_check.MIN_START_S - 1, skip_pytest=False)
     assert gpu_check.orchestrate(args) == 1  # skipped is not passed
     report = json.loads((args.out / "gpu-check.json").read_text())
-    assert list(report["sections"]) == ["env", "correctness", "ops", "preset:tiny", "pytest"]
+    assert list(report["sections"]) == [
+        "env",
+        "correctness",
+        "ops",
+        "host_tier",
+        "preset:tiny",
+        "pytest",
+    ]
     assert all("time budget" in s["skipped"] for s in report["sections"].values())
     assert "skipped, time budget" in (args.out / "gpu-check.md").read_text()
 

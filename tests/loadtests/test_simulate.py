@@ -187,3 +187,47 @@ def test_a_one_token_job_finishes_in_its_admission_step() -> None:
     end = w.start_step(0.0)
     assert end is not None and job.admitted == 0.0 and job.cached == 0
     assert w.finish_step(end) == [job] and job.finish == end and w.load == 0
+
+
+def test_host_tier_hit_costs_its_load_not_a_prefill() -> None:
+    """A prompt pushed off the device pool comes back from the host tier: cached, and
+    its step charged bytes / bandwidth for those tokens instead of prefill_us each."""
+    cost = CostModel(
+        prefill_us_per_token=100.0, decode_ms_per_token=2.0, max_running=1, cache_tokens=64,
+        evict_batch=8, host_cache_tokens=256, host_load_bytes_per_s=1e9, kv_bytes_per_token=10_000,
+        decode_us_per_1k_context=0.0,  # the step's price here: weights pass + loads only
+    )  # fmt: skip
+    assert np.isclose(cost.host_load_us_per_token, 10.0)
+    w = SimWorker(0, cost)
+    now = 0.0
+    for rid, base in enumerate((0, 100, 200, 300), start=1):  # 40 tokens each: 64 hold one
+        w.submit(_job(rid, list(range(base, base + 40))))
+        now = _drain(w, now)
+    again = _job(9, list(range(40)))
+    w.submit(again)
+    end = w.start_step(now)
+    assert end is not None
+    assert again.cached == 39 and w.host_cached_tokens == 39
+    # 39 tokens loaded at 10 us each; the last prompt token runs alone, priced as a
+    # decode by the cost model (a one-token item), not 100 us of prefill.
+    assert np.isclose(end - now, 0.002 + 39 * 10e-6)
+    _drain(w, end)
+    w.engine.check_integrity()
+    plain = SimWorker(0, CostModel(100.0, 2.0, 1, 64, evict_batch=8))
+    now = 0.0
+    for rid, base in enumerate((0, 100, 200, 300, 0), start=1):
+        job = _job(rid, list(range(base, base + 40)))
+        plain.submit(job)
+        now = _drain(plain, now)
+    assert job.cached == 0
+
+
+def test_simulate_cli_runs_with_a_host_tier(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    code = cli([
+        "simulate", "--workers", "2", "--policies", "cache_aware", "--workload", "multi_turn",
+        "--conversations", "4", "--turns", "3", "--users-per-worker", "2",
+        "--cache-tokens", "512", "--host-cache-tokens", "2048", "--no-memory",
+        "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0 and (out / "simulation.json").is_file()

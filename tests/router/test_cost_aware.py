@@ -100,6 +100,26 @@ def test_break_even_is_where_the_queue_costs_what_the_cache_saves() -> None:
         assert ask(p, "x" * 400, fleet(0, 0)).worker_id == expect, queued
 
 
+def test_host_tier_hits_save_their_prefill_less_their_load() -> None:
+    # As above (1 ms a token, w1 caches 25 of 100 tokens), but every hit w1 reports came
+    # from its host tier, at 600,000 KV bytes a token over 1 GB/s: 0.6 ms a token. A
+    # cached token there saves 0.4 ms, not 1. Its hit rate is 0.5, so half its reported
+    # queue counts: w1 costs queued / 2 + 100 − 25 × 0.4 = queued / 2 + 90 against w0's
+    # 100. It wins at 18 queued (99) and loses at 22 (101); priced as a device hit
+    # (queued / 2 + 75) it would win both.
+    for queued, expect in ((18, "w1"), (22, "w0")):
+        p = policy(cost_decode_weight=0.0)
+        beat(p, "w0", 0, 1_000.0, 1.0)
+        HEARTBEATS[id(p)]["w1"] = (WorkerRecord(
+            "w1", "http://w", "m", "radix", 1.0, queued_prefill_tokens=queued,
+            prefill_us_per_token=1_000.0, decode_ms_per_token=1.0, prompt_tokens_total=1000,
+            cached_tokens_total=500, host_cached_tokens_total=500, host_kv_capacity_tokens=10**6,
+            host_load_bytes_per_s=1e9, kv_bytes_per_token=600_000,
+        ), None)  # fmt: skip
+        p.observe("w1", "x" * 100, now=0.0)
+        assert ask(p, "x" * 400, fleet(0, 0)).worker_id == expect, queued
+
+
 def test_a_reported_queue_drains_at_the_worker_prefill_rate_until_the_next_report() -> None:
     p = policy(seed=2)
     report(p, 2)

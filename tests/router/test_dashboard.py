@@ -90,3 +90,28 @@ async def test_open_without_protect_metrics(start_router: StartRouter) -> None:
     assert (await client.get("/dashboard")).status == 200
     assert (await client.get("/dashboard.json")).status == 200
     assert (await client.get("/v1/models")).status == 401
+
+
+def test_a_workers_host_tier_reaches_its_dashboard_row() -> None:
+    """Heartbeat -> fleet table -> the row the page draws: usage, hits and bandwidth."""
+    from router.fleet.table import Fleet
+    from router.http.dashboard import _worker_row
+    from shared.config import RouterConfig
+    from shared.registry import WorkerRecord
+
+    class Hooks:
+        def remove_worker(self, worker_id: str) -> None: ...
+        def set_costs(self, worker_id: str, costs: object) -> None: ...
+
+    fleet = Fleet(RouterConfig(), Hooks())  # type: ignore[arg-type]
+    tiered = WorkerRecord(
+        "w1", "http://127.0.0.1:9001", "m", "radix", 1.0, kv_capacity_tokens=1000,
+        host_kv_capacity_tokens=8000, host_kv_used_tokens=2000, host_cached_tokens_total=300,
+        host_load_bytes_per_s=2.5e10, kv_bytes_per_token=131072,
+    )  # fmt: skip
+    plain = WorkerRecord("w2", "http://127.0.0.1:9002", "m", "radix", 1.0, kv_capacity_tokens=1000)
+    fleet.apply_registry({"w1": tiered, "w2": plain})
+    row = _worker_row(fleet.workers["w1"], 0.0, {})
+    assert row["host_kv_usage"] == 0.25 and row["host_cached_tokens_total"] == 300
+    assert row["host_kv_capacity_tokens"] == 8000 and row["host_load_bytes_per_s"] == 2.5e10
+    assert _worker_row(fleet.workers["w2"], 0.0, {})["host_kv_usage"] is None

@@ -130,6 +130,17 @@ def test_registry_join_leave_epoch_and_capacity() -> None:
     assert set(fleet.workers) == {"w1"}
 
 
+def test_a_workers_tree_cap_follows_its_device_and_host_capacity() -> None:
+    fleet = Fleet(RouterConfig(), Hooks())
+    fleet.apply_registry({"w1": record("w1", kv_capacity_tokens=100), "w2": record("w2")})
+    assert fleet.view(0.0).capacities == (100, 0)
+    fleet.apply_registry(
+        {"w1": record("w1", kv_capacity_tokens=100, host_kv_capacity_tokens=800),
+         "w2": record("w2")}
+    )  # fmt: skip
+    assert fleet.view(0.0).capacities == (900, 0)  # a new host tier: the column is replaced
+
+
 def test_missing_workers_kept_when_not_dropping_and_static_never_dropped() -> None:
     fleet = Fleet(RouterConfig(worker_urls=("http://127.0.0.1:9500",)), Hooks())
     fleet.add_url("http://127.0.0.1:9500", "static")

@@ -55,7 +55,11 @@ async def test_non_stream_relay_headers_and_cached_metric(
     data = await r.json()
     assert data["worker"] == "w0" and data["usage"]["prompt_tokens_details"]["cached_tokens"] == 7
     assert r.headers["x-radix-worker"] == f"127.0.0.1:{server.port}"
-    assert r.headers["x-radix-route-reason"] and int(r.headers["x-radix-matched-chars"]) >= 0
+    # An empty tree: nothing matched. The same text again matches all of it.
+    assert (r.headers["x-radix-route-reason"], r.headers["x-radix-matched-chars"]) == (
+        "no_match",
+        "0",
+    )
     assert "X-Upstream" not in r.headers  # not on the response allow-list
     assert "Keep-Alive" not in r.headers  # hop-by-hop stripped on the way back
     sent = w.headers_seen[-1]
@@ -64,6 +68,8 @@ async def test_non_stream_relay_headers_and_cached_metric(
     worker = next(iter(client.server.app[FLEET].workers.values()))
     assert worker.actual_cached_tokens_total == 7
     assert in_flight(client) == {worker.worker_id: 0}
+    again = await client.post("/v1/completions", json=BODY)
+    assert again.headers["x-radix-matched-chars"] == str(len(BODY["prompt"]))
 
 
 async def test_authorization_forwarded_only_when_configured(

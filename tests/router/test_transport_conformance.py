@@ -117,7 +117,7 @@ async def exchange(t: Transport, url: str, rid: str) -> tuple[Any, ...]:
                     parts.append(chunk)
                 body = b"".join(parts)
             else:
-                body = await answer.read_body()
+                body = await answer.read_all()
         except BaseException:
             answer.close()
             raise

@@ -269,13 +269,13 @@ async def test_idle_connections_are_closed_after_keepalive_and_at_shutdown(
     pool = UpstreamPool(GuardedResolver(), 1.0, 5.0, 1 << 20, keepalive_s=0.2)
     for i in range(2):
         conn = await pool.post(worker.url, "/v1/completions", [], b"{}", f"a.{i}")
-        assert await conn.read_body() == ANSWER
+        assert await conn.read_all() == ANSWER
         pool.release(worker.url, conn)
     assert pool.connects == 1 and conn.error is None
     await asyncio.sleep(0.5)  # past keepalive_s: the sweeper closed it
     assert conn.error is not None and not pool._origins
     conn = await pool.post(worker.url, "/v1/completions", [], b"{}", "a.2")
-    await conn.read_body()
+    await conn.read_all()
     pool.release(worker.url, conn)
     await pool.close()
     assert pool.connects == 2 and conn.error is not None

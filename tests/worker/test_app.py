@@ -266,3 +266,27 @@ async def test_queue_full_is_503(aiohttp_client: MakeClient) -> None:
     for task in (first, second):
         (await task).close()
     engine_of(client).engine.check_integrity()
+
+
+async def test_a_chat_prompt_is_tokenized_once(
+    aiohttp_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rendered chat prompt is encoded once and sent to the engine as ids (it was
+    encoded twice: once to count the room left for max_tokens, once by the engine)."""
+    client = await started(aiohttp_client)
+    tokenizer = engine_of(client).engine.tokenizer
+    calls: list[str] = []
+    encode = tokenizer.encode
+
+    def counting(text: str, add_special_tokens: bool = True) -> list[int]:
+        calls.append(text)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", counting)
+    messages = [{"role": "user", "content": "how many times am I read?"}]
+    resp = await client.post("/v1/chat/completions", json={"messages": messages})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["choices"][0]["message"]["content"] and body["usage"]["prompt_tokens"] > 0
+    # (The sim engine encodes its own answer text too: only the prompt's encodings count.)
+    assert sum("how many times am I read?" in text for text in calls) == 1

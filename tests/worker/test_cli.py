@@ -15,6 +15,7 @@ import pytest
 from shared.procs import wait_until
 from tests.worker.conftest import WorkerProcess
 from worker.cli import main
+from worker.engine.runtime.kv_pool import cpu_available_bytes
 
 
 def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, dict[str, object]]:
@@ -34,6 +35,10 @@ def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, d
         ([], {"RADIX_WORKER_PAGE_SIZE": "0"}, "page_size"),
         (["--engine", "radix"], {}, "model"),
         (["--attention-backend", "flash"], {}, "attention_backend"),
+        (["--host-cache-tokens", "-5"], {}, "host_cache_tokens"),
+        ([], {"RADIX_WORKER_HOST_CACHE_TOKENS": "1.5"}, "host_cache_tokens"),
+        ([], {"RADIX_WORKER_HOST_CACHE_TOKENS": "'8'"}, "host_cache_tokens"),
+        (["--host-write-policy", "sometimes"], {}, "host_write_policy"),
         (["--kv-cache-dtype", "fp8"], {}, "kv_cache_dtype"),
     ],
 )
@@ -45,6 +50,25 @@ def test_bad_config_exits_2_naming_the_key(
         monkeypatch.setenv(key, value)
     assert main(["serve", "--engine", "sim", *argv]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_fractional_host_tier_flag_exits_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as e:  # argparse's own refusal
+        main(["serve", "--engine", "sim", "--host-cache-tokens", "1.5"])
+    assert e.value.code == 2
+    assert "--host-cache-tokens: invalid int value: '1.5'" in capsys.readouterr().err
+
+
+def test_host_tier_beyond_host_memory_is_refused_at_start_with_the_number(
+    tiny_model_dir: Path, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    huge = cpu_available_bytes() + 1  # tokens: at least a byte each, so it cannot fit
+    worker = spawn_worker("--engine", "radix", "--model", str(tiny_model_dir), "--device", "cpu",
+                          "--cache-tokens", "256", "--host-cache-tokens", str(huge))  # fmt: skip
+    assert worker.proc.wait(120) != 0
+    assert f"host_cache_tokens {huge} needs" in worker.log() and "available" in worker.log()
 
 
 def test_unknown_key_in_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

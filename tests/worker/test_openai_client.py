@@ -71,16 +71,21 @@ def test_sync_chat_and_completions_report_cached_tokens(worker: WorkerThread) ->
 
 def test_sync_streaming_with_usage(worker: WorkerThread) -> None:
     client = openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
-    stream = client.chat.completions.create(
-        model=served_model(worker), max_tokens=5, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": "stream please"}],
-    )  # fmt: skip
-    chunks = list(stream)
-    assert chunks[-1].usage is not None and chunks[-1].choices == []
-    assert chunks[-1].usage.prompt_tokens_details is not None
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
-    assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+    cached = []
+    for _ in range(2):  # the second time the prompt is in the radix cache
+        stream = client.chat.completions.create(
+            model=served_model(worker), max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "stream please, with usage"}],
+        )  # fmt: skip
+        chunks = list(stream)
+        usage = chunks[-1].usage
+        assert usage is not None and chunks[-1].choices == []
+        assert usage.prompt_tokens_details is not None
+        cached.append((usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens))
+        assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+    (_, prompt), (again, prompt_again) = cached
+    assert prompt == prompt_again and 0 < again <= prompt
 
 
 async def test_async_client_streaming_and_not(worker: WorkerThread) -> None:

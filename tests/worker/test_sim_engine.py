@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.waiting import wait_until
-from worker.backends.sim import build_sim_engine
+from worker.backends.sim import build_sim_async_engine
 from worker.backends.text_tokenizer import TextTokenizer
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
@@ -35,7 +35,7 @@ LONG = "You are a helpful assistant. Answer briefly and precisely, citing source
 async def engine(decode_ms: float = 0.0, **cfg: object) -> AsyncIterator[AsyncEngine]:
     cfg.setdefault("kv_capacity_tokens", 1_000_000)
     max_model_len = int(cfg.pop("max_model_len", 32_768))  # type: ignore[call-overload]
-    eng = build_sim_engine(
+    eng = build_sim_async_engine(
         EngineConfig(**cfg),  # type: ignore[arg-type]
         TextTokenizer(),
         max_model_len=max_model_len,

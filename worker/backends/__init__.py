@@ -14,7 +14,7 @@ from shared.config import ConfigError, WorkerConfig
 from worker.engine.types import Engine
 
 if TYPE_CHECKING:
-    from worker.backends.sim_model import SimTokenizer
+    from worker.engine.protocols import EngineTokenizer
 
 
 def build_engine(config: WorkerConfig) -> Engine:
@@ -34,10 +34,10 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
     from dataclasses import replace
 
     from worker.backends.radix import engine_config
-    from worker.backends.sim import build_sim_engine as build
+    from worker.backends.sim import build_sim_async_engine
     from worker.backends.text_tokenizer import TextTokenizer
 
-    tokenizer: SimTokenizer
+    tokenizer: EngineTokenizer
     if config.model is not None:
         from worker.engine.tokenizer import Tokenizer
 
@@ -47,7 +47,7 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
         tokenizer = TextTokenizer()
         name = "sim"
     engine = replace(engine_config(config), kv_capacity_tokens=config.cache_tokens or 1_000_000)
-    return build(
+    return build_sim_async_engine(
         engine,
         tokenizer,
         config.served_model_name or name,

@@ -28,6 +28,8 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         page_size=config.page_size,
         kv_capacity_tokens=config.cache_tokens,
         kv_memory_fraction=config.kv_memory_fraction,
+        host_cache_tokens=config.host_cache_tokens,
+        host_write_policy=config.host_write_policy,
         device=config.device,
         dtype=config.dtype,
         attention_backend=config.attention_backend,
@@ -74,7 +76,11 @@ class RadixBackend:
     async def start(self) -> None:
         if self._async is None:
             model, config = self.config.model, engine_config(self.config)
-            engine = await asyncio.to_thread(LLMEngine.from_model_dir, model, config)  # type: ignore[arg-type]
+            # torch comes in here, with the model: the sim path (which builds its
+            # EngineConfig with `engine_config` above) never imports it.
+            from worker.engine.runtime.load import load_engine
+
+            engine = await asyncio.to_thread(load_engine, model, config)  # type: ignore[arg-type]
             self._async = AsyncEngine(engine, self.model_name)
         await self._async.start()
 
@@ -100,8 +106,8 @@ class RadixBackend:
     def kv_events(self) -> BlockEvents | None:
         return None if self._async is None else self._async.kv_events
 
-    def count_tokens(self, text: str) -> int:
-        return self.loaded.count_tokens(text)
+    def tokenize(self, text: str) -> list[int]:
+        return self.loaded.tokenize(text)
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
         return self.loaded.token_bytes(ids)

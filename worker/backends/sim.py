@@ -32,15 +32,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from worker.backends.sim_model import SimTokenizer, answer_ids
+from worker.backends.sim_model import answer_ids
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.protocols import EngineTokenizer
 from worker.engine.types import TokenLogprob
 
 if TYPE_CHECKING:
-    from worker.engine.sequence import Req
+    from worker.engine.host_tier import KVCopies
+    from worker.engine.req import Req
+
+
+# The host tier's defaults: an 8B-class model's KV (Llama-3-8B: 32 layers x 8 KV heads x
+# 128 x 2 (K, V) x 2 bytes = 128 KiB a token) over PCIe 5 x16 at a practical 25 GB/s
+# (load ~5.2 us a token, against a prefill cost of tens of us a token on the same GPU).
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
+DEFAULT_HOST_LOAD_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True)
@@ -64,8 +73,18 @@ class CostModelRunner:
         sleep: Callable[[float], None] | None = time.sleep,
         decode_us_per_seq: float = 0.0,
         decode_us_per_1k_context: float = 0.0,
+        host_capacity: int = 0,
+        host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S,
+        kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
     ) -> None:
         self.capacity = capacity
+        # The host tier (0: off): a load costs its bytes over the bandwidth, added to the
+        # next forward (the forward waits for the loads, as the CUDA runner's does).
+        # Write-backs run the other way over a full-duplex link: not charged.
+        self.host_capacity = host_capacity
+        self.host_load_bytes_per_s = host_load_bytes_per_s
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._load_s = 0.0
         self.config = model
         self.prefill_us_per_token = prefill_us_per_token  # reported in the engine's stats
         self.decode_ms_per_token = decode_ms_per_token
@@ -77,12 +96,13 @@ class CostModelRunner:
         self.tokens_computed = 0
         self.last_step_s = 0.0
 
-    def forward(self, batch: list[SeqBatchItem]) -> None:
-        self.last_step_s = self.step_cost(batch)
+    def forward(self, batch: list[BatchItem]) -> None:
+        self.last_step_s = self.step_cost(batch) + self._load_s
+        self._load_s = 0.0
         if self.sleep is not None and self.last_step_s > 0:
             self.sleep(self.last_step_s)
 
-    def step_cost(self, batch: list[SeqBatchItem]) -> float:
+    def step_cost(self, batch: list[BatchItem]) -> float:
         """Seconds the step takes (the module docstring's formula); counts its tokens."""
         prefill = context = decoders = 0
         for item in batch:
@@ -98,6 +118,10 @@ class CostModelRunner:
             + self.prefill_s * prefill
         )  # fmt: skip
 
+    def copy_kv(self, copies: KVCopies) -> None:
+        nbytes = copies.load_tokens * self.kv_bytes_per_token
+        self._load_s += nbytes / self.host_load_bytes_per_s
+
     def release(self, seq_id: int) -> None:
         pass  # no per-sequence state
 
@@ -105,19 +129,19 @@ class CostModelRunner:
 class SimSampler:
     """The next token of each request's deterministic answer."""
 
-    def __init__(self, tokenizer: SimTokenizer) -> None:
+    def __init__(self, tokenizer: EngineTokenizer) -> None:
         self.tokenizer = tokenizer
         self._answers: dict[int, list[int]] = {}  # seq_id -> its whole answer
 
     def sample(self, logits: None, reqs: list[Req]) -> list[tuple[int, TokenLogprob | None]]:
         out: list[tuple[int, TokenLogprob | None]] = []
-        for seq in reqs:
-            answer = self._answers.get(seq.seq_id)
+        for req in reqs:
+            answer = self._answers.get(req.seq_id)
             if answer is None:
-                answer = answer_ids(self.tokenizer, seq.prompt_ids, seq.params.max_tokens)
-                self._answers[seq.seq_id] = answer
-            token = answer[len(seq.output_ids)]
-            lp = TokenLogprob(token, 0.0, ((token, 0.0),)) if seq.params.needs_logprobs else None
+                answer = answer_ids(self.tokenizer, req.prompt_ids, req.params.max_tokens)
+                self._answers[req.seq_id] = answer
+            token = answer[len(req.output_ids)]
+            lp = TokenLogprob(token, 0.0, ((token, 0.0),)) if req.params.needs_logprobs else None
             out.append((token, lp))
         return out
 
@@ -127,7 +151,7 @@ class SimSampler:
 
 def build_sim_llm_engine(
     config: EngineConfig,
-    tokenizer: SimTokenizer,
+    tokenizer: EngineTokenizer,
     *,
     max_model_len: int = 32_768,
     prefill_us_per_token: float = 0.0,
@@ -135,19 +159,25 @@ def build_sim_llm_engine(
     sleep: Callable[[float], None] | None = time.sleep,
     decode_us_per_seq: float = 0.0,
     decode_us_per_1k_context: float = 0.0,
+    host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S,
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
 ) -> LLMEngine:
-    """The engine over a cost model; `config.kv_capacity_tokens` sizes its KV."""
+    """The engine over a cost model; `config.kv_capacity_tokens` sizes its KV and
+    `config.host_cache_tokens` its host tier."""
     model = SimModelConfig(tokenizer.vocab_size, max_model_len)
     capacity = config.kv_capacity_tokens or 1_000_000
     runner = CostModelRunner(
         capacity, model, prefill_us_per_token, decode_ms_per_token, sleep,
         decode_us_per_seq, decode_us_per_1k_context,
+        host_capacity=config.host_cache_tokens,
+        host_load_bytes_per_s=host_load_bytes_per_s,
+        kv_bytes_per_token=kv_bytes_per_token,
     )  # fmt: skip
     return LLMEngine(runner, tokenizer, config, SimSampler(tokenizer))
 
 
-def build_sim_engine(
-    config: EngineConfig, tokenizer: SimTokenizer, model_name: str = "sim", **cost: float
+def build_sim_async_engine(
+    config: EngineConfig, tokenizer: EngineTokenizer, model_name: str = "sim", **cost: float
 ) -> AsyncEngine:
     """The live `--engine sim` worker's engine: the cost is slept in the step thread."""
     return AsyncEngine(build_sim_llm_engine(config, tokenizer, **cost), model_name)  # type: ignore[arg-type]

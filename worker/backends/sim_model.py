@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
-from typing import Any, Protocol
 
 import numpy as np
 
-from worker.engine.sequence import Detokenizer
+from worker.engine.protocols import EngineTokenizer
 
 _WORDS = (
     "the", "cache", "holds", "a", "prefix", "of", "every", "prompt", "so", "router", "that",
@@ -23,20 +21,7 @@ _WORDS = (
 )  # fmt: skip
 
 
-class SimTokenizer(Protocol):
-    """What the sim engine needs: the built-in TextTokenizer or a model's Tokenizer."""
-
-    vocab_size: int
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
-    def token_bytes(self, ids: Sequence[int]) -> list[bytes]: ...
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str: ...
-
-
-def answer_ids(tokenizer: SimTokenizer, prompt_ids: list[int], n: int) -> list[int]:
+def answer_ids(tokenizer: EngineTokenizer, prompt_ids: list[int], n: int) -> list[int]:
     """Exactly `n` token ids of the prompt's deterministic answer."""
     digest = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8)
     rng = random.Random(digest.digest())

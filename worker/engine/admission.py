@@ -32,14 +32,14 @@ from worker.engine.config import EngineConfig
 from worker.engine.radix_cache import PrefixCache
 
 if TYPE_CHECKING:
-    from worker.engine.sequence import Req
+    from worker.engine.req import Req
 
 # Waiting requests looked at per step: enough to skip past held ones, bounded so a
 # queue of thousands costs nothing per step.
 _SCAN = 256
 
 
-class Admission:
+class AdmissionRules:
     def __init__(self, config: EngineConfig, cache: PrefixCache, share: bool) -> None:
         self.config = config
         self.cache = cache
@@ -57,9 +57,9 @@ class Admission:
             floor = self.config.min_new_token_ratio
             self.new_token_ratio = max(floor, self.new_token_ratio - self._decay)
 
-    def reserve(self, seq: Req) -> int:
-        """Slots kept free for `seq`'s future output tokens (at least its next one)."""
-        remaining = min(seq.remaining_tokens, self.config.max_reserved_tokens_per_request)
+    def reserve(self, req: Req) -> int:
+        """Slots kept free for `req`'s future output tokens (at least its next one)."""
+        remaining = min(req.remaining_tokens, self.config.max_reserved_tokens_per_request)
         return max(1, math.ceil(remaining * self.new_token_ratio))
 
     def order(self, waiting: Iterable[Req], step: int) -> list[Req]:
@@ -72,18 +72,19 @@ class Admission:
             return queue[:_SCAN]
         aged = [s for s in queue if step - s.queued_at_step >= cfg.max_queue_wait_steps]
         fresh = [s for s in queue if step - s.queued_at_step < cfg.max_queue_wait_steps]
-        hits = {
-            s.seq_id: self.cache.match_prefix(s.match_key, record=False).prefix_len for s in fresh
-        }
+        hits = {}
+        for s in fresh:  # a host-resident prefix counts: it is loaded, not computed
+            m = self.cache.match_prefix(s.match_key, record=False)
+            hits[s.seq_id] = m.prefix_len + m.host_len
         fresh.sort(key=lambda s: -hits[s.seq_id])  # stable: equal matches keep queue order
         return aged + fresh
 
-    def held_for_dedup(self, seq: Req, matched: int, prefilling: list[Req]) -> bool:
-        """Does a running prefill compute more than `dedup_min` of seq's uncached prefix?"""
+    def held_for_dedup(self, req: Req, matched: int, prefilling: list[Req]) -> bool:
+        """Does a running prefill compute more than `dedup_min` of req's uncached prefix?"""
         need = self.dedup_min
         if need <= 0:
             return False
-        arr = seq.prompt_arr
+        arr = req.prompt_arr
         for other in prefilling:
             theirs = other.prompt_arr
             n = min(len(arr), len(theirs))

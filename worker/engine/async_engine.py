@@ -34,7 +34,7 @@ from worker.engine.mailbox import (
     send,
     split,
 )
-from worker.engine.sequence import Req
+from worker.engine.req import Req
 from worker.engine.types import (
     EngineError,
     EngineOverloaded,
@@ -157,8 +157,8 @@ class AsyncEngine:
     def kv_events(self) -> BlockEvents | None:
         return self.engine.kv_events
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.engine.encode_prompt(text))
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.encode_prompt(text)
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
         return self.engine.tokenizer.token_bytes(ids)

@@ -1,12 +1,15 @@
-"""What the scheduler hands the model runner each step: one `SeqBatchItem` per sequence.
+"""What the scheduler hands the model runner each step: a `Batch`, one `BatchItem` per
+request.
 
 The seam between the torch-free scheduler and the runner that owns every tensor, so
-it is pure Python and numpy. How one item's slots line up with its tokens:
+it is pure Python and numpy. How one item's slots line up with its tokens (the one
+picture of the slot table; the runner and the attention metadata point here):
 
     positions  0 .... dirty_from .... start_pos-1 | start_pos ....... start_pos+n-1
     tokens     KV already in the pool             | input_ids (n NEW tokens, run now)
     slots      slots[:start_pos]                  | slots[start_pos:]
                read, never written                | written with the new K/V
+    table row  kept | rewritten from slots[dirty_from:] (the runner's device copy) -->|
 
 `dirty_from` (<= start_pos) is the first position whose slot may differ from what the
 runner last saw for this `seq_id`: 0 after an admission, or the start of a prefix the
@@ -19,13 +22,15 @@ logits for those items only, in batch order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from worker.engine.req import Req
+
 
 @dataclass
-class SeqBatchItem:
+class BatchItem:
     input_ids: list[int]  # the NEW tokens to run (uncached prompt chunk, or 1 sampled token)
     start_pos: int  # tokens of this sequence that already have KV in the pool
     slots: np.ndarray  # int64 slot of every token 0 .. start_pos + len(input_ids) - 1
@@ -38,3 +43,19 @@ class SeqBatchItem:
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.input_ids)
+
+
+@dataclass
+class Batch:
+    """One step's work: `items[i]` runs `reqs[i]`."""
+
+    items: list[BatchItem] = field(default_factory=list)
+    reqs: list[Req] = field(default_factory=list)
+    chunked: list[Req] = field(default_factory=list)  # ran a prefill chunk
+    admitted: list[Req] = field(default_factory=list)  # left the queue this step
+    preempted: list[Req] = field(default_factory=list)
+
+    @property
+    def sampled(self) -> list[Req]:
+        """The requests whose next token this step gives, in batch order."""
+        return [r for r, item in zip(self.reqs, self.items, strict=True) if item.sample]

@@ -6,23 +6,14 @@ it becomes a 400 (`EngineError` on `messages`), here.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
+from worker.engine.protocols import EngineTokenizer
 from worker.engine.types import EngineError
 
 
-class PromptTokenizer(Protocol):
-    @property
-    def vocab_size(self) -> int: ...
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str: ...
-
-
 def render_chat(
-    tokenizer: PromptTokenizer,
+    tokenizer: EngineTokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
 ) -> str:

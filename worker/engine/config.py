@@ -41,6 +41,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Decode-only steps replay CUDA graphs unless this is set (CUDA + triton only).
     disable_cuda_graph: bool = False
+    # Host KV tier under the radix cache, in tokens (0: off): device pages the LRU
+    # evicts are kept in host memory and loaded back on a hit. write_back copies a page
+    # when it is evicted; write_through when it enters the tree (evictions then copy
+    # nothing, at the price of a copy per new page).
+    host_cache_tokens: int = 0
+    host_write_policy: Literal["write_back", "write_through"] = "write_back"
     # Schedule step N+1 while step N runs on the device (engine.py): the host's
     # scheduling and postprocessing hide behind the forward. Off: strictly in order.
     overlap_schedule: bool = True
@@ -96,6 +102,19 @@ class EngineConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.host_cache_tokens, bool) or not isinstance(self.host_cache_tokens, int):
+            raise ValueError(
+                f"EngineConfig.host_cache_tokens must be an integer, got {self.host_cache_tokens!r}"
+            )
+        if self.host_cache_tokens < 0:
+            raise ValueError(
+                f"EngineConfig.host_cache_tokens must be >= 0, got {self.host_cache_tokens}"
+            )
+        if self.host_write_policy not in ("write_back", "write_through"):
+            raise ValueError(
+                "EngineConfig.host_write_policy must be write_back or write_through, "
+                f"got {self.host_write_policy!r}"
+            )
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(
                 f"EngineConfig.schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}"

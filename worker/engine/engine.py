@@ -27,18 +27,20 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shared.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
+from worker.engine.batch import Batch
 from worker.engine.config import EngineConfig
+from worker.engine.host_tier import HostTier
 from worker.engine.kv_blocks import BlockEvents
+from worker.engine.protocols import EngineTokenizer, Runner, Sampler
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
-from worker.engine.scheduler import Batch, Scheduler
-from worker.engine.sequence import Req
+from worker.engine.req import Req
+from worker.engine.scheduler import Scheduler
 from worker.engine.types import (
     EngineError,
     EngineRequest,
@@ -62,10 +64,10 @@ class LLMEngine:
 
     def __init__(
         self,
-        runner: Any,
-        tokenizer: Any,
+        runner: Runner,
+        tokenizer: EngineTokenizer,
         config: EngineConfig,
-        sampler: Any,
+        sampler: Sampler,
         *,
         cache: PrefixCache | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -77,8 +79,14 @@ class LLMEngine:
         self.sampler = sampler
         self.allocator = SlotAllocator(runner.capacity)
         if cache is None:
-            cache_cls = NoCache if config.disable_radix_cache else RadixCache
-            cache = cache_cls(self.allocator, page_size=config.page_size)
+            if config.disable_radix_cache:
+                cache = NoCache(self.allocator, page_size=config.page_size)
+            else:
+                # The runner owns the host pool's memory (it sized and allocated it).
+                host_capacity = getattr(runner, "host_capacity", 0)
+                write_through = config.host_write_policy == "write_through"
+                host = HostTier(host_capacity, write_through) if host_capacity else None
+                cache = RadixCache(self.allocator, page_size=config.page_size, host=host)
         self.cache: PrefixCache = cache
         self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
         if config.kv_events_block_size and isinstance(cache, RadixCache):
@@ -108,29 +116,9 @@ class LLMEngine:
         self._launched: _Launched | None = None  # the step whose draws are unread
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.host_cached_tokens_total = 0  # of them, loaded from the host tier
         self.completion_tokens_total = 0
         self.request_ms = 0.0  # how long an admitted request holds its seat: moving mean
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
-        """The engine over a model folder (imports torch: the sim path never calls it)."""
-        from worker.engine.runtime.runner import ModelRunner
-        from worker.engine.runtime.sampler import Sampler
-        from worker.engine.tokenizer import Tokenizer
-
-        runner = ModelRunner(
-            model_dir,
-            device=config.device,
-            dtype=config.dtype,
-            kv_capacity_tokens=config.kv_capacity_tokens,
-            kv_memory_fraction=config.kv_memory_fraction,
-            attention_backend=config.attention_backend,
-            cuda_graphs=not config.disable_cuda_graph,
-            max_running_requests=config.max_running_requests,
-            kv_cache_dtype=config.kv_cache_dtype,
-            debug_checks=config.debug_checks,
-        )
-        return cls(runner, Tokenizer.from_dir(model_dir), config, Sampler(runner.device))
 
     # --- requests ---
 
@@ -187,8 +175,8 @@ class LLMEngine:
         if rid in self.in_flight:
             raise EngineError(f"request id {rid!r} is already in flight", param="request_id")
         self.in_flight[rid] = reqs
-        for seq in reqs:
-            self.scheduler.add(seq)
+        for req in reqs:
+            self.scheduler.add(req)
 
     def add_request(self, request: EngineRequest) -> list[Req]:
         reqs = self.make_reqs(request)
@@ -198,14 +186,14 @@ class LLMEngine:
     def abort(self, request_id: str) -> list[GenerateOutput]:
         """Drop a request and free what it held; the final output of each unfinished choice."""
         outputs = []
-        for seq in list(self.in_flight.get(request_id, ())):
-            if seq.is_finished:
+        for req in list(self.in_flight.get(request_id, ())):
+            if req.is_finished:
                 continue
-            self.scheduler.abort(seq)
-            seq.drop_placeholders()  # a draw not read yet is never sent
-            seq.finish_reason = "abort"
-            self._retire(seq)
-            outputs.append(seq.to_output())
+            self.scheduler.abort(req)
+            req.drop_placeholders()  # a draw not read yet is never sent
+            req.finish_reason = "abort"
+            self._retire(req)
+            outputs.append(req.to_output())
         return outputs
 
     @property
@@ -230,6 +218,9 @@ class LLMEngine:
             outputs, before = self._postprocess(before), None  # penalties count real ids
         batch = self.last_batch = self.scheduler.schedule()
         self._stamp_admitted(batch.admitted)
+        copies = self.cache.take_copies()
+        if copies is not None:  # the step's write-backs and loads: before its forward
+            self.runner.copy_kv(copies)  # (on CUDA ordered after the step still running)
         self._launched = self._launch(batch) if batch.items else None
         if before is not None:
             outputs += self._postprocess(before)  # while the device runs this step
@@ -251,8 +242,8 @@ class LLMEngine:
             futures = self.runner.futures
             start = futures.take(len(sampled))
             futures.publish(start, drawn.ids)
-            for i, seq in enumerate(sampled):
-                seq.add_placeholder(-(start + i + 1))
+            for i, req in enumerate(sampled):
+                req.add_placeholder(-(start + i + 1))
         penalized = any(_penalized(s.params) for s in sampled)
         return _Launched(sampled, drawn, penalized)
 
@@ -260,35 +251,36 @@ class LLMEngine:
         """Read a launched step's draws (the host waits for that step only) and hand
         each request its token: stop checks, detokenizing, the output to stream."""
         outputs = []
-        for seq, (token, logprob) in zip(launched.reqs, launched.drawn.result(), strict=True):
-            if seq.is_finished:
+        for req, (token, logprob) in zip(launched.reqs, launched.drawn.result(), strict=True):
+            if req.is_finished:
                 continue  # aborted, or ended the step before (overlap's one extra step)
-            seq.append_token(token, self.max_model_len, logprob)
-            if seq.finish_reason is not None:
-                seq.drop_placeholders()
-                self.scheduler.abort(seq)  # running, or queued again by a preemption
-                self._retire(seq)
-            outputs.append(seq.to_output())
+            req.append_token(token, self.max_model_len, logprob)
+            if req.finish_reason is not None:
+                req.drop_placeholders()
+                self.scheduler.abort(req)  # running, or queued again by a preemption
+                self._retire(req)
+            outputs.append(req.to_output())
         return outputs
 
     def _stamp_admitted(self, reqs: list[Req]) -> None:
         now = self.clock()
-        for seq in reqs:
-            if seq.admitted is None:  # not a readmission after a preemption
-                seq.admitted = now
+        for req in reqs:
+            if req.admitted is None:  # not a readmission after a preemption
+                req.admitted = now
 
-    def _retire(self, seq: Req) -> None:
-        self.sampler.release(seq.seq_id)
-        if seq.admitted is not None:
-            held_ms = (self.clock() - seq.admitted) * 1e3
+    def _retire(self, req: Req) -> None:
+        self.sampler.release(req.seq_id)
+        if req.admitted is not None:
+            held_ms = (self.clock() - req.admitted) * 1e3
             self.request_ms += REQUEST_MS_WEIGHT * (held_ms - self.request_ms)
-        self.completion_tokens_total += len(seq.output_ids)
-        if seq.index == 0:  # the prompt is one, however many choices share it
-            self.prompt_tokens_total += len(seq.prompt_ids)
-            self.cached_tokens_total += seq.cached_tokens or 0
-        choices = self.in_flight[seq.request_id]
+        self.completion_tokens_total += len(req.output_ids)
+        if req.index == 0:  # the prompt is one, however many choices share it
+            self.prompt_tokens_total += len(req.prompt_ids)
+            self.cached_tokens_total += req.cached_tokens or 0
+            self.host_cached_tokens_total += req.host_cached_tokens
+        choices = self.in_flight[req.request_id]
         if all(s.is_finished for s in choices):
-            del self.in_flight[seq.request_id]
+            del self.in_flight[req.request_id]
 
     # --- cache, stats, invariants ---
 
@@ -313,7 +305,22 @@ class LLMEngine:
             decode_ms_per_token=getattr(self.runner, "decode_ms_per_token", 0.0),
             max_running_requests=self.config.max_running_requests,
             request_ms=self.request_ms,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, Any]:
+        host = getattr(self.cache, "host", None)
+        if host is None:
+            return {}
+        return {
+            "host_cache_capacity_tokens": host.capacity,
+            "host_cache_used_tokens": host.used,
+            "host_cached_tokens_total": self.host_cached_tokens_total,
+            "host_load_tokens_total": host.loaded_tokens,
+            "host_write_tokens_total": host.written_tokens,
+            "host_load_bytes_per_s": getattr(self.runner, "host_load_bytes_per_s", 0.0),
+            "kv_bytes_per_token": getattr(self.runner, "kv_bytes_per_token", 0),
+        }
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -46,7 +46,7 @@ class TreeNode(Protocol):
     parent: TreeNode | None
     children: dict[bytes, TreeNode]
     kb: bytes
-    value: np.ndarray
+    value: np.ndarray | None  # None: host-resident only (its tokens: len(kb) // 8)
     blocks: tuple[int, ...]
     bend: int
 
@@ -150,7 +150,7 @@ class BlockEvents:
             path = above + node.kb
             if node.blocks:
                 depth = len(path) // _TB
-                first = (depth - len(node.value) + node.bend) // bs - 1
+                first = (depth - len(node.kb) // _TB + node.bend) // bs - 1
                 raw = path[first * bs * _TB : (first + len(node.blocks)) * bs * _TB]
                 tokens = np.frombuffer(raw, dtype=np.int64)
                 for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):

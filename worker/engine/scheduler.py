@@ -6,7 +6,7 @@ budget. Pure Python over ints, lists and numpy slot arrays: the model runner own
 tensor, so this module is tested with a fake runner, and the `sim` backend and the
 virtual-time fleet simulator run it with a cost model instead of a model.
 
-The slots of one sequence (`seq.slots`, one per token of `seq.all_ids[:len(slots)]`),
+The slots of one sequence (`req.slots`, one per token of `req.all_ids[:len(slots)]`),
 described here and sliced nowhere else:
 
     token    0 ........... prefix_len .......... num_computed ........... len(slots)
@@ -30,6 +30,13 @@ still running reuses it. Decode tokens join at release only: inserting them each
 would cost a tree walk per token per request, and the request that would reuse an
 answer (the next turn of the conversation) arrives after it finished anyway.
 
+With a host tier (radix_cache.py) a match may end in host-resident nodes: admission
+locks the whole matched path, makes room for them like for new tokens, and
+`cache.load` gives them device slots at once (so the prefix is the tree's, locked, as
+above); the copies are planned, and the engine has the runner make them before the
+step's forward (host_tier.py). A host hit counts in `cached_tokens` (and
+`host_cached_tokens`): it is loaded, not computed.
+
 A decoding sequence has len(slots) == num_computed == num_tokens - 1: its last sampled
 token is the next step's input. Preempted sequences keep their output tokens and, once
 readmitted, recompute whatever the tree no longer holds (usually nothing: their KV
@@ -40,32 +47,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker.engine.admission import Admission
+from worker.engine.admission import AdmissionRules
 from worker.engine.allocator import SlotAllocator
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import Batch, BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.radix_cache import NoCache, PrefixCache
-from worker.engine.sequence import Req, SeqStatus
-
-
-@dataclass
-class Batch:
-    """One step's work: `items[i]` runs `reqs[i]`."""
-
-    items: list[SeqBatchItem] = field(default_factory=list)
-    reqs: list[Req] = field(default_factory=list)
-    chunked: list[Req] = field(default_factory=list)  # ran a prefill chunk
-    admitted: list[Req] = field(default_factory=list)  # left the queue this step
-    preempted: list[Req] = field(default_factory=list)
-
-    @property
-    def sampled(self) -> list[Req]:
-        """The requests whose next token this step gives, in batch order."""
-        return [r for r, item in zip(self.reqs, self.items, strict=True) if item.sample]
+from worker.engine.req import Req, ReqStatus
 
 
 class Scheduler:
@@ -83,7 +73,7 @@ class Scheduler:
         self.share = config.share_inflight_prefixes and not isinstance(cache, NoCache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # in admission order: the newest is preempted first
-        self.admission = Admission(config, cache, share=self.share)
+        self.admission = AdmissionRules(config, cache, share=self.share)
         self.steps = 0
         self.num_preemptions = 0
         self.waiting_prompt_tokens = 0  # prompt tokens of the queue (cost_aware reads it)
@@ -93,10 +83,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Req) -> None:
-        seq.queued_at_step = self.steps
-        self.waiting.append(seq)
-        self.waiting_prompt_tokens += len(seq.prompt_ids)
+    def add(self, req: Req) -> None:
+        req.queued_at_step = self.steps
+        self.waiting.append(req)
+        self.waiting_prompt_tokens += len(req.prompt_ids)
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -110,14 +100,14 @@ class Scheduler:
         out = Batch()
         # Taken before the decoders get their new slot (which makes them look prefilling).
         prefilling = [s for s in self.running if s.is_prefilling]
-        for seq in self._grow_decoders(out.preempted):
-            self._emit(out, seq, 1)
+        for req in self._grow_decoders(out.preempted):
+            self._emit(out, req, 1)
         budget = self.config.max_prefill_tokens
-        for seq in prefilling:
+        for req in prefilling:
             if budget <= 0:
                 break
-            if seq.status is SeqStatus.RUNNING:  # not just preempted
-                budget -= self._add_chunk(out, seq, budget)
+            if req.status is ReqStatus.RUNNING:  # not just preempted
+                budget -= self._add_chunk(out, req, budget)
         self.admission.after_decode(preempted=bool(out.preempted), decoded=bool(out.items))
         # Admitting right after a preemption would only thrash: memory is short.
         if not out.preempted:
@@ -126,24 +116,24 @@ class Scheduler:
 
     def advance(self, batch: Batch) -> None:
         """The runner wrote the KV of every scheduled item: prefill chunks join the tree."""
-        for seq, item in zip(batch.reqs, batch.items, strict=True):
-            seq.num_computed = item.end_pos
+        for req, item in zip(batch.reqs, batch.items, strict=True):
+            req.num_computed = item.end_pos
         if self.share:
-            for seq in batch.chunked:
-                self._cache_unfinished(seq)
+            for req in batch.chunked:
+                self._cache_unfinished(req)
 
-    def finish(self, seq: Req) -> None:
-        self.running.remove(seq)
-        self._release(seq)
-        seq.status = SeqStatus.FINISHED
+    def finish(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = ReqStatus.FINISHED
 
-    def abort(self, seq: Req) -> None:
-        if seq.status is SeqStatus.RUNNING:
-            self.finish(seq)
-        elif seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
-            self.waiting_prompt_tokens -= len(seq.prompt_ids)
-            seq.status = SeqStatus.FINISHED
+    def abort(self, req: Req) -> None:
+        if req.status is ReqStatus.RUNNING:
+            self.finish(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+            self.waiting_prompt_tokens -= len(req.prompt_ids)
+            req.status = ReqStatus.FINISHED
 
     # --- admission ---
 
@@ -151,35 +141,40 @@ class Scheduler:
         cfg = self.config
         prefilling = [s for s in self.running if s.is_prefilling]
         reserved = sum(self.admission.reserve(s) for s in self.running)
-        for seq in self.admission.order(self.waiting, self.steps):
+        for req in self.admission.order(self.waiting, self.steps):
             if budget <= 0 or len(self.running) >= cfg.max_running_requests:
                 return
-            match = self.cache.match_prefix(seq.match_key)
-            if self.admission.held_for_dedup(seq, match.prefix_len, prefilling):
+            match = self.cache.match_prefix(req.match_key)
+            hit = match.prefix_len + match.host_len  # host tokens are loaded, not computed
+            if self.admission.held_for_dedup(req, hit, prefilling):
                 continue  # a running prefill computes its prefix: admit it after that
-            self.cache.lock(match.last_node)
-            need = seq.num_tokens - match.prefix_len
-            reserve = self.admission.reserve(seq)
+            self.cache.lock(match.last_node)  # both tiers: the host run stays until loaded
+            need = req.num_tokens - match.prefix_len  # device slots: loads + new tokens
+            reserve = self.admission.reserve(req)
             usable = self.allocator.available + self.cache.evictable_size
             if need + reserve + reserved > usable or not self._ensure_free(need):
                 self.cache.unlock(match.last_node)
                 return  # head of line waits: a finishing request frees memory
-            seq.slots = np.concatenate(
-                [match.slots[: match.prefix_len], self.allocator.alloc(need)]
+            loaded = self.cache.load(match.last_node) if match.host_len else match.slots[:0]
+            req.slots = np.concatenate(
+                [match.slots, loaded, self.allocator.alloc(req.num_tokens - hit)]
             )
-            seq.prefix_len = seq.num_computed = match.prefix_len
-            seq.last_node = match.last_node
-            seq.status = SeqStatus.RUNNING
-            seq.dirty_from = 0
-            if seq.cached_tokens is None:
-                seq.cached_tokens = min(match.prefix_len, len(seq.prompt_ids))
-            self.waiting.remove(seq)
-            self.waiting_prompt_tokens -= len(seq.prompt_ids)
-            self.running.append(seq)
-            out.admitted.append(seq)
+            req.prefix_len = req.num_computed = hit
+            req.last_node = match.last_node
+            req.status = ReqStatus.RUNNING
+            req.dirty_from = 0
+            if req.cached_tokens is None:
+                req.cached_tokens = min(hit, len(req.prompt_ids))
+                req.host_cached_tokens = req.cached_tokens - min(
+                    match.prefix_len, req.cached_tokens
+                )
+            self.waiting.remove(req)
+            self.waiting_prompt_tokens -= len(req.prompt_ids)
+            self.running.append(req)
+            out.admitted.append(req)
             reserved += reserve
-            prefilling.append(seq)
-            budget -= self._add_chunk(out, seq, budget)
+            prefilling.append(req)
+            budget -= self._add_chunk(out, req, budget)
 
     # --- slots ---
 
@@ -189,7 +184,7 @@ class Scheduler:
         while decoders and not self._ensure_free(len(decoders)):
             victim = self.running.pop()
             self._release(victim)
-            victim.status = SeqStatus.WAITING
+            victim.status = ReqStatus.WAITING
             self.waiting.appendleft(victim)  # readmitted first, oldest ahead
             self.waiting_prompt_tokens += len(victim.prompt_ids)
             victim.queued_at_step = self.steps
@@ -199,22 +194,22 @@ class Scheduler:
                 decoders.remove(victim)
         if decoders:
             new = self.allocator.alloc(len(decoders))
-            for seq, slot in zip(decoders, new.tolist(), strict=True):
-                self._grow(seq, slot)
+            for req, slot in zip(decoders, new.tolist(), strict=True):
+                self._grow(req, slot)
         return decoders
 
-    def _grow(self, seq: Req, slot: int) -> None:
-        """One more slot in O(1): `seq.slots` is a view of a buffer that doubles when
+    def _grow(self, req: Req, slot: int) -> None:
+        """One more slot in O(1): `req.slots` is a view of a buffer that doubles when
         full (`np.append` copied every slot, per decoder per step: 29% of a sim worker's
         CPU streaming 64 x 128 tokens, py-spy). Older views cover `slots[:n]` only."""
-        slots, n = seq.slots, len(seq.slots)
-        buf = self._slot_buffers.get(seq.seq_id)
+        slots, n = req.slots, len(req.slots)
+        buf = self._slot_buffers.get(req.seq_id)
         if buf is None or slots.base is not buf or len(buf) == n:  # fresh array, or full
             buf = np.empty(max(64, 2 * n), dtype=np.int64)
             buf[:n] = slots
-            self._slot_buffers[seq.seq_id] = buf
+            self._slot_buffers[req.seq_id] = buf
         buf[n] = slot
-        seq.slots = buf[: n + 1]
+        req.slots = buf[: n + 1]
 
     def _ensure_free(self, n: int) -> bool:
         shortfall = n - self.allocator.available
@@ -222,62 +217,63 @@ class Scheduler:
             self.cache.evict(max(shortfall, self.config.evict_batch_tokens))
         return self.allocator.available >= n
 
-    def _add_chunk(self, out: Batch, seq: Req, budget: int) -> int:
-        n = min(len(seq.slots) - seq.num_computed, budget)
-        self._emit(out, seq, n)
-        out.chunked.append(seq)
+    def _add_chunk(self, out: Batch, req: Req, budget: int) -> int:
+        n = min(len(req.slots) - req.num_computed, budget)
+        self._emit(out, req, n)
+        out.chunked.append(req)
         return n
 
-    def _emit(self, out: Batch, seq: Req, n: int) -> None:
-        start = seq.num_computed
+    def _emit(self, out: Batch, req: Req, n: int) -> None:
+        start = req.num_computed
         end = start + n
-        ids, sample = seq.ids(start, end), end == seq.num_tokens
-        item = SeqBatchItem(ids, start, seq.slots[:end], seq.seq_id, seq.dirty_from, sample)
-        seq.dirty_from = end  # the runner sees every slot up to `end` now
+        ids, sample = req.ids(start, end), end == req.num_tokens
+        item = BatchItem(ids, start, req.slots[:end], req.seq_id, req.dirty_from, sample)
+        req.dirty_from = end  # the runner sees every slot up to `end` now
         out.items.append(item)
-        out.reqs.append(seq)
+        out.reqs.append(req)
 
-    def _cache_unfinished(self, seq: Req) -> None:
+    def _cache_unfinished(self, req: Req) -> None:
         """Hand the computed, page-aligned prefix to the tree while the request runs."""
-        n = seq.num_computed
+        n = req.num_computed
         limit = n - n % self.cache.page_size
-        if limit <= seq.prefix_len:
+        if limit <= req.prefix_len:
             return
-        prompt = seq.prompt_ids
-        ids = prompt[:limit] if limit <= len(prompt) else seq.all_ids[:limit]
-        had = self.cache.insert(ids, seq.slots[:limit], cached_len=seq.prefix_len)
+        prompt = req.prompt_ids
+        ids = prompt[:limit] if limit <= len(prompt) else req.all_ids[:limit]
+        had = self.cache.insert(ids, req.slots[:limit], cached_len=req.prefix_len)
         match = self.cache.match_prefix(ids, record=False)
         assert match.prefix_len == limit, "a just-inserted prefix must match whole"
         self.cache.lock(match.last_node)
-        if seq.last_node is not None:
-            self.cache.unlock(seq.last_node)
-        if had > seq.prefix_len:
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        if had > req.prefix_len:
             # The tree held [prefix_len, had) already and freed our copies: use its slots
             # (the same tokens at the same positions, so the same K/V).
-            seq.slots[seq.prefix_len : had] = match.slots[seq.prefix_len : had]
-            seq.dirty_from = min(seq.dirty_from, seq.prefix_len)
-        seq.prefix_len = limit
-        seq.last_node = match.last_node
+            req.slots[req.prefix_len : had] = match.slots[req.prefix_len : had]
+            req.dirty_from = min(req.dirty_from, req.prefix_len)
+        req.prefix_len = limit
+        req.last_node = match.last_node
 
-    def _release(self, seq: Req) -> None:
+    def _release(self, req: Req) -> None:
         """Hand the KV back: see the table at the top of this module."""
-        n = seq.num_computed
-        if n > seq.prefix_len:
-            self.cache.insert(seq.all_ids[:n], seq.slots[:n], cached_len=seq.prefix_len)
-        if n < len(seq.slots):
-            self.allocator.free(seq.slots[n:])
-        if seq.last_node is not None:
-            self.cache.unlock(seq.last_node)
-        seq.slots = seq.slots[:0]
-        self._slot_buffers.pop(seq.seq_id, None)
-        seq.prefix_len = seq.num_computed = seq.dirty_from = 0
-        seq.last_node = None
-        self.on_release(seq.seq_id)
+        n = req.num_computed
+        if n > req.prefix_len:
+            self.cache.insert(req.all_ids[:n], req.slots[:n], cached_len=req.prefix_len)
+        if n < len(req.slots):
+            self.allocator.free(req.slots[n:])
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.slots = req.slots[:0]
+        self._slot_buffers.pop(req.seq_id, None)
+        req.prefix_len = req.num_computed = req.dirty_from = 0
+        req.last_node = None
+        self.on_release(req.seq_id)
 
     # --- invariants ---
 
     def check_integrity(self) -> None:
-        """free + cached + held by running == capacity, no slot twice."""
+        """Per tier: free + cached (+ held by running, on the device) == capacity, no slot
+        twice (the host tier's sum is checked by the cache: running requests hold none)."""
         self.cache.check_integrity()
         cached = np.asarray(self.cache.cached_slots(), dtype=np.int64)
         held = [s.slots[s.prefix_len :] for s in self.running]

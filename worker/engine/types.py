@@ -158,6 +158,16 @@ class EngineStats:
     # request holds its seat (a recent mean, ms). 0: unknown.
     max_running_requests: int = 0
     request_ms: float = 0.0
+    # The host KV tier (0 when off): capacity and use in tokens, prompt tokens served
+    # from it (part of cached_tokens_total), tokens loaded / written back, the measured
+    # (or, for the sim, configured) load bandwidth and the KV bytes of one token.
+    host_cache_capacity_tokens: int = 0
+    host_cache_used_tokens: int = 0
+    host_cached_tokens_total: int = 0
+    host_load_tokens_total: int = 0
+    host_write_tokens_total: int = 0
+    host_load_bytes_per_s: float = 0.0
+    kv_bytes_per_token: int = 0
 
 
 class OutputStream(Protocol):
@@ -192,7 +202,10 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def count_tokens(self, text: str) -> int: ...
+    def tokenize(self, text: str) -> list[int]:
+        """The prompt ids the engine would run for `text` (a rendered chat prompt is
+        tokenized once, here, and sent as ids)."""
+        ...
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
         """Each token's own raw UTF-8 bytes (for logprobs; may be part of a character)."""

@@ -11,7 +11,7 @@ import pytest
 
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
-from worker.engine.engine import LLMEngine
+from worker.engine.runtime.load import load_engine
 from worker.engine.types import (
     Engine,
     EngineError,
@@ -28,7 +28,7 @@ CONFIG = EngineConfig(kv_capacity_tokens=4096, device="cpu")
 
 @pytest.fixture
 async def engine(tiny_model_dir: Path) -> AsyncIterator[AsyncEngine]:
-    eng = AsyncEngine(LLMEngine.from_model_dir(tiny_model_dir, CONFIG), "tiny")
+    eng = AsyncEngine(load_engine(tiny_model_dir, CONFIG), "tiny")
     await eng.start()
     yield eng
     await eng.stop()
@@ -61,8 +61,8 @@ async def test_satisfies_the_engine_protocol(engine: AsyncEngine, tiny_model_dir
     as_protocol: Engine = engine
     assert as_protocol.model_name == "tiny"
     assert engine.max_model_len == 2048
-    assert engine.count_tokens("the cat sees a dog") == len(
-        engine.engine.encode_prompt("the cat sees a dog")
+    assert engine.tokenize("the cat sees a dog") == engine.engine.encode_prompt(
+        "the cat sees a dog"
     )
     chat = engine.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat.endswith("<|im_start|>assistant\n")
@@ -76,7 +76,7 @@ async def test_concurrent_requests_match_the_sync_engine(
     requests = [greedy(f"r{i}", ids(i), max_tokens=6 + i) for i in range(5)]
     results = await asyncio.gather(*(collect(engine.generate(r)) for r in requests))
 
-    sync = LLMEngine.from_model_dir(tiny_model_dir, CONFIG)
+    sync = load_engine(tiny_model_dir, CONFIG)
     for r, outs in zip(requests, results, strict=True):
         sync.add_request(r)
         want: list[int] = []
@@ -171,7 +171,7 @@ async def test_bad_request_raises_at_submit_and_good_one_completes(engine: Async
 
 
 async def test_stop_ends_open_streams_and_refuses_new_ones(tiny_model_dir: Path) -> None:
-    eng = AsyncEngine(LLMEngine.from_model_dir(tiny_model_dir, CONFIG), "tiny")
+    eng = AsyncEngine(load_engine(tiny_model_dir, CONFIG), "tiny")
     with pytest.raises(EngineOverloaded):
         eng.generate(greedy("early", ids(1)))
     await eng.start()
@@ -207,7 +207,7 @@ async def test_overload_is_refused_with_engine_overloaded(tiny_model_dir: Path) 
     small = EngineConfig(
         kv_capacity_tokens=4096, device="cpu", max_running_requests=1, max_waiting_requests=1
     )
-    eng = AsyncEngine(LLMEngine.from_model_dir(tiny_model_dir, small), "tiny")
+    eng = AsyncEngine(load_engine(tiny_model_dir, small), "tiny")
     await eng.start()
     running = eng.generate(greedy("s0", ids(30), max_tokens=1000))
     queued = eng.generate(greedy("s1", ids(31), max_tokens=1000))

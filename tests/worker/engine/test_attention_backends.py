@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.runtime.attention import make_backend, resolve_backend
 from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
 
@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 CAPACITY = 700
 
 
-def random_batch(rng: np.random.Generator, n_items: int) -> list[SeqBatchItem]:
+def random_batch(rng: np.random.Generator, n_items: int) -> list[BatchItem]:
     free = rng.permutation(CAPACITY)
     items, used = [], 0
     for _ in range(n_items):
@@ -37,7 +37,7 @@ def random_batch(rng: np.random.Generator, n_items: int) -> list[SeqBatchItem]:
             start, n = 0, int(rng.integers(1, 40))
         slots = free[used : used + start + n].astype(np.int64)
         used += start + n
-        items.append(SeqBatchItem(list(rng.integers(0, 100, n)), start, slots))
+        items.append(BatchItem(list(rng.integers(0, 100, n)), start, slots))
     return items
 
 
@@ -53,7 +53,7 @@ def backends(heads: int, kv_heads: int, head_dim: int, window: int = 0, splits: 
     return sdpa, triton, k[0], v[0]
 
 
-def run_both(batch: list[SeqBatchItem], heads: int, kv_heads: int, head_dim: int, **kw):
+def run_both(batch: list[BatchItem], heads: int, kv_heads: int, head_dim: int, **kw):
     sdpa, triton, k_buf, v_buf = backends(heads, kv_heads, head_dim, **kw)
     table = ReqToTokenTable(4, 256, CPU)  # fewer rows than items: the table grows
     inputs = build_step(batch, list(range(len(batch))), table, Staging(CPU))
@@ -84,7 +84,7 @@ def test_decode_splits_longer_and_shorter_than_the_context(splits: int) -> None:
     """Flash-decoding merges the pieces exactly, also when most pieces are empty."""
     rng = np.random.default_rng(splits)
     free = rng.permutation(CAPACITY)
-    batch = [SeqBatchItem([1], n - 1, free[o : o + n].astype(np.int64))
+    batch = [BatchItem([1], n - 1, free[o : o + n].astype(np.int64))
              for n, o in ((3, 0), (200, 3), (57, 203))]  # fmt: skip
     want, got, meta = run_both(batch, 8, 2, 64, splits=splits)
     assert meta.extend_idx.numel() == 0
@@ -101,7 +101,7 @@ def test_each_sequence_uses_the_pieces_its_length_calls_for() -> None:
     free = rng.permutation(CAPACITY)
     lens = (3, 256, 57, 32, 33)
     offsets = np.cumsum((0, *lens))
-    batch = [SeqBatchItem([1], n - 1, free[o : o + n].astype(np.int64))
+    batch = [BatchItem([1], n - 1, free[o : o + n].astype(np.int64))
              for n, o in zip(lens, offsets, strict=False)]  # fmt: skip
     sdpa, _, k_buf, v_buf = backends(8, 2, 64)
     meta = build_step(
@@ -134,8 +134,8 @@ def test_extend_reads_kv_once_per_group(monkeypatch: pytest.MonkeyPatch) -> None
             return kernel[grid]
 
     monkeypatch.setattr(triton_kernels, "_extend_kernel", Spy())
-    batch = [SeqBatchItem(list(range(30)), 10, np.arange(40)),
-             SeqBatchItem(list(range(5)), 0, np.arange(40, 45))]  # fmt: skip
+    batch = [BatchItem(list(range(30)), 10, np.arange(40)),
+             BatchItem(list(range(5)), 0, np.arange(40, 45))]  # fmt: skip
     want, got, _ = run_both(batch, 14, 2, 32)
     assert [g[:2] for g in grids] == [(2, 2)]
     assert (got - want).abs().max().item() <= 1e-3
@@ -156,9 +156,7 @@ def test_padded_decode_batch_gives_the_same_rows() -> None:
     sdpa, triton, k_buf, v_buf = backends(8, 2, 64)
     rng = np.random.default_rng(3)
     free = rng.permutation(CAPACITY)
-    batch = [
-        SeqBatchItem([5], n - 1, free[o : o + n].astype(np.int64)) for n, o in ((9, 0), (70, 9))
-    ]
+    batch = [BatchItem([5], n - 1, free[o : o + n].astype(np.int64)) for n, o in ((9, 0), (70, 9))]
     table = ReqToTokenTable(4, 128, CPU)
     plain = build_step(batch, ["a", "b"], table, Staging(CPU))
     padded = build_step(batch, ["a", "b"], table, Staging(CPU), pad_to=8, pad_slot=CAPACITY)
@@ -174,7 +172,7 @@ def test_padded_decode_batch_gives_the_same_rows() -> None:
         b = backend.attend(0, q, k_buf[slots], v_buf[slots], padded.meta)
         torch.testing.assert_close(a, b[:2], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="decode batch"):
-        build_step([SeqBatchItem([1, 2], 0, np.arange(2))], ["c"], table, Staging(CPU), pad_to=4)
+        build_step([BatchItem([1, 2], 0, np.arange(2))], ["c"], table, Staging(CPU), pad_to=4)
 
 
 def test_backend_choice() -> None:

@@ -10,18 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from worker.backends.sim import build_sim_engine
+from worker.backends.sim import build_sim_async_engine
 from worker.backends.text_tokenizer import VOCAB_SIZE, TextTokenizer
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.chat import render_chat
 from worker.engine.config import EngineConfig
-from worker.engine.sequence import Req
+from worker.engine.req import Req
 from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import EngineError, EngineRequest, SamplingParams
 
 
 def sim(tokenizer: TextTokenizer | Tokenizer | None = None) -> AsyncEngine:
-    return build_sim_engine(EngineConfig(kv_capacity_tokens=10_000), tokenizer or TextTokenizer())
+    return build_sim_async_engine(
+        EngineConfig(kv_capacity_tokens=10_000), tokenizer or TextTokenizer()
+    )
 
 
 def prompt_ids(eng: AsyncEngine, request: EngineRequest) -> list[int]:
@@ -51,12 +53,12 @@ def test_bad_prompts_are_engine_errors_on_prompt(request_: EngineRequest, messag
     assert info.value.param == "prompt"
 
 
-def test_count_tokens_and_chat_template_use_the_engine_tokenizer(tiny_model_dir: Path) -> None:
+def test_tokenize_and_chat_template_use_the_engine_tokenizer(tiny_model_dir: Path) -> None:
     tok = Tokenizer.from_dir(tiny_model_dir)
     eng = sim(tok)
     messages = [{"role": "user", "content": "hi there"}]
     assert eng.apply_chat_template(messages) == tok.apply_chat_template(messages)
-    assert eng.count_tokens("the cat sees a dog") == len(tok.encode("the cat sees a dog"))
+    assert eng.tokenize("the cat sees a dog") == tok.encode("the cat sees a dog")
 
 
 def test_template_errors_become_engine_errors_on_messages(
@@ -81,11 +83,11 @@ def test_to_output_takes_what_is_unsent_once() -> None:
     tok = TextTokenizer()
     prompt = tok.encode("a prompt")
     answer = tok.encode(" one two", add_special_tokens=False)
-    seq = Req("r", prompt, SamplingParams(max_tokens=len(answer)), tok.detokenizer(), seq_id=1)
-    seq.cached_tokens = 1
+    req = Req("r", prompt, SamplingParams(max_tokens=len(answer)), tok.detokenizer(), seq_id=1)
+    req.cached_tokens = 1
     for t in answer:
-        seq.append_token(t, max_model_len=1000)
-    out = seq.to_output()
+        req.append_token(t, max_model_len=1000)
+    out = req.to_output()
     assert (out.request_id, out.text_delta, out.token_ids) == ("r", " one two", tuple(answer))
     assert (out.prompt_tokens, out.cached_tokens, out.completion_tokens) == (
         len(prompt),
@@ -93,5 +95,5 @@ def test_to_output_takes_what_is_unsent_once() -> None:
         len(answer),
     )
     assert out.finished and out.finish_reason == "length"
-    again = seq.to_output()  # deltas were taken: nothing new, counts unchanged
+    again = req.to_output()  # deltas were taken: nothing new, counts unchanged
     assert (again.text_delta, again.token_ids, again.completion_tokens) == ("", (), len(answer))

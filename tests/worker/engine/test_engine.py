@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.sequence import Req
+from worker.engine.req import Req
+from worker.engine.runtime.load import load_engine
 from worker.engine.types import EngineError, EngineRequest, GenerateOutput, SamplingParams
 
 FIRST_PLAIN_ID = 4  # 0..3 are the tiny tokenizer's special tokens
@@ -22,7 +23,7 @@ FIRST_PLAIN_ID = 4  # 0..3 are the tiny tokenizer's special tokens
 def make_engine(model_dir: Path, **cfg: object) -> LLMEngine:
     cfg.setdefault("kv_capacity_tokens", 4096)
     cfg.setdefault("device", "cpu")
-    return LLMEngine.from_model_dir(model_dir, EngineConfig(**cfg))  # type: ignore[arg-type]
+    return load_engine(model_dir, EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
 def run(engine: LLMEngine, *requests: EngineRequest) -> dict[str, list[GenerateOutput]]:

@@ -13,6 +13,7 @@ from shared.config import WorkerConfig, load_config
 from worker.backends.radix import engine_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.runtime.load import load_engine
 from worker.engine.types import EngineRequest, SamplingParams
 
 
@@ -21,7 +22,7 @@ def greedy_run(model_dir: Path, backend: str) -> tuple[dict[str, list[int]], LLM
         device="cpu", kv_capacity_tokens=2048, attention_backend=backend,
         max_prefill_tokens=24,  # prompts of 40+ tokens prefill in chunks next to decodes
     )  # fmt: skip
-    engine = LLMEngine.from_model_dir(model_dir, config)
+    engine = load_engine(model_dir, config)
     rng = random.Random(5)
     shared = [rng.randrange(4, 1000) for _ in range(30)]
     prompts = {

@@ -85,7 +85,7 @@ def test_model_logits_equal_with_fused_ops(tiny_model_dir) -> None:
     kernels give the eager ops' logits."""
     import numpy as np
 
-    from worker.engine.batch import SeqBatchItem
+    from worker.engine.batch import BatchItem
     from worker.engine.runtime.runner import ModelRunner
 
     logits = []
@@ -94,10 +94,10 @@ def test_model_logits_equal_with_fused_ops(tiny_model_dir) -> None:
                              attention_backend=backend)  # fmt: skip
         for layer in runner.model.model.layers:  # CPU keeps gate/up apart: merge them
             layer.mlp.fuse()
-        batch = [SeqBatchItem([5, 6, 7, 8], 0, np.arange(4), seq_id=1),
-                 SeqBatchItem([9, 10], 0, np.arange(10, 12), seq_id=2)]  # fmt: skip
+        batch = [BatchItem([5, 6, 7, 8], 0, np.arange(4), seq_id=1),
+                 BatchItem([9, 10], 0, np.arange(10, 12), seq_id=2)]  # fmt: skip
         first = runner.forward(batch)
-        step = [SeqBatchItem([11], 4, np.arange(5), seq_id=1)]
+        step = [BatchItem([11], 4, np.arange(5), seq_id=1)]
         logits.append((first, runner.forward(step)))
         assert runner.model.ops.name == ("triton" if backend == "triton" else "torch")
     for a, b in zip(logits[0], logits[1], strict=True):

@@ -21,8 +21,9 @@ from worker.backends.radix import engine_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.cuda_graphs import BUCKETS, DecodeGraphs
+from worker.engine.runtime.load import load_engine
 from worker.engine.runtime.runner import ModelRunner
-from worker.engine.runtime.sampler import Sampler
+from worker.engine.runtime.sampler import TorchSampler
 from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import EngineRequest, SamplingParams
 from worker.state import ENGINE, STATE
@@ -37,7 +38,7 @@ def _engine(model_dir: Path, graphs: bool, **cfg: object) -> LLMEngine:
         emulate_cuda_graphs=graphs,
     )  # fmt: skip
     config = EngineConfig(device="cpu", max_running_requests=MAX_RUNNING, **cfg)  # type: ignore[arg-type]
-    return LLMEngine(runner, Tokenizer.from_dir(model_dir), config, Sampler(runner.device))
+    return LLMEngine(runner, Tokenizer.from_dir(model_dir), config, TorchSampler(runner.device))
 
 
 def _traffic(engine: LLMEngine) -> dict[str, list[int]]:
@@ -82,7 +83,7 @@ def test_every_bucket_is_captured_at_start_and_none_during_traffic(
 def test_disable_cuda_graph_still_runs_eagerly(tiny_model_dir: Path) -> None:
     config = engine_config(WorkerConfig(model=str(tiny_model_dir), disable_cuda_graph=True))
     assert config.disable_cuda_graph
-    engine = LLMEngine.from_model_dir(
+    engine = load_engine(
         tiny_model_dir, EngineConfig(device="cpu", kv_capacity_tokens=512, disable_cuda_graph=True)
     )
     assert engine.runner.graphs is None and engine.runner.graph_capture_s == 0.0

@@ -22,14 +22,15 @@ import torch
 from loadtests.gpu_syncs import SyncCounter, syncs_per_step
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.runtime.sampler import Sampler
+from worker.engine.runtime.load import load_engine
+from worker.engine.runtime.sampler import TorchSampler
 from worker.engine.types import SamplingParams
 
 
 def engine_for(model_dir: Path, backend: str) -> LLMEngine:
     config = EngineConfig(device="cpu", kv_capacity_tokens=2048, attention_backend=backend,
                           max_prefill_tokens=16)  # fmt: skip
-    return LLMEngine.from_model_dir(model_dir, config)
+    return load_engine(model_dir, config)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
@@ -96,7 +97,7 @@ def test_sampler_reads_the_device_once_whatever_the_parameters() -> None:
         ),
         SamplingParams(temperature=1.3, frequency_penalty=1.0),
     ]
-    sampler = Sampler(seed=0)
+    sampler = TorchSampler(seed=0)
     reqs = [FakeReq(p, i) for i, p in enumerate(params)]
     with SyncCounter("cpu") as counter:
         out = sampler.sample(logits, reqs)  # type: ignore[arg-type]

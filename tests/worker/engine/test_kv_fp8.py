@@ -18,7 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from shared.config import WorkerConfig
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.runtime.attention import make_backend
 from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
@@ -68,9 +68,9 @@ def test_triton_kernels_read_fp8_as_sdpa_does() -> None:
     g = torch.Generator().manual_seed(3)
     rng = np.random.default_rng(3)
     free = rng.permutation(cap)
-    batch = [SeqBatchItem([1], 90, free[:91].astype(np.int64)),
-             SeqBatchItem([1, 2, 3, 4, 5], 30, free[91:126].astype(np.int64)),
-             SeqBatchItem(list(range(20)), 0, free[126:146].astype(np.int64))]  # fmt: skip
+    batch = [BatchItem([1], 90, free[:91].astype(np.int64)),
+             BatchItem([1, 2, 3, 4, 5], 30, free[91:126].astype(np.int64)),
+             BatchItem(list(range(20)), 0, free[126:146].astype(np.int64))]  # fmt: skip
     meta = build_step(batch, [0, 1, 2], ReqToTokenTable(4, 128, CPU), Staging(CPU)).meta
     t = meta.out_slots.shape[0]
     q = torch.randn(t, heads, dim, generator=g)
@@ -96,9 +96,9 @@ def teacher_forced_logits(model_dir, kv_cache_dtype: str, seq: list[int]) -> tor
     runner = ModelRunner(model_dir, device="cpu", kv_capacity_tokens=128,
                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     first = 6
-    rows = [runner.forward([SeqBatchItem(seq[:first], 0, np.arange(first), seq_id=1)])[0]]
+    rows = [runner.forward([BatchItem(seq[:first], 0, np.arange(first), seq_id=1)])[0]]
     for pos in range(first, len(seq)):
-        item = SeqBatchItem([seq[pos]], pos, np.arange(pos + 1), seq_id=1, dirty_from=pos)
+        item = BatchItem([seq[pos]], pos, np.arange(pos + 1), seq_id=1, dirty_from=pos)
         rows.append(runner.forward([item])[0])
     return torch.stack(rows)
 

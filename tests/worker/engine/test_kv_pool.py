@@ -7,7 +7,7 @@ import torch
 
 from worker.engine.allocator import SlotAllocator
 from worker.engine.radix_cache import RadixCache
-from worker.engine.runtime.kv_pool import KVPool, _cpu_available_bytes
+from worker.engine.runtime.kv_pool import KVPool, cpu_available_bytes
 
 CPU = torch.device("cpu")
 
@@ -69,7 +69,7 @@ def test_capacity_for_memory_on_cpu_follows_available_memory() -> None:
     per_token = KVPool.bytes_per_token(4, 2, 64, torch.float16)
     assert per_token == 2 * 4 * 2 * 64 * 2
     cap = KVPool.capacity_for_memory(4, 2, 64, torch.float16, CPU, fraction=0.01)
-    expected = int(_cpu_available_bytes() * 0.01) // per_token
+    expected = int(cpu_available_bytes() * 0.01) // per_token
     assert cap > 0
     assert abs(cap - expected) <= expected * 0.2  # MemAvailable moves a little between reads
 

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.worker.engine.slots import allocator_for
 from worker.engine.model_config import ModelConfig
-from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.runner import BatchItem, ModelRunner
 from worker.models.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -69,7 +69,7 @@ def run_in_chunks(runner: ModelRunner, ids: list[int], cuts: list[int]) -> dict[
     out: dict[int, torch.Tensor] = {}
     bounds = [0, *cuts, len(ids)]
     for start, end in itertools.pairwise(bounds):
-        logits = runner.forward([SeqBatchItem(ids[start:end], start, slots[:end])])
+        logits = runner.forward([BatchItem(ids[start:end], start, slots[:end])])
         out[end - 1] = logits[0]
     return out
 
@@ -125,7 +125,7 @@ def test_batch_of_sequences_with_shared_prefix_slots(tiny_model_dir: Path, backe
     a_slots = alloc.alloc(len(a))
     c_slots = alloc.alloc(len(c))
     # Step 1: A prefilled alone; C prefilled up to its last token.
-    runner.forward([SeqBatchItem(a, 0, a_slots), SeqBatchItem(c[:-1], 0, c_slots[:-1])])
+    runner.forward([BatchItem(a, 0, a_slots), BatchItem(c[:-1], 0, c_slots[:-1])])
     # Step 2: B reuses A's 20 prefix slots; C decodes; D is a fresh prefill.
     b_slots = np.concatenate([a_slots[:20], alloc.alloc(len(b) - 20)])
     d = sample_ids(9, vocab, seed=7)
@@ -133,15 +133,15 @@ def test_batch_of_sequences_with_shared_prefix_slots(tiny_model_dir: Path, backe
     before = runner.tokens_computed
     logits = runner.forward(
         [
-            SeqBatchItem(b[20:], 20, b_slots),
-            SeqBatchItem(c[-1:], len(c) - 1, c_slots),
-            SeqBatchItem(d, 0, d_slots),
+            BatchItem(b[20:], 20, b_slots),
+            BatchItem(c[-1:], len(c) - 1, c_slots),
+            BatchItem(d, 0, d_slots),
         ]
     )
     assert runner.tokens_computed - before == (len(b) - 20) + 1 + len(d)
-    for row, seq in enumerate((b, c, d)):
+    for row, req in enumerate((b, c, d)):
         torch.testing.assert_close(
-            logits[row], hf_logits(tiny_model_dir, seq)[-1], atol=ATOL, rtol=0
+            logits[row], hf_logits(tiny_model_dir, req)[-1], atol=ATOL, rtol=0
         )
 
 
@@ -151,18 +151,18 @@ def test_many_decodes_in_one_step_match_transformers(model_dir: Path, backend: s
     prefill chunk, in one forward (a mixed step: both triton kernels run)."""
     runner = runner_for(model_dir, backend=backend)
     vocab, alloc = runner.config.vocab_size, allocator_for(runner)
-    seqs = [sample_ids(n, vocab, seed=20 + n) for n in (5, 31, 2, 17)]
-    slots = [alloc.alloc(len(s)) for s in seqs]
-    runner.forward([SeqBatchItem(s[:-1], 0, sl[:-1]) for s, sl in zip(seqs, slots, strict=True)])
+    reqs = [sample_ids(n, vocab, seed=20 + n) for n in (5, 31, 2, 17)]
+    slots = [alloc.alloc(len(s)) for s in reqs]
+    runner.forward([BatchItem(s[:-1], 0, sl[:-1]) for s, sl in zip(reqs, slots, strict=True)])
     chunked = sample_ids(12, vocab, seed=30)
     chunk_slots = alloc.alloc(12)
-    runner.forward([SeqBatchItem(chunked[:4], 0, chunk_slots[:4])])
-    items = [SeqBatchItem(s[-1:], len(s) - 1, sl) for s, sl in zip(seqs, slots, strict=True)]
-    items.insert(2, SeqBatchItem(chunked[4:], 4, chunk_slots))
+    runner.forward([BatchItem(chunked[:4], 0, chunk_slots[:4])])
+    items = [BatchItem(s[-1:], len(s) - 1, sl) for s, sl in zip(reqs, slots, strict=True)]
+    items.insert(2, BatchItem(chunked[4:], 4, chunk_slots))
     logits = runner.forward(items)
-    expected = [*seqs[:2], chunked, *seqs[2:]]
-    for row, seq in enumerate(expected):
-        want = hf_logits(model_dir, seq)[-1]
+    expected = [*reqs[:2], chunked, *reqs[2:]]
+    for row, req in enumerate(expected):
+        want = hf_logits(model_dir, req)[-1]
         torch.testing.assert_close(logits[row], want, atol=ATOL, rtol=0, msg=f"row {row}")
 
 

@@ -17,6 +17,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.futures import FutureTokens
+from worker.engine.runtime.load import load_engine
 from worker.engine.types import EngineRequest, SamplingParams
 
 # A pool far smaller than the work, and admission that reserves nothing for outputs:
@@ -82,8 +83,8 @@ def _drive(engine: LLMEngine, seed: int) -> tuple[dict, set[str], int]:
 
 @pytest.mark.parametrize("seed", [0])
 def test_greedy_outputs_equal_with_overlap_on_and_off(tiny_model_dir: Path, seed: int) -> None:
-    on = LLMEngine.from_model_dir(tiny_model_dir, EngineConfig(**TIGHT))  # type: ignore[arg-type]
-    off = LLMEngine.from_model_dir(
+    on = load_engine(tiny_model_dir, EngineConfig(**TIGHT))  # type: ignore[arg-type]
+    off = load_engine(
         tiny_model_dir,
         EngineConfig(**TIGHT, overlap_schedule=False),  # type: ignore[arg-type]
     )
@@ -109,7 +110,7 @@ def test_greedy_outputs_equal_with_overlap_on_and_off(tiny_model_dir: Path, seed
 def test_overlap_flag_off_and_sim_runner_run_in_order(tiny_model_dir: Path) -> None:
     """`overlap_schedule=False` (the `--disable-overlap-schedule` flag) reads every step
     before the next is scheduled; a step's outputs are its own."""
-    engine = LLMEngine.from_model_dir(
+    engine = load_engine(
         tiny_model_dir, EngineConfig(device="cpu", kv_capacity_tokens=512, overlap_schedule=False)
     )
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -121,7 +122,7 @@ def test_overlap_flag_off_and_sim_runner_run_in_order(tiny_model_dir: Path) -> N
 def test_overlapped_step_outputs_lag_one_step(tiny_model_dir: Path) -> None:
     """With overlap, a step hands out the previous step's tokens; a finished request
     runs once more (its draw dropped) and the engine ends with nothing held."""
-    engine = LLMEngine.from_model_dir(tiny_model_dir, EngineConfig(device="cpu",
+    engine = load_engine(tiny_model_dir, EngineConfig(device="cpu",
                                                                   kv_capacity_tokens=512))  # fmt: skip
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     engine.add_request(EngineRequest("a", prompt_token_ids=[5, 6, 7], params=params))

@@ -17,10 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.worker.engine.slots import allocator_for
 from worker.engine.config import EngineConfig
-from worker.engine.engine import LLMEngine
 from worker.engine.runtime.attention import make_backend
 from worker.engine.runtime.device import parse_dtype, pick_device, pick_dtype
-from worker.engine.runtime.runner import CPU_DEFAULT_KV_TOKENS, ModelRunner, SeqBatchItem
+from worker.engine.runtime.load import load_engine
+from worker.engine.runtime.runner import CPU_DEFAULT_KV_TOKENS, BatchItem, ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +56,13 @@ def test_cached_prefix_is_not_recomputed(runner: ModelRunner) -> None:
     alloc = allocator_for(runner)
     prompt = ids_of(48)
     first = alloc.alloc(48)
-    runner.forward([SeqBatchItem(prompt, 0, first)])
+    runner.forward([BatchItem(prompt, 0, first)])
     other = [*prompt[:40], *ids_of(5, start=600)]
     slots = np.concatenate([first[:40], alloc.alloc(5)])
     before = runner.tokens_computed
-    cached = runner.forward([SeqBatchItem(other[40:], 40, slots)])
+    cached = runner.forward([BatchItem(other[40:], 40, slots)])
     assert runner.tokens_computed - before == 5
-    fresh = runner.forward([SeqBatchItem(other, 0, alloc.alloc(len(other)))])
+    fresh = runner.forward([BatchItem(other, 0, alloc.alloc(len(other)))])
     torch.testing.assert_close(cached, fresh, atol=1e-5, rtol=0)
 
 
@@ -73,10 +73,10 @@ def test_kv_is_written_to_the_given_slots(runner: ModelRunner) -> None:
     for layer in range(len(pool.k)):
         pool.k[layer].zero_()
         pool.v[layer].zero_()
-    logits = runner.forward([SeqBatchItem(ids_of(6), 0, slots)])
+    logits = runner.forward([BatchItem(ids_of(6), 0, slots)])
     written = (pool.k[0].abs().sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
     assert sorted(written) == sorted(slots.tolist())
-    contiguous = runner.forward([SeqBatchItem(ids_of(6), 0, np.arange(100, 106))])
+    contiguous = runner.forward([BatchItem(ids_of(6), 0, np.arange(100, 106))])
     torch.testing.assert_close(logits, contiguous, atol=1e-5, rtol=0)
     torch.testing.assert_close(pool.k[1][slots], pool.k[1][100:106], atol=1e-6, rtol=0)
 
@@ -85,34 +85,32 @@ def test_tokens_computed_counts_every_new_token(runner: ModelRunner) -> None:
     alloc = allocator_for(runner)
     a, b = alloc.alloc(10), alloc.alloc(3)
     before = runner.tokens_computed
-    logits = runner.forward([SeqBatchItem(ids_of(10), 0, a), SeqBatchItem(ids_of(3), 0, b)])
+    logits = runner.forward([BatchItem(ids_of(10), 0, a), BatchItem(ids_of(3), 0, b)])
     assert logits.shape == (2, runner.config.vocab_size)
     assert runner.tokens_computed - before == 13
-    runner.forward([SeqBatchItem([5], 10, np.append(a, alloc.alloc(1)))])
+    runner.forward([BatchItem([5], 10, np.append(a, alloc.alloc(1)))])
     assert runner.tokens_computed - before == 14
 
 
 @pytest.mark.parametrize(
     ("item", "message"),
     [
-        (SeqBatchItem([], 0, np.zeros(0, dtype=np.int64)), "no input_ids"),
-        (SeqBatchItem([1, 2], 0, np.arange(3)), "3 slots for start_pos 0"),
-        (SeqBatchItem([1], -1, np.arange(0)), "start_pos -1"),
-        (SeqBatchItem([1, 99999], 0, np.arange(2)), "token ids must be in"),
-        (SeqBatchItem([1, -1], 0, np.arange(2)), "token ids must be in"),
-        (SeqBatchItem([1, 2], 0, np.array([0, 256])), "slots must be in"),
-        (SeqBatchItem([1], 2048, np.zeros(2049, dtype=np.int64)), "exceed max_model_len"),
+        (BatchItem([], 0, np.zeros(0, dtype=np.int64)), "no input_ids"),
+        (BatchItem([1, 2], 0, np.arange(3)), "3 slots for start_pos 0"),
+        (BatchItem([1], -1, np.arange(0)), "start_pos -1"),
+        (BatchItem([1, 99999], 0, np.arange(2)), "token ids must be in"),
+        (BatchItem([1, -1], 0, np.arange(2)), "token ids must be in"),
+        (BatchItem([1, 2], 0, np.array([0, 256])), "slots must be in"),
+        (BatchItem([1], 2048, np.zeros(2049, dtype=np.int64)), "exceed max_model_len"),
     ],
 )
-def test_bad_items_raise_clear_errors(
-    runner: ModelRunner, item: SeqBatchItem, message: str
-) -> None:
+def test_bad_items_raise_clear_errors(runner: ModelRunner, item: BatchItem, message: str) -> None:
     before = runner.tokens_computed
     with pytest.raises(ValueError, match=message):
         runner.forward([item])
     assert runner.tokens_computed == before
     # The runner is still usable afterwards.
-    assert runner.forward([SeqBatchItem([5, 6], 0, np.arange(2))]).shape[0] == 1
+    assert runner.forward([BatchItem([5, 6], 0, np.arange(2))]).shape[0] == 1
 
 
 def test_validation_runs_in_debug_mode_only(
@@ -128,9 +126,9 @@ def test_validation_runs_in_debug_mode_only(
     calls = []
     for r in (fast, checked):
         monkeypatch.setattr(r, "_check", lambda batch, r=r: calls.append(r))
-        r.forward([SeqBatchItem([5, 6], 0, np.arange(2))])
+        r.forward([BatchItem([5, 6], 0, np.arange(2))])
     assert calls == [checked]
-    engine = LLMEngine.from_model_dir(tiny_model_dir, EngineConfig(device="cpu",
+    engine = load_engine(tiny_model_dir, EngineConfig(device="cpu",
                                       kv_capacity_tokens=256, debug_checks=False))  # fmt: skip
     assert not engine.runner.debug_checks
 
@@ -188,21 +186,21 @@ def test_any_schedule_matches_transformers(
     backends = {"sdpa": runner.backend}
     if importlib.util.find_spec("triton") is not None:
         backends["triton"] = triton_backend(runner)
-    stable = data.draw(st.booleans(), label="stable seq ids")
+    stable = data.draw(st.booleans(), label="stable req ids")
     lengths = data.draw(st.lists(st.integers(1, 24), min_size=1, max_size=4), label="lengths")
-    seqs = [ids_of(n, start=11 * i + 4) for i, n in enumerate(lengths)]
+    reqs = [ids_of(n, start=11 * i + 4) for i, n in enumerate(lengths)]
     slots = [allocator_for(runner).alloc(n) for n in lengths]
     with torch.no_grad():
-        refs = [hf_model(tiny_model_dir)(torch.tensor([s])).logits[0] for s in seqs]
-    done = [0] * len(seqs)
-    while any(d < len(s) for d, s in zip(done, seqs, strict=True)):
+        refs = [hf_model(tiny_model_dir)(torch.tensor([s])).logits[0] for s in reqs]
+    done = [0] * len(reqs)
+    while any(d < len(s) for d, s in zip(done, reqs, strict=True)):
         items, expect = [], []
-        for i, seq in enumerate(seqs):
-            if done[i] == len(seq):
+        for i, req in enumerate(reqs):
+            if done[i] == len(req):
                 continue
-            n = data.draw(st.integers(1, len(seq) - done[i]), label=f"chunk of seq {i}")
+            n = data.draw(st.integers(1, len(req) - done[i]), label=f"chunk of req {i}")
             sample = data.draw(st.booleans(), label="sample")
-            item = SeqBatchItem(seq[done[i] : done[i] + n], done[i], slots[i][: done[i] + n],
+            item = BatchItem(req[done[i] : done[i] + n], done[i], slots[i][: done[i] + n],
                                 sample=sample)  # fmt: skip
             if stable:
                 item.seq_id, item.dirty_from = 1000 + i, done[i]
@@ -218,7 +216,7 @@ def test_any_schedule_matches_transformers(
         assert logits.shape == (len(expect), runner.config.vocab_size)
         if expect:
             torch.testing.assert_close(logits, torch.stack(expect), atol=1e-4, rtol=0)
-    for i in range(len(seqs)):
+    for i in range(len(reqs)):
         runner.release(1000 + i)
     assert runner.table.num_rows == 0
 

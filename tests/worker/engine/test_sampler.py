@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, top-k, top-p and per-request seeds, batched."""
+"""TorchSampler: greedy, temperature, top-k, top-p and per-request seeds, batched."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import collections
 
 import torch
 
-from worker.engine.runtime.sampler import Sampler, _filtered_probs
+from worker.engine.runtime.sampler import TorchSampler, _filtered_probs
 from worker.engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -14,19 +14,19 @@ GREEDY = SamplingParams(temperature=0)
 
 def test_greedy_takes_the_argmax_of_each_row() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, -1.0, 4.9]])
-    assert Sampler(seed=0).pick(logits, [GREEDY, GREEDY], [0, 1]) == [1, 0]
+    assert TorchSampler(seed=0).pick(logits, [GREEDY, GREEDY], [0, 1]) == [1, 0]
 
 
 def test_top_k_one_is_greedy_even_when_hot() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=5.0, top_k=1)] * 4
     for _ in range(5):
-        assert Sampler().pick(logits, params, [0, 1, 2, 3]) == logits.argmax(-1).tolist()
+        assert TorchSampler().pick(logits, params, [0, 1, 2, 3]) == logits.argmax(-1).tolist()
 
 
 def test_top_k_keeps_only_the_k_best_tokens() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
-    sampler = Sampler(seed=1)
+    sampler = TorchSampler(seed=1)
     seen = {
         sampler.pick(logits, [SamplingParams(temperature=10.0, top_k=3)], [0])[0]
         for _ in range(300)
@@ -37,7 +37,7 @@ def test_top_k_keeps_only_the_k_best_tokens() -> None:
 def test_top_p_cuts_the_tail_but_keeps_the_best_token() -> None:
     # probs 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps {0, 1}; a tiny top_p keeps {0}.
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    sampler = Sampler(seed=2)
+    sampler = TorchSampler(seed=2)
     wide = {sampler.pick(logits, [SamplingParams(top_p=0.7)], [0])[0] for _ in range(300)}
     narrow = {sampler.pick(logits, [SamplingParams(top_p=0.01)], [0])[0] for _ in range(50)}
     assert wide == {0, 1}
@@ -46,7 +46,7 @@ def test_top_p_cuts_the_tail_but_keeps_the_best_token() -> None:
 
 def test_temperature_sampling_follows_the_distribution() -> None:
     logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
-    sampler = Sampler(seed=3)
+    sampler = TorchSampler(seed=3)
     counts = collections.Counter(
         sampler.pick(logits, [SamplingParams(temperature=1.0)], [0])[0] for _ in range(3000)
     )
@@ -56,7 +56,7 @@ def test_temperature_sampling_follows_the_distribution() -> None:
 
 def test_low_temperature_sharpens_high_temperature_flattens() -> None:
     logits = torch.tensor([[1.0, 0.0]])
-    sampler = Sampler(seed=4)
+    sampler = TorchSampler(seed=4)
 
     def share_of_best(t: float) -> float:
         picks = [sampler.pick(logits, [SamplingParams(temperature=t)], [0])[0] for _ in range(1000)]
@@ -72,7 +72,7 @@ def test_seeded_requests_repeat_whatever_shares_the_batch() -> None:
     seeded = SamplingParams(temperature=1.0, seed=1234)
 
     def run(batch_noise: bool) -> list[int]:
-        sampler = Sampler()  # randomly seeded: only the request's own seed may matter
+        sampler = TorchSampler()  # randomly seeded: only the request's own seed may matter
         out = []
         for step in range(6):
             logits = rows[step : step + 1]
@@ -95,7 +95,7 @@ def test_seeded_requests_repeat_whatever_shares_the_batch() -> None:
 def test_release_restarts_a_seeded_stream() -> None:
     logits = torch.zeros(1, 1000)
     params = [SamplingParams(seed=42)]
-    sampler = Sampler()
+    sampler = TorchSampler()
     first = [sampler.pick(logits, params, [0])[0] for _ in range(4)]
     sampler.release(0)
     assert [sampler.pick(logits, params, [0])[0] for _ in range(4)] == first
@@ -110,7 +110,7 @@ def test_mixed_batch_greedy_rows_unaffected() -> None:
         SamplingParams(seed=1),
         GREEDY,
     ]
-    out = Sampler(seed=0).pick(logits, params, list(range(5)))
+    out = TorchSampler(seed=0).pick(logits, params, list(range(5)))
     best = logits.argmax(-1).tolist()
     assert [out[0], out[2], out[4]] == [best[0], best[2], best[4]]
     assert all(0 <= t < 30 for t in out)
@@ -134,7 +134,7 @@ def test_top_p_one_keeps_every_token_whatever_shares_the_batch() -> None:
     torch.testing.assert_close(probs[0], rows[0].softmax(-1), rtol=1e-4, atol=1e-9)
 
     def draws(partner: bool) -> list[int]:
-        sampler = Sampler()  # unseeded: only the request's own seed may matter
+        sampler = TorchSampler()  # unseeded: only the request's own seed may matter
         out = []
         for step in range(8):
             logits, params = rows[step : step + 1], [mine]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tests.worker.engine.test_engine import make_engine, rand_ids, req, run, tokens
-from worker.engine.runtime.sampler import Sampler, _penalize
+from worker.engine.runtime.sampler import TorchSampler, _penalize
 from worker.engine.types import SamplingParams
 
 
@@ -32,7 +32,7 @@ def test_repetition_penalty_scales_seen_tokens_by_sign() -> None:
 
 def test_logit_bias_and_min_p_change_the_choice() -> None:
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    sampler = Sampler(seed=0)
+    sampler = TorchSampler(seed=0)
     banned = SamplingParams(temperature=0, logit_bias=((0, -100.0),))
     assert sampler.pick(logits, [banned], [0]) == [1]
     forced = SamplingParams(temperature=0, logit_bias=((3, 100.0),))

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from worker.engine.allocator import SlotAllocator
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import Batch, BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.radix_cache import NoCache, RadixCache
-from worker.engine.scheduler import Batch, Scheduler
-from worker.engine.sequence import Req, SeqStatus
+from worker.engine.req import Req, ReqStatus
+from worker.engine.scheduler import Scheduler
 from worker.engine.types import SamplingParams
 
 VOCAB = 97
@@ -46,7 +46,7 @@ class FakeRunner:
         self.tables: dict[int, np.ndarray] = {}  # seq_id -> the slots it was given
         self.released: list[int] = []
 
-    def forward(self, items: list[SeqBatchItem]) -> list[int]:
+    def forward(self, items: list[BatchItem]) -> list[int]:
         out = []
         for item in items:
             end = item.end_pos
@@ -85,7 +85,7 @@ class Harness:
         self._ids = 0
 
     def add(self, prompt: list[int], max_tokens: int) -> Req:
-        seq = Req(
+        req = Req(
             request_id=f"r{self._ids}",
             prompt_ids=list(prompt),
             params=SamplingParams(max_tokens=max_tokens, temperature=0),
@@ -93,17 +93,17 @@ class Harness:
             seq_id=self._ids,
         )
         self._ids += 1
-        self.sched.add(seq)
-        return seq
+        self.sched.add(req)
+        return req
 
     def step(self) -> Batch:
         batch = self.sched.schedule()
         tokens = self.runner.forward(batch.items)
         self.sched.advance(batch)
-        for seq, tok in zip(batch.sampled, tokens, strict=True):
-            seq.append_token(tok, max_model_len=10**9)
-            if seq.finish_reason is not None:
-                self.sched.finish(seq)
+        for req, tok in zip(batch.sampled, tokens, strict=True):
+            req.append_token(tok, max_model_len=10**9)
+            if req.finish_reason is not None:
+                self.sched.finish(req)
         self.sched.check_integrity()
         self.schedules.append(batch)
         return batch
@@ -122,14 +122,14 @@ class Harness:
     ) -> list[Req]:
         """Random arrivals (a stem plus a random suffix) and aborts for `steps` steps, then
         run to the end; every request that was not aborted must equal the reference."""
-        seqs, aborted = [], set()
+        reqs, aborted = [], set()
         for step in range(steps):
             if step < arrive_until and rng.random() < p_arrive:
                 suffix = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, max_suffix))]
-                seqs.append(
+                reqs.append(
                     self.add(rng.choice(stems) + suffix, max_tokens=rng.randrange(1, max_tokens))
                 )
-            live = [s for s in seqs if s.status is not SeqStatus.FINISHED]
+            live = [s for s in reqs if s.status is not ReqStatus.FINISHED]
             if live and rng.random() < p_abort:
                 victim = rng.choice(live)
                 self.sched.abort(victim)
@@ -138,10 +138,10 @@ class Harness:
             if self.sched.has_work:
                 self.step()
         self.run()
-        for seq in seqs:
-            if seq.seq_id not in aborted:
-                assert seq.output_ids == reference(seq.prompt_ids, seq.params.max_tokens)
-        return seqs
+        for req in reqs:
+            if req.seq_id not in aborted:
+                assert req.output_ids == reference(req.prompt_ids, req.params.max_tokens)
+        return reqs
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
@@ -174,24 +174,24 @@ def test_chunked_prefill_stays_under_the_budget() -> None:
 
 def test_running_requests_decode_together() -> None:
     h = Harness(1000)
-    seqs = [h.add([i + 1] * 5, max_tokens=4) for i in range(3)]
+    reqs = [h.add([i + 1] * 5, max_tokens=4) for i in range(3)]
     h.step()  # all three admitted and prefilled, each samples its first token
     for _ in range(3):
         s = h.step()
         assert [(r, len(i.input_ids)) for r, i in zip(s.reqs, s.items, strict=True)] == [
-            (q, 1) for q in seqs
+            (q, 1) for q in reqs
         ]
     assert not h.sched.has_work
-    assert all(q.output_ids == reference(q.prompt_ids, 4) for q in seqs)
+    assert all(q.output_ids == reference(q.prompt_ids, 4) for q in reqs)
 
 
 def test_max_running_requests_caps_the_batch() -> None:
     h = Harness(1000, max_running_requests=2)
-    seqs = [h.add([i + 1] * 4, max_tokens=3) for i in range(5)]
+    reqs = [h.add([i + 1] * 4, max_tokens=3) for i in range(5)]
     while h.sched.has_work:
         h.step()
         assert len(h.sched.running) <= 2
-    assert all(q.output_ids == reference(q.prompt_ids, 3) for q in seqs)
+    assert all(q.output_ids == reference(q.prompt_ids, 3) for q in reqs)
 
 
 @pytest.mark.parametrize(("page_size", "expected"), [(1, 40), (8, 40), (16, 32)])
@@ -232,22 +232,22 @@ def test_full_pool_preempts_and_outputs_stay_exact() -> None:
     ]
     # 120 slots for 12 requests of up to 44 + 30 tokens: eviction and preemption.
     h = Harness(120, max_prefill_tokens=40, evict_batch_tokens=16)
-    seqs = [h.add(p, max_tokens=30) for p in prompts]
+    reqs = [h.add(p, max_tokens=30) for p in prompts]
     h.run()
     assert h.sched.num_preemptions > 0
     assert any(s.preempted for s in h.schedules)
-    for seq in seqs:
-        assert seq.status is SeqStatus.FINISHED
-        assert seq.output_ids == reference(seq.prompt_ids, 30)
+    for req in reqs:
+        assert req.status is ReqStatus.FINISHED
+        assert req.output_ids == reference(req.prompt_ids, 30)
     h.cache.reset()
     assert h.allocator.available == h.allocator.capacity
 
 
 def test_lone_request_as_large_as_the_pool_completes() -> None:
     h = Harness(64, cache="none")
-    seq = h.add(list(range(1, 41)), max_tokens=24)  # 64 tokens, 63 with KV
+    req = h.add(list(range(1, 41)), max_tokens=24)  # 64 tokens, 63 with KV
     h.run()
-    assert seq.output_ids == reference(seq.prompt_ids, 24)
+    assert req.output_ids == reference(req.prompt_ids, 24)
     assert h.allocator.available == 64
 
 
@@ -259,11 +259,11 @@ def test_abort_frees_everything_in_every_state() -> None:
     h.step()
     h.step()
     assert decoding.output_ids and prefilling.is_prefilling
-    assert waiting.status is SeqStatus.WAITING or waiting.is_prefilling
-    for seq in (prefilling, waiting, decoding):
-        h.sched.abort(seq)
+    assert waiting.status is ReqStatus.WAITING or waiting.is_prefilling
+    for req in (prefilling, waiting, decoding):
+        h.sched.abort(req)
         h.sched.check_integrity()
-        assert seq.status is SeqStatus.FINISHED and len(seq.slots) == 0
+        assert req.status is ReqStatus.FINISHED and len(req.slots) == 0
     assert not h.sched.has_work
     h.cache.reset()
     assert h.allocator.available == h.allocator.capacity
@@ -344,7 +344,7 @@ def test_decode_slots_grow_in_place_and_earlier_views_hold() -> None:
 
 def test_ids_between_positions_equal_the_slice_of_all_ids() -> None:
     h = Harness(100)
-    seq = h.add([11, 12, 13, 14], max_tokens=3)
-    seq.output_ids = [21, 22, 23]
-    whole = seq.all_ids
-    assert all(seq.ids(a, b) == whole[a:b] for a in range(8) for b in range(a, 8))
+    req = h.add([11, 12, 13, 14], max_tokens=3)
+    req.output_ids = [21, 22, 23]
+    whole = req.all_ids
+    assert all(req.ids(a, b) == whole[a:b] for a in range(8) for b in range(a, 8))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker.engine.test_scheduler import VOCAB, Harness, reference
-from worker.engine.sequence import SeqStatus
+from worker.engine.req import ReqStatus
 
 
 def rand(rng: random.Random, n: int) -> list[int]:
@@ -34,7 +34,7 @@ def test_a_request_reuses_the_prefix_of_one_still_running() -> None:
     b = h.add([*prefix, *rand(rng, 7)], max_tokens=5)
     while not b.output_ids:
         h.step()
-    assert a.status is SeqStatus.RUNNING and b.cached_tokens == 192  # 200 to the page
+    assert a.status is ReqStatus.RUNNING and b.cached_tokens == 192  # 200 to the page
     h.run()
     assert a.output_ids == reference(a.prompt_ids, 50)
     assert b.output_ids == reference(b.prompt_ids, 5)
@@ -50,7 +50,7 @@ def test_without_inflight_sharing_the_running_prefix_is_computed_again() -> None
     b = h.add([*prefix, 2], max_tokens=5)
     while not b.output_ids:
         h.step()
-    assert b.cached_tokens == 0 and a.status is SeqStatus.RUNNING
+    assert b.cached_tokens == 0 and a.status is ReqStatus.RUNNING
 
 
 @pytest.mark.parametrize("dedup", [32, 0])
@@ -60,13 +60,13 @@ def test_a_burst_sharing_a_prefix_prefills_it_once(dedup: int) -> None:
     h = Harness(
         100_000, max_prefill_tokens=chunk, max_running_requests=32, inbatch_dedup_min_tokens=dedup
     )
-    seqs = [h.add([*prefix, *rand(rng, suffix)], max_tokens=4) for _ in range(16)]
+    reqs = [h.add([*prefix, *rand(rng, suffix)], max_tokens=4) for _ in range(16)]
     h.run()
-    assert all(s.output_ids == reference(s.prompt_ids, 4) for s in seqs)
+    assert all(s.output_ids == reference(s.prompt_ids, 4) for s in reqs)
     ideal = 2000 + 16 * suffix
     if dedup:
         assert prefilled(h, [4] * 16) <= ideal + chunk
-        assert sum(s.cached_tokens or 0 for s in seqs) >= 15 * 2000
+        assert sum(s.cached_tokens or 0 for s in reqs) >= 15 * 2000
     else:  # the second request fits in the first step's leftover budget: 2 x the prefix
         assert prefilled(h, [4] * 16) > ideal + 1500
 
@@ -74,8 +74,8 @@ def test_a_burst_sharing_a_prefix_prefills_it_once(dedup: int) -> None:
 def test_output_reservation_decays_and_resets_after_a_preemption() -> None:
     h = Harness(4000, init_new_token_ratio=0.5, min_new_token_ratio=0.1)
     adm = h.sched.admission
-    seq = h.add([1, 2, 3], max_tokens=101)
-    assert adm.reserve(seq) == 51  # ceil(101 x 0.5)
+    req = h.add([1, 2, 3], max_tokens=101)
+    assert adm.reserve(req) == 51  # ceil(101 x 0.5)
     for _ in range(10):
         h.step()
     assert adm.new_token_ratio < 0.5
@@ -92,9 +92,9 @@ def test_reservation_keeps_preemption_rare() -> None:
             init_new_token_ratio=ratio,
             min_new_token_ratio=min(ratio, 0.098),
         )
-        seqs = [h.add(rand(rng, 20), max_tokens=60) for _ in range(16)]
+        reqs = [h.add(rand(rng, 20), max_tokens=60) for _ in range(16)]
         h.run()
-        assert all(s.output_ids == reference(s.prompt_ids, 60) for s in seqs)
+        assert all(s.output_ids == reference(s.prompt_ids, 60) for s in reqs)
         return h.sched.num_preemptions
 
     # Reserving nothing admits all 16 (16 x 20 prompts fit) and preempts as outputs grow.
@@ -119,7 +119,7 @@ def test_lpm_serves_the_cached_prefix_first_and_ages_the_rest() -> None:
     h.step()
     cold = h.add(rand(rng, 65), max_tokens=2)
     warm = h.add([*hot, 3], max_tokens=2)
-    while blocker.status is SeqStatus.RUNNING:
+    while blocker.status is ReqStatus.RUNNING:
         h.step()
     h.step()
     assert h.sched.running == [cold]
@@ -151,13 +151,13 @@ def test_property_mixed_load_keeps_integrity_every_step(
         init_new_token_ratio=rng.choice([0.0, 0.7]),
         min_new_token_ratio=0.0,
     )
-    seqs = h.drive_random(
+    reqs = h.drive_random(
         rng, stems, steps=300, arrive_until=120, p_arrive=0.35, p_abort=0.04, max_suffix=16,
         max_tokens=30,
     )  # fmt: skip
     released = set(h.runner.released)
     assert all(
-        s.seq_id in released for s in seqs if s.num_tokens > 0 and s.cached_tokens is not None
+        s.seq_id in released for s in reqs if s.num_tokens > 0 and s.cached_tokens is not None
     )
     h.cache.reset()
     assert h.allocator.available == h.allocator.capacity

@@ -11,7 +11,7 @@ import torch
 
 from tests.worker.engine.slots import allocator_for
 from worker.engine.runtime.cuda_graphs import BUCKETS, bucket_for
-from worker.engine.runtime.runner import ModelRunner, SeqBatchItem
+from worker.engine.runtime.runner import BatchItem, ModelRunner
 
 
 class WatchedSlots(np.ndarray):
@@ -45,18 +45,18 @@ def decode_steps(runner: ModelRunner, context: int, steps: int = 3) -> list[int]
     step sending only the new slot (dirty_from = start_pos); the host->device int64
     count of each decode step."""
     allocator_for(runner).reset()
-    seqs = {sid: ids(context, sid) for sid in (1, 2, 3)}
-    slots = {sid: allocator_for(runner).alloc(context + steps) for sid in seqs}
-    runner.forward([SeqBatchItem(s, 0, slots[i][:context], seq_id=i) for i, s in seqs.items()])
+    reqs = {sid: ids(context, sid) for sid in (1, 2, 3)}
+    slots = {sid: allocator_for(runner).alloc(context + steps) for sid in reqs}
+    runner.forward([BatchItem(s, 0, slots[i][:context], seq_id=i) for i, s in reqs.items()])
     moved = []
     for step in range(steps):
         pos = context + step
-        batch = [SeqBatchItem([5 + i], pos, watched(slots[i][: pos + 1]), seq_id=i,
-                              dirty_from=pos) for i in seqs]  # fmt: skip
+        batch = [BatchItem([5 + i], pos, watched(slots[i][: pos + 1]), seq_id=i,
+                              dirty_from=pos) for i in reqs]  # fmt: skip
         runner.forward(batch)
         assert all(item.slots.lowest >= pos for item in batch)  # the prefix was never read
         moved.append(runner.host_elements_last_step)
-    for i in seqs:
+    for i in reqs:
         runner.release(i)
     return moved
 
@@ -72,12 +72,12 @@ def test_host_work_per_decode_step_does_not_grow_with_context(runner: ModelRunne
 
 def test_stable_rows_give_the_same_logits_as_full_slot_lists(runner: ModelRunner) -> None:
     allocator_for(runner).reset()
-    seq = ids(40, 9)
+    req = ids(40, 9)
     slots = allocator_for(runner).alloc(41)
-    runner.forward([SeqBatchItem(seq[:30], 0, slots[:30], seq_id=7)])
-    runner.forward([SeqBatchItem(seq[30:40], 30, slots[:40], seq_id=7, dirty_from=30)])
-    got = runner.forward([SeqBatchItem([11], 40, slots, seq_id=7, dirty_from=40)])
-    want = runner.forward([SeqBatchItem([11], 40, slots)])  # a one-step row: all slots
+    runner.forward([BatchItem(req[:30], 0, slots[:30], seq_id=7)])
+    runner.forward([BatchItem(req[30:40], 30, slots[:40], seq_id=7, dirty_from=30)])
+    got = runner.forward([BatchItem([11], 40, slots, seq_id=7, dirty_from=40)])
+    want = runner.forward([BatchItem([11], 40, slots)])  # a one-step row: all slots
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     runner.release(7)
 
@@ -86,10 +86,10 @@ def test_dirty_prefix_slots_are_rewritten(runner: ModelRunner) -> None:
     """The scheduler re-points prefix slots (e.g. a radix insert kept another copy of
     the same tokens): the runner reads the new slots from dirty_from on."""
     allocator_for(runner).reset()
-    seq = ids(30, 4)
+    req = ids(30, 4)
     slots = allocator_for(runner).alloc(31)
-    runner.forward([SeqBatchItem(seq, 0, slots[:30], seq_id=3)])
-    before = runner.forward([SeqBatchItem([9], 30, slots, seq_id=3, dirty_from=30)])
+    runner.forward([BatchItem(req, 0, slots[:30], seq_id=3)])
+    before = runner.forward([BatchItem([9], 30, slots, seq_id=3, dirty_from=30)])
     # Move positions 10..29 to fresh slots holding the same K/V; the old ones are zeroed.
     moved = allocator_for(runner).alloc(20)
     for layer in range(runner.config.num_hidden_layers):
@@ -98,9 +98,9 @@ def test_dirty_prefix_slots_are_rewritten(runner: ModelRunner) -> None:
             buf[slots[10:30]] = 0
     new_slots = np.concatenate([slots[:10], moved, slots[30:]])
     # Position 30 is recomputed (its K/V rewritten at the same slot).
-    after = runner.forward([SeqBatchItem([9], 30, new_slots, seq_id=3, dirty_from=10)])
+    after = runner.forward([BatchItem([9], 30, new_slots, seq_id=3, dirty_from=10)])
     torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
-    stale = runner.forward([SeqBatchItem([9], 30, new_slots, seq_id=3, dirty_from=30)])
+    stale = runner.forward([BatchItem([9], 30, new_slots, seq_id=3, dirty_from=30)])
     assert torch.equal(stale, after)  # the table kept the rewritten prefix
     runner.release(3)
 
@@ -109,12 +109,12 @@ def test_bad_dirty_from_is_a_clear_error(runner: ModelRunner) -> None:
     allocator_for(runner).reset()
     slots = allocator_for(runner).alloc(12)
     with pytest.raises(ValueError, match="new to the runner"):
-        runner.forward([SeqBatchItem(ids(2, 1), 10, slots, seq_id=50, dirty_from=10)])
-    runner.forward([SeqBatchItem(ids(5, 1), 0, slots[:5], seq_id=51)])
+        runner.forward([BatchItem(ids(2, 1), 10, slots, seq_id=50, dirty_from=10)])
+    runner.forward([BatchItem(ids(5, 1), 0, slots[:5], seq_id=51)])
     with pytest.raises(ValueError, match="past the 5 positions"):
-        runner.forward([SeqBatchItem(ids(2, 1), 10, slots, seq_id=51, dirty_from=7)])
+        runner.forward([BatchItem(ids(2, 1), 10, slots, seq_id=51, dirty_from=7)])
     with pytest.raises(ValueError, match="dirty_from"):
-        runner.forward([SeqBatchItem(ids(2, 1), 10, slots, seq_id=51, dirty_from=11)])
+        runner.forward([BatchItem(ids(2, 1), 10, slots, seq_id=51, dirty_from=11)])
     runner.release(51)
     runner.release(51)  # unknown ids are a no-op
 
@@ -122,11 +122,11 @@ def test_bad_dirty_from_is_a_clear_error(runner: ModelRunner) -> None:
 def test_table_grows_past_its_initial_rows(runner: ModelRunner) -> None:
     allocator_for(runner).reset()
     generation = runner.table.generation
-    batch = [SeqBatchItem(ids(4, i), 0, allocator_for(runner).alloc(4), seq_id=100 + i)
+    batch = [BatchItem(ids(4, i), 0, allocator_for(runner).alloc(4), seq_id=100 + i)
              for i in range(5)]  # fmt: skip
     first = runner.forward(batch)
     assert runner.table.num_rows == 5 and runner.table.generation > generation
-    again = runner.forward([SeqBatchItem(ids(4, i), 0, b.slots) for i, b in enumerate(batch)])
+    again = runner.forward([BatchItem(ids(4, i), 0, b.slots) for i, b in enumerate(batch)])
     torch.testing.assert_close(first, again, atol=1e-6, rtol=0)
     for i in range(5):
         runner.release(100 + i)

@@ -9,7 +9,7 @@ import collections
 import pytest
 import torch
 
-from worker.engine.runtime.sampler import Sampler
+from worker.engine.runtime.sampler import TorchSampler
 from worker.engine.runtime.threshold_filter import filtered_probs, sorted_reference, top_p_threshold
 from worker.engine.types import SamplingParams
 
@@ -122,7 +122,7 @@ def test_top_p_one_keeps_the_whole_row_next_to_a_cut_row() -> None:
 def test_draws_follow_the_cut_distribution() -> None:
     # probs .5 .3 .15 .05, top_p .7: {0, 1} with .625 / .375.
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    sampler = Sampler(seed=9)
+    sampler = TorchSampler(seed=9)
     params = [SamplingParams(temperature=1.0, top_p=0.7)]
     counts = collections.Counter(sampler.pick(logits, params, [0])[0] for _ in range(2000))
     assert set(counts) == {0, 1}
@@ -136,7 +136,7 @@ def test_seeded_draws_repeat_with_cuts_whatever_the_batch() -> None:
     other = SamplingParams(temperature=1.3, top_p=0.3)
     runs = []
     for mates in ([other, other], [SamplingParams(temperature=0)] * 2):
-        sampler = Sampler(seed=len(runs))
+        sampler = TorchSampler(seed=len(runs))
         runs.append([
             sampler.pick(logits, [seeded, *mates], [0, 1, 2], seeds=[7, None, None])[0]
             for _ in range(15)

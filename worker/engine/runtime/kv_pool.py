@@ -26,7 +26,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def _cpu_available_bytes() -> int:
+def cpu_available_bytes() -> int:
     """Memory the kernel could give us without swapping (MemAvailable), or free pages."""
     try:
         with open("/proc/meminfo") as f:
@@ -114,7 +114,7 @@ class KVPool:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
         else:
-            free = _cpu_available_bytes()
+            free = cpu_available_bytes()
         per_token = KVPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         return int(free * fraction) // per_token
 

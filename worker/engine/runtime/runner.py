@@ -1,14 +1,10 @@
 """The model runner: owns the model, the KV pool, the attention backend and every
 device tensor, including the request->token table and the logits.
 
-The scheduler hands it a batch of `SeqBatchItem`s (pure Python: ids, a start
+The scheduler hands it a batch of `BatchItem`s (pure Python: ids, a start
 position and a numpy slot list) and gets back one row of fp32 logits per item that
-samples. How one item's slots line up with its tokens:
-
-    positions  0 ...... dirty_from ...... start_pos-1 | start_pos ..... start_pos+n-1
-    tokens     cached prefix                          | input_ids (n NEW tokens)
-    slots      as last seen | may have changed        | new: K/V computed now
-    table row  kept         | rewritten from slots[dirty_from:] ------------------>|
+samples. How one item's slots line up with its tokens and its table row: the picture
+in worker/engine/batch.py.
 
 A decode step is an item with n = 1; a prefill chunk has start_pos = the tokens
 already cached or prefilled. The table row of a sequence lives on the device while
@@ -25,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.engine.batch import SeqBatchItem
+from worker.engine.batch import BatchItem
 from worker.engine.config import debug_from_env
+from worker.engine.host_tier import KVCopies
 from worker.engine.model_config import ModelConfig
 from worker.engine.runtime.attention import make_backend, resolve_backend
 from worker.engine.runtime.attention.metadata import (
@@ -39,6 +36,7 @@ from worker.engine.runtime.cuda_graphs import DecodeGraphs
 from worker.engine.runtime.device import pick_device, pick_dtype
 from worker.engine.runtime.fused_ops import ops_for
 from worker.engine.runtime.futures import FutureTokens
+from worker.engine.runtime.host_pool import HostKVPool
 from worker.engine.runtime.kv_pool import KV_CACHE_DTYPES, KVPool
 from worker.engine.runtime.model import ForwardContext
 from worker.engine.runtime.weights import load_model
@@ -48,7 +46,7 @@ from worker.engine.runtime.weights import load_model
 CPU_DEFAULT_KV_TOKENS = 131_072
 
 
-__all__ = ["CPU_DEFAULT_KV_TOKENS", "ModelRunner", "SeqBatchItem"]
+__all__ = ["CPU_DEFAULT_KV_TOKENS", "BatchItem", "ModelRunner"]
 
 
 class ModelRunner:
@@ -60,6 +58,7 @@ class ModelRunner:
         dtype: str = "auto",
         kv_capacity_tokens: int | None = None,
         kv_memory_fraction: float = 0.5,
+        host_cache_tokens: int = 0,
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
         max_running_requests: int = 64,
@@ -97,6 +96,8 @@ class ModelRunner:
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
             capacity, self.dtype, self.device, kv_dtype=self.kv_dtype,
         )  # fmt: skip
+        # The host tier's pool (None: off); refused here when host memory cannot hold it.
+        self.host_pool = HostKVPool(self.pool, host_cache_tokens) if host_cache_tokens else None
         self.backend = make_backend(
             self.attention_backend, self.pool.k, self.pool.v,
             num_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
@@ -135,11 +136,31 @@ class ModelRunner:
         """KV slots in the pool: the engine's allocator hands out [0, capacity)."""
         return self.pool.capacity
 
+    @property
+    def host_capacity(self) -> int:
+        """Host tier slots (0: no host tier): the engine sizes the radix cache's from it."""
+        return 0 if self.host_pool is None else self.host_pool.capacity
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return KVPool.bytes_per_token(
+            self.pool.num_layers, self.pool.num_kv_heads, self.pool.head_dim, self.pool.dtype
+        )
+
+    @property
+    def host_load_bytes_per_s(self) -> float:
+        return 0.0 if self.host_pool is None else self.host_pool.load_bytes_per_s
+
+    def copy_kv(self, copies: KVCopies) -> None:
+        """The step's planned write-backs and loads (host_pool.py: no host sync on CUDA)."""
+        assert self.host_pool is not None, "copies planned without a host pool"
+        self.host_pool.copy(copies)
+
     def release(self, seq_id: int) -> None:
         """The sequence left the running set: its table row is free (no-op if unknown)."""
         self.table.release(seq_id)
 
-    def _check(self, batch: list[SeqBatchItem]) -> None:
+    def _check(self, batch: list[BatchItem]) -> None:
         """Bad items are caller bugs, but a clear error beats a CUDA index assert.
         Reads only what the step moves (new ids, slots[dirty_from:]); debug mode only."""
         for i, item in enumerate(batch):
@@ -168,7 +189,7 @@ class ModelRunner:
                 raise ValueError(f"item {i}: slots must be in [0, {self.pool.capacity})")
 
     @torch.inference_mode()
-    def forward(self, batch: list[SeqBatchItem]) -> torch.Tensor:
+    def forward(self, batch: list[BatchItem]) -> torch.Tensor:
         """fp32 logits [items with sample, vocab] of each such item's last input token,
         in batch order; writes the K/V of every new token into its slot."""
         if not batch:

@@ -40,14 +40,14 @@ from worker.engine.runtime.threshold_filter import filtered_probs
 from worker.engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from worker.engine.sequence import Req
+    from worker.engine.req import Req
 
 
 # Columns of the per-row parameter array (float32; token ids < 2**24 stay exact).
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _FREQ, _PRES, _GREEDY = range(8)
 
 
-class Sampler:
+class TorchSampler:
     def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
         self.device = torch.device(device)
         self._rng = torch.Generator(device=self.device)

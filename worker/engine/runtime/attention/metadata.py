@@ -2,10 +2,10 @@
 
 The table (SGLang's `req_to_token`) has one row per running sequence:
 `table[row, pos]` is the KV slot of token `pos`. It lives on the device and is
-updated in place, so a step moves only what changed host->device:
+updated in place, so a step moves only what changed host->device (which positions of
+a row those are: the picture in worker/engine/batch.py):
 
-    per item   positions dirty_from .. start_pos+n-1 of its row (the new tokens' slots,
-               plus any prefix slots the scheduler re-pointed since the last step)
+    per item   positions dirty_from .. start_pos+n-1 of its row
     per token  the new token ids and their positions
     per item   row, start_pos, n, where its tokens start in the flat batch
 

@@ -23,7 +23,7 @@ class Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
 
 
-class SeqStatus(enum.Enum):
+class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no slots
     RUNNING = "running"  # admitted: holds slots, prefilling or decoding
     FINISHED = "finished"  # released: holds nothing
@@ -89,7 +89,7 @@ class Req:
     stop_ids: frozenset[int] = frozenset()
     index: int = 0  # the choice this Req produces (n > 1)
     output_ids: list[int] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING
+    status: ReqStatus = ReqStatus.WAITING
     # Monotonic times: queued, and first admitted by the scheduler (queue-time metric).
     arrived: float = field(default_factory=time.monotonic)
     admitted: float | None = None
@@ -107,6 +107,7 @@ class Req:
     admitted: float | None = None
     # Prefix hit of the first admission: what the client is told was cached.
     cached_tokens: int | None = None
+    host_cached_tokens: int = 0  # of them, loaded from the host tier
 
     # --- output text (owned by the engine's postprocess) ---
     text: str = ""  # everything detokenized so far (stop string excluded once found)
@@ -151,17 +152,13 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
     def is_prefilling(self) -> bool:
         """Slots allocated whose KV is not written yet (prompt or recompute after preemption)."""
         return self.num_computed < len(self.slots)
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
+        return self.status is ReqStatus.FINISHED
 
     @property
     def remaining_tokens(self) -> int:
