@@ -12,7 +12,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from router.http.state import FLEET, KV_FEED
+from router.http.state import FLEET, KV_FEED, TOKENS
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer, free_port
 from tests.fuzz.conftest import start_router, worker_config
@@ -65,8 +65,16 @@ async def test_a_prompt_warmed_on_a_worker_routes_there(
             await direct[int(wid[1])].chat.completions.create(
                 model="sim", messages=chat(i, "How many boxes?"), max_tokens=2
             )
-        for _ in range(200):
-            if all(feed.trusted(w) for w in ("w0", "w1")) and len(feed.indexes.get("sim", ())) > 40:
+        tokens = router.app[TOKENS]
+
+        def indexed() -> bool:  # every warmed prompt's blocks, on the worker that holds them
+            return all(feed.trusted(w) for w in ("w0", "w1")) and all(
+                feed.match("sim", tokens.chat(chat(i, "How many boxes?"))).get(wid, 0) > 0
+                for i, wid in warmed.items()
+            )
+
+        for _ in range(200):  # (a count of blocks let the last prompt's events lag: flaky)
+            if indexed():
                 break
             await asyncio.sleep(0.05)
         for i, wid in warmed.items():
