@@ -148,4 +148,7 @@ class Worker:
             "failures_total": self.failures_total,
             "predicted_cached_tokens_total": round(self.predicted_tokens_total),
             "actual_cached_tokens_total": self.actual_cached_tokens_total,
+            # Learned from its answers where the router has no tokenizer (None: not yet).
+            "chars_per_token": self.chars_per_token,
+            "calibration_rejected_total": self.calibration_rejected_total,
         }

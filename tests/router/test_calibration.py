@@ -96,6 +96,13 @@ async def test_sim_worker_calibrates_and_predictions_follow(fleet: BenchFleet) -
         assert worker.calibration_rejected_total == 0
         assert len(errors_learned) >= 6
         assert max(errors_learned) < 0.15 < 0.5 < min(errors_default)
+        async with (  # where operators look
+            aiohttp.ClientSession() as http,
+            http.get(server.make_url("/workers")) as r,
+        ):
+            row = next(w for w in (await r.json())["data"] if w["worker_id"] == "sim-0")
+        assert row["chars_per_token"] == worker.chars_per_token
+        assert row["calibration_rejected_total"] == 0
         ratio = worker.predicted_tokens_total / worker.actual_cached_tokens_total
         assert abs(ratio - 1) < 0.15  # the dashboard's predicted / actual
         policy = server.app[POLICY]
