@@ -31,22 +31,7 @@ from dataclasses import dataclass
 import openai
 
 from loadtests.fleet import BenchFleet, WorkerSpec
-
-WORDS = [
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-]
+from loadtests.workloads import NATO_WORDS as WORDS
 
 
 @dataclass

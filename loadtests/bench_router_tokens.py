@@ -21,22 +21,7 @@ import time
 import aiohttp
 
 from loadtests.fleet import BenchFleet, WorkerSpec
-
-WORDS = [
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-]
+from loadtests.workloads import NATO_WORDS as WORDS
 
 
 def cpu_s(pid: int) -> float:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.text_tokenizer import TextTokenizer
 from worker.backends.sim import build_sim_llm_engine
-from worker.backends.text_tokenizer import TextTokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.load import load_engine

@@ -20,23 +20,8 @@ import urllib.request
 
 import openai
 
+from loadtests.workloads import NATO_WORDS as WORDS
 from shared.procs import free_port
-
-WORDS = [
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-]
 
 
 def dashboard(url: str) -> dict:

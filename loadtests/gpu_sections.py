@@ -135,11 +135,11 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
                    backend: str) -> None:  # fmt: skip
     from loadtests import gpu_bench as gb
     from loadtests import gpu_overlap as go
+    from shared.tokenizer import Tokenizer
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     from worker.engine.runtime.runner import ModelRunner
     from worker.engine.runtime.sampler import TorchSampler
-    from worker.engine.tokenizer import Tokenizer
     from worker.models.tiny_model import PRESETS, make_tiny_model
 
     cuda = device.type == "cuda"

@@ -35,6 +35,11 @@ _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 VOCAB: tuple[str, ...] = tuple(a + b for a, b in itertools.product(_SYLLABLES, repeat=2) if a != b)
 
 
+# Real words for the benchmarks whose prompts a real tokenizer reads (issue 26's).
+NATO_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
+              "india", "juliet", "kilo", "lima", "mike")  # fmt: skip
+
+
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choices(VOCAB, k=n))
 

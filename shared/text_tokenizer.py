@@ -66,7 +66,7 @@ class _AsciiIds(dict[str, int]):
 
 
 class TextTokenizer:
-    """Same surface as worker.engine.tokenizer.Tokenizer for what the sim engine uses."""
+    """Same surface as shared.tokenizer.Tokenizer for what the sim engine uses."""
 
     eos_token_ids: tuple[int, ...] = ()
     vocab_size = VOCAB_SIZE

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.backends.text_tokenizer import TextTokenizer
-from worker.engine.tokenizer import Tokenizer
+from shared.text_tokenizer import TextTokenizer
+from shared.tokenizer import Tokenizer
 from worker.engine.types import GenerateOutput, TokenLogprob
 from worker.formats import ChatFormat, Choice, CompletionFormat, Tally
 

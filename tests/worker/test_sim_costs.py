@@ -8,10 +8,10 @@ import pytest
 from loadtests.sim.worker import CostModel, SimWorker
 from shared.config import WorkerConfig
 from shared.registry import WorkerRecord
+from shared.text_tokenizer import TextTokenizer
 from worker.app import make_record
 from worker.backends import build_engine
 from worker.backends.sim import build_sim_llm_engine
-from worker.backends.text_tokenizer import TextTokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.types import EngineRequest, SamplingParams
 from worker.state import WorkerState

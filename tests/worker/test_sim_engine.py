@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.text_tokenizer import TextTokenizer
 from tests.waiting import wait_until
 from worker.backends.sim import build_sim_async_engine
-from worker.backends.text_tokenizer import TextTokenizer
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.types import (

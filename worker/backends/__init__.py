@@ -33,13 +33,13 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
     `--model` is given, else the built-in `TextTokenizer` (no files needed)."""
     from dataclasses import replace
 
+    from shared.text_tokenizer import TextTokenizer
     from worker.backends.radix import engine_config
     from worker.backends.sim import build_sim_async_engine
-    from worker.backends.text_tokenizer import TextTokenizer
 
     tokenizer: EngineTokenizer
     if config.model is not None:
-        from worker.engine.tokenizer import Tokenizer
+        from shared.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(config.model)
         name = Path(config.model).name

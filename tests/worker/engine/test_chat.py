@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from shared.text_tokenizer import VOCAB_SIZE, TextTokenizer
+from shared.tokenizer import Tokenizer
 from worker.backends.sim import build_sim_async_engine
-from worker.backends.text_tokenizer import VOCAB_SIZE, TextTokenizer
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.chat import render_chat
 from worker.engine.config import EngineConfig
 from worker.engine.req import Req
-from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import EngineError, EngineRequest, SamplingParams
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from shared.config import WorkerConfig
+from shared.tokenizer import Tokenizer
 from worker.app import create_app
 from worker.backends import build_engine
 from worker.backends.radix import engine_config
@@ -24,7 +25,6 @@ from worker.engine.runtime.cuda_graphs import BUCKETS, DecodeGraphs
 from worker.engine.runtime.load import load_engine
 from worker.engine.runtime.runner import ModelRunner
 from worker.engine.runtime.sampler import TorchSampler
-from worker.engine.tokenizer import Tokenizer
 from worker.engine.types import EngineRequest, SamplingParams
 from worker.state import ENGINE, STATE
 

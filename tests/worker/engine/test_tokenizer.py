@@ -11,8 +11,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from shared.tokenizer import Tokenizer
 from worker.cli import main
-from worker.engine.tokenizer import Tokenizer
 from worker.models.tiny_model import PRESETS
 
 transformers = pytest.importorskip("transformers")

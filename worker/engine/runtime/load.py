@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shared.tokenizer import Tokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.runner import ModelRunner
 from worker.engine.runtime.sampler import TorchSampler
-from worker.engine.tokenizer import Tokenizer
 
 
 def load_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
