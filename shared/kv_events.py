@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-import msgpack
 import numpy as np
 
 MEDIUM_GPU = "GPU"
@@ -155,6 +154,8 @@ def _event_obj(event: KVEvent) -> dict[str, Any]:
 
 def encode_batch(events: Sequence[KVEvent], ts: float | None = None) -> bytes:
     """vLLM's wire form of one batch (data_parallel_rank omitted, as vLLM omits defaults)."""
+    import msgpack  # here, not at the top: the engine makes events without it (GPU machine)
+
     batch = [time.time() if ts is None else ts, [_event_obj(e) for e in events]]
     return msgpack.packb(batch, use_bin_type=True)
 
@@ -174,6 +175,8 @@ _REMOVED_ORDER = ("block_hashes", "medium")
 
 def decode_batch(payload: bytes) -> EventBatch:
     """One batch in vLLM's or SGLang's wire form; ValueError on anything else."""
+    import msgpack  # see encode_batch
+
     if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > MAX_BATCH_BYTES:
         raise ValueError("batch is not bytes or is too large")
     try:
