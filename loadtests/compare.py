@@ -68,6 +68,11 @@ POLICIES: dict[str, RouterSpec] = {
     "power_of_two": RouterSpec("power_of_two"),
 }
 DEFAULT_POLICIES = ("cache_aware (fleet)", "round_robin", "least_load")
+# `--kv-events`: each policy runs twice, as listed and as "<policy> + events" (the same
+# keys plus the block index fed by the workers' KV events; the sim workers' tokenizer).
+EVENTS = " + events"
+EVENTS_SETTINGS = {"kv_events": "true", "tokenizer": "sim"}
+EVENTS_SETTLE_S = 1.0  # the router reads the flush's "cleared" events before traffic
 # The workload defaults of `compare` (see the module docstring for why these).
 WORKLOAD_DEFAULTS = {
     "groups": 8, "prompts_per_group": 16, "system_len": 512, "question_len": 24,
@@ -128,6 +133,8 @@ def compare(
     a policy's own keys (balance_mode) win. ``sglang_python``: a Python with
     `sglang-router` installed; SGLang's router then runs last, as ``sglang-router``."""
     results: dict[str, Summary] = {}
+    if any(p.endswith(EVENTS) for p in policies) and not fleet_spec.kv_events:
+        raise ValueError("a '+ events' policy needs a fleet whose workers publish (kv_events)")
     policies = list(policies) + ([SGLANG] if sglang_python else [])
     progress = Progress("compare", 1 + len(policies))
     progress.say(f"starting Redis, {fleet_spec.workers} sim workers and a router")
@@ -139,12 +146,16 @@ def compare(
                 assert sglang_python is not None
                 fleet.start_sglang_router(sglang_python)
             else:
-                spec = POLICIES[name]
+                base = name.removesuffix(EVENTS)
+                spec = POLICIES[base]
+                events = EVENTS_SETTINGS if base != name else {}
                 fleet.start_router(
-                    {**(settings or {}), "policy": spec.policy, **spec.settings,
+                    {**(settings or {}), "policy": spec.policy, **spec.settings, **events,
                      "log_level": "WARNING"}
                 )  # fmt: skip
             fleet.flush()
+            if fleet_spec.kv_events:  # both arms wait alike
+                time.sleep(EVENTS_SETTLE_S)
             before = fleet.worker_requests()
             out = run_spec.out / name.replace(" ", "_").replace("(", "").replace(")", "")
             # Every request names the sim workers' model: SGLang's router requires one.
@@ -226,6 +237,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", type=Path, default=None, help="bar chart path (default: OUT/policies.png)"
     )
+    p.add_argument(
+        "--kv-events", action="store_true",
+        help="workers publish KV events; each policy runs twice: the tree alone and "
+        "'<policy> + events' (router kv_events on)",
+    )  # fmt: skip
     add_workload_arguments(p, defaults=WORKLOAD_DEFAULTS)
 
 
@@ -242,9 +258,12 @@ def main(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    if args.kv_events:
+        policies = [n for p in policies for n in (p, p + EVENTS)]
     fleet = FleetSpec(
         workers=args.workers, cache_tokens=args.cache_tokens, prefill_us_per_token=args.prefill_us,
         decode_ms_per_token=args.decode_ms, max_running_requests=args.max_running,
+        kv_events=args.kv_events,
     )  # fmt: skip
     workload = options_from_namespace(args)
     run_spec = RunSpec(

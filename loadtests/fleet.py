@@ -65,12 +65,14 @@ class FleetSpec:
     prefill_us_per_token: float = 30.0
     decode_ms_per_token: float = 3.0
     max_running_requests: int = 8
+    kv_events: bool = False  # workers publish KV events (a router reads them with kv_events)
 
     def worker(self) -> WorkerSpec:
+        events = ("--kv-events",) if self.kv_events else ()
         return WorkerSpec(
             decode_ms=self.decode_ms_per_token, prefill_us=self.prefill_us_per_token,
             cache_tokens=self.cache_tokens, heartbeat_s=0.5,
-            max_running=self.max_running_requests, extra=("--log-level", "WARNING"),
+            max_running=self.max_running_requests, extra=("--log-level", "WARNING", *events),
         )  # fmt: skip
 
     def start(self) -> BenchFleet:
