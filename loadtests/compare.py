@@ -2,6 +2,7 @@
 
     python -m loadtests compare                      # the defaults: under a minute on 2 cores
     python -m loadtests compare --policies all --groups 16 --users 32 --out loadtests/out/compare
+    python -m loadtests compare --kv-events --policies cost_aware   # tree alone vs + events
 
 For each policy the router restarts with it and every worker's cache is flushed, so
 each policy meets the same cold fleet and the same requests in the same order. SGLang's

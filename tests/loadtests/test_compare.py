@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.compare import _setting, compare, table
+from loadtests.compare import EVENTS, _setting, compare, table
 from loadtests.fleet import FleetSpec
 from loadtests.options import WorkloadOptions
 from loadtests.runner import RunSpec
@@ -47,3 +47,10 @@ def test_router_setting_parsing() -> None:
     assert _setting(" balance_abs_threshold = 8 ") == ("balance_abs_threshold", "8")
     with pytest.raises(ValueError, match="KEY=VALUE"):
         _setting("balance_abs_threshold")
+
+
+def test_events_arm_needs_publishing_workers(tmp_path: Path) -> None:
+    # Without workers that publish, "+ events" would silently run the tree alone.
+    run = RunSpec(host="", out=tmp_path)
+    with pytest.raises(ValueError, match="publish"):
+        compare(FleetSpec(workers=1), CHAT, run, ["cost_aware" + EVENTS])
