@@ -2,12 +2,15 @@
 
     python -m loadtests compare                      # the defaults: under a minute on 2 cores
     python -m loadtests compare --policies all --groups 16 --users 32 --out loadtests/out/compare
+    python -m loadtests compare --workload multi_turn --host-cache-tokens 0,16384  # a host KV tier
 
 For each policy the router restarts with it and every worker's cache is flushed, so
 each policy meets the same cold fleet and the same requests in the same order. SGLang's
 Rust router (`sglang-router`, in its own venv: `--sglang-python VENV/bin/python`) joins
 as a peer over the same workers; its per-worker counts come from the workers' /metrics
-(it names no worker in its answers).
+(it names no worker in its answers). `--host-cache-tokens 0,N,...` repeats the whole
+comparison on a fresh fleet for each host KV tier size (issue 22; results in
+loadtests/results/host_tier.md).
 Prints a line per phase with elapsed time and time left, one table (throughput, TTFT
 p50/p99, hit rate, max/mean requests per worker), the cache-aware / round-robin ratios
 and a one-line verdict, and saves `policies.png`.
