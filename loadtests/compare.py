@@ -2,13 +2,16 @@
 
     python -m loadtests compare                      # the defaults: under a minute on 2 cores
     python -m loadtests compare --policies all --groups 16 --users 32 --out loadtests/out/compare
+    python -m loadtests compare --workload multi_turn --host-cache-tokens 0,16384  # a host KV tier
     python -m loadtests compare --kv-events --policies cost_aware   # tree alone vs + events
 
 For each policy the router restarts with it and every worker's cache is flushed, so
 each policy meets the same cold fleet and the same requests in the same order. SGLang's
 Rust router (`sglang-router`, in its own venv: `--sglang-python VENV/bin/python`) joins
 as a peer over the same workers; its per-worker counts come from the workers' /metrics
-(it names no worker in its answers).
+(it names no worker in its answers). `--host-cache-tokens 0,N,...` repeats the whole
+comparison on a fresh fleet for each host KV tier size (issue 22; results in
+loadtests/results/host_tier.md).
 Prints a line per phase with elapsed time and time left, one table (throughput, TTFT
 p50/p99, hit rate, max/mean requests per worker), the cache-aware / round-robin ratios
 and a one-line verdict, and saves `policies.png`.
@@ -54,6 +57,7 @@ class RouterSpec:
     settings: dict[str, str] = field(default_factory=dict)  # RouterConfig keys of its own
 
 
+HOST_HITS = "radix_worker_cached_tokens_by_tier_total"  # the workers' hits, by tier
 SGLANG = "sglang-router"  # SGLang's Rust router, cache_aware at its defaults
 POLICIES: dict[str, RouterSpec] = {
     "cache_aware (fleet)": RouterSpec("cache_aware", {"balance_mode": "fleet"}),
@@ -129,16 +133,39 @@ def compare(
     policies: list[str],
     settings: dict[str, str] | None = None,
     sglang_python: str | None = None,
+    host_tiers: tuple[int, ...] = (),
 ) -> dict[str, Summary]:
     """``settings``: RouterConfig keys for every router (thresholds, no_match, ...);
     a policy's own keys (balance_mode) win. ``sglang_python``: a Python with
-    `sglang-router` installed; SGLang's router then runs last, as ``sglang-router``."""
+    `sglang-router` installed; SGLang's router then runs last, as ``sglang-router``.
+    ``host_tiers``: host KV tier sizes (tokens a worker); each gets a fresh fleet and
+    every policy, named ``POLICY, host N`` (empty: the one fleet of ``fleet_spec``)."""
     results: dict[str, Summary] = {}
     if any(p.endswith(EVENTS) for p in policies) and not fleet_spec.kv_events:
         raise ValueError("a '+ events' policy needs a fleet whose workers publish (kv_events)")
     policies = list(policies) + ([SGLANG] if sglang_python else [])
-    progress = Progress("compare", 1 + len(policies))
-    progress.say(f"starting Redis, {fleet_spec.workers} sim workers and a router")
+    tiers = host_tiers or (fleet_spec.host_cache_tokens,)
+    progress = Progress("compare", len(tiers) * (1 + len(policies)))
+    for tier in tiers:
+        spec = replace(fleet_spec, host_cache_tokens=tier)
+        suffix = f", host {tier}" if len(tiers) > 1 else ""
+        results |= {
+            f"{name}{suffix}": s
+            for name, s in _one_fleet(spec, workload, run_spec, policies, settings,
+                                      sglang_python, progress, suffix).items()
+        }  # fmt: skip
+    if sglang_python is None:
+        print("no --sglang-python: SGLang's router skipped")
+    return results
+
+
+def _one_fleet(
+    fleet_spec: FleetSpec, workload: WorkloadOptions, run_spec: RunSpec, policies: list[str],
+    settings: dict[str, str] | None, sglang_python: str | None, progress: Progress, suffix: str,
+) -> dict[str, Summary]:  # fmt: skip
+    results: dict[str, Summary] = {}
+    tier = f", host tier {fleet_spec.host_cache_tokens} tokens" if suffix else ""
+    progress.say(f"starting Redis, {fleet_spec.workers} sim workers{tier} and a router")
     with fleet_spec.start() as fleet:
         progress.finished()
         for name in policies:
@@ -158,7 +185,9 @@ def compare(
             if fleet_spec.kv_events:  # both arms wait alike
                 time.sleep(EVENTS_SETTLE_S)
             before = fleet.worker_requests()
-            out = run_spec.out / name.replace(" ", "_").replace("(", "").replace(")", "")
+            host_before = fleet.worker_counter(HOST_HITS, 'tier="host"')
+            slug = (name + suffix).replace(" ", "_").replace(",", "")
+            out = run_spec.out / slug.replace("(", "").replace(")", "")
             # Every request names the sim workers' model: SGLang's router requires one.
             run_at = RunSpec(**{**run_spec.__dict__, "host": fleet.router_url, "out": out,
                                 "model": run_spec.model or "sim"})  # fmt: skip
@@ -169,12 +198,13 @@ def compare(
                 after = fleet.worker_requests()
                 counts = {w: after[w] - before[w] for w in after}
                 results[name] = r = replace(r, per_worker_requests=counts)
+            host = fleet.worker_counter(HOST_HITS, 'tier="host"') - host_before
+            if fleet_spec.host_cache_tokens:
+                print(f"{name}{suffix}: {host:.0f} prompt tokens hit in the host tier")
             progress.finished(
-                f"{name}: {r.requests} requests, {r.failures} failed, "
+                f"{name}{suffix}: {r.requests} requests, {r.failures} failed, "
                 f"{r.throughput_rps:.1f} req/s, hit rate {r.hit_rate:.3f}"
             )
-    if sglang_python is None:
-        print("no --sglang-python: SGLang's router skipped")
     return results
 
 
@@ -210,6 +240,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"sim decode cost, milliseconds per output token {d}",
     )  # fmt: skip
     p.add_argument("--max-running", type=int, default=8, help=f"requests a worker runs at once {d}")
+    p.add_argument(
+        "--host-cache-tokens", default="0",
+        help="host KV tier per worker, in tokens; comma-separated for one fleet each, "
+        f"side by side, e.g. 0,16384,40960 {d}",
+    )  # fmt: skip
     p.add_argument(
         "--policies", default=",".join(DEFAULT_POLICIES),
         help=f"comma-separated, or all, from: {', '.join(POLICIES)} {d}",
@@ -266,6 +301,9 @@ def main(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms, max_running_requests=args.max_running,
         kv_events=args.kv_events,
     )  # fmt: skip
+    tiers = tuple(int(t) for t in args.host_cache_tokens.split(",") if t.strip())
+    if any(t < 0 for t in tiers):
+        raise ValueError(f"--host-cache-tokens must be >= 0, got {args.host_cache_tokens!r}")
     workload = options_from_namespace(args)
     run_spec = RunSpec(
         host="",
@@ -279,7 +317,7 @@ def main(args: argparse.Namespace) -> int:
     settings = {"balance_abs_threshold": str(max(1, args.max_running // 2))}
     settings |= dict(_setting(s) for s in args.router_setting)
     started = time.monotonic()
-    results = compare(fleet, workload, run_spec, policies, settings, args.sglang_python)
+    results = compare(fleet, workload, run_spec, policies, settings, args.sglang_python, tiers)
     text = table(results)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -65,14 +65,19 @@ class FleetSpec:
     prefill_us_per_token: float = 30.0
     decode_ms_per_token: float = 3.0
     max_running_requests: int = 8
+    host_cache_tokens: int = 0  # the host KV tier under each worker's device pool (0: off)
     kv_events: bool = False  # workers publish KV events (a router reads them with kv_events)
 
     def worker(self) -> WorkerSpec:
+        host = (
+            ("--host-cache-tokens", str(self.host_cache_tokens)) if self.host_cache_tokens else ()
+        )
         events = ("--kv-events",) if self.kv_events else ()
         return WorkerSpec(
             decode_ms=self.decode_ms_per_token, prefill_us=self.prefill_us_per_token,
             cache_tokens=self.cache_tokens, heartbeat_s=0.5,
-            max_running=self.max_running_requests, extra=("--log-level", "WARNING", *events),
+            max_running=self.max_running_requests,
+            extra=("--log-level", "WARNING", *host, *events),
         )  # fmt: skip
 
     def start(self) -> BenchFleet:
@@ -211,6 +216,16 @@ class BenchFleet:
                 if line.startswith("radix_worker_requests_total{") and 'status="200"' in line
             ))  # fmt: skip
         return counts
+
+    def worker_counter(self, name: str, label: str = "") -> float:
+        """A counter summed over every worker's /metrics (samples whose labels hold `label`)."""
+        total = 0.0
+        for child in self.workers.values():
+            with urllib.request.urlopen(child.url + "/metrics", timeout=10) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith(name) and line[len(name)] in " {" and label in line:
+                        total += float(line.rsplit(" ", 1)[1])
+        return total
 
     @property
     def router_url(self) -> str:

@@ -54,3 +54,19 @@ def test_events_arm_needs_publishing_workers(tmp_path: Path) -> None:
     run = RunSpec(host="", out=tmp_path)
     with pytest.raises(ValueError, match="publish"):
         compare(FleetSpec(workers=1), CHAT, run, ["cost_aware" + EVENTS])
+
+
+def test_host_tiers_get_a_fleet_each_and_the_tier_keeps_what_the_device_pool_evicts(
+    tmp_path: Path,
+) -> None:
+    # Six conversations at once on one worker whose device pool holds about two: without
+    # a tier each turn's history is evicted before its next turn; with one it is reloaded.
+    fleet = FleetSpec(workers=1, cache_tokens=1024, prefill_us_per_token=20,
+                      decode_ms_per_token=2, max_running_requests=2)  # fmt: skip
+    chat = WorkloadOptions(workload="multi_turn", conversations=6, turns=3, system_len=60,
+                           question_len=60, output_len=8)  # fmt: skip
+    run = RunSpec(host="", out=tmp_path, users=6, timeout_s=120)
+    results = compare(fleet, chat, run, ["cache_aware (fleet)"], host_tiers=(0, 16_384))
+    off, on = results["cache_aware (fleet), host 0"], results["cache_aware (fleet), host 16384"]
+    assert off.requests == on.requests == 18 and off.failures == on.failures == 0
+    assert on.hit_rate > off.hit_rate
