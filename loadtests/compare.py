@@ -85,6 +85,16 @@ WORKLOAD_DEFAULTS = {
 }  # fmt: skip
 
 
+def router_settings(name: str, settings: dict[str, str] | None = None) -> dict[str, str]:
+    """One policy's router: every router's ``settings``, then the policy's own keys,
+    then the event index where the name ends in ``EVENTS``."""
+    base = name.removesuffix(EVENTS)
+    spec = POLICIES[base]
+    events = EVENTS_SETTINGS if base != name else {}
+    return {**(settings or {}), "policy": spec.policy, **spec.settings, **events,
+            "log_level": "WARNING"}  # fmt: skip
+
+
 def table(results: dict[str, Summary]) -> str:
     lines = [
         "| policy | throughput (req/s) | TTFT p50 (ms) | TTFT p99 (ms) | hit rate | max/mean requests per worker | failures |",
@@ -174,13 +184,7 @@ def _one_fleet(
                 assert sglang_python is not None
                 fleet.start_sglang_router(sglang_python)
             else:
-                base = name.removesuffix(EVENTS)
-                spec = POLICIES[base]
-                events = EVENTS_SETTINGS if base != name else {}
-                fleet.start_router(
-                    {**(settings or {}), "policy": spec.policy, **spec.settings, **events,
-                     "log_level": "WARNING"}
-                )  # fmt: skip
+                fleet.start_router(router_settings(name, settings))
             fleet.flush()
             if fleet_spec.kv_events:  # both arms wait alike
                 time.sleep(EVENTS_SETTLE_S)

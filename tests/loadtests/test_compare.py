@@ -9,11 +9,14 @@ idle workers (a run that used one of two workers is max/mean 2.0, not 1.0).
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from loadtests.compare import EVENTS, _setting, compare, table
+from loadtests.compare import EVENTS, _setting, compare, router_settings, table
 from loadtests.fleet import FleetSpec
 from loadtests.options import WorkloadOptions
 from loadtests.runner import RunSpec
@@ -47,6 +50,32 @@ def test_router_setting_parsing() -> None:
     assert _setting(" balance_abs_threshold = 8 ") == ("balance_abs_threshold", "8")
     with pytest.raises(ValueError, match="KEY=VALUE"):
         _setting("balance_abs_threshold")
+
+
+def test_events_arm_routes_on_the_workers_events() -> None:
+    # The "+ events" arm's settings turn the index on over publishing sim workers: the
+    # router reads each worker's stream ("ok"); the tree-alone arm's router has no feed.
+    tree, events = router_settings("cost_aware"), router_settings("cost_aware" + EVENTS)
+    assert "kv_events" not in tree and events["kv_events"] == "true"
+    assert events["policy"] == tree["policy"] == "cost_aware"
+    with FleetSpec(workers=2, kv_events=True).start() as fleet:
+        fleet.start_router(events)
+        body = json.dumps({"model": "sim", "prompt": "hello there " * 20, "max_tokens": 2})
+        req = urllib.request.Request(fleet.router_url + "/v1/completions", body.encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+
+        def statuses() -> list[object]:
+            with urllib.request.urlopen(fleet.router_url + "/workers", timeout=10) as r:
+                return [w["kv_events"] for w in json.load(r)["data"]]
+
+        deadline = time.monotonic() + 20
+        while statuses() != ["ok", "ok"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert statuses() == ["ok", "ok"]
+        fleet.start_router(tree)
+        assert statuses() == [None, None]
 
 
 def test_events_arm_needs_publishing_workers(tmp_path: Path) -> None:
