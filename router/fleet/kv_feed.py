@@ -219,6 +219,11 @@ class KvEventFeed:
             return {}
         return {w: n for w, n in index.match(tokens).items() if self.trusted(w)}
 
+    def block_size(self, model: str) -> int:
+        """Tokens per block of `model`'s index (0: none yet)."""
+        index = self.indexes.get(model)
+        return index.block_size if index is not None else 0
+
     def status_of(self, wid: str) -> str:
         state = self.streams.get(wid)
         return state.status if state is not None else "syncing"

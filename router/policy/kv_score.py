@@ -13,6 +13,15 @@ lost 13 points of hit rate at overload in the simulator, issue 26). Older tree e
 of a trusted worker are ignored: the index says what became of them (evicted, flushed).
 A worker that is not trusted (gap, stale epoch, lagging, no events) keeps its tree match.
 
+One unit for both: the index counts whole blocks (it cannot see a block's partial tail),
+the tree exact lengths. Where the index still holds every whole block of a trusted
+worker's older tree entry, that entry is confirmed and keeps its exact end: otherwise a
+holder seen only through the index ranked up to a block short of one routed to in the
+last `kv_events_inflight` seconds for the same prefix (1,040 vs 1,042 tokens at 16-token
+blocks), so cache_aware's best-holder set and cost_aware's hold lost it whatever its
+load. With the index agreeing, the path is the tree's own (loadtests/results/kv_events.md,
+"Why cost_aware fell below the tree").
+
 `correct` returns the tree's match path in the same shape (holders, end in chars, root
 side first) so the policies' rules run unchanged; index tokens become chars at the
 request's own chars-per-token.
@@ -36,6 +45,7 @@ class BlockHolders(Protocol):
     def streams(self) -> Mapping[str, object]: ...
     def trusted(self, wid: str) -> bool: ...
     def only_model(self) -> str: ...
+    def block_size(self, model: str) -> int: ...
     def match(self, model: str, tokens: Sequence[int]) -> dict[str, int]: ...
 
 
@@ -51,14 +61,17 @@ class KvScorer:
         feed = self.feed
         if not feed.streams or not len(tokens):
             return path
-        held = feed.match(model or feed.only_model(), tokens)
+        model = model or feed.only_model()
+        held = feed.match(model, tokens)
         trusted = feed.trusted
         cutoff = now - self.inflight
         best: dict[object, float] = {}
+        past: dict[object, int] = {}  # trusted workers' older entries: the deepest end
         changed = bool(held)
         for holders, end in path:  # root side first: deeper ends overwrite
             for w, used in holders.items():
                 if used < cutoff and trusted(w):  # type: ignore[arg-type]
+                    past[w] = end
                     changed = True
                     continue
                 best[w] = end
@@ -66,8 +79,13 @@ class KvScorer:
             return path
         self.corrected += 1
         scale = text_len / len(tokens)
+        block = feed.block_size(model)
         for w, n in held.items():
             chars = min(text_len, round(n * scale))
+            end = past.get(w, 0)
+            whole = int(end / scale) // block * block if block else 0  # its whole blocks
+            if whole and n >= whole:  # the index confirms the older entry: its exact end
+                chars = max(chars, end)
             if chars > best.get(w, 0):
                 best[w] = chars
         ends = sorted(set(best.values()))
