@@ -13,6 +13,13 @@ lost 13 points of hit rate at overload in the simulator, issue 26). Older tree e
 of a trusted worker are ignored: the index says what became of them (evicted, flushed).
 A worker that is not trusted (gap, stale epoch, lagging, no events) keeps its tree match.
 
+An entry in the window is past, not present, once the index has seen the worker lose
+the first block it claims beyond what the index holds *after* the entry's route: its
+blocks arrived and were evicted since. Otherwise a group replicated on two workers kept
+going to the one that had evicted it, every route there a full miss that re-prefilled
+it (3 of 9 extra full misses in a logged shared_prefix run: the index held the group on
+w3 only, w2's entry was 0.4-0.6 s old; loadtests/results/kv_events.md).
+
 One unit for both: the index counts whole blocks (it cannot see a block's partial tail),
 the tree exact lengths. Where the index still holds every whole block of a trusted
 worker's older tree entry, that entry is confirmed and keeps its exact end: otherwise a
@@ -45,6 +52,7 @@ class BlockHolders(Protocol):
     def streams(self) -> Mapping[str, object]: ...
     def trusted(self, wid: str) -> bool: ...
     def only_model(self) -> str: ...
+    def lost_at(self, model: str, tokens: Sequence[int], wid: str, held: int) -> float: ...
     def block_size(self, model: str) -> int: ...
     def match(self, model: str, tokens: Sequence[int]) -> dict[str, int]: ...
 
@@ -67,19 +75,33 @@ class KvScorer:
         cutoff = now - self.inflight
         best: dict[object, float] = {}
         past: dict[object, int] = {}  # trusted workers' older entries: the deepest end
+        fresh: dict[object, int] = {}  # ... in the window: the deepest end
         changed = bool(held)
         for holders, end in path:  # root side first: deeper ends overwrite
             for w, used in holders.items():
-                if used < cutoff and trusted(w):  # type: ignore[arg-type]
-                    past[w] = end
-                    changed = True
-                    continue
+                if trusted(w):  # type: ignore[arg-type]
+                    if used < cutoff:
+                        past[w] = end
+                        changed = True
+                        continue
+                    fresh[w] = end
                 best[w] = end
         if not changed:
             return path
         self.corrected += 1
         scale = text_len / len(tokens)
         block = feed.block_size(model)
+        for w, end in fresh.items():
+            n = held.get(w, 0)  # type: ignore[call-overload]
+            whole = int(end / scale) // block * block if block else 0
+            if n >= whole:
+                continue
+            # The route that claimed the first block the index does not hold: the last
+            # one through the tree node holding that block's first token.
+            at = n * scale
+            routed = next(h[w] for h, e in path if e > at and w in h)
+            if feed.lost_at(model, tokens, w, n) > routed:  # type: ignore[arg-type]
+                del best[w]  # arrived and evicted since: the index says what is left
         for w, n in held.items():
             chars = min(text_len, round(n * scale))
             end = past.get(w, 0)

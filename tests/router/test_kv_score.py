@@ -18,7 +18,7 @@ from router.policy.base import FleetView, RouteRequest
 from router.policy.cache_aware import CacheAware
 from router.policy.kv_score import KvScorer
 from shared.config import RouterConfig
-from shared.kv_events import BlockStored
+from shared.kv_events import BlockRemoved, BlockStored
 
 BLOCK = 16
 PREFIX = tuple(range(1000, 2042))  # 1,042 tokens: 65 whole blocks (1,040) and a tail of 2
@@ -102,3 +102,52 @@ def test_the_index_counts_where_it_holds_more_than_the_trees_entry() -> None:
     assert p.select(request(1), fleet, 0.0).worker_id == "w0"  # PREFIX + a suffix, 10 s old
     d = p.select(RouteRequest("", tokens=longer, model="m"), fleet, 10.0)
     assert (d.worker_id, d.predicted_tokens) == ("w0", 71.0 * BLOCK)
+
+
+def evict(feed: KvEventFeed, worker: str, at: float) -> None:
+    """`worker` reports its prefix blocks removed, read by the router at `at`."""
+    feed.indexes["m"].apply(worker, [BlockRemoved(tuple(range(1, 66)))], now=at)
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "cost_aware"])
+def test_an_eviction_reported_after_the_route_outvotes_the_in_flight_entry(name: str) -> None:
+    """w1 was routed the prefix 0.5 s ago (its tree entry is in the in-flight window) and
+    has since reported it evicted: its blocks arrived and left, so the entry is past and
+    the request goes to w0, which holds the prefix, though w0 is busier. Before the fix the
+    entry outvoted the index: w1, predicted 1,042 tokens, a full miss (the replicated
+    group of loadtests/results/kv_events.md)."""
+    feed = feed_holding({"w0": 1042, "w1": 1042})
+    p = policy(name, feed)
+    fleet = FleetView(["w0", "w1"])
+    warm(p, fleet)
+    evict(feed, "w1", at=9.8)
+    fleet.loads[:] = [3, 0]
+    d = p.select(request(5), fleet, 10.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w0", 1042.0)
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "cost_aware"])
+def test_an_eviction_before_the_route_leaves_the_entry_in_flight(name: str) -> None:
+    """w1 lost the prefix before it was routed there again (that route prefills it anew):
+    the entry is the present the index cannot show yet, and w1, idle, gets the request."""
+    feed = feed_holding({"w0": 1042, "w1": 1042})
+    p = policy(name, feed)
+    fleet = FleetView(["w0", "w1"])
+    evict(feed, "w1", at=9.2)
+    warm(p, fleet)
+    fleet.loads[:] = [3, 0]
+    d = p.select(request(5), fleet, 10.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w1", 1042.0)
+
+
+def test_the_index_remembers_the_latest_losses_only() -> None:
+    """`lost_at` answers from the last `max_lost` losses: bounded memory, the oldest go."""
+    index = BlockIndex(BLOCK, max_lost=2)
+    ids = PREFIX[: 3 * BLOCK]
+    index.apply("w0", [BlockStored((1, 2, 3), None, ids, BLOCK)], now=0.0)
+    for at, h in ((1.0, 3), (2.0, 2), (3.0, 1)):  # leaves first, as an engine evicts
+        index.apply("w0", [BlockRemoved((h,))], now=at)
+    assert index.lost_at("w0", ids, 0) == 3.0  # the first block
+    assert index.lost_at("w0", ids, BLOCK) == 2.0
+    assert index.lost_at("w0", ids, 2 * BLOCK) == float("-inf")  # forgotten (3 > 2 kept)
+    assert index.lost_at("w1", ids, 0) == float("-inf") and index.match(ids) == {}
