@@ -14,8 +14,15 @@ The subscriber keeps the sequence it expects. On a jump it asks the replay socke
 what it missed; on start it asks for everything the publisher still buffers (from 0),
 so a sidecar started after the engine learns what the engine already cached. Missed
 batches it cannot get back (no replay socket, or the publisher dropped them) make a gap
-in *our* stream's sequence too, so routers stop trusting this worker's index rather
-than trust a wrong one (router/fleet/kv_feed.py).
+in *our* stream's sequence too, followed at once by an empty entry marked `resync`: a
+stock engine never republishes its cache, so routers could not wait for a known state
+(an AllBlocksCleared may never come). A router that reads the marker resets this
+worker's index and rebuilds it from the events that follow, scoring the worker on its
+index and its tree together until the engine's pool has turned over
+(router/fleet/kv_feed.py, "rebuilding"); a router of the version before the marker sees
+the hole and routes the worker on its tree alone, as it did. The marker is an entry of
+its own (an empty batch), so it says that this writer gave up on the hole, apart from
+entries a router missed on its side (a trimmed stream).
 
 The forwarder writes batches re-encoded (validated, unknown fields dropped) under the
 heartbeat's epoch; a new epoch (the engine restarted) starts at sequence 0 with an
@@ -132,9 +139,9 @@ class ZmqEventSubscriber:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
-                seq, events = self._parse(frames[1:]) if len(frames) == 4 else (None, [])
                 if len(frames) == 4 and frames[2] == END_SEQ.to_bytes(8, "big", signed=True):
-                    break
+                    break  # (its empty payload is no batch: not parsed, not counted)
+                seq, events = self._parse(frames[1:]) if len(frames) == 4 else (None, [])
                 if seq is None or (before is not None and seq >= before):
                     continue
                 if not got and seq != start:
@@ -165,13 +172,18 @@ async def forward(
         if now != current:
             current, seq = now, 0
             events = [AllBlocksCleared(), *(events or ())]
-        if events is LOST:
-            seq += 1  # leave a hole: readers must not trust what follows
-            continue
-        payload = encode_batch(events)
+        resync = events is LOST
+        if resync:
+            seq += 1  # the hole, then the marker: readers must not trust what came before
+        payload = encode_batch(events or [])
         while True:
             try:
-                await registry.append_kv_events(worker_id, current, seq, payload, stream_len)
+                await registry.append_kv_events(
+                    worker_id, current, seq, payload, stream_len, resync=resync
+                )
+                # redis-py can swallow a cancellation that lands mid-command and return:
+                # without this the task would wait on the queue forever, cancelled.
+                reraise_if_cancelled()
                 break
             except (RedisError, OSError, TimeoutError) as exc:
                 reraise_if_cancelled()

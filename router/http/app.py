@@ -139,7 +139,7 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
 
     def members() -> list[FeedMember]:
         return [
-            FeedMember(w.worker_id, w.report.model, w.report.epoch)
+            FeedMember(w.worker_id, w.report.model, w.report.epoch, w.report.kv_capacity_tokens)
             for w in fleet.workers.values()
             if w.source == "redis" and w.report.epoch
         ]
