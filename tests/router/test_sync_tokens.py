@@ -133,3 +133,13 @@ async def test_bad_token_entries_are_dropped_counted_and_the_reader_goes_on(
     assert text_reader == []
     assert plain.rejections.counts["sync_decisions"] == len(bad) + 1
     assert peak < 20_000_000, peak  # the bomb was never inflated
+
+
+def test_the_wire_bench_runs_both_arms(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from loadtests import bench_sync_wire
+
+    argv = ["bench_sync_wire", "--sessions", "2", "--turns", "2", "--words", "50", "--rounds", "1"]
+    monkeypatch.setattr("sys.argv", argv)
+    assert bench_sync_wire.main() == 0
+    out = capsys.readouterr().out
+    assert "| text |" in out and "| tokens |" in out and "tokens / text" in out
