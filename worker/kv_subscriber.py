@@ -25,8 +25,11 @@ its own (an empty batch), so it says that this writer gave up on the hole, apart
 entries a router missed on its side (a trimmed stream).
 
 The forwarder writes batches re-encoded (validated, unknown fields dropped) under the
-heartbeat's epoch; a new epoch (the engine restarted) starts at sequence 0 with an
-AllBlocksCleared, as our own workers' streams do.
+heartbeat's epoch; a new epoch starts at sequence 0 with an AllBlocksCleared, as our own
+workers' streams do, but only when the subscriber holds every batch the engine published
+since it started (the first it got was sequence 0). A sidecar started next to an engine
+that has run for a while, whose replay buffer no longer holds the start, cannot claim an
+empty cache: the epoch's first entry is then a `resync` marker, and routers rebuild.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class ZmqEventSubscriber:
         self.out = out
         self.topic = topic.encode()
         self.expected: int | None = None
+        # The first sequence number got from the engine's current run: 0 means every
+        # batch since the engine started is known (an AllBlocksCleared is then true).
+        self.first_seq: int | None = None
         self.received = 0
         self.replayed = 0
         self.dropped = 0  # frames that were not a valid batch
@@ -86,6 +92,9 @@ class ZmqEventSubscriber:
                     if seq != 0:
                         continue  # a duplicate (replayed meanwhile)
                     log.info("KV event sequence restarted at 0: the engine restarted")
+                    self.first_seq = 0
+                if self.first_seq is None:
+                    self.first_seq = seq
                 self.expected = seq + 1
                 self.received += 1
                 self._put(events)
@@ -105,6 +114,10 @@ class ZmqEventSubscriber:
             log.warning("dropped a KV event batch (seq %d): %s", seq, exc)
             return None, []
 
+    def complete(self) -> bool:
+        """Every batch of the engine's current run has been received (from sequence 0)."""
+        return self.first_seq == 0
+
     def _put(self, events: list[KVEvent] | None) -> None:
         try:
             self.out.put_nowait(events)
@@ -123,6 +136,8 @@ class ZmqEventSubscriber:
                 self._put(LOST)
             return
         for seq, events in got:
+            if self.first_seq is None:
+                self.first_seq = seq
             self.expected = seq + 1
             self.replayed += 1
             self._put(events)
@@ -159,9 +174,11 @@ class ZmqEventSubscriber:
 
 async def forward(
     queue: asyncio.Queue, registry: Registry, worker_id: str, epoch: Callable[[], float],
-    stream_len: int,
+    stream_len: int, complete: Callable[[], bool] = lambda: True,
 ) -> None:  # fmt: skip
-    """Queued batches onto the worker's stream, under the heartbeat's current epoch."""
+    """Queued batches onto the worker's stream, under the heartbeat's current epoch.
+    `complete()`: whether every batch since the engine started has been queued (the
+    subscriber's `complete`); else a new epoch starts with a resync marker, not a clear."""
     current, seq = 0.0, 0
     while True:
         events = await queue.get()
@@ -169,11 +186,14 @@ async def forward(
         while now <= 0:  # not identified yet: the heartbeat has not started an epoch
             await asyncio.sleep(0.1)
             now = epoch()
+        resync = events is LOST
         if now != current:
             current, seq = now, 0
-            events = [AllBlocksCleared(), *(events or ())]
-        resync = events is LOST
-        if resync:
+            if complete() and not resync:
+                events = [AllBlocksCleared(), *(events or ())]
+            else:  # the engine may hold blocks from batches never seen: not a known state
+                resync = True
+        elif resync:
             seq += 1  # the hole, then the marker: readers must not trust what came before
         payload = encode_batch(events or [])
         while True:
