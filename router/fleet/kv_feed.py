@@ -11,7 +11,8 @@ tree and its index together while rebuilding:
 
     syncing     no known state yet (just joined, or the stream began mid-epoch): tree
     rebuilding  events were lost (a sequence jump, or the writer's `resync` marker after
-                a gap a stock engine's replay could not serve): tree ∪ index
+                a gap a stock engine's replay could not serve, or at the start of an
+                epoch whose first batches it never got): tree ∪ index
     stale       the heartbeat names a newer epoch than any entry read: tree
     lagging     the reader is more than `max_lag` behind a busy stream: tree
     block_size  the worker's blocks are not the model index's size: tree
