@@ -142,6 +142,8 @@ class DecisionSync:
             entry = encode_decision(self._header, worker_id, key, cap)
         elif self.fingerprint is not None:
             entry = encode_tokens(self._header, worker_id, key, self.fingerprint, cap)
+            if entry is None:
+                return  # not token ids (a client's prompt of any ints): not shared
         else:
             return  # ids without a tokenizer to name them: nothing a replica could use
         self._pending.append(entry)

@@ -49,9 +49,17 @@ def encode_decision(header: bytes, worker_id: str, text: str, max_chars: int) ->
 def encode_tokens(
     header: bytes, worker_id: str, ids: Sequence[int] | np.ndarray, fingerprint: str,
     max_ids: int,
-) -> bytes:  # fmt: skip
-    """A decision keyed on prompt ids: 4 bytes an id before zlib (ids < 2**31)."""
-    packed = np.asarray(ids[:max_ids], dtype="<u4").tobytes()
+) -> bytes | None:  # fmt: skip
+    """A decision keyed on prompt ids: 4 bytes an id before zlib. None when an id is not
+    a token id (< 0 or >= 2**31: a client's token-id prompt can hold anything; the
+    worker answers it, the other replicas need not learn it)."""
+    try:
+        arr = np.asarray(ids[:max_ids], dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    if not arr.size or arr.ndim != 1 or int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID:
+        return None
+    packed = arr.astype("<u4").tobytes()
     return (
         header
         + worker_id.encode()

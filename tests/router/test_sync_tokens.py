@@ -65,6 +65,18 @@ def test_token_entries_round_trip_compactly() -> None:
         zlib.decompress(entry.split(SEP, 2)[2])
 
 
+def test_a_clients_out_of_range_ids_are_not_shared_and_never_raise(redis_server) -> None:
+    """A token-id prompt is the client's: ids past uint32 made numpy raise on the request
+    path (publish runs inside routing)."""
+    redis = Redis.from_url(redis_server.url)
+    sync = make_sync(redis, [])
+    for ids in ([2**40], [2**70], [-1], [2**31], [], [[1, 2]], ["x"]):
+        sync.publish("w1", ids)  # type: ignore[arg-type]
+    assert not sync._pending
+    sync.publish("w1", [2**31 - 1, 0])
+    assert len(sync._pending) == 1
+
+
 async def test_tokens_reach_the_other_replica_and_text_entries_are_skipped(
     redis: Redis,
 ) -> None:
