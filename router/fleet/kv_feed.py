@@ -37,8 +37,9 @@ the loss and not used since is older than every block used since, so it goes bef
 any of them; there are at most pool-size such blocks, so pool-size removals have
 evicted all of them. What it misses: a block held at the loss and *hit* since (vLLM
 publishes nothing on a hit) can stay resident forever, e.g. a hot system prompt, and the
-rebuilt index never learns it; the worker is then under-predicted for that prefix
-(routed elsewhere at worst, never sent a prefix it lacks), and the tree covers it only
+rebuilt index never learns it, nor the blocks stored below it since (their parent is
+unknown: `orphan`); the worker is then under-predicted for that prefix (routed elsewhere
+at worst, never sent a prefix it lacks), and once trusted again the tree covers it only
 while its entries are in flight. Blocks pinned by running requests are not evictable
 and count as used.
 
@@ -237,7 +238,7 @@ class KvEventFeed:
             return
         state.applied += 1
         if state.status == "rebuilding":
-            self._count_removals(wid, state, index, events)
+            self._count_removals(wid, state, events)
 
     def _rebuild(self, wid: str, cause: str) -> None:
         """Events were lost: empty the worker's index and rebuild it from what follows."""
@@ -246,9 +247,7 @@ class KvEventFeed:
         state.status, state.removed = "rebuilding", 0
         self.rebuilds[cause] += 1
 
-    def _count_removals(
-        self, wid: str, state: StreamState, index: BlockIndex, events: Sequence[KVEvent]
-    ) -> None:
+    def _count_removals(self, wid: str, state: StreamState, events: Sequence[KVEvent]) -> None:
         # GPU pool only: a host tier's removals say nothing about the GPU pool's turnover.
         state.removed += sum(
             len(e.block_hashes)
