@@ -55,7 +55,9 @@ def run_one(
     conversations = n * (args.conversations_per_worker or args.users_per_worker)
     o = dataclasses.replace(o, conversations=conversations)
     routed = conversations * o.turns - (conversations if case.direct else 0)
-    sim = DivergenceSim(config, n, cost, case, spec, routed // 2, seed=args.sim_seed)
+    sim = DivergenceSim(
+        config, n, cost, case, spec, routed // 2, seed=args.sim_seed, think_s=args.think_s
+    )
     sim.run(closed=ClosedLoop(o, users=args.users_per_worker * n))
     return {"workers": n, "case": case.name, "arm": spec.arm, **sim.summary()}
 
@@ -104,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--conversations-per-worker", type=int, default=0,
         help="0: one per user, so every conversation is halfway when the case diverges",
+    )  # fmt: skip
+    p.add_argument(
+        "--think-s", type=float, default=1.0,
+        help="mean think time before each turn (exponential, seeded per conversation and turn)",
     )  # fmt: skip
     p.add_argument("--sim-seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")

@@ -86,6 +86,7 @@ class DivergenceSim(FleetSim):
         spec: ArmSpec,
         halfway: int,
         seed: int = 0,
+        think_s: float = 0.0,
     ) -> None:
         if spec.arm not in ARMS:
             raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {spec.arm!r}")
@@ -107,6 +108,10 @@ class DivergenceSim(FleetSim):
         self.workers = [SimWorker(i, c) for i, c in enumerate(costs)]
         caps = tuple(c.cache_tokens + c.host_cache_tokens for c in costs)
         self.views = FleetView(self.ids, capacities=caps)
+        # Users think a random while before each turn (exponential, this mean; drawn per
+        # conversation and turn, so every arm sees the same): without it closed-loop users
+        # send their turns in waves, and a whole wave lands inside an event delay.
+        self.think_s, self._seed = think_s, seed
         self.halfway = halfway  # routed requests before the flush / restart
         self.routed = 0
         self.direct: set[int] = set()  # rids the second client sent
@@ -183,7 +188,11 @@ class DivergenceSim(FleetSim):
             return
         text = req.text()
         job = self._job(SimRequest(now, text, tok.encode(text), req.max_tokens), session=s)
-        if self.case.direct and sum(1 for r, _ in req.messages if r == "user") == 1:
+        turn = sum(1 for r, _ in req.messages if r == "user")
+        if self.think_s:
+            think = random.Random(f"{self._seed}:{req.session_id}:{turn}").expovariate(1.0)
+            job.arrival = now = now + think * self.think_s
+        if self.case.direct and turn == 1:
             self.direct.add(job.rid)
         self._push(now, _ARRIVAL, job)
 
