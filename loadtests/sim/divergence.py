@@ -16,7 +16,8 @@ share one system prompt (the `multi_turn` workload):
     capacities  `small` of the workers have KV pools `small_ratio` times smaller; the tree
                 caps each worker at its capacity x chars per token, as the router does
 
-Arms: `tree` (the prefix tree on the text, caps at `tree_chars_per_token`: the router
+Users think a seeded random while before each turn (`think_s`), so turns do not arrive
+in waves. Arms: `tree` (the prefix tree on the text, caps at `tree_chars_per_token`: the router
 without a tokenizer), `tree_tokens` (the tree on the prompt ids: `tokenizer` set, no
 events), `events` (tree on ids + the index fed by the workers' events after
 `event_delay`; loadtests/sim/kv_events.py) and `ceiling` (tree on ids + every worker's
