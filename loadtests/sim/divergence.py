@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,7 +170,9 @@ class DivergenceSim(FleetSim):
             held = self.kv.feed.match(MODEL, tokens)  # type: ignore[union-attr]
             self.reachable += max(held.values(), default=0)
         request = RouteRequest(job.text, tokens=tokens, model=MODEL)
+        t0 = time.thread_time_ns()
         decision = self.policy.select(request, self.views, now)
+        self._decision_ns.append(time.thread_time_ns() - t0)
         self.reasons[decision.reason] += 1
         self._submit(self.index[decision.worker_id], job, now)
 

@@ -141,3 +141,17 @@ def test_the_command_prints_every_arm(capsys) -> None:  # type: ignore[no-untype
     out = capsys.readouterr().out
     for arm in ("tree", "tree_tokens", "events", "ceiling"):
         assert f"| 2 | restart | {arm} |" in out
+
+
+def test_simulate_runs_each_kv_arm_on_any_workload(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rc = cli([
+        "simulate", "--workers", "2", "--workload", "shared_prefix", "--groups", "3",
+        "--prompts-per-group", "4", "--system-len", "40", "--question-len", "4",
+        "--output-len", "2", "--no-memory", "--policies", "cache_aware,round_robin",
+        "--kv-arms", "tree_tokens,events,ceiling", "--out", str(tmp_path),
+    ])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    for name in ("cache_aware [tree_tokens]", "cache_aware [events]", "cache_aware [ceiling]"):
+        assert f"| 2 | {name} | 12 |" in out
+    assert "| 2 | round_robin | 12 |" in out  # load-only policies run once, as before
