@@ -56,8 +56,9 @@ def run_one(
     o = dataclasses.replace(o, conversations=conversations)
     routed = conversations * o.turns - (conversations if case.direct else 0)
     sim = DivergenceSim(
-        config, n, cost, case, spec, routed // 2, seed=args.sim_seed, think_s=args.think_s
-    )
+        config, n, cost, case, spec, routed // 2, seed=args.sim_seed, think_s=args.think_s,
+        reply_hits=args.reply_hits,
+    )  # fmt: skip
     sim.run(closed=ClosedLoop(o, users=args.users_per_worker * n))
     return {"workers": n, "case": case.name, "arm": spec.arm, **sim.summary()}
 
@@ -110,6 +111,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--think-s", type=float, default=1.0,
         help="mean think time before each turn (exponential, seeded per conversation and turn)",
+    )  # fmt: skip
+    p.add_argument(
+        "--reply-hits", action="store_true",
+        help="a reply's cached ids equal its ids in the next turn (a round-tripping chat "
+        "template); default: replies never hit",
     )  # fmt: skip
     p.add_argument("--sim-seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")

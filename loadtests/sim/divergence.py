@@ -36,7 +36,7 @@ import numpy as np
 
 from loadtests.sim.fleet import _ARRIVAL, FleetSim
 from loadtests.sim.kv_events import MODEL, CacheReader, EventStreams
-from loadtests.sim.sources import SimRequest, WordTokenizer
+from loadtests.sim.sources import SimRequest, WordTokenizer, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import Session
 from router.fleet.kv_feed import KvEventFeed
@@ -89,6 +89,7 @@ class DivergenceSim(FleetSim):
         halfway: int,
         seed: int = 0,
         think_s: float = 0.0,
+        reply_hits: bool = False,
     ) -> None:
         if spec.arm not in ARMS:
             raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {spec.arm!r}")
@@ -114,6 +115,10 @@ class DivergenceSim(FleetSim):
         # conversation and turn, so every arm sees the same): without it closed-loop users
         # send their turns in waves, and a whole wave lands inside an event delay.
         self.think_s, self._seed = think_s, seed
+        # The engine caches a reply's own ids; the next turn carries the reply as text. By
+        # default the sim's reply ids never equal that text's ids (no reply is a hit);
+        # `reply_hits` makes them equal, as a chat template that round-trips does.
+        self.reply_hits = reply_hits
         self.halfway = halfway  # routed requests before the flush / restart
         self.routed = 0
         self.direct: set[int] = set()  # rids the second client sent
@@ -192,6 +197,9 @@ class DivergenceSim(FleetSim):
             return
         text = req.text()
         job = self._job(SimRequest(now, text, tok.encode(text), req.max_tokens), session=s)
+        if self.reply_hits:  # the ids the reply will have inside the next turn's prompt
+            reply = reply_text(job.rid, len(job.out_tokens))
+            job.out_tokens = tok.encode("<|assistant|>" + reply)
         turn = sum(1 for r, _ in req.messages if r == "user")
         if self.think_s:
             think = random.Random(f"{self._seed}:{req.session_id}:{turn}").expovariate(1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from itertools import pairwise
 
 import numpy as np
 
@@ -23,12 +24,15 @@ TALK = WorkloadOptions(
 
 
 def _simulate(case: str, arm: str, workers: int = 4, delay: float = 0.05, block: int = 16,
-              cost: CostModel = COST) -> DivergenceSim:  # fmt: skip
+              cost: CostModel = COST, reply_hits: bool = False) -> DivergenceSim:  # fmt: skip
     users = 2 * workers
     o = dataclasses.replace(TALK, conversations=users)
     routed = users * o.turns - (users if CASES[case].direct else 0)
     config = RouterConfig(policy="cache_aware", tree_chars_per_token=5.0)
-    sim = DivergenceSim(config, workers, cost, CASES[case], ArmSpec(arm, delay, block), routed // 2)
+    spec = ArmSpec(arm, delay, block)
+    sim = DivergenceSim(
+        config, workers, cost, CASES[case], spec, routed // 2, reply_hits=reply_hits
+    )
     sim.run(closed=ClosedLoop(o, users=users))
     return sim
 
@@ -131,6 +135,20 @@ def test_ceiling_at_least_events_at_least_tree_when_traffic_bypasses_the_router(
         for arm in ("tree", "events", "ceiling")
     }
     assert hits["ceiling"] >= hits["events"] > hits["tree"], hits
+
+
+def _hits_past_the_last_prompt(sim: DivergenceSim) -> int:
+    """Follow-ups whose cached prefix reaches past the previous turn's whole prompt."""
+    turns: dict[int, list[Job]] = {}
+    for j in sorted(sim._done, key=lambda j: j.rid):  # one conversation per user
+        turns.setdefault(j.session, []).append(j)
+    return sum(b.cached > len(a.tokens) for ts in turns.values() for a, b in pairwise(ts))
+
+
+def test_reply_hits_makes_the_cached_reply_a_prefix_of_the_next_turn() -> None:
+    assert _hits_past_the_last_prompt(_simulate("baseline", "tree_tokens")) == 0
+    replies = _simulate("baseline", "tree_tokens", reply_hits=True)
+    assert _hits_past_the_last_prompt(replies) > 0
 
 
 def test_the_command_prints_every_arm(capsys) -> None:  # type: ignore[no-untyped-def]
