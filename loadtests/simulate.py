@@ -9,7 +9,10 @@ loadtests/sim/). Mooncake: one trace copy per `--workers-per-copy` workers, each
 own block namespace, and the arrival rate scaled so that every fleet size sees the same
 requests per second per worker. A threshold sweep (`--sweep-at N`) runs cache_aware
 over `--thresholds` × `--balance-abs` at one fleet size: how users tune the router
-before deploying. Prints the tables; writes `simulation.json` and PNGs.
+before deploying. `--kv-arms` runs cache_aware / cost_aware once per arm: the tree alone,
+tree + the workers' KV events, or the ceiling (loadtests/sim/divergence.py; the
+divergence cases themselves: `python -m loadtests simulate-events`). Prints the tables;
+writes `simulation.json` and PNGs.
 """
 
 from __future__ import annotations
