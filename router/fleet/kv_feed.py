@@ -68,6 +68,7 @@ from shared.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
+    StreamEntry,
     parse_entry,
 )
 from shared.registry import Registry
@@ -192,7 +193,6 @@ class KvEventFeed:
             state.status = "lagging"  # still applied: only trust waits
 
     def apply_entry(self, wid: str, fields: dict[bytes, bytes]) -> None:
-        state = self.streams[wid]
         try:
             entry = parse_entry(wid, fields)
         except ValueError as exc:
@@ -201,6 +201,13 @@ class KvEventFeed:
                 reason = "oversized"
             self.dropped[reason] += 1
             return
+        self.apply_stream_entry(wid, entry)
+
+    def apply_stream_entry(self, wid: str, entry: StreamEntry) -> None:
+        """An entry already parsed (and validated) as `wid`'s: epochs, sequence and trust,
+        then the index. The simulator (loadtests/sim/kv_events.py) delivers its workers'
+        events here, so it routes on the same status and fallback rules as the router."""
+        state = self.streams[wid]
         if entry.epoch < max(state.epoch, 0.0) or entry.epoch < state.heartbeat_epoch - 1e-6:
             self.dropped["stale_epoch"] += 1
             return
