@@ -111,12 +111,13 @@ class PiecewiseGraphs:
         table: ReqToTokenTable,
         max_tokens: int,
         emulate: bool = False,
+        buckets: tuple[int, ...] | None = None,  # default: token_buckets(max_tokens)
     ) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
         self.table = table
-        self.buckets = token_buckets(max_tokens)
+        self.buckets = tuple(sorted(buckets)) if buckets else token_buckets(max_tokens)
         self.emulate = emulate
         self.num_layers = len(model.model.layers)
         self.buf = _Buffers(model, self.buckets[-1], pool.pad_slot, table.device)
