@@ -69,10 +69,10 @@ def test_greedy_outputs_equal_with_piecewise_graphs_on_and_off(
     assert got_on == got_off
 
 
-def _runner(model_dir: Path, piecewise: int) -> ModelRunner:
+def _runner(model_dir: Path, piecewise: int, backend: str = "sdpa") -> ModelRunner:
     return ModelRunner(
         model_dir, device="cpu", dtype="float32", kv_capacity_tokens=256,
-        attention_backend="sdpa", max_running_requests=8,
+        attention_backend=backend, max_running_requests=8,
         emulate_cuda_graphs=piecewise > 0, piecewise_max_tokens=piecewise,
     )  # fmt: skip
 
@@ -88,8 +88,16 @@ def _mixed_batch(seed: int) -> list[BatchItem]:
     return items
 
 
-def test_padded_bucket_logits_equal_the_eager_step_for_the_real_rows(tiny_model_dir: Path) -> None:
-    pw, eager = _runner(tiny_model_dir, 32), _runner(tiny_model_dir, 0)
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_padded_bucket_logits_equal_the_eager_step_for_the_real_rows(
+    tiny_model_dir: Path, backend: str
+) -> None:
+    """triton: the fused ops inside the pieces and the triton attention kernels between
+    them, as on a GPU (here in triton's interpreter, TRITON_INTERPRET=1 from conftest)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    pw, eager = _runner(tiny_model_dir, 32, backend), _runner(tiny_model_dir, 0, backend)
+    assert pw.model.ops.name == ("triton" if backend == "triton" else "torch")
     assert pw.piecewise is not None and pw.piecewise.bucket_for(19) == 32
     pad = pw.pool.pad_slot
     pw.pool.k_buffer[:, pad].zero_()  # the start-up warm-ups wrote it
