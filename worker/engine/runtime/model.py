@@ -92,6 +92,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """The projections and o_proj around attention; DecoderLayer calls the backend
+    between them (`project`, then `ctx.backend.attend`, then `o_proj`)."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -149,18 +152,6 @@ class Attention(nn.Module):
         apply_rope_(k, cos, sin)
         kv.write(self.layer, slots, k, v)
         return q, k, v
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        ctx: ForwardContext,
-        ops: Ops = TORCH_OPS,
-    ) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin, ctx.kv, ctx.meta.out_slots, ops)
-        out = ctx.backend.attend(self.layer, q, k, v, ctx.meta)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
