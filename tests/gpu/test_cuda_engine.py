@@ -101,8 +101,9 @@ def test_piecewise_graphs_mixed_steps_equal_eager(tiny_model_dir: Path) -> None:
     pieces with the triton attention eager between them; logits as the eager runner's."""
     pieces = ModelRunner(tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=1024,
                          piecewise_max_tokens=128)  # fmt: skip
+    # --disable-cuda-graph (cuda_graphs=False) turns the piecewise graphs off too.
     eager = ModelRunner(tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=1024,
-                        cuda_graphs=False)  # fmt: skip
+                        cuda_graphs=False, piecewise_max_tokens=128)  # fmt: skip
     pw = pieces.piecewise
     assert pw is not None and not pw.emulate and eager.piecewise is None
     assert pw.captures == len(pw.buckets) and set(pw.capture_seconds) == set(pw.buckets)
