@@ -160,6 +160,7 @@ class RouterConfig(_Frozen):
     # Above 1 they route as replicas: sync is turned on when redis_url is set.
     processes: int = Field(1, ge=1, le=256)
     sync_stream_maxlen: int = Field(20_000, ge=100)
+    # The longest key shared per decision: chars of text, or token ids with a `tokenizer`.
     sync_max_chars: int = Field(32_768, ge=64)
     sync_flush_interval: float = Field(0.02, gt=0)
     sync_load_interval: float = Field(0.25, gt=0)
