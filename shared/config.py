@@ -213,6 +213,10 @@ class WorkerConfig(_Frozen):
     # twice the tokens per pool, half the KV bytes a decode step reads).
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     disable_cuda_graph: bool = False
+    # Steps with a prefill chunk of up to this many tokens replay piecewise CUDA graphs
+    # (attention eager between them; worker/engine/runtime/piecewise_graphs.py). 0: off,
+    # the default until a GPU run has checked them. disable_cuda_graph turns them off too.
+    piecewise_cuda_graph_max_tokens: int = Field(0, ge=0, le=16384, strict=True)
     # Schedule step N+1 while step N runs on the device (worker/engine/engine.py).
     disable_overlap_schedule: bool = False
     cache_tokens: int | None = Field(None, gt=0)  # KV capacity; None: kv_memory_fraction
