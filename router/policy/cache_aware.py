@@ -111,7 +111,9 @@ class CacheAware(Policy):
         if (
             self.kv is not None and request.tokens is not None
         ):  # the workers' own reports (kv_score.py), in the tree's units
-            path = self.kv.correct(path, request.tokens, request.model, len(key), now)
+            path = self.kv.correct(
+                path, request.tokens, request.model, len(key), now, self._tree.overflowed_at
+            )
         return path
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:

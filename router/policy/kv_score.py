@@ -30,6 +30,16 @@ blocks), so cache_aware's best-holder set and cost_aware's hold lost it whatever
 load. With the index agreeing, the path is the tree's own (loadtests/results/kv_events.md,
 "Why cost_aware fell below the tree").
 
+A worker the tree's routes overflowed in the last `kv_events_inflight` seconds (an insert
+pushed its entries over its cap, the capacity it reports) is about to evict: the
+prefills on their way store that many new blocks, and its engine evicts its least
+recently used ones first, i.e. what the index holds but no recent route touched. Its
+index match then counts only as far as its tree entry (which the tree trims by the same
+LRU rule). Otherwise a burst of turns sent a small pool prefixes the index saw there an
+instant before, while the same burst's other prefills evicted them: in the live
+capacities case 7 follow-up turns went to a 7,500-token worker within 0.1 s, 3 of them
+as index hits, and all 7 missed (loadtests/results/kv_events.md, "Why capacities lost").
+
 `correct` returns the tree's match path in the same shape (holders, end in chars, root
 side first) so the policies' rules run unchanged; index tokens become chars at the
 request's own chars-per-token.
@@ -37,7 +47,7 @@ request's own chars-per-token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from shared.prompt_tokens import PromptTokens
@@ -65,7 +75,13 @@ class KvScorer:
         self.corrected = 0  # requests where the index changed the prediction
 
     def correct(
-        self, path: Path, tokens: Sequence[int], model: str, text_len: int, now: float
+        self,
+        path: Path,
+        tokens: Sequence[int],
+        model: str,
+        text_len: int,
+        now: float,
+        overflowed_at: Callable[[object], float] | None = None,
     ) -> Path:
         feed = self.feed
         if not feed.streams or not len(tokens):
@@ -109,6 +125,8 @@ class KvScorer:
             whole = int(end / scale) // block * block if block else 0  # its whole blocks
             if whole and n >= whole:  # the index confirms the older entry: its exact end
                 chars = max(chars, end)
+            if overflowed_at is not None and trusted(w) and overflowed_at(w) >= cutoff:  # type: ignore[arg-type]
+                chars = min(chars, max(end, fresh.get(w, 0)))  # evicting: the tree's LRU
             if chars > best.get(w, 0):
                 best[w] = chars
         ends = sorted(set(best.values()))

@@ -92,6 +92,9 @@ class PrefixTree(Generic[Seq]):
         self._size: dict[Tenant, int] = {}  # chars per tenant (its logical tree)
         self._lru: dict[Tenant, OrderedDict[_Node[Seq], None]] = {}  # head = oldest
         self._cap: dict[Tenant, int] = {}
+        # When an insert last pushed each tenant over its cap: routes that overflow a
+        # worker's pool (router/policy/kv_score.py reads it).
+        self._overflowed: dict[Tenant, float] = {}
 
     # ---- queries -------------------------------------------------------------------
 
@@ -193,9 +196,14 @@ class PrefixTree(Generic[Seq]):
         size[tenant] += gained
         cap = self._cap.get(tenant)
         if cap is not None and size[tenant] > cap:
+            self._overflowed[tenant] = now
             self._shrink_tenant(tenant, int(cap * (1.0 - self.hysteresis)))
         if self.max_chars is not None and self._total > self.max_chars:
             self._shrink_global(int(self.max_chars * (1.0 - self.hysteresis)))
+
+    def overflowed_at(self, tenant: Tenant) -> float:
+        """When an insert last pushed ``tenant`` over its cap (-inf: never)."""
+        return self._overflowed.get(tenant, float("-inf"))
 
     def set_cap(self, tenant: Tenant, max_chars: int | None) -> None:
         """Bound one tenant's logical tree (None: only the global budget applies)."""
@@ -219,6 +227,7 @@ class PrefixTree(Generic[Seq]):
         lru = self._lru.pop(tenant, None)
         self._size.pop(tenant, None)
         self._cap.pop(tenant, None)
+        self._overflowed.pop(tenant, None)
         for node in lru or ():
             del node.tenants[tenant]
             if not node.tenants:

@@ -151,3 +151,42 @@ def test_the_index_remembers_the_latest_losses_only() -> None:
     assert index.lost_at("w0", ids, BLOCK) == 2.0
     assert index.lost_at("w0", ids, 2 * BLOCK) == float("-inf")  # forgotten (3 > 2 kept)
     assert index.lost_at("w1", ids, 0) == float("-inf") and index.match(ids) == {}
+
+
+def route_burst(p: CacheAware, fleet: FleetView) -> None:
+    """Two new 1,003-token prompts go to the idle w0 at 9.5 s and 9.6 s (no match
+    anywhere: the least loaded worker), on their way while the index still shows what
+    w0 held before them."""
+    fleet.loads[:] = [0, 5]
+    for at, start in ((9.5, 20_000), (9.6, 30_000)):
+        d = p.select(request(1, *range(start, start + 1000)), fleet, at)
+        assert (d.worker_id, d.reason) == ("w0", "no_match")
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "cost_aware"])
+def test_routes_that_overflow_a_small_pool_outvote_the_index(name: str) -> None:
+    """w0 (a 2,000-token pool) holds the prefix, the index says so; the router has just
+    sent it 2,006 new tokens, more than its pool: their prefills evict its least recently
+    used blocks, the prefix first (no recent route touched it). The request goes to the
+    idle w1 as no match. Before the fix the index outvoted that: w0, predicted 1,040
+    tokens, a full miss (7 of 7 follow-ups on a small worker in the live capacities
+    case, loadtests/results/kv_events.md)."""
+    feed = feed_holding({"w0": 1042, "w1": 0})
+    p = policy(name, feed)
+    fleet = FleetView(["w0", "w1"], capacities=(2_000, 60_000))
+    route_burst(p, fleet)
+    fleet.loads[:] = [2, 0]
+    d = p.select(request(5), fleet, 10.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w1", 0.0)
+
+
+def test_a_pool_the_routes_fit_keeps_its_index_hits() -> None:
+    """The same routes into a 60,000-token pool evict nothing: the index's hit stands
+    (a prefix sent straight to the worker is still found there)."""
+    feed = feed_holding({"w0": 1042, "w1": 0})
+    p = policy("cache_aware", feed)
+    fleet = FleetView(["w0", "w1"], capacities=(60_000, 60_000))
+    route_burst(p, fleet)
+    fleet.loads[:] = [2, 0]
+    d = p.select(request(5), fleet, 10.0)
+    assert (d.worker_id, d.reason, d.predicted_tokens) == ("w0", "cache_hit", 1040.0)
