@@ -151,7 +151,12 @@ class BlockIndex:
 
     # ---- lookups ----------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
-        """The chain of block keys of `tokens` (whole blocks only)."""
+        """The chain of block keys of `tokens` (whole blocks only). A chat's ids from the
+        router's tokenizer carry them, keyed once per conversation prefix
+        (shared/prompt_ids.py): a new turn keys only the blocks it adds."""
+        carried = getattr(tokens, "block_keys", None)
+        if carried is not None:
+            return carried(self.block_size)  # type: ignore[no-any-return]
         return block_keys(np.asarray(tokens, dtype=np.int64), self.block_size).tolist()
 
     def match(self, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
