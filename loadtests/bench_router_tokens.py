@@ -1,13 +1,20 @@
 """Router CPU per request with prompt ids (tokenizer + KV-event index) on vs off.
 
-    python -m loadtests.bench_router_tokens [--requests 300] [--tokenizer sim|MODEL_DIR]
+    python -m loadtests.bench_router_tokens [--requests 320] [--rounds 3] [--before-ref REF]
 
-One zero-cost sim worker publishing KV events, the real router process started three
-times on the same fleet: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
+One zero-cost sim worker publishing KV events, the real router process started once per
+mode on the same fleet: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
 only: each chat rendered with the template and tokenized as the worker does, pieces
 cached, the tree keyed on the ids) and `on` (`tokenizer` + `kv_events`: the ids also
-looked up in the index). The same multi-turn conversations with ~2k-token prompts go through
-both; the router's own CPU (utime + stime from /proc) is divided by the requests.
+looked up in the index, and the feed applying the worker's event stream). The same
+multi-turn conversations with ~2k-token prompts go through each; the router's own CPU
+(utime + stime from /proc, the feed's included) is divided by the requests.
+
+`--before-ref REF` adds `tok@REF` and `on@REF`: the same modes with the router's code
+from that git ref (loadtests/refs.py), interleaved in the same rounds. Every round
+prints each mode's ratio to that round's `off`; the summary gives the range over rounds
+(the machine is shared: one round is not a measurement) and whether every round is
+within `--target` (issue 26: 1.5x).
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ import asyncio
 import os
 import random
 import time
+from contextlib import ExitStack
 
 import aiohttp
 
 from loadtests.fleet import BenchFleet, WorkerSpec
+from loadtests.refs import checkout, short
 from loadtests.workloads import NATO_WORDS as WORDS
 
 
@@ -60,33 +69,52 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
     p.add_argument("--tokenizer", default="sim")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--before-ref", default="", help="also run tok/on from this git ref")
+    p.add_argument("--target", type=float, default=1.5, help="the ratio to off to meet")
     args = p.parse_args()
     extra = ("--kv-events",) + (() if args.tokenizer == "sim" else ("--model", args.tokenizer))
-    results: dict[str, list[float]] = {"off": [], "tok": [], "on": []}
-    with BenchFleet() as fleet:
+    modes = ["off", "tok", "on"]
+    if args.before_ref:
+        ref = short(args.before_ref)
+        modes += [f"tok@{ref}", f"on@{ref}"]
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    with ExitStack() as stack:
+        before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
+        fleet = stack.enter_context(BenchFleet())
         fleet.start_worker("w0", WorkerSpec(decode_ms=0.0, prefill_us=0.0, extra=extra))
         for r in range(args.rounds):
-            for mode in results:  # side by side, alternating
+            for mode in modes:  # side by side, alternating
+                kind, _, at = mode.partition("@")
                 settings: dict[str, object] = {"access_log": False}
-                if mode != "off":
-                    settings |= {"tokenizer": args.tokenizer, "kv_events": mode == "on"}
-                fleet.start_router(settings)
-                router = fleet.router
-                assert router is not None
+                if kind != "off":
+                    settings |= {"tokenizer": args.tokenizer, "kv_events": kind == "on"}
+                router = fleet.start_router(settings, tree=before if at else None)
                 asyncio.run(drive(router.url, args, seed=100 + r))  # warm-up: pieces, pools
-                before = cpu_s(router.pid)
+                start = cpu_s(router.pid)
                 t0 = time.perf_counter()
                 n = asyncio.run(drive(router.url, args, seed=200 + r))
-                used = cpu_s(router.pid) - before
-                results[mode].append(used / n * 1e3)
-                print(f"round {r} {mode:3s}: {used / n * 1e3:.3f} ms CPU per request "
+                cpu[mode].append((cpu_s(router.pid) - start) / n * 1e3)
+                print(f"round {r} {mode:12s}: {cpu[mode][-1]:.3f} ms CPU per request "
                       f"({n} requests, {time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
-    off, tok, on = (min(results[m]) for m in ("off", "tok", "on"))
-    print(f"\nrouter CPU per request (best of {args.rounds}): off {off:.3f} ms, "
-          f"tok {tok:.3f} ms ({tok / off:.2f}x), on {on:.3f} ms ({on / off:.2f}x) "
-          f"(tokenizer {args.tokenizer})")  # fmt: skip
+    print(summary(cpu, args), flush=True)
     return 0
+
+
+def summary(cpu: dict[str, list[float]], args: argparse.Namespace) -> str:
+    """Per mode: CPU per request (min-max over rounds) and its ratio to the same round's
+    `off` (min-max), and whether the ratio is within the target in every round."""
+    lines = [f"\nrouter CPU per request over {args.rounds} rounds, {args.requests} requests "
+             f"each (tokenizer {args.tokenizer}); ratio to the same round's off:"]  # fmt: skip
+    for mode, values in cpu.items():
+        ratios = [v / o for v, o in zip(values, cpu["off"], strict=True)]
+        line = f"  {mode:12s} {min(values):.3f}-{max(values):.3f} ms"
+        if mode != "off":
+            every = "yes" if max(ratios) <= args.target else "NO"
+            line += (f"  ratio {min(ratios):.2f}-{max(ratios):.2f}x "
+                     f"(mean {sum(ratios) / len(ratios):.2f}x; <= {args.target}x every round: {every})")  # fmt: skip
+        lines.append(line)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
