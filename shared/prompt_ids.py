@@ -11,7 +11,7 @@ already keyed, so the pieces are chained instead:
 
 and each run remembers, per block size, the keys of the blocks that end inside it, the
 ids left over after its last whole block and the last key. A new turn keys only the
-blocks its new pieces complete; a block that straddles two pieces is keyed once, by the
+blocks its new pieces complete (in one call), a block that straddles two pieces by the
 run where it ends. The keys equal `block_keys` of the whole prompt exactly (a property
 test checks it): a cached key is never a different prompt's, because a run is reached
 only through the very pieces before it.
@@ -45,28 +45,37 @@ class Run:
 
 
 def chain_keys(last: Run, block_size: int) -> list[int]:
-    """The block keys of the ids of `last` and its ancestors, root first; each run keys
-    its blocks once per block size (iteratively: a chat of thousands of messages is a
-    chain that deep)."""
+    """The block keys of the ids of `last` and its ancestors, root first.
+
+    The runs not keyed yet at this block size (a new turn's few pieces; iteratively: a
+    chat of thousands of messages is a chain that deep) are keyed together, in one
+    `block_keys` call from the last key before them: its cost is mostly per call."""
     runs = []
     run: Run | None = last
     while run is not None and block_size not in run.keyed:
         runs.append(run)
         run = run.parent
-    tail: tuple[int, ...] = ()
-    prev = 0
-    if run is not None:
-        _, tail, prev = run.keyed[block_size]
-    for run in reversed(runs):
-        ids = tail + run.ids
-        whole = len(ids) - len(ids) % block_size
-        new = (
-            block_keys(np.asarray(ids[:whole], dtype=np.int64), block_size, prev).tolist()
+    if runs:
+        tail, prev = run.keyed[block_size][1:] if run is not None else ((), 0)
+        runs.reverse()
+        flat = list(tail)
+        ends = []
+        for run in runs:
+            flat += run.ids
+            ends.append(len(flat))
+        whole = len(flat) - len(flat) % block_size
+        keys = (
+            block_keys(np.asarray(flat[:whole], dtype=np.int64), block_size, prev).tolist()
             if whole
             else []
         )
-        tail, prev = ids[whole:], (new[-1] if new else prev)
-        run.keyed[block_size] = (new, tail, prev)
+        done = 0  # blocks keyed by the runs before
+        for run, end in zip(runs, ends, strict=True):
+            upto = end // block_size  # the blocks that end inside this run (or before)
+            new = keys[done:upto]
+            prev = new[-1] if new else prev
+            run.keyed[block_size] = (new, tuple(flat[upto * block_size : end]), prev)
+            done = upto
     parts = []
     run = last
     while run is not None:
