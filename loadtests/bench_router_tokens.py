@@ -82,7 +82,10 @@ def main() -> int:
     with ExitStack() as stack:
         before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
         fleet = stack.enter_context(BenchFleet())
-        fleet.start_worker("w0", WorkerSpec(decode_ms=0.0, prefill_us=0.0, extra=extra))
+        # A 3 s heartbeat expiry (1 s x 3): on a loaded shared machine the default 0.6 s
+        # lapsed mid-round once in a while (`no_workers`), which is not what is measured.
+        spec = WorkerSpec(decode_ms=0.0, prefill_us=0.0, heartbeat_s=1.0, extra=extra)
+        fleet.start_worker("w0", spec)
         for r in range(args.rounds):
             for mode in modes:  # side by side, alternating
                 kind, _, at = mode.partition("@")
