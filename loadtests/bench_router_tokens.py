@@ -2,18 +2,18 @@
 
     python -m loadtests.bench_router_tokens [--requests 320] [--rounds 3] [--before-ref REF]
 
-One zero-cost sim worker publishing KV events, the real router process started once per
-mode on the same fleet: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
+One zero-cost sim worker publishing KV events and one real router process per mode,
+all running at once: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
 only: each chat rendered with the template and tokenized as the worker does, pieces
 cached, the tree keyed on the ids) and `on` (`tokenizer` + `kv_events`: the ids also
-looked up in the index, and the feed applying the worker's event stream). The same
-multi-turn conversations with ~2k-token prompts go through each; the router's own CPU
-(utime + stime from /proc, the feed's included) is divided by the requests.
+looked up in the index, and the feed applying the worker's event stream). Every request
+of the multi-turn conversations (~2k-token prompts) goes to every router at the same
+moment, so a busy neighbour on a shared machine slows all modes alike; each router's own
+CPU (utime + stime from /proc, its feed's included) is divided by the requests.
 
 `--before-ref REF` adds `tok@REF` and `on@REF`: the same modes with the router's code
-from that git ref (loadtests/refs.py), interleaved in the same rounds. Every round
-prints each mode's ratio to that round's `off`; the summary gives the range over rounds
-(the machine is shared: one round is not a measurement) and whether every round is
+from that git ref (loadtests/refs.py). Every round prints each mode's ratio to the same
+round's `off`; the summary gives the range over rounds and whether every round is
 within `--target` (issue 26: 1.5x).
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import time
@@ -39,24 +40,32 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def drive(url: str, args: argparse.Namespace, seed: int) -> int:
+async def drive(urls: list[str], args: argparse.Namespace, seed: int) -> int:
+    """The conversations, each request sent to every router at once; the first router's
+    answer continues the conversation. Returns the requests each router answered."""
     rng = random.Random(seed)
     chats = [[{"role": "system", "content": f"Chat {s}. " +
                " ".join(rng.choice(WORDS) for _ in range(args.words))}]
              for s in range(args.sessions)]  # fmt: skip
     sent = 0
-    async with aiohttp.ClientSession() as http:
+    headers = {"Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+
+        async def post(url: str, body: bytes) -> dict:
+            async with http.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
+                data = await r.json()
+                assert r.status == 200, (url, data)
+                return data  # type: ignore[no-any-return]
+
         for turn in range(args.requests // args.sessions):
 
             async def one(chat: list[dict], turn: int = turn) -> None:
                 chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(WORDS)}?"})
-                body = {"messages": chat, "max_tokens": 4}  # the fleet's one model
-                async with http.post(url + "/v1/chat/completions", json=body) as r:
-                    data = await r.json()
-                    assert r.status == 200, data
-                chat.append(
-                    {"role": "assistant", "content": data["choices"][0]["message"]["content"]}
-                )
+                body = json.dumps({"messages": chat, "max_tokens": 4}).encode()
+                answers = await asyncio.gather(*(post(u, body) for u in urls))
+                content = answers[0]["choices"][0]["message"]["content"]
+                chat.append({"role": "assistant", "content": content})
 
             await asyncio.gather(*(one(c) for c in chats))
             sent += len(chats)
@@ -65,7 +74,7 @@ async def drive(url: str, args: argparse.Namespace, seed: int) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=320)
+    p.add_argument("--requests", type=int, default=320, help="per router and round")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
     p.add_argument("--tokenizer", default="sim")
@@ -86,20 +95,26 @@ def main() -> int:
         # lapsed mid-round once in a while (`no_workers`), which is not what is measured.
         spec = WorkerSpec(decode_ms=0.0, prefill_us=0.0, heartbeat_s=1.0, extra=extra)
         fleet.start_worker("w0", spec)
+        routers = {}
+        for mode in modes:
+            kind, _, at = mode.partition("@")
+            settings: dict[str, object] = {"access_log": False}
+            if kind != "off":
+                settings |= {"tokenizer": args.tokenizer, "kv_events": kind == "on"}
+            name = f"router-{kind}" + ("-before" if at else "")
+            routers[mode] = fleet.add_router(name, settings, tree=before if at else None)
+        urls = [r.url for r in routers.values()]
+        asyncio.run(drive(urls, args, seed=100))  # warm-up: pieces, pools, trees
         for r in range(args.rounds):
-            for mode in modes:  # side by side, alternating
-                kind, _, at = mode.partition("@")
-                settings: dict[str, object] = {"access_log": False}
-                if kind != "off":
-                    settings |= {"tokenizer": args.tokenizer, "kv_events": kind == "on"}
-                router = fleet.start_router(settings, tree=before if at else None)
-                asyncio.run(drive(router.url, args, seed=100 + r))  # warm-up: pieces, pools
-                start = cpu_s(router.pid)
-                t0 = time.perf_counter()
-                n = asyncio.run(drive(router.url, args, seed=200 + r))
-                cpu[mode].append((cpu_s(router.pid) - start) / n * 1e3)
-                print(f"round {r} {mode:12s}: {cpu[mode][-1]:.3f} ms CPU per request "
-                      f"({n} requests, {time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+            start = {m: cpu_s(c.pid) for m, c in routers.items()}
+            t0 = time.perf_counter()
+            n = asyncio.run(drive(urls, args, seed=200 + r))
+            for m, c in routers.items():
+                cpu[m].append((cpu_s(c.pid) - start[m]) / n * 1e3)
+            line = ", ".join(f"{m} {v[-1]:.3f} ms ({v[-1] / cpu['off'][-1]:.2f}x)"
+                             for m, v in cpu.items())  # fmt: skip
+            print(f"round {r} ({n} requests each, {time.perf_counter() - t0:.1f} s): {line}",
+                  flush=True)  # fmt: skip
     print(summary(cpu, args), flush=True)
     return 0
 

@@ -186,10 +186,12 @@ class BenchFleet:
         wait_until(lambda: self.routable() >= want, START_TIMEOUT_S, self.router)
         return self.router
 
-    def add_router(self, name: str, settings: dict[str, object] | None = None) -> Child:
+    def add_router(
+        self, name: str, settings: dict[str, object] | None = None, tree: Path | None = None
+    ) -> Child:
         """Another router next to the fleet's (a replica), ready once it routes to every
-        worker; stopped with the fleet."""
-        child = self.adopt(self._router(name, settings, ()).start())
+        worker; stopped with the fleet. From the checkout `tree` where given."""
+        child = self.adopt(self._router(name, settings, (), tree).start())
         wait_until(lambda: self.routable(child) >= len(self.workers), START_TIMEOUT_S, child)
         return child
 
