@@ -111,12 +111,17 @@ def main() -> int:
             n = asyncio.run(drive(urls, args, seed=200 + r))
             for m, c in routers.items():
                 cpu[m].append((cpu_s(c.pid) - start[m]) / n * 1e3)
-            line = ", ".join(f"{m} {v[-1]:.3f} ms ({v[-1] / cpu['off'][-1]:.2f}x)"
+            line = ", ".join(f"{m} {v[-1]:.3f} ms ({ratio(v[-1], cpu['off'][-1]):.2f}x)"
                              for m, v in cpu.items())  # fmt: skip
             print(f"round {r} ({n} requests each, {time.perf_counter() - t0:.1f} s): {line}",
                   flush=True)  # fmt: skip
     print(summary(cpu, args), flush=True)
     return 0
+
+
+def ratio(value: float, off: float) -> float:
+    """/proc counts CPU in 10 ms ticks: a tiny run can read 0 for `off`."""
+    return value / off if off else float("inf")
 
 
 def summary(cpu: dict[str, list[float]], args: argparse.Namespace) -> str:
@@ -125,7 +130,7 @@ def summary(cpu: dict[str, list[float]], args: argparse.Namespace) -> str:
     lines = [f"\nrouter CPU per request over {args.rounds} rounds, {args.requests} requests "
              f"each (tokenizer {args.tokenizer}); ratio to the same round's off:"]  # fmt: skip
     for mode, values in cpu.items():
-        ratios = [v / o for v, o in zip(values, cpu["off"], strict=True)]
+        ratios = [ratio(v, o) for v, o in zip(values, cpu["off"], strict=True)]
         line = f"  {mode:12s} {min(values):.3f}-{max(values):.3f} ms"
         if mode != "off":
             every = "yes" if max(ratios) <= args.target else "NO"
