@@ -2,7 +2,7 @@
 
 `PromptTokens` (shared/prompt_tokens.py) builds a chat's ids from cached pieces, one per
 message. The router's block index (router/fleet/kv_index.py) looks a request up by the
-key of each whole block (`block_keys`: a block's content and its parent's key). Keying
+key of each whole block (`block_key_list`: a block's content and its parent's key). Keying
 a 2k-token prompt from scratch on every turn re-hashes ~125 blocks the previous turn
 already keyed, so the pieces are chained instead:
 
@@ -12,7 +12,7 @@ already keyed, so the pieces are chained instead:
 and each run remembers, per block size, the keys of the blocks that end inside it, the
 ids left over after its last whole block and the last key. A new turn keys only the
 blocks its new pieces complete (in one call), a block that straddles two pieces by the
-run where it ends. The keys equal `block_keys` of the whole prompt exactly (a property
+run where it ends. The keys equal `block_key_list` of the whole prompt exactly (a property
 test checks it): a cached key is never a different prompt's, because a run is reached
 only through the very pieces before it.
 
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 from itertools import chain
 
-import numpy as np
-
-from shared.kv_events import block_keys
+from shared.kv_events import block_key_list
 
 # Per block size: (keys of the blocks ending in this run, ids after the last whole
 # block, the last key so far: 0 before the first block).
@@ -48,8 +46,8 @@ def chain_keys(last: Run, block_size: int) -> list[int]:
     """The block keys of the ids of `last` and its ancestors, root first.
 
     The runs not keyed yet at this block size (a new turn's few pieces; iteratively: a
-    chat of thousands of messages is a chain that deep) are keyed together, in one
-    `block_keys` call from the last key before them: its cost is mostly per call."""
+    chat of thousands of messages is a chain that deep) are keyed together, from the
+    last key before them."""
     runs = []
     run: Run | None = last
     while run is not None and block_size not in run.keyed:
@@ -63,12 +61,7 @@ def chain_keys(last: Run, block_size: int) -> list[int]:
         for run in runs:
             flat += run.ids
             ends.append(len(flat))
-        whole = len(flat) - len(flat) % block_size
-        keys = (
-            block_keys(np.asarray(flat[:whole], dtype=np.int64), block_size, prev).tolist()
-            if whole
-            else []
-        )
+        keys = block_key_list(flat, block_size, prev)  # whole blocks only
         done = 0  # blocks keyed by the runs before
         for run, end in zip(runs, ends, strict=True):
             upto = end // block_size  # the blocks that end inside this run (or before)
@@ -96,7 +89,7 @@ class PromptIds(tuple[int, ...]):
     def block_keys(self, block_size: int) -> list[int]:
         """`block_keys(self, block_size)` as ints, from the runs' keys where it has them."""
         if self.last is None:
-            return block_keys(np.asarray(self, dtype=np.int64), block_size).tolist()
+            return block_key_list(self, block_size)
         return chain_keys(self.last, block_size)
 
 

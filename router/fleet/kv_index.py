@@ -34,6 +34,7 @@ from shared.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
+    block_key_list,
     block_keys,
 )
 
@@ -157,7 +158,8 @@ class BlockIndex:
         carried = getattr(tokens, "block_keys", None)
         if carried is not None:
             return carried(self.block_size)  # type: ignore[no-any-return]
-        return block_keys(np.asarray(tokens, dtype=np.int64), self.block_size).tolist()
+        ids = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
+        return block_key_list(ids, self.block_size)
 
     def match(self, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
         """Per worker, how many leading tokens of `tokens` it holds (whole blocks, > 0).
