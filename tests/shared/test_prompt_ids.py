@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.fleet.kv_index import BlockIndex
-from shared.kv_events import BlockStored, block_keys
+from shared.kv_events import BlockStored, block_key_list, block_keys
 from shared.prompt_ids import PromptIds
 from shared.prompt_tokens import PromptTokens, encode_prompt, load_tokenizer
 
@@ -100,3 +100,13 @@ def test_the_index_matches_carried_keys_as_plain_ids() -> None:
     ids = router.chat(chat)
     assert ids.last is not None  # carried, not keyed from scratch
     assert index.match(ids) == index.match(np.asarray(list(ids))) == {"w0": n}
+
+
+def test_block_keys_chain_from_their_parent_and_tell_repeats_apart() -> None:
+    a, b = list(range(32)), list(range(100, 116))
+    whole = block_key_list(a + b + [7, 7], 16)  # the partial block is not keyed
+    assert len(whole) == 3 and all(0 <= k < 2**64 for k in whole)
+    assert whole[:2] == block_key_list(a, 16)
+    assert whole[2:] == block_key_list(b, 16, parent=whole[1])
+    assert block_keys(np.asarray(a + b), 16).tolist() == whole  # the events' array form
+    assert len(set(block_key_list([0] * 64, 16))) == 4  # same tokens, other parents
