@@ -219,6 +219,15 @@ class KvEventFeed:
             return {}
         return {w: n for w, n in index.match(tokens).items() if self.trusted(w)}
 
+    def match_tiers(
+        self, model: str, tokens: Sequence[int] | np.ndarray
+    ) -> dict[str, tuple[int, int]]:
+        """Per trusted worker: (tokens of `tokens` on its device, tokens in any tier)."""
+        index = self.indexes.get(model)
+        if index is None:
+            return {}
+        return {w: n for w, n in index.match_tiers(tokens).items() if self.trusted(w)}
+
     def status_of(self, wid: str) -> str:
         state = self.streams.get(wid)
         return state.status if state is not None else "syncing"
