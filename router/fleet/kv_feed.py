@@ -191,7 +191,10 @@ class KvEventFeed:
     def _index(self, model: str, events: Sequence[KVEvent]) -> BlockIndex:
         index = self.indexes.get(model)
         if index is None:
-            size = next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+            size = next(
+                (e.block_size for e in events if isinstance(e, BlockStored) and e.block_size),
+                None,
+            )
             if size is None:
                 return _EMPTY
             index = self.indexes[model] = BlockIndex(size, self.max_blocks)

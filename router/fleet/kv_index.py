@@ -90,6 +90,9 @@ class BlockIndex:
 
     def _stored(self, worker: str, event: BlockStored) -> None:
         bs = self.block_size
+        if event.block_size == 0:
+            self._stored_again(worker, event)
+            return
         if event.block_size != bs:
             raise ValueError(f"block size {event.block_size} is not the index's {bs}")
         wb = self._workers.setdefault(worker, _WorkerBlocks())
@@ -127,6 +130,22 @@ class BlockIndex:
             self.forgotten += 1
             for w, (_, h) in holders.items():
                 self._workers[w].forget(h)
+
+    def _stored_again(self, worker: str, event: BlockStored) -> None:
+        """A store by engine hash only (no tokens): blocks the worker named before, now in
+        `event.medium` too; a hash it never named (or that was forgotten) is an orphan."""
+        wb = self._workers.get(worker)
+        media = _MEDIA.get(event.medium, 1)
+        for engine_hash in event.block_hashes:
+            key = None if wb is None else wb.by_hash.get(engine_hash)
+            holders = None if key is None else self._blocks.get(key)
+            held = None if holders is None else holders.get(worker)
+            if held is None:
+                self.orphans += 1
+                continue
+            holders[worker] = (held[0] | media, held[1])  # type: ignore[index]
+            count = (engine_hash, media)
+            wb.stores[count] = wb.stores.get(count, 0) + 1  # type: ignore[union-attr]
 
     def _removed(self, worker: str, hashes: Sequence[BlockHash], media: int) -> None:
         wb = self._workers.get(worker)

@@ -93,3 +93,34 @@ def test_host_weight_from_the_workers_figures() -> None:
     for bad in (float("nan"), -1.0, 1e30):
         r = record(kv_bytes_per_token=131_072, host_load_bytes_per_s=bad)
         assert host_hit_weight(r, 50.0) == HOST_HIT_WEIGHT
+
+
+def test_vllm_offloading_stores_by_hash_only_mark_known_blocks_host_held() -> None:
+    """vLLM's offloading connector (unless its events are "self-describing") announces a
+    block copied to its CPU tier by hash alone: block_size 0, no token ids, no parent.
+    It marks a block the worker named before as host-held; an unknown hash is an orphan;
+    anything else tokenless stays malformed."""
+    import msgpack
+    import pytest
+
+    from shared.kv_events import decode_batch
+
+    def vllm_placeholder(h: int) -> dict[str, object]:  # as vLLM 0.32's events.py writes it
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,
+                "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU",
+                "lora_name": None, "group_idx": 0, "locality": None, "ownership": None}  # fmt: skip
+
+    batch = decode_batch(msgpack.packb([1.0, [vllm_placeholder(13), vllm_placeholder(99)]]))
+    assert [(e.block_size, len(e.token_ids), e.medium) for e in batch.events] == [
+        (0, 0, "CPU"),
+        (0, 0, "CPU"),
+    ]
+    feed = feed_of({"w": [[AllBlocksCleared(), stored(4, "GPU")]]})
+    index = feed.indexes["m"]
+    index.apply("w", batch.events)  # 13 (the third block) known; 99 not
+    assert index.orphans == 1
+    index.apply("w", [BlockRemoved(HASHES[2:], "GPU")])  # the device evicts blocks 3 and 4
+    assert feed.match_tiers("m", TOKENS) == {"w": (8, 12)}  # block 3 is on the host still
+    for bad in ({"token_ids": [1, 2]}, {"parent_block_hash": 11}):
+        with pytest.raises(ValueError, match="token_ids"):
+            decode_batch(msgpack.packb([1.0, [{**vllm_placeholder(13), **bad}]]))
