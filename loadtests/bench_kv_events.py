@@ -33,8 +33,9 @@ import argparse
 import asyncio
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import openai
 
@@ -47,6 +48,13 @@ class Result:
     prompt: int = 0
     cached: int = 0
     ttfts: list[float] | None = None
+    workers: Counter[str] = field(default_factory=Counter)  # requests per worker (router's)
+
+    @property
+    def spread(self) -> float:
+        """Max / mean requests per worker over the 4 workers (1.0: even)."""
+        counts = [self.workers.get(f"w{i}", 0) for i in range(4)]
+        return max(counts) / (sum(counts) / 4) if sum(counts) else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -65,10 +73,12 @@ async def one(client: openai.AsyncOpenAI, messages: list[dict], res: Result) -> 
     start = time.perf_counter()
     first = None
     text = ""
-    stream = await client.chat.completions.create(
+    raw = await client.chat.completions.with_raw_response.create(
         model="sim", messages=messages, max_tokens=8, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
+    res.workers[raw.headers.get("x-radix-worker", "direct")] += 1
+    stream = raw.parse()
     async for chunk in stream:
         if first is None:
             first = time.perf_counter() - start
@@ -184,7 +194,8 @@ def main() -> int:
                     rows.append((case, mode, r))
                     print(f"{case:11s} {mode:15s} hit {r.hit_rate:6.3f}  TTFT p50 "
                           f"{r.pct(0.5):7.1f} ms  p99 {r.pct(0.99):7.1f} ms  "
-                          f"({len(r.ttfts or [])} requests)", flush=True)  # fmt: skip
+                          f"({len(r.ttfts or [])} requests, max/mean per worker "
+                          f"{r.spread:.2f})", flush=True)  # fmt: skip
     print()
     print("| case | tree alone: hit / p50 / p99 | tree + events: hit / p50 / p99 | hit delta "
           "| events GPU only: hit / p50 / p99 |")  # fmt: skip
