@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,8 +52,8 @@ def replay(events: BlockEvents, index: BlockIndex, worker: str = "w") -> None:
         index.apply(worker, decode_batch(encode_batch(batch)).events)
 
 
-def with_events(h: HostHarness, block: int) -> BlockEvents:
-    events = BlockEvents(block)
+def with_events(h: HostHarness, block: int, max_pending: int = 200_000) -> BlockEvents:
+    events = BlockEvents(block, max_pending=max_pending)
     h.cache.publish_events(events)
     return events
 
@@ -79,6 +80,7 @@ ops = st.lists(
     block=st.sampled_from([1, 3, 4, 6]),
     chunk=st.integers(8, 48),
     write_through=st.booleans(),
+    max_pending=st.sampled_from([200_000, 200_000, 12]),
     script=ops,
 )
 def test_property_events_per_tier_reproduce_the_tree(
@@ -89,8 +91,11 @@ def test_property_events_per_tier_reproduce_the_tree(
     block: int,
     chunk: int,
     write_through: bool,
+    max_pending: int,
     script: list[tuple],
 ) -> None:
+    """A small backlog (`max_pending` 12) overflows within an operation: the events are
+    dropped and the next change republishes the tree, both tiers (checked once it has)."""
     rng = random.Random(seed)
     stems = [_rand(rng, rng.randrange(8, 40)) for _ in range(4)]
 
@@ -102,7 +107,7 @@ def test_property_events_per_tier_reproduce_the_tree(
         )  # fmt: skip
 
     h = harness()
-    events = with_events(h, block)
+    events = with_events(h, block, max_pending)
     index = BlockIndex(block)
     seqs = []
     for op in script:
@@ -120,12 +125,60 @@ def test_property_events_per_tier_reproduce_the_tree(
             h.cache.reset()
         else:  # a new process: empty caches; its first event clears the old epoch
             h, seqs = harness(), []
-            events = with_events(h, block)
+            events = with_events(h, block, max_pending)
         replay(events, index)
-        assert index_tiers(index) == tree_tiers(h.cache, index)
+        if not events._lost:  # lost: the reader is told at the next change, not before
+            assert index_tiers(index) == tree_tiers(h.cache, index)
     h.run()
     replay(events, index)
-    assert index_tiers(index) == tree_tiers(h.cache, index)
+    if not events._lost:
+        assert index_tiers(index) == tree_tiers(h.cache, index)
+
+
+class CheckedHarness(HostHarness):
+    """After every engine step (and a flush every `flush_every` steps): the published
+    events, replayed, reproduce both tiers of the tree."""
+
+    def __init__(
+        self, *args: object, block: int, max_pending: int, flush_every: int, **cfg: object
+    ):
+        super().__init__(*args, **cfg)  # type: ignore[arg-type]
+        self.events = with_events(self, block, max_pending)
+        self.index = BlockIndex(block)
+        self.flush_every, self.steps, self.checked = flush_every, 0, 0
+
+    def step(self):  # type: ignore[no-untyped-def]
+        batch = super().step()
+        self.steps += 1
+        if self.steps % self.flush_every == 0:
+            self.cache.reset()
+        replay(self.events, self.index)
+        if not self.events._lost:
+            assert index_tiers(self.index) == tree_tiers(self.cache, self.index), self.steps
+            self.checked += 1
+        return batch
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_long_random_runs_demote_reload_drop_and_the_index_follows(seed: int) -> None:
+    """Long random runs where loads back, host drops and preemptions do happen (asserted),
+    the index checked after every step; odd seeds with a 4-event backlog that overflows
+    (the next change republishes both tiers after an AllBlocksCleared)."""
+    rng = random.Random(seed)
+    stems = [_rand(rng, rng.randrange(10, 40)) for _ in range(4)]
+    h = CheckedHarness(
+        rng.randrange(90, 140), rng.choice([60, 150]), rng.random() < 0.5,
+        block=rng.choice([1, 3, 4, 8]), max_pending=(200_000, 4)[seed % 2], flush_every=150,
+        page_size=rng.choice([1, 4]), max_prefill_tokens=rng.randrange(8, 48),
+        max_running_requests=rng.randrange(2, 6), evict_batch_tokens=rng.randrange(1, 16),
+        init_new_token_ratio=0.0, min_new_token_ratio=0.0,
+    )  # fmt: skip
+    h.drive_random(
+        rng, stems, steps=400, arrive_until=300, p_arrive=0.3, p_abort=0.05, max_suffix=20,
+        max_tokens=20,
+    )  # fmt: skip
+    assert h.runner.loaded > 0 and h.cache.host.dropped_tokens > 0
+    assert h.checked > 100 and (h.events.dropped > 0) == (seed % 2 == 1)  # republished
 
 
 def test_demotion_load_back_and_host_drop_as_the_router_sees_them() -> None:
