@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from loadtests.options import HelpFormatter
+from loadtests.record import write_table
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.load import load_engine
@@ -183,9 +183,5 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out is not None:
-        command = "python -m loadtests engine " + " ".join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"# Engine benchmark\n\nCommand: `{command.strip()}`\n\n{table}\n")
+        write_table(args.out, "engine", argv, table, title="Engine benchmark")
     return 0

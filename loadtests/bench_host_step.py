@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from loadtests.options import HelpFormatter
+from loadtests.record import write_table
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.load import load_engine
@@ -145,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out is not None:
-        command = "python -m loadtests host-step " + " ".join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        with args.out.open("a") as f:
-            f.write(f"\nCommand: `{command.strip()}`\n\n{table}\n")
+        write_table(args.out, "host-step", argv, table)
     return 0
 
 

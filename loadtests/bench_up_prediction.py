@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from typing import IO
 
 import openai
 
@@ -33,16 +37,31 @@ def run(args: argparse.Namespace, kv_events: bool) -> tuple[float, float, float]
     port = free_port()
     cmd = [sys.executable, "-m", "router", "up", "--workers", "2", "--engine", args.engine,
            "--port", str(port)] + ([] if kv_events else ["--no-kv-events"])  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # `up`'s output goes to a file, never an unread pipe: a full pipe blocks `up` (and its
+    # SIGINT handler's last lines), which then outlived the bench. Its own session lets
+    # the fallback kill reach the router and workers it started, not just `up`.
+    with tempfile.TemporaryFile(mode="w+") as log:
+        return _measure(args, cmd, port, log)
+
+
+def _measure(
+    args: argparse.Namespace, cmd: list[str], port: int, log: IO[str]
+) -> tuple[float, float, float]:
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"`{' '.join(cmd)}` did not get ready:\n{log.read()[-4000:]}")
             try:
                 if dashboard(url)["fleet"]["ready"] == 2:
                     break
             except OSError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x")
         model = client.models.list().data[0].id
         rng = random.Random(3)
@@ -59,11 +78,12 @@ def run(args: argparse.Namespace, kv_events: bool) -> tuple[float, float, float]
         return (fleet["predicted_cached_tokens_total"], fleet["actual_cached_tokens_total"],
                 fleet["hit_rate"] or 0.0)  # fmt: skip
     finally:
-        proc.send_signal(2)
+        proc.send_signal(signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def main() -> int:

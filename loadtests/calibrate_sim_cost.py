@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from loadtests.options import HelpFormatter
+from loadtests.record import write_table
 from worker.engine.batch import BatchItem
 from worker.engine.runtime.runner import ModelRunner
 from worker.models.tiny_model import PRESETS, make_tiny_model
@@ -104,11 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out is not None:
-        command = "python -m loadtests sim-calibrate " + " ".join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        with args.out.open("a") as f:
-            f.write(f"\nCommand: `{command.strip()}`\n\n{table}\n")
+        write_table(args.out, "sim-calibrate", argv, table)
     return 0
 
 

@@ -13,6 +13,7 @@ from router.fleet.sync import ReplicaSync
 from router.http.app import create_app
 from shared.config import RouterConfig
 from tests.router.fakes import FakeWorker
+from tests.router.raw_upstream import RawUpstream
 
 StartWorkers = Callable[..., Awaitable[list[tuple[FakeWorker, TestServer]]]]
 StartRouter = Callable[..., Awaitable[TestClient]]
@@ -58,6 +59,21 @@ async def start_router() -> AsyncIterator[StartRouter]:
     yield start
     for client in clients:
         await client.close()
+
+
+@pytest.fixture
+async def raw_upstreams() -> AsyncIterator[Callable[[RawUpstream], Awaitable[RawUpstream]]]:
+    """Start scripted raw TCP workers (tests/router/raw_upstream.py); closed after the test."""
+    started: list[RawUpstream] = []
+
+    async def start(upstream: RawUpstream) -> RawUpstream:
+        await upstream.start()
+        started.append(upstream)
+        return upstream
+
+    yield start
+    for upstream in started:
+        upstream.close()
 
 
 def url_of(server: TestServer) -> str:

@@ -24,6 +24,7 @@ from router.upstream.clients import make_transport
 from router.upstream.connection import UpstreamBroken
 from router.upstream.resolver import GuardedResolver
 from router.upstream.transport import Transport
+from tests.router.raw_upstream import RawUpstream, request_id
 
 OK_BODY = b'{"ok": true}'
 ST = b"HTTP/1.1 200 OK\r\nx-request-id: {RID}\r\n"
@@ -36,48 +37,32 @@ READ_TIMEOUT = 0.6
 Steps = list[Any]
 
 
-class ScriptedWorker:
+class ScriptedWorker(RawUpstream):
     def __init__(self, answers: list[Steps]) -> None:
+        super().__init__()
         self.answers = answers  # the steps for request n (the last repeats)
         self.requests = 0
-        self.connections = 0
-        self.server: asyncio.Server | None = None
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lower = head.lower()
-                length = int(lower.split(b"content-length: ")[1].split(b"\r\n")[0])
-                await reader.readexactly(length)
-                rid = head[lower.index(b"x-request-id: ") + 14 :].split(b"\r\n")[0]
-                steps = self.answers[min(self.requests, len(self.answers) - 1)]
-                self.requests += 1
-                for step in steps:
-                    if isinstance(step, bytes):
-                        writer.write(step.replace(b"{RID}", rid))
-                        await writer.drain()
-                    elif step == "close":
-                        return
-                    elif step == "reset":
-                        sock = writer.get_extra_info("socket")
-                        sock.setsockopt(
-                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                        )
-                        writer.transport.abort()
-                        return
-                    else:
-                        await asyncio.sleep(step[1])
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+    async def answer(
+        self, conn: int, n: int, head: bytes, body: bytes, writer: asyncio.StreamWriter
+    ) -> bool:
+        rid = request_id(head)
+        steps = self.answers[min(self.requests, len(self.answers) - 1)]
+        self.requests += 1
+        for step in steps:
+            if isinstance(step, bytes):
+                writer.write(step.replace(b"{RID}", rid))
+                await writer.drain()
+            elif step == "close":
+                return True
+            elif step == "reset":
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return True
+            else:
+                await asyncio.sleep(step[1])
+        return False
 
 
 @pytest.fixture(params=["own", "aiohttp"])
@@ -88,19 +73,11 @@ async def transport(request: pytest.FixtureRequest) -> AsyncIterator[Transport]:
 
 
 @pytest.fixture
-async def worker() -> AsyncIterator[Any]:
-    started: list[ScriptedWorker] = []
-
+def worker(raw_upstreams: Any) -> Any:
     async def start(*answers: Steps) -> ScriptedWorker:
-        w = ScriptedWorker(list(answers))
-        w.server = await asyncio.start_server(w.serve, "127.0.0.1", 0)
-        started.append(w)
-        return w
+        return await raw_upstreams(ScriptedWorker(list(answers)))
 
-    yield start
-    for w in started:
-        assert w.server is not None
-        w.server.close()
+    return start
 
 
 async def exchange(t: Transport, url: str, rid: str) -> tuple[Any, ...]:

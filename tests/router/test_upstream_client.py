@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ import pytest
 from router.http.state import FLEET
 from router.upstream.proxy import PROXY
 from tests.router.conftest import StartRouter
+from tests.router.raw_upstream import RawUpstream
 
 BODY = {"prompt": "hello there", "max_tokens": 3}
 ANSWER = json.dumps({"id": "x", "object": "text_completion", "choices": []}).encode()
@@ -35,62 +36,40 @@ def _echo(answer: bytes, head: bytes) -> bytes:
     return status + sep + b"x-request-id: " + rid + b"\r\n" + rest if sep else answer
 
 
-class RawWorker:
-    """Reads each request (head + Content-Length body) and does what `script` says:
-    bytes to send, "close" (hang up without a byte), "stall" (send nothing, keep open),
-    or (bytes, "close"): send, then hang up. With `echo` the request id is echoed."""
+class RawWorker(RawUpstream):
+    """Does what `script` says for each request: bytes to send, "close" (hang up without
+    a byte), "stall" (send nothing, keep open), or (bytes, "close"): send, then hang up.
+    With `echo` the request id is echoed."""
 
     def __init__(self, script: Script, echo: bool = True) -> None:
+        super().__init__()
         self.script = script
         self.echo = echo
-        self.connections = 0
         self.requests: list[bytes] = []
-        self.server: asyncio.Server | None = None
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn, n = self.connections, 0
-        self.connections += 1
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-                self.requests.append(head + await reader.readexactly(length))
-                action = self.script(conn, n)
-                n += 1
-                if action == "close":
-                    break
-                if action == "stall":
-                    await asyncio.sleep(30)
-                if isinstance(action, tuple):
-                    writer.write(_echo(action[0], head) if self.echo else action[0])
-                    break
-                writer.write(_echo(action, head) if self.echo else action)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+    async def answer(
+        self, conn: int, n: int, head: bytes, body: bytes, writer: asyncio.StreamWriter
+    ) -> bool:
+        self.requests.append(head + body)
+        action = self.script(conn, n)
+        if action == "close":
+            return True
+        if action == "stall":
+            await asyncio.sleep(30)
+        if isinstance(action, tuple):
+            writer.write(_echo(action[0], head) if self.echo else action[0])
+            return True
+        writer.write(_echo(action, head) if self.echo else action)
+        await writer.drain()
+        return False
 
 
 @pytest.fixture
-async def raw_workers() -> AsyncIterator[Callable[..., Awaitable[RawWorker]]]:
-    started: list[RawWorker] = []
-
+def raw_workers(raw_upstreams: Any) -> Callable[..., Awaitable[RawWorker]]:
     async def start(script: Script, echo: bool = True) -> RawWorker:
-        worker = RawWorker(script, echo)
-        worker.server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
-        started.append(worker)
-        return worker
+        return await raw_upstreams(RawWorker(script, echo))
 
-    yield start
-    for worker in started:
-        assert worker.server is not None
-        worker.server.close()
+    return start
 
 
 def failures(client: Any) -> dict[str, int]:
