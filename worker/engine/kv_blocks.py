@@ -11,7 +11,7 @@ while the tree holds its last token, so each block belongs to the node holding i
 
 So the tree's changes map to events one to one:
 - a new leaf (insert) stores the blocks that end in it on the device (`stored`);
-- a node entering or leaving a tier stores or removes its blocks there (`tier`, with
+- a node entering or leaving a tier stores or removes its blocks there (`retiered`, with
   that tier's medium: `medium` for the device pool, "GPU" as vLLM names it, and
   `host_medium`, "CPU" as vLLM's CPU offloading names its host tier);
 - a split moves each block to whichever half holds its end (`split`; no event: both
@@ -145,13 +145,19 @@ class BlockEvents:
             self._emit(BlockStored(chunk, parent, ids, bs, self.medium))
             parent = chunk[-1]
 
-    def tier(self, node: TreeNode, medium: str | None, held: bool) -> None:
-        """`node` (its tiers already updated) entered (`held`) or left the tier `medium`."""
-        if not node.blocks or medium is None:
+    def retiered(self, node: TreeNode, device: bool | None, host: bool | None) -> None:
+        """`node` (its tiers already updated) entered (True) or left (False) the device
+        pool and/or the host tier (None: unchanged there)."""
+        if not node.blocks:
             return
         if self._lost or self._due:
             self._republish()  # the tree as it is now, this change included
             return
+        for medium, held in ((self.medium, device), (self.host_medium, host)):
+            if held is not None and medium is not None:
+                self._tier(node, medium, held)
+
+    def _tier(self, node: TreeNode, medium: str, held: bool) -> None:
         if not held:
             self._emit(BlockRemoved(node.blocks, medium))
             return

@@ -484,12 +484,15 @@ class RadixCache:
             else:
                 self._host_nodes.add(node)
                 self._push_host(node)
-        events = self.kv_events
-        if events is not None:  # after both tiers are set: a republish sees the new state
-            if device is not _KEEP and (device is None) == was_device:
-                events.tier(node, events.medium, device is not None)
-            if host is not _KEEP and (host is None) == was_host:
-                events.tier(node, events.host_medium, host is not None)
+        if self.kv_events is not None:  # after both tiers are set: a republish sees them
+            moved_device = device is not _KEEP and (device is None) == was_device
+            moved_host = host is not _KEEP and (host is None) == was_host
+            if moved_device or moved_host:
+                self.kv_events.retiered(
+                    node,
+                    (device is not None) if moved_device else None,
+                    (host is not None) if moved_host else None,
+                )
 
     def _remove(self, node: TreeNode) -> None:
         """Detach a node held in no tier any more (slots already freed by the caller)."""
