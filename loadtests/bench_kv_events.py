@@ -10,6 +10,9 @@ what workers report, beside the tree's in-flight entries; `tokenizer: sim`):
     direct      a second client sends each conversation's first turn straight to a
                 random worker (the router never sees it), then the rest go through it
     flush       every worker's cache is flushed after the first turns
+    flush_half  w0's and w1's caches (half the fleet) are flushed after the first turns:
+                with --shared-words, the shared head of every prompt is still held by
+                the other two (the fairer flush: a prefix the tree's guess misses exists)
     restart     one worker restarts after the first turns (a new epoch: empty cache)
     capacities  workers' KV pools differ 8x (2 small, 2 large) and the working set
                 overflows the small ones
@@ -65,8 +68,14 @@ class Result:
         return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
-def system_prompt(rng: random.Random, s: int, words: int) -> str:
-    return f"Conversation {s}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+def system_prompt(rng: random.Random, s: int, words: int, shared: str = "") -> str:
+    return f"{shared}Conversation {s}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def shared_head(words: int) -> str:
+    """The same first `words` words for every conversation (empty for 0)."""
+    rng = random.Random("shared head")
+    return "".join(rng.choice(WORDS) + " " for _ in range(words))
 
 
 async def one(client: openai.AsyncOpenAI, messages: list[dict], res: Result) -> str:
@@ -99,7 +108,8 @@ async def run_case(
     rng = random.Random(args.seed)
     router = openai.AsyncOpenAI(base_url=fleet.router.url + "/v1", api_key="x", max_retries=2)
     direct = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="x") for u in fleet.worker_urls]
-    chats = [[{"role": "system", "content": system_prompt(rng, s, args.words)}]
+    head = shared_head(args.shared_words)
+    chats = [[{"role": "system", "content": system_prompt(rng, s, args.words, head)}]
              for s in range(args.sessions)]  # fmt: skip
     res, side = Result(ttfts=[]), Result(ttfts=[])
     gate = asyncio.Semaphore(args.concurrency)
@@ -148,6 +158,10 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=32)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--words", type=int, default=600, help="system prompt words per session")
+    p.add_argument(
+        "--shared-words", type=int, default=0,
+        help="words every conversation's system prompt starts with (a hot, replicated prefix)",
+    )  # fmt: skip
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--prefill-us", type=float, default=100.0)
     p.add_argument("--cache-tokens", type=int, default=60_000)
@@ -180,6 +194,7 @@ def main() -> int:
             for case in names:
                 between = {
                     "flush": lambda f=fleet: flush(f),
+                    "flush_half": lambda f=fleet: f.flush(only=("w0", "w1")),
                     "restart": lambda f=fleet: (f.restart_worker("w1"), wait_events(f)),
                 }.get(case, lambda: None)
                 modes = list(MODES) if case in HOST_CASES else ["tree", "tree+events"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import tempfile
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,9 +143,11 @@ class BenchFleet:
     def worker_urls(self) -> list[str]:
         return [c.url for c in self.workers.values()]
 
-    def flush(self) -> None:
-        """Empty every worker's cache (call it while they are idle)."""
-        for url in self.worker_urls:
+    def flush(self, only: Sequence[str] | None = None) -> None:
+        """Empty every worker's cache, or those of the workers `only` names (call it
+        while they are idle)."""
+        urls = self.worker_urls if only is None else [self.workers[w].url for w in only]
+        for url in urls:
             req = urllib.request.Request(url + "/flush_cache", method="POST", data=b"")
             with urllib.request.urlopen(req, timeout=10) as r:
                 if r.status != 200:

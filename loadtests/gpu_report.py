@@ -154,6 +154,13 @@ def _preset(preset: str, r: dict[str, Any]) -> list[str]:
         lines.append(f"- engine decode at batch {o['batch']}, context {o['context']}: overlap "
                      f"{o['overlap_ms']} ms/step vs in order {o['in_order_ms']} ms/step "
                      f"({o['speedup']}x); greedy equal: {o['greedy_equal']}")  # fmt: skip
+    m = r.get("piecewise_mixed")
+    if isinstance(m, dict) and "piecewise_ms" in m:
+        lines.append(f"- mixed step ({m['decodes']} decodes at context {m['context']} + a "
+                     f"{m['chunk']}-token chunk, {m['graphs']} graphs): piecewise "
+                     f"{m['piecewise_ms']} ms vs eager {m['eager_ms']} ms ({m['speedup']}x); "
+                     f"bucket captured in {m['capture_s']} s, late captures "
+                     f"{m['late_captures']}, logits max diff {m['max_abs_diff']:.3g}")  # fmt: skip
     if "peak_memory_gib" in r:
         lines.append(f"- peak device memory {r['peak_memory_gib']} GiB")
     cells = r.get("decode")

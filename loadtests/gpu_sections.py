@@ -26,10 +26,11 @@ from loadtests.gpu_report import write
 FULL = dict(batches=(1, 32, 64, 128), contexts=(256, 2048), steps=12, prefill=(4, 2048),
             prefix=4096, question=64, prompts=(7, 60, 300), new_tokens=16,
             eager_point=(64, 2048), first_cells=((64, 2048), (1, 2048)),
-            overlap_point=(64, 2048, 32, 1))  # fmt: skip
+            overlap_point=(64, 2048, 32, 1), mixed_point=(32, 1024, 512, 10))  # fmt: skip
 QUICK = dict(batches=(1, 3), contexts=(16, 40), steps=2, prefill=(2, 32), prefix=64,
              question=8, prompts=(5, 12, 20), new_tokens=4, eager_point=(3, 40),
-             first_cells=((3, 40),), overlap_point=(3, 16, 3, 1))  # fmt: skip
+             first_cells=((3, 40),), overlap_point=(3, 16, 3, 1),
+             mixed_point=(2, 8, 12, 1))  # fmt: skip
 PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy")
 
 
@@ -135,6 +136,7 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
                    backend: str) -> None:  # fmt: skip
     from loadtests import gpu_bench as gb
     from loadtests import gpu_overlap as go
+    from loadtests import gpu_piecewise as gp
     from shared.tokenizer import Tokenizer
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
@@ -233,6 +235,9 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
 
     rec.step("no_capture_in_traffic", lambda: go.no_capture_in_traffic(runner))
     rec.step("eager_point", eager, need_s=5)
+    # Issue 25: a mixed step with piecewise graphs vs eagerly (loadtests/gpu_piecewise.py).
+    rec.step("piecewise_mixed", lambda: gp.piecewise_mixed(runner, *sizes["mixed_point"]),
+             need_s=20)  # fmt: skip
     rec.step("overlap_decode", lambda: go.overlap_decode(runner, Path(model_dir),
                                                          *sizes["overlap_point"]), need_s=30)  # fmt: skip
     rec.data["graph_replays"] = runner.graphs.replays if runner.graphs else 0

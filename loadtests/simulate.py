@@ -9,7 +9,10 @@ loadtests/sim/). Mooncake: one trace copy per `--workers-per-copy` workers, each
 own block namespace, and the arrival rate scaled so that every fleet size sees the same
 requests per second per worker. A threshold sweep (`--sweep-at N`) runs cache_aware
 over `--thresholds` × `--balance-abs` at one fleet size: how users tune the router
-before deploying. Prints the tables; writes `simulation.json` and PNGs.
+before deploying. `--kv-arms` runs cache_aware / cost_aware once per arm: the tree alone,
+tree + the workers' KV events, or the ceiling (loadtests/sim/divergence.py; the
+divergence cases themselves: `python -m loadtests simulate-events`). Prints the tables;
+writes `simulation.json` and PNGs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from loadtests.compare import POLICIES, RouterSpec
 from loadtests.options import WorkloadOptions, add_workload_arguments, options_from_namespace
 from loadtests.progress import Progress, clock_text
+from loadtests.sim.divergence import ARMS, CASES, ArmSpec, DivergenceSim
 from loadtests.sim.fleet import ClosedLoop, FleetSim, SimResult
 from loadtests.sim.sources import generated_requests, mooncake_requests
 from loadtests.sim.worker import CostModel
@@ -46,9 +50,14 @@ SWEEP_KEYS = ("cache_threshold", "balance_abs_threshold", "no_match", "balance_m
 
 
 def simulate_one(
-    config: RouterConfig, n: int, cost: CostModel, o: WorkloadOptions, args: argparse.Namespace
-) -> SimResult:
-    sim = FleetSim(config, n, cost, seed=args.sim_seed)
+    config: RouterConfig, n: int, cost: CostModel, o: WorkloadOptions, args: argparse.Namespace,
+    arm: str | None = None,
+) -> SimResult:  # fmt: skip
+    if arm is None:
+        sim = FleetSim(config, n, cost, seed=args.sim_seed)
+    else:  # tree alone / tree + KV events / the ceiling (loadtests/sim/divergence.py)
+        spec = ArmSpec(arm, args.event_delay_ms / 1e3, args.event_block_size)
+        sim = DivergenceSim(config, n, cost, CASES["baseline"], spec, 1 << 62, args.sim_seed)
     if o.workload == "mooncake":
         copies = max(1, math.ceil(n / args.workers_per_copy))
         # Same requests per second per worker at every fleet size.
@@ -198,6 +207,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sweep-at", type=int, default=0, help="fleet size of the threshold sweep (0: none)"
     )
     p.add_argument("--thresholds", default="0.1,0.3,0.5,0.7", help="sweep: cache_threshold values")
+    p.add_argument(
+        "--kv-arms", default="",
+        help=f"cache_aware/cost_aware once per arm (of: {', '.join(ARMS)}): tree alone, "
+        "tree + KV events, the ceiling (loadtests/sim/divergence.py); empty: as before",
+    )  # fmt: skip
+    p.add_argument(
+        "--event-delay-ms", type=float, default=50.0,
+        help="--kv-arms events: virtual ms from a step's end to the router's index",
+    )  # fmt: skip
+    p.add_argument("--event-block-size", type=int, default=16, help="tokens per event block")
     p.add_argument("--sim-seed", type=int, default=0, help="seed of the simulation's tie-breaks")
     p.add_argument("--no-memory", action="store_true", help="skip measuring policy memory")
     p.add_argument(
@@ -239,19 +258,21 @@ def main(args: argparse.Namespace) -> int:
     plots.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[int, str], SimResult] = {}
     sweep_runs = len(_floats(args.thresholds)) * len(absolutes) * len(no_matches) * len(modes)
-    progress = Progress(
-        "simulate", len(sizes) * len(policies) + (sweep_runs if args.sweep_at else 0)
-    )
+    arms = [a.strip() for a in args.kv_arms.split(",") if a.strip()]
+    scored = ("cache_aware", "cost_aware")
+    runs = [(p, a) for p in policies for a in (arms if arms and p in scored else [None])]
+    progress = Progress("simulate", len(sizes) * len(runs) + (sweep_runs if args.sweep_at else 0))
     print(COLUMNS)
     for n in sizes:
-        for p in policies:
-            progress.say(f"{n} workers, {p}: simulating")
+        for p, arm in runs:
+            name = p if arm is None else f"{p} [{arm}]"
+            progress.say(f"{n} workers, {name}: simulating")
             spec = POLICIES.get(p, RouterSpec(p))
             config = RouterConfig(policy=spec.policy, **{**base, **spec.settings})  # type: ignore[arg-type]
-            r = simulate_one(config, n, cost, o, args)
-            results[(n, p)] = r
+            r = simulate_one(config, n, cost, o, args, arm)
+            results[(n, name)] = r
             progress.finished()
-            print(row(r, p), flush=True)
+            print(row(r, name), flush=True)
     for n in sizes:
         ca, rr = results.get((n, "cache_aware")), results.get((n, "round_robin"))
         if ca and rr and rr.hit_rate:

@@ -93,6 +93,9 @@ class KvFeedView(Protocol):
     indexes: Mapping[str, Any]
     streams: Mapping[str, Any]
     dropped: Mapping[str, int]
+    rebuilds: Mapping[str, int]
+
+    def rebuild_of(self, wid: str) -> Any: ...
 
 
 class PoolCounts(Protocol):
@@ -229,6 +232,27 @@ class _KvFeedCollector(Collector):
         for reason, count in sorted(feed.dropped.items()):
             dropped.add_metric([reason], count)
         yield dropped
+        rebuilds = CounterFamily(
+            "radix_router_kv_events_rebuilds",
+            "Workers' indexes emptied and rebuilt after lost events, by cause (marker: the "
+            "writer could not recover a gap; gap: a sequence jump seen here)",
+            labels=["cause"],
+        )
+        for cause, count in sorted(feed.rebuilds.items()):
+            rebuilds.add_metric([cause], count)
+        yield rebuilds
+        progress = GaugeFamily(
+            "radix_router_kv_events_rebuild_progress",
+            "Of a rebuilding worker: GPU blocks removed since the loss / its pool's blocks "
+            "(trusted alone again at 1; 0 while its capacity is unknown)",
+            labels=["worker"],
+        )
+        for wid, state in sorted(feed.streams.items()):
+            rebuild = feed.rebuild_of(wid) if state.status == "rebuilding" else None
+            if rebuild is not None:
+                share = min(1.0, rebuild.removed / rebuild.needed) if rebuild.needed else 0.0
+                progress.add_metric([wid], share)
+        yield progress
 
 
 class _PoolCollector(Collector):

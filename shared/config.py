@@ -165,6 +165,7 @@ class RouterConfig(_Frozen):
     # Above 1 they route as replicas: sync is turned on when redis_url is set.
     processes: int = Field(1, ge=1, le=256)
     sync_stream_maxlen: int = Field(20_000, ge=100)
+    # The longest key shared per decision: chars of text, or token ids with a `tokenizer`.
     sync_max_chars: int = Field(32_768, ge=64)
     sync_flush_interval: float = Field(0.02, gt=0)
     sync_load_interval: float = Field(0.25, gt=0)
@@ -217,6 +218,10 @@ class WorkerConfig(_Frozen):
     # twice the tokens per pool, half the KV bytes a decode step reads).
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     disable_cuda_graph: bool = False
+    # Steps with a prefill chunk of up to this many tokens replay piecewise CUDA graphs
+    # (attention eager between them; worker/engine/runtime/piecewise_graphs.py). 0: off,
+    # the default until a GPU run has checked them. disable_cuda_graph turns them off too.
+    piecewise_cuda_graph_max_tokens: int = Field(0, ge=0, le=16384, strict=True)
     # Schedule step N+1 while step N runs on the device (worker/engine/engine.py).
     disable_overlap_schedule: bool = False
     cache_tokens: int | None = Field(None, gt=0)  # KV capacity; None: kv_memory_fraction

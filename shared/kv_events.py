@@ -273,16 +273,29 @@ def _medium(f: dict[str, Any]) -> str | None:
 @dataclass(frozen=True, slots=True)
 class StreamEntry:
     """One entry of a worker's event stream: a batch stamped with the writer's epoch and
-    a sequence number that starts at 0 in each epoch and grows by one per entry."""
+    a sequence number that starts at 0 in each epoch and grows by one per entry.
+
+    `resync`: the writer lost events it cannot get back (a stock engine's replay could
+    not serve a gap, worker/kv_subscriber.py). It follows the hole it leaves in the
+    sequence, so a reader that does not know the field still sees a gap; one that does
+    rebuilds the worker's index from here (router/fleet/kv_feed.py)."""
 
     worker_id: str
     epoch: float
     seq: int
     batch: EventBatch
+    resync: bool = False
 
 
-def entry_fields(worker_id: str, epoch: float, seq: int, payload: bytes) -> dict[str, bytes | str]:
-    return {"worker": worker_id, "epoch": repr(float(epoch)), "seq": str(seq), "batch": payload}
+def entry_fields(
+    worker_id: str, epoch: float, seq: int, payload: bytes, resync: bool = False
+) -> dict[str, bytes | str]:
+    fields: dict[str, bytes | str] = {
+        "worker": worker_id, "epoch": repr(float(epoch)), "seq": str(seq), "batch": payload,
+    }  # fmt: skip
+    if resync:
+        fields["resync"] = "1"
+    return fields
 
 
 def parse_entry(owner: str, fields: dict[bytes, bytes]) -> StreamEntry:
@@ -294,10 +307,13 @@ def parse_entry(owner: str, fields: dict[bytes, bytes]) -> StreamEntry:
         epoch = float(fields[b"epoch"].decode())
         seq = int(fields[b"seq"].decode())
         payload = fields[b"batch"]
+        resync = fields.get(b"resync", b"0")
     except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as exc:
         raise ValueError(f"entry lacks or garbles a field ({str(exc)[:40]})") from None
     if worker != owner:
         raise ValueError(f"entry names another worker ({worker[:40]!r})")
     if not (epoch == epoch and 0 <= epoch < 1e12) or not 0 <= seq < 2**63:
         raise ValueError("entry epoch or seq out of range")
-    return StreamEntry(worker, epoch, seq, decode_batch(payload))
+    if resync not in (b"0", b"1"):
+        raise ValueError("entry resync is neither 0 nor 1")
+    return StreamEntry(worker, epoch, seq, decode_batch(payload), resync == b"1")

@@ -146,12 +146,14 @@ class Registry:
         return f"{self.prefix}kvevents:{worker_id}"
 
     async def append_kv_events(
-        self, worker_id: str, epoch: float, seq: int, payload: bytes, maxlen: int
-    ) -> None:
-        """One batch onto the worker's bounded event stream (trimmed approximately: cheap)."""
+        self, worker_id: str, epoch: float, seq: int, payload: bytes, maxlen: int,
+        resync: bool = False,
+    ) -> None:  # fmt: skip
+        """One batch onto the worker's bounded event stream (trimmed approximately: cheap).
+        `resync`: events before it were lost for good (shared/kv_events.py StreamEntry)."""
         await self.redis.xadd(
             self.kv_events_key(worker_id),
-            entry_fields(worker_id, epoch, seq, payload),  # type: ignore[arg-type]
+            entry_fields(worker_id, epoch, seq, payload, resync),  # type: ignore[arg-type]
             maxlen=maxlen,
             approximate=True,
         )

@@ -195,7 +195,14 @@ def _start_kv_events(
     return [
         asyncio.create_task(subscriber.run(), name="kv-events-sub"),
         asyncio.create_task(
-            forward(queue, registry, config.worker_id, epoch, config.kv_events_stream_len),
+            forward(
+                queue,
+                registry,
+                config.worker_id,
+                epoch,
+                config.kv_events_stream_len,
+                subscriber.complete,
+            ),
             name="kv-events-forward",
         ),
     ]

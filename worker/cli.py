@@ -105,7 +105,18 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         str,
         "KV cache storage: auto (the model dtype) or fp8_e4m3 (per-tensor scales, 2x tokens)",
     ),
-    ("--disable-cuda-graph", "disable_cuda_graph", None, "run decode steps eagerly on CUDA"),
+    (
+        "--disable-cuda-graph",
+        "disable_cuda_graph",
+        None,
+        "run every step eagerly on CUDA (decode graphs and piecewise graphs off)",
+    ),
+    (
+        "--piecewise-cuda-graph-max-tokens",
+        "piecewise_cuda_graph_max_tokens",
+        int,
+        "piecewise CUDA graphs for steps with a prefill chunk of up to this many tokens (0: off)",
+    ),
     (
         "--disable-overlap-schedule",
         "disable_overlap_schedule",

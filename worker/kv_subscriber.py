@@ -14,12 +14,22 @@ The subscriber keeps the sequence it expects. On a jump it asks the replay socke
 what it missed; on start it asks for everything the publisher still buffers (from 0),
 so a sidecar started after the engine learns what the engine already cached. Missed
 batches it cannot get back (no replay socket, or the publisher dropped them) make a gap
-in *our* stream's sequence too, so routers stop trusting this worker's index rather
-than trust a wrong one (router/fleet/kv_feed.py).
+in *our* stream's sequence too, followed at once by an empty entry marked `resync`: a
+stock engine never republishes its cache, so routers could not wait for a known state
+(an AllBlocksCleared may never come). A router that reads the marker resets this
+worker's index and rebuilds it from the events that follow, scoring the worker on its
+index and its tree together until the engine's pool has turned over
+(router/fleet/kv_feed.py, "rebuilding"); a router of the version before the marker sees
+the hole and routes the worker on its tree alone, as it did. The marker is an entry of
+its own (an empty batch), so it says that this writer gave up on the hole, apart from
+entries a router missed on its side (a trimmed stream).
 
 The forwarder writes batches re-encoded (validated, unknown fields dropped) under the
-heartbeat's epoch; a new epoch (the engine restarted) starts at sequence 0 with an
-AllBlocksCleared, as our own workers' streams do.
+heartbeat's epoch; a new epoch starts at sequence 0 with an AllBlocksCleared, as our own
+workers' streams do, but only when the subscriber holds every batch the engine published
+since it started (the first it got was sequence 0). A sidecar started next to an engine
+that has run for a while, whose replay buffer no longer holds the start, cannot claim an
+empty cache: the epoch's first entry is then a `resync` marker, and routers rebuild.
 """
 
 from __future__ import annotations
@@ -55,6 +65,9 @@ class ZmqEventSubscriber:
         self.out = out
         self.topic = topic.encode()
         self.expected: int | None = None
+        # The first sequence number got from the engine's current run: 0 means every
+        # batch since the engine started is known (an AllBlocksCleared is then true).
+        self.first_seq: int | None = None
         self.received = 0
         self.replayed = 0
         self.dropped = 0  # frames that were not a valid batch
@@ -79,6 +92,9 @@ class ZmqEventSubscriber:
                     if seq != 0:
                         continue  # a duplicate (replayed meanwhile)
                     log.info("KV event sequence restarted at 0: the engine restarted")
+                    self.first_seq = 0
+                if self.first_seq is None:
+                    self.first_seq = seq
                 self.expected = seq + 1
                 self.received += 1
                 self._put(events)
@@ -98,6 +114,10 @@ class ZmqEventSubscriber:
             log.warning("dropped a KV event batch (seq %d): %s", seq, exc)
             return None, []
 
+    def complete(self) -> bool:
+        """Every batch of the engine's current run has been received (from sequence 0)."""
+        return self.first_seq == 0
+
     def _put(self, events: list[KVEvent] | None) -> None:
         try:
             self.out.put_nowait(events)
@@ -116,6 +136,8 @@ class ZmqEventSubscriber:
                 self._put(LOST)
             return
         for seq, events in got:
+            if self.first_seq is None:
+                self.first_seq = seq
             self.expected = seq + 1
             self.replayed += 1
             self._put(events)
@@ -132,9 +154,9 @@ class ZmqEventSubscriber:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
-                seq, events = self._parse(frames[1:]) if len(frames) == 4 else (None, [])
                 if len(frames) == 4 and frames[2] == END_SEQ.to_bytes(8, "big", signed=True):
-                    break
+                    break  # (its empty payload is no batch: not parsed, not counted)
+                seq, events = self._parse(frames[1:]) if len(frames) == 4 else (None, [])
                 if seq is None or (before is not None and seq >= before):
                     continue
                 if not got and seq != start:
@@ -152,9 +174,11 @@ class ZmqEventSubscriber:
 
 async def forward(
     queue: asyncio.Queue, registry: Registry, worker_id: str, epoch: Callable[[], float],
-    stream_len: int,
+    stream_len: int, complete: Callable[[], bool] = lambda: True,
 ) -> None:  # fmt: skip
-    """Queued batches onto the worker's stream, under the heartbeat's current epoch."""
+    """Queued batches onto the worker's stream, under the heartbeat's current epoch.
+    `complete()`: whether every batch since the engine started has been queued (the
+    subscriber's `complete`); else a new epoch starts with a resync marker, not a clear."""
     current, seq = 0.0, 0
     while True:
         events = await queue.get()
@@ -162,16 +186,24 @@ async def forward(
         while now <= 0:  # not identified yet: the heartbeat has not started an epoch
             await asyncio.sleep(0.1)
             now = epoch()
+        resync = events is LOST
         if now != current:
             current, seq = now, 0
-            events = [AllBlocksCleared(), *(events or ())]
-        if events is LOST:
-            seq += 1  # leave a hole: readers must not trust what follows
-            continue
-        payload = encode_batch(events)
+            if complete() and not resync:
+                events = [AllBlocksCleared(), *(events or ())]
+            else:  # the engine may hold blocks from batches never seen: not a known state
+                resync = True
+        elif resync:
+            seq += 1  # the hole, then the marker: readers must not trust what came before
+        payload = encode_batch(events or [])
         while True:
             try:
-                await registry.append_kv_events(worker_id, current, seq, payload, stream_len)
+                await registry.append_kv_events(
+                    worker_id, current, seq, payload, stream_len, resync=resync
+                )
+                # redis-py can swallow a cancellation that lands mid-command and return:
+                # without this the task would wait on the queue forever, cancelled.
+                reraise_if_cancelled()
                 break
             except (RedisError, OSError, TimeoutError) as exc:
                 reraise_if_cancelled()

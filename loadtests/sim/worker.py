@@ -56,6 +56,9 @@ class CostModel:
     host_cache_tokens: int = 0
     host_load_bytes_per_s: float = DEFAULT_HOST_LOAD_BYTES_PER_S
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    # KV events out of the radix cache (worker/engine/kv_blocks.py), in blocks of this
+    # many tokens; 0: off (loadtests/sim/kv_events.py delivers them to the router).
+    kv_events_block_size: int = 0
 
     @property
     def host_load_us_per_token(self) -> float:
@@ -71,6 +74,7 @@ class CostModel:
             max_waiting_requests=1 << 30,
             schedule_policy=self.schedule_policy,  # type: ignore[arg-type]
             share_inflight_prefixes=self.share_inflight,
+            kv_events_block_size=self.kv_events_block_size,
         )
 
 

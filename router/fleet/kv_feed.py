@@ -4,20 +4,44 @@ Every router replica reads every worker's stream itself (XREAD, no consumer grou
 keeps one `BlockIndex` per model (router/fleet/kv_index.py). The fleet (router/fleet/table.py) says
 which workers exist and their epochs; the streams say what they hold.
 
-A worker's index is *trusted* (used for routing) only while the feed is sure it has
-every event since a known state. Otherwise the router routes that worker on its tree
-alone and says why (`status`, in /metrics and on the dashboard):
+A worker's index is *trusted* (used for routing on its own) only while the feed is sure
+it has every event since a known state. Otherwise the router says why (`status`, in
+/metrics, /workers and on the dashboard) and routes that worker on its tree, or on its
+tree and its index together while rebuilding:
 
-    syncing     no known state yet (just joined, or the stream began mid-epoch)
-    gap         an entry is missing (a sequence jump; a dropped bad entry makes one)
-    stale       the heartbeat names a newer epoch than any entry read
-    lagging     the reader is more than `max_lag` behind a busy stream
-    block_size  the worker's blocks are not the model index's size
-    ok          trusted
+    syncing     no known state yet (just joined, or the stream began mid-epoch): tree
+    rebuilding  events were lost (a sequence jump, or the writer's `resync` marker after
+                a gap a stock engine's replay could not serve, or at the start of an
+                epoch whose first batches it never got): tree ∪ index
+    stale       the heartbeat names a newer epoch than any entry read: tree
+    lagging     the reader is more than `max_lag` behind a busy stream: tree
+    block_size  the worker's blocks are not the model index's size: tree
+    ok          trusted: index (plus the tree's in-flight entries)
 
 Resync: an AllBlocksCleared (an empty cache, or our engine's periodic republish of its
 whole tree) is a known state; the feed applies events from it on. A new epoch clears the
 worker's index and waits for one.
+
+Rebuilding, after lost events. A stock vLLM never republishes its cache, so waiting for
+an AllBlocksCleared could mean waiting forever. Instead the worker's index is emptied
+(what it held may since have been removed, unseen) and rebuilt from the events after
+the loss: it then holds only blocks the worker really holds (stored after the loss and
+not removed since), an under-estimate, so the worker's tree entries count beside it
+(`match` returns rebuilding workers, `trusted` does not: router/policy/kv_score.py keeps
+their tree matches). It is trusted alone again once the worker's pool has turned over:
+blocks removed from its GPU pool since the loss >= the pool's block count (the capacity
+its heartbeat reports / block size; unknown capacity: rebuilding until a clear).
+
+Why that bound: the engine evicts its least recently used free block. A block held at
+the loss and not used since is older than every block used since, so it goes before
+any of them; there are at most pool-size such blocks, so pool-size removals have
+evicted all of them. What it misses: a block held at the loss and *hit* since (vLLM
+publishes nothing on a hit) can stay resident forever, e.g. a hot system prompt, and the
+rebuilt index never learns it, nor the blocks stored below it since (their parent is
+unknown: `orphan`); the worker is then under-predicted for that prefix (routed elsewhere
+at worst, never sent a prefix it lacks), and once trusted again the tree covers it only
+while its entries are in flight. Blocks pinned by running requests are not evictable
+and count as used.
 
 Entries are untrusted input: malformed, oversized, naming another worker, of an older
 epoch, or out of sequence, they are dropped and counted (`dropped[reason]`); none raises
@@ -38,12 +62,20 @@ from redis.exceptions import RedisError
 
 from router.fleet.kv_index import BlockIndex
 from shared.aio import reraise_if_cancelled
-from shared.kv_events import AllBlocksCleared, BlockStored, KVEvent, parse_entry
+from shared.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    StreamEntry,
+    parse_entry,
+)
 from shared.registry import Registry
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("ok", "syncing", "gap", "stale", "lagging", "block_size")
+STATUSES = ("ok", "syncing", "rebuilding", "stale", "lagging", "block_size")
 
 
 @dataclass
@@ -55,6 +87,15 @@ class StreamState:
     next_seq: int | None = None  # the sequence number the next entry must carry
     status: str = "syncing"
     applied: int = 0  # entries applied
+    removed: int = 0  # GPU blocks the worker removed since it began rebuilding
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """A rebuilding worker's progress: trusted again at removed >= needed."""
+
+    removed: int
+    needed: int  # the pool's blocks; 0: unknown (rebuilding until an AllBlocksCleared)
 
 
 @dataclass(frozen=True)
@@ -62,6 +103,7 @@ class FeedMember:
     worker_id: str
     model: str
     epoch: float
+    capacity_tokens: int = 0  # its KV pool (heartbeat); 0: unknown
 
 
 class KvEventFeed:
@@ -81,6 +123,8 @@ class KvEventFeed:
         self.indexes: dict[str, BlockIndex] = {}  # model -> blocks
         self.streams: dict[str, StreamState] = {}  # worker id -> what was read
         self.dropped: Counter[str] = Counter()
+        self.rebuilds: Counter[str] = Counter()  # by cause: "marker" (writer), "gap" (seen here)
+        self.capacity: dict[str, int] = {}  # worker id -> its pool in tokens (0: unknown)
         self.failures = 0
 
     # ---- membership (from the fleet) --------------------------------------------
@@ -89,6 +133,7 @@ class KvEventFeed:
         seen = set()
         for m in members:
             seen.add(m.worker_id)
+            self.capacity[m.worker_id] = m.capacity_tokens
             state = self.streams.get(m.worker_id)
             if state is None or state.model != m.model:
                 if state is not None:
@@ -97,11 +142,12 @@ class KvEventFeed:
                 continue
             if m.epoch != state.heartbeat_epoch:
                 state.heartbeat_epoch = m.epoch
-            if m.epoch > state.epoch and state.status == "ok":
+            if m.epoch > state.epoch and state.status in ("ok", "rebuilding"):
                 self._untrust(m.worker_id, "stale")  # the worker restarted: entries to come
         for wid in [w for w in self.streams if w not in seen]:
             self._forget(wid)
             del self.streams[wid]
+            self.capacity.pop(wid, None)
 
     def _forget(self, wid: str) -> None:
         state = self.streams.get(wid)
@@ -147,7 +193,6 @@ class KvEventFeed:
             state.status = "lagging"  # still applied: only trust waits
 
     def apply_entry(self, wid: str, fields: dict[bytes, bytes]) -> None:
-        state = self.streams[wid]
         try:
             entry = parse_entry(wid, fields)
         except ValueError as exc:
@@ -156,6 +201,13 @@ class KvEventFeed:
                 reason = "oversized"
             self.dropped[reason] += 1
             return
+        self.apply_stream_entry(wid, entry)
+
+    def apply_stream_entry(self, wid: str, entry: StreamEntry) -> None:
+        """An entry already parsed (and validated) as `wid`'s: epochs, sequence and trust,
+        then the index. The simulator (loadtests/sim/kv_events.py) delivers its workers'
+        events here, so it routes on the same status and fallback rules as the router."""
+        state = self.streams[wid]
         if entry.epoch < max(state.epoch, 0.0) or entry.epoch < state.heartbeat_epoch - 1e-6:
             self.dropped["stale_epoch"] += 1
             return
@@ -170,14 +222,19 @@ class KvEventFeed:
                 self.dropped["out_of_sequence"] += 1
                 return
             self.dropped["gap"] += 1
-            if state.status in ("ok", "lagging"):
-                self._untrust(wid, "gap")
+            if state.status in ("ok", "lagging", "rebuilding") and not entry.resync:
+                self._rebuild(wid, "gap")
         state.next_seq = entry.seq + 1
-        if state.status not in ("ok", "lagging"):
-            resync = _last_clear(events)
-            if resync is None or state.status == "block_size":
+        if entry.resync and state.status != "block_size":
+            self._rebuild(wid, "marker")
+        clear = _last_clear(events)
+        if state.status not in ("ok", "lagging", "rebuilding"):
+            if clear is None or state.status == "block_size":
                 return  # nothing known to build on yet
-            events = events[resync:]
+            events = events[clear:]
+            state.status = "ok"
+        elif state.status == "rebuilding" and clear is not None:
+            events = events[clear:]  # a known state after all (vLLM cleared its cache)
             state.status = "ok"
         index = self._index(state.model, events)
         try:
@@ -187,6 +244,26 @@ class KvEventFeed:
             self._untrust(wid, "block_size")
             return
         state.applied += 1
+        if state.status == "rebuilding":
+            self._count_removals(wid, state, events)
+
+    def _rebuild(self, wid: str, cause: str) -> None:
+        """Events were lost: empty the worker's index and rebuild it from what follows."""
+        self._forget(wid)
+        state = self.streams[wid]
+        state.status, state.removed = "rebuilding", 0
+        self.rebuilds[cause] += 1
+
+    def _count_removals(self, wid: str, state: StreamState, events: Sequence[KVEvent]) -> None:
+        # GPU pool only: a host tier's removals say nothing about the GPU pool's turnover.
+        state.removed += sum(
+            len(e.block_hashes)
+            for e in events
+            if isinstance(e, BlockRemoved) and e.medium in (None, MEDIUM_GPU)
+        )
+        needed = self.rebuild_of(wid).needed  # type: ignore[union-attr]
+        if needed and state.removed >= needed:
+            state.status = "ok"  # the pool has turned over: see the module doc
 
     def _index(self, model: str, events: Sequence[KVEvent]) -> BlockIndex:
         index = self.indexes.get(model)
@@ -216,24 +293,48 @@ class KvEventFeed:
         return state is not None and state.status == "ok"
 
     def match(self, model: str, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
-        """Tokens of `tokens` each trusted worker holds (whole blocks from the start)."""
+        """Tokens of `tokens` each trusted or rebuilding worker holds (whole blocks from
+        the start)."""
         index = self.indexes.get(model)
         if index is None:
             return {}
-        return {w: n for w, n in index.match(tokens).items() if self.trusted(w)}
+        usable = ("ok", "rebuilding")  # rebuilding: beside its tree (see the module doc)
+        streams = self.streams
+        return {
+            w: n
+            for w, n in index.match(tokens).items()
+            if (s := streams.get(w)) is not None and s.status in usable
+        }
 
     def match_tiers(
         self, model: str, tokens: Sequence[int] | np.ndarray
     ) -> dict[str, tuple[int, int]]:
-        """Per trusted worker: (tokens of `tokens` on its device, tokens in any tier)."""
+        """`match` per tier: (tokens of `tokens` on its device, tokens in any tier) for
+        each trusted or rebuilding worker."""
         index = self.indexes.get(model)
         if index is None:
             return {}
-        return {w: n for w, n in index.match_tiers(tokens).items() if self.trusted(w)}
+        usable = ("ok", "rebuilding")  # as in `match`
+        streams = self.streams
+        return {
+            w: n
+            for w, n in index.match_tiers(tokens).items()
+            if (s := streams.get(w)) is not None and s.status in usable
+        }
 
     def status_of(self, wid: str) -> str:
         state = self.streams.get(wid)
         return state.status if state is not None else "syncing"
+
+    def rebuild_of(self, wid: str) -> Rebuild | None:
+        """A rebuilding worker's progress (None: not rebuilding)."""
+        state = self.streams.get(wid)
+        if state is None or state.status != "rebuilding":
+            return None
+        index = self.indexes.get(state.model)
+        size = index.block_size if index is not None else 0
+        capacity = self.capacity.get(wid, 0)
+        return Rebuild(state.removed, capacity // size if size and capacity else 0)
 
     def only_model(self) -> str:
         """The model when the fleet serves one (requests that name none)."""

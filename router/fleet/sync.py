@@ -5,12 +5,16 @@ router replicas. A replica that learns only from its own requests sends turn 2 t
 worker picked without knowing where turn 1 went, and the KV cache built by turn 1 is
 wasted. So every replica:
 
-- `publish(worker_id, text)` on each decision. The hot path only appends to a bounded
-  in-memory buffer; a flusher task sends the buffer every `sync_flush_interval` as one
-  pipelined batch of XADDs (stream trimmed near `sync_stream_maxlen` entries, text capped
-  at `sync_max_chars` and zlib-compressed, one field per entry). No Redis round trip happens before forwarding.
+- `publish(worker_id, key)` on each decision, `key` being what the tree keys on: the
+  routed text, or the prompt token ids when the router has a `tokenizer` (those entries
+  carry the tokenizer's fingerprint; router/fleet/sync_wire.py). The hot path only
+  appends to a bounded in-memory buffer; a flusher task sends the buffer every
+  `sync_flush_interval` as one pipelined batch of XADDs (stream trimmed near
+  `sync_stream_maxlen` entries, keys capped at `sync_max_chars` elements and
+  zlib-compressed, one field per entry). No Redis round trip happens before forwarding.
 - A reader task applies the other replicas' decisions to its own trees through
-  `Policy.observe`. On start it first replays the whole (bounded) stream, so a replica
+  `Policy.observe`; a tree on tokens skips text entries (written by a replica of the
+  version before tokens, during a rolling upgrade: counted in `skipped`). On start it first replays the whole (bounded) stream, so a replica
   that starts late or restarts recovers the fleet's affinity instead of starting empty;
   after a Redis outage it resumes from the last entry it applied.
 - Every `sync_load_interval` it writes its in-flight count per worker to a short-lived
@@ -29,13 +33,21 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.fleet.sync_wire import SEP, add_loads, decode_decision, encode_decision
+from router.fleet.sync_wire import (
+    SEP,
+    Key,
+    add_loads,
+    decode_decision,
+    encode_decision,
+    encode_tokens,
+)
 from shared.aio import reraise_if_cancelled
 from shared.config import RouterConfig
 from shared.peers import Rejections
@@ -46,7 +58,7 @@ log = logging.getLogger(__name__)
 # Decisions buffered while Redis is unreachable; beyond this the oldest are dropped.
 PENDING_MAX = 10_000
 
-Observe = Callable[[str, str, float], None]  # (worker_id, text, now)
+Observe = Callable[[str, Key, float], None]  # (worker_id, text or token ids, now)
 # Other replicas' load hashes read per round; more is not a fleet of routers but a flood.
 MAX_REPLICAS = 256
 
@@ -55,7 +67,7 @@ class ReplicaSync(Protocol):
     """What the router app and its proxy need of replica sync (`DecisionSync` is one);
     given to `create_app` and the `Proxy` at construction."""
 
-    def publish(self, worker_id: str, text: str) -> None: ...
+    def publish(self, worker_id: str, key: str | Sequence[int] | np.ndarray) -> None: ...
 
     def remote_inflight(self) -> Mapping[str, int]: ...
 
@@ -75,12 +87,16 @@ class DecisionSync:
         clock: Callable[[], float] = time.monotonic,
         replica_id: str | None = None,
         rejections: Rejections | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         self.redis = redis
         self.rejections = rejections if rejections is not None else registry.rejections
         self.registry = registry
         self.config = config
         self.observe = observe
+        # This router's tokenizer (shared/tokenizer_fingerprint.py): token entries are
+        # written with it and read only when they carry it. None: the tree keys on text.
+        self.fingerprint = fingerprint
         self.local_inflight = local_inflight
         self.clock = clock
         # A fresh id per process: a restarted replica replays its own earlier decisions too.
@@ -92,6 +108,7 @@ class DecisionSync:
         self._remote: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.applied = 0
+        self.skipped = 0  # entries of the other kind (text for a tree on tokens)
         self.published = 0
         self.caught_up = asyncio.Event()
         self._stopping = False
@@ -105,22 +122,31 @@ class DecisionSync:
         local_inflight: Callable[[], Mapping[str, int]],
         clock: Callable[[], float] = time.monotonic,
         rejections: Rejections | None = None,
+        fingerprint: str | None = None,
     ) -> DecisionSync:
         """A sync on its own Redis client (to `config.redis_url`), closed by `stop`."""
         assert config.redis_url
         redis = Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         sync = cls(
             redis, Registry(redis, config.redis_prefix, rejections), config, observe,
-            local_inflight, clock,
+            local_inflight, clock, fingerprint=fingerprint,
         )  # fmt: skip
         sync._owns_redis = True
         return sync
 
     # -- hot path ---------------------------------------------------------------------
-    def publish(self, worker_id: str, text: str) -> None:
-        self._pending.append(
-            encode_decision(self._header, worker_id, text, self.config.sync_max_chars)
-        )
+    def publish(self, worker_id: str, key: str | Sequence[int] | np.ndarray) -> None:
+        """`key`: what this router's tree keyed the decision on (text, or prompt ids)."""
+        cap = self.config.sync_max_chars
+        if isinstance(key, str):
+            entry = encode_decision(self._header, worker_id, key, cap)
+        elif self.fingerprint is not None:
+            entry = encode_tokens(self._header, worker_id, key, self.fingerprint, cap)
+            if entry is None:
+                return  # not token ids (a client's prompt of any ints): not shared
+        else:
+            return  # ids without a tokenizer to name them: nothing a replica could use
+        self._pending.append(entry)
         self._wakeup.set()
 
     def remote_inflight(self) -> Mapping[str, int]:
@@ -226,19 +252,27 @@ class DecisionSync:
         """Apply other replicas' decisions; a malformed entry (router/fleet/sync_wire.py) is
         dropped, counted and logged, and the reader goes on."""
         now = self.clock()
+        on_tokens = self.fingerprint is not None
         for entry_id, fields in entries:
             self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             entry = fields.get(b"d", b"")
             if not include_own and entry.startswith(self._header):
                 continue
             try:
-                worker_id, text = decode_decision(entry, self.config.sync_max_chars)
+                worker_id, key = decode_decision(
+                    entry, self.config.sync_max_chars, self.fingerprint
+                )
             except ValueError as e:
                 self.rejections.reject("sync_decisions", "stream entry", str(e))
                 continue
+            if (type(key) is tuple) != on_tokens:
+                # A text decision for a tree on tokens: an older replica's, in a rolling
+                # upgrade (its text cannot be turned back into the ids it routed).
+                self.skipped += 1
+                continue
             # Workers not (yet) in this replica's table are applied too: a replica that
             # restarts replays the stream before discovery has found any worker.
-            self.observe(worker_id, text, now)
+            self.observe(worker_id, key, now)
             self.applied += 1
 
     async def _load_once(self) -> None:

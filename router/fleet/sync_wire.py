@@ -4,10 +4,18 @@ Anyone who can write to Redis can write these, so each is parsed as untrusted in
 what does not fit is dropped with the reason (the caller counts and logs it; a bad
 entry never stops a loop):
 
-- a decision is one stream field `replica id SEP worker id SEP zlib(text)`, at most a
+- a decision is one stream field `replica id SEP worker id SEP payload`, at most a
   few bytes over what `sync_max_chars` allows; its worker id must have the registry's
-  shape, and it is inflated to at most 4 bytes a character (a 146 KB zlib bomb once
-  inflated to 200 MB in a router);
+  shape. The payload is what the writer's tree keys on (router/policy/tree.py):
+    text    `zlib(utf-8 text)`, inflated to at most 4 bytes a character (a 146 KB zlib
+            bomb once inflated to 200 MB in a router);
+    tokens  `TOKENS fingerprint : zlib(uint32 little-endian ids)` when the router has a
+            `tokenizer`: inflated to at most 4 bytes an id, a whole number of ids, each
+            a valid token id, and the fingerprint (shared/tokenizer_fingerprint.py) must
+            be the reader's own: ids of another tokenizer would pollute its tree.
+  Both are capped at `sync_max_chars` elements (chars, or ids). A reader of the version
+  before tokens (text only) fails to inflate a token payload (`T` is no zlib header) and
+  drops it as malformed, so a rolling upgrade never puts ids into a text tree;
 - a load hash maps worker ids to integer in-flight counts, each clamped to what one
   replica can have in flight (`max_concurrent`): a fake `{w1: 1000000}` steered all
   traffic away from w1, and a "1.5" broke the load loop every round.
@@ -16,13 +24,21 @@ entry never stops a loop):
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from shared.peers import WORKER_ID
+from shared.tokenizer_fingerprint import FINGERPRINT_LEN
 
 # One stream field per decision, `replica id SEP worker id SEP zlib(text)`: a single
 # field costs redis-py a third of the packing and parsing of three. Ids hold no NUL.
 SEP = b"\x00"
+# Leads a token payload; a zlib stream starts with 0x?8 (deflate), never with `T`.
+TOKENS = b"T"
+MAX_TOKEN_ID = 2**31 - 1  # as in KV events (shared/kv_events.py)
+
+Key = str | tuple[int, ...]  # what a tree keys on: text, or token ids
 
 
 def encode_decision(header: bytes, worker_id: str, text: str, max_chars: int) -> bytes:
@@ -30,23 +46,69 @@ def encode_decision(header: bytes, worker_id: str, text: str, max_chars: int) ->
     return header + worker_id.encode() + SEP + payload
 
 
-def decode_decision(entry: object, max_chars: int) -> tuple[str, str]:
-    """(worker id, text) of one stream entry; ValueError saying why it is refused."""
-    max_text = 4 * max_chars  # UTF-8 takes at most 4 bytes a character
-    if not isinstance(entry, bytes) or len(entry) > max_text + 1024:
+def encode_tokens(
+    header: bytes, worker_id: str, ids: Sequence[int] | np.ndarray, fingerprint: str,
+    max_ids: int,
+) -> bytes | None:  # fmt: skip
+    """A decision keyed on prompt ids: 4 bytes an id before zlib. None when an id is not
+    a token id (< 0 or >= 2**31: a client's token-id prompt can hold anything; the
+    worker answers it, the other replicas need not learn it)."""
+    try:
+        arr = np.asarray(ids[:max_ids], dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    if not arr.size or arr.ndim != 1 or int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID:
+        return None
+    packed = arr.astype("<u4").tobytes()
+    return (
+        header
+        + worker_id.encode()
+        + SEP
+        + TOKENS
+        + fingerprint.encode()
+        + b":"
+        + (zlib.compress(packed, 1))
+    )
+
+
+def decode_decision(
+    entry: object, max_chars: int, fingerprint: str | None = None
+) -> tuple[str, Key]:
+    """(worker id, text or token ids) of one stream entry; ValueError saying why it is
+    refused. `fingerprint`: this reader's tokenizer (None: it keys on text, and takes
+    no ids)."""
+    max_bytes = 4 * max_chars  # UTF-8 takes at most 4 bytes a character; an id, 4
+    if not isinstance(entry, bytes) or len(entry) > max_bytes + 1024:
         raise ValueError("entry too large")  # zlib adds a few bytes a 16 KiB block
     try:
         _replica, worker, payload = entry.split(SEP, 2)
         worker_id = worker.decode()
         if not WORKER_ID.fullmatch(worker_id):
             raise ValueError("bad worker id")
+        tokens = payload.startswith(TOKENS)
+        if tokens:
+            head = len(TOKENS) + FINGERPRINT_LEN
+            theirs = payload[len(TOKENS) : head]
+            if payload[head : head + 1] != b":":
+                raise ValueError("token entry without a fingerprint")
+            if fingerprint is None or theirs != fingerprint.encode():
+                # Counted apart from garbage: a replica with another tokenizer or model.
+                raise ValueError("token ids of another tokenizer (fingerprint differs)")
+            payload = payload[head + 1 :]
         inflate = zlib.decompressobj()
-        raw = inflate.decompress(payload, max_text)
+        raw = inflate.decompress(payload, max_bytes)
     except (zlib.error, UnicodeDecodeError) as e:
         raise ValueError(f"malformed entry ({type(e).__name__})") from None
     if inflate.unconsumed_tail or not inflate.eof:
-        raise ValueError("text over sync_max_chars once decompressed, or truncated")
-    return worker_id, raw.decode("utf-8", "replace")
+        raise ValueError("over sync_max_chars once decompressed, or truncated")
+    if not tokens:
+        return worker_id, raw.decode("utf-8", "replace")
+    if not raw or len(raw) % 4:
+        raise ValueError("token payload is not a whole number of ids")
+    ids = np.frombuffer(raw, dtype="<u4")
+    if int(ids.max()) > MAX_TOKEN_ID:
+        raise ValueError("token id out of range")
+    return worker_id, tuple(ids.tolist())
 
 
 def add_loads(

@@ -60,6 +60,7 @@ from shared.logging import setup_logging
 from shared.peers import Rejections, parse_networks
 from shared.prompt_tokens import PromptTokens
 from shared.registry import Registry
+from shared.tokenizer_fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger("router.access")
@@ -138,7 +139,7 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
 
     def members() -> list[FeedMember]:
         return [
-            FeedMember(w.worker_id, w.report.model, w.report.epoch)
+            FeedMember(w.worker_id, w.report.model, w.report.epoch, w.report.kv_capacity_tokens)
             for w in fleet.workers.values()
             if w.source == "redis" and w.report.epoch
         ]
@@ -204,13 +205,16 @@ def create_app(
     `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
     policy = policy if policy is not None else build_policy(config)
     rejections = Rejections()  # what the Redis boundary refused (shared/peers.py)
+    # The prompt ids: the policies' trees key on them, and replica sync shares them.
+    tokens = PromptTokens.load(config.tokenizer) if config.tokenizer else None
     if sync is None and config.sync and config.redis_url:
         # The sync shares the fleet's in-flight counts and the fleet reads the sync's:
         # the fleet is given the sync's figures at construction, the sync asks the
         # fleet (built next) when it flushes.
         sync = DecisionSync.connect(
-            config, policy.observe, lambda: fleet.in_flight_by_worker(), clock, rejections
-        )
+            config, policy.observe, lambda: fleet.in_flight_by_worker(), clock, rejections,
+            tokenizer_fingerprint(tokens.tokenizer) if tokens is not None else None,
+        )  # fmt: skip
     fleet = Fleet(config, policy, sync.remote_inflight if sync is not None else None)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
@@ -240,8 +244,8 @@ def create_app(
     app[OPENAPI] = build_openapi()
     if ratelimit_redis is not None:
         app[RATELIMIT_REDIS] = ratelimit_redis
-    if config.tokenizer:  # the prompt ids: the policies' trees key on them
-        app[TOKENS] = PromptTokens.load(config.tokenizer)
+    if tokens is not None:
+        app[TOKENS] = tokens
     if config.kv_events and config.tokenizer:
         feed = app[KV_FEED] = KvEventFeed(
             None,

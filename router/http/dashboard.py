@@ -65,6 +65,10 @@ def snapshot(app: web.Application) -> dict[str, Any]:
     feed = app.get(KV_FEED)
     for row in rows:  # ok: routed on its KV-event index; else why the tree stands in
         row["kv_events"] = feed.status_of(row["worker_id"]) if feed is not None else None
+        rebuild = feed.rebuild_of(row["worker_id"]) if feed is not None else None
+        row["kv_events_rebuild"] = (
+            None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}
+        )
     prompt = sum(w.report.prompt_tokens_total for w in workers)
     cached = sum(w.report.cached_tokens_total for w in workers)
     predicted = sum(r["predicted_cached_tokens_total"] for r in rows)

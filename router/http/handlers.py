@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
+from router.fleet.kv_feed import KvEventFeed
 from router.fleet.workers import Worker
 from router.http.state import (
     CLOCK,
@@ -159,6 +160,13 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TEXT})
 
 
+def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
+    """A rebuilding worker's progress (router/fleet/kv_feed.py): trusted again once it has
+    removed `needed` blocks since the loss (0: its pool size is not known)."""
+    rebuild = feed.rebuild_of(wid) if feed is not None else None
+    return None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}
+
+
 async def list_workers(request: web.Request) -> web.Response:
     app = request.app
     now = app[CLOCK]()
@@ -169,6 +177,7 @@ async def list_workers(request: web.Request) -> web.Response:
         item["tree"] = trees.get(w.worker_id, {})
         feed = app.get(KV_FEED)
         item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
+        item["kv_events_rebuild"] = _rebuild(feed, w.worker_id)
         out.append(item)
     return web.json_response({"object": "list", "data": out})
 

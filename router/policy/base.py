@@ -162,8 +162,9 @@ class Policy(ABC):
         """Worker left or restarted (new epoch, empty cache): forget what we knew."""
         return
 
-    def observe(self, worker_id: str, text: str, now: float) -> None:
-        """Another router replica sent ``text`` to ``worker_id``."""
+    def observe(self, worker_id: str, key: str | tuple[int, ...], now: float) -> None:
+        """Another router replica sent a request to ``worker_id``: ``key`` is its text,
+        or its prompt ids where the replicas tokenize (router/fleet/sync.py)."""
         return
 
     def calibrate(self, worker_id: str, chars_per_token: float) -> None:

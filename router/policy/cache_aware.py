@@ -218,12 +218,12 @@ class CacheAware(Policy):
                 self._set_capacity(wid, cap)
         self._caps = caps
 
-    def observe(self, worker_id: str, text: str, now: float) -> None:
-        # Another replica's decision carries its text, not the ids: a tree on tokens
-        # cannot use it (it would only count chars against a cap in tokens). The
-        # KV-event index still shares what the workers hold across replicas.
-        if not self._on_tokens:
-            self._tree.insert(text, worker_id, now)
+    def observe(self, worker_id: str, key: str | tuple[int, ...], now: float) -> None:
+        # Another replica's decision, keyed as its tree keyed it (router/fleet/sync.py:
+        # the prompt ids where the routers tokenize, with the same tokenizer). A key of the
+        # other kind would count chars against a cap in tokens, or the reverse: skipped.
+        if (type(key) is tuple) == self._on_tokens and key:
+            self._tree.insert(key, worker_id, now)
 
     def worker_stats(self) -> dict[str, dict[str, int]]:
         tree = self._tree

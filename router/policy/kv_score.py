@@ -11,7 +11,8 @@ The second term is the tree's in-flight prediction: a follow-up that arrives whi
 first turn is still queued or prefilling finds nothing in the index yet (events alone
 lost 13 points of hit rate at overload in the simulator, issue 26). Older tree entries
 of a trusted worker are ignored: the index says what became of them (evicted, flushed).
-A worker that is not trusted (gap, stale epoch, lagging, no events) keeps its tree match.
+A worker that is not trusted (stale epoch, lagging, no events) keeps its tree match; a
+rebuilding one (events lost, router/fleet/kv_feed.py) keeps it and adds its index's.
 
 Tiers: the index says which of a worker's held blocks sit on its device and which only
 on its host tier (KV events' medium "CPU"). A host-held token is loaded, not computed:

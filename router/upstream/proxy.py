@@ -132,7 +132,10 @@ class Proxy:
         request = RouteRequest(routed.text, routed.session_key, routed.tokens, routed.model or "")
         decision = self.policy.select(request, view, now)
         if self.sync is not None:
-            self.sync.publish(decision.worker_id, routed.text)
+            # What the trees key on (router/policy/cache_aware.py `_key`): the prompt ids
+            # where the router tokenizes, else the text.
+            ids = routed.tokens if self.config.tokenizer else None
+            self.sync.publish(decision.worker_id, routed.text if ids is None else ids)
         self.metrics.decision(decision.reason)
         return self.fleet.workers[decision.worker_id], decision
 

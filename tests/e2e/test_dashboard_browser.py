@@ -153,3 +153,45 @@ def test_dashboard_lists_workers_and_follows_traffic(fleet: BenchFleet, tmp_path
     assert shot.stat().st_size > 10_000
     if os.environ.get("RADIX_DASHBOARD_SCREENSHOT"):
         shutil.copy(shot, os.environ["RADIX_DASHBOARD_SCREENSHOT"])
+
+
+def test_a_rebuilding_workers_kv_index_cell_shows_its_progress(fleet: BenchFleet) -> None:
+    """The `KV index` cell of a worker rebuilding after lost KV events (router/fleet/kv_feed.py)
+    says so with its progress. The router's real data is served, with one worker's row
+    set to rebuilding on the way to the page (no sim worker loses events on demand; the
+    router side of it is tests/e2e/test_kv_gap_rebuild.py)."""
+    from playwright.sync_api import Route, sync_playwright
+
+    assert fleet.router is not None
+
+    def rebuilding(route: Route) -> None:
+        response = route.fetch()
+        data = response.json()
+        for row, rebuild in zip(
+            data["workers"],
+            [{"removed": 3, "needed": 8}, {"removed": 5, "needed": 0}],
+            strict=False,
+        ):
+            row["kv_events"], row["kv_events_rebuild"] = "rebuilding", rebuild
+        route.fulfill(response=response, json=data)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(
+                http_credentials={"username": "me", "password": KEY}
+            ).new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route("**/dashboard.json", rebuilding)
+            page.goto(fleet.router.url + "/dashboard")
+            page.wait_for_selector("#workers td:has-text('rebuilding 37%')", timeout=10_000)
+            cell = page.locator("#workers td:has-text('rebuilding 37%')")
+            assert "3 of 8 blocks removed" in (cell.get_attribute("title") or "")
+            assert (
+                page.locator("#workers td:has-text('rebuilding (pool size unknown)')").count() == 1
+            )
+            assert page.locator("#workers td:text-is('off')").count() == WORKERS - 2
+            assert not errors, errors
+        finally:
+            browser.close()

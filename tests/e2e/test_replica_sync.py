@@ -12,11 +12,15 @@ test sleeps for a fixed time or asserts one.
 from __future__ import annotations
 
 import random
+import re
+import urllib.request
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 from openai import OpenAI
+from redis import Redis as SyncRedis
 
 from loadtests.fleet import START_TIMEOUT_S, BenchFleet, Child, WorkerSpec, sim_fleet, wait_health
 from loadtests.workloads import words
@@ -236,3 +240,37 @@ def test_redis_loss_degrades_per_replica_and_sync_resumes(fleet: BenchFleet) -> 
     converge(a, b)
     fresh.turn(b, model)
     assert fresh.workers[1] == fresh.workers[0] and fresh.reasons[1] == "cache_hit"
+
+
+def test_with_a_tokenizer_replicas_share_token_ids(fleet: BenchFleet) -> None:
+    """With `tokenizer` the trees key on the prompt ids, and replicas share ids (issue 26:
+    they shared text, which a tree on tokens could not use, so turn 2 on the other
+    replica found no match). A foreign tokenizer's entry is dropped and counted."""
+    assert fleet.redis is not None
+    tokens = {**SYNC, "tokenizer": "sim"}
+    a, b = start_replica(fleet, "router-a", tokens), start_replica(fleet, "router-b", tokens)
+    convs = [Conversation(k) for k in range(6)]
+    rounds(convs, [a, b], range(3), model_of(a), barrier=True)
+    for conv in convs:
+        assert conv.workers == [conv.workers[0]] * 3, conv.workers
+        assert conv.reasons[1:] == ["cache_hit"] * 2, conv.reasons
+        assert conv.cached[1] > 0, conv.cached
+
+    # What a replica with another tokenizer (or anyone with write access) would write.
+    foreign = b"other\x00w-foreign\x00T0123456789abcdef:" + zlib.compress(b"\x01\x00\x00\x00")
+    with SyncRedis.from_url(fleet.redis.url) as raw:
+        raw.xadd("radixrouter:decisions", {"d": foreign})
+
+    def rejected(replica: Replica) -> float:
+        with urllib.request.urlopen(replica.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        found = re.search(
+            r'radix_router_untrusted_rejected_total\{source="sync_decisions"\} (\S+)', text
+        )
+        return float(found.group(1)) if found else 0.0
+
+    wait_until(lambda: rejected(a) == 1.0 and rejected(b) == 1.0, 20, a.child)
+    for replica in (a, b):
+        _, body = http_json(replica.url + "/workers")
+        assert "w-foreign" not in {w["worker_id"] for w in body["data"]}
+        assert all("w-foreign" not in str(w["tree"]) for w in body["data"])

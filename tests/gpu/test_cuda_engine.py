@@ -95,6 +95,25 @@ def test_cuda_graph_decode_equals_eager(tiny_model_dir: Path) -> None:
     torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=0)
 
 
+def test_piecewise_graphs_mixed_steps_equal_eager(tiny_model_dir: Path) -> None:
+    """Real piecewise CUDA graphs (worker/engine/runtime/piecewise_graphs.py): the two
+    steps of `mixed_steps` (95 and 42 tokens: buckets 96 and 64, padded) replay the
+    pieces with the triton attention eager between them; logits as the eager runner's."""
+    pieces = ModelRunner(tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=1024,
+                         piecewise_max_tokens=128)  # fmt: skip
+    # --disable-cuda-graph (cuda_graphs=False) turns the piecewise graphs off too.
+    eager = ModelRunner(tiny_model_dir, device="cuda", dtype="float32", kv_capacity_tokens=1024,
+                        cuda_graphs=False, piecewise_max_tokens=128)  # fmt: skip
+    pw = pieces.piecewise
+    assert pw is not None and not pw.emulate and eager.piecewise is None
+    assert pw.captures == len(pw.buckets) and set(pw.capture_seconds) == set(pw.buckets)
+    replays = pw.replays
+    _, got = mixed_steps(pieces)
+    _, want = mixed_steps(eager)
+    assert pw.replays == replays + 2 and pw.late_captures == 0
+    torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-3, rtol=0)
+
+
 def test_bf16_triton_close_to_sdpa(tiny_model_dir: Path) -> None:
     a = ModelRunner(
         tiny_model_dir, device="cuda", kv_capacity_tokens=1024, attention_backend="sdpa"

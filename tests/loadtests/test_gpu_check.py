@@ -127,6 +127,14 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     # emulated ones): the steps run and report.
     assert preset["startup_capture"]["seconds"] == 0.0
     assert preset["no_capture_in_traffic"]["passed"]
+    mixed = preset["piecewise_mixed"]  # emulated on CPU: the path runs, no CPU speed claim
+    assert mixed["passed"] and mixed["graphs"] == "emulated" and mixed["tokens"] == 14
+    assert mixed["piecewise_ms"] > 0 and mixed["eager_ms"] > 0 and mixed["late_captures"] == 0
+    assert 0 < mixed["host_ops"]["piecewise"] < mixed["host_ops"]["eager"]
+    assert (
+        "mixed step (2 decodes at context 8 + a 12-token chunk"
+        in (out / "gpu-check.md").read_text()
+    )
     overlap = preset["overlap_decode"]
     assert overlap["greedy_equal"] and overlap["overlap_ms"] > 0 and overlap["in_order_ms"] > 0
     md = (out / "gpu-check.md").read_text()

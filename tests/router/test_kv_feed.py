@@ -1,7 +1,7 @@
 """A real sim worker's KV events, through a real Redis-protocol server, into the router's
 index: what the worker's radix cache holds is what the index says it holds, after
 requests, evictions, a flush and a restart; a gap or a new epoch makes it untrusted
-until a resync."""
+until a resync (a gap: rebuilt beside the tree until the pool has turned over)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import asyncio
 import aiohttp
 from redis.asyncio import Redis
 
-from router.fleet.kv_feed import FeedMember, KvEventFeed
-from shared.kv_events import AllBlocksCleared, BlockStored, encode_batch, entry_fields
+from router.fleet.kv_feed import FeedMember, KvEventFeed, Rebuild
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, entry_fields
 from shared.redis_server import RedisServer
 from shared.registry import Registry
 from tests.fuzz.conftest import start_worker, worker_config
@@ -75,7 +75,7 @@ async def test_the_index_follows_a_real_workers_cache(
         await server.close()
 
 
-async def test_a_gap_untrusts_until_a_clear_and_a_new_epoch_resets(redis: Redis) -> None:
+async def test_a_gap_rebuilds_until_a_clear_and_a_new_epoch_resets(redis: Redis) -> None:
     registry = Registry(redis)
     feed = KvEventFeed(registry)
     feed.follow([FeedMember("w2", "m", 5.0)])
@@ -88,8 +88,12 @@ async def test_a_gap_untrusts_until_a_clear_and_a_new_epoch_resets(redis: Redis)
     await settle(feed, lambda: feed.trusted("w2"))
     assert feed.match("m", [1, 2, 3]) == {"w2": 2}
     await write(5.0, 2, BlockStored((12,), None, (3, 4), 2))  # seq 1 is missing
-    await settle(feed, lambda: feed.streams["w2"].status == "gap")
+    # Rebuilt from after the gap: what came before is forgotten (seq 1 may have removed
+    # it), what follows is held, and the worker is not trusted alone (its tree counts).
+    await settle(feed, lambda: feed.streams["w2"].status == "rebuilding")
     assert feed.match("m", [1, 2]) == {} and feed.dropped["gap"] == 1
+    assert feed.match("m", [3, 4]) == {"w2": 2} and not feed.trusted("w2")
+    assert feed.rebuilds == {"gap": 1}
     await write(5.0, 3, AllBlocksCleared(), BlockStored((13,), None, (5, 6), 2))
     await settle(feed, lambda: feed.trusted("w2"))
     assert feed.match("m", [1, 2]) == {} and feed.match("m", [5, 6]) == {"w2": 2}
@@ -123,3 +127,36 @@ async def test_a_lagging_reader_untrusts_until_caught_up(redis: Redis) -> None:
     await feed.poll()  # the last, short read: caught up
     assert feed.trusted("w3") and feed.match("m", [0, 0, 1, 1, 2, 2]) == {"w3": 6}
     await asyncio.sleep(0)
+
+
+def test_a_rebuilding_worker_scores_on_its_index_and_its_tree() -> None:
+    """Rebuilding: the index (blocks stored since the loss) and the tree's entries, old
+    ones included, both count; trusted again, the index replaces old tree entries."""
+    from router.policy.kv_score import KvScorer
+
+    feed = KvEventFeed(None)  # type: ignore[arg-type]  # entries applied directly
+    feed.follow([FeedMember("w", "m", 1.0, capacity_tokens=4)])  # a pool of 2 blocks
+
+    def apply(seq: int, *events, resync: bool = False) -> None:
+        fields = entry_fields("w", 1.0, seq, encode_batch(events), resync)
+        feed.apply_entry("w", {k.encode(): v if isinstance(v, bytes) else v.encode()
+                               for k, v in fields.items()})  # fmt: skip
+
+    apply(0, AllBlocksCleared(), BlockStored((1,), None, (1, 2), 2))
+    apply(2, BlockStored((3,), None, (3, 4), 2))  # seq 1 lost
+    assert feed.status_of("w") == "rebuilding"
+    scorer = KvScorer(feed, inflight=2.0)
+    tree = [({"w": 0.0}, 6)]  # the tree: w was sent 6 tokens of this prompt, long ago
+    prompt = [3, 4, 5, 6, 7, 8]
+    assert scorer.correct(tree, prompt, "m", 6, now=100.0) == [({"w": 100.0}, 6)]
+    apply(3, BlockRemoved((1,)), BlockRemoved((9,), "CPU"))
+    assert feed.rebuild_of("w") == Rebuild(removed=1, needed=2)
+    apply(4, BlockRemoved((8,)))  # the pool (2 blocks) has turned over
+    assert feed.status_of("w") == "ok" and feed.rebuild_of("w") is None
+    # Trusted alone: the old tree entry yields to what the worker reports holding.
+    assert scorer.correct(tree, prompt, "m", 6, now=100.0) == [({"w": 100.0}, 2)]
+    # A resync marker with no hole before it (a reader that missed nothing) rebuilds too.
+    apply(5, resync=True)
+    assert feed.status_of("w") == "rebuilding" and feed.rebuilds == {"gap": 1, "marker": 1}
+    apply(6, AllBlocksCleared())  # the engine cleared its cache: a known state
+    assert feed.status_of("w") == "ok"

@@ -40,6 +40,7 @@ def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, d
         ([], {"RADIX_WORKER_HOST_CACHE_TOKENS": "'8'"}, "host_cache_tokens"),
         (["--host-write-policy", "sometimes"], {}, "host_write_policy"),
         (["--kv-cache-dtype", "fp8"], {}, "kv_cache_dtype"),
+        (["--piecewise-cuda-graph-max-tokens", "-1"], {}, "piecewise_cuda_graph_max_tokens"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(

@@ -17,7 +17,7 @@ import zmq.asyncio
 from redis.asyncio import Redis
 
 from router.fleet.kv_feed import FeedMember, KvEventFeed
-from shared.kv_events import BlockStored, encode_batch
+from shared.kv_events import AllBlocksCleared, BlockStored, encode_batch, parse_entry
 from shared.redis_server import free_port
 from shared.registry import Registry
 from worker.kv_subscriber import ZmqEventSubscriber, forward
@@ -103,8 +103,46 @@ async def test_history_gaps_replay_and_a_lost_gap_reach_the_router(redis: Redis)
         assert sub.replayed >= 2 and sub.lost == 0 and feed.trusted("v1")
         await pub.publish([stored(5, 4, 5)], send=False, keep=False)  # gone for good
         await pub.publish([stored(6, 5, 6)])
-        await until(feed, lambda: feed.streams["v1"].status == "gap")
-        assert sub.lost == 1 and feed.match("m", [1, 1]) == {}  # the tree routes it now
+        # Lost for good: the writer marks it, the index is rebuilt from here beside the
+        # tree (tests/e2e/test_kv_gap_rebuild.py follows it to trust again).
+        await until(feed, lambda: feed.streams["v1"].status == "rebuilding")
+        assert sub.lost == 1 and feed.match("m", [1, 1]) == {} and not feed.trusted("v1")
+        assert feed.rebuilds == {"marker": 1}
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await pub.close()
+
+
+async def test_a_sidecar_that_missed_the_engines_start_does_not_claim_an_empty_cache(
+    redis: Redis,
+) -> None:
+    """The engine ran before the sidecar and its replay buffer no longer holds sequence 0:
+    the blocks stored then may still be cached, so the epoch starts with a resync marker
+    (the router rebuilds), not an AllBlocksCleared (the router would trust an index that
+    lacks them). On the code before, the first entry began with AllBlocksCleared and the
+    worker was `ok` at once."""
+    pub = Publisher()
+    registry = Registry(redis)
+    queue: asyncio.Queue = asyncio.Queue(maxsize=100)
+    await pub.publish([stored(1, None, 1)], send=False, keep=False)  # rolled out of replay
+    await pub.publish([stored(2, 1, 2)], send=False)  # still buffered
+    sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, queue)
+    tasks = [
+        asyncio.create_task(sub.run()),
+        asyncio.create_task(forward(queue, registry, "v2", lambda: 3.0, 1000, sub.complete)),
+    ]
+    feed = KvEventFeed(registry)
+    feed.follow([FeedMember("v2", "m", 3.0)])
+    try:
+        await until(feed, lambda: feed.streams["v2"].status == "rebuilding")
+        assert not sub.complete() and sub.first_seq == 1
+        entries = await redis.xrange(registry.kv_events_key("v2"))
+        first = parse_entry("v2", entries[0][1])
+        assert first.seq == 0 and first.resync
+        assert not any(isinstance(e, AllBlocksCleared) for e in first.batch.events)
+        assert feed.rebuilds == {"marker": 1} and not feed.trusted("v2")
     finally:
         for task in tasks:
             task.cancel()

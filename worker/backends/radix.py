@@ -35,6 +35,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         attention_backend=config.attention_backend,
         kv_cache_dtype=config.kv_cache_dtype,
         disable_cuda_graph=config.disable_cuda_graph,
+        piecewise_cuda_graph_max_tokens=config.piecewise_cuda_graph_max_tokens,
         overlap_schedule=not config.disable_overlap_schedule,
         disable_radix_cache=config.disable_radix_cache,
         max_waiting_requests=max(1, config.max_waiting_requests),

@@ -41,6 +41,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Decode-only steps replay CUDA graphs unless this is set (CUDA + triton only).
     disable_cuda_graph: bool = False
+    # Steps with a prefill chunk (mixed and extend steps) of up to this many tokens
+    # replay piecewise graphs, attention eager between the pieces (CUDA + triton only;
+    # runtime/piecewise_graphs.py). 0: off; disable_cuda_graph turns them off too.
+    piecewise_cuda_graph_max_tokens: int = 0
     # Host KV tier under the radix cache, in tokens (0: off): device pages the LRU
     # evicts are kept in host memory and loaded back on a hit. write_back copies a page
     # when it is evicted; write_through when it enters the tree (evictions then copy

@@ -111,11 +111,13 @@ async def test_worker_is_not_ready_until_every_graph_is_captured(
         return capture_all(self, max_batch)
 
     monkeypatch.setattr(DecodeGraphs, "capture_all", slow_capture)
-    # CPU has no CUDA graphs: the runner the worker builds takes the emulated ones.
+    # CPU has no CUDA graphs: the runner the worker builds takes the emulated ones (and
+    # the piecewise ones, captured after the decode buckets, also before ready).
     monkeypatch.setattr(ModelRunner, "__init__",
                         partialmethod(ModelRunner.__init__, emulate_cuda_graphs=True))  # fmt: skip
     config = WorkerConfig(model=str(tiny_model_dir), worker_id="w", device="cpu",
-                          cache_tokens=1024, max_running_requests=4)  # fmt: skip
+                          cache_tokens=1024, max_running_requests=4,
+                          piecewise_cuda_graph_max_tokens=16)  # fmt: skip
     app = create_app(config, build_engine(config))
     client = await aiohttp_client(app)
     assert await asyncio.to_thread(capturing.wait, 60)  # capture has started ...
@@ -127,3 +129,5 @@ async def test_worker_is_not_ready_until_every_graph_is_captured(
     assert (await client.get("/health")).status == 200
     graphs = app[ENGINE].engine.runner.graphs
     assert graphs.captures == 3 and graphs.late_captures == 0  # buckets 1, 2, 4
+    pieces = app[ENGINE].engine.runner.piecewise
+    assert pieces.captures == 1 and pieces.capture_seconds.keys() == {16}

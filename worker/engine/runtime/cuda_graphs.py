@@ -8,7 +8,7 @@ write their K/V to the pool's pad slot and read the table's pad row), and the
 attention kernels' grids depend on the bucket only (flash-decoding's split count is
 a function of the batch size; each sequence's split length is computed on the
 device). Batches larger than the largest bucket, and any step with a prefill chunk,
-run eagerly.
+run eagerly, or as piecewise graphs when those are on (piecewise_graphs.py).
 
 Every bucket up to the running-request limit is compiled and captured at start-up
 (`capture_all`, which the runner calls before the worker reports ready), never inside

@@ -25,6 +25,7 @@ def load_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
         host_cache_tokens=config.host_cache_tokens,
         attention_backend=config.attention_backend,
         cuda_graphs=not config.disable_cuda_graph,
+        piecewise_max_tokens=config.piecewise_cuda_graph_max_tokens,
         max_running_requests=config.max_running_requests,
         kv_cache_dtype=config.kv_cache_dtype,
         debug_checks=config.debug_checks,

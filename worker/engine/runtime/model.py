@@ -92,6 +92,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """The projections and o_proj around attention; DecoderLayer calls the backend
+    between them (`project`, then `ctx.backend.attend`, then `o_proj`)."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -114,14 +117,19 @@ class Attention(nn.Module):
         self.qkv_proj = _concat_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(
+    def project(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        ctx: ForwardContext,
+        kv: KVStore,
+        slots: torch.Tensor,
         ops: Ops = TORCH_OPS,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KV, D] after RoPE, with k and v stored at `slots`.
+
+        Reads no step metadata but `slots`: the piecewise graphs (piecewise_graphs.py)
+        capture this, and everything that varies per step must be a device tensor."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -131,10 +139,8 @@ class Attention(nn.Module):
             # and with the fused ops one kernel for RoPE and the K/V store.
             qk = qkv[:, : q_size + kv_size].view(t, heads + kv_heads, dim)
             v = qkv[:, q_size + kv_size :].view(t, kv_heads, dim)
-            ops.rope_store(qk, v, cos, sin, ctx.kv, self.layer, ctx.meta.out_slots, heads)
-            q, k = qk[:, :heads], qk[:, heads:]
-            out = ctx.backend.attend(self.layer, q, k, v, ctx.meta)
-            return self.o_proj(out.reshape(t, q_size))
+            ops.rope_store(qk, v, cos, sin, kv, self.layer, slots, heads)
+            return qk[:, :heads], qk[:, heads:], v
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         else:
@@ -144,9 +150,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         apply_rope_(q, cos, sin)
         apply_rope_(k, cos, sin)
-        ctx.kv.write(self.layer, ctx.meta.out_slots, k, v)
-        out = ctx.backend.attend(self.layer, q, k, v, ctx.meta)
-        return self.o_proj(out.reshape(t, q_size))
+        kv.write(self.layer, slots, k, v)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -202,9 +207,35 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
         ops: Ops = TORCH_OPS,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.pre_attention(
+            x, residual, cos, sin, ctx.kv, ctx.meta.out_slots, ops
+        )
+        out = ctx.backend.attend(self.self_attn.layer, q, k, v, ctx.meta)
+        return self.post_attention(out, residual, ops)
+
+    # The two halves around attention: the piecewise graphs capture them apart
+    # (worker/engine/runtime/piecewise_graphs.py) and run attention eagerly between.
+    def pre_attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVStore,
+        slots: torch.Tensor,
+        ops: Ops = TORCH_OPS,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v, residual): the input norm and the attention's projections."""
         norm = self.input_layernorm
         h, residual = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, cos, sin, ctx, ops)
+        q, k, v = self.self_attn.project(h, cos, sin, kv, slots, ops)
+        return q, k, v, residual
+
+    def post_attention(
+        self, out: torch.Tensor, residual: torch.Tensor, ops: Ops = TORCH_OPS
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) from the attention output [T, H, D]: o_proj, norm, MLP."""
+        h = self.self_attn.o_proj(out.reshape(out.shape[0], -1))
         norm = self.post_attention_layernorm
         h, residual = ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
         return self.mlp(h, ops), residual
@@ -255,13 +286,19 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states (before the last norm) of every new token: [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        # [T, 1, head_dim / 2]: broadcasts over heads; each half of a head uses it.
-        cos, sin = freqs.cos().to(x.dtype)[:, None, :], freqs.sin().to(x.dtype)[:, None, :]
+        cos, sin = self.rope_tables(positions, x.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, ctx, self.ops)
         return x + residual
+
+    def rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim / 2]: broadcast over heads; each half of a head
+        uses them."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the given rows of `forward`'s output."""

@@ -39,6 +39,7 @@ from worker.engine.runtime.futures import FutureTokens
 from worker.engine.runtime.host_pool import HostKVPool
 from worker.engine.runtime.kv_pool import KV_CACHE_DTYPES, KVPool
 from worker.engine.runtime.model import ForwardContext
+from worker.engine.runtime.piecewise_graphs import PiecewiseGraphs
 from worker.engine.runtime.weights import load_model
 
 # Cap on an automatically sized pool on CPU (64 MB for the tiny model, 1 GB for the
@@ -61,6 +62,7 @@ class ModelRunner:
         host_cache_tokens: int = 0,
         attention_backend: str = "auto",
         cuda_graphs: bool = True,
+        piecewise_max_tokens: int = 0,
         max_running_requests: int = 64,
         kv_cache_dtype: str = "auto",
         debug_checks: bool | None = None,
@@ -115,6 +117,14 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, self.pool, self.backend, self.table, emulate=emulate_cuda_graphs
             )
+        # Steps with a prefill chunk of up to `piecewise_max_tokens` tokens (0: off):
+        # graphs between the attention calls (piecewise_graphs.py), under the same rule.
+        self.piecewise: PiecewiseGraphs | None = None
+        if self.graphs is not None and piecewise_max_tokens > 0:
+            self.piecewise = PiecewiseGraphs(
+                self.model, self.pool, self.backend, self.table, piecewise_max_tokens,
+                emulate=emulate_cuda_graphs,
+            )  # fmt: skip
         # Per-step batch validation: tests and RADIX_ENGINE_DEBUG=1 (config.py says why).
         self.debug_checks = debug_from_env() if debug_checks is None else debug_checks
         # Step N's draws, read by step N+1 on the device (overlap scheduling).
@@ -122,10 +132,13 @@ class ModelRunner:
         self.overlap_inputs = False  # set by the engine when it schedules with overlap
         self.tokens_computed = 0
         self.host_elements_last_step = 0  # int64 values moved host->device (tests)
-        # Every decode bucket captured now, before the worker reports ready.
+        # Every decode bucket and every token bucket captured now, before the worker
+        # reports ready.
         self.graph_capture_s = 0.0
         if self.graphs is not None:
             self.graph_capture_s = self.graphs.capture_all(max_running_requests)
+        if self.piecewise is not None:
+            self.graph_capture_s += self.piecewise.capture_all()
 
     @property
     def max_model_len(self) -> int:
@@ -199,6 +212,10 @@ class ModelRunner:
         keys = [("step", i) if it.seq_id is None else it.seq_id for i, it in enumerate(batch)]
         decode_only = all(len(it.input_ids) == 1 for it in batch)
         bucket = self.graphs.bucket_for(len(batch)) if self.graphs and decode_only else None
+        tokens = sum(len(it.input_ids) for it in batch)
+        piece_bucket = None
+        if bucket is None and self.piecewise is not None:
+            piece_bucket = self.piecewise.bucket_for(tokens)
         try:
             inputs = build_step(
                 batch, keys, self.table, self.staging, pad_to=bucket, pad_slot=self.pool.pad_slot
@@ -214,9 +231,12 @@ class ModelRunner:
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.run(inputs, bucket)
+        elif piece_bucket is not None:
+            assert self.piecewise is not None
+            hidden = self.piecewise.run(inputs, piece_bucket)
         else:
             hidden = self.run_eager(inputs)
-        self.tokens_computed += sum(len(it.input_ids) for it in batch)
+        self.tokens_computed += tokens
         return self.model.compute_logits(hidden[inputs.sample_rows])
 
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
