@@ -20,6 +20,11 @@ each: a worker's score is its longest run of held blocks from the start, in toke
 `match_tiers` also says how much of that run its device holds (router/policy/kv_score.py
 values the rest below a device hit: it is loaded, not computed).
 
+When a worker stopped holding a block (BlockRemoved) is kept for a while (`lost_at`,
+the last `max_lost` losses; a clear is not one: our engine's periodic republish starts
+with one): scoring needs it to tell a route's blocks still
+on their way from blocks that arrived and were evicted since (router/policy/kv_score.py).
+
 Bounded memory: past `max_blocks` the least recently stored blocks are forgotten for
 every holder (an under-estimate, never a wrong holder). A BlockStored whose parent the
 index does not know (forgotten, or stored before a gap) cannot be keyed and is dropped
@@ -67,19 +72,28 @@ class _WorkerBlocks:
 class BlockIndex:
     """One model's blocks of `block_size` tokens -> their holders."""
 
-    def __init__(self, block_size: int, max_blocks: int = 2_000_000) -> None:
-        if block_size < 1 or max_blocks < 1:
-            raise ValueError("block_size and max_blocks must be >= 1")
+    def __init__(
+        self, block_size: int, max_blocks: int = 2_000_000, max_lost: int = 65_536
+    ) -> None:
+        if block_size < 1 or max_blocks < 1 or max_lost < 1:
+            raise ValueError("block_size, max_blocks and max_lost must be >= 1")
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self.max_lost = max_lost
+        # (worker, key) -> when the worker stopped holding it (oldest first).
+        self._lost: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._now = 0.0  # the time of the batch being applied
+        self._last: tuple[object, list[int]] = (None, [])  # the last lookup's keys
         self._blocks: OrderedDict[int, dict[str, tuple[int, BlockHash]]] = OrderedDict()
         self._workers: dict[str, _WorkerBlocks] = {}
         self.orphans = 0  # stored blocks whose parent is unknown (dropped)
         self.forgotten = 0  # blocks dropped to stay under max_blocks
 
     # ---- events -----------------------------------------------------------------
-    def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
-        """Apply one batch of `worker`'s events (already validated by shared/kv_events)."""
+    def apply(self, worker: str, events: Sequence[KVEvent], now: float = 0.0) -> None:
+        """Apply one batch of `worker`'s events (already validated by shared/kv_events),
+        read at `now` (the router's routing clock: what `lost_at` answers in)."""
+        self._now = now
         for event in events:
             if isinstance(event, BlockStored):
                 self._stored(worker, event)
@@ -161,6 +175,14 @@ class BlockIndex:
             key = wb.by_hash.get(engine_hash)
             if key is not None and not self._unhold(worker, key, media):
                 wb.forget(engine_hash)  # held in no tier any more
+                self._note_lost(worker, key)
+
+    def _note_lost(self, worker: str, key: int) -> None:
+        lost = self._lost
+        lost[(worker, key)] = self._now
+        lost.move_to_end((worker, key))
+        if len(lost) > self.max_lost:
+            lost.popitem(last=False)
 
     def _unhold(self, worker: str, key: int, media: int) -> int:
         """Clear `media` bits of `worker` on `key`; returns the bits it still holds."""
@@ -187,8 +209,23 @@ class BlockIndex:
 
     # ---- lookups ----------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
-        """The chain of block keys of `tokens` (whole blocks only)."""
-        return block_keys(np.asarray(tokens, dtype=np.int64), self.block_size).tolist()
+        """The chain of block keys of `tokens` (whole blocks only); the last request's
+        are kept (by identity: callers do not mutate a request's ids), as scoring asks
+        `match` and then `lost_at` about the same request."""
+        last, keys = self._last
+        if last is not tokens:
+            keys = block_keys(np.asarray(tokens, dtype=np.int64), self.block_size).tolist()
+            self._last = (tokens, keys)
+        return keys
+
+    def lost_at(self, worker: str, tokens: Sequence[int] | np.ndarray, held: int) -> float:
+        """When `worker` stopped holding the block of `tokens` after its first `held`
+        tokens, as last applied; -inf: not known lost."""
+        keys = self.keys(tokens)
+        i = held // self.block_size
+        if i >= len(keys):
+            return float("-inf")
+        return self._lost.get((worker, keys[i]), float("-inf"))
 
     def match(self, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
         """Per worker, how many leading tokens of `tokens` it holds (whole blocks, > 0).

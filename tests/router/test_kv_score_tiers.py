@@ -124,3 +124,20 @@ def test_vllm_offloading_stores_by_hash_only_mark_known_blocks_host_held() -> No
     for bad in ({"token_ids": [1, 2]}, {"parent_block_hash": 11}):
         with pytest.raises(ValueError, match="token_ids"):
             decode_batch(msgpack.packb([1.0, [{**vllm_placeholder(13), **bad}]]))
+
+
+def test_an_older_entry_the_index_confirms_keeps_its_end_discounted_on_the_host() -> None:
+    """The tree's older entry (past the in-flight window) that the index confirms keeps its
+    exact end (kv_score.py); the part of it held only on the host counts at the weight."""
+    feed = feed_of({
+        "dev": [[AllBlocksCleared(), stored(4, "GPU")]],
+        "host": [[AllBlocksCleared(), stored(4, "GPU")],
+                 [stored(4, "CPU"), BlockRemoved(HASHES[2:], "GPU")]],
+    })  # fmt: skip
+    scorer = KvScorer(feed, inflight=2.0, host_weight=lambda w: 0.5)
+    old_entry = [({"dev": 1.0, "host": 1.0}, 66)]  # 66 chars: a block's partial tail too
+    path = scorer.correct(old_entry, TOKENS, "m", text_len=66, now=10.0)
+    ends = {w: max(e for held, e in path if w in held) for w in ("dev", "host")}
+    # 16 tokens at 66/16 chars each: the first 8 on the device (33 chars), the rest on the
+    # host at half their worth (33 / 2)
+    assert ends == {"dev": 66, "host": round(33 + 0.5 * 33)}
