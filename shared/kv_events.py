@@ -49,6 +49,8 @@ class BlockStored:
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
     token_ids: Sequence[int] | np.ndarray  # len == len(block_hashes) * block_size
+    # 0 (and no token ids, no parent): blocks the engine named before, now stored in
+    # `medium` too (vLLM's offloading connector writes these for its CPU tier).
     block_size: int
     medium: str | None = MEDIUM_GPU
 
@@ -199,10 +201,14 @@ def _event(raw: object) -> KVEvent:
         _, f = _fields(raw, _STORED_ORDER)
         hashes = _hashes(f.get("block_hashes"))
         size = f.get("block_size")
-        if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_BLOCK_SIZE:
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_BLOCK_SIZE:
             raise ValueError("block_size out of range")
         tokens = f.get("token_ids")
-        if not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
+        if size == 0 and tokens == [] and f.get("parent_block_hash") is None:
+            # A store known by hash only: vLLM's offloading connector announces a block
+            # it copied to its CPU tier so unless its events are "self-describing".
+            return BlockStored(hashes, None, np.empty(0, np.int64), 0, _medium(f))
+        if size == 0 or not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
             raise ValueError("token_ids is not block_size tokens per block")
         ids = np.array(tokens)  # checked as a whole: no Python loop per token
         if ids.dtype.kind not in "iu" or ids.ndim != 1:

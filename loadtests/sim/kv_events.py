@@ -51,6 +51,10 @@ class EventStreams:
         self._due: list[tuple[float, int, str, StreamEntry]] = []
         self._made = 0  # entries made (a tie-break: equal times deliver in creation order)
         self.delivered = 0
+        # The index stamps what it learns (a worker's lost blocks) in the policies' clock:
+        # here virtual time, when the router reads the entry.
+        self.read_at = 0.0
+        feed.route_clock = lambda: self.read_at
 
     def join(self, wid: str, epoch: float) -> None:
         """A worker (re)started: its new epoch, its sequence from 0."""
@@ -81,7 +85,7 @@ class EventStreams:
         """Apply every entry due by `now` (before the router routes at `now`)."""
         due, feed = self._due, self.feed
         while due and due[0][0] <= now:
-            _, _, wid, entry = heapq.heappop(due)
+            self.read_at, _, wid, entry = heapq.heappop(due)
             if wid in feed.streams:
                 feed.apply_stream_entry(wid, entry)
                 self.delivered += 1
@@ -137,6 +141,17 @@ class CacheReader:
 
     def only_model(self) -> str:
         return MODEL
+
+    def match_tiers(self, model: str, tokens: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """`match` per tier: every run counted is on the device (`cached_prefix` stops at
+        a host-only node; in-flight KV is computed there)."""
+        return {w: (n, n) for w, n in self.match(model, tokens).items()}
+
+    def block_size(self, model: str) -> int:
+        return 1  # exact to the token
+
+    def lost_at(self, model: str, tokens: Sequence[int], wid: str, held: int) -> float:
+        return float("-inf")  # no window: the scorer never asks (inflight 0)
 
     def match(self, model: str, tokens: Sequence[int]) -> dict[str, int]:
         arr = np.asarray(tokens, dtype=np.int64)

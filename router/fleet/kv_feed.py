@@ -114,12 +114,14 @@ class KvEventFeed:
         read_count: int = 256,
         max_lag: float = 2.0,
         clock: Callable[[], float] = time.time,
+        route_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
         self.max_blocks = max_blocks
         self.read_count = read_count
         self.max_lag = max_lag
-        self.clock = clock
+        self.clock = clock  # wall time: stream entry ids are milliseconds of it
+        self.route_clock = route_clock  # the policies' `now`: when the index learnt a loss
         self.indexes: dict[str, BlockIndex] = {}  # model -> blocks
         self.streams: dict[str, StreamState] = {}  # worker id -> what was read
         self.dropped: Counter[str] = Counter()
@@ -238,7 +240,7 @@ class KvEventFeed:
             state.status = "ok"
         index = self._index(state.model, events)
         try:
-            index.apply(wid, events)
+            index.apply(wid, events, self.route_clock())
         except ValueError:  # a block size other than the model's
             self.dropped["block_size"] += 1
             self._untrust(wid, "block_size")
@@ -268,7 +270,10 @@ class KvEventFeed:
     def _index(self, model: str, events: Sequence[KVEvent]) -> BlockIndex:
         index = self.indexes.get(model)
         if index is None:
-            size = next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+            size = next(
+                (e.block_size for e in events if isinstance(e, BlockStored) and e.block_size),
+                None,
+            )
             if size is None:
                 return _EMPTY
             index = self.indexes[model] = BlockIndex(size, self.max_blocks)
@@ -303,6 +308,33 @@ class KvEventFeed:
             if (s := streams.get(w)) is not None and s.status in usable
         }
 
+    def match_tiers(
+        self, model: str, tokens: Sequence[int] | np.ndarray
+    ) -> dict[str, tuple[int, int]]:
+        """`match` per tier: (tokens of `tokens` on its device, tokens in any tier) for
+        each trusted or rebuilding worker."""
+        index = self.indexes.get(model)
+        if index is None:
+            return {}
+        usable = ("ok", "rebuilding")  # as in `match`
+        streams = self.streams
+        return {
+            w: n
+            for w, n in index.match_tiers(tokens).items()
+            if (s := streams.get(w)) is not None and s.status in usable
+        }
+
+    def lost_at(self, model: str, tokens: Sequence[int] | np.ndarray, wid: str, held: int) -> float:
+        """When `wid` stopped holding the block after its first `held` tokens of `tokens`
+        (router/fleet/kv_index.py), in `route_clock` time; -inf: not known lost."""
+        index = self.indexes.get(model)
+        return index.lost_at(wid, tokens, held) if index is not None else float("-inf")
+
+    def block_size(self, model: str) -> int:
+        """Tokens per block of `model`'s index (0: none yet)."""
+        index = self.indexes.get(model)
+        return index.block_size if index is not None else 0
+
     def status_of(self, wid: str) -> str:
         state = self.streams.get(wid)
         return state.status if state is not None else "syncing"
@@ -328,7 +360,7 @@ class KvEventFeed:
 class _NoIndex(BlockIndex):
     """Events with no stored block for a model not indexed yet: nothing to hold."""
 
-    def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
+    def apply(self, worker: str, events: Sequence[KVEvent], now: float = 0.0) -> None:
         return None
 
 

@@ -9,8 +9,21 @@ ours) that hold the same tokens hold the same block:
     blocks   key -> {worker: (media bits, engine hash)}   (LRU order; `max_blocks`)
     per worker: engine hash -> key               (what a BlockRemoved names)
 
+The media bits say which of a worker's tiers hold the block (GPU 1, CPU 2, STORAGE 4, as
+the events name them; no medium: GPU): a BlockStored sets its medium's bit, a
+BlockRemoved clears it, and the worker holds the block while any bit is set. So a
+demotion (stored CPU, removed GPU) keeps the block as host-held, and a host eviction
+after it drops it.
+
 A lookup (`match`) keys the request's token blocks in turn and follows the holders of
-each: a worker's score is its longest run of held blocks from the start, in tokens.
+each: a worker's score is its longest run of held blocks from the start, in tokens;
+`match_tiers` also says how much of that run its device holds (router/policy/kv_score.py
+values the rest below a device hit: it is loaded, not computed).
+
+When a worker stopped holding a block (BlockRemoved) is kept for a while (`lost_at`,
+the last `max_lost` losses; a clear is not one: our engine's periodic republish starts
+with one): scoring needs it to tell a route's blocks still
+on their way from blocks that arrived and were evicted since (router/policy/kv_score.py).
 
 Bounded memory: past `max_blocks` the least recently stored blocks are forgotten for
 every holder (an under-estimate, never a wrong holder). A BlockStored whose parent the
@@ -39,32 +52,49 @@ from shared.kv_events import (
 )
 
 _MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
+DEVICE = 1  # the media bit of a device-held block
+_BITS = (1, 2, 4)
 
 
 @dataclass
 class _WorkerBlocks:
     by_hash: dict[BlockHash, int] = field(default_factory=dict)  # engine hash -> key
-    # Stores not yet removed, per engine hash: our engine can hold one block in two tree
-    # nodes (below page granularity) and then reports it stored twice, removed twice.
-    stores: dict[BlockHash, int] = field(default_factory=dict)
+    # Stores not yet removed, per engine hash and media bit: our engine can hold one
+    # block in two tree nodes (below page granularity) and then reports it stored twice,
+    # removed twice, in each tier (vLLM's offloading events say to count them too).
+    stores: dict[tuple[BlockHash, int], int] = field(default_factory=dict)
+
+    def forget(self, engine_hash: BlockHash) -> None:
+        self.by_hash.pop(engine_hash, None)
+        for bit in _BITS:
+            self.stores.pop((engine_hash, bit), None)
 
 
 class BlockIndex:
     """One model's blocks of `block_size` tokens -> their holders."""
 
-    def __init__(self, block_size: int, max_blocks: int = 2_000_000) -> None:
-        if block_size < 1 or max_blocks < 1:
-            raise ValueError("block_size and max_blocks must be >= 1")
+    def __init__(
+        self, block_size: int, max_blocks: int = 2_000_000, max_lost: int = 65_536
+    ) -> None:
+        if block_size < 1 or max_blocks < 1 or max_lost < 1:
+            raise ValueError("block_size, max_blocks and max_lost must be >= 1")
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self.max_lost = max_lost
+        # (worker, key) -> when the worker stopped holding it (oldest first).
+        self._lost: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._now = 0.0  # the time of the batch being applied
+        self._last: tuple[object, list[int]] = (None, [])  # the last lookup's keys
         self._blocks: OrderedDict[int, dict[str, tuple[int, BlockHash]]] = OrderedDict()
         self._workers: dict[str, _WorkerBlocks] = {}
         self.orphans = 0  # stored blocks whose parent is unknown (dropped)
         self.forgotten = 0  # blocks dropped to stay under max_blocks
 
     # ---- events -----------------------------------------------------------------
-    def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
-        """Apply one batch of `worker`'s events (already validated by shared/kv_events)."""
+    def apply(self, worker: str, events: Sequence[KVEvent], now: float = 0.0) -> None:
+        """Apply one batch of `worker`'s events (already validated by shared/kv_events),
+        read at `now` (the router's routing clock: what `lost_at` answers in)."""
+        self._now = now
         for event in events:
             if isinstance(event, BlockStored):
                 self._stored(worker, event)
@@ -75,6 +105,9 @@ class BlockIndex:
 
     def _stored(self, worker: str, event: BlockStored) -> None:
         bs = self.block_size
+        if event.block_size == 0:
+            self._stored_again(worker, event)
+            return
         if event.block_size != bs:
             raise ValueError(f"block size {event.block_size} is not the index's {bs}")
         wb = self._workers.setdefault(worker, _WorkerBlocks())
@@ -97,35 +130,60 @@ class BlockIndex:
                 blocks.move_to_end(parent)
             held = holders.get(worker)
             if held is not None and held[1] != engine_hash:
-                wb.by_hash.pop(held[1], None)  # the same content under a new engine hash
-                wb.stores.pop(held[1], None)
+                wb.forget(held[1])  # the same content under a new engine hash
+                held = None
             holders[worker] = (media | (held[0] if held else 0), engine_hash)
             old = wb.by_hash.get(engine_hash)
             if old is not None and old != parent:
                 self._unhold(worker, old, 7)
-                wb.stores.pop(engine_hash, None)
+                wb.forget(engine_hash)
             wb.by_hash[engine_hash] = parent
-            wb.stores[engine_hash] = wb.stores.get(engine_hash, 0) + 1
+            count = (engine_hash, media)
+            wb.stores[count] = wb.stores.get(count, 0) + 1
         while len(blocks) > self.max_blocks:
             _, holders = blocks.popitem(last=False)
             self.forgotten += 1
             for w, (_, h) in holders.items():
-                self._workers[w].by_hash.pop(h, None)
-                self._workers[w].stores.pop(h, None)
+                self._workers[w].forget(h)
+
+    def _stored_again(self, worker: str, event: BlockStored) -> None:
+        """A store by engine hash only (no tokens): blocks the worker named before, now in
+        `event.medium` too; a hash it never named (or that was forgotten) is an orphan."""
+        wb = self._workers.get(worker)
+        media = _MEDIA.get(event.medium, 1)
+        for engine_hash in event.block_hashes:
+            key = None if wb is None else wb.by_hash.get(engine_hash)
+            holders = None if key is None else self._blocks.get(key)
+            held = None if holders is None else holders.get(worker)
+            if held is None:
+                self.orphans += 1
+                continue
+            holders[worker] = (held[0] | media, held[1])  # type: ignore[index]
+            count = (engine_hash, media)
+            wb.stores[count] = wb.stores.get(count, 0) + 1  # type: ignore[union-attr]
 
     def _removed(self, worker: str, hashes: Sequence[BlockHash], media: int) -> None:
         wb = self._workers.get(worker)
         if wb is None:
             return
         for engine_hash in hashes:
-            left = wb.stores.get(engine_hash, 0) - 1
-            if left > 0:  # another copy of the block is still stored
-                wb.stores[engine_hash] = left
+            count = (engine_hash, media)
+            left = wb.stores.get(count, 0) - 1
+            if left > 0:  # another copy of the block is still stored in that tier
+                wb.stores[count] = left
                 continue
-            wb.stores.pop(engine_hash, None)
+            wb.stores.pop(count, None)
             key = wb.by_hash.get(engine_hash)
             if key is not None and not self._unhold(worker, key, media):
-                del wb.by_hash[engine_hash]
+                wb.forget(engine_hash)  # held in no tier any more
+                self._note_lost(worker, key)
+
+    def _note_lost(self, worker: str, key: int) -> None:
+        lost = self._lost
+        lost[(worker, key)] = self._now
+        lost.move_to_end((worker, key))
+        if len(lost) > self.max_lost:
+            lost.popitem(last=False)
 
     def _unhold(self, worker: str, key: int, media: int) -> int:
         """Clear `media` bits of `worker` on `key`; returns the bits it still holds."""
@@ -154,12 +212,28 @@ class BlockIndex:
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
         """The chain of block keys of `tokens` (whole blocks only). A chat's ids from the
         router's tokenizer carry them, keyed once per conversation prefix
-        (shared/prompt_ids.py): a new turn keys only the blocks it adds."""
-        carried = getattr(tokens, "block_keys", None)
-        if carried is not None:
-            return carried(self.block_size)  # type: ignore[no-any-return]
-        ids = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
-        return block_key_list(ids, self.block_size)
+        (shared/prompt_ids.py): a new turn keys only the blocks it adds. The last
+        request's are kept (by identity: callers do not mutate a request's ids), as
+        scoring asks `match` and then `lost_at` about the same request."""
+        last, keys = self._last
+        if last is not tokens:
+            carried = getattr(tokens, "block_keys", None)
+            if carried is not None:
+                keys = carried(self.block_size)
+            else:
+                ids = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
+                keys = block_key_list(ids, self.block_size)
+            self._last = (tokens, keys)
+        return keys
+
+    def lost_at(self, worker: str, tokens: Sequence[int] | np.ndarray, held: int) -> float:
+        """When `worker` stopped holding the block of `tokens` after its first `held`
+        tokens, as last applied; -inf: not known lost."""
+        keys = self.keys(tokens)
+        i = held // self.block_size
+        if i >= len(keys):
+            return float("-inf")
+        return self._lost.get((worker, keys[i]), float("-inf"))
 
     def match(self, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
         """Per worker, how many leading tokens of `tokens` it holds (whole blocks, > 0).
@@ -183,6 +257,42 @@ class BlockIndex:
                     hi = mid - 1
             out[w] = lo * self.block_size
         return out
+
+    def match_tiers(self, tokens: Sequence[int] | np.ndarray) -> dict[str, tuple[int, int]]:
+        """Per worker: (leading tokens of `tokens` its device holds, leading tokens it
+        holds in any tier), whole blocks, the second > 0.
+
+        Both runs by bisection, as in `match`: the device run is a prefix of the whole
+        one (an engine's device residency is closed upwards: ours keeps a node on the
+        device only under a device parent, vLLM offloads and evicts leaves first)."""
+        keys = self.keys(tokens)
+        blocks = self._blocks
+        first = blocks.get(keys[0]) if keys else None
+        if not first:
+            return {}
+        out: dict[str, tuple[int, int]] = {}
+        for w in first:
+            lo, hi = 1, len(keys)  # w holds keys[:lo] in some tier; the run ends by hi
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if w in blocks.get(keys[mid - 1], ()):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            dev, top = 0, lo  # w holds keys[:dev] on its device; that run ends by top
+            while dev < top:
+                mid = (dev + top + 1) >> 1
+                if self.media_of(w, keys[mid - 1]) & DEVICE:
+                    dev = mid
+                else:
+                    top = mid - 1
+            out[w] = (dev * self.block_size, lo * self.block_size)
+        return out
+
+    def media_of(self, worker: str, key: int) -> int:
+        """The media bits of `worker` on block `key` (0: not held)."""
+        held = self._blocks.get(key, {}).get(worker)
+        return 0 if held is None else held[0]
 
     def blocks_of(self, worker: str) -> int:
         wb = self._workers.get(worker)

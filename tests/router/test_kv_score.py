@@ -1,0 +1,153 @@
+"""Routing with the exact index beside the tree (router/policy/kv_score.py): decisions.
+
+The real feed object and its real block index, fed real BlockStored events; what a
+Redis stream would deliver is applied directly (reading the streams, trust and gaps:
+test_kv_feed.py). Times are the policy's `now`, not the wall clock.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.fleet.kv_feed import KvEventFeed, StreamState
+from router.fleet.kv_index import BlockIndex
+from router.policy import build_policy
+from router.policy.base import FleetView, RouteRequest
+from router.policy.cache_aware import CacheAware
+from router.policy.kv_score import KvScorer
+from shared.config import RouterConfig
+from shared.kv_events import BlockRemoved, BlockStored
+
+BLOCK = 16
+PREFIX = tuple(range(1000, 2042))  # 1,042 tokens: 65 whole blocks (1,040) and a tail of 2
+
+
+def request(suffix: int, *prefix: int) -> RouteRequest:
+    ids = (*(prefix or PREFIX), suffix, suffix + 1, suffix + 2)
+    return RouteRequest("", tokens=ids, model="m")
+
+
+def feed_holding(held: dict[str, int]) -> KvEventFeed:
+    """A feed whose every worker is trusted and holds the first `held[w]` tokens of PREFIX."""
+    feed = KvEventFeed(registry=None)  # type: ignore[arg-type]  # no stream is read here
+    index = feed.indexes["m"] = BlockIndex(BLOCK)
+    for w, n in held.items():
+        feed.streams[w] = StreamState("m", 1.0, status="ok")
+        blocks = n // BLOCK
+        if blocks:
+            stored = BlockStored(tuple(range(1, blocks + 1)), None, PREFIX[: blocks * BLOCK], BLOCK)
+            index.apply(w, [stored])
+    return feed
+
+
+def policy(name: str, feed: KvEventFeed | None) -> CacheAware:
+    p = build_policy(RouterConfig(policy=name, tokenizer="sim"), random.Random(0))
+    assert isinstance(p, CacheAware)
+    p.kv = KvScorer(feed, inflight=2.0) if feed is not None else None
+    return p
+
+
+def warm(p: CacheAware, fleet: FleetView) -> None:
+    """w0 got the prefix 10 s ago (its tree entry is past the in-flight window), w1
+    0.5 s ago (in flight), as the routes of a replicated shared prefix leave them."""
+    fleet.loads[:] = [0, 100]  # each route goes where the test wants it: w1 overloaded
+    assert p.select(request(1), fleet, 0.0).worker_id == "w0"
+    fleet.loads[:] = [100, 0]  # w0 overloaded: both policies balance
+    assert p.select(request(3), fleet, 9.5).worker_id == "w1"
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "cost_aware"])
+def test_a_holder_the_index_confirms_ranks_as_the_tree_ranks_it(name: str) -> None:
+    """Both workers hold the whole prefix, w1 is busier. The index sees w0's 65 whole
+    blocks (1,040 tokens), the tree's entry for w1 says 1,042: before the fix w0 ranked
+    2 tokens short of w1, so cache_aware sent the request to the busy w1 and cost_aware
+    called w0 a spill predicted 1,040 tokens. The tree alone picks w0 with 1,042."""
+    decisions = []
+    for feed in (None, feed_holding({"w0": 1042, "w1": 1042})):
+        p = policy(name, feed)
+        fleet = FleetView(["w0", "w1"])
+        warm(p, fleet)
+        fleet.loads[:] = [0, 3]
+        d = p.select(request(5), fleet, 10.0)
+        decisions.append((d.worker_id, d.reason, d.predicted_tokens))
+    tree_alone, with_events = decisions
+    assert tree_alone == ("w0", "cache_hit", 1042.0)
+    assert with_events == tree_alone
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "cost_aware"])
+def test_the_index_still_overrides_an_older_entry_it_does_not_confirm(name: str) -> None:
+    """w0 evicted most of the prefix (the index holds 512 tokens of it): its older tree
+    entry is not confirmed and w0 is credited what it holds, so the prefix goes to w1."""
+    p = policy(name, feed_holding({"w0": 512, "w1": 1042}))
+    fleet = FleetView(["w0", "w1"])
+    warm(p, fleet)
+    fleet.loads[:] = [0, 1]
+    d = p.select(request(5), fleet, 10.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w1", 1042.0)
+
+
+def test_the_index_counts_where_it_holds_more_than_the_trees_entry() -> None:
+    """The tree's entry for w0 ends where the requests diverge (1,042 tokens); the index
+    holds 71 whole blocks of the longer prompt (sent straight to w0): those count."""
+    longer = (*PREFIX, *range(5000, 5100))  # 1,142 tokens: w0 holds 71 whole blocks
+    feed = feed_holding({"w1": 0})
+    stored = BlockStored(tuple(range(1, 72)), None, longer[: 71 * BLOCK], BLOCK)
+    feed.indexes["m"].apply("w0", [stored])
+    feed.streams["w0"] = StreamState("m", 1.0, status="ok")
+    p = policy("cache_aware", feed)
+    fleet = FleetView(["w0", "w1"], loads=[0, 9])
+    assert p.select(request(1), fleet, 0.0).worker_id == "w0"  # PREFIX + a suffix, 10 s old
+    d = p.select(RouteRequest("", tokens=longer, model="m"), fleet, 10.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w0", 71.0 * BLOCK)
+
+
+def evict(feed: KvEventFeed, worker: str, at: float) -> None:
+    """`worker` reports its prefix blocks removed, read by the router at `at`."""
+    feed.indexes["m"].apply(worker, [BlockRemoved(tuple(range(1, 66)))], now=at)
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "cost_aware"])
+def test_an_eviction_reported_after_the_route_outvotes_the_in_flight_entry(name: str) -> None:
+    """w1 was routed the prefix 0.5 s ago (its tree entry is in the in-flight window) and
+    has since reported it evicted: its blocks arrived and left, so the entry is past and
+    the request goes to w0, which holds the prefix, though w0 is busier. Before the fix the
+    entry outvoted the index: w1, predicted 1,042 tokens, a full miss (the replicated
+    group of loadtests/results/kv_events.md)."""
+    feed = feed_holding({"w0": 1042, "w1": 1042})
+    p = policy(name, feed)
+    fleet = FleetView(["w0", "w1"])
+    warm(p, fleet)
+    evict(feed, "w1", at=9.8)
+    fleet.loads[:] = [3, 0]
+    d = p.select(request(5), fleet, 10.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w0", 1042.0)
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "cost_aware"])
+def test_an_eviction_before_the_route_leaves_the_entry_in_flight(name: str) -> None:
+    """w1 lost the prefix before it was routed there again (that route prefills it anew):
+    the entry is the present the index cannot show yet, and w1, idle, gets the request."""
+    feed = feed_holding({"w0": 1042, "w1": 1042})
+    p = policy(name, feed)
+    fleet = FleetView(["w0", "w1"])
+    evict(feed, "w1", at=9.2)
+    warm(p, fleet)
+    fleet.loads[:] = [3, 0]
+    d = p.select(request(5), fleet, 10.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w1", 1042.0)
+
+
+def test_the_index_remembers_the_latest_losses_only() -> None:
+    """`lost_at` answers from the last `max_lost` losses: bounded memory, the oldest go."""
+    index = BlockIndex(BLOCK, max_lost=2)
+    ids = PREFIX[: 3 * BLOCK]
+    index.apply("w0", [BlockStored((1, 2, 3), None, ids, BLOCK)], now=0.0)
+    for at, h in ((1.0, 3), (2.0, 2), (3.0, 1)):  # leaves first, as an engine evicts
+        index.apply("w0", [BlockRemoved((h,))], now=at)
+    assert index.lost_at("w0", ids, 0) == 3.0  # the first block
+    assert index.lost_at("w0", ids, BLOCK) == 2.0
+    assert index.lost_at("w0", ids, 2 * BLOCK) == float("-inf")  # forgotten (3 > 2 kept)
+    assert index.lost_at("w1", ids, 0) == float("-inf") and index.match(ids) == {}
