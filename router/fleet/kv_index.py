@@ -2,7 +2,7 @@
 
 Beside the approximate prefix tree (router/policy/tree.py: what this router *sent*), the index
 says what each worker *reports* holding (shared/kv_events.py). One index per model and
-block size. A block is keyed by its content and its parent's key (`block_keys`), never by
+block size. A block is keyed by its content and its parent's key (`block_key_list`), never by
 the engine's hash, so workers with different hash functions (vLLM's sha256, SGLang's,
 ours) that hold the same tokens hold the same block:
 
@@ -48,7 +48,6 @@ from shared.kv_events import (
     BlockStored,
     KVEvent,
     block_key_list,
-    block_keys,
 )
 
 _MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
@@ -121,7 +120,10 @@ class BlockIndex:
             parent = known
         media = _MEDIA.get(event.medium, 1)
         blocks = self._blocks
-        keys = block_keys(np.asarray(event.token_ids, dtype=np.int64), bs, parent).tolist()
+        ids = event.token_ids
+        keys = block_key_list(
+            ids.tolist() if isinstance(ids, np.ndarray) else list(ids), bs, parent
+        )
         for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)
             if holders is None:
