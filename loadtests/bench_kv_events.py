@@ -1,6 +1,6 @@
 """Tree alone vs tree + KV events, live: 4 sim workers, the real router, divergence cases.
 
-    python -m loadtests.bench_kv_events [--sessions 32] [--turns 3] [--out FILE]
+    python -m loadtests.bench_kv_events [--sessions 32] [--turns 3] [--cases host,host_routed]
 
 Each case runs the same conversations twice on the same fleet (caches flushed between),
 once with the router's `kv_events` off (the prefix tree alone) and once on (the index of
@@ -16,6 +16,14 @@ what workers report, beside the tree's in-flight entries; `tokenizer: sim`):
     restart     one worker restarts after the first turns (a new epoch: empty cache)
     capacities  workers' KV pools differ 8x (2 small, 2 large) and the working set
                 overflows the small ones
+    host        a host KV tier under small device pools (`--host-device-tokens`,
+                `--host-cache-tokens`): first turns straight to a random worker as in
+                "direct", and `--gap` s between rounds (users thinking: longer than the
+                router's `kv_events_inflight`, so its in-flight tree entries are gone)
+    host_routed the same fleet and gaps, every turn through the router
+
+The host cases run a third mode, "events GPU only": the index counts host-held blocks
+as misses (`kv_events_host_weight: 0`), as a router reading only the device's events.
 
 Prints hit rate (cached / prompt tokens, from each answer's usage) and TTFT p50/p99 (to
 the first streamed chunk) per case and mode. Sim workers pay `--prefill-us` per uncached
@@ -28,8 +36,9 @@ import argparse
 import asyncio
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import openai
 
@@ -42,6 +51,13 @@ class Result:
     prompt: int = 0
     cached: int = 0
     ttfts: list[float] | None = None
+    workers: Counter[str] = field(default_factory=Counter)  # requests per worker (router's)
+
+    @property
+    def spread(self) -> float:
+        """Max / mean requests per worker over the 4 workers (1.0: even)."""
+        counts = [self.workers.get(f"w{i}", 0) for i in range(4)]
+        return max(counts) / (sum(counts) / 4) if sum(counts) else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -66,10 +82,12 @@ async def one(client: openai.AsyncOpenAI, messages: list[dict], res: Result) -> 
     start = time.perf_counter()
     first = None
     text = ""
-    stream = await client.chat.completions.create(
+    raw = await client.chat.completions.with_raw_response.create(
         model="sim", messages=messages, max_tokens=8, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
+    res.workers[raw.headers.get("x-radix-worker", "direct")] += 1
+    stream = raw.parse()
     async for chunk in stream:
         if first is None:
             first = time.perf_counter() - start
@@ -100,7 +118,7 @@ async def run_case(
         chat = chats[s]
         chat.append({"role": "user", "content": f"Question {k} about {rng.choice(WORDS)}?"})
         async with gate:
-            if case == "direct" and k == 0:  # the second client, straight to a worker
+            if case in ("direct", "host") and k == 0:  # the second client, to a worker
                 answer = await one(rng.choice(direct), chat, side)
             else:
                 answer = await one(router, chat, res)
@@ -111,10 +129,20 @@ async def run_case(
     between()
     await asyncio.sleep(0.5)
     for k in range(1, args.turns):
+        if case in HOST_CASES:
+            await asyncio.sleep(args.gap)  # the users think
         await asyncio.gather(*(turn(s, k) for s in range(args.sessions)))
     for c in (router, *direct):
         await c.close()
     return res
+
+
+HOST_CASES = ("host", "host_routed")
+MODES = {
+    "tree": {},
+    "tree+events": {"kv_events": True, "tokenizer": "sim"},
+    "events GPU only": {"kv_events": True, "tokenizer": "sim", "kv_events_host_weight": 0.0},
+}
 
 
 def flush(fleet: BenchFleet) -> None:
@@ -139,19 +167,29 @@ def main() -> int:
     p.add_argument("--cache-tokens", type=int, default=60_000)
     p.add_argument("--cases", default="baseline,direct,flush,restart,capacities")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--host-device-tokens", type=int, default=8_000,
+                   help="host cases: each worker's device KV pool")  # fmt: skip
+    p.add_argument("--host-cache-tokens", type=int, default=60_000,
+                   help="host cases: each worker's host KV tier")  # fmt: skip
+    p.add_argument("--gap", type=float, default=3.0, help="host cases: seconds between rounds")
     args = p.parse_args()
     cases = args.cases.split(",")
     rows = []
     uniform = [args.cache_tokens] * 4
     mixed = [args.cache_tokens // 8] * 2 + [args.cache_tokens] * 2
-    for caps, names in ((uniform, [c for c in cases if c != "capacities"]),
-                        (mixed, [c for c in cases if c == "capacities"])):  # fmt: skip
+    small = [args.host_device_tokens] * 4
+    host = ("--host-cache-tokens", str(args.host_cache_tokens))
+    for caps, tier, names in (
+        (uniform, (), [c for c in cases if c != "capacities" and c not in HOST_CASES]),
+        (mixed, (), [c for c in cases if c == "capacities"]),
+        (small, host, [c for c in cases if c in HOST_CASES]),
+    ):
         if not names:
             continue
         with BenchFleet() as fleet:
             for i, cap in enumerate(caps):
                 spec = WorkerSpec(cache_tokens=cap, prefill_us=args.prefill_us, decode_ms=1.0,
-                                  max_running=8, extra=("--kv-events",))  # fmt: skip
+                                  max_running=8, extra=("--kv-events", *tier))  # fmt: skip
                 fleet.start_worker(f"w{i}", spec)
             for case in names:
                 between = {
@@ -159,28 +197,32 @@ def main() -> int:
                     "flush_half": lambda f=fleet: f.flush(only=("w0", "w1")),
                     "restart": lambda f=fleet: (f.restart_worker("w1"), wait_events(f)),
                 }.get(case, lambda: None)
-                for mode in ("tree", "tree+events"):
+                modes = list(MODES) if case in HOST_CASES else ["tree", "tree+events"]
+                for mode in modes:
                     settings: dict[str, object] = {"balance_abs_threshold": 4,
                                                    "tree_chars_per_token": 2.5, "access_log": False}  # fmt: skip
-                    if mode == "tree+events":
-                        settings |= {"kv_events": True, "tokenizer": "sim"}
+                    settings |= MODES[mode]
                     fleet.flush()
                     fleet.start_router(settings)
                     time.sleep(1.0)
                     r = asyncio.run(run_case(fleet, args, case, between))
                     rows.append((case, mode, r))
-                    print(f"{case:10s} {mode:12s} hit {r.hit_rate:6.3f}  TTFT p50 "
+                    print(f"{case:11s} {mode:15s} hit {r.hit_rate:6.3f}  TTFT p50 "
                           f"{r.pct(0.5):7.1f} ms  p99 {r.pct(0.99):7.1f} ms  "
-                          f"({len(r.ttfts or [])} requests)", flush=True)  # fmt: skip
+                          f"({len(r.ttfts or [])} requests, max/mean per worker "
+                          f"{r.spread:.2f})", flush=True)  # fmt: skip
     print()
-    print("| case | tree alone: hit / p50 / p99 | tree + events: hit / p50 / p99 | hit delta |")
-    print("|---|---|---|---|")
+    print("| case | tree alone: hit / p50 / p99 | tree + events: hit / p50 / p99 | hit delta "
+          "| events GPU only: hit / p50 / p99 |")  # fmt: skip
+    print("|---|---|---|---|---|")
     by = {(c, m): r for c, m, r in rows}
     for case in dict.fromkeys(c for c, _, _ in rows):
         a, b = by[(case, "tree")], by[(case, "tree+events")]
+        g = by.get((case, "events GPU only"))
+        gpu = f"{g.hit_rate:.3f} / {g.pct(0.5):.0f} ms / {g.pct(0.99):.0f} ms" if g else "-"
         print(f"| {case} | {a.hit_rate:.3f} / {a.pct(0.5):.0f} ms / {a.pct(0.99):.0f} ms | "
               f"{b.hit_rate:.3f} / {b.pct(0.5):.0f} ms / {b.pct(0.99):.0f} ms | "
-              f"{100 * (b.hit_rate - a.hit_rate):+.1f} pts |")  # fmt: skip
+              f"{100 * (b.hit_rate - a.hit_rate):+.1f} pts | {gpu} |")  # fmt: skip
     return 0
 
 

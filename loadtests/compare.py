@@ -4,6 +4,8 @@
     python -m loadtests compare --policies all --groups 16 --users 32 --out loadtests/out/compare
     python -m loadtests compare --workload multi_turn --host-cache-tokens 0,16384  # a host KV tier
     python -m loadtests compare --kv-events --policies cost_aware   # tree alone vs + events
+    python -m loadtests compare --workload multi_turn --host-cache-tokens 16384 \
+      --kv-events --kv-events-gpu-only      # ... and + events blind to the host tier
 
 For each policy the router restarts with it and every worker's cache is flushed, so
 each policy meets the same cold fleet and the same requests in the same order. SGLang's
@@ -77,6 +79,11 @@ DEFAULT_POLICIES = ("cache_aware (fleet)", "round_robin", "least_load")
 # keys plus the block index fed by the workers' KV events; the sim workers' tokenizer).
 EVENTS = " + events"
 EVENTS_SETTINGS = {"kv_events": "true", "tokenizer": "sim"}
+# `--kv-events-gpu-only`: a third arm, "<policy> + events (GPU only)": the index counts
+# host-held blocks as misses (kv_events_host_weight 0), as a router reading only the
+# device's events would (a demoted prefix looks gone).
+EVENTS_GPU = " + events (GPU only)"
+EVENTS_GPU_SETTINGS = {**EVENTS_SETTINGS, "kv_events_host_weight": "0"}
 EVENTS_SETTLE_S = 1.0  # the router reads the flush's "cleared" events before traffic
 # The workload defaults of `compare` (see the module docstring for why these).
 WORKLOAD_DEFAULTS = {
@@ -87,10 +94,13 @@ WORKLOAD_DEFAULTS = {
 
 def router_settings(name: str, settings: dict[str, str] | None = None) -> dict[str, str]:
     """One policy's router: every router's ``settings``, then the policy's own keys,
-    then the event index where the name ends in ``EVENTS``."""
-    base = name.removesuffix(EVENTS)
+    then the event index where the name ends in ``EVENTS`` (or ``EVENTS_GPU``)."""
+    base = name.removesuffix(EVENTS_GPU)
+    events = EVENTS_GPU_SETTINGS if base != name else {}
+    if not events:
+        base = name.removesuffix(EVENTS)
+        events = EVENTS_SETTINGS if base != name else {}
     spec = POLICIES[base]
-    events = EVENTS_SETTINGS if base != name else {}
     return {**(settings or {}), "policy": spec.policy, **spec.settings, **events,
             "log_level": "WARNING"}  # fmt: skip
 
@@ -151,7 +161,7 @@ def compare(
     ``host_tiers``: host KV tier sizes (tokens a worker); each gets a fresh fleet and
     every policy, named ``POLICY, host N`` (empty: the one fleet of ``fleet_spec``)."""
     results: dict[str, Summary] = {}
-    if any(p.endswith(EVENTS) for p in policies) and not fleet_spec.kv_events:
+    if any(EVENTS in p for p in policies) and not fleet_spec.kv_events:
         raise ValueError("a '+ events' policy needs a fleet whose workers publish (kv_events)")
     policies = list(policies) + ([SGLANG] if sglang_python else [])
     tiers = host_tiers or (fleet_spec.host_cache_tokens,)
@@ -282,6 +292,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="workers publish KV events; each policy runs twice: the tree alone and "
         "'<policy> + events' (router kv_events on)",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-events-gpu-only", action="store_true",
+        help="with --kv-events, a third run per policy: '<policy> + events (GPU only)', "
+        "its index blind to the workers' host tiers (kv_events_host_weight 0)",
+    )  # fmt: skip
     add_workload_arguments(p, defaults=WORKLOAD_DEFAULTS)
 
 
@@ -298,8 +313,11 @@ def main(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    if args.kv_events_gpu_only and not args.kv_events:
+        raise ValueError("--kv-events-gpu-only needs --kv-events")
     if args.kv_events:
-        policies = [n for p in policies for n in (p, p + EVENTS)]
+        arms = (EVENTS, EVENTS_GPU) if args.kv_events_gpu_only else (EVENTS,)
+        policies = [n for p in policies for n in (p, *(p + a for a in arms))]
     fleet = FleetSpec(
         workers=args.workers, cache_tokens=args.cache_tokens, prefill_us_per_token=args.prefill_us,
         decode_ms_per_token=args.decode_ms, max_running_requests=args.max_running,

@@ -155,9 +155,11 @@ class BenchFleet:
 
     # -- routers --------------------------------------------------------------------
     def _router(
-        self, name: str, settings: dict[str, object] | None, worker_urls: tuple[str, ...]
-    ) -> Child:
-        """Settings are RouterConfig keys, passed as RADIX_ROUTER_<KEY> like a deployment."""
+        self, name: str, settings: dict[str, object] | None, worker_urls: tuple[str, ...],
+        tree: Path | None = None,
+    ) -> Child:  # fmt: skip
+        """Settings are RouterConfig keys, passed as RADIX_ROUTER_<KEY> like a deployment;
+        `tree`: run the router's code from that checkout (a `--before-ref` side)."""
         port = free_port()
         args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port)]
         if self.redis is not None:
@@ -166,27 +168,33 @@ class BenchFleet:
             args += ["--worker-url", url]
         base = {"discovery_interval": 0.2, "retry_backoff": 0.01, **(settings or {})}
         env = {f"RADIX_ROUTER_{k.upper()}": env_value(v) for k, v in base.items()}
-        return Child(name, args, f"http://127.0.0.1:{port}", self.log_dir / f"{name}.log", env)
+        if tree is not None:
+            env["PYTHONPATH"] = str(tree)
+        log = self.log_dir / f"{name}.log"
+        return Child(name, args, f"http://127.0.0.1:{port}", log, env, cwd=tree)
 
     def start_router(
         self, settings: dict[str, object] | None = None, worker_urls: tuple[str, ...] = (),
         want_workers: int | None = None, headers: dict[str, str] | None = None,
+        tree: Path | None = None,
     ) -> Child:  # fmt: skip
         """The fleet's router (a running one is stopped first: a restart with new
         settings, e.g. another policy), ready once it routes to `want_workers` workers
-        (default: all of them)."""
+        (default: all of them); from the checkout `tree` where given."""
         if self.router is not None:
             self.router.stop(grace_s=5)
-        self.router = self._router("router", settings, worker_urls).start()
+        self.router = self._router("router", settings, worker_urls, tree).start()
         self.router_headers = headers or {}
         want = len(self.workers) if want_workers is None else want_workers
         wait_until(lambda: self.routable() >= want, START_TIMEOUT_S, self.router)
         return self.router
 
-    def add_router(self, name: str, settings: dict[str, object] | None = None) -> Child:
+    def add_router(
+        self, name: str, settings: dict[str, object] | None = None, tree: Path | None = None
+    ) -> Child:
         """Another router next to the fleet's (a replica), ready once it routes to every
-        worker; stopped with the fleet."""
-        child = self.adopt(self._router(name, settings, ()).start())
+        worker; stopped with the fleet. From the checkout `tree` where given."""
+        child = self.adopt(self._router(name, settings, (), tree).start())
         wait_until(lambda: self.routable(child) >= len(self.workers), START_TIMEOUT_S, child)
         return child
 

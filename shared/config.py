@@ -87,6 +87,11 @@ class RouterConfig(_Frozen):
     kv_events_max_blocks: int = Field(2_000_000, ge=1)
     kv_events_max_lag: float = Field(2.0, gt=0)
     kv_events_inflight: float = Field(2.0, ge=0)
+    # What a block a worker reports on its host tier (medium "CPU") is worth against one
+    # on its device, 0..1 (router/policy/kv_score.py): unset, each worker's own figures
+    # (1 - host load time / prefill time of a token, from its heartbeat; 0.5 without
+    # them); 0 counts host-held blocks as misses, 1 as device hits.
+    kv_events_host_weight: float | None = Field(None, ge=0, le=1)
     # cost_aware (router/cost_aware.py): what a prefill token and a decode step cost on a
     # worker whose heartbeat reports neither, and how many decode steps each request in a
     # worker's load delays a new one's first token.

@@ -8,7 +8,9 @@ Repeated conversation prefixes are not re-tokenized: the rendered text is cut be
 special token the template writes once per message (e.g. `<|im_start|>`), which every
 tokenizer splits off before anything else, so the ids of the whole are the ids of the
 pieces in order. Each piece's ids are remembered (a bounded dict), so a new turn costs
-one look-up per message and the encoding of its new text only.
+one look-up per message and the encoding of its new text only; and so are the pieces'
+block keys along each conversation (shared/prompt_ids.py), so the router's block index
+keys only the blocks a turn adds.
 Whether that holds for a tokenizer is checked when it is loaded (a normalizer that
 treats the first piece differently, e.g. SentencePiece's leading `▁`, fails the check);
 where it does not, the whole text is encoded each time.
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
+from shared.prompt_ids import PromptIds, Run, from_runs
 
 _CHECK = [
     {"role": "system", "content": "You are brief. Answer in one line."},
@@ -61,12 +63,25 @@ def load_tokenizer(setting: str) -> Encoder:
 
 
 class PromptTokens:
-    def __init__(self, tokenizer: Encoder, max_pieces: int = 100_000) -> None:
+    """Prompt ids as the worker computes them, pieces and conversation prefixes cached.
+
+    Two bounded caches, cleared together when either bound is reached (rare: a cheap
+    bound, refilled by the next turns): piece text -> ids, and the conversation trie of
+    `Run`s (shared/prompt_ids.py: a prefix's pieces -> its ids and block keys). Both
+    belong to this tokenizer's instance: another tokenizer never reads them."""
+
+    def __init__(
+        self, tokenizer: Encoder, max_entries: int = 100_000, max_tokens: int = 2_000_000
+    ) -> None:
         self.tokenizer = tokenizer
-        self.max_pieces = max_pieces
-        self._pieces: dict[str, np.ndarray] = {}
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens  # ids held by both caches (~40 bytes each as ints)
+        self._pieces: dict[object, tuple[int, ...]] = {}
+        self._runs: dict[tuple[Run | None, object], Run] = {}
+        self._held = 0
         self._split = _special_split(tokenizer)
-        self._lead = np.empty(0, dtype=np.int64)  # what encoding adds in front (BOS)
+        self._lead: tuple[int, ...] = ()  # what encoding adds in front (BOS)
+        self._bos = getattr(tokenizer, "bos_token_id", None)
         self.hits = self.misses = 0
         if self._split is not None and not self._pieces_agree():
             self._split = None
@@ -80,39 +95,73 @@ class PromptTokens:
     def piecewise(self) -> bool:
         return self._split is not None
 
+    @property
+    def cached(self) -> tuple[int, int, int]:
+        """(pieces, runs, tokens held): what the bounds apply to."""
+        return len(self._pieces), len(self._runs), self._held
+
     def chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> np.ndarray:
+    ) -> PromptIds:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt)
         return self.text(text)
 
-    def text(self, text: str) -> np.ndarray:
-        """int64 ids: the block index keys them with array arithmetic, no list round trip."""
+    def text(self, text: str) -> PromptIds:
+        """The ids, as a tuple that carries its block keys (shared/prompt_ids.py)."""
         if self._split is None:
-            return np.asarray(encode_prompt(self.tokenizer, text), dtype=np.int64)
-        parts = [self._lead]
-        cache, tag = self._pieces, self._split
-        first, *rest = text.split(tag)  # a literal split: C speed, no regex scan
-        # Cached by the text after each tag (the first piece, before any tag, on its own
+            return PromptIds(encode_prompt(self.tokenizer, text))
+        runs = self._runs
+        run: Run | None = None
+        first, *rest = text.split(self._split)  # a literal split: C speed, no regex scan
+        # Keyed by the text after each tag (the first piece, before any tag, on its own
         # key); the ids include the tag's.
         for i, piece in enumerate((first, *rest)):
             key = piece if i else ("", piece)
-            got = cache.get(key)  # type: ignore[call-overload]
+            got = runs.get((run, key))
             if got is None:
-                self.misses += 1
-                whole = piece if not i else tag + piece
-                got = np.asarray(self.tokenizer.encode(whole, add_special_tokens=False), np.int64)
-                if len(cache) >= self.max_pieces:
-                    cache.clear()  # rare: a cheap bound, refilled by the next turns
-                cache[key] = got  # type: ignore[index]
+                got = self._run(run, key, piece)
             else:
                 self.hits += 1
-            parts.append(got)
-        ids = np.concatenate(parts)
-        bos = getattr(self.tokenizer, "bos_token_id", None)
+            run = got
+        assert run is not None  # split() returns at least one piece
+        ids = from_runs(run)
+        bos = self._bos
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-            ids = ids[1:]
+            # Only where the first run is under two ids (it drops a doubled BOS itself).
+            return PromptIds(ids[1:])
         return ids
+
+    def _run(self, parent: Run | None, key: object, piece: str) -> Run:
+        """A new trie node: `piece`'s ids (from the piece cache) after `parent`."""
+        ids = self._pieces.get(key)
+        if ids is None:
+            self.misses += 1
+            whole = piece if parent is None else self._split + piece  # type: ignore[operator]
+            ids = tuple(self.tokenizer.encode(whole, add_special_tokens=False))
+            self._remember(self._pieces, key, ids)
+        else:
+            self.hits += 1
+        if parent is None:
+            ids = self._lead + ids
+            bos = self._bos
+            # A chat template's output already starts with BOS; encoding adds a second one.
+            if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+                ids = ids[1:]
+        run = Run(parent, ids)
+        self._remember(self._runs, (parent, key), run)
+        return run
+
+    def _remember(self, cache: dict[Any, Any], key: object, value: Any) -> None:
+        n = len(value.ids if isinstance(value, Run) else value)
+        if (
+            len(self._pieces) + len(self._runs) >= self.max_entries
+            or self._held + n > self.max_tokens
+        ):
+            self._pieces.clear()
+            self._runs.clear()
+            self._held = 0
+        cache[key] = value
+        self._held += n
 
     def _pieces_agree(self) -> bool:
         """Pieces encoded apart == the whole encoded, on a sample chat and a plain text."""
@@ -121,7 +170,7 @@ class PromptTokens:
         whole, bare = tok.encode(plain), tok.encode(plain, add_special_tokens=False)
         if whole[len(whole) - len(bare) :] != bare:
             return False  # something added at the end (EOS, SEP): not a prefix
-        self._lead = np.asarray(whole[: len(whole) - len(bare)], dtype=np.int64)
+        self._lead = tuple(whole[: len(whole) - len(bare)])
         try:
             samples = [
                 tok.apply_chat_template(_CHECK, True),
@@ -134,6 +183,8 @@ class PromptTokens:
             if self.text(sample).tolist() != encode_prompt(tok, sample):
                 return False
         self._pieces.clear()
+        self._runs.clear()
+        self._held = 0
         return True
 
 

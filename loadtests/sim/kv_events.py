@@ -142,6 +142,11 @@ class CacheReader:
     def only_model(self) -> str:
         return MODEL
 
+    def match_tiers(self, model: str, tokens: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """`match` per tier: every run counted is on the device (`cached_prefix` stops at
+        a host-only node; in-flight KV is computed there)."""
+        return {w: (n, n) for w, n in self.match(model, tokens).items()}
+
     def block_size(self, model: str) -> int:
         return 1  # exact to the token
 

@@ -270,7 +270,10 @@ class KvEventFeed:
     def _index(self, model: str, events: Sequence[KVEvent]) -> BlockIndex:
         index = self.indexes.get(model)
         if index is None:
-            size = next((e.block_size for e in events if isinstance(e, BlockStored)), None)
+            size = next(
+                (e.block_size for e in events if isinstance(e, BlockStored) and e.block_size),
+                None,
+            )
             if size is None:
                 return _EMPTY
             index = self.indexes[model] = BlockIndex(size, self.max_blocks)
@@ -302,6 +305,22 @@ class KvEventFeed:
         return {
             w: n
             for w, n in index.match(tokens).items()
+            if (s := streams.get(w)) is not None and s.status in usable
+        }
+
+    def match_tiers(
+        self, model: str, tokens: Sequence[int] | np.ndarray
+    ) -> dict[str, tuple[int, int]]:
+        """`match` per tier: (tokens of `tokens` on its device, tokens in any tier) for
+        each trusted or rebuilding worker."""
+        index = self.indexes.get(model)
+        if index is None:
+            return {}
+        usable = ("ok", "rebuilding")  # as in `match`
+        streams = self.streams
+        return {
+            w: n
+            for w, n in index.match_tiers(tokens).items()
             if (s := streams.get(w)) is not None and s.status in usable
         }
 

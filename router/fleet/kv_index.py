@@ -2,15 +2,23 @@
 
 Beside the approximate prefix tree (router/policy/tree.py: what this router *sent*), the index
 says what each worker *reports* holding (shared/kv_events.py). One index per model and
-block size. A block is keyed by its content and its parent's key (`block_keys`), never by
+block size. A block is keyed by its content and its parent's key (`block_key_list`), never by
 the engine's hash, so workers with different hash functions (vLLM's sha256, SGLang's,
 ours) that hold the same tokens hold the same block:
 
     blocks   key -> {worker: (media bits, engine hash)}   (LRU order; `max_blocks`)
     per worker: engine hash -> key               (what a BlockRemoved names)
 
+The media bits say which of a worker's tiers hold the block (GPU 1, CPU 2, STORAGE 4, as
+the events name them; no medium: GPU): a BlockStored sets its medium's bit, a
+BlockRemoved clears it, and the worker holds the block while any bit is set. So a
+demotion (stored CPU, removed GPU) keeps the block as host-held, and a host eviction
+after it drops it.
+
 A lookup (`match`) keys the request's token blocks in turn and follows the holders of
-each: a worker's score is its longest run of held blocks from the start, in tokens.
+each: a worker's score is its longest run of held blocks from the start, in tokens;
+`match_tiers` also says how much of that run its device holds (router/policy/kv_score.py
+values the rest below a device hit: it is loaded, not computed).
 
 When a worker stopped holding a block (BlockRemoved) is kept for a while (`lost_at`,
 the last `max_lost` losses; a clear is not one: our engine's periodic republish starts
@@ -39,18 +47,26 @@ from shared.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    block_keys,
+    block_key_list,
 )
 
 _MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
+DEVICE = 1  # the media bit of a device-held block
+_BITS = (1, 2, 4)
 
 
 @dataclass
 class _WorkerBlocks:
     by_hash: dict[BlockHash, int] = field(default_factory=dict)  # engine hash -> key
-    # Stores not yet removed, per engine hash: our engine can hold one block in two tree
-    # nodes (below page granularity) and then reports it stored twice, removed twice.
-    stores: dict[BlockHash, int] = field(default_factory=dict)
+    # Stores not yet removed, per engine hash and media bit: our engine can hold one
+    # block in two tree nodes (below page granularity) and then reports it stored twice,
+    # removed twice, in each tier (vLLM's offloading events say to count them too).
+    stores: dict[tuple[BlockHash, int], int] = field(default_factory=dict)
+
+    def forget(self, engine_hash: BlockHash) -> None:
+        self.by_hash.pop(engine_hash, None)
+        for bit in _BITS:
+            self.stores.pop((engine_hash, bit), None)
 
 
 class BlockIndex:
@@ -88,6 +104,9 @@ class BlockIndex:
 
     def _stored(self, worker: str, event: BlockStored) -> None:
         bs = self.block_size
+        if event.block_size == 0:
+            self._stored_again(worker, event)
+            return
         if event.block_size != bs:
             raise ValueError(f"block size {event.block_size} is not the index's {bs}")
         wb = self._workers.setdefault(worker, _WorkerBlocks())
@@ -101,7 +120,10 @@ class BlockIndex:
             parent = known
         media = _MEDIA.get(event.medium, 1)
         blocks = self._blocks
-        keys = block_keys(np.asarray(event.token_ids, dtype=np.int64), bs, parent).tolist()
+        ids = event.token_ids
+        keys = block_key_list(
+            ids.tolist() if isinstance(ids, np.ndarray) else list(ids), bs, parent
+        )
         for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)
             if holders is None:
@@ -110,35 +132,52 @@ class BlockIndex:
                 blocks.move_to_end(parent)
             held = holders.get(worker)
             if held is not None and held[1] != engine_hash:
-                wb.by_hash.pop(held[1], None)  # the same content under a new engine hash
-                wb.stores.pop(held[1], None)
+                wb.forget(held[1])  # the same content under a new engine hash
+                held = None
             holders[worker] = (media | (held[0] if held else 0), engine_hash)
             old = wb.by_hash.get(engine_hash)
             if old is not None and old != parent:
                 self._unhold(worker, old, 7)
-                wb.stores.pop(engine_hash, None)
+                wb.forget(engine_hash)
             wb.by_hash[engine_hash] = parent
-            wb.stores[engine_hash] = wb.stores.get(engine_hash, 0) + 1
+            count = (engine_hash, media)
+            wb.stores[count] = wb.stores.get(count, 0) + 1
         while len(blocks) > self.max_blocks:
             _, holders = blocks.popitem(last=False)
             self.forgotten += 1
             for w, (_, h) in holders.items():
-                self._workers[w].by_hash.pop(h, None)
-                self._workers[w].stores.pop(h, None)
+                self._workers[w].forget(h)
+
+    def _stored_again(self, worker: str, event: BlockStored) -> None:
+        """A store by engine hash only (no tokens): blocks the worker named before, now in
+        `event.medium` too; a hash it never named (or that was forgotten) is an orphan."""
+        wb = self._workers.get(worker)
+        media = _MEDIA.get(event.medium, 1)
+        for engine_hash in event.block_hashes:
+            key = None if wb is None else wb.by_hash.get(engine_hash)
+            holders = None if key is None else self._blocks.get(key)
+            held = None if holders is None else holders.get(worker)
+            if held is None:
+                self.orphans += 1
+                continue
+            holders[worker] = (held[0] | media, held[1])  # type: ignore[index]
+            count = (engine_hash, media)
+            wb.stores[count] = wb.stores.get(count, 0) + 1  # type: ignore[union-attr]
 
     def _removed(self, worker: str, hashes: Sequence[BlockHash], media: int) -> None:
         wb = self._workers.get(worker)
         if wb is None:
             return
         for engine_hash in hashes:
-            left = wb.stores.get(engine_hash, 0) - 1
-            if left > 0:  # another copy of the block is still stored
-                wb.stores[engine_hash] = left
+            count = (engine_hash, media)
+            left = wb.stores.get(count, 0) - 1
+            if left > 0:  # another copy of the block is still stored in that tier
+                wb.stores[count] = left
                 continue
-            wb.stores.pop(engine_hash, None)
+            wb.stores.pop(count, None)
             key = wb.by_hash.get(engine_hash)
             if key is not None and not self._unhold(worker, key, media):
-                del wb.by_hash[engine_hash]
+                wb.forget(engine_hash)  # held in no tier any more
                 self._note_lost(worker, key)
 
     def _note_lost(self, worker: str, key: int) -> None:
@@ -173,12 +212,19 @@ class BlockIndex:
 
     # ---- lookups ----------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
-        """The chain of block keys of `tokens` (whole blocks only); the last request's
-        are kept (by identity: callers do not mutate a request's ids), as scoring asks
-        `match` and then `lost_at` about the same request."""
+        """The chain of block keys of `tokens` (whole blocks only). A chat's ids from the
+        router's tokenizer carry them, keyed once per conversation prefix
+        (shared/prompt_ids.py): a new turn keys only the blocks it adds. The last
+        request's are kept (by identity: callers do not mutate a request's ids), as
+        scoring asks `match` and then `lost_at` about the same request."""
         last, keys = self._last
         if last is not tokens:
-            keys = block_keys(np.asarray(tokens, dtype=np.int64), self.block_size).tolist()
+            carried = getattr(tokens, "block_keys", None)
+            if carried is not None:
+                keys = carried(self.block_size)
+            else:
+                ids = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
+                keys = block_key_list(ids, self.block_size)
             self._last = (tokens, keys)
         return keys
 
@@ -213,6 +259,42 @@ class BlockIndex:
                     hi = mid - 1
             out[w] = lo * self.block_size
         return out
+
+    def match_tiers(self, tokens: Sequence[int] | np.ndarray) -> dict[str, tuple[int, int]]:
+        """Per worker: (leading tokens of `tokens` its device holds, leading tokens it
+        holds in any tier), whole blocks, the second > 0.
+
+        Both runs by bisection, as in `match`: the device run is a prefix of the whole
+        one (an engine's device residency is closed upwards: ours keeps a node on the
+        device only under a device parent, vLLM offloads and evicts leaves first)."""
+        keys = self.keys(tokens)
+        blocks = self._blocks
+        first = blocks.get(keys[0]) if keys else None
+        if not first:
+            return {}
+        out: dict[str, tuple[int, int]] = {}
+        for w in first:
+            lo, hi = 1, len(keys)  # w holds keys[:lo] in some tier; the run ends by hi
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if w in blocks.get(keys[mid - 1], ()):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            dev, top = 0, lo  # w holds keys[:dev] on its device; that run ends by top
+            while dev < top:
+                mid = (dev + top + 1) >> 1
+                if self.media_of(w, keys[mid - 1]) & DEVICE:
+                    dev = mid
+                else:
+                    top = mid - 1
+            out[w] = (dev * self.block_size, lo * self.block_size)
+        return out
+
+    def media_of(self, worker: str, key: int) -> int:
+        """The media bits of `worker` on block `key` (0: not held)."""
+        held = self._blocks.get(key, {}).get(worker)
+        return 0 if held is None else held[0]
 
     def blocks_of(self, worker: str) -> int:
         wb = self._workers.get(worker)

@@ -47,7 +47,7 @@ from router.http.state import (
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
-from router.policy.kv_score import KvScorer
+from router.policy.kv_score import KvScorer, host_hit_weight
 from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
@@ -253,7 +253,9 @@ def create_app(
             max_lag=config.kv_events_max_lag,  # type: ignore[arg-type]
         )
         if hasattr(policy, "kv"):  # cache_aware and cost_aware: the index beside the tree
-            policy.kv = KvScorer(feed, config.kv_events_inflight)  # type: ignore[attr-defined]
+            policy.kv = KvScorer(  # type: ignore[attr-defined]
+                feed, config.kv_events_inflight, _host_weight(config, fleet)
+            )
         metrics.watch_kv_feed(feed)
     app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend(
@@ -261,6 +263,21 @@ def create_app(
     )
     app.router.add_routes(routes())
     return app
+
+
+def _host_weight(config: RouterConfig, fleet: Fleet) -> Callable[[str], float]:
+    """A host-held token's worth per worker (kv_score.py): the configured one, or each
+    worker's own from its latest heartbeat."""
+    fixed = config.kv_events_host_weight
+    if fixed is not None:
+        return lambda _wid: fixed
+    default_us, workers = config.cost_prefill_us_per_token, fleet.workers
+
+    def of(wid: str) -> float:
+        worker = workers.get(wid)
+        return host_hit_weight(worker.report if worker is not None else None, default_us)
+
+    return of
 
 
 async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None) -> None:

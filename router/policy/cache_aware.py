@@ -101,8 +101,14 @@ class CacheAware(Policy):
         ids = request.tokens
         if self._on_tokens and ids is not None:
             if type(ids) is not tuple:
-                # Plain ints (an int64 array's items would compare one by one in Python).
-                ids = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)
+                # A plain tuple of ints (an int64 array's items would compare one by one
+                # in Python). The tokenizer's PromptIds is a tuple already: sliced whole
+                # (a copy of pointers), so the tree never keeps its block-key chain.
+                ids = (
+                    ids[:]
+                    if isinstance(ids, tuple)
+                    else tuple(ids.tolist() if hasattr(ids, "tolist") else ids)
+                )
             return ids, len(ids)
         return request.text, len(request.text)
 

@@ -40,6 +40,20 @@ instant before, while the same burst's other prefills evicted them: in the live
 capacities case 7 follow-up turns went to a 7,500-token worker within 0.1 s, 3 of them
 as index hits, and all 7 missed (loadtests/results/kv_events.md, "Why capacities lost").
 
+Tiers: the index says which of a worker's held blocks sit on its device and which only
+on its host tier (KV events' medium "CPU"). A host-held token is loaded, not computed:
+cheaper than a miss, dearer than a device hit. It counts as `host_weight(w)` of a token
+(0..1): the share of its prefill the worker saves by loading it,
+
+    1 - (kv_bytes_per_token / host_load_bytes_per_s) / prefill_us_per_token
+
+from the worker's heartbeat (the sim's defaults: 128 KiB over 25 GB/s = 5.2 µs against
+100 µs of prefill: 0.95), `HOST_HIT_WEIGHT` where it reports no load figures, or the
+`kv_events_host_weight` key for every worker. The held run becomes
+device tokens + host_weight × host tokens, so `cache_aware` and `cost_aware` both see a
+host-held prefix as a shorter match than the same prefix on a device. Whether an entry
+is confirmed or lost is judged on blocks held in any tier (a demoted block is held).
+
 `correct` returns the tree's match path in the same shape (holders, end in chars, root
 side first) so the policies' rules run unchanged; index tokens become chars at the
 request's own chars-per-token.
@@ -52,8 +66,37 @@ from typing import Protocol
 
 from shared.prompt_tokens import PromptTokens
 from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
+from shared.registry import WorkerRecord
 
 Path = list[tuple[Mapping[object, float], int]]
+
+# A host-held token's worth against a device-held one when the worker reports no host
+# load figures: between a miss (0) and a hit (1); the measured CPU engine loads ~100x
+# faster than it prefills, a GPU worker ~6-20x (loadtests/results/host_tier.md), so any
+# real figure is above this; unknown, the router only prefers a device copy.
+HOST_HIT_WEIGHT = 0.5
+_MAX_US = 1e6  # a figure above 1 s a token is garbage: heartbeats are untrusted
+
+
+def host_hit_weight(report: WorkerRecord | None, prefill_us_default: float) -> float:
+    """The share of a token's prefill that loading it from `report`'s host tier saves."""
+    if report is None:
+        return HOST_HIT_WEIGHT
+    rate, size = report.host_load_bytes_per_s, report.kv_bytes_per_token
+    prefill = report.prefill_us_per_token
+    if not _number(prefill, _MAX_US) or prefill <= 0:
+        prefill = prefill_us_default
+    if not (_number(rate, 1e15) and rate > 0 and _number(size, 1e9) and size > 0):
+        return HOST_HIT_WEIGHT
+    return max(0.0, 1.0 - size / rate * 1e6 / prefill)
+
+
+def _number(value: object, high: float) -> bool:
+    return isinstance(value, int | float) and 0 <= value <= high  # NaN fails both
+
+
+def _any_weight(_wid: str) -> float:
+    return HOST_HIT_WEIGHT
 
 
 class BlockHolders(Protocol):
@@ -65,13 +108,19 @@ class BlockHolders(Protocol):
     def only_model(self) -> str: ...
     def lost_at(self, model: str, tokens: Sequence[int], wid: str, held: int) -> float: ...
     def block_size(self, model: str) -> int: ...
-    def match(self, model: str, tokens: Sequence[int]) -> dict[str, int]: ...
+    def match_tiers(self, model: str, tokens: Sequence[int]) -> dict[str, tuple[int, int]]: ...
 
 
 class KvScorer:
-    def __init__(self, feed: BlockHolders, inflight: float) -> None:
+    def __init__(
+        self,
+        feed: BlockHolders,
+        inflight: float,
+        host_weight: Callable[[str], float] = _any_weight,
+    ) -> None:
         self.feed = feed
         self.inflight = inflight
+        self.host_weight = host_weight  # worker id -> a host-held token's worth (0..1)
         self.corrected = 0  # requests where the index changed the prediction
 
     def correct(
@@ -87,7 +136,8 @@ class KvScorer:
         if not feed.streams or not len(tokens):
             return path
         model = model or feed.only_model()
-        held = feed.match(model, tokens)
+        tiers = feed.match_tiers(model, tokens)  # (on the device, in any tier)
+        held = {w: n for w, (_, n) in tiers.items()}
         trusted = feed.trusted
         cutoff = now - self.inflight
         best: dict[object, float] = {}
@@ -119,12 +169,18 @@ class KvScorer:
             routed = next(h[w] for h, e in path if e > at and w in h)
             if feed.lost_at(model, tokens, w, n) > routed:  # type: ignore[arg-type]
                 del best[w]  # arrived and evicted since: the index says what is left
+        weight = self.host_weight
         for w, n in held.items():
-            chars = min(text_len, round(n * scale))
+            device = tiers[w][0]
+            # A host-held tail is loaded, worth less than a device hit: its chars from
+            # `device` on count at the worker's host weight.
+            on_host = 1.0 if n == device else weight(w)  # type: ignore[arg-type]
+            chars = min(text_len, round((device + on_host * (n - device)) * scale))
             end = past.get(w, 0)
             whole = int(end / scale) // block * block if block else 0  # its whole blocks
             if whole and n >= whole:  # the index confirms the older entry: its exact end
-                chars = max(chars, end)
+                start = min(end, device * scale)
+                chars = max(chars, round(start + on_host * (end - start)))
             if overflowed_at is not None and trusted(w) and overflowed_at(w) >= cutoff:  # type: ignore[arg-type]
                 chars = min(chars, max(end, fresh.get(w, 0)))  # evicting: the tree's LRU
             if chars > best.get(w, 0):

@@ -26,6 +26,7 @@ from shared.config import RouterConfig
 from shared.kv_events import (
     MAX_BATCH_BYTES,
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     encode_batch,
     entry_fields,
@@ -228,6 +229,8 @@ async def test_kv_event_entries_malformed_oversized_foreign_or_out_of_order_are_
     """A worker's KV-event stream holds whatever was written to it: only well-formed
     entries of that worker, in sequence, of its epoch, reach the index."""
     good = encode_batch([AllBlocksCleared(), BlockStored((1,), None, (5, 6), 2)])
+    # the good block moves to the host tier: stored there, removed from the device
+    demoted = encode_batch([BlockStored((1,), None, (5, 6), 2, "CPU"), BlockRemoved((1,), "GPU")])
     key = f"{PREFIX}kvevents:w1"
     for fields in [
         entry_fields("w1", 1.0, 0, good),  # the good one: applied
@@ -241,16 +244,21 @@ async def test_kv_event_entries_malformed_oversized_foreign_or_out_of_order_are_
         entry_fields("w1", 1.0, 0, encode_batch([BlockStored((4,), None, (7, 8), 2)])),  # replay
         entry_fields("w1", 0.5, 1, encode_batch([BlockStored((5,), None, (7, 8), 2)])),  # old
         {**entry_fields("w1", 1.0, 1, good), "epoch": "nan"},
+        # a medium no engine names, in vLLM's map form and SGLang's array form
+        entry_fields("w1", 1.0, 1, encode_batch([BlockStored((6,), None, (7, 8), 2, "TAPE")])),
+        entry_fields("w1", 1.0, 1, msgpack.packb([1.0, [["BlockRemoved", [1], "disk"]]])),
+        entry_fields("w1", 1.0, 1, demoted),  # the last, good
     ]:
         await redis.xadd(key, fields)  # type: ignore[arg-type]
     feed = KvEventFeed(Registry(redis))
     feed.follow([FeedMember("w1", "sim", 1.0)])
     while await feed.poll():
         pass
-    assert feed.match("sim", [5, 6]) == {"w1": 2}  # the good entry, still trusted
+    assert feed.match("sim", [5, 6]) == {"w1": 2}  # the good entries, still trusted
+    assert feed.match_tiers("sim", [5, 6]) == {"w1": (0, 2)}  # on its host tier only
     assert feed.match("sim", [7, 8]) == {} and feed.match("sim", [9, 9]) == {}
     assert feed.dropped == {
-        "malformed": 6, "oversized": 1, "other_worker": 1, "out_of_sequence": 1,
+        "malformed": 8, "oversized": 1, "other_worker": 1, "out_of_sequence": 1,
         "stale_epoch": 1,
     }  # fmt: skip
     assert feed.trusted("w1")

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.compare import EVENTS, _setting, compare, router_settings, table
+from loadtests.compare import EVENTS, EVENTS_GPU, _setting, compare, router_settings, table
 from loadtests.fleet import FleetSpec
 from loadtests.options import WorkloadOptions
 from loadtests.runner import RunSpec
+from shared.config import RouterConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -50,6 +51,16 @@ def test_router_setting_parsing() -> None:
     assert _setting(" balance_abs_threshold = 8 ") == ("balance_abs_threshold", "8")
     with pytest.raises(ValueError, match="KEY=VALUE"):
         _setting("balance_abs_threshold")
+
+
+def test_the_gpu_only_arm_is_the_events_arm_blind_to_host_tiers() -> None:
+    events, gpu = (
+        router_settings("cache_aware (fleet)" + EVENTS),
+        router_settings("cache_aware (fleet)" + EVENTS_GPU),
+    )
+    assert gpu == {**events, "kv_events_host_weight": "0"}
+    assert "kv_events_host_weight" not in events and gpu["balance_mode"] == "fleet"
+    RouterConfig.model_validate({**gpu, "redis_url": "redis://127.0.0.1:1"})  # router keys
 
 
 def test_events_arm_routes_on_the_workers_events() -> None:

@@ -9,10 +9,24 @@ while the tree holds its last token, so each block belongs to the node holding i
     blocks  A: end 16         B: ends 32        C: end 48
             (block 16..32 starts in A but ends in B: evicting leaf B removes it)
 
-So the tree's three changes map to events one to one:
-- a new leaf (insert) stores the blocks that end in it (`stored`);
-- evicting a leaf removes the blocks that end in it (`removed`);
-- a split moves each block to whichever half holds its end (`split`; no event).
+So the tree's changes map to events one to one:
+- a new leaf (insert) stores the blocks that end in it on the device (`stored`);
+- a node entering or leaving a tier stores or removes its blocks there (`retiered`, with
+  that tier's medium: `medium` for the device pool, "GPU" as vLLM names it, and
+  `host_medium`, "CPU" as vLLM's CPU offloading names its host tier);
+- a split moves each block to whichever half holds its end (`split`; no event: both
+  halves keep the node's tiers).
+
+A block is held in a tier when the node holding its end is (device residency is closed
+upwards, so a block on the device has all its tokens there; a block whose end node is
+host-resident has its tokens on the host or the device, and a match loads it). With the
+host tier (radix_cache.py) the moves are:
+
+    demotion (device LRU evicts a leaf)   BlockStored CPU (the write-back), BlockRemoved GPU
+    load back (a match reaches it)        BlockStored GPU; the host copy stays (CPU held)
+    host LRU drops a copy                 BlockRemoved CPU (and the node, if host-only)
+    flush (reset)                         BlockRemoved in each tier, for every block
+    a node leaves the tree                BlockRemoved in each tier it was in
 
 Each node records the hashes of the blocks ending in it (`blocks`) and where in the node
 the first block boundary falls (`bend`, 1..block_size), which is all a split needs.
@@ -30,6 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from shared.kv_events import (
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -47,6 +62,7 @@ class TreeNode(Protocol):
     children: dict[bytes, TreeNode]
     kb: bytes
     value: np.ndarray | None  # None: host-resident only (its tokens: len(kb) // 8)
+    host_value: np.ndarray | None  # None: no host copy
     blocks: tuple[int, ...]
     bend: int
 
@@ -58,11 +74,18 @@ MAX_EVENT_BLOCKS = 1024  # blocks per BlockStored (shared/kv_events.MAX_BLOCKS b
 class BlockEvents:
     """The radix cache's hook: node changes in, KV events out."""
 
-    def __init__(self, block_size: int, medium: str = MEDIUM_GPU, max_pending: int = 200_000):
+    def __init__(
+        self,
+        block_size: int,
+        medium: str = MEDIUM_GPU,
+        max_pending: int = 200_000,
+        host_medium: str | None = MEDIUM_CPU,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.medium = medium
+        self.medium = medium  # the device pool's
+        self.host_medium = host_medium  # the host tier's (None: its moves are not published)
         self.max_pending = max_pending
         self.pending: deque[KVEvent] = deque([AllBlocksCleared()])  # a new epoch: empty
         self.dropped = 0  # events lost to a full backlog (then the tree is republished)
@@ -122,9 +145,44 @@ class BlockEvents:
             self._emit(BlockStored(chunk, parent, ids, bs, self.medium))
             parent = chunk[-1]
 
-    def removed(self, node: TreeNode) -> None:
-        if node.blocks:
-            self._emit(BlockRemoved(node.blocks, self.medium))
+    def retiered(self, node: TreeNode, device: bool | None, host: bool | None) -> None:
+        """`node` (its tiers already updated) entered (True) or left (False) the device
+        pool and/or the host tier (None: unchanged there)."""
+        if not node.blocks:
+            return
+        if self._lost or self._due:
+            self._republish()  # the tree as it is now, this change included
+            return
+        for medium, held in ((self.medium, device), (self.host_medium, host)):
+            if held is not None and medium is not None:
+                self._tier(node, medium, held)
+
+    def _tier(self, node: TreeNode, medium: str, held: bool) -> None:
+        if not held:
+            self._emit(BlockRemoved(node.blocks, medium))
+            return
+        parent = _last_block(node.parent)
+        tokens = self._tokens_of(node)
+        bs = self.block_size
+        for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
+            chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
+            self._emit(
+                BlockStored(chunk, parent, tokens[i * bs : (i + len(chunk)) * bs], bs, medium)
+            )
+            parent = chunk[-1]
+
+    def _tokens_of(self, node: TreeNode) -> np.ndarray:
+        """The token ids of the blocks ending in `node`: the first one starts up to
+        block_size - 1 tokens above it (in its parent, or further up past short nodes)."""
+        bs = self.block_size
+        end = node.bend + (len(node.blocks) - 1) * bs  # where the last block ends in it
+        need = (bs - node.bend) * _TB  # bytes of the first block above the node
+        above, p = b"", node.parent
+        while len(above) < need and p is not None:
+            above = p.kb + above
+            p = p.parent
+        raw = (above[len(above) - need :] if need else b"") + node.kb[: end * _TB]
+        return np.frombuffer(raw, dtype=np.int64).copy()
 
     def split(self, upper: TreeNode, lower: TreeNode, m: int) -> None:
         """`lower` (the old node) lost its first m tokens to the new `upper`."""
@@ -136,7 +194,8 @@ class BlockEvents:
 
     # ---- republish after a lost backlog -------------------------------------------
     def _republish(self) -> None:
-        """AllBlocksCleared, then every block the tree holds (parents before children)."""
+        """AllBlocksCleared, then every block the tree holds, in each tier holding it
+        (parents before children)."""
         self._lost = self._due = False
         self.pending.append(AllBlocksCleared())
         if self.root is None:
@@ -153,11 +212,16 @@ class BlockEvents:
                 first = (depth - len(node.kb) // _TB + node.bend) // bs - 1
                 raw = path[first * bs * _TB : (first + len(node.blocks)) * bs * _TB]
                 tokens = np.frombuffer(raw, dtype=np.int64)
-                for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
-                    chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
-                    ids = tokens[i * bs : (i + len(chunk)) * bs].copy()
-                    self.pending.append(BlockStored(chunk, parent, ids, bs, self.medium))
-                    parent = chunk[-1]
+                media = [m for m, held in ((self.medium, node.value is not None),
+                         (self.host_medium, node.host_value is not None)) if held and m]  # fmt: skip
+                for medium in media:  # each tier holding the node: one chain of stores
+                    up = parent
+                    for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
+                        chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
+                        ids = tokens[i * bs : (i + len(chunk)) * bs].copy()
+                        self.pending.append(BlockStored(chunk, up, ids, bs, medium))
+                        up = chunk[-1]
+                parent = node.blocks[-1]
             stack.extend((c, path, parent) for c in node.children.values())
         self._snapshot = len(self.pending)  # a republish never overflows the backlog itself
 

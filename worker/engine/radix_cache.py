@@ -27,8 +27,8 @@ host slots first unless it has a copy there (write-through makes one at insert).
 match may run on into host-only nodes (`MatchResult.host_len`); `load` gives them
 device slots and plans the copies. The host pool has its own lazy LRU heap (the same
 scheme), which drops host copies, and host-only leaves with them, when it needs room.
-Every change of a node's residency goes through `_retier` (the place for a KV event
-hook: stored / removed, with its tier).
+Every change of a node's residency goes through `_retier`, which reports it to the KV
+event hook (kv_blocks.py: stored / removed, with its tier's medium).
 """
 
 from __future__ import annotations
@@ -182,9 +182,9 @@ class RadixCache:
     def publish_events(self, events: BlockEvents) -> None:
         """Report every block stored and removed from now on (call on an empty tree).
 
-        A block is reported stored while the tree holds it in either tier (a host hit is
-        a hit, loaded not computed) and removed when its node leaves the tree; a move
-        between tiers (`_retier`) sends nothing yet (the events' medium stays GPU)."""
+        Each tier's blocks are reported with that tier's medium (`_retier`): a demotion
+        is stored on the host then removed from the device, a load back stored on the
+        device (the host copy stays), a dropped host copy removed from the host."""
         if self.root.children:
             raise RuntimeError("KV events must be on from the start (the tree is not empty)")
         events.root = self.root
@@ -444,6 +444,7 @@ class RadixCache:
         hand over the slots; a node with neither tier left is detached (`_remove`)."""
         parent = node.parent
         assert parent is not None
+        was_device, was_host = node.value is not None, node.host_value is not None
         if device is not _KEEP and (device is None) != (node.value is None):
             n = len(node)
             if device is None:  # off the device
@@ -483,14 +484,21 @@ class RadixCache:
             else:
                 self._host_nodes.add(node)
                 self._push_host(node)
+        if self.kv_events is not None:  # after both tiers are set: a republish sees them
+            moved_device = device is not _KEEP and (device is None) == was_device
+            moved_host = host is not _KEEP and (host is None) == was_host
+            if moved_device or moved_host:
+                self.kv_events.retiered(
+                    node,
+                    (device is not None) if moved_device else None,
+                    (host is not None) if moved_host else None,
+                )
 
     def _remove(self, node: TreeNode) -> None:
         """Detach a node held in no tier any more (slots already freed by the caller)."""
         parent = node.parent
         assert parent is not None and not node.children
-        if self.kv_events is not None:
-            self.kv_events.removed(node)
-        self._retier(node, device=None, host=None)
+        self._retier(node, device=None, host=None)  # reports its blocks removed per tier
         del parent.children[node.kb[: self._kbytes]]
         node.parent = None
         if parent.parent is not None and parent.value is None and not parent.children:

@@ -278,12 +278,16 @@ def test_cache_units_split_lock_and_host_only_nodes() -> None:
     c.check_integrity()
 
 
-def test_kv_events_keep_a_block_stored_while_either_tier_holds_it() -> None:
-    """Device -> host sends nothing (the block is still cached: a hit, loaded); leaving
-    the tree (the host LRU drops it) sends BlockRemoved; a republish walks host-only
-    nodes too."""
+def test_kv_events_follow_each_tier_with_its_medium() -> None:
+    """A demotion stores the blocks on the host ("CPU") and then removes them from the
+    device ("GPU"); a load back stores them on the device and the host copy stays; the
+    host LRU dropping a host-only node removes it from the host; a republish walks
+    both tiers."""
     from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from worker.engine.kv_blocks import BlockEvents
+
+    def moves(events: BlockEvents) -> list[tuple[str, str | None]]:
+        return [(type(e).__name__, getattr(e, "medium", None)) for e in events.drain(100)]
 
     a = SlotAllocator(16)
     c = RadixCache(a, host=HostTier(8))
@@ -291,15 +295,25 @@ def test_kv_events_keep_a_block_stored_while_either_tier_holds_it() -> None:
     c.publish_events(events)
     events.drain(100)  # the epoch's AllBlocksCleared
     c.insert(list(range(1, 9)), a.alloc(8))
-    assert [type(e) for e in events.drain(100)] == [BlockStored]
+    assert moves(events) == [("BlockStored", "GPU")]
     assert c.evict(8) == 8 and c.take_copies() is not None  # written back, still cached
-    assert events.drain(100) == []
+    assert moves(events) == [("BlockStored", "CPU"), ("BlockRemoved", "GPU")]
+    m = c.match_prefix(list(range(1, 9)), record=False)
+    c.lock(m.last_node)
+    assert len(c.load(m.last_node)) == 8 and c.take_copies() is not None
+    c.unlock(m.last_node)
+    stored = events.drain(100)
+    assert [(type(e), e.medium) for e in stored] == [(BlockStored, "GPU")]  # the copy stays
+    assert stored[0].token_ids.tolist() == list(range(1, 9)) and stored[0].parent_block_hash is None
+    assert c.evict(8) == 8  # has its host copy already: nothing written, only the move
+    assert moves(events) == [("BlockRemoved", "GPU")]
     events.request_republish()
     c.insert(list(range(20, 24)), a.alloc(4))  # the republish walks the host-only node
-    kinds = [type(e) for e in events.drain(100)]
-    assert kinds[0] is AllBlocksCleared and kinds.count(BlockStored) == 2
+    kinds = [(type(e), getattr(e, "medium", None)) for e in events.drain(100)]
+    assert kinds[0][0] is AllBlocksCleared
+    assert sorted(kinds[1:]) == sorted([(BlockStored, "CPU"), (BlockStored, "GPU")])
     c.insert(list(range(30, 38)), a.alloc(8))
     assert c.evict(16) >= 8  # the host tier (8 slots) must drop the first prompt for room
-    removed = [e for e in events.drain(100) if isinstance(e, BlockRemoved)]
+    removed = [e for e in events.drain(100) if isinstance(e, BlockRemoved) and e.medium == "CPU"]
     assert removed and c.match_prefix(list(range(1, 9)), record=False).host_len == 0
     c.check_integrity()
