@@ -248,17 +248,8 @@ class BlockIndex:
         first = blocks.get(keys[0]) if keys else None
         if not first:
             return {}
-        out: dict[str, int] = {}
-        for w in first:
-            lo, hi = 1, len(keys)  # w holds keys[:lo]; the run ends at or before hi
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if w in blocks.get(keys[mid - 1], ()):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[w] = lo * self.block_size
-        return out
+        bs = self.block_size
+        return {w: self._run(w, keys, 1, len(keys)) * bs for w in first}
 
     def match_tiers(self, tokens: Sequence[int] | np.ndarray) -> dict[str, tuple[int, int]]:
         """Per worker: (leading tokens of `tokens` its device holds, leading tokens it
@@ -273,23 +264,25 @@ class BlockIndex:
         if not first:
             return {}
         out: dict[str, tuple[int, int]] = {}
+        bs = self.block_size
         for w in first:
-            lo, hi = 1, len(keys)  # w holds keys[:lo] in some tier; the run ends by hi
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if w in blocks.get(keys[mid - 1], ()):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            dev, top = 0, lo  # w holds keys[:dev] on its device; that run ends by top
-            while dev < top:
-                mid = (dev + top + 1) >> 1
-                if self.media_of(w, keys[mid - 1]) & DEVICE:
-                    dev = mid
-                else:
-                    top = mid - 1
-            out[w] = (dev * self.block_size, lo * self.block_size)
+            held = self._run(w, keys, 1, len(keys))
+            on_device = self._run(w, keys, 0, held, DEVICE)
+            out[w] = (on_device * bs, held * bs)
         return out
+
+    def _run(self, worker: str, keys: list[int], lo: int, hi: int, media: int = 7) -> int:
+        """How many of `keys` from the first `worker` holds (in a tier of `media`), known
+        to be in [lo, hi]: a bisection, since what a worker holds of a chain is a prefix."""
+        blocks = self._blocks
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            held = blocks.get(keys[mid - 1], {}).get(worker)
+            if held is not None and held[0] & media:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def media_of(self, worker: str, key: int) -> int:
         """The media bits of `worker` on block `key` (0: not held)."""

@@ -7,6 +7,8 @@ with `kv_events` and the sim tokenizer; the official openai client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
@@ -33,28 +35,47 @@ def chat(i: int, question: str) -> list[dict[str, str]]:
             {"role": "user", "content": question}]  # fmt: skip
 
 
+@contextlib.asynccontextmanager
+async def kv_fleet(
+    redis_url: str, policy: str, **worker_kw: object
+) -> AsyncIterator[tuple[TestServer, list[openai.AsyncOpenAI], openai.AsyncOpenAI]]:
+    """Two sim workers publishing KV events and the router reading them: the router,
+    a client straight to each worker, and one through the router."""
+    workers: list[TestServer] = []
+    router = None
+    try:
+        for i in range(2):
+            port = free_port()
+            app = create_worker(worker_config(
+                redis_url=redis_url, worker_id=f"w{i}", kv_events=True, kv_events_interval=0.02,
+                heartbeat_interval=0.3, port=port, advertise_url=f"http://127.0.0.1:{port}",
+                **worker_kw,
+            ))  # fmt: skip
+            server = TestServer(app, host="127.0.0.1", port=port)
+            await server.start_server()
+            workers.append(server)
+        router = await start_router(RouterConfig(
+            host="127.0.0.1", redis_url=redis_url, discovery_interval=0.1, policy=policy,
+            kv_events=True, tokenizer="sim", access_log=False,
+        ))  # fmt: skip
+        direct = [
+            openai.AsyncOpenAI(base_url=str(w.make_url("/v1")), api_key="x", max_retries=0)
+            for w in workers
+        ]
+        url = str(router.make_url("/v1"))
+        yield router, direct, openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+    finally:
+        if router is not None:
+            await router.close()
+        for w in workers:
+            await w.close()
+
+
 @pytest.mark.parametrize("policy", ["cache_aware", "cost_aware"])
 async def test_a_prompt_warmed_on_a_worker_routes_there(
     redis_server: RedisServer, policy: str
 ) -> None:
-    workers = []
-    for i in range(2):
-        port = free_port()
-        app = create_worker(worker_config(
-            redis_url=redis_server.url, worker_id=f"w{i}", kv_events=True, kv_events_interval=0.02,
-            heartbeat_interval=0.3, port=port, advertise_url=f"http://127.0.0.1:{port}",
-        ))  # fmt: skip
-        server = TestServer(app, host="127.0.0.1", port=port)
-        await server.start_server()
-        workers.append(server)
-    router = await start_router(RouterConfig(
-        host="127.0.0.1", redis_url=redis_server.url, discovery_interval=0.1, policy=policy,
-        kv_events=True, tokenizer="sim", access_log=False,
-    ))  # fmt: skip
-    urls = [str(w.make_url("/v1")) for w in workers]
-    direct = [openai.AsyncOpenAI(base_url=u, api_key="x", max_retries=0) for u in urls]
-    client = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key="x", max_retries=0)
-    try:
+    async with kv_fleet(redis_server.url, policy) as (router, direct, client):
         for _ in range(100):
             models = await client.models.list()
             if models.data and len(router.app[FLEET].workers) == 2:
@@ -92,10 +113,6 @@ async def test_a_prompt_warmed_on_a_worker_routes_there(
                 metrics = await r.text()
         assert listed == {"w0": "ok", "w1": "ok"}
         assert 'radix_router_kv_events_status{status="ok",worker="w0"} 1.0' in metrics
-    finally:
-        await router.close()
-        for w in workers:
-            await w.close()
 
 
 async def _wait(check, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -115,25 +132,10 @@ async def test_a_prefix_demoted_to_the_host_tier_still_routes_to_its_holder(
     to its host tier (KV events: stored CPU, removed GPU). Through the router, A goes to
     w0 (its only holder, loading it back: a host hit, not a prefill) and B to w1 (a device
     copy beats a host copy)."""
-    workers = []
-    for i in range(2):
-        port = free_port()
-        app = create_worker(worker_config(
-            redis_url=redis_server.url, worker_id=f"w{i}", kv_events=True, kv_events_interval=0.02,
-            heartbeat_interval=0.3, port=port, advertise_url=f"http://127.0.0.1:{port}",
-            cache_tokens=1200, host_cache_tokens=20_000, max_model_len=1200,
-        ))  # fmt: skip
-        server = TestServer(app, host="127.0.0.1", port=port)
-        await server.start_server()
-        workers.append(server)
-    router = await start_router(RouterConfig(
-        host="127.0.0.1", redis_url=redis_server.url, discovery_interval=0.1, policy=policy,
-        kv_events=True, tokenizer="sim", access_log=False,
-    ))  # fmt: skip
-    urls = [str(w.make_url("/v1")) for w in workers]
-    direct = [openai.AsyncOpenAI(base_url=u, api_key="x", max_retries=0) for u in urls]
-    client = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key="x", max_retries=0)
-    try:
+    async with kv_fleet(
+        redis_server.url, policy,
+        cache_tokens=1200, host_cache_tokens=20_000, max_model_len=1200,
+    ) as (router, direct, client):  # fmt: skip
         await _wait(lambda: len(router.app[FLEET].workers) == 2, "the fleet")
         feed, tokens = router.app[KV_FEED], router.app[TOKENS]
 
@@ -167,7 +169,3 @@ async def test_a_prefix_demoted_to_the_host_tier_still_routes_to_its_holder(
             assert raw.headers["x-radix-worker"] == holder, (i, raw.headers)
             usage = raw.parse().usage
             assert usage.prompt_tokens_details.cached_tokens > 0.8 * usage.prompt_tokens
-    finally:
-        await router.close()
-        for w in workers:
-            await w.close()
