@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "host-reload": ("loadtests.bench_host_reload", "engine (CPU): reload N host tokens vs prefill"),
     "host-tier": ("loadtests.bench_host_tier", "simulator: host KV tier 0 / 4x / 10x vs unbounded"),
     "simulate": ("loadtests.simulate", "the routing policies on 8-1,000 simulated workers"),
+    "kv-feed": ("loadtests.bench_kv_feed", "router: the KV feed applying a recorded event stream"),
     "simulate-events": (
         "loadtests.simulate_events",
         "simulator: tree vs tree + KV events vs a ceiling, divergence cases",

@@ -1,0 +1,173 @@
+"""The router's feed applying a recorded KV-event stream: CPU per request, before vs after.
+
+    python -m loadtests.bench_kv_feed [--requests 2000] [--repeats 5] [--before-ref REF]
+
+The stream is what a worker at capacity publishes for multi-turn chats (issue 26: ~8
+BlockStored and ~6.5 BlockRemoved blocks per request): 16 conversations of ~2k-token
+prompts, each turn storing its new blocks under the previous one, the worker's pool
+(`--pool-blocks`) evicting its least recently used leaves. It is built once, encoded as
+the stream entries a worker writes (shared/kv_events.py: msgpack, epoch, sequence), and
+then applied by `KvEventFeed.apply_entry` (parse, decode, index) in a fresh feed.
+
+`--before-ref REF` times the same entries with the feed's code from that git ref
+(loadtests/refs.py), alternating sides per repeat, each side in its own process; both
+sides must leave the same index (a digest of every conversation's match_tiers and
+lost_at, compared), so a faster side that answers differently fails the bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+from loadtests.refs import ROOT, checkout, short
+
+# Runs in the side's own tree (only APIs both sides have): times apply_entry, prints
+# {"us": per-request microseconds per repeat, "digest": what the index answers}.
+SIDE = r"""
+import json, pickle, sys, time
+from router.fleet.kv_feed import FeedMember, KvEventFeed
+d = pickle.load(open(sys.argv[1], "rb"))
+times, digest = [], None
+for _ in range(int(sys.argv[2])):
+    feed = KvEventFeed(None, route_clock=lambda: 1.0)
+    feed.follow([FeedMember("w0", "m", 1.0, 0)])
+    t0 = time.process_time()
+    for fields in d["entries"]:
+        feed.apply_entry("w0", fields)
+    times.append((time.process_time() - t0) / d["requests"] * 1e6)
+    index = feed.indexes["m"]
+    digest = [[sorted(index.match_tiers(p).items()),
+               [index.lost_at("w0", p, h) for h in range(0, len(p), 16 * 8)]]
+              for p in d["probes"]]
+print(json.dumps({"us": times, "digest": digest, "dropped": dict(feed.dropped)}))
+"""
+
+
+def record(args: argparse.Namespace) -> dict:
+    """The stream entries of `--requests` chat turns on one worker at capacity."""
+    from shared.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        encode_batch,
+        engine_block_hash,
+        entry_fields,
+    )  # fmt: skip
+
+    rng = random.Random(7)
+    bs = args.block_size
+    chats = [[rng.randrange(1, 50_000) for _ in range(args.prompt_tokens)]
+             for _ in range(args.sessions)]  # fmt: skip
+    hashes: list[list[int]] = [[] for _ in chats]  # per chat, its blocks' engine hashes
+    lru: OrderedDict[int, int] = OrderedDict()  # engine hash -> chat (leaves evict first)
+    children: dict[int, int] = {}  # engine hash -> children held
+    entries = [entry_fields("w0", 1.0, 0, encode_batch([AllBlocksCleared()], 1.0))]
+    stored = removed = 0
+    for r in range(args.requests):
+        c = r % args.sessions
+        chat, chain = chats[c], hashes[c]
+        chat += [rng.randrange(1, 50_000) for _ in range(args.turn_tokens)]
+        # what the worker still holds of this chat: the chain's prefix still in the pool
+        held = 0
+        while held < len(chain) and chain[held] in lru:
+            lru.move_to_end(chain[held])
+            held += 1
+        del chain[held:]
+        events: list = []
+        parent = chain[-1] if chain else None
+        new = []
+        for b in range(held, len(chat) // bs):
+            h = engine_block_hash(parent, bytes(str(chat[b * bs : (b + 1) * bs]), "ascii"))
+            new.append(h)
+            lru[h] = c
+            if parent is not None:
+                children[parent] = children.get(parent, 0) + 1
+            parent = h
+        if new:
+            ids = chat[held * bs : (held + len(new)) * bs]
+            events.append(BlockStored(tuple(new), chain[-1] if chain else None, ids, bs))
+            chain += new
+            stored += len(new)
+        gone = []
+        for h in list(lru):  # oldest first; only leaves (no held children)
+            if len(lru) - len(gone) <= args.pool_blocks:
+                break
+            if not children.get(h) and h not in new:
+                gone.append(h)
+        for h in gone:
+            del lru[h]
+            children.pop(h, None)
+        for cc in hashes:  # fix parents' child counts
+            for i, h in enumerate(cc):
+                if h in gone and i:
+                    children[cc[i - 1]] = children.get(cc[i - 1], 1) - 1
+        if gone:
+            events.append(BlockRemoved(tuple(gone)))
+            removed += len(gone)
+        entries.append(entry_fields("w0", 1.0, r + 1, encode_batch(events, 1.0)))
+    raw = [{k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in e.items()}
+           for e in entries]  # fmt: skip
+    return {"entries": raw, "requests": args.requests, "probes": chats,
+            "stored": stored / args.requests, "removed": removed / args.requests}  # fmt: skip
+
+
+def side(tree: Path, data: str, repeats: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    out = subprocess.run([sys.executable, "-c", SIDE, data, str(repeats)], cwd=tree, env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=2000, help="first turn's prompt")
+    p.add_argument("--turn-tokens", type=int, default=24, help="tokens each turn adds")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--pool-blocks", type=int, default=1500, help="the worker's pool")
+    p.add_argument("--repeats", type=int, default=5, help="per side, alternating")
+    p.add_argument("--before-ref", default="")
+    args = p.parse_args()
+    d = record(args)
+    print(f"stream: {args.requests} requests, {d['stored']:.1f} blocks stored and "
+          f"{d['removed']:.1f} removed per request", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, checkout(args.before_ref or "HEAD") as before:
+        data = str(Path(tmp) / "stream.pkl")
+        Path(data).write_bytes(pickle.dumps(d))
+        sides = {"this tree": ROOT}
+        if args.before_ref:
+            sides = {f"@{short(args.before_ref)}": before, "this tree": ROOT}
+        us: dict[str, list[float]] = {s: [] for s in sides}
+        digests = {}
+        for _ in range(args.repeats):
+            for name, tree in sides.items():
+                out = side(tree, data, 1)
+                us[name] += out["us"]
+                digests[name] = json.dumps(out["digest"])
+                if out["dropped"]:
+                    print(f"{name}: dropped {out['dropped']}")
+        for name, v in us.items():
+            v.sort()
+            print(f"{name:12s} apply per request: median {v[len(v) // 2]:.1f} us "
+                  f"(min {v[0]:.1f}, max {v[-1]:.1f}; {len(v)} repeats)")  # fmt: skip
+        if len(sides) == 2:
+            a, b = (sorted(v)[len(v) // 2] for v in us.values())
+            print(f"after / before: {b / a:.2f}x (medians)")
+            same = len(set(digests.values())) == 1
+            print(f"same index answers: {'yes' if same else 'NO'}")
+            return 0 if same else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
