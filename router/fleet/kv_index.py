@@ -58,15 +58,19 @@ _BITS = (1, 2, 4)
 @dataclass
 class _WorkerBlocks:
     by_hash: dict[BlockHash, int] = field(default_factory=dict)  # engine hash -> key
-    # Stores not yet removed, per engine hash and media bit: our engine can hold one
-    # block in two tree nodes (below page granularity) and then reports it stored twice,
-    # removed twice, in each tier (vLLM's offloading events say to count them too).
-    stores: dict[tuple[BlockHash, int], int] = field(default_factory=dict)
+    # Stores not yet removed beyond the first, per engine hash and media bit: our engine
+    # can hold one block in two tree nodes (below page granularity) and then reports it
+    # stored twice, removed twice, in each tier (vLLM's offloading events say to count
+    # them too). The first store is the media bit itself, so the common case (stored
+    # once) costs no entry here: this stays empty for most workers.
+    extra: dict[tuple[BlockHash, int], int] = field(default_factory=dict)
 
     def forget(self, engine_hash: BlockHash) -> None:
         self.by_hash.pop(engine_hash, None)
-        for bit in _BITS:
-            self.stores.pop((engine_hash, bit), None)
+        extra = self.extra
+        if extra:
+            for bit in _BITS:
+                extra.pop((engine_hash, bit), None)
 
 
 class BlockIndex:
@@ -124,6 +128,7 @@ class BlockIndex:
         keys = block_key_list(
             ids.tolist() if isinstance(ids, np.ndarray) else list(ids), bs, parent
         )
+        by_hash = wb.by_hash
         for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)
             if holders is None:
@@ -131,17 +136,22 @@ class BlockIndex:
             else:
                 blocks.move_to_end(parent)
             held = holders.get(worker)
-            if held is not None and held[1] != engine_hash:
+            if held is None:
+                bits = 0
+            elif held[1] != engine_hash:
                 wb.forget(held[1])  # the same content under a new engine hash
-                held = None
-            holders[worker] = (media | (held[0] if held else 0), engine_hash)
-            old = wb.by_hash.get(engine_hash)
+                bits = 0
+            else:
+                bits = held[0]
+            old = by_hash.get(engine_hash)
             if old is not None and old != parent:
                 self._unhold(worker, old, 7)
                 wb.forget(engine_hash)
-            wb.by_hash[engine_hash] = parent
-            count = (engine_hash, media)
-            wb.stores[count] = wb.stores.get(count, 0) + 1
+            if bits & media:  # stored again in a tier that holds it: count the copy
+                count = (engine_hash, media)
+                wb.extra[count] = wb.extra.get(count, 0) + 1
+            holders[worker] = (media | bits, engine_hash)
+            by_hash[engine_hash] = parent
         while len(blocks) > self.max_blocks:
             _, holders = blocks.popitem(last=False)
             self.forgotten += 1
@@ -160,32 +170,48 @@ class BlockIndex:
             if held is None:
                 self.orphans += 1
                 continue
+            if held[0] & media:  # type: ignore[index]
+                count = (engine_hash, media)
+                wb.extra[count] = wb.extra.get(count, 0) + 1  # type: ignore[union-attr]
             holders[worker] = (held[0] | media, held[1])  # type: ignore[index]
-            count = (engine_hash, media)
-            wb.stores[count] = wb.stores.get(count, 0) + 1  # type: ignore[union-attr]
 
     def _removed(self, worker: str, hashes: Sequence[BlockHash], media: int) -> None:
         wb = self._workers.get(worker)
         if wb is None:
             return
+        extra, by_hash, blocks = wb.extra, wb.by_hash, self._blocks
+        lost, now = self._lost, self._now
         for engine_hash in hashes:
-            count = (engine_hash, media)
-            left = wb.stores.get(count, 0) - 1
-            if left > 0:  # another copy of the block is still stored in that tier
-                wb.stores[count] = left
+            if extra:
+                count = (engine_hash, media)
+                left = extra.get(count, 0)
+                if left:  # another copy of the block is still stored in that tier
+                    if left > 1:
+                        extra[count] = left - 1
+                    else:
+                        del extra[count]
+                    continue
+            key = by_hash.get(engine_hash)
+            if key is None:
                 continue
-            wb.stores.pop(count, None)
-            key = wb.by_hash.get(engine_hash)
-            if key is not None and not self._unhold(worker, key, media):
-                wb.forget(engine_hash)  # held in no tier any more
-                self._note_lost(worker, key)
-
-    def _note_lost(self, worker: str, key: int) -> None:
-        lost = self._lost
-        lost[(worker, key)] = self._now
-        lost.move_to_end((worker, key))
-        if len(lost) > self.max_lost:
-            lost.popitem(last=False)
+            # _unhold, inlined: this loop runs for every block a worker evicts
+            holders = blocks.get(key)
+            held = None if holders is None else holders.get(worker)
+            if held is not None:
+                bits = held[0] & ~media
+                if bits:
+                    holders[worker] = (bits, held[1])  # type: ignore[index]
+                    continue
+                del holders[worker]  # type: ignore[union-attr]
+                if not holders:
+                    del blocks[key]
+            wb.forget(engine_hash)  # held in no tier any more
+            lost_key = (worker, key)
+            if lost_key in lost:
+                lost.move_to_end(lost_key)
+            lost[lost_key] = now
+            if len(lost) > self.max_lost:
+                lost.popitem(last=False)
 
     def _unhold(self, worker: str, key: int, media: int) -> int:
         """Clear `media` bits of `worker` on `key`; returns the bits it still holds."""
