@@ -141,3 +141,23 @@ def test_an_older_entry_the_index_confirms_keeps_its_end_discounted_on_the_host(
     # 16 tokens at 66/16 chars each: the first 8 on the device (33 chars), the rest on the
     # host at half their worth (33 / 2)
     assert ends == {"dev": 66, "host": round(33 + 0.5 * 33)}
+
+
+def test_copies_stored_twice_in_a_tier_are_counted_per_tier() -> None:
+    # The index counts a second store only where a block is stored again in a tier that
+    # already holds it (kv_index._WorkerBlocks.extra): each tier's copies go one by one.
+    twice = [AllBlocksCleared(), stored(4, "GPU"), stored(4, "GPU"), stored(2, "CPU")]
+    steps = [
+        ([BlockRemoved(HASHES, "GPU")], (16, 16)),  # one GPU copy left of each block
+        ([BlockRemoved(HASHES[:2], "CPU")], (16, 16)),  # the host copy gone, GPU stays
+        ([BlockRemoved(HASHES[2:], "GPU")], (8, 8)),  # the tail's last copies gone
+        ([stored(2, "CPU"), BlockRemoved(HASHES[:2], "GPU")], (0, 8)),  # host-held only
+    ]
+    batches = [twice]
+    for events, expected in steps:
+        batches.append(events)
+        feed = feed_of({"w": batches})
+        assert feed.match_tiers("m", TOKENS) == {"w": expected}
+    assert feed.lost_at("m", TOKENS, "w", 8) > -math.inf  # the tail was lost, not cleared
+    feed = feed_of({"w": [*batches, [BlockRemoved(HASHES[:2], "CPU")]]})
+    assert feed.match_tiers("m", TOKENS) == {}
