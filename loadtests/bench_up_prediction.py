@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
-from typing import IO
+from pathlib import Path
 
 import openai
 
 from loadtests.workloads import NATO_WORDS as WORDS
-from shared.procs import free_port
+from shared.procs import Child, free_port, wait_until
 
 
 def dashboard(url: str) -> dict:
@@ -33,57 +29,44 @@ def dashboard(url: str) -> dict:
         return json.loads(r.read())
 
 
+def _ready(url: str) -> bool:
+    try:
+        return dashboard(url)["fleet"]["ready"] == 2
+    except OSError:
+        return False
+
+
 def run(args: argparse.Namespace, kv_events: bool) -> tuple[float, float, float]:
     port = free_port()
-    cmd = [sys.executable, "-m", "router", "up", "--workers", "2", "--engine", args.engine,
-           "--port", str(port)] + ([] if kv_events else ["--no-kv-events"])  # fmt: skip
-    # `up`'s output goes to a file, never an unread pipe: a full pipe blocks `up` (and its
-    # SIGINT handler's last lines), which then outlived the bench. Its own session lets
-    # the fallback kill reach the router and workers it started, not just `up`.
-    with tempfile.TemporaryFile(mode="w+") as log:
-        return _measure(args, cmd, port, log)
-
-
-def _measure(
-    args: argparse.Namespace, cmd: list[str], port: int, log: IO[str]
-) -> tuple[float, float, float]:
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"`{' '.join(cmd)}` did not get ready:\n{log.read()[-4000:]}")
-            try:
-                if dashboard(url)["fleet"]["ready"] == 2:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
-        model = client.models.list().data[0].id
-        rng = random.Random(3)
-        chats = [[{"role": "system", "content": f"Session {s}. " +
-                   " ".join(rng.choice(WORDS) for _ in range(args.words))}]
-                 for s in range(args.sessions)]  # fmt: skip
-        for turn in range(args.turns):
-            for chat in chats:
-                chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(WORDS)}?"})
-                r = client.chat.completions.create(model=model, messages=chat, max_tokens=8)
-                chat.append({"role": "assistant", "content": r.choices[0].message.content or ""})
-            time.sleep(0.3)
-        fleet = dashboard(url)["fleet"]
-        return (fleet["predicted_cached_tokens_total"], fleet["actual_cached_tokens_total"],
-                fleet["hit_rate"] or 0.0)  # fmt: skip
-    finally:
-        proc.send_signal(signal.SIGINT)
+    # A Child (shared/procs.py): its own session and a log file, never an unread pipe
+    # (a full one blocked `up`, which then outlived the bench); `stop` is SIGTERM, which
+    # `up` answers by stopping its router and workers, then SIGKILL after the grace.
+    with tempfile.TemporaryDirectory() as tmp:
+        up = Child("up", ["router", "up", "--workers", "2", "--engine", args.engine,
+                          "--port", str(port)] + ([] if kv_events else ["--no-kv-events"]),
+                   url, Path(tmp) / "up.log").start()  # fmt: skip
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            wait_until(lambda: _ready(url), 180, up, poll_s=0.5)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+            model = client.models.list().data[0].id
+            rng = random.Random(3)
+            chats = [[{"role": "system", "content": f"Session {s}. " +
+                       " ".join(rng.choice(WORDS) for _ in range(args.words))}]
+                     for s in range(args.sessions)]  # fmt: skip
+            for turn in range(args.turns):
+                for chat in chats:
+                    chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(WORDS)}?"})
+                    r = client.chat.completions.create(model=model, messages=chat, max_tokens=8)
+                    chat.append(
+                        {"role": "assistant", "content": r.choices[0].message.content or ""}
+                    )
+                time.sleep(0.3)
+            fleet = dashboard(url)["fleet"]
+            return (fleet["predicted_cached_tokens_total"], fleet["actual_cached_tokens_total"],
+                    fleet["hit_rate"] or 0.0)  # fmt: skip
+        finally:
+            up.stop(grace_s=30)
 
 
 def main() -> int:
