@@ -303,7 +303,8 @@ class BlockIndex:
         blocks = self._blocks
         while lo < hi:
             mid = (lo + hi + 1) >> 1
-            held = blocks.get(keys[mid - 1], {}).get(worker)
+            holders = blocks.get(keys[mid - 1])
+            held = None if holders is None else holders.get(worker)
             if held is not None and held[0] & media:
                 lo = mid
             else:
