@@ -8,7 +8,7 @@ one, the worker's pool (`--pool-blocks`) evicting its least recently used leaves
 turn whose conversation was evicted stores it again. At the defaults ~17 blocks stored
 and ~15 removed per request (denser than the live sim worker's ~8 / ~6.5 in
 bench_router_tokens: per-block costs, on a heavier stream). It is built once, encoded
-as the stream entries a worker writes (shared/kv_events.py: msgpack, epoch, sequence),
+as the stream entries a worker writes (shared/wire/kv_events.py: msgpack, epoch, sequence),
 and applied by `KvEventFeed.apply_entry` (parse, decode, index) in a fresh feed.
 
 `--before-ref REF` times the same entries with the feed's code from that git ref
@@ -56,7 +56,7 @@ print(json.dumps({"us": times, "digest": digest, "dropped": dict(feed.dropped)})
 
 def record(args: argparse.Namespace) -> dict:
     """The stream entries of `--requests` chat turns on one worker at capacity."""
-    from shared.kv_events import (
+    from shared.wire.kv_events import (
         AllBlocksCleared,
         BlockRemoved,
         BlockStored,

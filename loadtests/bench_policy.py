@@ -48,7 +48,7 @@ from loadtests.options import HelpFormatter
 from router.policy import build_policy
 from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 VOCAB = [f"{a}{b}" for a in "bcdfghjklmnpqrstvwz" for b in ("a", "e", "i", "o", "u", "ay", "ee")]
 POLICIES = ("cache_aware", "round_robin", "least_load")

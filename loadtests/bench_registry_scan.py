@@ -7,7 +7,7 @@ shared id set read by SMEMBERS (before issue 21), side by side on one local Redi
 Each router replica reads the whole registry once per `discovery_interval` (1 s by
 default). Both ways then fetch every record with one pipelined HGETALL; they differ in
 how they find the ids: `SMEMBERS` of one set (one round trip, any worker could DEL it)
-or `SCAN MATCH <prefix>worker:* TYPE hash` (`shared/registry.py`), which walks the whole
+or `SCAN MATCH <prefix>worker:* TYPE hash` (`shared/wire/registry.py`), which walks the whole
 database, so the other keys in it (rate-limit cells, one per active client; router load
 hashes; the sync stream) are part of its cost. Wall time per read, median of `--reads`,
 with the Redis server on the same machine; `round trips` counts the SCAN calls; `server
@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from redis.asyncio import Redis
 
 from shared.redis_server import RedisServer
-from shared.registry import SCAN_COUNT, Registry, WorkerRecord
+from shared.wire.registry import SCAN_COUNT, Registry, WorkerRecord
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

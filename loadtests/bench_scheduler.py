@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.text_tokenizer import TextTokenizer
+from shared.tokens.text_tokenizer import TextTokenizer
 from worker.backends.sim import build_sim_llm_engine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine

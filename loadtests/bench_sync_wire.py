@@ -33,10 +33,10 @@ from loadtests.workloads import NATO_WORDS as WORDS
 from router.fleet.sync import DecisionSync
 from router.policy import build_policy
 from shared.config import RouterConfig
-from shared.prompt_tokens import PromptTokens
-from shared.protocol import ChatCompletionRequest, canonical_chat_text
-from shared.registry import Registry
-from shared.tokenizer_fingerprint import tokenizer_fingerprint
+from shared.tokens.fingerprint import tokenizer_fingerprint
+from shared.tokens.prompt_tokens import PromptTokens
+from shared.wire.protocol import ChatCompletionRequest, canonical_chat_text
+from shared.wire.registry import Registry
 
 
 def chats(args: argparse.Namespace) -> list[list[dict[str, str]]]:

@@ -38,7 +38,7 @@ def no_capture_in_traffic(runner: Any) -> dict[str, Any]:
 
 def overlap_decode(runner: Any, model_dir: Path, batch: int, context: int, steps: int,
                    rounds: int = 2) -> dict[str, Any]:  # fmt: skip
-    from shared.tokenizer import Tokenizer
+    from shared.tokens.tokenizer import Tokenizer
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     from worker.engine.runtime.sampler import TorchSampler

@@ -137,7 +137,7 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
     from loadtests import gpu_bench as gb
     from loadtests import gpu_overlap as go
     from loadtests import gpu_piecewise as gp
-    from shared.tokenizer import Tokenizer
+    from shared.tokens.tokenizer import Tokenizer
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     from worker.engine.runtime.runner import ModelRunner

@@ -35,7 +35,7 @@ from loadtests.fleet import BenchFleet, Child, FleetSpec
 from loadtests.options import HelpFormatter, WorkloadOptions
 from loadtests.sse import SSEParser
 from loadtests.workloads import LLMRequest, Workload
-from shared.registry import Registry
+from shared.wire.registry import Registry
 
 WORKLOADS: dict[str, WorkloadOptions] = {
     "multi_turn": WorkloadOptions(

@@ -76,7 +76,7 @@ class LLMRequest:
         return body
 
     def text(self) -> str:
-        """The text a router would route on (same shape as shared.protocol's canonical text)."""
+        """The text a router would route on (same shape as shared.wire.protocol's canonical text)."""
         if self.prompt is not None:
             return self.prompt
         return "".join(f"<|{r}|>{c}\n" for r, c in self.messages)

@@ -19,8 +19,8 @@ from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
 from router.fleet.workers import Worker
-from shared.metrics import ServiceMetrics, kv_usage_ratio
-from shared.peers import Rejections
+from shared.serving.metrics import ServiceMetrics, kv_usage_ratio
+from shared.wire.peers import Rejections
 
 Family = GaugeFamily | CounterFamily
 

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from shared.peers import check_worker_id, check_worker_url, parse_networks
+from shared.wire.peers import check_worker_id, check_worker_url, parse_networks
 
 PolicyName = Literal[
     "cache_aware",
@@ -74,7 +74,7 @@ class RouterConfig(_Frozen):
     # word tokenizer 2.5): sizes the tree caps, and cost_aware's token counts, which it
     # weighs against the queues workers report in their own tokens.
     tree_chars_per_token: float = Field(4.0, gt=0)
-    # The workers' tokenizer (shared/prompt_tokens.py): a local model or tokenizer folder,
+    # The workers' tokenizer (shared/tokens/prompt_tokens.py): a local model or tokenizer folder,
     # or "sim" (the sim engine's). Set, the router computes each request's prompt ids as
     # the worker does: the policies' trees key on them (matches and caps in tokens) and
     # the KV-event index is looked up with them.
@@ -115,14 +115,14 @@ class RouterConfig(_Frozen):
     breaker_failures: int = Field(3, ge=1)
     breaker_cooldown: float = Field(10.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0)
-    # Slow peers (shared/body.py, router/upstream/proxy.py): a body must arrive within
+    # Slow peers (shared/serving/body.py, router/upstream/proxy.py): a body must arrive within
     # body_read_timeout, before it may take an admission slot; a stream write to a client
     # that blocks longer than stream_write_timeout aborts the stream and its upstream
     # request, so the worker frees its slot and KV.
     body_read_timeout: float = Field(30.0, gt=0)
     stream_write_timeout: float = Field(30.0, gt=0)
     # A connection whose request head (line and headers) is not complete this long after
-    # it opened, or after the first byte of a later request, is closed (shared/http_server.py).
+    # it opened, or after the first byte of a later request, is closed (shared/serving/http_server.py).
     header_read_timeout: float = Field(10.0, gt=0)
     # A non-streamed worker answer larger than this is refused with 502, never buffered.
     max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
@@ -140,7 +140,7 @@ class RouterConfig(_Frozen):
     # After SIGTERM, keep serving (readiness 503) this long before refusing new requests,
     # so load balancers stop sending first; then drain. The chart sets it.
     shutdown_delay: float = Field(0.0, ge=0)
-    # One log line per request (shared/access_log.py); about 20 µs of CPU each.
+    # One log line per request (shared/serving/access_log.py); about 20 µs of CPU each.
     access_log: bool = True
     # Security.
     api_keys: tuple[str, ...] = ()
@@ -267,7 +267,7 @@ class WorkerConfig(_Frozen):
         if v == "vllm":
             raise ValueError(
                 "the in-process vllm engine is retired: run `vllm serve` and make it a "
-                "worker with `radix-worker attach --engine vllm` (worker/attach.py)"
+                "worker with `radix-worker attach --engine vllm` (worker/attach/sidecar.py)"
             )
         return v
 

@@ -167,9 +167,12 @@ def test_readme_layout_matches_the_folders() -> None:
     layout = text.split("## Layout\n", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([a-z_]+(?:/[a-z_]+)*)/`", layout))
     for folder in named:
-        candidates = [ROOT / folder, ROOT / "router" / folder, ROOT / "worker" / folder]
+        candidates = [
+            ROOT / folder,
+            *(ROOT / top / folder for top in ("router", "worker", "shared")),
+        ]
         assert any(c.is_dir() for c in candidates), folder
-    for top in ("router", "worker"):
+    for top in ("router", "worker", "shared"):
         for init in (ROOT / top).rglob("__init__.py"):
             folder = init.parent.relative_to(ROOT / top).as_posix()
             if folder == "." or "/attention" in folder:

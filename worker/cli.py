@@ -23,12 +23,12 @@ from typing import Any
 from aiohttp import web
 
 from shared.config import ConfigError, WorkerConfig, load_config
-from shared.http_server import KEEPALIVE_S, BindError, bind
-from shared.logging import setup_logging
-from worker.app import create_app
+from shared.serving.http_server import KEEPALIVE_S, BindError, bind
+from shared.serving.logging import setup_logging
 from worker.backends import build_engine
+from worker.http.app import create_app
+from worker.http.state import HEARTBEAT, STATE
 from worker.models.model_presets import ARCHS, PRESETS
-from worker.state import HEARTBEAT, STATE
 
 log = logging.getLogger("worker")
 
@@ -223,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     down.add_argument("model", metavar="MODEL", help="repo id, e.g. Qwen/Qwen2.5-7B-Instruct")
     down.add_argument("--revision", help="commit, tag or branch (default main; pin it)")
     down.add_argument("--dir", required=True, help="target folder (the model cache volume)")
-    from worker.attach import add_attach_parser
+    from worker.attach.sidecar import add_attach_parser
 
     add_attach_parser(sub)
     return parser
@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "download":
         return _download(args)
     if args.command == "attach":
-        from worker.attach import run_attach
+        from worker.attach.sidecar import run_attach
 
         return run_attach(args)
     overrides = {key: getattr(args, key) for _, key, _, _ in _SERVE_FLAGS}

@@ -1,6 +1,6 @@
 """The worker's heartbeat: its record in Redis every `heartbeat_interval`.
 
-Written through `shared.registry.Registry` (the only code that knows key names), with
+Written through `shared.wire.registry.Registry` (the only code that knows key names), with
 an expiry of `heartbeat_ttl_intervals` intervals, so a worker that dies without a word
 (SIGKILL, node loss) drops out of every router within a few seconds.
 
@@ -21,9 +21,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from shared.aio import reraise_if_cancelled, stop_task
 from shared.config import read_password_file
-from shared.registry import Registry, WorkerRecord
+from shared.serving.aio import reraise_if_cancelled, stop_task
+from shared.wire.registry import Registry, WorkerRecord
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The worker's KV events onto its Redis stream (shared/registry.py names the key).
+"""The worker's KV events onto its Redis stream (shared/wire/registry.py names the key).
 
 Every `kv_events_interval` the publisher drains the radix cache's events
 (worker/engine/kv_blocks.py) and appends them as entries of at most `MAX_EVENTS` events
@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from shared.aio import reraise_if_cancelled
-from shared.kv_events import encode_batch
-from shared.registry import Registry
+from shared.serving.aio import reraise_if_cancelled
+from shared.wire.kv_events import encode_batch
+from shared.wire.registry import Registry
 from worker.engine.kv_blocks import BlockEvents
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from loadtests.workloads import Session, Workload
 from router.policy import build_policy
 from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 _STEP_END, _ARRIVAL = 0, 1  # event kinds: step ends sort first at equal times
 

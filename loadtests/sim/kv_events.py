@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from router.fleet.kv_feed import FeedMember, KvEventFeed
-from shared.kv_events import EventBatch, StreamEntry
+from shared.wire.kv_events import EventBatch, StreamEntry
 
 if TYPE_CHECKING:
     from worker.engine.kv_blocks import BlockEvents

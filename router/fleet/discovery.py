@@ -26,9 +26,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.fleet.workers import Worker
-from shared.aio import reraise_if_cancelled, stop_task
-from shared.peers import Network, Rejections, check_worker_url
-from shared.registry import Registry, WorkerRecord
+from shared.serving.aio import reraise_if_cancelled, stop_task
+from shared.wire.peers import Network, Rejections, check_worker_url
+from shared.wire.registry import Registry, WorkerRecord
 
 log = logging.getLogger(__name__)
 

@@ -61,8 +61,8 @@ import numpy as np
 from redis.exceptions import RedisError
 
 from router.fleet.kv_index import BlockIndex
-from shared.aio import reraise_if_cancelled
-from shared.kv_events import (
+from shared.serving.aio import reraise_if_cancelled
+from shared.wire.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -71,7 +71,7 @@ from shared.kv_events import (
     StreamEntry,
     parse_entry,
 )
-from shared.registry import Registry
+from shared.wire.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The exact index: which workers hold which token blocks, from their own KV events.
 
 Beside the approximate prefix tree (router/policy/tree.py: what this router *sent*), the index
-says what each worker *reports* holding (shared/kv_events.py). One index per model and
+says what each worker *reports* holding (shared/wire/kv_events.py). One index per model and
 block size. A block is keyed by its content and its parent's key (`block_key_list`), never by
 the engine's hash, so workers with different hash functions (vLLM's sha256, SGLang's,
 ours) that hold the same tokens hold the same block:
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.kv_events import (
+from shared.wire.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -95,7 +95,7 @@ class BlockIndex:
 
     # ---- events -----------------------------------------------------------------
     def apply(self, worker: str, events: Sequence[KVEvent], now: float = 0.0) -> None:
-        """Apply one batch of `worker`'s events (already validated by shared/kv_events),
+        """Apply one batch of `worker`'s events (already validated by shared/wire/kv_events),
         read at `now` (the router's routing clock: what `lost_at` answers in)."""
         self._now = now
         for event in events:
@@ -240,7 +240,7 @@ class BlockIndex:
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
         """The chain of block keys of `tokens` (whole blocks only). A chat's ids from the
         router's tokenizer carry them, keyed once per conversation prefix
-        (shared/prompt_ids.py): a new turn keys only the blocks it adds. The last
+        (shared/tokens/prompt_ids.py): a new turn keys only the blocks it adds. The last
         request's are kept (by identity: callers do not mutate a request's ids), as
         scoring asks `match` and then `lost_at` about the same request."""
         last, keys = self._last

@@ -48,10 +48,10 @@ from router.fleet.sync_wire import (
     encode_decision,
     encode_tokens,
 )
-from shared.aio import reraise_if_cancelled
 from shared.config import RouterConfig
-from shared.peers import Rejections
-from shared.registry import MAX_WORKERS, Registry
+from shared.serving.aio import reraise_if_cancelled
+from shared.wire.peers import Rejections
+from shared.wire.registry import MAX_WORKERS, Registry
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class DecisionSync:
         self.registry = registry
         self.config = config
         self.observe = observe
-        # This router's tokenizer (shared/tokenizer_fingerprint.py): token entries are
+        # This router's tokenizer (shared/tokens/fingerprint.py): token entries are
         # written with it and read only when they carry it. None: the tree keys on text.
         self.fingerprint = fingerprint
         self.local_inflight = local_inflight

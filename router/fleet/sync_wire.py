@@ -11,7 +11,7 @@ entry never stops a loop):
             bomb once inflated to 200 MB in a router);
     tokens  `TOKENS fingerprint : zlib(uint32 little-endian ids)` when the router has a
             `tokenizer`: inflated to at most 4 bytes an id, a whole number of ids, each
-            a valid token id, and the fingerprint (shared/tokenizer_fingerprint.py) must
+            a valid token id, and the fingerprint (shared/tokens/fingerprint.py) must
             be the reader's own: ids of another tokenizer would pollute its tree.
   Both are capped at `sync_max_chars` elements (chars, or ids). A reader of the version
   before tokens (text only) fails to inflate a token payload (`T` is no zlib header) and
@@ -28,15 +28,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from shared.peers import WORKER_ID
-from shared.tokenizer_fingerprint import FINGERPRINT_LEN
+from shared.tokens.fingerprint import FINGERPRINT_LEN
+from shared.wire.peers import WORKER_ID
 
 # One stream field per decision, `replica id SEP worker id SEP zlib(text)`: a single
 # field costs redis-py a third of the packing and parsing of three. Ids hold no NUL.
 SEP = b"\x00"
 # Leads a token payload; a zlib stream starts with 0x?8 (deflate), never with `T`.
 TOKENS = b"T"
-MAX_TOKEN_ID = 2**31 - 1  # as in KV events (shared/kv_events.py)
+MAX_TOKEN_ID = 2**31 - 1  # as in KV events (shared/wire/kv_events.py)
 
 Key = str | tuple[int, ...]  # what a tree keys on: text, or token ids
 

@@ -23,7 +23,7 @@ from router.fleet.columns import NO_REMOTE, FleetColumns
 from router.fleet.workers import Breaker, FailureKind, Source, Worker
 from router.policy.base import FleetView
 from shared.config import RouterConfig, check_worker_url
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 
 class PolicyHooks(Protocol):

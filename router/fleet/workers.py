@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 Source = Literal["redis", "static", "admin"]
 BreakerState = Literal["closed", "open", "half_open"]

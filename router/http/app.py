@@ -51,16 +51,16 @@ from router.policy.kv_score import KvScorer, host_hit_weight
 from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
-from shared.access_log import OnDone, stamp_request_id
-from shared.aio import stop_task
 from shared.config import RouterConfig
-from shared.errors import ERROR_CODE
-from shared.http_server import KEEPALIVE_S, BindError, bind
-from shared.logging import setup_logging
-from shared.peers import Rejections, parse_networks
-from shared.prompt_tokens import PromptTokens
-from shared.registry import Registry
-from shared.tokenizer_fingerprint import tokenizer_fingerprint
+from shared.serving.access_log import OnDone, stamp_request_id
+from shared.serving.aio import stop_task
+from shared.serving.errors import ERROR_CODE
+from shared.serving.http_server import KEEPALIVE_S, BindError, bind
+from shared.serving.logging import setup_logging
+from shared.tokens.fingerprint import tokenizer_fingerprint
+from shared.tokens.prompt_tokens import PromptTokens
+from shared.wire.peers import Rejections, parse_networks
+from shared.wire.registry import Registry
 
 log = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger("router.access")
@@ -204,7 +204,7 @@ def create_app(
     """The router. `sync` shares decisions and load with other replicas; by default a
     `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
     policy = policy if policy is not None else build_policy(config)
-    rejections = Rejections()  # what the Redis boundary refused (shared/peers.py)
+    rejections = Rejections()  # what the Redis boundary refused (shared/wire/peers.py)
     # The prompt ids: the policies' trees key on them, and replica sync shares them.
     tokens = PromptTokens.load(config.tokenizer) if config.tokenizer else None
     if sync is None and config.sync and config.redis_url:

@@ -1,6 +1,6 @@
 """API keys: Bearer tokens for clients, a separate admin key for changing the fleet.
 
-Parsing and comparing keys is `shared/auth.py`, the same code the worker runs. Keys
+Parsing and comparing keys is `shared/serving/auth.py`, the same code the worker runs. Keys
 are never logged.
 
 The dashboard's two paths are where a browser navigates, and a browser cannot send a
@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from shared.auth import KeySet, unauthorized
-from shared.auth import bearer_token as _bearer_token
 from shared.config import RouterConfig
-from shared.errors import APIError
+from shared.serving.auth import KeySet, unauthorized
+from shared.serving.auth import bearer_token as _bearer_token
+from shared.serving.errors import APIError
 
 # Probes must answer the kubelet, which has no key.
 OPEN_PATHS = frozenset({"/openapi.json", "/liveness", "/readiness"})

@@ -3,10 +3,10 @@ errors, API keys and the rate limit, in the order four middlewares used to run t
 
 Per request, outermost first:
 
-1. the request id (`shared/access_log.py`) and the start time;
+1. the request id (`shared/serving/access_log.py`) and the start time;
 2. the API-key check (`router/http/auth.py`), then the rate limit (`router/http/ratelimit.py`);
 3. the handler;
-4. anything raised by 2 or 3 becomes its OpenAI-shaped answer (`shared/errors.py`);
+4. anything raised by 2 or 3 becomes its OpenAI-shaped answer (`shared/serving/errors.py`);
 5. when the request ends (answered, failed, or the client left: 499), `on_done` counts
    it and the access-log line is written.
 
@@ -25,8 +25,14 @@ from aiohttp import web
 
 from router.http.auth import AuthCheck
 from router.http.ratelimit import RateLimitCheck
-from shared.access_log import REQUEST_ID, REQUEST_ID_HEADER, OnDone, log_access, request_id_of
-from shared.errors import Handler, error_response_for
+from shared.serving.access_log import (
+    REQUEST_ID,
+    REQUEST_ID_HEADER,
+    OnDone,
+    log_access,
+    request_id_of,
+)
+from shared.serving.errors import Handler, error_response_for
 
 
 def make_edge_middleware(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from shared.errors import APIError
+from shared.serving.errors import APIError
 
 
 class AdmissionGate:

@@ -31,18 +31,18 @@ from router.http.state import (
 from router.policy.kv_score import request_tokens
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed
-from shared.body import read_json
-from shared.errors import APIError
-from shared.http import PROMETHEUS_TEXT
-from shared.peers import check_worker_id, check_worker_url, parse_networks, served_model
-from shared.protocol import routing_text
+from shared.serving.body import read_json
+from shared.serving.errors import APIError
+from shared.serving.http import PROMETHEUS_TEXT
+from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
+from shared.wire.protocol import routing_text
 
 MODELS_PROBE_TIMEOUT_S = 2.0
 MODELS_MAX_BYTES = 1 << 20
 
 
 async def read_request_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
-    """The decoded body (what is forwarded) and its checked JSON object (shared/body.py)."""
+    """The decoded body (what is forwarded) and its checked JSON object (shared/serving/body.py)."""
     config = request.app[CONFIG]
     return await read_json(request, config.max_body_bytes, config.body_read_timeout)
 
@@ -69,7 +69,7 @@ def _inference(endpoint: str, path: str) -> Any:
         status = 499
         try:
             # The body is read and checked before the request may take a slot: a client
-            # trickling its body holds no capacity (shared/body.py).
+            # trickling its body holds no capacity (shared/serving/body.py).
             raw, data = await read_request_json(request)
             text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
             session_key = request.headers.get(app[CONFIG].session_header) or getattr(

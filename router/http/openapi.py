@@ -1,4 +1,4 @@
-"""The router's OpenAPI document, generated from shared/protocol's pydantic models.
+"""The router's OpenAPI document, generated from shared/wire/protocol's pydantic models.
 
 Schemathesis fuzzes the router against this document, so every status an endpoint
 can answer is listed, with the OpenAI error shape for the 4xx/5xx ones.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
-from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
+from shared.serving.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
+from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 # Every status a routed inference request can be answered with.
 _INFERENCE_ERRORS = {

@@ -37,9 +37,9 @@ from redis.exceptions import RedisError
 
 from router.http.auth import bearer_token
 from shared.config import RouterConfig
-from shared.errors import APIError
-from shared.http import INFERENCE_PATHS
-from shared.registry import Registry
+from shared.serving.errors import APIError
+from shared.serving.http import INFERENCE_PATHS
+from shared.wire.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from router.http.gate import AdmissionGate
 from router.metrics import Metrics
 from router.policy.base import Policy
 from shared.config import RouterConfig
-from shared.peers import Rejections
-from shared.prompt_tokens import PromptTokens
+from shared.tokens.prompt_tokens import PromptTokens
+from shared.wire.peers import Rejections
 
 CONFIG = web.AppKey("config", RouterConfig)
 CLOCK = web.AppKey("clock", Callable[[], float])

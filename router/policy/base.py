@@ -22,7 +22,7 @@ from itertools import compress, islice, repeat
 from operator import attrgetter, eq
 from typing import ClassVar
 
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 
 @dataclass(frozen=True)

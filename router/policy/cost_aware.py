@@ -59,7 +59,7 @@ from router.policy.base import Decision, RouteRequest, WorkerView, reports_of
 from router.policy.cache_aware import CacheAware
 from router.policy.cost_columns import CostColumns, Figures, figures
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 _NOT_NONE = partial(is_not, None)
 _SMALL = 12  # workers: up to this many priced in lists (cost_columns.py: why)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 _NO_SEAT_LIMIT = float(1 << 62)  # unknown seats: so many that none is ever short
 _MAX_PREFILL_US = 1e6  # a report above this (1 s a token) is garbage: Redis is untrusted

@@ -64,9 +64,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from shared.prompt_tokens import PromptTokens
-from shared.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
-from shared.registry import WorkerRecord
+from shared.tokens.prompt_tokens import PromptTokens
+from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
+from shared.wire.registry import WorkerRecord
 
 Path = list[tuple[Mapping[object, float], int]]
 
@@ -193,7 +193,7 @@ def request_tokens(tokens: PromptTokens | None, parsed: object) -> Sequence[int]
     """The prompt ids the worker will compute for a parsed request (None: unknown).
 
     Token-id prompts are used as they are; text is encoded, chats rendered with the
-    model's template first (shared/prompt_tokens.py). A template that refuses the
+    model's template first (shared/tokens/prompt_tokens.py). A template that refuses the
     messages leaves the request to the tree (the worker answers the error)."""
     if isinstance(parsed, CompletionRequest):
         text = parsed.prompt_text()

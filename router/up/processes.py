@@ -32,7 +32,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 from shared.config import ConfigError, RouterConfig
-from shared.logging import setup_logging
+from shared.serving.logging import setup_logging
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.fleet.workers import FailureKind, Worker
 from router.upstream.connection import UpstreamBroken
 from shared.config import RouterConfig
-from shared.errors import APIError
+from shared.serving.errors import APIError
 
 if TYPE_CHECKING:
     from router.upstream.transport import Answer

@@ -55,10 +55,10 @@ from router.upstream.answers import (
 )
 from router.upstream.connection import UpstreamBroken
 from router.upstream.transport import Answer, Transport
-from shared.access_log import REQUEST_ID
 from shared.config import RouterConfig
-from shared.errors import APIError, error_body
-from shared.http import EVENT_STREAM, DeadlineStream
+from shared.serving.access_log import REQUEST_ID
+from shared.serving.errors import APIError, error_body
+from shared.serving.http import EVENT_STREAM, DeadlineStream
 
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
 
@@ -212,7 +212,7 @@ class Proxy:
 
     @staticmethod
     def _wire_id(request: web.Request) -> str:
-        """The `x-request-id` sent to the worker: the request's id (shared/access_log.py),
+        """The `x-request-id` sent to the worker: the request's id (shared/serving/access_log.py),
         so one id names it in both services' logs. The transport checks its echo before a
         connection is reused (router/upstream/connection.py)."""
         return request.get(REQUEST_ID) or os.urandom(16).hex()

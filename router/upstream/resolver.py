@@ -1,4 +1,4 @@
-"""DNS for worker URLs, held to the same rule as literal addresses (`shared/peers.py`).
+"""DNS for worker URLs, held to the same rule as literal addresses (`shared/wire/peers.py`).
 
 A worker URL names a host; aiohttp resolves DNS names (literals it dials as they are,
 and those were checked when the URL was accepted). This resolver drops every address
@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
-from shared.peers import Network, address_refusal
+from shared.wire.peers import Network, address_refusal
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from redis.asyncio import Redis  # noqa: E402
 from loadtests.fleet import BenchFleet, Child  # noqa: E402
 from router.fleet.kv_feed import FeedMember, KvEventFeed  # noqa: E402
 from shared.procs import free_port, http_json, wait_until  # noqa: E402
-from shared.registry import Registry  # noqa: E402
+from shared.wire.registry import Registry  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-vllm-events"

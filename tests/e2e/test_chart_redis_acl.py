@@ -199,13 +199,13 @@ def test_each_role_is_refused_what_it_must_not_do(acl_redis: ChartRedis) -> None
 
 
 def test_a_worker_pod_heartbeats_only_as_itself(acl_redis: ChartRedis) -> None:
-    """The registry's own writes (shared/registry.py) with pod 0's user: as pod 0 they
+    """The registry's own writes (shared/wire/registry.py) with pod 0's user: as pod 0 they
     go through, as pod 1 the whole transaction is refused and nothing is written."""
     import asyncio
 
     from redis.asyncio import Redis
 
-    from shared.registry import Registry, WorkerRecord
+    from shared.wire.registry import Registry, WorkerRecord
 
     async def main() -> None:
         user0 = f"radix-worker-{POD0}"

@@ -18,13 +18,13 @@ from redis.asyncio import Redis
 
 from router.http.state import FLEET, KV_FEED
 from shared.config import RouterConfig
-from shared.kv_events import AllBlocksCleared, BlockRemoved, parse_entry
 from shared.redis_server import RedisServer
-from shared.registry import Registry
+from shared.wire.kv_events import AllBlocksCleared, BlockRemoved, parse_entry
+from shared.wire.registry import Registry
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 from tests.worker.test_kv_subscriber import Publisher, stored
-from worker.kv_subscriber import ZmqEventSubscriber, forward
-from worker.state import STATE
+from worker.attach.kv_subscriber import ZmqEventSubscriber, forward
+from worker.http.state import STATE
 
 POOL_TOKENS = 16  # the sim worker's KV capacity: 8 blocks of 2 tokens
 
@@ -65,7 +65,7 @@ async def test_an_unrecoverable_gap_rebuilds_then_turnover_restores_trust(
     await pub.publish([AllBlocksCleared(), stored(1, None, 1)], send=False)  # history
     queue: asyncio.Queue = asyncio.Queue(maxsize=100)
     sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, queue)
-    epoch = worker.app[STATE].epoch
+    epoch = worker.http.app[STATE].epoch
     registry = Registry(redis)
     tasks = [
         asyncio.create_task(sub.run()),

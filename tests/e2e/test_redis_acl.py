@@ -19,7 +19,7 @@ from router.fleet.sync import DecisionSync
 from router.http.ratelimit import RedisGcra
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
-from shared.registry import Registry, WorkerRecord
+from shared.wire.registry import Registry, WorkerRecord
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 PASSWORDS = {"<worker-password>": "wpw-1", "<router-password>": "rpw-2"}

@@ -23,7 +23,8 @@ from router.fleet.kv_feed import FeedMember, KvEventFeed
 from router.fleet.sync import SEP, DecisionSync
 from router.upstream.resolver import GuardedResolver
 from shared.config import RouterConfig
-from shared.kv_events import (
+from shared.redis_server import RedisServer
+from shared.wire.kv_events import (
     MAX_BATCH_BYTES,
     AllBlocksCleared,
     BlockRemoved,
@@ -31,9 +32,8 @@ from shared.kv_events import (
     encode_batch,
     entry_fields,
 )
-from shared.peers import Rejections, parse_networks
-from shared.redis_server import RedisServer
-from shared.registry import Registry, WorkerRecord
+from shared.wire.peers import Rejections, parse_networks
+from shared.wire.registry import Registry, WorkerRecord
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 
 PREFIX = "radixrouter:"

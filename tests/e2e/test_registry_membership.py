@@ -26,7 +26,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
-from shared.registry import Registry, WorkerRecord
+from shared.wire.registry import Registry, WorkerRecord
 from tests.e2e.test_redis_acl import readme_acl_lines
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 

@@ -18,7 +18,7 @@ from router.http.state import FLEET
 from shared.config import RouterConfig
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 from tests.waiting import wait_until
-from worker.state import ENGINE
+from worker.http.state import ENGINE
 
 STREAM = {"prompt": "x", "max_tokens": 200_000, "ignore_eos": True, "stream": True}
 
@@ -46,7 +46,7 @@ async def open_stream_and_never_read(port: int) -> socket.socket:
 
 async def slot_freed(worker: TestServer, within: float) -> bool:
     """True once the engine runs nothing; first proves the stream did take a slot."""
-    engine = worker.app[ENGINE]
+    engine = worker.http.app[ENGINE]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while engine.stats().running == 0:

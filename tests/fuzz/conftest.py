@@ -12,9 +12,9 @@ from aiohttp.test_utils import TestServer
 
 from router.http.app import create_app as create_router
 from shared.config import RouterConfig, WorkerConfig
-from worker.app import create_app as create_worker
 from worker.backends import build_engine
-from worker.state import STATE
+from worker.http.app import create_app as create_worker
+from worker.http.state import STATE
 
 BODY_LIMIT = 64 * 1024
 

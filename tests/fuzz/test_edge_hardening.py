@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from shared.auth import KeySet, bearer_token
 from shared.config import RouterConfig
+from shared.serving.auth import KeySet, bearer_token
 from tests.fuzz.conftest import BODY_LIMIT, Services, start_router, start_worker, worker_config
 from tests.fuzz.test_bad_input import GOOD, assert_openai_error, post
 

@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (
 from loadtests.fleet import BenchFleet, WorkerSpec
 from router.http.openapi import build_openapi
 from shared.procs import http_json
-from worker.openapi import openapi_document
+from worker.http.openapi import openapi_document
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

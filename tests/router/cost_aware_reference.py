@@ -23,7 +23,7 @@ from operator import eq
 from router.policy.base import Decision, RouteRequest, WorkerView
 from router.policy.cache_aware import CacheAware
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 
 @dataclass(frozen=True)

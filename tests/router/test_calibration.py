@@ -14,8 +14,8 @@ from router.fleet.workers import Breaker, Worker
 from router.http.app import create_app
 from router.http.state import FLEET, POLICY
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
-from shared.text_tokenizer import TextTokenizer
+from shared.tokens.text_tokenizer import TextTokenizer
+from shared.wire.registry import WorkerRecord
 from tests.waiting import wait_until
 
 

@@ -15,7 +15,7 @@ from router.policy import build_policy
 from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
 from router.policy.cost_aware import CostAware
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 PREFIX = "p" * 3_960  # with a 40-char question: 4,000 chars, 1,000 tokens
 

@@ -22,7 +22,7 @@ import pytest
 from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
 from router.policy.cost_aware import CostAware
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 from tests.router.cost_aware_reference import CostAwareReference, costs_of
 
 

@@ -97,7 +97,7 @@ def test_a_workers_host_tier_reaches_its_dashboard_row() -> None:
     from router.fleet.table import Fleet
     from router.http.dashboard import _worker_row
     from shared.config import RouterConfig
-    from shared.registry import WorkerRecord
+    from shared.wire.registry import WorkerRecord
 
     class Hooks:
         def remove_worker(self, worker_id: str) -> None: ...

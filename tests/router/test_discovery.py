@@ -12,10 +12,10 @@ from router.fleet.discovery import Discovery
 from router.fleet.table import Fleet
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
-from shared.aio import stop_task
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
-from shared.registry import Registry, WorkerRecord
+from shared.serving.aio import stop_task
+from shared.wire.registry import Registry, WorkerRecord
 from tests.waiting import ManualClock, wait_until
 
 

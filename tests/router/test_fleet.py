@@ -16,7 +16,7 @@ from router.fleet.workers import Breaker, FailureKind, Worker
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
 from shared.config import RouterConfig
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 
 def record(wid: str, epoch: float = 1.0, **kw: object) -> WorkerRecord:

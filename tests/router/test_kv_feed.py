@@ -11,12 +11,18 @@ import aiohttp
 from redis.asyncio import Redis
 
 from router.fleet.kv_feed import FeedMember, KvEventFeed, Rebuild
-from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, entry_fields
 from shared.redis_server import RedisServer
-from shared.registry import Registry
+from shared.wire.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    encode_batch,
+    entry_fields,
+)
+from shared.wire.registry import Registry
 from tests.fuzz.conftest import start_worker, worker_config
 from tests.worker.engine.test_kv_blocks import expected_keys, held_keys
-from worker.state import ENGINE, STATE
+from worker.http.state import ENGINE, STATE
 
 
 async def settle(feed: KvEventFeed, cond, rounds: int = 200) -> None:

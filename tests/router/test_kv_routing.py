@@ -19,8 +19,8 @@ from router.http.state import FLEET, KV_FEED, TOKENS
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer, free_port
 from tests.fuzz.conftest import start_router, worker_config
-from worker.app import create_app
 from worker.backends import build_engine
+from worker.http.app import create_app
 
 
 def create_worker(config):

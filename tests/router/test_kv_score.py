@@ -18,7 +18,7 @@ from router.policy.base import FleetView, RouteRequest
 from router.policy.cache_aware import CacheAware
 from router.policy.kv_score import KvScorer
 from shared.config import RouterConfig
-from shared.kv_events import BlockRemoved, BlockStored
+from shared.wire.kv_events import BlockRemoved, BlockStored
 
 BLOCK = 16
 PREFIX = tuple(range(1000, 2042))  # 1,042 tokens: 65 whole blocks (1,040) and a tail of 2

@@ -10,7 +10,7 @@ import math
 
 from router.fleet.kv_feed import FeedMember, KvEventFeed
 from router.policy.kv_score import HOST_HIT_WEIGHT, KvScorer, host_hit_weight
-from shared.kv_events import (
+from shared.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -18,7 +18,7 @@ from shared.kv_events import (
     encode_batch,
     entry_fields,
 )
-from shared.registry import WorkerRecord
+from shared.wire.registry import WorkerRecord
 
 BS = 4
 TOKENS = list(range(100, 116))  # 4 blocks
@@ -103,7 +103,7 @@ def test_vllm_offloading_stores_by_hash_only_mark_known_blocks_host_held() -> No
     import msgpack
     import pytest
 
-    from shared.kv_events import decode_batch
+    from shared.wire.kv_events import decode_batch
 
     def vllm_placeholder(h: int) -> dict[str, object]:  # as vLLM 0.32's events.py writes it
         return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,

@@ -16,7 +16,7 @@ from router.up.processes import STOP_MARGIN_S, child_config
 from shared.config import ConfigError, RouterConfig
 from shared.procs import Child, free_port, http_json, wait_until
 from shared.redis_server import RedisServer
-from shared.registry import Registry, WorkerRecord
+from shared.wire.registry import Registry, WorkerRecord
 
 
 def test_children_sync_through_redis_and_need_a_fixed_port() -> None:

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from router.fleet.sync import DecisionSync
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
-from shared.registry import Registry
+from shared.wire.registry import Registry
 from tests.waiting import wait_until
 
 CONFIG = RouterConfig(sync=True, sync_flush_interval=0.005, sync_load_interval=0.05)

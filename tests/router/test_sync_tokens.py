@@ -18,10 +18,10 @@ from redis.asyncio import Redis
 from router.fleet.sync import SEP, DecisionSync
 from router.fleet.sync_wire import TOKENS, decode_decision, encode_decision, encode_tokens
 from shared.config import RouterConfig
-from shared.peers import Rejections
-from shared.prompt_tokens import load_tokenizer
-from shared.registry import Registry
-from shared.tokenizer_fingerprint import FINGERPRINT_LEN, tokenizer_fingerprint
+from shared.tokens.fingerprint import FINGERPRINT_LEN, tokenizer_fingerprint
+from shared.tokens.prompt_tokens import load_tokenizer
+from shared.wire.peers import Rejections
+from shared.wire.registry import Registry
 from tests.waiting import wait_until
 
 PREFIX = "tok:"

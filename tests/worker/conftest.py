@@ -25,10 +25,10 @@ from aiohttp import web
 from shared.config import WorkerConfig
 from shared.procs import wait_until
 from shared.redis_server import free_port
-from worker.app import create_app
 from worker.backends import build_engine
 from worker.engine.types import Engine
-from worker.state import STATE
+from worker.http.app import create_app
+from worker.http.state import STATE
 
 T = TypeVar("T")
 

@@ -14,10 +14,10 @@ from aiohttp.test_utils import TestClient
 
 from tests.waiting import wait_until
 from tests.worker.conftest import sim_config
-from worker.app import create_app
 from worker.backends import build_engine
 from worker.engine.async_engine import AsyncEngine
-from worker.state import ENGINE, STATE
+from worker.http.app import create_app
+from worker.http.state import ENGINE, STATE
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]

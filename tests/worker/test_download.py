@@ -148,7 +148,7 @@ def test_download_fills_the_folder_a_worker_loads(
     assert again.returncode == 0, again.stderr
     assert fake.gets == first_gets
     # And the worker's own loader takes the folder.
-    from shared.tokenizer import Tokenizer
+    from shared.tokens.tokenizer import Tokenizer
 
     assert Tokenizer.from_dir(str(target)).encode("hello")
 

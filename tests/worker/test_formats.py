@@ -1,4 +1,4 @@
-"""Logprobs of tokens that split a UTF-8 character, rendered by `worker.formats` with
+"""Logprobs of tokens that split a UTF-8 character, rendered by `worker.http.formats` with
 the tiny model's real byte-level BPE tokenizer and the sim engine's tokenizer: chat
 `bytes` are each token's raw bytes (joined they rebuild the character), and completion
 `text_offset`s point into `text` as the engine's detokenizer produced it."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.text_tokenizer import TextTokenizer
-from shared.tokenizer import Tokenizer
+from shared.tokens.text_tokenizer import TextTokenizer
+from shared.tokens.tokenizer import Tokenizer
 from worker.engine.types import GenerateOutput, TokenLogprob
-from worker.formats import ChatFormat, Choice, CompletionFormat, Tally
+from worker.http.formats import ChatFormat, Choice, CompletionFormat, Tally
 
 
 @pytest.fixture(params=["tiny-bpe", "sim"])

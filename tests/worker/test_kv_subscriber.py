@@ -17,10 +17,10 @@ import zmq.asyncio
 from redis.asyncio import Redis
 
 from router.fleet.kv_feed import FeedMember, KvEventFeed
-from shared.kv_events import AllBlocksCleared, BlockStored, encode_batch, parse_entry
 from shared.redis_server import free_port
-from shared.registry import Registry
-from worker.kv_subscriber import ZmqEventSubscriber, forward
+from shared.wire.kv_events import AllBlocksCleared, BlockStored, encode_batch, parse_entry
+from shared.wire.registry import Registry
+from worker.attach.kv_subscriber import ZmqEventSubscriber, forward
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

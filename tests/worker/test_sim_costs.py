@@ -7,14 +7,14 @@ import pytest
 
 from loadtests.sim.worker import CostModel, SimWorker
 from shared.config import WorkerConfig
-from shared.registry import WorkerRecord
-from shared.text_tokenizer import TextTokenizer
-from worker.app import make_record
+from shared.tokens.text_tokenizer import TextTokenizer
+from shared.wire.registry import WorkerRecord
 from worker.backends import build_engine
 from worker.backends.sim import build_sim_llm_engine
 from worker.engine.config import EngineConfig
 from worker.engine.types import EngineRequest, SamplingParams
-from worker.state import WorkerState
+from worker.http.app import make_record
+from worker.http.state import WorkerState
 
 
 def test_sim_stats_and_heartbeat_carry_the_cost_model_and_seats() -> None:

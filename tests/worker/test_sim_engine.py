@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.text_tokenizer import TextTokenizer
+from shared.tokens.text_tokenizer import TextTokenizer
 from tests.waiting import wait_until
 from worker.backends.sim import build_sim_async_engine
 from worker.engine.async_engine import AsyncEngine

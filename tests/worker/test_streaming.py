@@ -1,6 +1,6 @@
 """SSE streaming at low CPU per token: plain deltas from a per-stream template, and the
 outputs a stream finds waiting together sent as one delta in one write, the client's
-answer unchanged (worker/streaming.py, worker/engine/mailbox.py)."""
+answer unchanged (worker/http/streaming.py, worker/engine/mailbox.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from shared import openai_responses as wire
-from shared.http import DeadlineStream
+from shared.serving.http import DeadlineStream
+from shared.wire import openai_responses as wire
 from tests.worker.test_app import LONG, MakeClient, engine_of, sse_events, started
-from worker.formats import ChatFormat, CompletionFormat
-from worker.streaming import DeltaEvents, encode_event
+from worker.http.formats import ChatFormat, CompletionFormat
+from worker.http.streaming import DeltaEvents, encode_event
 
 TEXTS = [
     "",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.upstream_metrics import parse_load
+from worker.attach.upstream_metrics import parse_load
 
 SGLANG = """# TYPE sglang:num_running_reqs gauge
 sglang:num_running_reqs{model_name="m"} 2

@@ -2,7 +2,7 @@
 
 Each is imported only when chosen: the sim engine must start without torch model
 weights. (A stock vLLM or SGLang server joins the fleet through `radix-worker attach`
-instead: worker/attach.py.)
+instead: worker/attach/sidecar.py.)
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ def build_sim_engine(config: WorkerConfig) -> Engine:
     `--model` is given, else the built-in `TextTokenizer` (no files needed)."""
     from dataclasses import replace
 
-    from shared.text_tokenizer import TextTokenizer
+    from shared.tokens.text_tokenizer import TextTokenizer
     from worker.backends.radix import engine_config
     from worker.backends.sim import build_sim_async_engine
 
     tokenizer: EngineTokenizer
     if config.model is not None:
-        from shared.tokenizer import Tokenizer
+        from shared.tokens.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(config.model)
         name = Path(config.model).name

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.prompt_tokens import encode_prompt
+from shared.tokens.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch
 from worker.engine.config import EngineConfig

@@ -1,7 +1,7 @@
 """KV events out of the radix cache: which fixed-size token blocks it holds, as they change.
 
 The cache keeps tokens at page granularity; routers index blocks of `block_size` tokens
-along each path from the root (vLLM's schema, shared/kv_events.py). A block is held
+along each path from the root (vLLM's schema, shared/wire/kv_events.py). A block is held
 while the tree holds its last token, so each block belongs to the node holding its end:
 
     depth   0 ........ 16 ........ 32 ........ 48      block_size 16
@@ -43,7 +43,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shared.kv_events import (
+from shared.wire.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -68,7 +68,7 @@ class TreeNode(Protocol):
 
 
 _TB = 8  # bytes per token id in a node key (int64), as in radix_cache
-MAX_EVENT_BLOCKS = 1024  # blocks per BlockStored (shared/kv_events.MAX_BLOCKS bounds readers)
+MAX_EVENT_BLOCKS = 1024  # blocks per BlockStored (shared/wire/kv_events.MAX_BLOCKS bounds readers)
 
 
 class BlockEvents:

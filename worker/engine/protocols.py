@@ -1,8 +1,8 @@
 """What `LLMEngine` needs of its three collaborators, so a reader (and a type checker)
 follows a request through them: the runner that owns every tensor, the sampler that
 picks each next token, and the tokenizer. The torch implementations live in
-`worker/engine/runtime/` (`ModelRunner`, `TorchSampler`) and `shared/tokenizer.py`
-(`Tokenizer`, shared/tokenizer.py); the sim engine's in `worker/backends/` (`CostModelRunner`,
+`worker/engine/runtime/` (`ModelRunner`, `TorchSampler`) and `shared/tokens/tokenizer.py`
+(`Tokenizer`, shared/tokens/tokenizer.py); the sim engine's in `worker/backends/` (`CostModelRunner`,
 `SimSampler`, `TextTokenizer`); tests pass fakes of each.
 """
 

@@ -223,7 +223,7 @@ Routers read worker records but cannot write them (%R~, Redis 7+); they own the 
 stream, their load hashes and the rate-limit cells. Each worker pod (or its attach
 sidecar) may only write its own heartbeat record and publish join/leave events: membership
 is the heartbeat records themselves (routers SCAN them), so no worker can erase or forge
-another (shared/registry.py).
+another (shared/wire/registry.py).
 */}}
 {{- define "radix-router.redisAclRouter" -}}
 {{- $p := .Values.redisPrefix -}}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.text_tokenizer import VOCAB_SIZE, TextTokenizer
-from shared.tokenizer import Tokenizer
+from shared.tokens.text_tokenizer import VOCAB_SIZE, TextTokenizer
+from shared.tokens.tokenizer import Tokenizer
 from worker.backends.sim import build_sim_async_engine
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.chat import render_chat

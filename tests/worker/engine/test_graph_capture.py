@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from shared.config import WorkerConfig
-from shared.tokenizer import Tokenizer
-from worker.app import create_app
+from shared.tokens.tokenizer import Tokenizer
 from worker.backends import build_engine
 from worker.backends.radix import engine_config
 from worker.engine.config import EngineConfig
@@ -26,7 +25,8 @@ from worker.engine.runtime.load import load_engine
 from worker.engine.runtime.runner import ModelRunner
 from worker.engine.runtime.sampler import TorchSampler
 from worker.engine.types import EngineRequest, SamplingParams
-from worker.state import ENGINE, STATE
+from worker.http.app import create_app
+from worker.http.state import ENGINE, STATE
 
 MAX_RUNNING = 10
 

@@ -283,7 +283,7 @@ def test_kv_events_follow_each_tier_with_its_medium() -> None:
     device ("GPU"); a load back stores them on the device and the host copy stays; the
     host LRU dropping a host-only node removes it from the host; a republish walks
     both tiers."""
-    from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from shared.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
     from worker.engine.kv_blocks import BlockEvents
 
     def moves(events: BlockEvents) -> list[tuple[str, str | None]]:

@@ -13,7 +13,13 @@ from hypothesis import settings
 from hypothesis.stateful import invariant, rule
 
 from router.fleet.kv_index import BlockIndex
-from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
+from shared.wire.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    encode_batch,
+)
 from tests.worker.engine.test_radix_cache import CacheModel, PagedCacheModel, make, put
 from worker.engine.allocator import SlotAllocator
 from worker.engine.kv_blocks import BlockEvents

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from shared.text_tokenizer import TextTokenizer
+from shared.tokens.text_tokenizer import TextTokenizer
 from tests.worker.engine.test_engine import make_engine, rand_ids, req, run, tokens
 from worker.backends.sim import build_sim_llm_engine
 from worker.engine.config import EngineConfig

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shared.config import WorkerConfig
-from shared.tokenizer import Tokenizer
+from shared.tokens.tokenizer import Tokenizer
 from tests.worker.engine.test_overlap import TIGHT, _drive
 from worker.backends.radix import engine_config
 from worker.engine.batch import BatchItem

@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from shared.tokenizer import Tokenizer
+from shared.tokens.tokenizer import Tokenizer
 from worker.cli import main
 from worker.models.tiny_model import PRESETS
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.tokenizer import Tokenizer
+from shared.tokens.tokenizer import Tokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.runner import ModelRunner

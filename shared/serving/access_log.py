@@ -1,0 +1,108 @@
+"""Request ids and the access log, the same in both services.
+
+Every request gets an id: the client's `x-request-id` when it is a plain token (at most
+128 characters of `[A-Za-z0-9._:-]`: the header is untrusted and ends up in logs),
+else a new random one. The id is answered in `x-request-id`, forwarded by the router
+to the worker (so one id names a request in both services' logs), and printed on one
+access-log line per request when it ends:
+
+    request_id=3f2a… method=POST path=/v1/chat/completions status=200 ms=41.3 worker=w1 route=cache_hit
+
+Never the prompt, the answer or a credential: only the method, path, status, duration
+and the routing headers the service names (`fields`). Streams are logged when they
+end, with their whole duration. Logged at INFO on the `<service>.access` logger, so
+an operator can route or silence it like any other logger: a line costs about 20 µs
+of CPU (20,000 formatted lines to /dev/null through a StreamHandler, this machine),
+a noticeable part of the router's 0.3 ms per-request budget, so `access_log: false`
+(both services' config) turns the lines off; request ids stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from shared.serving.errors import Handler
+from shared.serving.http import request_key
+
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID = request_key("request_id")  # the key in the aiohttp request's dict
+_VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+# (request, status, seconds, response or None): what a service counts per request.
+OnDone = Callable[[web.Request, int, float, web.StreamResponse | None], None]
+
+
+def request_id_of(headers_value: str | None) -> str:
+    if headers_value is not None and _VALID_ID.fullmatch(headers_value):
+        return headers_value
+    # 128 random bits as 32 hex digits, like uuid4().hex without building a UUID object
+    # (0.5 us instead of 2.2 us per request, timeit on this machine).
+    return os.urandom(16).hex()
+
+
+async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: every answer, streamed or not, error or not, carries the id."""
+    rid = request.get(REQUEST_ID)
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
+
+
+def log_access(
+    logger: logging.Logger,
+    fields: tuple[tuple[str, str], ...],
+    request: web.Request,
+    status: int,
+    seconds: float,
+    response: web.StreamResponse | None,
+) -> None:
+    """The request's one access-log line (the caller checked `isEnabledFor(INFO)`)."""
+    extra = ""
+    if response is not None:
+        for name, header in fields:
+            value = response.headers.get(header)
+            if value is not None:
+                extra += f" {name}={value}"
+    logger.info(
+        "request_id=%s method=%s path=%s status=%d ms=%.1f%s",
+        request[REQUEST_ID], request.method, request.path, status, seconds * 1e3, extra,
+    )  # fmt: skip
+
+
+def make_access_middleware(
+    logger: logging.Logger,
+    fields: tuple[tuple[str, str], ...] = (),
+    on_done: OnDone | None = None,
+    enabled: bool = True,
+) -> web.middleware:
+    """`fields`: (log name, response header) pairs added to the line when present."""
+
+    @web.middleware
+    async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request[REQUEST_ID] = request_id_of(request.headers.get(REQUEST_ID_HEADER))
+        start = time.perf_counter()
+        status, response = 500, None
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away first (nginx's convention)
+            raise
+        finally:
+            seconds = time.perf_counter() - start
+            if on_done is not None:
+                on_done(request, status, seconds, response)
+            if enabled and logger.isEnabledFor(logging.INFO):
+                log_access(logger, fields, request, status, seconds, response)
+
+    return access_middleware

@@ -1,0 +1,303 @@
+"""KV-cache events in vLLM's schema: what workers publish and routers index.
+
+vLLM (`vllm/distributed/kv_events.py`) and SGLang publish, per engine step, a batch
+
+    [ts, [event, ...], data_parallel_rank]          (msgpack, array_like)
+
+    BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium
+    BlockRemoved    block_hashes, medium
+    AllBlocksCleared
+
+vLLM 0.32 writes each event as a map tagged `{"type": "BlockStored", ...}`; SGLang (and
+newer vLLM) as an array led by the tag, `["BlockStored", hashes, parent, ...]`. `decode_batch`
+reads both, and `encode_batch` writes vLLM's map form, the one format in our Redis streams
+(`radix-worker attach` re-encodes what it forwards; our engine writes it directly).
+
+Everything decoded here may come from an untrusted peer (a stream any worker can write
+to, a ZMQ socket): sizes are bounded and types checked, and anything else is a
+`ValueError`, which callers drop and count. An engine's block hash is an opaque id (bytes
+or a 64-bit int): the router keys blocks by content and parent (`block_key`), so it never
+depends on how an engine hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import numpy as np
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUMS = frozenset({MEDIUM_GPU, MEDIUM_CPU, "STORAGE"})
+
+MAX_BATCH_BYTES = 4 * 1024 * 1024  # one stream entry / ZMQ frame
+MAX_EVENTS = 4096  # events in one batch
+MAX_BLOCKS = 8192  # hashes in one event
+MAX_BLOCK_SIZE = 4096  # tokens per block
+MAX_TOKEN_ID = 2**31 - 1
+MAX_HASH_BYTES = 64
+
+BlockHash: TypeAlias = bytes | int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: Sequence[int] | np.ndarray  # len == len(block_hashes) * block_size
+    # 0 (and no token ids, no parent): blocks the engine named before, now stored in
+    # `medium` too (vLLM's offloading connector writes these for its CPU tier).
+    block_size: int
+    medium: str | None = MEDIUM_GPU
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = MEDIUM_GPU
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[KVEvent, ...]
+
+
+# ---- block identity -----------------------------------------------------------------
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def block_key_list(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
+    """Each whole block's identity (a 64-bit int): its tokens and everything before it,
+    chained from `parent` (0 at the root), so a block's key is its content and its
+    parent's key:  K_i = hash((K_(i-1), *block_i)).
+
+    Python's tuple hash (xxHash rounds over the items; ints hash to themselves, never
+    salted per process) in one C call per block: a turn's few new blocks cost about a
+    microsecond each, where the array arithmetic this replaced paid ~15 numpy calls per
+    prompt whatever its length (20 us warm, several times that on a busy router).
+    Not collision-proof against a crafted peer, as no 64-bit key is; a collision costs
+    a wrong prediction for one block, never a wrong answer."""
+    keys = []
+    key = parent
+    for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
+        key = hash((key, *tokens[start : start + block_size])) & _MASK64
+        keys.append(key)
+    return keys
+
+
+def block_keys(tokens: np.ndarray, block_size: int, parent: int = 0) -> np.ndarray:
+    """`block_key_list` as a uint64 array (the events' token ids are int64 arrays).
+    Both the index's events and the requests' lookups key blocks this way."""
+    ids = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+    return np.array(block_key_list(ids, block_size, parent), dtype=np.uint64)
+
+
+def engine_block_hash(parent: BlockHash | None, tokens: bytes) -> int:
+    """Our engine's published hash (blake2b, as engines hash: not the router's
+    `block_key_list`), a 64-bit int as vLLM writes with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES."""
+    p = b"" if parent is None else int(parent).to_bytes(8, "big")
+    return int.from_bytes(hashlib.blake2b(p + tokens, digest_size=8).digest(), "big")
+
+
+# ---- encoding -----------------------------------------------------------------------
+
+
+def _event_obj(event: KVEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": np.asarray(event.token_ids, dtype=np.int64).tolist(),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": event.medium,
+            "lora_name": None,
+        }
+    if isinstance(event, BlockRemoved):
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(event.block_hashes),
+            "medium": event.medium,
+        }
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(events: Sequence[KVEvent], ts: float | None = None) -> bytes:
+    """vLLM's wire form of one batch (data_parallel_rank omitted, as vLLM omits defaults)."""
+    import msgpack  # here, not at the top: the engine makes events without it (GPU machine)
+
+    batch = [time.time() if ts is None else ts, [_event_obj(e) for e in events]]
+    return msgpack.packb(batch, use_bin_type=True)
+
+
+# ---- decoding (untrusted input) -------------------------------------------------------
+
+_STORED_ORDER = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+)
+_REMOVED_ORDER = ("block_hashes", "medium")
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """One batch in vLLM's or SGLang's wire form; ValueError on anything else."""
+    import msgpack  # see encode_batch
+
+    if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > MAX_BATCH_BYTES:
+        raise ValueError("batch is not bytes or is too large")
+    try:
+        raw = msgpack.unpackb(
+            payload, raw=False, strict_map_key=True, max_array_len=MAX_BATCH_BYTES,
+            max_map_len=64, max_str_len=256, max_bin_len=MAX_HASH_BYTES, max_ext_len=0,
+        )  # fmt: skip
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise ValueError(f"batch is not msgpack: {str(exc)[:80]}") from None
+    if not isinstance(raw, list) or len(raw) not in (2, 3):
+        raise ValueError("batch is not [ts, events(, dp_rank)]")
+    ts, events = raw[0], raw[1]
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise ValueError("batch ts is not a number")
+    if not isinstance(events, list) or len(events) > MAX_EVENTS:
+        raise ValueError("batch events is not a list of bounded length")
+    return EventBatch(float(ts), tuple(_event(e) for e in events))
+
+
+def _fields(raw: object, order: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        return kind, raw  # type: ignore[return-value]
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        return raw[0], dict(zip(order, raw[1:], strict=False))
+    raise ValueError("event is neither a tagged map nor a tagged array")
+
+
+def _event(raw: object) -> KVEvent:
+    tag = (
+        raw.get("type")
+        if isinstance(raw, dict)
+        else (raw[0] if isinstance(raw, list) and raw else None)
+    )
+    if tag == "BlockStored":
+        _, f = _fields(raw, _STORED_ORDER)
+        hashes = _hashes(f.get("block_hashes"))
+        size = f.get("block_size")
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_BLOCK_SIZE:
+            raise ValueError("block_size out of range")
+        tokens = f.get("token_ids")
+        if size == 0 and tokens == [] and f.get("parent_block_hash") is None:
+            # A store known by hash only: vLLM's offloading connector announces a block
+            # it copied to its CPU tier so unless its events are "self-describing".
+            return BlockStored(hashes, None, np.empty(0, np.int64), 0, _medium(f))
+        if size == 0 or not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
+            raise ValueError("token_ids is not block_size tokens per block")
+        ids = np.array(tokens)  # checked as a whole: no Python loop per token
+        if ids.dtype.kind not in "iu" or ids.ndim != 1:
+            raise ValueError("token ids are not integers")
+        if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
+            raise ValueError("token id out of range")
+        parent = f.get("parent_block_hash")
+        return BlockStored(
+            hashes, None if parent is None else _hash(parent), ids.astype(np.int64), size,
+            _medium(f),
+        )  # fmt: skip
+    if tag == "BlockRemoved":
+        _, f = _fields(raw, _REMOVED_ORDER)
+        return BlockRemoved(_hashes(f.get("block_hashes")), _medium(f))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown event type {str(tag)[:40]!r}")
+
+
+def _hash(value: object) -> BlockHash:
+    if type(value) is int and -(2**63) <= value < 2**64:
+        return value
+    if isinstance(value, bytes) and 0 < len(value) <= MAX_HASH_BYTES:
+        return value
+    raise ValueError("block hash is neither a 64-bit int nor short bytes")
+
+
+def _hashes(value: object) -> tuple[BlockHash, ...]:
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_BLOCKS:
+        raise ValueError("block_hashes is not a non-empty list of bounded length")
+    return tuple(_hash(v) for v in value)
+
+
+def _medium(f: dict[str, Any]) -> str | None:
+    medium = f.get("medium")
+    if medium is None:
+        return None
+    if medium not in MEDIUMS:
+        raise ValueError(f"unknown medium {str(medium)[:20]!r}")
+    return medium
+
+
+# ---- stream entries (Redis) ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    """One entry of a worker's event stream: a batch stamped with the writer's epoch and
+    a sequence number that starts at 0 in each epoch and grows by one per entry.
+
+    `resync`: the writer lost events it cannot get back (a stock engine's replay could
+    not serve a gap, worker/attach/kv_subscriber.py). It follows the hole it leaves in the
+    sequence, so a reader that does not know the field still sees a gap; one that does
+    rebuilds the worker's index from here (router/fleet/kv_feed.py)."""
+
+    worker_id: str
+    epoch: float
+    seq: int
+    batch: EventBatch
+    resync: bool = False
+
+
+def entry_fields(
+    worker_id: str, epoch: float, seq: int, payload: bytes, resync: bool = False
+) -> dict[str, bytes | str]:
+    fields: dict[str, bytes | str] = {
+        "worker": worker_id, "epoch": repr(float(epoch)), "seq": str(seq), "batch": payload,
+    }  # fmt: skip
+    if resync:
+        fields["resync"] = "1"
+    return fields
+
+
+def parse_entry(owner: str, fields: dict[bytes, bytes]) -> StreamEntry:
+    """An entry read from `owner`'s stream; ValueError when malformed or not `owner`'s."""
+    if not isinstance(fields, dict) or len(fields) > 8:
+        raise ValueError("entry is not a small map")
+    try:
+        worker = fields[b"worker"].decode()
+        epoch = float(fields[b"epoch"].decode())
+        seq = int(fields[b"seq"].decode())
+        payload = fields[b"batch"]
+        resync = fields.get(b"resync", b"0")
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"entry lacks or garbles a field ({str(exc)[:40]})") from None
+    if worker != owner:
+        raise ValueError(f"entry names another worker ({worker[:40]!r})")
+    if not (epoch == epoch and 0 <= epoch < 1e12) or not 0 <= seq < 2**63:
+        raise ValueError("entry epoch or seq out of range")
+    if resync not in (b"0", b"1"):
+        raise ValueError("entry resync is neither 0 nor 1")
+    return StreamEntry(worker, epoch, seq, decode_batch(payload), resync == b"1")

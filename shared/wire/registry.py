@@ -1,0 +1,262 @@
+"""The fleet registry in Redis: the one place that knows the key names.
+
+Layout (prefix default `radixrouter:`):
+
+    <prefix>worker:<id>   hash, written every heartbeat, expires after a few intervals
+    <prefix>events        pub/sub channel: JSON {"event": "join"|"leave", "worker_id", "url"}
+    <prefix>decisions     stream of routing decisions shared by router replicas (router/fleet/sync.py)
+    <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
+    <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/http/ratelimit.py)
+    <prefix>kvevents:<id> stream of worker <id>'s KV-cache events (shared/wire/kv_events.py),
+                          bounded (MAXLEN ~); written under the worker's own ACL like its hash
+
+Workers write (`publish_heartbeat`, `leave`); routers read (`read_fleet`).
+
+Membership is the set of live heartbeat hashes, found by SCAN, and nothing else. Each
+worker's Redis user may write only its own hash (README's ACL lines), so no worker
+credential can add, remove or replace another worker: an earlier shared id set that
+every worker could DEL/SREM/SADD let one worker empty every router's fleet or stand in
+for the others. A worker's hash names itself in its key; a record whose `worker_id`
+disagrees with its key is rejected. The events channel only wakes routers early (its
+content is never trusted; router/fleet/discovery.py bounds how often it may wake them).
+
+Cost: SCAN walks the whole database, not only matching keys, so a poll costs
+O(keys in the db / SCAN_COUNT) round trips plus one pipelined HGETALL per worker
+(loadtests/results/registry_scan.md has the numbers at 1,000 workers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+
+from redis.asyncio import Redis
+
+from shared.wire.kv_events import entry_fields
+from shared.wire.peers import Rejections, check_worker_id, check_worker_url
+
+# Counts and sizes a worker reports (tokens, requests) are far below this; larger is a lie.
+MAX_COUNT = 10**15
+MAX_WORKERS = 4096  # worker hashes read per poll
+SCAN_COUNT = 10_000  # keys the server walks per SCAN round trip (~1 ms of its time)
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    worker_id: str
+    url: str
+    model: str
+    engine: str
+    epoch: float  # process start time: a new epoch means an empty cache
+    running: int = 0
+    waiting: int = 0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    draining: bool = False
+    # Inputs of the router's cost_aware policy (see worker.engine.types.EngineStats).
+    queued_prefill_tokens: int = 0
+    prefill_us_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    max_running_requests: int = 0
+    request_ms: float = 0.0
+    # The host KV tier (0: none): capacity and use in tokens, prompt tokens served from
+    # it (part of cached_tokens_total), its load bandwidth and the KV bytes of a token
+    # (a host hit costs kv_bytes_per_token / host_load_bytes_per_s, not a prefill).
+    host_kv_capacity_tokens: int = 0
+    host_kv_used_tokens: int = 0
+    host_cached_tokens_total: int = 0
+    host_load_bytes_per_s: float = 0.0
+    kv_bytes_per_token: int = 0
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            k: (str(int(v)) if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()
+        }
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes | str, bytes | str]) -> WorkerRecord:
+        """Parse a hash; ValueError on anything malformed. The store is not trusted: the id
+        ends up in headers and key names, the URL in the proxy, the numbers in routing."""
+        if len(raw) > 64:
+            raise ValueError("worker record has too many fields")
+        data: dict[str, str] = {}
+        for k, v in raw.items():
+            key = k.decode() if isinstance(k, bytes) else k
+            value = v.decode() if isinstance(v, bytes) else v
+            if len(value) > 1024:
+                raise ValueError(f"worker record field {key!r:.40} is too long")
+            data[key] = value
+        kwargs: dict[str, object] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.name in ("worker_id", "url", "model", "engine", "epoch"):
+                    raise ValueError(f"worker record lacks {f.name!r}")
+                continue
+            value = data[f.name]
+            if f.type == "int":
+                number = int(value)  # ValueError on "1.5", "x"
+                if not 0 <= number <= MAX_COUNT:
+                    raise ValueError(f"{f.name} out of range: {number}")
+                kwargs[f.name] = number
+            elif f.type == "float":
+                real = float(value)
+                if not (math.isfinite(real) and 0 <= real <= MAX_COUNT):
+                    raise ValueError(f"{f.name} out of range: {real}")
+                kwargs[f.name] = real
+            elif f.type == "bool":
+                kwargs[f.name] = value not in ("0", "", "false", "False")
+            elif not value.isprintable() or len(value) > 256:
+                raise ValueError(f"{f.name} must be printable text of at most 256 characters")
+            else:
+                kwargs[f.name] = value
+        record = cls(**kwargs)  # type: ignore[arg-type]
+        check_worker_id(record.worker_id)
+        check_worker_url(record.url)
+        return record
+
+
+class Registry:
+    def __init__(
+        self, redis: Redis, prefix: str = "radixrouter:", rejections: Rejections | None = None
+    ) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.rejections = rejections if rejections is not None else Rejections()
+
+    def worker_key(self, worker_id: str) -> str:
+        return f"{self.prefix}worker:{worker_id}"
+
+    @property
+    def worker_pattern(self) -> str:
+        """SCAN pattern of every worker hash (glob characters in the prefix escaped)."""
+        return f"{_glob_escape(self.prefix)}worker:*"
+
+    @property
+    def events_channel(self) -> str:
+        return f"{self.prefix}events"
+
+    @property
+    def decisions_stream(self) -> str:
+        return f"{self.prefix}decisions"
+
+    def kv_events_key(self, worker_id: str) -> str:
+        return f"{self.prefix}kvevents:{worker_id}"
+
+    async def append_kv_events(
+        self, worker_id: str, epoch: float, seq: int, payload: bytes, maxlen: int,
+        resync: bool = False,
+    ) -> None:  # fmt: skip
+        """One batch onto the worker's bounded event stream (trimmed approximately: cheap).
+        `resync`: events before it were lost for good (shared/wire/kv_events.py StreamEntry)."""
+        await self.redis.xadd(
+            self.kv_events_key(worker_id),
+            entry_fields(worker_id, epoch, seq, payload, resync),  # type: ignore[arg-type]
+            maxlen=maxlen,
+            approximate=True,
+        )
+
+    async def read_kv_events(
+        self, cursors: dict[str, str], count: int, block_ms: int | None
+    ) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
+        """New entries of each worker's stream after its cursor (an entry id; "0" for all,
+        "$" for only new), as [(worker_id, [(entry_id, fields), ...]), ...]."""
+        if not cursors:
+            return []
+        streams = {self.kv_events_key(w): c for w, c in cursors.items()}
+        replies = await self.redis.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
+        cut = len(self.kv_events_key(""))
+        out = []
+        for key, entries in replies or ():
+            name = key.decode() if isinstance(key, bytes) else key
+            out.append((name[cut:], entries))
+        return out
+
+    async def last_kv_event_id(self, worker_id: str) -> bytes | None:
+        """The id of the newest entry in the worker's stream (None when empty)."""
+        entries = await self.redis.xrevrange(self.kv_events_key(worker_id), count=1)
+        return entries[0][0] if entries else None
+
+    def router_key(self, replica_id: str) -> str:
+        return f"{self.prefix}router:{replica_id}"
+
+    def ratelimit_key(self, client_hex: str) -> str:
+        return f"{self.prefix}ratelimit:{client_hex}"
+
+    @property
+    def router_pattern(self) -> str:
+        return f"{self.prefix}router:*"
+
+    async def publish_heartbeat(self, record: WorkerRecord, ttl_s: float, *, joined: bool) -> None:
+        key = self.worker_key(record.worker_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=record.to_hash())
+            pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+            if joined:
+                pipe.publish(self.events_channel, _event("join", record))
+            await pipe.execute()
+
+    async def leave(self, record: WorkerRecord) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.worker_key(record.worker_id))
+            pipe.publish(self.events_channel, _event("leave", record))
+            await pipe.execute()
+
+    async def read_fleet(self) -> dict[str, WorkerRecord]:
+        """Every live worker: each heartbeat hash under the prefix. Malformed ids and
+        records, and records naming another id than their key, are skipped, counted and
+        logged (`rejections`), never routed to."""
+        ids = await self._worker_ids()
+        if not ids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for wid in ids:
+                pipe.hgetall(self.worker_key(wid))
+            # One hash that is not a hash (WRONGTYPE) must not hide the others.
+            hashes = await pipe.execute(raise_on_error=False)
+        fleet: dict[str, WorkerRecord] = {}
+        for wid, raw in zip(ids, hashes, strict=True):
+            if not raw:  # expired between SCAN and HGETALL
+                continue
+            try:
+                if isinstance(raw, Exception):
+                    raise ValueError(f"unreadable record: {raw}")
+                record = WorkerRecord.from_hash(raw)
+                if record.worker_id != wid:
+                    raise ValueError(f"record names another worker ({record.worker_id!r:.40})")
+            except (ValueError, TypeError, UnicodeDecodeError) as e:
+                self.rejections.reject("registry", wid, str(e))
+                continue
+            fleet[wid] = record
+        return fleet
+
+    async def _worker_ids(self) -> list[str]:
+        """The ids of the worker hashes (from their keys), sorted, at most MAX_WORKERS."""
+        start = len(self.worker_key(""))
+        found: set[str] = set()  # SCAN may return a key twice
+        async for key in self.redis.scan_iter(
+            match=self.worker_pattern, count=SCAN_COUNT, _type="hash"
+        ):
+            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+            wid = name[start:]
+            if wid in found:
+                continue
+            if len(found) >= MAX_WORKERS:
+                self.rejections.reject("registry", "scan", f"over {MAX_WORKERS} workers")
+                break
+            try:
+                found.add(check_worker_id(wid))
+            except ValueError as e:
+                self.rejections.reject("registry", wid, str(e))
+        return sorted(found)
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a Redis glob pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+def _event(kind: str, record: WorkerRecord) -> str:
+    return json.dumps({"event": kind, "worker_id": record.worker_id, "url": record.url})

@@ -1,0 +1,112 @@
+"""Block keys carried across conversation turns (shared/tokens/prompt_ids.py) equal the keys of
+the whole prompt computed from scratch: across turns, edited earlier messages, block
+sizes, tokenizers, and after the caches are cleared at their bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.fleet.kv_index import BlockIndex
+from shared.tokens.prompt_ids import PromptIds
+from shared.tokens.prompt_tokens import PromptTokens, encode_prompt, load_tokenizer
+from shared.wire.kv_events import BlockStored, block_key_list, block_keys
+
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
+SIZES = (1, 3, 16)
+
+
+def scratch(ids: PromptIds, size: int) -> list[int]:
+    return block_keys(np.asarray(list(ids), dtype=np.int64), size).tolist()
+
+
+@pytest.fixture(params=["sim", "tiny"])  # tiny: a Llama template that writes BOS itself
+def setting(request, tiny_model_dir: Path) -> str:
+    return "sim" if request.param == "sim" else str(tiny_model_dir)
+
+
+def test_carried_keys_are_the_whole_prompts_keys(setting: str) -> None:
+    router = PromptTokens.load(setting)
+    worker = load_tokenizer(setting)
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        system=st.sampled_from(["Be brief. " * 12, "Be kind. " * 9]),
+        turns=st.lists(st.tuples(TEXT, TEXT), min_size=1, max_size=5),
+        edit=st.integers(0, 9),
+    )
+    def check(system: str, turns: list[tuple[str, str]], edit: int) -> None:
+        chat = [{"role": "system", "content": system}]
+        for user, answer in turns:
+            chat.append({"role": "user", "content": user})
+            ids = router.chat(chat)
+            assert list(ids) == encode_prompt(worker, worker.apply_chat_template(chat, True))
+            for size in SIZES:  # each size keyed apart; asked twice: cached the second time
+                assert ids.block_keys(size) == scratch(ids, size)
+                assert ids.block_keys(size) == scratch(ids, size)
+            chat.append({"role": "assistant", "content": answer})
+        # An earlier message edited: the turns after it are another branch of the trie.
+        k = edit % len(chat)
+        chat[k] = {**chat[k], "content": chat[k]["content"] + " (edited)"}
+        ids = router.chat(chat)
+        assert list(ids) == encode_prompt(worker, worker.apply_chat_template(chat, True))
+        assert all(ids.block_keys(size) == scratch(ids, size) for size in SIZES)
+
+    check()
+    assert router.piecewise
+
+
+def test_the_caches_stay_within_their_bounds_and_stay_right() -> None:
+    router = PromptTokens(load_tokenizer("sim"), max_entries=12, max_tokens=600)
+    chats = [[{"role": "system", "content": f"Chat {i}. " + "word " * 40}] for i in range(5)]
+    for turn in range(8):
+        for i, chat in enumerate(chats):
+            chat.append({"role": "user", "content": f"turn {turn} of {i}"})
+            ids = router.chat(chat)
+            pieces, runs, held = router.cached
+            assert pieces + runs <= 12 and held <= 600
+            assert ids.block_keys(4) == scratch(ids, 4)
+    # Ids made before a clear keep their own chain: still right after many clears.
+    early = router.chat(chats[0][:2])
+    for i in range(30):
+        router.chat([{"role": "user", "content": f"filler {i} " * 10}])
+    assert early.block_keys(8) == scratch(early, 8)
+
+
+def test_another_tokenizer_never_reads_the_cache(tiny_model_dir: Path) -> None:
+    chat = [{"role": "system", "content": "Shared words. " * 20}, {"role": "user", "content": "hi"}]
+    sim, tiny = PromptTokens.load("sim"), PromptTokens.load(str(tiny_model_dir))
+    a = sim.chat(chat)
+    misses = tiny.misses
+    b = tiny.chat(chat)
+    assert tiny.misses > misses  # nothing of sim's reached tiny's instance
+    assert list(b) == encode_prompt(tiny.tokenizer, tiny.tokenizer.apply_chat_template(chat))
+    assert list(a) != list(b)
+    assert a.block_keys(4) == scratch(a, 4) and b.block_keys(4) == scratch(b, 4)
+
+
+def test_the_index_matches_carried_keys_as_plain_ids() -> None:
+    router = PromptTokens.load("sim")
+    chat = [{"role": "system", "content": "Held words. " * 30}, {"role": "user", "content": "one"}]
+    held = router.chat(chat)
+    index = BlockIndex(4)
+    n = len(held) // 4 * 4
+    index.apply("w0", [BlockStored(tuple(range(1, n // 4 + 1)), None, list(held)[:n], 4)])
+    chat += [{"role": "assistant", "content": "two"}, {"role": "user", "content": "three"}]
+    ids = router.chat(chat)
+    assert ids.last is not None  # carried, not keyed from scratch
+    assert index.match(ids) == index.match(np.asarray(list(ids))) == {"w0": n}
+
+
+def test_block_keys_chain_from_their_parent_and_tell_repeats_apart() -> None:
+    a, b = list(range(32)), list(range(100, 116))
+    whole = block_key_list(a + b + [7, 7], 16)  # the partial block is not keyed
+    assert len(whole) == 3 and all(0 <= k < 2**64 for k in whole)
+    assert whole[:2] == block_key_list(a, 16)
+    assert whole[2:] == block_key_list(b, 16, parent=whole[1])
+    assert block_keys(np.asarray(a + b), 16).tolist() == whole  # the events' array form
+    assert len(set(block_key_list([0] * 64, 16))) == 4  # same tokens, other parents

@@ -1,0 +1,73 @@
+import pytest
+from pydantic import ValidationError
+
+from shared.serving.errors import error_body, validation_error
+from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, routing_text
+
+
+def test_chat_turns_extend_the_previous_text() -> None:
+    turn1 = {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    }
+    turn2 = {
+        "messages": [
+            *turn1["messages"],
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "text", "text": "more"}]},
+        ]
+    }
+    t1, _ = routing_text("chat", turn1)
+    t2, _ = routing_text("chat", turn2)
+    assert t2.startswith(t1) and len(t2) > len(t1)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"),
+    [
+        ("chat", {"messages": []}, "messages"),
+        ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("completions", {"prompt": ""}, "prompt"),
+        ("completions", {}, "prompt"),
+        ("completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("completions", {"prompt": "x", "stop": [""]}, "stop"),
+        ("generate", {"sampling_params": {}}, None),
+    ],
+)
+def test_bad_requests_name_the_field(endpoint: str, body: dict, param: str | None) -> None:
+    with pytest.raises(ValidationError) as e:
+        routing_text(endpoint, body)
+    err = validation_error(e.value)
+    assert err.status == 400
+    if param is not None:
+        assert err.param is not None and err.param.startswith(param)
+
+
+def test_completion_prompt_forms() -> None:
+    assert CompletionRequest.model_validate({"prompt": [1, 2, 3]}).prompt_ids() == [1, 2, 3]
+    assert CompletionRequest.model_validate({"prompt": ["abc"]}).prompt_text() == "abc"
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7, "extra": 1}
+    )
+    assert chat.effective_max_tokens == 7
+
+
+def test_error_shape() -> None:
+    body = error_body(429, "slow down", code="rate_limited")
+    assert body == {
+        "error": {
+            "message": "slow down",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "rate_limited",
+        }
+    }
+    assert error_body(503, "x")["error"]["type"] == "server_error"

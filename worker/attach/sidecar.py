@@ -1,0 +1,306 @@
+"""`radix-worker attach`: make an unmodified SGLang or vLLM server a worker of the fleet.
+
+    radix-worker attach --upstream http://127.0.0.1:8000 --engine {sglang,vllm}
+                        --redis-url URL [--worker-id ID] [--advertise-url URL]
+
+A sidecar next to the stock server (same pod in the chart). Every `--interval` it
+scrapes the upstream's own `/metrics` (worker/attach/upstream_metrics.py: running, queued, KV
+usage, token totals) and writes the same heartbeat record our workers write, with the
+upstream's URL (or `--advertise-url`, what routers dial), its model from `/v1/models`,
+and its KV capacity (vLLM: `vllm:cache_config_info`; SGLang: `/get_server_info`
+`max_total_num_tokens`). The router treats it as any worker: both engines serve the
+OpenAI API and report `cached_tokens`. Of a host KV tier only SGLang's host hits are
+exported in tokens (worker/attach/upstream_metrics.py says what each engine exposes).
+
+Epochs: a router drops a worker's prefix tree when its epoch changes, so the sidecar
+starts a new one whenever the upstream's cache may have been lost: its
+`process_start_time_seconds` changed, its cumulative token counters went backwards,
+or it stopped answering and came back. While the upstream does not answer, the
+sidecar deregisters it (routers stop sending within a discovery interval) instead of
+heartbeating a dead server; it registers again once it answers.
+
+SIGTERM: deregister at once and exit 0. In the chart the engine container then keeps
+serving through its preStop delay, so requests the routers still send are answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from redis.exceptions import RedisError
+
+from shared.config import read_password_file
+from shared.serving.aio import stop_task
+from shared.wire.peers import served_model
+from shared.wire.registry import Registry, WorkerRecord
+from worker.attach.upstream_metrics import StockEngine, UpstreamLoad, parse_load
+from worker.heartbeat import Heartbeat, connect
+
+log = logging.getLogger("worker.attach")
+
+
+@dataclass(frozen=True)
+class AttachConfig:
+    upstream: str
+    engine: StockEngine
+    redis_url: str
+    worker_id: str
+    advertise_url: str
+    redis_prefix: str = "radixrouter:"
+    redis_password_file: str | None = None
+    served_model_name: str | None = None
+    interval: float = 1.0
+    ttl_intervals: int = 3
+    timeout: float = 2.0
+    # The engine's ZMQ KV-event publisher and replay socket (worker/attach/kv_subscriber.py).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_stream_len: int = 10_000
+
+
+class Upstream:
+    """What the sidecar knows of the stock server, refreshed once per interval."""
+
+    def __init__(self, config: AttachConfig, session: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.session = session
+        self.base = config.upstream.rstrip("/")
+        self.epoch = 0.0
+        self.model = ""
+        self.capacity = 0
+        self._last: UpstreamLoad | None = None
+        self._was_down = True
+
+    async def _get(self, path: str) -> Any:
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout)
+        async with self.session.get(self.base + path, timeout=timeout) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+            return await (r.text() if path == "/metrics" else r.json(content_type=None))
+
+    async def _identify(self) -> None:
+        """Model name and KV capacity: read once per epoch (they change only on restart)."""
+        models = await self._get("/v1/models")
+        self.model = self.config.served_model_name or served_model(models)
+        if self.config.engine == "sglang":
+            info = await self._get("/get_server_info")
+            value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+            self.capacity = value if isinstance(value, int) and value > 0 else 0
+
+    def _restarted(self, load: UpstreamLoad) -> bool:
+        last = self._last
+        if self._was_down or last is None:
+            return True
+        if (
+            load.start_time is not None
+            and last.start_time is not None
+            and (abs(load.start_time - last.start_time) > 1e-3)
+        ):
+            return True
+        return (
+            load.prompt_tokens_total < last.prompt_tokens_total
+            or load.cached_tokens_total < last.cached_tokens_total
+        )
+
+    async def poll(self) -> UpstreamLoad | None:
+        """The upstream's load now, or None when it does not answer as the engine named."""
+        try:
+            load = parse_load(self.config.engine, await self._get("/metrics"))
+            if load is None:
+                raise ValueError(f"/metrics has no {self.config.engine} load metrics")
+            if self._restarted(load):
+                await self._identify()
+                self.epoch = time.time()
+                log.info("upstream %s is up: model %r, new epoch", self.base, self.model)
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            if not self._was_down:
+                log.warning("upstream %s stopped answering (%s)", self.base, exc)
+            self._was_down = True
+            return None
+        self._was_down = False
+        self._last = load
+        if load.capacity_tokens:
+            self.capacity = load.capacity_tokens
+        return load
+
+    def record(self, load: UpstreamLoad) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.config.worker_id,
+            url=self.config.advertise_url,
+            model=self.model,
+            engine=self.config.engine,
+            epoch=self.epoch,
+            running=load.running,
+            waiting=load.waiting,
+            kv_capacity_tokens=self.capacity,
+            kv_used_tokens=int(load.kv_usage * self.capacity),
+            prompt_tokens_total=load.prompt_tokens_total,
+            cached_tokens_total=load.cached_tokens_total,
+            host_cached_tokens_total=load.host_cached_tokens_total,
+        )
+
+
+async def attach(config: AttachConfig, stop: asyncio.Event) -> None:
+    """Heartbeat for the upstream until `stop` is set, then deregister it."""
+    redis = connect(config.redis_url, config.interval, config.redis_password_file)
+    registry = Registry(redis, config.redis_prefix)
+    current: list[WorkerRecord] = []
+    heartbeat = Heartbeat(registry, lambda: current[-1], config.interval, config.ttl_intervals)
+    async with aiohttp.ClientSession() as session, contextlib.AsyncExitStack() as tasks:
+        upstream = Upstream(config, session)
+        if config.kv_events:
+            tasks.push_async_callback(
+                _stop_all, _start_kv_events(config, registry, lambda: upstream.epoch)
+            )
+        try:
+            while not stop.is_set():
+                try:
+                    load = await upstream.poll()
+                    if load is not None:
+                        current[:] = [upstream.record(load)]
+                        await heartbeat.beat()
+                    elif heartbeat.joined:
+                        await _leave(registry, current[-1])
+                        heartbeat.joined = False
+                except Exception:  # a sidecar that dies leaves its engine unregistered
+                    log.exception("attach: unexpected error; retrying next interval")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), config.interval)
+        finally:
+            if heartbeat.joined and current:
+                await _leave(registry, replace(current[-1], draining=True))
+            await redis.aclose()
+
+
+def _start_kv_events(
+    config: AttachConfig, registry: Registry, epoch: Callable[[], float]
+) -> list[asyncio.Task[None]]:
+    from worker.attach.kv_subscriber import ZmqEventSubscriber, forward
+
+    queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
+    assert config.kv_events is not None
+    subscriber = ZmqEventSubscriber(config.kv_events, config.kv_events_replay, queue)
+    return [
+        asyncio.create_task(subscriber.run(), name="kv-events-sub"),
+        asyncio.create_task(
+            forward(
+                queue,
+                registry,
+                config.worker_id,
+                epoch,
+                config.kv_events_stream_len,
+                subscriber.complete,
+            ),
+            name="kv-events-forward",
+        ),
+    ]
+
+
+async def _stop_all(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        await stop_task(task)
+
+
+async def _leave(registry: Registry, record: WorkerRecord) -> None:
+    try:
+        await registry.leave(record)
+        log.info("deregistered %s", record.worker_id)
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.warning("could not deregister in Redis (%s); the record expires", exc)
+
+
+def add_attach_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "attach", help="register a stock SGLang or vLLM server as a worker (a sidecar)",
+        description=__doc__.split("\n\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument(
+        "--upstream", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000"
+    )
+    p.add_argument("--engine", required=True, choices=("sglang", "vllm"))
+    p.add_argument(
+        "--redis-url", default=os.environ.get("RADIX_WORKER_REDIS_URL"),
+        help="Redis of the fleet (default: $RADIX_WORKER_REDIS_URL, which keeps a password "
+        "out of the process list)",
+    )  # fmt: skip
+    p.add_argument(
+        "--redis-password-file", default=os.environ.get("RADIX_WORKER_REDIS_PASSWORD_FILE"),
+        help="file holding the Redis password (default: $RADIX_WORKER_REDIS_PASSWORD_FILE); "
+        "the URL then names only the user",
+    )  # fmt: skip
+    p.add_argument("--worker-id", help="id in the fleet (default: the hostname)")
+    p.add_argument("--advertise-url", help="URL routers dial (default: --upstream)")
+    p.add_argument("--served-model-name", help="model name (default: the upstream's /v1/models)")
+    p.add_argument("--redis-prefix", default="radixrouter:")
+    p.add_argument(
+        "--kv-events", metavar="ENDPOINT",
+        help="the engine's ZMQ KV-event publisher, e.g. tcp://127.0.0.1:5557 (vLLM "
+        "--kv-events-config endpoint): forwarded to this worker's Redis stream",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-events-replay", metavar="ENDPOINT",
+        help="the publisher's replay socket (vLLM replay_endpoint), asked on a gap",
+    )  # fmt: skip
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--log-level", default="INFO")
+
+
+def run_attach(args: argparse.Namespace) -> int:
+    from shared.wire.peers import check_worker_id, check_worker_url
+
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )  # fmt: skip
+    try:
+        upstream = check_worker_url(args.upstream)
+        advertise = check_worker_url(args.advertise_url or args.upstream)
+        # Routers drop a record whose id has another shape: refuse it here, loudly.
+        worker_id = check_worker_id(args.worker_id or socket.gethostname())
+    except ValueError as exc:
+        print(f"radix-worker attach: {exc}", file=sys.stderr)
+        return 2
+    if not args.redis_url:
+        print(
+            "radix-worker attach: --redis-url (or RADIX_WORKER_REDIS_URL) is required",
+            file=sys.stderr,
+        )
+        return 2
+    if args.redis_password_file:
+        try:
+            read_password_file(args.redis_password_file)
+        except ValueError as exc:
+            print(f"radix-worker attach: --redis-password-file: {exc}", file=sys.stderr)
+            return 2
+    if args.interval <= 0:
+        print("radix-worker attach: --interval must be > 0", file=sys.stderr)
+        return 2
+    config = AttachConfig(
+        upstream=upstream, engine=args.engine, redis_url=args.redis_url,
+        worker_id=worker_id, advertise_url=advertise,
+        redis_prefix=args.redis_prefix, redis_password_file=args.redis_password_file,
+        served_model_name=args.served_model_name,
+        interval=args.interval, kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
+    )  # fmt: skip
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await attach(config, stop)
+
+    asyncio.run(main())
+    return 0
