@@ -313,6 +313,7 @@ class Metrics(ServiceMetrics):
     ) -> None:
         super().__init__("radix_router")
         self.clock = clock
+        self.started_wall = time.time()  # the counters below count from here
         self.reasons = ReasonWindow()
         r = self.registry
         self.retries = Counter(

@@ -25,10 +25,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import UTC, datetime
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -36,7 +35,7 @@ from redis.exceptions import RedisError
 from router.fleet.workers import Worker
 from shared.serving.aio import reraise_if_cancelled, stop_task
 from shared.wire.peers import Network, Rejections, check_worker_url
-from shared.wire.registry import Registry, WorkerRecord
+from shared.wire.registry import Registry, WorkerRecord, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +54,6 @@ class RegistryFleet(Protocol):
 MAX_BACKOFF_S = 5.0
 MIN_WAKE_GAP_S = 0.1
 WARN_EVERY_S = 60.0
-
-
-def redact_url(url: str) -> str:
-    """`redis://:secret@host:6379/0` -> `redis://:***@host:6379/0`: a URL fit for a log."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 class Discovery:
@@ -192,7 +181,7 @@ class Discovery:
     def _unreachable(self, error: BaseException) -> None:
         """Say so at once (the URL and the error), then once a minute while it lasts."""
         self.connected = False
-        self.last_error = f"{type(error).__name__}: {error}"
+        self.last_error = f"{type(error).__name__}: {error or 'no answer in time'}"
         now = self.clock()
         if self.unreachable_since is None:
             self.unreachable_since = self.wall()

@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.fleet.discovery import iso
 from router.http.state import CLOCK, DISCOVERY, FLEET, KV_FEED, METRICS, POLICY
 
 PAGE_PATH = "/dashboard"
@@ -93,6 +94,9 @@ def snapshot(app: web.Application) -> dict[str, Any]:
         },
         "route_reasons": app[METRICS].reasons.snapshot(now),
         "registry": _registry(app),
+        # Request counts live in this process: a restarted router starts them from 0,
+        # so the page labels them with this time (the workers' token totals survive).
+        "router_started": iso(app[METRICS].started_wall),
     }
 
 

@@ -10,11 +10,12 @@ import re
 
 import pytest
 
-from router.fleet.discovery import Discovery, redact_url
+from router.fleet.discovery import Discovery
 from router.fleet.table import Fleet
 from router.policy import build_policy
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer, free_port
+from shared.wire.registry import redact_url
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 from tests.waiting import ManualClock, wait_until
 
