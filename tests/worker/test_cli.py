@@ -15,7 +15,7 @@ import pytest
 from shared.procs import wait_until
 from tests.worker.conftest import WorkerProcess
 from worker.cli import main
-from worker.engine.runtime.kv_pool import cpu_available_bytes
+from worker.engine.host_memory import cpu_available_bytes
 
 
 def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, dict[str, object]]:
@@ -70,6 +70,18 @@ def test_host_tier_beyond_host_memory_is_refused_at_start_with_the_number(
                           "--cache-tokens", "256", "--host-cache-tokens", str(huge))  # fmt: skip
     assert worker.proc.wait(120) != 0
     assert f"host_cache_tokens {huge} needs" in worker.log() and "available" in worker.log()
+
+
+def test_the_sim_engine_refuses_a_host_tier_beyond_host_memory_the_same_way(
+    spawn_worker: Callable[..., WorkerProcess],
+) -> None:
+    """Was: a numpy traceback asking for 7.11 PiB (issue 31)."""
+    huge = 10**15
+    worker = spawn_worker("--engine", "sim", "--host-cache-tokens", str(huge))
+    assert worker.proc.wait(60) == 1
+    log = worker.log()
+    assert f"engine cannot start: host_cache_tokens {huge} needs" in log and "available" in log
+    assert "Traceback" not in log
 
 
 def test_unknown_key_in_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

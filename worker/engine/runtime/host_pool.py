@@ -28,8 +28,9 @@ from collections import deque
 import numpy as np
 import torch
 
+from worker.engine.host_memory import check_host_memory
 from worker.engine.host_tier import KVCopies
-from worker.engine.runtime.kv_pool import KVPool, cpu_available_bytes
+from worker.engine.runtime.kv_pool import KVPool
 
 
 def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
@@ -38,18 +39,6 @@ def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
     starts = np.concatenate([[0], breaks]).astype(np.int64)
     ends = np.concatenate([breaks, [len(idx)]]).astype(np.int64)
     return list(zip(starts.tolist(), ends.tolist(), idx[starts].tolist(), strict=True))
-
-
-def check_host_memory(tokens: int, bytes_per_token: int, available: int | None = None) -> None:
-    """Refuse a host tier the host's free memory cannot hold (ValueError with the numbers)."""
-    available = cpu_available_bytes() if available is None else available
-    need = tokens * bytes_per_token
-    if need > available:
-        raise ValueError(
-            f"host_cache_tokens {tokens} needs {need:,} bytes of host memory "
-            f"({bytes_per_token:,} bytes per token) but {available:,} are available; "
-            f"at most {available // bytes_per_token} tokens fit"
-        )
 
 
 class HostKVPool:
