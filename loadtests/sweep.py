@@ -17,8 +17,8 @@ the offered rate) and, with `--slo`, 90% of the answered requests met it; the
 *saturation point* is the first rate that is not (loadtests/saturation.py says exactly
 how each is measured). A policy's sweep stops at its saturation point (`--keep-going`
 runs every rate).
-Prints one table (per policy and rate: throughput, goodput, TTFT and TPOT p99, hit
-rate, spread), writes `sweep.json` (each point under vLLM's field names) and
+Prints one table (per policy and rate: offered, sent and answered req/s, goodput, TTFT
+and TPOT p99, hit rate, spread), writes `sweep.json` (each point under vLLM's field names) and
 `sweep.png` (latency vs offered load, one line per policy), and ends with a verdict:
 "cache_aware sustains 8 req/s within the SLO, round_robin 4".
 """
@@ -80,8 +80,8 @@ def run_point(
     at = replace(spec, out=out, request_rate=poisson, max_requests=n)
     summary = run(at, load, title=f"{workload.workload}: {policy}, {rate:g} req/s", quiet=True)
     records = read_records(out / "records.jsonl")
-    offered, kept = rates_per_s(records)
-    return Point(policy, rate, offered, kept, summary, late_share(records))
+    offered, sent, answered = rates_per_s(records)
+    return Point(policy, rate, offered, answered, summary, late_share(records), sent)
 
 
 def sweep(
@@ -106,8 +106,8 @@ def sweep(
                 results[name].append(p)
                 s = p.summary.serving
                 progress.finished(
-                    f"{name} at {rate:g} req/s: {s.request_throughput:.2f} req/s answered, "
-                    f"kept {p.kept:.2f} of {p.offered:.2f} offered, TTFT p99 "
+                    f"{name} at {rate:g} req/s: offered {p.offered:.2f}, sent "
+                    f"{p.sent_rate:.2f}, answered {p.answered:.2f} req/s, TTFT p99 "
                     f"{s.ttft.p99:.0f} ms: {p.why_not or 'sustained'}"
                 )
                 if not p.sustained and not keep_going:
