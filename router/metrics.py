@@ -319,6 +319,12 @@ class Metrics(ServiceMetrics):
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
         )
+        self.foreign_retries = Counter(
+            "radix_router_upstream_foreign_answer_retries",
+            "Requests resent once on a fresh connection: another answer's bytes broke theirs "
+            "before anything reached their client",
+            registry=r,
+        )
         self.decisions = Counter(
             "radix_router_decisions", "Routing decisions", ["reason"], registry=r
         )
