@@ -214,7 +214,9 @@ class WorkerConnection(asyncio.Protocol):
             self._head_bytes = 0
             return
         self.status = status
-        headers = self.headers = CIMultiDict(self._raw)
+        # Set as the answer's head only once its checks pass: a head that broke one (an
+        # echo of another request) was taken for the answer, its status 200 and no type.
+        headers = CIMultiDict(self._raw)
         coding = headers.getall("Transfer-Encoding", None)
         if coding is not None and not only_chunked(coding):
             # No TE was sent, so chunked is the only coding a worker may apply (once).
@@ -225,6 +227,7 @@ class WorkerConnection(asyncio.Protocol):
         if echo is None and self.exchanges > 1:
             raise _Foreign("no x-request-id echo on a reused connection")
         self.echoed = echo is not None
+        self.headers = headers
         self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
         self._chunked = coding is not None
         length = headers.get("Content-Length")
@@ -318,8 +321,6 @@ class WorkerConnection(asyncio.Protocol):
             if self.error is not None:
                 raise self._broken(self.error)
             await self._wait()
-        if self.error is not None:  # the head parsed, then a check on it broke the connection
-            raise self._broken(self.error)
 
     def _broken(self, why: str) -> UpstreamBroken:
         return ForeignAnswer(why) if self.foreign else UpstreamBroken(why)

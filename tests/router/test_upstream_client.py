@@ -153,8 +153,11 @@ async def test_a_garbage_speaking_worker_harms_no_other_request(
     # The bad worker's connections never went back to the pool: one per request it got.
     assert bad.connections == len(bad.requests)
     assert good.connections == 1 and failures(client)[good.url] == 0
-    # A sound answer with a second one after it is no sound answer: never relayed.
-    assert failures(client)[bad.url] == len(bad.requests) >= 1
+    # A sound answer with a second one after it is no sound answer: never relayed. Those
+    # bytes may be another request's late answer, so that request was sent once more on
+    # a fresh connection (issue 31) before the worker's failure was counted.
+    resent = 2 if answer.count(b"HTTP/1.1 ") > 1 else 1
+    assert failures(client)[bad.url] * resent == len(bad.requests) >= 1
     assert pool.stale_retries == 0
 
 
