@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from router.fleet.discovery import Discovery
 from router.fleet.table import Fleet
 from router.policy import build_policy
 from shared.config import RouterConfig
+from shared.procs import Child
+from shared.procs import wait_until as wait_until_sync
 from shared.redis_server import RedisServer, free_port
 from shared.wire.registry import redact_url
 from tests.router.conftest import StartRouter, StartWorkers, url_of
@@ -88,6 +91,21 @@ async def test_an_unreachable_redis_at_start_is_named_at_once(
     assert "Connection" in named or "refused" in named  # the error itself
     body = await (await client.get("/readiness")).json()
     assert SINCE.match(body["registry"])
+
+
+def test_serve_names_an_unreachable_redis_within_5_s(tmp_path: Path) -> None:
+    """Was: `radix-router serve` with a dead Redis logged nothing about it (issue 31)."""
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    router = Child("router", ["router", "serve", "--port", "0", "--redis-url", url],
+                   "", tmp_path / "router.log").start()  # fmt: skip
+    try:
+        # Named on the first failed read of the registry, not after some start timeout.
+        wait_until_sync(lambda: "registry unreachable at" in router.output(), 5.0, router)
+    finally:
+        router.stop(grace_s=5)
+    log = router.output()
+    assert "redis://:***@127.0.0.1:" in log and "Connection refused" in log
+    assert "hunter2" not in log
 
 
 async def test_a_long_outage_warns_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
