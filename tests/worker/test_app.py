@@ -155,7 +155,7 @@ BAD_REQUESTS = [
         {"messages": [{"role": "user", "content": "x"}], "max_token": 3},
         400,
         "max_token",
-    ),  # fmt: skip
+    ),
     ("/generate", {"sampling_params": {}}, 400, None),
     (
         "/generate",
