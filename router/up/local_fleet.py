@@ -99,7 +99,7 @@ class UpFleet:
             code = 1
         finally:
             self.stop()
-            self._tidy_logs(failed=code != 0)
+            self._tidy_logs(failed=code != 0 and not self._stop.is_set())  # not a Ctrl-C
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return code
