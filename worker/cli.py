@@ -238,6 +238,8 @@ async def serve(config: WorkerConfig) -> int:
     # Blocking setup (tokenizers, vLLM args) off the loop; weights load in engine.start().
     try:
         engine = await asyncio.to_thread(build_engine, config)
+    except ConfigError:
+        raise  # a key that names what is wrong: exit 2 (main)
     except ValueError as e:  # a size the host cannot hold (worker/engine/host_memory.py)
         log.error("engine cannot start: %s", e)
         return 1

@@ -168,7 +168,7 @@ class Discovery:
 
     def _reachable(self) -> None:
         if self.unreachable_since is not None:
-            log.warning(
+            log.info(
                 "registry at %s reachable again (unreachable since %s); workers re-register "
                 "within a heartbeat", self.url, iso(self.unreachable_since),
             )  # fmt: skip
