@@ -1,6 +1,9 @@
 """The GPU check's `ops` section: issue 25's kernels, fused ops, sampler and FP8 KV
 cache, each timed on the device next to its reference, with its correctness check.
 
+    baseline    our decode and extend kernels beside torch's SDPA over the same pages
+                (and FlashInfer's / vLLM's where importable), with the bandwidth floor
+                (loadtests/gpu_baseline.py)
     decode      the decode attention kernel at batch 64 x context 2,048 (Llama-3.2-1B's
                 attention: 32 heads, 8 KV heads, dim 64), bf16 and fp8 pools: us per
                 layer against the floor = the K/V bytes it must read / the measured
@@ -60,13 +63,19 @@ def time_us(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     return 1e6 * statistics.median(times)
 
 
+def batch_slots(capacity: int, items: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Each (cached tokens, new tokens) item's slots, drawn from the permuted pool."""
+    free, used, out = np.random.default_rng(0).permutation(capacity), 0, []
+    for start, n in items:
+        out.append(free[used : used + start + n].astype(np.int64))
+        used += start + n
+    return out
+
+
 def _batch(device: torch.device, s: dict, items: list[tuple[int, int]], capacity: int):
     """Metadata of a batch of (cached tokens, new tokens) items over permuted slots."""
-    rng = np.random.default_rng(0)
-    free, used, batch = rng.permutation(capacity), 0, []
-    for start, n in items:
-        batch.append(BatchItem([1] * n, start, free[used : used + start + n].astype(np.int64)))
-        used += start + n
+    batch = [BatchItem([1] * n, start, slots)
+             for (start, n), slots in zip(items, batch_slots(capacity, items), strict=True)]  # fmt: skip
     width = max(a + b for a, b in items)
     table = ReqToTokenTable(len(items), width, device)
     return build_step(batch, list(range(len(items))), table, Staging(device)).meta
@@ -231,11 +240,13 @@ def sampler_step(device: torch.device, s: dict) -> dict[str, Any]:
 
 def ops_section(rec: Any, device: torch.device, quick: bool) -> None:
     from loadtests import gpu_bench as gb
+    from loadtests.gpu_baseline import baseline_step
 
     s = QUICK if quick else FULL
     bw = rec.step("bandwidth", lambda: gb.bandwidth(device))
     measured = bw["measured_copy_bytes_s"] if isinstance(bw, dict) and "error" not in bw else 1e12
     rec.step("decode", lambda: decode_step(device, s, measured), need_s=10)
+    rec.step("baseline", lambda: baseline_step(device, s, measured), need_s=10)
     rec.step("table", lambda: table_step(device, s, quick), need_s=20)
     rec.step("fused", lambda: fused_step(device, s), need_s=10)
     rec.step("sampler", lambda: sampler_step(device, s), need_s=5)

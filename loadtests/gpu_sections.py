@@ -3,7 +3,7 @@
 A section is a list of steps. `Recorder.step` runs one, stores its result (or its
 traceback) and rewrites the section's state file at once, so the parent keeps every
 finished step even when this process is killed or dies in a CUDA error; a step that
-would start after the deadline is recorded as skipped.
+would start after the deadline is recorded as cut (so is a decode cell).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Recorder:
     def step(self, name: str, fn: Callable[[], Any], need_s: float = 2.0) -> Any:
         """Run `fn` as step `name` unless fewer than `need_s` seconds are left."""
         if self.left() < need_s:
-            self.data[name] = {"skipped": f"time budget ({self.left():.0f} s left)"}
+            self.data[name] = {"cut": f"time budget ({self.left():.0f} s left)"}
             self.save()
             return None
         print(f"--- {name}", flush=True)
@@ -175,7 +175,7 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
         return info if isinstance(info, dict) and "error" not in info else None
 
     info = rec.step("runner", lambda: make_runner(backend), need_s=10)
-    if not isinstance(info, dict):  # skipped: no time left
+    if not isinstance(info, dict):  # cut: no time left
         return
     if "error" in info:
         if backend == "sdpa":
@@ -191,9 +191,10 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
     order += [(b, c) for c in contexts for b in batches if (b, c) not in order]
     for batch, context in order:
         cell: dict[str, Any] = {"batch": batch, "context": context}
+        cells.append(cell)  # saved with each figure as it comes
         for _attempt in range(2):
             if rec.left() < 4:
-                cell["skipped"] = "time budget"
+                cell["cut"] = "time budget"
                 break
             try:
                 ms = gb.decode_ms(runner, batch, context, steps)
@@ -207,6 +208,15 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
                          "measured_floor_ms": round(measured, 3),
                          "measured_ratio": round(ms / measured, 2)}  # fmt: skip
                 cell.pop("error", None)
+                rec.save()  # the contiguous figure stands even if the fragmented one is cut
+                if rec.left() < 4:
+                    cell["cut"] = "time budget (the fragmented figure)"
+                    break
+                # Issue 32: a pool in service is fragmented; both figures, side by side.
+                frag = gb.decode_ms(runner, batch, context, steps, fragmented=True)
+                cell |= {"fragmented_ms": round(frag, 3),
+                         "fragmented_ratio": round(frag / floor, 2),
+                         "fragmented_over_contiguous": round(frag / ms, 2)}  # fmt: skip
                 break
             except Exception:
                 traceback.print_exc()
@@ -216,11 +226,9 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
                     break
                 runner = None
                 if not (info := fall_back("the first decode cell failed with triton")):
-                    cells.append(cell)
                     rec.save()
                     return
                 runner = holder["runner"]
-        cells.append(cell)
         rec.save()
     rec.step("kernels", lambda: gb.kernels_of_one_step(runner))
 
