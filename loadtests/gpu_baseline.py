@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loadtests.gpu_kernel_kit import batch_slots, make_batch, random_pool, time_us
 from worker.engine.runtime.attention import make_backend
 
 UNAVAILABLE = "not importable on this machine"
@@ -69,20 +70,18 @@ def _flashinfer_decode(pool: Any, q: torch.Tensor, slots: list[np.ndarray]) -> A
 
 def baseline_step(device: torch.device, s: dict, bandwidth: float) -> dict[str, Any]:
     """Decode at batch x context and extend (n x new over a prefix), ours vs baselines."""
-    from loadtests.gpu_ops import _batch, _pool, batch_slots, time_us
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads, kv_heads, dim = s["heads"], s["kv_heads"], s["dim"]
     b, ctx = s["batch"], s["context"]
     n_ext, new, prefix = s["extend"]
     capacity = max(b * ctx, n_ext * (prefix + new)) + 1
-    pool = _pool(device, s, capacity, None, dtype)
+    pool = random_pool(device, s, capacity, None, dtype)
     ours = make_backend("triton", pool.k, pool.v, num_heads=heads, head_dim=dim,
                         sliding_window=None, device=device)  # fmt: skip
     out: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "rows": []}
     for kind, items in (("decode", [(ctx - 1, 1)] * b), ("extend", [(prefix, new)] * n_ext)):
         slots = batch_slots(capacity, items)
-        meta = _batch(device, s, items, capacity)
+        meta = make_batch(device, s, items, capacity)
         t = meta.out_slots.shape[0]
         q = torch.randn(t, heads, dim, device=device, dtype=dtype)
         kv = pool.read(0, meta.out_slots)[0]  # the new tokens' K/V: already in the pool
@@ -124,8 +123,6 @@ def _vs(ours_us: float, their_us: float) -> dict[str, Any]:
 
 def _flashinfer_row(kind: str, us: float, pool: Any, q: torch.Tensor, slots: list,
                     device: torch.device, s: dict) -> dict[str, Any]:  # fmt: skip
-    from loadtests.gpu_ops import time_us
-
     if importlib.util.find_spec("flashinfer") is None:
         return {"skipped": UNAVAILABLE}
     if kind != "decode" or device.type != "cuda":
