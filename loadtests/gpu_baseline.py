@@ -32,6 +32,15 @@ from worker.engine.runtime.attention import make_backend
 UNAVAILABLE = "not importable on this machine"
 
 
+def importable(name: str) -> bool:
+    """Whether `name` could be imported here, without importing it (a module set to
+    None in sys.modules, or refused by an import hook, is not)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _gather(buf: torch.Tensor, slots: list[np.ndarray]) -> torch.Tensor:
     """[batch, kv heads, tokens, dim] of equal-length slot lists (one index_select)."""
     idx = torch.from_numpy(np.stack(slots)).to(buf.device)
@@ -110,7 +119,7 @@ def baseline_step(device: torch.device, s: dict, bandwidth: float) -> dict[str, 
         row["baselines"]["vllm"] = (
             {"skipped": "importable, not timed: its paged kernels take pages of 16+ tokens, "
                         "this pool's are one token"}
-            if importlib.util.find_spec("vllm") else {"skipped": UNAVAILABLE}
+            if importable("vllm") else {"skipped": UNAVAILABLE}
         )  # fmt: skip
         out["rows"].append(row)
     out["passed"] = all(r["passed"] for r in out["rows"])
@@ -123,7 +132,7 @@ def _vs(ours_us: float, their_us: float) -> dict[str, Any]:
 
 def _flashinfer_row(kind: str, us: float, pool: Any, q: torch.Tensor, slots: list,
                     device: torch.device, s: dict) -> dict[str, Any]:  # fmt: skip
-    if importlib.util.find_spec("flashinfer") is None:
+    if not importable("flashinfer"):
         return {"skipped": UNAVAILABLE}
     if kind != "decode" or device.type != "cuda":
         return {"skipped": "timed for decode on CUDA only"}

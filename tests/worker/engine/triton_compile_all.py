@@ -149,7 +149,7 @@ def main() -> int:
             row["known"] = bool(row["problems"]) and row["problems"] == known
             rows.append(row)
             bad += [row] if row["problems"] and not row["known"] else []
-            print(f"{row['kernel']:22} {row['arch']:6} {label:15} {str(shape):26} "
+            print(f"{row['kernel']:22} {row['arch']:6} {label:15} {shape!s:26} "
                   f"shared {row.get('shared', '-'):>6} warps {row.get('warps', '-')} "
                   f"stages {row.get('stages', '-')} cp.async {row.get('cp_async', '-')!s:5} "
                   f"regs {row.get('regs', '-'):>3} spills {row.get('spill_stores', '-')}"
