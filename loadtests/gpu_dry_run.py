@@ -64,7 +64,9 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "host_tier": {
         "load_bandwidth": {"tokens": 16384, "page": 16, "bytes": 2 << 30, "load_bytes_s": 2e10,
                            "write_back_bytes_s": 2e10, "plain_h2d_bytes_s": 2.5e10,
-                           "load_over_plain": 0.8, "passed": True},
+                           "load_over_plain": 0.8, "passed": True,
+                           "pinning": "registered", "host_bytes": 8 << 30,
+                           "host_bytes_if_pin_memory": 8 << 30},
         "no_host_sync": {"how": "CUDA sync debug mode", "passed": True},
         "greedy_equal": {"passed": True, "cached_tokens": 48, "prefix": 48, "host_loaded": 48},
     },
