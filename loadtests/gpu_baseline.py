@@ -55,8 +55,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new: int) -> torch.
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     from torch.nn.attention.bias import causal_lower_right
 
-    mask = causal_lower_right(new, k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    try:  # lets torch pick its flash / efficient kernels
+        mask = causal_lower_right(new, k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    except (TypeError, RuntimeError):  # a torch whose CausalBias lacks enable_gqa: a dense mask
+        dense = torch.ones(new, k.shape[2], dtype=torch.bool, device=q.device)
+        dense = dense.tril(diagonal=k.shape[2] - new)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
 
 
 def _flashinfer_decode(pool: Any, q: torch.Tensor, slots: list[np.ndarray]) -> Any:
