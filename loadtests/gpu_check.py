@@ -10,12 +10,12 @@ poisons the process that hit it, not the sections after it):
                  penalties + logprobs)
     preset:llama-3.2-1b
                  the headline preset (random weights at the real shapes, drawn on the
-                 device, so nothing downloads): decode ms/step at batch 64 x context
-                 2,048 first, then batch 1/32/64/128 x context 256/2,048 (bf16, CUDA
-                 graphs), each on contiguous and on fragmented slots, with roofline
+                 device, so nothing downloads): decode ms/step at batch 64 and 1 x
+                 context 2,048 first, then greedy tokens equal to transformers' for 3
+                 prompts (fp32), then batch 1/32/64/128 x context 256/2,048 (bf16, CUDA
+                 graphs), each cell on contiguous and on fragmented slots, with roofline
                  ratios; the attention kernels a mixed step launched, prefill tokens/s,
-                 cached vs uncached TTFT for a 4k prefix, one eager point, peak memory,
-                 greedy tokens equal to transformers' for 3 prompts (fp32)
+                 cached vs uncached TTFT for a 4k prefix, one eager point, peak memory
     ops          issue 25's pieces (loadtests/gpu_ops.py): the decode and extend kernels
                  beside torch's SDPA over the same gathered pages (and vLLM's or
                  FlashInfer's kernels where importable) and the bandwidth floor; block
