@@ -18,8 +18,9 @@ def to_markdown(report: dict[str, Any]) -> str:
     env = sections.get("env", {})
     device = env.get("device", {}) if isinstance(env.get("device"), dict) else {}
     versions = env.get("versions", {}) if isinstance(env.get("versions"), dict) else {}
-    lines = [f"# GPU check: {device.get('name', 'device unknown')}", ""]
-    if "dry_run" in report:
+    dry = " (DRY RUN: sample rows)" if "dry_run" in report else ""
+    lines = [f"# GPU check: {device.get('name', 'device unknown')}{dry}", ""]
+    if dry:
         lines += [f"**DRY RUN: {report['dry_run']}; every figure below is a sample.**", ""]
     vs = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "torch_cuda")
     lines += [f"{vs or 'versions unknown'}; `{report.get('command', '')}`; "
