@@ -34,7 +34,7 @@ def cuda_args(out: Path, **kw: object) -> Namespace:
 def no_processes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """CUDA 'available', and every section's process replaced by a recorder: a dry run
     must start none (on a driver without one, they stand in for the device)."""
-    from loadtests import gpu_check
+    from loadtests.gpu import gpu_check
 
     started: list[str] = []
 
@@ -57,7 +57,7 @@ def test_a_dry_run_takes_every_cuda_branch_of_the_driver(
 ) -> None:
     """On main before issue 32 this raised KeyError: 'host_tier' (no cap for it, looked
     up on CUDA only), after env, correctness and ops had run."""
-    from loadtests import gpu_check
+    from loadtests.gpu import gpu_check
 
     args = cuda_args(tmp_path / "out")
     assert gpu_check.main(args) == 0
@@ -72,7 +72,7 @@ def test_a_dry_run_takes_every_cuda_branch_of_the_driver(
 
 
 def test_the_default_plan_fits_its_budget_with_margin(tmp_path: Path) -> None:
-    from loadtests import gpu_check
+    from loadtests.gpu import gpu_check
 
     names = gpu_check.plan(cuda_args(tmp_path))
     assert names == ORDER
@@ -85,7 +85,7 @@ def test_the_default_plan_fits_its_budget_with_margin(tmp_path: Path) -> None:
 def test_a_missing_cap_fails_before_any_section_starts(
     tmp_path: Path, no_processes: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loadtests import gpu_check
+    from loadtests.gpu import gpu_check
 
     caps = {k: v for k, v in gpu_check.SECTION_CAP_S.items() if k != "host_tier"}
     monkeypatch.setattr(gpu_check, "SECTION_CAP_S", caps)
