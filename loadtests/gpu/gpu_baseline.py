@@ -1,11 +1,11 @@
 """The GPU check's baseline (issue 32): our triton decode and extend kernels timed in
 the same run, on the same pool and batch, beside other kernels doing the same work.
 
-    sdpa          torch's scaled_dot_product_attention (flash / memory-efficient, as
-                  torch picks) over the same pages gathered into dense [batch, kv heads,
-                  tokens, dim] tensors before the clock starts: the attention kernel
-                  alone, its best case (a serving engine would pay the gather too,
-                  timed as `sdpa+gather`)
+    sdpa          torch's scaled_dot_product_attention (as torch picks, and with each
+                  of its kernels forced: flash, memory-efficient, cuDNN, math) over the
+                  same pages gathered into dense [batch, kv heads, tokens, dim] tensors
+                  before the clock starts: the attention kernel alone, its best case (a
+                  serving engine would pay the gather too, timed as `sdpa+gather`)
     flashinfer    BatchDecodeWithPagedKVCacheWrapper over the pool itself, viewed as
                   one-token pages (our layout), where flashinfer is importable
     vllm          named with whether it imports: its paged kernels take pages of 16+
@@ -119,6 +119,8 @@ def baseline_step(device: torch.device, s: dict, bandwidth: float) -> dict[str, 
             return _sdpa(q4, _gather(pool.k_buffer[0], sl), _gather(pool.v_buffer[0], sl), n)
 
         row["baselines"]["sdpa"] = _vs(us, sdpa_us)
+        row["sdpa_kernels"] = sdpa_backends(lambda a=(q4, k4, v4, n_new): _sdpa(*a), device,
+                                            s["reps"], us)  # fmt: skip
         row["baselines"]["sdpa+gather"] = _vs(us, time_us(gathered, device, s["reps"]))
         row["baselines"]["flashinfer"] = _flashinfer_row(kind, us, pool, q, slots, device, s)
         row["baselines"]["vllm"] = (
@@ -128,6 +130,26 @@ def baseline_step(device: torch.device, s: dict, bandwidth: float) -> dict[str, 
         )  # fmt: skip
         out["rows"].append(row)
     out["passed"] = all(r["passed"] for r in out["rows"])
+    return out
+
+
+def sdpa_backends(fn: Any, device: torch.device, reps: int, ours_us: float) -> dict[str, Any]:
+    """SDPA timed with each of torch's kernels forced in turn (flash, memory-efficient,
+    cuDNN, math): which one the default took is not reported by torch, and ours / SDPA
+    means little without it. One that refuses these inputs says why."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out: dict[str, Any] = {}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+
+        def forced(backend: Any = getattr(SDPBackend, name)) -> Any:
+            with sdpa_kernel(backend):
+                return fn()
+
+        try:
+            out[name.lower()] = _vs(ours_us, time_us(forced, device, reps))
+        except (RuntimeError, NotImplementedError, ValueError) as exc:  # not for these inputs
+            out[name.lower()] = {"skipped": str(exc).splitlines()[0][:200]}
     return out
 
 
@@ -168,4 +190,10 @@ def to_markdown(r: dict[str, Any]) -> list[str]:
         shape = f"{row['items']} x {row['new']} new over {row['tokens']}"
         lines.append(f"| {row['kind']} | {shape} | {row['ours_us']} | {row['floor_us']} "
                      f"| {row['ours_over_floor']} | " + " | ".join(cells) + " |")  # fmt: skip
+    lines.append("")
+    for row in r["rows"]:
+        forced = row.get("sdpa_kernels", {})
+        each = "; ".join(f"{k} {v['us']} us (ours / it {v['ours_over_it']})" if "us" in v
+                         else f"{k} refused" for k, v in forced.items())  # fmt: skip
+        lines.append(f"- SDPA with each kernel forced, {row['kind']}: {each or 'not timed'}")
     return [*lines, ""]

@@ -28,7 +28,11 @@ _BASELINE_ROW = {"items": 64, "new": 1, "tokens": 2048, "ours_us": 100.0, "floor
                  "baselines": {"sdpa": {"us": 90.0, "ours_over_it": 1.11},
                                "sdpa+gather": {"us": 300.0, "ours_over_it": 0.33},
                                "flashinfer": {"skipped": "not importable on this machine"},
-                               "vllm": {"skipped": "not importable on this machine"}}}
+                               "vllm": {"skipped": "not importable on this machine"}},
+                 "sdpa_kernels": {"flash_attention": {"us": 90.0, "ours_over_it": 1.11},
+                                  "efficient_attention": {"skipped": "No available kernel"},
+                                  "cudnn_attention": {"us": 95.0, "ours_over_it": 1.05},
+                                  "math": {"us": 900.0, "ours_over_it": 0.11}}}
 SAMPLES: dict[str, dict[str, Any]] = {
     "env": {"versions": {"python": "3.12.3", "torch": "2.11.0", "triton": "3.6.0",
                          "torch_cuda": "13.0"},

@@ -127,6 +127,7 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert set(base) == {"decode", "extend"} and ops["baseline"]["passed"]
     for row in base.values():
         assert row["baselines"]["sdpa"]["ours_over_it"] > 0 and row["ours_over_floor"] > 0
+        assert row["sdpa_kernels"]["math"]["us"] > 0  # each of torch's kernels, forced
     assert preset["ttft"]["cached_tokens"] >= 64
     assert preset["prefill_tokens_s"] > 0 and preset["eager_point"]["ms"] > 0
     # Issue 25 (CPU: no graphs; tests/worker/engine/test_graph_capture.py runs the
