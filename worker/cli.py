@@ -240,7 +240,7 @@ async def serve(config: WorkerConfig) -> int:
         engine = await asyncio.to_thread(build_engine, config)
     except ConfigError:
         raise  # a key that names what is wrong: exit 2 (main)
-    except ValueError as e:  # a size the host cannot hold (worker/engine/host_memory.py)
+    except ValueError as e:  # a size the host cannot hold (worker/engine/free_memory.py)
         log.error("engine cannot start: %s", e)
         return 1
     app = create_app(config, engine)

@@ -15,7 +15,7 @@ import pytest
 from shared.procs import wait_until
 from tests.worker.conftest import WorkerProcess
 from worker.cli import main
-from worker.engine.host_memory import cpu_available_bytes
+from worker.engine.runtime.kv_pool import cpu_available_bytes
 
 
 def post(url: str, body: dict[str, object], timeout: float = 30) -> tuple[int, dict[str, object]]:

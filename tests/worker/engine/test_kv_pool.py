@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from worker.engine.allocator import SlotAllocator
-from worker.engine.host_memory import cpu_available_bytes
 from worker.engine.radix_cache import RadixCache
-from worker.engine.runtime.kv_pool import KVPool
+from worker.engine.runtime.kv_pool import KVPool, cpu_available_bytes
 
 CPU = torch.device("cpu")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.host_memory import cpu_available_bytes
+from worker.engine.free_memory import cpu_available_bytes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}

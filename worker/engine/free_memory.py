@@ -1,11 +1,12 @@
-"""Whether the host can hold what a start asks for: one check for every engine.
+"""The host's free memory, and whether a slot count fits in it: torch-free, for the
+sim engine (the radix engine's host tier has its own, pinning-aware check,
+worker/engine/runtime/host_memory.py).
 
-The radix engine's host tier is K and V rows in host memory (`bytes_per_token` of them a
-token); the sim engine keeps no KV, only the slot bookkeeping (`SIM_BYTES_PER_SLOT`, an
-int64 free-list entry a slot). Either way a tier larger than the host's free memory is
-refused at start with the numbers, instead of a numpy or torch allocation failing with
-a traceback (`--host-cache-tokens 1000000000000000` asked numpy for 7.11 PiB, issue 31).
-Torch-free, so the sim path imports it.
+The sim engine keeps no KV, only the slot bookkeeping: `SIM_BYTES_PER_SLOT` (one int64
+free-list entry a slot, worker/engine/allocator.py) for its device pool and its host
+tier alike. A count the host cannot hold is refused at start with the numbers, as the
+radix engine refuses its host tier, instead of numpy failing with a traceback
+(`--host-cache-tokens 1000000000000000` asked numpy for 7.11 PiB, issue 31).
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ def cpu_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_host_memory(
-    tokens: int, bytes_per_token: int, available: int | None = None,
-    key: str = "host_cache_tokens",
-) -> None:  # fmt: skip
+def check_slots_fit(
+    key: str, tokens: int, bytes_per_token: int, available: int | None = None
+) -> None:
     """Refuse `tokens` slots the host's free memory cannot hold (ValueError naming `key`
-    and the numbers)."""
+    and the numbers, in the radix engine's words)."""
     available = cpu_available_bytes() if available is None else available
     need = tokens * bytes_per_token
     if need > available:
