@@ -66,7 +66,22 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's limit
 MAX_N = 128
 
 
+def _known_extras_schema(schema: dict[str, Any], cls: type) -> None:
+    """The OpenAPI document says the rule: no field beyond these, and the documented
+    extensions (known_fields.py) listed as passed on unchecked."""
+    endpoint = getattr(cls, "wire_endpoint", None)
+    if endpoint is None:
+        return
+    props = schema.setdefault("properties", {})
+    for name in sorted(KNOWN_EXTRA[endpoint] - props.keys()):
+        props[name] = {"description": "a documented OpenAI, vLLM or SGLang field: passed on "
+                       "to the worker unchecked (shared/wire/known_fields.py)"}  # fmt: skip
+    schema["additionalProperties"] = False
+
+
 class _Sampling(_Lenient):
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_known_extras_schema)
+
     model: str | None = None
     max_tokens: MaxTokens | None = None
     temperature: float = Field(1.0, ge=0, le=2)
