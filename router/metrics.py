@@ -19,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
 from router.fleet.workers import Worker
+from router.upstream.echo import EchoBook
 from shared.serving.metrics import ServiceMetrics, kv_usage_ratio
 from shared.wire.peers import Rejections
 
@@ -106,6 +107,9 @@ class PoolCounts(Protocol):
 
     @property
     def stale_retries(self) -> int: ...
+
+    @property
+    def echo(self) -> EchoBook: ...
 
 
 class _FleetCollector(Collector):
@@ -259,10 +263,32 @@ class _PoolCollector(Collector):
     """The upstream pool's connections: how often keep-alive saves a connect, and how
     often a worker closed a kept connection under a request (resent, not its failure)."""
 
-    def __init__(self, pool: PoolCounts) -> None:
+    def __init__(self, pool: PoolCounts, fleet: WorkerTable) -> None:
         self.pool = pool
+        self.fleet = fleet
 
-    def collect(self) -> Iterator[CounterFamily]:
+    def collect(self) -> Iterator[Family]:
+        # Which workers do not echo x-request-id: each of their answers costs the next
+        # request a new connection (router/upstream/echo.py).
+        echoes = GaugeFamily(
+            "radix_router_worker_echoes_request_id",
+            "1: the worker's last answer echoed x-request-id (its connections are reused); "
+            "0: it did not (a new connection per request; vLLM: --enable-request-id-headers)",
+            labels=["worker"],
+        )
+        unechoed = CounterFamily(
+            "radix_router_worker_unechoed_answers",
+            "Answers without the x-request-id echo: each cost a new upstream connection",
+            labels=["worker"],
+        )
+        book = self.pool.echo
+        for wid, worker in sorted(self.fleet.workers.items()):
+            status = book.get(worker.url)
+            if status is not None and status.answers:
+                echoes.add_metric([wid], 1.0 if status.echoed_last else 0.0)
+                unechoed.add_metric([wid], status.unechoed)
+        yield echoes
+        yield unechoed
         yield CounterFamily(
             "radix_router_upstream_connections_opened",
             "Connections opened to workers for inference requests",
@@ -308,6 +334,7 @@ class Metrics(ServiceMetrics):
             "Actual cached tokens / tokens predicted by the prefix tree (when predicted > 0)",
             ["worker"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        self._fleet = fleet
         r.register(_FleetCollector(fleet, clock, in_flight))
         if rejections is not None:
             r.register(_RejectionsCollector(rejections))
@@ -316,7 +343,7 @@ class Metrics(ServiceMetrics):
         self.registry.register(_KvFeedCollector(feed))
 
     def watch_pool(self, pool: PoolCounts) -> None:
-        self.registry.register(_PoolCollector(pool))
+        self.registry.register(_PoolCollector(pool, self._fleet))
 
     def answered(self, worker: str, status: int) -> None:
         self.child(self.worker_requests, worker, str(status)).inc()

@@ -167,6 +167,14 @@ def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
     return None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}
 
 
+def echo_of(app: web.Application, url: str) -> dict[str, object] | None:
+    """Whether the worker's answers echo `x-request-id`, and what not echoing costs
+    (router/upstream/echo.py); None before any request went to it."""
+    proxy = app.get(PROXY)
+    status = proxy.pool.echo.get(url) if proxy is not None else None
+    return None if status is None else status.describe()
+
+
 async def list_workers(request: web.Request) -> web.Response:
     app = request.app
     now = app[CLOCK]()
@@ -178,6 +186,7 @@ async def list_workers(request: web.Request) -> web.Response:
         feed = app.get(KV_FEED)
         item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
         item["kv_events_rebuild"] = _rebuild(feed, w.worker_id)
+        item["request_id_echo"] = echo_of(app, w.url)
         out.append(item)
     return web.json_response({"object": "list", "data": out})
 

@@ -148,7 +148,7 @@ def test_no_cycles_per_request_echoing_worker(sim_worker: str) -> None:
         "completion": 200, "chat stream": 200, "bad JSON": 400, "bad field": 400,
         "unknown model": 404,
     }  # fmt: skip
-    assert {k: v[1] for k, v in found.items()} == dict.fromkeys(kinds, {})  # type: ignore[index]
+    assert {k: v[1] for k, v in found.items()} == {key: {} for key in kinds}  # type: ignore[index]
 
 
 def test_no_cycles_per_request_worker_without_echo(no_echo_worker: str) -> None:
