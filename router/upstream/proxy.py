@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +55,7 @@ from router.upstream.answers import (
 from router.upstream.connection import UpstreamBroken
 from router.upstream.transport import Answer, Transport
 from shared.config import RouterConfig
+from shared.serving import json_codec
 from shared.serving.access_log import REQUEST_ID
 from shared.serving.errors import APIError, error_body
 from shared.serving.http import EVENT_STREAM, DeadlineStream
@@ -344,8 +344,8 @@ class Proxy:
             self._succeeded(attempt, decision, routed, answer, cached_tokens_from_sse(answer))
         else:
             self.fleet.failed(attempt, broken[0], self.clock())
-            event = json.dumps(error_body(502, broken[1], code="upstream_error"))
-            last = last[:cut] + f"data: {event}\n\n".encode()  # the partial event dropped
+            event = json_codec.dumps(error_body(502, broken[1], code="upstream_error"))
+            last = last[:cut] + b"data: %s\n\n" % event  # the partial event dropped
         with contextlib.suppress(ConnectionError):  # the client left, or stalled, at the end
             await resp.write_eof(last)
         return resp

@@ -84,7 +84,10 @@ async def test_workers_metrics_and_dashboard_name_the_worker_without_echo(
     unechoed = _metric(metrics, "radix_router_worker_unechoed_answers_total", ids[silent])
     assert unechoed == echo[silent]["unechoed_answers_total"]
     rows = (await (await router.get("/dashboard.json")).json())["workers"]
-    assert {r["url"]: r["request_id_echo"]["echoes"] for r in rows} == {echoing: True, silent: False}
+    assert {r["url"]: r["request_id_echo"]["echoes"] for r in rows} == {
+        echoing: True,
+        silent: False,
+    }
     assert "id echo" in await (await router.get("/dashboard")).text()
 
 
