@@ -13,13 +13,14 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily as CounterFamily
 from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
 from router.fleet.workers import Worker
 from router.upstream.echo import EchoBook
+from shared.serving.loop_metrics import LoopCounter, LoopHistogram
 from shared.serving.metrics import ServiceMetrics, kv_usage_ratio
 from shared.wire.peers import Rejections
 
@@ -316,20 +317,21 @@ class Metrics(ServiceMetrics):
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
         )
-        self.decisions = Counter(
+        # Per request, on the loop: no lock per update (shared/serving/loop_metrics.py).
+        self.decisions = LoopCounter(
             "radix_router_decisions", "Routing decisions", ["reason"], registry=r
         )
-        self.rejected = Counter(
+        self.rejected = LoopCounter(
             "radix_router_rejected",
             "Requests refused before reaching a worker (rate limit, capacity, draining)",
             ["reason"],
             registry=r,
         )
-        self.worker_requests = Counter(
+        self.worker_requests = LoopCounter(
             "radix_router_worker_requests", "Requests answered, by the worker that answered",
             ["worker", "status"], registry=r,
         )  # fmt: skip
-        self.cache_ratio = Histogram(
+        self.cache_ratio = LoopHistogram(
             "radix_router_cached_tokens_ratio",
             "Actual cached tokens / tokens predicted by the prefix tree (when predicted > 0)",
             ["worker"], buckets=RATIO_BUCKETS, registry=r,

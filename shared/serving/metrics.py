@@ -20,6 +20,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from shared.serving.loop_metrics import LoopCounter, LoopHistogram
+
 # Request latency histogram buckets (seconds); Prometheus adds +Inf. Up to 2 minutes:
 # a long generation is still a normal request.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -40,17 +42,18 @@ class ServiceMetrics:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        self.requests = Counter(
+        # Updated per request on the loop: no lock per update (shared/serving/loop_metrics.py).
+        self.requests = LoopCounter(
             f"{prefix}_requests", "Requests answered", ["endpoint", "status"], registry=r
         )
-        self.latency = Histogram(
+        self.latency = LoopHistogram(
             f"{prefix}_request_duration_seconds", "Time to the last byte of the response",
             ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
         self._children: dict[tuple[str, ...], Any] = {}
 
-    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+    def child(self, metric: Counter | Histogram | LoopCounter | LoopHistogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, kept: label values must come from a bounded set."""
         key = (metric._name, *labels)
         found = self._children.get(key)
