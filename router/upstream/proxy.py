@@ -27,7 +27,6 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
@@ -71,18 +70,25 @@ def _event_end(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-@dataclass(frozen=True)
 class Routed:
-    """A validated request, ready to forward."""
+    """A validated request, ready to forward (read-only by convention). A slots class: a
+    frozen dataclass set each of its eight fields through `object.__setattr__`, 3.0 us
+    per request against 0.6 us here (timeit)."""
 
-    endpoint: str  # metrics label: chat | completions | generate
-    path: str  # upstream path, e.g. /v1/chat/completions
-    body: bytes  # forwarded unchanged
-    text: str  # what the policy routes on
-    session_key: str | None
-    model: str | None
-    tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
-    stream: bool = False  # the client asked for a stream (a timeout is then the worker's)
+    __slots__ = ("body", "endpoint", "model", "path", "session_key", "stream", "text", "tokens")
+
+    def __init__(
+        self, endpoint: str, path: str, body: bytes, text: str, session_key: str | None,
+        model: str | None, tokens: Sequence[int] | None = None, stream: bool = False,
+    ) -> None:  # fmt: skip
+        self.endpoint = endpoint  # metrics label: chat | completions | generate
+        self.path = path  # upstream path, e.g. /v1/chat/completions
+        self.body = body  # forwarded unchanged
+        self.text = text  # what the policy routes on
+        self.session_key = session_key
+        self.model = model
+        self.tokens = tokens  # the worker's prompt ids (router `tokenizer` set)
+        self.stream = stream  # the client asked for a stream (a timeout is then the worker's)
 
 
 class ProxyMetrics(Protocol):

@@ -6,19 +6,23 @@ that its cost per request is small, while no request makes a reference cycle, so
 request allocates is freed by reference counting the moment it ends
 (tests/router/test_gc_cycles.py holds the router to 0 cycles per request).
 
-Why: with the interpreter's defaults (700, 10, 10) the router ran a gen-0 collection
-every ~26 requests and a full one over the whole heap (~72k start-up objects, every
-module and the app) now and then: 96 ms for one pass, and 0.24-0.32 ms of CPU per
-request with the KV index on (loadtests/results/kv_events.md). Measured on the router
-(`loadtests/results/router_cpu.md`, 2 cores, 6 s of wrk at 32 connections, a zero-cost
-echoing sim worker): the defaults spent 315 ms in 332 collections (the longest 96 ms);
-frozen with these thresholds, a handful of collections, none over a few ms.
+Why: with the interpreter's defaults (700, 10, 10) the router collected every ~100
+requests and now and then made a full pass over the whole heap (~72k start-up objects:
+every module, the app): 0.24-0.32 ms of CPU per request with the KV index on
+(loadtests/results/kv_events.md). Measured on the router itself (2 cores, load average
+~10 from other jobs, wrk at 32 connections for 6 s, ~7,500 requests, a zero-cost
+echoing sim worker; gc callbacks timing every pass, start-up excluded):
+
+| settings | collections gen 0 / 1 / 2 | time in them | longest pause |
+|---|---|---|---|
+| defaults (700, 10, 10) | 81 / 8 / 1 | 99 ms | 73 ms (the full pass) |
+| frozen + (20000, 20, 100) | 0 / 0 / 0 | 0 ms | - |
 
 - GEN0 = 20,000: the net count of tracked objects allocated (allocations minus frees)
-  between gen-0 collections. A request frees what it allocates, so the count grows only
-  by what outlives requests (tree nodes, the per-worker tables' rows), about 25 objects
-  a request here: one gen-0 pass per ~800 requests instead of ~26, each over at most
-  20k young objects (well under a millisecond).
+  between gen-0 passes. A request frees what it allocates (no cycles), so the count
+  grows only by what outlives requests for a while (requests in flight, tree nodes of
+  new prompts): ~7 objects a request above (81 x 700 / 7,500), so a gen-0 pass every
+  ~2,800 requests instead of every ~100, each over at most 20k young objects.
 - GEN1 = 20: gen-1 passes (over what survived gen 0) every 20 gen-0 passes.
 - GEN2 = 100: a full pass (all but the frozen) is also held back until the objects
   waiting for it exceed 25% of those already in gen 2 (CPython's own rule), so it stays
