@@ -5,11 +5,15 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
-        [--before-ref main] [--upstream-client aiohttp] [--rounds 3]
+        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/refs.py`) as one more target, so a change's price is measured side by side;
 `--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
+`--worker zero` puts `loadtests/zero_worker.py` (a few microseconds a request, echoing
+`x-request-id`) behind the routers instead of the sim worker (~0.5 ms of CPU a request,
+which on 2 cores sets the pace of every target); `--rounds N` repeats each target's run
+N times, the order flipped every round, and prints medians and ratios to sglang-router.
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
 connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a
@@ -218,6 +222,10 @@ def summarize(rounds: dict[str, list[tuple[float, float]]]) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
     p.add_argument("--rounds", type=int, default=1, help="wrk runs per target, order alternating")
+    p.add_argument(
+        "--worker", choices=["sim", "zero"], default="sim",
+        help="sim: our sim worker; zero: loadtests/zero_worker.py (no streams: TTFT skipped)",
+    )  # fmt: skip
     p.add_argument("--connections", type=int, default=64, help="wrk keep-alive connections")
     p.add_argument(
         "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
@@ -257,10 +265,14 @@ def main(args: argparse.Namespace) -> int:
         script = tmp / "post.lua"
         script.write_text(lua(args.rate, args.connections))
         wport = free_port()
-        worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
-                        "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",
-                        "--sim-prefill-us-per-token", str(args.prefill_us),
-                        "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
+        if args.worker == "zero":  # next to no cost: the routers, not it, set the pace
+            worker = spawn([sys.executable, "-m", "loadtests.zero_worker", str(wport)],
+                           tmp / "w.log")  # fmt: skip
+        else:
+            worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
+                            "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",
+                            "--sim-prefill-us-per-token", str(args.prefill_us),
+                            "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
         redis = RedisServer().start()
         targets: list[Target] = []
         stack = contextlib.ExitStack()
@@ -285,6 +297,8 @@ def main(args: argparse.Namespace) -> int:
                           f"{r['p99']:.1f} | {cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
             print("\n(direct: the CPU column is the worker's own)")
             summarize(rounds)
+            if args.worker == "zero":
+                return 0  # it answers no streams
             ttft = asyncio.run(streamed(targets, args.ttft_requests, args.ttft_concurrency))
             base = statistics.median(ttft["direct"])
             print(f"\nstreamed, {args.ttft_concurrency} at a time")
