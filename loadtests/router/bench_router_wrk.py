@@ -10,7 +10,7 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/refs.py`) as one more target, so a change's price is measured side by side;
 `--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
-`--worker zero` puts `loadtests/zero_worker.py` (a few microseconds a request, echoing
+`--worker zero` puts `loadtests/router/zero_worker.py` (a few microseconds a request, echoing
 `x-request-id`) behind the routers instead of the sim worker (~0.5 ms of CPU a request,
 which on 2 cores sets the pace of every target); `--rounds N` repeats each target's run
 N times, the order flipped every round, and prints medians and ratios to sglang-router.
@@ -224,7 +224,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1, help="wrk runs per target, order alternating")
     p.add_argument(
         "--worker", choices=["sim", "zero"], default="sim",
-        help="sim: our sim worker; zero: loadtests/zero_worker.py (no streams: TTFT skipped)",
+        help="sim: our sim worker; zero: loadtests/router/zero_worker.py (no streams: TTFT skipped)",
     )  # fmt: skip
     p.add_argument("--connections", type=int, default=64, help="wrk keep-alive connections")
     p.add_argument(
@@ -266,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
         script.write_text(lua(args.rate, args.connections))
         wport = free_port()
         if args.worker == "zero":  # next to no cost: the routers, not it, set the pace
-            worker = spawn([sys.executable, "-m", "loadtests.zero_worker", str(wport)],
+            worker = spawn([sys.executable, "-m", "loadtests.router.zero_worker", str(wport)],
                            tmp / "w.log")  # fmt: skip
         else:
             worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",

@@ -1,6 +1,6 @@
 """A worker that costs next to nothing: for measuring routers, not workers.
 
-    python -m loadtests.zero_worker PORT [--no-echo]
+    python -m loadtests.router.zero_worker PORT [--no-echo]
 
 The sim worker spends ~0.5 ms of CPU per request (aiohttp, the engine loop), so on a
 2-core machine it, not the router in front of it, sets the throughput a router bench
