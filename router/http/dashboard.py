@@ -27,8 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
-from router.http.handlers import echo_of
 from router.http.state import CLOCK, FLEET, KV_FEED, METRICS, POLICY
+from router.upstream.proxy import echo_of
 
 PAGE_PATH = "/dashboard"
 DATA_PATH = "/dashboard.json"

@@ -30,7 +30,7 @@ from router.http.state import (
 )
 from router.policy.kv_score import request_tokens
 from router.upstream.answers import worker_authorization
-from router.upstream.proxy import PROXY, Routed
+from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
@@ -165,14 +165,6 @@ def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
     removed `needed` blocks since the loss (0: its pool size is not known)."""
     rebuild = feed.rebuild_of(wid) if feed is not None else None
     return None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}
-
-
-def echo_of(app: web.Application, url: str) -> dict[str, object] | None:
-    """Whether the worker's answers echo `x-request-id`, and what not echoing costs
-    (router/upstream/echo.py); None before any request went to it."""
-    proxy = app.get(PROXY)
-    status = proxy.pool.echo.get(url) if proxy is not None else None
-    return None if status is None else status.describe()
 
 
 async def list_workers(request: web.Request) -> web.Response:

@@ -376,3 +376,11 @@ class Proxy:
 
 
 PROXY = web.AppKey("proxy", Proxy)  # set up in the app's cleanup_ctx (needs the loop)
+
+
+def echo_of(app: web.Application, url: str) -> dict[str, object] | None:
+    """Whether the worker at `url` echoes `x-request-id`, and what not echoing costs
+    (router/upstream/echo.py); None before any request went to it."""
+    proxy = app.get(PROXY)
+    status = proxy.pool.echo.get(url) if proxy is not None else None
+    return None if status is None else status.describe()

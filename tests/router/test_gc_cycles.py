@@ -27,9 +27,9 @@ import pytest
 import uvloop
 from aiohttp import web
 
+from loadtests.load.cluster import BenchFleet, WorkerSpec
 from loadtests.router.bench_router_wrk import spawn, stop
 from loadtests.router.bench_upstream_reuse import WORKER as NO_ECHO_WORKER
-from loadtests.load.cluster import BenchFleet, WorkerSpec
 from router.http.app import create_app
 from shared.config import RouterConfig
 from shared.procs import answers_health, free_port, wait_until
