@@ -296,6 +296,7 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     # the bind, so no request waits on this one full pass; the fleet's first read is
     # frozen too, later (`_settle_gc`), at the cost of a pass over what is young only.
     freeze_startup()
+    tune_for_serving()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -346,7 +347,6 @@ async def _settle_gc(discovery: Discovery | None, config: RouterConfig) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(discovery.first_poll.wait(), 3 * config.discovery_interval + 1)
     frozen = freeze_startup()
-    tune_for_serving()
     log.debug("gc: %d start-up objects frozen, thresholds %s", frozen, gc.get_threshold())
 
 

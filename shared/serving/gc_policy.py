@@ -32,6 +32,10 @@ echoing sim worker; gc callbacks timing every pass, start-up excluded):
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 GEN0, GEN1, GEN2 = 20_000, 20, 100
 
@@ -49,3 +53,15 @@ def freeze_startup() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+class FrozenCollector(Collector):
+    """`python_gc_frozen_objects`: what `freeze_startup` took out of every collection
+    (0: not frozen). Beside prometheus_client's `python_gc_collections_total`."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "python_gc_frozen_objects",
+            "Objects in the permanent generation (frozen after start-up): never collected",
+            value=gc.get_freeze_count(),
+        )

@@ -14,12 +14,14 @@ from typing import Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    GCCollector,
     Histogram,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
 )
 
+from shared.serving.gc_policy import FrozenCollector
 from shared.serving.loop_metrics import LoopCounter, LoopHistogram
 
 # Request latency histogram buckets (seconds); Prometheus adds +Inf. Up to 2 minutes:
@@ -42,6 +44,9 @@ class ServiceMetrics:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
+        # How often the collector ran, and what start-up froze (shared/serving/gc_policy.py).
+        GCCollector(registry=r)
+        r.register(FrozenCollector())
         # Updated per request on the loop: no lock per update (shared/serving/loop_metrics.py).
         self.requests = LoopCounter(
             f"{prefix}_requests", "Requests answered", ["endpoint", "status"], registry=r

@@ -10,7 +10,8 @@ times with `gc.DEBUG_SAVEALL` on; every object a collection then finds unreachab
 in a cycle. The count must be 0 for every kind, errors included.
 
 The client is a raw socket with prepared bytes, so the client makes no cycles of its own
-to count.
+to count. Last, a served router process (`python -m router serve`, the start-up freeze
+and thresholds of shared/serving/gc_policy.py) seen through its `/metrics`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import collections
 import gc
 import json
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -155,3 +157,54 @@ def test_no_cycles_per_request_worker_without_echo(no_echo_worker: str) -> None:
     """A fresh upstream connection per request: opened, used once, closed, all freed."""
     found = _cycles(no_echo_worker, {"completion": COMPLETION})
     assert found == {"completion": (200, {})}
+
+
+def _gc_samples(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(("python_gc_collections_total", "python_gc_frozen_objects")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_a_served_router_freezes_start_up_and_collects_seldom(tmp_path: Path) -> None:
+    """`radix-router serve` (router/http/app.py `serve`): start-up frozen, and 300 requests
+    run no full collection and at most one young one (the interpreter's defaults ran
+    one every ~100 requests, shared/serving/gc_policy.py)."""
+    wport, rport = free_port(), free_port()
+    worker = spawn(
+        [sys.executable, "-m", "loadtests.router.zero_worker", str(wport)], tmp_path / "w.log"
+    )
+    router = None
+    try:
+        wait_until(lambda: answers_health(f"http://127.0.0.1:{wport}"), 60, poll_s=0.1)
+        router = spawn([sys.executable, "-m", "router", "serve", "--host", "127.0.0.1",
+                        "--port", str(rport), "--worker-url", f"http://127.0.0.1:{wport}",
+                        "--log-level", "WARNING"], tmp_path / "r.log")  # fmt: skip
+        url = f"http://127.0.0.1:{rport}"
+        wait_until(lambda: answers_health(url), 60, poll_s=0.1)
+        wait_until(lambda: _gc_samples(url)["python_gc_frozen_objects"] > 10_000, 10)
+        before = _gc_samples(url)
+
+        async def load() -> None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", rport)
+            for i in range(300):
+                writer.write(COMPLETION(i))
+                assert await _answer(reader) == 200
+            writer.close()
+
+        asyncio.run(load())
+        after = _gc_samples(url)
+    finally:
+        for proc in (router, worker):
+            if proc is not None:
+                stop(proc)
+    young, full = (
+        'python_gc_collections_total{generation="0"}',
+        'python_gc_collections_total{generation="2"}',
+    )
+    assert after[full] == before[full]
+    assert after[young] - before[young] <= 1
