@@ -114,6 +114,15 @@ def test_evicts_least_recently_used_leaf_first() -> None:
     assert [held(c, t) for t in ([1, 1], [2, 2], [3, 3])] == [2, 0, 0]
 
 
+def test_an_exact_fit_evicts_one_leaf_and_no_more() -> None:
+    """Asked for exactly one leaf's tokens, evict stops there: the next leaf stays."""
+    a, c = make()
+    for t in ([1, 1], [2, 2], [3, 3]):
+        put(c, t)
+    assert c.evict(2) == 2 and a.available == 100 - 4
+    assert [held(c, t) for t in ([1, 1], [2, 2], [3, 3])] == [0, 2, 2]
+
+
 def test_a_parent_left_childless_joins_the_eviction() -> None:
     _, c = make()
     put(c, [1, 2, 3])
