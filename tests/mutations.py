@@ -158,7 +158,7 @@ def killed(m: Mutation, where: Path) -> bool:
 
 
 def check(m: Mutation, where: Path) -> str:
-    """"killed", "survived", or "vacuous" (the test fails on the sound copy too). `where`
+    """ "killed", "survived", or "vacuous" (the test fails on the sound copy too). `where`
     holds a fresh copy of the tree; the mutation is undone afterwards."""
     if not run_test(where, m.test):
         return "vacuous"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from shared.tokens.text_tokenizer import TextTokenizer
 from tests.waiting import wait_until
-from worker.backends.sim import build_sim_async_engine
+from worker.backends import build_sim_async_engine
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.types import (

@@ -35,10 +35,12 @@ from shared.tokens.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch
 from worker.engine.config import EngineConfig
+from worker.engine.hiradix_cache import HiRadixCache
 from worker.engine.host_tier import HostTier
 from worker.engine.kv_blocks import BlockEvents
+from worker.engine.prefix_cache import NoCache, PrefixCache
 from worker.engine.protocols import EngineTokenizer, Runner, Sampler
-from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
+from worker.engine.radix_cache import RadixCache
 from worker.engine.req import Req
 from worker.engine.scheduler import Scheduler
 from worker.engine.types import (
@@ -85,8 +87,11 @@ class LLMEngine:
                 # The runner owns the host pool's memory (it sized and allocated it).
                 host_capacity = getattr(runner, "host_capacity", 0)
                 write_through = config.host_write_policy == "write_through"
-                host = HostTier(host_capacity, write_through) if host_capacity else None
-                cache = RadixCache(self.allocator, page_size=config.page_size, host=host)
+                if host_capacity:
+                    host = HostTier(host_capacity, write_through)
+                    cache = HiRadixCache(self.allocator, host, page_size=config.page_size)
+                else:
+                    cache = RadixCache(self.allocator, page_size=config.page_size)
         self.cache: PrefixCache = cache
         self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
         if config.kv_events_block_size and isinstance(cache, RadixCache):
@@ -309,9 +314,9 @@ class LLMEngine:
         )
 
     def _host_stats(self) -> dict[str, Any]:
-        host = getattr(self.cache, "host", None)
-        if host is None:
+        if not isinstance(self.cache, HiRadixCache):
             return {}
+        host = self.cache.host
         return {
             "host_cache_capacity_tokens": host.capacity,
             "host_cache_used_tokens": host.used,

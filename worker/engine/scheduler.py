@@ -54,7 +54,7 @@ from worker.engine.admission import AdmissionRules
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch, BatchItem
 from worker.engine.config import EngineConfig
-from worker.engine.radix_cache import NoCache, PrefixCache
+from worker.engine.prefix_cache import NoCache, PrefixCache
 from worker.engine.req import Req, ReqStatus
 
 

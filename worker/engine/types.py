@@ -10,6 +10,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -214,3 +216,23 @@ class Engine(Protocol):
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> str: ...
+
+
+@dataclass(frozen=True)
+class KVCopies:
+    """One step's copies: write-backs (device -> host) first, then loads (host -> device).
+
+    `write_device[i]` is copied to `write_host[i]`; `load_host[i]` to `load_device[i]`."""
+
+    write_device: np.ndarray
+    write_host: np.ndarray
+    load_host: np.ndarray
+    load_device: np.ndarray
+
+    @property
+    def load_tokens(self) -> int:
+        return len(self.load_device)
+
+    @property
+    def write_tokens(self) -> int:
+        return len(self.write_host)

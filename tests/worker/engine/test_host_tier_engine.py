@@ -85,9 +85,9 @@ def test_host_pool_round_trip_restores_the_exact_rows(kv_dtype: str | None) -> N
     import numpy as np
     import torch
 
-    from worker.engine.host_tier import KVCopies
     from worker.engine.runtime.host_pool import HostKVPool
     from worker.engine.runtime.kv_pool import KVPool
+    from worker.engine.types import KVCopies
 
     dtype = getattr(torch, kv_dtype) if kv_dtype else None
     pool = KVPool(2, 2, 8, 64, torch.float32, torch.device("cpu"), kv_dtype=dtype)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from worker.engine.allocator import SlotAllocator
-from worker.engine.radix_cache import NoCache, RadixCache
+from worker.engine.prefix_cache import NoCache
+from worker.engine.radix_cache import RadixCache
 
 
 def make(capacity: int = 100, page_size: int = 1) -> tuple[SlotAllocator, RadixCache]:

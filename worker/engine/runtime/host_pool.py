@@ -28,8 +28,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from worker.engine.host_tier import KVCopies
 from worker.engine.runtime.kv_pool import KVPool, cpu_available_bytes
+from worker.engine.types import KVCopies
 
 
 def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
