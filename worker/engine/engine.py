@@ -48,7 +48,6 @@ from worker.engine.types import (
     EngineRequest,
     EngineStats,
     GenerateOutput,
-    SamplingParams,
     TokenLogprob,
 )
 
@@ -249,7 +248,7 @@ class LLMEngine:
             futures.publish(start, drawn.ids)
             for i, req in enumerate(sampled):
                 req.add_placeholder(-(start + i + 1))
-        penalized = any(_penalized(s.params) for s in sampled)
+        penalized = any(s.params.penalized for s in sampled)
         return _Launched(sampled, drawn, penalized)
 
     def _postprocess(self, launched: _Launched) -> list[GenerateOutput]:
@@ -298,8 +297,8 @@ class LLMEngine:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            cache_capacity_tokens=self.allocator.capacity,
-            cache_used_tokens=self.allocator.capacity - self.allocator.available,
+            kv_capacity_tokens=self.allocator.capacity,
+            kv_used_tokens=self.allocator.capacity - self.allocator.available,
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             completion_tokens_total=self.completion_tokens_total,
@@ -318,8 +317,8 @@ class LLMEngine:
             return {}
         host = self.cache.host
         return {
-            "host_cache_capacity_tokens": host.capacity,
-            "host_cache_used_tokens": host.used,
+            "host_kv_capacity_tokens": host.capacity,
+            "host_kv_used_tokens": host.used,
             "host_cached_tokens_total": self.host_cached_tokens_total,
             "host_load_tokens_total": host.loaded_tokens,
             "host_write_tokens_total": host.written_tokens,
@@ -376,7 +375,3 @@ class _Launched:
     drawn: Any  # `sampler.Sampled` or `_Ready`: `result()` -> [(token, logprob)]
     # Its requests need their real ids on the host before they sample again.
     needs_host_ids: bool
-
-
-def _penalized(p: SamplingParams) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)

@@ -20,11 +20,9 @@ and those of nodes that gained a child or were evicted. So an eviction costs
 O((evicted + touched since last time) log n), not a pass over every leaf (SGLang
 walks the whole tree to collect leaves on each call).
 
-The host tier is a subclass, `HiRadixCache` (worker/engine/hiradix_cache.py, as SGLang
-keeps hiradix_cache.py beside radix_cache.py); this class holds the device tier and
-the hooks it overrides (`_evict_leaf`, `_set_host`, ...). Every change of a node's
-residency goes through `_retier`, which reports it to the KV event hook (kv_blocks.py:
-stored / removed, with its tier's medium).
+The host tier is a subclass filling this class's hooks (`_evict_leaf`, `_set_host`, ...):
+`HiRadixCache` in hiradix_cache.py, as SGLang keeps its own. Every change of a node's
+residency goes through `_retier`, which reports it to the KV event hook (kv_blocks.py).
 """
 
 from __future__ import annotations
@@ -68,11 +66,9 @@ class RadixCache:
         self.kv_events: BlockEvents | None = None  # the one hook: publish_events()
 
     def publish_events(self, events: BlockEvents) -> None:
-        """Report every block stored and removed from now on (call on an empty tree).
-
-        Each tier's blocks are reported with that tier's medium (`_retier`): a demotion
-        is stored on the host then removed from the device, a load back stored on the
-        device (the host copy stays), a dropped host copy removed from the host."""
+        """Report every block stored and removed from now on (call on an empty tree),
+        each with its tier's medium: a demotion to the host tier is stored on the host
+        then removed from the device; a load back, stored on the device."""
         if self.root.children:
             raise RuntimeError("KV events must be on from the start (the tree is not empty)")
         events.root = self.root
@@ -239,11 +235,7 @@ class RadixCache:
                 parent.dev_children -= 1
                 self._leaves.discard(node)
                 node.heap_tick = -1
-                if (
-                    parent.parent is not None
-                    and parent.value is not None
-                    and not parent.dev_children
-                ):
+                if parent is not self.root and parent.value is not None and not parent.dev_children:
                     self._leaves.add(parent)
                     self._push(parent)
                 n = -n
@@ -406,13 +398,8 @@ class RadixCache:
         return self._evictable + self._protected
 
     def _nodes(self) -> list[TreeNode]:
-        """Every node, each after its parent."""
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
+        """Every node but the root, each after its parent."""
+        return self._subtree(self.root)[1:]
 
     def cached_slots(self) -> np.ndarray:
         """Every device slot the tree holds."""
@@ -424,7 +411,7 @@ class RadixCache:
         `_check_node` adds the host tier's. Device slots are checked against the
         allocator by the scheduler."""
         nodes = self._nodes()
-        evictable = protected = 0
+        sizes = [0, 0]  # device tokens: evictable, protected
         for node in nodes:
             parent = node.parent
             assert parent is not None, f"{node!r} has no parent"
@@ -446,19 +433,14 @@ class RadixCache:
             is_leaf = node.value is not None and not dev_children
             assert (node in self._leaves) == is_leaf, f"{node!r} leaf set wrong"
             if node.value is not None:
-                if node.lock_ref > 0:
-                    protected += len(node)
-                else:
-                    evictable += len(node)
+                sizes[node.lock_ref > 0] += len(node)
         n_leaves = sum(1 for n in nodes if n.value is not None and not n.dev_children)
         assert len(self._leaves) == n_leaves, "stale leaves"
         entries = {(tick, node.id) for tick, _, node in self._heap}
         for leaf in self._leaves:  # every leaf has a live entry no later than its last use
             assert (leaf.heap_tick, leaf.id) in entries, f"{leaf!r} missing from the LRU heap"
             assert 0 <= leaf.heap_tick <= leaf.last_access, f"{leaf!r} heap entry from the future"
-        assert (evictable, protected) == (self._evictable, self._protected), (
-            f"sizes {(self._evictable, self._protected)} != tree {(evictable, protected)}"
-        )
+        assert sizes == [self._evictable, self._protected], f"sizes wrong, tree: {sizes}"
         slots = self.cached_slots()
         if len(slots):
             assert slots.min() >= 0 and slots.max() < self.allocator.capacity, "slot out of range"

@@ -97,6 +97,11 @@ class SamplingParams:
     def needs_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
+    @property
+    def penalized(self) -> bool:
+        """Any penalty on: the sampler keeps token counts for it."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -144,8 +149,8 @@ class EngineStats:
 
     running: int
     waiting: int
-    cache_capacity_tokens: int
-    cache_used_tokens: int
+    kv_capacity_tokens: int
+    kv_used_tokens: int
     prompt_tokens_total: int
     cached_tokens_total: int
     completion_tokens_total: int
@@ -163,8 +168,8 @@ class EngineStats:
     # The host KV tier (0 when off): capacity and use in tokens, prompt tokens served
     # from it (part of cached_tokens_total), tokens loaded / written back, the measured
     # (or, for the sim, configured) load bandwidth and the KV bytes of one token.
-    host_cache_capacity_tokens: int = 0
-    host_cache_used_tokens: int = 0
+    host_kv_capacity_tokens: int = 0
+    host_kv_used_tokens: int = 0
     host_cached_tokens_total: int = 0
     host_load_tokens_total: int = 0
     host_write_tokens_total: int = 0
