@@ -66,7 +66,9 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
         "paths": {
-            "/v1/chat/completions": _routed_inference(chat, "OpenAI chat completion, routed by prefix"),
+            "/v1/chat/completions": _routed_inference(
+                chat, "OpenAI chat completion, routed by prefix"
+            ),
             "/v1/completions": _routed_inference(completion, "OpenAI completion, routed by prefix"),
             "/generate": _routed_inference(generate, "SGLang-style generate, routed by prefix"),
             "/v1/models": _get_path("Models served by the fleet", "401"),

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
 from aiohttp import web
 
 from loadtests.fleet import BenchFleet, Child
@@ -144,8 +145,13 @@ async def test_attach_deregisters_while_the_upstream_is_down(fake: tuple[FakeSGL
         _attach(fleet, url, "sglang", "sgl-live")
         await asyncio.to_thread(fleet.start_router, None, (), 0)
         await _until(lambda: "sgl-live" in _workers(fleet))
-        await asyncio.sleep(1.0)
-        assert "sgl-dead" not in _workers(fleet)
+        # The dead one has polled its upstream and found it down (its log says so) ...
+        dead_log = fleet.log_dir / "attach-sgl-dead.log"
+        await _until(lambda: "stopped answering" in dead_log.read_text(errors="replace"))
+        # ... and holds no record: not in Redis, not in the router's fleet.
+        assert fleet.redis is not None
+        held = redis.Redis.from_url(fleet.redis.url).exists("radixrouter:worker:sgl-dead")
+        assert held == 0 and "sgl-dead" not in _workers(fleet)
 
 
 def _workers(fleet: BenchFleet) -> dict[str, dict]:

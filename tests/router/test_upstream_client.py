@@ -17,6 +17,7 @@ from router.http.state import FLEET
 from router.upstream.proxy import PROXY
 from tests.router.conftest import StartRouter
 from tests.router.raw_upstream import RawUpstream
+from tests.waiting import wait_until
 
 BODY = {"prompt": "hello there", "max_tokens": 3}
 ANSWER = json.dumps({"id": "x", "object": "text_completion", "choices": []}).encode()
@@ -274,8 +275,8 @@ async def test_idle_connections_are_closed_after_keepalive_and_at_shutdown(
         assert await conn.read_all() == ANSWER
         pool.release(worker.url, conn)
     assert pool.connects == 1 and conn.error is None
-    await asyncio.sleep(0.5)  # past keepalive_s: the sweeper closed it
-    assert conn.error is not None and not pool._origins
+    await wait_until(lambda: conn.error is not None)  # past keepalive_s: the sweeper closed it
+    assert not pool._origins
     conn = await pool.post(worker.url, "/v1/completions", [], b"{}", "a.2")
     await conn.read_all()
     pool.release(worker.url, conn)

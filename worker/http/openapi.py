@@ -53,9 +53,15 @@ def openapi_document(served_model: str) -> dict[str, Any]:
             "/v1/completions": _served_inference(completion, "OpenAI text completion"),
             "/generate": _served_inference(generate, "SGLang native generation"),
             "/v1/models": {"get": _json_operation("The served model", "401")},
-            "/health": {"get": _json_operation("200 when ready; 503 while starting or draining", "503")},
-            "/get_server_info": {"get": _json_operation("Worker identity, config and engine stats", "401")},
-            "/flush_cache": {"post": _json_operation("Drop every cached prefix", "401", "409", "503")},
+            "/health": {
+                "get": _json_operation("200 when ready; 503 while starting or draining", "503")
+            },
+            "/get_server_info": {
+                "get": _json_operation("Worker identity, config and engine stats", "401")
+            },
+            "/flush_cache": {
+                "post": _json_operation("Drop every cached prefix", "401", "409", "503")
+            },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",
