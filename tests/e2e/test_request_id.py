@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from loadtests.fleet import BenchFleet, WorkerSpec
+from loadtests.load.cluster import BenchFleet, WorkerSpec
 from shared.procs import Child, http_json
 from tests.waiting import wait_until
 
