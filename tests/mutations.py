@@ -101,6 +101,22 @@ MUTATIONS = (
         "tests/router/test_policy.py::test_imbalance_thresholds_are_strict",
     ),
     Mutation(
+        "drop-worker-keeps-host-blocks",
+        "router/fleet/kv_index.py",
+        "def drop_worker(self, worker: str) -> None:",
+        "self._unhold(worker, key, 7)",
+        "self._unhold(worker, key, 1)",
+        "tests/router/test_kv_score_tiers.py::test_a_dropped_worker_holds_nothing_in_any_tier",
+    ),
+    Mutation(
+        "host-evict-exact-fit",
+        "worker/engine/hiradix_cache.py",
+        "def _evict_host(self, num_tokens: int) -> int:",
+        "while freed < num_tokens",
+        "while freed <= num_tokens",
+        "tests/worker/engine/test_host_tier.py::test_an_exact_fit_drops_one_host_leaf_and_no_more",
+    ),
+    Mutation(
         "reuse-without-echo",
         "router/upstream/connection.py",
         "def on_headers_complete(self) -> None:",

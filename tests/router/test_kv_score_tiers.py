@@ -95,6 +95,16 @@ def test_host_weight_from_the_workers_figures() -> None:
         assert host_hit_weight(r, 50.0) == HOST_HIT_WEIGHT
 
 
+def test_a_dropped_worker_holds_nothing_in_any_tier() -> None:
+    """Dropping a worker (cleared, restarted, gone) forgets its host copies too."""
+    feed = feed_of({"w": [[AllBlocksCleared(), stored(4, "GPU")]]})
+    index = feed.indexes["m"]
+    index.apply("w", [BlockStored(HASHES, None, (), 0, "CPU")])  # host copies of all four
+    assert feed.match_tiers("m", TOKENS) == {"w": (16, 16)}
+    index.drop_worker("w")
+    assert feed.match_tiers("m", TOKENS) == {} and len(index) == 0
+
+
 def test_an_orphan_block_is_dropped_and_never_matched() -> None:
     """A store whose parent the index does not know is counted and dropped: its blocks
     must not stand under the root, where a prompt starting with their tokens would match."""

@@ -285,6 +285,20 @@ def test_cache_units_split_lock_and_host_only_nodes() -> None:
     c.check_integrity()
 
 
+def test_an_exact_fit_drops_one_host_leaf_and_no_more() -> None:
+    """The host LRU, asked for exactly one host-only leaf's slots, drops that leaf only."""
+    a = SlotAllocator(16)
+    c = HiRadixCache(a, HostTier(8))
+    for first in (1, 2):  # two 4-token prompts, demoted to the host: it is full
+        c.insert([first] * 4, a.alloc(4))
+        assert c.evict(4) == 4
+    c.take_copies()
+    assert c.host_size == 8 and c.evictable_size == 0
+    assert c._evict_host(4) == 4  # the older one, [1 1 1 1]
+    assert [c.match_prefix([f] * 4, record=False).host_len for f in (1, 2)] == [0, 4]
+    c.check_integrity()
+
+
 def test_kv_events_follow_each_tier_with_its_medium() -> None:
     """A demotion stores the blocks on the host ("CPU") and then removes them from the
     device ("GPU"); a load back stores them on the device and the host copy stays; the
