@@ -20,7 +20,7 @@ So the tree's changes map to events one to one:
 A block is held in a tier when the node holding its end is (device residency is closed
 upwards, so a block on the device has all its tokens there; a block whose end node is
 host-resident has its tokens on the host or the device, and a match loads it). With the
-host tier (radix_cache.py) the moves are:
+host tier (hiradix_cache.py) the moves are:
 
     demotion (device LRU evicts a leaf)   BlockStored CPU (the write-back), BlockRemoved GPU
     load back (a match reaches it)        BlockStored GPU; the host copy stays (CPU held)
