@@ -86,7 +86,7 @@ class Heartbeat:
             self.failures += 1
             if not self._failing:
                 log.warning(
-                    "heartbeat to Redis at %s failed (%s: %s); still serving, retrying",
+                    "heartbeat to Redis failed at %s (%s: %s); still serving, retrying",
                     self.where, type(exc).__name__, exc,
                 )  # fmt: skip
             self._failing = True

@@ -169,11 +169,11 @@ class Discovery:
     def _reachable(self) -> None:
         if self.unreachable_since is not None:
             log.info(
-                "registry at %s reachable again (unreachable since %s); workers re-register "
+                "registry reachable again at %s (unreachable since %s); workers re-register "
                 "within a heartbeat", self.url, iso(self.unreachable_since),
             )  # fmt: skip
         elif not self.connected:
-            log.info("registry at %s reachable", self.url)
+            log.info("registry reachable at %s", self.url)
         self.connected = True
         self.unreachable_since = None
         self.last_error = ""
