@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from loadtests.options import WorkloadOptions
+from loadtests.kit import WorkloadOptions
 
 # A fixed vocabulary of short pronounceable words: deterministic, no data files needed.
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from loadtests.load.cluster import BenchFleet, Child
+from loadtests.load.cluster import Child, Cluster
 from shared.procs import free_port, http_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -86,7 +86,7 @@ async def fake() -> AsyncIterator[tuple[FakeSGLang, str]]:
     await runner.cleanup()
 
 
-def _attach(fleet: BenchFleet, upstream: str, engine: str, worker_id: str) -> Child:
+def _attach(fleet: Cluster, upstream: str, engine: str, worker_id: str) -> Child:
     assert fleet.redis is not None
     args = ["worker", "attach", "--upstream", upstream, "--engine", engine, "--redis-url",
             fleet.redis.url, "--worker-id", worker_id, "--interval", "0.2"]  # fmt: skip
@@ -103,7 +103,7 @@ async def _until(check, timeout: float = 20.0) -> None:
 
 async def test_sglang_fake_behind_attach_and_the_router(fake: tuple[FakeSGLang, str]) -> None:
     server, url = fake
-    with BenchFleet() as fleet:
+    with Cluster() as fleet:
         sidecar = _attach(fleet, url, "sglang", "sgl-0")
         router = await asyncio.to_thread(fleet.start_router, None, (), 0)
         await _until(lambda: "sgl-0" in _workers(fleet))
@@ -138,7 +138,7 @@ async def test_sglang_fake_behind_attach_and_the_router(fake: tuple[FakeSGLang, 
 
 async def test_attach_deregisters_while_the_upstream_is_down(fake: tuple[FakeSGLang, str]) -> None:
     _, url = fake
-    with BenchFleet() as fleet:
+    with Cluster() as fleet:
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
         _attach(fleet, dead, "sglang", "sgl-dead")
         _attach(fleet, url, "sglang", "sgl-live")
@@ -148,7 +148,7 @@ async def test_attach_deregisters_while_the_upstream_is_down(fake: tuple[FakeSGL
         assert "sgl-dead" not in _workers(fleet)
 
 
-def _workers(fleet: BenchFleet) -> dict[str, dict]:
+def _workers(fleet: Cluster) -> dict[str, dict]:
     try:
         return fleet.router_workers()
     except (OSError, TypeError, KeyError):

@@ -10,11 +10,9 @@ import re
 import pytest
 
 from loadtests.__main__ import COMMANDS, main
-from loadtests.load.metrics import RequestRecord
-from loadtests.load.report import summarize
-from loadtests.load.runner import seconds_of, verdict
-from loadtests.options import HelpFormatter
-from loadtests.progress import Progress
+from loadtests.kit import HelpFormatter, Progress
+from loadtests.load.records import RequestRecord
+from loadtests.load.runner import seconds_of, summarize, verdict
 
 
 def test_the_list_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:

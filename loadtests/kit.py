@@ -1,17 +1,36 @@
-"""Workload options: one frozen dataclass, mapped one-to-one onto command-line flags.
+"""What every command uses: help, workload options, progress lines, result tables, refs, CPU.
 
-The same flags work for `locust -f loadtests/load/locustfile.py`, `python -m loadtests run`
-and `python -m loadtests simulate`: a field `prompts_per_group` is `--prompts-per-group`.
+- `HelpFormatter`: each command's --help shows every option's default (`__main__` builds
+  every parser with it); `Command`: a second command in a module.
+- `WorkloadOptions`: one frozen dataclass, mapped one-to-one onto command-line flags; the
+  same flags work for `locust -f loadtests/load/locustfile.py`, `python -m loadtests run`
+  and `python -m loadtests simulate` (a field `prompts_per_group` is `--prompts-per-group`).
+- `Progress`: one line per phase on stderr, with the time elapsed and an estimate of what
+  is left (stdout keeps the results, e.g. a markdown table to paste).
+- `write_table`: a benchmark's table to its `--out` file under the command that made it,
+  so every number in loadtests/results/ can be rerun.
+- `checkout`: `--before-ref`, the same code at another git ref in a temporary worktree, so
+  a before/after ratio is measured in one session, not recalled from another day.
+- `cpu_seconds`, `pct`: a process's CPU time from /proc, a nearest-rank percentile.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TextIO, get_args, get_origin, get_type_hints
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORKLOADS = ("shared_prefix", "multi_turn", "rag", "mooncake")
 DEFAULT_TRACE = str(Path(__file__).parent / "traces" / "mooncake_synthetic_trace.jsonl")
@@ -114,6 +133,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)".strip()
 
 
+@dataclass(frozen=True)
+class Command:
+    """A command that shares its module with the module's own one: the same pair as a
+    command module's `add_arguments(parser)` and `main(args)`, with its --help text.
+    COMMANDS names it "module:NAME"."""
+
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    main: Callable[[argparse.Namespace], int | None]
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -161,3 +191,115 @@ def options_to_argv(options: WorkloadOptions) -> list[str]:
         else:
             argv += [_flag(f.name), str(v)]
     return argv
+
+
+# -- progress lines -------------------------------------------------------------------
+#     [compare 2/3  0:21 elapsed, ~0:20 left] round_robin: running the workload
+def clock_text(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Lines go to stderr and are flushed at once, so a piped or logged run shows them live."""
+
+    def __init__(
+        self, name: str, phases: int, out: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.name, self.phases = name, max(1, phases)
+        self.out = out or sys.stderr
+        self.clock = clock
+        self.started = clock()
+        self.done = 0  # phases finished
+
+    @property
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    def eta(self) -> float | None:
+        """Seconds left at the pace of the phases finished so far (None before the first)."""
+        if not self.done:
+            return None
+        return self.elapsed / self.done * (self.phases - self.done)
+
+    def say(self, text: str, left: float | None = None, step: int | None = None) -> None:
+        """A line about the current phase (or `step`)."""
+        left = self.eta() if left is None else left
+        pace = f", ~{clock_text(left)} left" if left is not None else ""
+        step = min(self.done + 1, self.phases) if step is None else step
+        head = f"[{self.name} {step}/{self.phases}  {clock_text(self.elapsed)} elapsed{pace}]"
+        print(f"{head} {text}", file=self.out, flush=True)
+
+    def finished(self, text: str = "") -> None:
+        """One phase done."""
+        self.done += 1
+        if text:
+            self.say(text, step=self.done)
+
+
+# -- result tables ----------------------------------------------------------------------
+def write_table(out: Path, command: str, table: str, *, title: str | None = None) -> None:
+    """Append `table` under `command` (the line that made it, `args.command_line` as
+    `__main__` sets it); with `title`, start the file afresh with it."""
+    text = f"Command: `{command}`\n\n{table}\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if title is not None:
+        out.write_text(f"# {title}\n\n{text}")
+    else:
+        with out.open("a") as f:
+            f.write(f"\n{text}")
+
+
+# -- --before-ref -----------------------------------------------------------------------
+@contextlib.contextmanager
+def checkout(ref: str) -> Iterator[Path]:
+    """A temporary worktree of `ref` (a branch, tag or commit of this repository),
+    detached and removed afterwards; the "before" side's processes start from it."""
+    with tempfile.TemporaryDirectory(prefix="bench-ref-") as d:
+        path = Path(d) / "tree"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), ref],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        try:
+            yield path
+        finally:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+                check=False, capture_output=True,
+            )  # fmt: skip
+
+
+def short(ref: str) -> str:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", ref], capture_output=True, text=True
+    )
+    return out.stdout.strip() or ref
+
+
+# -- measuring --------------------------------------------------------------------------
+def cpu_seconds(pid: int, *, descendants: bool = False) -> float:
+    """utime + stime of a process so far (fields 14 and 15 of /proc/<pid>/stat): its CPU
+    cost, whatever else competes for the cores; with `descendants`, plus every live
+    descendant's (a router's worker processes)."""
+    total, stack = 0.0, [pid]
+    tick = os.sysconf("SC_CLK_TCK")
+    while stack:
+        p = stack.pop()
+        try:
+            # The command name (field 2) may hold spaces: split after its closing parenthesis.
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            if descendants:
+                stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            if p == pid and not descendants:
+                raise
+    return total
+
+
+def pct(values: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile (0 < q < 1) of `values` (not empty)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from loadtests.__main__ import main
 from loadtests.engine import bench_worker_http as bench
 
 pytestmark = pytest.mark.timeout(180)
@@ -23,8 +24,18 @@ def test_drive_counts_the_tokens_of_overlapping_jobs() -> None:
 
 
 def test_a_small_run_against_this_tree_and_head(capsys: pytest.CaptureFixture[str]) -> None:
-    bench.main(
-        ["--requests", "6", "--concurrency", "3", "--max-tokens", "5", "--before-ref", "HEAD"]
+    main(
+        [
+            "worker-http",
+            "--requests",
+            "6",
+            "--concurrency",
+            "3",
+            "--max-tokens",
+            "5",
+            "--before-ref",
+            "HEAD",
+        ]
     )
     rows = {
         cells[0]: cells[1:]

@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 GUARD = """
 import importlib.abc, sys

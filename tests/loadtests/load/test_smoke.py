@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.load.cluster import BenchFleet, FleetSpec
-from loadtests.load.metrics import read_records
+from loadtests.kit import WorkloadOptions
+from loadtests.load.cluster import Cluster, ClusterSpec
+from loadtests.load.records import read_records
 from loadtests.load.runner import RunSpec, run
-from loadtests.options import WorkloadOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -26,14 +26,16 @@ WORKLOAD = WorkloadOptions(
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[BenchFleet]:
-    spec = FleetSpec(workers=2, cache_tokens=20_000, prefill_us_per_token=20, decode_ms_per_token=2)
+def fleet() -> Iterator[Cluster]:
+    spec = ClusterSpec(
+        workers=2, cache_tokens=20_000, prefill_us_per_token=20, decode_ms_per_token=2
+    )
     with spec.start() as f:
         f.start_router({"log_level": "WARNING"})
         yield f
 
 
-def test_ten_second_run_through_the_router(fleet: BenchFleet, tmp_path: Path) -> None:
+def test_ten_second_run_through_the_router(fleet: Cluster, tmp_path: Path) -> None:
     spec = RunSpec(host=fleet.router_url, out=tmp_path, users=8, run_time="10s", timeout_s=120)
     summary = run(spec, WORKLOAD, quiet=True)
     assert summary.requests > 20
@@ -85,7 +87,7 @@ def check_units(requests: int, log: str) -> None:
 
 
 def test_one_worker_gets_everything_and_the_report_says_so(
-    fleet: BenchFleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    fleet: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Every conversation starts with one system prompt, and the router's default
     # imbalance gap (64) is never reached by 4 users: all go to the prompt's holder.
@@ -106,9 +108,7 @@ def test_one_worker_gets_everything_and_the_report_says_so(
     assert result["workers_from"] == "GET /workers"
 
 
-def test_a_run_time_repeats_a_workload_that_runs_out_first(
-    fleet: BenchFleet, tmp_path: Path
-) -> None:
+def test_a_run_time_repeats_a_workload_that_runs_out_first(fleet: Cluster, tmp_path: Path) -> None:
     # Two requests, no --loop: without a run time the run ends after them; with one the
     # workload starts over until the time is up (the README's `-t` runs rely on it).
     tiny = WorkloadOptions(
@@ -121,7 +121,7 @@ def test_a_run_time_repeats_a_workload_that_runs_out_first(
     assert run(timed, tiny, quiet=True).requests > 2
 
 
-def test_same_user_directly_against_a_worker(fleet: BenchFleet, tmp_path: Path) -> None:
+def test_same_user_directly_against_a_worker(fleet: Cluster, tmp_path: Path) -> None:
     workload = WorkloadOptions(
         workload="multi_turn", conversations=4, turns=3, system_len=50, question_len=8, output_len=8
     )
@@ -134,7 +134,7 @@ def test_same_user_directly_against_a_worker(fleet: BenchFleet, tmp_path: Path) 
     assert all(r.ttft_s is not None and r.output_tokens == 8 for r in records)
 
 
-def test_bad_requests_fail_cleanly(fleet: BenchFleet, tmp_path: Path) -> None:
+def test_bad_requests_fail_cleanly(fleet: Cluster, tmp_path: Path) -> None:
     # A prompt larger than the worker's KV cache is rejected with a 4xx in the OpenAI
     # error shape: the user records a failure and the run carries on.
     workload = WorkloadOptions(

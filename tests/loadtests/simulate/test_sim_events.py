@@ -8,9 +8,15 @@ from itertools import pairwise
 import numpy as np
 
 from loadtests.__main__ import main as cli
-from loadtests.options import WorkloadOptions
-from loadtests.simulate.divergence import CASES, ArmSpec, DivergenceSim
-from loadtests.simulate.kv_events import MODEL, EventStreams, cached_prefix
+from loadtests.kit import WorkloadOptions
+from loadtests.simulate.divergence import (
+    CASES,
+    MODEL,
+    ArmSpec,
+    DivergenceSim,
+    EventStreams,
+    cached_prefix,
+)
 from loadtests.simulate.simulation import ClosedLoop
 from loadtests.simulate.worker import CostModel, Job, SimWorker
 from router.fleet.kv_feed import KvEventFeed

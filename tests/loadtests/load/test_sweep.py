@@ -11,22 +11,22 @@ from pathlib import Path
 import pytest
 
 from loadtests.__main__ import main
-from loadtests.load.cluster import FleetSpec
-from loadtests.load.metrics import RequestRecord
+from loadtests.kit import WorkloadOptions
+from loadtests.load.cluster import ClusterSpec
+from loadtests.load.records import RequestRecord
 from loadtests.load.runner import RunSpec
-from loadtests.load.saturation import (
+from loadtests.load.summary import SLO, summarize
+from loadtests.load.sweep import (
     Point,
     late_share,
+    load_for,
     rates_per_s,
     saturation,
     sustained_rate,
+    sweep,
     verdict,
 )
-from loadtests.load.serving import SLO
-from loadtests.load.summary import summarize
-from loadtests.load.sweep import load_for, sweep
 from loadtests.load.workloads import mooncake
-from loadtests.options import WorkloadOptions
 
 
 def point(rate: float, kept: float, ttft_ms: float = 50, failed: bool = False,
@@ -106,7 +106,7 @@ def test_the_saturation_point_moves_when_workers_are_added(tmp_path: Path) -> No
     workload = WorkloadOptions(groups=4, system_len=32, question_len=8, output_len=8)
     found = {}
     for workers in (1, 2):
-        fleet = FleetSpec(workers=workers, prefill_us_per_token=10, decode_ms_per_token=39,
+        fleet = ClusterSpec(workers=workers, prefill_us_per_token=10, decode_ms_per_token=39,
                           max_running_requests=2)  # fmt: skip
         spec = RunSpec(host="", out=tmp_path / f"w{workers}", users=48, timeout_s=120)
         results = sweep(workload, [4, 8, 16], ["round_robin"], spec, 6.0, fleet)

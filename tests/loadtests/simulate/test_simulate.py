@@ -8,9 +8,14 @@ from pathlib import Path
 import numpy as np
 
 from loadtests.__main__ import main as cli
-from loadtests.options import WorkloadOptions
-from loadtests.simulate.simulation import ClosedLoop, FleetSim, deep_size
-from loadtests.simulate.sources import SimRequest, mooncake_requests
+from loadtests.kit import WorkloadOptions
+from loadtests.simulate.simulation import (
+    ClosedLoop,
+    SimRequest,
+    Simulation,
+    deep_size,
+    mooncake_requests,
+)
 from loadtests.simulate.worker import CostModel, Job, SimWorker
 from shared.config import RouterConfig
 
@@ -85,11 +90,11 @@ def _trace(tmp_path: Path) -> WorkloadOptions:
     return WorkloadOptions(workload="mooncake", trace=str(path), block_words=8)
 
 
-def _run(policy: str, o: WorkloadOptions, workers: int = 4) -> FleetSim:
+def _run(policy: str, o: WorkloadOptions, workers: int = 4) -> Simulation:
     cost = CostModel(
         prefill_us_per_token=30, decode_ms_per_token=1, max_running=4, cache_tokens=512
     )
-    sim = FleetSim(RouterConfig(policy=policy, tree_chars_per_token=5.0), workers, cost)  # type: ignore[arg-type]
+    sim = Simulation(RouterConfig(policy=policy, tree_chars_per_token=5.0), workers, cost)  # type: ignore[arg-type]
     sim.run(source=mooncake_requests(o, workers, workers_per_copy=4, speedup=1.0, seed=0))
     return sim
 
@@ -127,7 +132,7 @@ def test_closed_loop_multi_turn_hits_on_later_turns() -> None:
     cost = CostModel(
         prefill_us_per_token=30, decode_ms_per_token=1, max_running=2, cache_tokens=4096
     )
-    sim = FleetSim(RouterConfig(policy="cache_aware", tree_chars_per_token=5.0), 3, cost)
+    sim = Simulation(RouterConfig(policy="cache_aware", tree_chars_per_token=5.0), 3, cost)
     done = sim.run(closed=ClosedLoop(o, users=3))
     assert len(done) == 24
     r = sim.result("ca")
@@ -143,7 +148,7 @@ def test_closed_loop_users_share_one_stream_of_an_open_workload() -> None:
     cost = CostModel(
         prefill_us_per_token=30, decode_ms_per_token=1, max_running=2, cache_tokens=4096
     )
-    sim = FleetSim(RouterConfig(policy="cost_aware", tree_chars_per_token=5.0), 2, cost)
+    sim = Simulation(RouterConfig(policy="cost_aware", tree_chars_per_token=5.0), 2, cost)
     done = sim.run(closed=ClosedLoop(o, users=3))
     assert len(done) == 20 and len({j.text for j in done}) == 20  # each request once
     events = sorted([(j.arrival, 1) for j in done] + [(j.finish, -1) for j in done])

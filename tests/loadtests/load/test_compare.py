@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.load.cluster import FleetSpec
+from loadtests.kit import WorkloadOptions
+from loadtests.load.cluster import ClusterSpec
 from loadtests.load.compare import EVENTS, EVENTS_GPU, _setting, compare, router_settings, table
 from loadtests.load.runner import RunSpec
-from loadtests.options import WorkloadOptions
 from shared.config import RouterConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -30,7 +30,7 @@ CHAT = WorkloadOptions(
 
 
 def test_router_settings_reach_the_router_and_spread_conversations(tmp_path: Path) -> None:
-    fleet = FleetSpec(workers=2, cache_tokens=20_000, prefill_us_per_token=20,
+    fleet = ClusterSpec(workers=2, cache_tokens=20_000, prefill_us_per_token=20,
                       decode_ms_per_token=4, max_running_requests=2)  # fmt: skip
     run = RunSpec(host="", out=tmp_path, users=6, timeout_s=120)
     policies = ["cache_aware (fleet)"]
@@ -69,7 +69,7 @@ def test_events_arm_routes_on_the_workers_events() -> None:
     tree, events = router_settings("cost_aware"), router_settings("cost_aware" + EVENTS)
     assert "kv_events" not in tree and events["kv_events"] == "true"
     assert events["policy"] == tree["policy"] == "cost_aware"
-    with FleetSpec(workers=2, kv_events=True).start() as fleet:
+    with ClusterSpec(workers=2, kv_events=True).start() as fleet:
         fleet.start_router(events)
         body = json.dumps({"model": "sim", "prompt": "hello there " * 20, "max_tokens": 2})
         req = urllib.request.Request(fleet.router_url + "/v1/completions", body.encode(),
@@ -93,7 +93,7 @@ def test_events_arm_needs_publishing_workers(tmp_path: Path) -> None:
     # Without workers that publish, "+ events" would silently run the tree alone.
     run = RunSpec(host="", out=tmp_path)
     with pytest.raises(ValueError, match="publish"):
-        compare(FleetSpec(workers=1), CHAT, run, ["cost_aware" + EVENTS])
+        compare(ClusterSpec(workers=1), CHAT, run, ["cost_aware" + EVENTS])
 
 
 def test_host_tiers_get_a_fleet_each_and_the_tier_keeps_what_the_device_pool_evicts(
@@ -101,7 +101,7 @@ def test_host_tiers_get_a_fleet_each_and_the_tier_keeps_what_the_device_pool_evi
 ) -> None:
     # Six conversations at once on one worker whose device pool holds about two: without
     # a tier each turn's history is evicted before its next turn; with one it is reloaded.
-    fleet = FleetSpec(workers=1, cache_tokens=1024, prefill_us_per_token=20,
+    fleet = ClusterSpec(workers=1, cache_tokens=1024, prefill_us_per_token=20,
                       decode_ms_per_token=2, max_running_requests=2)  # fmt: skip
     chat = WorkloadOptions(workload="multi_turn", conversations=6, turns=3, system_len=60,
                            question_len=60, output_len=8)  # fmt: skip

@@ -8,9 +8,8 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtests.load.metrics import HitCounter, RequestRecord, read_records
-from loadtests.load.report import summarize, write_report
-from loadtests.load.sse import SSEParser
+from loadtests.load.records import HitCounter, RequestRecord, SSEParser, read_records
+from loadtests.load.runner import summarize, write_report
 
 STREAM = 'data: {"a":"é"}\r\n\r\n: keep-alive\n\ndata: x\ndata: y\r\rdata: [DONE]\n\n'.encode()
 
