@@ -42,8 +42,9 @@ PREFIX_TOKENS = 2048
 QUESTION_TOKENS = 64
 
 
-def _ids(rng: random.Random, n: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(4, 1000) for _ in range(n))  # 0..3: special tokens
+def random_ids(rng: random.Random, n: int) -> tuple[int, ...]:
+    """`n` token ids of the tiny models' vocabulary (0..3: their special tokens)."""
+    return tuple(rng.randrange(4, 1000) for _ in range(n))
 
 
 def _params(max_tokens: int) -> SamplingParams:
@@ -65,15 +66,15 @@ def ttft(engine: LLMEngine, rid: str, prompt: tuple[int, ...]) -> tuple[float, i
 
 def bench_ttft(engine: LLMEngine, runs: int) -> dict[str, float]:
     rng = random.Random(0)
-    prefix = _ids(rng, PREFIX_TOKENS)
+    prefix = random_ids(rng, PREFIX_TOKENS)
     uncached, cached, hits = [], [], []
     for i in range(runs):
         engine.flush_cache()
-        t, hit = ttft(engine, f"u{i}", prefix + _ids(rng, QUESTION_TOKENS))
+        t, hit = ttft(engine, f"u{i}", prefix + random_ids(rng, QUESTION_TOKENS))
         assert hit == 0, hit
         uncached.append(t)
         # The previous request left the prefix in the tree; a new question follows it.
-        t, hit = ttft(engine, f"c{i}", prefix + _ids(rng, QUESTION_TOKENS))
+        t, hit = ttft(engine, f"c{i}", prefix + random_ids(rng, QUESTION_TOKENS))
         cached.append(t)
         hits.append(hit)
     return {
@@ -108,7 +109,7 @@ def bench_decode(
     engine.flush_cache()
     rng = random.Random(batch)
     for i in range(batch):
-        prompt = _ids(rng, 32)
+        prompt = random_ids(rng, 32)
         engine.add_request(
             EngineRequest(f"d{batch}-{i}", prompt_token_ids=prompt, params=_params(steps + 2))
         )
@@ -152,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
         model_dir = make_tiny_model(Path(tmp) / "bench-llama", **PRESETS["bench"])
         config = EngineConfig(kv_capacity_tokens=16384, device=args.device)
         engine = load_engine(model_dir, config)
-        ttft(engine, "warmup", _ids(random.Random(9), 256))  # first-call allocations
+        ttft(engine, "warmup", random_ids(random.Random(9), 256))  # first-call allocations
         t = (
             {"uncached_s": float("nan"), "cached_s": float("nan"), "cached_tokens": 0}
             if args.skip_ttft

@@ -38,13 +38,13 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from loadtests.engine.bench_engine import random_ids, ttft
 from loadtests.kit import Command
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.radix_cache import NoCache, RadixCache
 from worker.engine.runtime.load import load_engine
-from worker.engine.types import EngineRequest, SamplingParams
 from worker.models.tiny_model import PRESETS, make_tiny_model
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "bench" / "radix_trace.py"
@@ -238,29 +238,12 @@ def main(args: argparse.Namespace) -> None:
 TAIL = 16
 
 
-def _ids(rng: random.Random, n: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(4, 1000) for _ in range(n))
-
-
-def _first_token_s(engine: LLMEngine, rid: str, prompt: tuple[int, ...]) -> tuple[float, int]:
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.add_request(EngineRequest(rid, prompt_token_ids=prompt, params=params))
-    while True:
-        outs = engine.step()
-        if outs:
-            elapsed = time.perf_counter() - start
-            while engine.has_work:
-                engine.step()
-            return elapsed, outs[0].cached_tokens
-
-
 def one_run(engine: LLMEngine, n: int, seed: int) -> tuple[float, int]:
     rng = random.Random(seed)
-    a = _ids(rng, n + TAIL)
-    _first_token_s(engine, f"a{seed}", a)
-    _first_token_s(engine, f"f{seed}", _ids(rng, n + TAIL))  # A leaves the device pool
-    return _first_token_s(engine, f"again{seed}", a)
+    a = random_ids(rng, n + TAIL)
+    ttft(engine, f"a{seed}", a)
+    ttft(engine, f"f{seed}", random_ids(rng, n + TAIL))  # A leaves the device pool
+    return ttft(engine, f"again{seed}", a)
 
 
 def host_reload_arguments(p: argparse.ArgumentParser) -> None:

@@ -67,6 +67,23 @@ def serve(
     return child
 
 
+def sim_worker(port: int, logs: Path, host: str = "127.0.0.1") -> Child:
+    """A zero-cost sim worker (prefill and decode cost 0), no Redis, ready."""
+    args = ["worker", "serve", "--engine", "sim", "--host", host, "--port", str(port),
+            "--worker-id", "bench", "--log-level", "WARNING"]  # fmt: skip
+    return serve("worker", args, port, logs)
+
+
+def serve_router(
+    name: str, port: int, logs: Path, flags: list[str], tree: Path = ROOT,
+    env: dict[str, str] | None = None, wait: bool = True,
+) -> Child:  # fmt: skip
+    """`router serve` on `port` with `flags`, from the checkout `tree`, logging warnings."""
+    args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "WARNING", *flags]  # fmt: skip
+    return serve(name, args, port, logs, tree=tree, env=env, wait=wait)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Sim worker knobs: decode cost keeps requests in flight long enough to be hit."""

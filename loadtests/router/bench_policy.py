@@ -44,6 +44,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loadtests.load.workloads import text_of
 from router.policy import build_policy
 from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
@@ -64,22 +65,12 @@ class Row:
     decisions: list[tuple[str, str]]
 
 
-def _text(rng: random.Random, chars: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < chars:
-        w = rng.choice(VOCAB)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)
-
-
-def make_requests(args: argparse.Namespace, rng: random.Random) -> list[str]:
-    systems = [_text(rng, args.system_chars) for _ in range(args.groups)]
+def policy_requests(args: argparse.Namespace, rng: random.Random) -> list[str]:
+    systems = [text_of(rng, args.system_chars, VOCAB) for _ in range(args.groups)]
     weights = [1.0 / (g + 1) for g in range(args.groups)]  # Zipf, exponent 1
     total = args.warmup + args.requests
     picks = rng.choices(range(args.groups), weights=weights, k=total)
-    return [f"{systems[g]} {i} {_text(rng, args.tail_chars)}" for i, g in enumerate(picks)]
+    return [f"{systems[g]} {i} {text_of(rng, args.tail_chars, VOCAB)}" for i, g in enumerate(picks)]
 
 
 def load_changes(n: int, total: int, rng: random.Random) -> list[list[tuple[int, int]]]:
@@ -212,7 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
-    texts = make_requests(args, rng)
+    texts = policy_requests(args, rng)
     mean_chars = statistics.fmean(len(t) for t in texts)
     overhead = timer_overhead_ns()
     policies = [p for p in args.policies.split(",") if p]

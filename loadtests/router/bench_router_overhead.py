@@ -32,7 +32,7 @@ from pathlib import Path
 import aiohttp
 
 from loadtests.kit import Command, checkout, cpu_seconds, pct
-from loadtests.load.cluster import ROOT, Child, serve
+from loadtests.load.cluster import ROOT, serve_router, sim_worker
 from shared.procs import free_port
 
 SYSTEM = "You are a helpful assistant. Answer briefly. " * 40
@@ -156,20 +156,6 @@ async def before_after(
     print(f"\nafter / before CPU per request: {ratio:.2f}x")
 
 
-def sim_worker(port: int, logs: Path, host: str = "127.0.0.1") -> Child:
-    """A zero-cost sim worker (prefill and decode cost 0), no Redis."""
-    args = ["worker", "serve", "--engine", "sim", "--host", host, "--port", str(port),
-            "--worker-id", "bench", "--log-level", "WARNING"]  # fmt: skip
-    return serve("worker", args, port, logs)
-
-
-def router(name: str, port: int, logs: Path, flags: list[str], tree: Path = ROOT) -> Child:
-    """`router serve` on `port` from the checkout `tree`, logging warnings only."""
-    args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "WARNING", *flags]  # fmt: skip
-    return serve(name, args, port, logs, tree=tree)
-
-
 def main_before_after(args: argparse.Namespace) -> None:
     wport = free_port()
     ports = {"before": free_port(), "after": free_port()}
@@ -180,7 +166,7 @@ def main_before_after(args: argparse.Namespace) -> None:
         stack.callback(sim_worker(wport, logs).stop)
         pids = {}
         for name, port in ports.items():
-            child = router(name, port, logs, flags, roots[name])
+            child = serve_router(name, port, logs, flags, roots[name])
             stack.callback(child.stop)
             pids[name] = child.pid
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
@@ -206,7 +192,7 @@ def main(args: argparse.Namespace) -> None:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="router-overhead-")))
         worker = sim_worker(wport, logs)
         stack.callback(worker.stop)
-        routed = router("router", rport, logs, flags)
+        routed = serve_router("router", rport, logs, flags)
         stack.callback(routed.stop)
         pids = {"router": routed.pid, "worker": worker.pid}
         asyncio.run(bench(args, f"http://127.0.0.1:{wport}", f"http://127.0.0.1:{rport}", pids))
@@ -269,7 +255,7 @@ async def closed_loop(url: str, concurrency: int, seconds: float, pid: int) -> d
 def run_router(
     name: str, tree: Path, config: Path, logs: Path, concurrency: int, seconds: float
 ) -> dict[str, float]:
-    child = router(name, free_port(), logs, ["--config", str(config)], tree)
+    child = serve_router(name, free_port(), logs, ["--config", str(config)], tree)
     try:
         return asyncio.run(closed_loop(child.url, concurrency, seconds, child.pid))
     finally:
@@ -283,7 +269,7 @@ def run_together(
     with ExitStack() as stack:
         started = {}
         for name, tree in trees.items():
-            started[name] = router(name, free_port(), logs, ["--config", str(config)], tree)
+            started[name] = serve_router(name, free_port(), logs, ["--config", str(config)], tree)
             stack.callback(started[name].stop)
 
         async def both() -> list[dict[str, float]]:

@@ -48,7 +48,7 @@ from pathlib import Path
 import aiohttp
 
 from loadtests.kit import Command, checkout, cpu_seconds
-from loadtests.load.cluster import ROOT, Child, serve, wait_health
+from loadtests.load.cluster import ROOT, Child, serve, serve_router, wait_health
 from shared.procs import free_port
 from shared.redis_server import RedisServer
 
@@ -133,12 +133,10 @@ def start_targets(
     targets = [Target("direct", worker_url)]
 
     def router(name: str, n: int, tree: Path = ROOT, env: dict | None = None) -> None:
-        port = free_port()
-        cmd = ["router", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--worker-url", worker_url, "--log-level", "WARNING"]  # fmt: skip
+        flags = ["--worker-url", worker_url]
         if n > 1:
-            cmd += ["--processes", str(n), "--redis-url", redis_url]
-        child = serve(f"{len(targets)}", cmd, port, tmp, tree=tree, env=env, wait=False)
+            flags += ["--processes", str(n), "--redis-url", redis_url]
+        child = serve_router(f"{len(targets)}", free_port(), tmp, flags, tree, env, wait=False)
         targets.append(Target(name, child.url, child))
 
     if before is not None:
@@ -290,9 +288,7 @@ def reuse_main(args: argparse.Namespace) -> int:
                     f"{mode}-w", ["reuse_worker", str(wport), mode], wport, tmp, tree=tmp
                 )
                 children.append(worker)
-                router = serve(f"{mode}-r", ["router", "serve", "--host", "127.0.0.1",
-                               "--port", str(rport), "--worker-url", worker.url,
-                               "--log-level", "WARNING"], rport, tmp)  # fmt: skip
+                router = serve_router(f"{mode}-r", rport, tmp, ["--worker-url", worker.url])
                 children.append(router)
                 rows.append((mode, router.url, router.pid))
             print(

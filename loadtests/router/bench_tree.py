@@ -43,6 +43,7 @@ from typing import Protocol
 
 import pygtrie
 
+from loadtests.load.workloads import text_of
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
 from router.policy.tree import PrefixTree
@@ -121,17 +122,11 @@ class PygtrieBaseline:
         return total
 
 
-def make_requests(args: argparse.Namespace) -> list[str]:
+def tree_requests(args: argparse.Namespace) -> list[str]:
     rng = random.Random(args.seed)
 
     def words(n_chars: int) -> str:
-        out: list[str] = []
-        size = 0
-        while size < n_chars:
-            w = rng.choice(WORDS)
-            out.append(w)
-            size += len(w) + 1
-        return " ".join(out)[:n_chars]
+        return text_of(rng, n_chars, WORDS)[:n_chars]
 
     systems = [f"[system {g}] " + words(args.system_chars) for g in range(args.groups)]
     return [
@@ -214,7 +209,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    requests = make_requests(args)
+    requests = tree_requests(args)
     workers = [f"w{i}" for i in range(args.workers)]
     avg_chars = sum(map(len, requests)) / len(requests)
     print(
