@@ -76,11 +76,13 @@ def sim_worker(port: int, logs: Path, host: str = "127.0.0.1") -> Child:
 
 def serve_router(
     name: str, port: int, logs: Path, flags: list[str], tree: Path = ROOT,
-    env: dict[str, str] | None = None, wait: bool = True,
+    env: dict[str, str] | None = None, wait: bool = True, log_level: str | None = "WARNING",
 ) -> Child:  # fmt: skip
-    """`router serve` on `port` with `flags`, from the checkout `tree`, logging warnings."""
-    args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "WARNING", *flags]  # fmt: skip
+    """`router serve` on `port` with `flags`, from the checkout `tree`, logging warnings
+    only (`log_level` None: the router's own level, whose lines the e2e tests read)."""
+    args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    if log_level is not None:
+        args += ["--log-level", log_level]
     return serve(name, args, port, logs, tree=tree, env=env, wait=wait)
 
 
@@ -197,20 +199,17 @@ class Cluster:
         self, name: str, settings: dict[str, object] | None, worker_urls: tuple[str, ...],
         tree: Path | None = None,
     ) -> Child:  # fmt: skip
-        """Settings are RouterConfig keys, passed as RADIX_ROUTER_<KEY> like a deployment;
-        `tree`: run the router's code from that checkout (a `--before-ref` side)."""
-        port = free_port()
-        args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port)]
-        if self.redis is not None:
-            args += ["--redis-url", self.redis.url]
+        """Started, not yet waited for. Settings are RouterConfig keys, passed as
+        RADIX_ROUTER_<KEY> like a deployment; `tree`: run the router's code from that
+        checkout (a `--before-ref` side)."""
+        flags = ["--redis-url", self.redis.url] if self.redis is not None else []
         for url in worker_urls:
-            args += ["--worker-url", url]
+            flags += ["--worker-url", url]
         base = {"discovery_interval": 0.2, "retry_backoff": 0.01, **(settings or {})}
         env = {f"RADIX_ROUTER_{k.upper()}": env_value(v) for k, v in base.items()}
-        if tree is not None:
-            env["PYTHONPATH"] = str(tree)
-        log = self.log_dir / f"{name}.log"
-        return Child(name, args, f"http://127.0.0.1:{port}", log, env, cwd=tree)
+        return serve_router(
+            name, free_port(), self.log_dir, flags, tree or ROOT, env, wait=False, log_level=None
+        )
 
     def start_router(
         self, settings: dict[str, object] | None = None, worker_urls: tuple[str, ...] = (),
@@ -222,7 +221,7 @@ class Cluster:
         (default: all of them); from the checkout `tree` where given."""
         if self.router is not None:
             self.router.stop(grace_s=5)
-        self.router = self._router("router", settings, worker_urls, tree).start()
+        self.router = self._router("router", settings, worker_urls, tree)
         self.router_headers = headers or {}
         want = len(self.workers) if want_workers is None else want_workers
         wait_until(lambda: self.routable() >= want, START_TIMEOUT_S, self.router)
@@ -233,7 +232,7 @@ class Cluster:
     ) -> Child:
         """Another router next to the cluster's (a replica), ready once it routes to every
         worker; stopped with the cluster. From the checkout `tree` where given."""
-        child = self.adopt(self._router(name, settings, (), tree).start())
+        child = self.adopt(self._router(name, settings, (), tree))
         wait_until(lambda: self.routable(child) >= len(self.workers), START_TIMEOUT_S, child)
         return child
 
