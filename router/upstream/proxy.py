@@ -27,7 +27,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,6 +85,15 @@ class Routed:
     stream: bool = False  # the client asked for a stream (a timeout is then the worker's)
 
 
+class Seating(Protocol):
+    """The request's seat in the fleet queue (router/queue/fleet_queue.py `Seat`): the
+    workers its first try may not use (no free seat), and where its tries sit."""
+
+    exclude: Collection[str]
+
+    def sit(self, worker_id: str) -> None: ...
+
+
 class ProxyMetrics(Protocol):
     """What the proxy reports (`router.metrics.Metrics` is one)."""
 
@@ -139,7 +148,9 @@ class Proxy:
         self.metrics.decision(decision.reason)
         return self.fleet.workers[decision.worker_id], decision
 
-    async def forward(self, request: web.Request, routed: Routed) -> web.StreamResponse:
+    async def forward(
+        self, request: web.Request, routed: Routed, seat: Seating | None = None
+    ) -> web.StreamResponse:
         if routed.model and not self.fleet.knows_model(routed.model):
             raise APIError(
                 404,
@@ -154,10 +165,17 @@ class Proxy:
         suspects: list[AttemptFailed] = []
         busy_for = 0  # the longest Retry-After of the busy workers
         for tries in range(self.config.max_retries + 1):
-            picked = self._select(routed, tried)
+            picked = None
+            if seat is not None and seat.exclude and not tries:
+                # The first try goes where the queue has a seat for it.
+                picked = self._select(routed, [*seat.exclude])
+            if picked is None:
+                picked = self._select(routed, tried)
             if picked is None:
                 break
             worker, decision = picked
+            if seat is not None:
+                seat.sit(worker.worker_id)
             try:
                 response = await self._attempt(request, routed, worker, decision)
             except AttemptFailed as e:
