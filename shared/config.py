@@ -217,7 +217,9 @@ class RouterConfig(_Frozen):
         for name, tenant in v.items():
             for i, key in enumerate(tenant.keys):
                 if key in owner:
-                    raise ValueError(f"tenants.{name}.keys[{i}] is also a key of tenant {owner[key]!r}")
+                    raise ValueError(
+                        f"tenants.{name}.keys[{i}] is also a key of tenant {owner[key]!r}"
+                    )
                 owner[key] = name
         return v
 

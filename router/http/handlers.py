@@ -92,6 +92,9 @@ def _inference(endpoint: str, path: str) -> Any:
             request[TICKET] = ticket
             async with queue.seat(ticket) as seat:
                 response = await app[PROXY].forward(request, routed, seat)
+                # A whole answer is ready to leave (a stream's head left already and was
+                # told by the app's on_response_prepare hook: the first of the two counts).
+                queue.answered(ticket, response.status)
             status = response.status
             return response
         except BaseException as e:

@@ -17,6 +17,7 @@ from router.metrics import Metrics
 from router.policy.base import Policy
 from router.queue.fleet_queue import FleetQueue
 from shared.config import RouterConfig
+from shared.serving.http import request_key
 from shared.tokens.prompt_tokens import PromptTokens
 from shared.wire.peers import Rejections
 
@@ -33,6 +34,6 @@ TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `t
 KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
 # Set up in cleanup_ctx (they need the running loop):
 # Per request: its ticket in the fleet queue (its first byte is told to the queue).
-TICKET = "radix_router.ticket"
+TICKET = request_key("ticket")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 DISCOVERY = web.AppKey("discovery", Discovery)

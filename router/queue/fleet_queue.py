@@ -259,8 +259,10 @@ class FleetQueue:
             # A new round: each waiting tenant gains weight x quantum, as many times as
             # it takes for one of them to have credit again.
             quanta = [t.weight * self.config.queue_quantum for t in waiting]
-            rounds = min(math.floor(-t.credit / q) + 1 for t, q in zip(waiting, quanta))
-            for t, q in zip(waiting, quanta):
+            rounds = min(
+                math.floor(-t.credit / q) + 1 for t, q in zip(waiting, quanta, strict=True)
+            )
+            for t, q in zip(waiting, quanta, strict=True):
                 t.credit += rounds * q
         best, best_key = None, None
         for tenant in waiting:
