@@ -37,8 +37,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from router.queue.seats import Seats
 from router.queue.stats import QueueStats
@@ -48,8 +48,8 @@ from shared.serving.errors import APIError
 from shared.wire.service_class import CLASSES, ServiceClass
 
 if TYPE_CHECKING:
-    from router.fleet.table import Fleet
-    from router.policy.base import RouteRequest
+    from router.fleet.workers import Worker
+    from router.policy.base import FleetView, RouteRequest
 
 # Per class FIFO, how many of its oldest requests a freed seat looks at: enough for
 # affinity to find a hit, bounded so a queue of thousands costs nothing per seat.
@@ -58,6 +58,15 @@ SCAN = 16
 # heartbeats change a worker's seats, workers join (a local request's end re-reads at once).
 TICK_S = 0.05
 Affinity = Callable[["RouteRequest"], Mapping[str, float]]
+
+
+class FleetReads(Protocol):
+    """What the queue reads of the worker table (router/fleet/table.py `Fleet`)."""
+
+    @property
+    def workers(self) -> Mapping[str, Worker]: ...
+
+    def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView: ...
 
 
 class Ticket:
@@ -91,7 +100,7 @@ class FleetQueue:
     def __init__(
         self,
         config: RouterConfig,
-        fleet: Fleet,
+        fleet: FleetReads,
         affinity: Affinity,
         remote: Callable[[], Mapping[str, int]] | None,
         clock: Callable[[], float],

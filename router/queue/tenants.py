@@ -10,16 +10,12 @@ round robin credit and its waiting requests, one FIFO per class.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from shared.config import RouterConfig
 from shared.serving.auth import bearer_token
 from shared.wire.service_class import CLASSES
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
-
-    from router.queue.fleet_queue import Ticket
 
 DEFAULT = "default"
 
@@ -32,8 +28,9 @@ class Tenant:
         self.max_queue, self.max_wait_s = max_queue, max_wait_s
         # Deficit round robin credit, in requests (fleet_queue.py's rule, step 1).
         self.credit = 0.0
-        # Waiting tickets, one FIFO per class (CLASSES order: most urgent first).
-        self.queues: tuple[deque[Ticket], ...] = tuple(deque() for _ in CLASSES)
+        # Waiting tickets (fleet_queue.py's, which imports this module), one FIFO per
+        # class (CLASSES order: most urgent first).
+        self.queues: tuple[deque[Any], ...] = tuple(deque() for _ in CLASSES)
         self.waiting = 0
 
 
