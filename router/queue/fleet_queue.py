@@ -66,7 +66,9 @@ class FleetReads(Protocol):
     @property
     def workers(self) -> Mapping[str, Worker]: ...
 
-    def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView: ...
+    def view(
+        self, now: float, model: str | None = None, exclude: Iterable[str] = ()
+    ) -> FleetView: ...
 
 
 class Ticket:
