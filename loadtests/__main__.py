@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.simulate_events",
         "simulator: tree vs tree + KV events vs a ceiling, divergence cases",
     ),
+    "fleet-queue": (
+        "loadtests.fleet_queue",
+        "the fleet queue vs today's router: tenants, classes, one flooding, goodput at SLO",
+    ),
     "replicas": ("loadtests.replicas", "router replicas with and without decision sync"),
     "faults": ("loadtests.faults", "worker, Redis and router faults under load, their cost"),
     "engine": ("loadtests.bench_engine", "engine: TTFT cached vs uncached, decode tokens/s"),

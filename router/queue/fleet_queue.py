@@ -17,15 +17,17 @@ The rule: a freed seat on worker w goes to the best waiting request w can serve.
      follows their weights to within one quantum, which is also how far locality may
      run ahead of fairness (DLPM's bound).
   2. Among those tenants' waiting requests (the first `SCAN` of each class FIFO):
-     a. urgent first (waited `queue_urgent_fraction` of its class's TTFT SLO), the
-        earliest deadline first: a request that would miss its deadline waiting for its
-        best worker takes this one, worse or not;
-     b. then by class: interactive, standard, batch;
+     a. by class: interactive, standard, batch;
+     b. then the urgent ones (waited `queue_urgent_fraction` of their class's TTFT
+        SLO), the earliest deadline first: a request that would miss its deadline
+        waiting for its best worker takes this one, worse or not;
      c. then the ones not held: a request is held for its best worker while that
         worker's predicted cached prefix is over twice w's; a held one still takes the
         seat when no one else can use it, so a seat never stays empty for locality;
      d. then the longest predicted cached prefix on w (affinity);
      e. then arrival order.
+  Urgency never lifts a request over a more urgent class: a flood of standard requests
+  past their objective must not hold back the interactive ones.
 
 Affinity is what the router predicts each worker holds of the request's prompt
 (`Affinity`: today the policy's tree, router/policy/base.py `Policy.predict`), asked
@@ -285,11 +287,11 @@ class FleetQueue:
                     if not self._serves(wid, ticket, now, routable):
                         continue
                     if now >= ticket.urgent_at:
-                        key: tuple = (broke, 0, ticket.deadline, ticket.seq)
+                        key: tuple = (broke, ticket.rank, 0, ticket.deadline, ticket.seq)
                     else:
                         here = ticket.units.get(wid, 0.0)
                         held = ticket.best != wid and ticket.best_units > 2 * here
-                        key = (broke, 1, ticket.rank, held, -here, ticket.seq)
+                        key = (broke, ticket.rank, 1, held, -here, ticket.seq)
                     if best_key is None or key < best_key:
                         best, best_key = ticket, key
         return best

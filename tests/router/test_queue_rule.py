@@ -108,19 +108,22 @@ async def test_affinity_picks_the_request_that_hits_and_holds_for_its_worker() -
     assert tickets[0].worker == "w0"
 
 
-async def test_an_urgent_request_goes_first_and_takes_a_worse_worker() -> None:
-    affinity = {"hit-w1": {"w1": 100.0}}
+async def test_an_urgent_request_takes_a_worse_worker_but_not_a_higher_class() -> None:
+    affinity = {"hit-w1": {"w1": 100.0}, "cold": {}}
     queue, clock = _queue({"w0": 1, "w1": 1}, affinity)
     fillers = await _fill(queue, 2)
     on_w0 = next(t for t in fillers if t.worker == "w0")
-    batch = _ticket(queue, "hit-w1", klass="batch")  # SLO 120 s: urgent after 60 s
-    await _enter(queue, batch)
+    urgent = _ticket(queue, "hit-w1", klass="batch")  # SLO 120 s: urgent after 60 s
+    await _enter(queue, urgent)
     clock.advance(61)
-    interactive = _ticket(queue, "cold-i", klass="interactive")  # SLO 1 s, just in
+    fresh = _ticket(queue, "cold", klass="batch")
+    interactive = _ticket(queue, "cold", klass="interactive")  # SLO 1 s, just in
+    await _enter(queue, fresh)
     await _enter(queue, interactive)
-    queue.done(on_w0)
-    # Urgent beats the interactive class and its own affinity for w1.
-    assert batch.worker == "w0" and interactive.worker is None
+    queue.done(on_w0)  # the interactive class first, urgent or not
+    assert interactive.worker == "w0" and urgent.worker is None
+    queue.done(interactive)  # then the urgent batch one, on w0 though it hits on w1
+    assert urgent.worker == "w0" and fresh.worker is None
 
 
 async def test_the_bounds_refuse_only_their_tenant() -> None:
