@@ -179,9 +179,17 @@ def summarize(plan: list[Sent], slo: dict[str, float], seconds: float) -> dict:
     shares = fair_shares(sent_by, sum(good_by.values()))
     out["jain"] = jain([good_by[t] / shares[t] for t in sent_by if shares[t] > 0])
     out["goodput_rps"] = sum(good_by.values()) / seconds
+    for who, mine in (("flooder", [s for s in plan if s.tenant == "t0"]),
+                      ("others", [s for s in plan if s.tenant != "t0"])):  # fmt: skip
+        out[who] = {k: _attainment([s for s in mine if s.klass == k], slo[k]) for k in CLASSES}
     solo = [s.ttft for s in plan if s.tenant != "t0" and s.ttft is not None]
     out["others_ttft_p50_s"] = statistics.median(solo) if solo else None
     return out
+
+
+def _attainment(sent: list[Sent], slo: float) -> float | None:
+    good = sum(s.status == 200 and s.ttft is not None and s.ttft <= slo for s in sent)
+    return good / len(sent) if sent else None
 
 
 def router_config(args: argparse.Namespace, new: bool, sync: bool) -> dict:
@@ -207,7 +215,9 @@ def start_router(fleet: BenchFleet, name: str, config: dict, tree: Path | None, 
     path.write_text(yaml.safe_dump({**config, "redis_url": fleet.redis.url}))  # type: ignore[union-attr]
     args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), "--config", str(path)]
     env = {"PYTHONPATH": str(tree)} if tree is not None else {}
-    child = Child(name, args, f"http://127.0.0.1:{port}", fleet.log_dir / f"{name}.log", env, cwd=tree)
+    child = Child(
+        name, args, f"http://127.0.0.1:{port}", fleet.log_dir / f"{name}.log", env, cwd=tree
+    )
     fleet.adopt(child.start())
     wait_health(child)
     fleet.router_headers = {"Authorization": "Bearer key-t0"}
@@ -258,7 +268,9 @@ async def run_side(
 
 
 def saturation_rate(args: argparse.Namespace) -> float:
-    prompt = args.system_len + args.question_len * (args.turns if args.workload == "multi_turn" else 1)
+    prompt = args.system_len + args.question_len * (
+        args.turns if args.workload == "multi_turn" else 1
+    )
     per_request_s = args.output_len * args.decode_ms / 1e3 + prompt * args.prefill_us / 1e6
     return args.workers * args.max_running / per_request_s
 
@@ -309,7 +321,9 @@ async def _main(args: argparse.Namespace) -> dict:
                 routers = []
                 for r in range(args.replicas):
                     config = router_config(args, new, args.replicas > 1)
-                    routers.append(start_router(fleet, f"{name[:6]}-{load}-{r}", config, tree, Path(tmp)))
+                    routers.append(
+                        start_router(fleet, f"{name[:6]}-{load}-{r}", config, tree, Path(tmp))
+                    )
                 plan = [Sent(s.at, s.tenant, s.klass, s.prompt) for s in plan_of]
                 out = await run_side(args, fleet, [c.url for c in routers], plan, new)
                 out.update(side=name, load=load, rate_rps=load * sat, sent=len(plan))
@@ -331,7 +345,8 @@ def render(run: dict) -> str:
     for klass, c in run["classes"].items():
         lines.append(
             f"{'':>12}{klass:<12} sent {c['sent']:>5}  goodput {c['goodput_rps']:6.2f}/s  "
-            f"attainment {_pct(c['attainment']):>6}  TTFT p50 {_ms(c['ttft_p50_s']):>9}  "
+            f"attainment {_pct(c['attainment']):>6} (flooder {_pct(run['flooder'][klass])}, "
+            f"others {_pct(run['others'][klass])})  TTFT p50 {_ms(c['ttft_p50_s']):>9}  "
             f"429 {c['429']:>4}  503 {c['503']:>4}  unanswered {c['unanswered']}"
         )
     return "\n".join(lines)

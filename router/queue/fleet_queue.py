@@ -8,26 +8,28 @@ tenant past its `max_queue` waiting requests, or a request that waited its tenan
 `max_queue_wait_s`, is answered 429 with Retry-After and a message naming the bound;
 no other tenant is refused for it. Load is never a 503; draining is.
 
-The rule: a freed seat on worker w goes to the best waiting request w can serve.
-  1. Fair share (deficit round robin): only tenants with credit may take it; a seat
-     costs one request of credit. When no waiting tenant w can serve has credit, each
-     gets weight x `queue_quantum`; a tenant that starts waiting starts with that much,
-     and one that stops waiting keeps none. A tenant without credit still takes a seat
-     that no tenant with credit can use (a seat never stays empty for fairness). Between tenants with work waiting, service
-     follows their weights to within one quantum, which is also how far locality may
-     run ahead of fairness (DLPM's bound).
-  2. Among those tenants' waiting requests (the first `SCAN` of each class FIFO):
-     a. by class: interactive, standard, batch;
-     b. then the urgent ones (waited `queue_urgent_fraction` of their class's TTFT
-        SLO), the earliest deadline first: a request that would miss its deadline
-        waiting for its best worker takes this one, worse or not;
-     c. then the ones not held: a request is held for its best worker while that
-        worker's predicted cached prefix is over twice w's; a held one still takes the
-        seat when no one else can use it, so a seat never stays empty for locality;
-     d. then the longest predicted cached prefix on w (affinity);
-     e. then arrival order.
-  Urgency never lifts a request over a more urgent class: a flood of standard requests
-  past their objective must not hold back the interactive ones.
+The rule: a freed seat on worker w goes to the best waiting request w can serve,
+looking at the first `SCAN` requests of each tenant's FIFO per class, in this order:
+  1. class: interactive, then standard, then batch (strict bands, as llm-d's flow
+     control and Dynamo's router have them);
+  2. fair share within the class (deficit round robin): tenants with credit first; a
+     seat costs one request of credit. When no waiting tenant w can serve has credit,
+     each gets weight x `queue_quantum`; a tenant that starts waiting starts with that
+     much, one that stops waiting keeps none. A tenant without credit still takes a
+     seat no one with credit can use: a seat never stays empty for fairness. Between
+     tenants with work waiting in a class, service follows their weights to within a
+     quantum, which is also how far locality may run ahead of fairness (DLPM's bound);
+  3. urgency: a request that waited `queue_urgent_fraction` of its class's TTFT
+     objective goes first, the earliest deadline first, and takes this worker even if
+     it predicts a better one elsewhere (it would miss its deadline waiting for it);
+  4. locality: the ones not held first. A request is held for its best worker while
+     that worker's predicted cached prefix is over twice w's; a held one still takes
+     the seat when no one else can use it, so a seat never stays empty for locality;
+  5. the longest predicted cached prefix on w (affinity);
+  6. arrival order.
+Urgency never lifts a request over a higher class (a flood of standard requests past
+their objective must not hold back interactive ones), and no class is fair-shared
+against another: a tenant's interactive request goes before another's batch one.
 
 Affinity is what the router predicts each worker holds of the request's prompt
 (`Affinity`: today the policy's tree, router/policy/base.py `Policy.predict`), asked
@@ -279,19 +281,19 @@ class FleetQueue:
                 t.credit += rounds * q
         best, best_key = None, None
         for tenant in waiting:
-            # A tenant without credit is looked at too, behind every one with credit:
-            # it takes the seat only when no one else can use it (w never stays empty).
+            # A tenant without credit is looked at too, behind every one with credit in
+            # the same class: it takes the seat only when no one else can use it.
             broke = tenant.credit <= 0
             for queue in tenant.queues:
                 for ticket in itertools.islice(queue, SCAN):
                     if not self._serves(wid, ticket, now, routable):
                         continue
                     if now >= ticket.urgent_at:
-                        key: tuple = (broke, ticket.rank, 0, ticket.deadline, ticket.seq)
+                        key: tuple = (ticket.rank, broke, 0, ticket.deadline, ticket.seq)
                     else:
                         here = ticket.units.get(wid, 0.0)
                         held = ticket.best != wid and ticket.best_units > 2 * here
-                        key = (broke, ticket.rank, 1, held, -here, ticket.seq)
+                        key = (ticket.rank, broke, 1, held, -here, ticket.seq)
                     if best_key is None or key < best_key:
                         best, best_key = ticket, key
         return best

@@ -21,8 +21,11 @@ from tests.router.conftest import StartRouter
 from tests.waiting import wait_until
 from tests.worker.conftest import WorkerThread, sim_config
 
-# 40 tokens at 5 ms each: a request holds its seat ~0.2 s.
+# 40 tokens at 5 ms each: a request holds its seat ~0.2 s; the first of a test holds
+# it ~2 s, while the test queues the rest behind it (they queue in any case: they
+# only wait less when it ends early).
 SLOW = {"prompt": "hello there", "max_tokens": 40, "ignore_eos": True}
+BLOCK = {**SLOW, "max_tokens": 400}
 FAST = {"prompt": "hi", "max_tokens": 1}
 TENANTS = {
     "a": {"keys": ["key-a"], "max_queue": 2, "max_queue_wait_s": 30},
@@ -98,7 +101,7 @@ async def test_interactive_jumps_batch(fleet: Callable[..., Any]) -> None:
     order: list[str] = []
 
     async def send(name: str, **fields: Any) -> None:
-        status, _ = await _post(client, SLOW, **fields)
+        status, _ = await _post(client, BLOCK if name == "first" else SLOW, **fields)
         assert status == 200
         order.append(name)
 
@@ -123,7 +126,7 @@ async def test_flooding_tenant_does_not_hold_back_another(fleet: Callable[..., A
     order: list[str] = []
 
     async def send(tenant: str, name: str) -> None:
-        status, _ = await _post(client, SLOW, tenant)
+        status, _ = await _post(client, BLOCK if name == "a0" else SLOW, tenant)
         assert status == 200
         order.append(name)
 
@@ -143,7 +146,7 @@ async def test_flooding_tenant_does_not_hold_back_another(fleet: Callable[..., A
 
 async def test_429_names_the_bound_and_spares_other_tenants(fleet: Callable[..., Any]) -> None:
     client, queue = await fleet(1)
-    blocker = asyncio.create_task(_post(client, SLOW, "c"))
+    blocker = asyncio.create_task(_post(client, BLOCK, "c"))
     await wait_until(lambda: queue.active == 1)
     waiting = [asyncio.create_task(_post(client, SLOW, "a")) for _ in range(2)]
     await wait_until(lambda: queue.waiting == 2)
