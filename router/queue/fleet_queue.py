@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 # Per class FIFO, how many of its oldest requests a freed seat looks at: enough for
 # affinity to find a hit, bounded so a queue of thousands costs nothing per seat.
 SCAN = 16
-# While requests wait, seats are re-read this often: another replica's requests end,
-# heartbeats change a worker's seats, workers join (a local request's end re-reads at once).
+# Seats are re-read this often: another replica's requests end, heartbeats change a
+# worker's seats, workers join (a local request's end re-reads its worker at once).
 TICK_S = 0.05
 Affinity = Callable[["RouteRequest"], Mapping[str, float]]
 
@@ -156,13 +156,16 @@ class FleetQueue:
 
     def _pass(self, ticket: Ticket) -> bool:
         """Whether `ticket` may go at once; sets the workers it may not use."""
-        if self.seats.total >= self.seats.max_concurrent:
+        seats = self.seats
+        if seats.total >= seats.max_concurrent:
             return False
+        if not seats.full:  # below saturation: the policy's kept view, no pass over it
+            return True
         ids = self.fleet.view(self.clock(), ticket.model).ids
-        full = self.seats.full_of(ids)
+        full = [wid for wid in ids if wid in seats.full]
         if full and len(full) == len(ids):
             return False
-        ticket.exclude = full  # none full below saturation: the policy's kept view
+        ticket.exclude = full
         return True
 
     def _admitted(self, ticket: Ticket) -> None:
@@ -316,9 +319,10 @@ class FleetQueue:
 
     # -- lifecycle ----------------------------------------------------------------------
     async def run(self) -> None:
-        """Re-read seats while requests wait (the app runs it as a task)."""
+        """Re-read seats every tick, and give those that came free (the app runs it)."""
         while True:
             await asyncio.sleep(TICK_S)
+            self.seats.refresh()
             if self.waiting:
                 self.pump()
 

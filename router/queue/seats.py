@@ -40,6 +40,10 @@ class Seats:
         self.max_concurrent = max_concurrent
         self.held: dict[str, int] = {}  # this router's seated requests per worker
         self.total = 0
+        # Workers with no free seat, kept as seats are taken and given and re-read by
+        # `refresh` (other replicas' counts, heartbeats): below saturation it is empty
+        # and an arrival costs no pass over the fleet.
+        self.full: set[str] = set()
 
     def seats(self, worker_id: str) -> int | None:
         """The worker's seats; None: unbounded (it reports no max_running_requests)."""
@@ -53,17 +57,26 @@ class Seats:
     def free(self, worker_id: str) -> bool:
         if self.total >= self.max_concurrent:
             return False
+        return self._room(worker_id)
+
+    def _room(self, worker_id: str) -> bool:
         seats = self.seats(worker_id)
         return seats is None or self.occupied(worker_id) < seats
 
-    def full_of(self, ids: tuple[str, ...] | list[str]) -> list[str]:
-        """Those of `ids` with no free seat (one pass: the queue calls it only when a
-        request may have to wait, never below saturation's common case)."""
-        return [wid for wid in ids if not self.free(wid)]
+    def _note(self, worker_id: str) -> None:
+        if self._room(worker_id):
+            self.full.discard(worker_id)
+        else:
+            self.full.add(worker_id)
+
+    def refresh(self) -> None:
+        """Re-read every worker's seats (the queue's tick: replicas' counts, heartbeats)."""
+        self.full = {wid for wid in self._workers if not self._room(wid)}
 
     def take(self, worker_id: str) -> None:
         self.held[worker_id] = self.held.get(worker_id, 0) + 1
         self.total += 1
+        self._note(worker_id)
 
     def give(self, worker_id: str) -> None:
         left = self.held[worker_id] - 1
@@ -72,6 +85,7 @@ class Seats:
         else:
             del self.held[worker_id]
         self.total -= 1
+        self._note(worker_id)
 
     def describe(self, worker_id: str) -> dict[str, int | None]:
         """The seat figures /workers shows for a worker."""
