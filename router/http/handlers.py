@@ -82,8 +82,11 @@ def _inference(endpoint: str, path: str) -> Any:
             tokens = app.get(TOKENS)  # the router's tokenizer, where one is configured
             ids = request_tokens(tokens, parsed) if tokens is not None else None
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
-            klass, _ = request_class(data)  # a bad service_tier or priority → 400
-            routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream)
+            klass, priority = request_class(data)  # a bad service_tier or priority → 400
+            # An engine that schedules by `priority` gets the class's where the body
+            # names a tier but no priority (router/upstream/proxy.py).
+            add = priority if "priority" not in data and "service_tier" in data else None
+            routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream, add)
             queue = app[QUEUE]
             ticket = queue.ticket(
                 queue.tenants.of_headers(request.headers), klass,

@@ -10,6 +10,9 @@ no other tenant is refused for it. Load is never a 503; draining is.
 
 The rule: a freed seat on worker w goes to the best waiting request w can serve,
 looking at the first `SCAN` requests of each tenant's FIFO per class, in this order:
+  0. locality: a request is held for its best worker while that worker's predicted
+     cached prefix is over twice w's and it is not urgent (step 3); a held one takes
+     w's seat only when no one else can use it, so a seat never stays empty for it;
   1. class: interactive, then standard, then batch (strict bands, as llm-d's flow
      control and Dynamo's router have them);
   2. fair share within the class (deficit round robin): tenants with credit first; a
@@ -20,13 +23,10 @@ looking at the first `SCAN` requests of each tenant's FIFO per class, in this or
      tenants with work waiting in a class, service follows their weights to within a
      quantum, which is also how far locality may run ahead of fairness (DLPM's bound);
   3. urgency: a request that waited `queue_urgent_fraction` of its class's TTFT
-     objective goes first, the earliest deadline first, and takes this worker even if
-     it predicts a better one elsewhere (it would miss its deadline waiting for it);
-  4. locality: the ones not held first. A request is held for its best worker while
-     that worker's predicted cached prefix is over twice w's; a held one still takes
-     the seat when no one else can use it, so a seat never stays empty for locality;
-  5. the longest predicted cached prefix on w (affinity);
-  6. arrival order.
+     objective goes first, the earliest deadline first, and is held for no worker: it
+     would miss its deadline waiting for its best one;
+  4. the longest predicted cached prefix on w (affinity);
+  5. arrival order.
 Urgency never lifts a request over a higher class (a flood of standard requests past
 their objective must not hold back interactive ones), and no class is fair-shared
 against another: a tenant's interactive request goes before another's batch one.
@@ -292,11 +292,11 @@ class FleetQueue:
                     if not self._serves(wid, ticket, now, routable):
                         continue
                     if now >= ticket.urgent_at:
-                        key: tuple = (ticket.rank, broke, 0, ticket.deadline, ticket.seq)
+                        key: tuple = (False, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
                     else:
                         here = ticket.units.get(wid, 0.0)
                         held = ticket.best != wid and ticket.best_units > 2 * here
-                        key = (ticket.rank, broke, 1, held, -here, ticket.seq)
+                        key = (held, ticket.rank, broke, 1, -here, ticket.seq)
                     if best_key is None or key < best_key:
                         best, best_key = ticket, key
         return best

@@ -59,6 +59,7 @@ from shared.config import RouterConfig
 from shared.serving.access_log import REQUEST_ID
 from shared.serving.errors import APIError, error_body
 from shared.serving.http import EVENT_STREAM, DeadlineStream
+from shared.wire.service_class import with_priority
 
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
 
@@ -83,6 +84,10 @@ class Routed:
     model: str | None
     tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
     stream: bool = False  # the client asked for a stream (a timeout is then the worker's)
+    # Its class's engine priority, for a worker that schedules by the body's `priority`
+    # (WorkerRecord.priority_scheduling: an attached vLLM); None: the body has its own
+    # `priority`, or names no class.
+    priority: int | None = None
 
 
 class Seating(Protocol):
@@ -258,10 +263,13 @@ class Proxy:
         self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision
     ) -> web.StreamResponse:
         worker = attempt.worker
+        body = routed.body
+        if routed.priority is not None and worker.report.priority_scheduling:
+            body = with_priority(body, routed.priority)
         try:
             with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
                 upstream = await self.pool.post(
-                    worker.url, routed.path, self._request_head(request), routed.body,
+                    worker.url, routed.path, self._request_head(request), body,
                     self._wire_id(request),
                 )  # fmt: skip
         except AttemptFailed as e:

@@ -54,3 +54,14 @@ def request_class(body: Mapping[str, object]) -> tuple[ServiceClass, int]:
     else:
         klass = "standard"
     return klass, (PRIORITY[klass] if priority is None else priority)
+
+
+def with_priority(body: bytes, priority: int) -> bytes:
+    """A JSON object body with `"priority": priority` added as its first key (the body
+    must not have one: no parse, one copy; an attached vLLM reads it)."""
+    head = body.lstrip()
+    if not head.startswith(b"{"):
+        raise ValueError("the body is not a JSON object")
+    rest = head[1:].lstrip()
+    sep = b"" if rest.startswith(b"}") else b", "
+    return b'{"priority": %d%s' % (priority, sep) + rest

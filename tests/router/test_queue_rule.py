@@ -106,6 +106,13 @@ async def test_affinity_picks_the_request_that_hits_and_holds_for_its_worker() -
     assert tickets[1].worker == "w0" and tickets[0].worker is None
     queue.done(tickets[1])  # only the held one is left: w0 does not stay empty for it
     assert tickets[0].worker == "w0"
+    # Held, even an interactive request lets a batch one have w0 while it waits for w1.
+    held = _ticket(queue, "hit-w1", klass="interactive")
+    cold = _ticket(queue, "cold", klass="batch")
+    await _enter(queue, held)
+    await _enter(queue, cold)
+    queue.done(tickets[0])
+    assert cold.worker == "w0" and held.worker is None
 
 
 async def test_an_urgent_request_takes_a_worse_worker_but_not_a_higher_class() -> None:
