@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 
-from router.http.state import QUEUE
+from router.http.state import FLEET, QUEUE
 from router.queue.fleet_queue import FleetQueue
 from shared.redis_server import RedisServer
-from tests.router.conftest import StartRouter
+from shared.wire.registry import Registry, WorkerRecord
+from tests.router.conftest import StartRouter, StartWorkers, url_of
 from tests.waiting import wait_until
 from tests.worker.conftest import WorkerThread, sim_config
 
@@ -185,3 +187,32 @@ async def test_a_bad_class_is_400_naming_the_field(fleet: Callable[..., Any]) ->
     # A good integer priority goes through, as its class (batch above 0).
     status, _ = await _post(client, FAST, priority=3)
     assert status == 200 and queue.stats.tallies["c", "batch"].served == 1
+
+
+async def test_an_engine_scheduling_by_priority_gets_the_class_as_priority(
+    fake_workers: StartWorkers, start_router: StartRouter, redis_server: RedisServer
+) -> None:
+    """An attached vLLM run with priority scheduling (its heartbeat says so) gets the
+    class's integer `priority` added where the body names only a tier; other workers
+    get the body as sent."""
+    [(vllm, vllm_server), (plain, plain_server)] = await fake_workers("ok", "ok")
+    redis = Redis.from_url(redis_server.url)
+    registry = Registry(redis)
+    for name, server, by_priority in (("v", vllm_server, True), ("p", plain_server, False)):
+        record = WorkerRecord(
+            name, url_of(server), "m", "vllm", 1.0, max_running_requests=8,
+            priority_scheduling=by_priority,
+        )  # fmt: skip
+        await registry.publish_heartbeat(record, 60, joined=True)
+    client = await start_router(
+        redis_url=redis_server.url, discovery_interval=0.1, policy="round_robin"
+    )
+    await wait_until(lambda: len(client.server.app[FLEET].workers) == 2, 10)
+    for fields in ({"service_tier": "priority"}, {"service_tier": "flex", "priority": 4}, {}):
+        for _ in range(2):  # round robin: one to each
+            r = await client.post("/v1/completions", json={**FAST, "model": "m", **fields})
+            assert r.status == 200
+    assert [b.get("priority") for b in vllm.bodies_seen] == [-1, 4, None]
+    assert [b.get("priority") for b in plain.bodies_seen] == [None, 4, None]
+    assert all(b.get("service_tier") == "priority" for b in vllm.bodies_seen[:1])
+    await redis.aclose()
