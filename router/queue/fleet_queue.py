@@ -33,7 +33,9 @@ against another: a tenant's interactive request goes before another's batch one.
 
 Affinity is what the router predicts each worker holds of the request's prompt
 (`Affinity`: today the policy's tree, router/policy/base.py `Policy.predict`), asked
-once, when the request starts waiting: a request that passes at once costs nothing.
+when the request starts waiting (one that passes at once costs nothing) and again when
+a seat looks at it `REFRESH_S` later, at most `REFRESH_BUDGET` times a pass: the
+tree learns where the turn before it went once that turn leaves the queue.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ SCAN = 16
 # Seats are re-read this often: another replica's requests end, heartbeats change a
 # worker's seats, workers join (a local request's end re-reads its worker at once).
 TICK_S = 0.05
+# A waiting request's affinity is asked again once this old, at most this many a pass
+# (a tree walk is ~10 µs on an 8,000-char prompt, loadtests/results/tree.md).
+REFRESH_S = 0.1
+REFRESH_BUDGET = 32
 Affinity = Callable[["RouteRequest"], Mapping[str, float]]
 
 
@@ -81,7 +87,7 @@ class Ticket:
     __slots__ = (
         "arrived", "best", "best_units", "deadline", "exclude", "first_byte", "future",
         "klass", "model", "rank", "request", "seated", "seq", "status", "tenant",
-        "units", "urgent_at", "worker",
+        "units", "units_at", "urgent_at", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -93,6 +99,7 @@ class Ticket:
         self.arrived, self.deadline = now, now + slo_s
         self.urgent_at = now + slo_s * urgent_fraction
         self.units: Mapping[str, float] = {}  # predicted cached prefix per worker
+        self.units_at = now
         self.best, self.best_units = "", 0.0
         self.future: asyncio.Future[str] | None = None
         self.worker: str | None = None  # the seat held, once given
@@ -118,6 +125,7 @@ class FleetQueue:
         self.stats = QueueStats(self.tenants, stats_registry)  # type: ignore[arg-type]
         self._slo = {c: getattr(config.classes, c).ttft_slo_s for c in CLASSES}
         self._seq = itertools.count()
+        self._refreshes = 0  # affinity asks left in this pass
         self.waiting = 0
         self.active = 0  # admitted: seated or passing, until their answer ends
         self.draining = False
@@ -175,10 +183,7 @@ class FleetQueue:
 
     async def _wait(self, ticket: Ticket) -> None:
         tenant = ticket.tenant
-        ticket.units = units = self.affinity(ticket.request)
-        if units:
-            ticket.best = max(units, key=units.__getitem__)
-            ticket.best_units = units[ticket.best]
+        self._predict(ticket, ticket.arrived)
         ticket.future = asyncio.get_running_loop().create_future()
         if not tenant.waiting:
             tenant.credit = tenant.weight * self.config.queue_quantum
@@ -202,6 +207,15 @@ class FleetQueue:
             raise
         finally:
             self._settle_idle()
+
+    def _predict(self, ticket: Ticket, now: float) -> None:
+        ticket.units = units = self.affinity(ticket.request)
+        ticket.units_at = now
+        if units:
+            ticket.best = max(units, key=units.__getitem__)
+            ticket.best_units = units[ticket.best]
+        else:
+            ticket.best, ticket.best_units = "", 0.0
 
     def _refuse(self, tenant: Tenant, bound: str, code: str) -> APIError:
         retry = max(1, math.ceil(tenant.max_wait_s / 4))
@@ -251,6 +265,7 @@ class FleetQueue:
             return
         now = self.clock()
         routable: dict[str | None, frozenset[str]] = {}
+        self._refreshes = REFRESH_BUDGET
         seats = self.seats
         while self.waiting and seats.total < seats.max_concurrent:
             ids = self.fleet.view(now).ids
@@ -291,6 +306,9 @@ class FleetQueue:
                 for ticket in itertools.islice(queue, SCAN):
                     if not self._serves(wid, ticket, now, routable):
                         continue
+                    if self._refreshes and now - ticket.units_at >= REFRESH_S:
+                        self._refreshes -= 1
+                        self._predict(ticket, now)
                     if now >= ticket.urgent_at:
                         key: tuple = (False, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
                     else:
