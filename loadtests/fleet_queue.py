@@ -9,7 +9,7 @@ through `--before-ref`'s router (today's: no tenants, no classes; its requests c
 class field, so this tree's workers order them as today's do) and through this tree's
 (tenants and classes configured). `--tenants` tenants of weight 1 each send at one rate,
 one of them `--flood` times that; each request is interactive, standard or batch by
-`--mix`. A load of 1.0 is the fleet's saturation rate, computed from the cost model:
+`--mix` (multi_turn: each conversation keeps one class). A load of 1.0 is the fleet's saturation rate, computed from the cost model:
 workers x seats / (output_len x decode_ms + prompt x prefill_us).
 
 Per side and load it prints, per class: goodput at SLO (requests/s whose first byte came
@@ -67,20 +67,26 @@ def schedule(args: argparse.Namespace, rate: float) -> list[Sent]:
         per_s = share * (args.flood if t == 0 else 1)
         at = rng.expovariate(per_s)
         while at < args.seconds:
-            klass = rng.choices(CLASSES, mix)[0]
-            out.append(Sent(at, tenant, klass, next(prompts)))
+            prompt, klass = next(prompts)
+            out.append(Sent(at, tenant, klass or rng.choices(CLASSES, mix)[0], prompt))
             at += rng.expovariate(per_s)
     out.sort(key=lambda s: s.at)
     return out
 
 
-def _prompts(args: argparse.Namespace, tenant: str, rng: random.Random) -> Iterator[str]:
+def _prompts(
+    args: argparse.Namespace, tenant: str, rng: random.Random
+) -> Iterator[tuple[str, str | None]]:
+    """(prompt, class) per request; class None: drawn per request by `--mix`."""
     if args.workload == "shared_prefix":
         systems = [words(rng, args.system_len) for _ in range(args.groups)]
         while True:
-            yield rng.choice(systems) + " " + words(rng, args.question_len)
+            yield rng.choice(systems) + " " + words(rng, args.question_len), None
     # multi_turn, open loop: a turn extends its conversation's last prompt with a reply
-    # and a new question, whether or not that reply has come back yet.
+    # and a new question, whether or not that reply has come back yet. A conversation
+    # keeps one class (a chat is interactive, a batch job batch), drawn by `--mix`.
+    mix = [float(x) for x in args.mix.split(",")]
+    classes = [rng.choices(CLASSES, mix)[0] for _ in range(args.groups)]
     convs = [f"{tenant} " + words(rng, args.system_len // 4) for _ in range(args.groups)]
     turns = [0] * args.groups
     k = 0
@@ -91,7 +97,7 @@ def _prompts(args: argparse.Namespace, tenant: str, rng: random.Random) -> Itera
             convs[c], turns[c] = f"{tenant} " + words(rng, args.system_len // 4), 0
         convs[c] += " " + words(rng, args.question_len)
         turns[c] += 1
-        yield convs[c]
+        yield convs[c], classes[c]
         convs[c] += " " + words(rng, args.output_len)
 
 
