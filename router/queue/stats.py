@@ -11,12 +11,15 @@ left within its class's `ttft_slo_s`.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily as CounterFamily
 from prometheus_client.core import GaugeMetricFamily as GaugeFamily
+from prometheus_client.core import HistogramMetricFamily as HistogramFamily
 from prometheus_client.registry import Collector
 
 from router.queue.tenants import Tenants
@@ -32,6 +35,9 @@ class Tally:
     refused: int = 0  # 429 past the tenant's own bound
     failed: int = 0  # ended without a good answer (error status, client gone)
     wait_s: float = 0.0  # summed over the requests that got a seat
+    # Waits per WAIT_BUCKETS bucket (not cumulative): a list bump per request, where a
+    # prometheus Histogram's observe takes a lock (the hot path: every request).
+    waits: list[int] = field(default_factory=lambda: [0] * len(WAIT_BUCKETS))
 
     def as_dict(self) -> dict[str, float]:
         attainment = self.slo_met / self.served if self.served else None
@@ -48,17 +54,13 @@ class QueueStats:
         self.tallies: dict[tuple[str, str], Tally] = {
             (t.name, c): Tally() for t in tenants for c in CLASSES
         }
-        self.wait = Histogram(
-            "radix_router_queue_wait_seconds", "Time a request waited in the router for a seat",
-            ["tenant", "class"], buckets=WAIT_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self._wait_children = {key: self.wait.labels(*key) for key in self.tallies}
         if registry is not None:
             registry.register(_QueueCollector(self))
 
     def seated(self, tenant: str, klass: str, waited_s: float) -> None:
-        self.tallies[tenant, klass].wait_s += waited_s
-        self._wait_children[tenant, klass].observe(waited_s)
+        tally = self.tallies[tenant, klass]
+        tally.wait_s += waited_s
+        tally.waits[bisect_left(WAIT_BUCKETS, waited_s) if waited_s else 0] += 1
 
     def ended(self, tenant: str, klass: str, good: bool, slo_met: bool) -> None:
         tally = self.tallies[tenant, klass]
@@ -87,7 +89,7 @@ class _QueueCollector(Collector):
     def __init__(self, stats: QueueStats) -> None:
         self.stats = stats
 
-    def collect(self) -> Iterator[GaugeFamily | CounterFamily]:
+    def collect(self) -> Iterator[GaugeFamily | CounterFamily | HistogramFamily]:
         labels = ["tenant", "class"]
         waiting = GaugeFamily(
             "radix_router_queue_waiting", "Requests waiting in the router for a seat", labels=labels
@@ -101,6 +103,11 @@ class _QueueCollector(Collector):
                 ("failed", "Requests that ended without a good answer"),
             )
         }
+        wait = HistogramFamily(
+            "radix_router_queue_wait_seconds", "Time a request waited in the router for a seat",
+            labels=labels,
+        )
+        bounds = [str(b) if b != float("inf") else "+Inf" for b in WAIT_BUCKETS]
         for tenant in self.stats.tenants:
             for rank, klass in enumerate(CLASSES):
                 key = [tenant.name, klass]
@@ -108,5 +115,8 @@ class _QueueCollector(Collector):
                 tally = self.stats.tallies[tenant.name, klass]
                 for name, family in families.items():
                     family.add_metric(key, getattr(tally, name))
+                cumulative = list(accumulate(tally.waits))
+                wait.add_metric(key, list(zip(bounds, cumulative, strict=True)), tally.wait_s)
         yield waiting
+        yield wait
         yield from families.values()
