@@ -104,7 +104,8 @@ class _QueueCollector(Collector):
             )
         }
         wait = HistogramFamily(
-            "radix_router_queue_wait_seconds", "Time a request waited in the router for a seat",
+            "radix_router_queue_wait_seconds",
+            "Time a request waited in the router for a seat",
             labels=labels,
         )
         bounds = [str(b) if b != float("inf") else "+Inf" for b in WAIT_BUCKETS]
