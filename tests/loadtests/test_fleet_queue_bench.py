@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from loadtests.fleet_queue import add_arguments, fair_shares, jain, schedule
+from loadtests.load.fleet_queue import add_arguments, fair_shares, jain, schedule
 
 
 def test_fair_shares_cap_each_tenant_at_what_it_sent() -> None:

@@ -32,7 +32,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from worker.engine.config import EngineConfig
-from worker.engine.radix_cache import PrefixCache
+from worker.engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from worker.engine.req import Req
