@@ -29,7 +29,7 @@ WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 
 
 @dataclass
-class Tally:
+class ClassTally:
     served: int = 0
     slo_met: int = 0
     refused: int = 0  # 429 past the tenant's own bound
@@ -51,8 +51,8 @@ class Tally:
 class QueueStats:
     def __init__(self, tenants: Tenants, registry: CollectorRegistry | None = None) -> None:
         self.tenants = tenants
-        self.tallies: dict[tuple[str, str], Tally] = {
-            (t.name, c): Tally() for t in tenants for c in CLASSES
+        self.tallies: dict[tuple[str, str], ClassTally] = {
+            (t.name, c): ClassTally() for t in tenants for c in CLASSES
         }
         if registry is not None:
             registry.register(_QueueCollector(self))
