@@ -43,12 +43,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from router.queue.seats import Seats
 from router.queue.stats import QueueStats
 from router.queue.tenants import Tenant, Tenants
+from router.queue.ticket import Seat, Ticket
 from shared.config import RouterConfig
 from shared.serving.errors import APIError
 from shared.wire.service_class import CLASSES, ServiceClass
@@ -79,34 +80,6 @@ class FleetReads(Protocol):
     def view(
         self, now: float, model: str | None = None, exclude: Iterable[str] = ()
     ) -> FleetView: ...
-
-
-class Ticket:
-    """One request through the queue: who, which class, and where it sits."""
-
-    __slots__ = (
-        "arrived", "best", "best_units", "deadline", "exclude", "first_byte", "future",
-        "klass", "model", "rank", "request", "seated", "seq", "status", "tenant",
-        "units", "units_at", "urgent_at", "worker",
-    )  # fmt: skip
-
-    def __init__(
-        self, tenant: Tenant, klass: ServiceClass, request: RouteRequest, model: str | None,
-        now: float, slo_s: float, urgent_fraction: float, seq: int,
-    ) -> None:  # fmt: skip
-        self.tenant, self.klass, self.rank = tenant, klass, CLASSES.index(klass)
-        self.request, self.model, self.seq = request, model, seq
-        self.arrived, self.deadline = now, now + slo_s
-        self.urgent_at = now + slo_s * urgent_fraction
-        self.units: Mapping[str, float] = {}  # predicted cached prefix per worker
-        self.units_at = now
-        self.best, self.best_units = "", 0.0
-        self.future: asyncio.Future[str] | None = None
-        self.worker: str | None = None  # the seat held, once given
-        self.exclude: Collection[str] = ()  # workers the first try may not use
-        self.seated: float | None = None
-        self.first_byte: float | None = None
-        self.status = 0
 
 
 class FleetQueue:
@@ -357,27 +330,3 @@ class FleetQueue:
         """`async with queue.seat(ticket) as seat:` admitted (or refused) on entry; the
         seat is freed on exit, whatever the way out."""
         return Seat(self, ticket)
-
-
-class Seat:
-    """A plain async context manager (no generator frame on the hot path); the proxy's
-    `Seating` (router/upstream/proxy.py)."""
-
-    __slots__ = ("_queue", "ticket")
-
-    def __init__(self, queue: FleetQueue, ticket: Ticket) -> None:
-        self._queue, self.ticket = queue, ticket
-
-    @property
-    def exclude(self) -> Collection[str]:
-        return self.ticket.exclude
-
-    def sit(self, worker_id: str) -> None:
-        self._queue.sit(self.ticket, worker_id)
-
-    async def __aenter__(self) -> Seat:
-        await self._queue.admit(self.ticket)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._queue.done(self.ticket)

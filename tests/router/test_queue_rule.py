@@ -11,7 +11,8 @@ import pytest
 
 from router.fleet.table import Fleet
 from router.policy.base import RouteRequest
-from router.queue.fleet_queue import FleetQueue, Ticket
+from router.queue.fleet_queue import FleetQueue
+from router.queue.ticket import Ticket
 from shared.config import ConfigError, RouterConfig, load_config
 from shared.serving.errors import APIError
 from shared.wire.registry import WorkerRecord
