@@ -9,14 +9,21 @@ own arrivals, sped up to that mean rate), at most `--users` in flight (vLLM's
 max_concurrency), `--seconds` worth of requests. Without `--host` it runs on a local sim
 fleet of its own (loadtests/load/cluster.py; the fleet knobs and workload defaults of
 `compare`): before each rate the router restarts with the policy and every worker's cache
-is flushed, so each point meets the same cold fleet. With `--host` it sweeps that server
+is flushed, so each point meets the same cold cluster. With `--host` it sweeps that server
 as it is (one line, `host`; `--policies` is ignored).
 
-A rate is *sustained* when no request failed, answers kept pace with arrivals (0.9 of
-the offered rate) and, with `--slo`, 90% of the answered requests met it; the
-*saturation point* is the first rate that is not (loadtests/load/saturation.py says exactly
-how each is measured). A policy's sweep stops at its saturation point (`--keep-going`
-runs every rate).
+Each point has three rates (`rates_per_s`): *offered* (arrivals per second, first to
+last due time), *sent* (requests the client sent, over at least that span: fewer when
+every user was busy) and *answered* (completions, over at least the sending span). Each
+is (count - 1) / span and each span only widens in that order, so answered never
+exceeds sent and sent never exceeds offered (rate 1 once showed 0.76 answered against
+0.67 offered: vLLM's throughput divides n, not n - 1, by a span of its own).
+A rate is *sustained* when no request failed, answers kept pace with arrivals
+(answered at least `KEEP_UP` of offered: below it a queue grows without bound), and, with an SLO,
+at least `KEEP_UP` of the answered requests met it. The *saturation point* is the first
+rate that is not sustained. A rate that fell behind with many requests sent late (every
+user busy) was held back by the client's concurrency cap, not only by the cluster. A
+policy's sweep stops at its saturation point (`--keep-going` runs every rate).
 Prints one table (per policy and rate: offered, sent and answered req/s, goodput, TTFT
 and TPOT p99, hit rate, spread), writes `sweep.json` (each point under vLLM's field names) and
 `sweep.png` (latency vs offered load, one line per policy), and ends with a verdict:
@@ -29,18 +36,200 @@ import argparse
 import json
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loadtests.load.cluster import BenchFleet, FleetSpec
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from loadtests.kit import (
+    Progress,
+    WorkloadOptions,
+    add_workload_arguments,
+    clock_text,
+    options_from_namespace,
+)
+from loadtests.load.cluster import Cluster, ClusterSpec
 from loadtests.load.compare import POLICIES, WORKLOAD_DEFAULTS, RouterSpec
-from loadtests.load.metrics import read_records
+from loadtests.load.records import RequestRecord, read_records
 from loadtests.load.runner import RunSpec, run
-from loadtests.load.saturation import Point, late_share, plot, rates_per_s, table, verdict
-from loadtests.load.serving import SLO
+from loadtests.load.summary import SLO, Summary
 from loadtests.load.workloads import read_trace
-from loadtests.options import WorkloadOptions, add_workload_arguments, options_from_namespace
-from loadtests.progress import Progress, clock_text
+
+LATE_S = 0.05  # a send this much after its due time waited for a free user
+KEEP_UP = 0.9  # share of the offered rate (and of requests within the SLO) that counts as kept
+
+
+@dataclass(frozen=True)
+class Point:
+    policy: str
+    rate: float  # asked for, req/s
+    offered: float  # arrivals per second, first to last due time (the Poisson draw's own)
+    answered: float  # completions per second (rates_per_s: never above sent)
+    summary: Summary
+    late: float = 0.0  # share of requests sent LATE_S or more after they were due
+    sent: float | None = None  # requests sent per second (never above offered); None: offered
+
+    @property
+    def good_share(self) -> float | None:
+        s = self.summary.serving
+        if s.request_goodput is None:
+            return None
+        return s.request_goodput / s.request_throughput if s.request_throughput else 0.0
+
+    @property
+    def why_not(self) -> str:
+        """Why the rate is not sustained ("" when it is)."""
+        if self.summary.failures or not self.summary.serving.completed:
+            return f"{self.summary.failures} failed"
+        if self.answered < KEEP_UP * self.offered:
+            # Sent late: every user was busy, so the client's --users cap (max_concurrency)
+            # held requests back; with answers as fast as before, that is the client's limit.
+            return f"fell behind ({self.late:.0%} sent late)" if self.late >= 0.1 else "fell behind"
+        good = self.good_share
+        if good is not None and good < KEEP_UP:
+            return f"{good:.0%} within the SLO"
+        return ""
+
+    @property
+    def sustained(self) -> bool:
+        return not self.why_not
+
+    def to_dict(self) -> dict[str, object]:
+        return {"policy": self.policy, "request_rate": self.rate, "offered_rate": self.offered,
+                "sent_rate": self.sent_rate, "answered_rate": self.answered,
+                "sent_late": self.late, "sustained": self.sustained,
+                **self.summary.to_dict()}  # fmt: skip
+
+    @property
+    def sent_rate(self) -> float:
+        return self.offered if self.sent is None else self.sent
+
+    @property
+    def goodput(self) -> float | None:
+        """Answered requests within the SLO per second, on the answered rate's span."""
+        good = self.good_share
+        return None if good is None else self.answered * good
+
+
+def rates_per_s(records: list[RequestRecord]) -> tuple[float, float, float]:
+    """(offered, sent, answered) per second: each (count - 1) over a span at least as wide
+    as the one before, so answered <= sent <= offered whatever the latencies."""
+    dues = sorted(r.due if r.due is not None else r.start for r in records)
+    sends = sorted(r.start for r in records)
+    ends = sorted(r.start + r.e2e_s for r in records if r.ok)
+
+    def span(ts: list[float]) -> float:
+        return ts[-1] - ts[0] if len(ts) > 1 else 0.0
+
+    def per_s(n: int, seconds: float) -> float:
+        return (n - 1) / seconds if n > 1 and seconds > 0 else 0.0
+
+    offered_s = span(dues)
+    sent_s = max(span(sends), offered_s)
+    answered_s = max(span(ends), sent_s)
+    return per_s(len(dues), offered_s), per_s(len(sends), sent_s), per_s(len(ends), answered_s)
+
+
+def late_share(records: list[RequestRecord]) -> float:
+    """Share of requests sent LATE_S or more after they were due (open loop only)."""
+    due = [r for r in records if r.due is not None]
+    return sum(1 for r in due if r.start - r.due >= LATE_S) / len(due) if due else 0.0  # type: ignore[operator]
+
+
+def sustained_rate(points: list[Point]) -> float | None:
+    """The highest rate sustained below the first that is not (None: not even the first)."""
+    best = None
+    for p in sorted(points, key=lambda p: p.rate):
+        if not p.sustained:
+            break
+        best = p.rate
+    return best
+
+
+def saturation(points: list[Point]) -> float | None:
+    """The first rate not sustained (None: every rate was)."""
+    return next((p.rate for p in sorted(points, key=lambda p: p.rate) if not p.sustained), None)
+
+
+def table(results: dict[str, list[Point]]) -> str:
+    lines = [
+        "| policy | rate (req/s) | offered (req/s) | sent (req/s) | answered (req/s) "
+        "| goodput (req/s) | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p99 (ms) | hit rate "
+        "| max/mean per worker | failed | sustained |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, points in results.items():
+        for p in points:
+            s = p.summary.serving
+            good = "–" if p.goodput is None else f"{p.goodput:.2f}"
+            lines.append(
+                f"| {name} | {p.rate:g} | {p.offered:.2f} | {p.sent_rate:.2f} | {p.answered:.2f} "
+                f"| {good} "
+                f"| {s.ttft.p50:.0f} | {s.ttft.p99:.0f} | {s.tpot.p99:.1f} "
+                f"| {p.summary.hit_rate:.3f} | {p.summary.load_max_over_mean:.2f} "
+                f"| {p.summary.failures} | {'yes' if p.sustained else f'**no**: {p.why_not}'} |"
+            )
+    return "\n".join(lines)
+
+
+def _rate_text(points: list[Point], within: str = "") -> str:
+    best, sat = sustained_rate(points), saturation(points)
+    said = (
+        f"{best:g} req/s"
+        if best is not None
+        else f"less than {min(p.rate for p in points):g} req/s"
+    )
+    beyond = f"saturates at {sat:g}" if sat is not None else "none of the rates saturated it"
+    return f"{said}{within} ({beyond})"
+
+
+def verdict(results: dict[str, list[Point]], slo: SLO | None) -> str:
+    """ "verdict: cache_aware sustains 8 req/s within the SLO (...) (saturates at 16), ..." """
+    within = f" within the SLO ({slo.text()} ms)" if slo else " without falling behind"
+    ran = [(name, pts) for name, pts in results.items() if pts]
+    if not ran:
+        return "verdict: nothing ran"
+    (name, points), *rest = ran
+    text = f"verdict: {name} sustains {_rate_text(points, within)}"
+    return text + "".join(f", {n} {_rate_text(pts)}" for n, pts in rest)
+
+
+def plot(results: dict[str, list[Point]], path: Path, title: str) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [
+        ("TTFT p99 (ms)", lambda p: p.summary.serving.ttft.p99),
+        ("TPOT p99 (ms)", lambda p: p.summary.serving.tpot.p99),
+        ("answered (req/s)", lambda p: p.answered),
+    ]
+    for ax, (label, f) in zip(axes, panels, strict=True):
+        for name, points in results.items():
+            xs = [p.offered for p in points]
+            line = ax.plot(xs, [f(p) for p in points], marker="o", label=name)[0]
+            sat = [p for p in points if not p.sustained]
+            ax.scatter([p.offered for p in sat], [f(p) for p in sat], marker="x", s=80,
+                       color=line.get_color(), zorder=3)  # fmt: skip
+        ax.set(xlabel="offered load (req/s, Poisson)", ylabel=label, title=label)
+        ax.grid(alpha=0.3)
+    for name, points in results.items():  # goodput under the answered rate, dashed (--slo)
+        good = [(p.offered, p.goodput) for p in points]
+        if good and all(g is not None for _, g in good):
+            color = next(ln.get_color() for ln in axes[2].get_lines() if ln.get_label() == name)
+            axes[2].plot(*zip(*good, strict=True), ls=":", marker=".", color=color,
+                         label=f"{name} goodput")  # fmt: skip
+    axes[2].set_ylabel("answered, goodput (req/s)")
+    top = max((p.offered for pts in results.values() for p in pts), default=1.0)
+    axes[2].plot([0, top], [0, top], ls="--", lw=0.8, color="gray", label="offered")
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=8, title="× not sustained", title_fontsize=7)
+    axes[2].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
 
 DEFAULT_POLICIES = "cache_aware,cost_aware,round_robin"
 HOST = "host"
@@ -68,13 +257,15 @@ def load_for(
 
 def run_point(
     policy: str, rate: float, workload: WorkloadOptions, spec: RunSpec, seconds: float,
-    fleet: BenchFleet | None, settings: dict[str, str],
+    cluster: Cluster | None, settings: dict[str, str],
 ) -> Point:  # fmt: skip
-    if fleet is not None:
+    if cluster is not None:
         ps = policy_spec(policy)
-        fleet.start_router({**settings, "policy": ps.policy, **ps.settings, "log_level": "WARNING"})
-        fleet.flush()
-        spec = replace(spec, host=fleet.router_url, model=spec.model or "sim")
+        cluster.start_router(
+            {**settings, "policy": ps.policy, **ps.settings, "log_level": "WARNING"}
+        )
+        cluster.flush()
+        spec = replace(spec, host=cluster.router_url, model=spec.model or "sim")
     load, poisson, n = load_for(workload, rate, seconds)
     out = spec.out / policy.replace(" ", "_").replace("(", "").replace(")", "") / f"rate_{rate:g}"
     at = replace(spec, out=out, request_rate=poisson, max_requests=n)
@@ -86,23 +277,23 @@ def run_point(
 
 def sweep(
     workload: WorkloadOptions, rates: list[float], policies: list[str], spec: RunSpec,
-    seconds: float, fleet_spec: FleetSpec | None = None, settings: dict[str, str] | None = None,
+    seconds: float, cluster_spec: ClusterSpec | None = None, settings: dict[str, str] | None = None,
     keep_going: bool = False,
 ) -> dict[str, list[Point]]:  # fmt: skip
-    """Every policy over the rates (lowest first). `fleet_spec` None: `spec.host` as it is."""
-    names = policies if fleet_spec is not None else [HOST]
-    progress = Progress("sweep", len(names) * len(rates) + (fleet_spec is not None))
+    """Every policy over the rates (lowest first). `cluster_spec` None: `spec.host` as it is."""
+    names = policies if cluster_spec is not None else [HOST]
+    progress = Progress("sweep", len(names) * len(rates) + (cluster_spec is not None))
     results: dict[str, list[Point]] = {name: [] for name in names}
-    fleet = None
-    if fleet_spec is not None:
-        progress.say(f"starting Redis and {fleet_spec.workers} sim workers")
-        fleet = fleet_spec.start()
+    cluster = None
+    if cluster_spec is not None:
+        progress.say(f"starting Redis and {cluster_spec.workers} sim workers")
+        cluster = cluster_spec.start()
         progress.finished()
     try:
         for name in names:
             for i, rate in enumerate(sorted(rates)):
                 progress.say(f"{name}: {rate:g} req/s")
-                p = run_point(name, rate, workload, spec, seconds, fleet, settings or {})
+                p = run_point(name, rate, workload, spec, seconds, cluster, settings or {})
                 results[name].append(p)
                 s = p.summary.serving
                 progress.finished(
@@ -114,8 +305,8 @@ def sweep(
                     progress.done += len(rates) - i - 1  # the rest of this policy is skipped
                     break
     finally:
-        if fleet is not None:
-            fleet.close()
+        if cluster is not None:
+            cluster.close()
     return results
 
 
@@ -128,7 +319,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--slo", default="", help="goodput objectives per request, ms, e.g. ttft=500,tpot=50"
     )
     p.add_argument(
-        "--host", default=None, help="sweep this server as it is (default: a local sim fleet)"
+        "--host", default=None, help="sweep this server as it is (default: a local sim cluster)"
     )
     p.add_argument(
         "--seconds", type=float, default=20.0, help=f"requests per rate: rate × this {d}"
@@ -162,21 +353,23 @@ def main(args: argparse.Namespace) -> int:
     slo = SLO.parse(args.slo)
     workload = options_from_namespace(args)
     spec = RunSpec(host=args.host or "", out=args.out, users=args.users, slo=slo)
-    fleet = None
+    cluster = None
     if args.host is None:
-        fleet = FleetSpec(
+        cluster = ClusterSpec(
             workers=args.workers, cache_tokens=args.cache_tokens, prefill_us_per_token=args.prefill_us,
             decode_ms_per_token=args.decode_ms, max_running_requests=args.max_running,
         )  # fmt: skip
     # The imbalance gap at half a worker's batch, as `compare` and `radix-router up` set it.
     settings = {"balance_abs_threshold": str(max(1, args.max_running // 2))}
     started = time.monotonic()
-    results = sweep(workload, rates, policies, spec, args.seconds, fleet, settings, args.keep_going)
+    results = sweep(
+        workload, rates, policies, spec, args.seconds, cluster, settings, args.keep_going
+    )
     print(table(results))
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {name: [p.to_dict() for p in pts] for name, pts in results.items()}
     (args.out / "sweep.json").write_text(json.dumps(doc, indent=2) + "\n")
-    where = f"{args.workers} sim workers" if fleet else args.host
+    where = f"{args.workers} sim workers" if cluster else args.host
     plot(results, args.out / "sweep.png", f"{workload.workload}, {where}: latency vs load")
     print(f"plot: {args.out / 'sweep.png'}")
     print(f"{verdict(results, slo)} ({clock_text(time.monotonic() - started)})")

@@ -12,7 +12,9 @@ or font fetched from elsewhere, so it works on an air-gapped cluster. It asks fo
   workers returned on the responses it proxied;
 - routing decisions by reason over the last minutes (`router.metrics.ReasonWindow`);
 - the registry's state (`reachable`, `unreachable since <time>` with the error, or
-  `none` without Redis): the page shows a banner while the fleet is routed blind.
+  `none` without Redis): the page shows a banner while the fleet is routed blind;
+- the fleet queue per tenant and class (router/queue/stats.py): waiting, wait, served,
+  SLO attainment, refused.
 
 Both paths sit with `/metrics` behind `protect_metrics` (router/http/auth.py). A browser
 cannot send a Bearer header on navigation, so for these two paths the key is also
@@ -30,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from router.fleet.discovery import iso
-from router.http.state import CLOCK, DISCOVERY, FLEET, KV_FEED, METRICS, POLICY
+from router.http.state import CLOCK, DISCOVERY, FLEET, KV_FEED, METRICS, POLICY, QUEUE
 from router.upstream.proxy import echo_of
 
 PAGE_PATH = "/dashboard"
@@ -95,6 +97,7 @@ def snapshot(app: web.Application) -> dict[str, Any]:
             "breakers": {s: breakers.get(s, 0) for s in ("closed", "half_open", "open")},
         },
         "route_reasons": app[METRICS].reasons.snapshot(now),
+        "queue": app[QUEUE].stats.snapshot(),
         "registry": _registry(app),
         # Request counts live in this process: a restarted router starts them from 0,
         # so the page labels them with this time (the workers' token totals survive).
