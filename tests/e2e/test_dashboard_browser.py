@@ -198,7 +198,7 @@ def test_a_rebuilding_workers_kv_index_cell_shows_its_progress(fleet: Cluster) -
 
 
 def test_a_registry_outage_shows_a_banner_and_the_columns_explain_themselves(
-    fleet: BenchFleet,
+    fleet: Cluster,
 ) -> None:
     """Redis stopped under a live fleet: the page says the router routes blind on its last
     known fleet, and the banner goes once Redis is back (issue 31)."""
