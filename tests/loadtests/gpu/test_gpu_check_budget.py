@@ -112,7 +112,8 @@ def test_a_cpu_run_under_60_s_leaves_every_sections_rows_or_a_cut(tmp_path: Path
     for name, section in sections.items():
         steps = {k: v for k, v in section.items() if isinstance(v, (dict, list)) and k != "steps_s"}
         cut = "cut" in section or any(isinstance(v, dict) and "cut" in v for v in steps.values())
-        assert steps or cut, (name, section)  # its rows, or marked cut
+        ran = steps or (name == "pytest" and "passed" in section)  # pytest's row: its verdict
+        assert ran or cut, (name, section)  # its rows, or marked cut
         finished_rows += sum(isinstance(v, (dict, list)) and "cut" not in v for v in steps.values())
         if cut:
             assert "CUT" in md
