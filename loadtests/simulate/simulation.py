@@ -43,6 +43,7 @@ from loadtests.simulate.worker import CostModel, Job, SimWorker
 from router.policy import build_policy
 from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
+from shared.tokens.text_tokenizer import TextTokenizer
 from shared.wire.registry import WorkerRecord
 
 _M64 = (1 << 64) - 1
@@ -67,6 +68,18 @@ class WordTokenizer:
     def encode(self, text: str) -> np.ndarray:
         ids = self._ids
         return np.fromiter((ids.setdefault(w, len(ids)) for w in text.split()), dtype=np.int64)
+
+
+class LiveTokenizer:
+    """The live sim workers' tokenizer (shared/tokens/text_tokenizer.py) as ids: a
+    prediction of a live fleet (`pack`) counts prompts, and so fills caches, in the
+    tokens the live workers count (about two per generated word, not one)."""
+
+    def __init__(self) -> None:
+        self._tok = TextTokenizer()
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text), dtype=np.int64)
 
 
 def output_tokens(rid: int, n: int) -> np.ndarray:
@@ -252,7 +265,12 @@ def deep_size(root: object) -> int:
 
 
 class Simulation:
-    def __init__(self, config: RouterConfig, workers: int, cost: CostModel, seed: int = 0) -> None:
+    def __init__(
+        self, config: RouterConfig, workers: int, cost: CostModel, seed: int = 0,
+        tokenizer: WordTokenizer | LiveTokenizer | None = None,
+    ) -> None:  # fmt: skip
+        """`tokenizer`: the closed-loop users' prompts as ids (default: one id per word)."""
+        self.tokenizer = tokenizer or WordTokenizer()
         self.policy = build_policy(config, random.Random(seed))
         self.workers = [SimWorker(i, cost) for i in range(workers)]
         self.ids = [f"w{i}" for i in range(workers)]
@@ -345,7 +363,7 @@ class Simulation:
 
     def _run(self, source: Iterator[SimRequest] | None, closed: ClosedLoop | None) -> list[Job]:
         sessions: list[Session] = []
-        tok = WordTokenizer()
+        tok = self.tokenizer
         if closed is not None:
             workload = Workload(closed.options)
             sessions = [workload.new_session() for _ in range(closed.users)]
@@ -375,7 +393,9 @@ class Simulation:
                     self._next_turn(sessions, job.session, now + closed.think_s, tok)
         return self._done
 
-    def _next_turn(self, sessions: list[Session], s: int, now: float, tok: WordTokenizer) -> None:
+    def _next_turn(
+        self, sessions: list[Session], s: int, now: float, tok: WordTokenizer | LiveTokenizer
+    ) -> None:
         req = sessions[s].next_request()
         if req is not None:
             text = req.text()
