@@ -7,9 +7,8 @@ a file: a function-level import is an arrow too).
   and worker/ is on it.
 - loadtests/ is in five section folders (the package's own `__init__`, `__main__` and
   `kit` aside), every module reached by imports from the command table of
-  `loadtests/__main__.py`. The target is 40 modules in all: the sections but gpu/ and the
-  top hold at most 30, and gpu/ (13 for one command since issue 32) may not grow; 40 is
-  met once gpu/ is down to 10.
+  `loadtests/__main__.py`. The target is 40 modules in all, not met: the sections but gpu/
+  and the top hold at most 31, and gpu/ (13 for one command since issue 32) may not grow.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "shared", "loadtests")
 MAX_ROUTER_DEPTH = 8
-MAX_LOADTEST_MODULES = 30  # all but gpu/: 40 in all once gpu/ is down to 10
+MAX_LOADTEST_MODULES = 31  # all but gpu/ (zero_worker came with issue 34); 40 in all: owed
 MAX_GPU_MODULES = 13
 LOADTEST_SECTIONS = ("load", "simulate", "router", "engine", "gpu")
 

@@ -7,11 +7,15 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
-        [--before-ref main] [--upstream-client aiohttp]
+        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/kit.py`) as one more target, so a change's price is measured side by side;
 `--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
+`--worker zero` puts `loadtests/router/zero_worker.py` (a few microseconds a request, echoing
+`x-request-id`) behind the routers instead of the sim worker (~0.5 ms of CPU a request,
+which on 2 cores sets the pace of every target); `--rounds N` repeats each target's run
+N times, the order flipped every round, and prints medians and ratios to sglang-router.
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
 connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a
@@ -49,6 +53,7 @@ import aiohttp
 
 from loadtests.kit import Command, checkout, cpu_seconds
 from loadtests.load.cluster import ROOT, Child, serve, serve_router, wait_health
+from loadtests.router import zero_worker
 from shared.procs import free_port
 from shared.redis_server import RedisServer
 
@@ -157,8 +162,32 @@ def start_targets(
     return targets
 
 
+def summarize(rounds: dict[str, list[tuple[float, float]]]) -> None:
+    """Medians over rounds, and each target's ratios to sglang-router's where it ran."""
+    ref = rounds.get("sglang-router")
+    print(
+        "\n| target | req/s, median | CPU ms / request, median | req/s / sglang-router | CPU / sglang-router |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for name, values in rounds.items():
+        rps = statistics.median(v[0] for v in values)
+        cpu = statistics.median(v[1] for v in values)
+        if ref and name not in ("direct", "sglang-router"):
+            ref_rps = statistics.median(v[0] for v in ref)
+            ref_cpu = statistics.median(v[1] for v in ref)
+            vs = f"{rps / ref_rps:.2f}x | {cpu / ref_cpu:.2f}x"
+        else:
+            vs = " | "
+        print(f"| {name} | {rps:.0f} | {cpu:.3f} | {vs} |")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
+    p.add_argument("--rounds", type=int, default=1, help="wrk runs per target, order alternating")
+    p.add_argument(
+        "--worker", choices=["sim", "zero"], default="sim",
+        help="sim: our sim worker; zero: loadtests/router/zero_worker.py (no streams: TTFT skipped)",
+    )  # fmt: skip
     p.add_argument("--connections", type=int, default=64, help="wrk keep-alive connections")
     p.add_argument(
         "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
@@ -198,28 +227,38 @@ def main(args: argparse.Namespace) -> int:
         script = tmp / "post.lua"
         script.write_text(lua(args.rate, args.connections))
         wport = free_port()
-        worker = serve("w", ["worker", "serve", "--engine", "sim", "--host", "127.0.0.1",
-                             "--port", str(wport), "--log-level", "WARNING",
-                             "--sim-prefill-us-per-token", str(args.prefill_us),
-                             "--sim-decode-ms-per-token", str(args.decode_ms)], wport, tmp)  # fmt: skip
+        if args.worker == "zero":  # next to no cost: the routers, not it, set the pace
+            worker = serve("w", [zero_worker.__name__, str(wport)], wport, tmp)
+        else:
+            worker = serve("w", ["worker", "serve", "--engine", "sim", "--host", "127.0.0.1",
+                                 "--port", str(wport), "--log-level", "WARNING",
+                                 "--sim-prefill-us-per-token", str(args.prefill_us),
+                                 "--sim-decode-ms-per-token", str(args.decode_ms)], wport, tmp)  # fmt: skip
         redis = RedisServer().start()
         targets: list[Target] = []
         stack = contextlib.ExitStack()
         try:
             before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
             targets = start_targets(args, tmp, worker.url, redis.url, before)
-            print("| target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
-            print("|---|---:|---:|---:|---:|---:|")
+            print("| round | target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
+            print("|---:|---|---:|---:|---:|---:|---:|")
             for t in targets:
-                url = t.url + "/v1/completions"
-                wrk(url, 1, args.connections, script)  # warm-up
-                pid = (t.child or worker).pid
-                cpu0 = cpu_seconds(pid, descendants=True)
-                r = wrk(url, args.seconds, args.connections, script)
-                cpu = (cpu_seconds(pid, descendants=True) - cpu0) * 1e3 / max(1, r["done"])
-                print(f"| {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
-                      f"{cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
+                wrk(t.url + "/v1/completions", 1, args.connections, script)  # warm-up
+            rounds: dict[str, list[tuple[float, float]]] = {t.name: [] for t in targets}
+            for n in range(args.rounds):
+                # The order flips every round, so drift on a shared machine hits all alike.
+                for t in targets if n % 2 == 0 else targets[::-1]:
+                    pid = (t.child or worker).pid
+                    cpu0 = cpu_seconds(pid, descendants=True)
+                    r = wrk(t.url + "/v1/completions", args.seconds, args.connections, script)
+                    cpu = (cpu_seconds(pid, descendants=True) - cpu0) * 1e3 / max(1, r["done"])
+                    rounds[t.name].append((r["rps"], cpu))
+                    print(f"| {n + 1} | {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | "
+                          f"{r['p99']:.1f} | {cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
             print("\n(direct: the CPU column is the worker's own)")
+            summarize(rounds)
+            if args.worker == "zero":
+                return 0  # it answers no streams
             ttft = asyncio.run(streamed(targets, args.ttft_requests, args.ttft_concurrency))
             base = statistics.median(ttft["direct"])
             print(f"\nstreamed, {args.ttft_concurrency} at a time")
@@ -241,26 +280,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 # -- upstream-reuse ---------------------------------------------------------------------
-WORKER = """
-import sys
-from aiohttp import web
-ECHO = sys.argv[2] == "echo"
-BODY = b'{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok"}]}'
-async def complete(request):
-    await request.read()
-    headers = {"Content-Type": "application/json"}
-    if ECHO:
-        headers["x-request-id"] = request.headers.get("x-request-id", "")
-    return web.Response(body=BODY, headers=headers)
-async def health(request):
-    return web.json_response({"status": "ok"})
-app = web.Application()
-app.router.add_post("/v1/completions", complete)
-app.router.add_get("/health", health)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
-"""
-
-
 def opened(router_url: str) -> int:
     with urllib.request.urlopen(router_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -278,15 +297,13 @@ def reuse_main(args: argparse.Namespace) -> int:
         tmp = Path(d)
         script = tmp / "post.lua"
         script.write_text(LUA)
-        (tmp / "reuse_worker.py").write_text(WORKER)
         children: list[Child] = []
         try:
             rows = []
             for mode in ("echo", "no-echo"):
                 wport, rport = free_port(), free_port()
-                worker = serve(
-                    f"{mode}-w", ["reuse_worker", str(wport), mode], wport, tmp, tree=tmp
-                )
+                echo = [] if mode == "echo" else ["--no-echo"]
+                worker = serve(f"{mode}-w", [zero_worker.__name__, str(wport), *echo], wport, tmp)
                 children.append(worker)
                 router = serve_router(f"{mode}-r", rport, tmp, ["--worker-url", worker.url])
                 children.append(router)
@@ -316,9 +333,9 @@ UPSTREAM_REUSE = Command(
 
 The router reuses a keep-alive connection to a worker only after an answer that echoed
 its `x-request-id` (router/upstream/transport.py): the project's worker echoes, a stock
-engine may not, and then each request gets a fresh connection. Two minimal aiohttp
-workers that answer a fixed completion at once, one echoing the id and one not, each
-behind its own router (one process, the own client), side by side under wrk: req/s,
+engine may not, and then each request gets a fresh connection. Two zero-cost workers
+(loadtests/router/zero_worker.py) that answer a fixed completion at once, one echoing
+the id and one not (`--no-echo`), each behind its own router (one process, the own client), side by side under wrk: req/s,
 the router's CPU per request (utime+stime of its process / requests) and the upstream
 connections it opened (`radix_router_upstream_connections_opened_total`).
 """,
