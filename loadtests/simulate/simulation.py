@@ -56,6 +56,7 @@ class SimRequest:
     text: str
     tokens: np.ndarray
     out_len: int
+    session_key: str = ""  # what the live client sends as x-session-id (LLMRequest.session_id)
 
 
 class WordTokenizer:
@@ -156,7 +157,7 @@ def generated_requests(o: WorkloadOptions, rate: float, seed: int) -> Iterator[S
     for req in Workload(o).requests():
         t += rng.expovariate(rate)
         text = req.text()
-        yield SimRequest(t, text, tok.encode(text), req.max_tokens)
+        yield SimRequest(t, text, tok.encode(text), req.max_tokens, req.session_id)
 
 
 def reply_text(rid: int, n: int) -> str:
@@ -306,7 +307,8 @@ class Simulation:
     def _job(self, req: SimRequest, session: int = -1) -> Job:
         self._rids += 1
         out = output_tokens(self._rids, req.out_len)
-        return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session)
+        return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session,
+                   session_key=req.session_key)  # fmt: skip
 
     def _refresh(self, i: int, now: float) -> None:
         # A heartbeat at every change: loads for every policy, the worker's record
@@ -333,7 +335,7 @@ class Simulation:
         self._unread.add(i)
 
     def _route(self, job: Job, now: float) -> None:
-        request = RouteRequest(job.text)
+        request = RouteRequest(job.text, job.session_key or None)
         for i in self._unread:
             self.views.reported_at[i] = now
         self._unread.clear()
@@ -399,7 +401,7 @@ class Simulation:
         req = sessions[s].next_request()
         if req is not None:
             text = req.text()
-            sim = SimRequest(now, text, tok.encode(text), req.max_tokens)
+            sim = SimRequest(now, text, tok.encode(text), req.max_tokens, req.session_id)
             self._push(now, _ARRIVAL, self._job(sim, session=s))
 
     def result(self, label: str, measure_memory: bool = True) -> SimResult:

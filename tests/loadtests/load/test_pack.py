@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from loadtests.load.pack import (
     prefix_tokens,
     router_config,
     settings,
+    sglang_python,
 )
 
 # vLLM's `bench serve` result fields every live cell carries (vllm/benchmarks/serve.py).
@@ -49,6 +51,18 @@ def test_the_prediction_runs_the_live_routers_settings() -> None:
     assert config.balance_abs_threshold == SMALL.max_running // 2
     sglang = router_config(SGLANG, settings(SMALL))  # SGLang's own defaults, not ours
     assert sglang.policy == "cache_aware" and sglang.balance_abs_threshold == 64
+
+
+def test_sglang_router_runs_where_it_can_and_is_skipped_with_the_reason_elsewhere() -> None:
+    assert sglang_python("/venv/bin/python") == (
+        "/venv/bin/python",
+        "--sglang-python /venv/bin/python",
+    )
+    python, why = sglang_python(None)
+    if importlib.util.find_spec("sglang_router") is None:  # the test venv: not installed
+        assert python is None and why.startswith("skipped: sglang_router is not importable")
+    else:
+        assert python == sys.executable
 
 
 def test_a_missing_workload_is_skipped_with_its_reason() -> None:
@@ -90,8 +104,7 @@ def test_pack_end_to_end_on_a_tiny_size(tmp_path: Path, capsys: pytest.CaptureFi
     assert skipped["rag"] == "not in --workloads" and skipped["eviction_stress"] is None
     evict = next(w for w in report["workloads"] if w["name"] == "eviction_stress")
     assert 2.0 <= evict["footprint_x_fleet_kv"] <= 3.0
-    if importlib.util.find_spec("sglang_router") is None:
-        assert report["routers"]["sglang-router"].startswith("skipped: ")
+    assert report["routers"]["sglang-router"] == "skipped: not in --routers"
     text = (out / "pack.md").read_text()
     for heading in ("## What ran", "## shared_prefix_zipf", "## eviction_stress",
                     "## Hit rate, live vs predicted", "request_throughput", "p99_ttft_ms"):  # fmt: skip
