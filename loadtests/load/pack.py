@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
 import os
 import platform
+import random
 import sys
 import time
 import urllib.request
@@ -52,7 +54,7 @@ from loadtests.kit import Progress, WorkloadOptions, clock_text
 from loadtests.load.cluster import ClusterSpec
 from loadtests.load.compare import POLICIES, SGLANG, compare, router_settings
 from loadtests.load.runner import RunSpec, Summary, fleet_workers, run
-from loadtests.load.workloads import shared_prefix
+from loadtests.load.workloads import shared_prefix, words
 from loadtests.simulate.simulation import ClosedLoop, LiveTokenizer, SimResult, Simulation
 from loadtests.simulate.worker import CostModel
 from shared.config import RouterConfig
@@ -193,12 +195,23 @@ def sglang_python(given: str | None) -> tuple[str | None, str]:
 
 
 def router_config(name: str, settings: dict[str, str]) -> RouterConfig:
-    """The live router's settings as the simulator's RouterConfig (SGLang's: `SGLANG_AS`)."""
+    """The live router's settings as the simulator's RouterConfig (SGLang's: `SGLANG_AS`,
+    which counts characters and learns nothing from answers)."""
     if name == SGLANG:
         return RouterConfig(**SGLANG_AS)  # type: ignore[arg-type]
     keys = router_settings(name, settings)
     keys.pop("log_level", None)
-    return RouterConfig(**keys)  # type: ignore[arg-type]
+    # The live router learns each worker's characters per token from its answers
+    # (router/fleet/calibration.py); the simulator does not, so it starts there.
+    return RouterConfig(**{"tree_chars_per_token": chars_per_token(), **keys})  # type: ignore[arg-type]
+
+
+@functools.cache
+def chars_per_token() -> float:
+    """Characters per token of the generated words in the sim workers' tokenizer (about
+    2.5: every workload's text is words of `workloads.VOCAB`)."""
+    text = words(random.Random(0), 4000)
+    return len(text) / len(TextTokenizer().encode(text))
 
 
 # -- the simulator's prediction ------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.__main__ import main
+from loadtests.load.cluster import ClusterSpec
 from loadtests.load.compare import SGLANG
 from loadtests.load.pack import (
     SMALL,
@@ -49,6 +50,7 @@ def test_the_prediction_runs_the_live_routers_settings() -> None:
     config = router_config("cache_aware (fleet)", settings(SMALL))
     assert config.policy == "cache_aware" and config.balance_mode == "fleet"
     assert config.balance_abs_threshold == SMALL.max_running // 2
+    assert 2.0 < config.tree_chars_per_token < 3.0  # what the live router learns, not 4.0
     sglang = router_config(SGLANG, settings(SMALL))  # SGLang's own defaults, not ours
     assert sglang.policy == "cache_aware" and sglang.balance_abs_threshold == 64
 
@@ -111,3 +113,26 @@ def test_pack_end_to_end_on_a_tiny_size(tmp_path: Path, capsys: pytest.CaptureFi
         assert heading in text
     assert (out / "pack_hit_rate.png").stat().st_size > 0
     assert (out / "pack_ttft.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pack_against_a_running_fleet_with_host(tmp_path: Path) -> None:
+    """`--host`: one cell per workload, against the given router; the prediction takes
+    the fleet the router lists (2 workers, their KV capacity), not the size's 4."""
+    fleet = ClusterSpec(workers=2, cache_tokens=6000, prefill_us_per_token=50,
+                        decode_ms_per_token=2, max_running_requests=8)  # fmt: skip
+    with fleet.start() as cluster:
+        cluster.start_router({"balance_abs_threshold": 4})
+        cluster.flush()
+        out = tmp_path / "report"
+        code = main([
+            "pack", "--host", cluster.router_url, "--workloads", "shared_prefix_zipf",
+            "--scale", "0.34", "--out", str(out), "--work", str(tmp_path / "runs"),
+        ])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "pack.json").read_text())
+    assert report["size"]["workers"] == 2 and report["size"]["cache_tokens"] == 6000
+    assert report["routers"]["run"] == [f"fleet at {cluster.router_url}"]
+    (cell,) = report["cells"]
+    assert cell["live"]["completed"] == cell["predicted"]["completed"] > 0
