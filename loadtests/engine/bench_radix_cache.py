@@ -43,7 +43,8 @@ from loadtests.kit import Command
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.radix_cache import NoCache, RadixCache
+from worker.engine.prefix_cache import NoCache
+from worker.engine.radix_cache import RadixCache
 from worker.engine.runtime.load import load_engine
 from worker.models.tiny_model import PRESETS, make_tiny_model
 
