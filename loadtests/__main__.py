@@ -42,6 +42,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.load.sweep",
         "request rates per policy: saturation point, goodput, a plot",
     ),
+    "fleet-queue": (
+        "loadtests.load.fleet_queue",
+        "the fleet queue vs today's router: tenants, classes, one flooding, goodput at SLO",
+    ),
     "replicas": ("loadtests.load.replicas", "router replicas with and without decision sync"),
     "faults": ("loadtests.load.faults", "worker, Redis and router faults under load, their cost"),
     "pack": (

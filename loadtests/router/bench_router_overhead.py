@@ -154,6 +154,13 @@ async def before_after(
               f"{statistics.median(rps[name]):.0f} |")  # fmt: skip
     ratio = statistics.median(cpu["after"]) / statistics.median(cpu["before"])
     print(f"\nafter / before CPU per request: {ratio:.2f}x")
+    # Below saturation each request passes at once: what the fleet queue adds to a
+    # streamed first byte, at concurrency 1, the two routers interleaved.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        lat = await latency(session, urls["before"], urls["after"], args.requests, True)
+    before, after = statistics.median(lat["direct"]), statistics.median(lat["router"])
+    print(f"stream first byte p50, {args.requests} each, interleaved: before "
+          f"{before * 1e3:.2f} ms, after {after * 1e3:.2f} ms: {(after - before) * 1e3:+.2f} ms")  # fmt: skip
 
 
 def main_before_after(args: argparse.Namespace) -> None:

@@ -170,6 +170,7 @@ class LLMEngine:
                 seq_id=next(self._seq_ids),
                 stop_ids=stop_ids,
                 index=i,
+                priority=request.priority,
             )
             for i in range(params.n)
         ]
