@@ -13,7 +13,7 @@ a file: a function-level import is an arrow too).
 - loadtests/ is in five section folders (the package's own `__init__`, `__main__` and
   `kit` aside), every module reached by imports from the command table of
   `loadtests/__main__.py`. The target is 40 modules in all, not met: the sections but gpu/
-  and the top hold at most 32, and gpu/ (13 for one command since issue 32) may not grow.
+  and the top hold at most 33, and gpu/ (13 for one command since issue 32) may not grow.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "shared", "loadtests")
 MAX_ROUTER_DEPTH = 8
-MAX_LOADTEST_MODULES = 32  # all but gpu/ (zero_worker: issue 34, pack: issue 33); 40 in all: owed
+MAX_LOADTEST_MODULES = (
+    33  # all but gpu/ (zero_worker: 34, fleet_queue: 35, pack: 33); 40 in all: owed
+)
 MAX_GPU_MODULES = 13
 LOADTEST_SECTIONS = ("load", "simulate", "router", "engine", "gpu")
 MAX_WORKER_DEPTH = 9

@@ -159,7 +159,11 @@ def _multi_tenant_missing() -> str | None:
 
     if "fleet-queue" not in COMMANDS:
         return "not in this checkout: `python -m loadtests fleet-queue` (issue 35) is not on it"
-    return "`fleet-queue` drives its own tenants and classes: not yet a cell of the pack; run it"
+    return (
+        "not a cell yet: `python -m loadtests fleet-queue` (issue 35) needs a router configured "
+        "with its tenants and classes, drives them open loop with its own client, and the "
+        "simulator has no fleet queue to predict it with; run that command for it"
+    )
 
 
 WORKLOADS: tuple[Entry, ...] = (
