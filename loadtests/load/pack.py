@@ -346,6 +346,9 @@ def settings(s: Size) -> dict[str, str]:
 
 @dataclass
 class Cell:
+    """One workload under one router: the live figures (vLLM's names), the prediction,
+    whether their hit rates agree, and what differs where they do not."""
+
     workload: str
     router: str
     live: dict[str, object]
@@ -355,6 +358,8 @@ class Cell:
 
 
 def pack(args: argparse.Namespace) -> dict[str, object]:
+    """Run every workload this checkout has under every router, predict each cell, and
+    return the report (what `pack.json` holds)."""
     size = FULL if args.full else SMALL
     if args.users:
         size = replace(size, users=args.users)
