@@ -85,6 +85,10 @@ class RouterConfig(_Frozen):
     # whose stream has a gap or lags by over `kv_events_max_lag` s is routed on the tree.
     kv_events: bool = False
     kv_events_max_blocks: int = Field(2_000_000, ge=1)
+    # Tokens per block of the workers' KV events (0: the size most of a model's workers
+    # name in their heartbeats); entries past `kv_events_stream_len` are trimmed by routers.
+    kv_events_block_size: int = Field(0, ge=0, le=4096)
+    kv_events_stream_len: int = Field(10_000, ge=100)
     kv_events_max_lag: float = Field(2.0, gt=0)
     kv_events_inflight: float = Field(2.0, ge=0)
     # What a block a worker reports on its host tier (medium "CPU") is worth against one

@@ -139,7 +139,14 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
 
     def members() -> list[FeedMember]:
         return [
-            FeedMember(w.worker_id, w.report.model, w.report.epoch, w.report.kv_capacity_tokens)
+            FeedMember(
+                w.worker_id,
+                w.report.model,
+                w.report.epoch,
+                w.report.kv_capacity_tokens,
+                w.report.kv_block_size,
+                w.report.host_kv_capacity_tokens,
+            )
             for w in fleet.workers.values()
             if w.source == "redis" and w.report.epoch
         ]
@@ -251,6 +258,8 @@ def create_app(
             None,
             config.kv_events_max_blocks,
             max_lag=config.kv_events_max_lag,  # type: ignore[arg-type]
+            block_size=config.kv_events_block_size,
+            stream_len=config.kv_events_stream_len,
         )
         if hasattr(policy, "kv"):  # cache_aware and cost_aware: the index beside the tree
             policy.kv = KvScorer(  # type: ignore[attr-defined]

@@ -282,8 +282,31 @@ def entry_fields(
     return fields
 
 
+@dataclass(frozen=True, slots=True)
+class EntryHeader:
+    """An entry's small fields, read before its batch is decoded: a reader drops an
+    entry of an old epoch on these alone (decoding costs ~1 ms per MB)."""
+
+    worker_id: str
+    epoch: float
+    seq: int
+    payload: bytes
+    resync: bool = False
+
+    def decode(self) -> StreamEntry:
+        """The whole entry; ValueError when its batch is malformed."""
+        batch = decode_batch(self.payload)
+        return StreamEntry(self.worker_id, self.epoch, self.seq, batch, self.resync)
+
+
 def parse_entry(owner: str, fields: dict[bytes, bytes]) -> StreamEntry:
     """An entry read from `owner`'s stream; ValueError when malformed or not `owner`'s."""
+    return parse_header(owner, fields).decode()
+
+
+def parse_header(owner: str, fields: dict[bytes, bytes]) -> EntryHeader:
+    """An entry's fields but its batch (not decoded); ValueError when malformed or not
+    `owner`'s."""
     if not isinstance(fields, dict) or len(fields) > 8:
         raise ValueError("entry is not a small map")
     try:
@@ -300,4 +323,6 @@ def parse_entry(owner: str, fields: dict[bytes, bytes]) -> StreamEntry:
         raise ValueError("entry epoch or seq out of range")
     if resync not in (b"0", b"1"):
         raise ValueError("entry resync is neither 0 nor 1")
-    return StreamEntry(worker, epoch, seq, decode_batch(payload), resync == b"1")
+    if not isinstance(payload, bytes) or len(payload) > MAX_BATCH_BYTES:
+        raise ValueError("batch is not bytes or is too large")
+    return EntryHeader(worker, epoch, seq, payload, resync == b"1")

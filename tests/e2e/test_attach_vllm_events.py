@@ -87,7 +87,8 @@ def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[BenchFlee
                 break
             await asyncio.sleep(0.2)
             fleet_ = await registry.read_fleet()
-        member = FeedMember("vllm-ev", MODEL, fleet_["vllm-ev"].epoch)
+        record = fleet_["vllm-ev"]
+        member = FeedMember("vllm-ev", MODEL, record.epoch, block_size=record.kv_block_size)
         feed = KvEventFeed(registry)
 
         async def settle(cond) -> None:

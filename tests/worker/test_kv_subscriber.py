@@ -88,7 +88,7 @@ async def test_history_gaps_replay_and_a_lost_gap_reach_the_router(redis: Redis)
         asyncio.create_task(forward(queue, registry, "v1", lambda: 7.0, 1000)),
     ]
     feed = KvEventFeed(registry)
-    feed.follow([FeedMember("v1", "m", 7.0)])
+    feed.follow([FeedMember("v1", "m", 7.0, block_size=2)])
     try:
         await until(feed, lambda: feed.match("m", [1, 1]) == {"v1": 2})  # replayed from 0
         for _ in range(50):  # PUB drops what it sends before the SUB is connected
@@ -134,7 +134,7 @@ async def test_a_sidecar_that_missed_the_engines_start_does_not_claim_an_empty_c
         asyncio.create_task(forward(queue, registry, "v2", lambda: 3.0, 1000, sub.complete)),
     ]
     feed = KvEventFeed(registry)
-    feed.follow([FeedMember("v2", "m", 3.0)])
+    feed.follow([FeedMember("v2", "m", 3.0, block_size=2)])
     try:
         await until(feed, lambda: feed.streams["v2"].status == "rebuilding")
         assert not sub.complete() and sub.first_seq == 1
