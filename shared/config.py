@@ -79,6 +79,10 @@ class RouterConfig(_Frozen):
     # the worker does: the policies' trees key on them (matches and caps in tokens) and
     # the KV-event index is looked up with them.
     tokenizer: str | None = None
+    # The workers' context length in tokens (None: the tokenizer folder's config.json
+    # `max_position_embeddings`). Prompts over it × 16 characters are not tokenized: they
+    # are routed on their text and the worker refuses them (router/http/tokenize.py).
+    max_prompt_tokens: int | None = Field(None, gt=0)
     # KV events (router/fleet/kv_feed.py): read every worker's KV-event stream into an exact
     # block index beside the tree (needs redis_url and tokenizer). A routed request's tree
     # entry still counts for `kv_events_inflight` seconds (its KV is on its way); a worker

@@ -42,8 +42,10 @@ from router.http.state import (
     REJECTIONS,
     SESSION,
     SYNC,
+    TOKENIZE,
     TOKENS,
 )
+from router.http.tokenize import Tokenizing, context_tokens
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
@@ -157,6 +159,14 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
     await redis.aclose()
 
 
+async def _tokenize_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The tokenizer thread (router/http/tokenize.py), stopped with the app."""
+    yield
+    tokenize = app.get(TOKENIZE)
+    if tokenize is not None:
+        tokenize.close()
+
+
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     redis = app.get(RATELIMIT_REDIS)
@@ -253,6 +263,8 @@ def create_app(
         app[RATELIMIT_REDIS] = ratelimit_redis
     if tokens is not None:
         app[TOKENS] = tokens
+        context = context_tokens(config.max_prompt_tokens, config.tokenizer or "")
+        app[TOKENIZE] = Tokenizing(tokens, context)
     if config.kv_events and config.tokenizer:
         feed = app[KV_FEED] = KvEventFeed(
             None,
@@ -268,7 +280,14 @@ def create_app(
         metrics.watch_kv_feed(feed)
     app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend(
-        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_events_ctx, _ratelimit_redis_ctx]
+        [
+            _session_ctx,
+            _discovery_ctx,
+            _sync_ctx,
+            _kv_events_ctx,
+            _ratelimit_redis_ctx,
+            _tokenize_ctx,
+        ]
     )
     app.router.add_routes(routes())
     return app

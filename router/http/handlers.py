@@ -26,9 +26,8 @@ from router.http.state import (
     OPENAPI,
     POLICY,
     SESSION,
-    TOKENS,
+    TOKENIZE,
 )
-from router.policy.kv_score import request_tokens
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed
 from shared.serving.body import read_json
@@ -76,8 +75,12 @@ def _inference(endpoint: str, path: str) -> Any:
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
-            tokens = app.get(TOKENS)  # the router's tokenizer, where one is configured
-            ids = request_tokens(tokens, parsed) if tokens is not None else None
+            # The router's tokenizer, where one is configured: bounded, long prompts off
+            # the event loop, over-long ones routed on their text's head alone.
+            tokenize = app.get(TOKENIZE)
+            ids = await tokenize.ids(parsed, len(text)) if tokenize is not None else None
+            if tokenize is not None and len(text) > tokenize.max_chars:
+                text = text[: tokenize.max_chars]
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
             routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream)
             async with app[GATE].slot():
