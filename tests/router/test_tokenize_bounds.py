@@ -79,9 +79,12 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(
         client(router).completions.create(model="sim", prompt=prompt, max_tokens=1)
     )
     await asyncio.to_thread(held.entered.wait, 30)
-    async with aiohttp.ClientSession() as http:  # the loop answers while it is held
-        async with http.get(router.make_url("/health"), timeout=aiohttp.ClientTimeout(10)) as r:
-            assert r.status == 200
+    timeout = aiohttp.ClientTimeout(10)
+    async with (  # the loop answers while the tokenizer is held
+        aiohttp.ClientSession() as http,
+        http.get(router.make_url("/health"), timeout=timeout) as r,
+    ):
+        assert r.status == 200
     assert not request.done()
     held.go.set()
     answer = await request
