@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "host-tier": ("loadtests.bench_host_tier", "simulator: host KV tier 0 / 4x / 10x vs unbounded"),
     "simulate": ("loadtests.simulate", "the routing policies on 8-1,000 simulated workers"),
     "kv-feed": ("loadtests.bench_kv_feed", "router: the KV feed applying a recorded event stream"),
+    "holdings-attacks": (
+        "loadtests.bench_holdings_attacks",
+        "router under a hostile worker credential and client: /health p99, RSS",
+    ),
     "simulate-events": (
         "loadtests.simulate_events",
         "simulator: tree vs tree + KV events vs a ceiling, divergence cases",

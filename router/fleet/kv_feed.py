@@ -56,7 +56,8 @@ Bounds against a worker's credential (issue 30: one worker's stream stalled ever
   entry's epoch is checked before its batch is decoded: an old epoch's entries cost a
   few field reads each.
 - A worker's cursor outlives its membership: one that rejoins (DEL and rewrite of its
-  hash) or changes its model is read on from where the router was, not from "0".
+  hash) or changes its model is read on from where the router was, not from "0". One
+  back within DEPARTED_S keeps its state and blocks too (a heartbeat that lapsed).
 - Each worker holds a bounded share of its model's index (`share`): its pool and host
   tier's blocks (heartbeat) twice over, at most max_blocks / workers of the model; past
   it, its oldest stored blocks are forgotten (router/fleet/kv_index.py).
@@ -73,7 +74,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,7 @@ APPLY_BUDGET_S = 0.005  # event-loop time spent applying entries before yielding
 POLL_S = 0.05  # between reads of idle streams (a sized read cannot block in Redis)
 TRIM_EVERY_S = 10.0  # between the router's trims of the followed streams
 MAX_CURSORS = 4096  # departed workers' cursors kept (registry MAX_WORKERS)
+DEPARTED_S = 30.0  # a departed worker's state and blocks kept for its return
 SHARE_SLACK = 2  # a worker's share: its reported pool and host tier, in blocks, twice
 
 
@@ -150,6 +152,8 @@ class KvEventFeed:
         self.stream_len = stream_len
         self.apply_budget = apply_budget
         self._cursors: OrderedDict[str, bytes | str] = OrderedDict()  # departed workers'
+        # Workers gone from the fleet lately: (state, when, in route_clock time).
+        self._departed: OrderedDict[str, tuple[StreamState, float]] = OrderedDict()
         self._block_sizes: dict[str, int] = {}  # worker id -> its heartbeat's block size
         self._host_capacity: dict[str, int] = {}  # worker id -> its host tier in tokens
         self._trimmed = 0.0
@@ -174,6 +178,8 @@ class KvEventFeed:
             self._block_sizes[m.worker_id] = m.block_size
             self._host_capacity[m.worker_id] = m.host_capacity_tokens
             state = self.streams.get(m.worker_id)
+            if state is None:  # a join, or a rejoin (its hash was gone for a while)
+                state = self._rejoin(m.worker_id, m.model)
             if state is None or state.model != m.model:
                 if state is not None:
                     self._forget(m.worker_id)
@@ -186,16 +192,38 @@ class KvEventFeed:
                 state.heartbeat_epoch = m.epoch
             if m.epoch > state.epoch and state.status in ("ok", "rebuilding"):
                 self._untrust(m.worker_id, "stale")  # the worker restarted: entries to come
+        now = self.route_clock()
         for wid in [w for w in self.streams if w not in seen]:
-            self._forget(wid)
-            self._cursors[wid] = self.streams.pop(wid).cursor
-            self._cursors.move_to_end(wid)
-            if len(self._cursors) > MAX_CURSORS:
-                self._cursors.popitem(last=False)
+            # Kept a while, its blocks too: a heartbeat that lapsed for a poll (a stalled
+            # worker, a DEL and rewrite) comes back as it was, nothing read again.
+            self._departed[wid] = (self.streams.pop(wid), now)
+            self._departed.move_to_end(wid)
             self.capacity.pop(wid, None)
             self._block_sizes.pop(wid, None)
             self._host_capacity.pop(wid, None)
+        while self._departed:
+            wid, (state, left) = next(iter(self._departed.items()))
+            if now - left < DEPARTED_S and len(self._departed) <= MAX_CURSORS:
+                break
+            del self._departed[wid]
+            self._drop_blocks(state.model, wid)
+            self._cursors[wid] = state.cursor  # only where to read on from
+            self._cursors.move_to_end(wid)
+            if len(self._cursors) > MAX_CURSORS:
+                self._cursors.popitem(last=False)
         self._settle_indexes(members_of(self.streams))
+
+    def _rejoin(self, wid: str, model: str) -> StreamState | None:
+        """A departed worker's state, back in `streams` (None: none kept). Another model:
+        its blocks go, its cursor stays."""
+        gone = self._departed.pop(wid, None)
+        if gone is None:
+            return None
+        state = gone[0]
+        if state.model != model:
+            self._drop_blocks(state.model, wid)
+        self.streams[wid] = state
+        return state
 
     def _settle_indexes(self, by_model: dict[str, list[str]]) -> None:
         """Each model's block size (config, else most heartbeats), its workers' shares,
@@ -250,8 +278,13 @@ class KvEventFeed:
 
     def _forget(self, wid: str) -> None:
         state = self.streams.get(wid)
-        if state is not None and state.model in self.indexes:
-            self.indexes[state.model].drop_worker(wid)
+        if state is not None:
+            self._drop_blocks(state.model, wid)
+
+    def _drop_blocks(self, model: str, wid: str) -> None:
+        index = self.indexes.get(model)
+        if index is not None:
+            index.drop_worker(wid)
 
     def _untrust(self, wid: str, status: str) -> None:
         self._forget(wid)
@@ -301,11 +334,11 @@ class KvEventFeed:
                 if state is None:  # (not while this task applies: follow runs between)
                     break
                 state.cursor = entry_id
-                self.apply_entry(wid, fields)
                 read += 1
-                if clock() - started > budget:
-                    await asyncio.sleep(0)  # let requests and /health run between entries
-                    started = clock()
+                for _ in self._raw_steps(wid, fields):
+                    if clock() - started > budget:
+                        await asyncio.sleep(0)  # let requests and /health run between
+                        started = clock()
             state = self.streams.get(wid)
             if state is not None:
                 self._check_lag(state, entries)
@@ -325,6 +358,10 @@ class KvEventFeed:
     def apply_entry(self, wid: str, fields: dict[bytes, bytes]) -> None:
         """One raw entry of `wid`'s stream: its epoch is checked before its batch is
         decoded, so an old epoch's entries are dropped for the price of their fields."""
+        for _ in self._raw_steps(wid, fields):
+            pass
+
+    def _raw_steps(self, wid: str, fields: dict[bytes, bytes]) -> Iterator[None]:
         if b"oversized" in fields:  # measured in Redis and left there (registry.py)
             self.dropped["oversized"] += 1
             return
@@ -340,7 +377,8 @@ class KvEventFeed:
                 reason = "oversized"
             self.dropped[reason] += 1
             return
-        self.apply_stream_entry(wid, entry)
+        yield  # decoded: up to 4 MB of msgpack
+        yield from self._entry_steps(wid, entry)
 
     @staticmethod
     def _stale(state: StreamState, epoch: float) -> bool:
@@ -350,6 +388,12 @@ class KvEventFeed:
         """An entry already parsed (and validated) as `wid`'s: epochs, sequence and trust,
         then the index. The simulator (loadtests/sim/kv_events.py) delivers its workers'
         events here, so it routes on the same status and fallback rules as the router."""
+        for _ in self._entry_steps(wid, entry):
+            pass
+
+    def _entry_steps(self, wid: str, entry: StreamEntry) -> Iterator[None]:
+        """`apply_stream_entry`, one event at a time: the reader may yield to the event
+        loop at each step (one event of up to 8,192 blocks; an entry holds up to 4,096)."""
         state = self.streams[wid]
         if self._stale(state, entry.epoch):
             self.dropped["stale_epoch"] += 1
@@ -380,15 +424,17 @@ class KvEventFeed:
             events = events[clear:]  # a known state after all (vLLM cleared its cache)
             state.status = "ok"
         index = self.indexes.get(state.model, _EMPTY)
-        try:
-            index.apply(wid, events, self.route_clock())
-        except ValueError:  # a block size other than the model's
-            self.dropped["block_size"] += 1
-            self._untrust(wid, "block_size")
-            return
+        for event in events:
+            try:
+                index.apply(wid, (event,), self.route_clock())
+            except ValueError:  # a block size other than the model's
+                self.dropped["block_size"] += 1
+                self._untrust(wid, "block_size")
+                return
+            if state.status == "rebuilding":
+                self._count_removals(wid, state, (event,))
+            yield
         state.applied += 1
-        if state.status == "rebuilding":
-            self._count_removals(wid, state, events)
 
     def _rebuild(self, wid: str, cause: str) -> None:
         """Events were lost: empty the worker's index and rebuild it from what follows."""

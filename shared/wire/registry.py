@@ -41,6 +41,7 @@ MAX_COUNT = 10**15
 MAX_WORKERS = 4096  # worker hashes read per poll
 # A KV-event stream entry's fields (a batch of at most MAX_BATCH_BYTES and its header).
 MAX_ENTRY_BYTES = MAX_BATCH_BYTES + 1024
+MAX_REPLY_BYTES = 2 * MAX_ENTRY_BYTES  # one read of every stream, whatever `count` is
 SCAN_COUNT = 10_000  # keys the server walks per SCAN round trip (~1 ms of its time)
 
 
@@ -164,7 +165,11 @@ class Registry:
         )
 
     async def read_kv_events(
-        self, cursors: dict[str, str], count: int, max_entry_bytes: int = MAX_ENTRY_BYTES
+        self,
+        cursors: dict[str, str],
+        count: int,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
         """New entries of each worker's stream after its cursor (an entry id; "0" for all),
         as [(worker_id, [(entry_id, fields), ...]), ...], at most `count` per stream.
@@ -172,13 +177,14 @@ class Registry:
         Sizes are checked in Redis, before anything crosses the wire: an entry whose
         fields exceed `max_entry_bytes` comes back as `{b"oversized": b"<bytes>"}` (its
         id kept, so the cursor moves past it). XREAD would send it whole first: 8 entries
-        of 64 MB took a router from 73 MB to 641 MB (issue 30). So the read is a script
+        of 64 MB took a router from 73 MB to 641 MB (issue 30). One reply carries at most
+        `max_reply_bytes` (at least one entry): 256 entries of 4 MB would be 1 GB. So the read is a script
         (XRANGE per stream, exclusive of the cursor), and does not block: the caller
         polls."""
         if not cursors:
             return []
         keys = [self.kv_events_key(w) for w in cursors]
-        args = [count, max_entry_bytes, *cursors.values()]
+        args = [count, max_entry_bytes, max_reply_bytes, *cursors.values()]
         # EVAL_RO: read-only key access (the routers' ACL reads worker streams, %R~).
         replies = await self.redis.eval_ro(_READ_SIZED, len(keys), *keys, *args)  # type: ignore[misc]
         cut = len(self.kv_events_key(""))
@@ -280,18 +286,29 @@ class Registry:
         return sorted(found)
 
 
-# KEYS: the streams; ARGV: count, the entry size bound, then each stream's cursor.
-# Each entry's fields are measured here, in Redis; an oversized one is sent as its size.
+# KEYS: the streams; ARGV: count, the entry size bound, the reply's byte budget, then
+# each stream's cursor. Each entry's fields are measured here, in Redis; an oversized one
+# is sent as its size. Past the budget no more entries are sent (the next read goes on).
 _READ_SIZED = """
-local count, bound, out = tonumber(ARGV[1]), tonumber(ARGV[2]), {}
+local count, bound, budget, out = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), {}
+local total = 0
 for i, key in ipairs(KEYS) do
-  local entries = redis.call('XRANGE', key, '(' .. ARGV[2 + i], '+', 'COUNT', count)
-  for _, entry in ipairs(entries) do
-    local size = 0
-    for _, v in ipairs(entry[2]) do size = size + #v end
-    if size > bound then entry[2] = {'oversized', tostring(size)} end
+  local kept = {}
+  if total < budget then
+    local entries = redis.call('XRANGE', key, '(' .. ARGV[3 + i], '+', 'COUNT', count)
+    for _, entry in ipairs(entries) do
+      local size = 0
+      for _, v in ipairs(entry[2]) do size = size + #v end
+      if size > bound then
+        entry[2] = {'oversized', tostring(size)}
+        size = 64
+      end
+      if total > 0 and total + size > budget then break end
+      total = total + size
+      kept[#kept + 1] = entry
+    end
   end
-  out[i] = entries
+  out[i] = kept
 end
 return out
 """

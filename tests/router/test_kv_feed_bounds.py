@@ -169,3 +169,19 @@ async def test_one_worker_cannot_push_the_others_out_of_the_index(redis: Redis) 
     index = feed.indexes["m"]
     assert index.blocks_of("flood") == 16 and index.over_share == 84
     assert feed.match("m", [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]) == {"honest": 10}
+
+
+async def test_a_heartbeat_that_lapses_for_a_poll_keeps_its_trust(redis: Redis) -> None:
+    """A worker whose hash was missing for one poll (a stalled heartbeat) comes back as it
+    was: its blocks and its trust, nothing read again (with the cursor alone it would
+    wait, `syncing`, for a clear our engine may not send for a long while)."""
+    for wid in ("w", "other"):
+        await write(redis, wid, 1.0, 0, AllBlocksCleared(), chain(1, 2))
+    feed = KvEventFeed(Registry(redis))
+    members = [FeedMember(w, "m", 1.0, block_size=2) for w in ("w", "other")]
+    feed.follow(members)
+    await drain(feed)
+    feed.follow(members[1:])
+    assert feed.match("m", [1, 1, 2, 2]) == {"other": 4}  # gone: not routed to
+    feed.follow(members)
+    assert feed.trusted("w") and feed.match("m", [1, 1, 2, 2]) == {"w": 4, "other": 4}
