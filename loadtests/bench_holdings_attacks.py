@@ -39,7 +39,7 @@ import redis
 
 from loadtests.fleet import BenchFleet, WorkerSpec
 from loadtests.refs import checkout, short
-from shared.procs import http_json
+from shared.procs import http_json, wait_until
 from shared.wire.kv_events import entry_fields
 
 ATTACKS = ("rejoin", "model-flip", "tokenize", "oversized", "block-size")
@@ -94,6 +94,8 @@ def run_side(
         assert f.redis is not None
         store = redis.Redis.from_url(f.redis.url)
         for attack in attacks:
+            with contextlib.suppress(AssertionError):  # each attack from a settled fleet
+                wait_until(lambda: honest_ok(router.url) == "w0=ok, w1=ok", 30)
             evil = Evil(store)
             rss0 = rss_mb(router.pid)
             with Sampler(router.url, router.pid) as sampler:

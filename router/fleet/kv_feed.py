@@ -157,6 +157,7 @@ class KvEventFeed:
         self._block_sizes: dict[str, int] = {}  # worker id -> its heartbeat's block size
         self._host_capacity: dict[str, int] = {}  # worker id -> its host tier in tokens
         self._trimmed = 0.0
+        self._turn = 0  # rotates the read order (`readable`)
         self.read_count = read_count
         self.max_lag = max_lag
         self.clock = clock  # wall time: stream entry ids are milliseconds of it
@@ -305,13 +306,17 @@ class KvEventFeed:
 
     def readable(self) -> dict[str, bytes | str]:
         """The cursors of the streams to read: those whose model has a block size and
-        whose worker agrees with it."""
+        whose worker agrees with it. Each read starts one stream further along: a reply
+        is bounded in bytes, so one busy stream must not always come first."""
         indexes = self.indexes
-        return {
-            w: s.cursor
+        items = [
+            (w, s.cursor)
             for w, s in self.streams.items()
             if s.status != "block_size" and s.model in indexes
-        }
+        ]
+        self._turn += 1
+        k = self._turn % len(items) if items else 0
+        return dict(items[k:] + items[:k])
 
     async def _poll_once(self) -> int:
         cursors = self.readable()

@@ -5,13 +5,14 @@ loop, three concurrent 10 MB prompts stalled `/health` for 29.7 s and held 2.3 G
 (issue 30), and the worker refused them for length anyway. So:
 
 - **A cap before the work.** A prompt of more than `max_chars` = the workers' context
-  length × MAX_CHARS_PER_TOKEN characters cannot fit the model: it is not tokenized and
-  is routed on the first `max_chars` characters of its text alone (the tree), and the
-  worker answers it as it answers any over-long prompt: vLLM's and our engine's 400
-  naming the model's maximum context length, the error a vLLM user expects. The bound:
-  no real tokenizer averages 16 characters a token over a whole prompt (English BPE
-  about 4, code about 3; a run of one repeated character can merge further, and such a
-  prompt is then routed on text, never refused here).
+  length × MAX_CHARS_PER_TOKEN characters is not tokenized: no real tokenizer averages
+  16 characters a token over a whole prompt (English BPE about 4, code about 3), so it
+  almost surely does not fit. It is routed on the first `max_chars` characters of its
+  text (the tree), and the worker answers it as it answers any over-long prompt (vLLM's
+  and our engine's 400 naming the model's context length). A prompt of more than
+  `refuse_chars` = context length × the tokenizer's longest token (in characters) cannot
+  fit whatever its text: the router answers it itself, 400 `context_length_exceeded`
+  naming both figures, as vLLM would, and the fleet never sees it.
 - **Off the event loop.** Prompts of more than `inline_chars` characters are tokenized on
   one worker thread (PromptTokens' caches are not shared between threads: the thread
   holds a lock, and a short prompt is tokenized inline only when the lock is free). At
@@ -33,7 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from router.policy.kv_score import request_tokens
+from shared.serving.errors import APIError
 from shared.tokens.prompt_tokens import PromptTokens
+from shared.tokens.tokenizer import Tokenizer
+from shared.wire.protocol import ChatCompletionRequest
 
 MAX_CHARS_PER_TOKEN = 16  # the stated bound (see the module doc)
 DEFAULT_CONTEXT_TOKENS = 131_072  # no context length in the config or the model folder
@@ -52,7 +56,15 @@ class Tokenizing:
         max_waiting: int = MAX_WAITING,
     ) -> None:
         self.tokens = tokens
+        self.context_tokens = context_tokens
         self.max_chars = context_tokens * MAX_CHARS_PER_TOKEN
+        longest = (
+            tokens.tokenizer.longest_token_chars()
+            if isinstance(tokens.tokenizer, Tokenizer)
+            else None  # the sim tokenizer: no vocabulary to bound by
+        )
+        self.longest_token_chars = longest
+        self.refuse_chars = context_tokens * longest if longest else None
         self.inline_chars = inline_chars
         self.max_waiting = max_waiting
         self.skipped: Counter[str] = Counter()  # "too_long", "busy"
@@ -61,7 +73,18 @@ class Tokenizing:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def ids(self, parsed: object, chars: int) -> Sequence[int] | None:
-        """The prompt ids of `parsed`, whose routing text has `chars` characters."""
+        """The prompt ids of `parsed`, whose routing text has `chars` characters;
+        APIError 400 when it cannot fit the context (see the module doc)."""
+        if self.refuse_chars is not None and chars > self.refuse_chars:
+            self.skipped["refused"] += 1
+            raise APIError(
+                400,
+                f"the prompt has {chars} characters; this model's context length is "
+                f"{self.context_tokens} tokens, and no token of its tokenizer stands for "
+                f"more than {self.longest_token_chars} characters",
+                param="messages" if isinstance(parsed, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
         if chars > self.max_chars:
             self.skipped["too_long"] += 1
             return None

@@ -211,6 +211,12 @@ class Tokenizer:
         """Ids the tokenizer can produce (the model's embedding may be padded larger)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def longest_token_chars(self) -> int:
+        """The most characters one token can stand for: its vocabulary spelling's length
+        (byte-level BPE spells each byte as one character; a decoded token has no more
+        characters than bytes). A text longer than n × this has more than n tokens."""
+        return max((len(t) for t in self._tok.get_vocab()), default=1)
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None

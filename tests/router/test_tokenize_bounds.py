@@ -133,3 +133,33 @@ def test_the_prompt_caches_are_bounded_in_bytes() -> None:
     huge = "zzz " * 200_000  # one piece over max_bytes / 16: encoded, never kept
     assert len(tokens.text(huge)) > 0
     assert huge not in tokens._pieces and tokens.held_bytes <= 1 << 20
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_by_the_router(tiny_model_dir) -> None:
+    """Longer than the context × the tokenizer's longest token: no tokenization can make
+    it fit, so the router answers vLLM's 400 itself, and no worker reads 10 MB."""
+    worker = await start_worker(worker_config(max_body_bytes=BODY))
+    router = await start_router(RouterConfig(
+        host="127.0.0.1", worker_urls=(str(worker.make_url("")).rstrip("/"),),
+        tokenizer=str(tiny_model_dir), max_prompt_tokens=64, max_body_bytes=BODY,
+        access_log=False,
+    ))  # fmt: skip
+    try:
+        tokenize: Tokenizing = router.app[TOKENIZE]
+        longest = tokenize.longest_token_chars
+        assert longest is not None and tokenize.refuse_chars == 64 * longest
+        api = client(router)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await api.chat.completions.create(
+                model="sim", max_tokens=1,
+                messages=[{"role": "user", "content": "y" * (64 * longest + 1)}],
+            )  # fmt: skip
+        body = refused.value.body
+        assert body["code"] == "context_length_exceeded" and body["param"] == "messages"  # type: ignore[index]
+        assert "64 tokens" in body["message"]  # type: ignore[index]
+        assert tokenize.skipped == {"refused": 1}
+        answer = await api.completions.create(model="sim", prompt="a short one", max_tokens=1)
+        assert answer.usage.prompt_tokens > 0  # type: ignore[union-attr]
+    finally:
+        await router.close()
+        await worker.close()
