@@ -58,6 +58,8 @@ Bounds against a worker's credential (issue 30: one worker's stream stalled ever
 - A worker's cursor outlives its membership: one that rejoins (DEL and rewrite of its
   hash) or changes its model is read on from where the router was, not from "0". One
   back within DEPARTED_S keeps its state and blocks too (a heartbeat that lapsed).
+- Each worker's stream takes at most CPU_SHARE of the event loop (a credit refilled over
+  time, CPU_BURST_S at once); past it its entries wait in Redis and it is `lagging`.
 - Each worker holds a bounded share of its model's index (`share`): its pool and host
   tier's blocks (heartbeat) twice over, at most max_blocks / workers of the model; past
   it, its oldest stored blocks are forgotten (router/fleet/kv_index.py).
@@ -101,6 +103,11 @@ TRIM_EVERY_S = 10.0  # between the router's trims of the followed streams
 MAX_CURSORS = 4096  # departed workers' cursors kept (registry MAX_WORKERS)
 DEPARTED_S = 30.0  # a departed worker's state and blocks kept for its return
 SHARE_SLACK = 2  # a worker's share: its reported pool and host tier, in blocks, twice
+# Event-loop time one worker's stream may take: 0.1 s a second, 0.5 s at once. Honest
+# workers need far less (kv_events.md: ~0.3 ms per routed request's events); past it the
+# stream waits (unread, nothing lost) and the worker is `lagging` (routed on its tree).
+CPU_SHARE = 0.1
+CPU_BURST_S = 0.5
 
 
 @dataclass
@@ -113,6 +120,8 @@ class StreamState:
     status: str = "syncing"
     applied: int = 0  # entries applied
     removed: int = 0  # GPU blocks the worker removed since it began rebuilding
+    credit: float = 0.0  # seconds of event-loop time it may still spend (CPU_SHARE)
+    credited_at: float | None = None  # perf_counter time of the last refill
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,11 @@ class KvEventFeed:
         block_size: int = 0,
         stream_len: int = 10_000,
         apply_budget: float = APPLY_BUDGET_S,
+        cpu_share: float = CPU_SHARE,
+        cpu_burst: float = CPU_BURST_S,
     ) -> None:
+        self.cpu_share, self.cpu_burst = cpu_share, cpu_burst
+        self.throttled = 0  # reads a worker's stream waited for its CPU share
         self.registry = registry
         self.max_blocks = max_blocks
         self.config_block_size = block_size  # 0: from the heartbeats
@@ -309,14 +322,30 @@ class KvEventFeed:
         whose worker agrees with it. Each read starts one stream further along: a reply
         is bounded in bytes, so one busy stream must not always come first."""
         indexes = self.indexes
+        now = time.perf_counter()
         items = [
             (w, s.cursor)
             for w, s in self.streams.items()
-            if s.status != "block_size" and s.model in indexes
+            if s.status != "block_size" and s.model in indexes and self._has_credit(s, now)
         ]
         self._turn += 1
         k = self._turn % len(items) if items else 0
         return dict(items[k:] + items[:k])
+
+    def _has_credit(self, state: StreamState, now: float) -> bool:
+        """Refill the stream's CPU credit; out of it, it waits (and is not trusted)."""
+        if state.credited_at is None:
+            state.credit = self.cpu_burst
+        else:
+            state.credit += (now - state.credited_at) * self.cpu_share
+            state.credit = min(state.credit, self.cpu_burst)
+        state.credited_at = now
+        if state.credit > 0:
+            return True
+        self.throttled += 1
+        if state.status == "ok":
+            state.status = "lagging"  # behind its stream by choice: trust waits
+        return False
 
     async def _poll_once(self) -> int:
         cursors = self.readable()
@@ -338,12 +367,19 @@ class KvEventFeed:
                 state = self.streams.get(wid)
                 if state is None:  # (not while this task applies: follow runs between)
                     break
+                if state.credit <= 0:
+                    break  # its CPU share is spent: the rest waits in its stream
                 state.cursor = entry_id
                 read += 1
+                step = clock()
                 for _ in self._raw_steps(wid, fields):
-                    if clock() - started > budget:
+                    now = clock()
+                    state.credit -= now - step
+                    if now - started > budget:
                         await asyncio.sleep(0)  # let requests and /health run between
-                        started = clock()
+                        started = now = clock()
+                    step = now
+                state.credit -= clock() - step
             state = self.streams.get(wid)
             if state is not None:
                 self._check_lag(state, entries)

@@ -185,3 +185,19 @@ async def test_a_heartbeat_that_lapses_for_a_poll_keeps_its_trust(redis: Redis) 
     assert feed.match("m", [1, 1, 2, 2]) == {"other": 4}  # gone: not routed to
     feed.follow(members)
     assert feed.trusted("w") and feed.match("m", [1, 1, 2, 2]) == {"w": 4, "other": 4}
+
+
+async def test_a_stream_past_its_cpu_share_waits_unread(redis: Redis) -> None:
+    """A worker writing more events than the router should spend its time on: past its
+    share its entries wait in Redis (nothing lost) and it is routed on its tree."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    for seq in range(1, 10):
+        await write(redis, "w", 1.0, seq, chain(seq + 1, 1, parent=seq))
+    feed = KvEventFeed(Registry(redis), cpu_share=0.0, cpu_burst=1e-9)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    assert await feed.poll() == 1  # one entry, then its credit is spent
+    assert await feed.poll() == 0 and feed.status_of("w") == "lagging" and feed.throttled
+    feed.cpu_share, feed.cpu_burst = 1.0, 10.0  # the credit comes back: it reads on
+    await asyncio.sleep(0.05)
+    await drain(feed)
+    assert feed.status_of("w") == "ok" and feed.match("m", [1, 1, 2, 2, 3, 3]) == {"w": 6}
