@@ -83,7 +83,11 @@ def main(args: argparse.Namespace) -> int:
 def run_side(
     side: str, tree: Path | None, attacks: list[str], args: argparse.Namespace, tokenizer: str
 ) -> list[dict]:
-    spec = WorkerSpec(decode_ms=1.0, extra=("--log-level", "WARNING", "--kv-events"))
+    # The workers tokenize with the router's tokenizer (sim engine, the tiny model's
+    # tokenizer): the index can only match where both sides make the same ids.
+    spec = WorkerSpec(
+        decode_ms=1.0, extra=("--log-level", "WARNING", "--kv-events", "--model", tokenizer)
+    )
     rows = []
     with BenchFleet() as f:
         for wid in ("w0", "w1"):
@@ -109,7 +113,7 @@ def run_side(
             honest = honest_ok(router.url)
             routed = warmed_routes_to_w1(f, router.url, attack)
             lat = sampler.latencies_ms or [float("nan")]
-            q = statistics.quantiles(lat, n=100) if len(lat) > 1 else lat * 99
+            q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
             row = {"side": side, "attack": attack, "p50": statistics.median(lat), "p99": q[98],
                    "max": max(lat), "rss0": rss0, "rss_peak": sampler.peak_mb,
                    "rss1": rss_mb(router.pid), "honest": honest, "routed": routed}  # fmt: skip
