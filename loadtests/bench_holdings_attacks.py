@@ -43,7 +43,6 @@ from shared.procs import http_json, wait_until
 from shared.wire.kv_events import entry_fields
 
 ATTACKS = ("rejoin", "model-flip", "tokenize", "oversized", "block-size")
-MODEL = "sim"
 BLOCK = 16  # the sim workers' KV event block size (worker config default)
 PREFIX = "radixrouter:"
 _TOKENS = [(i * 7) % 120 for i in range(7500 * 16)]  # one event's token ids (1 byte each)
@@ -96,11 +95,13 @@ def run_side(
                     "max_body_bytes": 16 * 1024 * 1024, "log_level": "WARNING"}  # fmt: skip
         router = f.start_router(settings, tree=tree)
         assert f.redis is not None
+        _, models = http_json(f.workers["w0"].url + "/v1/models")
+        model = models["data"][0]["id"]  # the honest workers' (the attacker names it too)
         store = redis.Redis.from_url(f.redis.url)
         for attack in attacks:
             with contextlib.suppress(AssertionError):  # each attack from a settled fleet
                 wait_until(lambda: honest_ok(router.url) == "w0=ok, w1=ok", 30)
-            evil = Evil(store)
+            evil = Evil(store, model)
             rss0 = rss_mb(router.pid)
             with Sampler(router.url, router.pid) as sampler:
                 ATTACK[attack](evil, router.url, args)
@@ -111,7 +112,7 @@ def run_side(
             evil.leave()
             time.sleep(1.0)
             honest = honest_ok(router.url)
-            routed = warmed_routes_to_w1(f, router.url, attack)
+            routed = warmed_routes_to_w1(f, router.url, attack, model)
             lat = sampler.latencies_ms or [float("nan")]
             q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
             row = {"side": side, "attack": attack, "p50": statistics.median(lat), "p99": q[98],
@@ -128,9 +129,9 @@ def run_side(
 class Evil:
     """A worker credential: its own hash and its own stream, nothing else."""
 
-    def __init__(self, store: redis.Redis, wid: str = "evil") -> None:
+    def __init__(self, store: redis.Redis, model: str, wid: str = "evil") -> None:
         self.store, self.wid = store, wid
-        self.epoch, self.model, self.seq, self.flips = time.time(), MODEL, 0, 0
+        self.epoch, self.model, self.seq, self.flips = time.time(), model, 0, 0
         self.block_size = BLOCK
 
     @property
@@ -204,7 +205,7 @@ def block_size(evil: Evil, url: str, args: argparse.Namespace) -> None:
 
 
 def tokenize(evil: Evil, url: str, args: argparse.Namespace) -> None:
-    body = json.dumps({"model": MODEL, "prompt": "lorem ipsum dolor " * 580_000,
+    body = json.dumps({"model": evil.model, "prompt": "lorem ipsum dolor " * 580_000,
                        "max_tokens": 1}).encode()  # fmt: skip
 
     def send() -> None:
@@ -270,10 +271,10 @@ def honest_ok(url: str) -> str:
     return ", ".join(f"{w}={statuses.get(w)}" for w in ("w0", "w1"))
 
 
-def warmed_routes_to_w1(f: BenchFleet, url: str, salt: str) -> str:
+def warmed_routes_to_w1(f: BenchFleet, url: str, salt: str, model: str) -> str:
     """A prompt sent straight to w1 (the router never saw it), then through the router."""
     prompt = f"{salt}: the warehouse inventory for aisle nine, pallet by pallet. " * 30
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    body = {"model": model, "prompt": prompt, "max_tokens": 1}
     http_json(f.workers["w1"].url + "/v1/completions", "POST", body, timeout=30)
     time.sleep(1.0)  # its KV events reach the router's index
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
