@@ -97,27 +97,35 @@ def run_side(
         assert f.redis is not None
         _, models = http_json(f.workers["w0"].url + "/v1/models")
         model = models["data"][0]["id"]  # the honest workers' (the attacker names it too)
-        store = redis.Redis.from_url(f.redis.url)
+        store = redis.Redis.from_url(f.redis.url, socket_timeout=300)
         for attack in attacks:
             with contextlib.suppress(AssertionError):  # each attack from a settled fleet
                 wait_until(lambda: honest_ok(router.url) == "w0=ok, w1=ok", 30)
             evil = Evil(store, model)
             rss0 = rss_mb(router.pid)
+            error = ""
             with Sampler(router.url, router.pid) as sampler:
-                ATTACK[attack](evil, router.url, args)
-                deadline = time.monotonic() + args.seconds
-                while time.monotonic() < deadline:
-                    evil.tick(attack)
-                    time.sleep(1.0)
-            evil.leave()
+                try:
+                    ATTACK[attack](evil, router.url, args)
+                    deadline = time.monotonic() + args.seconds
+                    while time.monotonic() < deadline:
+                        evil.tick(attack)
+                        time.sleep(1.0)
+                except (redis.RedisError, OSError) as exc:  # the attack itself failed
+                    error = f" (attack failed: {type(exc).__name__})"
+            with contextlib.suppress(redis.RedisError):
+                evil.leave()
             time.sleep(1.0)
             honest = honest_ok(router.url)
-            routed = warmed_routes_to_w1(f, router.url, attack, model)
+            try:
+                routed = warmed_routes_to_w1(f, router.url, attack, model)
+            except OSError as exc:
+                routed = type(exc).__name__
             lat = sampler.latencies_ms or [float("nan")]
             q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
             row = {"side": side, "attack": attack, "p50": statistics.median(lat), "p99": q[98],
                    "max": max(lat), "rss0": rss0, "rss_peak": sampler.peak_mb,
-                   "rss1": rss_mb(router.pid), "honest": honest, "routed": routed}  # fmt: skip
+                   "rss1": rss_mb(router.pid), "honest": honest + error, "routed": routed}  # fmt: skip
             print(json.dumps(row))
             rows.append(row)
     return rows
