@@ -29,7 +29,7 @@ from router.http.state import (
     TOKENIZE,
 )
 from router.upstream.answers import worker_authorization
-from router.upstream.proxy import PROXY, Routed
+from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
@@ -58,7 +58,7 @@ def _status_of(error: BaseException) -> int:
     return 499 if isinstance(error, asyncio.CancelledError) else 500
 
 
-def _inference(endpoint: str, path: str) -> Any:
+def _inference_handler(endpoint: str, path: str) -> Any:
     # Timing lives in the handler rather than in a middleware: one coroutine layer less on
     # every request, and only inference requests are timed anyway.
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -97,9 +97,9 @@ def _inference(endpoint: str, path: str) -> Any:
     return handler
 
 
-chat_completions = _inference("chat", "/v1/chat/completions")
-completions = _inference("completions", "/v1/completions")
-generate = _inference("generate", "/generate")
+chat_completions = _inference_handler("chat", "/v1/chat/completions")
+completions = _inference_handler("completions", "/v1/completions")
+generate = _inference_handler("generate", "/generate")
 
 
 async def _probe_model(request: web.Request, worker: Worker) -> None:
@@ -181,6 +181,7 @@ async def list_workers(request: web.Request) -> web.Response:
         feed = app.get(KV_FEED)
         item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
         item["kv_events_rebuild"] = _rebuild(feed, w.worker_id)
+        item["request_id_echo"] = echo_of(app, w.url)
         out.append(item)
     return web.json_response({"object": "list", "data": out})
 

@@ -1,0 +1,319 @@
+"""Router throughput under wrk and streamed time to first token, side by side in one run:
+straight to a sim worker (zero cost unless `--prefill-us` / `--decode-ms`), through our router with 1 and with N processes
+(`serve --processes N`, replica sync through an embedded Redis), and through SGLang's
+Rust router (`sglang-router`, from its own venv) when its Python is given.
+
+    python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
+        [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
+        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero]
+
+`--before-ref REF` adds the router at REF (checked out into a temporary worktree,
+`loadtests/refs.py`) as one more target, so a change's price is measured side by side;
+`--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
+`--worker zero` puts `loadtests/router/zero_worker.py` (a few microseconds a request, echoing
+`x-request-id`) behind the routers instead of the sim worker (~0.5 ms of CPU a request,
+which on 2 cores sets the pace of every target); `--rounds N` repeats each target's run
+N times, the order flipped every round, and prints medians and ratios to sglang-router.
+
+Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
+connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a
+1 s warm-up; it reports requests/s and latency p50/p99. Router CPU per request is the
+utime+stime of the router's whole process tree over the measured run divided by the
+requests wrk completed: unlike latency, contention from other jobs on the machine does
+not inflate it. Non-2xx answers are counted and reported (they must be 0). `--rate R`
+holds the offered load near R requests/s instead of as fast as possible (each
+connection waits `connections / R` s after each answer, wrk's `delay()` hook; no wrk2
+here), for latency below saturation; wrk's latency excludes that wait.
+
+Streamed TTFT: `--ttft-requests` streamed requests per target, `--ttft-concurrency` at a
+time, the targets interleaved (drift hits all alike), time from sending to the first
+body byte, with a Python aiohttp client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from loadtests.refs import checkout
+from shared.procs import answers_health, free_port, wait_until
+from shared.redis_server import RedisServer
+
+SYSTEM = "You are a helpful assistant. Answer briefly. " * 40  # 1,800 chars
+BODY = json.dumps({"model": "sim", "prompt": SYSTEM + " question 1", "max_tokens": 4})
+LUA = "\n".join(
+    [
+        'wrk.method = "POST"',
+        'wrk.headers["Content-Type"] = "application/json"',
+        f"wrk.body = '{BODY}'",
+        "",
+    ]
+)
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None = None  # None: the worker itself (direct)
+
+
+def spawn(
+    cmd: list[str], log: Path, tree: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `cmd` from `tree` (default: this checkout; `--before-ref`: the ref's)."""
+    root = str(tree or os.getcwd())
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root,
+            start_new_session=True, env={**os.environ, "PYTHONPATH": root, **(env or {})},
+        )  # fmt: skip
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """utime + stime of `pid` and every live descendant."""
+    total, stack = 0.0, [pid]
+    tick = os.sysconf("SC_CLK_TCK")
+    while stack:
+        p = stack.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def lua(rate: float, connections: int) -> str:
+    """The wrk script: one POST, paced to about `rate` req/s in all when `rate` > 0."""
+    if rate <= 0:
+        return LUA
+    return LUA + f"function delay()\n  return {connections / rate * 1e3:.3f}\nend\n"
+
+
+def wrk(url: str, seconds: float, connections: int, script: Path) -> dict[str, float]:
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script), url],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+    def ms(label: str) -> float:
+        m = re.search(rf"{label}\s+([\d.]+)(us|ms|s)\b", out)
+        assert m, out
+        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+
+    done = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return {"rps": rps, "p50": ms("50%"), "p99": ms("99%"), "done": done,
+            "non2xx": int(bad.group(1)) if bad else 0}  # fmt: skip
+
+
+async def ttfb(session: aiohttp.ClientSession, url: str, i: int) -> float:
+    body = {"model": "sim", "prompt": SYSTEM + f" question {i}", "max_tokens": 4, "stream": True}
+    start = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as r:
+        await r.content.readany()
+        elapsed = time.perf_counter() - start
+        await r.read()
+    return elapsed
+
+
+async def streamed(targets: list[Target], n: int, concurrency: int) -> dict[str, list[float]]:
+    """TTFB of `n` streamed requests per target, `concurrency` at a time. At 1 the targets
+    alternate request by request; above, round by round (each round `concurrency`
+    requests per target, the order reversed every round), so drift hits all alike."""
+    out: dict[str, list[float]] = {t.name: [] for t in targets}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        rounds = (n + concurrency - 1) // concurrency
+        warm = max(1, 20 // concurrency)
+        for r in range(rounds + warm):
+            order = targets if r % 2 else targets[::-1]
+            for t in order:
+                base = r * concurrency
+                values = await asyncio.gather(
+                    *(ttfb(session, t.url, base + k) for k in range(concurrency))
+                )
+                if r >= warm:  # warm-up: connections, trees, caches
+                    out[t.name].extend(values)
+    return out
+
+
+def start_targets(
+    args: argparse.Namespace, tmp: Path, worker_url: str, redis_url: str, before: Path | None
+) -> list[Target]:
+    py = sys.executable
+    targets = [Target("direct", worker_url)]
+
+    def router(name: str, n: int, tree: Path | None = None, env: dict | None = None) -> None:
+        port = free_port()
+        cmd = [py, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-url", worker_url, "--log-level", "WARNING"]  # fmt: skip
+        if n > 1:
+            cmd += ["--processes", str(n), "--redis-url", redis_url]
+        log = tmp / f"{len(targets)}.log"
+        targets.append(Target(name, f"http://127.0.0.1:{port}", spawn(cmd, log, tree, env)))
+
+    if before is not None:
+        router(f"router x1 @{args.before_ref}", 1, before)
+    for n in sorted({1, args.processes}):
+        router(f"router x{n}", n)
+    for client in args.upstream_clients:
+        router(f"router x1 ({client} client)", 1, env={"RADIX_ROUTER_UPSTREAM_CLIENT": client})
+    if args.sglang_python:
+        port = free_port()
+        cmd = [args.sglang_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+               "--port", str(port), "--worker-urls", worker_url, "--policy", "cache_aware",
+               "--log-level", "warn"]  # fmt: skip
+        targets.append(
+            Target("sglang-router", f"http://127.0.0.1:{port}", spawn(cmd, tmp / "sglang.log"))
+        )
+    for t in targets:
+        wait_until(lambda t=t: answers_health(t.url), 90, poll_s=0.2)
+    return targets
+
+
+def summarize(rounds: dict[str, list[tuple[float, float]]]) -> None:
+    """Medians over rounds, and each target's ratios to sglang-router's where it ran."""
+    ref = rounds.get("sglang-router")
+    print(
+        "\n| target | req/s, median | CPU ms / request, median | req/s / sglang-router | CPU / sglang-router |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for name, values in rounds.items():
+        rps = statistics.median(v[0] for v in values)
+        cpu = statistics.median(v[1] for v in values)
+        if ref and name not in ("direct", "sglang-router"):
+            ref_rps = statistics.median(v[0] for v in ref)
+            ref_cpu = statistics.median(v[1] for v in ref)
+            vs = f"{rps / ref_rps:.2f}x | {cpu / ref_cpu:.2f}x"
+        else:
+            vs = " | "
+        print(f"| {name} | {rps:.0f} | {cpu:.3f} | {vs} |")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
+    p.add_argument("--rounds", type=int, default=1, help="wrk runs per target, order alternating")
+    p.add_argument(
+        "--worker", choices=["sim", "zero"], default="sim",
+        help="sim: our sim worker; zero: loadtests/router/zero_worker.py (no streams: TTFT skipped)",
+    )  # fmt: skip
+    p.add_argument("--connections", type=int, default=64, help="wrk keep-alive connections")
+    p.add_argument(
+        "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
+    )
+    p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
+    p.add_argument(
+        "--sglang-python",
+        default=None,
+        help="a Python with sglang-router installed (default: none)",
+    )
+    p.add_argument("--ttft-requests", type=int, default=200, help="streamed requests per target")
+    p.add_argument("--ttft-concurrency", type=int, default=1, help="streamed requests at a time")
+    p.add_argument(
+        "--prefill-us", type=float, default=0.0, help="the sim worker's prefill cost per token"
+    )
+    p.add_argument("--decode-ms", type=float, default=0.0, help="the sim worker's decode cost")
+    p.add_argument(
+        "--before-ref",
+        default=None,
+        help="also run the router at this git ref (a temporary worktree), side by side",
+    )
+    p.add_argument(
+        "--upstream-client",
+        dest="upstream_clients",
+        action="append",
+        default=[],
+        choices=["own", "aiohttp"],
+        help="also run a router with this upstream_client (repeatable)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if shutil.which("wrk") is None:
+        raise RuntimeError("wrk is not installed (Debian: apt-get install -y wrk)")
+    with tempfile.TemporaryDirectory(prefix="bench-wrk-") as d:
+        tmp = Path(d)
+        script = tmp / "post.lua"
+        script.write_text(lua(args.rate, args.connections))
+        wport = free_port()
+        if args.worker == "zero":  # next to no cost: the routers, not it, set the pace
+            worker = spawn([sys.executable, "-m", "loadtests.router.zero_worker", str(wport)],
+                           tmp / "w.log")  # fmt: skip
+        else:
+            worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
+                            "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",
+                            "--sim-prefill-us-per-token", str(args.prefill_us),
+                            "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
+        redis = RedisServer().start()
+        targets: list[Target] = []
+        stack = contextlib.ExitStack()
+        try:
+            before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
+            wait_until(lambda: answers_health(f"http://127.0.0.1:{wport}"), 60, poll_s=0.2)
+            targets = start_targets(args, tmp, f"http://127.0.0.1:{wport}", redis.url, before)
+            print("| round | target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
+            print("|---:|---|---:|---:|---:|---:|---:|")
+            for t in targets:
+                wrk(t.url + "/v1/completions", 1, args.connections, script)  # warm-up
+            rounds: dict[str, list[tuple[float, float]]] = {t.name: [] for t in targets}
+            for n in range(args.rounds):
+                # The order flips every round, so drift on a shared machine hits all alike.
+                for t in targets if n % 2 == 0 else targets[::-1]:
+                    pid = t.proc.pid if t.proc is not None else worker.pid
+                    cpu0 = tree_cpu_s(pid)
+                    r = wrk(t.url + "/v1/completions", args.seconds, args.connections, script)
+                    cpu = (tree_cpu_s(pid) - cpu0) * 1e3 / max(1, r["done"])
+                    rounds[t.name].append((r["rps"], cpu))
+                    print(f"| {n + 1} | {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | "
+                          f"{r['p99']:.1f} | {cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
+            print("\n(direct: the CPU column is the worker's own)")
+            summarize(rounds)
+            if args.worker == "zero":
+                return 0  # it answers no streams
+            ttft = asyncio.run(streamed(targets, args.ttft_requests, args.ttft_concurrency))
+            base = statistics.median(ttft["direct"])
+            print(f"\nstreamed, {args.ttft_concurrency} at a time")
+            print("\n| target | streamed TTFT p50 (ms) | p99 (ms) | p50 / direct |")
+            print("|---|---:|---:|---:|")
+            for name, values in ttft.items():
+                values.sort()
+                p50, p99 = statistics.median(values), values[int(0.99 * (len(values) - 1))]
+                print(f"| {name} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | {p50 / base:.2f}x |")
+            print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        finally:
+            for t in targets:
+                if t.proc is not None:
+                    stop(t.proc)
+            stop(worker)
+            redis.stop()
+            stack.close()
+    return 0
