@@ -321,6 +321,7 @@ class LLMEngine:
             decode_ms_per_token=getattr(self.runner, "decode_ms_per_token", 0.0),
             max_running_requests=self.config.max_running_requests,
             request_ms=self.request_ms,
+            kv_block_size=self.kv_events.block_size if self.kv_events is not None else 0,
             **self._host_stats(),
         )
 

@@ -133,7 +133,6 @@ def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> Wor
         epoch=state.epoch,
         draining=state.draining,
         **{name: getattr(stats, name) for name in _REPORTED},
-        kv_block_size=config.kv_events_block_size if config.kv_events else 0,
     )
 
 
