@@ -37,7 +37,7 @@ from pathlib import Path
 import msgpack
 import redis
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.refs import checkout, short
 from shared.procs import http_json, wait_until
 from shared.wire.kv_events import entry_fields
@@ -88,7 +88,7 @@ def run_side(
         decode_ms=1.0, extra=("--log-level", "WARNING", "--kv-events", "--model", tokenizer)
     )
     rows = []
-    with BenchFleet() as f:
+    with Cluster() as f:
         for wid in ("w0", "w1"):
             f.start_worker(wid, spec)
         settings = {"kv_events": True, "tokenizer": tokenizer, "access_log": False,
@@ -282,7 +282,7 @@ def honest_ok(url: str) -> str:
     return ", ".join(f"{w}={statuses.get(w)}" for w in ("w0", "w1"))
 
 
-def warmed_routes_to_w1(f: BenchFleet, url: str, salt: str, model: str) -> str:
+def warmed_routes_to_w1(f: Cluster, url: str, salt: str, model: str) -> str:
     """A prompt sent straight to w1 (the router never saw it), then through the router."""
     prompt = f"{salt}: the warehouse inventory for aisle nine, pallet by pallet. " * 30
     body = {"model": model, "prompt": prompt, "max_tokens": 1}

@@ -182,6 +182,7 @@ class LLMEngine:
                 stop_ids=stop_ids,
                 index=i,
                 salt=salt,
+                priority=request.priority,
             )
             for i in range(params.n)
         ]

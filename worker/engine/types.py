@@ -122,6 +122,8 @@ class EngineRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     # Its prefix cache namespace (vLLM's `cache_salt`): shares blocks only with the same.
     cache_salt: str | None = None
+    # vLLM's: lower is admitted earlier (shared/wire/service_class.py maps the classes).
+    priority: int = 0
 
 
 @dataclass(frozen=True)
