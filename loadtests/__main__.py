@@ -70,7 +70,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "kv-feed": ("loadtests.router.bench_kv_feed", "the KV feed applying a recorded event stream"),
     "holdings-attacks": (
-        "loadtests.router.bench_holdings_attacks",
+        "loadtests.load.faults_clients:HOLDINGS_ATTACKS",
         "a hostile worker credential and client: /health p99, RSS",
     ),
     "policy-cost": ("loadtests.router.bench_policy", "CPU per routing decision as the fleet grows"),
