@@ -113,7 +113,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "worker-http": ("loadtests.engine.bench_worker_http", "the worker's HTTP layer vs in process"),
     # Imports only torch, numpy, transformers and the engine (no pydantic or redis).
-    "gpu-check": ("loadtests.gpu.gpu_check", "the engine on a GPU: correctness, kernels, roofline"),
+    "gpu-check": ("loadtests.gpu.check", "the engine on a GPU: correctness, kernels, roofline"),
 }
 
 
