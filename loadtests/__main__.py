@@ -73,6 +73,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "tree alone vs tree + KV events, live: the real router, divergence cases",
     ),
     "kv-feed": ("loadtests.router.bench_kv_feed", "the KV feed applying a recorded event stream"),
+    "holdings-attacks": (
+        "loadtests.load.faults_clients:HOLDINGS_ATTACKS",
+        "a hostile worker credential and client: /health p99, RSS",
+    ),
     "policy-cost": ("loadtests.router.bench_policy", "CPU per routing decision as the fleet grows"),
     "tree": ("loadtests.router.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
     "router-overhead": ("loadtests.router.bench_router_overhead", "the router vs going direct"),

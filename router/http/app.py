@@ -43,8 +43,10 @@ from router.http.state import (
     SESSION,
     SYNC,
     TICKET,
+    TOKENIZE,
     TOKENS,
 )
+from router.http.tokenize import Tokenizing, context_tokens
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
@@ -136,14 +138,21 @@ async def _kv_feed_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     idle = min(0.5, config.discovery_interval)
-    # Its own client: XREAD blocks for up to `idle`, longer than a short socket timeout.
+    # Its own client: a read may wait on a busy Redis longer than a short socket timeout.
     redis = Redis.from_url(config.redis_url, socket_timeout=idle + 5, socket_connect_timeout=5)
     feed.registry = Registry(redis, config.redis_prefix)
     fleet = app[FLEET]
 
     def members() -> list[FeedMember]:
         return [
-            FeedMember(w.worker_id, w.report.model, w.report.epoch, w.report.kv_capacity_tokens)
+            FeedMember(
+                w.worker_id,
+                w.report.model,
+                w.report.epoch,
+                w.report.kv_capacity_tokens,
+                w.report.kv_block_size,
+                w.report.host_kv_capacity_tokens,
+            )
             for w in fleet.workers.values()
             if w.source == "redis" and w.report.epoch
         ]
@@ -152,6 +161,14 @@ async def _kv_feed_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await stop_task(task)
     await redis.aclose()
+
+
+async def _tokenize_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The tokenizer thread (router/http/tokenize.py), stopped with the app."""
+    yield
+    tokenize = app.get(TOKENIZE)
+    if tokenize is not None:
+        tokenize.close()
 
 
 async def _queue_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -267,11 +284,15 @@ def create_app(
         app[RATELIMIT_REDIS] = ratelimit_redis
     if tokens is not None:
         app[TOKENS] = tokens
+        context = context_tokens(config.max_prompt_tokens, config.tokenizer or "")
+        app[TOKENIZE] = Tokenizing(tokens, context)
     if config.kv_events and config.tokenizer:
         feed = app[KV_FEED] = KvEventFeed(
             None,
             config.kv_events_max_blocks,
             max_lag=config.kv_events_max_lag,  # type: ignore[arg-type]
+            block_size=config.kv_events_block_size,
+            stream_len=config.kv_events_stream_len,
         )
         if hasattr(policy, "kv"):  # cache_aware and cost_aware: the index beside the tree
             policy.kv = KvScorer(  # type: ignore[attr-defined]
@@ -280,7 +301,15 @@ def create_app(
         metrics.watch_kv_feed(feed)
     app.on_response_prepare.extend([stamp_request_id, _first_byte])
     app.cleanup_ctx.extend(
-        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_feed_ctx, _ratelimit_redis_ctx, _queue_ctx]
+        [
+            _session_ctx,
+            _discovery_ctx,
+            _sync_ctx,
+            _kv_feed_ctx,
+            _ratelimit_redis_ctx,
+            _queue_ctx,
+            _tokenize_ctx,
+        ]
     )
     app.router.add_routes(routes())
     return app

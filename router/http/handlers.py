@@ -28,10 +28,9 @@ from router.http.state import (
     QUEUE,
     SESSION,
     TICKET,
-    TOKENS,
+    TOKENIZE,
 )
 from router.policy.base import RouteRequest
-from router.policy.kv_score import request_tokens
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
@@ -80,8 +79,12 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
-            tokens = app.get(TOKENS)  # the router's tokenizer, where one is configured
-            ids = request_tokens(tokens, parsed) if tokens is not None else None
+            # The router's tokenizer, where one is configured: bounded, long prompts off
+            # the event loop, over-long ones routed on their text's head alone.
+            tokenize = app.get(TOKENIZE)
+            ids = await tokenize.ids(parsed, len(text)) if tokenize is not None else None
+            if tokenize is not None and len(text) > tokenize.max_chars:
+                text = text[: tokenize.max_chars]
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
             klass, priority = request_class(data)  # a bad service_tier or priority → 400
             # An engine that schedules by `priority` gets the class's where the body

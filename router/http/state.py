@@ -13,6 +13,7 @@ from router.fleet.discovery import Discovery
 from router.fleet.kv_feed import KvEventFeed
 from router.fleet.sync import ReplicaSync
 from router.fleet.table import Fleet
+from router.http.tokenize import Tokenizing
 from router.metrics import Metrics
 from router.policy.base import Policy
 from router.queue.fleet_queue import FleetQueue
@@ -31,6 +32,7 @@ OPENAPI = web.AppKey("openapi", dict)
 REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis boundary
 SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
 TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `tokenizer`)
+TOKENIZE = web.AppKey("tokenize", Tokenizing)  # ... used bounded (router/http/tokenize.py)
 KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
 # Set up in cleanup_ctx (they need the running loop):
 # Per request: its ticket in the fleet queue (its first byte is told to the queue).

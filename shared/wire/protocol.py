@@ -100,6 +100,9 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's prefix-cache namespace: a salted prompt shares cached blocks only with
+    # prompts of the same salt (worker/engine/salt.py). Non-empty, as vLLM requires.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     wire_endpoint: ClassVar[str]  # "chat" or "completions": which KNOWN_EXTRA applies
 

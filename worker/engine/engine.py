@@ -42,6 +42,7 @@ from worker.engine.prefix_cache import NoCache, PrefixCache
 from worker.engine.protocols import EngineTokenizer, Runner, Sampler
 from worker.engine.radix_cache import RadixCache
 from worker.engine.req import Req
+from worker.engine.salt import SaltNames, salt_tag
 from worker.engine.scheduler import Scheduler
 from worker.engine.types import (
     EngineError,
@@ -92,9 +93,10 @@ class LLMEngine:
                 else:
                     cache = RadixCache(self.allocator, page_size=config.page_size)
         self.cache: PrefixCache = cache
+        self.salt_names = SaltNames()  # cache namespaces' salts, named in KV events
         self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
         if config.kv_events_block_size and isinstance(cache, RadixCache):
-            self.kv_events = BlockEvents(config.kv_events_block_size)
+            self.kv_events = BlockEvents(config.kv_events_block_size, salts=self.salt_names)
             cache.publish_events(self.kv_events)
         self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
         # The override may only shorten the model's context. And a request never holds
@@ -161,6 +163,15 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
+        salt = None
+        if request.cache_salt is not None:
+            if not request.cache_salt:  # vLLM's rule and words
+                raise EngineError(
+                    "Parameter 'cache_salt' must be a non-empty string if provided.",
+                    param="cache_salt",
+                )
+            salt = salt_tag(request.cache_salt)
+            self.salt_names.name(salt, request.cache_salt)
         return [
             Req(
                 request_id=request.request_id,
@@ -170,6 +181,7 @@ class LLMEngine:
                 seq_id=next(self._seq_ids),
                 stop_ids=stop_ids,
                 index=i,
+                salt=salt,
                 priority=request.priority,
             )
             for i in range(params.n)
@@ -310,6 +322,7 @@ class LLMEngine:
             decode_ms_per_token=getattr(self.runner, "decode_ms_per_token", 0.0),
             max_running_requests=self.config.max_running_requests,
             request_ms=self.request_ms,
+            kv_block_size=self.kv_events.block_size if self.kv_events is not None else 0,
             **self._host_stats(),
         )
 

@@ -203,6 +203,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         params=_sampling(  # 16: OpenAI's default for completions
             req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
         ),
+        cache_salt=req.cache_salt,
         priority=request_class(body)[1],
     )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -236,7 +237,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
     gen = EngineRequest(
         request_id=rid, prompt_token_ids=tuple(ids), params=params,
-        priority=request_class(body)[1],
+        priority=request_class(body)[1], cache_salt=req.cache_salt,
     )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
