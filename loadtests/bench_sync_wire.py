@@ -2,7 +2,7 @@
 
     python -m loadtests.bench_sync_wire [--sessions 16] [--turns 20] [--words 700] [--rounds 3]
 
-Routers share each routing decision through Redis (router/fleet/sync.py): the routed text
+Routers share each routing decision through Redis (router/holdings/sync.py): the routed text
 where the tree keys on text, the prompt ids (uint32 + zlib, with the tokenizer's
 fingerprint) where it keys on tokens. The same multi-turn chats as
 `bench_router_tokens` (a ~700-word system prompt, ~2k tokens, one user line a turn) are
@@ -30,7 +30,7 @@ import numpy as np
 from redis.asyncio import Redis
 
 from loadtests.workloads import NATO_WORDS as WORDS
-from router.fleet.sync import DecisionSync
+from router.holdings.sync import DecisionSync
 from router.policy import build_policy
 from shared.config import RouterConfig
 from shared.tokens.fingerprint import tokenizer_fingerprint

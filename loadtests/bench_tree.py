@@ -11,7 +11,7 @@ decision for every implementation), insert the text for it. Every implementation
 replays the same requests and must return the same matches (checked).
 
 Rows:
-- ``PrefixTree``: router/policy/tree.py, one shared tree, no budget (nothing evicted).
+- ``PrefixTree``: router/holdings/tree.py, one shared tree, no budget (nothing evicted).
 - ``PrefixTree, budget``: the same with a global budget of a quarter of what the
   workload stores, so eviction runs throughout.
 - ``pygtrie``: one ``pygtrie.CharTrie`` per worker. ``longest_prefix`` only finds a
@@ -44,9 +44,9 @@ from typing import Protocol
 import pygtrie
 
 from loadtests.options import HelpFormatter
+from router.holdings.tree import PrefixTree
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
-from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
 WORDS = [

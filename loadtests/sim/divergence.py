@@ -39,9 +39,9 @@ from loadtests.sim.kv_events import MODEL, CacheReader, EventStreams
 from loadtests.sim.sources import SimRequest, WordTokenizer, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import Session
-from router.fleet.kv_feed import KvEventFeed
+from router.holdings.kv_feed import KvEventFeed
+from router.holdings.merge import KvScorer
 from router.policy.base import FleetView, RouteRequest
-from router.policy.kv_score import KvScorer
 from shared.config import RouterConfig
 from worker.engine.radix_cache import RadixCache
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from router.fleet.kv_feed import FeedMember, KvEventFeed
+from router.holdings.kv_feed import FeedMember, KvEventFeed
 from shared.wire.kv_events import EventBatch, StreamEntry
 
 if TYPE_CHECKING:

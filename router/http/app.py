@@ -20,9 +20,10 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from router.fleet.discovery import Discovery
-from router.fleet.kv_feed import FeedMember, KvEventFeed
-from router.fleet.sync import DecisionSync, ReplicaSync
 from router.fleet.table import Fleet
+from router.holdings.kv_feed import FeedMember, KvEventFeed
+from router.holdings.merge import KvScorer, host_hit_weight
+from router.holdings.sync import DecisionSync, ReplicaSync
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import make_edge_middleware
@@ -47,7 +48,6 @@ from router.http.state import (
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
-from router.policy.kv_score import KvScorer, host_hit_weight
 from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
@@ -125,7 +125,7 @@ async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Every worker's KV-event stream into the index (router/fleet/kv_feed.py), while up."""
+    """Every worker's KV-event stream into the index (router/holdings/kv_feed.py), while up."""
     feed = app.get(KV_FEED)
     config = app[CONFIG]
     if feed is None or not config.redis_url:

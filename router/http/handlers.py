@@ -14,8 +14,9 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.fleet.kv_feed import KvEventFeed
 from router.fleet.workers import Worker
+from router.holdings.kv_feed import KvEventFeed
+from router.holdings.merge import request_tokens
 from router.http.state import (
     CLOCK,
     CONFIG,
@@ -28,7 +29,6 @@ from router.http.state import (
     SESSION,
     TOKENS,
 )
-from router.policy.kv_score import request_tokens
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed
 from shared.serving.body import read_json
@@ -161,7 +161,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
-    """A rebuilding worker's progress (router/fleet/kv_feed.py): trusted again once it has
+    """A rebuilding worker's progress (router/holdings/kv_feed.py): trusted again once it has
     removed `needed` blocks since the loss (0: its pool size is not known)."""
     rebuild = feed.rebuild_of(wid) if feed is not None else None
     return None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}

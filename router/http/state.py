@@ -10,9 +10,9 @@ import aiohttp
 from aiohttp import web
 
 from router.fleet.discovery import Discovery
-from router.fleet.kv_feed import KvEventFeed
-from router.fleet.sync import ReplicaSync
 from router.fleet.table import Fleet
+from router.holdings.kv_feed import KvEventFeed
+from router.holdings.sync import ReplicaSync
 from router.http.gate import AdmissionGate
 from router.metrics import Metrics
 from router.policy.base import Policy

@@ -164,7 +164,7 @@ class Policy(ABC):
 
     def observe(self, worker_id: str, key: str | tuple[int, ...], now: float) -> None:
         """Another router replica sent a request to ``worker_id``: ``key`` is its text,
-        or its prompt ids where the replicas tokenize (router/fleet/sync.py)."""
+        or its prompt ids where the replicas tokenize (router/holdings/sync.py)."""
         return
 
     def calibrate(self, worker_id: str, chars_per_token: float) -> None:

@@ -30,9 +30,9 @@ replicates the prefix). Remaining ties (equal load) are broken by the injected
 ``random.Random``, so a cold fleet spreads new prefixes instead of piling them on
 the first worker. Each worker's tree is capped at
 ``kv_capacity_tokens × chars per token`` chars (unknown capacity: no cap; chars per
-token learned from the worker's answers, router/fleet/calibration.py, and
+token learned from the worker's answers, router/holdings/calibration.py, and
 ``tree_chars_per_token`` until then) and
-all trees together at ``tree_max_chars`` stored chars (router/policy/tree.py).
+all trees together at ``tree_max_chars`` stored chars (router/holdings/tree.py).
 
 ``router/policy/cost_aware.py`` builds on this one (same trees, caps and epochs) and
 routes on predicted time to first token instead. The other policies (load only) are in
@@ -47,9 +47,9 @@ from functools import partial
 from itertools import compress, repeat
 from operator import eq, is_not
 
+from router.holdings.merge import KvScorer, Path
+from router.holdings.tree import PrefixTree
 from router.policy.base import Decision, Policy, RouteRequest, WorkerView, least_index, view_columns
-from router.policy.kv_score import KvScorer, Path
-from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
 _NOT_NONE = partial(is_not, None)
@@ -74,7 +74,7 @@ class CacheAware(Policy):
         # rates and caps are in tokens and no chars-per-token guess enters (issue 26).
         self._on_tokens = config.tokenizer is not None
         self._capacity: dict[str, int] = {}  # last capacity applied per worker, in tokens
-        # Chars per token per worker, learned from answers (router/fleet/calibration.py);
+        # Chars per token per worker, learned from answers (router/holdings/calibration.py);
         # absent: the configured ``tree_chars_per_token``.
         self._chars_per_token: dict[str, float] = {}
         # The fleet as last seen: ids in view order, their positions, their capacities.
@@ -227,7 +227,7 @@ class CacheAware(Policy):
         self._caps = caps
 
     def observe(self, worker_id: str, key: str | tuple[int, ...], now: float) -> None:
-        # Another replica's decision, keyed as its tree keyed it (router/fleet/sync.py:
+        # Another replica's decision, keyed as its tree keyed it (router/holdings/sync.py:
         # the prompt ids where the routers tokenize, with the same tokenizer). A key of the
         # other kind would count chars against a cap in tokens, or the reverse: skipped.
         if (type(key) is tuple) == self._on_tokens and key:

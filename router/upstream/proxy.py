@@ -35,10 +35,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import Counter
 
-from router.fleet.calibration import calibrate, chars_per_token, prompt_tokens_from
-from router.fleet.sync import ReplicaSync
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import FailureKind, Worker
+from router.holdings.calibration import calibrate, chars_per_token, prompt_tokens_from
+from router.holdings.sync import ReplicaSync
 from router.policy.base import Decision, Policy, RouteRequest
 from router.upstream.answers import (
     FORWARD_REQUEST,
@@ -119,7 +119,7 @@ class Proxy:
         # x-request-id is sent once, below
         self._forward = (FORWARD_REQUEST | {config.session_header.lower()}) - {"x-request-id"}
         self._worker_auth = worker_authorization(config)
-        # Router replicas sharing decisions (router/fleet/sync.py); None on a lone router.
+        # Router replicas sharing decisions (router/holdings/sync.py); None on a lone router.
         self.sync = sync
 
     def _select(self, routed: Routed, tried: list[str]) -> tuple[Worker, Decision] | None:

@@ -4,7 +4,7 @@ Layout (prefix default `radixrouter:`):
 
     <prefix>worker:<id>   hash, written every heartbeat, expires after a few intervals
     <prefix>events        pub/sub channel: JSON {"event": "join"|"leave", "worker_id", "url"}
-    <prefix>decisions     stream of routing decisions shared by router replicas (router/fleet/sync.py)
+    <prefix>decisions     stream of routing decisions shared by router replicas (router/holdings/sync.py)
     <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
     <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/http/ratelimit.py)
     <prefix>kvevents:<id> stream of worker <id>'s KV-cache events (shared/wire/kv_events.py),

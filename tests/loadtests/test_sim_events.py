@@ -13,7 +13,7 @@ from loadtests.sim.divergence import CASES, ArmSpec, DivergenceSim
 from loadtests.sim.fleet import ClosedLoop
 from loadtests.sim.kv_events import MODEL, EventStreams, cached_prefix
 from loadtests.sim.worker import CostModel, Job, SimWorker
-from router.fleet.kv_feed import KvEventFeed
+from router.holdings.kv_feed import KvEventFeed
 from shared.config import RouterConfig
 
 COST = CostModel(30.0, 3.0, 8, 16_384)

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import pytest
 
+from router.holdings.tree import PrefixTree
 from router.policy import build_policy
 from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
-from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
 

@@ -1,7 +1,7 @@
 """Scoring with the exact index beside the tree: what a worker holds, plus what is on its way.
 
-The tree (router/policy/tree.py) records what this router sent each worker, when; the index
-(router/fleet/kv_feed.py) what each worker reports holding. For a worker whose index is
+The tree (router/holdings/tree.py) records what this router sent each worker, when; the index
+(router/holdings/kv_feed.py) what each worker reports holding. For a worker whose index is
 trusted, its predicted match for a request is
 
     max(longest run of its held blocks,  its tree match over entries used in the last
@@ -12,7 +12,7 @@ first turn is still queued or prefilling finds nothing in the index yet (events 
 lost 13 points of hit rate at overload in the simulator, issue 26). Older tree entries
 of a trusted worker are ignored: the index says what became of them (evicted, flushed).
 A worker that is not trusted (stale epoch, lagging, no events) keeps its tree match; a
-rebuilding one (events lost, router/fleet/kv_feed.py) keeps it and adds its index's.
+rebuilding one (events lost, router/holdings/kv_feed.py) keeps it and adds its index's.
 
 An entry in the window is past, not present, once the index has seen the worker lose
 the first block it claims beyond what the index holds *after* the entry's route: its
@@ -100,7 +100,7 @@ def _any_weight(_wid: str) -> float:
 
 
 class BlockHolders(Protocol):
-    """What scoring reads of the KV-event feed (router/fleet/kv_feed.py's KvEventFeed)."""
+    """What scoring reads of the KV-event feed (router/holdings/kv_feed.py's KvEventFeed)."""
 
     @property
     def streams(self) -> Mapping[str, object]: ...

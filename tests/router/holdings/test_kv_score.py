@@ -1,4 +1,4 @@
-"""Routing with the exact index beside the tree (router/policy/kv_score.py): decisions.
+"""Routing with the exact index beside the tree (router/holdings/merge.py): decisions.
 
 The real feed object and its real block index, fed real BlockStored events; what a
 Redis stream would deliver is applied directly (reading the streams, trust and gaps:
@@ -11,12 +11,12 @@ import random
 
 import pytest
 
-from router.fleet.kv_feed import KvEventFeed, StreamState
-from router.fleet.kv_index import BlockIndex
+from router.holdings.kv_feed import KvEventFeed, StreamState
+from router.holdings.kv_index import BlockIndex
+from router.holdings.merge import KvScorer
 from router.policy import build_policy
 from router.policy.base import FleetView, RouteRequest
 from router.policy.cache_aware import CacheAware
-from router.policy.kv_score import KvScorer
 from shared.config import RouterConfig
 from shared.wire.kv_events import BlockRemoved, BlockStored
 

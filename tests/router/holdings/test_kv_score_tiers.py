@@ -1,15 +1,15 @@
 """A host-held block is worth less than a device-held one and more than a miss.
 
-The real feed and index (router/fleet/kv_feed.py, kv_index.py) fed stream entries in the
-wire form, and the real scorer (router/policy/kv_score.py) over them; no Redis needed
+The real feed and index (router/holdings/kv_feed.py, kv_index.py) fed stream entries in the
+wire form, and the real scorer (router/holdings/merge.py) over them; no Redis needed
 (entries are applied as the reader applies them)."""
 
 from __future__ import annotations
 
 import math
 
-from router.fleet.kv_feed import FeedMember, KvEventFeed
-from router.policy.kv_score import HOST_HIT_WEIGHT, KvScorer, host_hit_weight
+from router.holdings.kv_feed import FeedMember, KvEventFeed
+from router.holdings.merge import HOST_HIT_WEIGHT, KvScorer, host_hit_weight
 from shared.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 from redis.exceptions import RedisError
 
-from router.fleet.kv_index import BlockIndex
+from router.holdings.kv_index import BlockIndex
 from shared.serving.aio import reraise_if_cancelled
 from shared.wire.kv_events import (
     MEDIUM_GPU,

@@ -9,8 +9,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from loadtests.fleet import BenchFleet, WorkerSpec
-from router.fleet.calibration import HIGH, calibrate, chars_per_token, prompt_tokens_from
 from router.fleet.workers import Breaker, Worker
+from router.holdings.calibration import HIGH, calibrate, chars_per_token, prompt_tokens_from
 from router.http.app import create_app
 from router.http.state import FLEET, POLICY
 from shared.config import RouterConfig
