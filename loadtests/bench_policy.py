@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loadtests.options import HelpFormatter
-from router.policy import build_policy
+from router.policy import build_routing
 from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
@@ -126,7 +126,7 @@ def build(name: str, seed: int) -> Policy:
         from tests.router.cost_aware_reference import CostAwareReference
 
         return CostAwareReference(RouterConfig(policy="cost_aware"), random.Random(seed))
-    return build_policy(RouterConfig(policy=name), random.Random(seed))  # type: ignore[arg-type]
+    return build_routing(RouterConfig(policy=name), random.Random(seed))  # type: ignore[arg-type]
 
 
 def timer_overhead_ns() -> float:

@@ -45,7 +45,7 @@ import pygtrie
 
 from loadtests.options import HelpFormatter
 from router.holdings.tree import PrefixTree
-from router.policy import build_policy
+from router.policy import build_routing
 from router.policy.base import RouteRequest, WorkerView
 from shared.config import RouterConfig
 
@@ -177,7 +177,7 @@ def cpu_per_request(index: Index, requests: list[str], chosen: list[str]) -> flo
 
 
 def replay_policy(requests: list[str], workers: list[str]) -> tuple[list[float], float]:
-    policy = build_policy(RouterConfig(), random.Random(0))
+    policy = build_routing(RouterConfig(), random.Random(0))
     fleet = [WorkerView(w, load=0) for w in workers]
     us = []
     cpu0 = time.thread_time_ns()

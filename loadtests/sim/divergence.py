@@ -237,7 +237,7 @@ class DivergenceSim(FleetSim):
     def _hear_restarts(self) -> None:
         """The heartbeats name new epochs: the router forgets those trees (fleet table)."""
         for wid in self._heartbeats:
-            self.policy.remove_worker(wid)
+            self.policy.holdings.forget(wid)
         self._heartbeats.clear()
         if self.feed is not None and self.streams is not None:
             self.feed.follow(self.streams.members())

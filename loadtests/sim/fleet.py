@@ -1,7 +1,7 @@
 """Event-driven fleet simulation: the router's real policy over simulated workers.
 
 Virtual time, no sleeping, no HTTP. Per request: the policy from `router.policy`
-(`build_policy(RouterConfig)`, with its real prefix tree) picks a worker from the
+(`build_routing(RouterConfig)`, with its real prefix tree) picks a worker from the
 workers' loads (running + queued, as the router sees in flight); that `SimWorker`
 (the engine's own scheduler and radix cache over the sim cost model) runs it, one
 engine step at a time. Step ends at the same instant run before arrivals, so freed
@@ -28,7 +28,7 @@ from loadtests.options import WorkloadOptions
 from loadtests.sim.sources import SimRequest, WordTokenizer, output_tokens, reply_text
 from loadtests.sim.worker import CostModel, Job, SimWorker
 from loadtests.workloads import Session, Workload
-from router.policy import build_policy
+from router.policy import build_routing
 from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
@@ -134,7 +134,7 @@ def deep_size(root: object) -> int:
 
 class FleetSim:
     def __init__(self, config: RouterConfig, workers: int, cost: CostModel, seed: int = 0) -> None:
-        self.policy = build_policy(config, random.Random(seed))
+        self.policy = build_routing(config, random.Random(seed))
         self.workers = [SimWorker(i, cost) for i in range(workers)]
         self.ids = [f"w{i}" for i in range(workers)]
         self.index = {wid: i for i, wid in enumerate(self.ids)}

@@ -1,62 +1,22 @@
-"""Scoring with the exact index beside the tree: what a worker holds, plus what is on its way.
+"""How the tree and the KV-event index merge into one prediction: five named rules.
 
-The tree (router/holdings/tree.py) records what this router sent each worker, when; the index
-(router/holdings/kv_feed.py) what each worker reports holding. For a worker whose index is
-trusted, its predicted match for a request is
+The tree (router/holdings/tree.py) records what this router sent each worker, when; the
+index (router/holdings/kv_feed.py) what each worker reports holding. `KvScorer.correct`
+takes the tree's match path and returns one in the same shape (holders, end in the tree's
+units, root side first), so the policies' rules run unchanged. Index tokens become the
+tree's units at the request's own units per token (chars / ids, or 1 on ids).
 
-    max(longest run of its held blocks,  its tree match over entries used in the last
-        `kv_events_inflight` seconds)
+The rules, in the order they apply; each names the incident it fixes and the test that
+replays it:
 
-The second term is the tree's in-flight prediction: a follow-up that arrives while the
-first turn is still queued or prefilling finds nothing in the index yet (events alone
-lost 13 points of hit rate at overload in the simulator, issue 26). Older tree entries
-of a trusted worker are ignored: the index says what became of them (evicted, flushed).
+- `in_flight_window`: a trusted worker's tree entry counts only while it is in flight.
+- `lost_since_routed`: an in-flight entry whose blocks arrived and were evicted since.
+- `host_weighted`: a host-held token is worth `host_weight(w)` of a device-held one.
+- `confirmed_exact_end`: an older entry the index confirms keeps its exact end.
+- `evicting`: a worker the routes just overflowed is about to evict what the index shows.
+
 A worker that is not trusted (stale epoch, lagging, no events) keeps its tree match; a
 rebuilding one (events lost, router/holdings/kv_feed.py) keeps it and adds its index's.
-
-An entry in the window is past, not present, once the index has seen the worker lose
-the first block it claims beyond what the index holds *after* the entry's route: its
-blocks arrived and were evicted since. Otherwise a group replicated on two workers kept
-going to the one that had evicted it, every route there a full miss that re-prefilled
-it (3 of 9 extra full misses in a logged shared_prefix run: the index held the group on
-w3 only, w2's entry was 0.4-0.6 s old; loadtests/results/kv_events.md).
-
-One unit for both: the index counts whole blocks (it cannot see a block's partial tail),
-the tree exact lengths. Where the index still holds every whole block of a trusted
-worker's older tree entry, that entry is confirmed and keeps its exact end: otherwise a
-holder seen only through the index ranked up to a block short of one routed to in the
-last `kv_events_inflight` seconds for the same prefix (1,040 vs 1,042 tokens at 16-token
-blocks), so cache_aware's best-holder set and cost_aware's hold lost it whatever its
-load. With the index agreeing, the path is the tree's own (loadtests/results/kv_events.md,
-"Why cost_aware fell below the tree").
-
-A worker the tree's routes overflowed in the last `kv_events_inflight` seconds (an insert
-pushed its entries over its cap, the capacity it reports) is about to evict: the
-prefills on their way store that many new blocks, and its engine evicts its least
-recently used ones first, i.e. what the index holds but no recent route touched. Its
-index match then counts only as far as its tree entry (which the tree trims by the same
-LRU rule). Otherwise a burst of turns sent a small pool prefixes the index saw there an
-instant before, while the same burst's other prefills evicted them: in the live
-capacities case 7 follow-up turns went to a 7,500-token worker within 0.1 s, 3 of them
-as index hits, and all 7 missed (loadtests/results/kv_events.md, "Why capacities lost").
-
-Tiers: the index says which of a worker's held blocks sit on its device and which only
-on its host tier (KV events' medium "CPU"). A host-held token is loaded, not computed:
-cheaper than a miss, dearer than a device hit. It counts as `host_weight(w)` of a token
-(0..1): the share of its prefill the worker saves by loading it,
-
-    1 - (kv_bytes_per_token / host_load_bytes_per_s) / prefill_us_per_token
-
-from the worker's heartbeat (the sim's defaults: 128 KiB over 25 GB/s = 5.2 µs against
-100 µs of prefill: 0.95), `HOST_HIT_WEIGHT` where it reports no load figures, or the
-`kv_events_host_weight` key for every worker. The held run becomes
-device tokens + host_weight × host tokens, so `cache_aware` and `cost_aware` both see a
-host-held prefix as a shorter match than the same prefix on a device. Whether an entry
-is confirmed or lost is judged on blocks held in any tier (a demoted block is held).
-
-`correct` returns the tree's match path in the same shape (holders, end in chars, root
-side first) so the policies' rules run unchanged; index tokens become chars at the
-request's own chars-per-token.
 """
 
 from __future__ import annotations
@@ -112,6 +72,8 @@ class BlockHolders(Protocol):
 
 
 class KvScorer:
+    """The index beside the tree: `correct` applies the rules of the module's docstring."""
+
     def __init__(
         self,
         feed: BlockHolders,
@@ -122,6 +84,9 @@ class KvScorer:
         self.inflight = inflight
         self.host_weight = host_weight  # worker id -> a host-held token's worth (0..1)
         self.corrected = 0  # requests where the index changed the prediction
+        # The last request's index part: worker -> (device, host, why) in the tree's
+        # units (router/holdings/room.py reads it).
+        self.detail: dict[str, tuple[int, int, str]] = {}
 
     def correct(
         self,
@@ -133,6 +98,7 @@ class KvScorer:
         overflowed_at: Callable[[object], float] | None = None,
     ) -> Path:
         feed = self.feed
+        self.detail = {}
         if not feed.streams or not len(tokens):
             return path
         model = model or feed.only_model()
@@ -140,53 +106,126 @@ class KvScorer:
         held = {w: n for w, (_, n) in tiers.items()}
         trusted = feed.trusted
         cutoff = now - self.inflight
-        best: dict[object, float] = {}
-        past: dict[object, int] = {}  # trusted workers' older entries: the deepest end
-        fresh: dict[object, int] = {}  # ... in the window: the deepest end
-        changed = bool(held)
-        for holders, end in path:  # root side first: deeper ends overwrite
-            for w, used in holders.items():
-                if trusted(w):  # type: ignore[arg-type]
-                    if used < cutoff:
-                        past[w] = end
-                        changed = True
-                        continue
-                    fresh[w] = end
-                best[w] = end
-        if not changed:
+        best, past, fresh, changed = in_flight_window(path, trusted, cutoff)
+        if not (changed or held):
             return path
         self.corrected += 1
         scale = text_len / len(tokens)
         block = feed.block_size(model)
-        for w, end in fresh.items():
-            n = held.get(w, 0)  # type: ignore[call-overload]
-            whole = int(end / scale) // block * block if block else 0
-            if n >= whole:
-                continue
-            # The route that claimed the first block the index does not hold: the last
-            # one through the tree node holding that block's first token.
-            at = n * scale
-            routed = next(h[w] for h, e in path if e > at and w in h)
-            if feed.lost_at(model, tokens, w, n) > routed:  # type: ignore[arg-type]
-                del best[w]  # arrived and evicted since: the index says what is left
+        for w in lost_since_routed(path, fresh, held, scale, block, feed, model, tokens):
+            del best[w]
         weight = self.host_weight
         for w, n in held.items():
             device = tiers[w][0]
-            # A host-held tail is loaded, worth less than a device hit: its chars from
-            # `device` on count at the worker's host weight.
-            on_host = 1.0 if n == device else weight(w)  # type: ignore[arg-type]
+            on_host = host_weighted(n, device, weight, w)
             chars = min(text_len, round((device + on_host * (n - device)) * scale))
             end = past.get(w, 0)
-            whole = int(end / scale) // block * block if block else 0  # its whole blocks
-            if whole and n >= whole:  # the index confirms the older entry: its exact end
-                start = min(end, device * scale)
-                chars = max(chars, round(start + on_host * (end - start)))
-            if overflowed_at is not None and trusted(w) and overflowed_at(w) >= cutoff:  # type: ignore[arg-type]
-                chars = min(chars, max(end, fresh.get(w, 0)))  # evicting: the tree's LRU
-            if chars > best.get(w, 0):
+            chars = confirmed_exact_end(chars, end, n, device, on_host, scale, block)
+            if overflowed_at is not None and trusted(w) and overflowed_at(w) >= cutoff:
+                chars = evicting(chars, max(end, fresh.get(w, 0)))
+            tree = best.get(w, 0)
+            if chars > tree:
                 best[w] = chars
+            on_device = min(text_len, round(device * scale))
+            self.detail[w] = (on_device, min(text_len, round(n * scale)) - on_device,
+                              "both" if tree or end else "index")  # fmt: skip
         ends = sorted(set(best.values()))
         return [({w: now for w, e in best.items() if e >= end}, int(end)) for end in ends]
+
+
+def in_flight_window(
+    path: Path, trusted: Callable[[str], bool], cutoff: float
+) -> tuple[dict[object, float], dict[object, int], dict[object, int], bool]:
+    """A trusted worker's tree entry counts only if used since `cutoff` (the last
+    `kv_events_inflight` seconds): older ones the index says the fate of (evicted,
+    flushed). The window is the tree's in-flight prediction: a follow-up that arrives
+    while the first turn still prefills finds nothing in the index yet (events alone
+    lost 13 points of hit rate at overload in the simulator, issue 26;
+    tests/router/holdings/test_kv_routing.py).
+
+    Returns (best: every counted entry's deepest end, past: trusted workers' older
+    entries, fresh: trusted workers' entries in the window, whether any was dropped)."""
+    best: dict[object, float] = {}
+    past: dict[object, int] = {}
+    fresh: dict[object, int] = {}
+    changed = False
+    for holders, end in path:  # root side first: deeper ends overwrite
+        for w, used in holders.items():
+            if trusted(w):  # type: ignore[arg-type]
+                if used < cutoff:
+                    past[w] = end
+                    changed = True
+                    continue
+                fresh[w] = end
+            best[w] = end
+    return best, past, fresh, changed
+
+
+def lost_since_routed(
+    path: Path, fresh: Mapping[object, int], held: Mapping[str, int], scale: float,
+    block: int, feed: BlockHolders, model: str, tokens: Sequence[int],
+) -> list[object]:  # fmt: skip
+    """The in-flight entries that are past, not present: the index has seen the worker
+    lose the first block the entry claims beyond what it holds *after* the entry's route
+    (its blocks arrived and were evicted since). Otherwise a group replicated on two
+    workers kept going to the one that had evicted it, a full miss each time (3 of 9
+    extra full misses in a logged shared_prefix run, loadtests/results/kv_events.md;
+    test_kv_score.py::test_an_eviction_reported_after_the_route_outvotes_the_in_flight_entry)."""
+    gone = []
+    for w, end in fresh.items():
+        n = held.get(w, 0)  # type: ignore[call-overload]
+        whole = int(end / scale) // block * block if block else 0
+        if n >= whole:
+            continue
+        # The route that claimed the first block the index does not hold: the last
+        # one through the tree node holding that block's first token.
+        at = n * scale
+        routed = next(h[w] for h, e in path if e > at and w in h)
+        if feed.lost_at(model, tokens, w, n) > routed:  # type: ignore[arg-type]
+            gone.append(w)
+    return gone
+
+
+def host_weighted(n: int, device: int, weight: Callable[[str], float], w: str) -> float:
+    """A host-held token is loaded, not computed: cheaper than a miss, dearer than a
+    device hit. The tail of the held run from `device` on counts at `weight(w)` (0..1)::
+
+        1 - (kv_bytes_per_token / host_load_bytes_per_s) / prefill_us_per_token
+
+    from the worker's heartbeat (the sim's defaults: 128 KiB over 25 GB/s = 5.2 µs
+    against 100 µs of prefill: 0.95), `HOST_HIT_WEIGHT` where it reports no load
+    figures, or `kv_events_host_weight` for every worker. Without it a host-held prefix
+    ranked as a device-held one (test_kv_score_tiers.py::
+    test_scores_a_host_tail_between_a_device_hit_and_a_miss). Priced here once:
+    cost_aware prices these workers' hits at their full prefill (prediction.py)."""
+    return 1.0 if n == device else weight(w)
+
+
+def confirmed_exact_end(
+    chars: int, end: int, n: int, device: int, on_host: float, scale: float, block: int
+) -> int:
+    """The index counts whole blocks, the tree exact lengths: where the index holds
+    every whole block of a trusted worker's older entry (`end`), the entry is confirmed
+    and keeps its exact end. Otherwise a holder seen only through the index ranked up to
+    a block short of one routed to in the window for the same prefix (1,040 vs 1,042
+    tokens at 16-token blocks) and lost whatever its load (loadtests/results/kv_events.md,
+    "Why cost_aware fell below the tree"; test_kv_score.py::
+    test_a_holder_the_index_confirms_ranks_as_the_tree_ranks_it)."""
+    whole = int(end / scale) // block * block if block else 0
+    if whole and n >= whole:
+        start = min(end, device * scale)
+        return max(chars, round(start + on_host * (end - start)))
+    return chars
+
+
+def evicting(chars: int, tree_end: int) -> int:
+    """A worker the tree's routes overflowed in the window (an insert pushed it over its
+    cap) is about to evict its least recently used blocks, i.e. what the index holds but
+    no recent route touched: its index match counts only as far as its tree entry. In
+    the live capacities case 7 follow-ups went to a 7,500-token worker within 0.1 s, 3
+    as index hits, all 7 missed (loadtests/results/kv_events.md, "Why capacities lost";
+    test_kv_score.py::test_routes_that_overflow_a_small_pool_outvote_the_index)."""
+    return min(chars, tree_end)
 
 
 def request_tokens(tokens: PromptTokens | None, parsed: object) -> Sequence[int] | None:

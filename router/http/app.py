@@ -22,7 +22,8 @@ from redis.asyncio import Redis
 from router.fleet.discovery import Discovery
 from router.fleet.table import Fleet
 from router.holdings.kv_feed import FeedMember, KvEventFeed
-from router.holdings.merge import KvScorer, host_hit_weight
+from router.holdings.merge import host_hit_weight
+from router.holdings.room import Holdings
 from router.holdings.sync import DecisionSync, ReplicaSync
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
@@ -39,8 +40,8 @@ from router.http.state import (
     KV_FEED,
     METRICS,
     OPENAPI,
-    POLICY,
     REJECTIONS,
+    ROUTING,
     SESSION,
     SYNC,
     TOKENS,
@@ -48,6 +49,7 @@ from router.http.state import (
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
+from router.routing import Routing
 from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
@@ -91,7 +93,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         config.max_response_bytes, config.max_buffered_answer_bytes,
     )  # fmt: skip
     app[METRICS].watch_pool(pool)
-    app[PROXY] = Proxy(config, app[FLEET], app[POLICY], pool, app[METRICS], app[CLOCK], app[SYNC])
+    app[PROXY] = Proxy(config, app[FLEET], app[ROUTING], pool, app[METRICS], app[CLOCK])
     yield
     await pool.close()
     await session.close()
@@ -128,13 +130,10 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
     """Every worker's KV-event stream into the index (router/holdings/kv_feed.py), while up."""
     feed = app.get(KV_FEED)
     config = app[CONFIG]
-    if feed is None or not config.redis_url:
+    if feed is None:
         yield
         return
-    idle = min(0.5, config.discovery_interval)
-    # Its own client: XREAD blocks for up to `idle`, longer than a short socket timeout.
-    redis = Redis.from_url(config.redis_url, socket_timeout=idle + 5, socket_connect_timeout=5)
-    feed.registry = Registry(redis, config.redis_prefix)
+    idle = _kv_idle(config)
     fleet = app[FLEET]
 
     def members() -> list[FeedMember]:
@@ -147,7 +146,26 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(feed.run(members, idle), name="kv-events")
     yield
     await stop_task(task)
-    await redis.aclose()
+    await feed.registry.redis.aclose()
+
+
+def _kv_idle(config: RouterConfig) -> float:
+    """How long one read of the KV-event streams waits for news."""
+    return min(0.5, config.discovery_interval)
+
+
+def _kv_feed(config: RouterConfig) -> KvEventFeed | None:
+    """The workers' KV-event streams (config `kv_events`, which needs `redis_url` and a
+    `tokenizer`), on their own client: XREAD blocks for up to `_kv_idle`, longer than a
+    short socket timeout. Created here, connected on first use inside the loop."""
+    if not (config.kv_events and config.tokenizer and config.redis_url):
+        return None
+    idle = _kv_idle(config)
+    redis = Redis.from_url(config.redis_url, socket_timeout=idle + 5, socket_connect_timeout=5)
+    return KvEventFeed(
+        Registry(redis, config.redis_prefix), config.kv_events_max_blocks,
+        max_lag=config.kv_events_max_lag,
+    )  # fmt: skip
 
 
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -205,17 +223,22 @@ def create_app(
     `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
     policy = policy if policy is not None else build_policy(config)
     rejections = Rejections()  # what the Redis boundary refused (shared/wire/peers.py)
-    # The prompt ids: the policies' trees key on them, and replica sync shares them.
+    # The prompt ids: the holdings room keys on them, and replica sync shares them.
     tokens = PromptTokens.load(config.tokenizer) if config.tokenizer else None
+    feed = _kv_feed(config)
+    # What each worker holds (router/holdings/room.py); it reads the fleet's heartbeats
+    # for host weights, through the fleet built below.
+    holdings = Holdings(config, feed, _host_weight(config, lambda: fleet))
     if sync is None and config.sync and config.redis_url:
         # The sync shares the fleet's in-flight counts and the fleet reads the sync's:
         # the fleet is given the sync's figures at construction, the sync asks the
         # fleet (built next) when it flushes.
         sync = DecisionSync.connect(
-            config, policy.observe, lambda: fleet.in_flight_by_worker(), clock, rejections,
+            config, holdings.observe, lambda: fleet.in_flight_by_worker(), clock, rejections,
             tokenizer_fingerprint(tokens.tokenizer) if tokens is not None else None,
         )  # fmt: skip
-    fleet = Fleet(config, policy, sync.remote_inflight if sync is not None else None)
+    fleet = Fleet(config, holdings, sync.remote_inflight if sync is not None else None)
+    routing = Routing(holdings, policy, sync.publish if sync is not None else None)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
     admission = AdmissionGate(config.max_concurrent, config.max_queue, config.queue_timeout)
@@ -235,7 +258,7 @@ def create_app(
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[edge])
     app[CONFIG] = config
     app[CLOCK] = clock
-    app[POLICY] = policy
+    app[ROUTING] = routing
     app[FLEET] = fleet
     app[SYNC] = sync
     app[METRICS] = metrics
@@ -246,16 +269,8 @@ def create_app(
         app[RATELIMIT_REDIS] = ratelimit_redis
     if tokens is not None:
         app[TOKENS] = tokens
-    if config.kv_events and config.tokenizer:
-        feed = app[KV_FEED] = KvEventFeed(
-            None,
-            config.kv_events_max_blocks,
-            max_lag=config.kv_events_max_lag,  # type: ignore[arg-type]
-        )
-        if hasattr(policy, "kv"):  # cache_aware and cost_aware: the index beside the tree
-            policy.kv = KvScorer(  # type: ignore[attr-defined]
-                feed, config.kv_events_inflight, _host_weight(config, fleet)
-            )
+    if feed is not None:
+        app[KV_FEED] = feed
         metrics.watch_kv_feed(feed)
     app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend(
@@ -265,16 +280,16 @@ def create_app(
     return app
 
 
-def _host_weight(config: RouterConfig, fleet: Fleet) -> Callable[[str], float]:
-    """A host-held token's worth per worker (kv_score.py): the configured one, or each
-    worker's own from its latest heartbeat."""
+def _host_weight(config: RouterConfig, fleet: Callable[[], Fleet]) -> Callable[[str], float]:
+    """A host-held token's worth per worker (router/holdings/merge.py): the configured
+    one, or each worker's own from its latest heartbeat in `fleet()`'s table."""
     fixed = config.kv_events_host_weight
     if fixed is not None:
         return lambda _wid: fixed
-    default_us, workers = config.cost_prefill_us_per_token, fleet.workers
+    default_us = config.cost_prefill_us_per_token
 
     def of(wid: str) -> float:
-        worker = workers.get(wid)
+        worker = fleet().workers.get(wid)
         return host_hit_weight(worker.report if worker is not None else None, default_us)
 
     return of

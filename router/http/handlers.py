@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from router.fleet.workers import Worker
 from router.holdings.kv_feed import KvEventFeed
 from router.holdings.merge import request_tokens
+from router.holdings.namespace import request_namespace
 from router.http.state import (
     CLOCK,
     CONFIG,
@@ -25,7 +26,7 @@ from router.http.state import (
     KV_FEED,
     METRICS,
     OPENAPI,
-    POLICY,
+    ROUTING,
     SESSION,
     TOKENS,
 )
@@ -79,7 +80,10 @@ def _inference(endpoint: str, path: str) -> Any:
             tokens = app.get(TOKENS)  # the router's tokenizer, where one is configured
             ids = request_tokens(tokens, parsed) if tokens is not None else None
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
-            routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream)
+            routed = Routed(
+                endpoint, path, raw, text, session_key, model, ids, stream,
+                request_namespace(parsed),
+            )  # fmt: skip
             async with app[GATE].slot():
                 response = await app[PROXY].forward(request, routed)
             status = response.status
@@ -170,7 +174,7 @@ def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
 async def list_workers(request: web.Request) -> web.Response:
     app = request.app
     now = app[CLOCK]()
-    trees = app[POLICY].worker_stats()
+    trees = app[ROUTING].holdings.worker_stats()
     out = []
     for w in list(app[FLEET].workers.values()):
         item = w.describe(now)

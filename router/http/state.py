@@ -15,7 +15,7 @@ from router.holdings.kv_feed import KvEventFeed
 from router.holdings.sync import ReplicaSync
 from router.http.gate import AdmissionGate
 from router.metrics import Metrics
-from router.policy.base import Policy
+from router.routing import Routing
 from shared.config import RouterConfig
 from shared.tokens.prompt_tokens import PromptTokens
 from shared.wire.peers import Rejections
@@ -23,7 +23,7 @@ from shared.wire.peers import Rejections
 CONFIG = web.AppKey("config", RouterConfig)
 CLOCK = web.AppKey("clock", Callable[[], float])
 FLEET = web.AppKey("fleet", Fleet)
-POLICY = web.AppKey("policy", Policy)
+ROUTING = web.AppKey("routing", Routing)  # the holdings room and the policy
 METRICS = web.AppKey("metrics", Metrics)
 GATE = web.AppKey("gate", AdmissionGate)
 OPENAPI = web.AppKey("openapi", dict)

@@ -14,7 +14,7 @@ import pytest
 from router.holdings.kv_feed import KvEventFeed, StreamState
 from router.holdings.kv_index import BlockIndex
 from router.holdings.merge import KvScorer
-from router.policy import build_policy
+from router.policy import build_routing
 from router.policy.base import FleetView, RouteRequest
 from router.policy.cache_aware import CacheAware
 from shared.config import RouterConfig
@@ -43,7 +43,7 @@ def feed_holding(held: dict[str, int]) -> KvEventFeed:
 
 
 def policy(name: str, feed: KvEventFeed | None) -> CacheAware:
-    p = build_policy(RouterConfig(policy=name, tokenizer="sim"), random.Random(0))
+    p = build_routing(RouterConfig(policy=name, tokenizer="sim"), random.Random(0))
     assert isinstance(p, CacheAware)
     p.kv = KvScorer(feed, inflight=2.0) if feed is not None else None
     return p

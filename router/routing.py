@@ -1,0 +1,44 @@
+"""One routing decision: the holdings room predicts, the policy selects, the room is told.
+
+    prediction = holdings.predict(request, workers, now)   # what each worker holds
+    decision   = policy.select(prediction, workers, now)   # where, from that and the loads
+    holdings.routed(prediction, decision.worker_id, now)   # the key goes into its tree
+    publish(decision.worker_id, prediction.key)            # and to the other replicas
+
+A load-only policy reads no holdings: its prediction is the request alone, and nothing
+enters a tree. `router.policy.build_routing` makes one from a config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from router.holdings.prediction import Prediction, RouteRequest
+from router.holdings.room import Holdings
+from router.policy.base import Decision, Policy, WorkerView
+
+Publish = Callable[[str, "str | tuple[int, ...]"], None]
+
+
+class Routing:
+    def __init__(self, holdings: Holdings, policy: Policy, publish: Publish | None = None) -> None:
+        self.holdings = holdings
+        self.policy = policy
+        self.publish = publish  # replica sync (router/holdings/sync.py), where it is on
+        self._reads = policy.reads_holdings
+
+    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+        holdings = self.holdings
+        if not self._reads:
+            prediction = Prediction(request, request.text, len(request.text), False, [])
+            decision = self.policy.select(prediction, workers, now)
+            if self.publish is not None:
+                key = holdings.routing_key(request)
+                self.publish(decision.worker_id, key)
+            return decision
+        prediction = holdings.predict(request, workers, now)
+        decision = self.policy.select(prediction, workers, now)
+        holdings.routed(prediction, decision.worker_id, now)
+        if self.publish is not None:
+            self.publish(decision.worker_id, prediction.key)
+        return decision
