@@ -65,7 +65,7 @@ async def test_an_unrecoverable_gap_rebuilds_then_turnover_restores_trust(
     await pub.publish([AllBlocksCleared(), stored(1, None, 1)], send=False)  # history
     queue: asyncio.Queue = asyncio.Queue(maxsize=100)
     sub = ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, queue)
-    epoch = worker.http.app[STATE].epoch
+    epoch = worker.app[STATE].epoch
     registry = Registry(redis)
     tasks = [
         asyncio.create_task(sub.run()),

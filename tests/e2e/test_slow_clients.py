@@ -46,7 +46,7 @@ async def open_stream_and_never_read(port: int) -> socket.socket:
 
 async def slot_freed(worker: TestServer, within: float) -> bool:
     """True once the engine runs nothing; first proves the stream did take a slot."""
-    engine = worker.http.app[ENGINE]
+    engine = worker.app[ENGINE]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while engine.stats().running == 0:

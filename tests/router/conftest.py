@@ -27,7 +27,7 @@ async def fake_workers() -> AsyncIterator[StartWorkers]:
         out = []
         for i, mode in enumerate(modes):
             worker = FakeWorker(f"w{i}", mode, **kw)
-            server = TestServer(worker.http.app(), host="127.0.0.1")
+            server = TestServer(worker.app(), host="127.0.0.1")
             await server.start_server()
             servers.append(server)
             out.append((worker, server))

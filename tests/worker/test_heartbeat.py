@@ -64,7 +64,7 @@ def test_worker_survives_redis_outage_and_resumes() -> None:
         config = sim_config(redis_url=server.url, heartbeat_interval=0.1, worker_id="hb-outage")
         with WorkerThread(config) as worker:
             wait_until(lambda: record(client, "hb-outage") is not None, 10)
-            heartbeat = worker.http.app[HEARTBEAT]  # type: ignore[index]
+            heartbeat = worker.app[HEARTBEAT]  # type: ignore[index]
             server.stop()
             failed = heartbeat.failures
             wait_until(lambda: heartbeat.failures >= failed + 2, 10)  # beats did fail
@@ -123,8 +123,8 @@ def test_starts_and_serves_without_reachable_redis() -> None:
     with WorkerThread(config) as worker:
         body = post(worker.url + "/v1/completions", {"prompt": "no redis", "max_tokens": 2})
         assert body["usage"]["completion_tokens"] == 2  # type: ignore[index]
-        assert worker.http.app is not None
-        heartbeat = worker.http.app[HEARTBEAT]
+        assert worker.app is not None
+        heartbeat = worker.app[HEARTBEAT]
         # Not a wait for nothing: the loop did try (and fail) several times.
         wait_until(lambda: heartbeat.failures >= 3, 10)
         assert heartbeat.beats == 0 and not heartbeat.joined

@@ -84,7 +84,7 @@ def test_host_hits_count_as_cached_tokens_and_are_reported(worker: WorkerThread)
     assert m["radix_worker_host_load_bytes_per_second"] > 0
     assert m["radix_worker_kv_bytes_per_token"] > 0
 
-    record = worker.run(lambda: make_record(worker.config, worker.engine, worker.http.app[STATE]))
+    record = worker.run(lambda: make_record(worker.config, worker.engine, worker.app[STATE]))
     assert record.host_kv_capacity_tokens == 4000 and record.host_kv_used_tokens > 0
     assert record.host_cached_tokens_total == host_hits and record.kv_bytes_per_token > 0
     assert record.host_load_bytes_per_s > 0
