@@ -58,7 +58,7 @@ def make_sync(config: RouterConfig, fingerprint: str | None) -> tuple[DecisionSy
     policy = build_routing(config, random.Random(1))
     redis = Redis.from_url("redis://127.0.0.1:1")  # never connected: nothing is sent
     sync = DecisionSync(
-        redis, Registry(redis, "bench:"), config, policy.observe, dict, fingerprint=fingerprint,
+        redis, Registry(redis, "bench:"), config, policy.holdings.observe, dict, fingerprint=fingerprint,
     )  # fmt: skip
     return sync, policy
 

@@ -136,7 +136,7 @@ class DivergenceSim(FleetSim):
             self.kv = KvScorer(self.feed, config.kv_events_inflight)
         elif spec.arm == "ceiling":  # exact in flight too: no window on the tree's guess
             self.kv = KvScorer(self._reader(), 0.0)
-        self.policy.kv = self.kv  # type: ignore[attr-defined]
+        self.policy.holdings.kv = self.kv
 
     def _reader(self) -> CacheReader:
         def workers() -> list[tuple[str, RadixCache, list[np.ndarray]]]:

@@ -14,15 +14,16 @@ import pytest
 from router.policy import build_routing
 from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
 from router.policy.cost_aware import CostAware
+from router.routing import Routing
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
 
 PREFIX = "p" * 3_960  # with a 40-char question: 4,000 chars, 1,000 tokens
 
 
-def policy(seed: int = 0, **keys: Any) -> CostAware:
+def policy(seed: int = 0, **keys: Any) -> Routing:
     p = build_routing(RouterConfig(policy="cost_aware", **keys), random.Random(seed))
-    assert isinstance(p, CostAware)
+    assert isinstance(p.policy, CostAware)
     HEARTBEATS[id(p)] = {}
     return p
 
@@ -297,7 +298,7 @@ def test_own_tokens_count_until_the_predicted_first_token_not_the_stall_priced_i
     p = policy(cost_decode_weight=0.0)
     report(p, 2)
     ask(p, "a" * 4_000, fleet(3, 9), now=0.0)  # w1 is priced at 200 ms: w0
-    assert p._expiry[0][0] == pytest.approx(0.020) and p._expiry[0][2] == "w0"
+    assert p.policy._expiry[0][0] == pytest.approx(0.020) and p.policy._expiry[0][2] == "w0"
 
 
 def test_bad_reports_count_as_unknown_and_never_raise() -> None:
@@ -306,7 +307,7 @@ def test_bad_reports_count_as_unknown_and_never_raise() -> None:
     beat(p, "w1", 10**30, -1.0, 1e12)  # type: ignore[arg-type]
     d = ask(p, "z" * 400, fleet(0, 0))
     assert d.worker_id in ("w0", "w1")
-    cols = p._cols  # the inputs as priced: unknown figures took the configured defaults
+    cols = p.policy._cols  # the inputs as priced: unknown figures took the configured defaults
     assert cols.reported_queue.tolist() == [0, 0] and sorted(cols.own_queue.tolist()) == [0, 100]
     assert cols.prefill_ms.tolist() == [0.02, 0.02] and cols.decode_ms.tolist() == [1.0, 1.0]
 
@@ -323,7 +324,9 @@ def test_inherits_cache_aware_bookkeeping_epochs_caps_and_fleet_views() -> None:
     p.holdings.observe("w1", "q" * 4_000, now=2.0)
     assert p.holdings.tree.tenant_size("w1") <= 1_000
     d = p.select(RouteRequest("s" * 100), view, 3.0)
-    assert d.worker_id in ("w0", "w1") and p.holdings.worker_stats()[d.worker_id]["tree_chars"] >= 100
+    assert (
+        d.worker_id in ("w0", "w1") and p.holdings.worker_stats()[d.worker_id]["tree_chars"] >= 100
+    )
 
 
 @pytest.mark.parametrize("n", [1, 3, 16])

@@ -30,7 +30,7 @@ def ask(p: Policy, text: str, workers: list[WorkerView], now: float = 0.0) -> De
 def test_build_policy_names_every_policy() -> None:
     for name in ("cache_aware", "round_robin", "random", "least_load", "power_of_two"):
         assert policy(policy=name).policy.name == name
-    assert policy(policy="consistent_hash").name == "consistent_hash"
+    assert policy(policy="consistent_hash").policy.name == "consistent_hash"
 
 
 def test_shared_prefixes_land_on_one_worker() -> None:

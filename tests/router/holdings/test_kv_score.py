@@ -13,10 +13,9 @@ import pytest
 
 from router.holdings.kv_feed import KvEventFeed, StreamState
 from router.holdings.kv_index import BlockIndex
-from router.holdings.merge import KvScorer
 from router.policy import build_routing
 from router.policy.base import FleetView, RouteRequest
-from router.policy.cache_aware import CacheAware
+from router.routing import Routing
 from shared.config import RouterConfig
 from shared.wire.kv_events import BlockRemoved, BlockStored
 
@@ -42,14 +41,13 @@ def feed_holding(held: dict[str, int]) -> KvEventFeed:
     return feed
 
 
-def policy(name: str, feed: KvEventFeed | None) -> CacheAware:
-    p = build_routing(RouterConfig(policy=name, tokenizer="sim"), random.Random(0))
-    assert isinstance(p, CacheAware)
-    p.kv = KvScorer(feed, inflight=2.0) if feed is not None else None
-    return p
+def policy(name: str, feed: KvEventFeed | None) -> Routing:
+    """The room (with the index `feed`, its in-flight window 2 s) and the policy `name`."""
+    config = RouterConfig(policy=name, tokenizer="sim", kv_events_inflight=2.0)
+    return build_routing(config, random.Random(0), feed=feed)
 
 
-def warm(p: CacheAware, fleet: FleetView) -> None:
+def warm(p: Routing, fleet: FleetView) -> None:
     """w0 got the prefix 10 s ago (its tree entry is past the in-flight window), w1
     0.5 s ago (in flight), as the routes of a replicated shared prefix leave them."""
     fleet.loads[:] = [0, 100]  # each route goes where the test wants it: w1 overloaded
@@ -153,7 +151,7 @@ def test_the_index_remembers_the_latest_losses_only() -> None:
     assert index.lost_at("w1", ids, 0) == float("-inf") and index.match(ids) == {}
 
 
-def route_burst(p: CacheAware, fleet: FleetView) -> None:
+def route_burst(p: Routing, fleet: FleetView) -> None:
     """Two new 1,003-token prompts go to the idle w0 at 9.5 s and 9.6 s (no match
     anywhere: the least loaded worker), on their way while the index still shows what
     w0 held before them."""
