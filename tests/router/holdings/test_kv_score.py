@@ -188,3 +188,17 @@ def test_a_pool_the_routes_fit_keeps_its_index_hits() -> None:
     fleet.loads[:] = [2, 0]
     d = p.select(request(5), fleet, 10.0)
     assert (d.worker_id, d.reason, d.predicted_tokens) == ("w0", "cache_hit", 1040.0)
+
+
+def test_a_route_counts_while_in_flight_then_the_index_decides() -> None:
+    """`in_flight_window`: w0 was sent the prefix at 9.5 s; its blocks are not in the
+    index yet (prefilling). A follow-up at 10.0 s still goes there on the tree's entry
+    (events alone lost 13 points of hit rate at overload, issue 26); at 12.5 s, past
+    the 2 s window of its last route (10.0 s), the index has had its say and holds nothing: no match."""
+    p = policy("cache_aware", feed_holding({"w0": 0, "w1": 0}))
+    fleet = FleetView(["w0", "w1"], loads=[0, 100])
+    assert p.select(request(1), fleet, 9.5).worker_id == "w0"
+    fleet.loads[:] = [1, 0]
+    d = p.select(request(3), fleet, 10.0)
+    assert (d.worker_id, d.reason, d.predicted_tokens) == ("w0", "cache_hit", 1042.0)
+    assert p.select(request(5), fleet, 12.5).reason == "no_match"

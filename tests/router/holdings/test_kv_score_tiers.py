@@ -161,3 +161,46 @@ def test_copies_stored_twice_in_a_tier_are_counted_per_tier() -> None:
     assert feed.lost_at("m", TOKENS, "w", 8) > -math.inf  # the tail was lost, not cleared
     feed = feed_of({"w": [*batches, [BlockRemoved(HASHES[:2], "CPU")]]})
     assert feed.match_tiers("m", TOKENS) == {}
+
+
+def test_cost_aware_prices_a_host_tier_the_index_weighed_once() -> None:
+    """w1 holds 100 of the request's 200 tokens on its host tier only (its index says
+    so), at 0.6 ms a token to load against 1 ms to prefill: the room counts them at the
+    host weight 0.4 (merge.py's `host_weighted`), 40 tokens. cost_aware then prices each
+    at its whole prefill: 40 ms saved, so w1 with 25 ms of queue (50 reported at a 0.5
+    hit rate) wins over the idle w0. Pricing the load again (hit_ms = 1 - 0.6) saved
+    40 x 0.4 = 16 ms and sent the request to w0: the host tier counted twice
+    (loadtests/results/kv_events.md)."""
+    import random
+
+    from router.fleet.view import WorkerView
+    from router.holdings.kv_feed import StreamState
+    from router.holdings.kv_index import BlockIndex
+    from router.holdings.prediction import RouteRequest
+    from router.holdings.room import Holdings
+    from router.policy.cost_aware import CostAware
+    from router.routing import Routing
+    from shared.config import RouterConfig
+
+    ids = tuple(range(1000, 1200))
+    feed = KvEventFeed(registry=None)  # type: ignore[arg-type]
+    index = feed.indexes["m"] = BlockIndex(4)
+    for w in ("w0", "w1"):
+        feed.streams[w] = StreamState("m", 1.0, status="ok")
+    index.apply("w1", [BlockStored(tuple(range(1, 26)), None, ids[:100], 4, "CPU")])
+    figures = dict(prefill_us_per_token=1_000.0, prompt_tokens_total=1000)
+    host = dict(cached_tokens_total=500, host_cached_tokens_total=500,
+                host_load_bytes_per_s=1e9, kv_bytes_per_token=600_000)  # fmt: skip
+    reports = [
+        WorkerRecord("w0", "http://w", "m", "radix", 1.0, **figures),  # type: ignore[arg-type]
+        WorkerRecord(
+            "w1", "http://w", "m", "radix", 1.0, queued_prefill_tokens=50, **figures, **host
+        ),  # type: ignore[arg-type]  # fmt: skip
+    ]
+    assert host_hit_weight(reports[1], 1_000.0) == 0.4
+    config = RouterConfig(policy="cost_aware", tokenizer="sim", cost_decode_weight=0.0)
+    room = Holdings(config, feed, lambda _wid: 0.4)
+    routing = Routing(room, CostAware(config, random.Random(0)))
+    view = [WorkerView(r.worker_id, 0, 0, r, 0.0) for r in reports]
+    d = routing.select(RouteRequest("", tokens=ids, model="m"), view, 0.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w1", 40.0)
