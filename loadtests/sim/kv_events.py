@@ -124,7 +124,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class CacheReader:
-    """What `KvScorer` reads of a feed (router/policy/kv_score.BlockHolders), answered from
+    """What `KvScorer` reads of a feed (router/holdings/merge.BlockHolders), answered from
     the workers themselves at decision time: a worker's match is the longer of its cached
     prefix and the prefix it shares with a request it has in flight (queued or running:
     its KV is on its way). Every worker trusted, nothing late; used with the scorer's

@@ -4,7 +4,7 @@ The tree (router/holdings/tree.py) records what this router sent each worker, wh
 index (router/holdings/kv_feed.py) what each worker reports holding. `KvScorer.correct`
 takes the tree's match path and returns one in the same shape (holders, end in the tree's
 units, root side first), so the policies' rules run unchanged. Index tokens become the
-tree's units at the request's own units per token (chars / ids, or 1 on ids).
+tree's units at the request's own chars per token (1 where the tree keys on ids).
 
 The rules, in the order they apply; each names the incident it fixes and the test that
 replays it:
@@ -14,6 +14,9 @@ replays it:
 - `host_weighted`: a host-held token is worth `host_weight(w)` of a device-held one.
 - `confirmed_exact_end`: an older entry the index confirms keeps its exact end.
 - `evicting`: a worker the routes just overflowed is about to evict what the index shows.
+
+After the merge the room applies one more, learned from answers rather than events:
+`unconfirmed_claims` (router/holdings/claims.py).
 
 A worker that is not trusted (stale epoch, lagging, no events) keeps its tree match; a
 rebuilding one (events lost, router/holdings/kv_feed.py) keeps it and adds its index's.
@@ -141,7 +144,7 @@ def in_flight_window(
     flushed). The window is the tree's in-flight prediction: a follow-up that arrives
     while the first turn still prefills finds nothing in the index yet (events alone
     lost 13 points of hit rate at overload in the simulator, issue 26;
-    tests/router/holdings/test_kv_routing.py).
+    test_merge.py::test_a_route_counts_while_in_flight_then_the_index_decides).
 
     Returns (best: every counted entry's deepest end, past: trusted workers' older
     entries, fresh: trusted workers' entries in the window, whether any was dropped)."""
@@ -170,7 +173,7 @@ def lost_since_routed(
     (its blocks arrived and were evicted since). Otherwise a group replicated on two
     workers kept going to the one that had evicted it, a full miss each time (3 of 9
     extra full misses in a logged shared_prefix run, loadtests/results/kv_events.md;
-    test_kv_score.py::test_an_eviction_reported_after_the_route_outvotes_the_in_flight_entry)."""
+    test_merge.py::test_an_eviction_reported_after_the_route_outvotes_the_in_flight_entry)."""
     gone = []
     for w, end in fresh.items():
         n = held.get(w, 0)  # type: ignore[call-overload]
@@ -195,9 +198,10 @@ def host_weighted(n: int, device: int, weight: Callable[[str], float], w: str) -
     from the worker's heartbeat (the sim's defaults: 128 KiB over 25 GB/s = 5.2 µs
     against 100 µs of prefill: 0.95), `HOST_HIT_WEIGHT` where it reports no load
     figures, or `kv_events_host_weight` for every worker. Without it a host-held prefix
-    ranked as a device-held one (test_kv_score_tiers.py::
+    ranked as a device-held one (test_merge_tiers.py::
     test_scores_a_host_tail_between_a_device_hit_and_a_miss). Priced here once:
-    cost_aware prices these workers' hits at their full prefill (prediction.py)."""
+    cost_aware prices these workers' hits at their full prefill (test_merge_tiers.py::
+    test_cost_aware_prices_a_host_tier_the_index_weighed_once)."""
     return 1.0 if n == device else weight(w)
 
 
@@ -209,7 +213,7 @@ def confirmed_exact_end(
     and keeps its exact end. Otherwise a holder seen only through the index ranked up to
     a block short of one routed to in the window for the same prefix (1,040 vs 1,042
     tokens at 16-token blocks) and lost whatever its load (loadtests/results/kv_events.md,
-    "Why cost_aware fell below the tree"; test_kv_score.py::
+    "Why cost_aware fell below the tree"; test_merge.py::
     test_a_holder_the_index_confirms_ranks_as_the_tree_ranks_it)."""
     whole = int(end / scale) // block * block if block else 0
     if whole and n >= whole:
@@ -224,7 +228,7 @@ def evicting(chars: int, tree_end: int) -> int:
     no recent route touched: its index match counts only as far as its tree entry. In
     the live capacities case 7 follow-ups went to a 7,500-token worker within 0.1 s, 3
     as index hits, all 7 missed (loadtests/results/kv_events.md, "Why capacities lost";
-    test_kv_score.py::test_routes_that_overflow_a_small_pool_outvote_the_index)."""
+    test_merge.py::test_routes_that_overflow_a_small_pool_outvote_the_index)."""
     return min(chars, tree_end)
 
 

@@ -128,7 +128,7 @@ def test_vllm_offloading_stores_by_hash_only_mark_known_blocks_host_held() -> No
 
 def test_an_older_entry_the_index_confirms_keeps_its_end_discounted_on_the_host() -> None:
     """The tree's older entry (past the in-flight window) that the index confirms keeps its
-    exact end (kv_score.py); the part of it held only on the host counts at the weight."""
+    exact end (merge.py, `confirmed_exact_end`); the part of it held only on the host counts at the weight."""
     feed = feed_of({
         "dev": [[AllBlocksCleared(), stored(4, "GPU")]],
         "host": [[AllBlocksCleared(), stored(4, "GPU")],
