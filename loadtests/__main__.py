@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.simulate_events",
         "simulator: tree vs tree + KV events vs a ceiling, divergence cases",
     ),
+    "namespaces": (
+        "loadtests.bench_namespaces",
+        "router: predicted hits across cache_salt / template namespaces, before vs after",
+    ),
     "replicas": ("loadtests.replicas", "router replicas with and without decision sync"),
     "faults": ("loadtests.faults", "worker, Redis and router faults under load, their cost"),
     "engine": ("loadtests.bench_engine", "engine: TTFT cached vs uncached, decode tokens/s"),
