@@ -42,3 +42,9 @@ class Routing:
         if self.publish is not None:
             self.publish(decision.worker_id, prediction.key)
         return decision
+
+    def observe(self, worker_id: str, key: str | tuple[int, ...], now: float) -> None:
+        """Another replica's decision (router/holdings/sync.py), for the room where the
+        policy reads holdings (a load-only policy kept no tree before the room either)."""
+        if self._reads:
+            self.holdings.observe(worker_id, key, now)

@@ -150,7 +150,6 @@ class KvEventFeed:
             self._forget(wid)
             del self.streams[wid]
             self.capacity.pop(wid, None)
-        self._free_unserved()
 
     def _forget(self, wid: str) -> None:
         state = self.streams.get(wid)
@@ -356,14 +355,6 @@ class KvEventFeed:
 
     def status_counts(self) -> Counter[str]:
         return Counter(s.status for s in self.streams.values())
-
-    def _free_unserved(self) -> None:
-        """A model's index goes when no followed worker serves the model: per-model
-        indexes were never freed (issue 30, finding 7), so a worker that changed its
-        model field every second left an index behind each time."""
-        served = {s.model for s in self.streams.values()}
-        for model in [m for m in self.indexes if m not in served]:
-            del self.indexes[model]
 
 
 class _NoIndex(BlockIndex):

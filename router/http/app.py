@@ -232,9 +232,11 @@ def create_app(
     if sync is None and config.sync and config.redis_url:
         # The sync shares the fleet's in-flight counts and the fleet reads the sync's:
         # the fleet is given the sync's figures at construction, the sync asks the
-        # fleet (built next) when it flushes.
+        # fleet (built next) when it flushes; decisions it reads go to the routing
+        # (built next too), which publishes this router's through it.
         sync = DecisionSync.connect(
-            config, holdings.observe, lambda: fleet.in_flight_by_worker(), clock, rejections,
+            config, lambda w, key, now: routing.observe(w, key, now),
+            lambda: fleet.in_flight_by_worker(), clock, rejections,
             tokenizer_fingerprint(tokens.tokenizer) if tokens is not None else None,
         )  # fmt: skip
     fleet = Fleet(config, holdings, sync.remote_inflight if sync is not None else None)

@@ -12,7 +12,7 @@ import random
 
 from router.fleet.table import Fleet
 from router.fleet.view import FleetView
-from router.holdings.kv_feed import FeedMember, KvEventFeed, StreamState
+from router.holdings.kv_feed import KvEventFeed, StreamState
 from router.holdings.kv_index import BlockIndex
 from router.holdings.namespace import DEFAULT, namespace_of, request_namespace
 from router.holdings.prediction import Holding, RouteRequest
@@ -129,16 +129,6 @@ def test_a_worker_that_changes_model_loses_its_tree() -> None:
     fleet.apply_registry({"w0": WorkerRecord("w0", "http://127.0.0.1:9000", "n", "sim", 1.0)})
     assert routing.holdings.worker_stats() == {}
     assert routing.holdings.predict(RouteRequest(SYSTEM), FLEET, 1.0).forgotten == ("w0",)
-
-
-def test_a_models_index_is_freed_when_no_worker_serves_it() -> None:
-    feed = KvEventFeed(registry=None)  # type: ignore[arg-type]
-    feed.follow([FeedMember("w0", "m", 1.0), FeedMember("w1", "n", 1.0)])
-    feed.indexes["m"], feed.indexes["n"] = BlockIndex(4), BlockIndex(4)
-    feed.follow([FeedMember("w0", "m", 1.0)])  # w1 left: nobody serves n
-    assert set(feed.indexes) == {"m"}
-    feed.follow([FeedMember("w0", "m2", 1.0)])  # w0 changed its model field
-    assert feed.indexes == {}
 
 
 def pre_claimed(answers: bool, liar: bool = True) -> list[str]:
