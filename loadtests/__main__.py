@@ -18,48 +18,78 @@ import sys
 
 # name: (module, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("loadtests.runner", "locust, headless, against a URL: a workload, a report, plots"),
-    "report": ("loadtests.report", "the summary and plots of a records.jsonl again"),
-    "compare": ("loadtests.compare", "routing policies side by side on a local sim fleet"),
-    "sweep": ("loadtests.sweep", "request rates per policy: saturation point, goodput, a plot"),
-    "host-reload": ("loadtests.bench_host_reload", "engine (CPU): reload N host tokens vs prefill"),
-    "host-tier": ("loadtests.bench_host_tier", "simulator: host KV tier 0 / 4x / 10x vs unbounded"),
-    "simulate": ("loadtests.simulate", "the routing policies on 8-1,000 simulated workers"),
-    "kv-feed": ("loadtests.bench_kv_feed", "router: the KV feed applying a recorded event stream"),
+    "run": (
+        "loadtests.load.runner",
+        "locust, headless, against a URL: a workload, a report, plots",
+    ),
+    "report": ("loadtests.load.report", "the summary and plots of a records.jsonl again"),
+    "compare": ("loadtests.load.compare", "routing policies side by side on a local sim fleet"),
+    "sweep": (
+        "loadtests.load.sweep",
+        "request rates per policy: saturation point, goodput, a plot",
+    ),
+    "host-reload": (
+        "loadtests.engine.bench_host_reload",
+        "engine (CPU): reload N host tokens vs prefill",
+    ),
+    "host-tier": (
+        "loadtests.simulate.bench_host_tier",
+        "simulator: host KV tier 0 / 4x / 10x vs unbounded",
+    ),
+    "simulate": (
+        "loadtests.simulate.simulate",
+        "the routing policies on 8-1,000 simulated workers",
+    ),
+    "kv-feed": (
+        "loadtests.router.bench_kv_feed",
+        "router: the KV feed applying a recorded event stream",
+    ),
     "simulate-events": (
-        "loadtests.simulate_events",
+        "loadtests.simulate.simulate_events",
         "simulator: tree vs tree + KV events vs a ceiling, divergence cases",
     ),
     "namespaces": (
-        "loadtests.bench_namespaces",
+        "loadtests.router.bench_namespaces",
         "router: predicted hits across cache_salt / template namespaces, before vs after",
     ),
-    "replicas": ("loadtests.replicas", "router replicas with and without decision sync"),
-    "faults": ("loadtests.faults", "worker, Redis and router faults under load, their cost"),
-    "engine": ("loadtests.bench_engine", "engine: TTFT cached vs uncached, decode tokens/s"),
-    "scheduler": ("loadtests.bench_scheduler", "one worker: fcfs vs lpm, in-flight sharing on/off"),
-    "radix-cache": ("loadtests.bench_radix_cache", "radix cache vs no cache on a trace"),
-    "tree": ("loadtests.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
-    "policy-cost": ("loadtests.bench_policy", "CPU per routing decision as the fleet grows"),
-    "router-overhead": ("loadtests.bench_router_overhead", "the router vs going direct"),
-    "router-wrk": ("loadtests.bench_router_wrk", "wrk through 1 and N router processes, TTFT"),
+    "replicas": ("loadtests.load.replicas", "router replicas with and without decision sync"),
+    "faults": ("loadtests.load.faults", "worker, Redis and router faults under load, their cost"),
+    "engine": ("loadtests.engine.bench_engine", "engine: TTFT cached vs uncached, decode tokens/s"),
+    "scheduler": (
+        "loadtests.engine.bench_scheduler",
+        "one worker: fcfs vs lpm, in-flight sharing on/off",
+    ),
+    "radix-cache": ("loadtests.engine.bench_radix_cache", "radix cache vs no cache on a trace"),
+    "tree": ("loadtests.router.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
+    "policy-cost": ("loadtests.router.bench_policy", "CPU per routing decision as the fleet grows"),
+    "router-overhead": ("loadtests.router.bench_router_overhead", "the router vs going direct"),
+    "router-wrk": (
+        "loadtests.router.bench_router_wrk",
+        "wrk through 1 and N router processes, TTFT",
+    ),
     "upstream-reuse": (
-        "loadtests.bench_upstream_reuse",
+        "loadtests.router.bench_upstream_reuse",
         "router CPU: a worker that echoes request ids vs one that does not",
     ),
-    "router-fleet-size": ("loadtests.bench_router_fleet_size", "router CPU vs fleet size"),
-    "worker-http": ("loadtests.bench_worker_http", "the worker's HTTP layer vs in process"),
+    "router-fleet-size": ("loadtests.router.bench_router_fleet_size", "router CPU vs fleet size"),
+    "worker-http": ("loadtests.engine.bench_worker_http", "the worker's HTTP layer vs in process"),
     "registry-scan": (
         "loadtests.bench_registry_scan",
         "one read of the fleet registry: SCAN vs the old id set",
     ),
     "model-fusions": ("loadtests.bench_model_fusions", "merged projections, in-place RoPE (CPU)"),
     "sampler-filter": ("loadtests.bench_sampler_filter", "top-k/top-p: vocab sort vs thresholds"),
-    "host-step": ("loadtests.bench_host_step", "host work per decode step at batch 64, on/off"),
-    "sim-calibrate": ("loadtests.calibrate_sim_cost", "fit the sim step price to CPU steps"),
+    "host-step": (
+        "loadtests.engine.bench_host_step",
+        "host work per decode step at batch 64, on/off",
+    ),
+    "sim-calibrate": (
+        "loadtests.simulate.calibrate_sim_cost",
+        "fit the sim step price to CPU steps",
+    ),
     "runner-ab": ("loadtests.bench_runner_ab", "decode step time vs another checkout's runner"),
     # Imports only torch, numpy, transformers and the engine (no pydantic or redis).
-    "gpu-check": ("loadtests.gpu_check", "the engine on a GPU: correctness, kernels, roofline"),
+    "gpu-check": ("loadtests.gpu.gpu_check", "the engine on a GPU: correctness, kernels, roofline"),
 }
 
 

@@ -1,6 +1,6 @@
 """Workload options: one frozen dataclass, mapped one-to-one onto command-line flags.
 
-The same flags work for `locust -f loadtests/locustfile.py`, `python -m loadtests run`
+The same flags work for `locust -f loadtests/load/locustfile.py`, `python -m loadtests run`
 and `python -m loadtests simulate`: a field `prompts_per_group` is `--prompts-per-group`.
 """
 

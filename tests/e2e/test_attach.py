@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from loadtests.fleet import BenchFleet, Child
+from loadtests.load.cluster import BenchFleet, Child
 from shared.procs import free_port, http_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

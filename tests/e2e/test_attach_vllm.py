@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from loadtests.fleet import BenchFleet, Child  # noqa: E402
+from loadtests.load.cluster import BenchFleet, Child  # noqa: E402
 from shared.procs import (  # noqa: E402
     free_port,
     http_json,

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from redis.asyncio import Redis  # noqa: E402
 
-from loadtests.fleet import BenchFleet, Child  # noqa: E402
+from loadtests.load.cluster import BenchFleet, Child  # noqa: E402
 from router.holdings.kv_feed import FeedMember, KvEventFeed  # noqa: E402
 from shared.procs import free_port, http_json, wait_until  # noqa: E402
 from shared.wire.registry import Registry  # noqa: E402

@@ -20,8 +20,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from loadtests.fleet import Child, wait_health
-from loadtests.traffic import prompt
+from loadtests.load.cluster import Child, wait_health
+from loadtests.load.traffic import prompt
 from shared.procs import free_port, http_json, wait_until
 from shared.redis_server import find_server_binary
 from tests.e2e.test_attach import FakeSGLang, fake  # noqa: F401 (the fixture)

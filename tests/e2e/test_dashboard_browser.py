@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet
-from loadtests.traffic import prompt
+from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.load.traffic import prompt
 from shared.procs import http_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet
-from loadtests.traffic import burst, call, failures, prompt, session
+from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.load.traffic import burst, call, failures, prompt, session
 from shared.procs import http_json
 from shared.redis_server import free_port
 

@@ -1,6 +1,6 @@
 """Streams the upstream cuts, and streams that are merely long, through the router.
 
-Found by `loadtests/faults.py` (the hung-worker run): clients that reuse keep-alive
+Found by `loadtests/load/faults.py` (the hung-worker run): clients that reuse keep-alive
 connections saw "connection reset" on requests after a cut stream, and healthy long
 streams were cut by the timeout meant for hung workers.
 """
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from loadtests.fleet import BenchFleet
+from loadtests.load.cluster import BenchFleet
 from shared.config import RouterConfig
 from shared.redis_server import free_port
 from tests.fuzz.conftest import start_router, start_worker, worker_config

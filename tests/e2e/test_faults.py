@@ -1,4 +1,4 @@
-"""Worker and Redis faults under load, every service a real process (loadtests/fleet.py).
+"""Worker and Redis faults under load, every service a real process (loadtests/load/cluster.py).
 
 What the proxy can promise, and so what is asserted:
 - A non-streaming answer is sent by the worker only when generation ends (it awaits
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import pytest
 import redis as redis_sync
 
-from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet, wait_health
-from loadtests.traffic import SteadyLoad, burst, call, failures, prompt, session
+from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet, wait_health
+from loadtests.load.traffic import SteadyLoad, burst, call, failures, prompt, session
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

@@ -17,8 +17,8 @@ import urllib.request
 import pytest
 import yaml
 
-from loadtests.fleet import BenchFleet, WorkerSpec
-from loadtests.traffic import call, prompt, session
+from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.traffic import call, prompt, session
 from tests.helm.chart import CHART_DIR, merged, render
 
 DASHBOARD = CHART_DIR / "dashboards" / "radix-router.json"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.fleet import Child
+from loadtests.load.cluster import Child
 from shared.procs import free_port, http_json, wait_until
 from shared.redis_server import RedisServer
 

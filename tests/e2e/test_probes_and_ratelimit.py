@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtests.fleet import BenchFleet, WorkerSpec
-from loadtests.traffic import prompt, session
+from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.traffic import prompt, session
 from shared.procs import free_port, http_json, wait_until
 from tests.helm.chart import container, render
 

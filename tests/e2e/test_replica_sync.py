@@ -22,8 +22,15 @@ import pytest
 from openai import OpenAI
 from redis import Redis as SyncRedis
 
-from loadtests.fleet import START_TIMEOUT_S, BenchFleet, Child, WorkerSpec, sim_fleet, wait_health
-from loadtests.workloads import words
+from loadtests.load.cluster import (
+    START_TIMEOUT_S,
+    BenchFleet,
+    Child,
+    WorkerSpec,
+    sim_fleet,
+    wait_health,
+)
+from loadtests.load.workloads import words
 from shared.procs import http_json, wait_until
 from shared.redis_server import free_port
 

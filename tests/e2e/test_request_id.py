@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from loadtests.fleet import BenchFleet, WorkerSpec
+from loadtests.load.cluster import BenchFleet, WorkerSpec
 from shared.procs import http_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

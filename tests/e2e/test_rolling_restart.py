@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from loadtests.fleet import BenchFleet, Child, WorkerSpec
-from loadtests.traffic import Outcome, call, failures, prompt, session
+from loadtests.load.cluster import BenchFleet, Child, WorkerSpec
+from loadtests.load.traffic import Outcome, call, failures, prompt, session
 from shared.procs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

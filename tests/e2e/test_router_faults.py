@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from loadtests.fleet import BenchFleet, WorkerSpec, wait_health
+from loadtests.load.cluster import BenchFleet, WorkerSpec, wait_health
 from router.http.app import create_app
 from router.http.state import DISCOVERY, FLEET, METRICS, ROUTING
 from shared.config import RouterConfig

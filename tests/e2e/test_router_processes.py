@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.fleet import BenchFleet, WorkerSpec, sim_fleet
-from loadtests.workloads import words
+from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.load.workloads import words
 from shared.procs import http_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

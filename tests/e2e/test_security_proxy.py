@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from loadtests.fleet import BenchFleet, WorkerSpec
+from loadtests.load.cluster import BenchFleet, WorkerSpec
 from shared.procs import http_json
 from shared.redis_server import free_port
 from tests.e2e.edge import (

@@ -25,7 +25,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from loadtests.fleet import BenchFleet, WorkerSpec
+from loadtests.load.cluster import BenchFleet, WorkerSpec
 from router.http.openapi import build_openapi
 from shared.procs import http_json
 from worker.http.openapi import openapi_document

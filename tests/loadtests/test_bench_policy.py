@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.bench_policy import main
+from loadtests.router.bench_policy import main
 
 SMALL = ["--requests", "40", "--warmup", "40", "--groups", "6", "--system-chars", "300",
          "--tail-chars", "30", "--reports", "2"]  # fmt: skip

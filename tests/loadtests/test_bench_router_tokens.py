@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from loadtests.bench_router_tokens import summary
+from loadtests.router.bench_router_tokens import summary
 
 
 def test_one_round_over_the_target_is_a_no() -> None:
@@ -25,7 +25,7 @@ def test_one_round_over_the_target_is_a_no() -> None:
 @pytest.mark.timeout(240)
 def test_a_tiny_run_measures_every_mode() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "loadtests.bench_router_tokens", "--requests", "8",
+        [sys.executable, "-m", "loadtests.router.bench_router_tokens", "--requests", "8",
          "--sessions", "4", "--words", "30", "--rounds", "1"],
         capture_output=True, text=True, timeout=220,
     )  # fmt: skip

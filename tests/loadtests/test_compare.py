@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.compare import EVENTS, EVENTS_GPU, _setting, compare, router_settings, table
-from loadtests.fleet import FleetSpec
+from loadtests.load.cluster import FleetSpec
+from loadtests.load.compare import EVENTS, EVENTS_GPU, _setting, compare, router_settings, table
+from loadtests.load.runner import RunSpec
 from loadtests.options import WorkloadOptions
-from loadtests.runner import RunSpec
 from shared.config import RouterConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

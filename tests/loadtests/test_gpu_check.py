@@ -152,7 +152,7 @@ def args_for(out: Path, **kw: object) -> Namespace:
 def test_a_section_that_dies_or_is_killed_leaves_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loadtests import gpu_check
+    from loadtests.gpu import gpu_check
 
     state = tmp_path / "state"
     state.mkdir()
@@ -216,7 +216,7 @@ def test_a_preset_falls_back_to_sdpa_when_triton_fails(
 ) -> None:
     """Triton failing at once (here: on CPU without the interpreter it refuses to run)
     still gives the table, measured with sdpa, marked as a fallback and not passed."""
-    from loadtests import gpu_check
+    from loadtests.gpu import gpu_check
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = args_for(tmp_path / "out", attention_backend="triton")
@@ -234,7 +234,7 @@ def test_a_preset_falls_back_to_sdpa_when_triton_fails(
 
 
 def test_the_budget_skips_what_would_start_too_late(tmp_path: Path) -> None:
-    from loadtests import gpu_check
+    from loadtests.gpu import gpu_check
 
     args = args_for(tmp_path / "out", budget_s=gpu_check.MIN_START_S - 1, skip_pytest=False)
     assert gpu_check.orchestrate(args) == 1  # skipped is not passed
@@ -254,7 +254,7 @@ def test_the_budget_skips_what_would_start_too_late(tmp_path: Path) -> None:
 def test_gpu_check_without_cuda_says_so(tmp_path: Path) -> None:
     import torch
 
-    from loadtests import gpu_check
+    from loadtests.gpu import gpu_check
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -10,11 +10,11 @@ import re
 import pytest
 
 from loadtests.__main__ import COMMANDS, main
-from loadtests.metrics import RequestRecord
+from loadtests.load.metrics import RequestRecord
+from loadtests.load.report import summarize
+from loadtests.load.runner import seconds_of, verdict
 from loadtests.options import HelpFormatter
 from loadtests.progress import Progress
-from loadtests.report import summarize
-from loadtests.runner import seconds_of, verdict
 
 
 def test_the_list_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.metrics import RequestRecord, read_records
-from loadtests.report import summarize, write_report
-from loadtests.serving import SLO, Latency, serving_metrics, tpot_s
+from loadtests.load.metrics import RequestRecord, read_records
+from loadtests.load.report import summarize, write_report
+from loadtests.load.serving import SLO, Latency, serving_metrics, tpot_s
 
 # The fields of vLLM's result JSON (vllm/benchmarks/serve.py, vLLM 0.32.0: the `result`
 # dict of `benchmark()`, `process_one_metric` for "ttft", "tpot", "itl", "e2el" with

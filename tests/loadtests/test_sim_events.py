@@ -9,10 +9,10 @@ import numpy as np
 
 from loadtests.__main__ import main as cli
 from loadtests.options import WorkloadOptions
-from loadtests.sim.divergence import CASES, ArmSpec, DivergenceSim
-from loadtests.sim.fleet import ClosedLoop
-from loadtests.sim.kv_events import MODEL, EventStreams, cached_prefix
-from loadtests.sim.worker import CostModel, Job, SimWorker
+from loadtests.simulate.divergence import CASES, ArmSpec, DivergenceSim
+from loadtests.simulate.kv_events import MODEL, EventStreams, cached_prefix
+from loadtests.simulate.simulation import ClosedLoop
+from loadtests.simulate.worker import CostModel, Job, SimWorker
 from router.holdings.kv_feed import KvEventFeed
 from shared.config import RouterConfig
 

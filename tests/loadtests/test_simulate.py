@@ -9,9 +9,9 @@ import numpy as np
 
 from loadtests.__main__ import main as cli
 from loadtests.options import WorkloadOptions
-from loadtests.sim.fleet import ClosedLoop, FleetSim, deep_size
-from loadtests.sim.sources import SimRequest, mooncake_requests
-from loadtests.sim.worker import CostModel, Job, SimWorker
+from loadtests.simulate.simulation import ClosedLoop, FleetSim, deep_size
+from loadtests.simulate.sources import SimRequest, mooncake_requests
+from loadtests.simulate.worker import CostModel, Job, SimWorker
 from shared.config import RouterConfig
 
 # Without the context term (tests/worker/test_sim_costs.py prices it): round times.

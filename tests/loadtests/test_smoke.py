@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.fleet import BenchFleet, FleetSpec
-from loadtests.metrics import read_records
+from loadtests.load.cluster import BenchFleet, FleetSpec
+from loadtests.load.metrics import read_records
+from loadtests.load.runner import RunSpec, run
 from loadtests.options import WorkloadOptions
-from loadtests.runner import RunSpec, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

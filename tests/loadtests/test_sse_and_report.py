@@ -8,9 +8,9 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtests.metrics import HitCounter, RequestRecord, read_records
-from loadtests.report import summarize, write_report
-from loadtests.sse import SSEParser
+from loadtests.load.metrics import HitCounter, RequestRecord, read_records
+from loadtests.load.report import summarize, write_report
+from loadtests.load.sse import SSEParser
 
 STREAM = 'data: {"a":"é"}\r\n\r\n: keep-alive\n\ndata: x\ndata: y\r\rdata: [DONE]\n\n'.encode()
 

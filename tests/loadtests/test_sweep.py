@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 
 from loadtests.__main__ import main
-from loadtests.fleet import FleetSpec
-from loadtests.metrics import RequestRecord
-from loadtests.options import WorkloadOptions
-from loadtests.runner import RunSpec
-from loadtests.saturation import (
+from loadtests.load.cluster import FleetSpec
+from loadtests.load.metrics import RequestRecord
+from loadtests.load.runner import RunSpec
+from loadtests.load.saturation import (
     Point,
     late_share,
     rates_per_s,
@@ -23,10 +22,11 @@ from loadtests.saturation import (
     sustained_rate,
     verdict,
 )
-from loadtests.serving import SLO
-from loadtests.summary import summarize
-from loadtests.sweep import load_for, sweep
-from loadtests.workloads import mooncake
+from loadtests.load.serving import SLO
+from loadtests.load.summary import summarize
+from loadtests.load.sweep import load_for, sweep
+from loadtests.load.workloads import mooncake
+from loadtests.options import WorkloadOptions
 
 
 def point(rate: float, kept: float, ttft_ms: float = 50, failed: bool = False,

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from loadtests import bench_worker_http as bench
+from loadtests.engine import bench_worker_http as bench
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from loadtests.load.workloads import Workload, mooncake, rag, read_trace, shared_prefix
 from loadtests.options import (
     WorkloadOptions,
     add_workload_arguments,
     options_from_namespace,
     options_to_argv,
 )
-from loadtests.workloads import Workload, mooncake, rag, read_trace, shared_prefix
 
 SMALL = {"system_len": 20, "question_len": 5, "output_len": 7}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.fleet import ROOT
+from loadtests.load.cluster import ROOT
 from router.cli import build_parser, serve_config
 from router.up.preflight import StartError, check_prerequisites
 from shared.config import ConfigError

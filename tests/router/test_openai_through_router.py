@@ -9,7 +9,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from loadtests.fleet import BenchFleet, WorkerSpec
+from loadtests.load.cluster import BenchFleet, WorkerSpec
 from router.http.app import create_app
 from router.http.state import FLEET, ROUTING
 from shared.config import RouterConfig

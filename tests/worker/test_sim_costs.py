@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.sim.worker import CostModel, SimWorker
+from loadtests.simulate.worker import CostModel, SimWorker
 from shared.config import WorkerConfig
 from shared.tokens.text_tokenizer import TextTokenizer
 from shared.wire.registry import WorkerRecord

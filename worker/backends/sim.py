@@ -18,7 +18,7 @@ Only the model is fake:
   constant step price under-priced every long-context fleet study. The form is fitted
   to the engine's own CPU steps by `python -m loadtests sim-calibrate`
   (loadtests/results/sim_cost.md). The live worker sleeps it in the engine thread;
-  the virtual-time simulator (`loadtests/sim/worker.py`) adds it to its clock instead.
+  the virtual-time simulator (`loadtests/simulate/worker.py`) adds it to its clock instead.
 - output (`SimSampler`): the prompt's deterministic answer (`sim_model.answer_ids`,
   same prompt, same answer), one token per step, cut short only by a stop string or a
   stop token id. It never emits EOS; penalties and biases do not change it; logprobs

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from loadtests.fleet import BenchFleet, WorkerSpec
+from loadtests.load.cluster import BenchFleet, WorkerSpec
 from router.fleet.workers import Breaker, Worker
 from router.holdings.calibration import HIGH, calibrate, chars_per_token, prompt_tokens_from
 from router.http.app import create_app

@@ -172,6 +172,7 @@ def test_cost_aware_prices_a_host_tier_the_index_weighed_once() -> None:
     40 x 0.4 = 16 ms and sent the request to w0: the host tier counted twice
     (loadtests/results/kv_events.md)."""
     import random
+    from typing import Any
 
     from router.fleet.view import WorkerView
     from router.holdings.kv_feed import StreamState
@@ -188,14 +189,21 @@ def test_cost_aware_prices_a_host_tier_the_index_weighed_once() -> None:
     for w in ("w0", "w1"):
         feed.streams[w] = StreamState("m", 1.0, status="ok")
     index.apply("w1", [BlockStored(tuple(range(1, 26)), None, ids[:100], 4, "CPU")])
-    figures = dict(prefill_us_per_token=1_000.0, prompt_tokens_total=1000)
-    host = dict(cached_tokens_total=500, host_cached_tokens_total=500,
-                host_load_bytes_per_s=1e9, kv_bytes_per_token=600_000)  # fmt: skip
+
+    def record(wid: str, **extra: Any) -> WorkerRecord:
+        return WorkerRecord(wid, "http://w", "m", "radix", 1.0, prefill_us_per_token=1_000.0,
+                            prompt_tokens_total=1000, **extra)  # fmt: skip
+
     reports = [
-        WorkerRecord("w0", "http://w", "m", "radix", 1.0, **figures),  # type: ignore[arg-type]
-        WorkerRecord(
-            "w1", "http://w", "m", "radix", 1.0, queued_prefill_tokens=50, **figures, **host
-        ),  # type: ignore[arg-type]  # fmt: skip
+        record("w0"),
+        record(
+            "w1",
+            queued_prefill_tokens=50,
+            cached_tokens_total=500,
+            host_cached_tokens_total=500,
+            host_load_bytes_per_s=1e9,
+            kv_bytes_per_token=600_000,
+        ),
     ]
     assert host_hit_weight(reports[1], 1_000.0) == 0.4
     config = RouterConfig(policy="cost_aware", tokenizer="sim", cost_decode_weight=0.0)

@@ -148,7 +148,7 @@ async def test_bad_token_entries_are_dropped_counted_and_the_reader_goes_on(
 
 
 def test_the_wire_bench_runs_both_arms(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from loadtests import bench_sync_wire
+    from loadtests.router import bench_sync_wire
 
     argv = ["bench_sync_wire", "--sessions", "2", "--turns", "2", "--words", "50", "--rounds", "1"]
     monkeypatch.setattr("sys.argv", argv)

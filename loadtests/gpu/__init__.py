@@ -1,0 +1,1 @@
+"""GPU: `gpu-check`, the engine on a CUDA device: correctness, kernels, roofline."""

@@ -1,0 +1,224 @@
+"""`python -m loadtests gpu-check --out DIR`: the engine on a GPU in one command.
+
+Sections, in this order, each in its own process (a CUDA error such as an illegal
+address poisons the process that hit it, not the sections after it):
+
+    env          device, versions, memory bandwidth (measured copy and spec)
+    correctness  our kernels vs SDPA on the device (GQA 1/4/7, head dims 64/128, fp32
+                 and bf16), host synchronisations per engine step (decode-only, mixed,
+                 penalties + logprobs)
+    ops          issue 25's pieces (loadtests/gpu/gpu_ops.py): the decode kernel at batch 64
+                 x context 2,048 vs the bandwidth floor, bf16 and fp8 KV; block sizes
+                 timed for the kernel table; fused ops vs eager; sampler sort vs
+                 thresholds
+    PRESET       per model preset (random weights at the real shapes, drawn on the
+                 device, so nothing downloads): decode ms/step at batch 1/32/64/128 x
+                 context 256/2,048 (bf16, CUDA graphs) with roofline ratios, the
+                 attention kernels a mixed step launched, prefill tokens/s, cached vs
+                 uncached TTFT for a 4k prefix, one eager point, peak memory, and
+                 greedy tokens equal to transformers' for 3 prompts (fp32)
+    pytest       `pytest -m gpu tests/gpu`
+
+DIR gets gpu-check.json and gpu-check.md, rewritten after every section and every
+step of a section, so a run cut short keeps what it measured; a failing step is
+recorded with its traceback and the rest go on. `--budget-s` bounds the whole run:
+a section or step that would start past it is recorded as skipped. `--quick
+--device cpu` runs every section at toy sizes (a CI test; the triton kernels then
+run under TRITON_INTERPRET=1). Imports only the standard library, torch, triton,
+numpy, transformers, tokenizers and safetensors (what the GPU machine has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtests.gpu.gpu_report import to_markdown, write
+
+PRESETS = ("qwen2.5-0.5b", "llama-3.2-1b")
+# The most seconds each section may take (also cut by what is left of --budget-s);
+# estimates for one H200 are in loadtests/results/gpu.md.
+SECTION_CAP_S = {"env": 60, "correctness": 100, "ops": 75, "preset": 170, "pytest": 120}
+MIN_START_S = 25  # a section is not started with less than this left
+CHILD_GRACE_S = 15  # a section stops starting steps this long before it is killed
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, required=True, help="folder for gpu-check.json/.md")
+    p.add_argument("--device", default="cuda", help="(default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="toy sizes (CPU smoke test)")
+    p.add_argument("--presets", help=f"comma-separated (default: {','.join(PRESETS)})")
+    p.add_argument("--attention-backend", default="auto", help="(default: %(default)s)")
+    p.add_argument("--skip-pytest", action="store_true", help="leave out the pytest section")
+    p.add_argument("--sections",
+                   help="comma-separated subset of env,correctness,ops,host_tier,presets,pytest")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="wall-clock seconds for the whole run; what would start later is "
+                        "skipped (default: %(default)s)")  # fmt: skip
+    # Internal: one section in this process (the parent starts these).
+    p.add_argument("--section", help=argparse.SUPPRESS)
+    p.add_argument("--state", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtests gpu-check", description=__doc__)
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.section:
+        from loadtests.gpu.gpu_sections import run_section
+
+        return run_section(args)
+    import torch  # only to say early that there is no GPU
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(
+            "gpu-check: no CUDA device here (use --quick --device cpu to smoke-test)"
+        )
+    return orchestrate(args)
+
+
+def plan(args: argparse.Namespace) -> list[str]:
+    presets = args.presets.split(",") if args.presets else (["tiny"] if args.quick else PRESETS)
+    wanted = set(args.sections.split(",")) if args.sections else None
+    names = []
+    for name in ("env", "correctness", "ops", "host_tier", "presets", "pytest"):
+        if wanted is not None and name not in wanted:
+            continue
+        if name == "pytest" and args.skip_pytest:
+            continue
+        names += [f"preset:{p}" for p in presets] if name == "presets" else [name]
+    return names
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    start = time.time()
+    deadline = start + args.budget_s
+    # Nothing is downloaded: the models are made here (the sections inherit this).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "command": "python -m loadtests gpu-check " + " ".join(sys.argv[2:]),
+        "python": platform.python_version(), "budget_s": args.budget_s,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(start)),
+        "sections": {},
+    }  # fmt: skip
+    state_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    # An outer `timeout` (SIGTERM to the process group) still leaves the report, with
+    # the section it cut short as far as that got.
+    previous = signal.signal(signal.SIGTERM, _stop)
+    write(args.out, report)
+    try:
+        for name in plan(args):
+            left = deadline - time.time()
+            if left < MIN_START_S:
+                report["sections"][name] = {"skipped": f"time budget ({left:.0f} s left)"}
+            else:
+                report["sections"][name] = run_section(args, name, state_dir, left)
+            report["seconds"] = round(time.time() - start, 1)
+            write(args.out, report)
+    except Stopped as stop:
+        if len(stop.args) == 2:
+            report["sections"][stop.args[0]] = stop.args[1]
+        report["seconds"] = round(time.time() - start, 1)
+        write(args.out, report)
+        return 124
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(to_markdown(report), flush=True)
+    return 0 if passed(report) else 1
+
+
+def run_section(args: argparse.Namespace, name: str, state_dir: Path, left: float) -> dict:
+    kind = name.split(":")[0]
+    # The caps are sized for a GPU; on CPU (toy sizes, the interpreter) only the budget.
+    allowed = min(SECTION_CAP_S[kind], left) if args.device.startswith("cuda") else left
+    print(f"\n=== gpu-check: {name} (up to {allowed:.0f} s) ===", flush=True)
+    try:
+        if kind == "pytest":
+            return run_pytest(args, allowed)
+        return run_child(args, name, state_dir, allowed)
+    except Stopped:
+        state = state_dir / (name.replace(":", "-") + ".json")
+        result = json.loads(state.read_text()) if state.exists() else {}
+        result["process_error"] = "stopped by SIGTERM (an outer timeout?) in this section"
+        raise Stopped(name, result) from None
+
+
+class Stopped(Exception):
+    """SIGTERM arrived (`timeout` sends it to the whole process group)."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped
+
+
+def run_child(args: argparse.Namespace, name: str, state_dir: Path, allowed: float) -> dict:
+    """One section in a child process; what it recorded survives its crash or kill."""
+    state = state_dir / (name.replace(":", "-") + ".json")
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "loadtests", "gpu-check",
+           "--out", str(args.out), "--device", args.device, "--section", name,
+           "--state", str(state), "--deadline", str(time.time() + allowed - CHILD_GRACE_S),
+           "--attention-backend", args.attention_backend] + (["--quick"] if args.quick else [])  # fmt: skip
+    t0 = time.time()
+    try:
+        code = subprocess.run(cmd, timeout=allowed, check=False).returncode
+        why = None if code == 0 else f"the section's process exited with code {code} (see the log)"
+    except subprocess.TimeoutExpired:
+        why = f"the section's process was killed at its {allowed:.0f} s limit"
+    result = json.loads(state.read_text()) if state.exists() else {}
+    result["seconds"] = round(time.time() - t0, 1)
+    if why:
+        result["process_error"] = why
+    return result
+
+
+def run_pytest(args: argparse.Namespace, allowed: float) -> dict:
+    """`pytest -m gpu tests/gpu`, with only tests/gpu's conftest: the repository's
+    top-level conftest imports redis, which the GPU machine does not have."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           "--confcutdir", "tests/gpu", "tests/gpu"]  # fmt: skip
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return {"skipped": "pytest is not installed here"}
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=allowed, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+        return {"passed": False, "command": " ".join(cmd[1:]), "tail": out[-3000:] + "\ntimed out"}
+    print(done.stdout[-6000:] + done.stderr[-3000:], flush=True)
+    tail = (done.stdout + done.stderr)[-3000:]
+    # Exit code 5: nothing collected or all deselected; every test skipped still exits 0.
+    return {"passed": done.returncode == 0, "exit_code": done.returncode,
+            "command": " ".join(cmd[1:]), "tail": tail}  # fmt: skip
+
+
+def passed(report: dict[str, Any]) -> bool:
+    """Every section ran whole (nothing failed, nothing skipped) and its checks held."""
+    for result in report["sections"].values():
+        if {"process_error", "skipped", "unfinished", "fallback"} & result.keys():
+            return False
+        if result.get("passed") is False:
+            return False
+        for value in result.values():
+            for part in value if isinstance(value, list) else [value]:
+                if isinstance(part, dict) and ({"error", "skipped"} & part.keys()
+                                               or part.get("passed") is False
+                                               or part.get("all_equal") is False):  # fmt: skip
+                    return False
+    return True

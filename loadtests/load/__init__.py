@@ -1,0 +1,1 @@
+"""Load: real processes under real traffic (run, report, compare, sweep, replicas, faults)."""

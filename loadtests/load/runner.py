@@ -1,0 +1,239 @@
+"""Run locust headless against one OpenAI-compatible URL and report the run.
+
+    python -m loadtests run --host http://127.0.0.1:8000 --workload shared_prefix \\
+        --groups 8 --prompts-per-group 8 --system-len 512 --users 16 --out loadtests/out/run1
+
+Writes into `--out`: locust's CSVs (`locust_stats.csv`, ...) and HTML report
+(`locust.html`), `records.jsonl` (one line per request), `summary.json` (the result
+file, under `vllm bench serve`'s field names), and the PNGs of `loadtests.load.report`.
+Every worker of the fleet is in the report: the router's GET /workers lists them before
+the run, so a worker that received nothing shows 0 requests and counts in the spread
+(against a worker directly, or a server without /workers, the records name them).
+`--slo ttft=MS,tpot=MS` adds goodput; `--request-rate R` sends open loop (Poisson,
+R req/s, at most `--users` in flight). Without `--run-time` the run ends when the workload does; with
+one, the workload starts over until the time is up. A progress line every few seconds
+(requests done, failures, time left), and a one-line verdict at the end that names the
+commonest error if requests failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtests.load.metrics import RequestRecord, read_records
+from loadtests.load.report import Summary, write_report
+from loadtests.load.serving import SLO
+from loadtests.options import (
+    WorkloadOptions,
+    add_workload_arguments,
+    options_from_namespace,
+    options_to_argv,
+)
+from loadtests.progress import Progress, clock_text
+from shared.procs import http_json
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+PROGRESS_EVERY_S = 5.0
+
+
+def seconds_of(run_time: str) -> float:
+    """Locust's --run-time ("90", "20s", "1m30s", "1h") in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?\s*(?:(\d+)m)?\s*(?:(\d+)s?)?", run_time.strip())
+    if not parts or not any(parts.groups()):
+        raise ValueError(f"--run-time: {run_time!r} is not like 90, 20s, 1m30s or 1h")
+    h, m, s = (int(x or 0) for x in parts.groups())
+    return 3600 * h + 60 * m + s
+
+
+def verdict(summary: Summary, records: list[RequestRecord]) -> str:
+    """One line: what the run did, or why it failed."""
+    if summary.requests == 0:
+        return "verdict: FAILED, no request finished"
+    if summary.failures:
+        errors = Counter(r.error or "unknown" for r in records if not r.ok)
+        error, count = errors.most_common(1)[0]
+        return (
+            f"verdict: FAILED, {summary.failures} of {summary.requests} requests failed; "
+            f"commonest error ({count}x): {error[:300]}"
+        )
+    good = summary.serving.request_goodput
+    goodput = "" if good is None else f", goodput {good:.1f} req/s"
+    return (
+        f"verdict: OK, {summary.requests} requests, {summary.throughput_rps:.1f} req/s{goodput}, "
+        f"TTFT p50 {summary.ttft_p50_ms:.0f} ms, hit rate {summary.hit_rate:.2f}"
+    )
+
+
+def _lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 16), b""))
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    host: str
+    out: Path
+    users: int = 16
+    spawn_rate: float = 0.0  # 0: all users at once
+    run_time: str | None = None  # locust's -t (e.g. "60s"); None: until the workload ends
+    max_requests: int = 0
+    model: str = ""
+    stream: bool = True
+    timeout_s: float = 3600.0  # hard stop for the locust process
+    request_rate: float = 0.0  # req/s, open loop (Poisson); 0: closed loop, `users` at once
+    slo: SLO | None = None
+    api_key: str = ""
+
+
+def fleet_workers(host: str, api_key: str = "") -> list[str] | None:
+    """The worker ids a router knows (GET /workers), or None where `host` has no such
+    list (a worker, another server): then the records are all there is."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        status, body = http_json(host.rstrip("/") + "/workers", headers=headers, timeout=5.0)
+    except (OSError, ValueError):
+        return None
+    if status != 200 or not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        return None
+    return sorted(str(w["worker_id"]) for w in body["data"] if "worker_id" in w)
+
+
+def locust_command(spec: RunSpec, workload: WorkloadOptions) -> list[str]:
+    rate = spec.spawn_rate or spec.users
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+        "-u", str(spec.users), "-r", str(rate), "--host", spec.host,
+        "--csv", str(spec.out / "locust"), "--html", str(spec.out / "locust.html"),
+        "--records-file", str(spec.out / "records.jsonl"), "--only-summary",
+        "--stop-timeout", "30", "--exit-code-on-error", "0",
+    ]  # fmt: skip
+    if spec.run_time:
+        cmd += ["-t", spec.run_time]
+    if spec.max_requests:
+        cmd += ["--max-requests", str(spec.max_requests)]
+    if spec.model:
+        cmd += ["--model", spec.model]
+    if spec.request_rate:
+        cmd += ["--request-rate", str(spec.request_rate)]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    if not spec.stream:
+        cmd.append("--no-stream")
+    return cmd + options_to_argv(workload)
+
+
+def run(spec: RunSpec, workload: WorkloadOptions, title: str = "", quiet: bool = False) -> Summary:
+    """Run locust to completion, then write and return the report. Raises on a locust crash."""
+    spec.out.mkdir(parents=True, exist_ok=True)
+    records_path = spec.out / "records.jsonl"
+    records_path.unlink(missing_ok=True)  # the locustfile appends
+    log_path = spec.out / "locust.log"
+    total = seconds_of(spec.run_time) if spec.run_time else None
+    progress = Progress("run", 1)
+    workers = fleet_workers(spec.host, spec.api_key)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            locust_command(spec, workload), stdout=log, stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[2],
+        )  # fmt: skip
+        try:
+            while True:
+                try:
+                    proc.wait(PROGRESS_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if progress.elapsed > spec.timeout_s:
+                    raise RuntimeError(f"locust still running after {spec.timeout_s:.0f}s")
+                if not quiet:
+                    done = _lines(records_path)
+                    left = None if total is None else max(0.0, total - progress.elapsed)
+                    progress.say(f"{done} requests finished", left=left)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode != 0 or not records_path.exists():
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"locust exited with {proc.returncode}; log {log_path}:\n{tail}")
+    records = read_records(records_path)
+    # vLLM's traffic fields: "inf" rate when every user sends as soon as it can.
+    run_info = {
+        "request_rate": spec.request_rate or "inf", "burstiness": 1.0,
+        "max_concurrency": spec.users, "workers_from": "GET /workers" if workers else "records",
+    }  # fmt: skip
+    summary = write_report(
+        records, spec.out, title or workload.workload, spec.slo, workers or (), run_info
+    )
+    if not quiet:
+        print(summary.table())
+        print(summary.worker_table())
+        if workers is None:
+            print("(workers as the records name them: the host has no GET /workers)")
+        print(f"report: {spec.out} (locust's log: {log_path})")
+        print(f"{verdict(summary, records)} ({clock_text(progress.elapsed)})")
+    return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = "(default: %(default)s)"
+    p.add_argument("--host", required=True, help="base URL of the router or a worker")
+    p.add_argument("--out", type=Path, default=Path("loadtests/out/run"), help=f"report folder {d}")
+    p.add_argument("--users", type=int, default=16, help=f"concurrent simulated users {d}")
+    p.add_argument(
+        "--spawn-rate",
+        type=float,
+        default=0.0,
+        help="users started per second (default: all at once)",
+    )
+    p.add_argument(
+        "--run-time", default=None,
+        help="wall time, e.g. 60s or 2m; the workload repeats until it is up "
+        "(default: one pass over the workload)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=0,
+        help="stop after this many requests (default: 0, no cap)",
+    )
+    p.add_argument(
+        "--model", default="", help="model name to send (default: none; the server picks)"
+    )
+    p.add_argument(
+        "--no-stream", action="store_true", help="ask for whole answers, not SSE streams"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, help=f"hard stop for locust, in seconds {d}"
+    )
+    p.add_argument(
+        "--request-rate", type=float, default=0.0,
+        help="open loop: Poisson arrivals, requests/s, at most --users in flight "
+        "(default: 0, closed loop: each user sends when its last request ends)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slo", default="",
+        help="goodput objectives per request, ms, e.g. ttft=500,tpot=50 (keys: ttft, tpot, e2el)",
+    )  # fmt: skip
+    p.add_argument("--api-key", default="", help="bearer token for the router (and /workers)")
+    add_workload_arguments(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    spec = RunSpec(
+        host=args.host, out=args.out, users=args.users, spawn_rate=args.spawn_rate,
+        run_time=args.run_time, max_requests=args.max_requests, model=args.model,
+        stream=not args.no_stream, timeout_s=args.timeout, request_rate=args.request_rate,
+        slo=SLO.parse(args.slo), api_key=args.api_key,
+    )  # fmt: skip
+    summary = run(spec, options_from_namespace(args))
+    return 1 if summary.failures else 0
