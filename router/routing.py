@@ -26,12 +26,16 @@ class Routing:
         self.policy = policy
         self.publish = publish  # replica sync (router/holdings/sync.py), where it is on
         self._reads = policy.reads_holdings
+        # A load-only policy's prediction: the request alone, one object rewritten per
+        # request (the policy reads it only inside `select`).
+        self._bare = Prediction(RouteRequest(""), "", 0, False, [])
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
         holdings = self.holdings
         if not self._reads:
-            prediction = Prediction(request, request.text, len(request.text), False, [])
-            decision = self.policy.select(prediction, workers, now)
+            bare = self._bare
+            bare.request = request
+            decision = self.policy.select(bare, workers, now)
             if self.publish is not None:
                 key = holdings.routing_key(request)
                 self.publish(decision.worker_id, key)

@@ -35,6 +35,7 @@ from router.holdings.tree import PrefixTree
 from shared.config import RouterConfig
 
 Key = str | tuple[int, ...]
+_NONE: frozenset[str] = frozenset()
 
 
 class Holdings:
@@ -86,7 +87,7 @@ class Holdings:
             forgotten, self._forgotten = tuple(self._forgotten), []
         return Prediction(
             request, key, n, type(key) is tuple, path, forgotten, detail,
-            frozenset(detail) if detail else frozenset(), tree.tenant_sizes,
+            frozenset(detail) if detail else _NONE, tree.tenant_sizes,
         )  # fmt: skip
 
     def _key(self, request: RouteRequest) -> tuple[Key, int, int]:
