@@ -62,6 +62,10 @@ class Claims:
             if claimed * 0.5 ** (max(0.0, now - at) / HALF_LIFE_S) < MIN_TOKENS:
                 del self.discounted[wid]
 
+    def believed(self, worker_id: str) -> float:
+        """The share of the worker's predicted hits that counts (1.0: all of them)."""
+        return self.discounted.get(worker_id, 1.0)
+
     def forget(self, worker_id: str) -> None:
         self._sums.pop(worker_id, None)
         self.discounted.pop(worker_id, None)

@@ -174,11 +174,15 @@ def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
 async def list_workers(request: web.Request) -> web.Response:
     app = request.app
     now = app[CLOCK]()
-    trees = app[ROUTING].holdings.worker_stats()
+    holdings = app[ROUTING].holdings
+    trees = holdings.worker_stats()
     out = []
     for w in list(app[FLEET].workers.values()):
         item = w.describe(now)
         item["tree"] = trees.get(w.worker_id, {})
+        # The share of its predicted hits routing believes: below 1, its answers' cached
+        # tokens did not bear its claims out (router/holdings/claims.py).
+        item["claims_believed"] = holdings.claims.believed(w.worker_id)
         feed = app.get(KV_FEED)
         item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
         item["kv_events_rebuild"] = _rebuild(feed, w.worker_id)

@@ -148,6 +148,8 @@ async def test_models_health_workers_openapi_metrics(
         "tree",
         "predicted_cached_tokens_total",
     } <= set(workers[0])
+    # Believed in full: its answers bore out the predictions (router/holdings/claims.py).
+    assert {w["claims_believed"] for w in workers} == {1.0}
     doc = await (await client.get("/openapi.json")).json()
     assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
     assert "ChatCompletionRequest" in doc["components"]["schemas"]
