@@ -44,6 +44,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.router.bench_kv_feed",
         "router: the KV feed applying a recorded event stream",
     ),
+    "holdings-attacks": (
+        "loadtests.router.bench_holdings_attacks",
+        "router under a hostile worker credential and client: /health p99, RSS",
+    ),
     "simulate-events": (
         "loadtests.simulate.simulate_events",
         "simulator: tree vs tree + KV events vs a ceiling, divergence cases",

@@ -79,12 +79,20 @@ class RouterConfig(_Frozen):
     # the worker does: the policies' trees key on them (matches and caps in tokens) and
     # the KV-event index is looked up with them.
     tokenizer: str | None = None
+    # The workers' context length in tokens (None: the tokenizer folder's config.json
+    # `max_position_embeddings`). Prompts over it × 16 characters are not tokenized: they
+    # are routed on their text and the worker refuses them (router/http/tokenize.py).
+    max_prompt_tokens: int | None = Field(None, gt=0)
     # KV events (router/holdings/kv_feed.py): read every worker's KV-event stream into an exact
     # block index beside the tree (needs redis_url and tokenizer). A routed request's tree
     # entry still counts for `kv_events_inflight` seconds (its KV is on its way); a worker
     # whose stream has a gap or lags by over `kv_events_max_lag` s is routed on the tree.
     kv_events: bool = False
     kv_events_max_blocks: int = Field(2_000_000, ge=1)
+    # Tokens per block of the workers' KV events (0: the size most of a model's workers
+    # name in their heartbeats); entries past `kv_events_stream_len` are trimmed by routers.
+    kv_events_block_size: int = Field(0, ge=0, le=4096)
+    kv_events_stream_len: int = Field(10_000, ge=100)
     kv_events_max_lag: float = Field(2.0, gt=0)
     kv_events_inflight: float = Field(2.0, ge=0)
     # What a block a worker reports on its host tier (medium "CPU") is worth against one

@@ -40,8 +40,12 @@ from router.holdings.kv_feed import FeedMember, KvEventFeed
 d = pickle.load(open(sys.argv[1], "rb"))
 times, digest = [], None
 for _ in range(int(sys.argv[2])):
+    try:  # the block size from the heartbeat (issue 30); refs before it took the events'
+        member = FeedMember("w0", "m", 1.0, 0, block_size=d.get("block_size", 16))
+    except TypeError:
+        member = FeedMember("w0", "m", 1.0, 0)
     feed = KvEventFeed(None, route_clock=lambda: 1.0)
-    feed.follow([FeedMember("w0", "m", 1.0, 0)])
+    feed.follow([member])
     t0 = time.process_time()
     for fields in d["entries"]:
         feed.apply_entry("w0", fields)
@@ -118,7 +122,7 @@ def record(args: argparse.Namespace) -> dict:
         entries.append(entry_fields("w0", 1.0, r + 1, encode_batch(events, 1.0)))
     raw = [{k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in e.items()}
            for e in entries]  # fmt: skip
-    return {"entries": raw, "requests": args.requests, "probes": chats,
+    return {"entries": raw, "requests": args.requests, "probes": chats, "block_size": bs,
             "stored": stored / args.requests, "removed": removed / args.requests}  # fmt: skip
 
 

@@ -129,7 +129,7 @@ class DivergenceSim(FleetSim):
         self.kv: KvScorer | None = None
         if spec.arm == "events":
             self.feed = KvEventFeed(registry=None)  # type: ignore[arg-type]  # fed, not polled
-            self.streams = EventStreams(self.feed, spec.event_delay)
+            self.streams = EventStreams(self.feed, spec.event_delay, spec.block_size)
             for wid in self.ids:
                 self.streams.join(wid, 1.0)
             self.feed.follow(self.streams.members())

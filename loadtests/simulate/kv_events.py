@@ -40,11 +40,12 @@ _TB = 8  # bytes per token id in a radix cache key (int64)
 class EventStreams:
     """Every worker's stream, delivered to `feed` in virtual time."""
 
-    def __init__(self, feed: KvEventFeed, delay: float) -> None:
+    def __init__(self, feed: KvEventFeed, delay: float, block_size: int = 16) -> None:
         if delay < 0:
             raise ValueError(f"event delay must be >= 0, got {delay}")
         self.feed = feed
         self.delay = delay
+        self.block_size = block_size  # what every worker's heartbeat names
         self.epochs: dict[str, float] = {}
         self._next_seq: dict[str, int] = {}
         self._last_seen: dict[str, float] = {}  # when each stream's last entry is read
@@ -63,7 +64,8 @@ class EventStreams:
 
     def members(self) -> list[FeedMember]:
         """What the router's fleet table hands the feed (`follow`), from the heartbeats."""
-        return [FeedMember(w, MODEL, e) for w, e in self.epochs.items()]
+        bs = self.block_size
+        return [FeedMember(w, MODEL, e, block_size=bs) for w, e in self.epochs.items()]
 
     def collect(self, wid: str, events: BlockEvents | None, at: float) -> None:
         """Drain `wid`'s pending events into one entry the router reads at `at` + delay."""

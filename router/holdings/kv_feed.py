@@ -46,6 +46,28 @@ and count as used.
 Entries are untrusted input: malformed, oversized, naming another worker, of an older
 epoch, or out of sequence, they are dropped and counted (`dropped[reason]`); none raises
 out of the feed or reaches the index.
+
+Bounds against a worker's credential (issue 30: one worker's stream stalled every router):
+- Sizes are checked in Redis before a read (shared/wire/registry.py `read_kv_events`): an
+  entry over MAX_ENTRY_BYTES never crosses the wire. Routers trim every followed stream
+  to `stream_len` entries (a worker's own MAXLEN is not trusted).
+- Entries are applied with a time budget: past `apply_budget` seconds of the event loop
+  the feed yields before the next entry, so `/health` and routing run between them. An
+  entry's epoch is checked before its batch is decoded: an old epoch's entries cost a
+  few field reads each.
+- A worker's cursor outlives its membership: one that rejoins (DEL and rewrite of its
+  hash) or changes its model is read on from where the router was, not from "0". One
+  back within DEPARTED_S keeps its state and blocks too (a heartbeat that lapsed).
+- Each worker's stream takes at most CPU_SHARE of the event loop (a credit refilled over
+  time, CPU_BURST_S at once); past it its entries wait in Redis and it is `lagging`.
+- Each worker holds a bounded share of its model's index (`share`): its pool and host
+  tier's blocks (heartbeat) twice over, at most max_blocks / workers of the model; past
+  it, its oldest stored blocks are forgotten (router/fleet/kv_index.py).
+- A model's block size comes from the router's config (`kv_events_block_size`) or from
+  the heartbeats of its workers (the size most of them name; a tie keeps the index's
+  size), never from whoever publishes first; a worker whose heartbeat names none is not
+  read until it does, and one whose heartbeat or events disagree is `block_size`.
+- A model's index is freed when no followed worker serves it.
 """
 
 from __future__ import annotations
@@ -53,29 +75,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from redis.exceptions import RedisError
 
 from router.holdings.kv_index import BlockIndex
+from router.holdings.namespace import in_default_namespace
 from shared.serving.aio import reraise_if_cancelled
 from shared.wire.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KVEvent,
     StreamEntry,
-    parse_entry,
+    parse_header,
 )
 from shared.wire.registry import Registry
 
 log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "syncing", "rebuilding", "stale", "lagging", "block_size")
+APPLY_BUDGET_S = 0.005  # event-loop time spent applying entries before yielding once
+POLL_S = 0.05  # between reads of idle streams (a sized read cannot block in Redis)
+TRIM_EVERY_S = 10.0  # between the router's trims of the followed streams
+MAX_CURSORS = 4096  # departed workers' cursors kept (registry MAX_WORKERS)
+DEPARTED_S = 30.0  # a departed worker's state and blocks kept for its return
+SHARE_SLACK = 2  # a worker's share: its reported pool and host tier, in blocks, twice
+# Event-loop time one worker's stream may take: 0.1 s a second, 0.5 s at once. Honest
+# workers need far less (kv_events.md: ~0.3 ms per routed request's events); past it the
+# stream waits (unread, nothing lost) and the worker is `lagging` (routed on its tree).
+CPU_SHARE = 0.1
+CPU_BURST_S = 0.5
 
 
 @dataclass
@@ -88,6 +121,8 @@ class StreamState:
     status: str = "syncing"
     applied: int = 0  # entries applied
     removed: int = 0  # GPU blocks the worker removed since it began rebuilding
+    credit: float = 0.0  # seconds of event-loop time it may still spend (CPU_SHARE)
+    credited_at: float | None = None  # perf_counter time of the last refill
 
 
 @dataclass(frozen=True)
@@ -104,6 +139,8 @@ class FeedMember:
     model: str
     epoch: float
     capacity_tokens: int = 0  # its KV pool (heartbeat); 0: unknown
+    block_size: int = 0  # tokens per block its heartbeat names; 0: none named
+    host_capacity_tokens: int = 0  # its host KV tier (heartbeat)
 
 
 class KvEventFeed:
@@ -115,9 +152,26 @@ class KvEventFeed:
         max_lag: float = 2.0,
         clock: Callable[[], float] = time.time,
         route_clock: Callable[[], float] = time.monotonic,
+        block_size: int = 0,
+        stream_len: int = 10_000,
+        apply_budget: float = APPLY_BUDGET_S,
+        cpu_share: float = CPU_SHARE,
+        cpu_burst: float = CPU_BURST_S,
     ) -> None:
+        self.cpu_share, self.cpu_burst = cpu_share, cpu_burst
+        self.throttled = 0  # reads a worker's stream waited for its CPU share
         self.registry = registry
         self.max_blocks = max_blocks
+        self.config_block_size = block_size  # 0: from the heartbeats
+        self.stream_len = stream_len
+        self.apply_budget = apply_budget
+        self._cursors: OrderedDict[str, bytes | str] = OrderedDict()  # departed workers'
+        # Workers gone from the fleet lately: (state, when, in route_clock time).
+        self._departed: OrderedDict[str, tuple[StreamState, float]] = OrderedDict()
+        self._block_sizes: dict[str, int] = {}  # worker id -> its heartbeat's block size
+        self._host_capacity: dict[str, int] = {}  # worker id -> its host tier in tokens
+        self._trimmed = 0.0
+        self._turn = 0  # rotates the read order (`readable`)
         self.read_count = read_count
         self.max_lag = max_lag
         self.clock = clock  # wall time: stream entry ids are milliseconds of it
@@ -136,25 +190,116 @@ class KvEventFeed:
         for m in members:
             seen.add(m.worker_id)
             self.capacity[m.worker_id] = m.capacity_tokens
+            self._block_sizes[m.worker_id] = m.block_size
+            self._host_capacity[m.worker_id] = m.host_capacity_tokens
             state = self.streams.get(m.worker_id)
+            if state is None:  # a join, or a rejoin (its hash was gone for a while)
+                state = self._rejoin(m.worker_id, m.model)
             if state is None or state.model != m.model:
                 if state is not None:
                     self._forget(m.worker_id)
-                self.streams[m.worker_id] = StreamState(m.model, m.epoch)
+                    cursor = state.cursor  # a model change: read on, not from "0"
+                else:
+                    cursor = self._cursors.pop(m.worker_id, "0")  # a rejoin: read on
+                self.streams[m.worker_id] = StreamState(m.model, m.epoch, cursor)
                 continue
             if m.epoch != state.heartbeat_epoch:
                 state.heartbeat_epoch = m.epoch
             if m.epoch > state.epoch and state.status in ("ok", "rebuilding"):
                 self._untrust(m.worker_id, "stale")  # the worker restarted: entries to come
+        now = self.route_clock()
         for wid in [w for w in self.streams if w not in seen]:
-            self._forget(wid)
-            del self.streams[wid]
+            # Kept a while, its blocks too: a heartbeat that lapsed for a poll (a stalled
+            # worker, a DEL and rewrite) comes back as it was, nothing read again.
+            self._departed[wid] = (self.streams.pop(wid), now)
+            self._departed.move_to_end(wid)
             self.capacity.pop(wid, None)
+            self._block_sizes.pop(wid, None)
+            self._host_capacity.pop(wid, None)
+        while self._departed:
+            wid, (state, left) = next(iter(self._departed.items()))
+            if now - left < DEPARTED_S and len(self._departed) <= MAX_CURSORS:
+                break
+            del self._departed[wid]
+            self._drop_blocks(state.model, wid)
+            self._cursors[wid] = state.cursor  # only where to read on from
+            self._cursors.move_to_end(wid)
+            if len(self._cursors) > MAX_CURSORS:
+                self._cursors.popitem(last=False)
+        self._settle_indexes(members_of(self.streams))
+
+    def _rejoin(self, wid: str, model: str) -> StreamState | None:
+        """A departed worker's state, back in `streams` (None: none kept). Another model:
+        its blocks go, its cursor stays."""
+        gone = self._departed.pop(wid, None)
+        if gone is None:
+            return None
+        state = gone[0]
+        if state.model != model:
+            self._drop_blocks(state.model, wid)
+        self.streams[wid] = state
+        return state
+
+    def _settle_indexes(self, by_model: dict[str, list[str]]) -> None:
+        """Each model's block size (config, else most heartbeats), its workers' shares,
+        and no index for a model no followed worker serves."""
+        for model in [m for m in self.indexes if m not in by_model]:
+            self.drop_model(model)
+        for model, wids in by_model.items():
+            size = self._model_block_size(model, wids)
+            index = self.indexes.get(model)
+            if index is not None and index.block_size != size:
+                self.drop_model(model)  # most workers name another size now: rebuild
+                for wid in wids:
+                    if self.streams[wid].status in ("ok", "lagging", "rebuilding"):
+                        self._rebuild(wid, "block_size")
+                index = None
+            if index is None and size:
+                index = self.indexes[model] = BlockIndex(size, self.max_blocks)
+            for wid in wids:
+                state = self.streams[wid]
+                named = self._block_sizes.get(wid, 0) or self.config_block_size
+                if named and named != size:
+                    if state.status != "block_size":
+                        self._untrust(wid, "block_size")
+                elif state.status == "block_size" and named:
+                    self._rebuild(wid, "block_size")  # agrees again: rebuild from here
+            if index is not None:
+                index.shares = {w: self._share(w, index.block_size, len(wids)) for w in wids}
+
+    def _model_block_size(self, model: str, wids: list[str]) -> int:
+        if self.config_block_size:
+            return self.config_block_size
+        votes = Counter(b for w in wids if (b := self._block_sizes.get(w, 0)))
+        if not votes:
+            return 0
+        index = self.indexes.get(model)
+        top = max(votes.values())
+        if index is not None and votes.get(index.block_size) == top:
+            return index.block_size  # a tie keeps the index's size
+        return min(b for b, n in votes.items() if n == top)
+
+    def _share(self, wid: str, block_size: int, workers: int) -> int:
+        """The most blocks `wid` may hold in its model's index (see the module doc)."""
+        fair = max(1, self.max_blocks // max(1, workers))
+        tokens = self.capacity.get(wid, 0) + self._host_capacity.get(wid, 0)
+        if not tokens:
+            return fair
+        return min(fair, SHARE_SLACK * -(-tokens // block_size))
+
+    def drop_model(self, model: str) -> None:
+        """Free `model`'s index (no followed worker serves it)."""
+        self.indexes.pop(model, None)
 
     def _forget(self, wid: str) -> None:
         state = self.streams.get(wid)
-        if state is not None and state.model in self.indexes:
-            self.indexes[state.model].drop_worker(wid)
+        if state is not None:
+            self._drop_blocks(state.model, wid)
+
+    def _drop_blocks(self, model: str, wid: str) -> None:
+        index = self.indexes.get(model)
+        if index is not None:
+            index.drop_worker(wid)
 
     def _untrust(self, wid: str, status: str) -> None:
         self._forget(wid)
@@ -162,25 +307,83 @@ class KvEventFeed:
 
     # ---- reading ----------------------------------------------------------------
     async def poll(self, block_ms: int | None = None) -> int:
-        """One XREAD over every followed stream; returns the entries read."""
-        cursors = {w: s.cursor for w, s in self.streams.items()}
+        """Read every readable stream once; with `block_ms`, again every POLL_S until
+        something is read or `block_ms` has passed. Returns the entries read."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (block_ms or 0) / 1000
+        while True:
+            failures = self.failures
+            read = await self._poll_once()
+            if read or self.failures != failures or loop.time() + POLL_S > deadline:
+                return read
+            await asyncio.sleep(POLL_S)
+
+    def readable(self) -> dict[str, bytes | str]:
+        """The cursors of the streams to read: those whose model has a block size and
+        whose worker agrees with it. Each read starts one stream further along: a reply
+        is bounded in bytes, so one busy stream must not always come first."""
+        indexes = self.indexes
+        now = time.perf_counter()
+        items = [
+            (w, s.cursor)
+            for w, s in self.streams.items()
+            if s.status != "block_size" and s.model in indexes and self._has_credit(s, now)
+        ]
+        self._turn += 1
+        k = self._turn % len(items) if items else 0
+        return dict(items[k:] + items[:k])
+
+    def _has_credit(self, state: StreamState, now: float) -> bool:
+        """Refill the stream's CPU credit; out of it, it waits (and is not trusted)."""
+        if state.credited_at is None:
+            state.credit = self.cpu_burst
+        else:
+            state.credit += (now - state.credited_at) * self.cpu_share
+            state.credit = min(state.credit, self.cpu_burst)
+        state.credited_at = now
+        if state.credit > 0:
+            return True
+        self.throttled += 1
+        if state.status == "ok":
+            state.status = "lagging"  # behind its stream by choice: trust waits
+        return False
+
+    async def _poll_once(self) -> int:
+        cursors = self.readable()
+        if not cursors:
+            return 0
         try:
-            replies = await self.registry.read_kv_events(cursors, self.read_count, block_ms)
+            replies = await self.registry.read_kv_events(cursors, self.read_count)
         except (RedisError, OSError, TimeoutError) as exc:
             reraise_if_cancelled()
             self.failures += 1
             log.debug("KV event streams unreadable: %s", exc)
             return 0
         read = 0
+        clock = time.perf_counter
+        budget = self.apply_budget
+        started = clock()
         for wid, entries in replies:
-            state = self.streams.get(wid)
-            if state is None:
-                continue
             for entry_id, fields in entries:
+                state = self.streams.get(wid)
+                if state is None:  # (not while this task applies: follow runs between)
+                    break
+                if state.credit <= 0:
+                    break  # its CPU share is spent: the rest waits in its stream
                 state.cursor = entry_id
-                self.apply_entry(wid, fields)
                 read += 1
-            self._check_lag(state, entries)
+                step = clock()
+                for _ in self._raw_steps(wid, fields):
+                    now = clock()
+                    state.credit -= now - step
+                    if now - started > budget:
+                        await asyncio.sleep(0)  # let requests and /health run between
+                        started = now = clock()
+                    step = now
+                state.credit -= clock() - step
+            state = self.streams.get(wid)
+            if state is not None:
+                self._check_lag(state, entries)
         return read
 
     def _check_lag(self, state: StreamState, entries: Sequence[tuple[bytes, object]]) -> None:
@@ -195,22 +398,46 @@ class KvEventFeed:
             state.status = "lagging"  # still applied: only trust waits
 
     def apply_entry(self, wid: str, fields: dict[bytes, bytes]) -> None:
+        """One raw entry of `wid`'s stream: its epoch is checked before its batch is
+        decoded, so an old epoch's entries are dropped for the price of their fields."""
+        for _ in self._raw_steps(wid, fields):
+            pass
+
+    def _raw_steps(self, wid: str, fields: dict[bytes, bytes]) -> Iterator[None]:
+        if b"oversized" in fields:  # measured in Redis and left there (registry.py)
+            self.dropped["oversized"] += 1
+            return
         try:
-            entry = parse_entry(wid, fields)
+            header = parse_header(wid, fields)
+            if self._stale(self.streams[wid], header.epoch):
+                self.dropped["stale_epoch"] += 1
+                return
+            entry = header.decode()
         except ValueError as exc:
             reason = "other_worker" if "another worker" in str(exc) else "malformed"
             if "too large" in str(exc):
                 reason = "oversized"
             self.dropped[reason] += 1
             return
-        self.apply_stream_entry(wid, entry)
+        yield  # decoded: up to 4 MB of msgpack
+        yield from self._entry_steps(wid, entry)
+
+    @staticmethod
+    def _stale(state: StreamState, epoch: float) -> bool:
+        return epoch < max(state.epoch, 0.0) or epoch < state.heartbeat_epoch - 1e-6
 
     def apply_stream_entry(self, wid: str, entry: StreamEntry) -> None:
         """An entry already parsed (and validated) as `wid`'s: epochs, sequence and trust,
         then the index. The simulator (loadtests/simulate/kv_events.py) delivers its workers'
         events here, so it routes on the same status and fallback rules as the router."""
+        for _ in self._entry_steps(wid, entry):
+            pass
+
+    def _entry_steps(self, wid: str, entry: StreamEntry) -> Iterator[None]:
+        """`apply_stream_entry`, one event at a time: the reader may yield to the event
+        loop at each step (one event of up to 8,192 blocks; an entry holds up to 4,096)."""
         state = self.streams[wid]
-        if entry.epoch < max(state.epoch, 0.0) or entry.epoch < state.heartbeat_epoch - 1e-6:
+        if self._stale(state, entry.epoch):
             self.dropped["stale_epoch"] += 1
             return
         events: Sequence[KVEvent] = entry.batch.events
@@ -238,16 +465,21 @@ class KvEventFeed:
         elif state.status == "rebuilding" and clear is not None:
             events = events[clear:]  # a known state after all (vLLM cleared its cache)
             state.status = "ok"
-        index = self._index(state.model, events)
-        try:
-            index.apply(wid, events, self.route_clock())
-        except ValueError:  # a block size other than the model's
-            self.dropped["block_size"] += 1
-            self._untrust(wid, "block_size")
-            return
+        index = self.indexes.get(state.model, _EMPTY)
+        for event in events:
+            if not in_default_namespace(event):
+                self.dropped["namespace"] += 1  # the index holds a model's default namespace
+                continue
+            try:
+                index.apply(wid, (event,), self.route_clock())
+            except ValueError:  # a block size other than the model's
+                self.dropped["block_size"] += 1
+                self._untrust(wid, "block_size")
+                return
+            if state.status == "rebuilding":
+                self._count_removals(wid, state, (event,))
+            yield
         state.applied += 1
-        if state.status == "rebuilding":
-            self._count_removals(wid, state, events)
 
     def _rebuild(self, wid: str, cause: str) -> None:
         """Events were lost: empty the worker's index and rebuild it from what follows."""
@@ -267,27 +499,26 @@ class KvEventFeed:
         if needed and state.removed >= needed:
             state.status = "ok"  # the pool has turned over: see the module doc
 
-    def _index(self, model: str, events: Sequence[KVEvent]) -> BlockIndex:
-        index = self.indexes.get(model)
-        if index is None:
-            size = next(
-                (e.block_size for e in events if isinstance(e, BlockStored) and e.block_size),
-                None,
-            )
-            if size is None:
-                return _EMPTY
-            index = self.indexes[model] = BlockIndex(size, self.max_blocks)
-        return index
-
     async def run(self, members: Callable[[], Iterable[FeedMember]], idle: float) -> None:
-        """Follow the fleet and read forever (cancel to stop)."""
+        """Follow the fleet, read and trim forever (cancel to stop)."""
+        loop = asyncio.get_running_loop()
         while True:
             self.follow(members())
             failures = self.failures
             if self.streams:
                 await self.poll(block_ms=int(idle * 1000))  # waits up to `idle` for news
+                if loop.time() - self._trimmed > TRIM_EVERY_S:
+                    self._trimmed = loop.time()
+                    await self._trim()
             if not self.streams or self.failures != failures:
                 await asyncio.sleep(idle)
+
+    async def _trim(self) -> None:
+        try:
+            await self.registry.trim_kv_events(list(self.streams), self.stream_len)
+        except (RedisError, OSError, TimeoutError) as exc:
+            reraise_if_cancelled()
+            log.debug("KV event streams not trimmed: %s", exc)
 
     # ---- routing ----------------------------------------------------------------
     def trusted(self, wid: str) -> bool:
@@ -365,6 +596,14 @@ class _NoIndex(BlockIndex):
 
 
 _EMPTY = _NoIndex(1, 1)
+
+
+def members_of(streams: dict[str, StreamState]) -> dict[str, list[str]]:
+    """Followed worker ids by model."""
+    by_model: dict[str, list[str]] = {}
+    for wid, state in streams.items():
+        by_model.setdefault(state.model, []).append(wid)
+    return by_model
 
 
 def _last_clear(events: Sequence[KVEvent]) -> int | None:

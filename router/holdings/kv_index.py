@@ -26,13 +26,17 @@ with one): scoring needs it to tell a route's blocks still
 on their way from blocks that arrived and were evicted since (router/policy/kv_score.py).
 
 Bounded memory: past `max_blocks` the least recently stored blocks are forgotten for
-every holder (an under-estimate, never a wrong holder). A BlockStored whose parent the
+every holder (an under-estimate, never a wrong holder). Each worker also has a share
+(`shares`, set by router/fleet/kv_feed.py): past it, that worker's oldest stored blocks are
+forgotten for it alone (`over_share`), so one worker's stream cannot push the others'
+blocks out of the index. A BlockStored whose parent the
 index does not know (forgotten, or stored before a gap) cannot be keyed and is dropped
 (counted as `orphan`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,6 +96,8 @@ class BlockIndex:
         self._workers: dict[str, _WorkerBlocks] = {}
         self.orphans = 0  # stored blocks whose parent is unknown (dropped)
         self.forgotten = 0  # blocks dropped to stay under max_blocks
+        self.shares: dict[str, int] = {}  # worker -> the most blocks it may hold (none: any)
+        self.over_share = 0  # blocks forgotten for a worker past its share
 
     # ---- events -----------------------------------------------------------------
     def apply(self, worker: str, events: Sequence[KVEvent], now: float = 0.0) -> None:
@@ -152,6 +158,9 @@ class BlockIndex:
                 wb.extra[count] = wb.extra.get(count, 0) + 1
             holders[worker] = (media | bits, engine_hash)
             by_hash[engine_hash] = parent
+        share = self.shares.get(worker)
+        if share is not None and len(by_hash) > share:
+            self._shed(worker, wb, len(by_hash) - share)
         while len(blocks) > self.max_blocks:
             _, holders = blocks.popitem(last=False)
             self.forgotten += 1
@@ -212,6 +221,15 @@ class BlockIndex:
             lost[lost_key] = now
             if len(lost) > self.max_lost:
                 lost.popitem(last=False)
+
+    def _shed(self, worker: str, wb: _WorkerBlocks, n: int) -> None:
+        """Forget `worker`'s `n` oldest stored blocks (parents before children: the run
+        a lookup finds only shortens)."""
+        by_hash = wb.by_hash
+        for engine_hash in list(itertools.islice(by_hash, n)):
+            self._unhold(worker, by_hash[engine_hash], 7)
+            wb.forget(engine_hash)
+        self.over_share += n
 
     def _unhold(self, worker: str, key: int, media: int) -> int:
         """Clear `media` bits of `worker` on `key`; returns the bits it still holds."""

@@ -18,9 +18,11 @@ so the same messages become other tokens).
   whole prefix to count, and the prefix's length is taken off every end, so two
   namespaces share nothing and lengths stay the request's own. Replica sync carries
   the prefixed key as it is: a replica files it under the same namespace.
-- The KV-event index holds the default namespace only: the events our engine and
-  attached engines publish carry no salt or adapter, so a namespaced request is
-  predicted from the tree alone.
+- The KV-event index holds each model's default namespace only: a stored block whose
+  hash mixed in anything beside its tokens (vLLM's `extra_keys`: the `cache_salt` on a
+  salted prompt's first block, a LoRA name; our engine writes the salt the same way) is
+  not indexed, nor are the blocks stored below it (their parent is unknown to the
+  index). A namespaced request is predicted from the tree alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+
+from shared.wire.kv_events import BlockStored, KVEvent
 
 DEFAULT = ""
 TEXT_TAG = "\x00ns:"
@@ -62,6 +66,12 @@ def request_namespace(parsed: object) -> str:
         getattr(parsed, "model", None), salt, str(template) if template is not None else None,
         kwargs if isinstance(kwargs, Mapping) else {"": repr(kwargs)},
     )  # fmt: skip
+
+
+def in_default_namespace(event: KVEvent) -> bool:
+    """False for a stored block whose hash mixed in extra keys (another namespace)."""
+    keys = event.extra_keys if isinstance(event, BlockStored) else None
+    return keys is None or all(k is None for k in keys)
 
 
 def prefix_of(namespace: str, on_tokens: bool) -> str | tuple[int, ...]:

@@ -44,8 +44,10 @@ from router.http.state import (
     ROUTING,
     SESSION,
     SYNC,
+    TOKENIZE,
     TOKENS,
 )
+from router.http.tokenize import Tokenizing, context_tokens
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
@@ -138,7 +140,14 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
 
     def members() -> list[FeedMember]:
         return [
-            FeedMember(w.worker_id, w.report.model, w.report.epoch, w.report.kv_capacity_tokens)
+            FeedMember(
+                w.worker_id,
+                w.report.model,
+                w.report.epoch,
+                w.report.kv_capacity_tokens,
+                w.report.kv_block_size,
+                w.report.host_kv_capacity_tokens,
+            )
             for w in fleet.workers.values()
             if w.source == "redis" and w.report.epoch
         ]
@@ -164,8 +173,17 @@ def _kv_feed(config: RouterConfig) -> KvEventFeed | None:
     redis = Redis.from_url(config.redis_url, socket_timeout=idle + 5, socket_connect_timeout=5)
     return KvEventFeed(
         Registry(redis, config.redis_prefix), config.kv_events_max_blocks,
-        max_lag=config.kv_events_max_lag,
+        max_lag=config.kv_events_max_lag, block_size=config.kv_events_block_size,
+        stream_len=config.kv_events_stream_len,
     )  # fmt: skip
+
+
+async def _tokenize_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The tokenizer thread (router/http/tokenize.py), stopped with the app."""
+    yield
+    tokenize = app.get(TOKENIZE)
+    if tokenize is not None:
+        tokenize.close()
 
 
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -271,12 +289,21 @@ def create_app(
         app[RATELIMIT_REDIS] = ratelimit_redis
     if tokens is not None:
         app[TOKENS] = tokens
+        context = context_tokens(config.max_prompt_tokens, config.tokenizer or "")
+        app[TOKENIZE] = Tokenizing(tokens, context)
     if feed is not None:
         app[KV_FEED] = feed
         metrics.watch_kv_feed(feed)
     app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend(
-        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_events_ctx, _ratelimit_redis_ctx]
+        [
+            _session_ctx,
+            _discovery_ctx,
+            _sync_ctx,
+            _kv_events_ctx,
+            _ratelimit_redis_ctx,
+            _tokenize_ctx,
+        ]
     )
     app.router.add_routes(routes())
     return app

@@ -16,7 +16,6 @@ from pydantic import ValidationError
 
 from router.fleet.workers import Worker
 from router.holdings.kv_feed import KvEventFeed
-from router.holdings.merge import request_tokens
 from router.holdings.namespace import request_namespace
 from router.http.state import (
     CLOCK,
@@ -28,7 +27,7 @@ from router.http.state import (
     OPENAPI,
     ROUTING,
     SESSION,
-    TOKENS,
+    TOKENIZE,
 )
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed
@@ -77,8 +76,12 @@ def _inference(endpoint: str, path: str) -> Any:
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
-            tokens = app.get(TOKENS)  # the router's tokenizer, where one is configured
-            ids = request_tokens(tokens, parsed) if tokens is not None else None
+            # The router's tokenizer, where one is configured: bounded, long prompts off
+            # the event loop, over-long ones routed on their text's head alone.
+            tokenize = app.get(TOKENIZE)
+            ids = await tokenize.ids(parsed, len(text)) if tokenize is not None else None
+            if tokenize is not None and len(text) > tokenize.max_chars:
+                text = text[: tokenize.max_chars]
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
             routed = Routed(
                 endpoint, path, raw, text, session_key, model, ids, stream,

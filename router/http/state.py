@@ -14,6 +14,7 @@ from router.fleet.table import Fleet
 from router.holdings.kv_feed import KvEventFeed
 from router.holdings.sync import ReplicaSync
 from router.http.gate import AdmissionGate
+from router.http.tokenize import Tokenizing
 from router.metrics import Metrics
 from router.routing import Routing
 from shared.config import RouterConfig
@@ -30,6 +31,7 @@ OPENAPI = web.AppKey("openapi", dict)
 REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis boundary
 SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
 TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `tokenizer`)
+TOKENIZE = web.AppKey("tokenize", Tokenizing)  # ... used bounded (router/http/tokenize.py)
 KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
 # Set up in cleanup_ctx (they need the running loop):
 SESSION = web.AppKey("session", aiohttp.ClientSession)

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 from shared.tokens.prompt_ids import PromptIds, Run, from_runs
 
+_ID_BYTES = 40  # an id in a tuple: its pointer and (past 256) its int object
+_ENTRY_BYTES = 200  # a dict slot, its key tuple and a Run
 _CHECK = [
     {"role": "system", "content": "You are brief. Answer in one line."},
     {"role": "user", "content": "Hello there,  world! 12 + 30 = ?"},
@@ -65,17 +67,28 @@ def load_tokenizer(setting: str) -> Encoder:
 class PromptTokens:
     """Prompt ids as the worker computes them, pieces and conversation prefixes cached.
 
-    Two bounded caches, cleared together when either bound is reached (rare: a cheap
-    bound, refilled by the next turns): piece text -> ids, and the conversation trie of
-    `Run`s (shared/tokens/prompt_ids.py: a prefix's pieces -> its ids and block keys). Both
-    belong to this tokenizer's instance: another tokenizer never reads them."""
+    Two bounded caches, cleared together when a bound is reached (rare: a cheap bound,
+    refilled by the next turns): piece text -> ids, and the conversation trie of `Run`s
+    (shared/tokens/prompt_ids.py: a prefix's pieces -> its ids and block keys). Both
+    belong to this tokenizer's instance: another tokenizer never reads them.
+
+    Bounded in entries, ids and bytes (`max_bytes`: the pieces' text, 4 bytes a character
+    at most, and ~40 bytes per id held): a count of ids alone let three 10 MB prompts
+    leave 2.3 GB of piece text held when idle (issue 30). A piece over
+    `max_bytes / 16` is encoded but never kept."""
 
     def __init__(
-        self, tokenizer: Encoder, max_entries: int = 100_000, max_tokens: int = 2_000_000
+        self,
+        tokenizer: Encoder,
+        max_entries: int = 100_000,
+        max_tokens: int = 2_000_000,
+        max_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_entries = max_entries
         self.max_tokens = max_tokens  # ids held by both caches (~40 bytes each as ints)
+        self.max_bytes = max_bytes  # what both caches hold, text and ids (estimated)
+        self._bytes = 0
         self._pieces: dict[object, tuple[int, ...]] = {}
         self._runs: dict[tuple[Run | None, object], Run] = {}
         self._held = 0
@@ -97,8 +110,12 @@ class PromptTokens:
 
     @property
     def cached(self) -> tuple[int, int, int]:
-        """(pieces, runs, tokens held): what the bounds apply to."""
+        """(pieces, runs, tokens held): what the bounds apply to (and `held_bytes`)."""
         return len(self._pieces), len(self._runs), self._held
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
 
     def chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
@@ -138,7 +155,7 @@ class PromptTokens:
             self.misses += 1
             whole = piece if parent is None else self._split + piece  # type: ignore[operator]
             ids = tuple(self.tokenizer.encode(whole, add_special_tokens=False))
-            self._remember(self._pieces, key, ids)
+            self._remember(self._pieces, key, ids, 4 * len(piece))
         else:
             self.hits += 1
         if parent is None:
@@ -148,20 +165,25 @@ class PromptTokens:
             if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
                 ids = ids[1:]
         run = Run(parent, ids)
-        self._remember(self._runs, (parent, key), run)
+        self._remember(self._runs, (parent, key), run, 4 * len(piece))  # its key: the text
         return run
 
-    def _remember(self, cache: dict[Any, Any], key: object, value: Any) -> None:
+    def _remember(self, cache: dict[Any, Any], key: object, value: Any, text: int = 0) -> None:
         n = len(value.ids if isinstance(value, Run) else value)
+        size = text + _ID_BYTES * n + _ENTRY_BYTES
+        if size > self.max_bytes // 16:
+            return  # one piece would crowd out the rest: encoded, not kept
         if (
             len(self._pieces) + len(self._runs) >= self.max_entries
             or self._held + n > self.max_tokens
+            or self._bytes + size > self.max_bytes
         ):
             self._pieces.clear()
             self._runs.clear()
-            self._held = 0
+            self._held = self._bytes = 0
         cache[key] = value
         self._held += n
+        self._bytes += size
 
     def _pieces_agree(self) -> bool:
         """Pieces encoded apart == the whole encoded, on a sample chat and a plain text."""
@@ -184,7 +206,7 @@ class PromptTokens:
                 return False
         self._pieces.clear()
         self._runs.clear()
-        self._held = 0
+        self._held = self._bytes = 0
         return True
 
 

@@ -22,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
 
+RELEASE_GIL_CHARS = 4096  # longer texts are encoded without holding the GIL
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
 
 
@@ -210,6 +211,12 @@ class Tokenizer:
         """Ids the tokenizer can produce (the model's embedding may be padded larger)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def longest_token_chars(self) -> int:
+        """The most characters one token can stand for: its vocabulary spelling's length
+        (byte-level BPE spells each byte as one character; a decoded token has no more
+        characters than bytes). A text longer than n × this has more than n tokens."""
+        return max((len(t) for t in self._tok.get_vocab()), default=1)
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
@@ -217,7 +224,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > RELEASE_GIL_CHARS:
+            # `encode_batch` releases the GIL while it works (`encode` holds it: 1.6 s
+            # for 560k characters with another thread frozen); same ids. The router
+            # tokenizes long prompts on a thread (router/http/tokenize.py), so its event
+            # loop runs meanwhile.
+            enc = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        ids: list[int] = enc.ids
         if (
             add_special_tokens
             and self._add_bos_token

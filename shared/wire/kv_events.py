@@ -40,6 +40,7 @@ MAX_BLOCKS = 8192  # hashes in one event
 MAX_BLOCK_SIZE = 4096  # tokens per block
 MAX_TOKEN_ID = 2**31 - 1
 MAX_HASH_BYTES = 64
+MAX_EXTRA_KEYS = 8  # items in one block's extra_keys (strings bounded by max_str_len)
 
 BlockHash: TypeAlias = bytes | int
 
@@ -53,6 +54,10 @@ class BlockStored:
     # `medium` too (vLLM's offloading connector writes these for its CPU tier).
     block_size: int
     medium: str | None = MEDIUM_GPU
+    # vLLM's `extra_keys`: per block, what its hash mixed in beside the tokens (a LoRA
+    # name, a cache_salt on the first block, ...), or None; None for the whole event when
+    # no block has any. Bounded: MAX_EXTRA_KEYS items of short strings or ints.
+    extra_keys: tuple[tuple[str | int, ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +133,10 @@ def _event_obj(event: KVEvent) -> dict[str, Any]:
             "lora_id": None,
             "medium": event.medium,
             "lora_name": None,
-        }
+            "extra_keys": None if event.extra_keys is None else [
+                None if k is None else list(k) for k in event.extra_keys
+            ],
+        }  # fmt: skip
     if isinstance(event, BlockRemoved):
         return {
             "type": "BlockRemoved",
@@ -155,6 +163,8 @@ _STORED_ORDER = (
     "block_size",
     "lora_id",
     "medium",
+    "lora_name",
+    "extra_keys",
 )
 _REMOVED_ORDER = ("block_hashes", "medium")
 
@@ -218,7 +228,7 @@ def _event(raw: object) -> KVEvent:
         parent = f.get("parent_block_hash")
         return BlockStored(
             hashes, None if parent is None else _hash(parent), ids.astype(np.int64), size,
-            _medium(f),
+            _medium(f), _extra_keys(f.get("extra_keys"), len(hashes)),
         )  # fmt: skip
     if tag == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_ORDER)
@@ -240,6 +250,27 @@ def _hashes(value: object) -> tuple[BlockHash, ...]:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_BLOCKS:
         raise ValueError("block_hashes is not a non-empty list of bounded length")
     return tuple(_hash(v) for v in value)
+
+
+def _extra_keys(value: object, blocks: int) -> tuple[tuple[str | int, ...] | None, ...] | None:
+    """vLLM's per-block extra keys: None, or one entry (None or a short list of strings and
+    ints) per block."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != blocks:
+        raise ValueError("extra_keys is not one entry per block")
+    out: list[tuple[str | int, ...] | None] = []
+    for keys in value:
+        if keys is None:
+            out.append(None)
+            continue
+        if not isinstance(keys, list) or len(keys) > MAX_EXTRA_KEYS:
+            raise ValueError("an extra_keys entry is not a short list")
+        for k in keys:
+            if not (isinstance(k, str) or (type(k) is int and -(2**63) <= k < 2**64)):
+                raise ValueError("an extra key is neither a string nor a 64-bit int")
+        out.append(tuple(keys))
+    return tuple(out)
 
 
 def _medium(f: dict[str, Any]) -> str | None:
@@ -282,8 +313,31 @@ def entry_fields(
     return fields
 
 
+@dataclass(frozen=True, slots=True)
+class EntryHeader:
+    """An entry's small fields, read before its batch is decoded: a reader drops an
+    entry of an old epoch on these alone (decoding costs ~1 ms per MB)."""
+
+    worker_id: str
+    epoch: float
+    seq: int
+    payload: bytes
+    resync: bool = False
+
+    def decode(self) -> StreamEntry:
+        """The whole entry; ValueError when its batch is malformed."""
+        batch = decode_batch(self.payload)
+        return StreamEntry(self.worker_id, self.epoch, self.seq, batch, self.resync)
+
+
 def parse_entry(owner: str, fields: dict[bytes, bytes]) -> StreamEntry:
     """An entry read from `owner`'s stream; ValueError when malformed or not `owner`'s."""
+    return parse_header(owner, fields).decode()
+
+
+def parse_header(owner: str, fields: dict[bytes, bytes]) -> EntryHeader:
+    """An entry's fields but its batch (not decoded); ValueError when malformed or not
+    `owner`'s."""
     if not isinstance(fields, dict) or len(fields) > 8:
         raise ValueError("entry is not a small map")
     try:
@@ -300,4 +354,6 @@ def parse_entry(owner: str, fields: dict[bytes, bytes]) -> StreamEntry:
         raise ValueError("entry epoch or seq out of range")
     if resync not in (b"0", b"1"):
         raise ValueError("entry resync is neither 0 nor 1")
-    return StreamEntry(worker, epoch, seq, decode_batch(payload), resync == b"1")
+    if not isinstance(payload, bytes) or len(payload) > MAX_BATCH_BYTES:
+        raise ValueError("batch is not bytes or is too large")
+    return EntryHeader(worker, epoch, seq, payload, resync == b"1")

@@ -76,9 +76,9 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # vLLM's prefix-cache salt: a salted prompt shares cached blocks only with prompts of
-    # the same salt. A non-empty string when given, as vLLM validates it.
-    cache_salt: NonEmptyStr | None = None
+    # vLLM's prefix-cache namespace: a salted prompt shares cached blocks only with
+    # prompts of the same salt (worker/engine/salt.py). Non-empty, as vLLM requires.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -33,12 +33,15 @@ from dataclasses import asdict, dataclass, fields
 
 from redis.asyncio import Redis
 
-from shared.wire.kv_events import entry_fields
+from shared.wire.kv_events import MAX_BATCH_BYTES, entry_fields
 from shared.wire.peers import Rejections, check_worker_id, check_worker_url
 
 # Counts and sizes a worker reports (tokens, requests) are far below this; larger is a lie.
 MAX_COUNT = 10**15
 MAX_WORKERS = 4096  # worker hashes read per poll
+# A KV-event stream entry's fields (a batch of at most MAX_BATCH_BYTES and its header).
+MAX_ENTRY_BYTES = MAX_BATCH_BYTES + 1024
+MAX_REPLY_BYTES = 2 * MAX_ENTRY_BYTES  # one read of every stream, whatever `count` is
 SCAN_COUNT = 10_000  # keys the server walks per SCAN round trip (~1 ms of its time)
 
 
@@ -70,6 +73,9 @@ class WorkerRecord:
     host_cached_tokens_total: int = 0
     host_load_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
+    # Tokens per block of its KV events (0: it publishes none): routers index its events
+    # at this size, never at whatever size the first publisher used (router/fleet/kv_feed.py).
+    kv_block_size: int = 0
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -159,20 +165,47 @@ class Registry:
         )
 
     async def read_kv_events(
-        self, cursors: dict[str, str], count: int, block_ms: int | None
+        self,
+        cursors: dict[str, str],
+        count: int,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
-        """New entries of each worker's stream after its cursor (an entry id; "0" for all,
-        "$" for only new), as [(worker_id, [(entry_id, fields), ...]), ...]."""
+        """New entries of each worker's stream after its cursor (an entry id; "0" for all),
+        as [(worker_id, [(entry_id, fields), ...]), ...], at most `count` per stream.
+
+        Sizes are checked in Redis, before anything crosses the wire: an entry whose
+        fields exceed `max_entry_bytes` comes back as `{b"oversized": b"<bytes>"}` (its
+        id kept, so the cursor moves past it). XREAD would send it whole first: 8 entries
+        of 64 MB took a router from 73 MB to 641 MB (issue 30). One reply carries at most
+        `max_reply_bytes` (at least one entry): 256 entries of 4 MB would be 1 GB. So the read is a script
+        (XRANGE per stream, exclusive of the cursor), and does not block: the caller
+        polls."""
         if not cursors:
             return []
-        streams = {self.kv_events_key(w): c for w, c in cursors.items()}
-        replies = await self.redis.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
+        keys = [self.kv_events_key(w) for w in cursors]
+        args = [count, max_entry_bytes, max_reply_bytes, *cursors.values()]
+        # EVAL_RO: read-only key access (the routers' ACL reads worker streams, %R~).
+        replies = await self.redis.eval_ro(_READ_SIZED, len(keys), *keys, *args)  # type: ignore[misc]
         cut = len(self.kv_events_key(""))
         out = []
-        for key, entries in replies or ():
-            name = key.decode() if isinstance(key, bytes) else key
-            out.append((name[cut:], entries))
+        for key, flat in zip(keys, replies or (), strict=False):
+            if not flat:
+                continue
+            entries = [(eid, dict(zip(f[::2], f[1::2], strict=False))) for eid, f in flat]
+            out.append((key[cut:], entries))
         return out
+
+    async def trim_kv_events(self, worker_ids: list[str], maxlen: int) -> None:
+        """Cap each worker's stream at about `maxlen` entries (MAXLEN ~): routers do it
+        too, as a worker that does not trim its own stream could fill Redis. (The routers'
+        ACL allows XTRIM alone on these keys: a selector, README.md.)"""
+        if not worker_ids:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for wid in worker_ids:
+                pipe.xtrim(self.kv_events_key(wid), maxlen=maxlen, approximate=True)
+            await pipe.execute()
 
     async def last_kv_event_id(self, worker_id: str) -> bytes | None:
         """The id of the newest entry in the worker's stream (None when empty)."""
@@ -251,6 +284,34 @@ class Registry:
             except ValueError as e:
                 self.rejections.reject("registry", wid, str(e))
         return sorted(found)
+
+
+# KEYS: the streams; ARGV: count, the entry size bound, the reply's byte budget, then
+# each stream's cursor. Each entry's fields are measured here, in Redis; an oversized one
+# is sent as its size. Past the budget no more entries are sent (the next read goes on).
+_READ_SIZED = """
+local count, bound, budget, out = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), {}
+local total = 0
+for i, key in ipairs(KEYS) do
+  local kept = {}
+  if total < budget then
+    local entries = redis.call('XRANGE', key, '(' .. ARGV[3 + i], '+', 'COUNT', count)
+    for _, entry in ipairs(entries) do
+      local size = 0
+      for _, v in ipairs(entry[2]) do size = size + #v end
+      if size > bound then
+        entry[2] = {'oversized', tostring(size)}
+        size = 64
+      end
+      if total > 0 and total + size > budget then break end
+      total = total + size
+      kept[#kept + 1] = entry
+    end
+  end
+  out[i] = kept
+end
+return out
+"""
 
 
 def _glob_escape(text: str) -> str:

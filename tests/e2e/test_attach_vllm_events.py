@@ -24,6 +24,7 @@ from redis.asyncio import Redis  # noqa: E402
 from loadtests.load.cluster import BenchFleet, Child  # noqa: E402
 from router.holdings.kv_feed import FeedMember, KvEventFeed  # noqa: E402
 from shared.procs import free_port, http_json, wait_until  # noqa: E402
+from shared.wire.kv_events import BlockStored, parse_entry  # noqa: E402
 from shared.wire.registry import Registry  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -87,12 +88,15 @@ def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[BenchFlee
                 break
             await asyncio.sleep(0.2)
             fleet_ = await registry.read_fleet()
-        member = FeedMember("vllm-ev", MODEL, fleet_["vllm-ev"].epoch)
         feed = KvEventFeed(registry)
 
         async def settle(cond) -> None:
             for _ in range(300):
-                feed.follow([member])
+                # The sidecar's heartbeat names the block size once its engine's first
+                # events have (until then the router does not read the stream).
+                record = (await registry.read_fleet())["vllm-ev"]
+                feed.follow([FeedMember("vllm-ev", MODEL, record.epoch,
+                                        block_size=record.kv_block_size)])  # fmt: skip
                 await feed.poll(block_ms=50)
                 if cond():
                     return
@@ -115,5 +119,50 @@ def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[BenchFlee
         await settle(lambda: feed.match(MODEL, prompt).get("vllm-ev", 0) < held)
         assert feed.trusted("vllm-ev") and not feed.dropped, feed.dropped
         await redis.aclose()
+
+    asyncio.run(main())
+
+
+def test_cache_salt_keeps_vllm_blocks_apart_and_reaches_the_stream(
+    fleet: tuple[BenchFleet, str],
+) -> None:
+    """vLLM's `cache_salt` (its OpenAI server's field: the salt mixed into the first
+    block's hash): the same prompt under another salt gets no cached tokens, under its
+    own salt it does; the sidecar forwards the events with their `extra_keys` (vLLM puts
+    the salt in the first block's entry) where this vLLM writes them."""
+    f, upstream = fleet
+    assert f.redis is not None
+    client = openai.AsyncOpenAI(base_url=upstream + "/v1", api_key="unused", max_retries=0)
+    prompt = [(13 * i) % 300 + 9 for i in range(80)]  # 5 blocks of 16
+
+    async def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else None
+        r = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra
+        )
+        return r.usage.prompt_tokens_details.cached_tokens or 0  # type: ignore[union-attr]
+
+    async def main() -> None:
+        assert await cached("tenant-a") == 0
+        assert await cached("tenant-a") > 0  # its own salt: its blocks
+        assert await cached("tenant-b") == 0  # another salt: none
+        assert await cached(None) == 0  # no salt: none either
+        redis = Redis.from_url(f.redis.url)
+        salts = set()
+        for _ in range(100):  # the forwarder writes within a fraction of a second
+            entries = await redis.xrange(Registry(redis).kv_events_key("vllm-ev"))
+            for _, fields in entries:
+                for e in parse_entry("vllm-ev", fields).batch.events:
+                    if isinstance(e, BlockStored) and e.extra_keys and e.extra_keys[0]:
+                        salts.update(k for k in e.extra_keys[0] if isinstance(k, str))
+            if {"tenant-a", "tenant-b"} <= salts:
+                break
+            await asyncio.sleep(0.1)
+        await redis.aclose()
+        print(f"salts in vLLM's forwarded extra_keys: {sorted(salts)}")
+        from vllm.distributed.kv_events import BlockStored as VllmStored
+
+        if "extra_keys" in VllmStored.__struct_fields__:
+            assert {"tenant-a", "tenant-b"} <= salts, salts
 
     asyncio.run(main())

@@ -57,7 +57,7 @@ async def test_an_unrecoverable_gap_rebuilds_then_turnover_restores_trust(
     ))  # fmt: skip
     router = await start_router(RouterConfig(
         host="127.0.0.1", redis_url=redis_server.url, discovery_interval=0.1,
-        kv_events=True, tokenizer="sim", access_log=False,
+        kv_events=True, tokenizer="sim", access_log=False, kv_events_block_size=2,
     ))  # fmt: skip
     url = str(router.make_url("")).rstrip("/")
     feed = router.app[KV_FEED]

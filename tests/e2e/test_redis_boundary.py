@@ -251,7 +251,7 @@ async def test_kv_event_entries_malformed_oversized_foreign_or_out_of_order_are_
     ]:
         await redis.xadd(key, fields)  # type: ignore[arg-type]
     feed = KvEventFeed(Registry(redis))
-    feed.follow([FeedMember("w1", "sim", 1.0)])
+    feed.follow([FeedMember("w1", "sim", 1.0, block_size=2)])
     while await feed.poll():
         pass
     assert feed.match("sim", [5, 6]) == {"w1": 2}  # the good entries, still trusted

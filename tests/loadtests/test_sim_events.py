@@ -69,7 +69,7 @@ def test_cached_prefix_reads_the_cache_without_touching_it() -> None:
 def test_events_reach_the_index_after_the_delay_and_follow_a_flush() -> None:
     w = SimWorker(0, dataclasses.replace(COST, kv_events_block_size=4))
     feed = KvEventFeed(registry=None)  # type: ignore[arg-type]
-    streams = EventStreams(feed, delay=0.5)
+    streams = EventStreams(feed, delay=0.5, block_size=4)
     streams.join("w0", 1.0)
     feed.follow(streams.members())
     w.submit(_job(1, list(range(40))))
@@ -91,7 +91,7 @@ def test_events_reach_the_index_after_the_delay_and_follow_a_flush() -> None:
 
 def test_a_restarted_worker_is_untrusted_until_its_new_epoch_resyncs() -> None:
     feed = KvEventFeed(registry=None)  # type: ignore[arg-type]
-    streams = EventStreams(feed, delay=0.0)
+    streams = EventStreams(feed, delay=0.0, block_size=4)
     old = SimWorker(0, dataclasses.replace(COST, kv_events_block_size=4))
     streams.join("w0", 1.0)
     feed.follow(streams.members())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
 import zmq
 import zmq.asyncio
 from redis.asyncio import Redis
@@ -20,7 +21,8 @@ from router.holdings.kv_feed import FeedMember, KvEventFeed
 from shared.redis_server import free_port
 from shared.wire.kv_events import AllBlocksCleared, BlockStored, encode_batch, parse_entry
 from shared.wire.registry import Registry
-from worker.attach.kv_subscriber import ZmqEventSubscriber, forward
+from worker.attach import kv_subscriber
+from worker.attach.kv_subscriber import MAX_FRAME_BYTES, ZmqEventSubscriber, forward
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -88,7 +90,7 @@ async def test_history_gaps_replay_and_a_lost_gap_reach_the_router(redis: Redis)
         asyncio.create_task(forward(queue, registry, "v1", lambda: 7.0, 1000)),
     ]
     feed = KvEventFeed(registry)
-    feed.follow([FeedMember("v1", "m", 7.0)])
+    feed.follow([FeedMember("v1", "m", 7.0, block_size=2)])
     try:
         await until(feed, lambda: feed.match("m", [1, 1]) == {"v1": 2})  # replayed from 0
         for _ in range(50):  # PUB drops what it sends before the SUB is connected
@@ -134,7 +136,7 @@ async def test_a_sidecar_that_missed_the_engines_start_does_not_claim_an_empty_c
         asyncio.create_task(forward(queue, registry, "v2", lambda: 3.0, 1000, sub.complete)),
     ]
     feed = KvEventFeed(registry)
-    feed.follow([FeedMember("v2", "m", 3.0)])
+    feed.follow([FeedMember("v2", "m", 3.0, block_size=2)])
     try:
         await until(feed, lambda: feed.streams["v2"].status == "rebuilding")
         assert not sub.complete() and sub.first_seq == 1
@@ -148,3 +150,65 @@ async def test_a_sidecar_that_missed_the_engines_start_does_not_claim_an_empty_c
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await pub.close()
+
+
+async def test_an_oversized_frame_never_reaches_the_sidecar_and_it_reads_on() -> None:
+    """Issue 30, finding 6: one 1 GB frame took the sidecar to 2 GB. With ZMQ MAXMSGSIZE
+    the frame is refused in the socket (the peer is dropped and reconnects): it is never
+    received whole, let alone parsed; the batches after it arrive."""
+    pub = Publisher()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=100)
+    sub = ZmqEventSubscriber(pub.endpoint, None, queue)
+    task = asyncio.create_task(sub.run())
+    try:
+        for i in range(1, 200):  # PUB drops what it sends before the SUB is connected
+            await pub.publish([stored(i, None, i)])
+            if sub.received:
+                break
+            await asyncio.sleep(0.02)
+        got = sub.received
+        big = b"\x00" * (MAX_FRAME_BYTES + 1)
+        await pub.pub.send_multipart((b"", (10_000).to_bytes(8, "big"), big))
+        for i in range(200):  # the SUB reconnects: later batches arrive
+            await pub.publish([stored(500 + i, None, 7)])
+            if sub.received > got:
+                break
+            await asyncio.sleep(0.05)
+        assert sub.received > got and sub.dropped == 0  # the big one was never parsed
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+
+
+async def test_a_replay_with_no_end_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 6: a replay that never sends its end marker grew the sidecar to 1.2 GB in
+    20 s. Past REPLAY_MAX_BATCHES (or bytes, or seconds) it is given up as failed."""
+    monkeypatch.setattr(kv_subscriber, "REPLAY_MAX_BATCHES", 50)
+    ctx = zmq.asyncio.Context()
+    port = free_port()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    sent = 0
+
+    async def endless() -> None:
+        nonlocal sent
+        client, _, _ = await router.recv_multipart()
+        payload = encode_batch([stored(1, None, 1)])
+        while True:
+            await router.send_multipart((client, b"", b"", sent.to_bytes(8, "big"), payload))
+            sent += 1
+            if sent % 20 == 0:
+                await asyncio.sleep(0)
+
+    server = asyncio.create_task(endless())
+    queue: asyncio.Queue = asyncio.Queue(maxsize=100)
+    sub = ZmqEventSubscriber("tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}", queue)
+    try:
+        assert await asyncio.wait_for(sub._replay(0, None), 60) is None
+        assert sent >= 50 and queue.empty()  # nothing of it was queued
+    finally:
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
+        router.close(0)
+        ctx.term()

@@ -30,6 +30,13 @@ workers' streams do, but only when the subscriber holds every batch the engine p
 since it started (the first it got was sequence 0). A sidecar started next to an engine
 that has run for a while, whose replay buffer no longer holds the start, cannot claim an
 empty cache: the epoch's first entry is then a `resync` marker, and routers rebuild.
+
+Bounds (the publisher is a peer, not trusted: issue 30 saw one 1 GB frame take the
+sidecar to 2 GB, and a replay with no end grow it to 1.2 GB in 20 s): both sockets refuse
+messages over MAX_FRAME_BYTES (ZMQ MAXMSGSIZE: the peer is disconnected, nothing is
+buffered), and a replay stops, as a failed one, past REPLAY_MAX_BATCHES batches,
+REPLAY_MAX_BYTES of payload or REPLAY_MAX_S seconds. The subscriber reports the block
+size its engine's events name (`on_block_size`): the sidecar's heartbeat carries it.
 """
 
 from __future__ import annotations
@@ -44,7 +51,14 @@ import zmq.asyncio
 from redis.exceptions import RedisError
 
 from shared.serving.aio import reraise_if_cancelled
-from shared.wire.kv_events import AllBlocksCleared, KVEvent, decode_batch, encode_batch
+from shared.wire.kv_events import (
+    MAX_BATCH_BYTES,
+    AllBlocksCleared,
+    BlockStored,
+    KVEvent,
+    decode_batch,
+    encode_batch,
+)
 from shared.wire.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -52,6 +66,12 @@ log = logging.getLogger(__name__)
 END_SEQ = -1
 REPLAY_TIMEOUT_S = 2.0
 LOST = None  # queued in place of batches that could not be recovered
+MAX_FRAME_BYTES = MAX_BATCH_BYTES + 4096  # one ZMQ message: a batch and its frames
+# vLLM buffers 10,000 steps for replay (KVEventsConfig.buffer_steps): a replay of more is
+# not one; 256 MiB of payload and 30 s bound what one replay may hold and take.
+REPLAY_MAX_BATCHES = 10_000
+REPLAY_MAX_BYTES = 256 * 1024 * 1024
+REPLAY_MAX_S = 30.0
 
 
 class ZmqEventSubscriber:
@@ -72,12 +92,15 @@ class ZmqEventSubscriber:
         self.replayed = 0
         self.dropped = 0  # frames that were not a valid batch
         self.lost = 0  # holes that replay could not fill
+        self.block_size = 0  # the engine's, from its BlockStored events (0: none seen)
+        self.on_block_size: Callable[[int], None] = lambda size: None
         self._ctx = zmq.asyncio.Context()
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sub.connect(self.endpoint)
         try:
             await self._catch_up(0)
@@ -108,11 +131,16 @@ class ZmqEventSubscriber:
             return None, []
         seq = int.from_bytes(frames[1], "big", signed=True)
         try:
-            return seq, list(decode_batch(frames[2]).events)
+            events = list(decode_batch(frames[2]).events)
         except ValueError as exc:
             self.dropped += 1
             log.warning("dropped a KV event batch (seq %d): %s", seq, exc)
             return None, []
+        for e in events:
+            if isinstance(e, BlockStored) and e.block_size and e.block_size != self.block_size:
+                self.block_size = e.block_size
+                self.on_block_size(e.block_size)
+        return seq, events
 
     def complete(self) -> bool:
         """Every batch of the engine's current run has been received (from sequence 0)."""
@@ -148,12 +176,22 @@ class ZmqEventSubscriber:
     async def _replay(self, start: int, before: int | None) -> list | None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.connect(self.replay_endpoint)  # type: ignore[arg-type]
         got: list[tuple[int, list[KVEvent]]] = []
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + REPLAY_MAX_S
+        held = 0
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
+                wait = min(REPLAY_TIMEOUT_S, ends - loop.time())
+                frames = await asyncio.wait_for(sock.recv_multipart(), max(wait, 0.0))
+                held += sum(len(f) for f in frames)
+                if len(got) >= REPLAY_MAX_BATCHES or held > REPLAY_MAX_BYTES:
+                    log.warning("KV event replay past %d batches or %d bytes: dropped",
+                                REPLAY_MAX_BATCHES, REPLAY_MAX_BYTES)  # fmt: skip
+                    return None
                 if len(frames) == 4 and frames[2] == END_SEQ.to_bytes(8, "big", signed=True):
                     break  # (its empty payload is no batch: not parsed, not counted)
                 seq, events = self._parse(frames[1:]) if len(frames) == 4 else (None, [])

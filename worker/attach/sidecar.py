@@ -34,7 +34,6 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,6 +79,7 @@ class Upstream:
         self.epoch = 0.0
         self.model = ""
         self.capacity = 0
+        self.block_size = 0  # of its KV events, as its own publisher names it (0: unknown)
         self._last: UpstreamLoad | None = None
         self._was_down = True
 
@@ -149,6 +149,7 @@ class Upstream:
             prompt_tokens_total=load.prompt_tokens_total,
             cached_tokens_total=load.cached_tokens_total,
             host_cached_tokens_total=load.host_cached_tokens_total,
+            kv_block_size=self.block_size,
         )
 
 
@@ -161,9 +162,7 @@ async def attach(config: AttachConfig, stop: asyncio.Event) -> None:
     async with aiohttp.ClientSession() as session, contextlib.AsyncExitStack() as tasks:
         upstream = Upstream(config, session)
         if config.kv_events:
-            tasks.push_async_callback(
-                _stop_all, _start_kv_events(config, registry, lambda: upstream.epoch)
-            )
+            tasks.push_async_callback(_stop_all, _start_kv_events(config, registry, upstream))
         try:
             while not stop.is_set():
                 try:
@@ -185,13 +184,18 @@ async def attach(config: AttachConfig, stop: asyncio.Event) -> None:
 
 
 def _start_kv_events(
-    config: AttachConfig, registry: Registry, epoch: Callable[[], float]
+    config: AttachConfig, registry: Registry, upstream: Upstream
 ) -> list[asyncio.Task[None]]:
     from worker.attach.kv_subscriber import ZmqEventSubscriber, forward
 
     queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
     assert config.kv_events is not None
     subscriber = ZmqEventSubscriber(config.kv_events, config.kv_events_replay, queue)
+
+    def block_size(size: int) -> None:  # the heartbeat names it (router/fleet/kv_feed.py)
+        upstream.block_size = size
+
+    subscriber.on_block_size = block_size
     return [
         asyncio.create_task(subscriber.run(), name="kv-events-sub"),
         asyncio.create_task(
@@ -199,7 +203,7 @@ def _start_kv_events(
                 queue,
                 registry,
                 config.worker_id,
-                epoch,
+                lambda: upstream.epoch,
                 config.kv_events_stream_len,
                 subscriber.complete,
             ),

@@ -86,6 +86,8 @@ class AdmissionRules:
             return False
         arr = req.prompt_arr
         for other in prefilling:
+            if other.salt != req.salt:
+                continue  # another cache namespace: its prefill is never shared
             theirs = other.prompt_arr
             n = min(len(arr), len(theirs))
             if n - matched < need:

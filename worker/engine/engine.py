@@ -40,6 +40,7 @@ from worker.engine.kv_blocks import BlockEvents
 from worker.engine.protocols import EngineTokenizer, Runner, Sampler
 from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
 from worker.engine.req import Req
+from worker.engine.salt import SaltNames, salt_tag
 from worker.engine.scheduler import Scheduler
 from worker.engine.types import (
     EngineError,
@@ -88,9 +89,10 @@ class LLMEngine:
                 host = HostTier(host_capacity, write_through) if host_capacity else None
                 cache = RadixCache(self.allocator, page_size=config.page_size, host=host)
         self.cache: PrefixCache = cache
+        self.salt_names = SaltNames()  # cache namespaces' salts, named in KV events
         self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
         if config.kv_events_block_size and isinstance(cache, RadixCache):
-            self.kv_events = BlockEvents(config.kv_events_block_size)
+            self.kv_events = BlockEvents(config.kv_events_block_size, salts=self.salt_names)
             cache.publish_events(self.kv_events)
         self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
         # The override may only shorten the model's context. And a request never holds
@@ -157,6 +159,15 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
+        salt = None
+        if request.cache_salt is not None:
+            if not request.cache_salt:  # vLLM's rule and words
+                raise EngineError(
+                    "Parameter 'cache_salt' must be a non-empty string if provided.",
+                    param="cache_salt",
+                )
+            salt = salt_tag(request.cache_salt)
+            self.salt_names.name(salt, request.cache_salt)
         return [
             Req(
                 request_id=request.request_id,
@@ -166,6 +177,7 @@ class LLMEngine:
                 seq_id=next(self._seq_ids),
                 stop_ids=stop_ids,
                 index=i,
+                salt=salt,
             )
             for i in range(params.n)
         ]

@@ -52,6 +52,7 @@ from shared.wire.kv_events import (
     KVEvent,
     engine_block_hash,
 )
+from worker.engine.salt import TOKEN_MASK, SaltNames, tag_of
 
 
 class TreeNode(Protocol):
@@ -80,6 +81,7 @@ class BlockEvents:
         medium: str = MEDIUM_GPU,
         max_pending: int = 200_000,
         host_medium: str | None = MEDIUM_CPU,
+        salts: SaltNames | None = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -93,6 +95,20 @@ class BlockEvents:
         self._due = False  # a republish was requested (request_republish)
         self._snapshot = 0  # events of the last republish still counted in `pending`
         self.root: TreeNode | None = None  # set by the cache; the republish walks it
+        self.salts = salts if salts is not None else SaltNames()
+
+    def _block(
+        self, hashes: tuple[int, ...], parent: int | None, key: np.ndarray, medium: str
+    ) -> BlockStored:
+        """One BlockStored of tree-key tokens `key`: the real token ids, and a salted
+        namespace's salt on the path's first block (parent None), as vLLM's extra_keys
+        (worker/engine/salt.py)."""
+        tag = tag_of(key) if parent is None else None
+        extra = None
+        if tag is not None:
+            extra = ((self.salts.of(tag),), *([None] * (len(hashes) - 1)))
+        ids = key & TOKEN_MASK  # a salted key's first two elements carry its tag
+        return BlockStored(hashes, parent, ids, self.block_size, medium, extra)
 
     def _emit(self, event: KVEvent) -> None:
         if len(self.pending) >= self.max_pending + self._snapshot:
@@ -142,7 +158,7 @@ class BlockEvents:
         for i in range(0, len(hashes), MAX_EVENT_BLOCKS):  # readers bound an event's size
             chunk = leaf.blocks[i : i + MAX_EVENT_BLOCKS]
             ids = tokens[i * bs : (i + len(chunk)) * bs].copy()  # not a view of the request's
-            self._emit(BlockStored(chunk, parent, ids, bs, self.medium))
+            self._emit(self._block(chunk, parent, ids, self.medium))
             parent = chunk[-1]
 
     def retiered(self, node: TreeNode, device: bool | None, host: bool | None) -> None:
@@ -166,9 +182,7 @@ class BlockEvents:
         bs = self.block_size
         for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
             chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
-            self._emit(
-                BlockStored(chunk, parent, tokens[i * bs : (i + len(chunk)) * bs], bs, medium)
-            )
+            self._emit(self._block(chunk, parent, tokens[i * bs : (i + len(chunk)) * bs], medium))
             parent = chunk[-1]
 
     def _tokens_of(self, node: TreeNode) -> np.ndarray:
@@ -219,7 +233,7 @@ class BlockEvents:
                     for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
                         chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
                         ids = tokens[i * bs : (i + len(chunk)) * bs].copy()
-                        self.pending.append(BlockStored(chunk, up, ids, bs, medium))
+                        self.pending.append(self._block(chunk, up, ids, medium))
                         up = chunk[-1]
                 parent = node.blocks[-1]
             stack.extend((c, path, parent) for c in node.children.values())

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from worker.engine.radix_cache import TreeNode
+from worker.engine.salt import Tag, salted
 from worker.engine.types import FinishReason, GenerateOutput, SamplingParams, TokenLogprob
 
 
@@ -88,6 +89,7 @@ class Req:
     # eos (unless ignore_eos) and stop_token_ids: sampling one of them ends the request.
     stop_ids: frozenset[int] = frozenset()
     index: int = 0  # the choice this Req produces (n > 1)
+    salt: Tag | None = None  # its cache namespace (cache_salt: worker/engine/salt.py)
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     # Monotonic times: queued, and first admitted by the scheduler (queue-time metric).
@@ -143,9 +145,16 @@ class Req:
         """The tokens a prefix match may cover: all but the last (its logits give the
         next token, so it is always computed). Reuses the prompt's array when no output
         exists yet (the common case: a new request in the queue)."""
+        if self.salt is not None:
+            return self.key(self.all_ids[:-1])
         if not self.output_ids:
             return self.prompt_arr[:-1]
         return np.asarray(self.all_ids[:-1], dtype=np.int64)
+
+    def key(self, ids: list[int]) -> list[int] | np.ndarray:
+        """The radix tree's key of `ids` (a prefix of all_ids): in the request's cache
+        namespace when it has a salt, else the ids themselves."""
+        return ids if self.salt is None else salted(ids, self.salt)
 
     @property
     def num_tokens(self) -> int:

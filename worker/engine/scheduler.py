@@ -240,8 +240,9 @@ class Scheduler:
             return
         prompt = req.prompt_ids
         ids = prompt[:limit] if limit <= len(prompt) else req.all_ids[:limit]
-        had = self.cache.insert(ids, req.slots[:limit], cached_len=req.prefix_len)
-        match = self.cache.match_prefix(ids, record=False)
+        key = req.key(ids)
+        had = self.cache.insert(key, req.slots[:limit], cached_len=req.prefix_len)
+        match = self.cache.match_prefix(key, record=False)
         assert match.prefix_len == limit, "a just-inserted prefix must match whole"
         self.cache.lock(match.last_node)
         if req.last_node is not None:
@@ -258,7 +259,7 @@ class Scheduler:
         """Hand the KV back: see the table at the top of this module."""
         n = req.num_computed
         if n > req.prefix_len:
-            self.cache.insert(req.all_ids[:n], req.slots[:n], cached_len=req.prefix_len)
+            self.cache.insert(req.key(req.all_ids[:n]), req.slots[:n], cached_len=req.prefix_len)
         if n < len(req.slots):
             self.allocator.free(req.slots[n:])
         if req.last_node is not None:

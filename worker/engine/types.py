@@ -113,6 +113,8 @@ class EngineRequest:
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    # Its prefix cache namespace (vLLM's `cache_salt`): shares blocks only with the same.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

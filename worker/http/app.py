@@ -140,6 +140,7 @@ def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> Wor
         host_cached_tokens_total=stats.host_cached_tokens_total,
         host_load_bytes_per_s=stats.host_load_bytes_per_s,
         kv_bytes_per_token=stats.kv_bytes_per_token,
+        kv_block_size=config.kv_events_block_size if config.kv_events else 0,
     )
 
 

@@ -202,6 +202,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         params=_sampling(  # 16: OpenAI's default for completions
             req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
         ),
+        cache_salt=req.cache_salt,
     )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = text if req.echo and text else ""
@@ -232,7 +233,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
-    gen = EngineRequest(request_id=rid, prompt_token_ids=tuple(ids), params=params)
+    gen = EngineRequest(
+        request_id=rid, prompt_token_ids=tuple(ids), params=params, cache_salt=req.cache_salt
+    )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"

@@ -219,15 +219,16 @@ Call with (list $ "ROUTER").
 {{/*
 Redis ACL rules (after "user NAME on >PASSWORD"), for the built-in Redis and documented
 for an external one (chart README). Keys and channels are limited to the fleet's prefix.
-Routers read worker records but cannot write them (%R~, Redis 7+); they own the sync
-stream, their load hashes and the rate-limit cells. Each worker pod (or its attach
+Routers read worker records and KV-event streams but cannot write them (%R~, Redis 7+;
+a selector lets them XTRIM the streams alone: a worker's own MAXLEN is not trusted); they
+own the sync stream, their load hashes and the rate-limit cells. Each worker pod (or its attach
 sidecar) may only write its own heartbeat record and publish join/leave events: membership
 is the heartbeat records themselves (routers SCAN them), so no worker can erase or forge
 another (shared/wire/registry.py).
 */}}
 {{- define "radix-router.redisAclRouter" -}}
 {{- $p := .Values.redisPrefix -}}
-resetkeys %R~{{ $p }}worker:* %R~{{ $p }}kvevents:* ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous
+resetkeys %R~{{ $p }}worker:* %R~{{ $p }}kvevents:* ~{{ $p }}decisions ~{{ $p }}router:* ~{{ $p }}ratelimit:* resetchannels &{{ $p }}events -@all +@connection +@read +@write +@keyspace +@stream +@pubsub +@scripting +@transaction +time -@dangerous (~{{ $p }}kvevents:* +xtrim)
 {{- end }}
 
 {{/*

@@ -50,7 +50,7 @@ async def test_the_index_follows_a_real_workers_cache(
     app = server.app
     url = str(server.make_url("")).rstrip("/")
     cache = app[ENGINE].engine.cache
-    member = FeedMember("w1", "sim", app[STATE].epoch)
+    member = FeedMember("w1", "sim", app[STATE].epoch, block_size=4)
     feed = KvEventFeed(Registry(redis))
     feed.follow([member])
 
@@ -84,7 +84,7 @@ async def test_the_index_follows_a_real_workers_cache(
 async def test_a_gap_rebuilds_until_a_clear_and_a_new_epoch_resets(redis: Redis) -> None:
     registry = Registry(redis)
     feed = KvEventFeed(registry)
-    feed.follow([FeedMember("w2", "m", 5.0)])
+    feed.follow([FeedMember("w2", "m", 5.0, block_size=2)])
 
     async def write(epoch: float, seq: int, *events) -> None:
         await registry.append_kv_events("w2", epoch, seq, encode_batch(events), 1000)
@@ -104,7 +104,7 @@ async def test_a_gap_rebuilds_until_a_clear_and_a_new_epoch_resets(redis: Redis)
     await settle(feed, lambda: feed.trusted("w2"))
     assert feed.match("m", [1, 2]) == {} and feed.match("m", [5, 6]) == {"w2": 2}
     # The heartbeat names a newer epoch: untrusted until its entries come.
-    feed.follow([FeedMember("w2", "m", 6.0)])
+    feed.follow([FeedMember("w2", "m", 6.0, block_size=2)])
     assert feed.streams["w2"].status == "stale" and feed.match("m", [5, 6]) == {}
     await write(5.0, 4, BlockStored((14,), None, (7, 8), 2))  # the old epoch: dropped
     await write(6.0, 0, AllBlocksCleared(), BlockStored((21,), None, (7, 8), 2))
@@ -121,7 +121,7 @@ async def test_a_lagging_reader_untrusts_until_caught_up(redis: Redis) -> None:
     registry = Registry(redis)
     now = [0.0]
     feed = KvEventFeed(registry, read_count=2, max_lag=1.0, clock=lambda: now[0])
-    feed.follow([FeedMember("w3", "m", 1.0)])
+    feed.follow([FeedMember("w3", "m", 1.0, block_size=2)])
     for seq in range(5):
         events = [AllBlocksCleared()] if seq == 0 else []
         events.append(BlockStored((100 + seq,), None if seq == 0 else 99 + seq, (seq, seq), 2))
@@ -141,7 +141,7 @@ def test_a_rebuilding_worker_scores_on_its_index_and_its_tree() -> None:
     from router.holdings.merge import KvScorer
 
     feed = KvEventFeed(None)  # type: ignore[arg-type]  # entries applied directly
-    feed.follow([FeedMember("w", "m", 1.0, capacity_tokens=4)])  # a pool of 2 blocks
+    feed.follow([FeedMember("w", "m", 1.0, capacity_tokens=4, block_size=2)])  # a pool of 2 blocks
 
     def apply(seq: int, *events, resync: bool = False) -> None:
         fields = entry_fields("w", 1.0, seq, encode_batch(events), resync)

@@ -32,7 +32,7 @@ def entry(wid: str, seq: int, events: list[KVEvent]) -> dict[bytes, bytes]:
 
 def feed_of(events: dict[str, list[list[KVEvent]]]) -> KvEventFeed:
     feed = KvEventFeed(None)  # type: ignore[arg-type]  # no reader: entries applied by hand
-    feed.follow([FeedMember(w, "m", 1.0) for w in events])
+    feed.follow([FeedMember(w, "m", 1.0, block_size=BS) for w in events])
     for wid, batches in events.items():
         for seq, batch in enumerate(batches):
             feed.apply_entry(wid, entry(wid, seq, batch))

@@ -12,7 +12,7 @@ import random
 
 from router.fleet.table import Fleet
 from router.fleet.view import FleetView
-from router.holdings.kv_feed import KvEventFeed, StreamState
+from router.holdings.kv_feed import FeedMember, KvEventFeed, StreamState
 from router.holdings.kv_index import BlockIndex
 from router.holdings.namespace import DEFAULT, namespace_of, request_namespace
 from router.holdings.prediction import Holding, RouteRequest
@@ -20,7 +20,7 @@ from router.holdings.room import Holdings
 from router.holdings.sync_wire import decode_decision, encode_decision, encode_tokens
 from router.policy import build_routing
 from shared.config import RouterConfig
-from shared.wire.kv_events import BlockStored
+from shared.wire.kv_events import AllBlocksCleared, BlockStored
 from shared.wire.protocol import ChatCompletionRequest, CompletionRequest
 from shared.wire.registry import WorkerRecord
 
@@ -170,3 +170,28 @@ def test_a_worker_whose_claimed_hits_do_not_come_true_stops_drawing_the_traffic(
     assert went[:3] == ["w2"] * 3 and "w2" not in went[3:]
     assert len(set(went[3:])) == 1  # the honest worker that took it over keeps it
     assert pre_claimed(answers=True, liar=False).count("w2") == 20
+
+
+def test_the_index_keeps_salted_blocks_out_of_the_default_namespace() -> None:
+    """Our engine and vLLM write a salted prompt's salt into its first block's
+    `extra_keys`. Those blocks (and the ones stored below them) never reach the index:
+    the same prompt unsalted is no predicted hit there, the unsalted copy is."""
+    from shared.wire.kv_events import encode_batch, entry_fields
+
+    ids = tuple(range(100, 132))  # 8 blocks of 4
+    salted = [
+        BlockStored((1, 2), None, ids[:8], 4, extra_keys=(("tenant-a",), None)),
+        BlockStored((3,), 2, ids[8:12], 4),
+    ]  # a later turn's block below them
+    plain = [BlockStored((11, 12), None, ids[:8], 4)]
+    feed = KvEventFeed(registry=None, block_size=4)  # type: ignore[arg-type]
+    feed.follow([FeedMember("w0", "m", 1.0), FeedMember("w1", "m", 1.0)])
+    for wid, events in (("w0", salted), ("w1", plain)):
+        raw = entry_fields(wid, 1.0, 0, encode_batch([AllBlocksCleared(), *events]))
+        feed.apply_entry(wid, {k.encode(): v if isinstance(v, bytes) else v.encode()
+                               for k, v in raw.items()})  # fmt: skip
+    assert feed.match("m", ids) == {"w1": 8}
+    room = Holdings(RouterConfig(tokenizer="sim"), feed)
+    assert room.predict(RouteRequest("", tokens=ids, model="m"), FLEET, 1.0).holdings() == {
+        "w1": Holding(8, 0, "index")
+    }

@@ -1,0 +1,126 @@
+"""The router's tokenizer, bounded: a request's prompt ids without stalling the event loop.
+
+Any API key holder can send a prompt up to the body cap (16 MB). Tokenized on the event
+loop, three concurrent 10 MB prompts stalled `/health` for 29.7 s and held 2.3 GB after
+(issue 30), and the worker refused them for length anyway. So:
+
+- **A cap before the work.** A prompt of more than `max_chars` = the workers' context
+  length × MAX_CHARS_PER_TOKEN characters is not tokenized: no real tokenizer averages
+  16 characters a token over a whole prompt (English BPE about 4, code about 3), so it
+  almost surely does not fit. It is routed on the first `max_chars` characters of its
+  text (the tree), and the worker answers it as it answers any over-long prompt (vLLM's
+  and our engine's 400 naming the model's context length). A prompt of more than
+  `refuse_chars` = context length × the tokenizer's longest token (in characters) cannot
+  fit whatever its text: the router answers it itself, 400 `context_length_exceeded`
+  naming both figures, as vLLM would, and the fleet never sees it.
+- **Off the event loop.** Prompts of more than `inline_chars` characters are tokenized on
+  one worker thread (PromptTokens' caches are not shared between threads: the thread
+  holds a lock, and a short prompt is tokenized inline only when the lock is free). At
+  most `max_waiting` requests wait for the thread; more are routed on text alone
+  (`skipped["busy"]`).
+
+Short prompts (the usual turn: 8,000 characters tokenize in well under a millisecond
+from the caches) stay inline, so the router's CPU per request does not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from router.holdings.merge import request_tokens
+from shared.serving.errors import APIError
+from shared.tokens.prompt_tokens import PromptTokens
+from shared.tokens.tokenizer import Tokenizer
+from shared.wire.protocol import ChatCompletionRequest
+
+MAX_CHARS_PER_TOKEN = 16  # the stated bound (see the module doc)
+DEFAULT_CONTEXT_TOKENS = 131_072  # no context length in the config or the model folder
+INLINE_CHARS = 32_768  # tokenized on the event loop up to this many characters
+MAX_WAITING = 8  # requests waiting for the tokenizer thread
+
+
+class Tokenizing:
+    """`ids(parsed, chars)`: a request's prompt ids, or None (routed on its text)."""
+
+    def __init__(
+        self,
+        tokens: PromptTokens,
+        context_tokens: int,
+        inline_chars: int = INLINE_CHARS,
+        max_waiting: int = MAX_WAITING,
+    ) -> None:
+        self.tokens = tokens
+        self.context_tokens = context_tokens
+        self.max_chars = context_tokens * MAX_CHARS_PER_TOKEN
+        longest = (
+            tokens.tokenizer.longest_token_chars()
+            if isinstance(tokens.tokenizer, Tokenizer)
+            else None  # the sim tokenizer: no vocabulary to bound by
+        )
+        self.longest_token_chars = longest
+        self.refuse_chars = context_tokens * longest if longest else None
+        self.inline_chars = inline_chars
+        self.max_waiting = max_waiting
+        self.skipped: Counter[str] = Counter()  # "too_long", "busy"
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def ids(self, parsed: object, chars: int) -> Sequence[int] | None:
+        """The prompt ids of `parsed`, whose routing text has `chars` characters;
+        APIError 400 when it cannot fit the context (see the module doc)."""
+        if self.refuse_chars is not None and chars > self.refuse_chars:
+            self.skipped["refused"] += 1
+            raise APIError(
+                400,
+                f"the prompt has {chars} characters; this model's context length is "
+                f"{self.context_tokens} tokens, and no token of its tokenizer stands for "
+                f"more than {self.longest_token_chars} characters",
+                param="messages" if isinstance(parsed, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        if chars > self.max_chars:
+            self.skipped["too_long"] += 1
+            return None
+        if chars <= self.inline_chars and self._lock.acquire(blocking=False):
+            try:
+                return request_tokens(self.tokens, parsed)
+            finally:
+                self._lock.release()
+        if self._waiting >= self.max_waiting:
+            self.skipped["busy"] += 1
+            return None
+        self._waiting += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self._locked, parsed)
+        finally:
+            self._waiting -= 1
+
+    def _locked(self, parsed: object) -> Sequence[int] | None:
+        with self._lock:
+            return request_tokens(self.tokens, parsed)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def context_tokens(configured: int | None, tokenizer: str) -> int:
+    """The workers' context length: the config's, else the model folder's
+    (`max_position_embeddings` in config.json), else DEFAULT_CONTEXT_TOKENS."""
+    if configured:
+        return configured
+    try:
+        data = json.loads(Path(tokenizer, "config.json").read_text())
+        value = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        value = None
+    if isinstance(value, int) and 0 < value <= 10_000_000:
+        return value
+    return DEFAULT_CONTEXT_TOKENS

@@ -1,0 +1,203 @@
+"""The KV feed against a hostile worker credential (issue 30, findings 1, 3, 4 and 7).
+
+Every case is a door an adversarial review opened on a live fleet; each test fails on
+the code before the bound (a real Redis-protocol server, the router's own feed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.asyncio import Redis
+
+from router.holdings.kv_feed import FeedMember, KvEventFeed
+from shared.wire.kv_events import (
+    MAX_BATCH_BYTES,
+    AllBlocksCleared,
+    BlockStored,
+    encode_batch,
+    entry_fields,
+)
+from shared.wire.registry import Registry
+
+
+def chain(first: int, n: int, parent: int | None = None) -> BlockStored:
+    """`n` blocks of 2 tokens, hashes first.., token ids first.. (each block [i, i])."""
+    ids = [t for i in range(first, first + n) for t in (i, i)]
+    return BlockStored(tuple(range(first, first + n)), parent, ids, 2)
+
+
+async def write(redis: Redis, wid: str, epoch: float, seq: int, *events: object) -> bytes:
+    fields = entry_fields(wid, epoch, seq, encode_batch(list(events)))  # type: ignore[arg-type]
+    return await redis.xadd(Registry(redis).kv_events_key(wid), fields)  # type: ignore[arg-type]
+
+
+async def drain(feed: KvEventFeed) -> None:
+    while await feed.poll():
+        pass
+
+
+async def test_an_oversized_entry_is_measured_in_redis_and_never_read(redis: Redis) -> None:
+    """Finding 3: XREAD sent a 64 MB entry whole before the 4 MB check."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    big = entry_fields("w", 1.0, 1, b"\x00" * (MAX_BATCH_BYTES + 4096))
+    await redis.xadd(Registry(redis).kv_events_key("w"), big)  # type: ignore[arg-type]
+    await write(redis, "w", 1.0, 2, chain(2, 1, parent=1))
+    replies = await Registry(redis).read_kv_events({"w": "0"}, 10)
+    (_, entries), = replies  # fmt: skip
+    sizes = [sum(len(v) for v in fields.values()) for _, fields in entries]
+    assert len(entries) == 3 and max(sizes) < 1024, sizes  # the big one came back as its size
+    size = sum(len(k) + len(v if isinstance(v, bytes) else v.encode()) for k, v in big.items())
+    assert entries[1][1] == {b"oversized": str(size).encode()}
+
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await drain(feed)
+    assert feed.dropped["oversized"] == 1
+    # The hole it leaves is a gap: the worker's index is rebuilt from what follows.
+    assert feed.status_of("w") == "rebuilding" and feed.match("m", [2, 2]) == {}
+
+
+async def test_routers_trim_a_stream_its_worker_does_not(redis: Redis) -> None:
+    for seq in range(300):
+        await write(redis, "w", 1.0, seq, chain(seq + 1, 1))
+    key = Registry(redis).kv_events_key("w")
+    assert await redis.xlen(key) == 300
+    feed = KvEventFeed(Registry(redis), stream_len=100)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await feed._trim()
+    assert await redis.xlen(key) < 300  # MAXLEN ~: whole macro nodes, at least 100 kept
+    assert await redis.xlen(key) >= 100
+
+
+async def test_an_old_epoch_is_dropped_before_its_batch_is_decoded(redis: Redis) -> None:
+    """Finding 1: entries of an old epoch were decoded (the costly part), then dropped."""
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([FeedMember("w", "m", 2.0, block_size=2)])
+    # An old epoch's entry whose batch is not even msgpack: never decoded, so stale.
+    fields = {**entry_fields("w", 1.0, 0, b"\xc1" * 100)}
+    await redis.xadd(Registry(redis).kv_events_key("w"), fields)  # type: ignore[arg-type]
+    await drain(feed)
+    assert feed.dropped == {"stale_epoch": 1}
+
+
+async def test_entries_are_applied_with_the_event_loop_in_between(redis: Redis) -> None:
+    """Finding 1: 256 entries were applied in one go, stalling /health for seconds."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    for seq in range(1, 40):
+        await write(redis, "w", 1.0, seq, chain(seq + 1, 1, parent=seq))
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0)  # yield after every entry
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    ticks = 0
+    polling = True
+
+    async def other_requests() -> None:
+        nonlocal ticks
+        while polling:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_requests())
+    await asyncio.sleep(0)
+    read = await feed.poll()
+    polling = False
+    await other
+    assert read == 40 and feed.match("m", [1, 1, 2, 2]) == {"w": 4}
+    assert ticks >= 40  # the other task ran between entries, not only around the read
+
+
+async def test_a_rejoin_or_a_model_change_reads_on_from_the_cursor(redis: Redis) -> None:
+    """Finding 1: a worker that DEL-and-rewrote its hash, or changed its model field,
+    made every router read its whole stream again from "0"."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    last = await write(redis, "w", 1.0, 1, chain(2, 1, parent=1))
+    feed = KvEventFeed(Registry(redis))
+    member = FeedMember("w", "m", 1.0, block_size=2)
+    feed.follow([member])
+    await drain(feed)
+    assert feed.streams["w"].cursor == last
+    feed.follow([])  # the hash is gone for a poll (DEL) ...
+    assert "w" not in feed.streams and "m" not in feed.indexes  # (finding 7: freed)
+    feed.follow([member])  # ... and back
+    assert feed.streams["w"].cursor == last
+    assert await feed.poll() == 0  # nothing read again
+    feed.follow([FeedMember("w", "other", 1.0, block_size=2)])  # a new model field
+    assert feed.streams["w"].cursor == last and await feed.poll() == 0
+    assert list(feed.indexes) == ["other"]  # the old model's index is freed
+
+
+async def test_block_size_comes_from_heartbeats_not_the_first_publisher(redis: Redis) -> None:
+    """Finding 4: a worker that published block size 1 first made honest workers with
+    their real block size untrusted until the router restarted."""
+    await write(redis, "liar", 1.0, 0, AllBlocksCleared(), BlockStored((9,), None, [9], 1))
+    for wid in ("a", "b"):
+        await write(redis, wid, 1.0, 0, AllBlocksCleared(), chain(1, 2))
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([
+        FeedMember("liar", "m", 1.0, block_size=2),  # its heartbeat says 2, its events 1
+        FeedMember("a", "m", 1.0, block_size=2),
+        FeedMember("b", "m", 1.0, block_size=2),
+    ])  # fmt: skip
+    await drain(feed)
+    assert feed.block_size("m") == 2
+    assert feed.trusted("a") and feed.trusted("b") and feed.status_of("liar") == "block_size"
+    assert feed.match("m", [1, 1, 2, 2]) == {"a": 4, "b": 4}
+    # A heartbeat naming another size is outvoted, and not read at all.
+    feed.follow([
+        FeedMember("liar", "m", 1.0, block_size=1),
+        FeedMember("a", "m", 1.0, block_size=2),
+        FeedMember("b", "m", 1.0, block_size=2),
+    ])  # fmt: skip
+    assert feed.block_size("m") == 2 and "liar" not in feed.readable()
+    # The router's config pins it whatever the heartbeats say.
+    pinned = KvEventFeed(Registry(redis), block_size=2)
+    pinned.follow([FeedMember("liar", "m", 1.0, block_size=1)])
+    assert pinned.block_size("m") == 2 and pinned.status_of("liar") == "block_size"
+
+
+async def test_one_worker_cannot_push_the_others_out_of_the_index(redis: Redis) -> None:
+    """Finding 1: one worker's 2M blocks filled the shared index (its LRU evicted the
+    honest workers' blocks). Each worker holds at most its share."""
+    await write(redis, "honest", 1.0, 0, AllBlocksCleared(), chain(1, 5))
+    await write(redis, "flood", 1.0, 0, AllBlocksCleared(), chain(1000, 100))
+    feed = KvEventFeed(Registry(redis), max_blocks=40)
+    feed.follow([
+        FeedMember("honest", "m", 1.0, capacity_tokens=16, block_size=2),  # 8 blocks: 16
+        FeedMember("flood", "m", 1.0, capacity_tokens=16, block_size=2),
+    ])  # fmt: skip
+    await drain(feed)
+    index = feed.indexes["m"]
+    assert index.blocks_of("flood") == 16 and index.over_share == 84
+    assert feed.match("m", [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]) == {"honest": 10}
+
+
+async def test_a_heartbeat_that_lapses_for_a_poll_keeps_its_trust(redis: Redis) -> None:
+    """A worker whose hash was missing for one poll (a stalled heartbeat) comes back as it
+    was: its blocks and its trust, nothing read again (with the cursor alone it would
+    wait, `syncing`, for a clear our engine may not send for a long while)."""
+    for wid in ("w", "other"):
+        await write(redis, wid, 1.0, 0, AllBlocksCleared(), chain(1, 2))
+    feed = KvEventFeed(Registry(redis))
+    members = [FeedMember(w, "m", 1.0, block_size=2) for w in ("w", "other")]
+    feed.follow(members)
+    await drain(feed)
+    feed.follow(members[1:])
+    assert feed.match("m", [1, 1, 2, 2]) == {"other": 4}  # gone: not routed to
+    feed.follow(members)
+    assert feed.trusted("w") and feed.match("m", [1, 1, 2, 2]) == {"w": 4, "other": 4}
+
+
+async def test_a_stream_past_its_cpu_share_waits_unread(redis: Redis) -> None:
+    """A worker writing more events than the router should spend its time on: past its
+    share its entries wait in Redis (nothing lost) and it is routed on its tree."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    for seq in range(1, 10):
+        await write(redis, "w", 1.0, seq, chain(seq + 1, 1, parent=seq))
+    feed = KvEventFeed(Registry(redis), cpu_share=0.0, cpu_burst=1e-9)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    assert await feed.poll() == 1  # one entry, then its credit is spent
+    assert await feed.poll() == 0 and feed.status_of("w") == "lagging" and feed.throttled
+    feed.cpu_share, feed.cpu_burst = 1.0, 10.0  # the credit comes back: it reads on
+    await asyncio.sleep(0.05)
+    await drain(feed)
+    assert feed.status_of("w") == "ok" and feed.match("m", [1, 1, 2, 2, 3, 3]) == {"w": 6}
