@@ -3,9 +3,12 @@ engine may reuse for it. No hit is ever predicted across namespaces.
 
 The key is the model (a LoRA adapter is served under its own `model` name, as vLLM
 names them), the request's `cache_salt` (vLLM's field: a salted prompt shares blocks
-only with prompts of the same salt) and, for chats, a `chat_template` or
-`chat_template_kwargs` the request brings (the engine renders the messages with them,
-so the same messages become other tokens).
+only with prompts of the same salt) and, where the router renders chats (a `tokenizer`
+is set), a `chat_template` or `chat_template_kwargs` the request brings: the router
+renders with the model's own template, so its ids are not the ones an engine that
+honours them computes. Routing on text, the router renders nothing and keys no
+template (our engine ignores both fields: keyed apart, the same chat under two
+`chat_template_kwargs` lost 32% of its cached tokens, loadtests/results/holdings.md).
 
 - The default namespace of a model (no salt, the model's own template) is the empty
   string, and its keys are the plain text or ids: the fleet's view holds only workers
@@ -53,12 +56,12 @@ def namespace_of(
     return hashlib.blake2b(parts.encode(), digest_size=8).hexdigest()
 
 
-def request_namespace(parsed: object) -> str:
+def request_namespace(parsed: object, renders: bool = True) -> str:
     """The namespace of a parsed request (shared/wire/protocol.py's models): its model,
-    `cache_salt`, and a chat's `chat_template` / `chat_template_kwargs` (vLLM's fields,
-    passed through to the engine as extra fields)."""
+    `cache_salt`, and where the router `renders` chats a chat's `chat_template` /
+    `chat_template_kwargs` (vLLM's fields, passed through to the engine as extra fields)."""
     salt = getattr(parsed, "cache_salt", None)
-    extra = getattr(parsed, "model_extra", None) or {}
+    extra = (getattr(parsed, "model_extra", None) or {}) if renders else {}
     template, kwargs = extra.get("chat_template"), extra.get("chat_template_kwargs")
     if salt is None and template is None and not kwargs:
         return DEFAULT

@@ -85,7 +85,7 @@ def _inference(endpoint: str, path: str) -> Any:
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
             routed = Routed(
                 endpoint, path, raw, text, session_key, model, ids, stream,
-                request_namespace(parsed),
+                request_namespace(parsed, renders=tokenize is not None),
             )  # fmt: skip
             async with app[GATE].slot():
                 response = await app[PROXY].forward(request, routed)

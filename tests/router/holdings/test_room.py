@@ -116,6 +116,8 @@ def test_a_requests_namespace_comes_from_its_salt_and_template() -> None:
     templated = ChatCompletionRequest.model_validate({**chat, "chat_template_kwargs": {"t": 1}})
     assert request_namespace(templated) not in (DEFAULT, request_namespace(
         ChatCompletionRequest.model_validate({**chat, "chat_template_kwargs": {"t": 2}})))  # fmt: skip
+    # Routing on text the router renders nothing: the template is the engine's business.
+    assert request_namespace(templated, renders=False) == DEFAULT
 
 
 def test_a_worker_that_changes_model_loses_its_tree() -> None:
