@@ -74,7 +74,7 @@ class WorkerRecord:
     host_load_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
     # Tokens per block of its KV events (0: it publishes none): routers index its events
-    # at this size, never at whatever size the first publisher used (router/fleet/kv_feed.py).
+    # at this size, never at whatever size the first publisher used (router/holdings/kv_feed.py).
     kv_block_size: int = 0
 
     def to_hash(self) -> dict[str, str]:
