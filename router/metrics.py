@@ -13,12 +13,14 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily as CounterFamily
 from prometheus_client.core import GaugeMetricFamily as GaugeFamily
 from prometheus_client.registry import Collector
 
 from router.fleet.workers import Worker
+from router.upstream.echo import EchoBook
+from shared.serving.loop_metrics import LoopCounter, LoopHistogram
 from shared.serving.metrics import ServiceMetrics, kv_usage_ratio
 from shared.wire.peers import Rejections
 
@@ -106,6 +108,9 @@ class PoolCounts(Protocol):
 
     @property
     def stale_retries(self) -> int: ...
+
+    @property
+    def echo(self) -> EchoBook: ...
 
 
 class _FleetCollector(Collector):
@@ -259,10 +264,32 @@ class _PoolCollector(Collector):
     """The upstream pool's connections: how often keep-alive saves a connect, and how
     often a worker closed a kept connection under a request (resent, not its failure)."""
 
-    def __init__(self, pool: PoolCounts) -> None:
+    def __init__(self, pool: PoolCounts, fleet: WorkerTable) -> None:
         self.pool = pool
+        self.fleet = fleet
 
-    def collect(self) -> Iterator[CounterFamily]:
+    def collect(self) -> Iterator[Family]:
+        # Which workers do not echo x-request-id: each of their answers costs the next
+        # request a new connection (router/upstream/echo.py).
+        echoes = GaugeFamily(
+            "radix_router_worker_echoes_request_id",
+            "1: the worker's last answer echoed x-request-id (its connections are reused); "
+            "0: it did not (a new connection per request; vLLM: --enable-request-id-headers)",
+            labels=["worker"],
+        )
+        unechoed = CounterFamily(
+            "radix_router_worker_unechoed_answers",
+            "Answers without the x-request-id echo: each cost a new upstream connection",
+            labels=["worker"],
+        )
+        book = self.pool.echo
+        for wid, worker in sorted(self.fleet.workers.items()):
+            status = book.get(worker.url)
+            if status is not None and status.answers:
+                echoes.add_metric([wid], 1.0 if status.echoed_last else 0.0)
+                unechoed.add_metric([wid], status.unechoed)
+        yield echoes
+        yield unechoed
         yield CounterFamily(
             "radix_router_upstream_connections_opened",
             "Connections opened to workers for inference requests",
@@ -290,24 +317,26 @@ class Metrics(ServiceMetrics):
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
         )
-        self.decisions = Counter(
+        # Per request, on the loop: no lock per update (shared/serving/loop_metrics.py).
+        self.decisions = LoopCounter(
             "radix_router_decisions", "Routing decisions", ["reason"], registry=r
         )
-        self.rejected = Counter(
+        self.rejected = LoopCounter(
             "radix_router_rejected",
             "Requests refused before reaching a worker (rate limit, capacity, draining)",
             ["reason"],
             registry=r,
         )
-        self.worker_requests = Counter(
+        self.worker_requests = LoopCounter(
             "radix_router_worker_requests", "Requests answered, by the worker that answered",
             ["worker", "status"], registry=r,
         )  # fmt: skip
-        self.cache_ratio = Histogram(
+        self.cache_ratio = LoopHistogram(
             "radix_router_cached_tokens_ratio",
             "Actual cached tokens / tokens predicted by the prefix tree (when predicted > 0)",
             ["worker"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        self._fleet = fleet
         r.register(_FleetCollector(fleet, clock, in_flight))
         if rejections is not None:
             r.register(_RejectionsCollector(rejections))
@@ -316,7 +345,7 @@ class Metrics(ServiceMetrics):
         self.registry.register(_KvFeedCollector(feed))
 
     def watch_pool(self, pool: PoolCounts) -> None:
-        self.registry.register(_PoolCollector(pool))
+        self.registry.register(_PoolCollector(pool, self._fleet))
 
     def answered(self, worker: str, status: int) -> None:
         self.child(self.worker_requests, worker, str(status)).inc()

@@ -66,14 +66,24 @@ def kv_bytes_per_token(runner: ModelRunner) -> int:
     )
 
 
-def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
+def decode_ms(runner: ModelRunner, batch: int, context: int, steps: int,
+              fragmented: bool = False) -> float:  # fmt: skip
     """Median ms per decode step of `batch` sequences at `context` tokens. Their K/V
-    are random rows of the pool (decode time does not depend on the values)."""
+    are random rows of the pool (decode time does not depend on the values).
+
+    Contiguous: each sequence's slots are one run (a fresh pool). Fragmented: a pool in
+    service, where requests of every length came and went and a sequence's slots are
+    wherever the free list had them; taken at its worst, the batch's slots shuffled
+    token by token, so no two neighbouring tokens share a cache line of the pool."""
     alloc = SlotAllocator(runner.pool.capacity)
     alloc.reset()
-    slots = [alloc.alloc(context + steps + 3) for _ in range(batch)]
+    n = context + steps + 3
+    slots = [alloc.alloc(n) for _ in range(batch)]
     if any(s is None for s in slots):
         raise RuntimeError(f"pool too small for batch {batch} x context {context}")
+    if fragmented:
+        flat = np.random.default_rng(0).permutation(np.concatenate(slots))
+        slots = [flat[i * n : (i + 1) * n] for i in range(batch)]
     for layer in range(runner.config.num_hidden_layers):
         runner.pool.k[layer].normal_()
         runner.pool.v[layer].normal_()

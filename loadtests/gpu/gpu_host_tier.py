@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from worker.engine.host_tier import KVCopies
+from worker.engine.runtime.host_memory import Pinning, tier_host_bytes
 from worker.engine.runtime.host_pool import HostKVPool
 from worker.engine.runtime.kv_pool import KVPool
 
@@ -55,7 +56,10 @@ def load_bandwidth(device: torch.device, quick: bool) -> dict[str, Any]:
     nbytes = n * host.bytes_per_token
     host.copy(load)  # warm-up: allocations, pinned index buffers
     _sync(device)
-    out: dict[str, Any] = {"tokens": n, "page": page, "bytes": nbytes}
+    out: dict[str, Any] = {"tokens": n, "page": page, "bytes": nbytes,
+                           "pinning": host.pinning.value, "host_bytes": host.host_bytes,
+                           "host_bytes_if_pin_memory": tier_host_bytes(
+                               host_capacity, host.bytes_per_token, Pinning.CACHING)}  # fmt: skip
     for name, plan in (("load", load), ("write_back", write)):
         times = []
         for _ in range(3 if quick else 10):
@@ -154,7 +158,8 @@ def to_markdown(r: dict[str, Any]) -> list[str]:
             f"of {bw['page']}): {bw['load_bytes_s'] / 1e9:.2f} GB/s; write-back "
             f"{bw['write_back_bytes_s'] / 1e9:.2f} GB/s; one plain pinned host -> device copy "
             f"of the same bytes {bw['plain_h2d_bytes_s'] / 1e9:.2f} GB/s (load / plain "
-            f"{bw['load_over_plain']:.2f})"
+            f"{bw['load_over_plain']:.2f}); host buffers {bw['host_bytes'] / 2**20:.0f} MiB "
+            f"({bw['pinning']}; pin_memory would take {bw['host_bytes_if_pin_memory'] / 2**20:.0f})"
         )
     sync = r.get("no_host_sync")
     if isinstance(sync, dict) and "how" in sync:

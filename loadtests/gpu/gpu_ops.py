@@ -1,6 +1,9 @@
 """The GPU check's `ops` section: issue 25's kernels, fused ops, sampler and FP8 KV
 cache, each timed on the device next to its reference, with its correctness check.
 
+    baseline    our decode and extend kernels beside torch's SDPA over the same pages
+                (and FlashInfer's / vLLM's where importable), with the bandwidth floor
+                (loadtests/gpu/gpu_baseline.py)
     decode      the decode attention kernel at batch 64 x context 2,048 (Llama-3.2-1B's
                 attention: 32 heads, 8 KV heads, dim 64), bf16 and fp8 pools: us per
                 layer against the floor = the K/V bytes it must read / the measured
@@ -19,18 +22,15 @@ Imports only torch, triton, numpy and the engine (what the GPU machine has).
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
-import numpy as np
 import torch
 
-from worker.engine.batch import BatchItem
+from loadtests.gpu.gpu_kernel_kit import make_batch as _batch
+from loadtests.gpu.gpu_kernel_kit import random_pool as _pool
+from loadtests.gpu.gpu_kernel_kit import time_us
 from worker.engine.runtime.attention import kernel_table, make_backend, triton_kernels
-from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
 from worker.engine.runtime.fused_kernels import TritonOps
 from worker.engine.runtime.fused_ops import TorchOps
 from worker.engine.runtime.kv_pool import KVPool
@@ -41,46 +41,6 @@ FULL = dict(batch=64, context=2048, heads=32, kv_heads=8, dim=64, hidden=2048, i
 QUICK = dict(batch=3, context=40, heads=4, kv_heads=2, dim=32, hidden=64, inter=128,
              vocab=1000, extend=(2, 20, 10), reps=1)  # fmt: skip
 FP8 = torch.float8_e4m3fn
-
-
-def time_us(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Median microseconds of `fn` (warm-up calls first: compiles, caches; one on CPU,
-    where the kernels run in the interpreter and nothing is compiled)."""
-    for _ in range(2 if device.type == "cuda" else 1):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
-
-
-def _batch(device: torch.device, s: dict, items: list[tuple[int, int]], capacity: int):
-    """Metadata of a batch of (cached tokens, new tokens) items over permuted slots."""
-    rng = np.random.default_rng(0)
-    free, used, batch = rng.permutation(capacity), 0, []
-    for start, n in items:
-        batch.append(BatchItem([1] * n, start, free[used : used + start + n].astype(np.int64)))
-        used += start + n
-    width = max(a + b for a, b in items)
-    table = ReqToTokenTable(len(items), width, device)
-    return build_step(batch, list(range(len(items))), table, Staging(device)).meta
-
-
-def _pool(device: torch.device, s: dict, capacity: int, kv_dtype: torch.dtype | None,
-          dtype: torch.dtype) -> KVPool:  # fmt: skip
-    pool = KVPool(1, s["kv_heads"], s["dim"], capacity, dtype, device, kv_dtype=kv_dtype)
-    g = torch.Generator(device=device).manual_seed(0)
-    shape = (capacity, s["kv_heads"], s["dim"])
-    pool.write(0, torch.arange(capacity, device=device),
-               torch.randn(shape, generator=g, device=device, dtype=dtype),
-               torch.randn(shape, generator=g, device=device, dtype=dtype))  # fmt: skip
-    return pool
 
 
 def decode_step(device: torch.device, s: dict, bandwidth: float) -> dict[str, Any]:
@@ -231,11 +191,13 @@ def sampler_step(device: torch.device, s: dict) -> dict[str, Any]:
 
 def ops_section(rec: Any, device: torch.device, quick: bool) -> None:
     from loadtests.gpu import gpu_bench as gb
+    from loadtests.gpu.gpu_baseline import baseline_step
 
     s = QUICK if quick else FULL
     bw = rec.step("bandwidth", lambda: gb.bandwidth(device))
     measured = bw["measured_copy_bytes_s"] if isinstance(bw, dict) and "error" not in bw else 1e12
     rec.step("decode", lambda: decode_step(device, s, measured), need_s=10)
+    rec.step("baseline", lambda: baseline_step(device, s, measured), need_s=10)
     rec.step("table", lambda: table_step(device, s, quick), need_s=20)
     rec.step("fused", lambda: fused_step(device, s), need_s=10)
     rec.step("sampler", lambda: sampler_step(device, s), need_s=5)

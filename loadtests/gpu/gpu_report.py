@@ -1,7 +1,8 @@
 """The GPU check's markdown page, from its JSON report (loadtests/gpu/gpu_check.py).
 
 Written for a partial report too: a section or step that failed shows its error,
-one that was skipped says why, one that never ran is absent.
+one that was skipped or cut (the time budget or its cap) says why, one that never ran is
+absent.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ def to_markdown(report: dict[str, Any]) -> str:
     env = sections.get("env", {})
     device = env.get("device", {}) if isinstance(env.get("device"), dict) else {}
     versions = env.get("versions", {}) if isinstance(env.get("versions"), dict) else {}
-    lines = [f"# GPU check: {device.get('name', 'device unknown')}", ""]
+    dry = " (DRY RUN: sample rows)" if "dry_run" in report else ""
+    lines = [f"# GPU check: {device.get('name', 'device unknown')}{dry}", ""]
+    if dry:
+        lines += [f"**DRY RUN: {report['dry_run']}; every figure below is a sample.**", ""]
     vs = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "torch_cuda")
     lines += [f"{vs or 'versions unknown'}; `{report.get('command', '')}`; "
               f"{report.get('seconds', 0):.0f} s of a {report.get('budget_s', 0):.0f} s budget; "
@@ -50,6 +54,8 @@ def _problems(title: str, result: dict[str, Any]) -> list[str]:
     out = []
     if "skipped" in result:
         out.append(f"- {title}: skipped, {result['skipped']}")
+    if "cut" in result:
+        out.append(f"- {title}: CUT, {result['cut']}")
     if "process_error" in result:
         out.append(f"- {title}: {result['process_error']}")
     if "unfinished" in result:
@@ -59,6 +65,8 @@ def _problems(title: str, result: dict[str, Any]) -> list[str]:
             out += [f"- {title} / {key} FAILED:", "", "```", value["error"].strip(), "```", ""]
         elif isinstance(value, dict) and "skipped" in value:
             out.append(f"- {title} / {key}: skipped, {value['skipped']}")
+        elif isinstance(value, dict) and "cut" in value:
+            out.append(f"- {title} / {key}: CUT, {value['cut']}")
     return out + ([""] if out else [])
 
 
@@ -93,6 +101,9 @@ def _ops(r: dict[str, Any]) -> list[str]:
                              f"ratio {v['ratio']}; vs SDPA {v['rel_diff_vs_sdpa']:.1e} "
                              f"({'equal' if v['passed'] else 'DIFFERENT'})")  # fmt: skip
         lines.append(f"  - fp8 KV vs {d.get('fp8_vs', '16-bit')}: {d['fp8_speedup']}x faster")
+    from loadtests.gpu.gpu_baseline import to_markdown as baseline_markdown
+
+    lines += baseline_markdown(r.get("baseline"))
     t = r.get("table")
     if isinstance(t, dict) and "fastest_row" in t:
         lines.append(
@@ -167,24 +178,32 @@ def _preset(preset: str, r: dict[str, Any]) -> list[str]:
     if isinstance(cells, list) and cells:
         lines += [
             "",
+            "Contiguous: each sequence's slots one run (a fresh pool); fragmented: the batch's "
+            "slots shuffled token by token (a pool in service, at its worst).",
+            "",
             "| batch | context | ms/step | roofline ms | ratio | floor at measured copy bw, ms "
-            "| ratio |",
-            "|---|---|---|---|---|---|---|",
+            "| ratio | fragmented ms/step | fragmented ratio | fragmented / contiguous |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for d in sorted(cells, key=lambda d: (d["context"], d["batch"])):
             if "ms" in d:
+                cut = "CUT (time budget)" if "cut" in d else ""
                 lines.append(f"| {d['batch']} | {d['context']} | {d['ms']} | {d['roofline_ms']} "
                              f"| {d['roofline_ratio']} | {d.get('measured_floor_ms', '')} "
-                             f"| {d.get('measured_ratio', '')} |")  # fmt: skip
+                             f"| {d.get('measured_ratio', '')} | {d.get('fragmented_ms', cut)} "
+                             f"| {d.get('fragmented_ratio', '')} "
+                             f"| {d.get('fragmented_over_contiguous', '')} |")  # fmt: skip
             else:
-                why = "skipped (time budget)" if "skipped" in d else "FAILED (see the JSON)"
-                lines.append(f"| {d['batch']} | {d['context']} | {why} | | | | |")
+                why = "CUT (time budget)" if "cut" in d else "FAILED (see the JSON)"
+                lines.append(f"| {d['batch']} | {d['context']} | {why} | | | | | | | |")
     return [*lines, "", *_problems(preset, r)]
 
 
 def _pytest(r: dict[str, Any]) -> list[str]:
     if "skipped" in r:
         return [f"pytest -m gpu: skipped, {r['skipped']}", ""]
+    if "cut" in r and "tail" not in r:
+        return [f"pytest -m gpu: CUT, {r['cut']}", ""]
     lines = [f"pytest -m gpu: {'passed' if r.get('passed') else 'FAILED'} (`{r.get('command')}`)"]
     if not r.get("passed"):
         lines += ["", "```", str(r.get("tail", "")).strip()[-2500:], "```"]

@@ -3,7 +3,7 @@
 A section is a list of steps. `Recorder.step` runs one, stores its result (or its
 traceback) and rewrites the section's state file at once, so the parent keeps every
 finished step even when this process is killed or dies in a CUDA error; a step that
-would start after the deadline is recorded as skipped.
+would start after the deadline is recorded as cut (so is a decode cell).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Recorder:
     def step(self, name: str, fn: Callable[[], Any], need_s: float = 2.0) -> Any:
         """Run `fn` as step `name` unless fewer than `need_s` seconds are left."""
         if self.left() < need_s:
-            self.data[name] = {"skipped": f"time budget ({self.left():.0f} s left)"}
+            self.data[name] = {"cut": f"time budget ({self.left():.0f} s left)"}
             self.save()
             return None
         print(f"--- {name}", flush=True)
@@ -175,7 +175,7 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
         return info if isinstance(info, dict) and "error" not in info else None
 
     info = rec.step("runner", lambda: make_runner(backend), need_s=10)
-    if not isinstance(info, dict):  # skipped: no time left
+    if not isinstance(info, dict):  # cut: no time left
         return
     if "error" in info:
         if backend == "sdpa":
@@ -186,14 +186,30 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
     runner = holder["runner"]
     # Issue 25: every bucket captured when the runner was built, before any traffic.
     rec.step("startup_capture", lambda: go.startup_capture(runner))
+    vocab = min(int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]), 1000)
+    prompts = [[4 + (13 * i + 7 * n) % (vocab - 4) for i in range(n)] for n in sizes["prompts"]]
+
+    def greedy() -> None:
+        """Greedy tokens vs transformers (fp32, its own engine beside this runner: 80 GB
+        hold both), right after the headline cells: "is it correct" before the rest."""
+        rec.step("greedy", lambda: gb.greedy_vs_transformers(
+            Path(model_dir), device, prompts, sizes["new_tokens"], info["attention_backend"]),
+            need_s=25)  # fmt: skip
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+
     rec.data["decode"] = cells = []
     order = list(sizes["first_cells"])
     order += [(b, c) for c in contexts for b in batches if (b, c) not in order]
-    for batch, context in order:
+    for index, (batch, context) in enumerate(order):
+        if index == len(sizes["first_cells"]):
+            greedy()
         cell: dict[str, Any] = {"batch": batch, "context": context}
+        cells.append(cell)  # saved with each figure as it comes
         for _attempt in range(2):
             if rec.left() < 4:
-                cell["skipped"] = "time budget"
+                cell["cut"] = "time budget"
                 break
             try:
                 ms = gb.decode_ms(runner, batch, context, steps)
@@ -207,6 +223,15 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
                          "measured_floor_ms": round(measured, 3),
                          "measured_ratio": round(ms / measured, 2)}  # fmt: skip
                 cell.pop("error", None)
+                rec.save()  # the contiguous figure stands even if the fragmented one is cut
+                if rec.left() < 4:
+                    cell["cut"] = "time budget (the fragmented figure)"
+                    break
+                # Issue 32: a pool in service is fragmented; both figures, side by side.
+                frag = gb.decode_ms(runner, batch, context, steps, fragmented=True)
+                cell |= {"fragmented_ms": round(frag, 3),
+                         "fragmented_ratio": round(frag / floor, 2),
+                         "fragmented_over_contiguous": round(frag / ms, 2)}  # fmt: skip
                 break
             except Exception:
                 traceback.print_exc()
@@ -216,12 +241,12 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
                     break
                 runner = None
                 if not (info := fall_back("the first decode cell failed with triton")):
-                    cells.append(cell)
                     rec.save()
                     return
                 runner = holder["runner"]
-        cells.append(cell)
         rec.save()
+    if "greedy" not in rec.data:
+        greedy()
     rec.step("kernels", lambda: gb.kernels_of_one_step(runner))
 
     def eager() -> dict[str, Any]:
@@ -253,13 +278,5 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
         return out | {"prefix_tokens": sizes["prefix"]}
 
     rec.step("ttft", ttft, need_s=10)
-    if cuda:
+    if cuda:  # since the greedy step (its fp32 engine is not this preset's footprint)
         rec.data["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    holder.clear()
-    runner = None  # the greedy step loads its own fp32 engine: free this one first
-    if cuda:
-        torch.cuda.empty_cache()
-    vocab = min(int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]), 1000)
-    prompts = [[4 + (13 * i + 7 * n) % (vocab - 4) for i in range(n)] for n in sizes["prompts"]]
-    rec.step("greedy", lambda: gb.greedy_vs_transformers(
-        Path(model_dir), device, prompts, sizes["new_tokens"], info["attention_backend"]), need_s=25)  # fmt: skip

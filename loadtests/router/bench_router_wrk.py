@@ -5,11 +5,15 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
-        [--before-ref main] [--upstream-client aiohttp]
+        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/refs.py`) as one more target, so a change's price is measured side by side;
 `--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
+`--worker zero` puts `loadtests/router/zero_worker.py` (a few microseconds a request, echoing
+`x-request-id`) behind the routers instead of the sim worker (~0.5 ms of CPU a request,
+which on 2 cores sets the pace of every target); `--rounds N` repeats each target's run
+N times, the order flipped every round, and prints medians and ratios to sglang-router.
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
 connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a
@@ -196,8 +200,32 @@ def start_targets(
     return targets
 
 
+def summarize(rounds: dict[str, list[tuple[float, float]]]) -> None:
+    """Medians over rounds, and each target's ratios to sglang-router's where it ran."""
+    ref = rounds.get("sglang-router")
+    print(
+        "\n| target | req/s, median | CPU ms / request, median | req/s / sglang-router | CPU / sglang-router |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for name, values in rounds.items():
+        rps = statistics.median(v[0] for v in values)
+        cpu = statistics.median(v[1] for v in values)
+        if ref and name not in ("direct", "sglang-router"):
+            ref_rps = statistics.median(v[0] for v in ref)
+            ref_cpu = statistics.median(v[1] for v in ref)
+            vs = f"{rps / ref_rps:.2f}x | {cpu / ref_cpu:.2f}x"
+        else:
+            vs = " | "
+        print(f"| {name} | {rps:.0f} | {cpu:.3f} | {vs} |")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
+    p.add_argument("--rounds", type=int, default=1, help="wrk runs per target, order alternating")
+    p.add_argument(
+        "--worker", choices=["sim", "zero"], default="sim",
+        help="sim: our sim worker; zero: loadtests/router/zero_worker.py (no streams: TTFT skipped)",
+    )  # fmt: skip
     p.add_argument("--connections", type=int, default=64, help="wrk keep-alive connections")
     p.add_argument(
         "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
@@ -237,10 +265,14 @@ def main(args: argparse.Namespace) -> int:
         script = tmp / "post.lua"
         script.write_text(lua(args.rate, args.connections))
         wport = free_port()
-        worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
-                        "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",
-                        "--sim-prefill-us-per-token", str(args.prefill_us),
-                        "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
+        if args.worker == "zero":  # next to no cost: the routers, not it, set the pace
+            worker = spawn([sys.executable, "-m", "loadtests.router.zero_worker", str(wport)],
+                           tmp / "w.log")  # fmt: skip
+        else:
+            worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
+                            "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",
+                            "--sim-prefill-us-per-token", str(args.prefill_us),
+                            "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
         redis = RedisServer().start()
         targets: list[Target] = []
         stack = contextlib.ExitStack()
@@ -248,18 +280,25 @@ def main(args: argparse.Namespace) -> int:
             before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
             wait_until(lambda: answers_health(f"http://127.0.0.1:{wport}"), 60, poll_s=0.2)
             targets = start_targets(args, tmp, f"http://127.0.0.1:{wport}", redis.url, before)
-            print("| target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
-            print("|---|---:|---:|---:|---:|---:|")
+            print("| round | target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
+            print("|---:|---|---:|---:|---:|---:|---:|")
             for t in targets:
-                url = t.url + "/v1/completions"
-                wrk(url, 1, args.connections, script)  # warm-up
-                pid = t.proc.pid if t.proc is not None else worker.pid
-                cpu0 = tree_cpu_s(pid)
-                r = wrk(url, args.seconds, args.connections, script)
-                cpu = (tree_cpu_s(pid) - cpu0) * 1e3 / max(1, r["done"])
-                print(f"| {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
-                      f"{cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
+                wrk(t.url + "/v1/completions", 1, args.connections, script)  # warm-up
+            rounds: dict[str, list[tuple[float, float]]] = {t.name: [] for t in targets}
+            for n in range(args.rounds):
+                # The order flips every round, so drift on a shared machine hits all alike.
+                for t in targets if n % 2 == 0 else targets[::-1]:
+                    pid = t.proc.pid if t.proc is not None else worker.pid
+                    cpu0 = tree_cpu_s(pid)
+                    r = wrk(t.url + "/v1/completions", args.seconds, args.connections, script)
+                    cpu = (tree_cpu_s(pid) - cpu0) * 1e3 / max(1, r["done"])
+                    rounds[t.name].append((r["rps"], cpu))
+                    print(f"| {n + 1} | {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | "
+                          f"{r['p99']:.1f} | {cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
             print("\n(direct: the CPU column is the worker's own)")
+            summarize(rounds)
+            if args.worker == "zero":
+                return 0  # it answers no streams
             ttft = asyncio.run(streamed(targets, args.ttft_requests, args.ttft_concurrency))
             base = statistics.median(ttft["direct"])
             print(f"\nstreamed, {args.ttft_concurrency} at a time")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -59,6 +60,7 @@ from shared.config import RouterConfig
 from shared.serving.access_log import OnDone, stamp_request_id
 from shared.serving.aio import stop_task
 from shared.serving.errors import ERROR_CODE
+from shared.serving.gc_policy import freeze_startup, tune_for_serving
 from shared.serving.http_server import KEEPALIVE_S, BindError, bind
 from shared.serving.logging import setup_logging
 from shared.tokens.fingerprint import tokenizer_fingerprint
@@ -334,6 +336,11 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
                            keepalive_timeout=KEEPALIVE_S)  # fmt: skip
     await runner.setup()
+    # The app and its cleanup_ctx are built: out of every collection from now on. Before
+    # the bind, so no request waits on this one full pass; the fleet's first read is
+    # frozen too, later (`_settle_gc`), at the cost of a pass over what is young only.
+    freeze_startup()
+    tune_for_serving()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -359,9 +366,11 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
                    header_read_timeout=config.header_read_timeout)  # fmt: skip
         port = runner.addresses[0][1] if runner.addresses else config.port
         log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
+        settle = asyncio.create_task(_settle_gc(discovery, config), name="gc-settle")
         if ready is not None:
             ready(port)
         await stop.wait()
+        await stop_task(settle)
         app[GATE].stopping = True
         if config.shutdown_delay > 0:
             log.info("stopping: not ready, still serving for %.1fs", config.shutdown_delay)
@@ -373,6 +382,16 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
         for sig in signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+
+
+async def _settle_gc(discovery: Discovery | None, config: RouterConfig) -> None:
+    """Start-up's objects out of the garbage collector's passes (shared/serving/gc_policy.py),
+    once the fleet is first read: the registry's workers and their tables are start-up too."""
+    if discovery is not None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(discovery.first_poll.wait(), 3 * config.discovery_interval + 1)
+    frozen = freeze_startup()
+    log.debug("gc: %d start-up objects frozen, thresholds %s", frozen, gc.get_threshold())
 
 
 def run_router(config: RouterConfig) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from router.http.state import CLOCK, FLEET, KV_FEED, METRICS, ROUTING
+from router.upstream.proxy import echo_of
 
 PAGE_PATH = "/dashboard"
 DATA_PATH = "/dashboard.json"
@@ -69,6 +70,7 @@ def snapshot(app: web.Application) -> dict[str, Any]:
         row["kv_events_rebuild"] = (
             None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}
         )
+        row["request_id_echo"] = echo_of(app, row["url"])
     prompt = sum(w.report.prompt_tokens_total for w in workers)
     cached = sum(w.report.cached_tokens_total for w in workers)
     predicted = sum(r["predicted_cached_tokens_total"] for r in rows)

@@ -30,7 +30,7 @@ from router.http.state import (
     TOKENIZE,
 )
 from router.upstream.answers import worker_authorization
-from router.upstream.proxy import PROXY, Routed
+from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
@@ -189,6 +189,7 @@ async def list_workers(request: web.Request) -> web.Response:
         feed = app.get(KV_FEED)
         item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
         item["kv_events_rebuild"] = _rebuild(feed, w.worker_id)
+        item["request_id_echo"] = echo_of(app, w.url)
         out.append(item)
     return web.json_response({"object": "list", "data": out})
 

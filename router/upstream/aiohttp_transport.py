@@ -27,6 +27,7 @@ import aiohttp
 from aiohttp.abc import AbstractResolver
 from multidict import CIMultiDictProxy
 
+from router.upstream.echo import EchoBook
 from router.upstream.limits import BAD_TEXT_VALUE, BufferBudget, UpstreamBroken, only_chunked
 
 EVENT_STREAM = "text/event-stream"
@@ -191,6 +192,7 @@ class AiohttpTransport:
         self._keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None
         self._connector: _IdleCheckingConnector | None = None
+        self.echo = EchoBook()  # which workers echo request ids (router/upstream/echo.py)
 
     @property
     def stale_retries(self) -> int:
@@ -254,6 +256,7 @@ class AiohttpTransport:
             resp.close()
             raise UpstreamBroken(why)
         answer.echoed = echo is not None
+        self.echo.of(base_url).record(answer.echoed)
         if proto is not None:
             last_id[proto] = request_id if answer.echoed else ""
             if not answer.echoed:

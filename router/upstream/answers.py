@@ -41,7 +41,6 @@ Failure classes (`classify`), which decide retries and the breaker (`router/flee
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import TYPE_CHECKING, Any
@@ -51,6 +50,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.fleet.workers import FailureKind, Worker
 from router.upstream.connection import UpstreamBroken
 from shared.config import RouterConfig
+from shared.serving import json_codec
 from shared.serving.errors import APIError
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ def _retry_after(value: str | None) -> int:
 async def _says_overloaded(upstream: Answer) -> bool:
     try:
         body = await upstream.read_all()
-        error = json.loads(body[:MAX_ERROR_BYTES]).get("error", {})
+        error = json_codec.loads(body[:MAX_ERROR_BYTES]).get("error", {})
     except (ValueError, AttributeError, UpstreamBroken, TimeoutError):
         return False
     return isinstance(error, dict) and "overloaded" in (
@@ -242,7 +242,7 @@ async def read_capped(upstream: Answer, config: RouterConfig, worker: Worker) ->
         raise _too_big(worker, limit)
     if upstream.close_delimited and upstream.content_type == "application/json":
         try:
-            json.loads(body)
+            json_codec.loads(body)
         except ValueError:
             raise AttemptFailed(
                 f"worker {worker.worker_id} closed the connection mid-answer (not whole JSON)",

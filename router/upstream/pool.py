@@ -38,15 +38,17 @@ from urllib.parse import urlsplit
 from aiohttp.abc import AbstractResolver
 
 from router.upstream.connection import BufferBudget, UpstreamBroken, WorkerConnection
+from router.upstream.echo import EchoBook, EchoStatus
 
 
 class _Origin:
     """One worker's address and its idle connections."""
 
-    __slots__ = ("host", "host_header", "idle", "literal", "port", "tls")
+    __slots__ = ("echo", "host", "host_header", "idle", "literal", "port", "request_line", "tls")
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, echo: EchoStatus) -> None:
         parts = urlsplit(base_url)
+        self.echo = echo  # whether its answers echo the request id (router/upstream/echo.py)
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.tls = parts.scheme == "https"
@@ -55,8 +57,20 @@ class _Origin:
             self.literal = True
         except ValueError:
             self.literal = False
+        # Built once per worker and path, not per request: `POST <path> HTTP/1.1` and Host.
+        self.request_line: dict[str, bytes] = {}
         self.host_header = parts.netloc.encode("ascii")
         self.idle: list[WorkerConnection] = []
+
+    def head_of(self, path: str) -> bytes:
+        line = self.request_line.get(path)
+        if line is None:
+            if len(self.request_line) >= 16:  # the router posts to three paths
+                self.request_line.clear()
+            line = self.request_line[path] = b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (
+                path.encode("ascii"), self.host_header,
+            )  # fmt: skip
+        return line
 
 
 class UpstreamPool:
@@ -84,18 +98,23 @@ class UpstreamPool:
         self._sweeper: asyncio.TimerHandle | None = None
         self.stale_retries = 0  # requests re-sent after a stale keep-alive connection
         self.connects = 0  # connections opened
+        self.echo = EchoBook()  # which workers echo request ids (router/upstream/echo.py)
+
+    def _origin(self, base_url: str) -> _Origin:
+        origin = self._origins.get(base_url)
+        if origin is None:
+            origin = self._origins[base_url] = _Origin(base_url, self.echo.of(base_url))
+        return origin
 
     async def post(
         self, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes, request_id: str
     ) -> WorkerConnection:
         """Send the request; return the connection once the answer's head has arrived.
         The caller reads the body, then `release`s it (read to its end) or closes it."""
-        origin = self._origins.get(base_url)
-        if origin is None:
-            origin = self._origins[base_url] = _Origin(base_url)
+        origin = self._origin(base_url)
         head = "".join([f"{k}: {v}\r\n" for k, v in headers]).encode()
-        data = b"POST %s HTTP/1.1\r\nHost: %s\r\n%sx-request-id: %s\r\nAccept-Encoding: identity\r\nContent-Length: %d\r\n\r\n%s" % (
-            path.encode("ascii"), origin.host_header, head, request_id.encode("ascii"), len(body), body,
+        data = b"%s%sx-request-id: %s\r\nAccept-Encoding: identity\r\nContent-Length: %d\r\n\r\n%s" % (
+            origin.head_of(path), head, request_id.encode("ascii"), len(body), body,
         )  # fmt: skip
         idle = origin.idle
         while idle:
@@ -109,6 +128,7 @@ class UpstreamPool:
                 continue
             try:
                 await conn.send(data, request_id)
+                origin.echo.record(conn.echoed)
                 return conn
             except UpstreamBroken:
                 conn.close()
@@ -125,6 +145,7 @@ class UpstreamPool:
         except BaseException:
             conn.close()
             raise
+        origin.echo.record(conn.echoed)
         return conn
 
     def release(self, base_url: str, conn: WorkerConnection) -> None:
@@ -132,9 +153,7 @@ class UpstreamPool:
         if not conn.reusable():
             conn.close()
             return
-        origin = self._origins.get(base_url)
-        if origin is None:
-            origin = self._origins[base_url] = _Origin(base_url)
+        origin = self._origin(base_url)
         if len(origin.idle) >= self.max_idle:
             conn.close()
             return

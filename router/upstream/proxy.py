@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
@@ -58,6 +56,7 @@ from router.upstream.answers import (
 from router.upstream.connection import UpstreamBroken
 from router.upstream.transport import Answer, Transport
 from shared.config import RouterConfig
+from shared.serving import json_codec
 from shared.serving.access_log import REQUEST_ID
 from shared.serving.errors import APIError, error_body
 from shared.serving.http import EVENT_STREAM, DeadlineStream
@@ -73,19 +72,30 @@ def _event_end(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-@dataclass(frozen=True)
 class Routed:
-    """A validated request, ready to forward."""
+    """A validated request, ready to forward (read-only by convention). A slots class: a
+    frozen dataclass set each of its eight fields through `object.__setattr__`, 3.0 us
+    per request against 0.6 us here (timeit)."""
 
-    endpoint: str  # metrics label: chat | completions | generate
-    path: str  # upstream path, e.g. /v1/chat/completions
-    body: bytes  # forwarded unchanged
-    text: str  # what the policy routes on
-    session_key: str | None
-    model: str | None
-    tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
-    stream: bool = False  # the client asked for a stream (a timeout is then the worker's)
-    namespace: str = ""  # its cache namespace (router/holdings/namespace.py)
+    __slots__ = (
+        "body", "endpoint", "model", "namespace", "path", "session_key", "stream", "text",
+        "tokens",
+    )  # fmt: skip
+
+    def __init__(
+        self, endpoint: str, path: str, body: bytes, text: str, session_key: str | None,
+        model: str | None, tokens: Sequence[int] | None = None, stream: bool = False,
+        namespace: str = "",
+    ) -> None:  # fmt: skip
+        self.endpoint = endpoint  # metrics label: chat | completions | generate
+        self.path = path  # upstream path, e.g. /v1/chat/completions
+        self.body = body  # forwarded unchanged
+        self.text = text  # what the policy routes on
+        self.session_key = session_key
+        self.model = model
+        self.tokens = tokens  # the worker's prompt ids (router `tokenizer` set)
+        self.stream = stream  # the client asked for a stream (a timeout is then the worker's)
+        self.namespace = namespace  # its cache namespace (router/holdings/namespace.py)
 
 
 class ProxyMetrics(Protocol):
@@ -341,8 +351,8 @@ class Proxy:
             self._succeeded(attempt, decision, routed, answer, cached_tokens_from_sse(answer))
         else:
             self.fleet.failed(attempt, broken[0], self.clock())
-            event = json.dumps(error_body(502, broken[1], code="upstream_error"))
-            last = last[:cut] + f"data: {event}\n\n".encode()  # the partial event dropped
+            event = json_codec.dumps(error_body(502, broken[1], code="upstream_error"))
+            last = last[:cut] + b"data: %s\n\n" % event  # the partial event dropped
         with contextlib.suppress(ConnectionError):  # the client left, or stalled, at the end
             await resp.write_eof(last)
         return resp
@@ -366,3 +376,11 @@ class Proxy:
 
 
 PROXY = web.AppKey("proxy", Proxy)  # set up in the app's cleanup_ctx (needs the loop)
+
+
+def echo_of(app: web.Application, url: str) -> dict[str, object] | None:
+    """Whether the worker at `url` echoes `x-request-id`, and what not echoing costs
+    (router/upstream/echo.py); None before any request went to it."""
+    proxy = app.get(PROXY)
+    status = proxy.pool.echo.get(url) if proxy is not None else None
+    return None if status is None else status.describe()

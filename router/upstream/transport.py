@@ -29,6 +29,7 @@ from typing import Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from router.upstream.echo import EchoBook
 from router.upstream.limits import UpstreamBroken
 
 __all__ = ["Answer", "Transport", "UpstreamBroken"]
@@ -63,6 +64,7 @@ class Answer(Protocol):
 class Transport(Protocol):
     stale_retries: int  # requests re-sent after a stale keep-alive connection
     connects: int  # connections opened
+    echo: EchoBook  # per worker: do its answers echo the request id (router/upstream/echo.py)
 
     async def post(
         self,

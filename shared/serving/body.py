@@ -35,6 +35,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from shared.serving import json_codec
 from shared.serving.errors import APIError
 
 DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
@@ -167,6 +168,19 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         return _bounded_int(digits)
 
     may_overflow = _LONG_RUN in raw.translate(_DIGIT_MASK)
+    if not may_overflow:
+        # The common body: orjson from the bytes (shared/serving/json_codec.py). What it
+        # refuses takes the standard library's path below, which says what is wrong.
+        try:
+            data = json_codec.loads(raw)
+        except json_codec.JSONDecodeError:
+            pass
+        else:
+            if not isinstance(data, dict):
+                raise APIError(400, "request body must be a JSON object", code="invalid_json")
+            if _may_have_surrogate(raw):
+                _check_values(data)
+            return data
     try:
         text = raw.decode("utf-8")
         data = json.loads(text, parse_int=parse_int) if may_overflow else json.loads(text)

@@ -14,11 +14,15 @@ from typing import Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    GCCollector,
     Histogram,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
 )
+
+from shared.serving.gc_policy import FrozenCollector
+from shared.serving.loop_metrics import LoopCounter, LoopHistogram
 
 # Request latency histogram buckets (seconds); Prometheus adds +Inf. Up to 2 minutes:
 # a long generation is still a normal request.
@@ -40,17 +44,21 @@ class ServiceMetrics:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        self.requests = Counter(
+        # How often the collector ran, and what start-up froze (shared/serving/gc_policy.py).
+        GCCollector(registry=r)
+        r.register(FrozenCollector())
+        # Updated per request on the loop: no lock per update (shared/serving/loop_metrics.py).
+        self.requests = LoopCounter(
             f"{prefix}_requests", "Requests answered", ["endpoint", "status"], registry=r
         )
-        self.latency = Histogram(
+        self.latency = LoopHistogram(
             f"{prefix}_request_duration_seconds", "Time to the last byte of the response",
             ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         # `labels()` costs a lock and a tuple build per call; the hot path reuses children.
         self._children: dict[tuple[str, ...], Any] = {}
 
-    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+    def child(self, metric: Counter | Histogram | LoopCounter | LoopHistogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, kept: label values must come from a bounded set."""
         key = (metric._name, *labels)
         found = self._children.get(key)

@@ -121,6 +121,13 @@ async def test_sglang_fake_behind_attach_and_the_router(fake: tuple[FakeSGLang, 
         )
         assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 6
         assert server.served == 1 and server.request_ids == ["rid-attach-1"]
+        # SGLang does not echo x-request-id: the router names it, with the cost, and the
+        # sidecar said what to do about it (worker/attach/echo_check.py).
+        echo = _workers(fleet)["sgl-0"]["request_id_echo"]
+        assert echo["echoes"] is False and "new upstream connection" in echo["cost"]
+        assert fleet.router_metric("radix_router_worker_unechoed_answers_total") == 1
+        log = (fleet.log_dir / "attach-sgl-0.log").read_text()
+        assert "does not echo x-request-id" in log and "SGLang has no switch" in log
         # Load moves: the upstream's queue and KV usage reach the router's view.
         server.running, server.queued, server.token_usage = 7, 5, 0.5
         await _until(lambda: _workers(fleet)["sgl-0"].get("waiting") == 5)

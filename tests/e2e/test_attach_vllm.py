@@ -45,7 +45,10 @@ def fleet(tiny_model_dir: Path) -> Iterator[tuple[BenchFleet, Child, Child]]:
              "--host", "127.0.0.1",
              "--port", str(port), "--served-model-name", MODEL, "--max-model-len", "1024",
              "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-num-seqs", "8", "--dtype",
-             "float32"],
+             "float32",
+             # The README's attach line: vLLM echoes x-request-id, so the router keeps its
+             # connections (test_the_readme_flag_keeps_connections_pooled).
+             "--enable-request-id-headers"],
             upstream, f.log_dir / "vllm.log",
         )  # fmt: skip
         f.adopt(engine.start())
@@ -86,6 +89,22 @@ def test_requests_route_and_cached_tokens_come_back(fleet: tuple[BenchFleet, Chi
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
     # The shared system prompt is served from vLLM's prefix cache after the first request.
     assert cached[0] < cached[1] and cached[2] > 0, cached
+
+
+def test_the_readme_flag_keeps_connections_pooled(fleet: tuple[BenchFleet, Child, Child]) -> None:
+    """With `--enable-request-id-headers` vLLM echoes the id, so requests through the router
+    reuse its connections: fewer connections opened than requests (without it: one each,
+    shown with a non-echoing upstream in tests/e2e/test_attach.py and tests/router/test_request_id_echo.py)."""
+    f, _, _ = fleet
+    assert f.router is not None
+    opened = f.router_metric("radix_router_upstream_connections_opened_total")
+    client = openai.OpenAI(base_url=f.router.url + "/v1", api_key="unused", max_retries=0)
+    for i in range(8):
+        client.completions.create(model=MODEL, prompt=f"{i} {SYSTEM}", max_tokens=1)
+    echo = f.router_workers()["vllm-0"]["request_id_echo"]
+    assert echo["echoes"] is True and echo["unechoed_answers_total"] == 0, echo
+    assert f.router_metric("radix_router_upstream_connections_opened_total") - opened < 8
+    assert "does not echo x-request-id" not in (f.log_dir / "attach.log").read_text()
 
 
 def test_load_and_kv_usage_reach_the_router(fleet: tuple[BenchFleet, Child, Child]) -> None:

@@ -58,7 +58,7 @@ def test_vllm_entry_runs_the_stock_image_with_prefix_caching_and_the_sidecar() -
     args = engine["args"]
     assert args[0] == "/models/llama70b"  # the downloaded folder
     for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details",
-                 "--tensor-parallel-size=4", "--served-model-name=llama-3.1-70b", "--port=8001"):  # fmt: skip
+                 "--enable-request-id-headers", "--tensor-parallel-size=4", "--served-model-name=llama-3.1-70b", "--port=8001"):  # fmt: skip
         assert flag in args, flag
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert engine["lifecycle"]["preStop"]["sleep"]["seconds"] == 10

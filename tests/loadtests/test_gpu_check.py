@@ -99,7 +99,7 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.md"]
     report = json.loads((out / "gpu-check.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["env", "correctness", "ops", "host_tier", "preset:tiny", "pytest"]
+    assert list(sections) == ["env", "correctness", "preset:tiny", "ops", "host_tier", "pytest"]
     assert sections["pytest"]["passed"], sections["pytest"]["tail"]  # tests/gpu skip on CPU
     assert sections["correctness"]["kernels"]["passed"]
     assert sections["correctness"]["syncs"]["passed"]
@@ -121,6 +121,13 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert cells == {(1, 16), (3, 16), (1, 40), (3, 40)}
     assert all(d["ms"] > 0 and d["roofline_ratio"] > 0 for d in preset["decode"])
     assert all(d["measured_ratio"] > 0 for d in preset["decode"])
+    # Issue 32: every cell on a fragmented pool too, beside the contiguous one.
+    assert all(d["fragmented_ms"] > 0 and d["fragmented_ratio"] > 0 for d in preset["decode"])
+    base = {row["kind"]: row for row in ops["baseline"]["rows"]}  # SDPA over the same pages
+    assert set(base) == {"decode", "extend"} and ops["baseline"]["passed"]
+    for row in base.values():
+        assert row["baselines"]["sdpa"]["ours_over_it"] > 0 and row["ours_over_floor"] > 0
+        assert row["sdpa_kernels"]["math"]["us"] > 0  # each of torch's kernels, forced
     assert preset["ttft"]["cached_tokens"] >= 64
     assert preset["prefill_tokens_s"] > 0 and preset["eager_point"]["ms"] > 0
     # Issue 25 (CPU: no graphs; tests/worker/engine/test_graph_capture.py runs the
@@ -139,13 +146,15 @@ def test_quick_gpu_check_runs_every_section_with_only_the_gpu_machines_packages(
     assert overlap["greedy_equal"] and overlap["overlap_ms"] > 0 and overlap["in_order_ms"] > 0
     md = (out / "gpu-check.md").read_text()
     assert "| batch | context | ms/step | roofline ms | ratio |" in md
+    assert "| fragmented ms/step | fragmented ratio | fragmented / contiguous |" in md
+    assert "| decode | 3 x 1 new over 40 |" in md and "ours / sdpa" in md
     assert "## Kernels, fused ops, sampler, FP8 KV (issue 25)" in md
-    assert "FAILED" not in md and "skipped" not in md and "unfinished" not in md
+    assert "FAILED" not in md and "CUT" not in md and "unfinished" not in md
 
 
 def args_for(out: Path, **kw: object) -> Namespace:
     base = dict(out=out, device="cpu", quick=True, presets=None, attention_backend="sdpa",
-                skip_pytest=True, sections=None, budget_s=420.0)  # fmt: skip
+                skip_pytest=True, sections=None, budget_s=420.0, dry_run=False)  # fmt: skip
     return Namespace(**(base | kw))
 
 
@@ -164,10 +173,10 @@ def test_a_section_that_dies_or_is_killed_leaves_the_others(
     # Less time than a step needs: each step is recorded as skipped, none is started.
     skipped = gpu_check.run_child(args, "env", state, allowed=gpu_check.CHILD_GRACE_S + 1)
     assert "process_error" not in skipped
-    assert all("time budget" in skipped[k]["skipped"] for k in ("versions", "device", "bandwidth"))
+    assert all("time budget" in skipped[k]["cut"] for k in ("versions", "device", "bandwidth"))
     # The child merged each step into the report itself (what a SIGKILL of both leaves).
     merged = json.loads((args.out / "gpu-check.json").read_text())["sections"]["env"]
-    assert "unfinished" in merged and "time budget" in merged["bandwidth"]["skipped"]
+    assert "unfinished" in merged and "time budget" in merged["bandwidth"]["cut"]
     # A section that hangs (its process sleeps before it starts) is killed at its limit,
     # and what its state file held by then (one finished step, here) is kept.
     (state / "preset-tiny.json").write_text(json.dumps({"model": "/tmp/m", "steps_s": {}}))
@@ -180,7 +189,7 @@ def test_a_section_that_dies_or_is_killed_leaves_the_others(
     report = {"sections": {"env": skipped, "preset:tiny": killed}}
     assert not gpu_check.passed(report)
     md = gpu_check.to_markdown(report)
-    assert "killed at its 3 s limit" in md and "skipped, time budget" in md
+    assert "killed at its 3 s limit" in md and "CUT, time budget" in md
 
 
 def test_an_outer_timeout_still_leaves_the_report(tmp_path: Path) -> None:
@@ -233,22 +242,22 @@ def test_a_preset_falls_back_to_sdpa_when_triton_fails(
     assert "FALLBACK: the runner failed with the triton backend" in gpu_check.to_markdown(report)
 
 
-def test_the_budget_skips_what_would_start_too_late(tmp_path: Path) -> None:
+def test_the_budget_cuts_what_would_start_too_late(tmp_path: Path) -> None:
     from loadtests.gpu import gpu_check
 
     args = args_for(tmp_path / "out", budget_s=gpu_check.MIN_START_S - 1, skip_pytest=False)
-    assert gpu_check.orchestrate(args) == 1  # skipped is not passed
+    assert gpu_check.orchestrate(args) == 1  # cut is not passed
     report = json.loads((args.out / "gpu-check.json").read_text())
     assert list(report["sections"]) == [
         "env",
         "correctness",
+        "preset:tiny",
         "ops",
         "host_tier",
-        "preset:tiny",
         "pytest",
     ]
-    assert all("time budget" in s["skipped"] for s in report["sections"].values())
-    assert "skipped, time budget" in (args.out / "gpu-check.md").read_text()
+    assert all("not started" in s["cut"] for s in report["sections"].values())
+    assert "CUT, not started" in (args.out / "gpu-check.md").read_text()
 
 
 def test_gpu_check_without_cuda_says_so(tmp_path: Path) -> None:

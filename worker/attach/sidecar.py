@@ -44,6 +44,7 @@ from shared.config import read_password_file
 from shared.serving.aio import stop_task
 from shared.wire.peers import served_model
 from shared.wire.registry import Registry, WorkerRecord
+from worker.attach.echo_check import REQUEST_ID_HEADER, echo_advice, probe_id
 from worker.attach.upstream_metrics import StockEngine, UpstreamLoad, parse_load
 from worker.heartbeat import Heartbeat, connect
 
@@ -82,17 +83,24 @@ class Upstream:
         self.block_size = 0  # of its KV events, as its own publisher names it (0: unknown)
         self._last: UpstreamLoad | None = None
         self._was_down = True
+        self.echoes: bool | None = None  # answers echo x-request-id (None: not checked yet)
 
-    async def _get(self, path: str) -> Any:
+    async def _get(self, path: str, request_id: str | None = None) -> Any:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout)
-        async with self.session.get(self.base + path, timeout=timeout) as r:
+        headers = {REQUEST_ID_HEADER: request_id} if request_id is not None else None
+        async with self.session.get(self.base + path, timeout=timeout, headers=headers) as r:
             if r.status != 200:
                 raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+            if request_id is not None:
+                self.echoes = r.headers.get(REQUEST_ID_HEADER) == request_id
             return await (r.text() if path == "/metrics" else r.json(content_type=None))
 
     async def _identify(self) -> None:
-        """Model name and KV capacity: read once per epoch (they change only on restart)."""
-        models = await self._get("/v1/models")
+        """Model name and KV capacity: read once per epoch (they change only on restart);
+        and whether the upstream echoes request ids (worker/attach/echo_check.py)."""
+        models = await self._get("/v1/models", probe_id())
+        if not self.echoes:
+            log.warning("%s", echo_advice(self.config.engine, self.base))
         self.model = self.config.served_model_name or served_model(models)
         if self.config.engine == "sglang":
             info = await self._get("/get_server_info")

@@ -10,7 +10,9 @@ one step's copies, all write-backs (device -> host) then all loads (host -> devi
 
 Host rows are token-major (`[capacity, layers, kv_heads, head_dim]`, SGLang's
 "page_first" layout), so a run of host slots is one contiguous block and its copy one
-DMA. On CUDA the host memory is pinned and every copy is `non_blocking` on the pool's
+DMA. On CUDA the host memory is pinned (a plain allocation registered in place,
+worker/engine/runtime/host_memory.py: pin_memory=True would round each buffer up to a
+power of two) and every copy is `non_blocking` on the pool's
 own stream: the stream first waits for the compute stream (the forward that wrote the
 rows, or last read freed ones), the compute stream then waits for the copies through
 an event before the step's forward. The host never waits: no synchronize, no `.item()`,
@@ -29,7 +31,10 @@ import numpy as np
 import torch
 
 from worker.engine.host_tier import KVCopies
-from worker.engine.runtime.kv_pool import KVPool, cpu_available_bytes
+from worker.engine.runtime.host_memory import Pinning, check_host_memory, pin_in_place
+from worker.engine.runtime.kv_pool import KVPool
+
+__all__ = ["HostKVPool", "check_host_memory"]
 
 
 def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
@@ -38,18 +43,6 @@ def _runs(idx: np.ndarray) -> list[tuple[int, int, int]]:
     starts = np.concatenate([[0], breaks]).astype(np.int64)
     ends = np.concatenate([breaks, [len(idx)]]).astype(np.int64)
     return list(zip(starts.tolist(), ends.tolist(), idx[starts].tolist(), strict=True))
-
-
-def check_host_memory(tokens: int, bytes_per_token: int, available: int | None = None) -> None:
-    """Refuse a host tier the host's free memory cannot hold (ValueError with the numbers)."""
-    available = cpu_available_bytes() if available is None else available
-    need = tokens * bytes_per_token
-    if need > available:
-        raise ValueError(
-            f"host_cache_tokens {tokens} needs {need:,} bytes of host memory "
-            f"({bytes_per_token:,} bytes per token) but {available:,} are available; "
-            f"at most {available // bytes_per_token} tokens fit"
-        )
 
 
 class HostKVPool:
@@ -63,8 +56,10 @@ class HostKVPool:
         self.bytes_per_token = KVPool.bytes_per_token(
             dp.num_layers, dp.num_kv_heads, dp.head_dim, dp.dtype
         )
-        check_host_memory(capacity, self.bytes_per_token)
         self.cuda = dp.device.type == "cuda"
+        self.pinning = Pinning.REGISTERED if self.cuda else Pinning.NONE
+        # What the buffers really take (host_memory.py), checked before allocating.
+        self.host_bytes = check_host_memory(capacity, self.bytes_per_token, pinning=self.pinning)
         shape = (capacity, dp.num_layers, dp.num_kv_heads, dp.head_dim)
         # Not zeroed: a host slot is always written before it is read, and touching
         # tens of GB at start would take seconds.
@@ -73,8 +68,10 @@ class HostKVPool:
         fp8 = dp.k_buffer.element_size() == 1
         self._store = torch.uint8 if fp8 else dp.dtype
         self._dev = [b.view(torch.uint8) if fp8 else b for b in (dp.k_buffer, dp.v_buffer)]
-        self.k = torch.empty(shape, dtype=self._store, pin_memory=self.cuda)
-        self.v = torch.empty(shape, dtype=self._store, pin_memory=self.cuda)
+        self.k = torch.empty(shape, dtype=self._store)
+        self.v = torch.empty(shape, dtype=self._store)
+        if self.cuda:
+            pin_in_place(self, [self.k, self.v], torch.cuda.cudart())
         self.stream = torch.cuda.Stream(dp.device) if self.cuda else None
         self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
         self.load_bytes = 0  # timed loads so far
