@@ -53,7 +53,9 @@ class Holdings:
         # With a tokenizer the tree keys on the prompt ids (the worker's own units): matches
         # and caps are in tokens and no chars-per-token guess enters (issue 26).
         self.on_tokens = config.tokenizer is not None
-        self.kv = KvScorer(feed, config.kv_events_inflight, host_weight) if feed else None
+        self.kv = (
+            KvScorer(feed, config.kv_events_inflight, host_weight) if feed is not None else None
+        )
         self.claims = Claims()
         self._capacity: dict[str, int] = {}  # last capacity applied per worker, in tokens
         # Chars per token per worker, learned from answers; absent: `tree_chars_per_token`.
