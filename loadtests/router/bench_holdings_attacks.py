@@ -43,7 +43,6 @@ from shared.procs import http_json, wait_until
 from shared.wire.kv_events import entry_fields
 
 ATTACKS = ("rejoin", "model-flip", "tokenize", "oversized", "block-size")
-MODEL = "sim"
 BLOCK = 16  # the sim workers' KV event block size (worker config default)
 PREFIX = "radixrouter:"
 _TOKENS = [(i * 7) % 120 for i in range(7500 * 16)]  # one event's token ids (1 byte each)
@@ -83,7 +82,11 @@ def main(args: argparse.Namespace) -> int:
 def run_side(
     side: str, tree: Path | None, attacks: list[str], args: argparse.Namespace, tokenizer: str
 ) -> list[dict]:
-    spec = WorkerSpec(decode_ms=1.0, extra=("--log-level", "WARNING", "--kv-events"))
+    # The workers tokenize with the router's tokenizer (sim engine, the tiny model's
+    # tokenizer): the index can only match where both sides make the same ids.
+    spec = WorkerSpec(
+        decode_ms=1.0, extra=("--log-level", "WARNING", "--kv-events", "--model", tokenizer)
+    )
     rows = []
     with BenchFleet() as f:
         for wid in ("w0", "w1"):
@@ -92,27 +95,37 @@ def run_side(
                     "max_body_bytes": 16 * 1024 * 1024, "log_level": "WARNING"}  # fmt: skip
         router = f.start_router(settings, tree=tree)
         assert f.redis is not None
-        store = redis.Redis.from_url(f.redis.url)
+        _, models = http_json(f.workers["w0"].url + "/v1/models")
+        model = models["data"][0]["id"]  # the honest workers' (the attacker names it too)
+        store = redis.Redis.from_url(f.redis.url, socket_timeout=300)
         for attack in attacks:
-            with contextlib.suppress(AssertionError):  # each attack from a settled fleet
+            with contextlib.suppress(TimeoutError):  # each attack from a settled fleet
                 wait_until(lambda: honest_ok(router.url) == "w0=ok, w1=ok", 30)
-            evil = Evil(store)
+            evil = Evil(store, model)
             rss0 = rss_mb(router.pid)
+            error = ""
             with Sampler(router.url, router.pid) as sampler:
-                ATTACK[attack](evil, router.url, args)
-                deadline = time.monotonic() + args.seconds
-                while time.monotonic() < deadline:
-                    evil.tick(attack)
-                    time.sleep(1.0)
-            evil.leave()
+                try:
+                    ATTACK[attack](evil, router.url, args)
+                    deadline = time.monotonic() + args.seconds
+                    while time.monotonic() < deadline:
+                        evil.tick(attack)
+                        time.sleep(1.0)
+                except (redis.RedisError, OSError) as exc:  # the attack itself failed
+                    error = f" (attack failed: {type(exc).__name__})"
+            with contextlib.suppress(redis.RedisError):
+                evil.leave()
             time.sleep(1.0)
             honest = honest_ok(router.url)
-            routed = warmed_routes_to_w1(f, router.url, attack)
+            try:
+                routed = warmed_routes_to_w1(f, router.url, attack, model)
+            except OSError as exc:
+                routed = type(exc).__name__
             lat = sampler.latencies_ms or [float("nan")]
-            q = statistics.quantiles(lat, n=100) if len(lat) > 1 else lat * 99
+            q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
             row = {"side": side, "attack": attack, "p50": statistics.median(lat), "p99": q[98],
                    "max": max(lat), "rss0": rss0, "rss_peak": sampler.peak_mb,
-                   "rss1": rss_mb(router.pid), "honest": honest, "routed": routed}  # fmt: skip
+                   "rss1": rss_mb(router.pid), "honest": honest + error, "routed": routed}  # fmt: skip
             print(json.dumps(row))
             rows.append(row)
     return rows
@@ -124,9 +137,9 @@ def run_side(
 class Evil:
     """A worker credential: its own hash and its own stream, nothing else."""
 
-    def __init__(self, store: redis.Redis, wid: str = "evil") -> None:
+    def __init__(self, store: redis.Redis, model: str, wid: str = "evil") -> None:
         self.store, self.wid = store, wid
-        self.epoch, self.model, self.seq, self.flips = time.time(), MODEL, 0, 0
+        self.epoch, self.model, self.seq, self.flips = time.time(), model, 0, 0
         self.block_size = BLOCK
 
     @property
@@ -200,7 +213,7 @@ def block_size(evil: Evil, url: str, args: argparse.Namespace) -> None:
 
 
 def tokenize(evil: Evil, url: str, args: argparse.Namespace) -> None:
-    body = json.dumps({"model": MODEL, "prompt": "lorem ipsum dolor " * 580_000,
+    body = json.dumps({"model": evil.model, "prompt": "lorem ipsum dolor " * 580_000,
                        "max_tokens": 1}).encode()  # fmt: skip
 
     def send() -> None:
@@ -261,15 +274,18 @@ class Sampler:
 
 
 def honest_ok(url: str) -> str:
-    _, data = http_json(url + "/workers", timeout=30)
+    try:
+        _, data = http_json(url + "/workers", timeout=30)
+    except OSError as exc:
+        return f"no answer ({type(exc).__name__})"
     statuses = {w["worker_id"]: w.get("kv_events") for w in data["data"]}
     return ", ".join(f"{w}={statuses.get(w)}" for w in ("w0", "w1"))
 
 
-def warmed_routes_to_w1(f: BenchFleet, url: str, salt: str) -> str:
+def warmed_routes_to_w1(f: BenchFleet, url: str, salt: str, model: str) -> str:
     """A prompt sent straight to w1 (the router never saw it), then through the router."""
     prompt = f"{salt}: the warehouse inventory for aisle nine, pallet by pallet. " * 30
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    body = {"model": model, "prompt": prompt, "max_tokens": 1}
     http_json(f.workers["w1"].url + "/v1/completions", "POST", body, timeout=30)
     time.sleep(1.0)  # its KV events reach the router's index
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),

@@ -130,7 +130,7 @@ async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
     await sync.stop()
 
 
-async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _kv_feed_ctx(app: web.Application) -> AsyncIterator[None]:
     """Every worker's KV-event stream into the index (router/holdings/kv_feed.py), while up."""
     feed = app.get(KV_FEED)
     config = app[CONFIG]
@@ -168,7 +168,8 @@ def _kv_idle(config: RouterConfig) -> float:
 def _kv_feed(config: RouterConfig) -> KvEventFeed | None:
     """The workers' KV-event streams (config `kv_events`, which needs `redis_url` and a
     `tokenizer`), on their own client: XREAD blocks for up to `_kv_idle`, longer than a
-    short socket timeout. Created here, connected on first use inside the loop."""
+    short socket timeout (and a read may wait on a busy Redis). Created here, connected on
+    first use inside the loop."""
     if not (config.kv_events and config.tokenizer and config.redis_url):
         return None
     idle = _kv_idle(config)
@@ -302,7 +303,7 @@ def create_app(
             _session_ctx,
             _discovery_ctx,
             _sync_ctx,
-            _kv_events_ctx,
+            _kv_feed_ctx,
             _ratelimit_redis_ctx,
             _tokenize_ctx,
         ]

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
-from worker.engine.radix_cache import TreeNode
 from worker.engine.salt import Tag, salted
+from worker.engine.tree_node import TreeNode
 from worker.engine.types import FinishReason, GenerateOutput, SamplingParams, TokenLogprob
 
 
