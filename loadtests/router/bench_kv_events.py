@@ -1,6 +1,7 @@
-"""Tree alone vs tree + KV events, live: 4 sim workers, the real router, divergence cases.
+"""Tree alone vs tree + KV events, live: 4 sim workers, the real router, divergence cases
+(and `up-prediction`, UP_PREDICTION below: what `radix-router up` predicts cached).
 
-    python -m loadtests.router.bench_kv_events [--sessions 32] [--turns 3] [--cases host,host_routed]
+    python -m loadtests kv-events [--sessions 32] [--turns 3] [--cases host,host_routed]
 
 Each case runs the same conversations twice on the same fleet (caches flushed between),
 once with the router's `kv_events` off (the prefix tree alone) and once on (the index of
@@ -10,7 +11,7 @@ what workers report, beside the tree's in-flight entries; `tokenizer: sim`):
     direct      a second client sends each conversation's first turn straight to a
                 random worker (the router never sees it), then the rest go through it
     flush       every worker's cache is flushed after the first turns
-    flush_half  w0's and w1's caches (half the fleet) are flushed after the first turns:
+    flush_half  w0's and w1's caches (half the cluster) are flushed after the first turns:
                 with --shared-words, the shared head of every prompt is still held by
                 the other two (the fairer flush: a prefix the tree's guess misses exists)
     restart     one worker restarts after the first turns (a new epoch: empty cache)
@@ -34,16 +35,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import aiohttp
 import openai
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.kit import Command, checkout, pct, short
+from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.load.workloads import NATO_WORDS as WORDS
+from router.fleet.view import FleetView
+from router.holdings.namespace import DEFAULT, namespace_of
+from router.holdings.prediction import RouteRequest
+from router.policy import build_routing
+from shared.config import RouterConfig
+from shared.procs import Child, free_port, wait_until
 
 
 @dataclass
@@ -64,8 +78,8 @@ class Result:
         return self.cached / self.prompt if self.prompt else 0.0
 
     def pct(self, q: float) -> float:
-        xs = sorted(self.ttfts or [0.0])
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
+        """The `q` quantile of TTFT, in ms."""
+        return pct(self.ttfts or [0.0], q) * 1000
 
 
 def system_prompt(rng: random.Random, s: int, words: int, shared: str = "") -> str:
@@ -102,12 +116,12 @@ async def one(client: openai.AsyncOpenAI, messages: list[dict], res: Result) -> 
 
 
 async def run_case(
-    fleet: BenchFleet, args: argparse.Namespace, case: str, between: Callable[[], None]
+    cluster: Cluster, args: argparse.Namespace, case: str, between: Callable[[], None]
 ) -> Result:
-    assert fleet.router is not None
+    assert cluster.router is not None
     rng = random.Random(args.seed)
-    router = openai.AsyncOpenAI(base_url=fleet.router.url + "/v1", api_key="x", max_retries=2)
-    direct = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="x") for u in fleet.worker_urls]
+    router = openai.AsyncOpenAI(base_url=cluster.router.url + "/v1", api_key="x", max_retries=2)
+    direct = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="x") for u in cluster.worker_urls]
     head = shared_head(args.shared_words)
     chats = [[{"role": "system", "content": system_prompt(rng, s, args.words, head)}]
              for s in range(args.sessions)]  # fmt: skip
@@ -145,16 +159,15 @@ MODES = {
 }
 
 
-def flush(fleet: BenchFleet) -> None:
-    fleet.flush()
+def flush(cluster: Cluster) -> None:
+    cluster.flush()
 
 
-def wait_events(fleet: BenchFleet) -> None:
+def wait_events(cluster: Cluster) -> None:
     time.sleep(1.0)  # the router rereads the fleet and the restarted worker's stream
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=32)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--words", type=int, default=600, help="system prompt words per session")
@@ -172,7 +185,9 @@ def main() -> int:
     p.add_argument("--host-cache-tokens", type=int, default=60_000,
                    help="host cases: each worker's host KV tier")  # fmt: skip
     p.add_argument("--gap", type=float, default=3.0, help="host cases: seconds between rounds")
-    args = p.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     cases = args.cases.split(",")
     rows = []
     uniform = [args.cache_tokens] * 4
@@ -186,26 +201,26 @@ def main() -> int:
     ):
         if not names:
             continue
-        with BenchFleet() as fleet:
+        with Cluster() as cluster:
             for i, cap in enumerate(caps):
                 spec = WorkerSpec(cache_tokens=cap, prefill_us=args.prefill_us, decode_ms=1.0,
                                   max_running=8, extra=("--kv-events", *tier))  # fmt: skip
-                fleet.start_worker(f"w{i}", spec)
+                cluster.start_worker(f"w{i}", spec)
             for case in names:
                 between = {
-                    "flush": lambda f=fleet: flush(f),
-                    "flush_half": lambda f=fleet: f.flush(only=("w0", "w1")),
-                    "restart": lambda f=fleet: (f.restart_worker("w1"), wait_events(f)),
+                    "flush": lambda f=cluster: flush(f),
+                    "flush_half": lambda f=cluster: f.flush(only=("w0", "w1")),
+                    "restart": lambda f=cluster: (f.restart_worker("w1"), wait_events(f)),
                 }.get(case, lambda: None)
                 modes = list(MODES) if case in HOST_CASES else ["tree", "tree+events"]
                 for mode in modes:
                     settings: dict[str, object] = {"balance_abs_threshold": 4,
                                                    "tree_chars_per_token": 2.5, "access_log": False}  # fmt: skip
                     settings |= MODES[mode]
-                    fleet.flush()
-                    fleet.start_router(settings)
+                    cluster.flush()
+                    cluster.start_router(settings)
                     time.sleep(1.0)
-                    r = asyncio.run(run_case(fleet, args, case, between))
+                    r = asyncio.run(run_case(cluster, args, case, between))
                     rows.append((case, mode, r))
                     print(f"{case:11s} {mode:15s} hit {r.hit_rate:6.3f}  TTFT p50 "
                           f"{r.pct(0.5):7.1f} ms  p99 {r.pct(0.99):7.1f} ms  "
@@ -226,5 +241,255 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+# -- up-prediction -----------------------------------------------------------------------
+def dashboard(url: str) -> dict:
+    with urllib.request.urlopen(url + "/dashboard.json", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _ready(url: str) -> bool:
+    try:
+        return dashboard(url)["fleet"]["ready"] == 2
+    except OSError:
+        return False
+
+
+def run(args: argparse.Namespace, kv_events: bool) -> tuple[float, float, float]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # A Child (shared/procs.py): its own session and a log file, never an unread pipe
+    # (a full one blocked `up`, which then outlived the bench); `stop` is SIGTERM, which
+    # `up` answers by stopping its router and workers, then SIGKILL after the grace.
+    with tempfile.TemporaryDirectory() as tmp:
+        up = Child("up", ["router", "up", "--workers", "2", "--engine", args.engine,
+                          "--port", str(port)] + ([] if kv_events else ["--no-kv-events"]),
+                   url, Path(tmp) / "up.log").start()  # fmt: skip
+        try:
+            wait_until(lambda: _ready(url), 180, up, poll_s=0.5)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+            model = client.models.list().data[0].id
+            rng = random.Random(3)
+            chats = [[{"role": "system", "content": f"Session {s}. " +
+                       " ".join(rng.choice(WORDS) for _ in range(args.words))}]
+                     for s in range(args.sessions)]  # fmt: skip
+            for turn in range(args.turns):
+                for chat in chats:
+                    chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(WORDS)}?"})
+                    r = client.chat.completions.create(model=model, messages=chat, max_tokens=8)
+                    chat.append(
+                        {"role": "assistant", "content": r.choices[0].message.content or ""}
+                    )
+                time.sleep(0.3)
+            fleet = dashboard(url)["fleet"]
+            return (fleet["predicted_cached_tokens_total"], fleet["actual_cached_tokens_total"],
+                    fleet["hit_rate"] or 0.0)  # fmt: skip
+        finally:
+            up.stop(grace_s=30)
+
+
+def up_prediction_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="sim")
+    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--words", type=int, default=300)
+
+
+def up_prediction_main(args: argparse.Namespace) -> int:
+    for kv in (True, False):
+        predicted, actual, hit = run(args, kv)
+        print(f"up --engine {args.engine} kv_events {'on ' if kv else 'off'}: predicted "
+              f"{predicted:,.0f} / actual {actual:,} cached tokens = {predicted / actual:.3f} "
+              f"(hit rate {hit:.3f})", flush=True)  # fmt: skip
+    return 0
+
+
+UP_PREDICTION = Command(
+    """Predicted vs actual cached tokens on a fresh `radix-router up`, with KV events on (its
+default) and off, as a new user would run it.
+
+    python -m loadtests up-prediction [--engine sim] [--sessions 12] [--turns 4]
+
+Starts `python -m router up --workers 2` (then again with `--no-kv-events`), sends
+multi-turn chats through it with the official client, and reads the dashboard's totals:
+the tokens the router predicted cached on the chosen workers and what they reported.
+""",
+    up_prediction_arguments,
+    up_prediction_main,
+)
+
+
+# ---- namespaces: predicted hits across cache_salt / template namespaces ----
+NS_MODELS = ("base", "lora-a", "lora-b")
+NS_SALTS = (None, "tenant-1", "tenant-2", "tenant-3")
+NS_TEMPLATES = (None, {"enable_thinking": False})
+CHARS_PER_TOKEN = 4.0
+
+
+def ns_common(a: str, b: str) -> int:
+    """Chars two prompts share from the start (the engine's hit, before blocks)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def ns_workload(groups: int, questions: int, seed: int) -> list[tuple[str, str, object, object]]:
+    """(text, model, salt, template kwargs) for every prompt under every namespace."""
+    rng = random.Random(seed)
+    systems = ["".join(rng.choices("abcdefgh ", k=400)) for _ in range(groups)]
+    prompts = [s + f" question {q}: " + "x" * 20 for s in systems for q in range(questions)]
+    out = [(p, m, s, t) for p in prompts for m in NS_MODELS for s in NS_SALTS for t in NS_TEMPLATES]
+    rng.shuffle(out)
+    return out
+
+
+def ns_run_arm(keyed: bool, stream: list, per_model: int, seed: int) -> dict[str, float]:
+    routing = build_routing(RouterConfig(tree_chars_per_token=CHARS_PER_TOKEN), random.Random(seed))
+    views = {m: FleetView([f"{m}-w{i}" for i in range(per_model)]) for m in NS_MODELS}
+    engine: dict[tuple[str, object], list[str]] = {}  # (worker, engine key) -> prompts
+    predicted = wasted = engine_hit = prompt_tokens = 0.0
+    false_requests = predicted_requests = 0
+    for step, (text, model, salt, kwargs) in enumerate(stream):
+        namespace = namespace_of(model, salt, None, kwargs) if keyed else DEFAULT  # type: ignore[arg-type]
+        request = RouteRequest(text, model=model, namespace=namespace)
+        decision = routing.select(request, views[model], float(step))
+        key = (decision.worker_id, (model, salt, repr(kwargs)))
+        held = engine.setdefault(key, [])
+        cached = max((ns_common(text, h) for h in held), default=0) / CHARS_PER_TOKEN
+        held.append(text)
+        guess = decision.matched_chars / CHARS_PER_TOKEN
+        predicted += guess
+        engine_hit += cached
+        prompt_tokens += len(text) / CHARS_PER_TOKEN
+        if guess > 0:
+            predicted_requests += 1
+            if cached == 0:
+                wasted += guess
+                false_requests += 1
+    return {
+        "predicted": predicted, "wasted": wasted, "false_requests": false_requests,
+        "predicted_requests": predicted_requests, "hit_rate": engine_hit / prompt_tokens,
+        "cached": engine_hit,
+    }  # fmt: skip
+
+
+def namespaces_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--groups", type=int, default=6, help="system prompts")
+    parser.add_argument("--questions", type=int, default=4, help="questions per system prompt")
+    parser.add_argument("--workers-per-model", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--live", action="store_true", help="sim workers and real routers")
+    parser.add_argument("--before-ref", default="main", help="--live: the router to compare")
+    parser.add_argument("--workers", type=int, default=4, help="--live: sim workers")
+
+
+async def ns_drive_live(url: str, stream: list) -> dict[str, int]:
+    """The chats one at a time through `url`; the router's predictions against the
+    worker's cached tokens."""
+    out = {"requests": 0, "predicted": 0, "false": 0, "false_chars": 0, "cached": 0}
+    async with aiohttp.ClientSession() as http:
+        for text, _model, salt, kwargs in stream:
+            body: dict[str, object] = {
+                "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+            }  # fmt: skip
+            if salt is not None:
+                body["cache_salt"] = salt
+            if kwargs is not None:
+                body["chat_template_kwargs"] = kwargs
+            async with http.post(url + "/v1/chat/completions", data=json.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                data = await r.json()
+                assert r.status == 200, data
+                matched = int(r.headers.get("x-radix-matched-chars", "0"))
+            details = data["usage"].get("prompt_tokens_details") or {}
+            cached = int(details.get("cached_tokens") or 0)
+            out["requests"] += 1
+            out["cached"] += cached
+            if matched > 0:
+                out["predicted"] += 1
+                if cached == 0:
+                    out["false"] += 1
+                    out["false_chars"] += matched
+    return out
+
+
+def namespaces_live(args: argparse.Namespace) -> int:
+    stream = [(t, m, s, k) for t, m, s, k in ns_workload(args.groups, args.questions, args.seed)
+              if m == NS_MODELS[0]]  # fmt: skip
+    ref = short(args.before_ref)
+    print(f"live: {len(stream)} chats (1 model x {len(NS_SALTS)} tenants x {len(NS_TEMPLATES)} "
+          f"templates), {args.workers} sim workers, one at a time\n")  # fmt: skip
+    print("| router | requests predicted a hit | of them answered with 0 cached tokens | "
+          "predicted chars on those | cached tokens, all requests |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    with ExitStack() as stack:
+        before = stack.enter_context(checkout(args.before_ref))
+        fleet = stack.enter_context(Cluster())
+        for i in range(args.workers):
+            fleet.start_worker(f"w{i}", WorkerSpec(decode_ms=0.0, heartbeat_s=1.0))
+        settings = {"access_log": False}
+        for name, tree in ((f"{ref} (before)", before), ("this tree", None)):
+            router = fleet.add_router(name.split()[0].replace("@", ""), settings, tree=tree)
+            fleet.flush()
+            r = asyncio.run(ns_drive_live(router.url, stream))
+            share = r["false"] / r["predicted"] if r["predicted"] else 0.0
+            print(f"| {name} | {r['predicted']} of {r['requests']} | {r['false']} "
+                  f"({share:.1%}) | {r['false_chars']:,} | {r['cached']:,} |", flush=True)  # fmt: skip
+            router.stop()
+    return 0
+
+
+def namespaces_main(args: argparse.Namespace) -> int:
+    if args.live:
+        return namespaces_live(args)
+    stream = ns_workload(args.groups, args.questions, args.seed)
+    print(f"{len(stream)} requests: {args.groups * args.questions} prompts x "
+          f"{len(NS_MODELS)} models x {len(NS_SALTS)} tenants x {len(NS_TEMPLATES)} templates, "
+          f"{args.workers_per_model} workers per model\n")  # fmt: skip
+    print("| router | predicted hit tokens | of them on requests the engine served with 0 "
+          "cached | requests predicted a hit, then 0 cached | engine cached tokens | "
+          "predicted / cached | engine hit rate |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = {}
+    for name, keyed in (("today (namespace ignored)", False), ("keyed", True)):
+        r = rows[name] = ns_run_arm(keyed, stream, args.workers_per_model, args.seed)
+        share = r["wasted"] / r["predicted"] if r["predicted"] else 0.0
+        print(f"| {name} | {r['predicted']:,.0f} | {r['wasted']:,.0f} ({share:.1%}) | "
+              f"{r['false_requests']} of {r['predicted_requests']} | {r['cached']:,.0f} | "
+              f"{r['predicted'] / r['cached']:.2f} | {r['hit_rate']:.3f} |")  # fmt: skip
+    return 0
+
+
+NAMESPACES = Command(
+    """Cache namespaces: predicted hits an engine that honours them then serves as misses.
+
+    python -m loadtests namespaces [--groups 6] [--questions 4] [--workers-per-model 4]
+    python -m loadtests namespaces --live [--before-ref main] [--workers 4]
+
+The workload: the same prompts (shared system prompts, a few questions each) under every
+namespace of 3 models x 4 tenants (three `cache_salt`s and one unsalted) x 2 chat
+templates (the model's own, and `chat_template_kwargs` that change the rendering), in a
+random order. Each model has its own workers (a worker serves one model, as in the
+fleet). Every request goes through the router's real holdings room and `cache_aware`
+policy (router/routing.py), twice, side by side on the same stream:
+
+- ``today``: the request's namespace ignored (what the router did before issue 30: it
+  keyed a prompt by its text alone);
+- ``keyed``: the request's namespace from its salt and template (router/holdings/namespace.py),
+  as a router that renders chats keys it (a `tokenizer` set; routing on text, it keys no
+  template).
+
+The engine beside each arm holds what each worker was sent, keyed as vLLM keys its
+prefix cache (model, salt, rendered template, then the prompt), without eviction, so
+every miss is a namespace miss. Per arm it prints the predicted hit tokens, the share of
+them that landed on requests the engine then served with 0 cached tokens, and the
+engine's hit rate. Tokens are chars / 4 (`tree_chars_per_token`).
+
+`--live`: end to end, one model: sim workers (the real engine, which salts its prefix
+cache by `cache_salt`) behind this tree's router and behind the router of
+`--before-ref`, one after the other on the same fleet (caches flushed between), the
+same chats (4 tenants x 2 templates x the prompts) sent one at a time. Per router: the
+requests it predicted a hit for (`x-radix-matched-chars` > 0) that the worker answered
+with 0 `cached_tokens`, and the predicted chars on them.
+""",
+    namespaces_arguments,
+    namespaces_main,
+)

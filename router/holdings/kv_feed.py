@@ -428,7 +428,7 @@ class KvEventFeed:
 
     def apply_stream_entry(self, wid: str, entry: StreamEntry) -> None:
         """An entry already parsed (and validated) as `wid`'s: epochs, sequence and trust,
-        then the index. The simulator (loadtests/simulate/kv_events.py) delivers its workers'
+        then the index. The simulator (loadtests/simulate/divergence.py) delivers its workers'
         events here, so it routes on the same status and fallback rules as the router."""
         for _ in self._entry_steps(wid, entry):
             pass

@@ -116,6 +116,18 @@ class Holdings:
         prefix = prefix_of(request.namespace, type(key) is tuple)
         return prefix + key, n, len(prefix)  # type: ignore[operator]
 
+    def affinity(self, request: RouteRequest) -> dict[str, float]:
+        """Per worker, the prefix of the request its tree holds (the tree's units, within
+        the request's namespace): the fleet queue's affinity (router/queue/fleet_queue.py),
+        asked while the request waits, apart from `predict` (no index, no books)."""
+        key, _, cut = self._key(request)
+        if not key:
+            return {}
+        held = self.tree.match(key)
+        if not cut:
+            return held  # type: ignore[return-value]
+        return {str(w): float(end - cut) for w, end in held.items() if end > cut}
+
     def routing_key(self, request: RouteRequest) -> Key:
         """What the tree would key `request` on (namespace included): what replica sync
         shares for a load-only policy's decision."""

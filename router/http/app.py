@@ -29,7 +29,6 @@ from router.holdings.sync import DecisionSync, ReplicaSync
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import make_edge_middleware
-from router.http.gate import AdmissionGate
 from router.http.openapi import build_openapi
 from router.http.ratelimit import make_rate_limit_check
 from router.http.state import (
@@ -37,14 +36,15 @@ from router.http.state import (
     CONFIG,
     DISCOVERY,
     FLEET,
-    GATE,
     KV_FEED,
     METRICS,
     OPENAPI,
+    QUEUE,
     REJECTIONS,
     ROUTING,
     SESSION,
     SYNC,
+    TICKET,
     TOKENIZE,
     TOKENS,
 )
@@ -52,6 +52,7 @@ from router.http.tokenize import Tokenizing, context_tokens
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
+from router.queue.fleet_queue import FleetQueue
 from router.routing import Routing
 from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
@@ -189,6 +190,20 @@ async def _tokenize_ctx(app: web.Application) -> AsyncIterator[None]:
         tokenize.close()
 
 
+async def _queue_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The fleet queue re-reads seats while requests wait (router/queue/fleet_queue.py)."""
+    task = asyncio.create_task(app[QUEUE].run(), name="fleet-queue")
+    yield
+    await stop_task(task)
+
+
+async def _first_byte(request: web.Request, response: web.StreamResponse) -> None:
+    """An answer's head is leaving: the fleet queue's TTFT for the request's class."""
+    ticket = request.get(TICKET)
+    if ticket is not None:
+        request.app[QUEUE].answered(ticket, response.status)
+
+
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     redis = app.get(RATELIMIT_REDIS)
@@ -264,8 +279,11 @@ def create_app(
     routing = Routing(holdings, policy, sync.publish if sync is not None else None)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
-    admission = AdmissionGate(config.max_concurrent, config.max_queue, config.queue_timeout)
-    metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting, rejections)
+    metrics = Metrics(fleet, clock, lambda: queue.active + queue.waiting, rejections)
+    queue = FleetQueue(
+        config, fleet, holdings.affinity, sync.remote_inflight if sync is not None else None,
+        clock, metrics.registry,
+    )  # fmt: skip
     # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
     ratelimit_redis = None
     if config.rate_limit_per_key is not None and config.redis_url:
@@ -286,7 +304,7 @@ def create_app(
     app[SYNC] = sync
     app[METRICS] = metrics
     app[REJECTIONS] = rejections
-    app[GATE] = admission
+    app[QUEUE] = queue
     app[OPENAPI] = build_openapi()
     if ratelimit_redis is not None:
         app[RATELIMIT_REDIS] = ratelimit_redis
@@ -297,7 +315,7 @@ def create_app(
     if feed is not None:
         app[KV_FEED] = feed
         metrics.watch_kv_feed(feed)
-    app.on_response_prepare.append(stamp_request_id)
+    app.on_response_prepare.extend([stamp_request_id, _first_byte])
     app.cleanup_ctx.extend(
         [
             _session_ctx,
@@ -306,6 +324,7 @@ def create_app(
             _kv_feed_ctx,
             _ratelimit_redis_ctx,
             _tokenize_ctx,
+            _queue_ctx,
         ]
     )
     app.router.add_routes(routes())
@@ -372,13 +391,14 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
             ready(port)
         await stop.wait()
         await stop_task(settle)
-        app[GATE].stopping = True
+        app[QUEUE].stopping = True
         if config.shutdown_delay > 0:
             log.info("stopping: not ready, still serving for %.1fs", config.shutdown_delay)
             await asyncio.sleep(config.shutdown_delay)
-        log.info("draining: %d in flight, up to %.0fs", app[GATE].active, config.drain_timeout)
-        if not await app[GATE].drain(config.drain_timeout):
-            log.warning("drain timeout: %d requests still in flight", app[GATE].active)
+        queue = app[QUEUE]
+        log.info("draining: %d in flight, up to %.0fs", queue.active, config.drain_timeout)
+        if not await queue.drain(config.drain_timeout):
+            log.warning("drain timeout: %d requests still in flight", queue.active)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

@@ -17,16 +17,18 @@ from pydantic import ValidationError
 from router.fleet.workers import Worker
 from router.holdings.kv_feed import KvEventFeed
 from router.holdings.namespace import request_namespace
+from router.holdings.prediction import RouteRequest
 from router.http.state import (
     CLOCK,
     CONFIG,
     FLEET,
-    GATE,
     KV_FEED,
     METRICS,
     OPENAPI,
+    QUEUE,
     ROUTING,
     SESSION,
+    TICKET,
     TOKENIZE,
 )
 from router.upstream.answers import worker_authorization
@@ -36,6 +38,7 @@ from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
 from shared.wire.protocol import routing_text
+from shared.wire.service_class import request_class
 
 MODELS_PROBE_TIMEOUT_S = 2.0
 MODELS_MAX_BYTES = 1 << 20
@@ -83,12 +86,25 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             if tokenize is not None and len(text) > tokenize.max_chars:
                 text = text[: tokenize.max_chars]
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
+            klass, priority = request_class(data)  # a bad service_tier or priority → 400
+            # An engine that schedules by `priority` gets the class's where the body
+            # names a tier but no priority (router/upstream/proxy.py).
+            add = priority if "priority" not in data and "service_tier" in data else None
+            namespace = request_namespace(parsed, renders=tokenize is not None)
             routed = Routed(
-                endpoint, path, raw, text, session_key, model, ids, stream,
-                request_namespace(parsed, renders=tokenize is not None),
+                endpoint, path, raw, text, session_key, model, ids, stream, add, namespace
+            )
+            queue = app[QUEUE]
+            ticket = queue.ticket(
+                queue.tenants.of_headers(request.headers), klass,
+                RouteRequest(text, session_key, ids, model or "", namespace),
             )  # fmt: skip
-            async with app[GATE].slot():
-                response = await app[PROXY].forward(request, routed)
+            request[TICKET] = ticket
+            async with queue.seat(ticket) as seat:
+                response = await app[PROXY].forward(request, routed, seat)
+                # A whole answer is ready to leave (a stream's head left already and was
+                # told by the app's on_response_prepare hook: the first of the two counts).
+                queue.answered(ticket, response.status)
             status = response.status
             return response
         except BaseException as e:
@@ -135,7 +151,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     app = request.app
-    if app[GATE].draining:
+    if app[QUEUE].draining:
         return web.json_response({"status": "draining"}, status=503)
     routable = len(app[FLEET].view(app[CLOCK]()))  # the kept view: no pass over the fleet
     if routable == 0:
@@ -152,8 +168,8 @@ async def liveness(request: web.Request) -> web.Response:
 async def readiness(request: web.Request) -> web.Response:
     """Ready to take traffic: not shutting down and at least one worker routable."""
     app = request.app
-    admission = app[GATE]
-    if admission.stopping or admission.draining:
+    queue = app[QUEUE]
+    if queue.stopping or queue.draining:
         return web.json_response({"status": "not_ready", "reason": "shutting_down"}, status=503)
     routable = len(app[FLEET].view(app[CLOCK]()))
     if routable == 0:
@@ -179,9 +195,11 @@ async def list_workers(request: web.Request) -> web.Response:
     now = app[CLOCK]()
     holdings = app[ROUTING].holdings
     trees = holdings.worker_stats()
+    queue = app[QUEUE]
     out = []
     for w in list(app[FLEET].workers.values()):
         item = w.describe(now)
+        item.update(queue.seats.describe(w.worker_id))
         item["tree"] = trees.get(w.worker_id, {})
         # The share of its predicted hits routing believes: below 1, its answers' cached
         # tokens did not bear its claims out (router/holdings/claims.py).
@@ -191,7 +209,8 @@ async def list_workers(request: web.Request) -> web.Response:
         item["kv_events_rebuild"] = _rebuild(feed, w.worker_id)
         item["request_id_echo"] = echo_of(app, w.url)
         out.append(item)
-    return web.json_response({"object": "list", "data": out})
+    # The fleet queue per tenant and class (router/queue/stats.py).
+    return web.json_response({"object": "list", "data": out, "queue": queue.stats.snapshot()})
 
 
 async def add_worker(request: web.Request) -> web.Response:

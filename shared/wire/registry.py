@@ -76,6 +76,10 @@ class WorkerRecord:
     # Tokens per block of its KV events (0: it publishes none): routers index its events
     # at this size, never at whatever size the first publisher used (router/holdings/kv_feed.py).
     kv_block_size: int = 0
+    # The engine admits its waiting requests by the body's integer `priority` (vLLM's
+    # --scheduling-policy priority, attached): the router then adds the class's one
+    # (shared/wire/service_class.py). Our engine reads the class from the body itself.
+    priority_scheduling: bool = False
 
     def to_hash(self) -> dict[str, str]:
         return {

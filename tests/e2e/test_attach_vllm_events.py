@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from redis.asyncio import Redis  # noqa: E402
 
-from loadtests.load.cluster import BenchFleet, Child  # noqa: E402
+from loadtests.load.cluster import Child, Cluster  # noqa: E402
 from router.holdings.kv_feed import FeedMember, KvEventFeed  # noqa: E402
 from shared.procs import free_port, http_json, wait_until  # noqa: E402
 from shared.wire.kv_events import BlockStored, parse_entry  # noqa: E402
@@ -33,8 +33,8 @@ BLOCKS = 24  # vLLM's KV pool, in blocks (--num-gpu-blocks-override): evicts soo
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path) -> Iterator[tuple[BenchFleet, str]]:
-    with BenchFleet() as f:
+def fleet(tiny_model_dir: Path) -> Iterator[tuple[Cluster, str]]:
+    with Cluster() as f:
         port, pub, replay = free_port(), free_port(), free_port()
         upstream = f"http://127.0.0.1:{port}"
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -70,7 +70,7 @@ def _up(url: str) -> bool:
         return False
 
 
-def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[BenchFleet, str]) -> None:
+def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[Cluster, str]) -> None:
     f, upstream = fleet
     assert f.redis is not None
     client = openai.AsyncOpenAI(base_url=upstream + "/v1", api_key="unused", max_retries=0)
@@ -124,7 +124,7 @@ def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[BenchFlee
 
 
 def test_cache_salt_keeps_vllm_blocks_apart_and_reaches_the_stream(
-    fleet: tuple[BenchFleet, str],
+    fleet: tuple[Cluster, str],
 ) -> None:
     """vLLM's `cache_salt` (its OpenAI server's field: the salt mixed into the first
     block's hash): the same prompt under another salt gets no cached tokens, under its

@@ -3,7 +3,8 @@ no hit an engine that honours cache_salt and templates serves as a miss."""
 
 from __future__ import annotations
 
-from loadtests.router.bench_namespaces import run_arm, workload
+from loadtests.router.bench_kv_events import ns_run_arm as run_arm
+from loadtests.router.bench_kv_events import ns_workload as workload
 
 
 def test_keyed_predicts_no_hit_across_namespaces_and_today_does() -> None:

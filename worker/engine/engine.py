@@ -182,6 +182,7 @@ class LLMEngine:
                 stop_ids=stop_ids,
                 index=i,
                 salt=salt,
+                priority=request.priority,
             )
             for i in range(params.n)
         ]
@@ -321,6 +322,7 @@ class LLMEngine:
             decode_ms_per_token=getattr(self.runner, "decode_ms_per_token", 0.0),
             max_running_requests=self.config.max_running_requests,
             request_ms=self.request_ms,
+            kv_block_size=self.kv_events.block_size if self.kv_events is not None else 0,
             **self._host_stats(),
         )
 

@@ -90,6 +90,7 @@ class Req:
     stop_ids: frozenset[int] = frozenset()
     index: int = 0  # the choice this Req produces (n > 1)
     salt: Tag | None = None  # its cache namespace (cache_salt: worker/engine/salt.py)
+    priority: int = 0  # lower is admitted earlier (admission.py's order)
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     # Monotonic times: queued, and first admitted by the scheduler (queue-time metric).

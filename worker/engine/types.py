@@ -122,6 +122,8 @@ class EngineRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     # Its prefix cache namespace (vLLM's `cache_salt`): shares blocks only with the same.
     cache_salt: str | None = None
+    # vLLM's: lower is admitted earlier (shared/wire/service_class.py maps the classes).
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,9 @@ class EngineStats:
     host_write_tokens_total: int = 0
     host_load_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
+    # Tokens per block of its KV events (0: it publishes none): the router indexes its
+    # events at this size (router/fleet/kv_feed.py).
+    kv_block_size: int = 0
 
 
 class OutputStream(Protocol):

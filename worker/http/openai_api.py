@@ -26,6 +26,7 @@ from shared.wire.protocol import (
     GenerateSamplingParams,
     GenerateWireRequest,
 )
+from shared.wire.service_class import request_class
 from worker.engine.types import (
     EngineError,
     EngineOverloaded,
@@ -203,6 +204,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
         ),
         cache_salt=req.cache_salt,
+        priority=request_class(body)[1],
     )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = text if req.echo and text else ""
@@ -234,8 +236,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
     gen = EngineRequest(
-        request_id=rid, prompt_token_ids=tuple(ids), params=params, cache_salt=req.cache_salt
-    )
+        request_id=rid, prompt_token_ids=tuple(ids), params=params,
+        priority=request_class(body)[1], cache_salt=req.cache_salt,
+    )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -258,6 +261,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         request_id=rid, prompt=req.text,
         prompt_token_ids=tuple(req.input_ids) if req.input_ids is not None else None,
         params=_sampling(sp, sp.max_new_tokens),
+        priority=request_class(body)[1],
     )  # fmt: skip
     prompt_param = "text" if req.text is not None else "input_ids"
     params = {
