@@ -77,6 +77,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.load.faults_clients:HOLDINGS_ATTACKS",
         "a hostile worker credential and client: /health p99, RSS",
     ),
+    "namespaces": (
+        "loadtests.router.bench_kv_events:NAMESPACES",
+        "predicted hits across cache_salt / template namespaces, before vs after",
+    ),
     "policy-cost": ("loadtests.router.bench_policy", "CPU per routing decision as the fleet grows"),
     "tree": ("loadtests.router.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
     "router-overhead": ("loadtests.router.bench_router_overhead", "the router vs going direct"),

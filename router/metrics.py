@@ -90,7 +90,7 @@ class WorkerTable(Protocol):
 
 
 class KvFeedView(Protocol):
-    """What the KV-event collector reads (router/fleet/kv_feed.py's KvEventFeed)."""
+    """What the KV-event collector reads (router/holdings/kv_feed.py's KvEventFeed)."""
 
     indexes: Mapping[str, Any]
     streams: Mapping[str, Any]

@@ -111,7 +111,7 @@ class RouterConfig(_Frozen):
     # `max_position_embeddings`). Prompts over it × 16 characters are not tokenized: they
     # are routed on their text and the worker refuses them (router/http/tokenize.py).
     max_prompt_tokens: int | None = Field(None, gt=0)
-    # KV events (router/fleet/kv_feed.py): read every worker's KV-event stream into an exact
+    # KV events (router/holdings/kv_feed.py): read every worker's KV-event stream into an exact
     # block index beside the tree (needs redis_url and tokenizer). A routed request's tree
     # entry still counts for `kv_events_inflight` seconds (its KV is on its way); a worker
     # whose stream has a gap or lags by over `kv_events_max_lag` s is routed on the tree.
@@ -124,7 +124,7 @@ class RouterConfig(_Frozen):
     kv_events_max_lag: float = Field(2.0, gt=0)
     kv_events_inflight: float = Field(2.0, ge=0)
     # What a block a worker reports on its host tier (medium "CPU") is worth against one
-    # on its device, 0..1 (router/policy/kv_score.py): unset, each worker's own figures
+    # on its device, 0..1 (router/holdings/merge.py): unset, each worker's own figures
     # (1 - host load time / prefill time of a token, from its heartbeat; 0.5 without
     # them); 0 counts host-held blocks as misses, 1 as device hits.
     kv_events_host_weight: float | None = Field(None, ge=0, le=1)
@@ -211,7 +211,7 @@ class RouterConfig(_Frozen):
     rate_limit_redis_timeout: float = Field(0.25, gt=0)
     # CIDRs of load balancers / ingress whose X-Forwarded-For names the client (rate limit).
     trusted_proxies: tuple[str, ...] = ()
-    # Several replicas share routing decisions and in-flight load through Redis (router/fleet/sync.py).
+    # Several replicas share routing decisions and in-flight load through Redis (router/holdings/sync.py).
     sync: bool = False
     # Router processes on this host behind one port (SO_REUSEPORT; router/up/processes.py).
     # Above 1 they route as replicas: sync is turned on when redis_url is set.

@@ -63,11 +63,11 @@ MUTATIONS = (
     ),
     Mutation(
         "orphan-under-root",
-        "router/fleet/kv_index.py",
+        "router/holdings/kv_index.py",
         "self.orphans += len(event.block_hashes)",
         "return",
         "known = 0",
-        "tests/router/test_kv_score_tiers.py::test_an_orphan_block_is_dropped_and_never_matched",
+        "tests/router/holdings/test_merge_tiers.py::test_an_orphan_block_is_dropped_and_never_matched",
     ),
     Mutation(
         "spill-limit",
@@ -105,11 +105,11 @@ MUTATIONS = (
     ),
     Mutation(
         "drop-worker-keeps-host-blocks",
-        "router/fleet/kv_index.py",
+        "router/holdings/kv_index.py",
         "def drop_worker(self, worker: str) -> None:",
         "self._unhold(worker, key, 7)",
         "self._unhold(worker, key, 1)",
-        "tests/router/test_kv_score_tiers.py::test_a_dropped_worker_holds_nothing_in_any_tier",
+        "tests/router/holdings/test_merge_tiers.py::test_a_dropped_worker_holds_nothing_in_any_tier",
     ),
     Mutation(
         "host-evict-exact-fit",

@@ -45,10 +45,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loadtests.load.workloads import text_of
-from router.policy import build_policy
-from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
+from router.policy import build_routing
+from router.policy.base import FleetView, RouteRequest, WorkerView
+from router.routing import Routing
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
+from tests.router.cost_aware_reference import CostAwareReference
 
 VOCAB = [f"{a}{b}" for a in "bcdfghjklmnpqrstvwz" for b in ("a", "e", "i", "o", "u", "ay", "ee")]
 POLICIES = ("cache_aware", "round_robin", "least_load")
@@ -111,12 +113,10 @@ def cost_reports(
     ]
 
 
-def build(name: str, seed: int) -> Policy:
+def build(name: str, seed: int) -> Routing | CostAwareReference:
     if name == "cost_aware_reference":  # the frozen copy: tests/ is importable from the root
-        from tests.router.cost_aware_reference import CostAwareReference
-
         return CostAwareReference(RouterConfig(policy="cost_aware"), random.Random(seed))
-    return build_policy(RouterConfig(policy=name), random.Random(seed))  # type: ignore[arg-type]
+    return build_routing(RouterConfig(policy=name), random.Random(seed))  # type: ignore[arg-type]
 
 
 def timer_overhead_ns() -> float:
@@ -128,7 +128,7 @@ def timer_overhead_ns() -> float:
     return statistics.median(samples)
 
 
-def run(policy: Policy, n: int, texts: list[str], changes: list[list[tuple[int, int]]],
+def run(policy: Routing | CostAwareReference, n: int, texts: list[str], changes: list[list[tuple[int, int]]],
         reports: list[list[tuple[int, WorkerRecord]]], warmup: int, overhead: float,
         columns: bool) -> Row:  # fmt: skip
     """``columns``: pass a FleetView updated in place; else a list of WorkerView with
@@ -175,7 +175,8 @@ def run(policy: Policy, n: int, texts: list[str], changes: list[list[tuple[int, 
             reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
         decisions.append((decision.worker_id, decision.reason))
     q = statistics.quantiles(wall, n=100)
-    name = f"{policy.name} ({'FleetView' if columns else 'list'})"
+    named = policy.policy if isinstance(policy, Routing) else policy
+    name = f"{named.name} ({'FleetView' if columns else 'list'})"
     return Row(n, name, max(0.0, statistics.fmean(cpu) - overhead) / 1e3,
                statistics.median(wall) / 1e3, q[98] / 1e3, reasons, decisions)  # fmt: skip
 

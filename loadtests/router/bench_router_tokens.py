@@ -36,8 +36,8 @@ from redis.asyncio import Redis
 from loadtests.kit import Command, checkout, cpu_seconds, short
 from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.load.workloads import NATO_WORDS as WORDS
-from router.fleet.sync import DecisionSync
-from router.policy import build_policy
+from router.holdings.sync import DecisionSync
+from router.policy import build_routing
 from shared.config import RouterConfig
 from shared.tokens.fingerprint import tokenizer_fingerprint
 from shared.tokens.prompt_tokens import PromptTokens
@@ -163,10 +163,10 @@ def chats(args: argparse.Namespace) -> list[list[dict[str, str]]]:
 
 
 def make_sync(config: RouterConfig, fingerprint: str | None) -> tuple[DecisionSync, Any]:
-    policy = build_policy(config, random.Random(1))
+    policy = build_routing(config, random.Random(1))
     redis = Redis.from_url("redis://127.0.0.1:1")  # never connected: nothing is sent
     sync = DecisionSync(
-        redis, Registry(redis, "bench:"), config, policy.observe, dict, fingerprint=fingerprint,
+        redis, Registry(redis, "bench:"), config, policy.holdings.observe, dict, fingerprint=fingerprint,
     )  # fmt: skip
     return sync, policy
 
@@ -187,7 +187,7 @@ def run_arm(
     reader._apply(stream, include_own=False)
     apply = time.process_time() - t0
     assert reader.applied == len(entries), (reader.applied, reader.skipped)
-    assert policy.worker_stats(), "nothing reached the tree"
+    assert policy.holdings.worker_stats(), "nothing reached the tree"
     return entries, publish, apply
 
 

@@ -11,7 +11,7 @@ decision for every implementation), insert the text for it. Every implementation
 replays the same requests and must return the same matches (checked).
 
 Rows:
-- ``PrefixTree``: router/policy/tree.py, one shared tree, no budget (nothing evicted).
+- ``PrefixTree``: router/holdings/tree.py, one shared tree, no budget (nothing evicted).
 - ``PrefixTree, budget``: the same with a global budget of a quarter of what the
   workload stores, so eviction runs throughout.
 - ``pygtrie``: one ``pygtrie.CharTrie`` per worker. ``longest_prefix`` only finds a
@@ -44,9 +44,9 @@ from typing import Protocol
 import pygtrie
 
 from loadtests.load.workloads import text_of
-from router.policy import build_policy
+from router.holdings.tree import PrefixTree
+from router.policy import build_routing
 from router.policy.base import RouteRequest, WorkerView
-from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
 WORDS = [
@@ -171,7 +171,7 @@ def cpu_per_request(index: Index, requests: list[str], chosen: list[str]) -> flo
 
 
 def replay_policy(requests: list[str], workers: list[str]) -> tuple[list[float], float]:
-    policy = build_policy(RouterConfig(), random.Random(0))
+    policy = build_routing(RouterConfig(), random.Random(0))
     fleet = [WorkerView(w, load=0) for w in workers]
     us = []
     cpu0 = time.thread_time_ns()

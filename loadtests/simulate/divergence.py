@@ -65,9 +65,9 @@ from loadtests.simulate.simulation import (
     reply_text,
 )
 from loadtests.simulate.worker import CostModel, Job, SimWorker
-from router.fleet.kv_feed import FeedMember, KvEventFeed
+from router.holdings.kv_feed import FeedMember, KvEventFeed
+from router.holdings.merge import KvScorer
 from router.policy.base import FleetView, RouteRequest
-from router.policy.kv_score import KvScorer
 from shared.config import RouterConfig
 from shared.wire.kv_events import EventBatch, StreamEntry
 from worker.engine.radix_cache import RadixCache
@@ -169,7 +169,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class CacheReader:
-    """What `KvScorer` reads of a feed (router/policy/kv_score.BlockHolders), answered from
+    """What `KvScorer` reads of a feed (router/holdings/merge.BlockHolders), answered from
     the workers themselves at decision time: a worker's match is the longer of its cached
     prefix and the prefix it shares with a request it has in flight (queued or running:
     its KV is on its way). Every worker trusted, nothing late; used with the scorer's
@@ -301,7 +301,7 @@ class DivergenceSim(Simulation):
             self.kv = KvScorer(self.feed, config.kv_events_inflight)
         elif spec.arm == "ceiling":  # exact in flight too: no window on the tree's guess
             self.kv = KvScorer(self._reader(), 0.0)
-        self.policy.kv = self.kv  # type: ignore[attr-defined]
+        self.policy.holdings.kv = self.kv
 
     def _reader(self) -> CacheReader:
         def workers() -> list[tuple[str, RadixCache, list[np.ndarray]]]:
@@ -402,7 +402,7 @@ class DivergenceSim(Simulation):
     def _hear_restarts(self) -> None:
         """The heartbeats name new epochs: the router forgets those trees (fleet table)."""
         for wid in self._heartbeats:
-            self.policy.remove_worker(wid)
+            self.policy.holdings.forget(wid)
         self._heartbeats.clear()
         if self.feed is not None and self.streams is not None:
             self.feed.follow(self.streams.members())

@@ -3,7 +3,7 @@
     python -m loadtests simulate --workers 8,64,256,1000 --policies cache_aware,round_robin,least_load \\
         --workload mooncake --block-words 16 --max-output 64 --out loadtests/out/sim
 
-Each (fleet size, policy) replays the workload through `router.policy` + `router.policy.tree`
+Each (fleet size, policy) replays the workload through `router.policy` + `router.holdings.tree`
 against simulated workers (the real RadixCache, the sim engine's cost model; see
 loadtests/simulate/). Mooncake: one trace copy per `--workers-per-copy` workers, each in its
 own block namespace, and the arrival rate scaled so that every fleet size sees the same

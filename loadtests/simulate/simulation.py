@@ -1,7 +1,7 @@
 """Event-driven simulation of a router over workers: the router's real policy over simulated workers.
 
 Virtual time, no sleeping, no HTTP. Per request: the policy from `router.policy`
-(`build_policy(RouterConfig)`, with its real prefix tree) picks a worker from the
+(`build_routing(RouterConfig)`, with its real prefix tree) picks a worker from the
 workers' loads (running + queued, as the router sees in flight); that `SimWorker`
 (the engine's own scheduler and radix cache over the sim cost model) runs it, one
 engine step at a time. Step ends at the same instant run before arrivals, so freed
@@ -40,7 +40,7 @@ import numpy as np
 from loadtests.kit import WorkloadOptions
 from loadtests.load.workloads import VOCAB, Session, Workload, read_trace
 from loadtests.simulate.worker import CostModel, Job, SimWorker
-from router.policy import build_policy
+from router.policy import build_routing
 from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
 from shared.tokens.text_tokenizer import TextTokenizer
@@ -272,7 +272,7 @@ class Simulation:
     ) -> None:  # fmt: skip
         """`tokenizer`: the closed-loop users' prompts as ids (default: one id per word)."""
         self.tokenizer = tokenizer or WordTokenizer()
-        self.policy = build_policy(config, random.Random(seed))
+        self.policy = build_routing(config, random.Random(seed))
         self.workers = [SimWorker(i, cost) for i in range(workers)]
         self.ids = [f"w{i}" for i in range(workers)]
         self.index = {wid: i for i, wid in enumerate(self.ids)}

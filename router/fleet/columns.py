@@ -33,8 +33,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
+from router.fleet.view import FleetView
 from router.fleet.workers import Worker
-from router.policy.base import FleetView
 
 _ALL: str | None = None  # the view key of the whole routable fleet
 NO_REMOTE: Mapping[str, int] = MappingProxyType({})  # a lone router: no other replica's load

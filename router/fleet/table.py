@@ -7,9 +7,11 @@ registry; the other two stay until removed by hand. What one worker's numbers me
 
 The table keeps its own books: every write to a worker goes through a method here.
 The proxy asks (`attempt`, then `succeeded` or `failed(kind)`), metrics and handlers
-only read. That is what lets the policy's columns (`router/fleet/columns.py`) be kept between
-requests instead of rebuilt: every change of who is routable, a model or a capacity
-calls `columns.invalidate()`, and nothing else does.
+only read. That is what lets the policy's columns (`router/fleet/columns.py`) be kept
+between requests instead of rebuilt: every change of who is routable, a model or a
+capacity calls `columns.invalidate()`, and nothing else does. The table tells the
+holdings room (router/holdings/room.py) what concerns a worker's cache: that it left,
+restarted or changed model (`forget`), and what each answer reported (`answered`).
 """
 
 from __future__ import annotations
@@ -20,17 +22,23 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from router.fleet.columns import NO_REMOTE, FleetColumns
+from router.fleet.view import FleetView
 from router.fleet.workers import Breaker, FailureKind, Source, Worker
-from router.policy.base import FleetView
+from router.holdings.calibration import calibrate
 from shared.config import RouterConfig, check_worker_url
 from shared.wire.registry import WorkerRecord
 
 
-class PolicyHooks(Protocol):
-    """What the table tells the policy; `router.policy.base.Policy` satisfies it. Every
+class HoldingsHooks(Protocol):
+    """What the table tells the holdings room (`router.holdings.room.Holdings`). Every
     figure a worker reports reaches the policy in the view (`FleetView.reports`)."""
 
-    def remove_worker(self, worker_id: str) -> None: ...
+    def forget(self, worker_id: str) -> None: ...
+
+    def answered(
+        self, worker_id: str, predicted: float, cached: int | None,
+        chars_per_token: float | None, now: float,
+    ) -> None: ...  # fmt: skip
 
 
 def static_worker_id(url: str) -> str:
@@ -83,13 +91,13 @@ class Fleet:
     def __init__(
         self,
         config: RouterConfig,
-        policy: PolicyHooks,
+        holdings: HoldingsHooks,
         remote_in_flight: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         """`remote_in_flight`: other router replicas' requests in flight per worker
         (replica sync's `remote_inflight`); it returns the same mapping until one moves."""
         self.config = config
-        self.policy = policy
+        self.holdings = holdings
         self.workers: dict[str, Worker] = {}
         self.columns = FleetColumns(self.workers, remote_in_flight or (lambda: NO_REMOTE))
 
@@ -109,7 +117,7 @@ class Fleet:
             return False
         self.columns.forget(worker)  # a request still in flight to it writes nowhere
         self.columns.invalidate()
-        self.policy.remove_worker(worker_id)
+        self.holdings.forget(worker_id)
         return True
 
     def apply_registry(
@@ -119,7 +127,8 @@ class Fleet:
         at `now` (the policy ages a reported queue from then).
 
         Returns (joined or restarted, left). A changed epoch means the worker restarted
-        with an empty cache, so its tree is dropped and its breaker closed.
+        with an empty cache, so its tree is dropped and its breaker closed; a changed
+        model drops its tree too (its blocks were of the other model).
         """
         joined: list[str] = []
         for wid, record in records.items():
@@ -128,7 +137,7 @@ class Fleet:
                 worker = self._new(wid, record.url, "redis")
                 joined.append(wid)
             elif worker.report.epoch and worker.report.epoch != record.epoch:
-                self.policy.remove_worker(wid)
+                self.holdings.forget(wid)
                 worker.breaker.record_success()  # a fresh process deserves a fresh chance
                 self.columns.invalidate()
                 joined.append(wid)
@@ -145,6 +154,8 @@ class Fleet:
     def set_model(self, worker: Worker, model: str) -> None:
         """A model learnt by asking the worker (static and admin ones report none)."""
         if model != worker.report.model:
+            if worker.report.model:
+                self.holdings.forget(worker.worker_id)
             worker.report = replace(worker.report, model=model)
             self.columns.invalidate()
 
@@ -158,6 +169,8 @@ class Fleet:
 
     def _report(self, w: Worker, r: WorkerRecord, now: float) -> None:
         old = w.report
+        if old.model and r.model != old.model:
+            self.holdings.forget(w.worker_id)
         w.report, w.reported_at, w.url = r, now, r.url
         if (r.model, r.draining, r.kv_capacity_tokens, r.host_kv_capacity_tokens) != (
             old.model,
@@ -178,10 +191,13 @@ class Fleet:
         return Attempt(self, worker, probe)
 
     def succeeded(
-        self, attempt: Attempt, predicted_tokens: float = 0.0, cached_tokens: int | None = None
-    ) -> None:
+        self, attempt: Attempt, predicted_tokens: float = 0.0, cached_tokens: int | None = None,
+        chars: int = 0, prompt_tokens: float | None = None, now: float = 0.0,
+    ) -> None:  # fmt: skip
         """The worker answered; `cached_tokens` is what it reports having reused, against
-        `predicted_tokens` (the tree's guess) when known."""
+        `predicted_tokens` (the room's prediction) when known; `prompt_tokens` its
+        `usage.prompt_tokens` for a routing text of `chars` chars, where the router has no
+        prompt ids (router/holdings/calibration.py). The room is told both."""
         worker, breaker = attempt.worker, attempt.worker.breaker
         if breaker.opened_at is not None or breaker.probing:
             self.columns.invalidate()
@@ -189,6 +205,9 @@ class Fleet:
         if cached_tokens is not None:
             worker.predicted_tokens_total += predicted_tokens
             worker.actual_cached_tokens_total += cached_tokens
+        learned = worker.chars_per_token if calibrate(worker, chars, prompt_tokens) else None
+        if cached_tokens is not None or learned is not None:
+            self.holdings.answered(worker.worker_id, predicted_tokens, cached_tokens, learned, now)
 
     def failed(self, attempt: Attempt, kind: FailureKind, now: float) -> None:
         """The try failed (see `FailureKind`). A busy worker is alive: BUSY counts toward no

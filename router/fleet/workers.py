@@ -108,7 +108,7 @@ class Worker:
     failures_total: int = 0
     predicted_tokens_total: float = 0.0
     actual_cached_tokens_total: int = 0
-    # Learned from its answers where the router has no tokenizer (router/fleet/calibration.py).
+    # Learned from its answers where the router has no tokenizer (router/holdings/calibration.py).
     chars_per_token: float | None = None
     calibration_rejected_total: int = 0
 

@@ -21,9 +21,11 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from router.fleet.discovery import Discovery
-from router.fleet.kv_feed import FeedMember, KvEventFeed
-from router.fleet.sync import DecisionSync, ReplicaSync
 from router.fleet.table import Fleet
+from router.holdings.kv_feed import FeedMember, KvEventFeed
+from router.holdings.merge import host_hit_weight
+from router.holdings.room import Holdings
+from router.holdings.sync import DecisionSync, ReplicaSync
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import make_edge_middleware
@@ -37,9 +39,9 @@ from router.http.state import (
     KV_FEED,
     METRICS,
     OPENAPI,
-    POLICY,
     QUEUE,
     REJECTIONS,
+    ROUTING,
     SESSION,
     SYNC,
     TICKET,
@@ -50,8 +52,8 @@ from router.http.tokenize import Tokenizing, context_tokens
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
-from router.policy.kv_score import KvScorer, host_hit_weight
 from router.queue.fleet_queue import FleetQueue
+from router.routing import Routing
 from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
@@ -96,7 +98,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         config.max_response_bytes, config.max_buffered_answer_bytes,
     )  # fmt: skip
     app[METRICS].watch_pool(pool)
-    app[PROXY] = Proxy(config, app[FLEET], app[POLICY], pool, app[METRICS], app[CLOCK], app[SYNC])
+    app[PROXY] = Proxy(config, app[FLEET], app[ROUTING], pool, app[METRICS], app[CLOCK])
     yield
     await pool.close()
     await session.close()
@@ -131,16 +133,13 @@ async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _kv_feed_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Every worker's KV-event stream into the index (router/fleet/kv_feed.py), while up."""
+    """Every worker's KV-event stream into the index (router/holdings/kv_feed.py), while up."""
     feed = app.get(KV_FEED)
     config = app[CONFIG]
-    if feed is None or not config.redis_url:
+    if feed is None:
         yield
         return
-    idle = min(0.5, config.discovery_interval)
-    # Its own client: a read may wait on a busy Redis longer than a short socket timeout.
-    redis = Redis.from_url(config.redis_url, socket_timeout=idle + 5, socket_connect_timeout=5)
-    feed.registry = Registry(redis, config.redis_prefix)
+    idle = _kv_idle(config)
     fleet = app[FLEET]
 
     def members() -> list[FeedMember]:
@@ -160,7 +159,28 @@ async def _kv_feed_ctx(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(feed.run(members, idle), name="kv-events")
     yield
     await stop_task(task)
-    await redis.aclose()
+    await feed.registry.redis.aclose()
+
+
+def _kv_idle(config: RouterConfig) -> float:
+    """How long one read of the KV-event streams waits for news."""
+    return min(0.5, config.discovery_interval)
+
+
+def _kv_feed(config: RouterConfig) -> KvEventFeed | None:
+    """The workers' KV-event streams (config `kv_events`, which needs `redis_url` and a
+    `tokenizer`), on their own client: XREAD blocks for up to `_kv_idle`, longer than a
+    short socket timeout (and a read may wait on a busy Redis). Created here, connected on
+    first use inside the loop."""
+    if not (config.kv_events and config.tokenizer and config.redis_url):
+        return None
+    idle = _kv_idle(config)
+    redis = Redis.from_url(config.redis_url, socket_timeout=idle + 5, socket_connect_timeout=5)
+    return KvEventFeed(
+        Registry(redis, config.redis_prefix), config.kv_events_max_blocks,
+        max_lag=config.kv_events_max_lag, block_size=config.kv_events_block_size,
+        stream_len=config.kv_events_stream_len,
+    )  # fmt: skip
 
 
 async def _tokenize_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -240,22 +260,29 @@ def create_app(
     `DecisionSync` over `redis_url` when `config.sync` is on, else none."""
     policy = policy if policy is not None else build_policy(config)
     rejections = Rejections()  # what the Redis boundary refused (shared/wire/peers.py)
-    # The prompt ids: the policies' trees key on them, and replica sync shares them.
+    # The prompt ids: the holdings room keys on them, and replica sync shares them.
     tokens = PromptTokens.load(config.tokenizer) if config.tokenizer else None
+    feed = _kv_feed(config)
+    # What each worker holds (router/holdings/room.py); it reads the fleet's heartbeats
+    # for host weights, through the fleet built below.
+    holdings = Holdings(config, feed, _host_weight(config, lambda: fleet))
     if sync is None and config.sync and config.redis_url:
         # The sync shares the fleet's in-flight counts and the fleet reads the sync's:
         # the fleet is given the sync's figures at construction, the sync asks the
-        # fleet (built next) when it flushes.
+        # fleet (built next) when it flushes; decisions it reads go to the routing
+        # (built next too), which publishes this router's through it.
         sync = DecisionSync.connect(
-            config, policy.observe, lambda: fleet.in_flight_by_worker(), clock, rejections,
+            config, lambda w, key, now: routing.observe(w, key, now),
+            lambda: fleet.in_flight_by_worker(), clock, rejections,
             tokenizer_fingerprint(tokens.tokenizer) if tokens is not None else None,
         )  # fmt: skip
-    fleet = Fleet(config, policy, sync.remote_inflight if sync is not None else None)
+    fleet = Fleet(config, holdings, sync.remote_inflight if sync is not None else None)
+    routing = Routing(holdings, policy, sync.publish if sync is not None else None)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
     metrics = Metrics(fleet, clock, lambda: queue.active + queue.waiting, rejections)
     queue = FleetQueue(
-        config, fleet, policy.predict, sync.remote_inflight if sync is not None else None,
+        config, fleet, holdings.affinity, sync.remote_inflight if sync is not None else None,
         clock, metrics.registry,
     )  # fmt: skip
     # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
@@ -273,7 +300,7 @@ def create_app(
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[edge])
     app[CONFIG] = config
     app[CLOCK] = clock
-    app[POLICY] = policy
+    app[ROUTING] = routing
     app[FLEET] = fleet
     app[SYNC] = sync
     app[METRICS] = metrics
@@ -286,18 +313,8 @@ def create_app(
         app[TOKENS] = tokens
         context = context_tokens(config.max_prompt_tokens, config.tokenizer or "")
         app[TOKENIZE] = Tokenizing(tokens, context)
-    if config.kv_events and config.tokenizer:
-        feed = app[KV_FEED] = KvEventFeed(
-            None,
-            config.kv_events_max_blocks,
-            max_lag=config.kv_events_max_lag,  # type: ignore[arg-type]
-            block_size=config.kv_events_block_size,
-            stream_len=config.kv_events_stream_len,
-        )
-        if hasattr(policy, "kv"):  # cache_aware and cost_aware: the index beside the tree
-            policy.kv = KvScorer(  # type: ignore[attr-defined]
-                feed, config.kv_events_inflight, _host_weight(config, fleet)
-            )
+    if feed is not None:
+        app[KV_FEED] = feed
         metrics.watch_kv_feed(feed)
     app.on_response_prepare.extend([stamp_request_id, _first_byte])
     app.cleanup_ctx.extend(
@@ -309,22 +326,23 @@ def create_app(
             _ratelimit_redis_ctx,
             _queue_ctx,
             _tokenize_ctx,
+            _queue_ctx,
         ]
     )
     app.router.add_routes(routes())
     return app
 
 
-def _host_weight(config: RouterConfig, fleet: Fleet) -> Callable[[str], float]:
-    """A host-held token's worth per worker (kv_score.py): the configured one, or each
-    worker's own from its latest heartbeat."""
+def _host_weight(config: RouterConfig, fleet: Callable[[], Fleet]) -> Callable[[str], float]:
+    """A host-held token's worth per worker (router/holdings/merge.py): the configured
+    one, or each worker's own from its latest heartbeat in `fleet()`'s table."""
     fixed = config.kv_events_host_weight
     if fixed is not None:
         return lambda _wid: fixed
-    default_us, workers = config.cost_prefill_us_per_token, fleet.workers
+    default_us = config.cost_prefill_us_per_token
 
     def of(wid: str) -> float:
-        worker = workers.get(wid)
+        worker = fleet().workers.get(wid)
         return host_hit_weight(worker.report if worker is not None else None, default_us)
 
     return of

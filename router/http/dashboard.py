@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from router.fleet.discovery import iso
-from router.http.state import CLOCK, DISCOVERY, FLEET, KV_FEED, METRICS, POLICY, QUEUE
+from router.http.state import CLOCK, DISCOVERY, FLEET, KV_FEED, METRICS, QUEUE, ROUTING
 from router.upstream.proxy import echo_of
 
 PAGE_PATH = "/dashboard"
@@ -65,7 +65,7 @@ def _worker_row(worker: Any, now: float, tree: dict[str, Any]) -> dict[str, Any]
 
 def snapshot(app: web.Application) -> dict[str, Any]:
     now = app[CLOCK]()
-    trees = app[POLICY].worker_stats()
+    trees = app[ROUTING].holdings.worker_stats()
     workers = list(app[FLEET].workers.values())
     rows = [_worker_row(w, now, trees.get(w.worker_id, {})) for w in workers]
     feed = app.get(KV_FEED)

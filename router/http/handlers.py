@@ -14,8 +14,10 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.fleet.kv_feed import KvEventFeed
 from router.fleet.workers import Worker
+from router.holdings.kv_feed import KvEventFeed
+from router.holdings.namespace import request_namespace
+from router.holdings.prediction import RouteRequest
 from router.http.state import (
     CLOCK,
     CONFIG,
@@ -24,13 +26,12 @@ from router.http.state import (
     KV_FEED,
     METRICS,
     OPENAPI,
-    POLICY,
     QUEUE,
+    ROUTING,
     SESSION,
     TICKET,
     TOKENIZE,
 )
-from router.policy.base import RouteRequest
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
@@ -90,11 +91,14 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # An engine that schedules by `priority` gets the class's where the body
             # names a tier but no priority (router/upstream/proxy.py).
             add = priority if "priority" not in data and "service_tier" in data else None
-            routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream, add)
+            namespace = request_namespace(parsed, renders=tokenize is not None)
+            routed = Routed(
+                endpoint, path, raw, text, session_key, model, ids, stream, add, namespace
+            )
             queue = app[QUEUE]
             ticket = queue.ticket(
                 queue.tenants.of_headers(request.headers), klass,
-                RouteRequest(text, session_key, ids, model or ""),
+                RouteRequest(text, session_key, ids, model or "", namespace),
             )  # fmt: skip
             request[TICKET] = ticket
             async with queue.seat(ticket) as seat:
@@ -186,7 +190,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
-    """A rebuilding worker's progress (router/fleet/kv_feed.py): trusted again once it has
+    """A rebuilding worker's progress (router/holdings/kv_feed.py): trusted again once it has
     removed `needed` blocks since the loss (0: its pool size is not known)."""
     rebuild = feed.rebuild_of(wid) if feed is not None else None
     return None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}
@@ -195,13 +199,17 @@ def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
 async def list_workers(request: web.Request) -> web.Response:
     app = request.app
     now = app[CLOCK]()
-    trees = app[POLICY].worker_stats()
+    holdings = app[ROUTING].holdings
+    trees = holdings.worker_stats()
     queue = app[QUEUE]
     out = []
     for w in list(app[FLEET].workers.values()):
         item = w.describe(now)
         item.update(queue.seats.describe(w.worker_id))
         item["tree"] = trees.get(w.worker_id, {})
+        # The share of its predicted hits routing believes: below 1, its answers' cached
+        # tokens did not bear its claims out (router/holdings/claims.py).
+        item["claims_believed"] = holdings.claims.believed(w.worker_id)
         feed = app.get(KV_FEED)
         item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
         item["kv_events_rebuild"] = _rebuild(feed, w.worker_id)

@@ -10,13 +10,13 @@ import aiohttp
 from aiohttp import web
 
 from router.fleet.discovery import Discovery
-from router.fleet.kv_feed import KvEventFeed
-from router.fleet.sync import ReplicaSync
 from router.fleet.table import Fleet
+from router.holdings.kv_feed import KvEventFeed
+from router.holdings.sync import ReplicaSync
 from router.http.tokenize import Tokenizing
 from router.metrics import Metrics
-from router.policy.base import Policy
 from router.queue.fleet_queue import FleetQueue
+from router.routing import Routing
 from shared.config import RouterConfig
 from shared.serving.http import request_key
 from shared.tokens.prompt_tokens import PromptTokens
@@ -25,7 +25,7 @@ from shared.wire.peers import Rejections
 CONFIG = web.AppKey("config", RouterConfig)
 CLOCK = web.AppKey("clock", Callable[[], float])
 FLEET = web.AppKey("fleet", Fleet)
-POLICY = web.AppKey("policy", Policy)
+ROUTING = web.AppKey("routing", Routing)  # the holdings room and the policy
 METRICS = web.AppKey("metrics", Metrics)
 QUEUE = web.AppKey("queue", FleetQueue)  # seats and the waiting requests (router/queue/)
 OPENAPI = web.AppKey("openapi", dict)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from router.policy.kv_score import request_tokens
+from router.holdings.merge import request_tokens
 from shared.serving.errors import APIError
 from shared.tokens.prompt_tokens import PromptTokens
 from shared.tokens.tokenizer import Tokenizer

@@ -1,21 +1,28 @@
-"""Routing policies: pick one worker per request.
+"""Routing policies: pick one worker per request, from the holdings room's prediction
+and the loads.
 
-``base`` holds what every policy is (``Policy``, its input ``RouteRequest`` /
-``WorkerView`` / ``FleetView``, its output ``Decision``);
-``cache_aware`` the default rule, documented with every threshold at the top of its
-module; ``cost_aware`` the least predicted time to first token over the same trees;
-``simple`` the load-only baselines. ``build_policy`` is the one place a name becomes a policy.
+``base`` holds what every policy is (``Policy``, its output ``Decision``); ``cache_aware``
+the default rule, documented with every threshold at the top of its module;
+``cost_aware`` the least predicted time to first token; ``simple`` the load-only
+baselines. ``build_policy`` is the one place a name becomes a policy; ``build_routing``
+joins it to a holdings room of its own (router/routing.py).
 """
 
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
+from router.holdings.merge import BlockHolders
+from router.holdings.room import Holdings
 from router.policy.base import Policy
 from router.policy.cache_aware import CacheAware
 from router.policy.cost_aware import CostAware
 from router.policy.simple import ConsistentHash, LeastLoad, PowerOfTwo, RandomPolicy, RoundRobin
 from shared.config import RouterConfig
+
+if TYPE_CHECKING:
+    from router.routing import Publish, Routing
 
 
 def build_policy(config: RouterConfig, rng: random.Random | None = None) -> Policy:
@@ -37,3 +44,16 @@ def build_policy(config: RouterConfig, rng: random.Random | None = None) -> Poli
     if name == "consistent_hash":
         return ConsistentHash()
     raise ValueError(f"unknown policy {name!r}")
+
+
+def build_routing(
+    config: RouterConfig, rng: random.Random | None = None, *, feed: BlockHolders | None = None,
+    publish: Publish | None = None,
+) -> Routing:  # fmt: skip
+    """A holdings room (with the KV-event index `feed`, where given) and the policy
+    `config.policy` names, joined."""
+    # Here, not at the top: router.routing imports router.policy.base, which runs this
+    # package first.
+    from router.routing import Routing
+
+    return Routing(Holdings(config, feed), build_policy(config, rng), publish)

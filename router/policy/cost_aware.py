@@ -22,10 +22,13 @@ worker's price is lower by more than ``cost_hold_margin`` of its seat intervals.
   (its heartbeat; unknown: no seat wait).
 - ``prefill(w)`` ms a prefill token, ``decode(w)`` ms a decode step: its heartbeat, else
   ``cost_prefill_us_per_token`` / ``cost_decode_ms_per_token``.
-- A host KV tier: the tree does not know a prefix's tier, so each of the ``m(w)``
-  cached tokens saves ``prefill(w)`` less its expected load: the share of ``w``'s hits
-  served from its host tier × KV bytes per token / load bandwidth (its heartbeat). The
-  tree's cap follows device + host capacity.
+- A host KV tier, priced once: where the prediction knows the tiers (a worker's KV-event
+  index, ``Prediction.priced_tiers``) its host-held tokens are in ``m(w)`` at their host
+  weight already (router/holdings/merge.py) and each saves ``prefill(w)``; where it
+  does not (the tree alone), each cached token saves ``prefill(w)`` less its expected
+  load: the share of ``w``'s hits served from its host tier × KV bytes per token / load
+  bandwidth (its heartbeat). Both at once counted the host tier twice
+  (loadtests/results/kv_events.md).
 - ``queued(w)``: the larger of its reported prefill queue (× 1 − its hit rate, aged at
   its prefill rate since the router read it) and this router's own uncached tokens sent
   there, each counted until its predicted first token ``ttft``.
@@ -38,8 +41,7 @@ worker's price is lower by more than ``cost_hold_margin`` of its seat intervals.
 
 Reasons: ``cache_hit`` (a worker with the longest match won), ``spill`` (a longer match
 existed elsewhere: the prefix replicates), ``no_match`` (no worker holds any of the
-text). Everything ``cache_aware`` keeps (trees, caps, replica observations, epochs) is
-inherited unchanged. Why each term, measured: loadtests/results/routing.md ("cost_aware:
+text). Why each term, measured: loadtests/results/routing.md ("cost_aware:
 why each term").
 """
 
@@ -55,9 +57,9 @@ from operator import eq, is_not, itemgetter, ne
 
 import numpy as np
 
-from router.policy.base import Decision, RouteRequest, WorkerView, reports_of
+from router.fleet.cost_columns import CostColumns, Figures, figures
+from router.policy.base import Decision, Prediction, WorkerView, reports_of
 from router.policy.cache_aware import CacheAware
-from router.policy.cost_columns import CostColumns, Figures, figures
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
 
@@ -72,8 +74,8 @@ _MANY = 64
 class CostAware(CacheAware):
     """The rule at the top of this module.
 
-    Cost per request: cache_aware's tree walk, ~16 numpy operations over the fleet's
-    columns (router/policy/cost_columns.py) and work per holder of the matched text (C
+    Cost per request: ~16 numpy operations over the fleet's
+    columns (router/fleet/cost_columns.py) and work per holder of the matched text (C
     passes when many); a new heartbeat writes its worker's row. policy-cost benchmark:
     244 → 49 µs a decision at 256 workers, 881 → 52 at 1,000, the same decisions
     (loadtests/results/policy_cost.md; tests/router/test_cost_equivalence.py).
@@ -99,9 +101,10 @@ class CostAware(CacheAware):
         self._written: int | None = None
 
     # -- inputs ------------------------------------------------------------------------
-    def remove_worker(self, worker_id: str) -> None:
-        super().remove_worker(worker_id)
-        self._own.pop(worker_id, None)
+    def _forget(self, forgotten: tuple[str, ...]) -> None:
+        """Workers the room forgot (left, restarted): their own queue goes with them."""
+        for worker_id in forgotten:
+            self._own.pop(worker_id, None)
         self._cols_for = None
 
     def _read_reports(self, workers: Sequence[WorkerView]) -> None:
@@ -127,13 +130,15 @@ class CostAware(CacheAware):
         self._reports, self._read, self._written = reports, list(reports), written
 
     # -- the rule ----------------------------------------------------------------------
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
-        key, n = self._key(request)
+    def select(self, prediction: Prediction, workers: Sequence[WorkerView], now: float) -> Decision:
+        if prediction.forgotten:
+            self._forget(prediction.forgotten)
+        n = prediction.length
         ids, loads = self._follow_fleet(workers)
         self._read_reports(workers)
         self._expire(now)
         cfg, cols = self._cfg, self._cols
-        on_tokens = type(key) is tuple  # the tree's lengths are tokens already
+        on_tokens = prediction.on_tokens  # the lengths are tokens already
         chars_per_token = 1.0 if on_tokens else cfg.tree_chars_per_token
         tokens = n / chars_per_token
         # A small fleet is priced in lists, a larger one in arrays (the same arithmetic).
@@ -144,7 +149,9 @@ class CostAware(CacheAware):
         )
         # ms a cached token saves there: its prefill, less its load from a host tier.
         hit_ms = cols.hit_ms.tolist() if small else cols.hit_ms
-        matched = self._holders_of(request, key, now)  # routable holders: length cached there
+        matched = self._holders_of(prediction.path)  # routable holders: length cached there
+        if prediction.priced_tiers:
+            hit_ms = self._tiers_priced(hit_ms, prediction.priced_tiers, small)
         at, ends = list(matched), list(matched.values())
         # A holder saves its cached tokens × its miss weight. One by one up to _FEW
         # holders (one costs ~0.7 µs in numpy scalars), above in array operations (~1 µs
@@ -167,20 +174,29 @@ class CostAware(CacheAware):
         # Its own first token: the price less the stall it causes to the running requests.
         ttft = float(price[i] - stalled[i] * cols.prefill_ms[i] * uncached)
         self._note_own(i, wid, math.ceil(uncached), now + ttft / 1e3)
-        self._tree.insert(key, wid, now)
         rate = chars / n if n else 0.0
         if on_tokens:
             return Decision(wid, reason, chars, rate, float(chars))
-        ids = request.tokens  # the prompt ids, where the router has a tokenizer
+        ids = prediction.request.tokens  # the prompt ids, where the router has a tokenizer
         return Decision(wid, reason, chars, rate, rate * len(ids) if ids is not None else None)
 
-    def _holders_of(
-        self, request: RouteRequest, key: str | tuple[int, ...], now: float
-    ) -> dict[int, int]:
+    def _tiers_priced(
+        self, hit_ms: np.ndarray | list[float], priced: frozenset[str], small: bool
+    ) -> np.ndarray | list[float]:
+        """A cached token's saving per worker, where the prediction priced the worker's
+        host tier itself: its whole prefill (the host share is in its match already)."""
+        prefill = self._cols.prefill_ms
+        out = list(hit_ms) if small else np.array(hit_ms)
+        for wid in priced:
+            i = self._pos.get(wid)
+            if i is not None:
+                out[i] = prefill[i] if not small else float(prefill[i])
+        return out
+
+    def _holders_of(self, path: list[tuple[Mapping[object, float], int]]) -> dict[int, int]:
         """Position → length cached there (the tree's units), for the routable workers
-        holding a prefix of ``key``, in the order they first appear on its path (the tie
-        order of `_hold`)."""
-        path = self._path(request, key, now)
+        holding a prefix of the request, in the order they first appear on its path (the
+        tie order of `_hold`)."""
         pos = self._pos
         if not path or len(path[0][0]) <= _FEW:  # a few holders: the plain loop is fastest
             matched: dict[int, int] = {}

@@ -15,7 +15,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 
-from router.policy.base import Decision, Policy, RouteRequest, WorkerView, least_loaded
+from router.policy.base import Decision, Policy, Prediction, WorkerView, least_loaded
 
 HASH_PREFIX_CHARS = 256  # consistent_hash key when no session key: the prompt's head
 
@@ -26,7 +26,7 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+    def select(self, prediction: Prediction, workers: Sequence[WorkerView], now: float) -> Decision:
         w = workers[self._next % len(workers)]
         self._next += 1
         return Decision(w.worker_id, self.name)
@@ -38,7 +38,7 @@ class RandomPolicy(Policy):
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+    def select(self, prediction: Prediction, workers: Sequence[WorkerView], now: float) -> Decision:
         return Decision(self._rng.choice(workers).worker_id, self.name)
 
 
@@ -48,7 +48,7 @@ class LeastLoad(Policy):
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+    def select(self, prediction: Prediction, workers: Sequence[WorkerView], now: float) -> Decision:
         return Decision(least_loaded(workers, self._rng).worker_id, self.name)
 
 
@@ -58,7 +58,7 @@ class PowerOfTwo(Policy):
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+    def select(self, prediction: Prediction, workers: Sequence[WorkerView], now: float) -> Decision:
         if len(workers) == 1:
             return Decision(workers[0].worker_id, self.name)
         i, j = self._rng.sample(range(len(workers)), 2)  # indices: no copy of the fleet
@@ -69,7 +69,8 @@ class PowerOfTwo(Policy):
 class ConsistentHash(Policy):
     name = "consistent_hash"
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+    def select(self, prediction: Prediction, workers: Sequence[WorkerView], now: float) -> Decision:
+        request = prediction.request
         key = request.session_key or request.text[:HASH_PREFIX_CHARS]
         best = max(workers, key=lambda w: _score(key, w.worker_id))
         return Decision(best.worker_id, self.name)

@@ -32,7 +32,7 @@ their objective must not hold back interactive ones), and no class is fair-share
 against another: a tenant's interactive request goes before another's batch one.
 
 Affinity is what the router predicts each worker holds of the request's prompt
-(`Affinity`: today the policy's tree, router/policy/base.py `Policy.predict`), asked
+(`Affinity`: the holdings room's tree, router/holdings/room.py `affinity`), asked
 when the request starts waiting (one that passes at once costs nothing) and again when
 a seat looks at it `REFRESH_S` later, at most `REFRESH_BUDGET` times a pass: the
 tree learns where the turn before it went once that turn leaves the queue.
@@ -55,8 +55,9 @@ from shared.serving.errors import APIError
 from shared.wire.service_class import CLASSES, ServiceClass
 
 if TYPE_CHECKING:
+    from router.fleet.view import FleetView
     from router.fleet.workers import Worker
-    from router.policy.base import FleetView, RouteRequest
+    from router.holdings.prediction import RouteRequest
 
 # Per class FIFO, how many of its oldest requests a freed seat looks at: enough for
 # affinity to find a hit, bounded so a queue of thousands costs nothing per seat.

@@ -13,7 +13,7 @@ from router.queue.tenants import Tenant
 from shared.wire.service_class import CLASSES, ServiceClass
 
 if TYPE_CHECKING:
-    from router.policy.base import RouteRequest
+    from router.holdings.prediction import RouteRequest
 
 
 class Ticket:

@@ -7,7 +7,7 @@ kernel spreads incoming connections over them (by a hash of each connection's
 addresses: a keep-alive connection stays with one process).
 
 The processes route as replicas of one router. With `redis_url` set, replica sync
-(router/fleet/sync.py) is turned on, so each applies the others' routing decisions to its
+(router/holdings/sync.py) is turned on, so each applies the others' routing decisions to its
 trees (within `sync_flush_interval`) and counts their requests in flight in its loads,
 exactly as router replicas on different hosts do. Without Redis each process routes on
 what it alone has seen; a warning says so.

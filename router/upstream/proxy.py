@@ -10,8 +10,9 @@ that may be the request's fault) and what may pass in either direction is
 cannot be retried: the stream ends with an SSE error event.
 
 The proxy keeps no books: each try is a `Fleet.attempt` (the load it holds, the breaker
-probe), and its outcome is told to the table (`succeeded`, or `failed` with a
-`FailureKind`); the table updates the breaker, the counters and the policy's columns.
+probe), and its outcome is told to the table (`succeeded` with what the answer reported,
+or `failed` with a `FailureKind`); the table updates the breaker, the counters and the
+policy's columns, and tells the holdings room what the answer said of the cache.
 
 Streams are relayed chunk by chunk (`readany` → `write`, no buffering), so time to
 first token through the router stays close to going direct. A write the client does
@@ -35,11 +36,12 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import Counter
 
-from router.fleet.calibration import calibrate, chars_per_token, prompt_tokens_from
-from router.fleet.sync import ReplicaSync
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import FailureKind, Worker
-from router.policy.base import Decision, Policy, RouteRequest
+from router.holdings.calibration import chars_per_token, prompt_tokens_from
+from router.holdings.prediction import RouteRequest
+from router.policy.base import Decision
+from router.routing import Routing
 from router.upstream.answers import (
     FORWARD_REQUEST,
     AttemptFailed,
@@ -79,7 +81,8 @@ class Routed:
     per request against 0.6 us here (timeit)."""
 
     __slots__ = (
-        "body", "endpoint", "model", "path", "priority", "session_key", "stream", "text",
+        "body", "endpoint", "model", "namespace", "path", "priority", "session_key", "stream",
+        "text",
         "tokens",
     )  # fmt: skip
 
@@ -87,6 +90,7 @@ class Routed:
         self, endpoint: str, path: str, body: bytes, text: str, session_key: str | None,
         model: str | None, tokens: Sequence[int] | None = None, stream: bool = False,
         priority: int | None = None,
+        namespace: str = "",
     ) -> None:  # fmt: skip
         self.endpoint = endpoint  # metrics label: chat | completions | generate
         self.path = path  # upstream path, e.g. /v1/chat/completions
@@ -100,6 +104,7 @@ class Routed:
         # `priority` (WorkerRecord.priority_scheduling: an attached vLLM); None: the body
         # has its own `priority`, or names no class.
         self.priority = priority
+        self.namespace = namespace  # its cache namespace (router/holdings/namespace.py)
 
 
 class Seating(Protocol):
@@ -127,15 +132,14 @@ class Proxy:
         self,
         config: RouterConfig,
         fleet: Fleet,
-        policy: Policy,
+        routing: Routing,
         pool: Transport,
         metrics: ProxyMetrics,
         clock: Callable[[], float] = time.monotonic,
-        sync: ReplicaSync | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
-        self.policy = policy
+        self.routing = routing  # the holdings room and the policy (router/routing.py)
         # Keep-alive connections to workers; its timeouts come from the config: no total,
         # a stream may last as long as it keeps sending, but each wait for bytes (the head
         # of an answer, or the next chunk) is bounded by request_timeout, so a hung worker
@@ -146,8 +150,6 @@ class Proxy:
         # x-request-id is sent once, below
         self._forward = (FORWARD_REQUEST | {config.session_header.lower()}) - {"x-request-id"}
         self._worker_auth = worker_authorization(config)
-        # Router replicas sharing decisions (router/fleet/sync.py); None on a lone router.
-        self.sync = sync
 
     def _select(self, routed: Routed, tried: list[str]) -> tuple[Worker, Decision] | None:
         now = self.clock()
@@ -156,13 +158,10 @@ class Proxy:
         view = self.fleet.view(now, routed.model, exclude=tried)
         if not view:
             return None
-        request = RouteRequest(routed.text, routed.session_key, routed.tokens, routed.model or "")
-        decision = self.policy.select(request, view, now)
-        if self.sync is not None:
-            # What the trees key on (router/policy/cache_aware.py `_key`): the prompt ids
-            # where the router tokenizes, else the text.
-            ids = routed.tokens if self.config.tokenizer else None
-            self.sync.publish(decision.worker_id, routed.text if ids is None else ids)
+        request = RouteRequest(
+            routed.text, routed.session_key, routed.tokens, routed.model or "", routed.namespace
+        )
+        decision = self.routing.select(request, view, now)
         self.metrics.decision(decision.reason)
         return self.fleet.workers[decision.worker_id], decision
 
@@ -410,15 +409,14 @@ class Proxy:
     ) -> None:  # fmt: skip
         predicted = decision.predicted_tokens
         worker = attempt.worker
+        chars, prompt_tokens = 0, None
         if predicted is None:  # no prompt ids: the worker's chars per token, as learned so far
             predicted = decision.matched_chars / chars_per_token(
                 worker, self.config.tree_chars_per_token
             )
-            if routed.tokens is None and calibrate(
-                worker, len(routed.text), prompt_tokens_from(answer)
-            ):
-                self.policy.calibrate(worker.worker_id, worker.chars_per_token)  # type: ignore[arg-type]
-        self.fleet.succeeded(attempt, predicted, cached)
+            if routed.tokens is None:  # its answer teaches the ratio (calibration.py)
+                chars, prompt_tokens = len(routed.text), prompt_tokens_from(answer)
+        self.fleet.succeeded(attempt, predicted, cached, chars, prompt_tokens, self.clock())
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)
 

@@ -1,6 +1,6 @@
 """A short id of what a tokenizer does, so router replicas can tell whether they agree.
 
-Replica sync (router/fleet/sync.py) shares routing decisions as prompt token ids when the
+Replica sync (router/holdings/sync.py) shares routing decisions as prompt token ids when the
 router's tree keys on tokens. Ids only mean something under the tokenizer (and chat
 template) that made them: a replica configured with another tokenizer or model must not
 insert them into its tree, or its predictions would match unrelated prompts. So every

@@ -1,7 +1,7 @@
 """A prompt's ids that carry their block keys from one conversation turn to the next.
 
 `PromptTokens` (shared/tokens/prompt_tokens.py) builds a chat's ids from cached pieces, one per
-message. The router's block index (router/fleet/kv_index.py) looks a request up by the
+message. The router's block index (router/holdings/kv_index.py) looks a request up by the
 key of each whole block (`block_key_list`: a block's content and its parent's key). Keying
 a 2k-token prompt from scratch on every turn re-hashes ~125 blocks the previous turn
 already keyed, so the pieces are chained instead:

@@ -293,7 +293,7 @@ class StreamEntry:
     `resync`: the writer lost events it cannot get back (a stock engine's replay could
     not serve a gap, worker/attach/kv_subscriber.py). It follows the hole it leaves in the
     sequence, so a reader that does not know the field still sees a gap; one that does
-    rebuilds the worker's index from here (router/fleet/kv_feed.py)."""
+    rebuilds the worker's index from here (router/holdings/kv_feed.py)."""
 
     worker_id: str
     epoch: float

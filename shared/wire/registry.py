@@ -4,7 +4,7 @@ Layout (prefix default `radixrouter:`):
 
     <prefix>worker:<id>   hash, written every heartbeat, expires after a few intervals
     <prefix>events        pub/sub channel: JSON {"event": "join"|"leave", "worker_id", "url"}
-    <prefix>decisions     stream of routing decisions shared by router replicas (router/fleet/sync.py)
+    <prefix>decisions     stream of routing decisions shared by router replicas (router/holdings/sync.py)
     <prefix>router:<id>   hash worker_id -> requests in flight from router replica <id>, short expiry
     <prefix>ratelimit:<c> string: GCRA arrival time of client hash <c> (router/http/ratelimit.py)
     <prefix>kvevents:<id> stream of worker <id>'s KV-cache events (shared/wire/kv_events.py),
@@ -75,7 +75,7 @@ class WorkerRecord:
     host_load_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
     # Tokens per block of its KV events (0: it publishes none): routers index its events
-    # at this size, never at whatever size the first publisher used (router/fleet/kv_feed.py).
+    # at this size, never at whatever size the first publisher used (router/holdings/kv_feed.py).
     kv_block_size: int = 0
     # The engine admits its waiting requests by the body's integer `priority` (vLLM's
     # --scheduling-policy priority, attached): the router then adds the class's one

@@ -1,5 +1,5 @@
 """A real `vllm serve` (CPU build, prefix caching, KV events over ZMQ) behind
-`radix-worker attach --kv-events`: the router's index (router/fleet/kv_feed.py, reading the
+`radix-worker attach --kv-events`: the router's index (router/holdings/kv_feed.py, reading the
 worker's Redis stream) holds the blocks vLLM reports, predicts the next request's
 `cached_tokens` within one block, and drops the blocks vLLM evicts from its small pool.
 
@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 from redis.asyncio import Redis  # noqa: E402
 
 from loadtests.load.cluster import Child, Cluster  # noqa: E402
-from router.fleet.kv_feed import FeedMember, KvEventFeed  # noqa: E402
+from router.holdings.kv_feed import FeedMember, KvEventFeed  # noqa: E402
 from shared.procs import free_port, http_json, wait_until  # noqa: E402
 from shared.wire.kv_events import BlockStored, parse_entry  # noqa: E402
 from shared.wire.registry import Registry  # noqa: E402

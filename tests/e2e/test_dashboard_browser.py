@@ -156,7 +156,7 @@ def test_dashboard_lists_workers_and_follows_traffic(fleet: Cluster, tmp_path: P
 
 
 def test_a_rebuilding_workers_kv_index_cell_shows_its_progress(fleet: Cluster) -> None:
-    """The `KV index` cell of a worker rebuilding after lost KV events (router/fleet/kv_feed.py)
+    """The `KV index` cell of a worker rebuilding after lost KV events (router/holdings/kv_feed.py)
     says so with its progress. The router's real data is served, with one worker's row
     set to rebuilding on the way to the page (no sim worker loses events on demand; the
     router side of it is tests/e2e/test_kv_gap_rebuild.py)."""

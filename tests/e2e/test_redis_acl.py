@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError
 
-from router.fleet.sync import DecisionSync
+from router.holdings.sync import DecisionSync
 from router.http.ratelimit import RedisGcra
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer

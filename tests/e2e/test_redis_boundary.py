@@ -19,8 +19,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 
-from router.fleet.kv_feed import FeedMember, KvEventFeed
-from router.fleet.sync import SEP, DecisionSync
+from router.holdings.kv_feed import FeedMember, KvEventFeed
+from router.holdings.sync import SEP, DecisionSync
 from router.upstream.resolver import GuardedResolver
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer

@@ -1,4 +1,4 @@
-"""Two router replicas route as one through Redis (router/fleet/sync.py), every service a real
+"""Two router replicas route as one through Redis (router/holdings/sync.py), every service a real
 process: a Redis server, three sim workers, two `python -m router serve` replicas.
 
 Conversations follow a fixed schedule: turn t of conversation k goes through replica

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from loadtests.load.cluster import Cluster, WorkerSpec, wait_health
 from router.http.app import create_app
-from router.http.state import DISCOVERY, FLEET, METRICS, POLICY
+from router.http.state import DISCOVERY, FLEET, METRICS, ROUTING
 from shared.config import RouterConfig
 from tests.waiting import wait_until
 
@@ -97,7 +97,7 @@ async def test_sigkill_under_load_loses_nothing(
     for body in bodies:  # each stream finished, or ended with a clear error event; none hung
         events = [line[6:] for line in body.split("\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]" or "error" in json.loads(events[-1])
-    assert "w0" not in router.app[POLICY].worker_stats()
+    assert "w0" not in router.app[ROUTING].holdings.worker_stats()
     assert all(w.in_flight == 0 for w in router.app[FLEET].workers.values())
     # Out of routing: no later request is tried on it (no retry, no failure).
     assert await asyncio.gather(*(one(i) for i in range(200, 220))) == [200] * 20
@@ -114,16 +114,16 @@ async def test_restarted_worker_gets_its_tree_dropped(
     for i in range(4):
         async with http.post(url, json=prompt(i)) as r:
             assert r.status == 200
-    policy, fleet = router.app[POLICY], router.app[FLEET]
+    policy, fleet = router.app[ROUTING], router.app[FLEET]
     epoch = fleet.workers["w0"].report.epoch
-    assert policy.worker_stats()["w0"]["tree_chars"] > 0
+    assert policy.holdings.worker_stats()["w0"]["tree_chars"] > 0
     bench.workers["w0"].signal(signal.SIGKILL)
     bench.workers["w0"].wait(10)
     bench.restart_worker("w0")  # same id and port: a new epoch
     await wait_until(
         lambda: "w0" in fleet.workers and fleet.workers["w0"].report.epoch != epoch, 15
     )
-    assert policy.worker_stats().get("w0", {}).get("tree_chars", 0) == 0
+    assert policy.holdings.worker_stats().get("w0", {}).get("tree_chars", 0) == 0
     for i in range(10):
         async with http.post(url, json=prompt(i)) as r:
             assert r.status == 200

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.fleet.sync import ReplicaSync
+from router.holdings.sync import ReplicaSync
 from router.http.app import create_app
 from shared.config import RouterConfig
 from tests.router.fakes import FakeWorker

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import eq
 
+from router.holdings.tree import PrefixTree
 from router.policy.base import Decision, RouteRequest, WorkerView
-from router.policy.cache_aware import CacheAware
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
 
@@ -58,7 +58,45 @@ def _clean(value: float, high: float) -> float:
     return value if isinstance(value, int | float) and 0 <= value <= high else 0.0
 
 
-class CostAwareReference(CacheAware):
+class _TreeOwner:
+    """What the policies owned before the holdings room (router/holdings/room.py) took
+    it over, frozen with the reference: one text tree, capped per worker by the
+    capacity its view carries at ``tree_chars_per_token``."""
+
+    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+        self._cfg, self._rng = config, rng
+        self._tree: PrefixTree[str] = PrefixTree(max_chars=config.tree_max_chars)
+        self._capacity: dict[str, int] = {}
+        self._ids: Sequence[str] = ()
+        self._pos: dict[str, int] = {}
+        self._caps: Sequence[int] | None = None
+
+    def _follow_fleet(self, workers: Sequence[WorkerView]) -> tuple[list[str], list[int]]:
+        ids = [w.worker_id for w in workers]
+        loads = [w.load for w in workers]
+        caps = [w.kv_capacity_tokens for w in workers]
+        if ids != self._ids:
+            self._ids, self._pos = ids, {w: i for i, w in enumerate(ids)}
+            self._caps = None
+        if caps != self._caps:
+            for wid, cap in zip(ids, caps, strict=True):
+                if cap and self._capacity.get(wid) != cap:
+                    self._capacity[wid] = cap
+                    self._tree.set_cap(wid, int(cap * self._cfg.tree_chars_per_token))
+            self._caps = caps
+        return ids, loads
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._tree.remove_tenant(worker_id)
+        self._capacity.pop(worker_id, None)
+        self._caps = None
+
+    def observe(self, worker_id: str, key: str, now: float) -> None:
+        if key:
+            self._tree.insert(key, worker_id, now)
+
+
+class CostAwareReference(_TreeOwner):
     name = "cost_aware_reference"
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:

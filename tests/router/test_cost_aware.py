@@ -11,18 +11,19 @@ from typing import Any
 
 import pytest
 
-from router.policy import build_policy
+from router.policy import build_routing
 from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
 from router.policy.cost_aware import CostAware
+from router.routing import Routing
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
 
 PREFIX = "p" * 3_960  # with a 40-char question: 4,000 chars, 1,000 tokens
 
 
-def policy(seed: int = 0, **keys: Any) -> CostAware:
-    p = build_policy(RouterConfig(policy="cost_aware", **keys), random.Random(seed))
-    assert isinstance(p, CostAware)
+def policy(seed: int = 0, **keys: Any) -> Routing:
+    p = build_routing(RouterConfig(policy="cost_aware", **keys), random.Random(seed))
+    assert isinstance(p.policy, CostAware)
     HEARTBEATS[id(p)] = {}
     return p
 
@@ -81,7 +82,7 @@ def test_long_queue_loses_to_idle_worker_unless_the_cached_share_saves_more() ->
     for queue, expect, reason in ((5_000, "w1", "spill"), (500, "w0", "cache_hit")):
         p = policy()
         report(p, 2)
-        p.observe("w0", PREFIX + question(0), now=0.0)
+        p.holdings.observe("w0", PREFIX + question(0), now=0.0)
         report(p, 2, {0: queue})
         d = ask(p, PREFIX + question(1), fleet(0, 0), now=1.0)
         # w0: (queue + 1,000 − 999 cached) × 0.02 ms; w1: 1,000 × 0.02 ms = 20 ms.
@@ -96,7 +97,7 @@ def test_break_even_is_where_the_queue_costs_what_the_cache_saves() -> None:
         p = policy(cost_decode_weight=0.0)
         beat(p, "w0", 0, 1_000.0, 1.0)
         beat(p, "w1", queued, 1_000.0, 1.0)
-        p.observe("w1", "x" * 100, now=0.0)
+        p.holdings.observe("w1", "x" * 100, now=0.0)
         assert ask(p, "x" * 400, fleet(0, 0)).worker_id == expect, queued
 
 
@@ -116,14 +117,14 @@ def test_host_tier_hits_save_their_prefill_less_their_load() -> None:
             cached_tokens_total=500, host_cached_tokens_total=500, host_kv_capacity_tokens=10**6,
             host_load_bytes_per_s=1e9, kv_bytes_per_token=600_000,
         ), None)  # fmt: skip
-        p.observe("w1", "x" * 100, now=0.0)
+        p.holdings.observe("w1", "x" * 100, now=0.0)
         assert ask(p, "x" * 400, fleet(0, 0)).worker_id == expect, queued
 
 
 def test_a_reported_queue_drains_at_the_worker_prefill_rate_until_the_next_report() -> None:
     p = policy(seed=2)
     report(p, 2)
-    p.observe("w0", PREFIX + question(0), now=0.0)
+    p.holdings.observe("w0", PREFIX + question(0), now=0.0)
     report(p, 2, {0: 5_000})  # 100 ms of prefill queued on the holder
     assert ask(p, PREFIX + question(1), fleet(0, 0), now=1.0).reason == "spill"
     # w1 now holds the prefix too; 30 requests there cost 30 ms of decode. 100 ms after
@@ -139,7 +140,7 @@ def test_a_reported_queue_counts_only_what_the_worker_hit_rate_leaves_uncached()
     for hit_rate, expect in ((0.0, "w1"), (0.9, "w0")):
         p = policy()
         report(p, 2)
-        p.observe("w0", PREFIX + question(0), now=0.0)
+        p.holdings.observe("w0", PREFIX + question(0), now=0.0)
         beat(p, "w0", 2_000, 20.0, 1.0, hit_rate=hit_rate)
         # 0.0: 40 + 0.02 ms against 20 ms on w1. 0.9: 4 + 0.02 ms.
         assert ask(p, PREFIX + question(1), fleet(0, 0), now=1.0).worker_id == expect
@@ -149,7 +150,7 @@ def test_decode_interference_sends_to_the_less_loaded_of_equal_holders() -> None
     p = policy()
     report(p, 3)
     for w in ("w0", "w1"):
-        p.observe(w, PREFIX + question(0), now=0.0)
+        p.holdings.observe(w, PREFIX + question(0), now=0.0)
     d = ask(p, PREFIX + question(1), fleet(6, 2, 0), now=1.0)
     # w1 (2 × 1 ms of decode, cached) beats w0 (6 ms, cached) and w2 (idle, 20 ms prefill).
     assert (d.worker_id, d.reason) == ("w1", "cache_hit")
@@ -188,7 +189,7 @@ def test_reported_and_own_queues_take_the_larger_not_the_sum() -> None:
     beat(p, "w0", 0, 1_000.0, 1.0)
     beat(p, "w1", 0, 1_000.0, 1.0)
     assert ask(p, "a" * 400, fleet(0, 0), now=0.0).worker_id in ("w0", "w1")
-    first = "w0" if p._own.get("w0") else "w1"  # 100 own tokens pending there
+    first = "w0" if p.policy._own.get("w0") else "w1"  # 100 own tokens pending there
     other = "w1" if first == "w0" else "w0"
     # The heartbeat now reports those same 100 tokens: still 100 queued, not 200.
     beat(p, first, 100, 1_000.0, 1.0)
@@ -199,7 +200,7 @@ def test_reported_and_own_queues_take_the_larger_not_the_sum() -> None:
 def test_hot_prefix_replicates_when_its_holder_is_busy_and_both_then_hold_it() -> None:
     p = policy(seed=5)
     report(p, 3)
-    p.observe("w0", PREFIX + question(0), now=0.0)
+    p.holdings.observe("w0", PREFIX + question(0), now=0.0)
     d = ask(p, PREFIX + question(1), fleet(40, 0, 0), now=1.0)  # w0: 40 ms of decode ahead
     assert d.reason == "spill" and d.worker_id in ("w1", "w2")
     replica = d.worker_id
@@ -220,13 +221,13 @@ def test_a_worker_without_a_free_seat_costs_the_wait_for_one() -> None:
     p = policy(**SEAT_TERMS_ONLY)
     for i in range(2):
         beat(p, f"w{i}", 0, 20.0, 1.0, 4, 80.0)
-    p.observe("w0", PREFIX + question(0), now=0.0)
+    p.holdings.observe("w0", PREFIX + question(0), now=0.0)
     text = PREFIX + question(1)  # w0 saves 990 × 0.02 = 19.8 ms of prefill
     assert ask(p, text, fleet(3, 0), now=1.0).worker_id == "w0"  # a seat is free
     p2 = policy(**SEAT_TERMS_ONLY)
     for i in range(2):
         beat(p2, f"w{i}", 0, 20.0, 1.0, 4, 80.0)
-    p2.observe("w0", PREFIX + question(0), now=0.0)
+    p2.holdings.observe("w0", PREFIX + question(0), now=0.0)
     # Full (load 4): 20 ms for a seat > 19.8 ms saved.
     assert ask(p2, text, fleet(4, 0), now=1.0).worker_id == "w1"
 
@@ -240,7 +241,7 @@ def test_a_miss_on_a_full_worker_also_costs_the_requests_waiting_there() -> None
         p = policy(**SEAT_TERMS_ONLY)
         beat(p, "w0", 2_000, 20.0, 1.0, 4, 4.0)
         beat(p, "w1", 0, 20.0, 1.0, 4, 4.0)
-        p.observe("w0", PREFIX + question(0), now=0.0)
+        p.holdings.observe("w0", PREFIX + question(0), now=0.0)
         assert ask(p, PREFIX + question(1), fleet(0, w1_load), now=1.0).worker_id == expect
 
 
@@ -259,7 +260,7 @@ def test_a_miss_stalls_the_requests_running_there_so_a_busy_non_holder_loses() -
     for stall, expect in ((0.0, "w1"), (1.0, "w0")):
         p = policy(cost_decode_weight=0.0, cost_hold_margin=0.0, cost_stall_weight=stall)
         seated(p)
-        p.observe("w0", PREFIX + question(0), now=0.0)
+        p.holdings.observe("w0", PREFIX + question(0), now=0.0)
         assert ask(p, text, fleet(4, 3), now=1.0).worker_id == expect, stall
     # Among non-holders: w0 runs 3 requests, w1 none but has 500 tokens queued (10 ms).
     # For the request alone w0 is faster (20 against 30 ms); its stall of w0's 3 makes
@@ -280,14 +281,14 @@ def test_a_holder_keeps_a_request_unless_another_is_faster_by_a_seat_interval() 
     for w0_load, margin, expect in ((4, 1.0, "w0"), (5, 1.0, "w1"), (4, 0.0, "w1")):
         p = policy(cost_decode_weight=0.0, cost_stall_weight=0.0, cost_hold_margin=margin)
         seated(p)
-        p.observe("w0", PREFIX + question(0), now=0.0)
+        p.holdings.observe("w0", PREFIX + question(0), now=0.0)
         d = ask(p, text, fleet(w0_load, 0), now=1.0)
         assert d.worker_id == expect, (w0_load, margin)
         assert d.reason == ("cache_hit" if expect == "w0" else "spill")
     # Seats unknown (a worker that reports none): no interval, no margin.
     p = policy(cost_decode_weight=0.0, cost_stall_weight=0.0)
     report(p, 2, {0: 1_010})  # w0: 20.2 + 0.2 ms against w1's 20 ms
-    p.observe("w0", PREFIX + question(0), now=0.0)
+    p.holdings.observe("w0", PREFIX + question(0), now=0.0)
     assert ask(p, text, fleet(0, 0), now=1.0).worker_id == "w1"
 
 
@@ -297,7 +298,7 @@ def test_own_tokens_count_until_the_predicted_first_token_not_the_stall_priced_i
     p = policy(cost_decode_weight=0.0)
     report(p, 2)
     ask(p, "a" * 4_000, fleet(3, 9), now=0.0)  # w1 is priced at 200 ms: w0
-    assert p._expiry[0][0] == pytest.approx(0.020) and p._expiry[0][2] == "w0"
+    assert p.policy._expiry[0][0] == pytest.approx(0.020) and p.policy._expiry[0][2] == "w0"
 
 
 def test_bad_reports_count_as_unknown_and_never_raise() -> None:
@@ -306,7 +307,7 @@ def test_bad_reports_count_as_unknown_and_never_raise() -> None:
     beat(p, "w1", 10**30, -1.0, 1e12)  # type: ignore[arg-type]
     d = ask(p, "z" * 400, fleet(0, 0))
     assert d.worker_id in ("w0", "w1")
-    cols = p._cols  # the inputs as priced: unknown figures took the configured defaults
+    cols = p.policy._cols  # the inputs as priced: unknown figures took the configured defaults
     assert cols.reported_queue.tolist() == [0, 0] and sorted(cols.own_queue.tolist()) == [0, 100]
     assert cols.prefill_ms.tolist() == [0.02, 0.02] and cols.decode_ms.tolist() == [1.0, 1.0]
 
@@ -314,16 +315,18 @@ def test_bad_reports_count_as_unknown_and_never_raise() -> None:
 def test_inherits_cache_aware_bookkeeping_epochs_caps_and_fleet_views() -> None:
     p = policy(tree_chars_per_token=4.0)
     report(p, 2)
-    p.observe("w0", PREFIX, now=0.0)
+    p.holdings.observe("w0", PREFIX, now=0.0)
     beat(p, "w0", 50, 20.0, 1.0)
-    p.remove_worker("w0")  # new epoch: tree and own queue go
-    assert "w0" not in p._own and p._tree.tenant_size("w0") == 0
+    p.holdings.forget("w0")  # new epoch: tree and own queue go
+    assert "w0" not in p.policy._own and p.holdings.tree.tenant_size("w0") == 0
     view = FleetView(["w0", "w1"], [0, 0], [0, 250])  # w1 caches 250 tokens: 1,000 chars
     p.select(RouteRequest("r" * 100), view, 1.0)
-    p.observe("w1", "q" * 4_000, now=2.0)
-    assert p._tree.tenant_size("w1") <= 1_000
+    p.holdings.observe("w1", "q" * 4_000, now=2.0)
+    assert p.holdings.tree.tenant_size("w1") <= 1_000
     d = p.select(RouteRequest("s" * 100), view, 3.0)
-    assert d.worker_id in ("w0", "w1") and p.worker_stats()[d.worker_id]["tree_chars"] >= 100
+    assert (
+        d.worker_id in ("w0", "w1") and p.holdings.worker_stats()[d.worker_id]["tree_chars"] >= 100
+    )
 
 
 @pytest.mark.parametrize("n", [1, 3, 16])

@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 
+from router.holdings.room import Holdings
 from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
 from router.policy.cost_aware import CostAware
+from router.routing import Routing
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
 from tests.router.cost_aware_reference import CostAwareReference, costs_of
@@ -111,8 +113,7 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
     config = RouterConfig(policy="cost_aware", **keys)
     draws = CountingRandom(seed)
     ref = CountingReference(config, draws)
-    new = CostAware(config, random.Random(seed))
-    both = (ref, new)
+    new = Routing(Holdings(config), CostAware(config, random.Random(seed)))
     beats = Heartbeats(ref)
     rng = random.Random(seed + 1)
     every = [f"w{i}" for i in range(n)]
@@ -143,17 +144,17 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
                 beats.beat(replace(record, worker_id=w))
         if rng.random() < 0.05:
             w, text = rng.choice(every), rng.choice(systems)[: rng.randrange(4, 160, 4)]
-            for p in both:
-                p.observe(w, text, now)
+            ref.observe(w, text, now)
+            new.holdings.observe(w, text, now)
         if rng.random() < 0.02:  # other replicas spread a hot prefix over half the fleet
             text = rng.choice(systems)[: rng.randrange(40, 160, 4)]
             for w in rng.sample(every, n // 2):
-                for p in both:
-                    p.observe(w, text, now)
+                ref.observe(w, text, now)
+                new.holdings.observe(w, text, now)
         if rng.random() < 0.01:
             w = rng.choice(every)
-            for p in both:
-                p.remove_worker(w)  # a new epoch: its tree, reports and own queue go
+            ref.remove_worker(w)  # a new epoch: its tree, reports and own queue go
+            new.holdings.forget(w)
             beats.forget(w)
         w = rng.choice(every)
         if rng.random() < 0.03 and (w in out or len(out) < max(1, n // 4)):
@@ -183,7 +184,7 @@ def replay(n: int, seed: int, keys: dict[str, Any], steps: int) -> Counter[str]:
         assert got == want, (n, seed, keys, ref.seen)
         ref.seen[want.reason] += 1
         assert type(got.matched_chars) is int and type(got.match_rate) is float
-    assert new._own == ref._own
+    assert new.policy._own == ref._own
     ref.seen["random"] = getattr(draws, "draws", 0)
     return ref.seen
 

@@ -10,7 +10,8 @@ from redis.asyncio import Redis
 
 from router.fleet.discovery import Discovery
 from router.fleet.table import Fleet
-from router.policy import build_policy
+from router.holdings.room import Holdings
+from router.policy import build_routing
 from router.policy.base import RouteRequest, WorkerView
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
@@ -46,8 +47,8 @@ async def stop(task: asyncio.Task[None]) -> None:
 
 async def test_join_expire_leave_and_epoch(redis_server: RedisServer, registry: Registry) -> None:
     config = RouterConfig()
-    policy = build_policy(config)
-    fleet = Fleet(config, policy)
+    policy = build_routing(config)
+    fleet = Fleet(config, policy.holdings)
     discovery, task = await start(redis_server, fleet)
     try:
         await registry.publish_heartbeat(
@@ -60,12 +61,12 @@ async def test_join_expire_leave_and_epoch(redis_server: RedisServer, registry: 
         await wait_until(lambda: set(fleet.workers) == {"a"})
         # a restarts: new epoch → its tree is dropped.
         policy.select(RouteRequest("p" * 300), [WorkerView("a", 0)], 0.0)
-        assert policy.worker_stats()["a"]["tree_chars"] >= 300
+        assert policy.holdings.worker_stats()["a"]["tree_chars"] >= 300
         await registry.publish_heartbeat(
             rec("a", 9001, epoch=2.0, kv_capacity_tokens=1000), ttl_s=30, joined=True
         )
         await wait_until(lambda: fleet.workers["a"].report.epoch == 2.0)
-        assert policy.worker_stats().get("a", {}).get("tree_chars", 0) == 0
+        assert policy.holdings.worker_stats().get("a", {}).get("tree_chars", 0) == 0
         await registry.leave(rec("a", 9001, epoch=2.0))
         await wait_until(lambda: fleet.workers == {})
     finally:
@@ -76,7 +77,7 @@ async def test_join_expire_leave_and_epoch(redis_server: RedisServer, registry: 
 async def test_malformed_record_is_never_routed(
     redis_server: RedisServer, registry: Registry
 ) -> None:
-    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    fleet = Fleet(RouterConfig(), Holdings(RouterConfig()))
     _, task = await start(redis_server, fleet)
     try:
         await registry.redis.hset(
@@ -92,7 +93,7 @@ async def test_malformed_record_is_never_routed(
 async def test_a_record_cannot_take_over_a_worker_added_by_hand(
     redis_server: RedisServer, registry: Registry
 ) -> None:
-    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    fleet = Fleet(RouterConfig(), Holdings(RouterConfig()))
     static = fleet.add_url("http://127.0.0.1:9500", "static")
     discovery, task = await start(redis_server, fleet)
     try:
@@ -107,7 +108,7 @@ async def test_a_record_cannot_take_over_a_worker_added_by_hand(
 
 
 async def test_redis_outage_keeps_the_fleet_and_recovers(redis_server: RedisServer) -> None:
-    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    fleet = Fleet(RouterConfig(), Holdings(RouterConfig()))
     clock = ManualClock()
     discovery, task = await start(redis_server, fleet, grace=1.0, clock=clock)
     redis = Redis.from_url(redis_server.url)
@@ -142,7 +143,7 @@ async def test_stops_even_when_a_cancel_is_lost(redis_server: RedisServer) -> No
     """Python 3.11's asyncio.timeout can turn a cancel that meets its own deadline into a
     TimeoutError that redis-py swallows. The stop flag must end the loops anyway, or the
     router's shutdown hangs (seen once in CI on this very fixture)."""
-    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    fleet = Fleet(RouterConfig(), Holdings(RouterConfig()))
     discovery, task = await start(redis_server, fleet)
     await wait_until(lambda: discovery.polls > 0)
 
@@ -165,7 +166,7 @@ async def test_a_flood_of_events_wakes_the_poller_only_so_often(
 ) -> None:
     """Any worker may publish on the events channel and each wake-up reads every
     worker's record: 0.5 s of events (thousands) buy at most one read per 0.1 s."""
-    fleet = Fleet(RouterConfig(), build_policy(RouterConfig()))
+    fleet = Fleet(RouterConfig(), Holdings(RouterConfig()))
     discovery = Discovery.from_url(redis_server.url, "radixrouter:", fleet, interval=30.0,
                                    grace=0.0, clock=ManualClock())  # fmt: skip
     task = asyncio.create_task(discovery.run())

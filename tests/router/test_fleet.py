@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import Breaker, FailureKind, Worker
-from router.policy import build_policy
+from router.policy import build_routing
 from router.policy.base import RouteRequest, WorkerView
 from shared.config import RouterConfig
 from shared.wire.registry import WorkerRecord
@@ -27,8 +27,11 @@ class Hooks:
     def __init__(self) -> None:
         self.removed: list[str] = []
 
-    def remove_worker(self, worker_id: str) -> None:
+    def forget(self, worker_id: str) -> None:
         self.removed.append(worker_id)
+
+    def answered(self, *_: object) -> None:
+        return
 
 
 def fail(fleet: Fleet, worker: Worker, now: float) -> None:
@@ -172,14 +175,14 @@ def test_bad_worker_urls_are_refused() -> None:
 
 def test_epoch_change_drops_the_real_policy_tree() -> None:
     config = RouterConfig()
-    policy = build_policy(config)
-    fleet = Fleet(config, policy)
+    policy = build_routing(config)
+    fleet = Fleet(config, policy.holdings)
     fleet.apply_registry({"w1": record("w1"), "w2": record("w2")})
     views = [WorkerView("w1", 0), WorkerView("w2", 0)]
     d = policy.select(RouteRequest("x" * 400), views, 0.0)
-    assert policy.worker_stats()[d.worker_id]["tree_chars"] >= 400
+    assert policy.holdings.worker_stats()[d.worker_id]["tree_chars"] >= 400
     fleet.apply_registry({"w1": record("w1", epoch=5.0), "w2": record("w2", epoch=5.0)})
-    assert all(s.get("tree_chars", 0) == 0 for s in policy.worker_stats().values())
+    assert all(s.get("tree_chars", 0) == 0 for s in policy.holdings.worker_stats().values())
 
 
 # -- the maintained view equals the plain definition after every kind of event ---------

@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestServer
 
 from loadtests.load.cluster import Cluster, WorkerSpec
 from router.http.app import create_app
-from router.http.state import FLEET, POLICY
+from router.http.state import FLEET, ROUTING
 from shared.config import RouterConfig
 from tests.waiting import wait_until
 
@@ -119,7 +119,7 @@ async def test_imbalance_sends_to_the_least_loaded(router: TestServer) -> None:
         model="sim", prompt=prefix + "c", max_tokens=1
     )
     assert raw.headers["x-radix-route-reason"] == "cache_hit"
-    assert router.app[POLICY].worker_stats()[other]["tree_chars"] > 0
+    assert router.app[ROUTING].holdings.worker_stats()[other]["tree_chars"] > 0
 
 
 async def test_generate_and_worker_table(router: TestServer) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.policy import build_policy
+from router.policy import build_routing
 from router.policy.base import Decision, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
 
@@ -16,7 +16,7 @@ SYSTEM = "You are a helpful assistant. " * 40  # 1,160 chars shared by every req
 
 
 def policy(rng_seed: int = 0, **keys: Any) -> Policy:
-    return build_policy(RouterConfig(**keys), random.Random(rng_seed))
+    return build_routing(RouterConfig(**keys), random.Random(rng_seed))
 
 
 def fleet(*loads: int, capacity: int = 0) -> list[WorkerView]:
@@ -29,8 +29,8 @@ def ask(p: Policy, text: str, workers: list[WorkerView], now: float = 0.0) -> De
 
 def test_build_policy_names_every_policy() -> None:
     for name in ("cache_aware", "round_robin", "random", "least_load", "power_of_two"):
-        assert policy(policy=name).name == name
-    assert policy(policy="consistent_hash").name == "consistent_hash"
+        assert policy(policy=name).policy.name == name
+    assert policy(policy="consistent_hash").policy.name == "consistent_hash"
 
 
 def test_shared_prefixes_land_on_one_worker() -> None:
@@ -54,7 +54,7 @@ def test_distinct_prefixes_spread_over_a_cold_fleet() -> None:
 
 def test_imbalance_beyond_both_thresholds_goes_to_least_loaded() -> None:
     p = policy()
-    p.observe("w0", SYSTEM, now=0)
+    p.holdings.observe("w0", SYSTEM, now=0)
     d = ask(p, SYSTEM + "q", fleet(100, 30, 10, 20))  # 90 > 64 and 100 > 1.5 × 10
     assert (d.worker_id, d.reason) == ("w2", "balance")
     assert d.matched_chars == 0  # the prediction is for the chosen worker
@@ -72,7 +72,7 @@ def test_imbalance_beyond_both_thresholds_goes_to_least_loaded() -> None:
 )
 def test_imbalance_thresholds_are_strict(loads: tuple[int, int], imbalanced: bool) -> None:
     p = policy()
-    p.observe("w0", SYSTEM, now=0)
+    p.holdings.observe("w0", SYSTEM, now=0)
     d = ask(p, SYSTEM, fleet(*loads))
     assert (d.worker_id, d.reason) == (("w1", "balance") if imbalanced else ("w0", "cache_hit"))
 
@@ -80,15 +80,15 @@ def test_imbalance_thresholds_are_strict(loads: tuple[int, int], imbalanced: boo
 def test_equal_matches_go_to_the_least_loaded() -> None:
     p = policy()
     for w in ("w0", "w1", "w2"):
-        p.observe(w, SYSTEM, now=0)
+        p.holdings.observe(w, SYSTEM, now=0)
     d = ask(p, SYSTEM + "tail", fleet(7, 3, 5, 0))  # w3 is idlest but holds nothing
     assert (d.worker_id, d.reason) == ("w1", "cache_hit")
 
 
 def test_longer_match_beats_lower_load_when_balanced() -> None:
     p = policy()
-    p.observe("w0", SYSTEM + "chapter one", now=0)
-    p.observe("w1", SYSTEM, now=0)
+    p.holdings.observe("w0", SYSTEM + "chapter one", now=0)
+    p.holdings.observe("w1", SYSTEM, now=0)
     d = ask(p, SYSTEM + "chapter one, part 2", fleet(20, 0))
     assert (d.worker_id, d.reason) == ("w0", "cache_hit")
 
@@ -96,32 +96,32 @@ def test_longer_match_beats_lower_load_when_balanced() -> None:
 def test_below_cache_threshold_uses_the_no_match_rule() -> None:
     text = "x" * 31 + "y" * 69  # w0 holds 30% of it: not above 0.3
     p = policy()
-    p.observe("w0", "x" * 30, now=0)
+    p.holdings.observe("w0", "x" * 30, now=0)
     d = ask(p, text, fleet(0, 5, 2))
     assert (d.worker_id, d.reason) == ("w0", "no_match")  # least load happens to be w0
     p = policy()
-    p.observe("w0", "x" * 30, now=0)
+    p.holdings.observe("w0", "x" * 30, now=0)
     d = ask(p, text, fleet(4, 5, 2))
     assert (d.worker_id, d.reason, d.matched_chars) == ("w2", "no_match", 0)
     p = policy()
-    p.observe("w0", "x" * 31, now=0)  # 31%: above the threshold
+    p.holdings.observe("w0", "x" * 31, now=0)  # 31%: above the threshold
     assert ask(p, text, fleet(4, 5, 2)).reason == "cache_hit"
 
 
 def test_no_match_smallest_tree_picks_the_most_free_cache() -> None:
     p = policy(no_match="smallest_tree")
-    p.observe("w0", "a" * 500, now=0)
-    p.observe("w1", "b" * 100, now=0)
-    p.observe("w2", "c" * 300, now=0)
+    p.holdings.observe("w0", "a" * 500, now=0)
+    p.holdings.observe("w1", "b" * 100, now=0)
+    p.holdings.observe("w2", "c" * 300, now=0)
     d = ask(p, "unrelated text", fleet(0, 9, 0))
     assert (d.worker_id, d.reason) == ("w1", "no_match")
-    assert p.worker_stats()["w1"]["tree_chars"] == 100 + len("unrelated text")
+    assert p.holdings.worker_stats()["w1"]["tree_chars"] == 100 + len("unrelated text")
 
 
 def test_per_request_spill_to_a_holder_then_to_the_least_loaded() -> None:
     p = policy(balance_mode="per_request")
-    p.observe("w0", SYSTEM + "long", now=0)
-    p.observe("w1", SYSTEM, now=0)
+    p.holdings.observe("w0", SYSTEM + "long", now=0)
+    p.holdings.observe("w1", SYSTEM, now=0)
     # mean 50: w0 at 180 is above 1.5 × 50 and 50 + 64: spill to a holder (w1), even
     # though w2 is idler, and w1 now holds the text too (hot prefixes replicate).
     d = ask(p, SYSTEM + "long question", fleet(180, 15, 5, 0))
@@ -146,7 +146,7 @@ def test_per_request_spill_takes_a_holder_loaded_exactly_at_the_limit() -> None:
 
 def test_per_request_mode_ignores_fleet_imbalance_when_best_is_not_overloaded() -> None:
     p = policy(balance_mode="per_request")
-    p.observe("w1", SYSTEM, now=0)
+    p.holdings.observe("w1", SYSTEM, now=0)
     # max − min = 100 would be a fleet imbalance, but w1 (load 20) is not overloaded.
     d = ask(p, SYSTEM + "q", fleet(100, 20, 0))
     assert (d.worker_id, d.reason) == ("w1", "cache_hit")
@@ -154,9 +154,9 @@ def test_per_request_mode_ignores_fleet_imbalance_when_best_is_not_overloaded() 
 
 def test_remove_worker_drops_its_tree() -> None:
     p = policy()
-    p.observe("w0", SYSTEM, now=0)
-    p.remove_worker("w0")
-    assert "w0" not in p.worker_stats()
+    p.holdings.observe("w0", SYSTEM, now=0)
+    p.holdings.forget("w0")
+    assert "w0" not in p.holdings.worker_stats()
     assert ask(p, SYSTEM, fleet(0, 0)).reason == "no_match"
 
 
@@ -164,12 +164,12 @@ def test_capacity_bounds_each_workers_tree() -> None:
     p = policy(tree_chars_per_token=4.0)
     ask(p, "a", [WorkerView("w0", 0, 250)])  # capacity comes with the view: 1,000 chars
     for i in range(50):
-        p.observe("w0", f"{i:03d}" + "z" * 200, now=i)
-        assert p.worker_stats()["w0"]["tree_chars"] <= 1000
+        p.holdings.observe("w0", f"{i:03d}" + "z" * 200, now=i)
+        assert p.holdings.worker_stats()["w0"]["tree_chars"] <= 1000
     # A view carrying a new capacity replaces the cap.
     workers = [WorkerView("w0", 0, 100), WorkerView("w1", 0, 0)]
     ask(p, "hello", workers)
-    assert p.worker_stats()["w0"]["tree_chars"] <= 400
+    assert p.holdings.worker_stats()["w0"]["tree_chars"] <= 400
 
 
 def test_round_robin_cycles() -> None:

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from router.policy import build_policy
+from router.holdings.tree import PrefixTree
+from router.policy import build_routing
 from router.policy.base import Decision, FleetView, RouteRequest, WorkerView
-from router.policy.tree import PrefixTree
 from shared.config import RouterConfig
 
 
@@ -98,8 +98,8 @@ def test_fast_path_matches_the_plain_rule(seed: int, keys: dict[str, object]) ->
     n = 6
     cfg = RouterConfig(**keys)  # type: ignore[arg-type]
     ref = Reference(cfg, random.Random(seed))
-    on_list = build_policy(cfg, random.Random(seed))
-    on_columns = build_policy(cfg, random.Random(seed))
+    on_list = build_routing(cfg, random.Random(seed))
+    on_columns = build_routing(cfg, random.Random(seed))
     ids = [f"w{i}" for i in range(n)]
     views = [WorkerView(w, 0) for w in ids]
     columns = FleetView(ids)
@@ -118,12 +118,12 @@ def test_fleet_view_is_a_sequence_of_views_and_follows_a_changed_fleet() -> None
     assert len(columns) == 2 and columns[1] == WorkerView("b", 1, 0)
     with pytest.raises(ValueError, match="one entry per worker"):
         FleetView(["a"], [1, 2])
-    p = build_policy(RouterConfig(tree_chars_per_token=1.0), random.Random(0))
-    p.observe("a", "z" * 500, now=0)
-    p.observe("a", "x" * 50, now=1)
+    p = build_routing(RouterConfig(tree_chars_per_token=1.0), random.Random(0))
+    p.holdings.observe("a", "z" * 500, now=0)
+    p.holdings.observe("a", "x" * 50, now=1)
     # a's capacity (100 tokens × 1 char) applies first: the older z-run goes, x stays.
     assert p.select(RouteRequest("x" * 60), columns, 2).worker_id == "a"
-    assert p.worker_stats()["a"]["tree_chars"] == 60
+    assert p.holdings.worker_stats()["a"]["tree_chars"] == 60
     # A new fleet (new ids tuple): positions are rebuilt, "a" is gone from routing.
     moved: Sequence[WorkerView] = FleetView(["c", "b"], [0, 0])
     assert p.select(RouteRequest("x" * 60), moved, 3).reason == "no_match"

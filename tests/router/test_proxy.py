@@ -16,7 +16,7 @@ BODY = {"prompt": "hello there", "max_tokens": 3}
 
 
 class OtherReplicas:
-    """Stands in for `DecisionSync` (router/fleet/sync.py, tested over real Redis in
+    """Stands in for `DecisionSync` (router/holdings/sync.py, tested over real Redis in
     test_sync.py): here only the load other replicas report matters, set by the test."""
 
     def __init__(self) -> None:

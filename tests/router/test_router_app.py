@@ -74,6 +74,9 @@ async def test_bad_input_answered_at_the_edge(
         (b'{"prompt": "x", "max_tokens": -1}', 400, "invalid_value"),
         (b'{"prompt": "x", "max_tokens": 100000000}', 400, "invalid_value"),
         (b'{"max_tokens": 1}', 400, "invalid_value"),
+        # vLLM's rule for its prefix-cache salt: a non-empty string when given
+        (b'{"prompt": "x", "cache_salt": ""}', 400, "invalid_value"),
+        (b'{"prompt": "x", "cache_salt": 7}', 400, "invalid_value"),
     ]
     for raw, status, code in cases:
         r = await client.post(
@@ -84,6 +87,9 @@ async def test_bad_input_answered_at_the_edge(
         assert err["code"] == code and err["message"] and "type" in err and "param" in err
     r = await client.post("/v1/chat/completions", json={"messages": []})
     assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
+    salted = {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}
+    r = await client.post("/v1/chat/completions", json=salted)
+    assert r.status == 400 and (await r.json())["error"]["param"] == "cache_salt"
     await client.get("/v1/models")  # the router learns the static worker's model
     r = await client.post(
         "/v1/chat/completions",
@@ -142,6 +148,8 @@ async def test_models_health_workers_openapi_metrics(
         "tree",
         "predicted_cached_tokens_total",
     } <= set(workers[0])
+    # Believed in full: its answers bore out the predictions (router/holdings/claims.py).
+    assert {w["claims_believed"] for w in workers} == {1.0}
     doc = await (await client.get("/openapi.json")).json()
     assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
     assert "ChatCompletionRequest" in doc["components"]["schemas"]

@@ -19,7 +19,7 @@ stock engine never republishes its cache, so routers could not wait for a known 
 (an AllBlocksCleared may never come). A router that reads the marker resets this
 worker's index and rebuilds it from the events that follow, scoring the worker on its
 index and its tree together until the engine's pool has turned over
-(router/fleet/kv_feed.py, "rebuilding"); a router of the version before the marker sees
+(router/holdings/kv_feed.py, "rebuilding"); a router of the version before the marker sees
 the hole and routes the worker on its tree alone, as it did. The marker is an entry of
 its own (an empty batch), so it says that this writer gave up on the hole, apart from
 entries a router missed on its side (a trimmed stream).

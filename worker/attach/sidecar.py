@@ -207,7 +207,7 @@ def _start_kv_events(
     assert config.kv_events is not None
     subscriber = ZmqEventSubscriber(config.kv_events, config.kv_events_replay, queue)
 
-    def block_size(size: int) -> None:  # the heartbeat names it (router/fleet/kv_feed.py)
+    def block_size(size: int) -> None:  # the heartbeat names it (router/holdings/kv_feed.py)
         upstream.block_size = size
 
     subscriber.on_block_size = block_size

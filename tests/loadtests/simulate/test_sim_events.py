@@ -19,7 +19,7 @@ from loadtests.simulate.divergence import (
 )
 from loadtests.simulate.simulation import ClosedLoop
 from loadtests.simulate.worker import CostModel, Job, SimWorker
-from router.fleet.kv_feed import KvEventFeed
+from router.holdings.kv_feed import KvEventFeed
 from shared.config import RouterConfig
 
 COST = CostModel(30.0, 3.0, 8, 16_384)

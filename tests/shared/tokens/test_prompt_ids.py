@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.fleet.kv_index import BlockIndex
+from router.holdings.kv_index import BlockIndex
 from shared.tokens.prompt_ids import PromptIds
 from shared.tokens.prompt_tokens import PromptTokens, encode_prompt, load_tokenizer
 from shared.wire.kv_events import BlockStored, block_key_list, block_keys

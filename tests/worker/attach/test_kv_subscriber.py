@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 from redis.asyncio import Redis
 
-from router.fleet.kv_feed import FeedMember, KvEventFeed
+from router.holdings.kv_feed import FeedMember, KvEventFeed
 from shared.redis_server import free_port
 from shared.wire.kv_events import AllBlocksCleared, BlockStored, encode_batch, parse_entry
 from shared.wire.registry import Registry

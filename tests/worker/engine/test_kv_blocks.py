@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import invariant, rule
 
-from router.fleet.kv_index import BlockIndex
+from router.holdings.kv_index import BlockIndex
 from shared.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.fleet.kv_index import BlockIndex
+from router.holdings.kv_index import BlockIndex
 from shared.wire.kv_events import BlockStored, decode_batch, encode_batch
 from tests.worker.engine.test_host_tier import HostHarness, _rand
 from worker.engine.kv_blocks import BlockEvents

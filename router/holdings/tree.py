@@ -5,7 +5,7 @@ token ids, with the same code). Each node holds a run of elements and records wh
 tenants (workers) hold it and when each last used it. A tenant that holds a node
 holds every ancestor too, so each tenant's logical tree is the set of nodes it holds.
 
-Worked example (``dump()`` renders exactly this; tests/router/test_tree.py asserts it)::
+Worked example (``dump()`` renders exactly this; tests/router/holdings/test_tree.py asserts it)::
 
     tree = PrefixTree()
     tree.insert("hello world", "a", now=1)
@@ -93,7 +93,7 @@ class PrefixTree(Generic[Seq]):
         self._lru: dict[Tenant, OrderedDict[_Node[Seq], None]] = {}  # head = oldest
         self._cap: dict[Tenant, int] = {}
         # When an insert last pushed each tenant over its cap: routes that overflow a
-        # worker's pool (router/policy/kv_score.py reads it).
+        # worker's pool (router/holdings/merge.py reads it).
         self._overflowed: dict[Tenant, float] = {}
 
     # ---- queries -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Replica sync on prompt ids (router/fleet/sync_wire.py), over a real Redis server.
+"""Replica sync on prompt ids (router/holdings/sync_wire.py), over a real Redis server.
 
 With a `tokenizer` the routers' trees key on token ids, so decisions travel as ids,
 stamped with the tokenizer's fingerprint. Redis is a boundary: every entry below is
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from router.fleet.sync import SEP, DecisionSync
-from router.fleet.sync_wire import TOKENS, decode_decision, encode_decision, encode_tokens
+from router.holdings.sync import SEP, DecisionSync
+from router.holdings.sync_wire import TOKENS, decode_decision, encode_decision, encode_tokens
 from shared.config import RouterConfig
 from shared.tokens.fingerprint import FINGERPRINT_LEN, tokenizer_fingerprint
 from shared.tokens.prompt_tokens import load_tokenizer

@@ -6,7 +6,7 @@ entry never stops a loop):
 
 - a decision is one stream field `replica id SEP worker id SEP payload`, at most a
   few bytes over what `sync_max_chars` allows; its worker id must have the registry's
-  shape. The payload is what the writer's tree keys on (router/policy/tree.py):
+  shape. The payload is what the writer's tree keys on (router/holdings/tree.py):
     text    `zlib(utf-8 text)`, inflated to at most 4 bytes a character (a 146 KB zlib
             bomb once inflated to 200 MB in a router);
     tokens  `TOKENS fingerprint : zlib(uint32 little-endian ids)` when the router has a

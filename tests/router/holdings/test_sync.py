@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from redis.asyncio import Redis
 
-from router.fleet.sync import DecisionSync
+from router.holdings.sync import DecisionSync
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.wire.registry import Registry

@@ -7,7 +7,7 @@ wasted. So every replica:
 
 - `publish(worker_id, key)` on each decision, `key` being what the tree keys on: the
   routed text, or the prompt token ids when the router has a `tokenizer` (those entries
-  carry the tokenizer's fingerprint; router/fleet/sync_wire.py). The hot path only
+  carry the tokenizer's fingerprint; router/holdings/sync_wire.py). The hot path only
   appends to a bounded in-memory buffer; a flusher task sends the buffer every
   `sync_flush_interval` as one pipelined batch of XADDs (stream trimmed near
   `sync_stream_maxlen` entries, keys capped at `sync_max_chars` elements and
@@ -40,7 +40,7 @@ import numpy as np
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.fleet.sync_wire import (
+from router.holdings.sync_wire import (
     SEP,
     Key,
     add_loads,
@@ -249,7 +249,7 @@ class DecisionSync:
             self._apply(entries, include_own=False)
 
     def _apply(self, entries: list, include_own: bool) -> None:
-        """Apply other replicas' decisions; a malformed entry (router/fleet/sync_wire.py) is
+        """Apply other replicas' decisions; a malformed entry (router/holdings/sync_wire.py) is
         dropped, counted and logged, and the reader goes on."""
         now = self.clock()
         on_tokens = self.fingerprint is not None

@@ -1,7 +1,7 @@
 """Workers' KV-event streams (Redis) into the router's block index, with trust per worker.
 
 Every router replica reads every worker's stream itself (XREAD, no consumer group) and
-keeps one `BlockIndex` per model (router/fleet/kv_index.py). The fleet (router/fleet/table.py) says
+keeps one `BlockIndex` per model (router/holdings/kv_index.py). The fleet (router/fleet/table.py) says
 which workers exist and their epochs; the streams say what they hold.
 
 A worker's index is *trusted* (used for routing on its own) only while the feed is sure
@@ -27,7 +27,7 @@ an AllBlocksCleared could mean waiting forever. Instead the worker's index is em
 (what it held may since have been removed, unseen) and rebuilt from the events after
 the loss: it then holds only blocks the worker really holds (stored after the loss and
 not removed since), an under-estimate, so the worker's tree entries count beside it
-(`match` returns rebuilding workers, `trusted` does not: router/policy/kv_score.py keeps
+(`match` returns rebuilding workers, `trusted` does not: router/holdings/merge.py keeps
 their tree matches). It is trusted alone again once the worker's pool has turned over:
 blocks removed from its GPU pool since the loss >= the pool's block count (the capacity
 its heartbeat reports / block size; unknown capacity: rebuilding until a clear).
@@ -62,7 +62,7 @@ Bounds against a worker's credential (issue 30: one worker's stream stalled ever
   time, CPU_BURST_S at once); past it its entries wait in Redis and it is `lagging`.
 - Each worker holds a bounded share of its model's index (`share`): its pool and host
   tier's blocks (heartbeat) twice over, at most max_blocks / workers of the model; past
-  it, its oldest stored blocks are forgotten (router/fleet/kv_index.py).
+  it, its oldest stored blocks are forgotten (router/holdings/kv_index.py).
 - A model's block size comes from the router's config (`kv_events_block_size`) or from
   the heartbeats of its workers (the size most of them name; a tie keeps the index's
   size), never from whoever publishes first; a worker whose heartbeat names none is not
@@ -82,7 +82,8 @@ from dataclasses import dataclass
 import numpy as np
 from redis.exceptions import RedisError
 
-from router.fleet.kv_index import BlockIndex
+from router.holdings.kv_index import BlockIndex
+from router.holdings.namespace import in_default_namespace
 from shared.serving.aio import reraise_if_cancelled
 from shared.wire.kv_events import (
     MEDIUM_GPU,
@@ -466,6 +467,9 @@ class KvEventFeed:
             state.status = "ok"
         index = self.indexes.get(state.model, _EMPTY)
         for event in events:
+            if not in_default_namespace(event):
+                self.dropped["namespace"] += 1  # the index holds a model's default namespace
+                continue
             try:
                 index.apply(wid, (event,), self.route_clock())
             except ValueError:  # a block size other than the model's
@@ -553,7 +557,7 @@ class KvEventFeed:
 
     def lost_at(self, model: str, tokens: Sequence[int] | np.ndarray, wid: str, held: int) -> float:
         """When `wid` stopped holding the block after its first `held` tokens of `tokens`
-        (router/fleet/kv_index.py), in `route_clock` time; -inf: not known lost."""
+        (router/holdings/kv_index.py), in `route_clock` time; -inf: not known lost."""
         index = self.indexes.get(model)
         return index.lost_at(wid, tokens, held) if index is not None else float("-inf")
 

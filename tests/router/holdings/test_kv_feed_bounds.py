@@ -10,7 +10,7 @@ import asyncio
 
 from redis.asyncio import Redis
 
-from router.fleet.kv_feed import FeedMember, KvEventFeed
+from router.holdings.kv_feed import FeedMember, KvEventFeed
 from shared.wire.kv_events import (
     MAX_BATCH_BYTES,
     AllBlocksCleared,

@@ -9,10 +9,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from loadtests.load.cluster import Cluster, WorkerSpec
-from router.fleet.calibration import HIGH, calibrate, chars_per_token, prompt_tokens_from
 from router.fleet.workers import Breaker, Worker
+from router.holdings.calibration import HIGH, calibrate, chars_per_token, prompt_tokens_from
 from router.http.app import create_app
-from router.http.state import FLEET, POLICY
+from router.http.state import FLEET, ROUTING
 from shared.config import RouterConfig
 from shared.tokens.text_tokenizer import TextTokenizer
 from shared.wire.registry import WorkerRecord
@@ -105,8 +105,8 @@ async def test_sim_worker_calibrates_and_predictions_follow(fleet: Cluster) -> N
         assert row["calibration_rejected_total"] == 0
         ratio = worker.predicted_tokens_total / worker.actual_cached_tokens_total
         assert abs(ratio - 1) < 0.15  # the dashboard's predicted / actual
-        policy = server.app[POLICY]
+        policy = server.app[ROUTING].holdings
         assert policy._chars_per_token["sim-0"] == pytest.approx(true_ratio, rel=0.1)
-        assert policy._tree._cap["sim-0"] == int(20_000 * policy._chars_per_token["sim-0"])
+        assert policy.tree._cap["sim-0"] == int(20_000 * policy._chars_per_token["sim-0"])
     finally:
         await server.close()

@@ -10,8 +10,8 @@ import tracemalloc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.policy import tree as tree_module
-from router.policy.tree import PrefixTree
+from router.holdings import tree as tree_module
+from router.holdings.tree import PrefixTree
 
 WORKED_EXAMPLE = """\
 'hel' a@3 b@2

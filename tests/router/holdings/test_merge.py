@@ -1,4 +1,4 @@
-"""Routing with the exact index beside the tree (router/policy/kv_score.py): decisions.
+"""Routing with the exact index beside the tree (router/holdings/merge.py): decisions.
 
 The real feed object and its real block index, fed real BlockStored events; what a
 Redis stream would deliver is applied directly (reading the streams, trust and gaps:
@@ -11,12 +11,11 @@ import random
 
 import pytest
 
-from router.fleet.kv_feed import KvEventFeed, StreamState
-from router.fleet.kv_index import BlockIndex
-from router.policy import build_policy
+from router.holdings.kv_feed import KvEventFeed, StreamState
+from router.holdings.kv_index import BlockIndex
+from router.policy import build_routing
 from router.policy.base import FleetView, RouteRequest
-from router.policy.cache_aware import CacheAware
-from router.policy.kv_score import KvScorer
+from router.routing import Routing
 from shared.config import RouterConfig
 from shared.wire.kv_events import BlockRemoved, BlockStored
 
@@ -42,14 +41,13 @@ def feed_holding(held: dict[str, int]) -> KvEventFeed:
     return feed
 
 
-def policy(name: str, feed: KvEventFeed | None) -> CacheAware:
-    p = build_policy(RouterConfig(policy=name, tokenizer="sim"), random.Random(0))
-    assert isinstance(p, CacheAware)
-    p.kv = KvScorer(feed, inflight=2.0) if feed is not None else None
-    return p
+def policy(name: str, feed: KvEventFeed | None) -> Routing:
+    """The room (with the index `feed`, its in-flight window 2 s) and the policy `name`."""
+    config = RouterConfig(policy=name, tokenizer="sim", kv_events_inflight=2.0)
+    return build_routing(config, random.Random(0), feed=feed)
 
 
-def warm(p: CacheAware, fleet: FleetView) -> None:
+def warm(p: Routing, fleet: FleetView) -> None:
     """w0 got the prefix 10 s ago (its tree entry is past the in-flight window), w1
     0.5 s ago (in flight), as the routes of a replicated shared prefix leave them."""
     fleet.loads[:] = [0, 100]  # each route goes where the test wants it: w1 overloaded
@@ -153,7 +151,7 @@ def test_the_index_remembers_the_latest_losses_only() -> None:
     assert index.lost_at("w1", ids, 0) == float("-inf") and index.match(ids) == {}
 
 
-def route_burst(p: CacheAware, fleet: FleetView) -> None:
+def route_burst(p: Routing, fleet: FleetView) -> None:
     """Two new 1,003-token prompts go to the idle w0 at 9.5 s and 9.6 s (no match
     anywhere: the least loaded worker), on their way while the index still shows what
     w0 held before them."""
@@ -190,3 +188,17 @@ def test_a_pool_the_routes_fit_keeps_its_index_hits() -> None:
     fleet.loads[:] = [2, 0]
     d = p.select(request(5), fleet, 10.0)
     assert (d.worker_id, d.reason, d.predicted_tokens) == ("w0", "cache_hit", 1040.0)
+
+
+def test_a_route_counts_while_in_flight_then_the_index_decides() -> None:
+    """`in_flight_window`: w0 was sent the prefix at 9.5 s; its blocks are not in the
+    index yet (prefilling). A follow-up at 10.0 s still goes there on the tree's entry
+    (events alone lost 13 points of hit rate at overload, issue 26); at 12.5 s, past
+    the 2 s window of its last route (10.0 s), the index has had its say and holds nothing: no match."""
+    p = policy("cache_aware", feed_holding({"w0": 0, "w1": 0}))
+    fleet = FleetView(["w0", "w1"], loads=[0, 100])
+    assert p.select(request(1), fleet, 9.5).worker_id == "w0"
+    fleet.loads[:] = [1, 0]
+    d = p.select(request(3), fleet, 10.0)
+    assert (d.worker_id, d.reason, d.predicted_tokens) == ("w0", "cache_hit", 1042.0)
+    assert p.select(request(5), fleet, 12.5).reason == "no_match"

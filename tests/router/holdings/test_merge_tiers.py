@@ -1,15 +1,15 @@
 """A host-held block is worth less than a device-held one and more than a miss.
 
-The real feed and index (router/fleet/kv_feed.py, kv_index.py) fed stream entries in the
-wire form, and the real scorer (router/policy/kv_score.py) over them; no Redis needed
+The real feed and index (router/holdings/kv_feed.py, kv_index.py) fed stream entries in the
+wire form, and the real scorer (router/holdings/merge.py) over them; no Redis needed
 (entries are applied as the reader applies them)."""
 
 from __future__ import annotations
 
 import math
 
-from router.fleet.kv_feed import FeedMember, KvEventFeed
-from router.policy.kv_score import HOST_HIT_WEIGHT, KvScorer, host_hit_weight
+from router.holdings.kv_feed import FeedMember, KvEventFeed
+from router.holdings.merge import HOST_HIT_WEIGHT, KvScorer, host_hit_weight
 from shared.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -108,7 +108,7 @@ def test_a_dropped_worker_holds_nothing_in_any_tier() -> None:
 def test_an_orphan_block_is_dropped_and_never_matched() -> None:
     """A store whose parent the index does not know is counted and dropped: its blocks
     must not stand under the root, where a prompt starting with their tokens would match."""
-    from router.fleet.kv_index import BlockIndex
+    from router.holdings.kv_index import BlockIndex
 
     index = BlockIndex(4)
     index.apply("w", [BlockStored((7, 8), 999, TOKENS[:8], 4)])  # 999: never stored
@@ -151,7 +151,7 @@ def test_vllm_offloading_stores_by_hash_only_mark_known_blocks_host_held() -> No
 
 def test_an_older_entry_the_index_confirms_keeps_its_end_discounted_on_the_host() -> None:
     """The tree's older entry (past the in-flight window) that the index confirms keeps its
-    exact end (kv_score.py); the part of it held only on the host counts at the weight."""
+    exact end (merge.py, `confirmed_exact_end`); the part of it held only on the host counts at the weight."""
     feed = feed_of({
         "dev": [[AllBlocksCleared(), stored(4, "GPU")]],
         "host": [[AllBlocksCleared(), stored(4, "GPU")],
@@ -184,3 +184,54 @@ def test_copies_stored_twice_in_a_tier_are_counted_per_tier() -> None:
     assert feed.lost_at("m", TOKENS, "w", 8) > -math.inf  # the tail was lost, not cleared
     feed = feed_of({"w": [*batches, [BlockRemoved(HASHES[:2], "CPU")]]})
     assert feed.match_tiers("m", TOKENS) == {}
+
+
+def test_cost_aware_prices_a_host_tier_the_index_weighed_once() -> None:
+    """w1 holds 100 of the request's 200 tokens on its host tier only (its index says
+    so), at 0.6 ms a token to load against 1 ms to prefill: the room counts them at the
+    host weight 0.4 (merge.py's `host_weighted`), 40 tokens. cost_aware then prices each
+    at its whole prefill: 40 ms saved, so w1 with 25 ms of queue (50 reported at a 0.5
+    hit rate) wins over the idle w0. Pricing the load again (hit_ms = 1 - 0.6) saved
+    40 x 0.4 = 16 ms and sent the request to w0: the host tier counted twice
+    (loadtests/results/kv_events.md)."""
+    import random
+    from typing import Any
+
+    from router.fleet.view import WorkerView
+    from router.holdings.kv_feed import StreamState
+    from router.holdings.kv_index import BlockIndex
+    from router.holdings.prediction import RouteRequest
+    from router.holdings.room import Holdings
+    from router.policy.cost_aware import CostAware
+    from router.routing import Routing
+    from shared.config import RouterConfig
+
+    ids = tuple(range(1000, 1200))
+    feed = KvEventFeed(registry=None)  # type: ignore[arg-type]
+    index = feed.indexes["m"] = BlockIndex(4)
+    for w in ("w0", "w1"):
+        feed.streams[w] = StreamState("m", 1.0, status="ok")
+    index.apply("w1", [BlockStored(tuple(range(1, 26)), None, ids[:100], 4, "CPU")])
+
+    def record(wid: str, **extra: Any) -> WorkerRecord:
+        return WorkerRecord(wid, "http://w", "m", "radix", 1.0, prefill_us_per_token=1_000.0,
+                            prompt_tokens_total=1000, **extra)  # fmt: skip
+
+    reports = [
+        record("w0"),
+        record(
+            "w1",
+            queued_prefill_tokens=50,
+            cached_tokens_total=500,
+            host_cached_tokens_total=500,
+            host_load_bytes_per_s=1e9,
+            kv_bytes_per_token=600_000,
+        ),
+    ]
+    assert host_hit_weight(reports[1], 1_000.0) == 0.4
+    config = RouterConfig(policy="cost_aware", tokenizer="sim", cost_decode_weight=0.0)
+    room = Holdings(config, feed, lambda _wid: 0.4)
+    routing = Routing(room, CostAware(config, random.Random(0)))
+    view = [WorkerView(r.worker_id, 0, 0, r, 0.0) for r in reports]
+    d = routing.select(RouteRequest("", tokens=ids, model="m"), view, 0.0)
+    assert (d.worker_id, d.predicted_tokens) == ("w1", 40.0)

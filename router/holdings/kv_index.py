@@ -1,6 +1,6 @@
 """The exact index: which workers hold which token blocks, from their own KV events.
 
-Beside the approximate prefix tree (router/policy/tree.py: what this router *sent*), the index
+Beside the approximate prefix tree (router/holdings/tree.py: what this router *sent*), the index
 says what each worker *reports* holding (shared/wire/kv_events.py). One index per model and
 block size. A block is keyed by its content and its parent's key (`block_key_list`), never by
 the engine's hash, so workers with different hash functions (vLLM's sha256, SGLang's,
@@ -17,17 +17,17 @@ after it drops it.
 
 A lookup (`match`) keys the request's token blocks in turn and follows the holders of
 each: a worker's score is its longest run of held blocks from the start, in tokens;
-`match_tiers` also says how much of that run its device holds (router/policy/kv_score.py
+`match_tiers` also says how much of that run its device holds (router/holdings/merge.py
 values the rest below a device hit: it is loaded, not computed).
 
 When a worker stopped holding a block (BlockRemoved) is kept for a while (`lost_at`,
 the last `max_lost` losses; a clear is not one: our engine's periodic republish starts
 with one): scoring needs it to tell a route's blocks still
-on their way from blocks that arrived and were evicted since (router/policy/kv_score.py).
+on their way from blocks that arrived and were evicted since (router/holdings/merge.py).
 
 Bounded memory: past `max_blocks` the least recently stored blocks are forgotten for
 every holder (an under-estimate, never a wrong holder). Each worker also has a share
-(`shares`, set by router/fleet/kv_feed.py): past it, that worker's oldest stored blocks are
+(`shares`, set by router/holdings/kv_feed.py): past it, that worker's oldest stored blocks are
 forgotten for it alone (`over_share`), so one worker's stream cannot push the others'
 blocks out of the index. A BlockStored whose parent the
 index does not know (forgotten, or stored before a gap) cannot be keyed and is dropped

@@ -9,8 +9,8 @@ import random
 import openai
 import pytest
 
-from router.http.state import FLEET, POLICY
-from router.policy import build_policy
+from router.http.state import FLEET, ROUTING
+from router.policy import build_routing
 from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
 from tests.fuzz.conftest import start_router, start_worker, worker_config
@@ -47,7 +47,7 @@ async def test_second_turn_predicted_in_the_tokens_the_worker_reports(policy: st
         w = router.app[FLEET].workers[next(iter(router.app[FLEET].workers))]
         assert abs(w.predicted_tokens_total - w.actual_cached_tokens_total) <= page
         # The tree holds token sequences: the root's children are keyed by token ids.
-        root = router.app[POLICY]._tree._root
+        root = router.app[ROUTING].holdings.tree._root
         assert root.children and all(type(k) is int for k in root.children)
         assert all(type(c.key) is tuple for c in root.children.values())
     finally:
@@ -60,15 +60,15 @@ async def test_second_turn_predicted_in_the_tokens_the_worker_reports(policy: st
 @pytest.mark.parametrize("tokenizer", [None, "sim"])
 def test_tree_cap_and_match_rate_units(policy: str, tokenizer: str | None) -> None:
     config = RouterConfig(policy=policy, tokenizer=tokenizer, tree_chars_per_token=4.0)
-    p = build_policy(config, random.Random(0))
+    p = build_routing(config, random.Random(0))
     fleet = FleetView(["w0"], capacities=[100])
     text = "abcd" * 20
     ids = tuple(range(1000, 1040))  # 40 "tokens" for 80 chars
     p.select(RouteRequest(text, tokens=ids), fleet, 1.0)
     d = p.select(RouteRequest(text[:40] + "zz", tokens=(*ids[:20], 7)), fleet, 2.0)
     if tokenizer:  # in tokens: no chars-per-token conversion anywhere
-        assert p._tree._cap["w0"] == 100
+        assert p.holdings.tree._cap["w0"] == 100
         assert (d.matched_chars, d.match_rate, d.predicted_tokens) == (20, 20 / 21, 20.0)
     else:
-        assert p._tree._cap["w0"] == 400
+        assert p.holdings.tree._cap["w0"] == 400
         assert (d.matched_chars, d.match_rate) == (40, 40 / 42)

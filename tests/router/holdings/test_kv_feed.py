@@ -10,7 +10,7 @@ import asyncio
 import aiohttp
 from redis.asyncio import Redis
 
-from router.fleet.kv_feed import FeedMember, KvEventFeed, Rebuild
+from router.holdings.kv_feed import FeedMember, KvEventFeed, Rebuild
 from shared.redis_server import RedisServer
 from shared.wire.kv_events import (
     AllBlocksCleared,
@@ -138,7 +138,7 @@ async def test_a_lagging_reader_untrusts_until_caught_up(redis: Redis) -> None:
 def test_a_rebuilding_worker_scores_on_its_index_and_its_tree() -> None:
     """Rebuilding: the index (blocks stored since the loss) and the tree's entries, old
     ones included, both count; trusted again, the index replaces old tree entries."""
-    from router.policy.kv_score import KvScorer
+    from router.holdings.merge import KvScorer
 
     feed = KvEventFeed(None)  # type: ignore[arg-type]  # entries applied directly
     feed.follow([FeedMember("w", "m", 1.0, capacity_tokens=4, block_size=2)])  # a pool of 2 blocks

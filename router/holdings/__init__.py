@@ -1,0 +1,1 @@
+"""What each worker holds for a request (see room.py)."""

@@ -1,0 +1,256 @@
+"""How the tree and the KV-event index merge into one prediction: five named rules.
+
+The tree (router/holdings/tree.py) records what this router sent each worker, when; the
+index (router/holdings/kv_feed.py) what each worker reports holding. `KvScorer.correct`
+takes the tree's match path and returns one in the same shape (holders, end in the tree's
+units, root side first), so the policies' rules run unchanged. Index tokens become the
+tree's units at the request's own chars per token (1 where the tree keys on ids).
+
+The rules, in the order they apply; each names the incident it fixes and the test that
+replays it:
+
+- `in_flight_window`: a trusted worker's tree entry counts only while it is in flight.
+- `lost_since_routed`: an in-flight entry whose blocks arrived and were evicted since.
+- `host_weighted`: a host-held token is worth `host_weight(w)` of a device-held one.
+- `confirmed_exact_end`: an older entry the index confirms keeps its exact end.
+- `evicting`: a worker the routes just overflowed is about to evict what the index shows.
+
+After the merge the room applies one more, learned from answers rather than events:
+`unconfirmed_claims` (router/holdings/claims.py).
+
+A worker that is not trusted (stale epoch, lagging, no events) keeps its tree match; a
+rebuilding one (events lost, router/holdings/kv_feed.py) keeps it and adds its index's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from shared.tokens.prompt_tokens import PromptTokens
+from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
+from shared.wire.registry import WorkerRecord
+
+Path = list[tuple[Mapping[object, float], int]]
+
+# A host-held token's worth against a device-held one when the worker reports no host
+# load figures: between a miss (0) and a hit (1); the measured CPU engine loads ~100x
+# faster than it prefills, a GPU worker ~6-20x (loadtests/results/host_tier.md), so any
+# real figure is above this; unknown, the router only prefers a device copy.
+HOST_HIT_WEIGHT = 0.5
+_MAX_US = 1e6  # a figure above 1 s a token is garbage: heartbeats are untrusted
+
+
+def host_hit_weight(report: WorkerRecord | None, prefill_us_default: float) -> float:
+    """The share of a token's prefill that loading it from `report`'s host tier saves."""
+    if report is None:
+        return HOST_HIT_WEIGHT
+    rate, size = report.host_load_bytes_per_s, report.kv_bytes_per_token
+    prefill = report.prefill_us_per_token
+    if not _number(prefill, _MAX_US) or prefill <= 0:
+        prefill = prefill_us_default
+    if not (_number(rate, 1e15) and rate > 0 and _number(size, 1e9) and size > 0):
+        return HOST_HIT_WEIGHT
+    return max(0.0, 1.0 - size / rate * 1e6 / prefill)
+
+
+def _number(value: object, high: float) -> bool:
+    return isinstance(value, int | float) and 0 <= value <= high  # NaN fails both
+
+
+def _any_weight(_wid: str) -> float:
+    return HOST_HIT_WEIGHT
+
+
+class BlockHolders(Protocol):
+    """What scoring reads of the KV-event feed (router/holdings/kv_feed.py's KvEventFeed)."""
+
+    @property
+    def streams(self) -> Mapping[str, object]: ...
+    def trusted(self, wid: str) -> bool: ...
+    def only_model(self) -> str: ...
+    def lost_at(self, model: str, tokens: Sequence[int], wid: str, held: int) -> float: ...
+    def block_size(self, model: str) -> int: ...
+    def match_tiers(self, model: str, tokens: Sequence[int]) -> dict[str, tuple[int, int]]: ...
+
+
+class KvScorer:
+    """The index beside the tree: `correct` applies the rules of the module's docstring."""
+
+    def __init__(
+        self,
+        feed: BlockHolders,
+        inflight: float,
+        host_weight: Callable[[str], float] = _any_weight,
+    ) -> None:
+        self.feed = feed
+        self.inflight = inflight
+        self.host_weight = host_weight  # worker id -> a host-held token's worth (0..1)
+        self.corrected = 0  # requests where the index changed the prediction
+        # The last request's index part: worker -> (device, host, why) in the tree's
+        # units (router/holdings/room.py reads it).
+        self.detail: dict[str, tuple[int, int, str]] = {}
+
+    def correct(
+        self,
+        path: Path,
+        tokens: Sequence[int],
+        model: str,
+        text_len: int,
+        now: float,
+        overflowed_at: Callable[[object], float] | None = None,
+    ) -> Path:
+        feed = self.feed
+        self.detail = {}
+        if not feed.streams or not len(tokens):
+            return path
+        model = model or feed.only_model()
+        tiers = feed.match_tiers(model, tokens)  # (on the device, in any tier)
+        held = {w: n for w, (_, n) in tiers.items()}
+        trusted = feed.trusted
+        cutoff = now - self.inflight
+        best, past, fresh, changed = in_flight_window(path, trusted, cutoff)
+        if not (changed or held):
+            return path
+        self.corrected += 1
+        scale = text_len / len(tokens)
+        block = feed.block_size(model)
+        for w in lost_since_routed(path, fresh, held, scale, block, feed, model, tokens):
+            del best[w]
+        weight = self.host_weight
+        for w, n in held.items():
+            device = tiers[w][0]
+            on_host = host_weighted(n, device, weight, w)
+            chars = min(text_len, round((device + on_host * (n - device)) * scale))
+            end = past.get(w, 0)
+            chars = confirmed_exact_end(chars, end, n, device, on_host, scale, block)
+            if overflowed_at is not None and trusted(w) and overflowed_at(w) >= cutoff:
+                chars = evicting(chars, max(end, fresh.get(w, 0)))
+            tree = best.get(w, 0)
+            if chars > tree:
+                best[w] = chars
+            on_device = min(text_len, round(device * scale))
+            self.detail[w] = (on_device, min(text_len, round(n * scale)) - on_device,
+                              "both" if tree or end else "index")  # fmt: skip
+        ends = sorted(set(best.values()))
+        return [({w: now for w, e in best.items() if e >= end}, int(end)) for end in ends]
+
+
+def in_flight_window(
+    path: Path, trusted: Callable[[str], bool], cutoff: float
+) -> tuple[dict[object, float], dict[object, int], dict[object, int], bool]:
+    """A trusted worker's tree entry counts only if used since `cutoff` (the last
+    `kv_events_inflight` seconds): older ones the index says the fate of (evicted,
+    flushed). The window is the tree's in-flight prediction: a follow-up that arrives
+    while the first turn still prefills finds nothing in the index yet (events alone
+    lost 13 points of hit rate at overload in the simulator, issue 26;
+    test_merge.py::test_a_route_counts_while_in_flight_then_the_index_decides).
+
+    Returns (best: every counted entry's deepest end, past: trusted workers' older
+    entries, fresh: trusted workers' entries in the window, whether any was dropped)."""
+    best: dict[object, float] = {}
+    past: dict[object, int] = {}
+    fresh: dict[object, int] = {}
+    changed = False
+    for holders, end in path:  # root side first: deeper ends overwrite
+        for w, used in holders.items():
+            if trusted(w):  # type: ignore[arg-type]
+                if used < cutoff:
+                    past[w] = end
+                    changed = True
+                    continue
+                fresh[w] = end
+            best[w] = end
+    return best, past, fresh, changed
+
+
+def lost_since_routed(
+    path: Path, fresh: Mapping[object, int], held: Mapping[str, int], scale: float,
+    block: int, feed: BlockHolders, model: str, tokens: Sequence[int],
+) -> list[object]:  # fmt: skip
+    """The in-flight entries that are past, not present: the index has seen the worker
+    lose the first block the entry claims beyond what it holds *after* the entry's route
+    (its blocks arrived and were evicted since). Otherwise a group replicated on two
+    workers kept going to the one that had evicted it, a full miss each time (3 of 9
+    extra full misses in a logged shared_prefix run, loadtests/results/kv_events.md;
+    test_merge.py::test_an_eviction_reported_after_the_route_outvotes_the_in_flight_entry)."""
+    gone = []
+    for w, end in fresh.items():
+        n = held.get(w, 0)  # type: ignore[call-overload]
+        whole = int(end / scale) // block * block if block else 0
+        if n >= whole:
+            continue
+        # The route that claimed the first block the index does not hold: the last
+        # one through the tree node holding that block's first token.
+        at = n * scale
+        routed = next(h[w] for h, e in path if e > at and w in h)
+        if feed.lost_at(model, tokens, w, n) > routed:  # type: ignore[arg-type]
+            gone.append(w)
+    return gone
+
+
+def host_weighted(n: int, device: int, weight: Callable[[str], float], w: str) -> float:
+    """A host-held token is loaded, not computed: cheaper than a miss, dearer than a
+    device hit. The tail of the held run from `device` on counts at `weight(w)` (0..1)::
+
+        1 - (kv_bytes_per_token / host_load_bytes_per_s) / prefill_us_per_token
+
+    from the worker's heartbeat (the sim's defaults: 128 KiB over 25 GB/s = 5.2 µs
+    against 100 µs of prefill: 0.95), `HOST_HIT_WEIGHT` where it reports no load
+    figures, or `kv_events_host_weight` for every worker. Without it a host-held prefix
+    ranked as a device-held one (test_merge_tiers.py::
+    test_scores_a_host_tail_between_a_device_hit_and_a_miss). Priced here once:
+    cost_aware prices these workers' hits at their full prefill (test_merge_tiers.py::
+    test_cost_aware_prices_a_host_tier_the_index_weighed_once)."""
+    return 1.0 if n == device else weight(w)
+
+
+def confirmed_exact_end(
+    chars: int, end: int, n: int, device: int, on_host: float, scale: float, block: int
+) -> int:
+    """The index counts whole blocks, the tree exact lengths: where the index holds
+    every whole block of a trusted worker's older entry (`end`), the entry is confirmed
+    and keeps its exact end. Otherwise a holder seen only through the index ranked up to
+    a block short of one routed to in the window for the same prefix (1,040 vs 1,042
+    tokens at 16-token blocks) and lost whatever its load (loadtests/results/kv_events.md,
+    "Why cost_aware fell below the tree"; test_merge.py::
+    test_a_holder_the_index_confirms_ranks_as_the_tree_ranks_it)."""
+    whole = int(end / scale) // block * block if block else 0
+    if whole and n >= whole:
+        start = min(end, device * scale)
+        return max(chars, round(start + on_host * (end - start)))
+    return chars
+
+
+def evicting(chars: int, tree_end: int) -> int:
+    """A worker the tree's routes overflowed in the window (an insert pushed it over its
+    cap) is about to evict its least recently used blocks, i.e. what the index holds but
+    no recent route touched: its index match counts only as far as its tree entry. In
+    the live capacities case 7 follow-ups went to a 7,500-token worker within 0.1 s, 3
+    as index hits, all 7 missed (loadtests/results/kv_events.md, "Why capacities lost";
+    test_merge.py::test_routes_that_overflow_a_small_pool_outvote_the_index)."""
+    return min(chars, tree_end)
+
+
+def request_tokens(tokens: PromptTokens | None, parsed: object) -> Sequence[int] | None:
+    """The prompt ids the worker will compute for a parsed request (None: unknown).
+
+    Token-id prompts are used as they are; text is encoded, chats rendered with the
+    model's template first (shared/tokens/prompt_tokens.py). A template that refuses the
+    messages leaves the request to the tree (the worker answers the error)."""
+    if isinstance(parsed, CompletionRequest):
+        text = parsed.prompt_text()
+        if text is None:
+            return parsed.prompt_ids()
+        return tokens.text(text) if tokens is not None else None
+    if isinstance(parsed, GenerateWireRequest):
+        if parsed.input_ids is not None:
+            return list(parsed.input_ids)
+        return tokens.text(parsed.text) if tokens is not None and parsed.text else None
+    if tokens is None or not isinstance(parsed, ChatCompletionRequest):
+        return None
+    messages = [{"role": m.role, "content": m.text()} for m in parsed.messages]
+    try:
+        return tokens.chat(messages, parsed.add_generation_prompt)
+    except Exception:  # a template error is the worker's to report, in its own words
+        return None

@@ -1,0 +1,76 @@
+"""What the holdings room answers for one request: the request as routed, and per worker
+what it probably holds of it (router/holdings/room.py says how that is worked out).
+
+A policy reads the prediction in one of two shapes, both in the tree's units (chars of
+the routing text, or prompt ids where the router tokenizes):
+
+- ``path``: the prediction as a match path, root side first: ``(holders, end)`` where
+  every worker in ``holders`` holds the request's first ``end`` units and each entry's
+  holders include the next one's. ``cache_aware`` reads it from the deep end and stops
+  at the first routable holder, with no work per worker for the rest.
+- ``holdings()``: per worker, device units, host units and why (``tree``, ``index``
+  or ``both``): for reports, metrics and the policies' books.
+
+A host-held unit is on the path at its worker's host weight (a load saves that share of
+a prefill); ``priced_tiers`` names the workers whose host tier is priced that way, so
+``cost_aware`` prices each tier once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+Path = list[tuple[Mapping[object, float], int]]
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    text: str  # canonical text to route on
+    session_key: str | None = None  # consistent_hash: header value or the OpenAI `user` field
+    tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)
+    model: str = ""
+    # What else splits the engine's cache beyond the model (router/holdings/namespace.py):
+    # "" for none (no cache_salt, the model's own template).
+    namespace: str = ""
+
+
+class Holding(NamedTuple):
+    device: int  # units of the request held on the worker's device
+    host: int  # units held only on its host tier (loaded, not computed)
+    why: str  # tree | index | both
+
+
+@dataclass(eq=False, slots=True)
+class Prediction:
+    """Read only (not frozen: built on every request, and a frozen init costs more)."""
+
+    request: RouteRequest
+    key: str | tuple[int, ...]  # what the tree keys the request on (namespace included)
+    length: int  # the request's length in the tree's units
+    on_tokens: bool  # the units are prompt ids (else chars)
+    path: Path
+    # Workers the room forgot (left, restarted, changed model) since the last prediction:
+    # a policy's own per-worker books follow.
+    forgotten: tuple[str, ...] = ()
+    # Per worker: (device, host, why) where the index contributed (tree-only holders are
+    # read off ``path``).
+    index: Mapping[str, tuple[int, int, str]] = field(default_factory=dict)
+    priced_tiers: frozenset[str] = frozenset()
+    # Each worker's stored tree size, for the given ids (no_match: smallest_tree).
+    stored: Callable[[Sequence[str]], list[int]] = lambda ids: [0] * len(ids)
+
+    def held(self, worker_id: str) -> int:
+        """Units of the request ``worker_id`` holds, as the path says (0: none)."""
+        return next((end for held, end in reversed(self.path) if worker_id in held), 0)
+
+    def holdings(self) -> dict[str, Holding]:
+        """Per worker holding any of the request: device units, host units, why."""
+        out: dict[str, Holding] = {}
+        for held, end in self.path:  # root side first: deeper ends overwrite
+            for w in held:
+                out[str(w)] = Holding(end, 0, "tree")
+        for w, (device, host, why) in self.index.items():
+            out[w] = Holding(device, host, why)
+        return out
