@@ -48,6 +48,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "replicas": ("loadtests.load.replicas", "router replicas with and without decision sync"),
     "faults": ("loadtests.load.faults", "worker, Redis and router faults under load, their cost"),
+    "pack": (
+        "loadtests.load.pack",
+        "every workload against every router, live and predicted: one report",
+    ),
     "simulate": (
         "loadtests.simulate.simulate",
         "the routing policies on 8-1,000 simulated workers",

@@ -106,6 +106,7 @@ class Job:
     finish: float = -1.0
     cached: int = 0
     session: int = -1  # closed-loop user that sent it (-1: open loop)
+    session_key: str = ""  # the x-session-id the live client sends (consistent_hash's key)
 
     @property
     def queue_delay(self) -> float:
