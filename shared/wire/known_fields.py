@@ -41,8 +41,8 @@ _VLLM_EXTRA = frozenset({
     "add_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern",
     "priority", "request_id", "logits_processors", "return_tokens_as_token_ids",
-    "cache_salt", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
-})  # fmt: skip
+    "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
+})  # fmt: skip  # (cache_salt is modelled: shared/wire/protocol.py)
 VLLM_CHAT = _VLLM_SAMPLING | _VLLM_EXTRA | frozenset({
     "echo", "add_generation_prompt", "continue_final_message", "documents", "chat_template",
     "chat_template_kwargs", "include_reasoning",
@@ -56,7 +56,7 @@ _SGLANG_COMMON = frozenset({
     "ignore_eos", "skip_special_tokens", "lora_path", "session_id", "session_params",
     "response_format", "custom_params", "custom_logit_processor", "images_config",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
-    "disagg_prefill_dp_rank", "data_parallel_rank", "rid", "extra_key", "cache_salt",
+    "disagg_prefill_dp_rank", "data_parallel_rank", "rid", "extra_key",
     "ngram_corpus_id", "priority",
 })  # fmt: skip
 SGLANG_CHAT = _SGLANG_COMMON | frozenset({

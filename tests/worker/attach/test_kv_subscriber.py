@@ -185,6 +185,7 @@ async def test_a_replay_with_no_end_is_cut_off(monkeypatch: pytest.MonkeyPatch) 
     """Finding 6: a replay that never sends its end marker grew the sidecar to 1.2 GB in
     20 s. Past REPLAY_MAX_BATCHES (or bytes, or seconds) it is given up as failed."""
     monkeypatch.setattr(kv_subscriber, "REPLAY_MAX_BATCHES", 50)
+    monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_S", 30.0)  # only the cap may end it
     ctx = zmq.asyncio.Context()
     port = free_port()
     router = ctx.socket(zmq.ROUTER)
