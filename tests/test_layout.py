@@ -2,7 +2,12 @@
 a file: a function-level import is an arrow too).
 
 - No import circles among the files of router/, worker/, shared/, loadtests/.
-- router/'s deepest import chain (its files only) is at most 8 files.
+- router/'s deepest import chain (its files only) is at most 8 files; worker/'s at most 9.
+- worker/ keeps at most 6 modules at its top level (every .py file directly in it,
+  __init__.py and __main__.py included); the rest live in its rooms.
+- worker/engine/radix_cache.py stays at most 450 lines (the host tier is its own cache).
+- No class or function name is defined twice at the top level of router/, worker/,
+  shared/, but for each deployable's own entry points and route handlers (`SAME_FACE`).
 - README's "Layout" list names folders that exist, and every package folder of router/
   and worker/ is on it.
 """
@@ -17,6 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "shared", "loadtests")
 MAX_ROUTER_DEPTH = 8
+MAX_WORKER_DEPTH = 9
+MAX_WORKER_TOP = 6
+MAX_RADIX_CACHE_LINES = 450
+# Names each deployable defines for itself (the router never imports the worker): its
+# command's `main`, its app factory and serve loop, and handlers named for their route.
+SAME_FACE = frozenset({"main", "create_app", "serve", "health", "metrics", "models", "openapi"})
 
 
 def module_name(path: Path) -> str:
@@ -153,6 +164,48 @@ def test_router_import_chain_is_short() -> None:
     }
     chain = deepest_chain(router)
     assert len(chain) <= MAX_ROUTER_DEPTH, " -> ".join(chain)
+
+
+def test_worker_import_chain_is_short() -> None:
+    """Counted in worker/ files, as the router's chain is in router/ files."""
+    worker = {
+        n: frozenset(m for m in e if m.startswith("worker"))
+        for n, e in graph().items()
+        if n.startswith("worker")
+    }
+    chain = deepest_chain(worker)
+    assert len(chain) <= MAX_WORKER_DEPTH, " -> ".join(chain)
+
+
+def test_worker_top_level_is_small_and_the_radix_cache_is_one_tier() -> None:
+    top = sorted(p.name for p in (ROOT / "worker").glob("*.py"))
+    assert len(top) <= MAX_WORKER_TOP, top
+    lines = len((ROOT / "worker/engine/radix_cache.py").read_text().splitlines())
+    assert lines <= MAX_RADIX_CACHE_LINES, lines
+
+
+def top_level_names(path: Path) -> set[str]:
+    return {
+        node.name
+        for node in ast.parse(path.read_text(), str(path)).body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+
+
+def test_no_name_is_defined_twice_in_product_code() -> None:
+    where: dict[str, list[str]] = {}
+    for top in ("router", "worker", "shared"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for name in top_level_names(path):
+                where.setdefault(name, []).append(path.relative_to(ROOT).as_posix())
+    twice = {n: files for n, files in where.items() if len(files) > 1 and n not in SAME_FACE}
+    assert not twice, twice
+
+
+def test_the_duplicate_name_check_sees_a_class_and_a_function(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("class TreeNode:\n    pass\n\ndef helper():\n    pass\n")
+    (tmp_path / "b.py").write_text("from typing import Protocol\nclass TreeNode(Protocol): ...\n")
+    assert top_level_names(tmp_path / "a.py") & top_level_names(tmp_path / "b.py") == {"TreeNode"}
 
 
 def test_router_never_imports_worker_and_back() -> None:

@@ -35,7 +35,8 @@ import numpy as np
 
 from loadtests.options import HelpFormatter
 from worker.engine.allocator import SlotAllocator
-from worker.engine.radix_cache import NoCache, RadixCache
+from worker.engine.prefix_cache import NoCache
+from worker.engine.radix_cache import RadixCache
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "bench" / "radix_trace.py"
 SGLANG_REFERENCE = "SGLang 0.5.23 Python RadixCache, same trace, same machine class: 11,300 req/s, match p50 22 µs, hit rate 0.9046 (DESIGN.md; not measured here)"

@@ -85,8 +85,9 @@ class Breaker:
 
     def record_failure(self, now: float) -> None:
         self.failures += 1
-        # A failed probe re-opens at once; otherwise open after N in a row.
-        if self.probing or self.failures >= self.failures_to_open:
+        # Open after N in a row. A failed probe re-opens at once too: only a success
+        # resets the count, so a breaker that opened is still at N or more.
+        if self.failures >= self.failures_to_open:
             self.opened_at = now
         self.probing = False
 

@@ -126,7 +126,7 @@ async def _sync_ctx(app: web.Application) -> AsyncIterator[None]:
     await sync.stop()
 
 
-async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _kv_feed_ctx(app: web.Application) -> AsyncIterator[None]:
     """Every worker's KV-event stream into the index (router/fleet/kv_feed.py), while up."""
     feed = app.get(KV_FEED)
     config = app[CONFIG]
@@ -261,7 +261,7 @@ def create_app(
         metrics.watch_kv_feed(feed)
     app.on_response_prepare.append(stamp_request_id)
     app.cleanup_ctx.extend(
-        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_events_ctx, _ratelimit_redis_ctx]
+        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_feed_ctx, _ratelimit_redis_ctx]
     )
     app.router.add_routes(routes())
     return app

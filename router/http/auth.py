@@ -27,7 +27,7 @@ OBSERVABILITY_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/dashboar
 BROWSER_PATHS = frozenset({"/dashboard", "/dashboard.json"})
 
 
-def bearer_token(request: web.Request) -> str | None:
+def request_bearer_token(request: web.Request) -> str | None:
     return _bearer_token(request.headers)
 
 
@@ -72,7 +72,7 @@ def make_auth_check(config: RouterConfig) -> AuthCheck:
         admin = is_admin_request(request)
         if not admin and not api_keys:
             return  # no client keys configured: nothing to parse or compare
-        token = bearer_token(request)
+        token = request_bearer_token(request)
         browser = path in BROWSER_PATHS
         if token is None and browser:
             token = basic_password(request)

@@ -59,7 +59,7 @@ def _status_of(error: BaseException) -> int:
     return 499 if isinstance(error, asyncio.CancelledError) else 500
 
 
-def _inference(endpoint: str, path: str) -> Any:
+def _inference_handler(endpoint: str, path: str) -> Any:
     # Timing lives in the handler rather than in a middleware: one coroutine layer less on
     # every request, and only inference requests are timed anyway.
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -94,9 +94,9 @@ def _inference(endpoint: str, path: str) -> Any:
     return handler
 
 
-chat_completions = _inference("chat", "/v1/chat/completions")
-completions = _inference("completions", "/v1/completions")
-generate = _inference("generate", "/generate")
+chat_completions = _inference_handler("chat", "/v1/chat/completions")
+completions = _inference_handler("completions", "/v1/completions")
+generate = _inference_handler("generate", "/generate")
 
 
 async def _probe_model(request: web.Request, worker: Worker) -> None:

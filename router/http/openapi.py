@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.serving.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
+from shared.serving.openapi import ERROR_SCHEMA, add_schema, error_spec, inference_operation
 from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 # Every status a routed inference request can be answered with.
@@ -27,17 +27,17 @@ _INFERENCE_ERRORS = {
 }
 
 
-def _inference(ref: dict[str, Any], summary: str) -> dict[str, Any]:
+def _routed_inference(ref: dict[str, Any], summary: str) -> dict[str, Any]:
     ok = "The worker's answer (JSON, or SSE when stream is true)"
     return inference_operation(ref, summary, ok, _INFERENCE_ERRORS)
 
 
-def _get(description: str, *statuses: str) -> dict[str, Any]:
+def _get_path(description: str, *statuses: str) -> dict[str, Any]:
     responses: dict[str, Any] = {
         "200": {"description": description, "content": {"application/json": {}}}
     }
     for status in statuses:
-        responses[status] = error_response(status)
+        responses[status] = error_spec(status)
     return {"get": {"summary": description, "responses": responses}}
 
 
@@ -51,7 +51,7 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
         "required": ["url"],
         "properties": {"url": {"type": "string"}, "worker_id": {"type": "string"}},
     }
-    workers = _get(
+    workers = _get_path(
         "Per-worker state: load, breaker, epoch, tree size, predicted vs actual cache", "401"
     )
     workers["post"] = {
@@ -59,17 +59,19 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
         "requestBody": {"required": True, "content": {"application/json": {"schema": admin_add}}},
         "responses": {
             "201": {"description": "Added"},
-            **{s: error_response(s) for s in ("400", "401", "403", "413")},
+            **{s: error_spec(s) for s in ("400", "401", "403", "413")},
         },
     }
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
         "paths": {
-            "/v1/chat/completions": _inference(chat, "OpenAI chat completion, routed by prefix"),
-            "/v1/completions": _inference(completion, "OpenAI completion, routed by prefix"),
-            "/generate": _inference(generate, "SGLang-style generate, routed by prefix"),
-            "/v1/models": _get("Models served by the fleet", "401"),
+            "/v1/chat/completions": _routed_inference(
+                chat, "OpenAI chat completion, routed by prefix"
+            ),
+            "/v1/completions": _routed_inference(completion, "OpenAI completion, routed by prefix"),
+            "/generate": _routed_inference(generate, "SGLang-style generate, routed by prefix"),
+            "/v1/models": _get_path("Models served by the fleet", "401"),
             "/health": {
                 "get": {
                     "summary": "200 with a routable worker, else 503",
@@ -105,11 +107,11 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
                     "summary": "Live fleet page (HTML; behind the key with protect_metrics)",
                     "responses": {
                         "200": {"description": "The page", "content": {"text/html": {}}},
-                        "401": error_response("401"),
+                        "401": error_spec("401"),
                     },
                 }
             },
-            "/dashboard.json": _get(
+            "/dashboard.json": _get_path(
                 "The dashboard's data: workers, fleet hit rate, route reasons", "401"
             ),
             "/workers": workers,
@@ -126,7 +128,7 @@ def build_openapi(title: str = "radix-router", version: str = "0.1.0") -> dict[s
                     ],
                     "responses": {
                         "200": {"description": "Removed"},
-                        **{s: error_response(s) for s in ("401", "403", "404")},
+                        **{s: error_spec(s) for s in ("401", "403", "404")},
                     },
                 }
             },

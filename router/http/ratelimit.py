@@ -35,7 +35,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.http.auth import bearer_token
+from router.http.auth import request_bearer_token
 from shared.config import RouterConfig
 from shared.serving.errors import APIError
 from shared.serving.http import INFERENCE_PATHS
@@ -138,7 +138,7 @@ class ClientIdentity:
 
     def __call__(self, request: web.Request) -> bytes:
         if self.keyed:
-            token = bearer_token(request)
+            token = request_bearer_token(request)
             if token is not None:  # the auth check has matched it against api_keys
                 return hashlib.sha256(b"key:" + token.encode()).digest()[:16]
         return hashlib.sha256(b"ip:" + self.address(request).encode()).digest()[:16]

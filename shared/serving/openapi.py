@@ -31,7 +31,7 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
-def error_response(description: str) -> dict[str, Any]:
+def error_spec(description: str) -> dict[str, Any]:
     """A 4xx/5xx answer whose body is the OpenAI error shape."""
     ref = {"$ref": REF.format(model="Error")}
     return {"description": description, "content": {"application/json": {"schema": ref}}}
@@ -53,7 +53,7 @@ def inference_operation(
         "description": ok,
         "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
     }
-    responses = {"200": answer, **{s: error_response(d) for s, d in errors.items()}}
+    responses = {"200": answer, **{s: error_spec(d) for s, d in errors.items()}}
     return {
         "post": {
             "summary": summary,

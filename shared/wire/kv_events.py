@@ -179,7 +179,7 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise ValueError("batch ts is not a number")
     if not isinstance(events, list) or len(events) > MAX_EVENTS:
         raise ValueError("batch events is not a list of bounded length")
-    return EventBatch(float(ts), tuple(_event(e) for e in events))
+    return EventBatch(float(ts), tuple(_decode_event(e) for e in events))
 
 
 def _fields(raw: object, order: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
@@ -191,7 +191,7 @@ def _fields(raw: object, order: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
     raise ValueError("event is neither a tagged map nor a tagged array")
 
 
-def _event(raw: object) -> KVEvent:
+def _decode_event(raw: object) -> KVEvent:
     tag = (
         raw.get("type")
         if isinstance(raw, dict)

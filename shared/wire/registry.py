@@ -195,13 +195,13 @@ class Registry:
             pipe.hset(key, mapping=record.to_hash())
             pipe.pexpire(key, max(1, int(ttl_s * 1000)))
             if joined:
-                pipe.publish(self.events_channel, _event("join", record))
+                pipe.publish(self.events_channel, _membership_event("join", record))
             await pipe.execute()
 
     async def leave(self, record: WorkerRecord) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.worker_key(record.worker_id))
-            pipe.publish(self.events_channel, _event("leave", record))
+            pipe.publish(self.events_channel, _membership_event("leave", record))
             await pipe.execute()
 
     async def read_fleet(self) -> dict[str, WorkerRecord]:
@@ -258,5 +258,5 @@ def _glob_escape(text: str) -> str:
     return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
-def _event(kind: str, record: WorkerRecord) -> str:
+def _membership_event(kind: str, record: WorkerRecord) -> str:
     return json.dumps({"event": kind, "worker_id": record.worker_id, "url": record.url})

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
 from aiohttp import web
 
 from loadtests.load.cluster import BenchFleet, Child
@@ -145,14 +146,31 @@ async def test_sglang_fake_behind_attach_and_the_router(fake: tuple[FakeSGLang, 
 
 async def test_attach_deregisters_while_the_upstream_is_down(fake: tuple[FakeSGLang, str]) -> None:
     _, url = fake
-    with BenchFleet() as fleet:
-        dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
-        _attach(fleet, dead, "sglang", "sgl-dead")
-        _attach(fleet, url, "sglang", "sgl-live")
-        await asyncio.to_thread(fleet.start_router, None, (), 0)
-        await _until(lambda: "sgl-live" in _workers(fleet))
-        await asyncio.sleep(1.0)
-        assert "sgl-dead" not in _workers(fleet)
+    polls = 0
+
+    async def hang_up(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal polls
+        polls += 1  # a poll of the upstream: answered by hanging up, as a dead engine does
+        writer.close()
+
+    down = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    try:
+        with BenchFleet() as fleet:
+            _attach(fleet, f"http://127.0.0.1:{down.sockets[0].getsockname()[1]}", "sglang",
+                    "sgl-dead")  # fmt: skip
+            _attach(fleet, url, "sglang", "sgl-live")
+            await asyncio.to_thread(fleet.start_router, None, (), 0)
+            await _until(lambda: "sgl-live" in _workers(fleet))
+            # The dead one has polled its upstream a few times, and holds no record: not
+            # in Redis, not in the router's fleet.
+            await _until(lambda: polls >= 3)
+            assert fleet.redis is not None
+            store = redis.Redis.from_url(fleet.redis.url)
+            assert store.exists("radixrouter:worker:sgl-live") == 1  # the key as it would be
+            assert store.exists("radixrouter:worker:sgl-dead") == 0
+            assert "sgl-dead" not in _workers(fleet)
+    finally:
+        down.close()
 
 
 def _workers(fleet: BenchFleet) -> dict[str, dict]:

@@ -18,6 +18,7 @@ from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet
 from loadtests.load.traffic import burst, call, failures, prompt, session
 from shared.procs import http_json
 from shared.redis_server import free_port
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -86,7 +87,7 @@ async def test_router_sigterm_finishes_in_flight_then_exits_zero(fleet2: BenchFl
             await asyncio.gather(*(e.wait() for e in started))
         router.signal(signal.SIGTERM)
         signalled = time.monotonic()
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: _status(router.url + "/health") != 200, blocking=True)
         # Draining: new work is refused (503 + Retry-After) or the port is already closed.
         late = await call(http, url, prompt(999, tokens=2), timeout=10)
         health = await asyncio.to_thread(_status, router.url + "/health")

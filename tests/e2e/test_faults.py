@@ -64,7 +64,6 @@ async def test_sigkill_worker_under_load_loses_no_request(fleet3: BenchFleet) ->
         async with asyncio.timeout(20):  # every stream under way (headers and a token sent)
             await asyncio.gather(*(e.wait() for e in started))
         fleet3.workers["w0"].signal(9)
-        killed = time.monotonic()
         left = await wait_until(
             lambda: "w0" not in fleet3.router_workers(), 10, 0.05, blocking=True
         )
@@ -79,9 +78,6 @@ async def test_sigkill_worker_under_load_loses_no_request(fleet3: BenchFleet) ->
     broken = [s for s in streamed if not s.ok]
     assert broken and all(s.worker == "w0" for s in broken)
     assert all(s.stream_error["type"] == "server_error" for s in broken)  # type: ignore[index]
-    # Out of routing within the heartbeat expiry (0.6 s) + a poll, with slack for 2 cores.
-    assert left < 5.0, left
-    assert time.monotonic() - killed < 30
     # Its tree is gone with it; nothing is left counted in flight anywhere.
     workers = await asyncio.to_thread(fleet3.router_workers)
     assert set(workers) == {"w1", "w2"}

@@ -1,7 +1,7 @@
 """A stock engine's KV events with a gap its replay cannot serve: the router rebuilds that
 worker's index instead of leaving it on the tree until the engine clears its cache.
 
-vLLM is faked here (tests/worker/test_kv_subscriber.py's `Publisher`: real ZMQ sockets,
+vLLM is faked here (tests/worker/attach/test_kv_subscriber.py's `Publisher`: real ZMQ sockets,
 vLLM's frames and replay protocol; the real vLLM runs in .ci/vllm-tests, 20-45 s a
 start). Everything else is real: attach's subscriber and forwarder, a Redis-protocol
 server, a sim worker app whose heartbeat names the worker and its KV capacity, and the
@@ -22,7 +22,7 @@ from shared.redis_server import RedisServer
 from shared.wire.kv_events import AllBlocksCleared, BlockRemoved, parse_entry
 from shared.wire.registry import Registry
 from tests.fuzz.conftest import start_router, start_worker, worker_config
-from tests.worker.test_kv_subscriber import Publisher, stored
+from tests.worker.attach.test_kv_subscriber import Publisher, stored
 from worker.attach.kv_subscriber import ZmqEventSubscriber, forward
 from worker.http.state import STATE
 

@@ -24,11 +24,13 @@ from aiohttp.test_utils import TestServer
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError, ResponseError
 
+from router.http.state import DISCOVERY
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.wire.registry import Registry, WorkerRecord
 from tests.e2e.test_redis_acl import readme_acl_lines
 from tests.fuzz.conftest import start_router, start_worker, worker_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 P = "radixrouter:"
@@ -146,7 +148,9 @@ async def test_a_worker_user_cannot_empty_the_fleet(fleet: Fleet) -> None:
 
     erasing = asyncio.create_task(keep_erasing())
     try:
-        await asyncio.sleep(0.3)  # several discovery polls under attack
+        discovery = fleet.router.app[DISCOVERY]
+        polled = discovery.polls
+        await wait_until(lambda: discovery.polls >= polled + 3)  # several polls under attack
         by = await send(fleet.router, 10)
     finally:
         stop.set()

@@ -10,7 +10,8 @@ import urllib.request
 import pytest
 
 from loadtests.load.cluster import BenchFleet, WorkerSpec
-from shared.procs import http_json
+from shared.procs import Child, http_json
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 SECRET = "zebra-quartz-7781"  # prompt text that must not reach any log
@@ -36,8 +37,16 @@ async def test_request_id_is_generated_forwarded_and_logged_without_the_prompt()
             with urllib.request.urlopen(req, timeout=10) as r:
                 rid = r.headers["x-request-id"]
             assert (rid == given) is kept and rid
-        await asyncio.sleep(0.5)  # log lines flushed
-        router_log, worker_log = router.output(), fleet.workers["w0"].output()
+
+        def logged(child: Child, name: str) -> int:
+            return sum(name in ln and "/v1/completions" in ln for ln in child.output().splitlines())
+
+        worker = fleet.workers["w0"]
+        await wait_until(  # the access lines of all four requests are flushed
+            lambda: logged(router, "router.access") == logged(worker, "worker.access") == 4,
+            blocking=True,
+        )
+        router_log, worker_log = router.output(), worker.output()
     router_lines = [
         ln for ln in router_log.splitlines() if "router.access" in ln and "/v1/completions" in ln
     ]

@@ -25,6 +25,7 @@ from tests.e2e.edge import (
     router_fixture,
     worker_url_fixture,
 )
+from tests.waiting import wait_until
 
 FIXTURES = (http_fixture, router_fixture, worker_url_fixture)  # registered by import
 
@@ -184,9 +185,21 @@ async def test_no_key_or_prompt_text_in_logs_at_default_level() -> None:
         # A Redis blip makes both services log warnings: still no password in them.
         assert fleet.redis is not None
         await asyncio.to_thread(fleet.redis.stop)
-        await asyncio.sleep(2.0)
+        w0 = fleet.workers["w0"]
+        await wait_until(  # both noticed: each logged its warning
+            lambda: "registry unreachable" in router.output() and "Redis failed" in w0.output(),
+            30,
+            blocking=True,
+        )
         await asyncio.to_thread(fleet.redis.start)
-        await asyncio.sleep(1.0)
+        await wait_until(  # and both reconnected (with the password): logged too
+            lambda: (
+                "registry reachable" in router.output().split("registry unreachable")[-1]
+                and "Redis reachable again" in w0.output()
+            ),
+            30,
+            blocking=True,
+        )
     finally:
         await asyncio.to_thread(fleet.close_processes)
     logs = {c.name: c.output() for c in [*fleet.workers.values(), fleet.router]}  # type: ignore[list-item]

@@ -23,6 +23,7 @@ from shared.config import RouterConfig
 from shared.serving.auth import KeySet, bearer_token
 from tests.fuzz.conftest import BODY_LIMIT, Services, start_router, start_worker, worker_config
 from tests.fuzz.test_bad_input import GOOD, assert_openai_error, post
+from tests.waiting import wait_until
 
 TARGETS = ["worker", "router"]
 CHAT = "/v1/chat/completions"
@@ -269,7 +270,8 @@ async def test_trickling_bodies_hold_no_slot_and_time_out(
     stop = asyncio.Event()
     tricklers = [asyncio.create_task(_trickle(server.port, stop)) for _ in range(6)]
     try:
-        await asyncio.sleep(0.3)  # every trickler is connected and mid-body
+        # every trickler is connected and mid-body
+        await wait_until(lambda: len(server.runner.server.connections) >= 6)  # type: ignore[union-attr]
         good = await asyncio.gather(*(
             post(http, base + "/v1/completions", json.dumps({**GOOD, "prompt": f"g{i}"}).encode())
             for i in range(4)

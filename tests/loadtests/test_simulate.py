@@ -14,7 +14,7 @@ from loadtests.simulate.sources import SimRequest, mooncake_requests
 from loadtests.simulate.worker import CostModel, Job, SimWorker
 from shared.config import RouterConfig
 
-# Without the context term (tests/worker/test_sim_costs.py prices it): round times.
+# Without the context term (tests/worker/backends/test_sim_costs.py prices it): round times.
 COST = CostModel(
     prefill_us_per_token=100.0, decode_ms_per_token=2.0, max_running=1, cache_tokens=64,
     decode_us_per_1k_context=0.0,

@@ -171,7 +171,9 @@ async def test_a_flood_of_events_wakes_the_poller_only_so_often(
     task = asyncio.create_task(discovery.run())
     try:
         await wait_until(lambda: discovery.polls == 1)
-        await asyncio.sleep(0.2)  # the listener has subscribed
+        async with asyncio.timeout(5):  # the listener has subscribed
+            while not (await registry.redis.pubsub_numsub(registry.events_channel))[0][1]:
+                await asyncio.sleep(0.02)
         loop = asyncio.get_running_loop()
         end, sent = loop.time() + 0.5, 0
         while loop.time() < end:

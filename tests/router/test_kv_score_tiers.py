@@ -95,6 +95,29 @@ def test_host_weight_from_the_workers_figures() -> None:
         assert host_hit_weight(r, 50.0) == HOST_HIT_WEIGHT
 
 
+def test_a_dropped_worker_holds_nothing_in_any_tier() -> None:
+    """Dropping a worker (cleared, restarted, gone) forgets its host copies too."""
+    feed = feed_of({"w": [[AllBlocksCleared(), stored(4, "GPU")]]})
+    index = feed.indexes["m"]
+    index.apply("w", [BlockStored(HASHES, None, (), 0, "CPU")])  # host copies of all four
+    assert feed.match_tiers("m", TOKENS) == {"w": (16, 16)}
+    index.drop_worker("w")
+    assert feed.match_tiers("m", TOKENS) == {} and len(index) == 0
+
+
+def test_an_orphan_block_is_dropped_and_never_matched() -> None:
+    """A store whose parent the index does not know is counted and dropped: its blocks
+    must not stand under the root, where a prompt starting with their tokens would match."""
+    from router.fleet.kv_index import BlockIndex
+
+    index = BlockIndex(4)
+    index.apply("w", [BlockStored((7, 8), 999, TOKENS[:8], 4)])  # 999: never stored
+    assert index.orphans == 2 and index.blocks_of("w") == 0
+    assert index.match(TOKENS[:8]) == {}
+    index.apply("w", [BlockStored((1, 2), None, TOKENS[:8], 4)])  # the same tokens, rooted
+    assert index.match(TOKENS[:8]) == {"w": 8}
+
+
 def test_vllm_offloading_stores_by_hash_only_mark_known_blocks_host_held() -> None:
     """vLLM's offloading connector (unless its events are "self-describing") announces a
     block copied to its CPU tier by hash alone: block_size 0, no token ids, no parent.

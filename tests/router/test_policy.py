@@ -134,6 +134,16 @@ def test_per_request_spill_to_a_holder_then_to_the_least_loaded() -> None:
     assert (d.worker_id, d.reason) == ("w3", "spill")
 
 
+def test_per_request_spill_takes_a_holder_loaded_exactly_at_the_limit() -> None:
+    """The overload line is inclusive: a holder at exactly the limit may take the spill."""
+    p = policy(balance_mode="per_request", balance_rel_threshold=1.5, balance_abs_threshold=64)
+    p.observe("w0", SYSTEM + "long", now=0)
+    p.observe("w1", SYSTEM, now=0)
+    # mean 200: the limit is max(1.5 × 200, 200 + 64) = 300, w1's load exactly.
+    d = ask(p, SYSTEM + "long question", fleet(500, 300, 0, 0))
+    assert (d.worker_id, d.reason) == ("w1", "spill")
+
+
 def test_per_request_mode_ignores_fleet_imbalance_when_best_is_not_overloaded() -> None:
     p = policy(balance_mode="per_request")
     p.observe("w1", SYSTEM, now=0)

@@ -17,6 +17,7 @@ from router.http.state import FLEET
 from router.upstream.proxy import PROXY
 from tests.router.conftest import StartRouter
 from tests.router.raw_upstream import RawUpstream
+from tests.waiting import wait_until
 
 BODY = {"prompt": "hello there", "max_tokens": 3}
 ANSWER = json.dumps({"id": "x", "object": "text_completion", "choices": []}).encode()
@@ -105,6 +106,29 @@ async def test_a_keep_alive_connection_closed_under_the_router_is_retried_unchar
     scraped = await (await client.get("/metrics")).text()
     assert "radix_router_upstream_stale_retries_total 1.0" in scraped
     assert "radix_router_upstream_connections_opened_total 2.0" in scraped
+
+
+class EchoesOnce(RawWorker):
+    """Echoes the request id on a connection's first answer only."""
+
+    async def answer(
+        self, conn: int, n: int, head: bytes, body: bytes, writer: asyncio.StreamWriter
+    ) -> bool:
+        self.echo = n == 0
+        return await super().answer(conn, n, head, body, writer)
+
+
+async def test_the_first_reuse_of_a_connection_must_echo_the_request_id(
+    raw_upstreams: Any, start_router: StartRouter
+) -> None:
+    """An answer on a reused connection without the echo is not provably this request's:
+    the connection breaks on the very first reuse, and the request is the worker's failure."""
+    worker = await raw_upstreams(EchoesOnce(lambda c, n: OK))
+    client = await start_router([worker.url], policy="round_robin", max_retries=0)
+    assert (await client.post("/v1/completions", json=BODY)).status == 200
+    r = await client.post("/v1/completions", json=BODY)  # the kept connection, no echo
+    assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_error"
+    assert worker.connections == 1 and failures(client) == {worker.url: 1}
 
 
 async def test_a_worker_that_hangs_up_on_fresh_connections_is_a_failure(
@@ -251,8 +275,8 @@ async def test_idle_connections_are_closed_after_keepalive_and_at_shutdown(
         assert await conn.read_all() == ANSWER
         pool.release(worker.url, conn)
     assert pool.connects == 1 and conn.error is None
-    await asyncio.sleep(0.5)  # past keepalive_s: the sweeper closed it
-    assert conn.error is not None and not pool._origins
+    await wait_until(lambda: conn.error is not None)  # past keepalive_s: the sweeper closed it
+    assert not pool._origins
     conn = await pool.post(worker.url, "/v1/completions", [], b"{}", "a.2")
     await conn.read_all()
     pool.release(worker.url, conn)

@@ -128,3 +128,31 @@ def test_starts_and_serves_without_reachable_redis() -> None:
         # Not a wait for nothing: the loop did try (and fail) several times.
         wait_until(lambda: heartbeat.failures >= 3, 10)
         assert heartbeat.beats == 0 and not heartbeat.joined
+
+
+def test_the_record_takes_the_engines_stats_by_their_own_names() -> None:
+    """One name per fact: every number a worker record carries is an EngineStats field of
+    the same name (so the record is built from the stats, never copied with renames),
+    and make_record carries each value over."""
+    from dataclasses import fields
+
+    from shared.config import WorkerConfig
+    from worker.engine.types import EngineStats
+    from worker.http.app import make_record
+    from worker.http.state import WorkerState
+
+    own = {"worker_id", "url", "model", "engine", "epoch", "draining"}
+    stats_names = [f.name for f in fields(EngineStats)]
+    record_names = {f.name for f in fields(WorkerRecord)} - own
+    assert record_names <= set(stats_names), record_names - set(stats_names)
+    stats = EngineStats(*range(1, len(stats_names) + 1))  # every field a distinct value
+
+    class Fixed:  # an engine that reports `stats` (the rest of the protocol is unused)
+        def stats(self) -> EngineStats:
+            return stats
+
+    state = WorkerState(worker_id="w-1", served_model="m", epoch=5.0)
+    record = make_record(WorkerConfig(engine="sim"), Fixed(), state)  # type: ignore[arg-type]
+    assert {n: getattr(record, n) for n in record_names} == {
+        n: getattr(stats, n) for n in record_names
+    }

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from worker.backends.sim_model import answer_ids
-from worker.engine.async_engine import AsyncEngine
 from worker.engine.batch import BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
@@ -41,8 +40,8 @@ from worker.engine.protocols import EngineTokenizer
 from worker.engine.types import TokenLogprob
 
 if TYPE_CHECKING:
-    from worker.engine.host_tier import KVCopies
     from worker.engine.req import Req
+    from worker.engine.types import KVCopies
 
 
 # The host tier's defaults: an 8B-class model's KV (Llama-3-8B: 32 layers x 8 KV heads x
@@ -174,10 +173,3 @@ def build_sim_llm_engine(
         kv_bytes_per_token=kv_bytes_per_token,
     )  # fmt: skip
     return LLMEngine(runner, tokenizer, config, SimSampler(tokenizer))
-
-
-def build_sim_async_engine(
-    config: EngineConfig, tokenizer: EngineTokenizer, model_name: str = "sim", **cost: float
-) -> AsyncEngine:
-    """The live `--engine sim` worker's engine: the cost is slept in the step thread."""
-    return AsyncEngine(build_sim_llm_engine(config, tokenizer, **cost), model_name)  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from worker.engine.config import EngineConfig
-from worker.engine.radix_cache import PrefixCache
+from worker.engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from worker.engine.req import Req

@@ -1,5 +1,11 @@
-"""`AsyncEngine`: an `LLMEngine` behind the `Engine` protocol (worker/engine/types.py),
-for the `radix` backend (a model) and the `sim` backend (a cost model) alike.
+"""`AsyncEngine`: an `LLMEngine` behind the `Engine` protocol (worker/engine/types.py);
+it is the backend of `--engine radix` (a model) and `--engine sim` (a cost model) alike.
+
+Loading weights takes from seconds (the tiny model) to minutes (a real model), so the
+radix backend hands over a loader that `start()` runs off the event loop, after the
+app's port is open: meanwhile `/health` answers 503 ("engine is starting") instead of
+refusing connections, as Kubernetes startup probes and `radix-router up` expect, and a
+request that slips through is refused with `EngineOverloaded` (503).
 
 The step loop runs in its own thread, never on the event loop. The event loop talks to
 it through an inbox of commands (add, abort, flush) guarded by a condition variable;
@@ -47,14 +53,13 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    """Drives a built engine (building one loads its model: do that off the event loop);
-    `start()` launches the step thread."""
+    """Drives an engine: a built one, or a loader `start()` calls in a thread (building
+    one loads its model: never on the event loop); `start()` launches the step thread."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.config = engine.config
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], model_name: str) -> None:
+        self._engine = engine if isinstance(engine, LLMEngine) else None
+        self._load = None if isinstance(engine, LLMEngine) else engine
         self.model_name = model_name
-        self.max_model_len = self.engine.max_model_len
         self._cond = threading.Condition()
         self._inbox: list[Callable[[], None]] = []
         self._stopping = False
@@ -63,9 +68,25 @@ class AsyncEngine:
         self._boxes: dict[str, Mailbox] = {}
         self._active: set[str] = set()
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The synchronous engine (tests read its integrity while it is idle)."""
+        if self._engine is None:
+            # The HTTP layer refuses requests before the engine is ready; this is the
+            # backstop for anything that slips through (answered 503).
+            raise EngineOverloaded("the model is still loading")
+        return self._engine
+
+    @property
+    def max_model_len(self) -> int:
+        return 0 if self._engine is None else self._engine.max_model_len
+
     # --- lifecycle ---
 
     async def start(self) -> None:
+        if self._engine is None:
+            assert self._load is not None
+            self._engine = await asyncio.to_thread(self._load)
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -89,16 +110,17 @@ class AsyncEngine:
     def generate(self, request: EngineRequest) -> RequestStream:
         """Validates now (EngineError / EngineOverloaded before anything is queued); the
         request is queued when the returned iterator is first awaited."""
+        engine = self.engine  # EngineOverloaded while the model loads
         if self._thread is None or self._stopping:
             raise EngineOverloaded("the engine is not running")
         if request.request_id in self._active:
             raise EngineError(
                 f"request id {request.request_id!r} is already in flight", param="request_id"
             )
-        limit = self.config.max_running_requests + self.config.max_waiting_requests
+        limit = engine.config.max_running_requests + engine.config.max_waiting_requests
         if len(self._active) >= limit:
             raise EngineOverloaded(f"{len(self._active)} requests in flight; try again later")
-        reqs = self.engine.make_reqs(request)
+        reqs = engine.make_reqs(request)
         assert self._loop is not None
         box, pending = Mailbox(self._loop), deque[Item]()
         return RequestStream(box, pending).start(self._stream(reqs, box, pending))
@@ -151,11 +173,13 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        if self._engine is None:
+            return EngineStats(0, 0, 0, 0, 0, 0, 0)
+        return self._engine.stats()
 
     @property
     def kv_events(self) -> BlockEvents | None:
-        return self.engine.kv_events
+        return None if self._engine is None else self._engine.kv_events
 
     def tokenize(self, text: str) -> list[int]:
         return self.engine.encode_prompt(text)
@@ -176,9 +200,10 @@ class AsyncEngine:
             self._cond.notify()
 
     def _run(self) -> None:
+        engine = self.engine
         while True:
             with self._cond:
-                while not (self._inbox or self._stopping or self.engine.has_work):
+                while not (self._inbox or self._stopping or engine.has_work):
                     self._cond.wait()
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopping
@@ -186,7 +211,7 @@ class AsyncEngine:
             if stopping:
                 break
             try:
-                outputs = self.engine.step()
+                outputs = engine.step()
             except Exception as exc:  # a model failure must not kill the thread silently
                 log.exception("engine step failed; failing every request in flight")
                 self._fail_all(exc)

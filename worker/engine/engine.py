@@ -35,10 +35,12 @@ from shared.tokens.prompt_tokens import encode_prompt
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch
 from worker.engine.config import EngineConfig
+from worker.engine.hiradix_cache import HiRadixCache
 from worker.engine.host_tier import HostTier
 from worker.engine.kv_blocks import BlockEvents
+from worker.engine.prefix_cache import NoCache, PrefixCache
 from worker.engine.protocols import EngineTokenizer, Runner, Sampler
-from worker.engine.radix_cache import NoCache, PrefixCache, RadixCache
+from worker.engine.radix_cache import RadixCache
 from worker.engine.req import Req
 from worker.engine.scheduler import Scheduler
 from worker.engine.types import (
@@ -46,7 +48,6 @@ from worker.engine.types import (
     EngineRequest,
     EngineStats,
     GenerateOutput,
-    SamplingParams,
     TokenLogprob,
 )
 
@@ -85,8 +86,11 @@ class LLMEngine:
                 # The runner owns the host pool's memory (it sized and allocated it).
                 host_capacity = getattr(runner, "host_capacity", 0)
                 write_through = config.host_write_policy == "write_through"
-                host = HostTier(host_capacity, write_through) if host_capacity else None
-                cache = RadixCache(self.allocator, page_size=config.page_size, host=host)
+                if host_capacity:
+                    host = HostTier(host_capacity, write_through)
+                    cache = HiRadixCache(self.allocator, host, page_size=config.page_size)
+                else:
+                    cache = RadixCache(self.allocator, page_size=config.page_size)
         self.cache: PrefixCache = cache
         self.kv_events: BlockEvents | None = None  # drained by the worker's publisher
         if config.kv_events_block_size and isinstance(cache, RadixCache):
@@ -244,7 +248,7 @@ class LLMEngine:
             futures.publish(start, drawn.ids)
             for i, req in enumerate(sampled):
                 req.add_placeholder(-(start + i + 1))
-        penalized = any(_penalized(s.params) for s in sampled)
+        penalized = any(s.params.penalized for s in sampled)
         return _Launched(sampled, drawn, penalized)
 
     def _postprocess(self, launched: _Launched) -> list[GenerateOutput]:
@@ -293,8 +297,8 @@ class LLMEngine:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            cache_capacity_tokens=self.allocator.capacity,
-            cache_used_tokens=self.allocator.capacity - self.allocator.available,
+            kv_capacity_tokens=self.allocator.capacity,
+            kv_used_tokens=self.allocator.capacity - self.allocator.available,
             prompt_tokens_total=self.prompt_tokens_total,
             cached_tokens_total=self.cached_tokens_total,
             completion_tokens_total=self.completion_tokens_total,
@@ -309,12 +313,12 @@ class LLMEngine:
         )
 
     def _host_stats(self) -> dict[str, Any]:
-        host = getattr(self.cache, "host", None)
-        if host is None:
+        if not isinstance(self.cache, HiRadixCache):
             return {}
+        host = self.cache.host
         return {
-            "host_cache_capacity_tokens": host.capacity,
-            "host_cache_used_tokens": host.used,
+            "host_kv_capacity_tokens": host.capacity,
+            "host_kv_used_tokens": host.used,
             "host_cached_tokens_total": self.host_cached_tokens_total,
             "host_load_tokens_total": host.loaded_tokens,
             "host_write_tokens_total": host.written_tokens,
@@ -371,7 +375,3 @@ class _Launched:
     drawn: Any  # `sampler.Sampled` or `_Ready`: `result()` -> [(token, logprob)]
     # Its requests need their real ids on the host before they sample again.
     needs_host_ids: bool
-
-
-def _penalized(p: SamplingParams) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)

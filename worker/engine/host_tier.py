@@ -18,35 +18,14 @@ Why one plan per step is safe without ordering the copies one by one:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from worker.engine.allocator import SlotAllocator
+from worker.engine.types import KVCopies
 
 
 def _cat(runs: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(runs) if runs else np.empty(0, dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class KVCopies:
-    """One step's copies: write-backs (device -> host) first, then loads (host -> device).
-
-    `write_device[i]` is copied to `write_host[i]`; `load_host[i]` to `load_device[i]`."""
-
-    write_device: np.ndarray
-    write_host: np.ndarray
-    load_host: np.ndarray
-    load_device: np.ndarray
-
-    @property
-    def load_tokens(self) -> int:
-        return len(self.load_device)
-
-    @property
-    def write_tokens(self) -> int:
-        return len(self.write_host)
 
 
 class HostTier:

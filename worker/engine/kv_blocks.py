@@ -20,7 +20,7 @@ So the tree's changes map to events one to one:
 A block is held in a tier when the node holding its end is (device residency is closed
 upwards, so a block on the device has all its tokens there; a block whose end node is
 host-resident has its tokens on the host or the device, and a match loads it). With the
-host tier (radix_cache.py) the moves are:
+host tier (hiradix_cache.py) the moves are:
 
     demotion (device LRU evicts a leaf)   BlockStored CPU (the write-back), BlockRemoved GPU
     load back (a match reaches it)        BlockStored GPU; the host copy stays (CPU held)
@@ -54,12 +54,12 @@ from shared.wire.kv_events import (
 )
 
 
-class TreeNode(Protocol):
-    """What the hook reads and writes of a radix cache node (radix_cache.TreeNode; not
-    imported: the cache imports this module)."""
+class BlockNode(Protocol):
+    """What the hook reads and writes of a radix tree node (tree_node.TreeNode; not
+    imported: the import chain stays short, and the hook needs only these fields)."""
 
-    parent: TreeNode | None
-    children: dict[bytes, TreeNode]
+    parent: BlockNode | None
+    children: dict[bytes, BlockNode]
     kb: bytes
     value: np.ndarray | None  # None: host-resident only (its tokens: len(kb) // 8)
     host_value: np.ndarray | None  # None: no host copy
@@ -67,7 +67,7 @@ class TreeNode(Protocol):
     bend: int
 
 
-_TB = 8  # bytes per token id in a node key (int64), as in radix_cache
+_TB = 8  # bytes per token id in a node key (int64), as tree_node.TOKEN_BYTES
 MAX_EVENT_BLOCKS = 1024  # blocks per BlockStored (shared/wire/kv_events.MAX_BLOCKS bounds readers)
 
 
@@ -92,7 +92,7 @@ class BlockEvents:
         self._lost = False
         self._due = False  # a republish was requested (request_republish)
         self._snapshot = 0  # events of the last republish still counted in `pending`
-        self.root: TreeNode | None = None  # set by the cache; the republish walks it
+        self.root: BlockNode | None = None  # set by the cache; the republish walks it
 
     def _emit(self, event: KVEvent) -> None:
         if len(self.pending) >= self.max_pending + self._snapshot:
@@ -121,7 +121,7 @@ class BlockEvents:
         return out
 
     # ---- the three tree changes ---------------------------------------------------
-    def stored(self, leaf: TreeNode, arr: np.ndarray, start: int, end: int) -> None:
+    def stored(self, leaf: BlockNode, arr: np.ndarray, start: int, end: int) -> None:
         """`leaf` now holds arr[start:end] (token positions along its path)."""
         if self._lost or self._due:
             self._republish()
@@ -145,7 +145,7 @@ class BlockEvents:
             self._emit(BlockStored(chunk, parent, ids, bs, self.medium))
             parent = chunk[-1]
 
-    def retiered(self, node: TreeNode, device: bool | None, host: bool | None) -> None:
+    def retiered(self, node: BlockNode, device: bool | None, host: bool | None) -> None:
         """`node` (its tiers already updated) entered (True) or left (False) the device
         pool and/or the host tier (None: unchanged there)."""
         if not node.blocks:
@@ -157,7 +157,7 @@ class BlockEvents:
             if held is not None and medium is not None:
                 self._tier(node, medium, held)
 
-    def _tier(self, node: TreeNode, medium: str, held: bool) -> None:
+    def _tier(self, node: BlockNode, medium: str, held: bool) -> None:
         if not held:
             self._emit(BlockRemoved(node.blocks, medium))
             return
@@ -171,7 +171,7 @@ class BlockEvents:
             )
             parent = chunk[-1]
 
-    def _tokens_of(self, node: TreeNode) -> np.ndarray:
+    def _tokens_of(self, node: BlockNode) -> np.ndarray:
         """The token ids of the blocks ending in `node`: the first one starts up to
         block_size - 1 tokens above it (in its parent, or further up past short nodes)."""
         bs = self.block_size
@@ -184,7 +184,7 @@ class BlockEvents:
         raw = (above[len(above) - need :] if need else b"") + node.kb[: end * _TB]
         return np.frombuffer(raw, dtype=np.int64).copy()
 
-    def split(self, upper: TreeNode, lower: TreeNode, m: int) -> None:
+    def split(self, upper: BlockNode, lower: BlockNode, m: int) -> None:
         """`lower` (the old node) lost its first m tokens to the new `upper`."""
         bs, bend, blocks = self.block_size, lower.bend, lower.blocks
         upper.bend = bend
@@ -201,7 +201,7 @@ class BlockEvents:
         if self.root is None:
             return
         bs = self.block_size
-        stack: list[tuple[TreeNode, bytes, int | None]] = [
+        stack: list[tuple[BlockNode, bytes, int | None]] = [
             (c, b"", None) for c in self.root.children.values()
         ]
         while stack:
@@ -226,7 +226,7 @@ class BlockEvents:
         self._snapshot = len(self.pending)  # a republish never overflows the backlog itself
 
 
-def _last_block(node: TreeNode | None) -> int | None:
+def _last_block(node: BlockNode | None) -> int | None:
     """The hash of the last block ending at or above `node` (None at the root)."""
     while node is not None:
         if node.blocks:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from worker.engine.radix_cache import TreeNode
+from worker.engine.tree_node import TreeNode
 from worker.engine.types import FinishReason, GenerateOutput, SamplingParams, TokenLogprob
 
 

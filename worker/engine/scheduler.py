@@ -30,7 +30,7 @@ still running reuses it. Decode tokens join at release only: inserting them each
 would cost a tree walk per token per request, and the request that would reuse an
 answer (the next turn of the conversation) arrives after it finished anyway.
 
-With a host tier (radix_cache.py) a match may end in host-resident nodes: admission
+With a host tier (hiradix_cache.py) a match may end in host-resident nodes: admission
 locks the whole matched path, makes room for them like for new tokens, and
 `cache.load` gives them device slots at once (so the prefix is the tree's, locked, as
 above); the copies are planned, and the engine has the runner make them before the
@@ -54,7 +54,7 @@ from worker.engine.admission import AdmissionRules
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch, BatchItem
 from worker.engine.config import EngineConfig
-from worker.engine.radix_cache import NoCache, PrefixCache
+from worker.engine.prefix_cache import NoCache, PrefixCache
 from worker.engine.req import Req, ReqStatus
 
 

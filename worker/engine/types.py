@@ -10,6 +10,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -95,6 +97,11 @@ class SamplingParams:
     def needs_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 
+    @property
+    def penalized(self) -> bool:
+        """Any penalty on: the sampler keeps token counts for it."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -142,8 +149,8 @@ class EngineStats:
 
     running: int
     waiting: int
-    cache_capacity_tokens: int
-    cache_used_tokens: int
+    kv_capacity_tokens: int
+    kv_used_tokens: int
     prompt_tokens_total: int
     cached_tokens_total: int
     completion_tokens_total: int
@@ -161,8 +168,8 @@ class EngineStats:
     # The host KV tier (0 when off): capacity and use in tokens, prompt tokens served
     # from it (part of cached_tokens_total), tokens loaded / written back, the measured
     # (or, for the sim, configured) load bandwidth and the KV bytes of one token.
-    host_cache_capacity_tokens: int = 0
-    host_cache_used_tokens: int = 0
+    host_kv_capacity_tokens: int = 0
+    host_kv_used_tokens: int = 0
     host_cached_tokens_total: int = 0
     host_load_tokens_total: int = 0
     host_write_tokens_total: int = 0
@@ -214,3 +221,23 @@ class Engine(Protocol):
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> str: ...
+
+
+@dataclass(frozen=True)
+class KVCopies:
+    """One step's copies: write-backs (device -> host) first, then loads (host -> device).
+
+    `write_device[i]` is copied to `write_host[i]`; `load_host[i]` to `load_device[i]`."""
+
+    write_device: np.ndarray
+    write_host: np.ndarray
+    load_host: np.ndarray
+    load_device: np.ndarray
+
+    @property
+    def load_tokens(self) -> int:
+        return len(self.load_device)
+
+    @property
+    def write_tokens(self) -> int:
+        return len(self.write_host)

@@ -13,6 +13,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
+from dataclasses import fields
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -24,7 +25,7 @@ from shared.serving.auth import KeySet, unauthorized
 from shared.serving.errors import APIError, Handler, error_middleware
 from shared.serving.http import INFERENCE_PATHS
 from shared.wire.registry import Registry, WorkerRecord
-from worker.engine.types import Engine
+from worker.engine.types import Engine, EngineStats
 from worker.heartbeat import Heartbeat, connect
 from worker.http import admin_api, openai_api
 from worker.http.metrics import WorkerMetrics
@@ -115,6 +116,13 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     await engine.stop()
 
 
+# The engine's stats carry the heartbeat's own names: a record field the engine reports
+# is copied by name, never renamed on the way (tests/worker/test_heartbeat.py holds that).
+_REPORTED = frozenset(f.name for f in fields(WorkerRecord)) & frozenset(
+    f.name for f in fields(EngineStats)
+)
+
+
 def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> WorkerRecord:
     stats = engine.stats()
     return WorkerRecord(
@@ -123,23 +131,8 @@ def make_record(config: WorkerConfig, engine: Engine, state: WorkerState) -> Wor
         model=state.served_model,
         engine=config.engine,
         epoch=state.epoch,
-        running=stats.running,
-        waiting=stats.waiting,
-        kv_capacity_tokens=stats.cache_capacity_tokens,
-        kv_used_tokens=stats.cache_used_tokens,
-        prompt_tokens_total=stats.prompt_tokens_total,
-        cached_tokens_total=stats.cached_tokens_total,
         draining=state.draining,
-        queued_prefill_tokens=stats.queued_prefill_tokens,
-        prefill_us_per_token=stats.prefill_us_per_token,
-        decode_ms_per_token=stats.decode_ms_per_token,
-        max_running_requests=stats.max_running_requests,
-        request_ms=stats.request_ms,
-        host_kv_capacity_tokens=stats.host_cache_capacity_tokens,
-        host_kv_used_tokens=stats.host_cache_used_tokens,
-        host_cached_tokens_total=stats.host_cached_tokens_total,
-        host_load_bytes_per_s=stats.host_load_bytes_per_s,
-        kv_bytes_per_token=stats.kv_bytes_per_token,
+        **{name: getattr(stats, name) for name in _REPORTED},
     )
 
 
@@ -166,7 +159,7 @@ async def _heartbeat_ctx(app: web.Application) -> AsyncIterator[None]:
         await redis.aclose()
 
 
-async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _kv_publisher_ctx(app: web.Application) -> AsyncIterator[None]:
     """With `kv_events` and Redis: the cache's KV events onto this worker's stream."""
     config, engine, state = app[CONFIG], app[ENGINE], app[STATE]
     if not (config.kv_events and config.redis_url):
@@ -224,6 +217,6 @@ def create_app(config: WorkerConfig, engine: Engine) -> web.Application:
     app[METRICS] = WorkerMetrics(engine.stats, lambda: state.draining)
     app.on_response_prepare.append(_stamp_worker_id)
     app.on_response_prepare.append(stamp_request_id)
-    app.cleanup_ctx.extend([_engine_ctx, _heartbeat_ctx, _kv_events_ctx])
+    app.cleanup_ctx.extend([_engine_ctx, _heartbeat_ctx, _kv_publisher_ctx])
     app.add_routes(ROUTES)
     return app

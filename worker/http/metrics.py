@@ -30,23 +30,23 @@ class _EngineCollector(Collector):
         gauges = {
             "radix_worker_running_requests": ("Requests admitted to the engine", s.running),
             "radix_worker_waiting_requests": ("Requests queued in the engine", s.waiting),
-            "radix_worker_kv_capacity_tokens": ("KV cache capacity", s.cache_capacity_tokens),
-            "radix_worker_kv_used_tokens": ("KV slots in use or cached", s.cache_used_tokens),
+            "radix_worker_kv_capacity_tokens": ("KV cache capacity", s.kv_capacity_tokens),
+            "radix_worker_kv_used_tokens": ("KV slots in use or cached", s.kv_used_tokens),
             "radix_worker_draining": ("1 while shutting down", int(self._draining())),
             "radix_worker_kv_cache_usage_ratio": (
                 "KV cache in use / capacity (0..1)",
-                kv_usage_ratio(s.cache_used_tokens, s.cache_capacity_tokens),
+                kv_usage_ratio(s.kv_used_tokens, s.kv_capacity_tokens),
             ),
         }
-        if s.host_cache_capacity_tokens:
+        if s.host_kv_capacity_tokens:
             gauges |= {
                 "radix_worker_host_kv_capacity_tokens": (
                     "Host KV tier capacity (tokens)",
-                    s.host_cache_capacity_tokens,
+                    s.host_kv_capacity_tokens,
                 ),
                 "radix_worker_host_kv_used_tokens": (
                     "Host KV tier slots holding cached pages",
-                    s.host_cache_used_tokens,
+                    s.host_kv_used_tokens,
                 ),
                 "radix_worker_host_load_bytes_per_second": (
                     "Host -> device KV load bandwidth, measured (sim: configured); 0 before the first load",

@@ -1,7 +1,7 @@
 """The inference endpoints: OpenAI completions and chat, and SGLang's `/generate`.
 
 Each handler validates its body with the shared pydantic models, builds one
-`EngineRequest` and a formatter for its wire format (worker/http/formats.py); `_run` does the rest the same
+`EngineRequest` and a formatter for its wire format (worker/http/formats.py); `_answer` does the rest the same
 way for all three: the first engine output is awaited before any byte is sent, so a
 request the engine refuses (prompt too long, queue full) still gets a clean 4xx/503,
 then the answer is returned whole or streamed as SSE. The engine stream is always
@@ -111,7 +111,7 @@ def _engine_error(exc: Exception, params: dict[str, str]) -> APIError:
     return APIError(400, exc.message, param=param, code=exc.code)
 
 
-async def _run(
+async def _answer(
     request: web.Request,
     gen: EngineRequest,
     fmt: Format,
@@ -206,7 +206,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = text if req.echo and text else ""
     fmt = CompletionFormat(rid, model, echo, include_usage, _token_bytes(request))
-    return await _run(request, gen, fmt, req.stream, {})
+    return await _answer(request, gen, fmt, req.stream, {})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -236,7 +236,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    return await _run(
+    return await _answer(
         request, gen, fmt, req.stream, {"prompt": "messages", "max_tokens": max_param}
     )
 
@@ -265,4 +265,4 @@ async def generate(request: web.Request) -> web.StreamResponse:
         "top_p": "sampling_params.top_p",
         "top_k": "sampling_params.top_k",
     }
-    return await _run(request, gen, SGLangFormat(rid), req.stream, params)
+    return await _answer(request, gen, SGLangFormat(rid), req.stream, params)

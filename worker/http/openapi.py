@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.serving.openapi import ERROR_SCHEMA, add_schema, error_response, inference_operation
+from shared.serving.openapi import ERROR_SCHEMA, add_schema, error_spec, inference_operation
 from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 _ERRORS = {
@@ -19,12 +19,12 @@ _ERRORS = {
 }
 
 
-def _inference(ref: dict[str, Any], summary: str) -> dict[str, Any]:
+def _served_inference(ref: dict[str, Any], summary: str) -> dict[str, Any]:
     ok = "The answer (JSON), or server-sent events when `stream` is true"
     return inference_operation(ref, summary, ok, _ERRORS)
 
 
-def _get(summary: str, *codes: str) -> dict[str, Any]:
+def _json_operation(summary: str, *codes: str) -> dict[str, Any]:
     responses: dict[str, Any] = {
         "200": {
             "description": "OK",
@@ -32,7 +32,7 @@ def _get(summary: str, *codes: str) -> dict[str, Any]:
         }
     }
     for code in codes:
-        responses[code] = error_response(summary)
+        responses[code] = error_spec(summary)
     return {"summary": summary, "responses": responses}
 
 
@@ -49,13 +49,19 @@ def openapi_document(served_model: str) -> dict[str, Any]:
             "description": f"Serves {served_model}",
         },
         "paths": {
-            "/v1/chat/completions": _inference(chat, "OpenAI chat completion"),
-            "/v1/completions": _inference(completion, "OpenAI text completion"),
-            "/generate": _inference(generate, "SGLang native generation"),
-            "/v1/models": {"get": _get("The served model", "401")},
-            "/health": {"get": _get("200 when ready; 503 while starting or draining", "503")},
-            "/get_server_info": {"get": _get("Worker identity, config and engine stats", "401")},
-            "/flush_cache": {"post": _get("Drop every cached prefix", "401", "409", "503")},
+            "/v1/chat/completions": _served_inference(chat, "OpenAI chat completion"),
+            "/v1/completions": _served_inference(completion, "OpenAI text completion"),
+            "/generate": _served_inference(generate, "SGLang native generation"),
+            "/v1/models": {"get": _json_operation("The served model", "401")},
+            "/health": {
+                "get": _json_operation("200 when ready; 503 while starting or draining", "503")
+            },
+            "/get_server_info": {
+                "get": _json_operation("Worker identity, config and engine stats", "401")
+            },
+            "/flush_cache": {
+                "post": _json_operation("Drop every cached prefix", "401", "409", "503")
+            },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",

@@ -91,11 +91,11 @@ async def test_concurrent_requests_match_the_sync_engine(
 async def test_closing_the_stream_aborts_and_frees_the_kv(engine: AsyncEngine) -> None:
     stream = engine.generate(greedy("long", ids(10, 200), max_tokens=1000))
     seen = [await anext(stream) for _ in range(3)]
-    assert not seen[-1].finished and engine.stats().cache_used_tokens > 200
+    assert not seen[-1].finished and engine.stats().kv_used_tokens > 200
     await stream.aclose()
     await wait_idle(engine)
     assert await engine.flush_cache() is True
-    assert engine.stats().cache_used_tokens == 0
+    assert engine.stats().kv_used_tokens == 0
     engine.engine.check_integrity()  # the step thread sleeps: nothing runs concurrently
 
 
@@ -200,7 +200,7 @@ async def test_failing_step_fails_requests_in_flight_and_the_loop_survives(
     assert outs[-1].finish_reason == "length"
     await wait_idle(engine)
     await engine.flush_cache()
-    assert engine.stats().cache_used_tokens == 0
+    assert engine.stats().kv_used_tokens == 0
 
 
 async def test_overload_is_refused_with_engine_overloaded(tiny_model_dir: Path) -> None:

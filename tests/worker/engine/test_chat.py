@@ -12,7 +12,7 @@ import pytest
 
 from shared.tokens.text_tokenizer import VOCAB_SIZE, TextTokenizer
 from shared.tokens.tokenizer import Tokenizer
-from worker.backends.sim import build_sim_async_engine
+from worker.backends import build_sim_async_engine
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.chat import render_chat
 from worker.engine.config import EngineConfig

@@ -121,7 +121,7 @@ def test_small_pool_evicts_and_preempts_with_identical_outputs(tiny_model_dir: P
     assert small.flush_cache() is True
     small.check_integrity()
     assert small.allocator.available == small.allocator.capacity
-    assert small.stats().cache_used_tokens == 0
+    assert small.stats().kv_used_tokens == 0
 
 
 def test_stop_token_ids_eos_and_ignore_eos(tiny_model_dir: Path) -> None:

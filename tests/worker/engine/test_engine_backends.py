@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import WorkerConfig, load_config
-from worker.backends.radix import engine_config
+from worker.backends import engine_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.load import load_engine

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from worker.engine.runtime.fused_kernels import TritonOps
-from worker.engine.runtime.fused_ops import TorchOps, ops_for
+from worker.engine.runtime.fused_ops import TorchOps
 from worker.engine.runtime.kv_pool import KVPool
+from worker.engine.runtime.runner import ops_for
 
 pytest.importorskip("triton")
 

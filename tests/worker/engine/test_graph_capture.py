@@ -16,8 +16,7 @@ import pytest
 
 from shared.config import WorkerConfig
 from shared.tokens.tokenizer import Tokenizer
-from worker.backends import build_engine
-from worker.backends.radix import engine_config
+from worker.backends import build_engine, engine_config
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.cuda_graphs import BUCKETS, DecodeGraphs
@@ -99,7 +98,7 @@ def test_disable_cuda_graph_still_runs_eagerly(tiny_model_dir: Path) -> None:
 async def test_worker_is_not_ready_until_every_graph_is_captured(
     tiny_model_dir: Path, aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The worker's real start-up (RadixBackend.start builds the runner, which captures
+    """The worker's real start-up (AsyncEngine.start loads the engine and builds the runner, which captures
     every bucket): /health says 503 and requests are refused until capture is done;
     the heartbeat waits on the same `ready` event."""
     gate, capturing = threading.Event(), threading.Event()

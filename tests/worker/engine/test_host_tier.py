@@ -19,9 +19,11 @@ from hypothesis import strategies as st
 
 from tests.worker.engine.test_scheduler import VOCAB, FakeRunner, Harness, reference
 from worker.engine.allocator import SlotAllocator
-from worker.engine.host_tier import HostTier, KVCopies
+from worker.engine.hiradix_cache import HiRadixCache
+from worker.engine.host_tier import HostTier
 from worker.engine.radix_cache import RadixCache
 from worker.engine.req import ReqStatus
+from worker.engine.types import KVCopies
 
 
 class HostFakeRunner(FakeRunner):
@@ -45,8 +47,12 @@ class HostHarness(Harness):
         self, capacity: int, host_capacity: int, write_through: bool = False, **cfg: object
     ) -> None:
         super().__init__(capacity, **cfg)
-        tier = HostTier(host_capacity, write_through) if host_capacity else None
-        self.cache = RadixCache(self.allocator, page_size=self.config.page_size, host=tier)
+        page = self.config.page_size
+        self.cache: RadixCache = (
+            HiRadixCache(self.allocator, HostTier(host_capacity, write_through), page_size=page)
+            if host_capacity
+            else RadixCache(self.allocator, page_size=page)
+        )
         self.runner = HostFakeRunner(capacity, max(host_capacity, 1))
         self.sched.cache = self.cache
         self.sched.admission.cache = self.cache
@@ -233,7 +239,8 @@ def test_property_arrivals_chunks_aborts_preemptions_evictions_reloads(
             assert s.output_ids == reference(s.prompt_ids, s.params.max_tokens)
     h.cache.reset()
     h.cache.check_integrity()
-    assert h.allocator.available == capacity and h.cache.host_size == 0
+    assert h.allocator.available == capacity
+    assert not isinstance(h.cache, HiRadixCache) or h.cache.host_size == 0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -258,7 +265,7 @@ def test_random_load_with_a_small_host_tier_reloads_and_stays_exact(seed: int) -
 
 def test_cache_units_split_lock_and_host_only_nodes() -> None:
     a = SlotAllocator(16)
-    c = RadixCache(a, host=HostTier(32))
+    c = HiRadixCache(a, HostTier(32))
     slots = a.alloc(8)
     c.insert(list(range(1, 9)), slots)
     assert c.evict(8) == 8 and a.available == 16
@@ -278,6 +285,20 @@ def test_cache_units_split_lock_and_host_only_nodes() -> None:
     c.check_integrity()
 
 
+def test_an_exact_fit_drops_one_host_leaf_and_no_more() -> None:
+    """The host LRU, asked for exactly one host-only leaf's slots, drops that leaf only."""
+    a = SlotAllocator(16)
+    c = HiRadixCache(a, HostTier(8))
+    for first in (1, 2):  # two 4-token prompts, demoted to the host: it is full
+        c.insert([first] * 4, a.alloc(4))
+        assert c.evict(4) == 4
+    c.take_copies()
+    assert c.host_size == 8 and c.evictable_size == 0
+    assert c._evict_host(4) == 4  # the older one, [1 1 1 1]
+    assert [c.match_prefix([f] * 4, record=False).host_len for f in (1, 2)] == [0, 4]
+    c.check_integrity()
+
+
 def test_kv_events_follow_each_tier_with_its_medium() -> None:
     """A demotion stores the blocks on the host ("CPU") and then removes them from the
     device ("GPU"); a load back stores them on the device and the host copy stays; the
@@ -290,7 +311,7 @@ def test_kv_events_follow_each_tier_with_its_medium() -> None:
         return [(type(e).__name__, getattr(e, "medium", None)) for e in events.drain(100)]
 
     a = SlotAllocator(16)
-    c = RadixCache(a, host=HostTier(8))
+    c = HiRadixCache(a, HostTier(8))
     events = BlockEvents(block_size=4)
     c.publish_events(events)
     events.drain(100)  # the epoch's AllBlocksCleared

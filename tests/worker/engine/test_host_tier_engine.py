@@ -45,16 +45,16 @@ def test_prompt_evicted_to_host_comes_back_cached_and_exact(
     if host:
         assert again[-1].cached_tokens >= prefix
         assert stats.host_cached_tokens_total >= prefix
-        assert stats.host_cache_capacity_tokens == host and stats.host_load_tokens_total >= prefix
+        assert stats.host_kv_capacity_tokens == host and stats.host_load_tokens_total >= prefix
         assert stats.host_load_bytes_per_s > 0
         assert stats.kv_bytes_per_token == tiered.runner.kv_bytes_per_token > 0
     else:
         assert again[-1].cached_tokens == 0
-        assert stats.host_cache_capacity_tokens == 0 and stats.host_cached_tokens_total == 0
+        assert stats.host_kv_capacity_tokens == 0 and stats.host_cached_tokens_total == 0
     tiered.flush_cache()
     tiered.check_integrity()
     assert tiered.allocator.available == tiered.allocator.capacity
-    assert tiered.stats().host_cache_used_tokens == 0
+    assert tiered.stats().host_kv_used_tokens == 0
 
 
 def test_host_tier_larger_than_host_memory_is_refused_with_the_number(
@@ -85,9 +85,9 @@ def test_host_pool_round_trip_restores_the_exact_rows(kv_dtype: str | None) -> N
     import numpy as np
     import torch
 
-    from worker.engine.host_tier import KVCopies
     from worker.engine.runtime.host_pool import HostKVPool
     from worker.engine.runtime.kv_pool import KVPool
+    from worker.engine.types import KVCopies
 
     dtype = getattr(torch, kv_dtype) if kv_dtype else None
     pool = KVPool(2, 2, 8, 64, torch.float32, torch.device("cpu"), kv_dtype=dtype)

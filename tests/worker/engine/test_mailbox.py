@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.worker.test_sim_engine import LONG, engine, req
+from tests.worker.backends.test_sim_engine import LONG, engine, req
 from worker.engine.mailbox import Mailbox, coalesce, split
 from worker.engine.types import GenerateOutput, TokenLogprob
 

@@ -15,7 +15,7 @@ import torch
 from shared.config import WorkerConfig
 from shared.tokens.tokenizer import Tokenizer
 from tests.worker.engine.test_overlap import TIGHT, _drive
-from worker.backends.radix import engine_config
+from worker.backends import engine_config
 from worker.engine.batch import BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from worker.engine.allocator import SlotAllocator
-from worker.engine.radix_cache import NoCache, RadixCache
+from worker.engine.prefix_cache import NoCache
+from worker.engine.radix_cache import RadixCache
 
 
 def make(capacity: int = 100, page_size: int = 1) -> tuple[SlotAllocator, RadixCache]:
@@ -112,6 +113,15 @@ def test_evicts_least_recently_used_leaf_first() -> None:
     assert [held(c, t) for t in ([1, 1], [2, 2], [3, 3])] == [2, 0, 2]
     c.evict(1)
     assert [held(c, t) for t in ([1, 1], [2, 2], [3, 3])] == [2, 0, 0]
+
+
+def test_an_exact_fit_evicts_one_leaf_and_no_more() -> None:
+    """Asked for exactly one leaf's tokens, evict stops there: the next leaf stays."""
+    a, c = make()
+    for t in ([1, 1], [2, 2], [3, 3]):
+        put(c, t)
+    assert c.evict(2) == 2 and a.available == 100 - 4
+    assert [held(c, t) for t in ([1, 1], [2, 2], [3, 3])] == [0, 2, 2]
 
 
 def test_a_parent_left_childless_joins_the_eviction() -> None:

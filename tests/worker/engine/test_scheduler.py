@@ -18,7 +18,8 @@ import pytest
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch, BatchItem
 from worker.engine.config import EngineConfig
-from worker.engine.radix_cache import NoCache, RadixCache
+from worker.engine.prefix_cache import NoCache
+from worker.engine.radix_cache import RadixCache
 from worker.engine.req import Req, ReqStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.types import SamplingParams

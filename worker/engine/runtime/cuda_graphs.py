@@ -32,8 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.engine.runtime.attention.metadata import AttentionMetadata, ReqToTokenTable, StepInputs
-from worker.engine.runtime.model import ForwardContext
+from worker.engine.runtime.attention.metadata import (
+    AttentionMetadata,
+    ForwardContext,
+    ReqToTokenTable,
+    StepInputs,
+)
 
 log = logging.getLogger(__name__)
 

@@ -106,10 +106,6 @@ def _rope_store_kernel(
              v.to(V_BUF.dtype.element_ty), mask=vmask)  # fmt: skip
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(n)
-
-
 class TritonOps:
     """One triton kernel per op."""
 
@@ -122,7 +118,7 @@ class TritonOps:
         out = torch.empty_like(x)
         res = torch.empty_like(x) if residual is not None else x
         r = residual if residual is not None else x
-        block = _pow2(n)
+        block = triton.next_power_of_2(n)
         _add_rmsnorm_kernel[(t,)](
             x, r, weight, out, res, x.stride(0), r.stride(0), out.stride(0), res.stride(0),
             n, eps, BLOCK=block, HAS_RES=residual is not None,
@@ -133,7 +129,7 @@ class TritonOps:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         t, n = gate.shape
         out = torch.empty(t, n, dtype=gate.dtype, device=gate.device)
-        block = min(1024, _pow2(n))
+        block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](
             gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n, BLOCK=block
         )
@@ -154,6 +150,6 @@ class TritonOps:
             qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
             k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
             k_scale, v_scale,
-            HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_H=_pow2(rows),
-            BLOCK_HALF=_pow2(dim // 2), BLOCK_KV=_pow2(kv_heads), QUANT=scales is not None,
+            HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(rows),
+            BLOCK_HALF=triton.next_power_of_2(dim // 2), BLOCK_KV=triton.next_power_of_2(kv_heads), QUANT=scales is not None,
         )  # fmt: skip

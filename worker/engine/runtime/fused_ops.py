@@ -7,7 +7,7 @@
     silu_mul     silu(gate) * up
 
 Two implementations behind one interface, chosen with the attention backend
-(runner.py): `TorchOps` here (the reference: the eager ops the model always ran; CPU
+(runner.py: `ops_for`): `TorchOps` here (the reference: the eager ops the model always ran; CPU
 without the interpreter) and `TritonOps` in fused_kernels.py (one kernel each; CUDA,
 and CPU under TRITON_INTERPRET=1 for the tests; imported only when chosen, so the
 engine runs without triton installed). The kernels round where the eager ops round (the
@@ -83,13 +83,3 @@ class TorchOps:
 
 
 TORCH_OPS = TorchOps()
-
-
-def ops_for(attention_backend: str) -> Ops:
-    """The fused kernels go with the triton attention backend (CUDA, or the CPU
-    interpreter); the sdpa backend keeps the eager reference ops."""
-    if attention_backend != "triton":
-        return TORCH_OPS
-    from worker.engine.runtime.fused_kernels import TritonOps
-
-    return TritonOps()

@@ -30,9 +30,9 @@ from collections import deque
 import numpy as np
 import torch
 
-from worker.engine.host_tier import KVCopies
 from worker.engine.runtime.host_memory import Pinning, check_host_memory, pin_in_place
 from worker.engine.runtime.kv_pool import KVPool
+from worker.engine.types import KVCopies
 
 __all__ = ["HostKVPool", "check_host_memory"]
 

@@ -21,36 +21,14 @@ rounding, within one rounding step in bf16.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.model_config import ModelConfig
-from worker.engine.runtime.attention import AttentionBackend, AttentionMetadata
+from worker.engine.runtime.attention.metadata import ForwardContext, KVStore
 from worker.engine.runtime.fused_ops import TORCH_OPS, Ops, apply_rope_
-
-
-class KVStore(Protocol):
-    """What attention needs from the KV pool (worker/engine/runtime/kv_pool.py)."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
-
-    def scales(self, layer: int) -> tuple[float, float] | None: ...
-
-
-@dataclass(frozen=True)
-class ForwardContext:
-    """Built once per forward by the runner and shared by every layer."""
-
-    kv: KVStore
-    backend: AttentionBackend
-    meta: AttentionMetadata
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

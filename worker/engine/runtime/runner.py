@@ -23,10 +23,10 @@ import torch
 
 from worker.engine.batch import BatchItem
 from worker.engine.config import debug_from_env
-from worker.engine.host_tier import KVCopies
 from worker.engine.model_config import ModelConfig
 from worker.engine.runtime.attention import make_backend, resolve_backend
 from worker.engine.runtime.attention.metadata import (
+    ForwardContext,
     ReqToTokenTable,
     Staging,
     StepInputs,
@@ -34,13 +34,13 @@ from worker.engine.runtime.attention.metadata import (
 )
 from worker.engine.runtime.cuda_graphs import DecodeGraphs
 from worker.engine.runtime.device import pick_device, pick_dtype
-from worker.engine.runtime.fused_ops import ops_for
+from worker.engine.runtime.fused_ops import TORCH_OPS, Ops
 from worker.engine.runtime.futures import FutureTokens
 from worker.engine.runtime.host_pool import HostKVPool
 from worker.engine.runtime.kv_pool import KV_CACHE_DTYPES, KVPool
-from worker.engine.runtime.model import ForwardContext
 from worker.engine.runtime.piecewise_graphs import PiecewiseGraphs
 from worker.engine.runtime.weights import load_model
+from worker.engine.types import KVCopies
 
 # Cap on an automatically sized pool on CPU (64 MB for the tiny model, 1 GB for the
 # bench preset); pass kv_capacity_tokens to go beyond it.
@@ -242,3 +242,13 @@ class ModelRunner:
     def run_eager(self, inputs: StepInputs) -> torch.Tensor:
         ctx = ForwardContext(kv=self.pool, backend=self.backend, meta=inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, ctx)
+
+
+def ops_for(attention_backend: str) -> Ops:
+    """The fused kernels go with the triton attention backend (CUDA, or the CPU
+    interpreter); the sdpa backend keeps the eager reference ops."""
+    if attention_backend != "triton":
+        return TORCH_OPS
+    from worker.engine.runtime.fused_kernels import TritonOps
+
+    return TritonOps()

@@ -78,10 +78,10 @@ class TorchSampler:
             return Sampled(None, params, self.device)
         seq_ids = [r.seq_id for r in reqs]
         tables = None
-        if any(_penalized(p) for p in params):  # counts kept on the device (penalties.py)
+        if any(p.penalized for p in params):  # counts kept on the device (penalties.py)
             tables = self._penalties.tables(
                 logits.shape[1], seq_ids, [r.output_ids for r in reqs],
-                [r.prompt_ids for r in reqs], [_penalized(p) for p in params], self._staging,
+                [r.prompt_ids for r in reqs], [p.penalized for p in params], self._staging,
             )  # fmt: skip
         packed = self._packed(
             logits,
@@ -126,7 +126,7 @@ class TorchSampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} requests")
         sampling = any(p.temperature > 0 for p in params)
         cols = None  # the per-row parameters, uploaded only when a stage needs them
-        if sampling or any(_penalized(p) for p in params):
+        if sampling or any(p.penalized for p in params):
             cols = self._staging.upload(_columns(params, logits.shape[1]))
         raw = logits
         logits = _penalize(logits, params, outputs or [()] * len(params), prompts,
@@ -225,10 +225,6 @@ def _columns(params: list[SamplingParams], vocab: int) -> np.ndarray:
     ).reshape(len(params), 8)  # fmt: skip
 
 
-def _penalized(p: SamplingParams) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
-
-
 def _counts(
     ids: Sequence[Sequence[int]], vocab: int, device: torch.device, staging: Staging
 ) -> torch.Tensor:
@@ -256,7 +252,7 @@ def _penalize(
     """Penalties on every row (a row without any has neutral values: 1, 0, 0). The
     counts come from `tables` (output counts, prompt seen; the engine's sequences keep
     theirs on the device) or are counted here from `outputs` and `prompts`."""
-    if not any(_penalized(p) for p in params):
+    if not any(p.penalized for p in params):
         return logits
     dev, vocab = logits.device, logits.shape[1]
     staging = staging or Staging(dev)

@@ -13,21 +13,12 @@ pool) and the step's `AttentionMetadata`, and returns the attention output [T, H
 from __future__ import annotations
 
 import os
-from typing import Protocol
 
 import torch
 
-from worker.engine.runtime.attention.metadata import AttentionMetadata
+from worker.engine.runtime.attention.metadata import AttentionBackend, AttentionMetadata
 
 BACKENDS = ("auto", "sdpa", "triton")
-
-
-class AttentionBackend(Protocol):
-    name: str
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor: ...
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

@@ -18,7 +18,7 @@ counts them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -41,6 +41,36 @@ class AttentionMetadata:
     # [B, 4] int64 on the host: q_loc, q_len, prefix_len, row. For SDPA's one call per
     # sequence; None in a CUDA graph, where only device tensors exist.
     host: np.ndarray | None
+
+
+class AttentionBackend(Protocol):
+    """The seam every backend fills (worker/engine/runtime/attention/__init__.py)."""
+
+    name: str
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+
+class KVStore(Protocol):
+    """What attention needs from the KV pool (worker/engine/runtime/kv_pool.py)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def scales(self, layer: int) -> tuple[float, float] | None: ...
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Built once per forward by the runner and shared by every layer."""
+
+    kv: KVStore
+    backend: AttentionBackend
+    meta: AttentionMetadata
 
 
 class ReqToTokenTable:

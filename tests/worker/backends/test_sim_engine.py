@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from shared.tokens.text_tokenizer import TextTokenizer
 from tests.waiting import wait_until
-from worker.backends.sim import build_sim_async_engine
+from worker.backends import build_sim_async_engine
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.types import (
@@ -103,7 +103,7 @@ async def test_eviction_is_real_lru() -> None:
         for i, p in enumerate(prompts):
             await run(eng, req(f"r{i}", p, 4))
             eng.engine.check_integrity()
-            assert eng.stats().cache_used_tokens <= 600
+            assert eng.stats().kv_used_tokens <= 600
         _, recent = await run(eng, req("again-last", prompts[-1], 4))
         _, old = await run(eng, req("again-first", prompts[0], 4))
         assert recent.cached_tokens > 0  # still in the tree
@@ -135,7 +135,7 @@ async def test_closing_the_stream_aborts_and_frees() -> None:
             _, out = await asyncio.wait_for(wait_task, 5)
             assert out.finish_reason == "abort"
         await wait_until(lambda: eng.stats().running == 0)
-        assert eng.stats().cache_used_tokens == eng.engine.cache.total_size  # none held
+        assert eng.stats().kv_used_tokens == eng.engine.cache.total_size  # none held
         eng.engine.check_integrity()
         _, out = await run(eng, req("again", LONG, 5))  # the aborted prompt was cached
         assert out.cached_tokens > 0

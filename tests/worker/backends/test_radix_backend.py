@@ -17,7 +17,7 @@ async def test_weights_load_in_start_not_in_the_constructor(tiny_model_dir: Path
         WorkerConfig(engine="radix", model=str(tiny_model_dir), cache_tokens=4096)
     )
     assert backend.model_name == tiny_model_dir.name
-    assert backend.max_model_len == 0 and backend.stats().cache_capacity_tokens == 0
+    assert backend.max_model_len == 0 and backend.stats().kv_capacity_tokens == 0
     request = EngineRequest(
         "r1", prompt="hello radix", params=SamplingParams(max_tokens=3, temperature=0)
     )
@@ -27,6 +27,6 @@ async def test_weights_load_in_start_not_in_the_constructor(tiny_model_dir: Path
     try:
         outputs = [o async for o in backend.generate(request)]
         assert outputs[-1].finished and outputs[-1].completion_tokens == 3
-        assert backend.max_model_len > 0 and backend.stats().cache_capacity_tokens == 4096
+        assert backend.max_model_len > 0 and backend.stats().kv_capacity_tokens == 4096
     finally:
         await backend.stop()

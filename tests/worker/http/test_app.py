@@ -193,14 +193,14 @@ async def test_models_info_metrics_flush(aiohttp_client: MakeClient) -> None:
     await client.post("/v1/completions", json={"prompt": LONG, "max_tokens": 2})
     info = await (await client.get("/get_server_info")).json()
     assert info["worker_id"] == "sim-test" and info["engine"] == "sim"
-    assert info["stats"]["cache_used_tokens"] > 0 and "api_keys" not in info["config"]
+    assert info["stats"]["kv_used_tokens"] > 0 and "api_keys" not in info["config"]
     metrics = await (await client.get("/metrics")).text()
     assert 'radix_worker_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
     assert "radix_worker_completion_tokens_total 2.0" in metrics
     assert "radix_worker_preemptions_total 0.0" in metrics
     assert "radix_worker_kv_capacity_tokens 50000.0" in metrics
     assert (await (await client.post("/flush_cache")).json()) == {"flushed": True}
-    assert engine_of(client).stats().cache_used_tokens == 0
+    assert engine_of(client).stats().kv_used_tokens == 0
     again = await client.post("/v1/completions", json={"prompt": LONG, "max_tokens": 2})
     assert (await again.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 

@@ -12,7 +12,7 @@ import pytest
 
 from shared.serving.http import DeadlineStream
 from shared.wire import openai_responses as wire
-from tests.worker.test_app import LONG, MakeClient, engine_of, sse_events, started
+from tests.worker.http.test_app import LONG, MakeClient, engine_of, sse_events, started
 from worker.http.formats import ChatFormat, CompletionFormat
 from worker.http.streaming import DeltaEvents, encode_event
 
