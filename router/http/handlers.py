@@ -15,7 +15,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router.fleet.kv_feed import KvEventFeed
+from router.fleet.sessions import session_digest, tenant_of
 from router.fleet.workers import Worker
+from router.http.auth import request_bearer_token
 from router.http.state import (
     CLOCK,
     CONFIG,
@@ -80,6 +82,10 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             ids = request_tokens(tokens, parsed) if tokens is not None else None
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
             routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream)
+            cache_key = getattr(parsed, "prompt_cache_key", None)
+            if cache_key is not None:  # namespaced by the caller's tenant (sessions.py)
+                tenant = tenant_of(request_bearer_token(request))
+                routed.cache_key = session_digest(tenant, cache_key)
             async with app[GATE].slot():
                 response = await app[PROXY].forward(request, routed)
             status = response.status

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 
@@ -53,6 +53,13 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]  # OpenAI's presence / frequency 
 # Token id (as a JSON object key, a string) -> bias added to its logit.
 LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's limit
+# OpenAI's `prompt_cache_key` (requests that share a cache say so): at most this many
+# UTF-8 bytes (router/fleet/sessions.py keys its session table on it).
+MAX_PROMPT_CACHE_KEY_BYTES = 1024
+# Our extension: hold the answer's prefix in the worker's cache this many seconds after
+# it (a pin across a tool gap; worker/engine/pins.py). The worker clamps it to its
+# `pin_max_ttl_s` and says so in the answer's usage.
+PinTtl = Annotated[float, Field(ge=0, le=86_400)]
 # The most choices the schema allows; a worker's `max_n` may be lower (400 from it).
 MAX_N = 128
 
@@ -76,6 +83,18 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
+    cache_pin_ttl: PinTtl | None = None
+
+    @field_validator("prompt_cache_key")
+    @classmethod
+    def _key_bound(cls, key: str | None) -> str | None:
+        if (
+            key is not None
+            and len(key.encode("utf-8", "surrogatepass")) > MAX_PROMPT_CACHE_KEY_BYTES
+        ):
+            raise ValueError(f"longer than {MAX_PROMPT_CACHE_KEY_BYTES} bytes (UTF-8)")
+        return key
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

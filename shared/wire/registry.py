@@ -70,6 +70,9 @@ class WorkerRecord:
     host_cached_tokens_total: int = 0
     host_load_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
+    # Pins across tool gaps (worker/engine/pins.py): prefixes held, and their tokens.
+    pins: int = 0
+    pinned_tokens: int = 0
 
     def to_hash(self) -> dict[str, str]:
         return {

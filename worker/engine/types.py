@@ -120,6 +120,10 @@ class EngineRequest:
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    # The client's prompt_cache_key (logged, never scheduled on) and the pin it asks for
+    # after the answer (seconds, already clamped; worker/engine/pins.py).
+    cache_key: str | None = None
+    pin_ttl: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,8 @@ class EngineStats:
     host_write_tokens_total: int = 0
     host_load_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
+    pins: int = 0  # prefixes pinned across tool gaps (pins.py) and their tokens
+    pinned_tokens: int = 0
 
 
 class OutputStream(Protocol):

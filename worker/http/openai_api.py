@@ -11,6 +11,8 @@ closed (`aclosing`), so a client that disconnects aborts its request and frees i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -52,6 +54,26 @@ UNSUPPORTED_FIELDS = (
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
     "response_format", "suffix", "best_of", "audio", "modalities", "prediction",
 )  # fmt: skip
+
+
+log = logging.getLogger(__name__)
+
+
+def _session(request: web.Request, req: Any, gen: EngineRequest) -> tuple[EngineRequest, Any]:
+    """`prompt_cache_key` (logged, never scheduled on) and the pin the answer leaves:
+    `cache_pin_ttl` seconds, else `pin_default_ttl_s` for a keyed request, clamped to
+    `pin_max_ttl_s` (worker/engine/pins.py). Returns the request and usage's `cache_pin`."""
+    key, asked = req.prompt_cache_key, req.cache_pin_ttl
+    config = request.app[CONFIG]
+    if key is not None:
+        log.info("request_id=%s prompt_cache_key=%r", gen.request_id, key[:128])
+    if asked is None:
+        asked = config.pin_default_ttl_s if key is not None else 0.0
+    if not asked or not config.pin_budget:
+        return dataclasses.replace(gen, cache_key=key), None
+    ttl = min(asked, config.pin_max_ttl_s)
+    pin = {"ttl_s": ttl, "requested_ttl_s": asked, "clamped": ttl < asked}
+    return dataclasses.replace(gen, cache_key=key, pin_ttl=ttl), pin
 
 
 # What each field may hold and still mean "nothing asked": plain text is OpenAI's
@@ -117,6 +139,7 @@ async def _answer(
     fmt: Format,
     stream: bool,
     params: dict[str, str],
+    pin: dict[str, Any] | None = None,
 ) -> web.StreamResponse:
     engine, metrics = request.app[ENGINE], request.app[METRICS]
     start = time.perf_counter()
@@ -132,6 +155,7 @@ async def _answer(
         first_at = time.perf_counter()
         metrics.first_output(request.path, first_at - start, first.queue_seconds)
         tally = Tally()
+        tally.pin = pin
         if not stream:
             choices = [Choice(i) for i in range(gen.params.n)]
             out: GenerateOutput | None = first
@@ -203,10 +227,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
             req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
         ),
     )  # fmt: skip
+    gen, pin = _session(request, req, gen)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = text if req.echo and text else ""
     fmt = CompletionFormat(rid, model, echo, include_usage, _token_bytes(request))
-    return await _answer(request, gen, fmt, req.stream, {})
+    return await _answer(request, gen, fmt, req.stream, {}, pin)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -232,12 +257,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
-    gen = EngineRequest(request_id=rid, prompt_token_ids=tuple(ids), params=params)
+    gen, pin = _session(
+        request, req, EngineRequest(rid, prompt_token_ids=tuple(ids), params=params)
+    )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     return await _answer(
-        request, gen, fmt, req.stream, {"prompt": "messages", "max_tokens": max_param}
+        request, gen, fmt, req.stream, {"prompt": "messages", "max_tokens": max_param}, pin
     )
 
 

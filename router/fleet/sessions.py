@@ -1,0 +1,126 @@
+"""Session affinity through OpenAI's ``prompt_cache_key``: a session's calls share a worker.
+
+A client (an agent framework) sets ``prompt_cache_key`` on every call of one session, to
+say which requests share a cache. Prefix matching alone sends a session's *first* call and
+its parallel siblings (fanned out from one prefix before any of them was answered) where
+load sends them; the key lets the router co-locate them before any prefix is known.
+
+The rule (``SessionTable.route``), applied before the policy:
+  1. No entry for the key (first call, or the entry aged out) → the policy decides; when
+     it found no cached prefix anywhere (reason ``no_match`` or ``balance``) the worker
+     is instead the key's rendezvous-hash pick among the workers not overloaded, so
+     replicas that see a session's first siblings at the same instant (before the sync
+     carries anything) still agree. The choice is recorded *at decision time*, so
+     siblings sent a moment later (still unanswered) follow the first one.
+  2. An entry whose worker is routable and not overloaded → that worker, reason
+     ``session``. Overloaded is the balance rule seen from the session's worker: its load
+     exceeds the least load by more than ``balance_abs_threshold`` and is more than
+     ``balance_rel_threshold`` times it. Then (or when the worker is gone) the policy
+     decides and the entry moves to its choice.
+
+Keys are namespaced by tenant: the table is keyed by ``sha256(tenant NUL key)``, where
+the tenant is the caller's API key identity (hashed, never stored), so one tenant cannot
+steer, or learn about, another's sessions. The table holds at most ``session_table_max``
+entries (least recently used dropped first) and an entry lives ``session_ttl`` seconds
+after its last use. Other router replicas learn entries through replica sync
+(router/fleet/sync.py): only the 16-byte digest and the worker id travel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+# OpenAI documents no bound; ours: a key over this many UTF-8 bytes is refused (400).
+MAX_KEY_BYTES = 1024
+DIGEST_BYTES = 16
+
+
+def session_digest(tenant: str, key: str) -> bytes:
+    """The table's key: the tenant and the client's key, hashed together (fixed size, so
+    the table's memory and the sync entry are bounded whatever the client sends)."""
+    h = hashlib.sha256(tenant.encode("utf-8", "replace"))
+    h.update(b"\x00")
+    h.update(key.encode("utf-8", "replace"))
+    return h.digest()[:DIGEST_BYTES]
+
+
+def tenant_of(bearer: str | None) -> str:
+    """The tenant a request speaks for: its API key's identity, hashed ("" without one)."""
+    if not bearer:
+        return ""
+    return hashlib.sha256(bearer.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def overloaded(load: int, low: int, abs_threshold: float, rel_threshold: float) -> bool:
+    """The balance rule (router/policy/cache_aware.py) seen from one worker."""
+    return load - low > abs_threshold and load > rel_threshold * low
+
+
+class SessionTable:
+    """digest → (worker id, last use), LRU-bounded and aged; the proxy's only session state."""
+
+    def __init__(self, max_entries: int, ttl: float) -> None:
+        self.max_entries = max_entries
+        self.ttl = ttl
+        self._entries: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self.hits = 0  # calls routed by the table
+        self.moved = 0  # entries moved off an overloaded or gone worker
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: bytes, now: float) -> str | None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        if now - entry[1] > self.ttl:
+            del self._entries[digest]
+            return None
+        return entry[0]
+
+    def put(self, digest: bytes, worker_id: str, now: float) -> None:
+        self._entries[digest] = (worker_id, now)
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def pick(
+        self, digest: bytes, ids: Sequence[str], loads: Sequence[int], now: float,
+        abs_threshold: float, rel_threshold: float,
+    ) -> str | None:  # fmt: skip
+        """The session's worker when rule 2 above keeps it; else None (the policy decides,
+        and the caller records its choice with ``put``)."""
+        wid = self.get(digest, now)
+        if wid is None:
+            return None
+        try:
+            i = ids.index(wid)
+        except ValueError:
+            self.moved += 1
+            return None
+        if overloaded(loads[i], min(loads), abs_threshold, rel_threshold):
+            self.moved += 1
+            return None
+        self.hits += 1
+        self.put(digest, wid, now)
+        return wid
+
+
+def rendezvous(
+    digest: bytes, ids: Sequence[str], loads: Sequence[int], abs_threshold: float,
+    rel_threshold: float,
+) -> str:  # fmt: skip
+    """The key's highest-random-weight worker among those not overloaded: the same on
+    every replica for the same fleet, spread uniformly over keys. One hash a worker, on
+    a session's first call only."""
+    low = min(loads)
+    best, best_score = ids[0], b""
+    for wid, load in zip(ids, loads, strict=True):
+        if overloaded(load, low, abs_threshold, rel_threshold):
+            continue
+        score = hashlib.blake2b(digest + wid.encode(), digest_size=8).digest()
+        if score > best_score:
+            best, best_score = wid, score
+    return best
