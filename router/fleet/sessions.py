@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from router.policy.base import Decision, Policy, RouteRequest, view_columns
 
 # OpenAI documents no bound; ours: a key over this many UTF-8 bytes is refused (400).
 MAX_KEY_BYTES = 1024
@@ -124,3 +126,27 @@ def rendezvous(
         if score > best_score:
             best, best_score = wid, score
     return best
+
+
+def select(
+    table: SessionTable, policy: Policy, request: RouteRequest, view: Sequence, now: float,
+    digest: bytes, tree_key: Callable[[], str | tuple[int, ...]], abs_threshold: float,
+    rel_threshold: float,
+) -> tuple[Decision, bool]:  # fmt: skip
+    """The module's rule for one keyed request: (decision, whether the session was placed
+    anew, so the caller shares it with the replicas). `tree_key()`: what the policy's tree
+    keys the request on, for `Policy.observe` when the session, not the policy, chose."""
+    ids, loads, _ = view_columns(view)
+    wid = table.pick(digest, ids, loads, now, abs_threshold, rel_threshold)
+    if wid is not None:
+        policy.observe(wid, tree_key(), now)  # the tree learns the route as if it chose
+        return Decision(wid, "session"), False
+    decision = policy.select(request, view, now)
+    if decision.reason in ("no_match", "balance"):
+        wid = rendezvous(digest, ids, loads, abs_threshold, rel_threshold)
+        if wid != decision.worker_id:
+            policy.observe(wid, tree_key(), now)
+            decision = Decision(wid, "session")
+    # Recorded at decision time: siblings sent before this one is answered follow it.
+    table.put(digest, decision.worker_id, now)
+    return decision, True

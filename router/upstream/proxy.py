@@ -33,12 +33,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import Counter
 
+from router.fleet import sessions
 from router.fleet.calibration import calibrate, chars_per_token, prompt_tokens_from
-from router.fleet.sessions import SessionTable, rendezvous
+from router.fleet.sessions import SessionTable
 from router.fleet.sync import ReplicaSync
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import FailureKind, Worker
-from router.policy.base import Decision, Policy, RouteRequest, view_columns
+from router.policy.base import Decision, Policy, RouteRequest
 from router.upstream.answers import (
     FORWARD_REQUEST,
     AttemptFailed,
@@ -138,43 +139,10 @@ class Proxy:
         if sync is not None:
             sync.on_session = self.sessions.put
 
-    def _session_first(
-        self, routed: Routed, view: Sequence, decision: Decision, now: float
-    ) -> Decision:
-        """A new session with no cached prefix anywhere: the key's rendezvous pick, so
-        replicas agree on it without waiting for the sync (sessions.py, rule 1)."""
-        ids, loads, _ = view_columns(view)
-        config = self.config
-        assert routed.cache_key is not None
-        wid = rendezvous(
-            routed.cache_key, ids, loads, config.balance_abs_threshold,
-            config.balance_rel_threshold,
-        )  # fmt: skip
-        if wid == decision.worker_id:
-            return decision
-        self.policy.observe(wid, self._tree_key(routed), now)
-        return Decision(wid, "session")
-
     def _tree_key(self, routed: Routed) -> str | tuple[int, ...]:
         """What the policy's tree keys this request on (the text, or its prompt ids)."""
         ids = routed.tokens if self.config.tokenizer else None
         return routed.text if ids is None else ids if type(ids) is tuple else tuple(map(int, ids))
-
-    def _session_pick(self, routed: Routed, view: Sequence, now: float) -> Decision | None:
-        """The session's worker, when the session table keeps it (sessions.py's rule)."""
-        if routed.cache_key is None:
-            return None
-        ids, loads, _ = view_columns(view)
-        config = self.config
-        wid = self.sessions.pick(
-            routed.cache_key, ids, loads, now,
-            config.balance_abs_threshold, config.balance_rel_threshold,
-        )  # fmt: skip
-        if wid is None:
-            return None
-        # The policy learns the route as if it had chosen it (its tree holds the text now).
-        self.policy.observe(wid, self._tree_key(routed), now)
-        return Decision(wid, "session")
 
     def _select(self, routed: Routed, tried: list[str]) -> tuple[Worker, Decision] | None:
         now = self.clock()
@@ -183,20 +151,18 @@ class Proxy:
         view = self.fleet.view(now, routed.model, exclude=tried)
         if not view:
             return None
-        decision = self._session_pick(routed, view, now)
-        if decision is None:
-            request = RouteRequest(
-                routed.text, routed.session_key, routed.tokens, routed.model or ""
-            )
+        request = RouteRequest(routed.text, routed.session_key, routed.tokens, routed.model or "")
+        if routed.cache_key is None:
             decision = self.policy.select(request, view, now)
-            if routed.cache_key is not None and decision.reason in ("no_match", "balance"):
-                decision = self._session_first(routed, view, decision, now)
-            if routed.cache_key is not None:
-                # Recorded at decision time: siblings sent before this one is answered
-                # follow it (the replicas learn it through the sync).
-                self.sessions.put(routed.cache_key, decision.worker_id, now)
-                if self.sync is not None:
-                    self.sync.publish_session(decision.worker_id, routed.cache_key)
+        else:  # a prompt_cache_key session (router/fleet/sessions.py)
+            config = self.config
+            decision, placed = sessions.select(
+                self.sessions, self.policy, request, view, now, routed.cache_key,
+                lambda: self._tree_key(routed), config.balance_abs_threshold,
+                config.balance_rel_threshold,
+            )  # fmt: skip
+            if placed and self.sync is not None:
+                self.sync.publish_session(decision.worker_id, routed.cache_key)
         if self.sync is not None:
             # What the trees key on (router/policy/cache_aware.py `_key`): the prompt ids
             # where the router tokenizes, else the text.
