@@ -48,6 +48,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.simulate.simulate_events",
         "simulator: tree vs tree + KV events vs a ceiling, divergence cases",
     ),
+    "agent": (
+        "loadtests.simulate.agent_bench",
+        "agent sessions (prompt_cache_key, pins, tool gaps): today vs keys vs pins",
+    ),
     "replicas": ("loadtests.load.replicas", "router replicas with and without decision sync"),
     "faults": ("loadtests.load.faults", "worker, Redis and router faults under load, their cost"),
     "engine": ("loadtests.engine.bench_engine", "engine: TTFT cached vs uncached, decode tokens/s"),

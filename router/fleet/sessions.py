@@ -7,10 +7,11 @@ load sends them; the key lets the router co-locate them before any prefix is kno
 
 The rule (``SessionTable.route``), applied before the policy:
   1. No entry for the key (first call, or the entry aged out) → the policy decides; when
-     it found no cached prefix anywhere (reason ``no_match`` or ``balance``) the worker
-     is instead the key's rendezvous-hash pick among the workers not overloaded, so
-     replicas that see a session's first siblings at the same instant (before the sync
-     carries anything) still agree. The choice is recorded *at decision time*, so
+     router replicas share decisions (``sync``) and it found no cached prefix anywhere
+     (reason ``no_match`` or ``balance``), the worker is instead the key's
+     rendezvous-hash pick among the workers not overloaded, so replicas that see a
+     session's first siblings at the same instant (before the sync carries anything)
+     still agree. The choice is recorded *at decision time*, so
      siblings sent a moment later (still unanswered) follow the first one.
   2. An entry whose worker is routable and not overloaded → that worker, reason
      ``session``. Overloaded is the balance rule seen from the session's worker: its load
@@ -131,18 +132,21 @@ def rendezvous(
 def select(
     table: SessionTable, policy: Policy, request: RouteRequest, view: Sequence, now: float,
     digest: bytes, tree_key: Callable[[], str | tuple[int, ...]], abs_threshold: float,
-    rel_threshold: float,
+    rel_threshold: float, agree: bool = False,
 ) -> tuple[Decision, bool]:  # fmt: skip
     """The module's rule for one keyed request: (decision, whether the session was placed
     anew, so the caller shares it with the replicas). `tree_key()`: what the policy's tree
-    keys the request on, for `Policy.observe` when the session, not the policy, chose."""
+    keys the request on, for `Policy.observe` when the session, not the policy, chose.
+    `agree`: replicas share decisions (`sync`), so a new session with no prefix anywhere
+    takes its rendezvous pick; a lone router keeps the policy's (it balances better: the
+    smallest tree, or the least load)."""
     ids, loads, _ = view_columns(view)
     wid = table.pick(digest, ids, loads, now, abs_threshold, rel_threshold)
     if wid is not None:
         policy.observe(wid, tree_key(), now)  # the tree learns the route as if it chose
         return Decision(wid, "session"), False
     decision = policy.select(request, view, now)
-    if decision.reason in ("no_match", "balance"):
+    if agree and decision.reason in ("no_match", "balance"):
         wid = rendezvous(digest, ids, loads, abs_threshold, rel_threshold)
         if wid != decision.worker_id:
             policy.observe(wid, tree_key(), now)

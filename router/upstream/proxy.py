@@ -159,7 +159,7 @@ class Proxy:
             decision, placed = sessions.select(
                 self.sessions, self.policy, request, view, now, routed.cache_key,
                 lambda: self._tree_key(routed), config.balance_abs_threshold,
-                config.balance_rel_threshold,
+                config.balance_rel_threshold, agree=self.sync is not None,
             )  # fmt: skip
             if placed and self.sync is not None:
                 self.sync.publish_session(decision.worker_id, routed.cache_key)

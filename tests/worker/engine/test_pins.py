@@ -8,6 +8,8 @@ budget (oldest first) and by memory pressure (to the host tier where there is on
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -211,3 +213,13 @@ def test_random_sessions_keep_every_invariant(
     for req in reqs:
         if req.seq_id not in aborted:
             assert req.output_ids == reference(req.prompt_ids, req.params.max_tokens)
+
+
+@pytest.mark.parametrize("budget", ["-0.5", "1.5"])
+def test_a_worker_with_a_pin_budget_outside_zero_one_refuses_to_start(budget: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "serve", "--engine", "sim", "--port", "1",
+         "--pin-budget", budget],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "pin_budget" in proc.stderr
