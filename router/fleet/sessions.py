@@ -33,11 +33,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from router.fleet.sync_wire import DIGEST_BYTES
 from router.policy.base import Decision, Policy, RouteRequest, view_columns
-
-# OpenAI documents no bound; ours: a key over this many UTF-8 bytes is refused (400).
-MAX_KEY_BYTES = 1024
-DIGEST_BYTES = 16
 
 
 def session_digest(tenant: str, key: str) -> bytes:

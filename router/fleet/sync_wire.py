@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from router.fleet.sessions import DIGEST_BYTES
 from shared.tokens.fingerprint import FINGERPRINT_LEN
 from shared.wire.peers import WORKER_ID
 
@@ -44,6 +43,7 @@ MAX_TOKEN_ID = 2**31 - 1  # as in KV events (shared/wire/kv_events.py)
 
 Key = str | tuple[int, ...]  # what a tree keys on: text, or token ids
 SESSION_MAX_BYTES = 512  # a replica id, a worker id and a digest fit well within
+DIGEST_BYTES = 16  # a session's key, hashed with its tenant (router/fleet/sessions.py)
 
 
 def encode_session(header: bytes, worker_id: str, digest: bytes) -> bytes:
