@@ -63,6 +63,17 @@ def test_rendezvous_agrees_across_replicas_and_skips_overloaded_workers() -> Non
     assert spread == set(IDS)
 
 
+def test_rendezvous_takes_the_less_loaded_of_the_keys_top_two() -> None:
+    d = session_digest("", "s")
+    first = rendezvous(d, IDS, [0, 0, 0], 64, 1.5)
+    busy = [3 if w == first else 0 for w in IDS]  # busy, far from overloaded
+    second = rendezvous(d, IDS, busy, 64, 1.5)
+    assert second != first
+    # The third-ranked worker is never taken while the top two are not overloaded.
+    third = next(w for w in IDS if w not in (first, second))
+    assert rendezvous(d, IDS, [0 if w == third else 3 for w in IDS], 64, 1.5) == first
+
+
 @pytest.mark.parametrize(
     "entry, why",
     [
