@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-ttl-s", type=float, default=None, help="default: gap max / speedup")
     p.add_argument("--background-rate", type=float, default=6.0, help="shared-prefix req/s")
     p.add_argument("--background-s", type=float, default=60.0, help="its span, seconds")
+    p.add_argument(
+        "--background-groups", type=int, default=8,
+        help="its system prompts (as many as requests: nothing shared, churn only)",
+    )  # fmt: skip
     p.add_argument("--sync-delay-s", type=float, default=0.02)
     p.add_argument("--json", default=None, help="write every row here too")
     p.add_argument("--live", action="store_true", help="through a local sim fleet")
@@ -68,7 +72,8 @@ def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, fl
     pinned = replace(cost, pin_budget=args.pin_budget, pin_max_ttl_s=ttl)
     config = RouterConfig(policy="cache_aware")
     count = int(args.background_rate * args.background_s)
-    bg = background_requests(count, args.background_rate, o.seed) if count else []
+    groups = min(args.background_groups, max(count, 1))
+    bg = background_requests(count, args.background_rate, o.seed, groups) if count else []
     sides = [
         ("today", o, cost, 1),
         ("keys", replace(o, keys=True), cost, 1),

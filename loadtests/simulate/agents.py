@@ -244,11 +244,14 @@ class AgentSim(FleetSim):
         )  # fmt: skip
 
 
-def background_requests(count: int, rate: float, seed: int) -> list[tuple[float, str]]:
-    """`count` shared-prefix requests (SGLang's generator: groups of questions on one
-    system prompt), Poisson arrivals at `rate` a second, as (arrival, text)."""
+def background_requests(
+    count: int, rate: float, seed: int, groups: int = 8
+) -> list[tuple[float, str]]:
+    """`count` shared-prefix requests (SGLang's generator: `groups` groups of questions
+    on one system prompt each; as many groups as requests: no prefix shared, traffic
+    that only churns the caches), Poisson arrivals at `rate` a second, as (arrival, text)."""
     o = WorkloadOptions(
-        workload="shared_prefix", groups=8, prompts_per_group=max(1, count // 8),
+        workload="shared_prefix", groups=groups, prompts_per_group=max(1, count // groups),
         system_len=1024, question_len=64, output_len=32, seed=seed,
     )  # fmt: skip
     rng = random.Random(seed)
