@@ -1,4 +1,5 @@
-"""Load tests and benchmarks for radix-router: locust users, workloads, reports, simulation.
+"""Load tests and benchmarks for radix-router, in five sections: load, simulate, router,
+engine, gpu.
 
-Run from a checkout: `python -m loadtests run|compare|simulate --help`.
+Run from a checkout: `python -m loadtests --help` lists every command by section.
 """

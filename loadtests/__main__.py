@@ -1,102 +1,136 @@
 """`python -m loadtests NAME [options]`: every load test and benchmark, started one way.
 
-    python -m loadtests                 the list of commands
+    python -m loadtests                 the commands, by section
     python -m loadtests NAME --help     one command: what it does, its options, defaults, units
 
 Run from the repository root (`python -m` puts it on `sys.path`; nothing here edits it).
-A command is a module of this package with `main(argv) -> int | None`, or with
-`add_arguments(parser)` and `main(args)`; its module is imported only when it runs, so
-the list works before the `loadtest` extra (locust, matplotlib) is installed. To add a
-benchmark, add a module and a line to COMMANDS.
+A command is a module of a section folder (load, simulate, router, engine, gpu) with
+`add_arguments(parser)` and `main(args) -> int | None`, or a `kit.Command` holding that
+pair in a module beside another command ("module:NAME" below); `args.command_line` is
+the line that started it (for the tables written to `--out`). Its module is imported only when it
+runs, so the list works before the `loadtest` extra (locust, matplotlib) is installed. To
+add a benchmark, add a module to its section and a line to COMMANDS; the section is the
+module's folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 
-# name: (module, what it does)
+from loadtests.kit import Command, HelpFormatter
+
+SECTIONS = {
+    "load": "real processes under load",
+    "simulate": "simulated workers, 8 to 1,000",
+    "router": "the router's own costs",
+    "engine": "the worker engine, on CPU",
+    "gpu": "the engine on a CUDA device",
+}
+
+# name: (module or "module:NAME", what it does), in --help's order within each section
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": (
         "loadtests.load.runner",
         "locust, headless, against a URL: a workload, a report, plots",
     ),
-    "report": ("loadtests.load.report", "the summary and plots of a records.jsonl again"),
+    "report": ("loadtests.load.runner:REPORT", "the summary and plots of a records.jsonl again"),
     "compare": ("loadtests.load.compare", "routing policies side by side on a local sim fleet"),
     "sweep": (
         "loadtests.load.sweep",
         "request rates per policy: saturation point, goodput, a plot",
     ),
-    "host-reload": (
-        "loadtests.engine.bench_host_reload",
-        "engine (CPU): reload N host tokens vs prefill",
+    "fleet-queue": (
+        "loadtests.load.fleet_queue",
+        "the fleet queue vs today's router: tenants, classes, one flooding, goodput at SLO",
     ),
-    "host-tier": (
-        "loadtests.simulate.bench_host_tier",
-        "simulator: host KV tier 0 / 4x / 10x vs unbounded",
-    ),
+    "replicas": ("loadtests.load.replicas", "router replicas with and without decision sync"),
+    "faults": ("loadtests.load.faults", "worker, Redis and router faults under load, their cost"),
     "simulate": (
         "loadtests.simulate.simulate",
         "the routing policies on 8-1,000 simulated workers",
     ),
-    "kv-feed": (
-        "loadtests.router.bench_kv_feed",
-        "router: the KV feed applying a recorded event stream",
-    ),
     "simulate-events": (
         "loadtests.simulate.simulate_events",
-        "simulator: tree vs tree + KV events vs a ceiling, divergence cases",
+        "tree vs tree + KV events vs a ceiling, divergence cases",
     ),
     "agent": (
         "loadtests.simulate.agent_bench",
         "agent sessions (prompt_cache_key, pins, tool gaps): today vs keys vs pins",
     ),
-    "replicas": ("loadtests.load.replicas", "router replicas with and without decision sync"),
-    "faults": ("loadtests.load.faults", "worker, Redis and router faults under load, their cost"),
-    "engine": ("loadtests.engine.bench_engine", "engine: TTFT cached vs uncached, decode tokens/s"),
-    "scheduler": (
-        "loadtests.engine.bench_scheduler",
-        "one worker: fcfs vs lpm, in-flight sharing on/off",
+    "host-tier": (
+        "loadtests.simulate.simulate_events:HOST_TIER",
+        "host KV tier 0 / 4x / 10x vs unbounded",
     ),
-    "radix-cache": ("loadtests.engine.bench_radix_cache", "radix cache vs no cache on a trace"),
-    "tree": ("loadtests.router.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
+    "sim-calibrate": (
+        "loadtests.simulate.worker:SIM_CALIBRATE",
+        "fit the sim step price to CPU steps",
+    ),
+    "kv-events": (
+        "loadtests.router.bench_kv_events",
+        "tree alone vs tree + KV events, live: the real router, divergence cases",
+    ),
+    "kv-feed": ("loadtests.router.bench_kv_feed", "the KV feed applying a recorded event stream"),
     "policy-cost": ("loadtests.router.bench_policy", "CPU per routing decision as the fleet grows"),
+    "tree": ("loadtests.router.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
     "router-overhead": ("loadtests.router.bench_router_overhead", "the router vs going direct"),
+    "router-fleet-size": (
+        "loadtests.router.bench_router_overhead:FLEET_SIZE",
+        "router CPU vs fleet size",
+    ),
     "router-wrk": (
         "loadtests.router.bench_router_wrk",
         "wrk through 1 and N router processes, TTFT",
     ),
     "upstream-reuse": (
-        "loadtests.router.bench_upstream_reuse",
+        "loadtests.router.bench_router_wrk:UPSTREAM_REUSE",
         "router CPU: a worker that echoes request ids vs one that does not",
     ),
-    "router-fleet-size": ("loadtests.router.bench_router_fleet_size", "router CPU vs fleet size"),
-    "worker-http": ("loadtests.engine.bench_worker_http", "the worker's HTTP layer vs in process"),
-    "registry-scan": (
-        "loadtests.bench_registry_scan",
-        "one read of the fleet registry: SCAN vs the old id set",
+    "router-tokens": (
+        "loadtests.router.bench_router_tokens",
+        "router CPU per request, prompt ids (tokenizer, KV index) on vs off",
     ),
-    "model-fusions": ("loadtests.bench_model_fusions", "merged projections, in-place RoPE (CPU)"),
-    "sampler-filter": ("loadtests.bench_sampler_filter", "top-k/top-p: vocab sort vs thresholds"),
+    "sync-wire": (
+        "loadtests.router.bench_router_tokens:SYNC_WIRE",
+        "replica sync entries, text vs prompt ids: bytes and CPU per entry",
+    ),
+    "up-prediction": (
+        "loadtests.router.bench_kv_events:UP_PREDICTION",
+        "`radix-router up`: predicted vs actual cached tokens, KV events on/off",
+    ),
+    "engine": ("loadtests.engine.bench_engine", "TTFT cached vs uncached, decode tokens/s"),
+    "scheduler": ("loadtests.engine.bench_scheduler", "one worker: fcfs vs lpm, in-flight sharing"),
+    "radix-cache": ("loadtests.engine.bench_radix_cache", "radix cache vs no cache on a trace"),
+    "host-reload": (
+        "loadtests.engine.bench_radix_cache:HOST_RELOAD",
+        "reload N host tokens vs prefill",
+    ),
     "host-step": (
-        "loadtests.engine.bench_host_step",
-        "host work per decode step at batch 64, on/off",
+        "loadtests.engine.bench_engine:HOST_STEP",
+        "host work per decode step at batch 64",
     ),
-    "sim-calibrate": (
-        "loadtests.simulate.calibrate_sim_cost",
-        "fit the sim step price to CPU steps",
-    ),
-    "runner-ab": ("loadtests.bench_runner_ab", "decode step time vs another checkout's runner"),
+    "worker-http": ("loadtests.engine.bench_worker_http", "the worker's HTTP layer vs in process"),
     # Imports only torch, numpy, transformers and the engine (no pydantic or redis).
     "gpu-check": ("loadtests.gpu.gpu_check", "the engine on a GPU: correctness, kernels, roofline"),
 }
 
 
+def section_of(target: str) -> str:
+    return target.split(".")[1]
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = [__doc__.strip().splitlines()[0], "", "commands:"]
-    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines = [__doc__.strip().splitlines()[0]]
+    for section, about in SECTIONS.items():
+        lines += ["", f"{section}: {about}"]
+        lines += [
+            f"  {name:<{width}}  {text}"
+            for name, (module, text) in COMMANDS.items()
+            if section_of(module) == section
+        ]
     lines += ["", "python -m loadtests NAME --help: that command's options, defaults and units"]
     return "\n".join(lines)
 
@@ -110,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"error: no command {name!r}; one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module_name, text = COMMANDS[name]
+    target, text = COMMANDS[name]
+    module_name, _, attr = target.partition(":")
     prog = f"python -m loadtests {name}"
     try:
         module = importlib.import_module(module_name)
@@ -120,22 +155,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from loadtests.options import HelpFormatter
-
+    command = getattr(module, attr) if attr else module
+    description = command.description if isinstance(command, Command) else module.__doc__
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description or text, formatter_class=HelpFormatter
+    )
+    command.add_arguments(parser)
+    parser.set_defaults(command_line=f"{prog} {shlex.join(rest)}".strip())
     try:
-        if hasattr(module, "add_arguments"):
-            doc = module.__doc__ or text
-            parser = argparse.ArgumentParser(
-                prog=prog, description=doc, formatter_class=HelpFormatter
-            )
-            module.add_arguments(parser)
-            return int(module.main(parser.parse_args(rest)) or 0)
-        # A benchmark with its own parser: it names itself after sys.argv[0].
-        saved, sys.argv = sys.argv, [prog, *rest]
-        try:
-            return int(module.main(rest) or 0)
-        finally:
-            sys.argv = saved
+        return int(command.main(parser.parse_args(rest)) or 0)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

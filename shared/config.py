@@ -47,6 +47,29 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TenantConfig(_Frozen):
+    """One tenant of the fleet queue (router/queue/): named by its API keys, served in
+    proportion to `weight`, refused with 429 past its own bounds (unset: the router's
+    `max_queue` and `queue_timeout`)."""
+
+    keys: tuple[str, ...] = Field(min_length=1)
+    weight: float = Field(1.0, gt=0)
+    max_queue: int | None = Field(None, ge=0)
+    max_queue_wait_s: float | None = Field(None, gt=0)
+
+
+class ClassConfig(_Frozen):
+    """A request class's time-to-first-token objective (router/queue/classes.py)."""
+
+    ttft_slo_s: float = Field(gt=0)
+
+
+class ClassesConfig(_Frozen):
+    interactive: ClassConfig = ClassConfig(ttft_slo_s=1.0)
+    standard: ClassConfig = ClassConfig(ttft_slo_s=10.0)
+    batch: ClassConfig = ClassConfig(ttft_slo_s=120.0)
+
+
 class RouterConfig(_Frozen):
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
@@ -136,9 +159,25 @@ class RouterConfig(_Frozen):
     # The inference path's HTTP client (router/upstream/transport.py): the project's own
     # ("own", less CPU per request) or aiohttp's; both pass one conformance suite.
     upstream_client: Literal["own", "aiohttp"] = "own"
+    # The fleet queue (router/queue/): at most `max_concurrent` requests in flight through
+    # this router; a request with no free seat waits in the router, each tenant at most
+    # `max_queue` waiting and `queue_timeout` seconds (its own bounds in `tenants`).
     max_concurrent: int = Field(1024, ge=1)
     max_queue: int = Field(4096, ge=0)
     queue_timeout: float = Field(30.0, gt=0)
+    # Tenants by API key (keys in `api_keys` and none: the tenant "default").
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    # Each class's TTFT objective (a class comes from `service_tier` or `priority`).
+    classes: ClassesConfig = ClassesConfig()
+    # A worker's seats: `max_running_requests` from its heartbeat x this factor (a worker
+    # reporting none has unbounded seats: nothing waits for it).
+    queue_seat_factor: float = Field(1.0, gt=0)
+    # Deficit round robin: each round gives a backlogged tenant weight x this many
+    # requests of credit; it is also how far locality may run ahead of fairness.
+    queue_quantum: float = Field(4.0, gt=0)
+    # A waiting request is urgent once this fraction of its class's TTFT objective has
+    # passed: it then takes any free seat, ahead of affinity.
+    queue_urgent_fraction: float = Field(0.5, gt=0, le=1)
     forward_authorization: bool = False
     drain_timeout: float = Field(30.0, ge=0)
     # After SIGTERM, keep serving (readiness 503) this long before refusing new requests,
@@ -174,6 +213,19 @@ class RouterConfig(_Frozen):
     sync_flush_interval: float = Field(0.02, gt=0)
     sync_load_interval: float = Field(0.25, gt=0)
     log_level: str = "INFO"
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_keys(cls, v: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        owner: dict[str, str] = {}
+        for name, tenant in v.items():
+            for i, key in enumerate(tenant.keys):
+                if key in owner:
+                    raise ValueError(
+                        f"tenants.{name}.keys[{i}] is also a key of tenant {owner[key]!r}"
+                    )
+                owner[key] = name
+        return v
 
     @field_validator("worker_urls")
     @classmethod

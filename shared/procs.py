@@ -1,7 +1,7 @@
 """Service child processes: start one, wait until it answers, stop it and all it spawned.
 
-Used by `radix-router up` (router/up/local_fleet.py), the benchmark fleets in `loadtests/`
-and the end-to-end tests, so the mechanics live once:
+Used by `radix-router up` (router/up/local_fleet.py), the benchmarks' local clusters
+(`loadtests/load/cluster.py`) and the end-to-end tests, so the mechanics live once:
 
 - each child runs `python -m <module> ...` in its own session (process group), so a
   signal sent to the group reaches exactly it and whatever it spawned, and a terminal

@@ -10,6 +10,10 @@ a file: a function-level import is an arrow too).
   shared/, but for each deployable's own entry points and route handlers (`SAME_FACE`).
 - README's "Layout" list names folders that exist, and every package folder of router/
   and worker/ is on it.
+- loadtests/ is in five section folders (the package's own `__init__`, `__main__` and
+  `kit` aside), every module reached by imports from the command table of
+  `loadtests/__main__.py`. The target is 40 modules in all, not met: the sections but gpu/
+  and the top hold at most 31, and gpu/ (13 for one command since issue 32) may not grow.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "shared", "loadtests")
 MAX_ROUTER_DEPTH = 8
+MAX_LOADTEST_MODULES = 31  # all but gpu/ (zero_worker came with issue 34); 40 in all: owed
+MAX_GPU_MODULES = 13
+LOADTEST_SECTIONS = ("load", "simulate", "router", "engine", "gpu")
 MAX_WORKER_DEPTH = 9
 MAX_WORKER_TOP = 6
 MAX_RADIX_CACHE_LINES = 450
@@ -254,3 +261,52 @@ def test_the_engine_is_torch_free_and_the_runtime_holds_the_torch_side() -> None
             assert not bad, (name, sorted(bad))
         if name.startswith("worker.") and any(t.split(".")[0] in ("torch", "triton") for t in tops):
             assert name.startswith(("worker.engine.runtime", "worker.models")), name
+
+
+def _docstring_only(path: Path) -> bool:
+    body = ast.parse(path.read_text(), str(path)).body
+    return len(body) <= 1 and all(isinstance(n, ast.Expr) for n in body)
+
+
+def loadtest_modules() -> dict[str, Path]:
+    """How loadtests/ is counted: every .py file under it, but an `__init__.py` that holds
+    only its docstring (a section folder's sign; nothing can hide there)."""
+    return {
+        name: path
+        for name, path in modules().items()
+        if name.split(".")[0] == "loadtests"
+        and not (path.name == "__init__.py" and _docstring_only(path))
+    }
+
+
+def test_loadtests_are_few_modules_in_five_sections() -> None:
+    found = loadtest_modules()
+    gpu = {name for name in found if name.startswith("loadtests.gpu.")}
+    assert len(found) - len(gpu) <= MAX_LOADTEST_MODULES, sorted(set(found) - gpu)
+    assert len(gpu) <= MAX_GPU_MODULES, sorted(gpu)
+    for init in (ROOT / "loadtests").rglob("__init__.py"):
+        assert _docstring_only(init), f"{init} holds code: it would be a module not counted"
+    top = {"loadtests.__main__", "loadtests.kit"}
+    folders = {p.name for p in (ROOT / "loadtests").iterdir() if (p / "__init__.py").exists()}
+    assert folders == set(LOADTEST_SECTIONS)
+    for name in found:
+        assert name in top or name.split(".")[1] in LOADTEST_SECTIONS, name
+
+
+def test_every_loadtests_module_is_reached_from_the_command_table() -> None:
+    """From `__main__` and every module its COMMANDS name, by imports at any depth; the
+    locustfile is started by file (`locust -f`), from the one module that names it."""
+    from loadtests.__main__ import COMMANDS
+
+    edges = graph()
+    todo = ["loadtests.__main__", *(target.partition(":")[0] for target, _ in COMMANDS.values())]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += edges[name]
+    runner = (ROOT / "loadtests" / "load" / "runner.py").read_text()
+    assert "loadtests.load.runner" in seen and 'with_name("locustfile.py")' in runner
+    seen.add("loadtests.load.locustfile")
+    assert set(loadtest_modules()) - seen == set()

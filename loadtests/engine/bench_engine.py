@@ -1,4 +1,5 @@
-"""Engine benchmark: what the radix cache saves on time to first token, and decode speed.
+"""Engine benchmark: what the radix cache saves on time to first token, and decode speed
+(and `host-step`, HOST_STEP below: host work per decode step at batch 64).
 
 Builds a random-weight Llama (hidden 512, 8 layers: tiny_model's `bench` preset) in a
 temp dir, then measures side by side in one run, on the same engine and model:
@@ -18,12 +19,13 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from loadtests.options import HelpFormatter
-from loadtests.record import write_table
+from loadtests.kit import Command, write_table
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.load import load_engine
@@ -40,8 +42,9 @@ PREFIX_TOKENS = 2048
 QUESTION_TOKENS = 64
 
 
-def _ids(rng: random.Random, n: int) -> tuple[int, ...]:
-    return tuple(rng.randrange(4, 1000) for _ in range(n))  # 0..3: special tokens
+def random_ids(rng: random.Random, n: int) -> tuple[int, ...]:
+    """`n` token ids of the tiny models' vocabulary (0..3: their special tokens)."""
+    return tuple(rng.randrange(4, 1000) for _ in range(n))
 
 
 def _params(max_tokens: int) -> SamplingParams:
@@ -63,15 +66,15 @@ def ttft(engine: LLMEngine, rid: str, prompt: tuple[int, ...]) -> tuple[float, i
 
 def bench_ttft(engine: LLMEngine, runs: int) -> dict[str, float]:
     rng = random.Random(0)
-    prefix = _ids(rng, PREFIX_TOKENS)
+    prefix = random_ids(rng, PREFIX_TOKENS)
     uncached, cached, hits = [], [], []
     for i in range(runs):
         engine.flush_cache()
-        t, hit = ttft(engine, f"u{i}", prefix + _ids(rng, QUESTION_TOKENS))
+        t, hit = ttft(engine, f"u{i}", prefix + random_ids(rng, QUESTION_TOKENS))
         assert hit == 0, hit
         uncached.append(t)
         # The previous request left the prefix in the tree; a new question follows it.
-        t, hit = ttft(engine, f"c{i}", prefix + _ids(rng, QUESTION_TOKENS))
+        t, hit = ttft(engine, f"c{i}", prefix + random_ids(rng, QUESTION_TOKENS))
         cached.append(t)
         hits.append(hit)
     return {
@@ -106,7 +109,7 @@ def bench_decode(
     engine.flush_cache()
     rng = random.Random(batch)
     for i in range(batch):
-        prompt = _ids(rng, 32)
+        prompt = random_ids(rng, 32)
         engine.add_request(
             EngineRequest(f"d{batch}-{i}", prompt_token_ids=prompt, params=_params(steps + 2))
         )
@@ -124,22 +127,21 @@ def bench_decode(
     return tokens / elapsed, overhead
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
-    )
-    parser.add_argument("--runs", type=int, default=3, help="TTFT runs (median)")
-    parser.add_argument("--decode-steps", type=int, default=24)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument(
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs", type=int, default=3, help="TTFT runs (median)")
+    p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
-    parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
-    parser.add_argument("--clock", choices=sorted(CLOCK), default="wall", help="decode timing")
-    parser.add_argument(
+    p.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
+    p.add_argument("--clock", choices=sorted(CLOCK), default="wall", help="decode timing")
+    p.add_argument(
         "--skip-ttft", action="store_true", help="decode only (for quick A/B runs of decode speed)"
     )
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     global clock
     clock = CLOCK[args.clock]
     if args.threads is not None:
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = make_tiny_model(Path(tmp) / "bench-llama", **PRESETS["bench"])
         config = EngineConfig(kv_capacity_tokens=16384, device=args.device)
         engine = load_engine(model_dir, config)
-        ttft(engine, "warmup", _ids(random.Random(9), 256))  # first-call allocations
+        ttft(engine, "warmup", random_ids(random.Random(9), 256))  # first-call allocations
         t = (
             {"uncached_s": float("nan"), "cached_s": float("nan"), "cached_tokens": 0}
             if args.skip_ttft
@@ -183,5 +185,141 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out is not None:
-        write_table(args.out, "engine", argv, table, title="Engine benchmark")
+        write_table(args.out, args.command_line, table, title="Engine benchmark")
     return 0
+
+
+# -- host-step ---------------------------------------------------------------------------
+VARIANTS = {  # name: EngineConfig keywords
+    "before": dict(debug_checks=True, overlap_schedule=False),
+    "checks off": dict(debug_checks=False, overlap_schedule=False),
+    "overlap": dict(debug_checks=False, overlap_schedule=True),
+}
+host_clock = time.process_time  # one torch thread: the work this process did
+
+
+class DeviceTimer:
+    """Seconds spent in what a GPU would run: wraps the given bound methods."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, owner: Any, name: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = host_clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += host_clock() - start
+
+        setattr(owner, name, timed)
+
+
+def build(model_dir: Path, batch: int, context: int, steps: int, **cfg: Any) -> LLMEngine:
+    config = EngineConfig(
+        device="cpu", max_running_requests=batch, max_prefill_tokens=batch * context,
+        kv_capacity_tokens=batch * (context + steps + 8) + 64, **cfg,
+    )  # fmt: skip
+    return load_engine(model_dir, config)
+
+
+def measure(
+    engine: LLMEngine, batch: int, context: int, steps: int, tag: str
+) -> tuple[float, float]:
+    """Median host ms per decode step, and decode tokens/s (wall), over `steps`."""
+    timer = DeviceTimer()
+    timer.wrap(engine.runner, "run_eager")
+    timer.wrap(engine.runner.model, "compute_logits")
+    timer.wrap(engine.sampler, "_packed")
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [4 + (i * 131 + j * 7) % 1000 for j in range(context)]  # distinct prompts
+        engine.add_request(EngineRequest(f"{tag}-{i}", prompt_token_ids=prompt, params=params))
+    while not (len(engine.last_batch.items) == batch and engine.last_batch.items[0].start_pos):
+        engine.step()  # prefill (then every item is one decode token)
+    host, tokens = [], 0
+    wall = time.perf_counter()
+    for _ in range(steps):
+        device_before, start = timer.seconds, host_clock()
+        tokens += len(engine.step())
+        host.append((host_clock() - start - (timer.seconds - device_before)) * 1e3)
+    wall = time.perf_counter() - wall
+    while engine.has_work:
+        engine.step()
+    return statistics.median(host), tokens / wall
+
+
+def host_step_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    p.add_argument("--out", type=Path, default=None, help="append the table here")
+
+
+def host_step_main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "tiny", **PRESETS["tiny"])
+        engines = {
+            name: build(model_dir, args.batch, args.context, args.steps, **cfg)
+            for name, cfg in VARIANTS.items()
+        }
+        for r in range(args.rounds):
+            for name, engine in engines.items():
+                results[name].append(
+                    measure(engine, args.batch, args.context, args.steps, f"{r}{name}")
+                )
+    base = statistics.median(h for h, _ in results["before"])
+    lines = [
+        f"Batch {args.batch} decode steps, {args.context}-token prompts, tiny preset, CPU, "
+        f"1 torch thread; median of {args.rounds} rounds x {args.steps} steps",
+        "",
+        "| engine | host ms / step | vs before | decode tok/s (wall) | per round (host ms) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, runs in results.items():
+        host = statistics.median(h for h, _ in runs)
+        tps = statistics.median(t for _, t in runs)
+        each = " / ".join(f"{h:.2f}" for h, _ in runs)
+        lines.append(f"| {name} | {host:.2f} | {host / base:.2f}x | {tps:.0f} | {each} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out is not None:
+        write_table(args.out, args.command_line, table)
+    return 0
+
+
+HOST_STEP = Command(
+    """Host work per decode step at batch 64: what the GPU would wait for between steps.
+
+A decode step's host work is everything but the device's: scheduling, the runner's
+batch packing (and its validation), the sampler's host side, postprocessing (stop
+checks, detokenizing, outputs). On CPU the device work runs on the host too, so
+this times the model's forward, its logits and the sampler's tensor ops separately
+and subtracts them from the step:
+
+    host ms = step - model forward - logits - sampler tensor ops
+
+Three engines over the same model (random weights, the `tiny` preset: a small
+forward keeps the subtraction's noise small; host work does not depend on the model's
+size), measured in interleaved rounds in one run, medians:
+
+- `before`: per-step validation on (`debug_checks`, the state before issue 25), in order
+- `checks off`: validation in debug mode only (the default now), in order
+- `overlap`: checks off, overlap scheduling on (the default now)
+
+What the CPU number does NOT show: overlap hides host work behind the device's
+forward; on CPU the forward runs on the host, so nothing runs concurrently and the
+overlap engine's host work per step is about the in-order one's. The tokens/s column
+is therefore about equal on CPU; on a GPU the host work of `overlap` runs while the
+device computes (the GPU check's overlap section measures that).
+
+    python -m loadtests host-step [--batch 64] [--steps 20] [--rounds 3] [--context 256]
+""",
+    host_step_arguments,
+    host_step_main,
+)

@@ -1,4 +1,5 @@
-"""Replay the shared prefix-cache trace through RadixCache and NoCache side by side.
+"""Replay the shared prefix-cache trace through RadixCache and NoCache side by side (and
+`host-reload`, HOST_RELOAD below: reloading host-tier tokens vs prefilling them).
 
     python -m loadtests radix-cache [--n-requests 20000] [--trace-module PATH]
 
@@ -23,7 +24,10 @@ import cProfile
 import dataclasses
 import importlib.util
 import pstats
+import random
+import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -32,11 +36,17 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import torch
 
-from loadtests.options import HelpFormatter
+from loadtests.engine.bench_engine import random_ids, ttft
+from loadtests.kit import Command
 from worker.engine.allocator import SlotAllocator
+from worker.engine.config import EngineConfig
+from worker.engine.engine import LLMEngine
 from worker.engine.prefix_cache import NoCache
 from worker.engine.radix_cache import RadixCache
+from worker.engine.runtime.load import load_engine
+from worker.models.tiny_model import PRESETS, make_tiny_model
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "bench" / "radix_trace.py"
 SGLANG_REFERENCE = "SGLang 0.5.23 Python RadixCache, same trace, same machine class: 11,300 req/s, match p50 22 µs, hit rate 0.9046 (DESIGN.md; not measured here)"
@@ -157,14 +167,15 @@ def sglang_factory() -> Callable[[SlotAllocator], object] | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--trace-module", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--n-requests", type=int, default=None, help="replay only the first N requests")
-    ap.add_argument("--page-size", type=int, default=None, help="override the trace's page_size")
-    ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc replay")
-    ap.add_argument("--profile", action="store_true", help="cProfile the RadixCache replay")
-    args = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace-module", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--n-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--page-size", type=int, default=None, help="override the trace's page_size")
+    p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc replay")
+    p.add_argument("--profile", action="store_true", help="cProfile the RadixCache replay")
+
+
+def main(args: argparse.Namespace) -> None:
 
     rt = load_trace_module(args.trace_module)
     params = rt.TraceParams()
@@ -222,3 +233,80 @@ def main(argv: list[str] | None = None) -> None:
         f"RadixCache vs the SGLang reference figure: {wall / 11_300:.2f}x (wall), "
         f"{cpu / 11_300:.2f}x (CPU time); target 22,000 req/s = 1.95x ({SGLANG_REFERENCE})"
     )
+
+
+# -- host-reload -------------------------------------------------------------------------
+TAIL = 16
+
+
+def one_run(engine: LLMEngine, n: int, seed: int) -> tuple[float, int]:
+    rng = random.Random(seed)
+    a = random_ids(rng, n + TAIL)
+    ttft(engine, f"a{seed}", a)
+    ttft(engine, f"f{seed}", random_ids(rng, n + TAIL))  # A leaves the device pool
+    return ttft(engine, f"again{seed}", a)
+
+
+def host_reload_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", default="512,2048", help="cached prompt lengths N")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def host_reload_main(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    sizes = [int(x) for x in args.tokens.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "bench-llama", **PRESETS["bench"])
+        shape = PRESETS["bench"]
+        print(
+            f"model: random-weight Llama, hidden {shape['hidden_size']}, "
+            f"{shape['num_layers']} layers, CPU, torch threads {torch.get_num_threads()}"
+        )
+        print("| N cached | reload (ms) | prefill (ms) | reload / prefill | cached tokens |")
+        print("|---:|---:|---:|---:|---:|")
+        for n in sizes:
+            # The pool holds one prompt at a time; the tier holds plenty.
+            common = {"kv_capacity_tokens": n + 2 * TAIL + 64, "device": "cpu",
+                      "max_prefill_tokens": 8192, "evict_batch_tokens": 64}  # fmt: skip
+            tier = load_engine(model_dir, EngineConfig(host_cache_tokens=8 * n, **common))
+            plain = load_engine(model_dir, EngineConfig(**common))
+            one_run(tier, n, 10_000)  # warm-up: first-call allocations
+            one_run(plain, n, 10_000)
+            reload, prefill, cached = [], [], 0
+            for run in range(args.runs):
+                t, cached = one_run(tier, n, run)
+                reload.append(t)
+                prefill.append(one_run(plain, n, run)[0])
+            r, p = statistics.median(reload), statistics.median(prefill)
+            print(f"| {n} | {r * 1e3:.1f} | {p * 1e3:.1f} | {r / p:.3f} | {cached} |", flush=True)
+            runner = tier.runner
+            bw = runner.host_load_bytes_per_s
+            print(
+                f"  host -> device copies: {bw / 1e9:.2f} GB/s measured "
+                f"({runner.kv_bytes_per_token} bytes a token: "
+                f"{runner.kv_bytes_per_token / bw * 1e6:.3f} us a token); "
+                f"prefill {p / (n + TAIL) * 1e6:.1f} us a token (whole prompt, median)"
+            )
+    return 0
+
+
+HOST_RELOAD = Command(
+    """Engine on CPU: reloading N cached tokens from the host tier vs prefilling them again.
+
+Two engines on the same random-weight model (tiny_model's `bench` preset: hidden 512,
+8 layers), the same small device pool, one with a host tier and one without. Per run:
+prompt A (N tokens + a 16-token tail), then a filler prompt that pushes A off the
+device pool, then A again, timed from submit to first token. With the tier A's N
+tokens are loaded from host memory and only the tail is computed; without it the
+whole prompt is prefilled again. Runs interleave (tier, no tier, tier, ...) so machine
+noise hits both alike; medians. This is the measured basis of the simulator's load
+price on one machine (a CPU: host and "device" are the same memory here; on a GPU the
+load crosses PCIe, see `gpu-check`'s host-tier section).
+
+    python -m loadtests host-reload [--tokens 512,2048] [--runs 5] [--threads 1]
+""",
+    host_reload_arguments,
+    host_reload_main,
+)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtests.engine.bench_engine import random_ids
 from shared.tokens.text_tokenizer import TextTokenizer
 from worker.backends.sim import build_sim_llm_engine
 from worker.engine.config import EngineConfig
@@ -48,18 +49,14 @@ class Turn:
     question: tuple[int, ...] = ()  # the next turn's new tokens
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(4, 1000) for _ in range(n)]  # 0..3: the tiny model's specials
-
-
 def burst(rng: random.Random) -> list[Turn]:
-    prefix = _ids(rng, 2000)
-    return [Turn(f"b{i}", [*prefix, *_ids(rng, 50)], 16) for i in range(16)]
+    prefix = list(random_ids(rng, 2000))
+    return [Turn(f"b{i}", [*prefix, *list(random_ids(rng, 50))], 16) for i in range(16)]
 
 
 def multi_turn(rng: random.Random) -> tuple[list[Turn], dict[int, list[list[int]]]]:
-    system = _ids(rng, 200)
-    questions = {c: [_ids(rng, 40) for _ in range(5)] for c in range(24)}
+    system = list(random_ids(rng, 200))
+    questions = {c: [list(random_ids(rng, 40)) for _ in range(5)] for c in range(24)}
     first = [Turn(f"c{c}-0", [*system, *qs[0]], 24, c) for c, qs in questions.items()]
     return first, questions
 

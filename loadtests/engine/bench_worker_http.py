@@ -30,24 +30,21 @@ import asyncio
 import json
 import resource
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from loadtests.options import HelpFormatter
-from loadtests.router.bench_router_fleet_size import spawn
-from loadtests.router.bench_router_overhead import cpu_seconds
+from loadtests.kit import checkout, cpu_seconds
+from loadtests.load.cluster import ROOT, Child, serve
 from shared.config import WorkerConfig
 from shared.redis_server import free_port
 from worker.backends import build_engine
 from worker.engine.types import EngineRequest, SamplingParams
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def prompts(n: int) -> list[str]:
@@ -171,22 +168,12 @@ async def over_http(
         return phase
 
 
-def extract(ref: str, into: Path) -> Path:
-    """The worker and shared packages as they were at `ref` (read-only git: archive)."""
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", ref, "worker", "shared"],
-        check=True, capture_output=True,
-    ).stdout  # fmt: skip
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
-
-
-def start_worker(step_ms: float, tree: Path = ROOT) -> tuple[subprocess.Popen[bytes], str]:
+def start_worker(name: str, step_ms: float, logs: Path, tree: Path = ROOT) -> Child:
     port = free_port()
     args = ["worker", "serve", "--engine", "sim", "--host", "127.0.0.1", "--port", str(port),
             "--cache-tokens", "2000000", "--max-running-requests", "256",
             "--sim-decode-ms-per-token", str(step_ms), "--log-level", "WARNING"]  # fmt: skip
-    return spawn(args, port, tree), f"http://127.0.0.1:{port}"
+    return serve(name, args, port, logs, tree=tree)
 
 
 HEADER = (
@@ -209,51 +196,50 @@ def row(name: str, p: Phase) -> str:
 async def run_rounds(
     args: argparse.Namespace,
     jobs: list[str],
-    workers: dict[str, tuple[subprocess.Popen[bytes], str]],
+    workers: dict[str, Child],
     totals: dict[str, Phase],
 ) -> None:
     """Every phase `args.rounds` times; the workers' order flips every round."""
     c, m, step_ms = args.concurrency, args.max_tokens, args.step_ms
-    for proc, url in workers.values():  # warm-up: imports, caches, connections
-        await over_http(url, proc.pid, jobs[:100], c, m, False)
-        await over_http(url, proc.pid, jobs[:100], c, m, True)
+    for child in workers.values():  # warm-up: imports, caches, connections
+        await over_http(child.url, child.pid, jobs[:100], c, m, False)
+        await over_http(child.url, child.pid, jobs[:100], c, m, True)
     for rnd in range(args.rounds):
         order = list(workers.items())[:: -1 if rnd % 2 else 1]
         totals.setdefault("in-process engine", Phase()).add(await in_process(jobs, c, m, step_ms))
         for stream in (False, True):
-            for name, (proc, url) in order:
+            for name, child in order:
                 label = f"{'SSE' if stream else 'JSON'}, {name}"
-                phase = await over_http(url, proc.pid, jobs, c, m, stream)
+                phase = await over_http(child.url, child.pid, jobs, c, m, stream)
                 totals.setdefault(label, Phase()).add(phase)
 
 
-async def _main(argv: list[str] | None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
-    )
-    parser.add_argument("--requests", type=int, default=2000, help="per phase and round")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
-    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
-    parser.add_argument(
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=2000, help="per phase and round")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    p.add_argument(
         "--step-ms", type=float, default=0.0, help="what one engine step costs (sim sleep)"
     )
-    parser.add_argument("--before-ref", help="also serve from this git ref's worker, alternating")
-    parser.add_argument("--rounds", type=int, default=1, help="alternations of every phase")
-    args = parser.parse_args(argv)
+    p.add_argument("--before-ref", help="also serve from this git ref's worker, alternating")
+    p.add_argument("--rounds", type=int, default=1, help="alternations of every phase")
+
+
+async def _main(args: argparse.Namespace) -> None:
     jobs = prompts(args.requests)
     totals: dict[str, Phase] = {}
-    with tempfile.TemporaryDirectory(prefix="worker-http-") as tmp:
-        workers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
-        try:
-            if args.before_ref:
-                before = start_worker(args.step_ms, extract(args.before_ref, Path(tmp)))
-                workers[f"before ({args.before_ref})"] = before
-            workers["this tree"] = start_worker(args.step_ms)
-            await run_rounds(args, jobs, workers, totals)
-        finally:
-            for proc, _ in workers.values():
-                proc.terminate()
-                proc.wait(30)
+    with ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="worker-http-")))
+        workers: dict[str, Child] = {}
+        if args.before_ref:
+            before = stack.enter_context(checkout(args.before_ref))
+            workers[f"before ({args.before_ref})"] = start_worker(
+                "before", args.step_ms, logs, before
+            )
+            stack.callback(workers[f"before ({args.before_ref})"].stop)
+        workers["this tree"] = start_worker("after", args.step_ms, logs)
+        stack.callback(workers["this tree"].stop)
+        await run_rounds(args, jobs, workers, totals)
     print(f"sim engine; {args.requests} requests x {args.rounds} rounds, "
           f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, "
           f"step {args.step_ms} ms, prompts ~{len(jobs[0])} chars; "
@@ -263,11 +249,11 @@ async def _main(argv: list[str] | None) -> None:
         print(row(label, totals[label]))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(args: argparse.Namespace) -> None:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(_main(argv))
+    asyncio.run(_main(args))

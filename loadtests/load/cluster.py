@@ -1,4 +1,4 @@
-"""The one local fleet of benchmarks and end-to-end tests: a Redis server, sim workers
+"""The local cluster of benchmarks and end-to-end tests: a Redis server, sim workers
 and routers, each a real process started the documented way (`python -m worker serve
 ...`, `python -m router serve ...`).
 
@@ -10,14 +10,15 @@ child (the security tests grep those). Router settings without a CLI flag are pa
 
 What the callers need of it: start, kill and restart one worker (fault tests); start
 the router again with another policy while the workers stay, and flush every worker's
-cache between runs, so each policy meets the same cold fleet (`compare`); more routers
-next to the first (`replicas`, the replica-sync tests), stopped with the fleet.
-`radix-router up` (router/up/local_fleet.py) is the user's fleet: it starts one and keeps
+cache between runs, so each policy meets the same cold workers (`compare`); more routers
+next to the first (`replicas`, the replica-sync tests), stopped with the cluster.
+`radix-router up` (router/up/local_fleet.py) is the user's own: it starts one and keeps
 it until Ctrl-C, and never needs any of that.
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import urllib.request
 from collections.abc import Sequence
@@ -45,6 +46,46 @@ def wait_health(child: Child, timeout: float = START_TIMEOUT_S) -> None:
     procs.wait_health(child, timeout)
 
 
+def serve(
+    name: str, args: list[str], port: int, log_dir: Path, *, tree: Path = ROOT,
+    env: dict[str, str] | None = None, python: str = sys.executable, wait: bool = True,
+) -> Child:  # fmt: skip
+    """`python -m <args>` (a router or worker listening on `port`) from the checkout
+    `tree` (a `--before-ref` side), `python` another venv's interpreter (sglang-router),
+    ready once its /health answers unless not `wait`: the one way the benchmarks start a
+    lone process. Stop it with `Child.stop()`."""
+    url = f"http://127.0.0.1:{port}"
+    env = {"PYTHONPATH": str(tree), **(env or {})}
+    child = Child(name, args, url, log_dir / f"{name}.log", env, cwd=tree, python=python)
+    child.start()
+    if wait:
+        try:
+            wait_health(child, 120)
+        except BaseException:
+            child.stop(grace_s=1)
+            raise
+    return child
+
+
+def sim_worker(port: int, logs: Path, host: str = "127.0.0.1") -> Child:
+    """A zero-cost sim worker (prefill and decode cost 0), no Redis, ready."""
+    args = ["worker", "serve", "--engine", "sim", "--host", host, "--port", str(port),
+            "--worker-id", "bench", "--log-level", "WARNING"]  # fmt: skip
+    return serve("worker", args, port, logs)
+
+
+def serve_router(
+    name: str, port: int, logs: Path, flags: list[str], tree: Path = ROOT,
+    env: dict[str, str] | None = None, wait: bool = True, log_level: str | None = "WARNING",
+) -> Child:  # fmt: skip
+    """`router serve` on `port` with `flags`, from the checkout `tree`, logging warnings
+    only (`log_level` None: the router's own level, whose lines the e2e tests read)."""
+    args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    if log_level is not None:
+        args += ["--log-level", log_level]
+    return serve(name, args, port, logs, tree=tree, env=env, wait=wait)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Sim worker knobs: decode cost keeps requests in flight long enough to be hit."""
@@ -58,8 +99,8 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
-class FleetSpec:
-    """A benchmark's fleet: `workers` sim workers with one cost model, logging warnings only."""
+class ClusterSpec:
+    """A benchmark's cluster: `workers` sim workers with one cost model, logging warnings only."""
 
     workers: int = 2
     cache_tokens: int = 65_536
@@ -81,8 +122,8 @@ class FleetSpec:
             extra=("--log-level", "WARNING", *host, *events),
         )  # fmt: skip
 
-    def start(self) -> BenchFleet:
-        return sim_fleet(self.workers, self.worker())
+    def start(self) -> Cluster:
+        return sim_cluster(self.workers, self.worker())
 
 
 def env_value(value: object) -> str:
@@ -94,11 +135,11 @@ def env_value(value: object) -> str:
     return str(value)
 
 
-class BenchFleet:
+class Cluster:
     def __init__(
         self, log_dir: Path | None = None, redis: bool = True, redis_password: str | None = None
     ) -> None:
-        self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="radix-fleet-")
+        self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="radix-cluster-")
         self.log_dir = log_dir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.redis = RedisServer(password=redis_password).start() if redis else None
         self.workers: dict[str, Child] = {}
@@ -160,32 +201,29 @@ class BenchFleet:
         self, name: str, settings: dict[str, object] | None, worker_urls: tuple[str, ...],
         tree: Path | None = None,
     ) -> Child:  # fmt: skip
-        """Settings are RouterConfig keys, passed as RADIX_ROUTER_<KEY> like a deployment;
-        `tree`: run the router's code from that checkout (a `--before-ref` side)."""
-        port = free_port()
-        args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port)]
-        if self.redis is not None:
-            args += ["--redis-url", self.redis.url]
+        """Started, not yet waited for. Settings are RouterConfig keys, passed as
+        RADIX_ROUTER_<KEY> like a deployment; `tree`: run the router's code from that
+        checkout (a `--before-ref` side)."""
+        flags = ["--redis-url", self.redis.url] if self.redis is not None else []
         for url in worker_urls:
-            args += ["--worker-url", url]
+            flags += ["--worker-url", url]
         base = {"discovery_interval": 0.2, "retry_backoff": 0.01, **(settings or {})}
         env = {f"RADIX_ROUTER_{k.upper()}": env_value(v) for k, v in base.items()}
-        if tree is not None:
-            env["PYTHONPATH"] = str(tree)
-        log = self.log_dir / f"{name}.log"
-        return Child(name, args, f"http://127.0.0.1:{port}", log, env, cwd=tree)
+        return serve_router(
+            name, free_port(), self.log_dir, flags, tree or ROOT, env, wait=False, log_level=None
+        )
 
     def start_router(
         self, settings: dict[str, object] | None = None, worker_urls: tuple[str, ...] = (),
         want_workers: int | None = None, headers: dict[str, str] | None = None,
         tree: Path | None = None,
     ) -> Child:  # fmt: skip
-        """The fleet's router (a running one is stopped first: a restart with new
+        """The cluster's router (a running one is stopped first: a restart with new
         settings, e.g. another policy), ready once it routes to `want_workers` workers
         (default: all of them); from the checkout `tree` where given."""
         if self.router is not None:
             self.router.stop(grace_s=5)
-        self.router = self._router("router", settings, worker_urls, tree).start()
+        self.router = self._router("router", settings, worker_urls, tree)
         self.router_headers = headers or {}
         want = len(self.workers) if want_workers is None else want_workers
         wait_until(lambda: self.routable() >= want, START_TIMEOUT_S, self.router)
@@ -194,15 +232,15 @@ class BenchFleet:
     def add_router(
         self, name: str, settings: dict[str, object] | None = None, tree: Path | None = None
     ) -> Child:
-        """Another router next to the fleet's (a replica), ready once it routes to every
-        worker; stopped with the fleet. From the checkout `tree` where given."""
-        child = self.adopt(self._router(name, settings, (), tree).start())
+        """Another router next to the cluster's (a replica), ready once it routes to every
+        worker; stopped with the cluster. From the checkout `tree` where given."""
+        child = self.adopt(self._router(name, settings, (), tree))
         wait_until(lambda: self.routable(child) >= len(self.workers), START_TIMEOUT_S, child)
         return child
 
     def start_sglang_router(self, python: str) -> Child:
         """SGLang's Rust router (`sglang-router`, installed in the venv of `python`) as the
-        fleet's router, over the workers' URLs (it reads no Redis), its cache_aware policy
+        cluster's router, over the workers' URLs (it reads no Redis), its cache_aware policy
         at its defaults: the same thresholds as ours (cache 0.3, balance 64 / 1.5)."""
         if self.router is not None:
             self.router.stop(grace_s=5)
@@ -274,9 +312,9 @@ class BenchFleet:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
-    # -- the whole fleet --------------------------------------------------------------
+    # -- the whole cluster ------------------------------------------------------------
     def adopt(self, child: Child) -> Child:
-        """A process the caller started, stopped with the fleet."""
+        """A process the caller started, stopped with the cluster."""
         self.others.append(child)
         return child
 
@@ -302,22 +340,22 @@ class BenchFleet:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> BenchFleet:
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def sim_fleet(workers: int, spec: WorkerSpec | None = None) -> BenchFleet:
+def sim_cluster(workers: int, spec: WorkerSpec | None = None) -> Cluster:
     """Redis + `workers` sim workers named w0..w{n-1}, started together, all healthy."""
-    fleet = BenchFleet()
+    cluster = Cluster()
     try:
         for i in range(workers):
-            fleet.start_worker(f"w{i}", spec or WorkerSpec(), wait=False)
-        for child in fleet.workers.values():
+            cluster.start_worker(f"w{i}", spec or WorkerSpec(), wait=False)
+        for child in cluster.workers.values():
             wait_health(child)
     except BaseException:
-        fleet.close()
+        cluster.close()
         raise
-    return fleet
+    return cluster

@@ -24,7 +24,7 @@ together but not in one worker's (4,096 tokens each: room for three), so a route
 prompt over every worker makes each worker evict what it will need next; prefill
 (100 µs per uncached token) is most of a request's time to first token, as on GPUs
 with long prompts; and the imbalance gap is half a worker's batch (4 of 8), the scale
-at which cache-aware routing still spreads load over a 4-worker fleet
+at which cache-aware routing still spreads load over a 4-worker cluster
 (loadtests/results/policies.md); 8 users, two per worker, so that load stays even and
 the imbalance rule seldom overrides the cache (with 16 users on a loaded 2-core machine
 the load reports swung, and cache-aware's hit rate varied from 0.25 to 0.54 between
@@ -46,11 +46,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from loadtests.load.cluster import FleetSpec
-from loadtests.load.report import Summary
-from loadtests.load.runner import RunSpec, run
-from loadtests.options import WorkloadOptions, add_workload_arguments, options_from_namespace
-from loadtests.progress import Progress, clock_text
+from loadtests.kit import (
+    Progress,
+    WorkloadOptions,
+    add_workload_arguments,
+    clock_text,
+    options_from_namespace,
+)
+from loadtests.load.cluster import ClusterSpec
+from loadtests.load.runner import RunSpec, Summary, run
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,7 @@ def plot(results: dict[str, Summary], path: Path, title: str) -> None:
 
 
 def compare(
-    fleet_spec: FleetSpec,
+    cluster_spec: ClusterSpec,
     workload: WorkloadOptions,
     run_spec: RunSpec,
     policies: list[str],
@@ -159,19 +163,19 @@ def compare(
     a policy's own keys (balance_mode) win. ``sglang_python``: a Python with
     `sglang-router` installed; SGLang's router then runs last, as ``sglang-router``.
     ``host_tiers``: host KV tier sizes (tokens a worker); each gets a fresh fleet and
-    every policy, named ``POLICY, host N`` (empty: the one fleet of ``fleet_spec``)."""
+    every policy, named ``POLICY, host N`` (empty: the one fleet of ``cluster_spec``)."""
     results: dict[str, Summary] = {}
-    if any(EVENTS in p for p in policies) and not fleet_spec.kv_events:
+    if any(EVENTS in p for p in policies) and not cluster_spec.kv_events:
         raise ValueError("a '+ events' policy needs a fleet whose workers publish (kv_events)")
     policies = list(policies) + ([SGLANG] if sglang_python else [])
-    tiers = host_tiers or (fleet_spec.host_cache_tokens,)
+    tiers = host_tiers or (cluster_spec.host_cache_tokens,)
     progress = Progress("compare", len(tiers) * (1 + len(policies)))
     for tier in tiers:
-        spec = replace(fleet_spec, host_cache_tokens=tier)
+        spec = replace(cluster_spec, host_cache_tokens=tier)
         suffix = f", host {tier}" if len(tiers) > 1 else ""
         results |= {
             f"{name}{suffix}": s
-            for name, s in _one_fleet(spec, workload, run_spec, policies, settings,
+            for name, s in _one_cluster(spec, workload, run_spec, policies, settings,
                                       sglang_python, progress, suffix).items()
         }  # fmt: skip
     if sglang_python is None:
@@ -179,41 +183,41 @@ def compare(
     return results
 
 
-def _one_fleet(
-    fleet_spec: FleetSpec, workload: WorkloadOptions, run_spec: RunSpec, policies: list[str],
+def _one_cluster(
+    cluster_spec: ClusterSpec, workload: WorkloadOptions, run_spec: RunSpec, policies: list[str],
     settings: dict[str, str] | None, sglang_python: str | None, progress: Progress, suffix: str,
 ) -> dict[str, Summary]:  # fmt: skip
     results: dict[str, Summary] = {}
-    tier = f", host tier {fleet_spec.host_cache_tokens} tokens" if suffix else ""
-    progress.say(f"starting Redis, {fleet_spec.workers} sim workers{tier} and a router")
-    with fleet_spec.start() as fleet:
+    tier = f", host tier {cluster_spec.host_cache_tokens} tokens" if suffix else ""
+    progress.say(f"starting Redis, {cluster_spec.workers} sim workers{tier} and a router")
+    with cluster_spec.start() as cluster:
         progress.finished()
         for name in policies:
             progress.say(f"{name}: restarting the router, flushing caches, running the workload")
             if name == SGLANG:
                 assert sglang_python is not None
-                fleet.start_sglang_router(sglang_python)
+                cluster.start_sglang_router(sglang_python)
             else:
-                fleet.start_router(router_settings(name, settings))
-            fleet.flush()
-            if fleet_spec.kv_events:  # both arms wait alike
+                cluster.start_router(router_settings(name, settings))
+            cluster.flush()
+            if cluster_spec.kv_events:  # both arms wait alike
                 time.sleep(EVENTS_SETTLE_S)
-            before = fleet.worker_requests()
-            host_before = fleet.worker_counter(HOST_HITS, 'tier="host"')
+            before = cluster.worker_requests()
+            host_before = cluster.worker_counter(HOST_HITS, 'tier="host"')
             slug = (name + suffix).replace(" ", "_").replace(",", "")
             out = run_spec.out / slug.replace("(", "").replace(")", "")
             # Every request names the sim workers' model: SGLang's router requires one.
-            run_at = RunSpec(**{**run_spec.__dict__, "host": fleet.router_url, "out": out,
+            run_at = RunSpec(**{**run_spec.__dict__, "host": cluster.router_url, "out": out,
                                 "model": run_spec.model or "sim"})  # fmt: skip
             summary = run(run_at, workload, title=f"{workload.workload}: {name}", quiet=True)
             # Idle workers count: the records only name the workers that got requests.
-            results[name] = r = summary.over_fleet(f"w{i}" for i in range(fleet_spec.workers))
+            results[name] = r = summary.over_fleet(f"w{i}" for i in range(cluster_spec.workers))
             if name == SGLANG:  # it names no worker in its answers: count at the workers
-                after = fleet.worker_requests()
+                after = cluster.worker_requests()
                 counts = {w: after[w] - before[w] for w in after}
                 results[name] = r = replace(r, per_worker_requests=counts)
-            host = fleet.worker_counter(HOST_HITS, 'tier="host"') - host_before
-            if fleet_spec.host_cache_tokens:
+            host = cluster.worker_counter(HOST_HITS, 'tier="host"') - host_before
+            if cluster_spec.host_cache_tokens:
                 print(f"{name}{suffix}: {host:.0f} prompt tokens hit in the host tier")
             progress.finished(
                 f"{name}{suffix}: {r.requests} requests, {r.failures} failed, "
@@ -318,7 +322,7 @@ def main(args: argparse.Namespace) -> int:
     if args.kv_events:
         arms = (EVENTS, EVENTS_GPU) if args.kv_events_gpu_only else (EVENTS,)
         policies = [n for p in policies for n in (p, *(p + a for a in arms))]
-    fleet = FleetSpec(
+    cluster = ClusterSpec(
         workers=args.workers, cache_tokens=args.cache_tokens, prefill_us_per_token=args.prefill_us,
         decode_ms_per_token=args.decode_ms, max_running_requests=args.max_running,
         kv_events=args.kv_events,
@@ -339,7 +343,7 @@ def main(args: argparse.Namespace) -> int:
     settings = {"balance_abs_threshold": str(max(1, args.max_running // 2))}
     settings |= dict(_setting(s) for s in args.router_setting)
     started = time.monotonic()
-    results = compare(fleet, workload, run_spec, policies, settings, args.sglang_python, tiers)
+    results = compare(cluster, workload, run_spec, policies, settings, args.sglang_python, tiers)
     text = table(results)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,8 @@ import json
 import socket
 import time
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet
-from loadtests.load.faults_kit import SPEC, Options, Row, poll, row, with_load
+from loadtests.load.cluster import Cluster, WorkerSpec, sim_cluster
+from loadtests.load.traffic import SPEC, Options, Row, poll, row, with_load
 from shared.procs import http_json
 
 BODY_READ_TIMEOUT_S = 2.0
@@ -57,8 +57,8 @@ async def _trickle(port: int, stop: asyncio.Event, refused: list[float]) -> None
 
 async def slowloris(o: Options) -> Row:
     slow = max(o.slow_clients, MAX_CONCURRENT)
-    with sim_fleet(o.workers, SPEC) as fleet:
-        router = fleet.start_router(
+    with sim_cluster(o.workers, SPEC) as cluster:
+        router = cluster.start_router(
             {"max_concurrent": MAX_CONCURRENT, "body_read_timeout": BODY_READ_TIMEOUT_S}
         )
         port = int(router.url.rsplit(":", 1)[1])
@@ -74,12 +74,12 @@ async def slowloris(o: Options) -> Row:
             return rec, f"{slow} trickling clients for {time.monotonic() - start:.0f}s"
 
         try:
-            outcomes, rec, note = await with_load(fleet, o, fault)
+            outcomes, rec, note = await with_load(cluster, o, fault)
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         note += f", max_concurrent {MAX_CONCURRENT}; {len(refused)} slow bodies refused (408)"
-        return row("slowloris", fleet, outcomes, rec, note)
+        return row("slowloris", cluster, outcomes, rec, note)
 
 
 def _open_never_read(port: int, i: int) -> socket.socket:
@@ -106,18 +106,18 @@ def _in_flight(router_url: str) -> int:
     return sum(int(w["in_flight"]) for w in body["data"])
 
 
-def _stats(fleet: BenchFleet, key: str) -> int:
+def _stats(cluster: Cluster, key: str) -> int:
     total = 0
-    for child in fleet.workers.values():
+    for child in cluster.workers.values():
         _, info = http_json(child.url + "/get_server_info")
         total += int(info["stats"][key])
     return total
 
 
 async def stuck_reader(o: Options) -> Row:
-    with sim_fleet(o.workers, STUCK_SPEC) as fleet:
-        fleet.start_router()
-        stuck = fleet.add_router("stuck", {"stream_write_timeout": STREAM_WRITE_TIMEOUT_S})
+    with sim_cluster(o.workers, STUCK_SPEC) as cluster:
+        cluster.start_router()
+        stuck = cluster.add_router("stuck", {"stream_write_timeout": STREAM_WRITE_TIMEOUT_S})
         port = int(stuck.url.rsplit(":", 1)[1])
         socks: list[socket.socket] = []
 
@@ -129,11 +129,11 @@ async def stuck_reader(o: Options) -> Row:
             return time.monotonic() - start, "4 streams never read"
 
         try:
-            outcomes, rec, note = await with_load(fleet, o, fault)
+            outcomes, rec, note = await with_load(cluster, o, fault)
             # With the stuck sockets still open: nothing runs, and the stuck streams made
             # only what filled the buffers (the rest of the tokens are what the load asked).
-            idle = await asyncio.to_thread(_stats, fleet, "running")
-            made = await asyncio.to_thread(_stats, fleet, "completion_tokens_total")
+            idle = await asyncio.to_thread(_stats, cluster, "running")
+            made = await asyncio.to_thread(_stats, cluster, "completion_tokens_total")
         finally:
             for sock in socks:
                 sock.close()
@@ -141,7 +141,7 @@ async def stuck_reader(o: Options) -> Row:
         stuck_made = made - asked
         note += (f"; then workers running {idle}; the stuck streams generated {stuck_made:,} "
                  f"of {4 * STUCK_TOKENS:,} tokens before the abort")  # fmt: skip
-        return row("stuck reader", fleet, outcomes, rec, note)
+        return row("stuck reader", cluster, outcomes, rec, note)
 
 
 CLIENT_SCENARIOS = {"slowloris": slowloris, "stuck_reader": stuck_reader}

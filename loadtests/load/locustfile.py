@@ -41,11 +41,16 @@ from locust.env import Environment
 from locust.exception import StopUser
 
 try:
-    from loadtests.load.metrics import HitCounter, RequestRecord
-    from loadtests.load.responses import error_text, read_stream, read_whole
+    from loadtests.kit import add_workload_arguments, options_from_namespace
+    from loadtests.load.records import (
+        HitCounter,
+        RequestRecord,
+        error_text,
+        read_stream,
+        read_whole,
+    )
     from loadtests.load.summary import summarize
     from loadtests.load.workloads import LLMRequest, Session, Workload
-    from loadtests.options import add_workload_arguments, options_from_namespace
 except ModuleNotFoundError as e:  # `locust -f` outside the repository root
     raise SystemExit(
         "loadtests is not importable: run this from the repository root as "

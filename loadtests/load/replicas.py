@@ -31,10 +31,10 @@ from pathlib import Path
 import aiohttp
 from redis.asyncio import Redis
 
-from loadtests.load.cluster import BenchFleet, Child, FleetSpec
-from loadtests.load.sse import SSEParser
+from loadtests.kit import WorkloadOptions
+from loadtests.load.cluster import Child, Cluster, ClusterSpec
+from loadtests.load.records import SSEParser
 from loadtests.load.workloads import LLMRequest, Workload
-from loadtests.options import HelpFormatter, WorkloadOptions
 from shared.wire.registry import Registry
 
 WORKLOADS: dict[str, WorkloadOptions] = {
@@ -160,7 +160,7 @@ def summarize(
     ok = [r for r in records if r.status == 200]
     prompt = sum(r.prompt_tokens for r in ok)
     per_worker = Counter(r.worker for r in ok)
-    mean = len(ok) / workers  # over the whole fleet: a worker sent nothing counts as 0
+    mean = len(ok) / workers  # over the whole cluster: a worker sent nothing counts as 0
     served: dict[str, set[str]] = {}
     for r in ok:
         served.setdefault(r.tag, set()).add(r.worker)
@@ -176,17 +176,17 @@ def summarize(
     )  # fmt: skip
 
 
-def start_replicas(fleet: BenchFleet, n: int, sync: bool) -> list[Child]:
+def start_replicas(cluster: Cluster, n: int, sync: bool) -> list[Child]:
     """n fresh routers on the fleet's Redis and workers (the fleet stops them at the end)."""
     settings: dict[str, object] = {"policy": "cache_aware", "sync": sync, "log_level": "WARNING"}
-    return [fleet.add_router(f"router-{i}", settings) for i in range(n)]
+    return [cluster.add_router(f"router-{i}", settings) for i in range(n)]
 
 
-def measure(fleet: BenchFleet, workload: str, n: int, sync: bool, users: int, idle_s: float) -> Row:
-    assert fleet.redis is not None
-    fleet.flush()
-    asyncio.run(reset_sync_state(fleet.redis.url))
-    replicas = start_replicas(fleet, n, sync)
+def measure(cluster: Cluster, workload: str, n: int, sync: bool, users: int, idle_s: float) -> Row:
+    assert cluster.redis is not None
+    cluster.flush()
+    asyncio.run(reset_sync_state(cluster.redis.url))
+    replicas = start_replicas(cluster, n, sync)
     try:
         # What the replicas burn with no traffic (discovery, sync's load and read loops),
         # so the table can show the per-request part apart from this background.
@@ -201,7 +201,7 @@ def measure(fleet: BenchFleet, workload: str, n: int, sync: bool, users: int, id
     finally:
         for replica in replicas:
             replica.stop(grace_s=15)
-    return summarize(workload, n, sync, records, len(fleet.workers), cpu, idle_rate, wall)
+    return summarize(workload, n, sync, records, len(cluster.workers), cpu, idle_rate, wall)
 
 
 def table(rows: list[Row]) -> str:
@@ -224,8 +224,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", default="1,2,3", help="comma-separated replica counts")
     p.add_argument("--workloads", default="multi_turn,shared_prefix")
     p.add_argument("--workers", type=int, default=4)
@@ -237,27 +236,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=2.0, help="idle CPU baseline per run")
     p.add_argument("--scale", type=float, default=1.0, help="multiply conversations/groups")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    args = p.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     counts = [int(x) for x in args.replicas.split(",")]
     names = [w.strip() for w in args.workloads.split(",")]
     for name in names:
         if name not in WORKLOADS:
-            p.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+            raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
         o = WORKLOADS[name]
         WORKLOADS[name] = replace(
             o, conversations=max(1, round(o.conversations * args.scale)),
             groups=max(1, round(o.groups * args.scale)),
         )  # fmt: skip
-    spec = FleetSpec(
+    spec = ClusterSpec(
         workers=args.workers, cache_tokens=args.cache_tokens, prefill_us_per_token=args.prefill_us,
         decode_ms_per_token=args.decode_ms, max_running_requests=args.max_running,
     )  # fmt: skip
     rows: list[Row] = []
-    with spec.start() as fleet:
+    with spec.start() as cluster:
         for name in names:
             for n in counts:
                 for sync in (False, True):
-                    row = measure(fleet, name, n, sync, args.users, args.idle_s)
+                    row = measure(cluster, name, n, sync, args.users, args.idle_s)
                     rows.append(row)
                     print(f"{name} replicas={n} sync={'on' if sync else 'off'}: hit rate "
                           f"{row.hit_rate:.3f}, {row.extra_placements} extra placements, "

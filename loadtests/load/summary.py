@@ -1,29 +1,215 @@
 """What one load-test run comes to: `summarize(records, slo, workers) -> Summary`.
 
-vLLM's serving metrics for the run and per worker (loadtests/load/serving.py), and the
-figures only a cache-aware fleet has: the hit rate from `cached_tokens`, and requests
-per worker over every worker of the fleet (the router's GET /workers), the idle ones
+The serving metrics of the run, as `vllm bench serve` defines and names them, for the
+whole run and per worker:
+
+- TTFT: time to the first generated text;
+- TPOT: time per output token after the first, `(e2e - ttft) / (output_tokens - 1)`,
+  one value per request with more than one output token;
+- ITL: every gap between two streamed chunks (all gaps of all requests pooled);
+- E2EL: the whole request;
+- throughput: completed requests, output tokens and prompt + output tokens per second
+  of the run's duration (first send to last answer);
+- goodput: completed requests per second that met every objective of an `SLO`
+  (DistServe's definition, and vLLM's rule: a request with one output token has TPOT 0).
+
+Each latency gets mean, median, std and the p50 / p90 / p99 percentiles (numpy's linear
+interpolation, as vLLM), in milliseconds. `ServingMetrics.to_vllm()` writes them under
+the field names of vLLM's result JSON (vllm/benchmarks/serve.py, v0.32.0:
+`completed`, `request_throughput`, `mean_ttft_ms`, `p99_tpot_ms`, `median_e2el_ms`, ...),
+so a run of ours and one of theirs sit side by side. A distribution with no value
+(no request succeeded, or no streamed chunk) is `None` there, where vLLM writes 0.
+
+And the figures only a cache-aware router has: the hit rate from `cached_tokens`, and
+requests per worker over every worker the router lists (GET /workers), the idle ones
 included, so that a policy that sends everything to one of four workers shows a spread
 of 4.00, not 1.00. Two tables with a unit on every figure: `table()` (the run) and
 `worker_table()` (one line per worker). No plotting here: the locust process prints
-these tables too (loadtests/load/report.py draws the plots).
+these tables too (loadtests/load/runner.py draws the plots).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
-from loadtests.load.metrics import HitCounter, RequestRecord
-from loadtests.load.serving import SLO, Latency, ServingMetrics, per_worker, serving_metrics
+import numpy as np
+
+from loadtests.load.records import HitCounter, RequestRecord
+
+PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives per request, in milliseconds; None: no objective."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> SLO | None:
+        """`ttft=200,tpot=50` (ms; keys ttft, tpot, e2el, as vLLM's --goodput); "" → None."""
+        if not text or not text.strip():
+            return None
+        values: dict[str, float] = {}
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or key not in ("ttft", "tpot", "e2el"):
+                raise ValueError(f"--slo wants ttft=MS,tpot=MS,e2el=MS (any of them), got {text!r}")
+            try:
+                values[f"{key}_ms"] = float(value)
+            except ValueError:
+                raise ValueError(f"--slo: {part.strip()!r} is not KEY=milliseconds") from None
+            if values[f"{key}_ms"] <= 0:
+                raise ValueError(f"--slo: {key} must be > 0 ms, got {value.strip()}")
+        return cls(**values)
+
+    def text(self) -> str:
+        parts = [(f.name[:-3], getattr(self, f.name)) for f in fields(self)]
+        return ",".join(f"{k}={v:g}" for k, v in parts if v is not None)
+
+    def met_by(self, r: RequestRecord) -> bool:
+        """Did a finished request meet every objective? A failed one never does."""
+        if not r.ok:
+            return False
+        checks = ((self.ttft_ms, r.ttft_s), (self.tpot_ms, tpot_s(r) or 0.0),
+                  (self.e2el_ms, r.e2e_s))  # fmt: skip
+        # No TTFT measured (a whole answer, not a stream): it cannot be shown to meet one.
+        return all(limit is None or (v is not None and v * 1000 <= limit) for limit, v in checks)
+
+
+def tpot_s(r: RequestRecord) -> float | None:
+    """Time per output token after the first (vLLM's TPOT); None for one token or none."""
+    if r.ttft_s is None or r.output_tokens <= 1:
+        return None
+    return (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Latency:
+    """One latency's distribution, in milliseconds (NaN where there is no value)."""
+
+    mean: float
+    median: float
+    std: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, seconds: Iterable[float]) -> Latency:
+        ms = np.asarray(list(seconds), dtype=float) * 1000
+        if not len(ms):
+            return cls(*[math.nan] * 6)
+        p50, p90, p99 = (float(np.percentile(ms, q)) for q in PERCENTILES)
+        return cls(float(ms.mean()), float(np.median(ms)), float(ms.std()), p50, p90, p99)
+
+
+@dataclass(frozen=True)
+class ServingMetrics:
+    completed: int
+    failed: int
+    duration: float  # seconds, first send to last answer (of the whole run)
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # completed requests / s
+    request_goodput: float | None  # requests / s meeting the SLO; None without one
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # prompt + output tokens / s
+    ttft: Latency
+    tpot: Latency
+    itl: Latency
+    e2el: Latency
+
+    def to_vllm(self) -> dict[str, float | int | None]:
+        """The fields of vLLM's result JSON that mean the same here, under their names."""
+        out: dict[str, float | int | None] = {
+            "duration": self.duration,
+            "completed": self.completed,
+            "failed": self.failed,
+            "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "request_throughput": self.request_throughput,
+            "request_goodput": self.request_goodput,
+            "output_throughput": self.output_throughput,
+            "total_token_throughput": self.total_token_throughput,
+        }
+        for name in LATENCIES:
+            lat: Latency = getattr(self, name)
+            for stat in ("mean", "median", "std"):
+                out[f"{stat}_{name}_ms"] = _num(getattr(lat, stat))
+            for q in PERCENTILES:
+                out[f"p{q}_{name}_ms"] = _num(getattr(lat, f"p{q}"))
+        return out
+
+
+def _num(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def duration_of(records: list[RequestRecord]) -> float:
+    """First send to last answer, in seconds (0 for no records)."""
+    if not records:
+        return 0.0
+    return max(r.start + r.e2e_s for r in records) - min(r.start for r in records)
+
+
+def serving_metrics(
+    records: list[RequestRecord], slo: SLO | None = None, duration: float | None = None
+) -> ServingMetrics:
+    """`duration`: the run's, when `records` are a part of it (one worker's)."""
+    ok = [r for r in records if r.ok]
+    dur = duration_of(records) if duration is None else duration
+    per_s = (lambda n: n / dur) if dur > 0 else (lambda n: 0.0)
+    prompt = sum(r.prompt_tokens for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    good = None if slo is None else per_s(sum(1 for r in ok if slo.met_by(r)))
+    # ITL: every gap between chunks, as vLLM pools them; a record written before the
+    # gaps were kept counts its mean gap once.
+    itl = [g for r in ok for g in (r.itls_s or ([r.itl_s] if r.itl_s is not None else []))]
+    return ServingMetrics(
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        duration=dur,
+        total_input_tokens=prompt,
+        total_output_tokens=output,
+        request_throughput=per_s(len(ok)),
+        request_goodput=good,
+        output_throughput=per_s(output),
+        total_token_throughput=per_s(prompt + output),
+        ttft=Latency.of(r.ttft_s for r in ok if r.ttft_s is not None),
+        tpot=Latency.of(t for r in ok if (t := tpot_s(r)) is not None),
+        itl=Latency.of(itl),
+        e2el=Latency.of(r.e2e_s for r in ok),
+    )
+
+
+def per_worker(
+    records: list[RequestRecord],
+    workers: Iterable[str] = (),
+    slo: SLO | None = None,
+    duration: float | None = None,
+) -> dict[str, ServingMetrics]:
+    """Each worker's share of the run, over the run's duration (`duration`, default the
+    records' own), so the throughputs add up to the whole; a worker in `workers` that
+    got nothing is listed with zeros."""
+    dur = duration_of(records) if duration is None else duration
+    by: dict[str, list[RequestRecord]] = {w: [] for w in workers}
+    for r in records:
+        by.setdefault(r.worker, []).append(r)
+    return {w: serving_metrics(rs, slo, dur) for w, rs in sorted(by.items())}
 
 
 @dataclass(frozen=True)
 class Summary:
     requests: int  # sent, failed ones included
     failures: int
-    serving: ServingMetrics  # the whole run, vLLM's metrics (loadtests/load/serving.py)
+    serving: ServingMetrics  # the whole run, vLLM's metrics (loadtests/load/summary.py)
     hit_rate: float
     per_worker_requests: dict[str, int]
     per_worker_hit_rate: dict[str, float]

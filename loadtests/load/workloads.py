@@ -23,12 +23,12 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from loadtests.options import WorkloadOptions
+from loadtests.kit import WorkloadOptions
 
 # A fixed vocabulary of short pronounceable words: deterministic, no data files needed.
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
@@ -42,6 +42,17 @@ NATO_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "
 
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choices(VOCAB, k=n))
+
+
+def text_of(rng: random.Random, chars: int, vocab: Sequence[str] = VOCAB) -> str:
+    """Random words of `vocab` until the text is at least `chars` long (the last one whole)."""
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(vocab)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
 
 
 @dataclass(frozen=True)

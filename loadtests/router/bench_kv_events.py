@@ -1,6 +1,7 @@
-"""Tree alone vs tree + KV events, live: 4 sim workers, the real router, divergence cases.
+"""Tree alone vs tree + KV events, live: 4 sim workers, the real router, divergence cases
+(and `up-prediction`, UP_PREDICTION below: what `radix-router up` predicts cached).
 
-    python -m loadtests.router.bench_kv_events [--sessions 32] [--turns 3] [--cases host,host_routed]
+    python -m loadtests kv-events [--sessions 32] [--turns 3] [--cases host,host_routed]
 
 Each case runs the same conversations twice on the same fleet (caches flushed between),
 once with the router's `kv_events` off (the prefix tree alone) and once on (the index of
@@ -10,7 +11,7 @@ what workers report, beside the tree's in-flight entries; `tokenizer: sim`):
     direct      a second client sends each conversation's first turn straight to a
                 random worker (the router never sees it), then the rest go through it
     flush       every worker's cache is flushed after the first turns
-    flush_half  w0's and w1's caches (half the fleet) are flushed after the first turns:
+    flush_half  w0's and w1's caches (half the cluster) are flushed after the first turns:
                 with --shared-words, the shared head of every prompt is still held by
                 the other two (the fairer flush: a prefix the tree's guess misses exists)
     restart     one worker restarts after the first turns (a new epoch: empty cache)
@@ -34,16 +35,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import openai
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.kit import Command, pct
+from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.load.workloads import NATO_WORDS as WORDS
+from shared.procs import Child, free_port, wait_until
 
 
 @dataclass
@@ -64,8 +71,8 @@ class Result:
         return self.cached / self.prompt if self.prompt else 0.0
 
     def pct(self, q: float) -> float:
-        xs = sorted(self.ttfts or [0.0])
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
+        """The `q` quantile of TTFT, in ms."""
+        return pct(self.ttfts or [0.0], q) * 1000
 
 
 def system_prompt(rng: random.Random, s: int, words: int, shared: str = "") -> str:
@@ -102,12 +109,12 @@ async def one(client: openai.AsyncOpenAI, messages: list[dict], res: Result) -> 
 
 
 async def run_case(
-    fleet: BenchFleet, args: argparse.Namespace, case: str, between: Callable[[], None]
+    cluster: Cluster, args: argparse.Namespace, case: str, between: Callable[[], None]
 ) -> Result:
-    assert fleet.router is not None
+    assert cluster.router is not None
     rng = random.Random(args.seed)
-    router = openai.AsyncOpenAI(base_url=fleet.router.url + "/v1", api_key="x", max_retries=2)
-    direct = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="x") for u in fleet.worker_urls]
+    router = openai.AsyncOpenAI(base_url=cluster.router.url + "/v1", api_key="x", max_retries=2)
+    direct = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="x") for u in cluster.worker_urls]
     head = shared_head(args.shared_words)
     chats = [[{"role": "system", "content": system_prompt(rng, s, args.words, head)}]
              for s in range(args.sessions)]  # fmt: skip
@@ -145,16 +152,15 @@ MODES = {
 }
 
 
-def flush(fleet: BenchFleet) -> None:
-    fleet.flush()
+def flush(cluster: Cluster) -> None:
+    cluster.flush()
 
 
-def wait_events(fleet: BenchFleet) -> None:
+def wait_events(cluster: Cluster) -> None:
     time.sleep(1.0)  # the router rereads the fleet and the restarted worker's stream
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=32)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--words", type=int, default=600, help="system prompt words per session")
@@ -172,7 +178,9 @@ def main() -> int:
     p.add_argument("--host-cache-tokens", type=int, default=60_000,
                    help="host cases: each worker's host KV tier")  # fmt: skip
     p.add_argument("--gap", type=float, default=3.0, help="host cases: seconds between rounds")
-    args = p.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     cases = args.cases.split(",")
     rows = []
     uniform = [args.cache_tokens] * 4
@@ -186,26 +194,26 @@ def main() -> int:
     ):
         if not names:
             continue
-        with BenchFleet() as fleet:
+        with Cluster() as cluster:
             for i, cap in enumerate(caps):
                 spec = WorkerSpec(cache_tokens=cap, prefill_us=args.prefill_us, decode_ms=1.0,
                                   max_running=8, extra=("--kv-events", *tier))  # fmt: skip
-                fleet.start_worker(f"w{i}", spec)
+                cluster.start_worker(f"w{i}", spec)
             for case in names:
                 between = {
-                    "flush": lambda f=fleet: flush(f),
-                    "flush_half": lambda f=fleet: f.flush(only=("w0", "w1")),
-                    "restart": lambda f=fleet: (f.restart_worker("w1"), wait_events(f)),
+                    "flush": lambda f=cluster: flush(f),
+                    "flush_half": lambda f=cluster: f.flush(only=("w0", "w1")),
+                    "restart": lambda f=cluster: (f.restart_worker("w1"), wait_events(f)),
                 }.get(case, lambda: None)
                 modes = list(MODES) if case in HOST_CASES else ["tree", "tree+events"]
                 for mode in modes:
                     settings: dict[str, object] = {"balance_abs_threshold": 4,
                                                    "tree_chars_per_token": 2.5, "access_log": False}  # fmt: skip
                     settings |= MODES[mode]
-                    fleet.flush()
-                    fleet.start_router(settings)
+                    cluster.flush()
+                    cluster.start_router(settings)
                     time.sleep(1.0)
-                    r = asyncio.run(run_case(fleet, args, case, between))
+                    r = asyncio.run(run_case(cluster, args, case, between))
                     rows.append((case, mode, r))
                     print(f"{case:11s} {mode:15s} hit {r.hit_rate:6.3f}  TTFT p50 "
                           f"{r.pct(0.5):7.1f} ms  p99 {r.pct(0.99):7.1f} ms  "
@@ -226,5 +234,78 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+# -- up-prediction -----------------------------------------------------------------------
+def dashboard(url: str) -> dict:
+    with urllib.request.urlopen(url + "/dashboard.json", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _ready(url: str) -> bool:
+    try:
+        return dashboard(url)["fleet"]["ready"] == 2
+    except OSError:
+        return False
+
+
+def run(args: argparse.Namespace, kv_events: bool) -> tuple[float, float, float]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # A Child (shared/procs.py): its own session and a log file, never an unread pipe
+    # (a full one blocked `up`, which then outlived the bench); `stop` is SIGTERM, which
+    # `up` answers by stopping its router and workers, then SIGKILL after the grace.
+    with tempfile.TemporaryDirectory() as tmp:
+        up = Child("up", ["router", "up", "--workers", "2", "--engine", args.engine,
+                          "--port", str(port)] + ([] if kv_events else ["--no-kv-events"]),
+                   url, Path(tmp) / "up.log").start()  # fmt: skip
+        try:
+            wait_until(lambda: _ready(url), 180, up, poll_s=0.5)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+            model = client.models.list().data[0].id
+            rng = random.Random(3)
+            chats = [[{"role": "system", "content": f"Session {s}. " +
+                       " ".join(rng.choice(WORDS) for _ in range(args.words))}]
+                     for s in range(args.sessions)]  # fmt: skip
+            for turn in range(args.turns):
+                for chat in chats:
+                    chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(WORDS)}?"})
+                    r = client.chat.completions.create(model=model, messages=chat, max_tokens=8)
+                    chat.append(
+                        {"role": "assistant", "content": r.choices[0].message.content or ""}
+                    )
+                time.sleep(0.3)
+            fleet = dashboard(url)["fleet"]
+            return (fleet["predicted_cached_tokens_total"], fleet["actual_cached_tokens_total"],
+                    fleet["hit_rate"] or 0.0)  # fmt: skip
+        finally:
+            up.stop(grace_s=30)
+
+
+def up_prediction_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="sim")
+    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--words", type=int, default=300)
+
+
+def up_prediction_main(args: argparse.Namespace) -> int:
+    for kv in (True, False):
+        predicted, actual, hit = run(args, kv)
+        print(f"up --engine {args.engine} kv_events {'on ' if kv else 'off'}: predicted "
+              f"{predicted:,.0f} / actual {actual:,} cached tokens = {predicted / actual:.3f} "
+              f"(hit rate {hit:.3f})", flush=True)  # fmt: skip
+    return 0
+
+
+UP_PREDICTION = Command(
+    """Predicted vs actual cached tokens on a fresh `radix-router up`, with KV events on (its
+default) and off, as a new user would run it.
+
+    python -m loadtests up-prediction [--engine sim] [--sessions 12] [--turns 4]
+
+Starts `python -m router up --workers 2` (then again with `--no-kv-events`), sends
+multi-turn chats through it with the official client, and reads the dashboard's totals:
+the tokens the router predicted cached on the chosen workers and what they reported.
+""",
+    up_prediction_arguments,
+    up_prediction_main,
+)

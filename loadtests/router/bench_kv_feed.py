@@ -12,7 +12,7 @@ as the stream entries a worker writes (shared/wire/kv_events.py: msgpack, epoch,
 and applied by `KvEventFeed.apply_entry` (parse, decode, index) in a fresh feed.
 
 `--before-ref REF` times the same entries with the feed's code from that git ref
-(loadtests/refs.py), alternating sides per repeat, each side in its own process; both
+(loadtests/kit.py), alternating sides per repeat, each side in its own process; both
 sides must leave the same index (a digest of every conversation's match_tiers and
 lost_at, compared), so a faster side that answers differently fails the bench.
 """
@@ -30,7 +30,7 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
-from loadtests.refs import ROOT, checkout, short
+from loadtests.kit import ROOT, checkout, short
 
 # Runs in the side's own tree (only APIs both sides have): times apply_entry, prints
 # {"us": per-request microseconds per repeat, "digest": what the index answers}.
@@ -170,9 +170,3 @@ def main(args: argparse.Namespace) -> int:
             print(f"same index answers: {'yes' if same else 'NO'}")
             return 0 if same else 1
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    raise SystemExit(main(parser.parse_args()))

@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loadtests.options import HelpFormatter
+from loadtests.load.workloads import text_of
 from router.policy import build_policy
 from router.policy.base import FleetView, Policy, RouteRequest, WorkerView
 from shared.config import RouterConfig
@@ -65,22 +65,12 @@ class Row:
     decisions: list[tuple[str, str]]
 
 
-def _text(rng: random.Random, chars: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < chars:
-        w = rng.choice(VOCAB)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)
-
-
-def make_requests(args: argparse.Namespace, rng: random.Random) -> list[str]:
-    systems = [_text(rng, args.system_chars) for _ in range(args.groups)]
+def policy_requests(args: argparse.Namespace, rng: random.Random) -> list[str]:
+    systems = [text_of(rng, args.system_chars, VOCAB) for _ in range(args.groups)]
     weights = [1.0 / (g + 1) for g in range(args.groups)]  # Zipf, exponent 1
     total = args.warmup + args.requests
     picks = rng.choices(range(args.groups), weights=weights, k=total)
-    return [f"{systems[g]} {i} {_text(rng, args.tail_chars)}" for i, g in enumerate(picks)]
+    return [f"{systems[g]} {i} {text_of(rng, args.tail_chars, VOCAB)}" for i, g in enumerate(picks)]
 
 
 def load_changes(n: int, total: int, rng: random.Random) -> list[list[tuple[int, int]]]:
@@ -199,20 +189,21 @@ def views_cost_us(n: int, repeats: int = 200) -> float:
     return (time.thread_time_ns() - t) / repeats / 1e3
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    ap.add_argument("--workers", default="8,64,256,1000")
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--requests", type=int, default=2000, help="timed requests per run")
-    ap.add_argument("--warmup", type=int, default=2000, help="untimed requests first")
-    ap.add_argument("--groups", type=int, default=512)
-    ap.add_argument("--system-chars", type=int, default=8000)
-    ap.add_argument("--tail-chars", type=int, default=500)
-    ap.add_argument("--reports", type=int, default=1, help="heartbeats before each request")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default="8,64,256,1000")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--requests", type=int, default=2000, help="timed requests per run")
+    p.add_argument("--warmup", type=int, default=2000, help="untimed requests first")
+    p.add_argument("--groups", type=int, default=512)
+    p.add_argument("--system-chars", type=int, default=8000)
+    p.add_argument("--tail-chars", type=int, default=500)
+    p.add_argument("--reports", type=int, default=1, help="heartbeats before each request")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
-    texts = make_requests(args, rng)
+    texts = policy_requests(args, rng)
     mean_chars = statistics.fmean(len(t) for t in texts)
     overhead = timer_overhead_ns()
     policies = [p for p in args.policies.split(",") if p]

@@ -1,5 +1,6 @@
 """Router overhead: the same requests straight to a zero-cost sim worker and through the
-router, side by side in one run.
+router, side by side in one run (and `router-fleet-size`, FLEET_SIZE below: router CPU
+per request as its worker table grows).
 
     python -m loadtests router-overhead [--requests 600] [--concurrency 32] [--seconds 8]
     python -m loadtests router-overhead --before-ref REF [--rounds 4]
@@ -21,53 +22,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import aiohttp
 
-from loadtests.options import HelpFormatter
-from shared.procs import answers_health, wait_until
-from shared.redis_server import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from loadtests.kit import Command, checkout, cpu_seconds, pct
+from loadtests.load.cluster import ROOT, serve_router, sim_worker
+from shared.procs import free_port
 
 SYSTEM = "You are a helpful assistant. Answer briefly. " * 40
 
 
 def body(i: int, stream: bool = False) -> dict:
     return {"prompt": SYSTEM + f"question {i}", "max_tokens": 4, "stream": stream}
-
-
-def spawn(args: list[str], port: int, root: Path = ROOT) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *args], env=env, cwd=root, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    with contextlib.suppress(TimeoutError):
-        wait_until(lambda: proc.poll() is not None or answers_health(url), 60, poll_s=0.1)
-    if proc.poll() is None and answers_health(url):
-        return proc
-    proc.kill()
-    raise RuntimeError(f"{args[0]} did not start")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process: its CPU cost, whatever else competes for the cores."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def one(session: aiohttp.ClientSession, url: str, payload: dict) -> float:
@@ -152,14 +124,6 @@ async def bench(args: argparse.Namespace, direct: str, routed: str, pids: dict[s
     print(f"\np50 overhead {added:.3f} ms (target <= 1 ms): {'met' if added <= 1.0 else 'NOT met'}")
 
 
-def checkout(ref: str, into: Path) -> None:
-    """REF's tracked files into `into` (git archive: no worktree left behind)."""
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", ref], capture_output=True, check=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-
-
 async def before_after(
     args: argparse.Namespace, urls: dict[str, str], pids: dict[str, int]
 ) -> None:
@@ -190,61 +154,201 @@ async def before_after(
               f"{statistics.median(rps[name]):.0f} |")  # fmt: skip
     ratio = statistics.median(cpu["after"]) / statistics.median(cpu["before"])
     print(f"\nafter / before CPU per request: {ratio:.2f}x")
+    # Below saturation each request passes at once: what the fleet queue adds to a
+    # streamed first byte, at concurrency 1, the two routers interleaved.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        lat = await latency(session, urls["before"], urls["after"], args.requests, True)
+    before, after = statistics.median(lat["direct"]), statistics.median(lat["router"])
+    print(f"stream first byte p50, {args.requests} each, interleaved: before "
+          f"{before * 1e3:.2f} ms, after {after * 1e3:.2f} ms: {(after - before) * 1e3:+.2f} ms")  # fmt: skip
 
 
 def main_before_after(args: argparse.Namespace) -> None:
-    import tempfile
-
     wport = free_port()
     ports = {"before": free_port(), "after": free_port()}
-    procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory(prefix="router-before-") as tmp:
-        checkout(args.before_ref, Path(tmp))
-        roots = {"before": Path(tmp), "after": ROOT}
-        try:
-            procs.append(spawn(["worker", "serve", "--engine", "sim", "--host", "127.0.0.1",
-                                "--port", str(wport), "--worker-id", "bench", "--log-level",
-                                "WARNING"], wport))  # fmt: skip
-            pids = {}
-            for name, port in ports.items():
-                proc = spawn(["router", "serve", "--host", "127.0.0.1", "--port", str(port),
-                              "--policy", args.policy, "--worker-url", f"http://127.0.0.1:{wport}",
-                              "--log-level", "WARNING"], port, roots[name])  # fmt: skip
-                procs.append(proc)
-                pids[name] = proc.pid
-            urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-            asyncio.run(before_after(args, urls, pids))
-        finally:
-            for proc in procs:
-                proc.terminate()
-                proc.wait(10)
+    flags = ["--policy", args.policy, "--worker-url", f"http://127.0.0.1:{wport}"]
+    with ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="router-before-")))
+        roots = {"before": stack.enter_context(checkout(args.before_ref)), "after": ROOT}
+        stack.callback(sim_worker(wport, logs).stop)
+        pids = {}
+        for name, port in ports.items():
+            child = serve_router(name, port, logs, flags, roots[name])
+            stack.callback(child.stop)
+            pids[name] = child.pid
+        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        asyncio.run(before_after(args, urls, pids))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
-    )
-    parser.add_argument("--requests", type=int, default=600)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--policy", default="cache_aware")
-    parser.add_argument("--before-ref", help="git commit to compare this tree's router CPU against")
-    parser.add_argument("--rounds", type=int, default=4, help="with --before-ref: rounds each")
-    args = parser.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--before-ref", help="git commit to compare this tree's router CPU against")
+    p.add_argument("--rounds", type=int, default=4, help="with --before-ref: rounds each")
+
+
+def main(args: argparse.Namespace) -> None:
     if args.before_ref:
         main_before_after(args)
         return
     wport, rport = free_port(), free_port()
-    worker = spawn(["worker", "serve", "--engine", "sim", "--host", "127.0.0.1", "--port", str(wport),
-                    "--worker-id", "bench", "--log-level", "WARNING"], wport)  # fmt: skip
-    router = None
-    try:
-        router = spawn(["router", "serve", "--host", "127.0.0.1", "--port", str(rport), "--policy", args.policy,
-                        "--worker-url", f"http://127.0.0.1:{wport}", "--log-level", "WARNING"], rport)  # fmt: skip
-        pids = {"router": router.pid, "worker": worker.pid}
+    flags = ["--policy", args.policy, "--worker-url", f"http://127.0.0.1:{wport}"]
+    with ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="router-overhead-")))
+        worker = sim_worker(wport, logs)
+        stack.callback(worker.stop)
+        routed = serve_router("router", rport, logs, flags)
+        stack.callback(routed.stop)
+        pids = {"router": routed.pid, "worker": worker.pid}
         asyncio.run(bench(args, f"http://127.0.0.1:{wport}", f"http://127.0.0.1:{rport}", pids))
+
+
+# -- router-fleet-size ------------------------------------------------------------------
+SYSTEMS = [f"System prompt {k}: you are a careful assistant. " * 30 for k in range(8)]
+
+
+def loopback(k: int) -> str:
+    """The k-th address of 127.0.0.0/8, skipping .0 and .255 (k = 0 is 127.0.0.1)."""
+    a, b = divmod(k, 254)
+    return f"127.0.{a}.{b + 1}"
+
+
+def write_config(path: Path, n: int, port: int) -> Path:
+    urls = "".join(f"  - http://{loopback(k)}:{port}\n" for k in range(n))
+    path.write_text(f"worker_urls:\n{urls}")
+    return path
+
+
+def fleet_body(i: int) -> dict:
+    return {
+        "model": "sim",  # what OpenAI clients always send
+        "prompt": SYSTEMS[i % len(SYSTEMS)] + f"question {i}",
+        "max_tokens": 4,
+    }
+
+
+async def closed_loop(url: str, concurrency: int, seconds: float, pid: int) -> dict[str, float]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with session.get(url + "/v1/models") as r:  # learn each worker's model
+            assert r.status == 200, r.status
+        for i in range(200):  # warm-up: connections, trees
+            async with session.post(url + "/v1/completions", json=fleet_body(i)) as r:
+                await r.read()
+                assert r.status == 200, (r.status, await r.text())
+        latencies: list[float] = []
+        end = time.perf_counter() + seconds
+        cpu_before = cpu_seconds(pid)
+
+        async def loop(k: int) -> None:
+            i = k
+            while time.perf_counter() < end:
+                start = time.perf_counter()
+                async with session.post(url + "/v1/completions", json=fleet_body(i)) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+                latencies.append(time.perf_counter() - start)
+                i += concurrency
+
+        started = time.perf_counter()
+        await asyncio.gather(*(loop(k) for k in range(concurrency)))
+        elapsed = time.perf_counter() - started
+        cpu = cpu_seconds(pid) - cpu_before
+    n = len(latencies)
+    return {"cpu_us": cpu / n * 1e6, "rps": n / elapsed, "p50_ms": pct(latencies, 0.5) * 1e3}
+
+
+def run_router(
+    name: str, tree: Path, config: Path, logs: Path, concurrency: int, seconds: float
+) -> dict[str, float]:
+    child = serve_router(name, free_port(), logs, ["--config", str(config)], tree)
+    try:
+        return asyncio.run(closed_loop(child.url, concurrency, seconds, child.pid))
     finally:
-        for proc in (router, worker):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(10)
+        child.stop()
+
+
+def run_together(
+    trees: dict[str, Path], config: Path, logs: Path, concurrency: int, seconds: float
+) -> dict[str, dict[str, float]]:
+    """Every router of `trees` under its own closed loop, all at the same time."""
+    with ExitStack() as stack:
+        started = {}
+        for name, tree in trees.items():
+            started[name] = serve_router(name, free_port(), logs, ["--config", str(config)], tree)
+            stack.callback(started[name].stop)
+
+        async def both() -> list[dict[str, float]]:
+            return await asyncio.gather(
+                *(closed_loop(c.url, concurrency, seconds, c.pid) for c in started.values())
+            )
+
+        return dict(zip(started, asyncio.run(both()), strict=True))
+
+
+def fleet_size_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="1,64,256,1000")
+    p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--before-ref", default="b102ab7")
+    p.add_argument("--together", action="store_true", help="run before and after at the same time")
+
+
+def fleet_size_main(args: argparse.Namespace) -> None:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    wport = free_port()
+    rows = []
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fleet-size-")))
+        before = stack.enter_context(checkout(args.before_ref))
+        # 0.0.0.0: every loopback address of the router's static list reaches it
+        stack.callback(sim_worker(wport, tmp, host="0.0.0.0").stop)
+        for j, n in enumerate(sizes):
+            config = write_config(tmp / f"workers{n}.yaml", n, wport)
+            order = [("before", before), ("after", ROOT)]
+            result = {}
+            if args.together:
+                result = run_together(dict(order), config, tmp, args.concurrency, args.seconds)
+            else:
+                for name, tree in order if j % 2 == 0 else order[::-1]:
+                    result[name] = run_router(
+                        name, tree, config, tmp, args.concurrency, args.seconds
+                    )
+            for name, _ in order:
+                print(f"  {n:>5} workers {name:>6}: {result[name]}", flush=True)
+            rows.append((n, result["before"], result["after"]))
+    print(f"\nRouter CPU per request vs fleet size (closed loop, {args.concurrency} clients, "
+          f"{args.seconds:.0f} s each{', together' if args.together else ''}; before = {args.before_ref}; {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f})\n")  # fmt: skip
+    print("| workers | CPU µs/req before | CPU µs/req after | before / after "
+          "| req/s before | req/s after | p50 ms before | p50 ms after |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, b, a in rows:
+        print(f"| {n} | {b['cpu_us']:.0f} | {a['cpu_us']:.0f} | {b['cpu_us'] / a['cpu_us']:.2f}x "
+              f"| {b['rps']:.0f} | {a['rps']:.0f} | {b['p50_ms']:.2f} | {a['p50_ms']:.2f} |")  # fmt: skip
+
+
+FLEET_SIZE = Command(
+    """Router CPU per request vs fleet size, before and after the maintained routable view,
+side by side in one run.
+
+    python -m loadtests router-fleet-size [--sizes 1,64,256,1000] [--seconds 6]
+        [--concurrency 16] [--before-ref b102ab7] [--together]
+
+One zero-cost sim worker process listens on 0.0.0.0; the router gets N static workers
+`http://127.0.a.b:PORT`, distinct loopback addresses that all reach that one process, so
+each is its own worker id (the router's table, breakers, loads and prefix trees see N
+workers) while the serving cost stays one cheap process. For each N, a router built
+from `--before-ref` (a temporary worktree: the code before the
+change) and one from this working tree run the same closed loop, in alternating order.
+Measured: the router process's utime + stime from /proc over the loop, divided by the
+requests it answered. With `--together`, both routers run at the same time, each with its
+own closed loop of `--concurrency` clients, so both see the same contention moment by
+moment (on a shared machine, runs one after the other differ by ±30% from the load of
+the minute alone). Before the loop, `GET /v1/models` lets the router learn every
+worker's model (what a registry heartbeat reports), and a warm-up fills the trees.
+""",
+    fleet_size_arguments,
+    fleet_size_main,
+)

@@ -1,6 +1,7 @@
-"""Router CPU per request with prompt ids (tokenizer + KV-event index) on vs off.
+"""Router CPU per request with prompt ids (tokenizer + KV-event index) on vs off (and
+`sync-wire`, SYNC_WIRE below: a replica sync entry, text vs prompt ids).
 
-    python -m loadtests.router.bench_router_tokens [--requests 320] [--rounds 3] [--before-ref REF]
+    python -m loadtests router-tokens [--requests 320] [--rounds 3] [--before-ref REF]
 
 One zero-cost sim worker publishing KV events and one real router process per mode,
 all running at once: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
@@ -12,7 +13,7 @@ moment, so a busy neighbour on a shared machine slows all modes alike; each rout
 CPU (utime + stime from /proc, its feed's included) is divided by the requests.
 
 `--before-ref REF` adds `tok@REF` and `on@REF`: the same modes with the router's code
-from that git ref (loadtests/refs.py). Every round prints each mode's ratio to the same
+from that git ref (loadtests/kit.py). Every round prints each mode's ratio to the same
 round's `off`; the summary gives the range over rounds and whether every round is
 within `--target` (issue 26: 1.5x).
 """
@@ -22,22 +23,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
+import statistics
 import time
 from contextlib import ExitStack
+from typing import Any
 
 import aiohttp
+import numpy as np
+from redis.asyncio import Redis
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.kit import Command, checkout, cpu_seconds, short
+from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.load.workloads import NATO_WORDS as WORDS
-from loadtests.refs import checkout, short
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from router.fleet.sync import DecisionSync
+from router.policy import build_policy
+from shared.config import RouterConfig
+from shared.tokens.fingerprint import tokenizer_fingerprint
+from shared.tokens.prompt_tokens import PromptTokens
+from shared.wire.protocol import ChatCompletionRequest, canonical_chat_text
+from shared.wire.registry import Registry
 
 
 async def drive(urls: list[str], args: argparse.Namespace, seed: int) -> int:
@@ -72,8 +77,7 @@ async def drive(urls: list[str], args: argparse.Namespace, seed: int) -> int:
     return sent
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=320, help="per router and round")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
@@ -81,7 +85,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before-ref", default="", help="also run tok/on from this git ref")
     p.add_argument("--target", type=float, default=1.5, help="the ratio to off to meet")
-    args = p.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     extra = ("--kv-events",) + (() if args.tokenizer == "sim" else ("--model", args.tokenizer))
     modes = ["off", "tok", "on"]
     if args.before_ref:
@@ -90,11 +96,11 @@ def main() -> int:
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     with ExitStack() as stack:
         before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
-        fleet = stack.enter_context(BenchFleet())
+        cluster = stack.enter_context(Cluster())
         # A 3 s heartbeat expiry (1 s x 3): on a loaded shared machine the default 0.6 s
         # lapsed mid-round once in a while (`no_workers`), which is not what is measured.
         spec = WorkerSpec(decode_ms=0.0, prefill_us=0.0, heartbeat_s=1.0, extra=extra)
-        fleet.start_worker("w0", spec)
+        cluster.start_worker("w0", spec)
         routers = {}
         for mode in modes:
             kind, _, at = mode.partition("@")
@@ -102,15 +108,15 @@ def main() -> int:
             if kind != "off":
                 settings |= {"tokenizer": args.tokenizer, "kv_events": kind == "on"}
             name = f"router-{kind}" + ("-before" if at else "")
-            routers[mode] = fleet.add_router(name, settings, tree=before if at else None)
+            routers[mode] = cluster.add_router(name, settings, tree=before if at else None)
         urls = [r.url for r in routers.values()]
         asyncio.run(drive(urls, args, seed=100))  # warm-up: pieces, pools, trees
         for r in range(args.rounds):
-            start = {m: cpu_s(c.pid) for m, c in routers.items()}
+            start = {m: cpu_seconds(c.pid) for m, c in routers.items()}
             t0 = time.perf_counter()
             n = asyncio.run(drive(urls, args, seed=200 + r))
             for m, c in routers.items():
-                cpu[m].append((cpu_s(c.pid) - start[m]) / n * 1e3)
+                cpu[m].append((cpu_seconds(c.pid) - start[m]) / n * 1e3)
             line = ", ".join(f"{m} {v[-1]:.3f} ms ({ratio(v[-1], cpu['off'][-1]):.2f}x)"
                              for m, v in cpu.items())  # fmt: skip
             print(f"round {r} ({n} requests each, {time.perf_counter() - t0:.1f} s): {line}",
@@ -140,5 +146,120 @@ def summary(cpu: dict[str, list[float]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+# -- sync-wire ---------------------------------------------------------------------------
+def chats(args: argparse.Namespace) -> list[list[dict[str, str]]]:
+    """Every request of every conversation, in arrival order (turn by turn)."""
+    rng = random.Random(7)
+    convs = [[{"role": "system", "content": f"Chat {s}. " +
+               " ".join(rng.choice(WORDS) for _ in range(args.words))}]
+             for s in range(args.sessions)]  # fmt: skip
+    out = []
+    for turn in range(args.turns):
+        for chat in convs:
+            chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(WORDS)}?"})
+            out.append([dict(m) for m in chat])
+            chat.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=12))})
+    return out
+
+
+def make_sync(config: RouterConfig, fingerprint: str | None) -> tuple[DecisionSync, Any]:
+    policy = build_policy(config, random.Random(1))
+    redis = Redis.from_url("redis://127.0.0.1:1")  # never connected: nothing is sent
+    sync = DecisionSync(
+        redis, Registry(redis, "bench:"), config, policy.observe, dict, fingerprint=fingerprint,
+    )  # fmt: skip
+    return sync, policy
+
+
+def run_arm(
+    keys: list[Any], config: RouterConfig, fp: str | None
+) -> tuple[list[bytes], float, float]:
+    """(entries, publish CPU s, apply CPU s) for one arm."""
+    writer, _ = make_sync(config, fp)
+    t0 = time.process_time()
+    for i, key in enumerate(keys):
+        writer.publish(f"w{i % 4}", key)
+    publish = time.process_time() - t0
+    entries = list(writer._pending)
+    reader, policy = make_sync(config, fp)
+    stream = [(f"{i + 1}-0".encode(), {b"d": e}) for i, e in enumerate(entries)]
+    t0 = time.process_time()
+    reader._apply(stream, include_own=False)
+    apply = time.process_time() - t0
+    assert reader.applied == len(entries), (reader.applied, reader.skipped)
+    assert policy.worker_stats(), "nothing reached the tree"
+    return entries, publish, apply
+
+
+def sync_wire_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
+    p.add_argument("--rounds", type=int, default=3)
+
+
+def sync_wire_main(args: argparse.Namespace) -> int:
+    requests = chats(args)
+    tokens = PromptTokens.load("sim")
+    fp = tokenizer_fingerprint(tokens.tokenizer)
+    texts = [canonical_chat_text(ChatCompletionRequest.model_validate({"messages": m}).messages)
+             for m in requests]  # fmt: skip
+    ids = [tokens.chat(m) for m in requests]
+    arms = {
+        "text": (texts, RouterConfig(sync=True), None),
+        "tokens": (ids, RouterConfig(sync=True, tokenizer="sim"), fp),
+    }
+    raw = {"text": [len(t.encode()) for t in texts], "tokens": [4 * len(i) for i in ids]}
+    units = {"text": np.mean([len(t) for t in texts]), "tokens": np.mean([len(i) for i in ids])}
+    sizes: dict[str, list[int]] = {}
+    cpu: dict[str, dict[str, list[float]]] = {a: {"publish": [], "apply": []} for a in arms}
+    for _ in range(args.rounds):
+        for arm, (keys, config, arm_fp) in arms.items():  # alternating, side by side
+            entries, publish, apply = run_arm(keys, config, arm_fp)
+            sizes[arm] = [len(e) for e in entries]
+            cpu[arm]["publish"].append(publish / len(keys) * 1e6)
+            cpu[arm]["apply"].append(apply / len(keys) * 1e6)
+    n = len(requests)
+    print(f"{n} decisions ({args.sessions} chats x {args.turns} turns), {args.rounds} rounds")
+    print(
+        "| key | mean key length | raw bytes (mean) | entry bytes mean / p50 / max "
+        "| publish µs/entry best / mean | apply µs/entry best / mean |"
+    )
+    print("|---|---|---|---|---|---|")
+    for arm in arms:
+        s, c = sizes[arm], cpu[arm]
+        unit = "chars" if arm == "text" else "ids"
+        print(f"| {arm} | {units[arm]:,.0f} {unit} | {statistics.mean(raw[arm]):,.0f} "
+              f"| {statistics.mean(s):,.0f} / {statistics.median(s):,.0f} / {max(s):,} "
+              f"| {min(c['publish']):.1f} / {statistics.mean(c['publish']):.1f} "
+              f"| {min(c['apply']):.1f} / {statistics.mean(c['apply']):.1f} |")  # fmt: skip
+    t, k = cpu["text"], cpu["tokens"]
+    print(f"tokens / text: entry bytes {statistics.mean(sizes['tokens']) / statistics.mean(sizes['text']):.2f}x, "
+          f"publish {statistics.mean(k['publish']) / statistics.mean(t['publish']):.2f}x, "
+          f"apply {statistics.mean(k['apply']) / statistics.mean(t['apply']):.2f}x (means)")  # fmt: skip
+    return 0
+
+
+SYNC_WIRE = Command(
+    """Replica sync entries, text vs prompt ids: bytes on the wire and a replica's CPU per entry.
+
+    python -m loadtests sync-wire [--sessions 16] [--turns 20] [--words 700] [--rounds 3]
+
+Routers share each routing decision through Redis (router/fleet/sync.py): the routed text
+where the tree keys on text, the prompt ids (uint32 + zlib, with the tokenizer's
+fingerprint) where it keys on tokens. The same multi-turn chats as
+`bench_router_tokens` (a ~700-word system prompt, ~2k tokens, one user line a turn) are
+turned into decisions both ways, in process:
+
+- size: bytes of the stream field (what Redis stores and every replica reads), against
+  the raw key (UTF-8 text, or 4 bytes an id);
+- publish: the writer's CPU per entry (encode + compress: on the request's path);
+- apply: the reader's CPU per entry, through the real `DecisionSync._apply` into the real
+  `cache_aware` policy's tree (decode, validate, insert): what a replica pays for every
+  other replica's decision. No Redis round trip is timed (the same for both).
+
+The two arms run in alternating rounds on one machine; `time.process_time` per round.
+""",
+    sync_wire_arguments,
+    sync_wire_main,
+)

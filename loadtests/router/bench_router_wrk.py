@@ -1,4 +1,6 @@
-"""Router throughput under wrk and streamed time to first token, side by side in one run:
+"""Router throughput under wrk and streamed time to first token, side by side in one run
+(and `upstream-reuse`, UPSTREAM_REUSE below: the price of a worker that does not echo
+request ids):
 straight to a sim worker (zero cost unless `--prefill-us` / `--decode-ms`), through our router with 1 and with N processes
 (`serve --processes N`, replica sync through an embedded Redis), and through SGLang's
 Rust router (`sglang-router`, from its own venv) when its Python is given.
@@ -8,7 +10,7 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
         [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
-`loadtests/refs.py`) as one more target, so a change's price is measured side by side;
+`loadtests/kit.py`) as one more target, so a change's price is measured side by side;
 `--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
 `--worker zero` puts `loadtests/router/zero_worker.py` (a few microseconds a request, echoing
 `x-request-id`) behind the routers instead of the sim worker (~0.5 ms of CPU a request,
@@ -39,19 +41,20 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
-from loadtests.refs import checkout
-from shared.procs import answers_health, free_port, wait_until
+from loadtests.kit import Command, checkout, cpu_seconds
+from loadtests.load.cluster import ROOT, Child, serve, serve_router, wait_health
+from loadtests.router import zero_worker
+from shared.procs import free_port
 from shared.redis_server import RedisServer
 
 SYSTEM = "You are a helpful assistant. Answer briefly. " * 40  # 1,800 chars
@@ -70,44 +73,7 @@ LUA = "\n".join(
 class Target:
     name: str
     url: str
-    proc: subprocess.Popen[bytes] | None = None  # None: the worker itself (direct)
-
-
-def spawn(
-    cmd: list[str], log: Path, tree: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    """Start `cmd` from `tree` (default: this checkout; `--before-ref`: the ref's)."""
-    root = str(tree or os.getcwd())
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": root, **(env or {})},
-        )  # fmt: skip
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def tree_cpu_s(pid: int) -> float:
-    """utime + stime of `pid` and every live descendant."""
-    total, stack = 0.0, [pid]
-    tick = os.sysconf("SC_CLK_TCK")
-    while stack:
-        p = stack.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
+    child: Child | None = None  # None: the worker itself (direct)
 
 
 def lua(rate: float, connections: int) -> str:
@@ -169,17 +135,14 @@ async def streamed(targets: list[Target], n: int, concurrency: int) -> dict[str,
 def start_targets(
     args: argparse.Namespace, tmp: Path, worker_url: str, redis_url: str, before: Path | None
 ) -> list[Target]:
-    py = sys.executable
     targets = [Target("direct", worker_url)]
 
-    def router(name: str, n: int, tree: Path | None = None, env: dict | None = None) -> None:
-        port = free_port()
-        cmd = [py, "-m", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--worker-url", worker_url, "--log-level", "WARNING"]  # fmt: skip
+    def router(name: str, n: int, tree: Path = ROOT, env: dict | None = None) -> None:
+        flags = ["--worker-url", worker_url]
         if n > 1:
-            cmd += ["--processes", str(n), "--redis-url", redis_url]
-        log = tmp / f"{len(targets)}.log"
-        targets.append(Target(name, f"http://127.0.0.1:{port}", spawn(cmd, log, tree, env)))
+            flags += ["--processes", str(n), "--redis-url", redis_url]
+        child = serve_router(f"{len(targets)}", free_port(), tmp, flags, tree, env, wait=False)
+        targets.append(Target(name, child.url, child))
 
     if before is not None:
         router(f"router x1 @{args.before_ref}", 1, before)
@@ -189,14 +152,13 @@ def start_targets(
         router(f"router x1 ({client} client)", 1, env={"RADIX_ROUTER_UPSTREAM_CLIENT": client})
     if args.sglang_python:
         port = free_port()
-        cmd = [args.sglang_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-               "--port", str(port), "--worker-urls", worker_url, "--policy", "cache_aware",
-               "--log-level", "warn"]  # fmt: skip
-        targets.append(
-            Target("sglang-router", f"http://127.0.0.1:{port}", spawn(cmd, tmp / "sglang.log"))
-        )
+        cmd = ["sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", worker_url, "--policy", "cache_aware", "--log-level", "warn"]  # fmt: skip
+        child = serve("sglang", cmd, port, tmp, python=args.sglang_python, wait=False)
+        targets.append(Target("sglang-router", child.url, child))
     for t in targets:
-        wait_until(lambda t=t: answers_health(t.url), 90, poll_s=0.2)
+        if t.child is not None:
+            wait_health(t.child, 90)
     return targets
 
 
@@ -266,20 +228,18 @@ def main(args: argparse.Namespace) -> int:
         script.write_text(lua(args.rate, args.connections))
         wport = free_port()
         if args.worker == "zero":  # next to no cost: the routers, not it, set the pace
-            worker = spawn([sys.executable, "-m", "loadtests.router.zero_worker", str(wport)],
-                           tmp / "w.log")  # fmt: skip
+            worker = serve("w", [zero_worker.__name__, str(wport)], wport, tmp)
         else:
-            worker = spawn([sys.executable, "-m", "worker", "serve", "--engine", "sim", "--host",
-                            "127.0.0.1", "--port", str(wport), "--log-level", "WARNING",
-                            "--sim-prefill-us-per-token", str(args.prefill_us),
-                            "--sim-decode-ms-per-token", str(args.decode_ms)], tmp / "w.log")  # fmt: skip
+            worker = serve("w", ["worker", "serve", "--engine", "sim", "--host", "127.0.0.1",
+                                 "--port", str(wport), "--log-level", "WARNING",
+                                 "--sim-prefill-us-per-token", str(args.prefill_us),
+                                 "--sim-decode-ms-per-token", str(args.decode_ms)], wport, tmp)  # fmt: skip
         redis = RedisServer().start()
         targets: list[Target] = []
         stack = contextlib.ExitStack()
         try:
             before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
-            wait_until(lambda: answers_health(f"http://127.0.0.1:{wport}"), 60, poll_s=0.2)
-            targets = start_targets(args, tmp, f"http://127.0.0.1:{wport}", redis.url, before)
+            targets = start_targets(args, tmp, worker.url, redis.url, before)
             print("| round | target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
             print("|---:|---|---:|---:|---:|---:|---:|")
             for t in targets:
@@ -288,10 +248,10 @@ def main(args: argparse.Namespace) -> int:
             for n in range(args.rounds):
                 # The order flips every round, so drift on a shared machine hits all alike.
                 for t in targets if n % 2 == 0 else targets[::-1]:
-                    pid = t.proc.pid if t.proc is not None else worker.pid
-                    cpu0 = tree_cpu_s(pid)
+                    pid = (t.child or worker).pid
+                    cpu0 = cpu_seconds(pid, descendants=True)
                     r = wrk(t.url + "/v1/completions", args.seconds, args.connections, script)
-                    cpu = (tree_cpu_s(pid) - cpu0) * 1e3 / max(1, r["done"])
+                    cpu = (cpu_seconds(pid, descendants=True) - cpu0) * 1e3 / max(1, r["done"])
                     rounds[t.name].append((r["rps"], cpu))
                     print(f"| {n + 1} | {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | "
                           f"{r['p99']:.1f} | {cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
@@ -311,9 +271,74 @@ def main(args: argparse.Namespace) -> int:
             print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         finally:
             for t in targets:
-                if t.proc is not None:
-                    stop(t.proc)
-            stop(worker)
+                if t.child is not None:
+                    t.child.stop(grace_s=15)
+            worker.stop(grace_s=15)
             redis.stop()
             stack.close()
     return 0
+
+
+# -- upstream-reuse ---------------------------------------------------------------------
+def opened(router_url: str) -> int:
+    with urllib.request.urlopen(router_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = re.search(r"^radix_router_upstream_connections_opened_total (\S+)", text, re.M)
+    return int(float(found[1])) if found else -1
+
+
+def reuse_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
+    p.add_argument("--connections", type=int, default=32, help="wrk keep-alive connections")
+
+
+def reuse_main(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-reuse-") as d:
+        tmp = Path(d)
+        script = tmp / "post.lua"
+        script.write_text(LUA)
+        children: list[Child] = []
+        try:
+            rows = []
+            for mode in ("echo", "no-echo"):
+                wport, rport = free_port(), free_port()
+                echo = [] if mode == "echo" else ["--no-echo"]
+                worker = serve(f"{mode}-w", [zero_worker.__name__, str(wport), *echo], wport, tmp)
+                children.append(worker)
+                router = serve_router(f"{mode}-r", rport, tmp, ["--worker-url", worker.url])
+                children.append(router)
+                rows.append((mode, router.url, router.pid))
+            print(
+                "| worker | req/s | p50 (ms) | p99 (ms) | router CPU ms / request | connections opened / request | non-2xx |"
+            )
+            print("|---|---:|---:|---:|---:|---:|---:|")
+            for mode, url, pid in rows:
+                wrk(url + "/v1/completions", 1, args.connections, script)  # warm-up
+                before_conns, cpu0 = opened(url), cpu_seconds(pid, descendants=True)
+                r = wrk(url + "/v1/completions", args.seconds, args.connections, script)
+                cpu = (cpu_seconds(pid, descendants=True) - cpu0) * 1e3 / max(1, r["done"])
+                conns = (opened(url) - before_conns) / max(1, r["done"])
+                print(f"| {mode} | {r['rps']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | {cpu:.3f} | "
+                      f"{conns:.2f} | {r['non2xx']} |", flush=True)  # fmt: skip
+        finally:
+            for child in children:
+                child.stop(grace_s=15)
+    return 0
+
+
+UPSTREAM_REUSE = Command(
+    """What the upstream reuse rule costs when a worker does not echo request ids.
+
+    python -m loadtests upstream-reuse [--seconds 8] [--connections 32]
+
+The router reuses a keep-alive connection to a worker only after an answer that echoed
+its `x-request-id` (router/upstream/transport.py): the project's worker echoes, a stock
+engine may not, and then each request gets a fresh connection. Two zero-cost workers
+(loadtests/router/zero_worker.py) that answer a fixed completion at once, one echoing
+the id and one not (`--no-echo`), each behind its own router (one process, the own client), side by side under wrk: req/s,
+the router's CPU per request (utime+stime of its process / requests) and the upstream
+connections it opened (`radix_router_upstream_connections_opened_total`).
+""",
+    reuse_arguments,
+    reuse_main,
+)

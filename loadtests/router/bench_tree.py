@@ -43,7 +43,7 @@ from typing import Protocol
 
 import pygtrie
 
-from loadtests.options import HelpFormatter
+from loadtests.load.workloads import text_of
 from router.policy import build_policy
 from router.policy.base import RouteRequest, WorkerView
 from router.policy.tree import PrefixTree
@@ -122,17 +122,11 @@ class PygtrieBaseline:
         return total
 
 
-def make_requests(args: argparse.Namespace) -> list[str]:
+def tree_requests(args: argparse.Namespace) -> list[str]:
     rng = random.Random(args.seed)
 
     def words(n_chars: int) -> str:
-        out: list[str] = []
-        size = 0
-        while size < n_chars:
-            w = rng.choice(WORDS)
-            out.append(w)
-            size += len(w) + 1
-        return " ".join(out)[:n_chars]
+        return text_of(rng, n_chars, WORDS)[:n_chars]
 
     systems = [f"[system {g}] " + words(args.system_chars) for g in range(args.groups)]
     return [
@@ -204,17 +198,18 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--workers", type=int, default=16)
-    ap.add_argument("--groups", type=int, default=64)
-    ap.add_argument("--system-chars", type=int, default=8000)
-    ap.add_argument("--tail-chars", type=int, default=500)
-    ap.add_argument("--memory-requests", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    requests = make_requests(args)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--workers", type=int, default=16)
+    p.add_argument("--groups", type=int, default=64)
+    p.add_argument("--system-chars", type=int, default=8000)
+    p.add_argument("--tail-chars", type=int, default=500)
+    p.add_argument("--memory-requests", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> None:
+    requests = tree_requests(args)
     workers = [f"w{i}" for i in range(args.workers)]
     avg_chars = sum(map(len, requests)) / len(requests)
     print(

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from loadtests.kit import WorkloadOptions
 from loadtests.load.agents import AgentOptions, AgentSession, agent_sessions
 from loadtests.load.workloads import Workload
-from loadtests.options import WorkloadOptions
-from loadtests.simulate.simulation import FleetSim
-from loadtests.simulate.sources import WordTokenizer, output_tokens, reply_text
+from loadtests.simulate.simulation import Simulation, WordTokenizer, output_tokens, reply_text
 from loadtests.simulate.worker import CostModel, Job
 from router.fleet import sessions
 from router.fleet.sessions import SessionTable, session_digest
@@ -82,7 +81,7 @@ class _Step:
     left: int
 
 
-class AgentSim(FleetSim):
+class AgentSim(Simulation):
     def __init__(
         self, config: RouterConfig, workers: int, cost: CostModel, options: AgentOptions,
         replicas: int = 1, sync_delay_s: float = 0.02, seed: int = 0,

@@ -28,12 +28,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from loadtests.kit import (
+    Progress,
+    WorkloadOptions,
+    add_workload_arguments,
+    clock_text,
+    options_from_namespace,
+)
 from loadtests.load.compare import POLICIES, RouterSpec
-from loadtests.options import WorkloadOptions, add_workload_arguments, options_from_namespace
-from loadtests.progress import Progress, clock_text
 from loadtests.simulate.divergence import ARMS, CASES, ArmSpec, DivergenceSim
-from loadtests.simulate.simulation import ClosedLoop, FleetSim, SimResult
-from loadtests.simulate.sources import generated_requests, mooncake_requests
+from loadtests.simulate.simulation import (
+    ClosedLoop,
+    SimResult,
+    Simulation,
+    generated_requests,
+    mooncake_requests,
+)
 from loadtests.simulate.worker import CostModel
 from shared.config import RouterConfig
 from worker.backends.sim import DEFAULT_HOST_LOAD_BYTES_PER_S, DEFAULT_KV_BYTES_PER_TOKEN
@@ -54,7 +64,7 @@ def simulate_one(
     arm: str | None = None,
 ) -> SimResult:  # fmt: skip
     if arm is None:
-        sim = FleetSim(config, n, cost, seed=args.sim_seed)
+        sim = Simulation(config, n, cost, seed=args.sim_seed)
     else:  # tree alone / tree + KV events / the ceiling (loadtests/simulate/divergence.py)
         spec = ArmSpec(arm, args.event_delay_ms / 1e3, args.event_block_size)
         sim = DivergenceSim(config, n, cost, CASES["baseline"], spec, 1 << 62, args.sim_seed)

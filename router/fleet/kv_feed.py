@@ -207,7 +207,7 @@ class KvEventFeed:
 
     def apply_stream_entry(self, wid: str, entry: StreamEntry) -> None:
         """An entry already parsed (and validated) as `wid`'s: epochs, sequence and trust,
-        then the index. The simulator (loadtests/simulate/kv_events.py) delivers its workers'
+        then the index. The simulator (loadtests/simulate/divergence.py) delivers its workers'
         events here, so it routes on the same status and fallback rules as the router."""
         state = self.streams[wid]
         if entry.epoch < max(state.epoch, 0.0) or entry.epoch < state.heartbeat_epoch - 1e-6:

@@ -27,7 +27,6 @@ from router.fleet.table import Fleet
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import make_edge_middleware
-from router.http.gate import AdmissionGate
 from router.http.openapi import build_openapi
 from router.http.ratelimit import make_rate_limit_check
 from router.http.state import (
@@ -35,20 +34,22 @@ from router.http.state import (
     CONFIG,
     DISCOVERY,
     FLEET,
-    GATE,
     KV_FEED,
     METRICS,
     OPENAPI,
     POLICY,
+    QUEUE,
     REJECTIONS,
     SESSION,
     SYNC,
+    TICKET,
     TOKENS,
 )
 from router.metrics import Metrics
 from router.policy import build_policy
 from router.policy.base import Policy
 from router.policy.kv_score import KvScorer, host_hit_weight
+from router.queue.fleet_queue import FleetQueue
 from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
@@ -152,6 +153,20 @@ async def _kv_feed_ctx(app: web.Application) -> AsyncIterator[None]:
     await redis.aclose()
 
 
+async def _queue_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The fleet queue re-reads seats while requests wait (router/queue/fleet_queue.py)."""
+    task = asyncio.create_task(app[QUEUE].run(), name="fleet-queue")
+    yield
+    await stop_task(task)
+
+
+async def _first_byte(request: web.Request, response: web.StreamResponse) -> None:
+    """An answer's head is leaving: the fleet queue's TTFT for the request's class."""
+    ticket = request.get(TICKET)
+    if ticket is not None:
+        request.app[QUEUE].answered(ticket, response.status)
+
+
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     redis = app.get(RATELIMIT_REDIS)
@@ -220,8 +235,11 @@ def create_app(
     fleet = Fleet(config, policy, sync.remote_inflight if sync is not None else None)
     for url in config.worker_urls:
         fleet.add_url(url, "static")
-    admission = AdmissionGate(config.max_concurrent, config.max_queue, config.queue_timeout)
-    metrics = Metrics(fleet, clock, lambda: admission.active + admission.waiting, rejections)
+    metrics = Metrics(fleet, clock, lambda: queue.active + queue.waiting, rejections)
+    queue = FleetQueue(
+        config, fleet, policy.predict, sync.remote_inflight if sync is not None else None,
+        clock, metrics.registry,
+    )  # fmt: skip
     # Created here (redis-py connects on first use, inside the loop), closed in cleanup.
     ratelimit_redis = None
     if config.rate_limit_per_key is not None and config.redis_url:
@@ -242,7 +260,7 @@ def create_app(
     app[SYNC] = sync
     app[METRICS] = metrics
     app[REJECTIONS] = rejections
-    app[GATE] = admission
+    app[QUEUE] = queue
     app[OPENAPI] = build_openapi()
     if ratelimit_redis is not None:
         app[RATELIMIT_REDIS] = ratelimit_redis
@@ -259,9 +277,9 @@ def create_app(
                 feed, config.kv_events_inflight, _host_weight(config, fleet)
             )
         metrics.watch_kv_feed(feed)
-    app.on_response_prepare.append(stamp_request_id)
+    app.on_response_prepare.extend([stamp_request_id, _first_byte])
     app.cleanup_ctx.extend(
-        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_feed_ctx, _ratelimit_redis_ctx]
+        [_session_ctx, _discovery_ctx, _sync_ctx, _kv_feed_ctx, _ratelimit_redis_ctx, _queue_ctx]
     )
     app.router.add_routes(routes())
     return app
@@ -327,13 +345,14 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
             ready(port)
         await stop.wait()
         await stop_task(settle)
-        app[GATE].stopping = True
+        app[QUEUE].stopping = True
         if config.shutdown_delay > 0:
             log.info("stopping: not ready, still serving for %.1fs", config.shutdown_delay)
             await asyncio.sleep(config.shutdown_delay)
-        log.info("draining: %d in flight, up to %.0fs", app[GATE].active, config.drain_timeout)
-        if not await app[GATE].drain(config.drain_timeout):
-            log.warning("drain timeout: %d requests still in flight", app[GATE].active)
+        queue = app[QUEUE]
+        log.info("draining: %d in flight, up to %.0fs", queue.active, config.drain_timeout)
+        if not await queue.drain(config.drain_timeout):
+            log.warning("drain timeout: %d requests still in flight", queue.active)
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

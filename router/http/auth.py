@@ -62,8 +62,13 @@ def make_auth_check(config: RouterConfig) -> AuthCheck:
     A plain function run by the router's one middleware (router/http/edge.py), not a
     middleware of its own: a layer of coroutine per request less."""
     admin_keys = KeySet((config.admin_key,) if config.admin_key else ())
-    client_keys = KeySet(config.api_keys + ((config.admin_key,) if config.admin_key else ()))
-    api_keys = bool(config.api_keys)
+    # A tenant's keys are client keys too (router/queue/tenants.py): with any tenant
+    # configured, a request needs a key.
+    tenant_keys = tuple(key for tenant in config.tenants.values() for key in tenant.keys)
+    client_keys = KeySet(
+        config.api_keys + tenant_keys + ((config.admin_key,) if config.admin_key else ())
+    )
+    api_keys = bool(config.api_keys or tenant_keys)
 
     def check(request: web.Request) -> None:
         path = request.path

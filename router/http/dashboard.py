@@ -10,7 +10,9 @@ or font fetched from elsewhere, so it works on an air-gapped cluster. It asks fo
   report in their heartbeats (what the engines actually reused, not the router's guess);
 - the router's guess next to it: cached tokens its trees predicted vs the cached tokens
   workers returned on the responses it proxied;
-- routing decisions by reason over the last minutes (`router.metrics.ReasonWindow`).
+- routing decisions by reason over the last minutes (`router.metrics.ReasonWindow`);
+- the fleet queue per tenant and class (router/queue/stats.py): waiting, wait, served,
+  SLO attainment, refused.
 
 Both paths sit with `/metrics` behind `protect_metrics` (router/http/auth.py). A browser
 cannot send a Bearer header on navigation, so for these two paths the key is also
@@ -27,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.http.state import CLOCK, FLEET, KV_FEED, METRICS, POLICY
+from router.http.state import CLOCK, FLEET, KV_FEED, METRICS, POLICY, QUEUE
 from router.upstream.proxy import echo_of
 
 PAGE_PATH = "/dashboard"
@@ -92,6 +94,7 @@ def snapshot(app: web.Application) -> dict[str, Any]:
             "breakers": {s: breakers.get(s, 0) for s in ("closed", "half_open", "open")},
         },
         "route_reasons": app[METRICS].reasons.snapshot(now),
+        "queue": app[QUEUE].stats.snapshot(),
     }
 
 

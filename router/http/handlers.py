@@ -22,15 +22,18 @@ from router.http.state import (
     CLOCK,
     CONFIG,
     FLEET,
-    GATE,
     KV_FEED,
     METRICS,
     OPENAPI,
     POLICY,
+    QUEUE,
     SESSION,
+    TICKET,
     TOKENS,
 )
+from router.policy.base import RouteRequest
 from router.policy.kv_score import request_tokens
+from router.queue.tenants import DEFAULT as DEFAULT_TENANT
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
@@ -38,6 +41,7 @@ from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
 from shared.wire.protocol import routing_text
+from shared.wire.service_class import request_class
 
 MODELS_PROBE_TIMEOUT_S = 2.0
 MODELS_MAX_BYTES = 1 << 20
@@ -61,6 +65,14 @@ def _status_of(error: BaseException) -> int:
     return 499 if isinstance(error, asyncio.CancelledError) else 500
 
 
+def _session_namespace(tenant: str, request: web.Request) -> str:
+    """Whose prompt_cache_key it is: the tenant its API key belongs to (config
+    `tenants`), else the API key's own identity, hashed (router/fleet/sessions.py)."""
+    if tenant != DEFAULT_TENANT:
+        return "tenant:" + tenant
+    return tenant_of(request_bearer_token(request))
+
+
 def _inference_handler(endpoint: str, path: str) -> Any:
     # Timing lives in the handler rather than in a middleware: one coroutine layer less on
     # every request, and only inference requests are timed anyway.
@@ -81,13 +93,28 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             tokens = app.get(TOKENS)  # the router's tokenizer, where one is configured
             ids = request_tokens(tokens, parsed) if tokens is not None else None
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
-            routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream)
+            klass, priority = request_class(data)  # a bad service_tier or priority → 400
+            # An engine that schedules by `priority` gets the class's where the body
+            # names a tier but no priority (router/upstream/proxy.py).
+            add = priority if "priority" not in data and "service_tier" in data else None
+            routed = Routed(endpoint, path, raw, text, session_key, model, ids, stream, add)
+            queue = app[QUEUE]
+            tenant = queue.tenants.of_headers(request.headers)
             cache_key = getattr(parsed, "prompt_cache_key", None)
             if cache_key is not None:  # namespaced by the caller's tenant (sessions.py)
-                tenant = tenant_of(request_bearer_token(request))
-                routed.cache_key = session_digest(tenant, cache_key)
-            async with app[GATE].slot():
-                response = await app[PROXY].forward(request, routed)
+                routed.cache_key = session_digest(
+                    _session_namespace(tenant.name, request), cache_key
+                )
+            ticket = queue.ticket(
+                tenant, klass,
+                RouteRequest(text, session_key, ids, model or ""),
+            )  # fmt: skip
+            request[TICKET] = ticket
+            async with queue.seat(ticket) as seat:
+                response = await app[PROXY].forward(request, routed, seat)
+                # A whole answer is ready to leave (a stream's head left already and was
+                # told by the app's on_response_prepare hook: the first of the two counts).
+                queue.answered(ticket, response.status)
             status = response.status
             return response
         except BaseException as e:
@@ -134,7 +161,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     app = request.app
-    if app[GATE].draining:
+    if app[QUEUE].draining:
         return web.json_response({"status": "draining"}, status=503)
     routable = len(app[FLEET].view(app[CLOCK]()))  # the kept view: no pass over the fleet
     if routable == 0:
@@ -151,8 +178,8 @@ async def liveness(request: web.Request) -> web.Response:
 async def readiness(request: web.Request) -> web.Response:
     """Ready to take traffic: not shutting down and at least one worker routable."""
     app = request.app
-    admission = app[GATE]
-    if admission.stopping or admission.draining:
+    queue = app[QUEUE]
+    if queue.stopping or queue.draining:
         return web.json_response({"status": "not_ready", "reason": "shutting_down"}, status=503)
     routable = len(app[FLEET].view(app[CLOCK]()))
     if routable == 0:
@@ -177,16 +204,19 @@ async def list_workers(request: web.Request) -> web.Response:
     app = request.app
     now = app[CLOCK]()
     trees = app[POLICY].worker_stats()
+    queue = app[QUEUE]
     out = []
     for w in list(app[FLEET].workers.values()):
         item = w.describe(now)
+        item.update(queue.seats.describe(w.worker_id))
         item["tree"] = trees.get(w.worker_id, {})
         feed = app.get(KV_FEED)
         item["kv_events"] = feed.status_of(w.worker_id) if feed is not None else None
         item["kv_events_rebuild"] = _rebuild(feed, w.worker_id)
         item["request_id_echo"] = echo_of(app, w.url)
         out.append(item)
-    return web.json_response({"object": "list", "data": out})
+    # The fleet queue per tenant and class (router/queue/stats.py).
+    return web.json_response({"object": "list", "data": out, "queue": queue.stats.snapshot()})
 
 
 async def add_worker(request: web.Request) -> web.Response:

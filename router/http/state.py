@@ -13,10 +13,11 @@ from router.fleet.discovery import Discovery
 from router.fleet.kv_feed import KvEventFeed
 from router.fleet.sync import ReplicaSync
 from router.fleet.table import Fleet
-from router.http.gate import AdmissionGate
 from router.metrics import Metrics
 from router.policy.base import Policy
+from router.queue.fleet_queue import FleetQueue
 from shared.config import RouterConfig
+from shared.serving.http import request_key
 from shared.tokens.prompt_tokens import PromptTokens
 from shared.wire.peers import Rejections
 
@@ -25,12 +26,14 @@ CLOCK = web.AppKey("clock", Callable[[], float])
 FLEET = web.AppKey("fleet", Fleet)
 POLICY = web.AppKey("policy", Policy)
 METRICS = web.AppKey("metrics", Metrics)
-GATE = web.AppKey("gate", AdmissionGate)
+QUEUE = web.AppKey("queue", FleetQueue)  # seats and the waiting requests (router/queue/)
 OPENAPI = web.AppKey("openapi", dict)
 REJECTIONS = web.AppKey("rejections", Rejections)  # counted at the Redis boundary
 SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone router
 TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `tokenizer`)
 KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
 # Set up in cleanup_ctx (they need the running loop):
+# Per request: its ticket in the fleet queue (its first byte is told to the queue).
+TICKET = request_key("ticket")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 DISCOVERY = web.AppKey("discovery", Discovery)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, islice, repeat
 from operator import attrgetter, eq
@@ -172,6 +172,12 @@ class Policy(ABC):
         return
 
     def worker_stats(self) -> dict[str, dict[str, int]]:
+        return {}
+
+    def predict(self, request: RouteRequest) -> Mapping[str, float]:
+        """Per worker, how much of ``request``'s prompt it is predicted to hold (in the
+        policy's own units; absent: none). The fleet queue's affinity (router/queue/);
+        a policy without a picture of the caches predicts nothing."""
         return {}
 
 

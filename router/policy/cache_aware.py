@@ -139,6 +139,11 @@ class CacheAware(Policy):
             wid, reason, matched, rate, rate * len(tokens) if tokens is not None else None
         )
 
+    def predict(self, request: RouteRequest) -> dict[str, float]:
+        """Per worker, the prefix of the request its tree holds (chars, or tokens)."""
+        key, _ = self._key(request)
+        return self._tree.match(key) if key else {}  # type: ignore[return-value]
+
     def _holders(self, held: Iterable[object]) -> list[int]:
         """Positions of the routable workers among ``held``, in view order."""
         return sorted(filter(_NOT_NONE, map(self._pos.get, held)))  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from aiohttp import web
@@ -60,6 +60,7 @@ from shared.serving import json_codec
 from shared.serving.access_log import REQUEST_ID
 from shared.serving.errors import APIError, error_body
 from shared.serving.http import EVENT_STREAM, DeadlineStream
+from shared.wire.service_class import with_priority
 
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
 
@@ -78,13 +79,15 @@ class Routed:
     per request against 0.6 us here (timeit)."""
 
     __slots__ = (
-        "body", "cache_key", "endpoint", "model", "path", "session_key", "stream", "text",
+        "body", "cache_key", "endpoint", "model", "path", "priority", "session_key", "stream",
+        "text",
         "tokens",
     )  # fmt: skip
 
     def __init__(
         self, endpoint: str, path: str, body: bytes, text: str, session_key: str | None,
         model: str | None, tokens: Sequence[int] | None = None, stream: bool = False,
+        priority: int | None = None,
     ) -> None:  # fmt: skip
         self.endpoint = endpoint  # metrics label: chat | completions | generate
         self.path = path  # upstream path, e.g. /v1/chat/completions
@@ -94,8 +97,21 @@ class Routed:
         self.model = model
         self.tokens = tokens  # the worker's prompt ids (router `tokenizer` set)
         self.stream = stream  # the client asked for a stream (a timeout is then the worker's)
+        # Its class's engine priority, for a worker that schedules by the body's
+        # `priority` (WorkerRecord.priority_scheduling: an attached vLLM); None: the body
+        # has its own `priority`, or names no class.
+        self.priority = priority
         # The tenant-namespaced digest of `prompt_cache_key` (router/fleet/sessions.py).
         self.cache_key: bytes | None = None
+
+
+class Seating(Protocol):
+    """The request's seat in the fleet queue (router/queue/fleet_queue.py `Seat`): the
+    workers its first try may not use (no free seat), and where its tries sit."""
+
+    exclude: Collection[str]
+
+    def sit(self, worker_id: str) -> None: ...
 
 
 class ProxyMetrics(Protocol):
@@ -171,7 +187,9 @@ class Proxy:
         self.metrics.decision(decision.reason)
         return self.fleet.workers[decision.worker_id], decision
 
-    async def forward(self, request: web.Request, routed: Routed) -> web.StreamResponse:
+    async def forward(
+        self, request: web.Request, routed: Routed, seat: Seating | None = None
+    ) -> web.StreamResponse:
         if routed.model and not self.fleet.knows_model(routed.model):
             raise APIError(
                 404,
@@ -186,10 +204,17 @@ class Proxy:
         suspects: list[AttemptFailed] = []
         busy_for = 0  # the longest Retry-After of the busy workers
         for tries in range(self.config.max_retries + 1):
-            picked = self._select(routed, tried)
+            picked = None
+            if seat is not None and seat.exclude and not tries:
+                # The first try goes where the queue has a seat for it.
+                picked = self._select(routed, [*seat.exclude])
+            if picked is None:
+                picked = self._select(routed, tried)
             if picked is None:
                 break
             worker, decision = picked
+            if seat is not None:
+                seat.sit(worker.worker_id)
             try:
                 response = await self._attempt(request, routed, worker, decision)
             except AttemptFailed as e:
@@ -272,10 +297,13 @@ class Proxy:
         self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision
     ) -> web.StreamResponse:
         worker = attempt.worker
+        body = routed.body
+        if routed.priority is not None and worker.report.priority_scheduling:
+            body = with_priority(body, routed.priority)
         try:
             with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
                 upstream = await self.pool.post(
-                    worker.url, routed.path, self._request_head(request), routed.body,
+                    worker.url, routed.path, self._request_head(request), body,
                     self._wire_id(request),
                 )  # fmt: skip
         except AttemptFailed as e:

@@ -70,6 +70,10 @@ class WorkerRecord:
     host_cached_tokens_total: int = 0
     host_load_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
+    # The engine admits its waiting requests by the body's integer `priority` (vLLM's
+    # --scheduling-policy priority, attached): the router then adds the class's one
+    # (shared/wire/service_class.py). Our engine reads the class from the body itself.
+    priority_scheduling: bool = False
     # Pins across tool gaps (worker/engine/pins.py): prefixes held, and their tokens.
     pins: int = 0
     pinned_tokens: int = 0

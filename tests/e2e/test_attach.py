@@ -18,7 +18,7 @@ import pytest
 import redis
 from aiohttp import web
 
-from loadtests.load.cluster import BenchFleet, Child
+from loadtests.load.cluster import Child, Cluster
 from shared.procs import free_port, http_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -87,10 +87,10 @@ async def fake() -> AsyncIterator[tuple[FakeSGLang, str]]:
     await runner.cleanup()
 
 
-def _attach(fleet: BenchFleet, upstream: str, engine: str, worker_id: str) -> Child:
+def _attach(fleet: Cluster, upstream: str, engine: str, worker_id: str, *extra: str) -> Child:
     assert fleet.redis is not None
     args = ["worker", "attach", "--upstream", upstream, "--engine", engine, "--redis-url",
-            fleet.redis.url, "--worker-id", worker_id, "--interval", "0.2"]  # fmt: skip
+            fleet.redis.url, "--worker-id", worker_id, "--interval", "0.2", *extra]  # fmt: skip
     child = Child(f"attach-{worker_id}", args, upstream, fleet.log_dir / f"attach-{worker_id}.log")
     return fleet.adopt(child.start())  # stopped with the fleet
 
@@ -104,12 +104,13 @@ async def _until(check, timeout: float = 20.0) -> None:
 
 async def test_sglang_fake_behind_attach_and_the_router(fake: tuple[FakeSGLang, str]) -> None:
     server, url = fake
-    with BenchFleet() as fleet:
-        sidecar = _attach(fleet, url, "sglang", "sgl-0")
+    with Cluster() as fleet:
+        sidecar = _attach(fleet, url, "sglang", "sgl-0", "--max-running-requests", "16")
         router = await asyncio.to_thread(fleet.start_router, None, (), 0)
         await _until(lambda: "sgl-0" in _workers(fleet))
         w = _workers(fleet)["sgl-0"]
         assert w["url"] == url and w["model"] == MODEL and w["engine"] == "sglang"
+        assert w["seats"] == 16  # the fleet queue's seats for it (router/queue/seats.py)
         epoch = w["epoch"]
         # Requests route to it and cached_tokens comes back through the router.
         body = {"model": MODEL, "prompt": "hello " * 20, "max_tokens": 1}
@@ -155,7 +156,7 @@ async def test_attach_deregisters_while_the_upstream_is_down(fake: tuple[FakeSGL
 
     down = await asyncio.start_server(hang_up, "127.0.0.1", 0)
     try:
-        with BenchFleet() as fleet:
+        with Cluster() as fleet:
             _attach(fleet, f"http://127.0.0.1:{down.sockets[0].getsockname()[1]}", "sglang",
                     "sgl-dead")  # fmt: skip
             _attach(fleet, url, "sglang", "sgl-live")
@@ -173,7 +174,7 @@ async def test_attach_deregisters_while_the_upstream_is_down(fake: tuple[FakeSGL
         down.close()
 
 
-def _workers(fleet: BenchFleet) -> dict[str, dict]:
+def _workers(fleet: Cluster) -> dict[str, dict]:
     try:
         return fleet.router_workers()
     except (OSError, TypeError, KeyError):

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
-from loadtests.load.cluster import BenchFleet, Child  # noqa: E402
+from loadtests.load.cluster import Child, Cluster  # noqa: E402
 from shared.procs import (  # noqa: E402
     free_port,
     http_json,
@@ -33,8 +33,8 @@ MODEL = "tiny-vllm"
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path) -> Iterator[tuple[BenchFleet, Child, Child]]:
-    with BenchFleet() as f:
+def fleet(tiny_model_dir: Path) -> Iterator[tuple[Cluster, Child, Child]]:
+    with Cluster() as f:
         port = free_port()
         upstream = f"http://127.0.0.1:{port}"
         engine = Child(
@@ -72,7 +72,7 @@ def _up(url: str) -> bool:
         return False
 
 
-def test_requests_route_and_cached_tokens_come_back(fleet: tuple[BenchFleet, Child, Child]) -> None:
+def test_requests_route_and_cached_tokens_come_back(fleet: tuple[Cluster, Child, Child]) -> None:
     f, _, _ = fleet
     assert f.router is not None
     w = f.router_workers()["vllm-0"]
@@ -91,7 +91,7 @@ def test_requests_route_and_cached_tokens_come_back(fleet: tuple[BenchFleet, Chi
     assert cached[0] < cached[1] and cached[2] > 0, cached
 
 
-def test_the_readme_flag_keeps_connections_pooled(fleet: tuple[BenchFleet, Child, Child]) -> None:
+def test_the_readme_flag_keeps_connections_pooled(fleet: tuple[Cluster, Child, Child]) -> None:
     """With `--enable-request-id-headers` vLLM echoes the id, so requests through the router
     reuse its connections: fewer connections opened than requests (without it: one each,
     shown with a non-echoing upstream in tests/e2e/test_attach.py and tests/router/test_request_id_echo.py)."""
@@ -107,7 +107,7 @@ def test_the_readme_flag_keeps_connections_pooled(fleet: tuple[BenchFleet, Child
     assert "does not echo x-request-id" not in (f.log_dir / "attach.log").read_text()
 
 
-def test_load_and_kv_usage_reach_the_router(fleet: tuple[BenchFleet, Child, Child]) -> None:
+def test_load_and_kv_usage_reach_the_router(fleet: tuple[Cluster, Child, Child]) -> None:
     f, _, _ = fleet
     assert f.router is not None
     client = openai.AsyncOpenAI(base_url=f.router.url + "/v1", api_key="unused", max_retries=0)
@@ -137,7 +137,7 @@ def test_load_and_kv_usage_reach_the_router(fleet: tuple[BenchFleet, Child, Chil
     assert seen["capacity"] > 0, seen  # from vllm:cache_config_info
 
 
-def test_sigterm_deregisters(fleet: tuple[BenchFleet, Child, Child]) -> None:
+def test_sigterm_deregisters(fleet: tuple[Cluster, Child, Child]) -> None:
     f, _, sidecar = fleet
     sidecar.signal(signal.SIGTERM)
     assert sidecar.wait(15) == 0

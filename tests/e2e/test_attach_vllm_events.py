@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from redis.asyncio import Redis  # noqa: E402
 
-from loadtests.load.cluster import BenchFleet, Child  # noqa: E402
+from loadtests.load.cluster import Child, Cluster  # noqa: E402
 from router.fleet.kv_feed import FeedMember, KvEventFeed  # noqa: E402
 from shared.procs import free_port, http_json, wait_until  # noqa: E402
 from shared.wire.registry import Registry  # noqa: E402
@@ -32,8 +32,8 @@ BLOCKS = 24  # vLLM's KV pool, in blocks (--num-gpu-blocks-override): evicts soo
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path) -> Iterator[tuple[BenchFleet, str]]:
-    with BenchFleet() as f:
+def fleet(tiny_model_dir: Path) -> Iterator[tuple[Cluster, str]]:
+    with Cluster() as f:
         port, pub, replay = free_port(), free_port(), free_port()
         upstream = f"http://127.0.0.1:{port}"
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -69,7 +69,7 @@ def _up(url: str) -> bool:
         return False
 
 
-def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[BenchFleet, str]) -> None:
+def test_index_holds_predicts_and_drops_what_vllm_reports(fleet: tuple[Cluster, str]) -> None:
     f, upstream = fleet
     assert f.redis is not None
     client = openai.AsyncOpenAI(base_url=upstream + "/v1", api_key="unused", max_retries=0)

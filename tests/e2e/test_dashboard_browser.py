@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.load.cluster import Cluster, WorkerSpec, sim_cluster
 from loadtests.load.traffic import prompt
 from shared.procs import http_json
 
@@ -34,11 +34,11 @@ WORKERS = 3
 
 
 @pytest.fixture
-def fleet() -> BenchFleet:
+def fleet() -> Cluster:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no browser: Debian's chromium is not installed at {CHROMIUM}")
     # Decode cost keeps requests in flight long enough for load to show.
-    fleet = sim_fleet(WORKERS, WorkerSpec(decode_ms=15.0, prefill_us=20.0, heartbeat_s=0.2))
+    fleet = sim_cluster(WORKERS, WorkerSpec(decode_ms=15.0, prefill_us=20.0, heartbeat_s=0.2))
     try:
         fleet.start_router(
             {"api_keys": KEY, "protect_metrics": True, "balance_abs_threshold": 4},
@@ -82,7 +82,7 @@ def number(text: str) -> int:
     return int(text.replace(",", "")) if text.replace(",", "").isdigit() else -1
 
 
-def test_dashboard_lists_workers_and_follows_traffic(fleet: BenchFleet, tmp_path: Path) -> None:
+def test_dashboard_lists_workers_and_follows_traffic(fleet: Cluster, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     assert fleet.router is not None
@@ -155,7 +155,7 @@ def test_dashboard_lists_workers_and_follows_traffic(fleet: BenchFleet, tmp_path
         shutil.copy(shot, os.environ["RADIX_DASHBOARD_SCREENSHOT"])
 
 
-def test_a_rebuilding_workers_kv_index_cell_shows_its_progress(fleet: BenchFleet) -> None:
+def test_a_rebuilding_workers_kv_index_cell_shows_its_progress(fleet: Cluster) -> None:
     """The `KV index` cell of a worker rebuilding after lost KV events (router/fleet/kv_feed.py)
     says so with its progress. The router's real data is served, with one worker's row
     set to rebuilding on the way to the page (no sim worker loses events on demand; the

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.load.cluster import Cluster, WorkerSpec, sim_cluster
 from loadtests.load.traffic import burst, call, failures, prompt, session
 from shared.procs import http_json
 from shared.redis_server import free_port
@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 @pytest.fixture
-def fleet2() -> Iterator[BenchFleet]:
-    fleet = sim_fleet(2, WorkerSpec(decode_ms=20.0))
+def fleet2() -> Iterator[Cluster]:
+    fleet = sim_cluster(2, WorkerSpec(decode_ms=20.0))
     yield fleet
     fleet.close()
 
@@ -48,7 +48,7 @@ async def hung_url() -> AsyncIterator[str]:
 
 
 async def test_hung_worker_is_timed_out_then_broken_out_of_routing(
-    fleet2: BenchFleet, hung_url: str
+    fleet2: Cluster, hung_url: str
 ) -> None:
     hung_id = hung_url.removeprefix("http://")  # static workers are named host:port
     settings = {"policy": "round_robin", "request_timeout": 1.0, "breaker_failures": 2,
@@ -72,7 +72,7 @@ async def test_hung_worker_is_timed_out_then_broken_out_of_routing(
     assert max(o.ended - o.started for o in rest) < 30  # none waited on the hung worker
 
 
-async def test_router_sigterm_finishes_in_flight_then_exits_zero(fleet2: BenchFleet) -> None:
+async def test_router_sigterm_finishes_in_flight_then_exits_zero(fleet2: Cluster) -> None:
     router = fleet2.start_router({"drain_timeout": 20.0})
     url = router.url + "/v1/completions"
     async with session() as http:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from loadtests.load.cluster import BenchFleet
+from loadtests.load.cluster import Cluster
 from shared.config import RouterConfig
 from shared.redis_server import free_port
 from tests.fuzz.conftest import start_router, start_worker, worker_config
@@ -72,7 +72,7 @@ async def test_cut_stream_ends_with_an_error_event(cutting_url: str) -> None:
 async def test_connection_after_a_cut_stream_serves_the_next_request(cutting_url: str) -> None:
     # The router as its own process (as deployed): in-process under pytest's loop the
     # client happens to see the close before reusing the socket and the bug hides.
-    fleet = BenchFleet(redis=False)
+    fleet = Cluster(redis=False)
     try:
         settings = {"breaker_failures": 100}
         router = await asyncio.to_thread(fleet.start_router, settings, (cutting_url,), 1)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 import redis as redis_sync
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet, wait_health
+from loadtests.load.cluster import Cluster, WorkerSpec, sim_cluster, wait_health
 from loadtests.load.traffic import SteadyLoad, burst, call, failures, prompt, session
 from tests.waiting import wait_until
 
@@ -31,15 +31,15 @@ HEARTBEAT_S = 0.2  # worker TTL = 3 beats = 0.6 s; router discovery polls every 
 
 
 @pytest.fixture
-def fleet3() -> Iterator[BenchFleet]:
-    fleet = sim_fleet(3, WorkerSpec(decode_ms=5.0, heartbeat_s=HEARTBEAT_S))
+def fleet3() -> Iterator[Cluster]:
+    fleet = sim_cluster(3, WorkerSpec(decode_ms=5.0, heartbeat_s=HEARTBEAT_S))
     yield fleet
     fleet.close()
 
 
 @pytest.fixture
-def fleet2() -> Iterator[BenchFleet]:
-    fleet = sim_fleet(2, WorkerSpec(decode_ms=2.0, heartbeat_s=HEARTBEAT_S))
+def fleet2() -> Iterator[Cluster]:
+    fleet = sim_cluster(2, WorkerSpec(decode_ms=2.0, heartbeat_s=HEARTBEAT_S))
     yield fleet
     fleet.close()
 
@@ -49,7 +49,7 @@ def record(name: str, sent: int, ok: int, retried: float, recover_s: float) -> N
           f"recovered in {recover_s:.2f}s")  # fmt: skip
 
 
-async def test_sigkill_worker_under_load_loses_no_request(fleet3: BenchFleet) -> None:
+async def test_sigkill_worker_under_load_loses_no_request(fleet3: Cluster) -> None:
     # round_robin: the victim surely holds a third of the requests and of the streams.
     router = fleet3.start_router({"policy": "round_robin"})
     url = router.url + "/v1/completions"
@@ -87,7 +87,7 @@ async def test_sigkill_worker_under_load_loses_no_request(fleet3: BenchFleet) ->
     assert failures(after) == [] and {o.worker for o in after} == {"w1", "w2"}
 
 
-async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: BenchFleet) -> None:
+async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: Cluster) -> None:
     router = fleet2.start_router()
     url = router.url + "/v1/completions"
     async with session() as http:
@@ -126,7 +126,7 @@ async def test_restarted_worker_gets_a_new_epoch_and_an_empty_tree(fleet2: Bench
     assert "w0" in {o.worker for o in after_back}  # it is routed to again
 
 
-async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: BenchFleet) -> None:
+async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: Cluster) -> None:
     router = fleet2.start_router({"reconnect_grace": 3.0})
     url = router.url + "/v1/completions"
     redis = fleet2.redis
@@ -167,7 +167,7 @@ async def test_redis_outage_keeps_routing_and_everything_resumes(fleet2: BenchFl
     assert all(c.alive for c in fleet2.workers.values())
 
 
-async def test_restart_is_seen_even_if_redis_is_slow_to_answer(fleet2: BenchFleet) -> None:
+async def test_restart_is_seen_even_if_redis_is_slow_to_answer(fleet2: Cluster) -> None:
     """A worker that is back before its record expires keeps its id and is routable."""
     router = fleet2.start_router()
     url = router.url + "/v1/completions"

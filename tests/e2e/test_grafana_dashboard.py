@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.load.traffic import call, prompt, session
 from tests.helm.chart import CHART_DIR, merged, render
 
@@ -76,7 +76,7 @@ def _names(url: str) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_every_query_names_a_metric_the_services_export() -> None:
-    with BenchFleet() as fleet:
+    with Cluster() as fleet:
         worker = await asyncio.to_thread(fleet.start_worker, "w0", WorkerSpec(decode_ms=2.0))
         settings = {"rate_limit_per_key": 5, "rate_limit_burst": 10}
         router = await asyncio.to_thread(fleet.start_router, settings)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.load.traffic import prompt, session
 from shared.procs import free_port, http_json, wait_until
 from tests.helm.chart import container, render
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def fleet() -> Iterator[BenchFleet]:
-    with BenchFleet() as f:
+def fleet() -> Iterator[Cluster]:
+    with Cluster() as f:
         yield f
 
 
@@ -28,7 +28,7 @@ def _status(url: str) -> int:
     return http_json(url, timeout=2.0)[0]
 
 
-def test_chart_probe_paths_answer_as_kubernetes_needs_before_any_worker(fleet: BenchFleet) -> None:
+def test_chart_probe_paths_answer_as_kubernetes_needs_before_any_worker(fleet: Cluster) -> None:
     """The paths the chart's probes use, asked of a real router with no worker yet: the
     liveness and startup probes pass (no crash loop while models load), readiness fails."""
     router = container(render().get("Deployment", "rr-radix-router-router"), "router")
@@ -54,7 +54,7 @@ def test_chart_probe_paths_answer_as_kubernetes_needs_before_any_worker(fleet: B
     assert r.wait(15) == 0
 
 
-async def test_rate_limit_is_shared_by_two_replicas_through_redis(fleet: BenchFleet) -> None:
+async def test_rate_limit_is_shared_by_two_replicas_through_redis(fleet: Cluster) -> None:
     rate, burst, seconds = 20.0, 5, 3.0
     settings = {"rate_limit_per_key": rate, "rate_limit_burst": burst}
     first = fleet.start_router(settings, want_workers=0)

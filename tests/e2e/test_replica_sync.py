@@ -24,10 +24,10 @@ from redis import Redis as SyncRedis
 
 from loadtests.load.cluster import (
     START_TIMEOUT_S,
-    BenchFleet,
     Child,
+    Cluster,
     WorkerSpec,
-    sim_fleet,
+    sim_cluster,
     wait_health,
 )
 from loadtests.load.workloads import words
@@ -46,7 +46,7 @@ class Replica:
     """One router process; `restart` keeps its port, as a restarted pod behind a Service."""
 
     child: Child
-    fleet: BenchFleet  # stops the replica's process with its own
+    fleet: Cluster  # stops the replica's process with its own
     client: OpenAI | None = None
 
     def openai(self) -> OpenAI:
@@ -83,7 +83,7 @@ class Replica:
         wait_health(self.child)
 
 
-def start_replica(fleet: BenchFleet, name: str, settings: dict[str, object]) -> Replica:
+def start_replica(fleet: Cluster, name: str, settings: dict[str, object]) -> Replica:
     assert fleet.redis is not None
     port = free_port()
     args = ["router", "serve", "--host", "127.0.0.1", "--port", str(port), "--policy",
@@ -135,9 +135,9 @@ class Conversation:
 
 
 @pytest.fixture
-def fleet() -> Iterator[BenchFleet]:
+def fleet() -> Iterator[Cluster]:
     # No decode cost: requests are sequential here, load never tips the rule.
-    fleet = sim_fleet(WORKERS, WorkerSpec(decode_ms=0.0, heartbeat_s=0.2))
+    fleet = sim_cluster(WORKERS, WorkerSpec(decode_ms=0.0, heartbeat_s=0.2))
     yield fleet
     fleet.close()  # the replicas too: each was adopted by the fleet
 
@@ -168,7 +168,7 @@ def rounds(
             converge(replicas[0], replicas[1])
 
 
-def test_alternating_turns_stay_on_one_worker_with_sync(fleet: BenchFleet) -> None:
+def test_alternating_turns_stay_on_one_worker_with_sync(fleet: Cluster) -> None:
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
     rounds(convs, [a, b], range(4), model_of(a), barrier=True)
@@ -181,7 +181,7 @@ def test_alternating_turns_stay_on_one_worker_with_sync(fleet: BenchFleet) -> No
           f"{sum(c.stayed for c in convs)}/{3 * len(convs)}")  # fmt: skip
 
 
-def test_without_sync_alternating_turns_lose_their_worker(fleet: BenchFleet) -> None:
+def test_without_sync_alternating_turns_lose_their_worker(fleet: Cluster) -> None:
     off = {"sync": False}
     a, b = start_replica(fleet, "router-a", off), start_replica(fleet, "router-b", off)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
@@ -197,7 +197,7 @@ def test_without_sync_alternating_turns_lose_their_worker(fleet: BenchFleet) -> 
     assert stayed <= 3 * len(convs) - 4, [c.workers for c in convs]
 
 
-def test_restarted_replica_recovers_affinity_from_the_stream(fleet: BenchFleet) -> None:
+def test_restarted_replica_recovers_affinity_from_the_stream(fleet: Cluster) -> None:
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     model = model_of(a)
     convs = [Conversation(k) for k in range(CONVERSATIONS)]
@@ -212,7 +212,7 @@ def test_restarted_replica_recovers_affinity_from_the_stream(fleet: BenchFleet) 
         assert conv.reasons[-1] == "cache_hit"
 
 
-def test_redis_loss_degrades_per_replica_and_sync_resumes(fleet: BenchFleet) -> None:
+def test_redis_loss_degrades_per_replica_and_sync_resumes(fleet: Cluster) -> None:
     assert fleet.redis is not None
     a, b = start_replica(fleet, "router-a", SYNC), start_replica(fleet, "router-b", SYNC)
     model = model_of(a)
@@ -249,7 +249,7 @@ def test_redis_loss_degrades_per_replica_and_sync_resumes(fleet: BenchFleet) -> 
     assert fresh.workers[1] == fresh.workers[0] and fresh.reasons[1] == "cache_hit"
 
 
-def test_with_a_tokenizer_replicas_share_token_ids(fleet: BenchFleet) -> None:
+def test_with_a_tokenizer_replicas_share_token_ids(fleet: Cluster) -> None:
     """With `tokenizer` the trees key on the prompt ids, and replicas share ids (issue 26:
     they shared text, which a tree on tokens could not use, so turn 2 on the other
     replica found no match). A foreign tokenizer's entry is dropped and counted."""

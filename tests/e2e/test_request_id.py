@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.cluster import Cluster, WorkerSpec
 from shared.procs import Child, http_json
 from tests.waiting import wait_until
 
@@ -18,7 +18,7 @@ SECRET = "zebra-quartz-7781"  # prompt text that must not reach any log
 
 
 async def test_request_id_is_generated_forwarded_and_logged_without_the_prompt() -> None:
-    with BenchFleet() as fleet:
+    with Cluster() as fleet:
         await asyncio.to_thread(fleet.start_worker, "w0", WorkerSpec(decode_ms=1.0))
         router = await asyncio.to_thread(fleet.start_router)
         body = {"prompt": f"tell me about {SECRET}", "max_tokens": 4}

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from loadtests.load.cluster import BenchFleet, Child, WorkerSpec
+from loadtests.load.cluster import Child, Cluster, WorkerSpec
 from loadtests.load.traffic import Outcome, call, failures, prompt, session
 from shared.procs import wait_until
 
@@ -57,8 +57,8 @@ class ReadyEndpoints:
 
 
 @pytest.fixture
-def fleet() -> Iterator[BenchFleet]:
-    with BenchFleet() as f:
+def fleet() -> Iterator[Cluster]:
+    with Cluster() as f:
         for wid in ("w0", "w1"):
             f.start_worker(wid, WORKER, wait=False)
         for child in f.workers.values():
@@ -75,7 +75,7 @@ def _ok(url: str) -> bool:
         return False
 
 
-async def test_rolling_restart_of_workers_and_routers_fails_no_request(fleet: BenchFleet) -> None:
+async def test_rolling_restart_of_workers_and_routers_fails_no_request(fleet: Cluster) -> None:
     r0 = fleet.start_router(ROUTER)
     r1 = fleet.add_router("r1", ROUTER)
     routers = [r0, r1]

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec, wait_health
+from loadtests.load.cluster import Cluster, WorkerSpec, wait_health
 from router.http.app import create_app
 from router.http.state import DISCOVERY, FLEET, METRICS, POLICY
 from shared.config import RouterConfig
@@ -33,13 +33,13 @@ QUICK = WorkerSpec(
 
 
 @pytest.fixture
-def bench() -> Iterator[BenchFleet]:
+def bench() -> Iterator[Cluster]:
     """Redis and the workers each test starts, as processes; the router runs in process."""
-    with BenchFleet() as f:
+    with Cluster() as f:
         yield f
 
 
-async def start_router(bench: BenchFleet, n: int, **kw: object) -> TestServer:
+async def start_router(bench: Cluster, n: int, **kw: object) -> TestServer:
     assert bench.redis is not None
     config = RouterConfig(
         redis_url=bench.redis.url,
@@ -65,7 +65,7 @@ def prompt(i: int) -> dict:
 
 
 async def test_sigkill_under_load_loses_nothing(
-    bench: BenchFleet, http: aiohttp.ClientSession
+    bench: Cluster, http: aiohttp.ClientSession
 ) -> None:
     for i in range(3):
         bench.start_worker(f"w{i}", replace(QUICK, decode_ms=5.0))
@@ -106,7 +106,7 @@ async def test_sigkill_under_load_loses_nothing(
 
 
 async def test_restarted_worker_gets_its_tree_dropped(
-    bench: BenchFleet, http: aiohttp.ClientSession
+    bench: Cluster, http: aiohttp.ClientSession
 ) -> None:
     bench.start_worker("w0", QUICK)
     router = await start_router(bench, 1)
@@ -130,7 +130,7 @@ async def test_restarted_worker_gets_its_tree_dropped(
     await router.close()
 
 
-async def test_redis_outage_keeps_routing(bench: BenchFleet, http: aiohttp.ClientSession) -> None:
+async def test_redis_outage_keeps_routing(bench: Cluster, http: aiohttp.ClientSession) -> None:
     for i in range(2):
         bench.start_worker(f"w{i}", QUICK)
     router = await start_router(bench, 2, reconnect_grace=3.0)
@@ -167,7 +167,7 @@ async def test_redis_outage_keeps_routing(bench: BenchFleet, http: aiohttp.Clien
 
 
 async def test_router_sigterm_drains_in_flight_streams(
-    bench: BenchFleet, http: aiohttp.ClientSession
+    bench: Cluster, http: aiohttp.ClientSession
 ) -> None:
     bench.start_worker("w0", replace(QUICK, decode_ms=40.0))
     router = bench.start_router()

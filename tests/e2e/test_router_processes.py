@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec, sim_fleet
+from loadtests.load.cluster import Cluster, WorkerSpec, sim_cluster
 from loadtests.load.workloads import words
 from shared.procs import http_json, wait_until
 
@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 @pytest.fixture
-def fleet() -> Iterator[BenchFleet]:
-    fleet = sim_fleet(2, WorkerSpec(decode_ms=0.0, heartbeat_s=0.2))
+def fleet() -> Iterator[Cluster]:
+    fleet = sim_cluster(2, WorkerSpec(decode_ms=0.0, heartbeat_s=0.2))
     yield fleet
     fleet.close()
 
@@ -45,7 +45,7 @@ def ask(url: str, prompt: str) -> tuple[str, str]:
         return r.headers["x-radix-worker"], r.headers["x-radix-route-reason"]
 
 
-def test_two_processes_share_one_port_and_their_routing_decisions(fleet: BenchFleet) -> None:
+def test_two_processes_share_one_port_and_their_routing_decisions(fleet: Cluster) -> None:
     router = fleet.start_router({"processes": 2, "sync_flush_interval": 0.01})
     routers = [p for p in children(router.pid) if Path(f"/proc/{p}/cmdline").exists()]
     assert len(routers) >= 2  # the two routers (plus multiprocessing's resource tracker)

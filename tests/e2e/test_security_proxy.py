@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.cluster import Cluster, WorkerSpec
 from shared.procs import http_json
 from shared.redis_server import free_port
 from tests.e2e.edge import (
@@ -159,7 +159,7 @@ SECRET_KEY = "sk-SECRET-z9x8c7"
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 async def test_no_key_or_prompt_text_in_logs_at_default_level() -> None:
-    fleet = BenchFleet(redis_password="redis-SECRET-pw")
+    fleet = Cluster(redis_password="redis-SECRET-pw")
     try:
         await asyncio.to_thread(fleet.start_worker, "w0", WorkerSpec(decode_ms=1.0))
         headers = {"Authorization": f"Bearer {SECRET_KEY}"}
@@ -215,7 +215,7 @@ async def test_no_key_or_prompt_text_in_logs_at_default_level() -> None:
 def test_malformed_header_line_does_not_put_a_key_in_the_log() -> None:
     import socket
 
-    fleet = BenchFleet(redis=False)
+    fleet = Cluster(redis=False)
     try:
         worker = fleet.start_worker("w0", WorkerSpec(decode_ms=0.0))
         router = fleet.start_router({}, worker_urls=(worker.url,), want_workers=1)

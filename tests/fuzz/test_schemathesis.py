@@ -25,7 +25,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.cluster import Cluster, WorkerSpec
 from router.http.openapi import build_openapi
 from shared.procs import http_json
 from worker.http.openapi import openapi_document
@@ -48,8 +48,8 @@ FUZZ_SETTINGS = settings(
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[BenchFleet]:
-    fleet = BenchFleet(redis=False)
+def fleet() -> Iterator[Cluster]:
+    fleet = Cluster(redis=False)
     try:
         spec = WorkerSpec(
             decode_ms=0.0, extra=("--max-model-len", "512", "--max-body-bytes", "65536")
@@ -69,7 +69,7 @@ worker_api = schemathesis.openapi.from_dict(WORKER_DOC)
 router_api = schemathesis.openapi.from_dict(ROUTER_DOC)
 
 
-def test_served_documents_are_the_fuzzed_ones(fleet: BenchFleet) -> None:
+def test_served_documents_are_the_fuzzed_ones(fleet: Cluster) -> None:
     assert fleet.router is not None
     assert http_json(fleet.workers["w0"].url + "/openapi.json") == (200, WORKER_DOC)
     assert http_json(fleet.router.url + "/openapi.json") == (200, ROUTER_DOC)
@@ -77,18 +77,18 @@ def test_served_documents_are_the_fuzzed_ones(fleet: BenchFleet) -> None:
 
 @worker_api.parametrize()
 @FUZZ_SETTINGS
-def test_worker_api(case: schemathesis.Case, fleet: BenchFleet) -> None:
+def test_worker_api(case: schemathesis.Case, fleet: Cluster) -> None:
     case.call_and_validate(base_url=fleet.workers["w0"].url, checks=CHECKS, timeout=30)
 
 
 @router_api.parametrize()
 @FUZZ_SETTINGS
-def test_router_api(case: schemathesis.Case, fleet: BenchFleet) -> None:
+def test_router_api(case: schemathesis.Case, fleet: Cluster) -> None:
     assert fleet.router is not None
     case.call_and_validate(base_url=fleet.router.url, checks=CHECKS, timeout=30)
 
 
-def test_both_still_serve_after_fuzzing(fleet: BenchFleet) -> None:
+def test_both_still_serve_after_fuzzing(fleet: Cluster) -> None:
     assert fleet.router is not None
     body = {"prompt": "still alive", "max_tokens": 2}
     for base in (fleet.workers["w0"].url, fleet.router.url):
@@ -97,7 +97,7 @@ def test_both_still_serve_after_fuzzing(fleet: BenchFleet) -> None:
     assert all(c.alive for c in [fleet.router, *fleet.workers.values()])
 
 
-def test_worker_documents_its_stream_events(fleet: BenchFleet) -> None:
+def test_worker_documents_its_stream_events(fleet: Cluster) -> None:
     operation = worker_api["/v1/completions"]["POST"]
     case = operation.Case(body={"prompt": "stream me", "max_tokens": 3, "stream": True})
     case.call_and_validate(

@@ -9,18 +9,28 @@ import re
 
 import pytest
 
-from loadtests.__main__ import COMMANDS, main
-from loadtests.load.metrics import RequestRecord
-from loadtests.load.report import summarize
-from loadtests.load.runner import seconds_of, verdict
-from loadtests.options import HelpFormatter
-from loadtests.progress import Progress
+from loadtests.__main__ import COMMANDS, SECTIONS, main
+from loadtests.kit import HelpFormatter, Progress
+from loadtests.load.records import RequestRecord
+from loadtests.load.runner import seconds_of, summarize, verdict
 
 
-def test_the_list_names_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_list_names_every_command_under_its_section(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out
     assert all(f"  {name} " in out for name in COMMANDS)
+    heads = [line.split(":")[0] for line in out.splitlines() if line and not line[0].isspace()]
+    assert [h for h in heads if h in SECTIONS] == list(SECTIONS)  # each once, in order
+    section = None
+    for line in out.splitlines():
+        if line.split(":")[0] in SECTIONS:
+            section = line.split(":")[0]
+        elif line.startswith("  "):
+            name = line.split()[0]
+            # the section is the folder of the command's module: loadtests.SECTION.module
+            assert COMMANDS[name][0].split(".")[1] == section, (name, section)
 
 
 @pytest.mark.parametrize("name", list(COMMANDS))

@@ -24,6 +24,7 @@ class FakeWorker:
     chunk_delay: float = 0.0
     seen: int = 0
     headers_seen: list[dict[str, str]] = field(default_factory=list)
+    bodies_seen: list[dict] = field(default_factory=list)
     cancelled: int = 0
     completed: int = 0
     models_answer: object = None  # what GET /v1/models answers; None: this worker's model
@@ -55,6 +56,7 @@ class FakeWorker:
         self.seen += 1
         self.headers_seen.append(dict(request.headers))
         body = await request.json()
+        self.bodies_seen.append(body)
         try:
             if self.mode == "fail503":
                 return web.json_response({"error": {"message": "busy"}}, status=503)

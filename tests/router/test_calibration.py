@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.cluster import Cluster, WorkerSpec
 from router.fleet.calibration import HIGH, calibrate, chars_per_token, prompt_tokens_from
 from router.fleet.workers import Breaker, Worker
 from router.http.app import create_app
@@ -54,15 +54,15 @@ def test_implausible_counts_are_ignored_and_counted(tokens: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[BenchFleet]:
+def fleet() -> Iterator[Cluster]:
     spec = WorkerSpec(decode_ms=0.0, cache_tokens=20_000, extra=("--log-level", "WARNING"))
-    with BenchFleet() as f:
+    with Cluster() as f:
         f.start_worker("sim-0", spec)
         yield f
 
 
 @pytest.mark.slow
-async def test_sim_worker_calibrates_and_predictions_follow(fleet: BenchFleet) -> None:
+async def test_sim_worker_calibrates_and_predictions_follow(fleet: Cluster) -> None:
     """The sim tokenizer splits at punctuation: "a1, b2, " is ~1.3 chars a token, far from
     the default 4. The router learns it from the answers, and its predicted cached tokens
     for a conversation's next turn then match what the worker reports."""

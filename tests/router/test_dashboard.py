@@ -65,6 +65,9 @@ async def test_data_follows_requests(fake_workers: StartWorkers, start_router: S
     assert row["state"] == "ready" and row["breaker"] == "closed"
     assert {"load", "waiting", "running", "kv_usage", "tree_chars", "requests_total"} <= set(row)
     assert sum(w["tree_chars"] for w in after["workers"]) > 0
+    # The fleet queue per tenant and class (router/queue/stats.py): 3 standard requests.
+    standard = after["queue"]["default"]["standard"]
+    assert standard["served"] == 3 and standard["waiting"] == 0 and standard["refused"] == 0
 
 
 async def test_behind_the_metrics_key_with_a_browser_prompt(start_router: StartRouter) -> None:

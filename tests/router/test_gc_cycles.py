@@ -20,7 +20,6 @@ import asyncio
 import collections
 import gc
 import json
-import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,12 +28,11 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
-from loadtests.router.bench_router_wrk import spawn, stop
-from loadtests.router.bench_upstream_reuse import WORKER as NO_ECHO_WORKER
+from loadtests.load.cluster import Cluster, WorkerSpec, serve, serve_router
+from loadtests.router import zero_worker
 from router.http.app import create_app
 from shared.config import RouterConfig
-from shared.procs import answers_health, free_port, wait_until
+from shared.procs import free_port, wait_until
 
 pytestmark = pytest.mark.slow  # starts two worker processes
 
@@ -121,23 +119,20 @@ def _cycles(worker_url: str, kinds: dict[str, Callable[[int], bytes]]) -> dict[s
 
 @pytest.fixture(scope="module")
 def sim_worker() -> Iterator[str]:
-    with BenchFleet(redis=False) as fleet:
+    with Cluster(redis=False) as fleet:
         spec = WorkerSpec(decode_ms=0.0, extra=("--log-level", "WARNING"))
         yield fleet.start_worker("sim-0", spec).url
 
 
 @pytest.fixture(scope="module")
 def no_echo_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    script = Path(tmp_path_factory.mktemp("no-echo")) / "worker.py"
-    script.write_text(NO_ECHO_WORKER)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = spawn([sys.executable, str(script), str(port), "no-echo"], script.with_suffix(".log"))
+    """The zero-cost worker as a stock engine without its echo switch."""
+    logs, port = Path(tmp_path_factory.mktemp("no-echo")), free_port()
+    child = serve("no-echo", [zero_worker.__name__, str(port), "--no-echo"], port, logs)
     try:
-        wait_until(lambda: answers_health(url), 60, poll_s=0.1)
-        yield url
+        yield child.url
     finally:
-        stop(proc)
+        child.stop()
 
 
 def test_no_cycles_per_request_echoing_worker(sim_worker: str) -> None:
@@ -175,17 +170,11 @@ def test_a_served_router_freezes_start_up_and_collects_seldom(tmp_path: Path) ->
     run no full collection and at most one young one (the interpreter's defaults ran
     one every ~100 requests, shared/serving/gc_policy.py)."""
     wport, rport = free_port(), free_port()
-    worker = spawn(
-        [sys.executable, "-m", "loadtests.router.zero_worker", str(wport)], tmp_path / "w.log"
-    )
+    worker = serve("w", [zero_worker.__name__, str(wport)], wport, tmp_path)
     router = None
     try:
-        wait_until(lambda: answers_health(f"http://127.0.0.1:{wport}"), 60, poll_s=0.1)
-        router = spawn([sys.executable, "-m", "router", "serve", "--host", "127.0.0.1",
-                        "--port", str(rport), "--worker-url", f"http://127.0.0.1:{wport}",
-                        "--log-level", "WARNING"], tmp_path / "r.log")  # fmt: skip
-        url = f"http://127.0.0.1:{rport}"
-        wait_until(lambda: answers_health(url), 60, poll_s=0.1)
+        router = serve_router("r", rport, tmp_path, ["--worker-url", worker.url])
+        url = router.url
         wait_until(lambda: _gc_samples(url)["python_gc_frozen_objects"] > 10_000, 10)
         before = _gc_samples(url)
 
@@ -199,9 +188,9 @@ def test_a_served_router_freezes_start_up_and_collects_seldom(tmp_path: Path) ->
         asyncio.run(load())
         after = _gc_samples(url)
     finally:
-        for proc in (router, worker):
-            if proc is not None:
-                stop(proc)
+        for child in (router, worker):
+            if child is not None:
+                child.stop()
     young, full = (
         'python_gc_collections_total{generation="0"}',
         'python_gc_collections_total{generation="2"}',

@@ -9,7 +9,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from loadtests.load.cluster import BenchFleet, WorkerSpec
+from loadtests.load.cluster import Cluster, WorkerSpec
 from router.http.app import create_app
 from router.http.state import FLEET, POLICY
 from shared.config import RouterConfig
@@ -19,17 +19,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[BenchFleet]:
+def fleet() -> Iterator[Cluster]:
     """Redis and two zero-cost sim worker processes; the router runs in process."""
     spec = WorkerSpec(decode_ms=0.0, cache_tokens=20_000, extra=("--log-level", "WARNING"))
-    with BenchFleet() as f:
+    with Cluster() as f:
         for i in range(2):
             f.start_worker(f"sim-{i}", spec)
         yield f
 
 
 @pytest.fixture
-async def router(fleet: BenchFleet) -> AsyncIterator[TestServer]:
+async def router(fleet: Cluster) -> AsyncIterator[TestServer]:
     assert fleet.redis is not None
     config = RouterConfig(redis_url=fleet.redis.url, discovery_interval=0.1, host="127.0.0.1")
     server = TestServer(create_app(config), host="127.0.0.1", handler_cancellation=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.http.state import FLEET, GATE
+from router.http.state import FLEET, QUEUE
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 from tests.waiting import wait_until
 
@@ -107,7 +107,7 @@ async def test_full_queue_is_429_with_retry_after(
     [(_w, server)] = await fake_workers("hang")
     client = await start_router([url_of(server)], max_concurrent=1, max_queue=1, queue_timeout=0.3)
     first = asyncio.create_task(client.post("/v1/completions", json=BODY))
-    admission = client.server.app[GATE]
+    admission = client.server.app[QUEUE]
     await wait_until(lambda: admission.active == 1)
     queued = asyncio.create_task(client.post("/v1/completions", json=BODY))
     await wait_until(lambda: admission.waiting == 1)

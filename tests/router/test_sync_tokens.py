@@ -147,11 +147,10 @@ async def test_bad_token_entries_are_dropped_counted_and_the_reader_goes_on(
     assert peak < 20_000_000, peak  # the bomb was never inflated
 
 
-def test_the_wire_bench_runs_both_arms(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from loadtests.router import bench_sync_wire
+def test_the_wire_bench_runs_both_arms(capsys) -> None:
+    from loadtests.__main__ import main
 
-    argv = ["bench_sync_wire", "--sessions", "2", "--turns", "2", "--words", "50", "--rounds", "1"]
-    monkeypatch.setattr("sys.argv", argv)
-    assert bench_sync_wire.main() == 0
+    argv = ["sync-wire", "--sessions", "2", "--turns", "2", "--words", "50", "--rounds", "1"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| text |" in out and "| tokens |" in out and "tokens / text" in out

@@ -65,6 +65,11 @@ class AttachConfig:
     interval: float = 1.0
     ttl_intervals: int = 3
     timeout: float = 2.0
+    # What the engine was started with: its batch cap (vLLM --max-num-seqs, SGLang
+    # --max-running-requests; the router's seats, router/queue/seats.py; 0: unknown), and
+    # whether it orders its queue by `priority` (vLLM --scheduling-policy priority).
+    max_running_requests: int = 0
+    priority_scheduling: bool = False
     # The engine's ZMQ KV-event publisher and replay socket (worker/attach/kv_subscriber.py).
     kv_events: str | None = None
     kv_events_replay: str | None = None
@@ -157,6 +162,8 @@ class Upstream:
             prompt_tokens_total=load.prompt_tokens_total,
             cached_tokens_total=load.cached_tokens_total,
             host_cached_tokens_total=load.host_cached_tokens_total,
+            max_running_requests=self.config.max_running_requests,
+            priority_scheduling=self.config.priority_scheduling,
         )
 
 
@@ -261,6 +268,16 @@ def add_attach_parser(sub: Any) -> None:
         "--kv-events-replay", metavar="ENDPOINT",
         help="the publisher's replay socket (vLLM replay_endpoint), asked on a gap",
     )  # fmt: skip
+    p.add_argument(
+        "--max-running-requests", type=int, default=0, metavar="N",
+        help="the engine's batch cap (vLLM --max-num-seqs, SGLang --max-running-requests): "
+        "the router's seats for it; unset, the router never holds requests back from it",
+    )  # fmt: skip
+    p.add_argument(
+        "--priority-scheduling", action="store_true",
+        help="the engine runs vLLM's --scheduling-policy priority: routers add each "
+        "request's class as its integer `priority`",
+    )  # fmt: skip
     p.add_argument("--interval", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--log-level", default="INFO")
 
@@ -295,12 +312,17 @@ def run_attach(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         print("radix-worker attach: --interval must be > 0", file=sys.stderr)
         return 2
+    if args.max_running_requests < 0:
+        print("radix-worker attach: --max-running-requests must be >= 0", file=sys.stderr)
+        return 2
     config = AttachConfig(
         upstream=upstream, engine=args.engine, redis_url=args.redis_url,
         worker_id=worker_id, advertise_url=advertise,
         redis_prefix=args.redis_prefix, redis_password_file=args.redis_password_file,
         served_model_name=args.served_model_name,
         interval=args.interval, kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
+        max_running_requests=args.max_running_requests,
+        priority_scheduling=args.priority_scheduling,
     )  # fmt: skip
 
     async def main() -> None:

@@ -2,8 +2,10 @@
 
 Three rules, as SGLang's scheduler has them:
 
-- **Order** (`schedule_policy`): `fcfs`, or `lpm` (longest cached prefix first), which
-  serves the requests whose prefix is in the tree before it is evicted. Over
+- **Order**: by `priority` first (lower earlier: vLLM's, which the router's classes map
+  to, shared/wire/service_class.py), then by `schedule_policy`: `fcfs`, or `lpm`
+  (longest cached prefix first), which serves the requests whose prefix is in the tree
+  before it is evicted. Over
   `lpm_max_waiting` queued requests lpm falls back to fcfs (a tree match per waiting
   request per step costs more than it saves, SGLang's cut-off too), and a request
   queued for `max_queue_wait_steps` steps goes first whatever its match: nothing
@@ -26,6 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from worker.engine.config import EngineConfig
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 # Waiting requests looked at per step: enough to skip past held ones, bounded so a
 # queue of thousands costs nothing per step.
 _SCAN = 256
+_PRIORITY = attrgetter("priority")
 
 
 class AdmissionRules:
@@ -66,17 +70,19 @@ class AdmissionRules:
         """The waiting requests in the order to try them (a copy: admission edits the queue)."""
         cfg = self.config
         if cfg.schedule_policy == "fcfs":
-            return list(itertools.islice(waiting, _SCAN))
+            return sorted(itertools.islice(waiting, _SCAN), key=_PRIORITY)  # stable
         queue = list(itertools.islice(waiting, cfg.lpm_max_waiting + 1))
         if len(queue) > cfg.lpm_max_waiting:
-            return queue[:_SCAN]
+            return sorted(queue[:_SCAN], key=_PRIORITY)
         aged = [s for s in queue if step - s.queued_at_step >= cfg.max_queue_wait_steps]
         fresh = [s for s in queue if step - s.queued_at_step < cfg.max_queue_wait_steps]
         hits = {}
         for s in fresh:  # a host-resident prefix counts: it is loaded, not computed
             m = self.cache.match_prefix(s.match_key, record=False)
             hits[s.seq_id] = m.prefix_len + m.host_len
-        fresh.sort(key=lambda s: -hits[s.seq_id])  # stable: equal matches keep queue order
+        aged.sort(key=_PRIORITY)
+        # Stable: equal priorities and matches keep queue order.
+        fresh.sort(key=lambda s: (s.priority, -hits[s.seq_id]))
         return aged + fresh
 
     def held_for_dedup(self, req: Req, matched: int, prefilling: list[Req]) -> bool:

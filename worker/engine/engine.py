@@ -177,6 +177,7 @@ class LLMEngine:
                 seq_id=next(self._seq_ids),
                 stop_ids=stop_ids,
                 index=i,
+                priority=request.priority,
                 pin_key=request.cache_key or (request.request_id if request.pin_ttl else None),
                 pin_ttl=request.pin_ttl if i == 0 else 0.0,  # one pin per prompt
             )

@@ -88,6 +88,7 @@ class Req:
     # eos (unless ignore_eos) and stop_token_ids: sampling one of them ends the request.
     stop_ids: frozenset[int] = frozenset()
     index: int = 0  # the choice this Req produces (n > 1)
+    priority: int = 0  # lower is admitted earlier (admission.py's order)
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
     # Monotonic times: queued, and first admitted by the scheduler (queue-time metric).

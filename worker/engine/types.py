@@ -120,6 +120,8 @@ class EngineRequest:
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    # vLLM's: lower is admitted earlier (shared/wire/service_class.py maps the classes).
+    priority: int = 0
     # The client's prompt_cache_key (logged, never scheduled on) and the pin it asks for
     # after the answer (seconds, already clamped; worker/engine/pins.py).
     cache_key: str | None = None

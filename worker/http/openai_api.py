@@ -28,6 +28,7 @@ from shared.wire.protocol import (
     GenerateSamplingParams,
     GenerateWireRequest,
 )
+from shared.wire.service_class import request_class
 from worker.engine.types import (
     EngineError,
     EngineOverloaded,
@@ -226,6 +227,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         params=_sampling(  # 16: OpenAI's default for completions
             req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
         ),
+        priority=request_class(body)[1],
     )  # fmt: skip
     gen, pin = _session(request, req, gen)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -258,8 +260,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
     gen, pin = _session(
-        request, req, EngineRequest(rid, prompt_token_ids=tuple(ids), params=params)
-    )
+        request, req, EngineRequest(
+            request_id=rid, prompt_token_ids=tuple(ids), params=params,
+            priority=request_class(body)[1],
+        ),
+    )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -282,6 +287,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         request_id=rid, prompt=req.text,
         prompt_token_ids=tuple(req.input_ids) if req.input_ids is not None else None,
         params=_sampling(sp, sp.max_new_tokens),
+        priority=request_class(body)[1],
     )  # fmt: skip
     prompt_param = "text" if req.text is not None else "input_ids"
     params = {

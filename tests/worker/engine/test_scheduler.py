@@ -85,13 +85,14 @@ class Harness:
         self.schedules: list[Batch] = []
         self._ids = 0
 
-    def add(self, prompt: list[int], max_tokens: int) -> Req:
+    def add(self, prompt: list[int], max_tokens: int, priority: int = 0) -> Req:
         req = Req(
             request_id=f"r{self._ids}",
             prompt_ids=list(prompt),
             params=SamplingParams(max_tokens=max_tokens, temperature=0),
             detokenizer=_NoText(),
             seq_id=self._ids,
+            priority=priority,
         )
         self._ids += 1
         self.sched.add(req)
@@ -193,6 +194,27 @@ def test_max_running_requests_caps_the_batch() -> None:
         h.step()
         assert len(h.sched.running) <= 2
     assert all(q.output_ids == reference(q.prompt_ids, 3) for q in reqs)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_waiting_requests_are_admitted_by_priority_then_prefix(policy: str) -> None:
+    """Lower priority first (the router's interactive class is -1, batch 1); among equal
+    priorities the policy's own order: lpm takes the cached prefix first."""
+    h = Harness(1000, max_running_requests=1, schedule_policy=policy)
+    stem = list(range(1, 33))
+    h.add(stem, max_tokens=2)
+    h.run()  # stem is cached now
+    batch = h.add([90] * 8, max_tokens=2, priority=1)
+    cold = h.add([91] * 8, max_tokens=2)
+    warm = h.add(stem + [92] * 8, max_tokens=2)
+    urgent = h.add([93] * 8, max_tokens=2, priority=-1)
+    admitted: list[Req] = []
+    while h.sched.has_work:
+        for req in h.step().reqs:
+            if req not in admitted:
+                admitted.append(req)
+    expected = [urgent, warm, cold, batch] if policy == "lpm" else [urgent, cold, warm, batch]
+    assert admitted == expected
 
 
 @pytest.mark.parametrize(("page_size", "expected"), [(1, 40), (8, 40), (16, 32)])

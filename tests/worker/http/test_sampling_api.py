@@ -129,6 +129,9 @@ def test_response_format_text_is_the_default_and_accepted(worker: WorkerThread) 
         ({"logit_bias": {"999999999": 1}}, "logit_bias"),  # outside the vocabulary
         ({"logit_bias": {"5": 150}}, "logit_bias"),
         ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"service_tier": "turbo"}, "service_tier"),  # shared/wire/service_class.py
+        ({"priority": "1"}, "priority"),
+        ({"priority": 1.5}, "priority"),
     ],
 )
 def test_bad_or_unsupported_fields_are_400_naming_them(

@@ -1,0 +1,332 @@
+"""The fleet queue: the policy decides where a request goes, this decides when.
+
+Arrival. While nothing waits and some worker of the request's model has a free seat
+(router/queue/seats.py), the request passes at once: the policy picks among the
+workers with a free seat and the seat is taken on the one it picks. Otherwise it
+waits in the router, in its tenant's FIFO for its class (router/queue/tenants.py). A
+tenant past its `max_queue` waiting requests, or a request that waited its tenant's
+`max_queue_wait_s`, is answered 429 with Retry-After and a message naming the bound;
+no other tenant is refused for it. Load is never a 503; draining is.
+
+The rule: a freed seat on worker w goes to the best waiting request w can serve,
+looking at the first `SCAN` requests of each tenant's FIFO per class, in this order:
+  0. locality: a request is held for its best worker while that worker's predicted
+     cached prefix is over twice w's and it is not urgent (step 3); a held one takes
+     w's seat only when no one else can use it, so a seat never stays empty for it;
+  1. class: interactive, then standard, then batch (strict bands, as llm-d's flow
+     control and Dynamo's router have them);
+  2. fair share within the class (deficit round robin): tenants with credit first; a
+     seat costs one request of credit. When no waiting tenant w can serve has credit,
+     each gets weight x `queue_quantum`; a tenant that starts waiting starts with that
+     much, one that stops waiting keeps none. A tenant without credit still takes a
+     seat no one with credit can use: a seat never stays empty for fairness. Between
+     tenants with work waiting in a class, service follows their weights to within a
+     quantum, which is also how far locality may run ahead of fairness (DLPM's bound);
+  3. urgency: a request that waited `queue_urgent_fraction` of its class's TTFT
+     objective goes first, the earliest deadline first, and is held for no worker: it
+     would miss its deadline waiting for its best one;
+  4. the longest predicted cached prefix on w (affinity);
+  5. arrival order.
+Urgency never lifts a request over a higher class (a flood of standard requests past
+their objective must not hold back interactive ones), and no class is fair-shared
+against another: a tenant's interactive request goes before another's batch one.
+
+Affinity is what the router predicts each worker holds of the request's prompt
+(`Affinity`: today the policy's tree, router/policy/base.py `Policy.predict`), asked
+when the request starts waiting (one that passes at once costs nothing) and again when
+a seat looks at it `REFRESH_S` later, at most `REFRESH_BUDGET` times a pass: the
+tree learns where the turn before it went once that turn leaves the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from router.queue.seats import Seats
+from router.queue.stats import QueueStats
+from router.queue.tenants import Tenant, Tenants
+from router.queue.ticket import Seat, Ticket
+from shared.config import RouterConfig
+from shared.serving.errors import APIError
+from shared.wire.service_class import CLASSES, ServiceClass
+
+if TYPE_CHECKING:
+    from router.fleet.workers import Worker
+    from router.policy.base import FleetView, RouteRequest
+
+# Per class FIFO, how many of its oldest requests a freed seat looks at: enough for
+# affinity to find a hit, bounded so a queue of thousands costs nothing per seat.
+SCAN = 16
+# Seats are re-read this often: another replica's requests end, heartbeats change a
+# worker's seats, workers join (a local request's end re-reads its worker at once).
+TICK_S = 0.05
+# A waiting request's affinity is asked again once this old, at most this many a pass
+# (a tree walk is ~10 µs on an 8,000-char prompt, loadtests/results/tree.md).
+REFRESH_S = 0.1
+REFRESH_BUDGET = 32
+Affinity = Callable[["RouteRequest"], Mapping[str, float]]
+
+
+class FleetReads(Protocol):
+    """What the queue reads of the worker table (router/fleet/table.py `Fleet`)."""
+
+    @property
+    def workers(self) -> Mapping[str, Worker]: ...
+
+    def view(
+        self, now: float, model: str | None = None, exclude: Iterable[str] = ()
+    ) -> FleetView: ...
+
+
+class FleetQueue:
+    def __init__(
+        self,
+        config: RouterConfig,
+        fleet: FleetReads,
+        affinity: Affinity,
+        remote: Callable[[], Mapping[str, int]] | None,
+        clock: Callable[[], float],
+        stats_registry: object = None,
+    ) -> None:
+        self.config, self.fleet, self.affinity, self.clock = config, fleet, affinity, clock
+        self.tenants = Tenants(config)
+        self.seats = Seats(fleet.workers, remote, config.queue_seat_factor, config.max_concurrent)
+        self.stats = QueueStats(self.tenants, stats_registry)  # type: ignore[arg-type]
+        self._slo = {c: getattr(config.classes, c).ttft_slo_s for c in CLASSES}
+        self._seq = itertools.count()
+        self._refreshes = 0  # affinity asks left in this pass
+        self.waiting = 0
+        self.active = 0  # admitted: seated or passing, until their answer ends
+        self.draining = False
+        # SIGTERM seen: readiness answers 503 while requests are still served
+        # (`shutdown_delay`), then `drain` refuses new ones.
+        self.stopping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- arrival ------------------------------------------------------------------------
+    def ticket(self, tenant: Tenant, klass: ServiceClass, request: RouteRequest) -> Ticket:
+        now = self.clock()
+        return Ticket(
+            tenant, klass, request, request.model or None, now, self._slo[klass],
+            self.config.queue_urgent_fraction, next(self._seq),
+        )  # fmt: skip
+
+    async def admit(self, ticket: Ticket) -> None:
+        """Return once `ticket` may go (its `exclude` set); raise 503 draining or 429."""
+        if self.draining:
+            raise APIError(
+                503, "the router is shutting down", code="draining", headers={"Retry-After": "1"}
+            )
+        if not self.waiting and self._pass(ticket):
+            ticket.seated = ticket.arrived
+            self._admitted(ticket)
+            return
+        tenant = ticket.tenant
+        if tenant.waiting >= tenant.max_queue:
+            self.stats.refused(tenant.name, ticket.klass)
+            raise self._refuse(
+                tenant, f"its max_queue bound ({tenant.max_queue} requests waiting)", "queue_full"
+            )
+        await self._wait(ticket)
+        self._admitted(ticket)
+
+    def _pass(self, ticket: Ticket) -> bool:
+        """Whether `ticket` may go at once; sets the workers it may not use."""
+        seats = self.seats
+        if seats.total >= seats.max_concurrent:
+            return False
+        if not seats.full:  # below saturation: the policy's kept view, no pass over it
+            return True
+        ids = self.fleet.view(self.clock(), ticket.model).ids
+        full = [wid for wid in ids if wid in seats.full]
+        if full and len(full) == len(ids):
+            return False
+        ticket.exclude = full
+        return True
+
+    def _admitted(self, ticket: Ticket) -> None:
+        self.active += 1
+        self._idle.clear()
+        self.stats.seated(ticket.tenant.name, ticket.klass, ticket.seated - ticket.arrived)  # type: ignore[operator]
+
+    async def _wait(self, ticket: Ticket) -> None:
+        tenant = ticket.tenant
+        self._predict(ticket, ticket.arrived)
+        ticket.future = asyncio.get_running_loop().create_future()
+        if not tenant.waiting:
+            tenant.credit = tenant.weight * self.config.queue_quantum
+        tenant.queues[ticket.rank].append(ticket)
+        tenant.waiting += 1
+        self.waiting += 1
+        self._idle.clear()
+        self.pump()
+        try:
+            await asyncio.wait_for(asyncio.shield(ticket.future), tenant.max_wait_s)
+        except BaseException as e:
+            if ticket.worker is not None:  # given a seat just as it gave up
+                self._release_seat(ticket)
+            else:
+                self._unqueue(ticket)
+            if isinstance(e, TimeoutError):
+                self.stats.refused(tenant.name, ticket.klass)
+                raise self._refuse(
+                    tenant, f"its max_queue_wait_s bound ({tenant.max_wait_s:g} s)", "queue_timeout"
+                ) from None
+            raise
+        finally:
+            self._settle_idle()
+
+    def _predict(self, ticket: Ticket, now: float) -> None:
+        ticket.units = units = self.affinity(ticket.request)
+        ticket.units_at = now
+        if units:
+            ticket.best = max(units, key=units.__getitem__)
+            ticket.best_units = units[ticket.best]
+        else:
+            ticket.best, ticket.best_units = "", 0.0
+
+    def _refuse(self, tenant: Tenant, bound: str, code: str) -> APIError:
+        retry = max(1, math.ceil(tenant.max_wait_s / 4))
+        return APIError(
+            429, f"tenant {tenant.name!r} is past {bound}; retry later",
+            code=code, headers={"Retry-After": str(retry)},
+        )  # fmt: skip
+
+    # -- while it runs --------------------------------------------------------------------
+    def sit(self, ticket: Ticket, worker_id: str) -> None:
+        """The proxy picked `worker_id` for a try: the ticket's seat is there now."""
+        if ticket.worker == worker_id:
+            return
+        if ticket.worker is not None:
+            self.seats.give(ticket.worker)
+        self.seats.take(worker_id)
+        ticket.worker = worker_id
+
+    def answered(self, ticket: Ticket, status: int) -> None:
+        """The answer's head left (its first byte: the router's TTFT)."""
+        if ticket.first_byte is None:
+            ticket.first_byte, ticket.status = self.clock(), status
+
+    def done(self, ticket: Ticket) -> None:
+        """The request ended, whatever the way: its seat frees and goes on at once."""
+        self.active -= 1
+        good = ticket.first_byte is not None and ticket.status < 400
+        met = good and ticket.first_byte <= ticket.deadline  # type: ignore[operator]
+        self.stats.ended(ticket.tenant.name, ticket.klass, good, met)
+        if ticket.worker is not None:
+            self._release_seat(ticket)
+        self._settle_idle()
+
+    def _release_seat(self, ticket: Ticket) -> None:
+        self.seats.give(ticket.worker)  # type: ignore[arg-type]
+        ticket.worker = None
+        self.pump()
+
+    def _settle_idle(self) -> None:
+        if self.active == 0 and self.waiting == 0:
+            self._idle.set()
+
+    # -- the rule -----------------------------------------------------------------------
+    def pump(self) -> None:
+        """Give every free seat to the best waiting request for it (the module's rule)."""
+        if not self.waiting:
+            return
+        now = self.clock()
+        routable: dict[str | None, frozenset[str]] = {}
+        self._refreshes = REFRESH_BUDGET
+        seats = self.seats
+        while self.waiting and seats.total < seats.max_concurrent:
+            ids = self.fleet.view(now).ids
+            free = [wid for wid in ids if seats.free(wid)]
+            # The emptiest worker first, so seats freed together spread the queue.
+            free.sort(key=lambda wid: seats.occupied(wid) / (seats.seats(wid) or math.inf))
+            for wid in free:
+                ticket = self._best_for(wid, now, routable)
+                if ticket is not None:
+                    self._give(ticket, wid, now)
+                    break
+            else:
+                return
+
+    def _serves(self, wid: str, ticket: Ticket, now: float, routable: dict) -> bool:
+        ids = routable.get(ticket.model)
+        if ids is None:
+            ids = routable[ticket.model] = frozenset(self.fleet.view(now, ticket.model).ids)
+        return wid in ids
+
+    def _best_for(self, wid: str, now: float, routable: dict) -> Ticket | None:
+        waiting = [t for t in self.tenants if t.waiting]
+        if not any(t.credit > 0 for t in waiting):
+            # A new round: each waiting tenant gains weight x quantum, as many times as
+            # it takes for one of them to have credit again.
+            quanta = [t.weight * self.config.queue_quantum for t in waiting]
+            rounds = min(
+                math.floor(-t.credit / q) + 1 for t, q in zip(waiting, quanta, strict=True)
+            )
+            for t, q in zip(waiting, quanta, strict=True):
+                t.credit += rounds * q
+        best, best_key = None, None
+        for tenant in waiting:
+            # A tenant without credit is looked at too, behind every one with credit in
+            # the same class: it takes the seat only when no one else can use it.
+            broke = tenant.credit <= 0
+            for queue in tenant.queues:
+                for ticket in itertools.islice(queue, SCAN):
+                    if not self._serves(wid, ticket, now, routable):
+                        continue
+                    if self._refreshes and now - ticket.units_at >= REFRESH_S:
+                        self._refreshes -= 1
+                        self._predict(ticket, now)
+                    if now >= ticket.urgent_at:
+                        key: tuple = (False, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
+                    else:
+                        here = ticket.units.get(wid, 0.0)
+                        held = ticket.best != wid and ticket.best_units > 2 * here
+                        key = (held, ticket.rank, broke, 1, -here, ticket.seq)
+                    if best_key is None or key < best_key:
+                        best, best_key = ticket, key
+        return best
+
+    def _give(self, ticket: Ticket, wid: str, now: float) -> None:
+        self._unqueue(ticket)
+        ticket.tenant.credit -= 1
+        self.seats.take(wid)
+        ticket.worker, ticket.seated = wid, now
+        ticket.exclude = [w for w in self.fleet.view(now, ticket.model).ids if w != wid]
+        ticket.future.set_result(wid)  # type: ignore[union-attr]
+
+    def _unqueue(self, ticket: Ticket) -> None:
+        tenant = ticket.tenant
+        tenant.queues[ticket.rank].remove(ticket)
+        tenant.waiting -= 1
+        self.waiting -= 1
+        if not tenant.waiting:
+            tenant.credit = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def run(self) -> None:
+        """Re-read seats every tick, and give those that came free (the app runs it)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.seats.refresh()
+            if self.waiting:
+                self.pump()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait for those admitted; True if all finished in time."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def seat(self, ticket: Ticket) -> Seat:
+        """`async with queue.seat(ticket) as seat:` admitted (or refused) on entry; the
+        seat is freed on exit, whatever the way out."""
+        return Seat(self, ticket)

@@ -1,0 +1,78 @@
+"""A request's passage through the fleet queue (router/queue/fleet_queue.py): its
+`Ticket` (who, which class, where it sits, what the queue predicted for it) and its
+`Seat` (the `async with` the handler holds while the request runs, and what the proxy
+tells the worker it picked)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from router.queue.tenants import Tenant
+from shared.wire.service_class import CLASSES, ServiceClass
+
+if TYPE_CHECKING:
+    from router.policy.base import RouteRequest
+
+
+class Ticket:
+    """One request through the queue: who, which class, and where it sits."""
+
+    __slots__ = (
+        "arrived", "best", "best_units", "deadline", "exclude", "first_byte", "future",
+        "klass", "model", "rank", "request", "seated", "seq", "status", "tenant",
+        "units", "units_at", "urgent_at", "worker",
+    )  # fmt: skip
+
+    def __init__(
+        self, tenant: Tenant, klass: ServiceClass, request: RouteRequest, model: str | None,
+        now: float, slo_s: float, urgent_fraction: float, seq: int,
+    ) -> None:  # fmt: skip
+        self.tenant, self.klass, self.rank = tenant, klass, CLASSES.index(klass)
+        self.request, self.model, self.seq = request, model, seq
+        self.arrived, self.deadline = now, now + slo_s
+        self.urgent_at = now + slo_s * urgent_fraction
+        self.units: Mapping[str, float] = {}  # predicted cached prefix per worker
+        self.units_at = now
+        self.best, self.best_units = "", 0.0
+        self.future: asyncio.Future[str] | None = None
+        self.worker: str | None = None  # the seat held, once given
+        self.exclude: Collection[str] = ()  # workers the first try may not use
+        self.seated: float | None = None
+        self.first_byte: float | None = None
+        self.status = 0
+
+
+class SeatKeeper(Protocol):
+    """What a seat asks of the queue (`FleetQueue`)."""
+
+    async def admit(self, ticket: Ticket) -> None: ...
+
+    def sit(self, ticket: Ticket, worker_id: str) -> None: ...
+
+    def done(self, ticket: Ticket) -> None: ...
+
+
+class Seat:
+    """A plain async context manager (no generator frame on the hot path); the proxy's
+    `Seating` (router/upstream/proxy.py)."""
+
+    __slots__ = ("_queue", "ticket")
+
+    def __init__(self, queue: SeatKeeper, ticket: Ticket) -> None:
+        self._queue, self.ticket = queue, ticket
+
+    @property
+    def exclude(self) -> Collection[str]:
+        return self.ticket.exclude
+
+    def sit(self, worker_id: str) -> None:
+        self._queue.sit(self.ticket, worker_id)
+
+    async def __aenter__(self) -> Seat:
+        await self._queue.admit(self.ticket)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._queue.done(self.ticket)

@@ -1,0 +1,120 @@
+"""`python -m loadtests sweep`: what counts as sustained, the verdict, and the sweep on real
+sim fleets (Redis, sim workers, router processes) finding a saturation point that moves
+when workers are added."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from loadtests.__main__ import main
+from loadtests.kit import WorkloadOptions
+from loadtests.load.cluster import ClusterSpec
+from loadtests.load.records import RequestRecord
+from loadtests.load.runner import RunSpec
+from loadtests.load.summary import SLO, summarize
+from loadtests.load.sweep import (
+    Point,
+    late_share,
+    load_for,
+    rates_per_s,
+    saturation,
+    sustained_rate,
+    sweep,
+    verdict,
+)
+from loadtests.load.workloads import mooncake
+
+
+def point(rate: float, kept: float, ttft_ms: float = 50, failed: bool = False,
+          slo: SLO | None = None, policy: str = "p") -> Point:  # fmt: skip
+    records = [
+        RequestRecord(
+            start=i / rate,
+            ok=not failed,
+            e2e_s=0.2,
+            ttft_s=ttft_ms / 1000,
+            output_tokens=4,
+            worker="w0",
+        )
+        for i in range(10)
+    ]
+    return Point(policy, rate, rate, kept, summarize(records, slo, ["w0"]))
+
+
+def test_a_rate_is_sustained_when_answers_keep_pace_and_meet_the_slo() -> None:
+    assert point(4, kept=3.7).sustained  # 0.925 of the offered rate
+    assert not point(4, kept=3.5).sustained  # 0.875: a queue grows
+    assert not point(4, kept=4, failed=True).sustained
+    slo = SLO(ttft_ms=100)
+    assert point(4, kept=4, ttft_ms=90, slo=slo).sustained
+    missed = point(4, kept=4, ttft_ms=110, slo=slo)  # every request misses it
+    assert not missed.sustained and missed.why_not == "0% within the SLO"
+    assert point(4, kept=3.5).why_not == "fell behind"
+    held = replace(point(4, kept=3.5), late=0.4)  # every user busy: the client held them back
+    assert held.why_not == "fell behind (40% sent late)"
+
+
+def test_saturation_is_the_first_rate_not_sustained() -> None:
+    pts = [point(1, 1), point(2, 2), point(4, 2.5), point(8, 8)]
+    assert (sustained_rate(pts), saturation(pts)) == (2, 4)
+    assert (sustained_rate(pts[:2]), saturation(pts[:2])) == (2, None)
+    assert sustained_rate([point(1, 0.1)]) is None
+    results = {
+        "cache_aware": [point(1, 1), point(2, 2), point(4, 3)],
+        "round_robin": [point(1, 1), point(2, 1)],
+    }
+    assert verdict(results, SLO(ttft_ms=200, tpot_ms=50)) == (
+        "verdict: cache_aware sustains 2 req/s within the SLO (ttft=200,tpot=50 ms) "
+        "(saturates at 4), round_robin 1 req/s (saturates at 2)"
+    )
+
+
+def test_offered_and_kept_rates_each_over_their_own_span() -> None:
+    # Due every 0.25 s (4/s); answers 0.5 s apart (2/s): the queue grows.
+    recs = [RequestRecord(start=i * 0.25, due=i * 0.25, ok=True, e2e_s=0.1 + i * 0.25)
+            for i in range(9)]  # fmt: skip
+    assert rates_per_s(recs) == (pytest.approx(4.0), pytest.approx(2.0))
+    late = [RequestRecord(start=1.0 + d, due=1.0, ok=True, e2e_s=0.1) for d in (0, 0.01, 0.2, 1)]
+    assert late_share(late) == 0.5 and late_share([]) == 0.0
+
+
+def test_a_trace_keeps_its_own_arrivals_sped_up_to_the_rate() -> None:
+    trace = WorkloadOptions(workload="mooncake", trace_limit=50)
+    load, poisson, n = load_for(trace, rate=5.0, seconds=4)
+    assert (poisson, n, load.loop) == (0.0, 20, False)
+    arrivals = [r.arrival_s for r in mooncake(load)]
+    assert (n - 1) / (arrivals[n - 1] - arrivals[0]) == pytest.approx(5.0)
+    shared = WorkloadOptions()
+    assert load_for(shared, rate=5.0, seconds=4)[1:] == (5.0, 20)
+
+
+def test_bad_rates_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--rates", "0,2"]) == 2
+    assert "error: --rates wants positive req/s" in capsys.readouterr().err
+
+
+# Requests of 8 tokens at 39 ms a step, 2 at a time: one sim worker answers about 5.7 per
+# second (6.4 less the prefill steps and the way there and back, measured). Doubling rates put one worker's capacity between 4 and 8 and two workers'
+# between 8 and 16, half way on a log scale, so neither edge is close to a measured point.
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_saturation_point_moves_when_workers_are_added(tmp_path: Path) -> None:
+    workload = WorkloadOptions(groups=4, system_len=32, question_len=8, output_len=8)
+    found = {}
+    for workers in (1, 2):
+        fleet = ClusterSpec(workers=workers, prefill_us_per_token=10, decode_ms_per_token=39,
+                          max_running_requests=2)  # fmt: skip
+        spec = RunSpec(host="", out=tmp_path / f"w{workers}", users=48, timeout_s=120)
+        results = sweep(workload, [4, 8, 16], ["round_robin"], spec, 6.0, fleet)
+        points = results["round_robin"]
+        assert all(p.summary.failures == 0 for p in points)
+        found[workers] = (sustained_rate(points), saturation(points))
+        # Every worker answered: round robin over the whole fleet.
+        assert sorted(points[0].summary.per_worker_requests) == [f"w{i}" for i in range(workers)]
+    assert found == {1: (4, 8), 2: (8, 16)}
+    result = json.loads((tmp_path / "w2/round_robin/rate_16/summary.json").read_text())
+    assert result["request_rate"] == 16 and result["max_concurrency"] == 48

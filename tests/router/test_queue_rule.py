@@ -1,0 +1,163 @@
+"""The fleet queue's rule (router/queue/fleet_queue.py), step by step, on a real worker
+table with an injected clock and affinity: who gets each freed seat."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from router.fleet.table import Fleet
+from router.policy.base import RouteRequest
+from router.queue.fleet_queue import FleetQueue
+from router.queue.ticket import Ticket
+from shared.config import ConfigError, RouterConfig, load_config
+from shared.serving.errors import APIError
+from shared.wire.registry import WorkerRecord
+from tests.waiting import ManualClock
+
+
+class Hooks:
+    def remove_worker(self, worker_id: str) -> None:
+        return
+
+
+def _queue(
+    seats: dict[str, int], affinity: dict[str, Mapping[str, float]] | None = None, **config: Any
+) -> tuple[FleetQueue, ManualClock]:
+    cfg = RouterConfig.model_validate(config)
+    fleet = Fleet(cfg, Hooks())
+    records = {
+        wid: WorkerRecord(
+            wid, f"http://127.0.0.1:{9000 + i}", "m", "sim", 1.0, max_running_requests=n
+        )
+        for i, (wid, n) in enumerate(seats.items())
+    }
+    fleet.apply_registry(records)
+    clock = ManualClock()
+    predict = affinity or {}
+    queue = FleetQueue(cfg, fleet, lambda r: predict.get(r.text, {}), None, clock)
+    return queue, clock
+
+
+def _ticket(
+    queue: FleetQueue, text: str, tenant: str = "default", klass: str = "standard"
+) -> Ticket:
+    return queue.ticket(queue.tenants.by_name[tenant], klass, RouteRequest(text, model="m"))  # type: ignore[arg-type]
+
+
+async def _enter(queue: FleetQueue, ticket: Ticket) -> asyncio.Task:
+    task = asyncio.create_task(queue.admit(ticket))
+    await asyncio.sleep(0)  # it runs up to its wait (or through, when it passes)
+    return task
+
+
+async def _fill(queue: FleetQueue, n: int) -> list[Ticket]:
+    """n requests that pass at once and sit on the fleet's seats, as the proxy seats them."""
+    out = []
+    for i in range(n):
+        ticket = _ticket(queue, f"filler{i}")
+        await queue.admit(ticket)
+        wid = next(w for w in queue.fleet.workers if w not in ticket.exclude)
+        queue.sit(ticket, wid)
+        out.append(ticket)
+    return out
+
+
+async def _served_order(queue: FleetQueue, runner: Ticket, waiting: list[Ticket]) -> list[str]:
+    """Free the seat one request at a time and note who takes it."""
+    order = []
+    for _ in waiting:
+        queue.done(runner)
+        await asyncio.sleep(0)
+        runner = next(t for t in waiting if t.worker is not None and t.request.text not in order)
+        order.append(runner.request.text)
+    return order
+
+
+async def test_drr_serves_tenants_in_proportion_to_weight() -> None:
+    tenants = {"big": {"keys": ["kb"], "weight": 3}, "small": {"keys": ["ks"]}}
+    queue, _ = _queue({"w0": 1}, tenants=tenants, queue_quantum=1)
+    [runner] = await _fill(queue, 1)
+    waiting = [_ticket(queue, f"big{i}", "big") for i in range(8)]
+    waiting += [_ticket(queue, f"small{i}", "small") for i in range(8)]
+    tasks = [await _enter(queue, t) for t in waiting]
+    order = await _served_order(queue, runner, waiting)
+    firsts = order[:8]
+    assert sum(name.startswith("big") for name in firsts) == 6, order  # 3:1
+    for task in tasks:
+        task.cancel()
+
+
+async def test_affinity_picks_the_request_that_hits_and_holds_for_its_worker() -> None:
+    affinity = {"hit-w0": {"w0": 100.0}, "hit-w1": {"w1": 100.0}, "cold": {}}
+    queue, _ = _queue({"w0": 1, "w1": 1}, affinity)
+    w0, w1 = await _fill(queue, 2)
+    assert {w0.worker, w1.worker} == {"w0", "w1"}
+    if w0.worker != "w0":
+        w0, w1 = w1, w0
+    tickets = [_ticket(queue, name) for name in ("hit-w1", "cold", "hit-w0")]
+    for t in tickets:
+        await _enter(queue, t)
+    queue.done(w0)  # w0 frees: the request that hits on it, though it arrived last
+    assert tickets[2].worker == "w0"
+    queue.done(tickets[2])  # again w0: "hit-w1" is held for w1 while "cold" can use it
+    assert tickets[1].worker == "w0" and tickets[0].worker is None
+    queue.done(tickets[1])  # only the held one is left: w0 does not stay empty for it
+    assert tickets[0].worker == "w0"
+    # Held, even an interactive request lets a batch one have w0 while it waits for w1.
+    held = _ticket(queue, "hit-w1", klass="interactive")
+    cold = _ticket(queue, "cold", klass="batch")
+    await _enter(queue, held)
+    await _enter(queue, cold)
+    queue.done(tickets[0])
+    assert cold.worker == "w0" and held.worker is None
+
+
+async def test_an_urgent_request_takes_a_worse_worker_but_not_a_higher_class() -> None:
+    affinity = {"hit-w1": {"w1": 100.0}, "cold": {}}
+    queue, clock = _queue({"w0": 1, "w1": 1}, affinity)
+    fillers = await _fill(queue, 2)
+    on_w0 = next(t for t in fillers if t.worker == "w0")
+    urgent = _ticket(queue, "hit-w1", klass="batch")  # SLO 120 s: urgent after 60 s
+    await _enter(queue, urgent)
+    clock.advance(61)
+    fresh = _ticket(queue, "cold", klass="batch")
+    interactive = _ticket(queue, "cold", klass="interactive")  # SLO 1 s, just in
+    await _enter(queue, fresh)
+    await _enter(queue, interactive)
+    queue.done(on_w0)  # the interactive class first, urgent or not
+    assert interactive.worker == "w0" and urgent.worker is None
+    queue.done(interactive)  # then the urgent batch one, on w0 though it hits on w1
+    assert urgent.worker == "w0" and fresh.worker is None
+
+
+async def test_the_bounds_refuse_only_their_tenant() -> None:
+    tenants = {"a": {"keys": ["ka"], "max_queue": 1}}
+    queue, _ = _queue({"w0": 1}, tenants=tenants)
+    await _fill(queue, 1)
+    await _enter(queue, _ticket(queue, "a0", "a"))
+    with pytest.raises(APIError) as refused:
+        await queue.admit(_ticket(queue, "a1", "a"))
+    assert refused.value.status == 429 and "max_queue bound (1 requests" in refused.value.message
+    other = _ticket(queue, "d0")
+    await _enter(queue, other)  # the default tenant still queues
+    assert queue.waiting == 2 and other in queue.tenants.default.queues[1]
+
+
+def test_config_refuses_a_shared_key_and_a_bad_weight() -> None:
+    both = {"a": {"keys": ["k1"]}, "b": {"keys": ["k2", "k1"]}}
+    with pytest.raises(ConfigError, match=r"tenants\.b\.keys\[1\] is also a key of tenant 'a'"):
+        load_config(RouterConfig, overrides={"tenants": both}, environ={})
+    for weight in (0, -1):
+        with pytest.raises(ConfigError, match=r"tenants\.a\.weight: .*greater than 0"):
+            load_config(
+                RouterConfig, overrides={"tenants": {"a": {"keys": ["k"], "weight": weight}}},
+                environ={},
+            )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"classes\.interactive\.ttft_slo_s"):
+        load_config(
+            RouterConfig, overrides={"classes": {"interactive": {"ttft_slo_s": 0}}}, environ={}
+        )
