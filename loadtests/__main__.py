@@ -57,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "tree vs tree + KV events vs a ceiling, divergence cases",
     ),
     "agent": (
-        "loadtests.simulate.agent_bench",
+        "loadtests.simulate.agents",
         "agent sessions (prompt_cache_key, pins, tool gaps): today vs keys vs pins",
     ),
     "host-tier": (

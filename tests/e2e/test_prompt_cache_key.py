@@ -21,7 +21,7 @@ import pytest
 from openai import OpenAI
 from redis import Redis as SyncRedis
 
-from loadtests.load.cluster import BenchFleet, Child, WorkerSpec, sim_fleet
+from loadtests.load.cluster import Child, Cluster, WorkerSpec, sim_cluster
 from loadtests.load.workloads import words
 from shared.procs import http_json, wait_until
 
@@ -33,8 +33,8 @@ SIBLINGS = 4
 
 
 @pytest.fixture
-def fleet() -> Iterator[BenchFleet]:
-    fleet = sim_fleet(WORKERS, WorkerSpec(decode_ms=2.0, heartbeat_s=0.2))
+def fleet() -> Iterator[Cluster]:
+    fleet = sim_cluster(WORKERS, WorkerSpec(decode_ms=2.0, heartbeat_s=0.2))
     yield fleet
     fleet.close()
 
@@ -80,7 +80,7 @@ def first_call_siblings(routers: list[Child], keyed: bool) -> list[set[str]]:
     return placed
 
 
-def test_a_key_over_1024_bytes_is_refused_naming_the_field(fleet: BenchFleet) -> None:
+def test_a_key_over_1024_bytes_is_refused_naming_the_field(fleet: Cluster) -> None:
     router = fleet.start_router({"policy": "cache_aware"})
     c, model = client(router), model_of(router)
     with pytest.raises(openai.BadRequestError) as e:
@@ -92,7 +92,7 @@ def test_a_key_over_1024_bytes_is_refused_naming_the_field(fleet: BenchFleet) ->
     assert call(c, model, "hello", "é" * 512)[0]  # 1,024 bytes: served
 
 
-def test_first_call_siblings_share_a_worker(fleet: BenchFleet) -> None:
+def test_first_call_siblings_share_a_worker(fleet: Cluster) -> None:
     router = fleet.start_router({"policy": "cache_aware"})
     placed = first_call_siblings([router], keyed=True)
     assert all(len(workers) == 1 for workers in placed), placed
@@ -100,7 +100,7 @@ def test_first_call_siblings_share_a_worker(fleet: BenchFleet) -> None:
     assert len(set().union(*placed)) > 1
 
 
-def test_siblings_share_a_worker_across_two_replicas(fleet: BenchFleet) -> None:
+def test_siblings_share_a_worker_across_two_replicas(fleet: Cluster) -> None:
     sync = {"policy": "cache_aware", "sync": True, "sync_flush_interval": 0.01}
     a = fleet.start_router(sync)
     b = fleet.add_router("router-b", sync)
@@ -114,7 +114,7 @@ def test_siblings_share_a_worker_across_two_replicas(fleet: BenchFleet) -> None:
             assert {worker} == workers
 
 
-def test_unkeyed_siblings_spread_as_today(fleet: BenchFleet) -> None:
+def test_unkeyed_siblings_spread_as_today(fleet: Cluster) -> None:
     """The same traffic without keys: cache_aware places the siblings by load, so some
     session's siblings split (what the key fixes)."""
     router = fleet.start_router({"policy": "cache_aware"})
@@ -122,7 +122,7 @@ def test_unkeyed_siblings_spread_as_today(fleet: BenchFleet) -> None:
     assert any(len(workers) > 1 for workers in placed), placed
 
 
-def test_a_ttl_over_the_maximum_is_clamped_and_the_pin_is_reported(fleet: BenchFleet) -> None:
+def test_a_ttl_over_the_maximum_is_clamped_and_the_pin_is_reported(fleet: Cluster) -> None:
     router = fleet.start_router({"policy": "cache_aware"})
     c, model = client(router), model_of(router)
     worker, usage = call(c, model, "agent context " * 40, "agent-7", cache_pin_ttl=3600)
