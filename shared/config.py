@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks
+from shared.wire.service_class import ServiceClass
 
 PolicyName = Literal[
     "cache_aware",
@@ -294,6 +295,9 @@ class WorkerConfig(_Frozen):
     pin_budget: float = Field(0.25, ge=0, le=1)
     pin_max_ttl_s: float = Field(300.0, ge=0)
     pin_default_ttl_s: float = Field(0.0, ge=0)
+    # The same per class (shared/wire/service_class.py), e.g. {interactive: 120, batch: 0}:
+    # a class named here takes its TTL instead of pin_default_ttl_s.
+    pin_class_ttl_s: dict[ServiceClass, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     host_write_policy: Literal["write_back", "write_through"] = "write_back"
     max_running_requests: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)

@@ -60,16 +60,20 @@ UNSUPPORTED_FIELDS = (
 log = logging.getLogger(__name__)
 
 
-def _session(request: web.Request, req: Any, gen: EngineRequest) -> tuple[EngineRequest, Any]:
+def _session(
+    request: web.Request, req: Any, gen: EngineRequest, klass: str
+) -> tuple[EngineRequest, Any]:
     """`prompt_cache_key` (logged, never scheduled on) and the pin the answer leaves:
-    `cache_pin_ttl` seconds, else `pin_default_ttl_s` for a keyed request, clamped to
-    `pin_max_ttl_s` (worker/engine/pins.py). Returns the request and usage's `cache_pin`."""
+    `cache_pin_ttl` seconds, else for a keyed request its class's `pin_class_ttl_s`, else
+    `pin_default_ttl_s`; clamped to `pin_max_ttl_s` (worker/engine/pins.py). Returns the
+    request and usage's `cache_pin`."""
     key, asked = req.prompt_cache_key, req.cache_pin_ttl
     config = request.app[CONFIG]
     if key is not None:
         log.info("request_id=%s prompt_cache_key=%r", gen.request_id, key[:128])
-    if asked is None:
-        asked = config.pin_default_ttl_s if key is not None else 0.0
+    if asked is None and key is not None:  # the default: the request's class's, else the worker's
+        asked = config.pin_class_ttl_s.get(klass, config.pin_default_ttl_s)
+    asked = asked or 0.0
     if not asked or not config.pin_budget:
         return dataclasses.replace(gen, cache_key=key), None
     ttl = min(asked, config.pin_max_ttl_s)
@@ -222,14 +226,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo and text is None:
         raise APIError(400, "echo needs a text prompt", param="echo", code="unsupported")
     rid = wire.new_request_id("cmpl")
+    klass, priority = request_class(body)
     gen = EngineRequest(
         request_id=rid, prompt=text, prompt_token_ids=tuple(ids) if ids is not None else None,
         params=_sampling(  # 16: OpenAI's default for completions
             req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
         ),
-        priority=request_class(body)[1],
+        priority=priority,
     )  # fmt: skip
-    gen, pin = _session(request, req, gen)
+    gen, pin = _session(request, req, gen, klass)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = text if req.echo and text else ""
     fmt = CompletionFormat(rid, model, echo, include_usage, _token_bytes(request))
@@ -259,11 +264,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
+    klass, priority = request_class(body)
     gen, pin = _session(
         request, req, EngineRequest(
-            request_id=rid, prompt_token_ids=tuple(ids), params=params,
-            priority=request_class(body)[1],
-        ),
+            request_id=rid, prompt_token_ids=tuple(ids), params=params, priority=priority,
+        ), klass,
     )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
