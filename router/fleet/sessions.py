@@ -5,11 +5,11 @@ say which requests share a cache. Prefix matching alone sends a session's *first
 its parallel siblings (fanned out from one prefix before any of them was answered) where
 load sends them; the key lets the router co-locate them before any prefix is known.
 
-The rule (``SessionTable.route``), applied before the policy:
+The rule (``select``, which the proxy and the simulator both call), before the policy:
   1. No entry for the key (first call, or the entry aged out) → the policy decides; when
      router replicas share decisions (``sync``) and it found no cached prefix anywhere
-     (reason ``no_match`` or ``balance``), the worker is instead the key's
-     rendezvous-hash pick among the workers not overloaded, so replicas that see a
+     (reason ``no_match`` or ``balance``), the worker is instead the less loaded of the
+     key's two rendezvous-hash workers (``rendezvous``), so replicas that see a
      session's first siblings at the same instant (before the sync carries anything)
      still agree. The choice is recorded *at decision time*, so
      siblings sent a moment later (still unanswered) follow the first one.
@@ -19,8 +19,9 @@ The rule (``SessionTable.route``), applied before the policy:
      ``balance_rel_threshold`` times it. Then (or when the worker is gone) the policy
      decides and the entry moves to its choice.
 
-Keys are namespaced by tenant: the table is keyed by ``sha256(tenant NUL key)``, where
-the tenant is the caller's API key identity (hashed, never stored), so one tenant cannot
+Keys are namespaced by tenant: the table is keyed by ``sha256(namespace NUL key)``,
+the namespace being the caller's tenant (config ``tenants``) or, without one, its API
+key's identity (hashed, never stored; router/http/handlers.py), so one tenant cannot
 steer, or learn about, another's sessions. The table holds at most ``session_table_max``
 entries (least recently used dropped first) and an entry lives ``session_ttl`` seconds
 after its last use. Other router replicas learn entries through replica sync
