@@ -110,14 +110,23 @@ class SessionTable:
         return wid
 
 
+# Requests in flight: how much less loaded the key's second worker must be to take it.
+# Replicas' load views lag by what the sync has not carried yet (the last session's
+# siblings, still in a stale heartbeat or load hash): a margin of 2 split first-call
+# siblings across two replicas in 1 e2e run of 6, 4 in none of 8. The price is balance:
+# at 96k in loadtests/results/agents.md, 2 replicas spent 12.6 s in calls (margin 4)
+# against 8.5 s (margin 2) and 10.3 s for one router.
+AGREE_MARGIN = 4
+
+
 def rendezvous(
     digest: bytes, ids: Sequence[str], loads: Sequence[int], abs_threshold: float,
     rel_threshold: float,
 ) -> str:  # fmt: skip
     """Of the key's two highest-random-weight workers (among those not overloaded), the
-    less loaded; equal loads: the higher weight. Replicas that see the same loads pick
-    the same worker for a key without talking (a sibling's own load reaches the others
-    only with the sync: each replica decides from the loads before it). The best of two
+    second only when its load is lower by more than `AGREE_MARGIN`, else the first.
+    Replicas pick the same worker for a key without talking as long as their views of
+    those two loads differ by no more than the margin. The best of two
     balances far better than the top weight alone (load-blind: 16 sessions on 4 workers
     piled up to 7 on one, and doubled the time in calls, loadtests/results/agents.md).
     One hash a worker, on a session's first call only."""
@@ -131,7 +140,9 @@ def rendezvous(
     if not ranked:
         return ids[0]
     top = heapq.nlargest(2, ranked)
-    return min(top, key=lambda t: t[2])[1]  # min keeps the first (higher weight) on ties
+    if len(top) == 2 and top[1][2] + AGREE_MARGIN < top[0][2]:
+        return top[1][1]
+    return top[0][1]
 
 
 def select(

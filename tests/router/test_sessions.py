@@ -9,6 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from router.fleet.sessions import (
+    AGREE_MARGIN,
     DIGEST_BYTES,
     SessionTable,
     rendezvous,
@@ -66,12 +67,13 @@ def test_rendezvous_agrees_across_replicas_and_skips_overloaded_workers() -> Non
 def test_rendezvous_takes_the_less_loaded_of_the_keys_top_two() -> None:
     d = session_digest("", "s")
     first = rendezvous(d, IDS, [0, 0, 0], 64, 1.5)
-    busy = [3 if w == first else 0 for w in IDS]  # busy, far from overloaded
+    busy = [AGREE_MARGIN + 1 if w == first else 0 for w in IDS]  # over the margin
     second = rendezvous(d, IDS, busy, 64, 1.5)
     assert second != first
     # The third-ranked worker is never taken while the top two are not overloaded.
     third = next(w for w in IDS if w not in (first, second))
-    assert rendezvous(d, IDS, [0 if w == third else 3 for w in IDS], 64, 1.5) == first
+    loads = [0 if w == third else AGREE_MARGIN + 1 for w in IDS]
+    assert rendezvous(d, IDS, loads, 64, 1.5) == first
 
 
 @pytest.mark.parametrize(
@@ -123,3 +125,13 @@ async def test_sessions_reach_the_other_replica_and_garbage_is_counted(
         for redis, sync, _ in made:
             await sync.stop()
             await redis.aclose()
+
+
+def test_a_load_difference_within_the_margin_keeps_the_top_worker() -> None:
+    """Two replicas' views of the loads differ by the requests not yet synced: within
+    AGREE_MARGIN they still pick the same worker for a key."""
+    d = session_digest("", "s")
+    first = rendezvous(d, IDS, [0, 0, 0], 64, 1.5)
+    for extra in range(AGREE_MARGIN + 1):
+        loads = [extra if w == first else 0 for w in IDS]
+        assert rendezvous(d, IDS, loads, 64, 1.5) == first
