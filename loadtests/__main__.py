@@ -48,6 +48,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "replicas": ("loadtests.load.replicas", "router replicas with and without decision sync"),
     "faults": ("loadtests.load.faults", "worker, Redis and router faults under load, their cost"),
+    "pack": (
+        "loadtests.load.pack",
+        "every workload against every router, live and predicted: one report",
+    ),
     "simulate": (
         "loadtests.simulate.simulate",
         "the routing policies on 8-1,000 simulated workers",
@@ -113,7 +117,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "worker-http": ("loadtests.engine.bench_worker_http", "the worker's HTTP layer vs in process"),
     # Imports only torch, numpy, transformers and the engine (no pydantic or redis).
-    "gpu-check": ("loadtests.gpu.gpu_check", "the engine on a GPU: correctness, kernels, roofline"),
+    "gpu-check": ("loadtests.gpu.check", "the engine on a GPU: correctness, kernels, roofline"),
 }
 
 

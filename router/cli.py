@@ -27,8 +27,10 @@ RADIX_ROUTER_<KEY>; flags win over the environment, which wins over the file."""
 
 UP_DESCRIPTION = """Start a whole local fleet as child processes: a Redis-protocol server (embedded
 Valkey unless --redis-url), N workers and the router. Checks the router port first,
-prints the router URL, the model name, the dashboard URL and a first request; Ctrl-C
-stops every process it started and removes its log folder (unless --keep-logs)."""
+prints the router URL, the model name, the dashboard URL and a first request. A process
+that exits (Redis too) is reported and restarted; one that keeps exiting stops the fleet
+and its log folder is kept. Ctrl-C stops every process it started and removes the log
+folder (unless --keep-logs)."""
 
 
 def _default(key: str) -> Any:
@@ -109,7 +111,8 @@ def _up_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--keep-logs", action="store_true",
-        help="keep the children's log folder on exit and print its path (default: removed)",
+        help="keep the children's log folder on exit and print its path (default: removed "
+        "on a clean exit, kept when the fleet fails)",
     )  # fmt: skip
     p.add_argument(
         "--no-kv-events", dest="kv_events", action="store_false",

@@ -302,6 +302,34 @@ class _PoolCollector(Collector):
         )
 
 
+class RegistryView(Protocol):
+    """What the registry gauge reads (router/fleet/discovery.py's Discovery)."""
+
+    unreachable_since: float | None
+
+
+class _RegistryCollector(Collector):
+    """Whether the Redis registry answers: the router routes blind on its last known
+    fleet while it does not (helm's RadixRouterRegistryUnreachable alert)."""
+
+    def __init__(self, registry: RegistryView, wall: Callable[[], float]) -> None:
+        self.registry = registry
+        self.wall = wall
+
+    def collect(self) -> Iterator[GaugeFamily]:
+        since = self.registry.unreachable_since
+        yield GaugeFamily(
+            "radix_router_registry_unreachable",
+            "1 while the Redis registry cannot be read (routing on the last known fleet)",
+            value=int(since is not None),
+        )
+        yield GaugeFamily(
+            "radix_router_registry_unreachable_seconds",
+            "Seconds since the registry was last readable (0 while it is)",
+            value=0.0 if since is None else max(0.0, self.wall() - since),
+        )
+
+
 class Metrics(ServiceMetrics):
     def __init__(
         self,
@@ -312,10 +340,17 @@ class Metrics(ServiceMetrics):
     ) -> None:
         super().__init__("radix_router")
         self.clock = clock
+        self.started_wall = time.time()  # the counters below count from here
         self.reasons = ReasonWindow()
         r = self.registry
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
+        )
+        self.foreign_retries = Counter(
+            "radix_router_upstream_foreign_answer_retries",
+            "Requests resent once on a fresh connection: another answer's bytes broke theirs "
+            "before anything reached their client",
+            registry=r,
         )
         # Per request, on the loop: no lock per update (shared/serving/loop_metrics.py).
         self.decisions = LoopCounter(
@@ -343,6 +378,9 @@ class Metrics(ServiceMetrics):
 
     def watch_kv_feed(self, feed: KvFeedView) -> None:
         self.registry.register(_KvFeedCollector(feed))
+
+    def watch_registry(self, state: RegistryView, wall: Callable[[], float] = time.time) -> None:
+        self.registry.register(_RegistryCollector(state, wall))
 
     def watch_pool(self, pool: PoolCounts) -> None:
         self.registry.register(_PoolCollector(pool, self._fleet))

@@ -4,12 +4,17 @@ Values come from, in rising precedence: the model defaults, a YAML file, the
 environment (`RADIX_ROUTER_<KEY>` / `RADIX_WORKER_<KEY>`), and CLI flags. The Helm
 chart renders exactly these YAML files into ConfigMaps, so the keys below are a
 contract. Unknown keys and bad values raise `ConfigError` naming the key and where
-it came from.
+it came from: in a file and in the environment alike, so a misspelled
+`RADIX_ROUTER_CACHE_TRESHOLD` refuses to start, naming the nearest known key, instead
+of being ignored. Kubernetes service-link variables (`<NAME>_SERVICE_HOST`,
+`<NAME>_PORT_8000_TCP`, ...) are not keys and are left alone.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -389,8 +394,30 @@ ENV_PREFIXES: dict[type[_Frozen], str] = {
 }
 
 
+# What Kubernetes injects for a Service whose name shares the prefix (the Helm chart
+# turns service links off; a pod spec written by hand may not).
+_SERVICE_LINK = re.compile(
+    r"_SERVICE_(HOST|PORT)(_[A-Z0-9_]+)?$|_PORT_\d+_(TCP|UDP|SCTP)(_(ADDR|PORT|PROTO))?$"
+)
+
+
+def _check_env_keys(model: type[_Frozen], environ: Mapping[str, str]) -> None:
+    """ConfigError for a variable with the service's prefix that names no key."""
+    prefix = ENV_PREFIXES[model]
+    known = sorted(prefix + name.upper() for name in model.model_fields)
+    for key in sorted(environ):
+        if key.startswith(prefix) and key not in known and not _SERVICE_LINK.search(key):
+            near = difflib.get_close_matches(key, known, 1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            raise ConfigError(
+                f"unknown environment key {key}{hint} (every {prefix}* variable must name a "
+                f"{model.__name__} key, shared/config.py)"
+            )
+
+
 def _from_env(model: type[_Frozen], environ: Mapping[str, str]) -> dict[str, Any]:
     prefix = ENV_PREFIXES[model]
+    _check_env_keys(model, environ)
     out: dict[str, Any] = {}
     for name, field in model.model_fields.items():
         raw = environ.get(prefix + name.upper())

@@ -30,7 +30,7 @@ from typing import Any, Self
 
 from shared.redis_server import free_port
 
-__all__ = ["Child", "free_port", "http_json", "wait_health", "wait_until"]
+__all__ = ["Child", "free_port", "http_json", "last_lines", "wait_health", "wait_until"]
 
 
 @dataclass
@@ -87,17 +87,8 @@ class Child:
     def last_line(self, max_chars: int = 240) -> str:
         """The last non-empty line of the log, whole (a tail cut at a byte offset starts
         mid-line), shortened to `max_chars` with an ellipsis: for one-line reports."""
-        try:
-            with open(self.log, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 16384))
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError:
-            return ""
-        if size > 16384 and lines:
-            lines = lines[1:]  # the first one is cut
-        last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+        lines = last_lines(self.log, 1)
+        last = lines[0].strip() if lines else ""
         return last if len(last) <= max_chars else last[: max_chars - 1] + "…"
 
     def signal(self, sig: int) -> None:
@@ -122,6 +113,24 @@ class Child:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
         return self.proc.returncode
+
+
+def last_lines(path: Path, count: int, window: int = 16384) -> list[str]:
+    """The last `count` non-empty lines of a file, each whole: read from `window` bytes
+    before the end, and a line the window cut is dropped, so the first one shown starts
+    where a line starts (a reader of a failure sees no half a traceback line)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - window))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    if size > window and lines:
+        lines = lines[1:]  # the first one is cut
+    kept = [ln.rstrip() for ln in lines if ln.strip()]
+    return kept[-count:] if count > 0 else []
 
 
 def http_json(

@@ -37,11 +37,15 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None, password: str | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, password: str | None = None, log_file: Path | None = None
+    ) -> None:
         self.port = port or free_port()
         self.password = password
         self.binary = find_server_binary()
         self._dir = tempfile.TemporaryDirectory(prefix="radix-redis-")
+        # Its own log (`radix-router up` keeps it with the others' in its log folder).
+        self.log_file = log_file or Path(self._dir.name) / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -53,7 +57,7 @@ class RedisServer:
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", self._dir.name,
-            "--logfile", str(Path(self._dir.name) / "server.log"),
+            "--logfile", str(self.log_file),
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
@@ -83,13 +87,22 @@ class RedisServer:
 
     def log(self) -> str:
         try:
-            return (Path(self._dir.name) / "server.log").read_text()[-2000:]
+            return self.log_file.read_text()[-2000:]
         except OSError:
             return ""
 
     @property
     def running(self) -> bool:
+        """False once the server exited (and reaped: no `<defunct>` left behind)."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
 
     def stop(self) -> None:
         if self._proc is None:

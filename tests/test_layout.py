@@ -12,8 +12,9 @@ a file: a function-level import is an arrow too).
   and worker/ is on it.
 - loadtests/ is in five section folders (the package's own `__init__`, `__main__` and
   `kit` aside), every module reached by imports from the command table of
-  `loadtests/__main__.py`. The target is 40 modules in all, not met: the sections but gpu/
-  and the top hold at most 31, and gpu/ (13 for one command since issue 32) may not grow.
+  `loadtests/__main__.py`: the sections but gpu/ and the top at most 33, gpu/ (one
+  command, issue 32) at most 8, and 41 in all: issue 36's target of 40 is missed by the
+  one module of `pack` (issue 33).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "worker", "shared", "loadtests")
 MAX_ROUTER_DEPTH = 8
-MAX_LOADTEST_MODULES = 31  # all but gpu/ (zero_worker came with issue 34); 40 in all: owed
-MAX_GPU_MODULES = 13
+MAX_LOADTEST_MODULES = 33  # all but gpu/ (zero_worker: 34, fleet_queue: 35, pack: 33)
+MAX_GPU_MODULES = 8  # one command: driver, sections, report, and what they measure
+MAX_LOADTEST_TOTAL = 41  # issue 36 asks 40: pack (issue 33) is the one over
 LOADTEST_SECTIONS = ("load", "simulate", "router", "engine", "gpu")
 MAX_WORKER_DEPTH = 9
 MAX_WORKER_TOP = 6
@@ -284,6 +286,7 @@ def test_loadtests_are_few_modules_in_five_sections() -> None:
     gpu = {name for name in found if name.startswith("loadtests.gpu.")}
     assert len(found) - len(gpu) <= MAX_LOADTEST_MODULES, sorted(set(found) - gpu)
     assert len(gpu) <= MAX_GPU_MODULES, sorted(gpu)
+    assert len(found) <= MAX_LOADTEST_TOTAL, sorted(found)
     for init in (ROOT / "loadtests").rglob("__init__.py"):
         assert _docstring_only(init), f"{init} holds code: it would be a module not counted"
     top = {"loadtests.__main__", "loadtests.kit"}

@@ -244,7 +244,13 @@ def _url_host(host: str) -> str:
 
 async def serve(config: WorkerConfig) -> int:
     # Blocking setup (tokenizers, vLLM args) off the loop; weights load in engine.start().
-    engine = await asyncio.to_thread(build_engine, config)
+    try:
+        engine = await asyncio.to_thread(build_engine, config)
+    except ConfigError:
+        raise  # a key that names what is wrong: exit 2 (main)
+    except ValueError as e:  # a size the host cannot hold (worker/engine/free_memory.py)
+        log.error("engine cannot start: %s", e)
+        return 1
     app = create_app(config, engine)
     state = app[STATE]
     # handler_cancellation: a client that hangs up cancels its handler, which aborts

@@ -53,6 +53,9 @@ class Heartbeat:
         ttl_intervals: int,
     ) -> None:
         self.registry = registry
+        # Where the heartbeats go, for the log (no password: host, port and db only).
+        kw = registry.redis.connection_pool.connection_kwargs
+        self.where = kw.get("path") or f"{kw.get('host')}:{kw.get('port')}/{kw.get('db', 0)}"
         self.record = record
         self.interval = interval
         self.ttl = interval * ttl_intervals
@@ -82,7 +85,10 @@ class Heartbeat:
             reraise_if_cancelled()
             self.failures += 1
             if not self._failing:
-                log.warning("heartbeat to Redis failed (%s); still serving, retrying", exc)
+                log.warning(
+                    "heartbeat to Redis failed at %s (%s: %s); still serving, retrying",
+                    self.where, type(exc).__name__, exc,
+                )  # fmt: skip
             self._failing = True
             self.joined = False
             return False

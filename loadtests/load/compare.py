@@ -77,6 +77,8 @@ POLICIES: dict[str, RouterSpec] = {
     "round_robin": RouterSpec("round_robin"),
     "least_load": RouterSpec("least_load"),
     "power_of_two": RouterSpec("power_of_two"),
+    "random": RouterSpec("random"),
+    "consistent_hash": RouterSpec("consistent_hash"),
 }
 DEFAULT_POLICIES = ("cache_aware (fleet)", "round_robin", "least_load")
 # `--kv-events`: each policy runs twice, as listed and as "<policy> + events" (the same

@@ -186,9 +186,11 @@ def verdict(summary: Summary, records: list[RequestRecord]) -> str:
         )
     good = summary.serving.request_goodput
     goodput = "" if good is None else f", goodput {good:.1f} req/s"
+    balance = summary.balance()  # an uneven spread says why (loadtests/load/summary.py)
     return (
         f"verdict: OK, {summary.requests} requests, {summary.throughput_rps:.1f} req/s{goodput}, "
         f"TTFT p50 {summary.ttft_p50_ms:.0f} ms, hit rate {summary.hit_rate:.2f}"
+        + (f"; {balance}" if balance else "")
     )
 
 

@@ -26,6 +26,13 @@ included, so that a policy that sends everything to one of four workers shows a 
 of 4.00, not 1.00. Two tables with a unit on every figure: `table()` (the run) and
 `worker_table()` (one line per worker). No plotting here: the locust process prints
 these tables too (loadtests/load/runner.py draws the plots).
+
+An uneven spread explains itself (`balance()`): on a cache-aware fleet, requests that
+share a prefix stay on the worker that holds it until loads differ by more than the
+router's balance threshold, so one user (or one shared system prompt) sends everything
+to one worker and max/mean 2.00 on two workers is the policy working, not a fault. The
+note says so when most requests hit a cached prefix (`prefix_hit_share`), and says it is
+not affinity when they did not.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ import numpy as np
 from loadtests.load.records import HitCounter, RequestRecord
 
 PERCENTILES = (50, 90, 99)
+UNEVEN = 1.25  # max/mean requests per worker above which the verdict explains the spread
+AFFINITY = 0.5  # share of requests with a prefix hit above which affinity explains it
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
 
@@ -215,6 +224,7 @@ class Summary:
     per_worker_hit_rate: dict[str, float]
     per_worker_serving: dict[str, ServingMetrics]
     slo: SLO | None = None
+    prefix_hit_share: float = 0.0  # answered requests with cached_tokens > 0, of all answered
 
     # The figures every caller reads, from the serving metrics.
     duration_s = property(lambda self: self.serving.duration)
@@ -232,6 +242,27 @@ class Summary:
         """Max / mean requests per worker, over every worker listed: 1.0 is an even spread."""
         counts = list(self.per_worker_requests.values())
         return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else 0.0
+
+    def balance(self) -> str:
+        """Why requests per worker are uneven; "" when the spread is even enough."""
+        counts = self.per_worker_requests
+        spread = self.load_max_over_mean
+        if len(counts) < 2 or spread <= UNEVEN:
+            return ""
+        busiest = max(counts, key=lambda w: counts[w])
+        share = counts[busiest] / sum(counts.values())
+        head = f"uneven load, max/mean {spread:.2f} ({busiest} answered {share:.0%})"
+        hits = self.prefix_hit_share
+        if hits >= AFFINITY:
+            return (
+                f"{head}: cache affinity, {hits:.0%} of requests hit a cached prefix; the "
+                "router keeps a prefix on the worker that holds it until loads differ by more "
+                "than its balance threshold (more users or more distinct prefixes spread it)"
+            )
+        return (
+            f"{head}, not cache affinity (only {hits:.0%} of requests hit a cached prefix): "
+            "check the policy and the workers' health"
+        )
 
     def over_fleet(self, worker_ids: Iterable[str]) -> Summary:
         """The same run, with the fleet's idle workers counted (0 requests): a policy
@@ -252,6 +283,8 @@ class Summary:
             "slo": self.slo.text() if self.slo else None,
             "hit_rate": self.hit_rate,
             "load_max_over_mean": self.load_max_over_mean,
+            "prefix_hit_share": self.prefix_hit_share,
+            "balance": self.balance(),
             "per_worker": {
                 w: {
                     "requests": n,
@@ -285,6 +318,8 @@ class Summary:
             ("ITL", _ms(s.itl, none, 1)),
             ("E2E latency", _ms(s.e2el, none)),
             ("cache hit rate", f"{self.hit_rate:.3f} (cached / prompt tokens)"),
+            ("prefix hits", f"{self.prefix_hit_share:.0%} of answered requests "
+             "(cached_tokens > 0)"),
             ("max/mean requests per worker", f"{self.load_max_over_mean:.2f} "
              f"(over {len(self.per_worker_requests)} workers; 1.00 is even)"),
         ]  # fmt: skip
@@ -337,4 +372,5 @@ def summarize(
         per_worker_hit_rate={w: hits.worker_hit_rate(w) for w in sorted(hits.prompt)},
         per_worker_serving=per_worker(ok, (), slo, serving.duration),
         slo=slo,
+        prefix_hit_share=sum(1 for r in ok if r.cached_tokens > 0) / len(ok) if ok else 0.0,
     ).over_fleet(workers)

@@ -12,15 +12,20 @@ fleet of its own (loadtests/load/cluster.py; the fleet knobs and workload defaul
 is flushed, so each point meets the same cold cluster. With `--host` it sweeps that server
 as it is (one line, `host`; `--policies` is ignored).
 
+Each point has three rates (`rates_per_s`): *offered* (arrivals per second, first to
+last due time), *sent* (requests the client sent, over at least that span: fewer when
+every user was busy) and *answered* (completions, over at least the sending span). Each
+is (count - 1) / span and each span only widens in that order, so answered never
+exceeds sent and sent never exceeds offered (rate 1 once showed 0.76 answered against
+0.67 offered: vLLM's throughput divides n, not n - 1, by a span of its own).
 A rate is *sustained* when no request failed, answers kept pace with arrivals
-(completions per second, first to last answer, at least `KEEP_UP` of the arrivals per
-second, first to last due time: below it a queue grows without bound), and, with an SLO,
+(answered at least `KEEP_UP` of offered: below it a queue grows without bound), and, with an SLO,
 at least `KEEP_UP` of the answered requests met it. The *saturation point* is the first
 rate that is not sustained. A rate that fell behind with many requests sent late (every
 user busy) was held back by the client's concurrency cap, not only by the cluster. A
 policy's sweep stops at its saturation point (`--keep-going` runs every rate).
-Prints one table (per policy and rate: throughput, goodput, TTFT and TPOT p99, hit
-rate, spread), writes `sweep.json` (each point under vLLM's field names) and
+Prints one table (per policy and rate: offered, sent and answered req/s, goodput, TTFT
+and TPOT p99, hit rate, spread), writes `sweep.json` (each point under vLLM's field names) and
 `sweep.png` (latency vs offered load, one line per policy), and ends with a verdict:
 "cache_aware sustains 8 req/s within the SLO, round_robin 4".
 """
@@ -62,9 +67,10 @@ class Point:
     policy: str
     rate: float  # asked for, req/s
     offered: float  # arrivals per second, first to last due time (the Poisson draw's own)
-    kept: float  # completions per second, first to last answer
+    answered: float  # completions per second (rates_per_s: never above sent)
     summary: Summary
     late: float = 0.0  # share of requests sent LATE_S or more after they were due
+    sent: float | None = None  # requests sent per second (never above offered); None: offered
 
     @property
     def good_share(self) -> float | None:
@@ -78,7 +84,7 @@ class Point:
         """Why the rate is not sustained ("" when it is)."""
         if self.summary.failures or not self.summary.serving.completed:
             return f"{self.summary.failures} failed"
-        if self.kept < KEEP_UP * self.offered:
+        if self.answered < KEEP_UP * self.offered:
             # Sent late: every user was busy, so the client's --users cap (max_concurrency)
             # held requests back; with answers as fast as before, that is the client's limit.
             return f"fell behind ({self.late:.0%} sent late)" if self.late >= 0.1 else "fell behind"
@@ -93,19 +99,38 @@ class Point:
 
     def to_dict(self) -> dict[str, object]:
         return {"policy": self.policy, "request_rate": self.rate, "offered_rate": self.offered,
-                "kept_rate": self.kept, "sent_late": self.late, "sustained": self.sustained,
+                "sent_rate": self.sent_rate, "answered_rate": self.answered,
+                "sent_late": self.late, "sustained": self.sustained,
                 **self.summary.to_dict()}  # fmt: skip
 
+    @property
+    def sent_rate(self) -> float:
+        return self.offered if self.sent is None else self.sent
 
-def rates_per_s(records: list[RequestRecord]) -> tuple[float, float]:
-    """(arrivals per second, answers per second), each over its own first-to-last span."""
+    @property
+    def goodput(self) -> float | None:
+        """Answered requests within the SLO per second, on the answered rate's span."""
+        good = self.good_share
+        return None if good is None else self.answered * good
+
+
+def rates_per_s(records: list[RequestRecord]) -> tuple[float, float, float]:
+    """(offered, sent, answered) per second: each (count - 1) over a span at least as wide
+    as the one before, so answered <= sent <= offered whatever the latencies."""
     dues = sorted(r.due if r.due is not None else r.start for r in records)
+    sends = sorted(r.start for r in records)
     ends = sorted(r.start + r.e2e_s for r in records if r.ok)
 
-    def per_s(ts: list[float]) -> float:
-        return (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 and ts[-1] > ts[0] else 0.0
+    def span(ts: list[float]) -> float:
+        return ts[-1] - ts[0] if len(ts) > 1 else 0.0
 
-    return per_s(dues), per_s(ends)
+    def per_s(n: int, seconds: float) -> float:
+        return (n - 1) / seconds if n > 1 and seconds > 0 else 0.0
+
+    offered_s = span(dues)
+    sent_s = max(span(sends), offered_s)
+    answered_s = max(span(ends), sent_s)
+    return per_s(len(dues), offered_s), per_s(len(sends), sent_s), per_s(len(ends), answered_s)
 
 
 def late_share(records: list[RequestRecord]) -> float:
@@ -131,17 +156,18 @@ def saturation(points: list[Point]) -> float | None:
 
 def table(results: dict[str, list[Point]]) -> str:
     lines = [
-        "| policy | rate (req/s) | offered (req/s) | throughput (req/s) | goodput (req/s) "
-        "| TTFT p50 (ms) | TTFT p99 (ms) | TPOT p99 (ms) | hit rate | max/mean per worker "
-        "| failed | sustained |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| policy | rate (req/s) | offered (req/s) | sent (req/s) | answered (req/s) "
+        "| goodput (req/s) | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p99 (ms) | hit rate "
+        "| max/mean per worker | failed | sustained |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, points in results.items():
         for p in points:
             s = p.summary.serving
-            good = "–" if s.request_goodput is None else f"{s.request_goodput:.2f}"
+            good = "–" if p.goodput is None else f"{p.goodput:.2f}"
             lines.append(
-                f"| {name} | {p.rate:g} | {p.offered:.2f} | {s.request_throughput:.2f} | {good} "
+                f"| {name} | {p.rate:g} | {p.offered:.2f} | {p.sent_rate:.2f} | {p.answered:.2f} "
+                f"| {good} "
                 f"| {s.ttft.p50:.0f} | {s.ttft.p99:.0f} | {s.tpot.p99:.1f} "
                 f"| {p.summary.hit_rate:.3f} | {p.summary.load_max_over_mean:.2f} "
                 f"| {p.summary.failures} | {'yes' if p.sustained else f'**no**: {p.why_not}'} |"
@@ -176,7 +202,7 @@ def plot(results: dict[str, list[Point]], path: Path, title: str) -> None:
     panels = [
         ("TTFT p99 (ms)", lambda p: p.summary.serving.ttft.p99),
         ("TPOT p99 (ms)", lambda p: p.summary.serving.tpot.p99),
-        ("throughput (req/s)", lambda p: p.summary.serving.request_throughput),
+        ("answered (req/s)", lambda p: p.answered),
     ]
     for ax, (label, f) in zip(axes, panels, strict=True):
         for name, points in results.items():
@@ -187,13 +213,13 @@ def plot(results: dict[str, list[Point]], path: Path, title: str) -> None:
                        color=line.get_color(), zorder=3)  # fmt: skip
         ax.set(xlabel="offered load (req/s, Poisson)", ylabel=label, title=label)
         ax.grid(alpha=0.3)
-    for name, points in results.items():  # goodput under the throughput, dashed (with --slo)
-        good = [(p.offered, p.summary.serving.request_goodput) for p in points]
+    for name, points in results.items():  # goodput under the answered rate, dashed (--slo)
+        good = [(p.offered, p.goodput) for p in points]
         if good and all(g is not None for _, g in good):
             color = next(ln.get_color() for ln in axes[2].get_lines() if ln.get_label() == name)
             axes[2].plot(*zip(*good, strict=True), ls=":", marker=".", color=color,
                          label=f"{name} goodput")  # fmt: skip
-    axes[2].set_ylabel("throughput, goodput (req/s)")
+    axes[2].set_ylabel("answered, goodput (req/s)")
     top = max((p.offered for pts in results.values() for p in pts), default=1.0)
     axes[2].plot([0, top], [0, top], ls="--", lw=0.8, color="gray", label="offered")
     axes[0].set_yscale("log")
@@ -245,8 +271,8 @@ def run_point(
     at = replace(spec, out=out, request_rate=poisson, max_requests=n)
     summary = run(at, load, title=f"{workload.workload}: {policy}, {rate:g} req/s", quiet=True)
     records = read_records(out / "records.jsonl")
-    offered, kept = rates_per_s(records)
-    return Point(policy, rate, offered, kept, summary, late_share(records))
+    offered, sent, answered = rates_per_s(records)
+    return Point(policy, rate, offered, answered, summary, late_share(records), sent)
 
 
 def sweep(
@@ -271,8 +297,8 @@ def sweep(
                 results[name].append(p)
                 s = p.summary.serving
                 progress.finished(
-                    f"{name} at {rate:g} req/s: {s.request_throughput:.2f} req/s answered, "
-                    f"kept {p.kept:.2f} of {p.offered:.2f} offered, TTFT p99 "
+                    f"{name} at {rate:g} req/s: offered {p.offered:.2f}, sent "
+                    f"{p.sent_rate:.2f}, answered {p.answered:.2f} req/s, TTFT p99 "
                     f"{s.ttft.p99:.0f} ms: {p.why_not or 'sustained'}"
                 )
                 if not p.sustained and not keep_going:

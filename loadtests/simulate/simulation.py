@@ -43,6 +43,7 @@ from loadtests.simulate.worker import CostModel, Job, SimWorker
 from router.policy import build_policy
 from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
+from shared.tokens.text_tokenizer import TextTokenizer
 from shared.wire.registry import WorkerRecord
 
 _M64 = (1 << 64) - 1
@@ -55,6 +56,7 @@ class SimRequest:
     text: str
     tokens: np.ndarray
     out_len: int
+    session_key: str = ""  # what the live client sends as x-session-id (LLMRequest.session_id)
 
 
 class WordTokenizer:
@@ -67,6 +69,18 @@ class WordTokenizer:
     def encode(self, text: str) -> np.ndarray:
         ids = self._ids
         return np.fromiter((ids.setdefault(w, len(ids)) for w in text.split()), dtype=np.int64)
+
+
+class LiveTokenizer:
+    """The live sim workers' tokenizer (shared/tokens/text_tokenizer.py) as ids: a
+    prediction of a live fleet (`pack`) counts prompts, and so fills caches, in the
+    tokens the live workers count (about two per generated word, not one)."""
+
+    def __init__(self) -> None:
+        self._tok = TextTokenizer()
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text), dtype=np.int64)
 
 
 def output_tokens(rid: int, n: int) -> np.ndarray:
@@ -143,7 +157,7 @@ def generated_requests(o: WorkloadOptions, rate: float, seed: int) -> Iterator[S
     for req in Workload(o).requests():
         t += rng.expovariate(rate)
         text = req.text()
-        yield SimRequest(t, text, tok.encode(text), req.max_tokens)
+        yield SimRequest(t, text, tok.encode(text), req.max_tokens, req.session_id)
 
 
 def reply_text(rid: int, n: int) -> str:
@@ -252,7 +266,12 @@ def deep_size(root: object) -> int:
 
 
 class Simulation:
-    def __init__(self, config: RouterConfig, workers: int, cost: CostModel, seed: int = 0) -> None:
+    def __init__(
+        self, config: RouterConfig, workers: int, cost: CostModel, seed: int = 0,
+        tokenizer: WordTokenizer | LiveTokenizer | None = None,
+    ) -> None:  # fmt: skip
+        """`tokenizer`: the closed-loop users' prompts as ids (default: one id per word)."""
+        self.tokenizer = tokenizer or WordTokenizer()
         self.policy = build_policy(config, random.Random(seed))
         self.workers = [SimWorker(i, cost) for i in range(workers)]
         self.ids = [f"w{i}" for i in range(workers)]
@@ -288,7 +307,8 @@ class Simulation:
     def _job(self, req: SimRequest, session: int = -1) -> Job:
         self._rids += 1
         out = output_tokens(self._rids, req.out_len)
-        return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session)
+        return Job(self._rids, req.arrival, req.tokens, out, req.text, session=session,
+                   session_key=req.session_key)  # fmt: skip
 
     def _refresh(self, i: int, now: float) -> None:
         # A heartbeat at every change: loads for every policy, the worker's record
@@ -315,7 +335,7 @@ class Simulation:
         self._unread.add(i)
 
     def _route(self, job: Job, now: float) -> None:
-        request = RouteRequest(job.text)
+        request = RouteRequest(job.text, job.session_key or None)
         for i in self._unread:
             self.views.reported_at[i] = now
         self._unread.clear()
@@ -345,7 +365,7 @@ class Simulation:
 
     def _run(self, source: Iterator[SimRequest] | None, closed: ClosedLoop | None) -> list[Job]:
         sessions: list[Session] = []
-        tok = WordTokenizer()
+        tok = self.tokenizer
         if closed is not None:
             workload = Workload(closed.options)
             sessions = [workload.new_session() for _ in range(closed.users)]
@@ -375,11 +395,13 @@ class Simulation:
                     self._next_turn(sessions, job.session, now + closed.think_s, tok)
         return self._done
 
-    def _next_turn(self, sessions: list[Session], s: int, now: float, tok: WordTokenizer) -> None:
+    def _next_turn(
+        self, sessions: list[Session], s: int, now: float, tok: WordTokenizer | LiveTokenizer
+    ) -> None:
         req = sessions[s].next_request()
         if req is not None:
             text = req.text()
-            sim = SimRequest(now, text, tok.encode(text), req.max_tokens)
+            sim = SimRequest(now, text, tok.encode(text), req.max_tokens, req.session_id)
             self._push(now, _ARRIVAL, self._job(sim, session=s))
 
     def result(self, label: str, measure_memory: bool = True) -> SimResult:

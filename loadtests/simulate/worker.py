@@ -112,6 +112,7 @@ class Job:
     finish: float = -1.0
     cached: int = 0
     session: int = -1  # closed-loop user that sent it (-1: open loop)
+    session_key: str = ""  # the x-session-id the live client sends (consistent_hash's key)
     pin_key: str | None = None  # pin the answer's prefix under this key (pins.py) ...
     pin_ttl: float = 0.0  # ... for this many virtual seconds
 

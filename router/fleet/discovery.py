@@ -11,6 +11,12 @@ registry worker is not dropped for being absent (its breaker still guards it).
 Any worker may publish on the events channel, and a poll reads every worker's hash, so
 events wake the poller at most once per `MIN_WAKE_GAP_S`: a worker flooding the channel
 buys at most that many polls, not one per message.
+
+Reachability is a state the router reports, not only a log line: `unreachable_since`
+(wall-clock time of the first failed read in a row, None while reachable) feeds
+`/readiness` (still 200: the last known fleet serves), a gauge in `/metrics` and a banner
+on the dashboard. The first failure is logged at once, naming the URL (password
+redacted) and the error, and again once a minute while it lasts (`WARN_EVERY_S`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Protocol
 
 from redis.asyncio import Redis
@@ -28,7 +35,7 @@ from redis.exceptions import RedisError
 from router.fleet.workers import Worker
 from shared.serving.aio import reraise_if_cancelled, stop_task
 from shared.wire.peers import Network, Rejections, check_worker_url
-from shared.wire.registry import Registry, WorkerRecord
+from shared.wire.registry import Registry, WorkerRecord, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ class RegistryFleet(Protocol):
 
 MAX_BACKOFF_S = 5.0
 MIN_WAKE_GAP_S = 0.1
+WARN_EVERY_S = 60.0
 
 
 class Discovery:
@@ -57,8 +65,12 @@ class Discovery:
         reconnect_grace: float,
         clock: Callable[[], float] = time.monotonic,
         allow: tuple[Network, ...] = (),
+        url: str = "",
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.registry = registry
+        self.url = redact_url(url)  # for the log lines; never the password
+        self.wall = wall
         self.fleet = fleet
         self.allow = allow  # worker_url_allow_cidrs
         self.interval = interval
@@ -71,6 +83,9 @@ class Discovery:
         self.first_poll = asyncio.Event()  # set once the first read of the registry ended
         self._grace_until = 0.0
         self.stopping = False  # set by the owner before it cancels run(); see stop_task
+        self.unreachable_since: float | None = None  # wall-clock time of the first failure
+        self.last_error = ""
+        self._warned_at = 0.0  # clock() of the last "still unreachable" warning
 
     @classmethod
     def from_url(
@@ -82,7 +97,7 @@ class Discovery:
         timeout = max(1.0, 2 * interval)
         redis = Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         registry = Registry(redis, prefix, rejections)
-        return cls(registry, fleet, interval, grace, clock, allow=allow)
+        return cls(registry, fleet, interval, grace, clock, allow=allow, url=url)
 
     def _allowed(self, records: dict[str, WorkerRecord]) -> dict[str, WorkerRecord]:
         """Records the registry may apply: not claiming the id of a worker configured by
@@ -123,9 +138,7 @@ class Discovery:
                 try:
                     await self.poll_once()
                     self.polls += 1
-                    if not self.connected:
-                        log.info("registry reachable")
-                    self.connected = True
+                    self._reachable()
                     self.first_poll.set()
                     backoff = self.interval
                     polled_at = time.monotonic()
@@ -138,15 +151,52 @@ class Discovery:
                     reraise_if_cancelled()
                     self.first_poll.set()  # unreachable: routing goes on without it
                     self.errors += 1
-                    if self.connected:
-                        log.warning("registry unreachable, keeping the last known fleet: %s", e)
-                    self.connected = False
+                    self._unreachable(e)
                     self._grace_until = self.clock() + self.reconnect_grace
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
         finally:
             await stop_task(listener, timeout=2.0)
             await self.registry.redis.aclose()
+
+    @property
+    def state(self) -> str:
+        """`reachable`, `unreachable since <ISO time>` or `connecting` (no read ended yet)."""
+        if self.unreachable_since is not None:
+            return f"unreachable since {iso(self.unreachable_since)}"
+        return "reachable" if self.connected else "connecting"
+
+    def _reachable(self) -> None:
+        if self.unreachable_since is not None:
+            log.info(
+                "registry reachable again at %s (unreachable since %s); workers re-register "
+                "within a heartbeat", self.url, iso(self.unreachable_since),
+            )  # fmt: skip
+        elif not self.connected:
+            log.info("registry reachable at %s", self.url)
+        self.connected = True
+        self.unreachable_since = None
+        self.last_error = ""
+
+    def _unreachable(self, error: BaseException) -> None:
+        """Say so at once (the URL and the error), then once a minute while it lasts."""
+        self.connected = False
+        self.last_error = f"{type(error).__name__}: {error or 'no answer in time'}"
+        now = self.clock()
+        if self.unreachable_since is None:
+            self.unreachable_since = self.wall()
+            self._warned_at = now
+            log.error(
+                "registry unreachable at %s (%s); routing on the last known fleet (%d workers)",
+                self.url, self.last_error, len(self.fleet.workers),
+            )  # fmt: skip
+        elif now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(
+                "registry still unreachable at %s since %s (%s); routing on the last known "
+                "fleet (%d workers)", self.url, iso(self.unreachable_since), self.last_error,
+                len(self.fleet.workers),
+            )  # fmt: skip
 
     async def _listen(self) -> None:
         """Wake the poller on join/leave events; reconnect with backoff when Redis drops."""
@@ -169,3 +219,8 @@ class Discovery:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+
+
+def iso(wall: float) -> str:
+    """`2026-12-06T05:10:00Z`: a wall-clock time for people and their tools."""
+    return datetime.fromtimestamp(wall, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

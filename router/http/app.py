@@ -111,6 +111,7 @@ async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         parse_networks(config.worker_url_allow_cidrs),
     )  # fmt: skip
     app[DISCOVERY] = discovery
+    app[METRICS].watch_registry(discovery)
     task = asyncio.create_task(discovery.run(), name="discovery")
     yield
     discovery.stopping = True

@@ -11,6 +11,8 @@ or font fetched from elsewhere, so it works on an air-gapped cluster. It asks fo
 - the router's guess next to it: cached tokens its trees predicted vs the cached tokens
   workers returned on the responses it proxied;
 - routing decisions by reason over the last minutes (`router.metrics.ReasonWindow`);
+- the registry's state (`reachable`, `unreachable since <time>` with the error, or
+  `none` without Redis): the page shows a banner while the fleet is routed blind;
 - the fleet queue per tenant and class (router/queue/stats.py): waiting, wait, served,
   SLO attainment, refused.
 
@@ -29,7 +31,8 @@ from typing import Any
 
 from aiohttp import web
 
-from router.http.state import CLOCK, FLEET, KV_FEED, METRICS, POLICY, QUEUE
+from router.fleet.discovery import iso
+from router.http.state import CLOCK, DISCOVERY, FLEET, KV_FEED, METRICS, POLICY, QUEUE
 from router.upstream.proxy import echo_of
 
 PAGE_PATH = "/dashboard"
@@ -95,7 +98,18 @@ def snapshot(app: web.Application) -> dict[str, Any]:
         },
         "route_reasons": app[METRICS].reasons.snapshot(now),
         "queue": app[QUEUE].stats.snapshot(),
+        "registry": _registry(app),
+        # Request counts live in this process: a restarted router starts them from 0,
+        # so the page labels them with this time (the workers' token totals survive).
+        "router_started": iso(app[METRICS].started_wall),
     }
+
+
+def _registry(app: web.Application) -> dict[str, str]:
+    discovery = app.get(DISCOVERY)
+    if discovery is None:
+        return {"state": "none", "error": ""}
+    return {"state": discovery.state, "url": discovery.url, "error": discovery.last_error}
 
 
 async def page(request: web.Request) -> web.Response:

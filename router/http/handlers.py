@@ -21,6 +21,7 @@ from router.http.auth import request_bearer_token
 from router.http.state import (
     CLOCK,
     CONFIG,
+    DISCOVERY,
     FLEET,
     KV_FEED,
     METRICS,
@@ -176,16 +177,21 @@ async def liveness(request: web.Request) -> web.Response:
 
 
 async def readiness(request: web.Request) -> web.Response:
-    """Ready to take traffic: not shutting down and at least one worker routable."""
+    """Ready to take traffic: not shutting down and at least one worker routable. An
+    unreachable registry does not make it unready (the last known fleet still serves),
+    but the body says so: `"registry": "unreachable since <time>"`."""
     app = request.app
     queue = app[QUEUE]
+    discovery = app.get(DISCOVERY)
+    registry = {} if discovery is None else {"registry": discovery.state}
     if queue.stopping or queue.draining:
-        return web.json_response({"status": "not_ready", "reason": "shutting_down"}, status=503)
+        body = {"status": "not_ready", "reason": "shutting_down", **registry}
+        return web.json_response(body, status=503)
     routable = len(app[FLEET].view(app[CLOCK]()))
     if routable == 0:
         reason = "no routable worker (none registered, all draining, or all breakers open)"
-        return web.json_response({"status": "not_ready", "reason": reason}, status=503)
-    return web.json_response({"status": "ready", "workers": routable})
+        return web.json_response({"status": "not_ready", "reason": reason, **registry}, status=503)
+    return web.json_response({"status": "ready", "workers": routable, **registry})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -4,14 +4,17 @@ Each worker and the router run in their own session (process group), so stopping
 kills whatever they spawned too: SIGTERM to every group (the router first, so it
 drains while workers still answer), a grace period, then SIGKILL. Redis is stopped
 last. Ctrl-C (SIGINT) and SIGTERM both lead there, also in the middle of starting.
-While it runs, `up` supervises: a worker or the router that exits is reported in one
-line and restarted on its port after a backoff, while the rest keep serving; only a
-child that keeps exiting (router/up/restarts.py: more than 5 exits within 120 s) stops the
-fleet (exit 1). The embedded Redis is not restarted.
-Child output goes to log files in a temporary folder, so the terminal shows only
-progress; the folder is removed on exit unless `keep_logs` (then its path is printed).
-Before anything starts, router/up/preflight.py checks the router's port and what the
-children will need.
+While it runs, `up` supervises everything it started (router/up/watch.py): a worker,
+the router or the embedded Redis that exits is reported in one line, saying what still
+serves, and restarted on its port after a backoff; only a process that keeps exiting
+(router/up/restarts.py: more than 5 exits within 120 s) stops the fleet (exit 1).
+Child output (Redis's too) goes to log files in a temporary folder, so the terminal
+shows only progress; the folder is removed on a clean exit unless `keep_logs`. When the
+fleet fails (a start that fails, a process that keeps exiting) the folder is kept and
+its path printed, after the failing process's last lines: the record of why it died.
+Before anything starts, router/up/preflight.py checks the router's port, what the
+children will need, and that a `--redis-url` answers (named within seconds, not after
+the start timeout).
 
 The router never imports `worker`: workers are `python -m worker serve ...` and the
 tiny model is built by `python -m worker make-tiny-model DIR`.
@@ -30,9 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from router.up.preflight import StartError, check_port, check_prerequisites
-from router.up.restarts import Restarts, describe_exit
-from shared.procs import Child, answers_health, free_port, http_json, wait_health
+from router.up.preflight import StartError, check_port, check_prerequisites, check_redis
+from router.up.restarts import Restarts
+from router.up.watch import GIVE_UP_LINES, Watch
+from shared.procs import Child, free_port, http_json, last_lines, wait_health
 from shared.redis_server import RedisServer
 
 STOP_GRACE_S = 10.0
@@ -84,6 +88,8 @@ class UpFleet:
         try:
             check_prerequisites(self.options.engine, self.options.redis_url)
             check_port(self.options.host, self.options.port)
+            if self.options.redis_url:
+                check_redis(self.options.redis_url)
             self.log_dir = Path(tempfile.mkdtemp(prefix="radix-up-"))
             self.start()
             self.say("Press Ctrl-C to stop.")
@@ -93,15 +99,17 @@ class UpFleet:
             code = 1
         finally:
             self.stop()
-            self._tidy_logs()
+            self._tidy_logs(failed=code != 0 and not self._stop.is_set())  # not a Ctrl-C
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return code
 
-    def _tidy_logs(self) -> None:
+    def _tidy_logs(self, failed: bool) -> None:
         if self.log_dir is None:
             return
-        if self.options.keep_logs:
+        if failed:
+            self.say(f"logs kept in {self.log_dir} (the fleet failed: they say why)")
+        elif self.options.keep_logs:
             self.say(f"logs kept in {self.log_dir}")
         else:
             shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -114,7 +122,8 @@ class UpFleet:
             redis_url = o.redis_url
             self.say(f"[1/{total}] using Redis at {redis_url}")
         else:
-            self.redis = RedisServer().start()
+            assert self.log_dir is not None
+            self.redis = RedisServer(log_file=self.log_dir / "redis.log").start()
             redis_url = self.redis.url
             self.say(
                 f"[1/{total}] Redis-protocol server on {redis_url} ({Path(self.redis.binary).name})"
@@ -123,7 +132,9 @@ class UpFleet:
         # The radix worker sizes its KV pool from free memory by default; on a laptop
         # CPU that is gigabytes for a demo, so `up` asks for a small pool unless told.
         cache_tokens = o.cache_tokens or (RADIX_DEMO_CACHE_TOKENS if o.engine == "radix" else None)
-        self.say(f"      logs in {self.log_dir}" + ("" if o.keep_logs else " (removed on exit)"))
+        self.say(
+            f"      logs in {self.log_dir}" + ("" if o.keep_logs else " (removed on a clean exit)")
+        )
         # Workers start together and are waited for after: each spends its start loading
         # torch and the model, so N of them take about as long as one, not N times as long.
         workers = []
@@ -227,55 +238,23 @@ class UpFleet:
         except InterruptedError as e:
             raise StartError("interrupted") from e
         except RuntimeError as e:
-            raise StartError(f"{name} exited with {child.returncode}:\n{child.tail(2000)}") from e
+            raise StartError(f"{name} exited with {child.returncode}; {self._last(child)}") from e
         except TimeoutError as e:
-            raise StartError(f"{name} not healthy within {timeout}s:\n{child.tail(2000)}") from e
+            raise StartError(f"{name} not healthy within {timeout}s; {self._last(child)}") from e
         self.say(f"      {name} ready in {time.monotonic() - self._launched[name]:.1f}s")
+
+    @staticmethod
+    def _last(child: Child) -> str:
+        """The child's last log lines, each whole, for a failed start."""
+        lines = last_lines(child.log, GIVE_UP_LINES)
+        return f"last lines of {child.log}:\n" + "\n".join(f"  {ln}" for ln in lines)
 
     # -- running and stopping ---------------------------------------------------------
     def _watch(self) -> int:
-        """Serve until Ctrl-C/SIGTERM (0), restarting what exits (router/up/restarts.py);
-        1 when a child keeps exiting. Each exit and each comeback is one line."""
-        down: dict[int, float] = {}  # index in self.children -> when to restart it
-        coming_back: set[int] = set()  # restarted, not yet answering /health
-        while not self._stop.wait(0.5):
-            now = time.monotonic()
-            for i, child in enumerate(self.children):
-                if i in down:
-                    if now >= down[i]:
-                        del down[i]
-                        self.children[i] = child = child.fresh().start()
-                        self._launched[child.name] = now
-                        coming_back.add(i)
-                    continue
-                if child.alive:
-                    if i in coming_back and answers_health(child.url):
-                        coming_back.discard(i)
-                        took = now - self._launched[child.name]
-                        self.say(f"{child.name} is back (pid {child.pid}, ready in {took:.1f}s)")
-                    continue
-                coming_back.discard(i)
-                child.signal(signal.SIGKILL)  # whatever it spawned goes with it
-                if not self._on_exit(child.name, describe_exit(child.returncode),
-                                     child.last_line(), now, i, down):  # fmt: skip
-                    return 1
-        self.say("stopping ...")
-        return 0
-
-    def _on_exit(self, name: str, how: str, last: str, now: float, i: int,
-                 down: dict[int, float]) -> bool:  # fmt: skip
-        """Report an exit in one line and schedule the restart; False: give up."""
-        delay = self.restarts.on_exit(name, now)
-        said = f"{name} exited ({how})" + (f"; its last log line: {last}" if last else "")
-        if delay is None:
-            self.say(f"{said}. It exited {self.restarts.recent(name)} times within "
-                     f"{self.restarts.window_s:.0f}s: giving up, stopping the fleet.")  # fmt: skip
-            return False
-        self.say(f"{said}. Restarting it in {delay:.0f}s (restart {self.restarts.recent(name)} "
-                 f"of at most {self.restarts.max_restarts} within "
-                 f"{self.restarts.window_s:.0f}s); the others keep serving.")  # fmt: skip
-        down[i] = now + delay
-        return True
+        """Serve until Ctrl-C/SIGTERM (0); 1 when a process keeps exiting (watch.py)."""
+        watch = Watch(self.children, self.redis, self.restarts, self.say, self._stop,
+                      self._launched)  # fmt: skip
+        return watch.run()
 
     def stop(self) -> None:
         # The router first, so it stops taking work while the workers can still finish.

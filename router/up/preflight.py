@@ -5,7 +5,10 @@ clear line (`StartError`) instead of a child's traceback in a log folder:
   and be announced as our router;
 - what the children need: the worker package, torch for the radix engine, a Redis
   server binary unless `--redis-url`. Found with `find_spec`, which imports nothing
-  (the router never imports `worker`).
+  (the router never imports `worker`);
+- that a `--redis-url` answers PING within `REDIS_CHECK_S`: without it no worker can
+  register and the router never becomes healthy, which `up` used to find out only at
+  its start timeout (120 s), with no word of Redis.
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from redis import Redis
+from redis.exceptions import RedisError
+
 from shared.redis_server import find_server_binary
+from shared.wire.registry import redact_url
+
+REDIS_CHECK_S = 3.0
 
 
 class StartError(RuntimeError):
@@ -65,3 +74,16 @@ def check_prerequisites(
             find_server_binary()
         except RuntimeError as e:
             raise StartError(str(e)) from None
+
+
+def check_redis(url: str, timeout_s: float = REDIS_CHECK_S) -> None:
+    """Raise StartError naming the URL (password redacted) and the error when the Redis
+    at `url` does not answer PING within `timeout_s`."""
+    try:
+        with Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s) as r:
+            r.ping()
+    except (RedisError, OSError, ValueError) as e:
+        raise StartError(
+            f"Redis at {redact_url(url)} is unreachable ({type(e).__name__}: {e}): "
+            "start it, fix --redis-url, or leave --redis-url out to have `up` start one"
+        ) from None

@@ -28,10 +28,17 @@ from aiohttp.abc import AbstractResolver
 from multidict import CIMultiDictProxy
 
 from router.upstream.echo import EchoBook
-from router.upstream.limits import BAD_TEXT_VALUE, BufferBudget, UpstreamBroken, only_chunked
+from router.upstream.limits import (
+    BAD_TEXT_VALUE,
+    BufferBudget,
+    ForeignAnswer,
+    UpstreamBroken,
+    only_chunked,
+)
 
 EVENT_STREAM = "text/event-stream"
 _SENDING = contextvars.ContextVar[str]("upstream_request_id", default="")
+_FRESH = contextvars.ContextVar[bool]("upstream_fresh", default=False)  # no pooled connection
 
 
 def _dirty(proto: Any) -> bool:
@@ -54,7 +61,7 @@ class _IdleCheckingConnector(aiohttp.TCPConnector):
         self.opened = 0
 
     async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
-        rid = _SENDING.get()
+        rid, fresh = _SENDING.get(), _FRESH.get()
         while True:
             conn = await super().connect(req, traces, timeout)
             proto = conn.protocol
@@ -65,7 +72,7 @@ class _IdleCheckingConnector(aiohttp.TCPConnector):
                 self.opened += 1
                 self.last_id[proto] = ""
                 return conn
-            if last and last != rid and not _dirty(proto):
+            if last and last != rid and not fresh and not _dirty(proto):
                 return conn
             self.discarded += 1
             conn.close()
@@ -152,7 +159,7 @@ class AiohttpAnswer:
             self._held = 0
         if self._spoiled():
             self.resp.close()
-            raise UpstreamBroken("bytes after the answer: a second answer, or a body after no body")
+            raise ForeignAnswer("bytes after the answer: a second answer, or a body after no body")
         return b"".join(chunks)
 
     async def readany(self) -> bytes:
@@ -217,12 +224,14 @@ class AiohttpTransport:
         return self._session
 
     async def post(
-        self, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes, request_id: str
-    ) -> AiohttpAnswer:
+        self, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes,
+        request_id: str, fresh: bool = False,
+    ) -> AiohttpAnswer:  # fmt: skip
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.read_timeout
         sent = [*headers, ("x-request-id", request_id), ("Accept-Encoding", "identity")]
         _SENDING.set(request_id)
+        _FRESH.set(fresh)
         try:
             async with asyncio.timeout_at(deadline):
                 resp = await self._client().post(
@@ -239,12 +248,15 @@ class AiohttpTransport:
         last_id = self._connector.last_id  # type: ignore[union-attr]
         reused = proto is not None and bool(last_id.get(proto))
         echo = resp.headers.get("x-request-id")
-        why = None
+        # Another answer's bytes (ForeignAnswer: the proxy resends once, fresh), else
+        # what this answer itself is not allowed to be (the worker's failure).
+        foreign = None
         if echo is not None and echo != request_id:
-            why = "an answer to another request (x-request-id differs)"
+            foreign = "an answer to another request (x-request-id differs)"
         elif echo is None and reused:
-            why = "no x-request-id echo on a reused connection"
-        elif resp.status < 200:
+            foreign = "no x-request-id echo on a reused connection"
+        why = None
+        if resp.status < 200:
             why = f"an answer with status {resp.status}"  # 1xx are skipped; 101 never asked
         elif any(BAD_TEXT_VALUE.search(v) for v in resp.headers.values()):
             why = "a header value that is not visible ASCII"
@@ -252,9 +264,9 @@ class AiohttpTransport:
             not only_chunked(coding)
         ):
             why = "a transfer coding other than chunked"
-        if why is not None:
+        if foreign is not None or why is not None:
             resp.close()
-            raise UpstreamBroken(why)
+            raise ForeignAnswer(foreign) if foreign is not None else UpstreamBroken(why)
         answer.echoed = echo is not None
         self.echo.of(base_url).record(answer.echoed)
         if proto is not None:

@@ -49,6 +49,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.fleet.workers import FailureKind, Worker
 from router.upstream.connection import UpstreamBroken
+from router.upstream.limits import ForeignAnswer
 from shared.config import RouterConfig
 from shared.serving import json_codec
 from shared.serving.errors import APIError
@@ -108,6 +109,9 @@ class AttemptFailed(Exception):
         self.limit = limit  # the config key a suspect ran into, if any
         # The proxy's `Attempt` (router/fleet/table.py): whose verdict may wait.
         self.attempt: Any = None
+        # Broken by another answer's bytes before this one's was read (ForeignAnswer):
+        # the proxy resends once on a fresh connection to the same worker.
+        self.foreign = False
 
 
 def request_fault(workers: int, failure: AttemptFailed, config: RouterConfig) -> APIError:
@@ -163,7 +167,9 @@ class UpstreamErrors:
             raise AttemptFailed(f"worker {wid} timed out", FailureKind.TIMEOUT, 504) from None
         if isinstance(e, UpstreamBroken):
             message = f"{self.what.format(wid)}: {type(e).__name__}"
-            raise AttemptFailed(message, self.kind) from None
+            failed = AttemptFailed(message, self.kind)
+            failed.foreign = isinstance(e, ForeignAnswer)
+            raise failed from None
 
 
 def _retry_after(value: str | None) -> int:

@@ -57,6 +57,7 @@ from router.upstream.limits import (
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     BufferBudget,
+    ForeignAnswer,
     UpstreamBroken,
     only_chunked,
 )
@@ -68,6 +69,10 @@ HIGH_WATER = 262144  # streamed bytes held before the socket is paused
 
 class _Garbage(Exception):
     pass
+
+
+class _Foreign(_Garbage):
+    """Bytes of another answer (limits.ForeignAnswer)."""
 
 
 def _no_parser(data: bytes) -> None:
@@ -99,6 +104,7 @@ class WorkerConnection(asyncio.Protocol):
         self.feed = self.parser.feed_data
         self.error: str | None = None  # why the connection is broken; None while sound
         self.spoiled: str | None = None  # the worker sent what is not one answer
+        self.foreign = False  # what broke it was another answer's bytes (ForeignAnswer)
         self.exchanges = 0  # answers started on this connection (0: fresh)
         self.idle_since = 0.0
         self.request_id = ""  # the id sent with the current request
@@ -148,6 +154,7 @@ class WorkerConnection(asyncio.Protocol):
             self._break("the worker switched protocols")
         except HttpParserError as e:  # bad framing, or a callback's _Garbage
             cause = e.__context__ if isinstance(e.__context__, _Garbage) else e
+            self.foreign = self.foreign or isinstance(cause, _Foreign)
             self._break(f"the worker's answer is not HTTP/1.1: {cause}")
 
     def eof_received(self) -> bool:
@@ -177,7 +184,7 @@ class WorkerConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if self.headers is not None or self._head_bytes:
-            raise _Garbage("a second answer to one request")
+            raise _Foreign("a second answer to one request")
 
     def on_status(self, reason: bytes) -> None:
         self._head_bytes += len(reason)
@@ -207,17 +214,20 @@ class WorkerConnection(asyncio.Protocol):
             self._head_bytes = 0
             return
         self.status = status
-        headers = self.headers = CIMultiDict(self._raw)
+        # Set as the answer's head only once its checks pass: a head that broke one (an
+        # echo of another request) was taken for the answer, its status 200 and no type.
+        headers = CIMultiDict(self._raw)
         coding = headers.getall("Transfer-Encoding", None)
         if coding is not None and not only_chunked(coding):
             # No TE was sent, so chunked is the only coding a worker may apply (once).
             raise _Garbage("a transfer coding other than chunked")
         echo = headers.get("x-request-id")
         if echo is not None and echo != self.request_id:
-            raise _Garbage("an answer to another request (x-request-id differs)")
+            raise _Foreign("an answer to another request (x-request-id differs)")
         if echo is None and self.exchanges > 1:
-            raise _Garbage("no x-request-id echo on a reused connection")
+            raise _Foreign("no x-request-id echo on a reused connection")
         self.echoed = echo is not None
+        self.headers = headers
         self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
         self._chunked = coding is not None
         length = headers.get("Content-Length")
@@ -309,17 +319,20 @@ class WorkerConnection(asyncio.Protocol):
         self.transport.write(data)  # type: ignore[union-attr]
         while self.headers is None:
             if self.error is not None:
-                raise UpstreamBroken(self.error)
+                raise self._broken(self.error)
             await self._wait()
+
+    def _broken(self, why: str) -> UpstreamBroken:
+        return ForeignAnswer(why) if self.foreign else UpstreamBroken(why)
 
     async def read_all(self) -> bytes:
         """The whole body (a buffered answer: `too_big` beyond `max_buffered`)."""
         while not self.complete:
             if self.error is not None:
-                raise UpstreamBroken(self.error)
+                raise self._broken(self.error)
             await self._wait()
         if self.spoiled is not None:  # e.g. a 204 with a body: what followed is no answer
-            raise UpstreamBroken(self.spoiled)
+            raise self._broken(self.spoiled)
         chunks = self._chunks
         self._chunks = []
         self._give_back()
@@ -331,7 +344,7 @@ class WorkerConnection(asyncio.Protocol):
             if self.complete:
                 return b""
             if self.error is not None:
-                raise UpstreamBroken(self.error)
+                raise self._broken(self.error)
             await self._wait()
         chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -23,6 +23,13 @@ class UpstreamBroken(Exception):
     """The connection failed, or the worker's bytes are not one well-framed answer."""
 
 
+class ForeignAnswer(UpstreamBroken):
+    """The connection was broken by another answer's bytes (an echo of another request's
+    id, no echo on a reused connection, a second answer begun) before this request's own
+    answer was read: the request itself may be innocent, and nothing of it reached its
+    client, so the proxy sends it once more on a fresh connection (issue 31)."""
+
+
 class BufferBudget:
     """Bytes of buffered (non-streamed) answers held across every connection of a pool:
     16 concurrent 64 MB answers took the router from 70 MB to 1.2 GB (issue 21)."""

@@ -16,7 +16,8 @@ is an answer. A connection is reused only after an answer that echoed its reques
 
 A stale connection (the worker closed a keep-alive connection just as the request went
 out, so not one byte of an answer came back) is not the worker's failure: the request
-goes once more, on a fresh connection. Any other failure is raised: `UpstreamBroken`
+goes once more, on a fresh connection. `fresh=True` asks for a new connection outright
+(the proxy's one resend after `ForeignAnswer`). Any other failure is raised: `UpstreamBroken`
 (cannot connect, broken connection or framing) or `TimeoutError` (connect, or a wait for
 bytes, over its timeout), for the proxy to classify.
 
@@ -107,8 +108,9 @@ class UpstreamPool:
         return origin
 
     async def post(
-        self, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes, request_id: str
-    ) -> WorkerConnection:
+        self, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes,
+        request_id: str, fresh: bool = False,
+    ) -> WorkerConnection:  # fmt: skip
         """Send the request; return the connection once the answer's head has arrived.
         The caller reads the body, then `release`s it (read to its end) or closes it."""
         origin = self._origin(base_url)
@@ -117,7 +119,7 @@ class UpstreamPool:
             origin.head_of(path), head, request_id.encode("ascii"), len(body), body,
         )  # fmt: skip
         idle = origin.idle
-        while idle:
+        while idle and not fresh:
             conn = idle.pop()
             if conn.error is not None or conn.transport is None or conn.transport.is_closing():
                 continue

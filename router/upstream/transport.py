@@ -73,9 +73,10 @@ class Transport(Protocol):
         headers: list[tuple[str, str]],
         body: bytes,
         request_id: str,
+        fresh: bool = False,
     ) -> Answer:
         """Send the request; return once the answer's head has arrived (`UpstreamBroken`,
-        `TimeoutError`)."""
+        `ForeignAnswer`, `TimeoutError`). `fresh`: on a new connection, never a pooled one."""
         ...
 
     def release(self, base_url: str, answer: Answer) -> None:

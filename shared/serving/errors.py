@@ -81,6 +81,9 @@ def validation_error(e: ValidationError) -> APIError:
     learns what would have been accepted.
     """
     errors = e.errors()
+    if errors[0]["type"] == "unrecognized_argument":  # shared/wire/protocol.py
+        name = str(errors[0].get("ctx", {}).get("name", ""))
+        return APIError(400, errors[0]["msg"], param=name or None, code="unknown_parameter")
     param = _client_path(errors[0]["loc"])
     same = [
         err for err in errors if _client_path(err["loc"][:1]) == _client_path(errors[0]["loc"][:1])

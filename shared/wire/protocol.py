@@ -3,18 +3,27 @@
 The worker validates requests fully with these models. The router validates with
 the same models so that a bad request is answered at the edge (and never retried
 across the fleet), and computes the text it routes on with `routing_text`.
-Unknown fields are allowed, as OpenAI-compatible servers do, so clients that send
-extra vendor fields keep working. Known fields are strict (no "5" for 5, no 0 for
-false) and every constraint is expressed in the types, so the OpenAPI document
-generated from these models says exactly what validation accepts.
+A chat or completions request with a top-level field that is neither modelled here
+nor a documented OpenAI / vLLM / SGLang field (shared/wire/known_fields.py) is refused,
+naming it, as OpenAI's API refuses an unrecognized argument: a typo (`max_token`) must
+not be ignored. The documented extensions pass, so clients of stock engines keep
+working; nested objects and SGLang's `/generate` stay lenient. Known fields are strict
+(no "5" for 5, no 0 for false) and every constraint is expressed in the types, so the
+OpenAPI document generated from these models says exactly what validation accepts.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import difflib
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
+
+from shared.wire.known_fields import KNOWN_EXTRA
+
+UNRECOGNIZED = "unrecognized_argument"  # the error type `validation_error` names
 
 
 class _Lenient(BaseModel):
@@ -64,7 +73,22 @@ PinTtl = Annotated[float, Field(ge=0, le=86_400)]
 MAX_N = 128
 
 
+def _known_extras_schema(schema: dict[str, Any], cls: type) -> None:
+    """The OpenAPI document says the rule: no field beyond these, and the documented
+    extensions (known_fields.py) listed as passed on unchecked."""
+    endpoint = getattr(cls, "wire_endpoint", None)
+    if endpoint is None:
+        return
+    props = schema.setdefault("properties", {})
+    for name in sorted(KNOWN_EXTRA[endpoint] - props.keys()):
+        props[name] = {"description": "a documented OpenAI, vLLM or SGLang field: passed on "
+                       "to the worker unchecked (shared/wire/known_fields.py)"}  # fmt: skip
+    schema["additionalProperties"] = False
+
+
 class _Sampling(_Lenient):
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_known_extras_schema)
+
     model: str | None = None
     max_tokens: MaxTokens | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -96,11 +120,30 @@ class _Sampling(_Lenient):
             raise ValueError(f"longer than {MAX_PROMPT_CACHE_KEY_BYTES} bytes (UTF-8)")
         return key
 
+    wire_endpoint: ClassVar[str]  # "chat" or "completions": which KNOWN_EXTRA applies
+
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unrecognized(cls, data: Any) -> Any:
+        """An unknown top-level field is an error naming it (and the nearest known one)."""
+        if isinstance(data, dict):
+            extra = KNOWN_EXTRA[cls.wire_endpoint]
+            for name in data:
+                if name not in cls.model_fields and name not in extra:
+                    near = difflib.get_close_matches(str(name), [*cls.model_fields, *extra], 1)
+                    hint = f" (did you mean {near[0]!r}?)" if near else ""
+                    raise PydanticCustomError(
+                        UNRECOGNIZED, "Unrecognized request argument supplied: {name}{hint}",
+                        {"name": str(name)[:64], "hint": hint},
+                    )  # fmt: skip
+        return data
+
 
 class ChatCompletionRequest(_Sampling):
+    wire_endpoint: ClassVar[str] = "chat"
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     add_generation_prompt: bool = True
@@ -113,6 +156,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    wire_endpoint: ClassVar[str] = "completions"
     # One prompt: text, token ids, or a batch of exactly one text (batches are not served).
     prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)]
     echo: bool = False

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, fields
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
 
@@ -267,3 +268,13 @@ def _glob_escape(text: str) -> str:
 
 def _membership_event(kind: str, record: WorkerRecord) -> str:
     return json.dumps({"event": kind, "worker_id": record.worker_id, "url": record.url})
+
+
+def redact_url(url: str) -> str:
+    """`redis://:secret@host:6379/0` -> `redis://:***@host:6379/0`: a URL fit for a log."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

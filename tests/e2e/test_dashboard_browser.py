@@ -195,3 +195,39 @@ def test_a_rebuilding_workers_kv_index_cell_shows_its_progress(fleet: Cluster) -
             assert not errors, errors
         finally:
             browser.close()
+
+
+def test_a_registry_outage_shows_a_banner_and_the_columns_explain_themselves(
+    fleet: Cluster,
+) -> None:
+    """Redis stopped under a live fleet: the page says the router routes blind on its last
+    known fleet, and the banner goes once Redis is back (issue 31)."""
+    from playwright.sync_api import sync_playwright
+
+    assert fleet.router is not None and fleet.redis is not None
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(
+                http_credentials={"username": "me", "password": KEY}
+            ).new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(fleet.router.url + "/dashboard")
+            page.wait_for_selector(f"#workers tbody tr >> nth={WORKERS - 1}", timeout=10_000)
+            assert page.locator("#registry-banner").is_hidden()
+            help_text = page.inner_text("#columns-help")
+            assert "in flight" in help_text and "heartbeat" in help_text
+            assert "since this router started" in page.inner_text("#requests-sub")
+            fleet.redis.stop()
+            try:
+                page.wait_for_selector("#registry-banner:visible", timeout=20_000)
+                banner = page.inner_text("#registry-banner")
+                assert "unreachable since" in banner and "last known fleet" in banner, banner
+                assert page.inner_text("#ready") == f"{WORKERS} / {WORKERS}"  # still routed
+            finally:
+                fleet.redis.start()
+            page.wait_for_selector("#registry-banner", state="hidden", timeout=20_000)
+            assert not errors, errors
+        finally:
+            browser.close()

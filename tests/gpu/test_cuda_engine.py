@@ -140,7 +140,7 @@ def test_one_host_sync_per_step_on_cuda(tiny_model_dir: Path) -> None:
     """CUDA's sync debug mode counts every synchronising call of each engine step:
     one per step that samples (the ids), none for a step that samples nothing; in
     decode-only, mixed, and penalties + logit_bias + seeds + logprobs steps."""
-    from loadtests.gpu.gpu_syncs import SyncCounter, syncs_per_step
+    from loadtests.gpu.correct import SyncCounter, syncs_per_step
     from worker.engine.config import EngineConfig
     from worker.engine.runtime.load import load_engine
 

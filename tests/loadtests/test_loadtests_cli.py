@@ -88,6 +88,29 @@ def test_run_time_and_the_verdict() -> None:
     assert "(2x): HTTP 400: prompt too long" in line
     assert verdict(summarize([ok]), [ok]).startswith("verdict: OK, 1 requests")
     table = summarize([bad, bad]).table()
+    assert "prefix hits" in table
     assert (
         "nan" not in table and "TTFT                           n/a (no request succeeded)" in table
     )
+
+
+def _on(worker: str, cached: int, i: int) -> RequestRecord:
+    return RequestRecord(start=i * 0.1, ok=True, e2e_s=0.1, ttft_s=0.05, prompt_tokens=100,
+                         cached_tokens=cached, worker=worker)  # fmt: skip
+
+
+def test_an_uneven_spread_is_explained_by_affinity_or_not() -> None:
+    """Was: the README's first run sent every request to one of two workers and said
+    "OK" at max/mean 2.00 with no word why (issue 31)."""
+    records = [_on("worker-0", 0 if i == 0 else 80, i) for i in range(20)]
+    summary = summarize(records, workers=["worker-0", "worker-1"])
+    line = verdict(summary, records)
+    assert line.startswith("verdict: OK, 20 requests")
+    assert "uneven load, max/mean 2.00 (worker-0 answered 100%): cache affinity, 95% of " \
+        "requests hit a cached prefix" in line  # fmt: skip
+    assert summary.to_dict()["prefix_hit_share"] == 0.95
+    cold = [_on("worker-0", 0, i) for i in range(20)]
+    line = verdict(summarize(cold, workers=["worker-0", "worker-1"]), cold)
+    assert "not cache affinity (only 0% of requests hit a cached prefix)" in line
+    even = [_on(f"worker-{i % 2}", 80, i) for i in range(20)]
+    assert "uneven" not in verdict(summarize(even, workers=["worker-0", "worker-1"]), even)

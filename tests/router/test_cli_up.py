@@ -20,7 +20,7 @@ from loadtests.load.cluster import ROOT
 from router.cli import build_parser, serve_config
 from router.up.preflight import StartError, check_prerequisites
 from shared.config import ConfigError
-from shared.procs import wait_until
+from shared.procs import http_json, wait_until
 from shared.redis_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -94,7 +94,7 @@ def test_up_starts_a_fleet_and_sigint_leaves_nothing_running() -> None:
         output = "".join(lines)
         assert f"Router ready at http://127.0.0.1:{port}" in output, output
         assert "model:     sim" in output and f"http://127.0.0.1:{port}/dashboard" in output
-        log_dir = Path(re.findall(r"logs in (\S+) \(removed on exit\)", output)[0])
+        log_dir = Path(re.findall(r"logs in (\S+) \(removed on a clean exit\)", output)[0])
         assert (log_dir / "router.log").exists()
         assert len(re.findall(r"worker-\d \(pid \d+\) starting", output)) == 2
         body = json.dumps({"prompt": "hello from up", "max_tokens": 3}).encode()
@@ -188,6 +188,100 @@ def test_up_restarts_a_killed_worker_while_the_fleet_keeps_serving() -> None:
                 os.kill(child, signal.SIGKILL)
             up.kill()
             up.wait()
+
+
+def start_up(*args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """`python -m router up ...` with its output collected line by line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "router", "up", "--engine", "sim", "--start-timeout", "60", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(
+        target=lambda: lines.extend(iter(up.stdout.readline, "")),  # type: ignore[union-attr]
+        daemon=True,
+    )
+    reader.start()
+    return up, lines
+
+
+def end(up: subprocess.Popen[str], lines: list[str]) -> None:
+    print("".join(lines))  # shown when the test fails
+    if up.poll() is None:
+        for child in descendants(up.pid):
+            os.kill(child, signal.SIGKILL)
+        up.kill()
+        up.wait()
+
+
+def test_up_restarts_a_killed_redis_and_requests_keep_succeeding() -> None:
+    """Was: the Redis `up` started was killed and left <defunct>; `up` said nothing and
+    /readiness kept saying all was well (issue 31)."""
+    port = free_port()
+    up, lines = start_up("--workers", "2", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: any("Press Ctrl-C" in ln for ln in lines) or up.poll() is not None, 90)
+        assert up.poll() is None
+        redis_pid = next(
+            pid for pid in descendants(up.pid)
+            if "server" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        )  # fmt: skip
+        os.kill(redis_pid, signal.SIGKILL)
+        for i in range(20):  # the router routes on its last known fleet meanwhile
+            assert complete(url, f"while Redis is down {i}")[0] == 200
+        wait_until(lambda: any(ln.startswith("redis is back") for ln in lines), 60)
+        reports = [ln for ln in lines if ln.startswith("redis exited")]
+        assert len(reports) == 1 and "(killed by SIGKILL)" in reports[0]
+        assert "Restarting it in 1s" in reports[0] and "re-registers" in reports[0]
+        # The new, empty Redis fills again from the workers' heartbeats.
+        wait_until(lambda: readiness(url).get("registry") == "reachable", 30)
+        wait_until(lambda: set(workers(url)) == {"worker-0", "worker-1"}, 30)
+        answered = {complete(url, f"after {i}")[0] for i in range(10)}
+        assert answered == {200} and up.poll() is None
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 0
+    finally:
+        end(up, lines)
+
+
+def test_up_names_an_unreachable_redis_at_once() -> None:
+    """Was: `up --redis-url` of a dead Redis waited the whole start timeout, then showed
+    /health access lines cut mid-line and no word of Redis (issue 31)."""
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "router", "up", "--engine", "sim", "--port", "0",
+         "--redis-url", f"redis://:hunter2@127.0.0.1:{free_port()}/0"],
+        capture_output=True, cwd=ROOT, env=env, text=True, timeout=60,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and time.monotonic() - started < 30, output
+    assert "error: Redis at redis://:***@127.0.0.1:" in output and "Connection refused" in output
+    assert "hunter2" not in output
+
+
+def test_a_failed_start_keeps_the_logs_and_shows_whole_last_lines() -> None:
+    """Was: `up` deleted its log folder when it gave up unless --keep-logs (issue 31)."""
+    up, lines = start_up("--workers", "1", "--port", "0", "--max-running-requests", "0")
+    try:
+        assert up.wait(90) == 1
+        time.sleep(0.2)  # the reader drains the pipe
+        output = "".join(lines)
+        kept = re.findall(r"logs kept in (\S+) \(the fleet failed", output)
+        assert kept and Path(kept[0], "worker-0.log").exists(), output
+        shown = output.split("last lines of ", 1)[1].splitlines()[1:]
+        assert shown and all(ln.startswith("  ") for ln in shown[:-1])
+        assert any("max_running_requests" in ln for ln in shown), output
+    finally:
+        end(up, lines)
+        for folder in re.findall(r"logs kept in (\S+)", "".join(lines)):
+            subprocess.run(["rm", "-rf", folder], check=False)
+
+
+def readiness(url: str) -> dict:
+    return http_json(url + "/readiness")[1] or {}
 
 
 def workers(url: str) -> dict[str, dict]:

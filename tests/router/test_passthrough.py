@@ -42,7 +42,7 @@ async def test_unknown_and_unsupported_fields_pass_through(
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         "response_format": {"type": "json_object"},
-        "vendor_extension": {"nested": [1, 2.5, None]},
+        "chat_template_kwargs": {"nested": [1, 2.5, None]},  # vLLM's and SGLang's
         "n": 3,
         "logprobs": True,
         "top_logprobs": 2,
@@ -55,6 +55,11 @@ async def test_unknown_and_unsupported_fields_pass_through(
     # A known field out of its schema range is still refused at the edge.
     resp = await client.post("/v1/chat/completions", json={**body, "top_logprobs": 21})
     assert resp.status == 400 and len(bodies) == 1
+    # A field no API documents is a typo: refused at the edge, naming it (issue 31).
+    resp = await client.post("/v1/chat/completions", json={**body, "vendor_extension": 1})
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == "vendor_extension" and len(bodies) == 1
+    assert error["message"].startswith("Unrecognized request argument supplied: vendor_extension")
 
 
 async def test_a_worker_cookie_is_never_kept_nor_sent_back(start_router: StartRouter) -> None:

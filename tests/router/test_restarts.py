@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import io
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 from router.up.local_fleet import UpFleet, UpOptions
 from router.up.restarts import Restarts, describe_exit
-from shared.procs import Child
+from router.up.watch import Watch, keeps_serving
+from shared.procs import Child, last_lines, wait_until
+from shared.redis_server import RedisServer
 
 
 def test_backoff_doubles_and_gives_up_past_the_limit_within_the_window() -> None:
@@ -58,11 +63,66 @@ def test_up_reports_each_exit_in_one_line_and_gives_up_on_a_child_that_keeps_exi
     finally:
         fleet.stop()
     lines = out.getvalue().splitlines()
-    assert len(lines) == 3, lines
     said = "worker-0 exited (exit status 1); its last log line: "
-    assert all(line.startswith(said) and "No module named no_such_module_radix" in line
-               for line in lines)  # fmt: skip
-    assert lines[0].endswith("Restarting it in 1s (restart 1 of at most 2 within 60s); "
-                             "the others keep serving.")  # fmt: skip
-    assert "Restarting it in 2s (restart 2 of at most 2" in lines[1]
-    assert lines[2].endswith("It exited 3 times within 60s: giving up, stopping the fleet.")
+    reports = [line for line in lines if line.startswith("worker-0 exited")]
+    assert len(reports) == 3, lines
+    assert all("No module named no_such_module_radix" in line for line in reports)
+    # The only worker: nothing keeps serving, and the line says so.
+    assert reports[0].startswith(said) and reports[0].endswith(
+        "Restarting it in 1s (restart 1 of at most 2 within 60s); "
+        "it was the only worker running: requests fail until it is back."
+    )
+    assert "Restarting it in 2s (restart 2 of at most 2" in reports[1]
+    assert reports[2].endswith("It exited 3 times within 60s: giving up, stopping the fleet.")
+    # Then its last lines, each whole, so the reason is on the screen.
+    shown = lines[lines.index(reports[2]) + 1 :]
+    assert shown[0] == f"Last lines of {tmp_path / 'w.log'}:"
+    assert any("No module named no_such_module_radix" in line for line in shown[1:])
+
+
+def test_what_keeps_serving_is_said_as_it_is() -> None:
+    assert "the router is the only entry point" in keeps_serving("router", 3)
+    assert keeps_serving("worker-0", 0).startswith("it was the only worker running")
+    assert keeps_serving("worker-0", 1) == "the other worker keeps serving."
+    assert keeps_serving("worker-0", 2) == "the other 2 workers keep serving."
+    assert "re-registers with its next heartbeat" in keeps_serving("redis", 2)
+
+
+def test_last_lines_start_where_lines_start(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    log.write_text("y" * 20000 + "\nTraceback (most recent call last):\n  boom\n\nValueError: x\n")
+    assert last_lines(log, 2, window=64) == ["  boom", "ValueError: x"]
+    assert last_lines(log, 10, window=64) == [
+        "Traceback (most recent call last):",
+        "  boom",
+        "ValueError: x",
+    ]  # the cut first line of the window is not shown
+
+
+def test_a_killed_redis_is_reported_in_one_line_and_restarted_on_its_port(tmp_path: Path) -> None:
+    """Was: the embedded Redis was left <defunct>, not counted and not restarted, and
+    `up` printed nothing (issue 31)."""
+    out = io.StringIO()
+    redis = RedisServer(log_file=tmp_path / "redis.log").start()
+    stop = threading.Event()
+    watch = Watch([], redis, Restarts(), lambda s: print(s, file=out, flush=True), stop, {})
+    runner = threading.Thread(target=watch.run)
+    runner.start()
+    try:
+        pid, port = redis.pid, redis.port
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: "redis is back" in out.getvalue(), 30)
+        assert redis.running and redis.pid != pid and redis.port == port
+        assert not Path(f"/proc/{pid}").exists()  # reaped, not <defunct>
+    finally:
+        stop.set()
+        runner.join(10)
+        redis.close()
+    lines = out.getvalue().splitlines()
+    report = next(line for line in lines if line.startswith("redis exited"))
+    assert (
+        "(killed by SIGKILL)" in report and "Restarting it in 1s (restart 1 of at most 5" in report
+    )
+    assert "the new Redis starts empty and each worker re-registers" in report
+    assert any(line.startswith("redis is back") and "empty" in line for line in lines)

@@ -122,13 +122,17 @@ async def test_the_first_reuse_of_a_connection_must_echo_the_request_id(
     raw_upstreams: Any, start_router: StartRouter
 ) -> None:
     """An answer on a reused connection without the echo is not provably this request's:
-    the connection breaks on the very first reuse, and the request is the worker's failure."""
+    the connection breaks on the very first reuse. It may be another answer's late copy,
+    so the request goes once more on a fresh connection (issue 31), whose first answer
+    is provably its own: answered, and counted as a resend, not as the worker's failure."""
     worker = await raw_upstreams(EchoesOnce(lambda c, n: OK))
     client = await start_router([worker.url], policy="round_robin", max_retries=0)
     assert (await client.post("/v1/completions", json=BODY)).status == 200
     r = await client.post("/v1/completions", json=BODY)  # the kept connection, no echo
-    assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_error"
-    assert worker.connections == 1 and failures(client) == {worker.url: 1}
+    assert r.status == 200
+    assert worker.connections == 2 and failures(client) == {worker.url: 0}
+    metrics = await (await client.get("/metrics")).text()
+    assert "radix_router_upstream_foreign_answer_retries_total 1.0" in metrics
 
 
 async def test_a_worker_that_hangs_up_on_fresh_connections_is_a_failure(
@@ -177,8 +181,11 @@ async def test_a_garbage_speaking_worker_harms_no_other_request(
     # The bad worker's connections never went back to the pool: one per request it got.
     assert bad.connections == len(bad.requests)
     assert good.connections == 1 and failures(client)[good.url] == 0
-    # A sound answer with a second one after it is no sound answer: never relayed.
-    assert failures(client)[bad.url] == len(bad.requests) >= 1
+    # A sound answer with a second one after it is no sound answer: never relayed. Those
+    # bytes may be another request's late answer, so that request was sent once more on
+    # a fresh connection (issue 31) before the worker's failure was counted.
+    resent = 2 if answer.count(b"HTTP/1.1 ") > 1 else 1
+    assert failures(client)[bad.url] * resent == len(bad.requests) >= 1
     assert pool.stale_retries == 0
 
 

@@ -105,3 +105,26 @@ def test_redis_password_file_is_checked_at_start(tmp_path: Path) -> None:
         )
     with pytest.raises(ConfigError, match="needs redis_url"):
         load_config(WorkerConfig, overrides={"redis_password_file": str(good)}, environ={})
+
+
+def test_an_unknown_env_key_refuses_to_start_naming_the_nearest_key(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: ignored, although an unknown key in the file stops the service (issue 31)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(RouterConfig, environ={"RADIX_ROUTER_CACHE_TRESHOLD": "0.9"})
+    assert "RADIX_ROUTER_CACHE_TRESHOLD" in str(e.value)
+    assert "did you mean RADIX_ROUTER_CACHE_THRESHOLD" in str(e.value)
+    with pytest.raises(ConfigError, match="RADIX_WORKER_CACHE_TOKEN; did you mean "
+                       "RADIX_WORKER_CACHE_TOKENS"):  # fmt: skip
+        load_config(WorkerConfig, environ={"RADIX_WORKER_CACHE_TOKEN": "5"})
+    # The other service's keys and Kubernetes service links are not this service's keys.
+    links = {"RADIX_ROUTER_SERVICE_HOST": "10.0.0.1", "RADIX_ROUTER_PORT_8000_TCP_ADDR": "x",
+             "RADIX_WORKER_CACHE_TOKENS": "5"}  # fmt: skip
+    assert load_config(RouterConfig, environ=links).port == 8000
+    # Through the command line: exit 2 with the one line.
+    from router.cli import main
+
+    monkeypatch.setenv("RADIX_ROUTER_CACHE_TRESHOLD", "0.9")
+    assert main(["serve", "--port", "0"]) == 2
+    assert "unknown environment key RADIX_ROUTER_CACHE_TRESHOLD" in capsys.readouterr().err

@@ -72,6 +72,18 @@ def test_host_tier_beyond_host_memory_is_refused_at_start_with_the_number(
     assert f"host_cache_tokens {huge} needs" in worker.log() and "available" in worker.log()
 
 
+def test_the_sim_engine_refuses_a_host_tier_beyond_host_memory_the_same_way(
+    spawn_worker: Callable[..., WorkerProcess],
+) -> None:
+    """Was: a numpy traceback asking for 7.11 PiB (issue 31)."""
+    huge = 10**15
+    worker = spawn_worker("--engine", "sim", "--host-cache-tokens", str(huge))
+    assert worker.proc.wait(60) == 1
+    log = worker.log()
+    assert f"engine cannot start: host_cache_tokens {huge} needs" in log and "available" in log
+    assert "Traceback" not in log
+
+
 def test_unknown_key_in_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "worker.yaml"
     path.write_text("engine: sim\ncache_tokenz: 5\n")

@@ -36,6 +36,7 @@ from worker.backends.sim_model import answer_ids
 from worker.engine.batch import BatchItem
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
+from worker.engine.free_memory import SIM_BYTES_PER_SLOT, check_slots_fit
 from worker.engine.protocols import EngineTokenizer
 from worker.engine.types import TokenLogprob
 
@@ -165,6 +166,11 @@ def build_sim_llm_engine(
     `config.host_cache_tokens` its host tier."""
     model = SimModelConfig(tokenizer.vocab_size, max_model_len)
     capacity = config.kv_capacity_tokens or 1_000_000
+    # The same refusal as the radix engine's host tier, for what the sim does allocate:
+    # its slot bookkeeping (worker/engine/free_memory.py).
+    check_slots_fit("kv_capacity_tokens", capacity, SIM_BYTES_PER_SLOT)
+    if config.host_cache_tokens:
+        check_slots_fit("host_cache_tokens", config.host_cache_tokens, SIM_BYTES_PER_SLOT)
     runner = CostModelRunner(
         capacity, model, prefill_us_per_token, decode_ms_per_token, sleep,
         decode_us_per_seq, decode_us_per_1k_context,

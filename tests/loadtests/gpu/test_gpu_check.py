@@ -161,17 +161,17 @@ def args_for(out: Path, **kw: object) -> Namespace:
 def test_a_section_that_dies_or_is_killed_leaves_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loadtests.gpu import gpu_check
+    from loadtests.gpu import check
 
     state = tmp_path / "state"
     state.mkdir()
     args = args_for(tmp_path / "out")
     args.out.mkdir()
-    gpu_check.write(args.out, {"sections": {}})
-    dead = gpu_check.run_child(args, "no-such-section", state, allowed=120)
+    check.write(args.out, {"sections": {}})
+    dead = check.run_child(args, "no-such-section", state, allowed=120)
     assert "exited with code" in dead["process_error"]
     # Less time than a step needs: each step is recorded as skipped, none is started.
-    skipped = gpu_check.run_child(args, "env", state, allowed=gpu_check.CHILD_GRACE_S + 1)
+    skipped = check.run_child(args, "env", state, allowed=check.CHILD_GRACE_S + 1)
     assert "process_error" not in skipped
     assert all("time budget" in skipped[k]["cut"] for k in ("versions", "device", "bandwidth"))
     # The child merged each step into the report itself (what a SIGKILL of both leaves).
@@ -184,11 +184,11 @@ def test_a_section_that_dies_or_is_killed_leaves_the_others(
     hang.mkdir()
     (hang / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
     monkeypatch.setenv("PYTHONPATH", str(hang))
-    killed = gpu_check.run_child(args, "preset:tiny", state, allowed=3)
+    killed = check.run_child(args, "preset:tiny", state, allowed=3)
     assert "killed at its 3 s limit" in killed["process_error"] and killed["model"] == "/tmp/m"
     report = {"sections": {"env": skipped, "preset:tiny": killed}}
-    assert not gpu_check.passed(report)
-    md = gpu_check.to_markdown(report)
+    assert not check.passed(report)
+    md = check.to_markdown(report)
     assert "killed at its 3 s limit" in md and "CUT, time budget" in md
 
 
@@ -225,28 +225,28 @@ def test_a_preset_falls_back_to_sdpa_when_triton_fails(
 ) -> None:
     """Triton failing at once (here: on CPU without the interpreter it refuses to run)
     still gives the table, measured with sdpa, marked as a fallback and not passed."""
-    from loadtests.gpu import gpu_check
+    from loadtests.gpu import check
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = args_for(tmp_path / "out", attention_backend="triton")
     args.out.mkdir()
     state = tmp_path / "state"
     state.mkdir()
-    r = gpu_check.run_child(args, "preset:tiny", state, allowed=600)
+    r = check.run_child(args, "preset:tiny", state, allowed=600)
     assert "TRITON_INTERPRET=1" in r["runner"]["error"] and "fallback" in r
     assert r["runner_sdpa"]["attention_backend"] == "sdpa"
     assert len(r["decode"]) == 4 and all(c["ms"] > 0 for c in r["decode"])
     assert r["greedy"]["all_equal"]  # with the backend that worked
     report = {"sections": {"preset:tiny": r}}
-    assert not gpu_check.passed(report)
-    assert "FALLBACK: the runner failed with the triton backend" in gpu_check.to_markdown(report)
+    assert not check.passed(report)
+    assert "FALLBACK: the runner failed with the triton backend" in check.to_markdown(report)
 
 
 def test_the_budget_cuts_what_would_start_too_late(tmp_path: Path) -> None:
-    from loadtests.gpu import gpu_check
+    from loadtests.gpu import check
 
-    args = args_for(tmp_path / "out", budget_s=gpu_check.MIN_START_S - 1, skip_pytest=False)
-    assert gpu_check.orchestrate(args) == 1  # cut is not passed
+    args = args_for(tmp_path / "out", budget_s=check.MIN_START_S - 1, skip_pytest=False)
+    assert check.orchestrate(args) == 1  # cut is not passed
     report = json.loads((args.out / "gpu-check.json").read_text())
     assert list(report["sections"]) == [
         "env",
@@ -263,9 +263,9 @@ def test_the_budget_cuts_what_would_start_too_late(tmp_path: Path) -> None:
 def test_gpu_check_without_cuda_says_so(tmp_path: Path) -> None:
     import torch
 
-    from loadtests.gpu import gpu_check
+    from loadtests.gpu import check
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        gpu_check.cli(["--out", str(tmp_path)])
+        check.cli(["--out", str(tmp_path)])

@@ -30,8 +30,9 @@ CHAT = WorkloadOptions(
 
 
 def test_router_settings_reach_the_router_and_spread_conversations(tmp_path: Path) -> None:
+    # Seats (8 a worker) above the 6 users: the balance rule decides, not the fleet queue.
     fleet = ClusterSpec(workers=2, cache_tokens=20_000, prefill_us_per_token=20,
-                      decode_ms_per_token=4, max_running_requests=2)  # fmt: skip
+                      decode_ms_per_token=4, max_running_requests=8)  # fmt: skip
     run = RunSpec(host="", out=tmp_path, users=6, timeout_s=120)
     policies = ["cache_aware (fleet)"]
     default = compare(fleet, CHAT, RunSpec(**{**run.__dict__, "out": tmp_path / "a"}), policies)

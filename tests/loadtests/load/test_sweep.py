@@ -29,7 +29,7 @@ from loadtests.load.sweep import (
 from loadtests.load.workloads import mooncake
 
 
-def point(rate: float, kept: float, ttft_ms: float = 50, failed: bool = False,
+def point(rate: float, answered: float, ttft_ms: float = 50, failed: bool = False,
           slo: SLO | None = None, policy: str = "p") -> Point:  # fmt: skip
     records = [
         RequestRecord(
@@ -42,19 +42,19 @@ def point(rate: float, kept: float, ttft_ms: float = 50, failed: bool = False,
         )
         for i in range(10)
     ]
-    return Point(policy, rate, rate, kept, summarize(records, slo, ["w0"]))
+    return Point(policy, rate, rate, answered, summarize(records, slo, ["w0"]))
 
 
 def test_a_rate_is_sustained_when_answers_keep_pace_and_meet_the_slo() -> None:
-    assert point(4, kept=3.7).sustained  # 0.925 of the offered rate
-    assert not point(4, kept=3.5).sustained  # 0.875: a queue grows
-    assert not point(4, kept=4, failed=True).sustained
+    assert point(4, answered=3.7).sustained  # 0.925 of the offered rate
+    assert not point(4, answered=3.5).sustained  # 0.875: a queue grows
+    assert not point(4, answered=4, failed=True).sustained
     slo = SLO(ttft_ms=100)
-    assert point(4, kept=4, ttft_ms=90, slo=slo).sustained
-    missed = point(4, kept=4, ttft_ms=110, slo=slo)  # every request misses it
+    assert point(4, answered=4, ttft_ms=90, slo=slo).sustained
+    missed = point(4, answered=4, ttft_ms=110, slo=slo)  # every request misses it
     assert not missed.sustained and missed.why_not == "0% within the SLO"
-    assert point(4, kept=3.5).why_not == "fell behind"
-    held = replace(point(4, kept=3.5), late=0.4)  # every user busy: the client held them back
+    assert point(4, answered=3.5).why_not == "fell behind"
+    held = replace(point(4, answered=3.5), late=0.4)  # every user busy: the client held them back
     assert held.why_not == "fell behind (40% sent late)"
 
 
@@ -73,11 +73,21 @@ def test_saturation_is_the_first_rate_not_sustained() -> None:
     )
 
 
-def test_offered_and_kept_rates_each_over_their_own_span() -> None:
+def test_offered_sent_and_answered_never_grow_in_that_order() -> None:
     # Due every 0.25 s (4/s); answers 0.5 s apart (2/s): the queue grows.
     recs = [RequestRecord(start=i * 0.25, due=i * 0.25, ok=True, e2e_s=0.1 + i * 0.25)
             for i in range(9)]  # fmt: skip
-    assert rates_per_s(recs) == (pytest.approx(4.0), pytest.approx(2.0))
+    assert rates_per_s(recs) == (pytest.approx(4.0), pytest.approx(4.0), pytest.approx(2.0))
+    # Was (issue 31): at rate 1 the answers' own first-to-last span came out shorter than
+    # the arrivals' (a slow first answer, a quick last one): "0.76 answered, 0.67 offered".
+    slow_first = [RequestRecord(start=i * 1.5, due=i * 1.5, ok=True, e2e_s=1.0 if i == 0 else 0.1)
+                  for i in range(6)]  # fmt: skip
+    offered, sent, answered = rates_per_s(slow_first)
+    assert offered == pytest.approx(5 / 7.5) and answered <= sent <= offered
+    # Sent late (every user busy): fewer sent per second than offered.
+    held = [RequestRecord(start=i * 0.5, due=i * 0.25, ok=True, e2e_s=0.1) for i in range(9)]
+    offered, sent, answered = rates_per_s(held)
+    assert (offered, sent) == (pytest.approx(4.0), pytest.approx(2.0)) and answered <= sent
     late = [RequestRecord(start=1.0 + d, due=1.0, ok=True, e2e_s=0.1) for d in (0, 0.01, 0.2, 1)]
     assert late_share(late) == 0.5 and late_share([]) == 0.0
 

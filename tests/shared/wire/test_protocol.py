@@ -55,7 +55,7 @@ def test_completion_prompt_forms() -> None:
     assert CompletionRequest.model_validate({"prompt": [1, 2, 3]}).prompt_ids() == [1, 2, 3]
     assert CompletionRequest.model_validate({"prompt": ["abc"]}).prompt_text() == "abc"
     chat = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7, "extra": 1}
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7, "top_k": 1}
     )
     assert chat.effective_max_tokens == 7
 
@@ -71,3 +71,37 @@ def test_error_shape() -> None:
         }
     }
     assert error_body(503, "x")["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "typo", "meant"),
+    [
+        ("completions", {"prompt": "x", "max_token": 3}, "max_token", "max_tokens"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "temprature": 0.5},
+         "temprature", "temperature"),
+    ],
+)  # fmt: skip
+def test_an_unknown_field_is_refused_by_name(
+    endpoint: str, body: dict, typo: str, meant: str
+) -> None:
+    """Was: ignored, so `max_token` ran with the default length (issue 31)."""
+    with pytest.raises(ValidationError) as e:
+        routing_text(endpoint, body)
+    err = validation_error(e.value)
+    assert (err.status, err.param, err.code) == (400, typo, "unknown_parameter")
+    assert err.message.startswith(f"Unrecognized request argument supplied: {typo}")
+    assert repr(meant) in err.message
+
+
+def test_stock_engines_documented_fields_pass() -> None:
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for extra in (
+        {"cache_salt": "s", "priority": 1, "service_tier": "flex", "prompt_cache_key": "k"},
+        {"guided_json": {}, "min_tokens": 1, "chat_template_kwargs": {}},  # vLLM
+        {"regex": "a+", "separate_reasoning": False, "rid": "r1"},  # SGLang
+    ):
+        assert routing_text("chat", {**chat, **extra})[1].model_extra == extra
+    body = {"prompt": "x", "prompt_embeds": None, "json_schema": "{}", "suffix": "y"}
+    routing_text("completions", body)
+    # `/generate` (SGLang's native API) stays lenient.
+    routing_text("generate", {"text": "x", "return_logprob": True})

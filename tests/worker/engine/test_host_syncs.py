@@ -2,7 +2,7 @@
 
 On CPU nothing waits, so `SyncCounter` counts the calls that would make the host wait
 for a GPU: device->host reads of a tensor, host->device copies that are not
-asynchronous, explicit synchronizes (loadtests/gpu/gpu_syncs.py). Each step that samples
+asynchronous, explicit synchronizes (loadtests/gpu/correct.py). Each step that samples
 must make exactly one (the sampled ids and logprobs, packed); a step that samples
 nothing (a prompt's chunk that is not its last) none. Decode-only, mixed, and with
 penalties, logit_bias, seeds and logprobs; with the sdpa backend and with triton's
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from loadtests.gpu.gpu_syncs import SyncCounter, syncs_per_step
+from loadtests.gpu.correct import SyncCounter, syncs_per_step
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.runtime.load import load_engine

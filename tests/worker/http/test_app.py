@@ -148,6 +148,14 @@ BAD_REQUESTS = [
         400,
         "max_tokens",
     ),
+    # A typo is refused by name, as OpenAI's API does (issue 31: it was ignored).
+    ("/v1/completions", {"prompt": "hi", "max_token": 3}, 400, "max_token"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_token": 3},
+        400,
+        "max_token",
+    ),
     ("/generate", {"sampling_params": {}}, 400, None),
     (
         "/generate",

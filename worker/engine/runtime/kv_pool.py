@@ -18,24 +18,12 @@ calibrated KV scales; real models' K/V after RoPE sit well inside +-448.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from worker.engine.free_memory import cpu_available_bytes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
-
-
-def cpu_available_bytes() -> int:
-    """Memory the kernel could give us without swapping (MemAvailable), or free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ cache, each timed on the device next to its reference, with its correctness chec
 
     baseline    our decode and extend kernels beside torch's SDPA over the same pages
                 (and FlashInfer's / vLLM's where importable), with the bandwidth floor
-                (loadtests/gpu/gpu_baseline.py)
+                (loadtests/gpu/kernels.py)
     decode      the decode attention kernel at batch 64 x context 2,048 (Llama-3.2-1B's
                 attention: 32 heads, 8 KV heads, dim 64), bf16 and fp8 pools: us per
                 layer against the floor = the K/V bytes it must read / the measured
@@ -27,9 +27,7 @@ from typing import Any
 
 import torch
 
-from loadtests.gpu.gpu_kernel_kit import make_batch as _batch
-from loadtests.gpu.gpu_kernel_kit import random_pool as _pool
-from loadtests.gpu.gpu_kernel_kit import time_us
+from loadtests.gpu.kernels import baseline_step, make_batch, random_pool, time_us
 from worker.engine.runtime.attention import kernel_table, make_backend, triton_kernels
 from worker.engine.runtime.fused_kernels import TritonOps
 from worker.engine.runtime.fused_ops import TorchOps
@@ -47,14 +45,14 @@ def decode_step(device: torch.device, s: dict, bandwidth: float) -> dict[str, An
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     b, ctx = s["batch"], s["context"]
     capacity = b * ctx + 1
-    meta = _batch(device, s, [(ctx - 1, 1)] * b, capacity)
+    meta = make_batch(device, s, [(ctx - 1, 1)] * b, capacity)
     q = torch.randn(b, s["heads"], s["dim"], device=device, dtype=dtype)
     out: dict[str, Any] = {"batch": b, "context": ctx, "dtype": str(dtype).removeprefix("torch.")}
     for name, kv_dtype in (
         ("bf16" if dtype == torch.bfloat16 else "fp32", None),
         ("fp8_e4m3", FP8),
     ):
-        pool = _pool(device, s, capacity, kv_dtype, dtype)
+        pool = random_pool(device, s, capacity, kv_dtype, dtype)
         kw = dict(num_heads=s["heads"], head_dim=s["dim"], sliding_window=None, device=device,
                   kv_scales=pool.all_scales())  # fmt: skip
         triton = make_backend("triton", pool.k, pool.v, **kw)
@@ -93,11 +91,11 @@ def table_step(device: torch.device, s: dict, quick: bool) -> dict[str, Any]:
     b, ctx = s["batch"], s["context"]
     n_ext, new, prefix = s["extend"]
     capacity = max(b * ctx, n_ext * (prefix + new)) + 1
-    pool = _pool(device, s, capacity, None, dtype)
+    pool = random_pool(device, s, capacity, None, dtype)
     backend = make_backend("triton", pool.k, pool.v, num_heads=s["heads"], head_dim=s["dim"],
                            sliding_window=None, device=device)  # fmt: skip
-    dec_meta = _batch(device, s, [(ctx - 1, 1)] * b, capacity)
-    ext_meta = _batch(device, s, [(prefix, new)] * n_ext, capacity)
+    dec_meta = make_batch(device, s, [(ctx - 1, 1)] * b, capacity)
+    ext_meta = make_batch(device, s, [(prefix, new)] * n_ext, capacity)
     original = triton_kernels._blocks
     timings: dict[str, list] = {"decode": [], "extend": []}
     best = base
@@ -190,8 +188,7 @@ def sampler_step(device: torch.device, s: dict) -> dict[str, Any]:
 
 
 def ops_section(rec: Any, device: torch.device, quick: bool) -> None:
-    from loadtests.gpu import gpu_bench as gb
-    from loadtests.gpu.gpu_baseline import baseline_step
+    from loadtests.gpu import bench as gb
 
     s = QUICK if quick else FULL
     bw = rec.step("bandwidth", lambda: gb.bandwidth(device))

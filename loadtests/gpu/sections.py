@@ -1,4 +1,4 @@
-"""One section of the GPU check, run in its own process by loadtests/gpu/gpu_check.py.
+"""One section of the GPU check, run in its own process by loadtests/gpu/check.py.
 
 A section is a list of steps. `Recorder.step` runs one, stores its result (or its
 traceback) and rewrites the section's state file at once, so the parent keeps every
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from loadtests.gpu.gpu_report import write
+from loadtests.gpu.report import write
 
 FULL = dict(batches=(1, 32, 64, 128), contexts=(256, 2048), steps=12, prefill=(4, 2048),
             prefix=4096, question=64, prompts=(7, 60, 300), new_tokens=16,
@@ -88,15 +88,15 @@ def run_section(args: argparse.Namespace) -> int:
     if name == "env":
         env_section(rec, device)
     elif name == "correctness":
-        from loadtests.gpu.gpu_correct import correctness_section
+        from loadtests.gpu.correct import correctness_section
 
         correctness_section(rec, device, args.quick)
     elif name == "ops":
-        from loadtests.gpu.gpu_ops import ops_section
+        from loadtests.gpu.ops import ops_section
 
         ops_section(rec, device, args.quick)
     elif name == "host_tier":
-        from loadtests.gpu.gpu_host_tier import host_tier_section
+        from loadtests.gpu.host_tier import host_tier_section
 
         host_tier_section(rec, device, args.quick)
     elif name.startswith("preset:"):
@@ -107,7 +107,7 @@ def run_section(args: argparse.Namespace) -> int:
 
 
 def env_section(rec: Recorder, device: torch.device) -> None:
-    from loadtests.gpu import gpu_bench as gb
+    from loadtests.gpu import bench as gb
 
     def versions() -> dict[str, Any]:
         out: dict[str, Any] = {"python": platform.python_version()}
@@ -134,9 +134,7 @@ def env_section(rec: Recorder, device: torch.device) -> None:
 
 def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict,
                    backend: str) -> None:  # fmt: skip
-    from loadtests.gpu import gpu_bench as gb
-    from loadtests.gpu import gpu_overlap as go
-    from loadtests.gpu import gpu_piecewise as gp
+    from loadtests.gpu import bench as gb
     from shared.tokens.tokenizer import Tokenizer
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
@@ -185,7 +183,7 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
             return
     runner = holder["runner"]
     # Issue 25: every bucket captured when the runner was built, before any traffic.
-    rec.step("startup_capture", lambda: go.startup_capture(runner))
+    rec.step("startup_capture", lambda: gb.startup_capture(runner))
     vocab = min(int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]), 1000)
     prompts = [[4 + (13 * i + 7 * n) % (vocab - 4) for i in range(n)] for n in sizes["prompts"]]
 
@@ -258,12 +256,12 @@ def preset_section(rec: Recorder, device: torch.device, preset: str, sizes: dict
         finally:
             runner.graphs = graphs
 
-    rec.step("no_capture_in_traffic", lambda: go.no_capture_in_traffic(runner))
+    rec.step("no_capture_in_traffic", lambda: gb.no_capture_in_traffic(runner))
     rec.step("eager_point", eager, need_s=5)
-    # Issue 25: a mixed step with piecewise graphs vs eagerly (loadtests/gpu/gpu_piecewise.py).
-    rec.step("piecewise_mixed", lambda: gp.piecewise_mixed(runner, *sizes["mixed_point"]),
+    # Issue 25: a mixed step with piecewise graphs vs eagerly (loadtests/gpu/bench.py).
+    rec.step("piecewise_mixed", lambda: gb.piecewise_mixed(runner, *sizes["mixed_point"]),
              need_s=20)  # fmt: skip
-    rec.step("overlap_decode", lambda: go.overlap_decode(runner, Path(model_dir),
+    rec.step("overlap_decode", lambda: gb.overlap_decode(runner, Path(model_dir),
                                                          *sizes["overlap_point"]), need_s=30)  # fmt: skip
     rec.data["graph_replays"] = runner.graphs.replays if runner.graphs else 0
     rec.step("prefill_tokens_s", lambda: round(gb.prefill_tokens_s(runner, *sizes["prefill"]), 1),

@@ -1,4 +1,4 @@
-"""The GPU check's markdown page, from its JSON report (loadtests/gpu/gpu_check.py).
+"""The GPU check's markdown page, from its JSON report (loadtests/gpu/check.py).
 
 Written for a partial report too: a section or step that failed shows its error,
 one that was skipped or cut (the time budget or its cap) says why, one that never ran is
@@ -39,7 +39,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         elif name == "ops":
             lines += _ops(result)
         elif name == "host_tier":
-            from loadtests.gpu.gpu_host_tier import to_markdown as host_tier_markdown
+            from loadtests.gpu.host_tier import to_markdown as host_tier_markdown
 
             lines += host_tier_markdown(result) + _problems("host_tier", result)
         elif name.startswith("preset:"):
@@ -101,7 +101,7 @@ def _ops(r: dict[str, Any]) -> list[str]:
                              f"ratio {v['ratio']}; vs SDPA {v['rel_diff_vs_sdpa']:.1e} "
                              f"({'equal' if v['passed'] else 'DIFFERENT'})")  # fmt: skip
         lines.append(f"  - fp8 KV vs {d.get('fp8_vs', '16-bit')}: {d['fp8_speedup']}x faster")
-    from loadtests.gpu.gpu_baseline import to_markdown as baseline_markdown
+    from loadtests.gpu.kernels import baseline_markdown
 
     lines += baseline_markdown(r.get("baseline"))
     t = r.get("table")

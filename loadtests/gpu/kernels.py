@@ -1,5 +1,8 @@
-"""The GPU check's baseline (issue 32): our triton decode and extend kernels timed in
-the same run, on the same pool and batch, beside other kernels doing the same work.
+"""The GPU check's kernel timings: what the `ops` section (loadtests/gpu/ops.py) and
+the baseline share (a timer that synchronises the device, a batch of (cached, new) items
+over permuted pool slots, a pool of random K/V), and the baseline itself (issue 32): our
+triton decode and extend kernels timed in the same run, on the same pool and batch,
+beside other kernels doing the same work.
 
     sdpa          torch's scaled_dot_product_attention (as torch picks, and with each
                   of its kernels forced: flash, memory-efficient, cuDNN, math) over the
@@ -20,14 +23,66 @@ is loose by design. Imports only torch and the engine (what the GPU machine has)
 from __future__ import annotations
 
 import importlib.util
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from loadtests.gpu.gpu_kernel_kit import batch_slots, make_batch, random_pool, time_us
+from worker.engine.batch import BatchItem
 from worker.engine.runtime.attention import make_backend
+from worker.engine.runtime.attention.metadata import ReqToTokenTable, Staging, build_step
+from worker.engine.runtime.kv_pool import KVPool
+
+
+def time_us(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Median microseconds of `fn` (warm-up calls first: compiles, caches; one on CPU,
+    where the kernels run in the interpreter and nothing is compiled)."""
+    for _ in range(2 if device.type == "cuda" else 1):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def batch_slots(capacity: int, items: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Each (cached tokens, new tokens) item's slots, drawn from the permuted pool."""
+    free, used, out = np.random.default_rng(0).permutation(capacity), 0, []
+    for start, n in items:
+        out.append(free[used : used + start + n].astype(np.int64))
+        used += start + n
+    return out
+
+
+def make_batch(device: torch.device, s: dict, items: list[tuple[int, int]], capacity: int):
+    """Metadata of a batch of (cached tokens, new tokens) items over permuted slots."""
+    batch = [BatchItem([1] * n, start, slots)
+             for (start, n), slots in zip(items, batch_slots(capacity, items), strict=True)]  # fmt: skip
+    width = max(a + b for a, b in items)
+    table = ReqToTokenTable(len(items), width, device)
+    return build_step(batch, list(range(len(items))), table, Staging(device)).meta
+
+
+def random_pool(device: torch.device, s: dict, capacity: int, kv_dtype: torch.dtype | None,
+                dtype: torch.dtype) -> KVPool:  # fmt: skip
+    pool = KVPool(1, s["kv_heads"], s["dim"], capacity, dtype, device, kv_dtype=kv_dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (capacity, s["kv_heads"], s["dim"])
+    pool.write(0, torch.arange(capacity, device=device),
+               torch.randn(shape, generator=g, device=device, dtype=dtype),
+               torch.randn(shape, generator=g, device=device, dtype=dtype))  # fmt: skip
+    return pool
+
 
 UNAVAILABLE = "not importable on this machine"
 
@@ -169,7 +224,7 @@ def _flashinfer_row(kind: str, us: float, pool: Any, q: torch.Tensor, slots: lis
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def to_markdown(r: dict[str, Any]) -> list[str]:
+def baseline_markdown(r: dict[str, Any]) -> list[str]:
     if not isinstance(r, dict) or "rows" not in r:
         return []
     lines = ["", f"Baseline in the same run ({r['dtype']}, one layer; us per call; "
