@@ -60,6 +60,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.simulate.simulate_events",
         "tree vs tree + KV events vs a ceiling, divergence cases",
     ),
+    "agent": (
+        "loadtests.simulate.agents",
+        "agent sessions (prompt_cache_key, pins, tool gaps): today vs keys vs pins",
+    ),
     "host-tier": (
         "loadtests.simulate.simulate_events:HOST_TIER",
         "host KV tier 0 / 4x / 10x vs unbounded",

@@ -18,6 +18,7 @@ from router.holdings.room import Holdings
 from router.policy.base import Decision, Policy, WorkerView
 
 Publish = Callable[[str, "str | tuple[int, ...]"], None]
+Amend = Callable[[Decision], Decision]
 
 
 class Routing:
@@ -30,18 +31,27 @@ class Routing:
         # request (the policy reads it only inside `select`).
         self._bare = Prediction(RouteRequest(""), "", 0, False, [])
 
-    def select(self, request: RouteRequest, workers: Sequence[WorkerView], now: float) -> Decision:
+    def select(
+        self, request: RouteRequest, workers: Sequence[WorkerView], now: float,
+        amend: Amend | None = None,
+    ) -> Decision:  # fmt: skip
+        """The policy's decision, or what `amend` makes of it (a `prompt_cache_key`
+        session's worker, router/holdings/sessions.py), recorded in the room and published."""
         holdings = self.holdings
         if not self._reads:
             bare = self._bare
             bare.request = request
             decision = self.policy.select(bare, workers, now)
+            if amend is not None:
+                decision = amend(decision)
             if self.publish is not None:
                 key = holdings.routing_key(request)
                 self.publish(decision.worker_id, key)
             return decision
         prediction = holdings.predict(request, workers, now)
         decision = self.policy.select(prediction, workers, now)
+        if amend is not None:
+            decision = amend(decision)
         holdings.routed(prediction, decision.worker_id, now)
         if self.publish is not None:
             self.publish(decision.worker_id, prediction.key)

@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks
+from shared.wire.service_class import ServiceClass
 
 PolicyName = Literal[
     "cache_aware",
@@ -143,6 +144,10 @@ class RouterConfig(_Frozen):
     # faster by more than this many of its seat intervals (request_ms / seats; 0: off).
     cost_hold_margin: float = Field(1.0, ge=0)
     session_header: str = "x-session-id"
+    # prompt_cache_key sessions (router/holdings/sessions.py): entries kept, and seconds an
+    # entry lives after its last use.
+    session_table_max: int = Field(100_000, ge=1)
+    session_ttl: float = Field(3600.0, gt=0)
     # Proxy.
     connect_timeout: float = Field(5.0, gt=0)
     request_timeout: float = Field(600.0, gt=0)
@@ -296,6 +301,16 @@ class WorkerConfig(_Frozen):
     # cached in host memory (pinned on CUDA) and are loaded back on a hit. The pod needs
     # that much memory on top of the weights (worker/engine/runtime/host_pool.py).
     host_cache_tokens: int = Field(0, ge=0, strict=True)
+    # Pins across tool gaps (worker/engine/pins.py): at most this fraction of the KV
+    # cache pinned (0: pins off; outside [0, 1] the worker refuses to start), a pin's
+    # TTL clamped to pin_max_ttl_s, and pin_default_ttl_s for a request that sends a
+    # prompt_cache_key but no cache_pin_ttl (0: such requests pin nothing).
+    pin_budget: float = Field(0.25, ge=0, le=1)
+    pin_max_ttl_s: float = Field(300.0, ge=0)
+    pin_default_ttl_s: float = Field(0.0, ge=0)
+    # The same per class (shared/wire/service_class.py), e.g. {interactive: 120, batch: 0}:
+    # a class named here takes its TTL instead of pin_default_ttl_s.
+    pin_class_ttl_s: dict[ServiceClass, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     host_write_policy: Literal["write_back", "write_through"] = "write_back"
     max_running_requests: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)

@@ -156,6 +156,14 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         float,
         "sim engine: decode step cost per 1,000 context tokens read (the KV), microseconds",
     ),
+    ("--pin-budget", "pin_budget", float, "pins across tool gaps: fraction of KV, 0-1 (0: off)"),
+    ("--pin-max-ttl-s", "pin_max_ttl_s", float, "longest pin TTL granted; longer is clamped"),
+    (
+        "--pin-default-ttl-s",
+        "pin_default_ttl_s",
+        float,
+        "pin TTL for a request with a prompt_cache_key and no cache_pin_ttl (0: none)",
+    ),
     ("--api-key", "api_keys", "append", "accepted bearer key (repeatable)"),
     ("--drain-timeout", "drain_timeout", float, "seconds to finish in-flight requests on SIGTERM"),
     (

@@ -150,7 +150,7 @@ class Cluster:
     # -- workers --------------------------------------------------------------------
     def start_worker(
         self, worker_id: str, spec: WorkerSpec = WorkerSpec(), port: int | None = None,
-        wait: bool = True,
+        wait: bool = True, tree: Path | None = None,
     ) -> Child:  # fmt: skip
         port = port or free_port()
         args = [
@@ -164,7 +164,9 @@ class Cluster:
         if self.redis is not None:
             args += ["--redis-url", self.redis.url]
         log = self.log_dir / f"{worker_id}.log"
-        child = Child(worker_id, args, f"http://127.0.0.1:{port}", log).start()
+        # `tree`: the worker's code from that checkout (a `--before-ref` side).
+        env = {"PYTHONPATH": str(tree)} if tree is not None else {}
+        child = Child(worker_id, args, f"http://127.0.0.1:{port}", log, env, cwd=tree).start()
         self.workers[worker_id] = child
         if wait:
             wait_health(child)

@@ -72,6 +72,10 @@ class CostModel:
     # KV events out of the radix cache (worker/engine/kv_blocks.py), in blocks of this
     # many tokens; 0: off (loadtests/simulate/divergence.py delivers them to the router).
     kv_events_block_size: int = 0
+    # Pins across tool gaps (worker/engine/pins.py): the fraction of KV pins may hold
+    # (0: off, today's engine) and the longest TTL granted.
+    pin_budget: float = 0.0
+    pin_max_ttl_s: float = 300.0
 
     @property
     def host_load_us_per_token(self) -> float:
@@ -88,6 +92,8 @@ class CostModel:
             schedule_policy=self.schedule_policy,  # type: ignore[arg-type]
             share_inflight_prefixes=self.share_inflight,
             kv_events_block_size=self.kv_events_block_size,
+            pin_budget=self.pin_budget,
+            pin_max_ttl_s=self.pin_max_ttl_s,
         )
 
 
@@ -107,6 +113,8 @@ class Job:
     cached: int = 0
     session: int = -1  # closed-loop user that sent it (-1: open loop)
     session_key: str = ""  # the x-session-id the live client sends (consistent_hash's key)
+    pin_key: str | None = None  # pin the answer's prefix under this key (pins.py) ...
+    pin_ttl: float = 0.0  # ... for this many virtual seconds
 
     @property
     def queue_delay(self) -> float:
@@ -153,7 +161,10 @@ class SimWorker:
             kv_bytes_per_token=cost.kv_bytes_per_token,
         )
         self._sampler = _JobSampler()
-        self.engine = LLMEngine(self.runner, None, cost.engine_config(), self._sampler)
+        self.now = 0.0  # virtual time of the step running: the engine's clock (pin TTLs)
+        self.engine = LLMEngine(
+            self.runner, None, cost.engine_config(), self._sampler, clock=lambda: self.now
+        )
         self.cache = self.engine.cache
         self.allocator = self.engine.allocator
         self.busy = False  # a step is in progress (its end is on the fleet's event heap)
@@ -187,6 +198,8 @@ class SimWorker:
         self._seq_ids += 1
         params = SamplingParams(max_tokens=len(job.out_tokens), temperature=0, ignore_eos=True)
         req = Req(str(job.rid), job.tokens.tolist(), params, _Silent(), self._seq_ids)
+        if job.pin_key is not None:
+            req.pin_key, req.pin_ttl = job.pin_key, job.pin_ttl
         self._sampler.jobs[req.seq_id] = job
         self._by_rid[req.request_id] = job
         self.engine.add([req])
@@ -195,6 +208,7 @@ class SimWorker:
         """Run one engine step from `now`; the time it ends, or None (nothing ran)."""
         if not self.engine.has_work:
             return None
+        self.now = now
         self._outputs = self.engine.step()
         batch = self.engine.last_batch
         for req in batch.admitted:

@@ -17,6 +17,10 @@ wasted. So every replica:
   version before tokens, during a rolling upgrade: counted in `skipped`). On start it first replays the whole (bounded) stream, so a replica
   that starts late or restarts recovers the fleet's affinity instead of starting empty;
   after a Redis outage it resumes from the last entry it applied.
+- `publish_session(worker_id, digest)` on each prompt_cache_key session placed
+  (router/holdings/sessions.py): a field `s`, `replica id SEP worker id SEP digest`; the
+  reader hands it to `on_session` (the proxy's session table), so siblings of one
+  session co-locate whichever replica each reaches.
 - Every `sync_load_interval` it writes its in-flight count per worker to a short-lived
   hash and reads the other replicas' hashes; `remote_inflight()` is their sum, which the
   fleet adds to its own in-flight count when computing load.
@@ -45,7 +49,9 @@ from router.holdings.sync_wire import (
     Key,
     add_loads,
     decode_decision,
+    decode_session,
     encode_decision,
+    encode_session,
     encode_tokens,
 )
 from shared.config import RouterConfig
@@ -55,10 +61,14 @@ from shared.wire.registry import MAX_WORKERS, Registry
 
 log = logging.getLogger(__name__)
 
+# Marks a buffered session entry (a decision entry starts with the replica id: hex).
+SESSION = b"\x01"
 # Decisions buffered while Redis is unreachable; beyond this the oldest are dropped.
 PENDING_MAX = 10_000
 
 Observe = Callable[[str, Key, float], None]  # (worker_id, text or token ids, now)
+# A session's placement (router/holdings/sessions.py): (digest, worker_id, now).
+ObserveSession = Callable[[bytes, str, float], None]
 # Other replicas' load hashes read per round; more is not a fleet of routers but a flood.
 MAX_REPLICAS = 256
 
@@ -67,7 +77,11 @@ class ReplicaSync(Protocol):
     """What the router app and its proxy need of replica sync (`DecisionSync` is one);
     given to `create_app` and the `Proxy` at construction."""
 
+    on_session: ObserveSession | None
+
     def publish(self, worker_id: str, key: str | Sequence[int] | np.ndarray) -> None: ...
+
+    def publish_session(self, worker_id: str, digest: bytes) -> None: ...
 
     def remote_inflight(self) -> Mapping[str, int]: ...
 
@@ -113,6 +127,8 @@ class DecisionSync:
         self.caught_up = asyncio.Event()
         self._stopping = False
         self._owns_redis = False
+        # Where the other replicas' session placements go (the proxy's session table).
+        self.on_session: ObserveSession | None = None
 
     @classmethod
     def connect(
@@ -147,6 +163,12 @@ class DecisionSync:
         else:
             return  # ids without a tokenizer to name them: nothing a replica could use
         self._pending.append(entry)
+        self._wakeup.set()
+
+    def publish_session(self, worker_id: str, digest: bytes) -> None:
+        """A prompt_cache_key session placed on `worker_id` (its tenant-namespaced digest:
+        the key itself never leaves this router)."""
+        self._pending.append(SESSION + encode_session(self._header, worker_id, digest))
         self._wakeup.set()
 
     def remote_inflight(self) -> Mapping[str, int]:
@@ -218,7 +240,10 @@ class DecisionSync:
             stream = self.registry.decisions_stream
             async with self.redis.pipeline(transaction=False) as pipe:
                 for entry in batch:
-                    pipe.xadd(stream, {"d": entry})
+                    if entry.startswith(SESSION):
+                        pipe.xadd(stream, {"s": entry[len(SESSION) :]})
+                    else:
+                        pipe.xadd(stream, {"d": entry})
                 # One trim per batch instead of MAXLEN on every XADD: same bound, fewer args.
                 pipe.xtrim(stream, maxlen=self.config.sync_stream_maxlen, approximate=True)
                 await pipe.execute()
@@ -255,8 +280,12 @@ class DecisionSync:
         on_tokens = self.fingerprint is not None
         for entry_id, fields in entries:
             self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            entry = fields.get(b"d", b"")
+            session = fields.get(b"s")
+            entry = fields.get(b"d", b"") if session is None else session
             if not include_own and entry.startswith(self._header):
+                continue
+            if session is not None:
+                self._apply_session(session, now)
                 continue
             try:
                 worker_id, key = decode_decision(
@@ -273,6 +302,16 @@ class DecisionSync:
             # Workers not (yet) in this replica's table are applied too: a replica that
             # restarts replays the stream before discovery has found any worker.
             self.observe(worker_id, key, now)
+            self.applied += 1
+
+    def _apply_session(self, entry: bytes, now: float) -> None:
+        try:
+            digest, worker_id = decode_session(entry)
+        except ValueError as e:
+            self.rejections.reject("sync_sessions", "stream entry", str(e))
+            return
+        if self.on_session is not None:
+            self.on_session(digest, worker_id, now)
             self.applied += 1
 
     async def _load_once(self) -> None:

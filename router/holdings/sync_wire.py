@@ -16,6 +16,9 @@ entry never stops a loop):
   Both are capped at `sync_max_chars` elements (chars, or ids). A reader of the version
   before tokens (text only) fails to inflate a token payload (`T` is no zlib header) and
   drops it as malformed, so a rolling upgrade never puts ids into a text tree;
+- a session entry is `replica id SEP worker id SEP digest`: the digest exactly
+  `DIGEST_BYTES` long (router/holdings/sessions.py), the worker id of the registry's shape,
+  the whole at most `SESSION_MAX_BYTES`;
 - a load hash maps worker ids to integer in-flight counts, each clamped to what one
   replica can have in flight (`max_concurrent`): a fake `{w1: 1000000}` steered all
   traffic away from w1, and a "1.5" broke the load loop every round.
@@ -39,6 +42,28 @@ TOKENS = b"T"
 MAX_TOKEN_ID = 2**31 - 1  # as in KV events (shared/wire/kv_events.py)
 
 Key = str | tuple[int, ...]  # what a tree keys on: text, or token ids
+SESSION_MAX_BYTES = 512  # a replica id, a worker id and a digest fit well within
+DIGEST_BYTES = 16  # a session's key, hashed with its tenant (router/holdings/sessions.py)
+
+
+def encode_session(header: bytes, worker_id: str, digest: bytes) -> bytes:
+    return header + worker_id.encode() + SEP + digest
+
+
+def decode_session(entry: object) -> tuple[bytes, str]:
+    """(digest, worker id) of one session entry; ValueError saying why it is refused."""
+    if not isinstance(entry, bytes) or len(entry) > SESSION_MAX_BYTES:
+        raise ValueError("session entry too large")
+    parts = entry.split(SEP, 2)  # the digest may hold NUL bytes: it is last
+    if len(parts) != 3:
+        raise ValueError("malformed session entry")
+    _replica, worker, digest = parts
+    worker_id = worker.decode("utf-8", "replace")
+    if not WORKER_ID.fullmatch(worker_id):
+        raise ValueError("bad worker id")
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError("bad session digest")
+    return digest, worker_id
 
 
 def encode_decision(header: bytes, worker_id: str, text: str, max_chars: int) -> bytes:

@@ -98,7 +98,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         config.max_response_bytes, config.max_buffered_answer_bytes,
     )  # fmt: skip
     app[METRICS].watch_pool(pool)
-    app[PROXY] = Proxy(config, app[FLEET], app[ROUTING], pool, app[METRICS], app[CLOCK])
+    app[PROXY] = Proxy(config, app[FLEET], app[ROUTING], pool, app[METRICS], app[CLOCK], app[SYNC])
     yield
     await pool.close()
     await session.close()

@@ -18,6 +18,8 @@ from router.fleet.workers import Worker
 from router.holdings.kv_feed import KvEventFeed
 from router.holdings.namespace import request_namespace
 from router.holdings.prediction import RouteRequest
+from router.holdings.sessions import session_digest, tenant_of
+from router.http.auth import request_bearer_token
 from router.http.state import (
     CLOCK,
     CONFIG,
@@ -32,6 +34,7 @@ from router.http.state import (
     TICKET,
     TOKENIZE,
 )
+from router.queue.tenants import DEFAULT as DEFAULT_TENANT
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
@@ -61,6 +64,14 @@ def _status_of(error: BaseException) -> int:
         return error.status
     # The client went away before an answer (nginx's convention), or a bug (500).
     return 499 if isinstance(error, asyncio.CancelledError) else 500
+
+
+def _session_namespace(tenant: str, request: web.Request) -> str:
+    """Whose prompt_cache_key it is: the tenant its API key belongs to (config
+    `tenants`), else the API key's own identity, hashed (router/holdings/sessions.py)."""
+    if tenant != DEFAULT_TENANT:
+        return "tenant:" + tenant
+    return tenant_of(request_bearer_token(request))
 
 
 def _inference_handler(endpoint: str, path: str) -> Any:
@@ -96,8 +107,14 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 endpoint, path, raw, text, session_key, model, ids, stream, add, namespace
             )
             queue = app[QUEUE]
+            tenant = queue.tenants.of_headers(request.headers)
+            cache_key = getattr(parsed, "prompt_cache_key", None)
+            if cache_key is not None:  # namespaced by the caller's tenant (sessions.py)
+                routed.cache_key = session_digest(
+                    _session_namespace(tenant.name, request), cache_key
+                )
             ticket = queue.ticket(
-                queue.tenants.of_headers(request.headers), klass,
+                tenant, klass,
                 RouteRequest(text, session_key, ids, model or "", namespace),
             )  # fmt: skip
             request[TICKET] = ticket

@@ -38,8 +38,11 @@ from prometheus_client import Counter
 
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import FailureKind, Worker
+from router.holdings import sessions
 from router.holdings.calibration import chars_per_token, prompt_tokens_from
 from router.holdings.prediction import RouteRequest
+from router.holdings.sessions import SessionTable
+from router.holdings.sync import ReplicaSync
 from router.policy.base import Decision
 from router.routing import Routing
 from router.upstream.answers import (
@@ -81,7 +84,8 @@ class Routed:
     per request against 0.6 us here (timeit)."""
 
     __slots__ = (
-        "body", "endpoint", "model", "namespace", "path", "priority", "session_key", "stream",
+        "body", "cache_key", "endpoint", "model", "namespace", "path", "priority", "session_key",
+        "stream",
         "text",
         "tokens",
     )  # fmt: skip
@@ -105,6 +109,8 @@ class Routed:
         # has its own `priority`, or names no class.
         self.priority = priority
         self.namespace = namespace  # its cache namespace (router/holdings/namespace.py)
+        # The tenant-namespaced digest of `prompt_cache_key` (router/holdings/sessions.py).
+        self.cache_key: bytes | None = None
 
 
 class Seating(Protocol):
@@ -136,6 +142,7 @@ class Proxy:
         pool: Transport,
         metrics: ProxyMetrics,
         clock: Callable[[], float] = time.monotonic,
+        sync: ReplicaSync | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -150,6 +157,12 @@ class Proxy:
         # x-request-id is sent once, below
         self._forward = (FORWARD_REQUEST | {config.session_header.lower()}) - {"x-request-id"}
         self._worker_auth = worker_authorization(config)
+        # Router replicas sharing decisions (router/holdings/sync.py); None on a lone router.
+        self.sync = sync
+        # prompt_cache_key -> worker (router/holdings/sessions.py), shared with the replicas.
+        self.sessions = SessionTable(config.session_table_max, config.session_ttl)
+        if sync is not None:
+            sync.on_session = self.sessions.put
 
     def _select(self, routed: Routed, tried: list[str]) -> tuple[Worker, Decision] | None:
         now = self.clock()
@@ -161,7 +174,17 @@ class Proxy:
         request = RouteRequest(
             routed.text, routed.session_key, routed.tokens, routed.model or "", routed.namespace
         )
-        decision = self.routing.select(request, view, now)
+        if routed.cache_key is None:
+            decision = self.routing.select(request, view, now)
+        else:  # a prompt_cache_key session (router/holdings/sessions.py)
+            config = self.config
+            decision, placed = sessions.select(
+                self.sessions, self.routing, request, view, now, routed.cache_key,
+                config.balance_abs_threshold, config.balance_rel_threshold,
+                agree=self.sync is not None,
+            )  # fmt: skip
+            if placed and self.sync is not None:
+                self.sync.publish_session(decision.worker_id, routed.cache_key)
         self.metrics.decision(decision.reason)
         return self.fleet.workers[decision.worker_id], decision
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -62,6 +62,13 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]  # OpenAI's presence / frequency 
 # Token id (as a JSON object key, a string) -> bias added to its logit.
 LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's limit
+# OpenAI's `prompt_cache_key` (requests that share a cache say so): at most this many
+# UTF-8 bytes (router/holdings/sessions.py keys its session table on it).
+MAX_PROMPT_CACHE_KEY_BYTES = 1024
+# Our extension: hold the answer's prefix in the worker's cache this many seconds after
+# it (a pin across a tool gap; worker/engine/pins.py). The worker clamps it to its
+# `pin_max_ttl_s` and says so in the answer's usage.
+PinTtl = Annotated[float, Field(ge=0, le=86_400)]
 # The most choices the schema allows; a worker's `max_n` may be lower (400 from it).
 MAX_N = 128
 
@@ -103,6 +110,18 @@ class _Sampling(_Lenient):
     # vLLM's prefix-cache namespace: a salted prompt shares cached blocks only with
     # prompts of the same salt (worker/engine/salt.py). Non-empty, as vLLM requires.
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    prompt_cache_key: str | None = None
+    cache_pin_ttl: PinTtl | None = None
+
+    @field_validator("prompt_cache_key")
+    @classmethod
+    def _key_bound(cls, key: str | None) -> str | None:
+        if (
+            key is not None
+            and len(key.encode("utf-8", "surrogatepass")) > MAX_PROMPT_CACHE_KEY_BYTES
+        ):
+            raise ValueError(f"longer than {MAX_PROMPT_CACHE_KEY_BYTES} bytes (UTF-8)")
+        return key
 
     wire_endpoint: ClassVar[str]  # "chat" or "completions": which KNOWN_EXTRA applies
 

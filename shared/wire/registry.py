@@ -81,6 +81,9 @@ class WorkerRecord:
     # --scheduling-policy priority, attached): the router then adds the class's one
     # (shared/wire/service_class.py). Our engine reads the class from the body itself.
     priority_scheduling: bool = False
+    # Pins across tool gaps (worker/engine/pins.py): prefixes held, and their tokens.
+    pins: int = 0
+    pinned_tokens: int = 0
 
     def to_hash(self) -> dict[str, str]:
         return {

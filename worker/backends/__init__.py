@@ -66,6 +66,9 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         schedule_policy=config.schedule_policy,
         share_inflight_prefixes=config.share_inflight_prefixes,
         kv_events_block_size=config.kv_events_block_size if config.kv_events else 0,
+        pin_budget=config.pin_budget,
+        pin_max_ttl_s=config.pin_max_ttl_s,
+        pin_default_ttl_s=config.pin_default_ttl_s,
     )
 
 

@@ -78,6 +78,10 @@ class EngineConfig:
     share_inflight_prefixes: bool = True
     # KV events (worker/engine/kv_blocks.py): the block size routers index; 0: off.
     kv_events_block_size: int = 0
+    # --- pins across tool gaps (worker/engine/pins.py) ---
+    pin_budget: float = 0.25  # fraction of the KV pool pins may hold, in [0, 1]
+    pin_max_ttl_s: float = 300.0  # a longer cache_pin_ttl is clamped (and said so)
+    pin_default_ttl_s: float = 0.0  # for requests with a prompt_cache_key and no TTL
     inbatch_dedup_min_tokens: int = 32  # 0: off
     # SGLang's defaults: 0.7 -> 0.098 (0.7 x 0.14) over 600 decode steps; outputs
     # longer than 4,096 tokens are reserved as 4,096.
@@ -114,6 +118,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.host_cache_tokens must be >= 0, got {self.host_cache_tokens}"
             )
+        if not 0 <= self.pin_budget <= 1:  # a fraction of KV: more, or less, means nothing
+            raise ValueError(f"EngineConfig.pin_budget must be in [0, 1], got {self.pin_budget}")
         if self.host_write_policy not in ("write_back", "write_through"):
             raise ValueError(
                 "EngineConfig.host_write_policy must be write_back or write_through, "

@@ -38,6 +38,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.hiradix_cache import HiRadixCache
 from worker.engine.host_tier import HostTier
 from worker.engine.kv_blocks import BlockEvents
+from worker.engine.pins import PinTable
 from worker.engine.prefix_cache import NoCache, PrefixCache
 from worker.engine.protocols import EngineTokenizer, Runner, Sampler
 from worker.engine.radix_cache import RadixCache
@@ -98,7 +99,13 @@ class LLMEngine:
         if config.kv_events_block_size and isinstance(cache, RadixCache):
             self.kv_events = BlockEvents(config.kv_events_block_size, salts=self.salt_names)
             cache.publish_events(self.kv_events)
-        self.scheduler = Scheduler(config, self.allocator, cache, on_release=runner.release)
+        pins = None
+        if isinstance(cache, RadixCache) and config.pin_budget > 0:
+            budget = int(config.pin_budget * self.allocator.capacity)
+            pins = PinTable(cache, budget, config.pin_max_ttl_s, clock)
+        self.scheduler = Scheduler(
+            config, self.allocator, cache, on_release=runner.release, pins=pins
+        )
         # The override may only shorten the model's context. And a request never holds
         # more slots than the pool has: then the oldest running request can always make
         # progress, whatever else is queued.
@@ -183,6 +190,8 @@ class LLMEngine:
                 index=i,
                 salt=salt,
                 priority=request.priority,
+                pin_key=request.cache_key or (request.request_id if request.pin_ttl else None),
+                pin_ttl=request.pin_ttl if i == 0 else 0.0,  # one pin per prompt
             )
             for i in range(params.n)
         ]
@@ -323,6 +332,8 @@ class LLMEngine:
             max_running_requests=self.config.max_running_requests,
             request_ms=self.request_ms,
             kv_block_size=self.kv_events.block_size if self.kv_events is not None else 0,
+            pins=len(pins) if (pins := self.scheduler.pins) is not None else 0,
+            pinned_tokens=pins.pinned_tokens if pins is not None else 0,
             **self._host_stats(),
         )
 

@@ -108,6 +108,9 @@ class Req:
     # Monotonic times: queued, and first admitted (queue-time metric, seat time).
     arrived: float = field(default_factory=time.monotonic)
     admitted: float | None = None
+    # Pin the sequence's prefix this long once answered, under this key (pins.py).
+    pin_key: str | None = None
+    pin_ttl: float = 0.0
     # Prefix hit of the first admission: what the client is told was cached.
     cached_tokens: int | None = None
     host_cached_tokens: int = 0  # of them, loaded from the host tier

@@ -54,7 +54,9 @@ from worker.engine.admission import AdmissionRules
 from worker.engine.allocator import SlotAllocator
 from worker.engine.batch import Batch, BatchItem
 from worker.engine.config import EngineConfig
+from worker.engine.pins import PinTable
 from worker.engine.prefix_cache import NoCache, PrefixCache
+from worker.engine.radix_cache import RadixCache
 from worker.engine.req import Req, ReqStatus
 
 
@@ -65,6 +67,7 @@ class Scheduler:
         allocator: SlotAllocator,
         cache: PrefixCache,
         on_release: Callable[[int], None] = lambda seq_id: None,
+        pins: PinTable | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -78,6 +81,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.waiting_prompt_tokens = 0  # prompt tokens of the queue (cost_aware reads it)
         self._slot_buffers: dict[int, np.ndarray] = {}  # seq_id -> where slots grow
+        self.pins = pins  # prefixes held across tool gaps (pins.py); None: off
 
     @property
     def has_work(self) -> bool:
@@ -97,6 +101,8 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         self.steps += 1
+        if self.pins is not None:
+            self.pins.expire()
         out = Batch()
         # Taken before the decoders get their new slot (which makes them look prefilling).
         prefilling = [s for s in self.running if s.is_prefilling]
@@ -124,8 +130,12 @@ class Scheduler:
 
     def finish(self, req: Req) -> None:
         self.running.remove(req)
+        n = req.num_computed
         self._release(req)
         req.status = ReqStatus.FINISHED
+        answered = req.finish_reason in ("stop", "length")  # not aborted
+        if self.pins is not None and req.pin_key is not None and req.pin_ttl and answered:
+            self.pins.pin(req.pin_key, req.all_ids[:n], req.pin_ttl)
 
     def abort(self, req: Req) -> None:
         if req.status is ReqStatus.RUNNING:
@@ -152,6 +162,10 @@ class Scheduler:
             need = req.num_tokens - match.prefix_len  # device slots: loads + new tokens
             reserve = self.admission.reserve(req)
             usable = self.allocator.available + self.cache.evictable_size
+            if need + reserve + reserved > usable and self.pins is not None:
+                # Memory pressure: pins give way (pins.py), the oldest first.
+                self.pins.relieve(need + reserve + reserved - self.allocator.available)
+                usable = self.allocator.available + self.cache.evictable_size
             if need + reserve + reserved > usable or not self._ensure_free(need):
                 self.cache.unlock(match.last_node)
                 return  # head of line waits: a finishing request frees memory
@@ -168,6 +182,9 @@ class Scheduler:
                 req.host_cached_tokens = req.cached_tokens - min(
                     match.prefix_len, req.cached_tokens
                 )
+            if self.pins is not None and req.pin_key is not None and req.index == 0:
+                # The session's next call holds the path now: its pin has done its job.
+                self.pins.release(req.pin_key, "next_call")
             self.waiting.remove(req)
             self.waiting_prompt_tokens -= len(req.prompt_ids)
             self.running.append(req)
@@ -213,6 +230,8 @@ class Scheduler:
 
     def _ensure_free(self, n: int) -> bool:
         shortfall = n - self.allocator.available
+        if shortfall > self.cache.evictable_size and self.pins is not None:
+            self.pins.relieve(shortfall)
         if shortfall > 0 and self.cache.evictable_size > 0:
             self.cache.evict(max(shortfall, self.config.evict_batch_tokens))
         return self.allocator.available >= n
@@ -272,10 +291,29 @@ class Scheduler:
 
     # --- invariants ---
 
+    def _check_locks(self) -> None:
+        """Every node's lock count is exactly the running requests' and the pins' locks
+        on the paths through it (a lock nobody holds would never be evicted)."""
+        holders = [s.last_node for s in self.running if s.last_node is not None]
+        if self.pins is not None:
+            self.pins.check()
+            holders += self.pins.locked_nodes()
+        expected: dict[int, int] = {}
+        for node in holders:
+            while node.parent is not None:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+                node = node.parent
+        for node in self.cache._nodes() if isinstance(self.cache, RadixCache) else ():
+            if node.lock_ref != expected.get(id(node), 0):
+                raise AssertionError(
+                    f"{node!r}: lock_ref {node.lock_ref}, held by {expected.get(id(node), 0)}"
+                )
+
     def check_integrity(self) -> None:
         """Per tier: free + cached (+ held by running, on the device) == capacity, no slot
         twice (the host tier's sum is checked by the cache: running requests hold none)."""
         self.cache.check_integrity()
+        self._check_locks()
         cached = np.asarray(self.cache.cached_slots(), dtype=np.int64)
         held = [s.slots[s.prefix_len :] for s in self.running]
         owned = np.concatenate([cached, *held])

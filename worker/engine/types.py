@@ -124,6 +124,10 @@ class EngineRequest:
     cache_salt: str | None = None
     # vLLM's: lower is admitted earlier (shared/wire/service_class.py maps the classes).
     priority: int = 0
+    # The client's prompt_cache_key (logged, never scheduled on) and the pin it asks for
+    # after the answer (seconds, already clamped; worker/engine/pins.py).
+    cache_key: str | None = None
+    pin_ttl: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -180,8 +184,10 @@ class EngineStats:
     host_load_bytes_per_s: float = 0.0
     kv_bytes_per_token: int = 0
     # Tokens per block of its KV events (0: it publishes none): the router indexes its
-    # events at this size (router/fleet/kv_feed.py).
+    # events at this size (router/holdings/kv_feed.py).
     kv_block_size: int = 0
+    pins: int = 0  # prefixes pinned across tool gaps (pins.py) and their tokens
+    pinned_tokens: int = 0
 
 
 class OutputStream(Protocol):

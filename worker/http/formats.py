@@ -61,6 +61,9 @@ class Tally:
     def __init__(self) -> None:
         self.prompt = self.cached = 0
         self._completion: dict[int, int] = {}
+        # The pin this answer leaves (worker/engine/pins.py), reported in usage as
+        # `cache_pin`: {"ttl_s": granted, "requested_ttl_s": asked, "clamped": bool}.
+        self.pin: dict[str, Any] | None = None
 
     def add(self, out: GenerateOutput) -> None:
         self.prompt = out.prompt_tokens
@@ -69,7 +72,10 @@ class Tally:
         self._completion[out.index] = out.completion_tokens
 
     def usage(self) -> dict[str, Any]:
-        return wire.usage(self.prompt, sum(self._completion.values()), self.cached)
+        usage = wire.usage(self.prompt, sum(self._completion.values()), self.cached)
+        if self.pin is not None:
+            usage["cache_pin"] = self.pin
+        return usage
 
 
 class Format(Protocol):

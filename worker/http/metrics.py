@@ -33,6 +33,8 @@ class _EngineCollector(Collector):
             "radix_worker_kv_capacity_tokens": ("KV cache capacity", s.kv_capacity_tokens),
             "radix_worker_kv_used_tokens": ("KV slots in use or cached", s.kv_used_tokens),
             "radix_worker_draining": ("1 while shutting down", int(self._draining())),
+            "radix_worker_pins": ("Prefixes pinned across tool gaps", s.pins),
+            "radix_worker_pinned_tokens": ("KV tokens held by pins", s.pinned_tokens),
             "radix_worker_kv_cache_usage_ratio": (
                 "KV cache in use / capacity (0..1)",
                 kv_usage_ratio(s.kv_used_tokens, s.kv_capacity_tokens),

@@ -11,6 +11,8 @@ closed (`aclosing`), so a client that disconnects aborts its request and frees i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -53,6 +55,30 @@ UNSUPPORTED_FIELDS = (
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
     "response_format", "suffix", "best_of", "audio", "modalities", "prediction",
 )  # fmt: skip
+
+
+log = logging.getLogger(__name__)
+
+
+def _session(
+    request: web.Request, req: Any, gen: EngineRequest, klass: str
+) -> tuple[EngineRequest, Any]:
+    """`prompt_cache_key` (logged, never scheduled on) and the pin the answer leaves:
+    `cache_pin_ttl` seconds, else for a keyed request its class's `pin_class_ttl_s`, else
+    `pin_default_ttl_s`; clamped to `pin_max_ttl_s` (worker/engine/pins.py). Returns the
+    request and usage's `cache_pin`."""
+    key, asked = req.prompt_cache_key, req.cache_pin_ttl
+    config = request.app[CONFIG]
+    if key is not None:
+        log.info("request_id=%s prompt_cache_key=%r", gen.request_id, key[:128])
+    if asked is None and key is not None:  # the default: the request's class's, else the worker's
+        asked = config.pin_class_ttl_s.get(klass, config.pin_default_ttl_s)
+    asked = asked or 0.0
+    if not asked or not config.pin_budget:
+        return dataclasses.replace(gen, cache_key=key), None
+    ttl = min(asked, config.pin_max_ttl_s)
+    pin = {"ttl_s": ttl, "requested_ttl_s": asked, "clamped": ttl < asked}
+    return dataclasses.replace(gen, cache_key=key, pin_ttl=ttl), pin
 
 
 # What each field may hold and still mean "nothing asked": plain text is OpenAI's
@@ -118,6 +144,7 @@ async def _answer(
     fmt: Format,
     stream: bool,
     params: dict[str, str],
+    pin: dict[str, Any] | None = None,
 ) -> web.StreamResponse:
     engine, metrics = request.app[ENGINE], request.app[METRICS]
     start = time.perf_counter()
@@ -133,6 +160,7 @@ async def _answer(
         first_at = time.perf_counter()
         metrics.first_output(request.path, first_at - start, first.queue_seconds)
         tally = Tally()
+        tally.pin = pin
         if not stream:
             choices = [Choice(i) for i in range(gen.params.n)]
             out: GenerateOutput | None = first
@@ -198,18 +226,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo and text is None:
         raise APIError(400, "echo needs a text prompt", param="echo", code="unsupported")
     rid = wire.new_request_id("cmpl")
+    klass, priority = request_class(body)
     gen = EngineRequest(
         request_id=rid, prompt=text, prompt_token_ids=tuple(ids) if ids is not None else None,
         params=_sampling(  # 16: OpenAI's default for completions
             req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
         ),
         cache_salt=req.cache_salt,
-        priority=request_class(body)[1],
+        priority=priority,
     )  # fmt: skip
+    gen, pin = _session(request, req, gen, klass)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = text if req.echo and text else ""
     fmt = CompletionFormat(rid, model, echo, include_usage, _token_bytes(request))
-    return await _answer(request, gen, fmt, req.stream, {})
+    return await _answer(request, gen, fmt, req.stream, {}, pin)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -235,15 +265,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
     params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
-    gen = EngineRequest(
-        request_id=rid, prompt_token_ids=tuple(ids), params=params,
-        priority=request_class(body)[1], cache_salt=req.cache_salt,
+    klass, priority = request_class(body)
+    gen, pin = _session(
+        request, req, EngineRequest(
+            request_id=rid, prompt_token_ids=tuple(ids), params=params, priority=priority,
+            cache_salt=req.cache_salt,
+        ), klass,
     )  # fmt: skip
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     fmt = ChatFormat(rid, model, include_usage, _token_bytes(request))
     max_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     return await _answer(
-        request, gen, fmt, req.stream, {"prompt": "messages", "max_tokens": max_param}
+        request, gen, fmt, req.stream, {"prompt": "messages", "max_tokens": max_param}, pin
     )
 
 

@@ -1,0 +1,180 @@
+"""Session affinity through OpenAI's ``prompt_cache_key``: a session's calls share a worker.
+
+A client (an agent framework) sets ``prompt_cache_key`` on every call of one session, to
+say which requests share a cache. Prefix matching alone sends a session's *first* call and
+its parallel siblings (fanned out from one prefix before any of them was answered) where
+load sends them; the key lets the router co-locate them before any prefix is known.
+
+The rule (``select``, which the proxy and the simulator both call), before the policy:
+  1. No entry for the key (first call, or the entry aged out) → the policy decides; when
+     router replicas share decisions (``sync``) and it found no cached prefix anywhere
+     (reason ``no_match`` or ``balance``), the worker is instead the less loaded of the
+     key's two rendezvous-hash workers (``rendezvous``), so replicas that see a
+     session's first siblings at the same instant (before the sync carries anything)
+     still agree. The choice is recorded *at decision time*, so
+     siblings sent a moment later (still unanswered) follow the first one.
+  2. An entry whose worker is routable and not overloaded → that worker, reason
+     ``session``. Overloaded is the balance rule seen from the session's worker: its load
+     exceeds the least load by more than ``balance_abs_threshold`` and is more than
+     ``balance_rel_threshold`` times it. Then (or when the worker is gone) the policy
+     decides and the entry moves to its choice.
+
+Keys are namespaced by tenant: the table is keyed by ``sha256(namespace NUL key)``,
+the namespace being the caller's tenant (config ``tenants``) or, without one, its API
+key's identity (hashed, never stored; router/http/handlers.py), so one tenant cannot
+steer, or learn about, another's sessions. The table holds at most ``session_table_max``
+entries (least recently used dropped first) and an entry lives ``session_ttl`` seconds
+after its last use. Other router replicas learn entries through replica sync
+(router/fleet/sync.py): only the 16-byte digest and the worker id travel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from router.fleet.view import view_columns
+from router.holdings.prediction import RouteRequest
+from router.holdings.sync_wire import DIGEST_BYTES
+from router.policy.base import Decision
+
+if TYPE_CHECKING:  # the routing imports the room; the room's sessions only name it
+    from router.routing import Routing
+
+
+def session_digest(tenant: str, key: str) -> bytes:
+    """The table's key: the tenant and the client's key, hashed together (fixed size, so
+    the table's memory and the sync entry are bounded whatever the client sends)."""
+    h = hashlib.sha256(tenant.encode("utf-8", "replace"))
+    h.update(b"\x00")
+    h.update(key.encode("utf-8", "replace"))
+    return h.digest()[:DIGEST_BYTES]
+
+
+def tenant_of(bearer: str | None) -> str:
+    """The tenant a request speaks for: its API key's identity, hashed ("" without one)."""
+    if not bearer:
+        return ""
+    return hashlib.sha256(bearer.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def overloaded(load: int, low: int, abs_threshold: float, rel_threshold: float) -> bool:
+    """The balance rule (router/policy/cache_aware.py) seen from one worker."""
+    return load - low > abs_threshold and load > rel_threshold * low
+
+
+class SessionTable:
+    """digest → (worker id, last use), LRU-bounded and aged; the proxy's only session state."""
+
+    def __init__(self, max_entries: int, ttl: float) -> None:
+        self.max_entries = max_entries
+        self.ttl = ttl
+        self._entries: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self.hits = 0  # calls routed by the table
+        self.moved = 0  # entries moved off an overloaded or gone worker
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: bytes, now: float) -> str | None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        if now - entry[1] > self.ttl:
+            del self._entries[digest]
+            return None
+        return entry[0]
+
+    def put(self, digest: bytes, worker_id: str, now: float) -> None:
+        self._entries[digest] = (worker_id, now)
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def pick(
+        self, digest: bytes, ids: Sequence[str], loads: Sequence[int], now: float,
+        abs_threshold: float, rel_threshold: float,
+    ) -> str | None:  # fmt: skip
+        """The session's worker when rule 2 above keeps it; else None (the policy decides,
+        and the caller records its choice with ``put``)."""
+        wid = self.get(digest, now)
+        if wid is None:
+            return None
+        try:
+            i = ids.index(wid)
+        except ValueError:
+            self.moved += 1
+            return None
+        if overloaded(loads[i], min(loads), abs_threshold, rel_threshold):
+            self.moved += 1
+            return None
+        self.hits += 1
+        self.put(digest, wid, now)
+        return wid
+
+
+# Requests in flight: how much less loaded the key's second worker must be to take it.
+# Replicas' load views lag by what the sync has not carried yet (the last session's
+# siblings, still in a stale heartbeat or load hash): a margin of 2 split first-call
+# siblings across two replicas in 1 e2e run of 6, 4 in none of 8. The price is balance:
+# at 96k in loadtests/results/agents.md, 2 replicas spent 12.6 s in calls (margin 4)
+# against 8.5 s (margin 2) and 10.3 s for one router.
+AGREE_MARGIN = 4
+
+
+def rendezvous(
+    digest: bytes, ids: Sequence[str], loads: Sequence[int], abs_threshold: float,
+    rel_threshold: float,
+) -> str:  # fmt: skip
+    """Of the key's two highest-random-weight workers (among those not overloaded), the
+    second only when its load is lower by more than `AGREE_MARGIN`, else the first.
+    Replicas pick the same worker for a key without talking as long as their views of
+    those two loads differ by no more than the margin. The best of two
+    balances far better than the top weight alone (load-blind: 16 sessions on 4 workers
+    piled up to 7 on one, and doubled the time in calls, loadtests/results/agents.md).
+    One hash a worker, on a session's first call only."""
+    low = min(loads)
+    ranked = []
+    for wid, load in zip(ids, loads, strict=True):
+        if not overloaded(load, low, abs_threshold, rel_threshold):
+            ranked.append(
+                (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid, load)
+            )
+    if not ranked:
+        return ids[0]
+    top = heapq.nlargest(2, ranked)
+    if len(top) == 2 and top[1][2] + AGREE_MARGIN < top[0][2]:
+        return top[1][1]
+    return top[0][1]
+
+
+def select(
+    table: SessionTable, routing: Routing, request: RouteRequest, view: Sequence, now: float,
+    digest: bytes, abs_threshold: float, rel_threshold: float, agree: bool = False,
+) -> tuple[Decision, bool]:  # fmt: skip
+    """The module's rule for one keyed request: (decision, whether the session was placed
+    anew, so the caller shares it with the replicas). The routing records the route in
+    the holdings room either way, as if the policy had chose it. `agree`: replicas share
+    decisions (`sync`), so a new session with no prefix anywhere takes its rendezvous
+    pick; a lone router keeps the policy's (it balances better: the smallest tree, or the
+    least load)."""
+    ids, loads, _ = view_columns(view)
+    wid = table.pick(digest, ids, loads, now, abs_threshold, rel_threshold)
+    if wid is not None:
+        kept = Decision(wid, "session")
+        return routing.select(request, view, now, amend=lambda _: kept), False
+
+    def rendezvous_pick(decision: Decision) -> Decision:
+        if agree and decision.reason in ("no_match", "balance"):
+            pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold)
+            if pick != decision.worker_id:
+                return Decision(pick, "session")
+        return decision
+
+    decision = routing.select(request, view, now, amend=rendezvous_pick)
+    # Recorded at decision time: siblings sent before this one is answered follow it.
+    table.put(digest, decision.worker_id, now)
+    return decision, True

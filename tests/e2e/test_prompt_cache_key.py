@@ -1,0 +1,150 @@
+"""`prompt_cache_key` sessions and pins through real processes: a Redis server, three sim
+workers, one or two `python -m router serve` replicas, the official openai client.
+
+- A key over 1,024 bytes gets 400 naming the field (OpenAI's error shape).
+- Parallel siblings of a session's *first* call (different texts, no prefix known
+  anywhere) land on one worker, through one router and through two replicas (each sibling
+  alternating), where today's router spreads them by load.
+- A pin's TTL over the worker's maximum is clamped, and the answer's usage says so; the
+  pin shows in the worker's /metrics and its heartbeat in Redis.
+"""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from openai import OpenAI
+from redis import Redis as SyncRedis
+
+from loadtests.load.cluster import Child, Cluster, WorkerSpec, sim_cluster
+from loadtests.load.workloads import words
+from shared.procs import http_json, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+WORKERS = 3
+SESSIONS = 10
+SIBLINGS = 4
+
+
+@pytest.fixture
+def fleet() -> Iterator[Cluster]:
+    fleet = sim_cluster(WORKERS, WorkerSpec(decode_ms=2.0, heartbeat_s=0.2))
+    yield fleet
+    fleet.close()
+
+
+def client(router: Child) -> OpenAI:
+    return OpenAI(base_url=router.url + "/v1", api_key="k1", max_retries=0, timeout=30)
+
+
+def model_of(router: Child) -> str:
+    _, body = http_json(router.url + "/v1/models")
+    return body["data"][0]["id"]
+
+
+def call(c: OpenAI, model: str, text: str, key: str | None, **extra: object) -> tuple[str, dict]:
+    body: dict[str, object] = dict(extra)
+    if key is not None:
+        body["prompt_cache_key"] = key
+    raw = c.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=4,
+        extra_body=body,
+    )  # fmt: skip
+    reply = raw.parse()
+    usage = reply.usage.model_dump() if reply.usage is not None else {}
+    return raw.headers["x-radix-worker"], usage
+
+
+def first_call_siblings(routers: list[Child], keyed: bool) -> list[set[str]]:
+    """Each session fans out SIBLINGS calls at once, before any of it is cached; sibling
+    i goes through router i mod len(routers). The workers each session's siblings reached."""
+    model = model_of(routers[0])
+    clients = [client(r) for r in routers]
+    placed = []
+    with ThreadPoolExecutor(SIBLINGS) as pool:
+        for s in range(SESSIONS):
+            rng = random.Random(f"s{s}")
+            texts = [f"sibling {i}: " + words(rng, 60) for i in range(SIBLINGS)]
+            key = f"session-{s}" if keyed else None
+            futures = [
+                pool.submit(call, clients[i % len(clients)], model, t, key)
+                for i, t in enumerate(texts)
+            ]
+            placed.append({f.result()[0] for f in futures})
+    return placed
+
+
+def test_a_key_over_1024_bytes_is_refused_naming_the_field(fleet: Cluster) -> None:
+    router = fleet.start_router({"policy": "cache_aware"})
+    c, model = client(router), model_of(router)
+    with pytest.raises(openai.BadRequestError) as e:
+        call(c, model, "hello", "é" * 513)  # 513 characters, 1,026 bytes
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert isinstance(err, dict) and err["param"] == "prompt_cache_key", err
+    assert err["type"] == "invalid_request_error"
+    assert call(c, model, "hello", "é" * 512)[0]  # 1,024 bytes: served
+
+
+def test_first_call_siblings_share_a_worker(fleet: Cluster) -> None:
+    router = fleet.start_router({"policy": "cache_aware"})
+    placed = first_call_siblings([router], keyed=True)
+    assert all(len(workers) == 1 for workers in placed), placed
+    # The sessions still spread over the fleet (rendezvous on the key).
+    assert len(set().union(*placed)) > 1
+
+
+def test_siblings_share_a_worker_across_two_replicas(fleet: Cluster) -> None:
+    sync = {"policy": "cache_aware", "sync": True, "sync_flush_interval": 0.01}
+    a = fleet.start_router(sync)
+    b = fleet.add_router("router-b", sync)
+    placed = first_call_siblings([a, b], keyed=True)
+    assert all(len(workers) == 1 for workers in placed), placed
+    # Later calls of every session, through either replica, stay there.
+    model = model_of(a)
+    for s, workers in enumerate(placed):
+        for r in (a, b):
+            worker, _ = call(client(r), model, f"later call {s} " + "x " * 30, f"session-{s}")
+            assert {worker} == workers
+
+
+def test_unkeyed_siblings_spread_as_today(fleet: Cluster) -> None:
+    """The same traffic without keys: cache_aware places the siblings by load, so some
+    session's siblings split (what the key fixes)."""
+    router = fleet.start_router({"policy": "cache_aware"})
+    placed = first_call_siblings([router], keyed=False)
+    assert any(len(workers) > 1 for workers in placed), placed
+
+
+def test_a_ttl_over_the_maximum_is_clamped_and_the_pin_is_reported(fleet: Cluster) -> None:
+    router = fleet.start_router({"policy": "cache_aware"})
+    c, model = client(router), model_of(router)
+    worker, usage = call(c, model, "agent context " * 40, "agent-7", cache_pin_ttl=3600)
+    assert usage["cache_pin"] == {"ttl_s": 300.0, "requested_ttl_s": 3600.0, "clamped": True}
+    _, usage = call(c, model, "other " * 40, "agent-8", cache_pin_ttl=20)
+    assert usage["cache_pin"]["clamped"] is False
+    url = fleet.workers[worker].url
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    pinned = [ln for ln in metrics.splitlines() if ln.startswith("radix_worker_pinned_tokens ")]
+    assert pinned and float(pinned[0].split()[1]) > 0
+    assert fleet.redis is not None
+    redis = SyncRedis.from_url(fleet.redis.url)
+    try:
+
+        def heartbeat_pins() -> int:
+            for key in redis.scan_iter(match="*worker:*"):
+                h = redis.hgetall(key)
+                if h.get(b"worker_id") == worker.encode():
+                    return int(h.get(b"pinned_tokens", b"0"))
+            return 0
+
+        wait_until(lambda: heartbeat_pins() > 0, 10)
+    finally:
+        redis.close()

@@ -1,0 +1,137 @@
+"""The session table (router/holdings/sessions.py) and its replica-sync entries, and session
+entries travelling between two replicas over a real Redis server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+from router.fleet.sync import DecisionSync
+from router.fleet.sync_wire import SEP, decode_session, encode_session
+
+from router.holdings.sessions import (
+    AGREE_MARGIN,
+    DIGEST_BYTES,
+    SessionTable,
+    rendezvous,
+    session_digest,
+    tenant_of,
+)
+from shared.config import RouterConfig
+from shared.redis_server import RedisServer
+from shared.wire.registry import Registry
+from tests.waiting import wait_until
+
+IDS = ("w0", "w1", "w2")
+
+
+def test_keys_are_namespaced_by_tenant() -> None:
+    a, b = tenant_of("key-of-tenant-a"), tenant_of("key-of-tenant-b")
+    assert a != b and "key-of" not in a  # the API key itself is never kept
+    assert session_digest(a, "chat-1") != session_digest(b, "chat-1")
+    assert len(session_digest(a, "x" * 5000)) == DIGEST_BYTES  # bounded whatever is sent
+
+
+def test_the_session_stays_unless_its_worker_is_overloaded_or_gone() -> None:
+    table = SessionTable(max_entries=10, ttl=60)
+    d = session_digest("", "s")
+    assert table.pick(d, IDS, [0, 0, 0], 0, 64, 1.5) is None  # first call: the policy's
+    table.put(d, "w1", 0)
+    assert table.pick(d, IDS, [0, 40, 0], 1, 64, 1.5) == "w1"  # busy, not overloaded
+    assert table.pick(d, IDS, [0, 100, 0], 2, 64, 1.5) is None  # overloaded: moves
+    assert table.pick(d, ("w0", "w2"), [0, 0], 3, 64, 1.5) is None  # gone
+    assert table.moved == 2
+
+
+def test_the_table_is_bounded_and_entries_age_out() -> None:
+    table = SessionTable(max_entries=3, ttl=10)
+    digests = [session_digest("", f"s{i}") for i in range(5)]
+    for i, d in enumerate(digests):
+        table.put(d, "w0", float(i))
+    assert len(table) == 3 and table.get(digests[0], 4) is None  # least recently used
+    assert table.get(digests[4], 14) == "w0"
+    assert table.get(digests[4], 25) is None  # 11 s after its last use
+
+
+def test_rendezvous_agrees_across_replicas_and_skips_overloaded_workers() -> None:
+    d = session_digest("", "s")
+    first = rendezvous(d, IDS, [0, 0, 0], 64, 1.5)
+    assert rendezvous(d, IDS, [0, 0, 0], 64, 1.5) == first
+    loads = [200 if w == first else 0 for w in IDS]
+    assert rendezvous(d, IDS, loads, 64, 1.5) != first
+    spread = {rendezvous(session_digest("", f"k{i}"), IDS, [0, 0, 0], 64, 1.5) for i in range(50)}
+    assert spread == set(IDS)
+
+
+def test_rendezvous_takes_the_less_loaded_of_the_keys_top_two() -> None:
+    d = session_digest("", "s")
+    first = rendezvous(d, IDS, [0, 0, 0], 64, 1.5)
+    busy = [AGREE_MARGIN + 1 if w == first else 0 for w in IDS]  # over the margin
+    second = rendezvous(d, IDS, busy, 64, 1.5)
+    assert second != first
+    # The third-ranked worker is never taken while the top two are not overloaded.
+    third = next(w for w in IDS if w not in (first, second))
+    loads = [0 if w == third else AGREE_MARGIN + 1 for w in IDS]
+    assert rendezvous(d, IDS, loads, 64, 1.5) == first
+
+
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        (b"r" + SEP + b"w0" + SEP + b"short", "digest"),
+        (b"r" + SEP + b"w 0!" + SEP + b"x" * DIGEST_BYTES, "worker id"),
+        (b"r" + SEP + b"w0" + SEP + b"x" * 600, "too large"),
+        (b"no separators", "malformed"),
+        ("not bytes", "too large"),
+    ],
+)
+def test_a_bad_session_entry_is_refused(entry: object, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        decode_session(entry)
+
+
+def test_a_digest_holding_separators_round_trips() -> None:
+    digest = SEP * DIGEST_BYTES
+    assert decode_session(encode_session(b"r1" + SEP, "w2", digest)) == (digest, "w2")
+
+
+async def test_sessions_reach_the_other_replica_and_garbage_is_counted(
+    redis_server: RedisServer,
+) -> None:
+    config = RouterConfig(sync=True, sync_flush_interval=0.005, sync_load_interval=0.05)
+    made = []
+    for _ in range(2):
+        redis = Redis.from_url(redis_server.url, socket_timeout=5)
+        sync = DecisionSync(
+            redis, Registry(redis, "t:"), config, observe=lambda w, k, now: None,
+            local_inflight=dict,
+        )  # fmt: skip
+        table = SessionTable(100, 60)
+        sync.on_session = table.put
+        made.append((redis, sync, table))
+    (ra, a, _), (_, b, table_b) = made
+    try:
+        await a.start()
+        await b.start()
+        await asyncio.wait_for(asyncio.gather(a.caught_up.wait(), b.caught_up.wait()), 5)
+        # Anyone who can write to Redis can write an entry: a bad one is counted, skipped.
+        await ra.xadd(a.registry.decisions_stream, {"s": b"evil" + SEP + b"w1" + SEP + b"x"})
+        digest = session_digest(tenant_of("k"), "chat-9")
+        a.publish_session("w1", digest)
+        await wait_until(lambda: table_b.get(digest, 0) == "w1")
+        assert b.rejections.counts.get("sync_sessions", 0) >= 1
+    finally:
+        for redis, sync, _ in made:
+            await sync.stop()
+            await redis.aclose()
+
+
+def test_a_load_difference_within_the_margin_keeps_the_top_worker() -> None:
+    """Two replicas' views of the loads differ by the requests not yet synced: within
+    AGREE_MARGIN they still pick the same worker for a key."""
+    d = session_digest("", "s")
+    first = rendezvous(d, IDS, [0, 0, 0], 64, 1.5)
+    for extra in range(AGREE_MARGIN + 1):
+        loads = [extra if w == first else 0 for w in IDS]
+        assert rendezvous(d, IDS, loads, 64, 1.5) == first

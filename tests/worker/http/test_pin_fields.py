@@ -1,0 +1,57 @@
+"""The worker's side of prompt_cache_key and cache_pin_ttl over real HTTP (the official
+openai client against a sim worker): which TTL a request gets (its own, its class's
+default, the worker's default), the clamp reported in usage, and that a key alone pins
+nothing unless a default says so."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from openai import OpenAI
+
+from tests.worker.conftest import WorkerThread, sim_config
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[OpenAI]:
+    config = sim_config(
+        pin_max_ttl_s=100.0, pin_default_ttl_s=30.0, pin_class_ttl_s={"interactive": 90.0}
+    )
+    with WorkerThread(config) as worker:
+        yield OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
+
+
+def pin_of(client: OpenAI, **body: object) -> object:
+    reply = client.chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "tool output " * 30}],
+        max_tokens=2, extra_body=body,
+    )  # fmt: skip
+    assert reply.usage is not None
+    return (reply.usage.model_extra or {}).get("cache_pin")
+
+
+def test_the_ttl_a_request_gets(client: OpenAI) -> None:
+    assert pin_of(client) is None  # no key, no TTL: nothing pinned
+    assert pin_of(client, prompt_cache_key="k1") == {
+        "ttl_s": 30.0, "requested_ttl_s": 30.0, "clamped": False,
+    }  # fmt: skip
+    assert pin_of(client, prompt_cache_key="k2", service_tier="priority")["ttl_s"] == 90.0  # type: ignore[index]
+    assert pin_of(client, prompt_cache_key="k3", cache_pin_ttl=10)["ttl_s"] == 10.0  # type: ignore[index]
+    assert pin_of(client, cache_pin_ttl=500) == {
+        "ttl_s": 100.0, "requested_ttl_s": 500.0, "clamped": True,
+    }  # fmt: skip
+
+
+def test_bad_pin_fields_are_refused_naming_them(client: OpenAI) -> None:
+    import openai
+
+    for body, param in (
+        ({"cache_pin_ttl": -1}, "cache_pin_ttl"),
+        ({"cache_pin_ttl": "5m"}, "cache_pin_ttl"),
+        ({"prompt_cache_key": "x" * 1025}, "prompt_cache_key"),
+        ({"prompt_cache_key": 7}, "prompt_cache_key"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            pin_of(client, **body)
+        assert isinstance(e.value.body, dict) and e.value.body["param"] == param, body
