@@ -33,16 +33,13 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from router.fleet.view import view_columns
 from router.holdings.prediction import RouteRequest
 from router.holdings.sync_wire import DIGEST_BYTES
 from router.policy.base import Decision
-
-if TYPE_CHECKING:  # the routing imports the room; the room's sessions only name it
-    from router.routing import Routing
 
 
 def session_digest(tenant: str, key: str) -> bytes:
@@ -151,8 +148,17 @@ def rendezvous(
     return top[0][1]
 
 
+class Routes(Protocol):
+    """router/routing.py's Routing, as the session rule uses it."""
+
+    def select(
+        self, request: RouteRequest, workers: Sequence, now: float,
+        amend: Callable[[Decision], Decision] | None = None,
+    ) -> Decision: ...  # fmt: skip
+
+
 def select(
-    table: SessionTable, routing: Routing, request: RouteRequest, view: Sequence, now: float,
+    table: SessionTable, routing: Routes, request: RouteRequest, view: Sequence, now: float,
     digest: bytes, abs_threshold: float, rel_threshold: float, agree: bool = False,
 ) -> tuple[Decision, bool]:  # fmt: skip
     """The module's rule for one keyed request: (decision, whether the session was placed

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from worker.engine.radix_cache import RadixCache
+from worker.engine.prefix_cache import PrefixCache
 from worker.engine.tree_node import TreeNode
 
 
@@ -45,7 +45,7 @@ class Pin:
 
 class PinTable:
     def __init__(
-        self, cache: RadixCache, budget: int, max_ttl: float,
+        self, cache: PrefixCache, budget: int, max_ttl: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         self.cache = cache

@@ -20,6 +20,7 @@ class PrefixCache(Protocol):
 
     allocator: SlotAllocator
     page_size: int
+    root: TreeNode
     hit_tokens: int
     miss_tokens: int
 

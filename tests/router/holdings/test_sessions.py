@@ -7,8 +7,6 @@ import asyncio
 
 import pytest
 from redis.asyncio import Redis
-from router.fleet.sync import DecisionSync
-from router.fleet.sync_wire import SEP, decode_session, encode_session
 
 from router.holdings.sessions import (
     AGREE_MARGIN,
@@ -18,6 +16,8 @@ from router.holdings.sessions import (
     session_digest,
     tenant_of,
 )
+from router.holdings.sync import DecisionSync
+from router.holdings.sync_wire import SEP, decode_session, encode_session
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.wire.registry import Registry
