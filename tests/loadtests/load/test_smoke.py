@@ -63,7 +63,7 @@ RUN_ROWS = {
     "output token throughput": " tok/s", "total token throughput": " tok/s",
     "goodput": "no --slo given", "TTFT": " ms", "TPOT": " ms", "ITL": " ms",
     "E2E latency": " ms", "cache hit rate": "(cached / prompt tokens)",
-    "max/mean requests per worker": "1.00 is even)",
+    "prefix hits": "(cached_tokens > 0)", "max/mean requests per worker": "1.00 is even)",
 }  # fmt: skip
 
 
@@ -72,7 +72,9 @@ def check_units(requests: int, log: str) -> None:
     with only HTTP rows (no pseudo-request under its millisecond columns)."""
     lines = log.splitlines()
     start = next(i for i, line in enumerate(lines) if "LLM serving metrics" in line)
-    run_rows = {line[:30].strip(): line[31:] for line in lines[start + 1 : start + 14]}
+    run_rows = {
+        line[:30].strip(): line[31:] for line in lines[start + 1 : start + 2 + len(RUN_ROWS)]
+    }
     assert set(run_rows) - {""} == set(RUN_ROWS), run_rows
     for row, unit in RUN_ROWS.items():
         assert run_rows[row].endswith(unit) or unit in run_rows[row], (row, run_rows[row])
