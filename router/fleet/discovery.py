@@ -5,7 +5,8 @@ source of truth; join/leave events on the pub/sub channel only wake the poller e
 so a lost event costs at most one interval. While Redis is unreachable the fleet is
 left as it was (routing goes on with the last known workers) and the poller retries
 with exponential backoff. After Redis comes back it may be empty until every worker
-has sent its next heartbeat, so for `reconnect_grace` seconds after an outage a
+has sent its next heartbeat, so for `reconnect_grace` seconds after an outage (a failed
+poll, or the event subscription broken: a restart can fall between two polls) a
 registry worker is not dropped for being absent (its breaker still guards it).
 
 Any worker may publish on the events channel, and a poll reads every worker's hash, so
@@ -214,6 +215,9 @@ class Discovery:
                         self._wake.set()
             except (RedisError, OSError, TimeoutError):
                 reraise_if_cancelled()
+                # The subscription broke: Redis may come back empty before the next poll
+                # fails (a restart between two polls), so absent workers get the grace too.
+                self._grace_until = self.clock() + self.reconnect_grace
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
             finally:
