@@ -58,7 +58,7 @@ MUTATIONS = (
         "def on_headers_complete(self) -> None:",
         "self.exchanges > 1",
         "self.exchanges > 2",
-        "tests/router/test_upstream_client.py"
+        "tests/router/upstream/test_upstream_client.py"
         "::test_the_first_reuse_of_a_connection_must_echo_the_request_id",
     ),
     Mutation(
@@ -75,7 +75,7 @@ MUTATIONS = (
         "holders = [j for j in self._holders(above)",
         "loads[j] <= limit",
         "loads[j] < limit",
-        "tests/router/test_policy.py"
+        "tests/router/policy/test_policy.py"
         "::test_per_request_spill_takes_a_holder_loaded_exactly_at_the_limit",
     ),
     Mutation(
@@ -101,7 +101,7 @@ MUTATIONS = (
         'if cfg.balance_mode == "fleet":\n            high = max(loads)',
         "high - low > cfg.balance_abs_threshold and high",
         "high - low > cfg.balance_abs_threshold or high",
-        "tests/router/test_policy.py::test_imbalance_thresholds_are_strict",
+        "tests/router/policy/test_policy.py::test_imbalance_thresholds_are_strict",
     ),
     Mutation(
         "drop-worker-keeps-host-blocks",
@@ -125,7 +125,7 @@ MUTATIONS = (
         "def on_headers_complete(self) -> None:",
         "if echo is not None and echo != self.request_id:",
         "if False:",
-        "tests/router/test_upstream_desync.py",
+        "tests/router/upstream/test_upstream_desync.py",
     ),
 )
 

@@ -17,7 +17,7 @@ Exactness: each array expression performs the reference's float operations in th
 order (IEEE doubles, one rounding per operation, as Python's floats), and integers
 (loads, seats, tokens) are exact in a double below 2**53, so every price, every tie and
 therefore every decision is the one the per-worker Python made
-(tests/router/test_cost_equivalence.py replays both).
+(tests/router/policy/test_cost_equivalence.py replays both).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ template (our engine ignores both fields: keyed apart, the same chat under two
 - The default namespace of a model (no salt, the model's own template) is the empty
   string, and its keys are the plain text or ids: the fleet's view holds only workers
   that serve the request's model, so models are kept apart there, and routing where no
-  namespace applies is unchanged (tests/router/test_policy_equivalence.py).
+  namespace applies is unchanged (tests/router/policy/test_policy_equivalence.py).
 - Any other namespace is a 64-bit digest of (model, salt, template), and the tree keys
   the request on `prefix + key`: a text key behind `NUL "ns:" digest NUL`, an id key
   behind four ids of `NS_ID_BASE + 16 bits` of the digest (above every real vocabulary;

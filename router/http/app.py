@@ -84,7 +84,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         limit=0, ttl_dns_cache=60, keepalive_timeout=30, resolver=resolver
     )
     # No cookie jar: a worker's Set-Cookie was kept and sent back to it with every later
-    # request, whichever client's (tests/router/test_passthrough.py); it also spares a
+    # request, whichever client's (tests/router/upstream/test_passthrough.py); it also spares a
     # jar lookup per request.
     session = aiohttp.ClientSession(
         connector=connector, auto_decompress=True, cookie_jar=aiohttp.DummyCookieJar()

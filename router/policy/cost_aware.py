@@ -78,7 +78,7 @@ class CostAware(CacheAware):
     columns (router/fleet/cost_columns.py) and work per holder of the matched text (C
     passes when many); a new heartbeat writes its worker's row. policy-cost benchmark:
     244 → 49 µs a decision at 256 workers, 881 → 52 at 1,000, the same decisions
-    (loadtests/results/policy_cost.md; tests/router/test_cost_equivalence.py).
+    (loadtests/results/policy_cost.md; tests/router/policy/test_cost_equivalence.py).
     """
 
     name = "cost_aware"

@@ -11,7 +11,7 @@ implement it, selected by `upstream_client` (shared/config.py;
 - `aiohttp`: aiohttp's `ClientSession` behind the same interface
   (`router/upstream/aiohttp_transport.py`), with the same rules added on top.
 
-Both pass one conformance suite (`tests/router/test_transport_conformance.py`): the same
+Both pass one conformance suite (`tests/router/upstream/test_transport_conformance.py`): the same
 scripted worker bytes give the same outcome through either. The rules both keep:
 
 - a connection is reused only when provably idle: after an answer that echoed the

@@ -94,7 +94,7 @@ def test_requests_route_and_cached_tokens_come_back(fleet: tuple[Cluster, Child,
 def test_the_readme_flag_keeps_connections_pooled(fleet: tuple[Cluster, Child, Child]) -> None:
     """With `--enable-request-id-headers` vLLM echoes the id, so requests through the router
     reuse its connections: fewer connections opened than requests (without it: one each,
-    shown with a non-echoing upstream in tests/e2e/test_attach.py and tests/router/test_request_id_echo.py)."""
+    shown with a non-echoing upstream in tests/e2e/test_attach.py and tests/router/upstream/test_request_id_echo.py)."""
     f, _, _ = fleet
     assert f.router is not None
     opened = f.router_metric("radix_router_upstream_connections_opened_total")

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from shared.procs import Child, free_port, wait_health
-from tests.router.test_upstream_desync import CLIENTS, REQUESTS, DoubleAnswerWorker, guilty
+from tests.router.upstream.test_upstream_desync import CLIENTS, REQUESTS, DoubleAnswerWorker, guilty
 
 EVERY = 4  # the worker answers every 4th request twice; the others are innocent
 

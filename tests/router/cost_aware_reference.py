@@ -1,5 +1,5 @@
 """cost_aware as it was before its price went over numpy columns (commit 1ec2f3d),
-frozen: the reference that tests/router/test_cost_equivalence.py replays against the
+frozen: the reference that tests/router/policy/test_cost_equivalence.py replays against the
 live class, and that ``python -m loadtests policy-cost`` times side by side with it
 (policy ``cost_aware_reference``). The rule is documented at the top of
 router/policy/cost_aware.py; this copy must not change.
