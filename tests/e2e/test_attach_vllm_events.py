@@ -133,7 +133,7 @@ def test_cache_salt_keeps_vllm_blocks_apart_and_reaches_the_stream(
     f, upstream = fleet
     assert f.redis is not None
     client = openai.AsyncOpenAI(base_url=upstream + "/v1", api_key="unused", max_retries=0)
-    prompt = [(13 * i) % 300 + 9 for i in range(80)]  # 5 blocks of 16
+    prompt = [(13 * i) % 300 + 9 for i in range(400)]  # 3 of vLLM CPU's 128-token blocks
 
     async def cached(salt: str | None) -> int:
         extra = {"cache_salt": salt} if salt is not None else None
