@@ -96,13 +96,15 @@ def test_an_unknown_field_is_refused_by_name(
 def test_stock_engines_documented_fields_pass() -> None:
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for extra in (
-        {"priority": 1, "service_tier": "flex", "prompt_cache_key": "k"},
+        {"priority": 1, "service_tier": "flex"},
         {"guided_json": {}, "min_tokens": 1, "chat_template_kwargs": {}},  # vLLM
         {"regex": "a+", "separate_reasoning": False, "rid": "r1"},  # SGLang
     ):
         assert routing_text("chat", {**chat, **extra})[1].model_extra == extra
     # vLLM's cache_salt is modelled (our engine acts on it): a field, checked non-empty.
     assert routing_text("chat", {**chat, "cache_salt": "s"})[1].cache_salt == "s"
+    # OpenAI's prompt_cache_key is modelled too (router/holdings/sessions.py: bounded).
+    assert routing_text("chat", {**chat, "prompt_cache_key": "k"})[1].prompt_cache_key == "k"
     body = {"prompt": "x", "prompt_embeds": None, "json_schema": "{}", "suffix": "y"}
     routing_text("completions", body)
     # `/generate` (SGLang's native API) stays lenient.
