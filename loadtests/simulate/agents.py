@@ -71,6 +71,9 @@ class AgentResult:
     # The same over what could be cached: the previous call's prompt (the new tool
     # output never can be), so 1.0 means the cache survived every tool gap.
     call_reuse: np.ndarray
+    # The workload's own ceiling per call after the first: what could be cached (the
+    # previous call's prompt) over the prompt; hit after 1st can be no higher.
+    call_ceiling: np.ndarray
     ttft: np.ndarray  # per agent call
     siblings: int = 0
     siblings_together: int = 0
@@ -84,6 +87,9 @@ class AgentResult:
             "calls": len(self.ttft),
             "hit_after_first": float(self.call_hit.mean()) if len(self.call_hit) else 0.0,
             "reuse_after_first": float(self.call_reuse.mean()) if len(self.call_reuse) else 0.0,
+            "ceiling_after_first": (
+                float(self.call_ceiling.mean()) if len(self.call_ceiling) else 0.0
+            ),
             "jct_mean_s": float(self.jct.mean()),
             "jct_less_gaps_mean_s": float(self.jct_less_gaps.mean()),
             "ttft_p50_ms": float(np.percentile(self.ttft, 50)) * 1e3,
@@ -155,13 +161,14 @@ class AgentSim(Simulation):
             decision, placed = sessions.select(
                 table, policy, request, self.views, now, digest,
                 self.config.balance_abs_threshold, self.config.balance_rel_threshold,
-                agree=len(self.replicas) > 1,
+                agree=len(self.replicas) > 1, pin_ttl=job.pin_ttl,
             )  # fmt: skip
             digest = digest if placed else None
         else:
             decision = policy.select(request, self.views, now)
         self._share(r, now, decision.worker_id, job.text, digest)
-        self.reasons[decision.reason] += 1
+        who = "agent" if job.session >= 0 else "background"
+        self.reasons[f"{who} {decision.reason}"] += 1
         i = self.index[decision.worker_id]
         worker = self.workers[i]
         if not worker.fits(job):
@@ -240,18 +247,18 @@ class AgentSim(Simulation):
     def _result(self, agents, history, first_sent, last_answer, gaps, bg_jobs) -> AgentResult:  # type: ignore[no-untyped-def]
         done = [s.sid for s in agents if s.sid in last_answer]
         jct = np.array([last_answer[i] - first_sent[i] for i in done])
-        hits, reuse, ttft, sib, together = [], [], [], 0, 0
+        hits, reuse, ceiling, ttft, sib, together = [], [], [], [], 0, 0
         for sid in done:
             for n, step in enumerate(history[sid]):
-                for job in step.jobs:
+                for k, job in enumerate(step.jobs):
                     ttft.append(job.ttft)
                     if n > 0:
                         hits.append(job.cached / len(job.tokens))
-                        before = history[sid][n - 1].jobs[0].tokens
-                        same = min(len(before), len(job.tokens))
-                        neq = before[:same] != job.tokens[:same]
-                        reusable = int(neq.argmax()) if neq.any() else same
+                        # A sibling can reuse the context its first sibling prefills.
+                        before = (step.jobs[0] if k else history[sid][n - 1].jobs[0]).tokens
+                        reusable = _common(before, job.tokens)
                         reuse.append(min(job.cached, reusable) / reusable if reusable else 1.0)
+                        ceiling.append(reusable / len(job.tokens))
                 if len(step.jobs) > 1:
                     sib += len(step.jobs) - 1
                     together += sum(j.worker == step.jobs[0].worker for j in step.jobs[1:])
@@ -259,11 +266,19 @@ class AgentSim(Simulation):
         bg_cached = sum(j.cached for j in bg_jobs if j.admitted >= 0)
         return AgentResult(
             label="", jct=jct, jct_less_gaps=jct - np.array([gaps[i] for i in done]),
-            call_hit=np.array(hits), call_reuse=np.array(reuse), ttft=np.array(ttft), siblings=sib,
+            call_hit=np.array(hits), call_reuse=np.array(reuse),
+            call_ceiling=np.array(ceiling), ttft=np.array(ttft), siblings=sib,
             siblings_together=together,
             background_hit=bg_cached / bg_prompt if bg_prompt else float("nan"),
             reasons=dict(self.reasons),
         )  # fmt: skip
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the common prefix of two token arrays."""
+    same = min(len(a), len(b))
+    neq = a[:same] != b[:same]
+    return int(neq.argmax()) if neq.any() else same
 
 
 def background_requests(
@@ -365,7 +380,8 @@ def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, fl
 
 def table(results: list[AgentResult], extra: dict[str, float]) -> str:
     cols = [
-        ("side", "label", "{}"), ("hit after 1st", "hit_after_first", "{:.3f}"),
+        ("side", "label", "{}"), ("ceiling", "ceiling_after_first", "{:.3f}"),
+        ("hit after 1st", "hit_after_first", "{:.3f}"),
         ("reuse after 1st", "reuse_after_first", "{:.3f}"),
         ("JCT mean s", "jct_mean_s", "{:.2f}"), ("JCT less gaps s", "jct_less_gaps_mean_s", "{:.2f}"),
         ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"),

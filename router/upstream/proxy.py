@@ -111,6 +111,7 @@ class Routed:
         self.namespace = namespace  # its cache namespace (router/holdings/namespace.py)
         # The tenant-namespaced digest of `prompt_cache_key` (router/holdings/sessions.py).
         self.cache_key: bytes | None = None
+        self.pin_ttl = 0.0  # its `cache_pin_ttl` (the session rule's rule 3)
 
 
 class Seating(Protocol):
@@ -181,7 +182,7 @@ class Proxy:
             decision, placed = sessions.select(
                 self.sessions, self.routing, request, view, now, routed.cache_key,
                 config.balance_abs_threshold, config.balance_rel_threshold,
-                agree=self.sync is not None,
+                agree=self.sync is not None, pin_ttl=routed.pin_ttl,
             )  # fmt: skip
             if placed and self.sync is not None:
                 self.sync.publish_session(decision.worker_id, routed.cache_key)
