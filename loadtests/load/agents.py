@@ -184,7 +184,8 @@ def _call(client: OpenAI, model: str, text: str, extra: dict[str, object], max_t
 
 
 def replay(urls: list[str], options: AgentOptions) -> dict[str, float]:
-    """Every session, each in its own thread; the figures the simulator reports (loadtests/simulate/agents.py)."""
+    """Every session, each in its own thread; the figures the simulator reports
+    (loadtests/simulate/agents.py), and the pack's (`vllm bench serve` names)."""
     clients = [
         OpenAI(base_url=u + "/v1", api_key="agents", max_retries=2, timeout=120) for u in urls
     ]
@@ -192,6 +193,7 @@ def replay(urls: list[str], options: AgentOptions) -> dict[str, float]:
     model = body["data"][0]["id"]
     lock = threading.Lock()
     calls: list[tuple[int, float, int, int]] = []  # (step index, ttft, cached, prompt)
+    per_worker: dict[str, int] = {}
     jct: list[float] = []
     sib = [0, 0]  # siblings, siblings on their first sibling's worker
     turn = [0]
@@ -213,6 +215,8 @@ def replay(urls: list[str], options: AgentOptions) -> dict[str, float]:
                 ))  # fmt: skip
                 with lock:
                     calls.extend((n, o[1], o[2], o[3]) for o in outs)
+                    for o in outs:
+                        per_worker[o[0]] = per_worker.get(o[0], 0) + 1
                     if len(outs) > 1:
                         sib[0] += len(outs) - 1
                         sib[1] += sum(o[0] == outs[0][0] for o in outs[1:])
@@ -226,15 +230,44 @@ def replay(urls: list[str], options: AgentOptions) -> dict[str, float]:
     agents = agent_sessions(options)
     with ThreadPoolExecutor(len(agents)) as pool:
         list(pool.map(session, agents))
+    duration = time.perf_counter() - t0
     later = [(c, p) for i, _, c, p in calls if i > 0]
+    ttft = np.array([t for _, t, _, _ in calls]) * 1e3
+    counts = list(per_worker.values())
     return {
         "hit_after_first": float(np.mean([c / p for c, p in later])) if later else 0.0,
         "jct_mean_s": float(np.mean(jct)),
-        "ttft_p50_ms": float(np.percentile([t for _, t, _, _ in calls], 50)) * 1e3,
-        "ttft_p99_ms": float(np.percentile([t for _, t, _, _ in calls], 99)) * 1e3,
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": float(np.percentile(ttft, 99)),
         "siblings_colocated": sib[1] / sib[0] if sib[0] else 1.0,
         "calls": len(calls),
+        # The pack's columns (loadtests/load/pack.py), under vLLM's names.
+        "completed": len(calls),
+        "failed": 0,  # a failed call raises: the replay stops
+        "request_throughput": len(calls) / duration,
+        "mean_ttft_ms": float(ttft.mean()),
+        "median_ttft_ms": float(np.median(ttft)),
+        "p99_ttft_ms": float(np.percentile(ttft, 99)),
+        "hit_rate": sum(c for _, _, c, _ in calls) / max(1, sum(p for *_, p in calls)),
+        "load_max_over_mean": max(counts) / float(np.mean(counts)) if counts else 0.0,
     }
+
+
+def live_cell(
+    spec: WorkerSpec, workers: int, settings: dict[str, object], options: AgentOptions,
+) -> dict[str, float]:  # fmt: skip
+    """The pack's agent cell (loadtests/load/pack.py): a fresh fleet of `workers` sim
+    workers (`spec`; pins granted up to the workload's longest gap), one router with
+    `settings`, the sessions replayed through it."""
+    ttl = options.gap_max_s / options.speedup
+    spec = replace(spec, extra=(*spec.extra, "--pin-max-ttl-s", str(ttl)))
+    fleet = Cluster()
+    try:
+        for i in range(workers):
+            fleet.start_worker(f"w{i}", spec, wait=False)
+        return replay([fleet.start_router(settings).url], options)
+    finally:
+        fleet.close()
 
 
 def _side(

@@ -50,7 +50,13 @@ import numpy as np
 from loadtests.kit import WorkloadOptions
 from loadtests.load.agents import AgentOptions, AgentSession, agent_sessions, run_live
 from loadtests.load.workloads import Workload
-from loadtests.simulate.simulation import Simulation, WordTokenizer, output_tokens, reply_text
+from loadtests.simulate.simulation import (
+    LiveTokenizer,
+    Simulation,
+    WordTokenizer,
+    output_tokens,
+    reply_text,
+)
 from loadtests.simulate.worker import CostModel, Job
 from router.holdings import sessions
 from router.holdings.prediction import RouteRequest
@@ -79,6 +85,8 @@ class AgentResult:
     siblings_together: int = 0
     background_hit: float = float("nan")
     reasons: dict[str, int] = field(default_factory=dict)
+    hit_rate: float = 0.0  # every agent call's cached / prompt tokens, summed
+    makespan: float = 0.0  # first call sent to last answer, virtual seconds
 
     def row(self) -> dict[str, object]:
         return {
@@ -96,6 +104,9 @@ class AgentResult:
             "ttft_p99_ms": float(np.percentile(self.ttft, 99)) * 1e3,
             "siblings_colocated": self.siblings_together / self.siblings if self.siblings else 1.0,
             "background_hit": self.background_hit,
+            "hit_rate": self.hit_rate,
+            "request_throughput": len(self.ttft) / self.makespan if self.makespan else 0.0,
+            "median_ttft_ms": float(np.median(self.ttft)) * 1e3,
             "reasons": self.reasons,
         }
 
@@ -114,6 +125,7 @@ class AgentSim(Simulation):
     def __init__(
         self, config: RouterConfig, workers: int, cost: CostModel, options: AgentOptions,
         replicas: int = 1, sync_delay_s: float = 0.02, seed: int = 0,
+        tokenizer: WordTokenizer | LiveTokenizer | None = None,
     ) -> None:  # fmt: skip
         super().__init__(config, workers, cost, seed)
         self.config = config
@@ -127,7 +139,7 @@ class AgentSim(Simulation):
         self._sync: list[tuple[float, int, int, str, str | None, bytes | None]] = []
         self._sync_seq = 0
         self._turn = 0
-        self.tok = WordTokenizer()
+        self.tok = tokenizer or WordTokenizer()
 
     # -- routing ----------------------------------------------------------------------
     def _apply_sync(self, now: float) -> None:
@@ -248,10 +260,12 @@ class AgentSim(Simulation):
         done = [s.sid for s in agents if s.sid in last_answer]
         jct = np.array([last_answer[i] - first_sent[i] for i in done])
         hits, reuse, ceiling, ttft, sib, together = [], [], [], [], 0, 0
+        cached = prompt = 0
         for sid in done:
             for n, step in enumerate(history[sid]):
                 for k, job in enumerate(step.jobs):
                     ttft.append(job.ttft)
+                    cached, prompt = cached + job.cached, prompt + len(job.tokens)
                     if n > 0:
                         hits.append(job.cached / len(job.tokens))
                         # A sibling can reuse the context its first sibling prefills.
@@ -270,7 +284,8 @@ class AgentSim(Simulation):
             call_ceiling=np.array(ceiling), ttft=np.array(ttft), siblings=sib,
             siblings_together=together,
             background_hit=bg_cached / bg_prompt if bg_prompt else float("nan"),
-            reasons=dict(self.reasons),
+            reasons=dict(self.reasons), hit_rate=cached / prompt if prompt else 0.0,
+            makespan=max(last_answer.values(), default=0.0) - min(first_sent.values(), default=0.0),
         )  # fmt: skip
 
 
@@ -302,9 +317,12 @@ def background_requests(
 def simulate_agents(
     label: str, config: RouterConfig, workers: int, cost: CostModel, options: AgentOptions,
     replicas: int = 1, background: list[tuple[float, str]] = (), seed: int = 0,
+    tokenizer: WordTokenizer | LiveTokenizer | None = None,
 ) -> AgentResult:  # fmt: skip
     """One run; `options.keys` / `cost.pin_budget` / `options.pin_ttl_s` say which side."""
-    sim = AgentSim(config, workers, cost, options, replicas=replicas, seed=seed)
+    sim = AgentSim(
+        config, workers, cost, options, replicas=replicas, seed=seed, tokenizer=tokenizer
+    )
     result = sim.run_agents(list(background))
     return replace(result, label=label)
 

@@ -25,10 +25,13 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      of the call that placed it). Its worker has most likely evicted the context too,
      so keeping it there only adds a re-prefill to a worker already short of KV; the
      policy's ``no_match`` placement (the least loaded worker, or with ``no_match:
-     smallest_tree`` the most free KV) takes it and the entry moves. Measured beside a shared-prefix neighbour
-     (loadtests/results/agents.md): sessions held on full workers evicted the
-     neighbour's prefixes there (its hit rate 2.6 points under its solo run, against
-     1.0 for today's router, which re-places lost sessions the same way).
+     smallest_tree`` the most free KV) takes it and the entry moves. Measured beside a
+     shared-prefix neighbour (loadtests/results/agents.md): sessions held on full
+     workers evicted the neighbour's prefixes there (its hit rate 2.1 points under its
+     solo run with keys, 1.0 with the rule, as for today's router, which re-places
+     lost sessions the same way). One router only: replicas keep the session (rule
+     2), as freshness and pins are not shared between their tables, and a move one
+     replica makes alone split siblings (0.948 co-located with the rule, 1.000 without).
 
 Keys are namespaced by tenant: the table is keyed by ``sha256(namespace NUL key)``,
 the namespace being the caller's tenant (config ``tenants``) or, without one, its API
@@ -202,7 +205,7 @@ def select(
         lost = [False]
 
         def keep(decision: Decision) -> Decision:
-            if decision.reason == "no_match" and not held:  # rule 3: a lost session
+            if decision.reason == "no_match" and not held and not agree:  # rule 3
                 lost[0] = True
                 return decision
             return kept

@@ -84,8 +84,8 @@ class Routed:
     per request against 0.6 us here (timeit)."""
 
     __slots__ = (
-        "body", "cache_key", "endpoint", "model", "namespace", "path", "priority", "session_key",
-        "stream",
+        "body", "cache_key", "endpoint", "model", "namespace", "path", "pin_ttl", "priority",
+        "session_key", "stream",
         "text",
         "tokens",
     )  # fmt: skip
