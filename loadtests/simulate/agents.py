@@ -170,12 +170,14 @@ class AgentSim(Simulation):
         digest = None
         if job.pin_key is not None and self.options.keys:
             digest = session_digest("", job.pin_key)
-            decision, placed = sessions.select(
+            decision, placed, left = sessions.select(
                 table, policy, request, self.views, now, digest,
                 self.config.balance_abs_threshold, self.config.balance_rel_threshold,
                 agree=len(self.replicas) > 1, pin_ttl=job.pin_ttl,
             )  # fmt: skip
             digest = digest if placed else None
+            if left is not None:  # the session moved: its pin on the old worker goes
+                self.workers[self.index[left]].engine.release_pin(job.pin_key)
         else:
             decision = policy.select(request, self.views, now)
         self._share(r, now, decision.worker_id, job.text, digest)

@@ -48,7 +48,7 @@ import hashlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from router.fleet.view import view_columns
 from router.holdings.prediction import RouteRequest
@@ -177,6 +177,14 @@ def rendezvous(
     return top[0][1]
 
 
+class Placement(NamedTuple):
+    """What the session rule decided for one keyed request."""
+
+    decision: Decision
+    placed: bool  # placed anew (a first call, or moved): shared with the replicas
+    left: str | None  # the worker the session moved off: its pin there is released
+
+
 class Routes(Protocol):
     """router/routing.py's Routing, as the session rule uses it."""
 
@@ -190,15 +198,17 @@ def select(
     table: SessionTable, routing: Routes, request: RouteRequest, view: Sequence, now: float,
     digest: bytes, abs_threshold: float, rel_threshold: float, agree: bool = False,
     pin_ttl: float = 0.0,
-) -> tuple[Decision, bool]:  # fmt: skip
-    """The module's rule for one keyed request: (decision, whether the session was placed
-    anew, so the caller shares it with the replicas). The routing records the route in
+) -> Placement:  # fmt: skip
+    """The module's rule for one keyed request: the decision, whether the session was
+    placed anew (the caller shares it with the replicas) and the worker it left, if it
+    moved (the caller releases the session's pin there: ``POST /release_pin``). The routing records the route in
     the holdings room either way, as if the policy had chose it. `agree`: replicas share
     decisions (`sync`), so a new session with no prefix anywhere takes its rendezvous
     pick; a lone router keeps the policy's (it balances better: the smallest tree, or the
     least load). `pin_ttl`: the request's ``cache_pin_ttl`` (0: none), for rule 3."""
     ids, loads, _ = view_columns(view)
     held = table.held(digest, now)
+    before = table.get(digest, now)
     wid = table.pick(digest, ids, loads, now, abs_threshold, rel_threshold)
     if wid is not None:
         kept = Decision(wid, "session")
@@ -213,7 +223,8 @@ def select(
         decision = routing.select(request, view, now, amend=keep)
         table.lost += lost[0]
         table.put(digest, decision.worker_id, now, pin_ttl)
-        return decision, lost[0]
+        moved = lost[0] and decision.worker_id != wid
+        return Placement(decision, lost[0], wid if moved else None)
 
     def rendezvous_pick(decision: Decision) -> Decision:
         if agree and decision.reason in ("no_match", "balance"):
@@ -225,4 +236,5 @@ def select(
     decision = routing.select(request, view, now, amend=rendezvous_pick)
     # Recorded at decision time: siblings sent before this one is answered follow it.
     table.put(digest, decision.worker_id, now, pin_ttl)
-    return decision, True
+    left = before if before is not None and before != decision.worker_id else None
+    return Placement(decision, True, left)

@@ -151,7 +151,7 @@ def _placed(pin_ttl: float) -> tuple[object, SessionTable, FleetView, str]:
     table = SessionTable(100, 600)
     d = session_digest("", "s")
     context = "system: a long context " + "tools and repository " * 50
-    first, placed = select(table, routing, RouteRequest(context), view, 0.0, d, 64, 1.5,
+    first, placed, _ = select(table, routing, RouteRequest(context), view, 0.0, d, 64, 1.5,
                            pin_ttl=pin_ttl)  # fmt: skip
     assert placed
     other = "system: another session " + "unrelated words " * 80
@@ -171,17 +171,19 @@ def test_a_lost_session_follows_the_policy_and_a_pinned_or_fresh_one_stays() -> 
     forgotten = RouteRequest("user: nothing the tree has seen " * 20)
     routing, table, view, home = _placed(pin_ttl=0.0)
     odd = RouteRequest("subtask: " + "unseen words " * 40)
-    sibling, _ = select(table, routing, odd, view, FRESH_S / 2, d, 64, 1.5)
+    sibling, _, _ = select(table, routing, odd, view, FRESH_S / 2, d, 64, 1.5)
     assert sibling.worker_id == home  # a sibling: fresh, kept
-    later, moved = select(table, routing, forgotten, view, 10.0, d, 64, 1.5)
+    later, moved, left = select(table, routing, forgotten, view, 10.0, d, 64, 1.5)
     assert moved and later.reason == "no_match" and later.worker_id != home
+    assert left == home  # the caller releases the session's pin there
     assert table.get(d, 10.0) == later.worker_id and table.lost == 1
 
     routing, table, view, home = _placed(pin_ttl=30.0)
-    later, moved = select(table, routing, forgotten, view, 10.0, d, 64, 1.5)
-    assert not moved and later.worker_id == home and later.reason == "session"  # pinned
+    later, moved, left = select(table, routing, forgotten, view, 10.0, d, 64, 1.5)
+    assert not moved and left is None
+    assert later.worker_id == home and later.reason == "session"  # pinned
     # That call asked for no pin: at t=20, with nothing of the call in any tree, it moves.
-    after, moved = select(table, routing, odd, view, 20.0, d, 64, 1.5)
+    after, moved, _ = select(table, routing, odd, view, 20.0, d, 64, 1.5)
     assert moved and after.worker_id != home
 
 
@@ -189,5 +191,5 @@ def test_a_session_whose_context_the_tree_holds_stays() -> None:
     routing, table, view, home = _placed(pin_ttl=0.0)
     d = session_digest("", "s")
     grown = RouteRequest("system: a long context " + "tools and repository " * 50 + "tool: ok")
-    later, moved = select(table, routing, grown, view, 10.0, d, 64, 1.5)
-    assert not moved and later.worker_id == home
+    later, moved, left = select(table, routing, grown, view, 10.0, d, 64, 1.5)
+    assert not moved and left is None and later.worker_id == home
