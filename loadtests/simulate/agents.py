@@ -347,11 +347,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         value = getattr(defaults, f.name)
         p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value)
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--cache-tokens", type=int, default=64_000, help="device KV per worker")
+    p.add_argument("--cache-tokens", type=int, default=192_000, help="device KV per worker")
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--prefill-us", type=float, default=30.0)
     p.add_argument("--decode-ms", type=float, default=3.0)
-    p.add_argument("--pin-budget", type=float, default=0.8, help="fraction of KV, keys+pins")
+    p.add_argument("--pin-budget", type=float, default=0.25,
+                   help="fraction of KV, keys+pins (the worker's default)")  # fmt: skip
     p.add_argument("--pin-ttl-s", type=float, default=None, help="default: gap max / speedup")
     p.add_argument("--background-rate", type=float, default=6.0, help="shared-prefix req/s")
     p.add_argument("--background-s", type=float, default=60.0, help="its span, seconds")
