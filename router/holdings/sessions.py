@@ -31,7 +31,8 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      solo run with keys, 1.0 with the rule, as for today's router, which re-places
      lost sessions the same way). One router only: replicas keep the session (rule
      2), as freshness and pins are not shared between their tables, and a move one
-     replica makes alone split siblings (0.948 co-located with the rule, 1.000 without).
+     replica makes alone split siblings (0.940-0.948 co-located with the rule, 1.000
+     without).
 
 Keys are namespaced by tenant: the table is keyed by ``sha256(namespace NUL key)``,
 the namespace being the caller's tenant (config ``tenants``) or, without one, its API
