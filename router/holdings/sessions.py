@@ -202,8 +202,9 @@ def select(
 ) -> Placement:  # fmt: skip
     """The module's rule for one keyed request: the decision, whether the session was
     placed anew (the caller shares it with the replicas) and the worker it left, if it
-    moved (the caller releases the session's pin there: ``POST /release_pin``). The routing records the route in
-    the holdings room either way, as if the policy had chose it. `agree`: replicas share
+    moved (the caller releases the session's pin there: ``POST /release_pin``). The
+    routing records the route in the holdings room either way, as if the policy had
+    chosen it. `agree`: replicas share
     decisions (`sync`), so a new session with no prefix anywhere takes its rendezvous
     pick; a lone router keeps the policy's (it balances better: the smallest tree, or the
     least load). `pin_ttl`: the request's ``cache_pin_ttl`` (0: none), for rule 3."""
