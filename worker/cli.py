@@ -223,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     down.add_argument("model", metavar="MODEL", help="repo id, e.g. Qwen/Qwen2.5-7B-Instruct")
     down.add_argument("--revision", help="commit, tag or branch (default main; pin it)")
     down.add_argument("--dir", required=True, help="target folder (the model cache volume)")
-    from worker.attach.sidecar import add_attach_parser
+    from worker.attach.command import add_attach_parser
 
     add_attach_parser(sub)
     return parser
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "download":
         return _download(args)
     if args.command == "attach":
-        from worker.attach.sidecar import run_attach
+        from worker.attach.command import run_attach
 
         return run_attach(args)
     overrides = {key: getattr(args, key) for _, key, _, _ in _SERVE_FLAGS}
