@@ -102,7 +102,9 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # An engine that schedules by `priority` gets the class's where the body
             # names a tier but no priority (router/upstream/proxy.py).
             add = priority if "priority" not in data and "service_tier" in data else None
-            namespace = request_namespace(parsed, renders=tokenize is not None)
+            namespace = request_namespace(
+                parsed, renders=tokenize is not None, adapter=app[FLEET].serves_adapter(model)
+            )
             routed = Routed(
                 endpoint, path, raw, text, session_key, model, ids, stream, add, namespace
             )
