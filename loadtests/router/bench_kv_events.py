@@ -341,14 +341,39 @@ def ns_workload(groups: int, questions: int, seed: int) -> list[tuple[str, str, 
     return out
 
 
-def ns_run_arm(keyed: bool, stream: list, per_model: int, seed: int) -> dict[str, float]:
+NS_KEYINGS = {
+    "today (namespace ignored)": "none",
+    "keyed by salt and template, model by its view": "salt",
+    "keyed, adapters too": "adapter",
+}
+
+
+def ns_namespace(keying: str, model: str, salt: object, kwargs: object) -> str:
+    """The request's namespace as each router keys it: `none` (before issue 30),
+    `salt` (salt and template; a model kept apart only by the fleet's view: the room
+    before adapters), `adapter` (an adapter, every model but the first, keyed too)."""
+    if keying == "none":
+        return DEFAULT
+    adapter = model if keying == "adapter" and model != NS_MODELS[0] else None
+    return namespace_of(model, salt, None, kwargs, adapter)  # type: ignore[arg-type]
+
+
+def ns_run_arm(
+    keying: str, stream: list, per_model: int, seed: int, shared: bool
+) -> dict[str, float]:
+    """One router over `stream`. `shared`: every worker serves the base model and both
+    adapters (vLLM's `--lora-modules`: one view for all); else each model its own workers."""
     routing = build_routing(RouterConfig(tree_chars_per_token=CHARS_PER_TOKEN), random.Random(seed))
-    views = {m: FleetView([f"{m}-w{i}" for i in range(per_model)]) for m in NS_MODELS}
+    if shared:
+        one = FleetView([f"w{i}" for i in range(per_model)])
+        views = dict.fromkeys(NS_MODELS, one)
+    else:
+        views = {m: FleetView([f"{m}-w{i}" for i in range(per_model)]) for m in NS_MODELS}
     engine: dict[tuple[str, object], list[str]] = {}  # (worker, engine key) -> prompts
     predicted = wasted = engine_hit = prompt_tokens = 0.0
     false_requests = predicted_requests = 0
     for step, (text, model, salt, kwargs) in enumerate(stream):
-        namespace = namespace_of(model, salt, None, kwargs) if keyed else DEFAULT  # type: ignore[arg-type]
+        namespace = ns_namespace(keying, model, salt, kwargs)
         request = RouteRequest(text, model=model, namespace=namespace)
         decision = routing.select(request, views[model], float(step))
         key = (decision.worker_id, (model, salt, repr(kwargs)))
@@ -442,19 +467,22 @@ def namespaces_main(args: argparse.Namespace) -> int:
         return namespaces_live(args)
     stream = ns_workload(args.groups, args.questions, args.seed)
     print(f"{len(stream)} requests: {args.groups * args.questions} prompts x "
-          f"{len(NS_MODELS)} models x {len(NS_SALTS)} tenants x {len(NS_TEMPLATES)} templates, "
-          f"{args.workers_per_model} workers per model\n")  # fmt: skip
-    print("| router | predicted hit tokens | of them on requests the engine served with 0 "
-          "cached | requests predicted a hit, then 0 cached | engine cached tokens | "
-          "predicted / cached | engine hit rate |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    rows = {}
-    for name, keyed in (("today (namespace ignored)", False), ("keyed", True)):
-        r = rows[name] = ns_run_arm(keyed, stream, args.workers_per_model, args.seed)
-        share = r["wasted"] / r["predicted"] if r["predicted"] else 0.0
-        print(f"| {name} | {r['predicted']:,.0f} | {r['wasted']:,.0f} ({share:.1%}) | "
-              f"{r['false_requests']} of {r['predicted_requests']} | {r['cached']:,.0f} | "
-              f"{r['predicted'] / r['cached']:.2f} | {r['hit_rate']:.3f} |")  # fmt: skip
+          f"{len(NS_MODELS)} models (a base and two LoRA adapters) x {len(NS_SALTS)} tenants "
+          f"x {len(NS_TEMPLATES)} templates, {args.workers_per_model} workers per fleet")  # fmt: skip
+    layouts = (("each model on its own workers", False),
+               ("every worker serves the base model and both adapters", True))  # fmt: skip
+    for layout, shared in layouts:
+        print(f"\n{layout}:\n")
+        print("| router | predicted hit tokens | of them on requests the engine served with 0 "
+              "cached | requests predicted a hit, then 0 cached | engine cached tokens | "
+              "predicted / cached | engine hit rate |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, keying in NS_KEYINGS.items():
+            r = ns_run_arm(keying, stream, args.workers_per_model, args.seed, shared)
+            share = r["wasted"] / r["predicted"] if r["predicted"] else 0.0
+            print(f"| {name} | {r['predicted']:,.0f} | {r['wasted']:,.0f} ({share:.1%}) | "
+                  f"{r['false_requests']} of {r['predicted_requests']} | {r['cached']:,.0f} | "
+                  f"{r['predicted'] / r['cached']:.2f} | {r['hit_rate']:.3f} |", flush=True)  # fmt: skip
     return 0
 
 
@@ -465,17 +493,21 @@ NAMESPACES = Command(
     python -m loadtests namespaces --live [--before-ref main] [--workers 4]
 
 The workload: the same prompts (shared system prompts, a few questions each) under every
-namespace of 3 models x 4 tenants (three `cache_salt`s and one unsalted) x 2 chat
-templates (the model's own, and `chat_template_kwargs` that change the rendering), in a
-random order. Each model has its own workers (a worker serves one model, as in the
-fleet). Every request goes through the router's real holdings room and `cache_aware`
-policy (router/routing.py), twice, side by side on the same stream:
+namespace of 3 models (a base model and two LoRA adapters of it) x 4 tenants (three
+`cache_salt`s and one unsalted) x 2 chat templates (the model's own, and
+`chat_template_kwargs` that change the rendering), in a random order, on two fleet
+layouts: each model on its own workers, and every worker serving the base model and both
+adapters (vLLM's `--lora-modules`: the workers advertise the adapters, so one view holds
+them for all three). Every request goes through the router's real holdings room and
+`cache_aware` policy (router/routing.py), three times, side by side on the same stream:
 
 - ``today``: the request's namespace ignored (what the router did before issue 30: it
   keyed a prompt by its text alone);
-- ``keyed``: the request's namespace from its salt and template (router/holdings/namespace.py),
-  as a router that renders chats keys it (a `tokenizer` set; routing on text, it keys no
-  template).
+- ``keyed by salt and template``: the request's namespace from its salt and template,
+  a model kept apart only by the fleet's view (the room before adapters were keyed);
+- ``keyed, adapters too``: an adapter's requests in a namespace of their own as well
+  (router/holdings/namespace.py), as a router that renders chats keys them (a
+  `tokenizer` set; routing on text, it keys no template).
 
 The engine beside each arm holds what each worker was sent, keyed as vLLM keys its
 prefix cache (model, salt, rendered template, then the prompt), without eviction, so
