@@ -241,8 +241,14 @@ class Fleet:
         requests then key their own cache namespace: router/holdings/namespace.py)."""
         return model is not None and model in self.columns.reported_adapters()
 
-    def models(self) -> list[str]:
-        return sorted(self.columns.reported_models())
+    def models(self) -> dict[str, str | None]:
+        """Every model served, sorted: a LoRA adapter with its base model (vLLM's
+        `parent` in /v1/models), a base model with None."""
+        parents: dict[str, str | None] = {}
+        for w in self.workers.values():
+            for adapter in w.report.adapters:
+                parents.setdefault(adapter, w.report.model)
+        return {m: parents.get(m) for m in sorted(self.columns.reported_models())}
 
     def in_flight_by_worker(self) -> dict[str, int]:
         """This router's requests in flight per worker (what replica sync shares)."""

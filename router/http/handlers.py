@@ -163,8 +163,8 @@ async def models(request: web.Request) -> web.Response:
     if unknown:
         await asyncio.gather(*(_probe_model(request, w) for w in unknown))
     data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "radix-router"}
-        for m in fleet.models()
+        {"id": m, "object": "model", "created": 0, "owned_by": "radix-router", "parent": parent}
+        for m, parent in fleet.models().items()
     ]
     return web.json_response({"object": "list", "data": data})
 

@@ -202,6 +202,8 @@ def test_an_adapter_is_keyed_apart_from_its_base_model_on_one_worker(
     assert f.redis is not None
     f.start_router({"tokenizer": str(tiny_model_dir), "kv_events": True}, want_workers=1)
     assert f.router_workers()["vllm-ev"]["adapters"] == [ADAPTER]
+    listed = {m["id"]: m["parent"] for m in http_json(f.router_url + "/v1/models")[1]["data"]}
+    assert listed == {MODEL: None, ADAPTER: MODEL}, listed  # as vLLM lists them
     client = openai.OpenAI(base_url=f.router_url + "/v1", api_key="unused", max_retries=0)
 
     def ask(model: str, prompt: list[int]) -> tuple[int, int]:

@@ -42,7 +42,7 @@ def test_an_adapter_routes_to_the_workers_that_serve_it() -> None:
     assert list(fleet.view(now, "base").ids) == ["w0", "w1"]
     assert fleet.knows_model("lora-b") and not fleet.knows_model("lora-c")
     assert fleet.serves_adapter("lora-a") and not fleet.serves_adapter("base")
-    assert fleet.models() == ["base", "lora-a", "lora-b"]
+    assert fleet.models() == {"base": None, "lora-a": "base", "lora-b": "base"}  # /v1/models
     # An adapter dropped from the heartbeat stops drawing its traffic there.
     fleet.apply_registry({"w0": WorkerRecord("w0", "http://127.0.0.1:9000", "base", "vllm", 1.0)})
     assert not fleet.knows_model("lora-a") and not fleet.serves_adapter("lora-a")
