@@ -123,15 +123,19 @@ class FleetColumns:
         return self._reported_names()[0]
 
     def reported_adapters(self) -> frozenset[str]:
-        """Every name some worker serves as a LoRA adapter (`WorkerRecord.adapters`)."""
+        """Every name some worker serves as a LoRA adapter (`WorkerRecord.adapters`) and
+        none as its base model: a worker credential that lists a base model's name among
+        its adapters cannot move that model's requests out of their default namespace
+        (and so off the KV-event index) for the whole fleet."""
         return self._reported_names()[1]
 
     def _reported_names(self) -> tuple[frozenset[str], frozenset[str]]:
         at, models, adapters = self._reported
         if at != self._generation:
             reports = [w.report for w in self._workers.values()]
-            adapters = frozenset(a for r in reports for a in r.adapters)
-            models = (frozenset(r.model for r in reports) - {""}) | adapters
+            bases = frozenset(r.model for r in reports) - {""}
+            listed = frozenset(a for r in reports for a in r.adapters)
+            models, adapters = bases | listed, listed - bases
             self._reported = (self._generation, models, adapters)
         return models, adapters
 

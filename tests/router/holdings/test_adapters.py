@@ -48,6 +48,21 @@ def test_an_adapter_routes_to_the_workers_that_serve_it() -> None:
     assert not fleet.knows_model("lora-a") and not fleet.serves_adapter("lora-a")
 
 
+def test_a_base_models_name_listed_as_an_adapter_stays_a_base_model() -> None:
+    """A worker credential that lists `base` among its adapters would otherwise key every
+    `base` request apart (off the KV-event index) fleet-wide; a name some worker serves
+    as its base model is never keyed as an adapter."""
+    fleet = shared_fleet()
+    url = "http://127.0.0.1:9002"
+    fleet.apply_registry({
+        **{w.worker_id: w.report for w in fleet.workers.values()},
+        "w2": WorkerRecord("w2", url, "other", "vllm", 1.0, adapters=("base", "lora-a")),
+    })  # fmt: skip
+    assert not fleet.serves_adapter("base") and fleet.serves_adapter("lora-a")
+    base = CompletionRequest(model="base", prompt="x")
+    assert request_namespace(base, True, fleet.serves_adapter("base")) == DEFAULT
+
+
 def on_one_worker(keyed: bool) -> list[int]:
     """Chars the router predicted held for the same prompt for `base`, `lora-a` twice,
     `lora-b` and `base` again, all on w0 (w1 serves another model here). `keyed`: the
