@@ -54,6 +54,7 @@ from loadtests.simulate.simulation import (
     LiveTokenizer,
     Simulation,
     WordTokenizer,
+    busy_fraction,
     output_tokens,
     reply_text,
 )
@@ -87,6 +88,12 @@ class AgentResult:
     reasons: dict[str, int] = field(default_factory=dict)
     hit_rate: float = 0.0  # every agent call's cached / prompt tokens, summed
     makespan: float = 0.0  # first call sent to last answer, virtual seconds
+    # JCT = gaps + queue + prefill + decode, per session (seconds): each step's time is
+    # its last-answered call's, split at admission (queue: waiting for a running slot or
+    # KV) and at the first token (prefill: its uncached prompt, chunked beside others).
+    parts: dict[str, np.ndarray] = field(default_factory=dict)
+    prefilled: int = 0  # agent prompt tokens prefilled (not served from the cache)
+    busy: float = 0.0  # workers' time in steps / (workers x makespan)
 
     def row(self) -> dict[str, object]:
         return {
@@ -107,6 +114,9 @@ class AgentResult:
             "hit_rate": self.hit_rate,
             "request_throughput": len(self.ttft) / self.makespan if self.makespan else 0.0,
             "median_ttft_ms": float(np.median(self.ttft)) * 1e3,
+            **{f"{k}_mean_s": float(v.mean()) for k, v in self.parts.items()},
+            "prefilled_tokens": self.prefilled,
+            "busy": self.busy,
             "reasons": self.reasons,
         }
 
@@ -263,8 +273,14 @@ class AgentSim(Simulation):
         jct = np.array([last_answer[i] - first_sent[i] for i in done])
         hits, reuse, ceiling, ttft, sib, together = [], [], [], [], 0, 0
         cached = prompt = 0
-        for sid in done:
+        parts = {k: np.zeros(len(done)) for k in ("gaps", "queue", "prefill", "decode")}
+        for d, sid in enumerate(done):
+            parts["gaps"][d] = gaps[sid]
             for n, step in enumerate(history[sid]):
+                last = max(step.jobs, key=lambda j: j.finish)
+                parts["queue"][d] += last.admitted - last.arrival
+                parts["prefill"][d] += last.first_token - last.admitted
+                parts["decode"][d] += last.finish - last.first_token
                 for k, job in enumerate(step.jobs):
                     ttft.append(job.ttft)
                     cached, prompt = cached + job.cached, prompt + len(job.tokens)
@@ -288,6 +304,8 @@ class AgentSim(Simulation):
             background_hit=bg_cached / bg_prompt if bg_prompt else float("nan"),
             reasons=dict(self.reasons), hit_rate=cached / prompt if prompt else 0.0,
             makespan=max(last_answer.values(), default=0.0) - min(first_sent.values(), default=0.0),
+            parts=parts, prefilled=prompt - cached,
+            busy=busy_fraction(self.workers, self._done),
         )  # fmt: skip
 
 
@@ -361,6 +379,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="its system prompts (as many as requests: nothing shared, churn only)",
     )  # fmt: skip
     p.add_argument("--sync-delay-s", type=float, default=0.02)
+    p.add_argument(
+        "--sides", default=",".join(SIDES),
+        help="which sides to run, comma-separated (today and keys+pins at least)",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="write every row here too")
     p.add_argument("--live", action="store_true", help="through a local sim fleet")
     p.add_argument("--before-ref", default=None, help="--live: the today side from this ref")
@@ -369,6 +391,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> AgentOptions:
     names = {f.name for f in dataclasses.fields(AgentOptions)}
     return AgentOptions(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+SIDES = ("today", "keys", "keys+pins", "keys+pins, 2 replicas")
 
 
 def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, float]]:
@@ -383,20 +408,30 @@ def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, fl
     count = int(args.background_rate * args.background_s)
     groups = min(args.background_groups, max(count, 1))
     bg = background_requests(count, args.background_rate, o.seed, groups) if count else []
-    sides = [
-        ("today", o, cost, 1),
-        ("keys", replace(o, keys=True), cost, 1),
-        ("keys+pins", replace(o, keys=True, pin_ttl_s=ttl), pinned, 1),
-        ("keys+pins, 2 replicas", replace(o, keys=True, pin_ttl_s=ttl), pinned, 2),
-    ]
-    results = [
-        simulate_agents(label, config, args.workers, c, opts, replicas=r, background=bg)
-        for label, opts, c, r in sides
-    ]
-    alone = simulate_agents(
-        "background alone", config, args.workers, cost, replace(o, sessions=0), background=bg
-    )
-    return results, {"background_alone_hit": alone.background_hit}
+    sides = {
+        "today": (o, cost, 1),
+        "keys": (replace(o, keys=True), cost, 1),
+        "keys+pins": (replace(o, keys=True, pin_ttl_s=ttl), pinned, 1),
+        "keys+pins, 2 replicas": (replace(o, keys=True, pin_ttl_s=ttl), pinned, 2),
+    }
+    wanted = [s.strip() for s in args.sides.split(",")]
+    unknown = [s for s in wanted if s not in sides]
+    if unknown or "today" not in wanted or "keys+pins" not in wanted:
+        raise SystemExit(f"--sides: {unknown or wanted}: from {list(sides)}, today and keys+pins")
+    results = []
+    for label in SIDES:
+        if label in wanted:
+            opts, c, r = sides[label]
+            results.append(
+                simulate_agents(label, config, args.workers, c, opts, replicas=r, background=bg)
+            )
+    extra = {"background_alone_hit": float("nan")}
+    if bg:
+        alone = simulate_agents(
+            "background alone", config, args.workers, cost, replace(o, sessions=0), background=bg
+        )
+        extra["background_alone_hit"] = alone.background_hit
+    return results, extra
 
 
 def table(results: list[AgentResult], extra: dict[str, float]) -> str:
@@ -414,7 +449,9 @@ def table(results: list[AgentResult], extra: dict[str, float]) -> str:
         row = r.row()
         lines.append("| " + " | ".join(f.format(row[k]) for _, k, f in cols) + " |")
     today = results[0].row()
-    best = results[2].row()
+    best = next(r for r in results if r.label == "keys+pins").row()
+    lines.append("")
+    lines.append(breakdown(results))
     lines.append("")
     lines.append(
         f"keys+pins / today: JCT {best['jct_mean_s'] / today['jct_mean_s']:.2f}x, "  # type: ignore[operator]
@@ -422,6 +459,25 @@ def table(results: list[AgentResult], extra: dict[str, float]) -> str:
         f"background alone hit {extra['background_alone_hit']:.3f}, beside agents "
         f"{best['background_hit']:.3f}"
     )
+    return "\n".join(lines)
+
+
+def breakdown(results: list[AgentResult]) -> str:
+    """Where each side's mean JCT goes (seconds a session), and the fleet's work: the
+    agent prompt tokens prefilled and the workers' busy fraction."""
+    parts = ("gaps", "queue", "prefill", "decode")
+    lines = [
+        "| side | JCT mean s | " + " | ".join(f"{p} s" for p in parts)
+        + " | prefilled Mtok | workers busy |",
+        "|" + "---|" * (len(parts) + 4),
+    ]  # fmt: skip
+    for r in results:
+        row = r.row()
+        lines.append(
+            f"| {r.label} | {row['jct_mean_s']:.2f} | "
+            + " | ".join(f"{row[p + '_mean_s']:.2f}" for p in parts)
+            + f" | {r.prefilled / 1e6:.2f} | {r.busy:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from router.fleet.view import view_columns
@@ -83,6 +83,12 @@ def overloaded(load: int, low: int, abs_threshold: float, rel_threshold: float) 
 # says; a tool gap is longer (the agent workload's shortest is 2 s).
 FRESH_S = 1.0
 
+# A session used within this many seconds counts as active on its worker (longer than a
+# tool gap: the agent workload's longest is 240 s); at most ACTIVE_SCAN entries are
+# counted per placement.
+ACTIVE_S = 300.0
+ACTIVE_SCAN = 4096
+
 
 class SessionTable:
     """digest → (worker id, last use, pinned until), LRU-bounded and aged; the proxy's
@@ -98,6 +104,18 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def active(self, now: float) -> dict[str, int]:
+        """Sessions per worker used within `ACTIVE_S` (newest first, at most
+        `ACTIVE_SCAN` looked at: bounded work on a first call). Replicas share
+        placements, so their counts agree but for what the sync has not carried yet."""
+        counts: dict[str, int] = {}
+        for n, digest in enumerate(reversed(self._entries)):
+            wid, used, _ = self._entries[digest]
+            if n >= ACTIVE_SCAN or now - used > ACTIVE_S:
+                break
+            counts[wid] = counts.get(wid, 0) + 1
+        return counts
 
     def get(self, digest: bytes, now: float) -> str | None:
         entry = self._entries.get(digest)
@@ -154,18 +172,26 @@ AGREE_MARGIN = 4
 
 def rendezvous(
     digest: bytes, ids: Sequence[str], loads: Sequence[int], abs_threshold: float,
-    rel_threshold: float,
+    rel_threshold: float, active: Mapping[str, int] | None = None,
 ) -> str:  # fmt: skip
-    """Of the key's two highest-random-weight workers (among those not overloaded), the
-    second only when its load is lower by more than `AGREE_MARGIN`, else the first.
+    """Of the key's two highest-random-weight workers (among those not overloaded and,
+    given `active` sessions per worker, holding the fewest: the table's count, which
+    replicas share), the second only when its load is lower by more than
+    `AGREE_MARGIN`, else the first. Without the session count (load alone: requests in
+    flight, mostly 0 or 1 between tool gaps) the pick was load-blind: 16 sessions put
+    up to 7 on one of 4 workers, whose KV could not hold them (hit after the first
+    call 0.845 through 2 replicas against 0.901 on one router, agents.md).
     Replicas pick the same worker for a key without talking as long as their views of
     those two loads differ by no more than the margin. The best of two
     balances far better than the top weight alone (load-blind: 16 sessions on 4 workers
     piled up to 7 on one, and doubled the time in calls, loadtests/results/agents.md).
     One hash a worker, on a session's first call only."""
     low = min(loads)
+    fewest = min((active or {}).get(w, 0) for w in ids)
     ranked = []
     for wid, load in zip(ids, loads, strict=True):
+        if active is not None and active.get(wid, 0) > fewest:
+            continue
         if not overloaded(load, low, abs_threshold, rel_threshold):
             ranked.append(
                 (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid, load)
@@ -230,7 +256,8 @@ def select(
 
     def rendezvous_pick(decision: Decision) -> Decision:
         if agree and decision.reason in ("no_match", "balance"):
-            pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold)
+            active = table.active(now)
+            pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active)
             if pick != decision.worker_id:
                 return Decision(pick, "session")
         return decision

@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from router.fleet.view import FleetView
 from router.holdings.prediction import RouteRequest
 from router.holdings.sessions import (
+    ACTIVE_S,
     AGREE_MARGIN,
     DIGEST_BYTES,
     FRESH_S,
@@ -193,3 +194,40 @@ def test_a_session_whose_context_the_tree_holds_stays() -> None:
     grown = RouteRequest("system: a long context " + "tools and repository " * 50 + "tool: ok")
     later, moved, left = select(table, routing, grown, view, 10.0, d, 64, 1.5)
     assert not moved and left is None and later.worker_id == home
+
+
+def test_replicas_spread_new_sessions_by_the_sessions_each_worker_holds() -> None:
+    """Through replicas (`agree`) a new session with no cached prefix takes the key's
+    rendezvous pick among the workers holding the fewest active sessions. Between tool
+    gaps the loads (requests in flight) are 0, so the pick used to be the hash alone:
+    12 sessions on 4 workers put 6 on one (its KV short, hit after the first call 0.845
+    through 2 replicas against 0.901 on one router). Fails without the count."""
+    ids = ("w0", "w1", "w2", "w3")
+    routing = build_routing(RouterConfig(policy="cache_aware"), random.Random(0))
+    view = FleetView(ids, capacities=(100_000,) * 4)
+    table = SessionTable(100, 600)
+    placed = []
+    for i in range(12):
+        text = RouteRequest(f"system: session {i} " + f"context{i} words " * 60)
+        decision, _, _ = select(
+            table, routing, text, view, float(i), session_digest("", f"agent-{i}"), 64, 1.5,
+            agree=True,
+        )  # fmt: skip
+        placed.append(decision.worker_id)
+    assert sorted(placed.count(w) for w in ids) == [3, 3, 3, 3]
+    # A second replica with the same table (the sync carries placements) picks the same
+    # worker for the next session's first siblings.
+    other = SessionTable(100, 600)
+    for i, wid in enumerate(placed):
+        other.put(session_digest("", f"agent-{i}"), wid, float(i))
+    d, loads = session_digest("", "agent-12"), [0, 0, 0, 0]
+    assert rendezvous(d, ids, loads, 64, 1.5, table.active(12.0)) == rendezvous(
+        d, ids, loads, 64, 1.5, other.active(12.0)
+    )
+
+
+def test_sessions_idle_past_the_active_window_are_not_counted() -> None:
+    table = SessionTable(100, 3600)
+    table.put(session_digest("", "old"), "w0", 0.0)
+    table.put(session_digest("", "new"), "w1", ACTIVE_S)
+    assert table.active(ACTIVE_S + 1) == {"w1": 1}
