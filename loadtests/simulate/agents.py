@@ -456,6 +456,8 @@ def table(results: list[AgentResult], extra: dict[str, float]) -> str:
     lines.append(
         f"keys+pins / today: JCT {best['jct_mean_s'] / today['jct_mean_s']:.2f}x, "  # type: ignore[operator]
         f"JCT less gaps {best['jct_less_gaps_mean_s'] / today['jct_less_gaps_mean_s']:.2f}x; "  # type: ignore[operator]
+        # No side can beat the tool gaps: the ratio if keys+pins spent no time in calls.
+        f"floor (gaps / today's JCT) {today['gaps_mean_s'] / today['jct_mean_s']:.2f}x; "  # type: ignore[operator]
         f"background alone hit {extra['background_alone_hit']:.3f}, beside agents "
         f"{best['background_hit']:.3f}"
     )

@@ -9,9 +9,10 @@ The rule (``select``, which the proxy and the simulator both call), before the p
   1. No entry for the key (first call, or the entry aged out) → the policy decides; when
      router replicas share decisions (``sync``) and it found no cached prefix anywhere
      (reason ``no_match`` or ``balance``), the worker is instead the less loaded of the
-     key's two rendezvous-hash workers (``rendezvous``), so replicas that see a
-     session's first siblings at the same instant (before the sync carries anything)
-     still agree. The choice is recorded *at decision time*, so
+     key's two rendezvous-hash workers among those holding the fewest active sessions
+     (``rendezvous``, ``SessionTable.active``: placements the replicas share), so
+     replicas that see a session's first siblings at the same instant (before the sync
+     carries anything) still agree, and sessions spread over the workers' KV. The choice is recorded *at decision time*, so
      siblings sent a moment later (still unanswered) follow the first one.
   2. An entry whose worker is routable and not overloaded → that worker, reason
      ``session``. Overloaded is the balance rule seen from the session's worker: its load

@@ -61,3 +61,16 @@ def test_pins_keep_contexts_through_churn_and_no_side_beats_the_ceiling() -> Non
         assert row["hit_after_first"] <= row["ceiling_after_first"] + 1e-9
     assert pinned["reuse_after_first"] > today["reuse_after_first"]
     assert pinned["siblings_colocated"] == 1.0
+
+
+def test_the_jct_breakdown_adds_up_to_the_jct_and_prefill_follows_the_misses() -> None:
+    """Gaps + queue + prefill + decode is each session's JCT (the last-answered call of
+    each step on its critical path); keys+pins prefill fewer tokens than today."""
+    today, pinned = _small(keys=False, pins=False), _small(keys=True, pins=True)
+    for row in (today, pinned):
+        parts = sum(row[f"{p}_mean_s"] for p in ("gaps", "queue", "prefill", "decode"))  # type: ignore[misc]
+        assert math.isclose(parts, row["jct_mean_s"], rel_tol=1e-9)  # type: ignore[arg-type]
+        assert min(row[f"{p}_mean_s"] for p in ("queue", "prefill", "decode")) >= 0  # type: ignore[type-var]
+        assert 0 < row["busy"] < 1  # type: ignore[operator]
+    assert today["gaps_mean_s"] == pinned["gaps_mean_s"]  # the same sessions, the same gaps
+    assert pinned["prefilled_tokens"] < today["prefilled_tokens"]  # type: ignore[operator]
