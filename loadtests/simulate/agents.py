@@ -372,6 +372,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-budget", type=float, default=0.25,
                    help="fraction of KV, keys+pins (the worker's default)")  # fmt: skip
     p.add_argument("--pin-ttl-s", type=float, default=None, help="default: gap max / speedup")
+    p.add_argument(
+        "--host-cache-tokens", type=int, default=0,
+        help="host KV tier per worker, every side (0: off, the worker's default)",
+    )  # fmt: skip
     p.add_argument("--background-rate", type=float, default=6.0, help="shared-prefix req/s")
     p.add_argument("--background-s", type=float, default=60.0, help="its span, seconds")
     p.add_argument(
@@ -381,7 +385,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-delay-s", type=float, default=0.02)
     p.add_argument(
         "--sides", default=",".join(SIDES),
-        help="which sides to run, comma-separated (today and keys+pins at least)",
+        help="the sides to run, comma-separated (today and keys+pins at least)",
     )  # fmt: skip
     p.add_argument("--json", default=None, help="write every row here too")
     p.add_argument("--live", action="store_true", help="through a local sim fleet")
@@ -393,7 +397,11 @@ def _options(args: argparse.Namespace) -> AgentOptions:
     return AgentOptions(**{k: v for k, v in vars(args).items() if k in names and v is not None})
 
 
-SIDES = ("today", "keys", "keys+pins", "keys+pins, 2 replicas")
+# --sides names -> the sides' labels.
+SIDES = {
+    "today": "today", "keys": "keys", "keys+pins": "keys+pins",
+    "replicas": "keys+pins, 2 replicas",
+}  # fmt: skip
 
 
 def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, float]]:
@@ -402,6 +410,7 @@ def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, fl
     cost = CostModel(
         cache_tokens=args.cache_tokens, max_running=args.max_running,
         prefill_us_per_token=args.prefill_us, decode_ms_per_token=args.decode_ms,
+        host_cache_tokens=args.host_cache_tokens,
     )  # fmt: skip
     pinned = replace(cost, pin_budget=args.pin_budget, pin_max_ttl_s=ttl)
     config = RouterConfig(policy="cache_aware")
@@ -415,12 +424,12 @@ def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, fl
         "keys+pins, 2 replicas": (replace(o, keys=True, pin_ttl_s=ttl), pinned, 2),
     }
     wanted = [s.strip() for s in args.sides.split(",")]
-    unknown = [s for s in wanted if s not in sides]
+    unknown = [s for s in wanted if s not in SIDES]
     if unknown or "today" not in wanted or "keys+pins" not in wanted:
-        raise SystemExit(f"--sides: {unknown or wanted}: from {list(sides)}, today and keys+pins")
+        raise SystemExit(f"--sides: {unknown or wanted}: from {list(SIDES)}, today and keys+pins")
     results = []
-    for label in SIDES:
-        if label in wanted:
+    for name, label in SIDES.items():
+        if name in wanted:
             opts, c, r = sides[label]
             results.append(
                 simulate_agents(label, config, args.workers, c, opts, replicas=r, background=bg)
