@@ -12,8 +12,9 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      key's two rendezvous-hash workers among those holding the fewest active sessions
      (``rendezvous``, ``SessionTable.active``: placements the replicas share), so
      replicas that see a session's first siblings at the same instant (before the sync
-     carries anything) still agree, and sessions spread over the workers' KV. The choice is recorded *at decision time*, so
-     siblings sent a moment later (still unanswered) follow the first one.
+     carries anything) still agree, and sessions spread over the workers' KV. The
+     choice is recorded *at decision time*, so siblings sent a moment later (still
+     unanswered) follow the first one.
   2. An entry whose worker is routable and not overloaded → that worker, reason
      ``session``. Overloaded is the balance rule seen from the session's worker: its load
      exceeds the least load by more than ``balance_abs_threshold`` and is more than
@@ -175,30 +176,30 @@ def rendezvous(
     digest: bytes, ids: Sequence[str], loads: Sequence[int], abs_threshold: float,
     rel_threshold: float, active: Mapping[str, int] | None = None,
 ) -> str:  # fmt: skip
-    """Of the key's two highest-random-weight workers (among those not overloaded and,
-    given `active` sessions per worker, holding the fewest: the table's count, which
-    replicas share), the second only when its load is lower by more than
-    `AGREE_MARGIN`, else the first. Without the session count (load alone: requests in
-    flight, mostly 0 or 1 between tool gaps) the pick was load-blind: 16 sessions put
-    up to 7 on one of 4 workers, whose KV could not hold them (hit after the first
-    call 0.845 through 2 replicas against 0.901 on one router, agents.md).
-    Replicas pick the same worker for a key without talking as long as their views of
-    those two loads differ by no more than the margin. The best of two
-    balances far better than the top weight alone (load-blind: 16 sessions on 4 workers
-    piled up to 7 on one, and doubled the time in calls, loadtests/results/agents.md).
-    One hash a worker, on a session's first call only."""
+    """Of the key's two highest-random-weight workers among those not overloaded and,
+    given `active` (sessions per worker: the table's count, which replicas share),
+    holding the fewest sessions, the second only when its load is lower by more than
+    `AGREE_MARGIN`, else the first. Replicas pick the same worker for a key without
+    talking as long as their views of the counts agree and of those two loads differ by
+    no more than the margin. Loads alone (requests in flight: 0 or 1 between tool gaps)
+    left the pick to the hash: 16 sessions on 4 workers piled up to 7 on one, whose KV
+    could not hold them (hit after the first call 0.845 through 2 replicas, 0.928 with
+    the count, loadtests/results/agents.md). One hash a worker, on a session's first
+    call only."""
     low = min(loads)
-    fewest = min((active or {}).get(w, 0) for w in ids)
-    ranked = []
-    for wid, load in zip(ids, loads, strict=True):
-        if active is not None and active.get(wid, 0) > fewest:
-            continue
-        if not overloaded(load, low, abs_threshold, rel_threshold):
-            ranked.append(
-                (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid, load)
-            )
-    if not ranked:
+    fit = [
+        (wid, load) for wid, load in zip(ids, loads, strict=True)
+        if not overloaded(load, low, abs_threshold, rel_threshold)
+    ]  # fmt: skip
+    if active is not None and fit:
+        fewest = min(active.get(wid, 0) for wid, _ in fit)
+        fit = [(wid, load) for wid, load in fit if active.get(wid, 0) == fewest]
+    if not fit:
         return ids[0]
+    ranked = [
+        (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid, load)
+        for wid, load in fit
+    ]
     top = heapq.nlargest(2, ranked)
     if len(top) == 2 and top[1][2] + AGREE_MARGIN < top[0][2]:
         return top[1][1]

@@ -231,3 +231,10 @@ def test_sessions_idle_past_the_active_window_are_not_counted() -> None:
     table.put(session_digest("", "old"), "w0", 0.0)
     table.put(session_digest("", "new"), "w1", ACTIVE_S)
     assert table.active(ACTIVE_S + 1) == {"w1": 1}
+
+
+def test_an_overloaded_worker_with_the_fewest_sessions_is_passed_over() -> None:
+    d = session_digest("", "s")
+    active = {"w0": 0, "w1": 2, "w2": 1}
+    assert rendezvous(d, IDS, [0, 0, 0], 64, 1.5, active) == "w0"
+    assert rendezvous(d, IDS, [200, 0, 0], 64, 1.5, active) == "w2"  # w0 overloaded
