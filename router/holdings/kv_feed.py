@@ -52,9 +52,11 @@ Bounds against a worker's credential (issue 30: one worker's stream stalled ever
   entry over MAX_ENTRY_BYTES never crosses the wire. Routers trim every followed stream
   to `stream_len` entries (a worker's own MAXLEN is not trusted).
 - Entries are applied with a time budget: past `apply_budget` seconds of the event loop
-  the feed yields before the next entry, so `/health` and routing run between them. An
-  entry's epoch is checked before its batch is decoded: an old epoch's entries cost a
-  few field reads each.
+  the feed yields, so `/health` and routing run between its steps. A step is at most one
+  event's decode (a batch over SLICED_BYTES is decoded an event at a time; msgpack holds
+  the GIL, so a thread would not free the loop) or one run of RUN_BLOCKS blocks applied
+  to the index. An entry's epoch is checked before its batch is decoded: an old epoch's
+  entries cost a few field reads each.
 - A worker's cursor outlives its membership: one that rejoins (DEL and rewrite of its
   hash) or changes its model is read on from where the router was, not from "0". One
   back within DEPARTED_S keeps its state and blocks too (a heartbeat that lapsed).
@@ -88,7 +90,9 @@ from shared.serving.aio import reraise_if_cancelled
 from shared.wire.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
+    BatchReader,
     BlockRemoved,
+    EventBatch,
     KVEvent,
     StreamEntry,
     parse_header,
@@ -99,7 +103,19 @@ log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "syncing", "rebuilding", "stale", "lagging", "block_size")
 APPLY_BUDGET_S = 0.005  # event-loop time spent applying entries before yielding once
-POLL_S = 0.05  # between reads of idle streams (a sized read cannot block in Redis)
+# A sized read cannot block in Redis, so the feed polls: POLL_S after a read that found
+# entries, twice as long after each one that found none, up to POLL_MAX_S (and the
+# fleet's `idle`). Polling at POLL_S alone cost an idle router 10-17 ms of CPU a second
+# (20 reads; most of it in the kernel), 0.1-0.3 ms a routed request at the rates the
+# router-tokens bench runs: the KV-event mode's regression against XREAD BLOCK.
+POLL_S = 0.05
+POLL_MAX_S = 0.4
+# A batch larger than this is decoded an event at a time (shared/wire/kv_events.py
+# BatchReader), the loop free between; smaller ones in one call (~1 ms).
+SLICED_BYTES = 64 * 1024
+# Events are applied to the index in runs of up to this many blocks (~1-2 us each), one
+# call a run; the feed may yield between runs. An honest entry is one run.
+RUN_BLOCKS = 2048
 TRIM_EVERY_S = 1.0  # between the router's trims of the followed streams (cheap: MAXLEN ~)
 MAX_CURSORS = 4096  # departed workers' cursors kept (registry MAX_WORKERS)
 DEPARTED_S = 30.0  # a departed worker's state and blocks kept for its return
@@ -171,6 +187,9 @@ class KvEventFeed:
         self._block_sizes: dict[str, int] = {}  # worker id -> its heartbeat's block size
         self._host_capacity: dict[str, int] = {}  # worker id -> its host tier in tokens
         self._trimmed = 0.0
+        self._wait = POLL_S  # before the run loop's next read (see POLL_S)
+        self._more = False  # the last read was cut by `read_count`: more is waiting
+        self._slice_at = 0.0  # perf_counter time the feed last let the loop run
         self._turn = 0  # rotates the read order (`readable`)
         self.read_count = read_count
         self.max_lag = max_lag
@@ -350,6 +369,7 @@ class KvEventFeed:
 
     async def _poll_once(self) -> int:
         cursors = self.readable()
+        self._more = False
         if not cursors:
             return 0
         try:
@@ -361,9 +381,9 @@ class KvEventFeed:
             return 0
         read = 0
         clock = time.perf_counter
-        budget = self.apply_budget
-        started = clock()
+        self._slice_at = clock()
         for wid, entries in replies:
+            self._more |= len(entries) >= self.read_count
             for entry_id, fields in entries:
                 state = self.streams.get(wid)
                 if state is None:  # (not while this task applies: follow runs between)
@@ -372,15 +392,18 @@ class KvEventFeed:
                     break  # its CPU share is spent: the rest waits in its stream
                 state.cursor = entry_id
                 read += 1
-                step = clock()
+                began = clock()
                 for _ in self._raw_steps(wid, fields):
                     now = clock()
-                    state.credit -= now - step
-                    if now - started > budget:
+                    if now - self._slice_at > self.apply_budget:
+                        state.credit -= now - began  # the stream pays its own steps only
                         await asyncio.sleep(0)  # let requests and /health run between
-                        started = now = clock()
-                    step = now
-                state.credit -= clock() - step
+                        began = self._slice_at = clock()
+                now = clock()
+                state.credit -= now - began
+                if now - self._slice_at > self.apply_budget:
+                    await asyncio.sleep(0)  # and between entries
+                    self._slice_at = clock()
             state = self.streams.get(wid)
             if state is not None:
                 self._check_lag(state, entries)
@@ -412,14 +435,24 @@ class KvEventFeed:
             if self._stale(self.streams[wid], header.epoch):
                 self.dropped["stale_epoch"] += 1
                 return
-            entry = header.decode()
+            if len(header.payload) <= SLICED_BYTES:
+                entry = header.decode()
+            else:  # up to 4 MB: an event a step; the entry is applied whole or not at all
+                reader = BatchReader(header.payload)
+                events = []
+                for event in reader.events():
+                    events.append(event)
+                    yield
+                batch = EventBatch(reader.ts, tuple(events))
+                entry = StreamEntry(wid, header.epoch, header.seq, batch, header.resync)
         except ValueError as exc:
             reason = "other_worker" if "another worker" in str(exc) else "malformed"
             if "too large" in str(exc):
                 reason = "oversized"
             self.dropped[reason] += 1
             return
-        yield  # decoded: up to 4 MB of msgpack
+        if wid not in self.streams:
+            return  # gone while it was decoded
         yield from self._entry_steps(wid, entry)
 
     @staticmethod
@@ -434,8 +467,9 @@ class KvEventFeed:
             pass
 
     def _entry_steps(self, wid: str, entry: StreamEntry) -> Iterator[None]:
-        """`apply_stream_entry`, one event at a time: the reader may yield to the event
-        loop at each step (one event of up to 8,192 blocks; an entry holds up to 4,096)."""
+        """`apply_stream_entry` in runs of events of up to RUN_BLOCKS blocks (an event
+        holds up to 8,192, an entry up to 4,096 events): the reader may yield to the
+        event loop between runs. An honest entry is one run, one index call."""
         state = self.streams[wid]
         if self._stale(state, entry.epoch):
             self.dropped["stale_epoch"] += 1
@@ -466,19 +500,30 @@ class KvEventFeed:
             events = events[clear:]  # a known state after all (vLLM cleared its cache)
             state.status = "ok"
         index = self.indexes.get(state.model, _EMPTY)
-        for event in events:
-            if not in_default_namespace(event):
+        run: list[KVEvent] = []
+        blocks = 0
+        last = len(events) - 1
+        for i, event in enumerate(events):
+            if in_default_namespace(event):
+                run.append(event)
+                blocks += 1 + len(getattr(event, "block_hashes", ()))
+            else:
                 self.dropped["namespace"] += 1  # the index holds a model's default namespace
+            if not run or (blocks < RUN_BLOCKS and i < last):
                 continue
             try:
-                index.apply(wid, (event,), self.route_clock())
+                index.apply(wid, run, self.route_clock())
             except ValueError:  # a block size other than the model's
                 self.dropped["block_size"] += 1
                 self._untrust(wid, "block_size")
                 return
             if state.status == "rebuilding":
-                self._count_removals(wid, state, (event,))
-            yield
+                self._count_removals(wid, state, run)
+            run, blocks = [], 0
+            if i < last:
+                yield
+                if self.streams.get(wid) is not state:
+                    return  # it left (or rejoined afresh) while the loop ran
         state.applied += 1
 
     def _rebuild(self, wid: str, cause: str) -> None:
@@ -500,18 +545,24 @@ class KvEventFeed:
             state.status = "ok"  # the pool has turned over: see the module doc
 
     async def run(self, members: Callable[[], Iterable[FeedMember]], idle: float) -> None:
-        """Follow the fleet, read and trim forever (cancel to stop)."""
+        """Follow the fleet, read and trim forever (cancel to stop); the reads' pace is
+        POLL_S's rule."""
         loop = asyncio.get_running_loop()
+        longest = max(POLL_S, min(POLL_MAX_S, idle))
         while True:
             self.follow(members())
             failures = self.failures
             if self.streams:
-                await self.poll(block_ms=int(idle * 1000))  # waits up to `idle` for news
+                read = await self._poll_once()
                 if loop.time() - self._trimmed > TRIM_EVERY_S:
                     self._trimmed = loop.time()
                     await self._trim()
+                if read and self._more:
+                    continue  # a full read: more is waiting
+                self._wait = POLL_S if read else min(2 * self._wait, longest)
             if not self.streams or self.failures != failures:
-                await asyncio.sleep(idle)
+                self._wait = idle
+            await asyncio.sleep(self._wait)
 
     async def _trim(self) -> None:
         try:
