@@ -77,14 +77,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from redis.exceptions import RedisError
 
-from router.holdings.kv_index import BlockIndex
+from router.holdings.kv_index import BlockIndex, Dropping
 from router.holdings.namespace import in_default_namespace
 from shared.serving.aio import reraise_if_cancelled
 from shared.wire.kv_events import (
@@ -92,6 +92,7 @@ from shared.wire.kv_events import (
     AllBlocksCleared,
     BatchReader,
     BlockRemoved,
+    BlockStored,
     EventBatch,
     KVEvent,
     StreamEntry,
@@ -190,6 +191,7 @@ class KvEventFeed:
         self._wait = POLL_S  # before the run loop's next read (see POLL_S)
         self._more = False  # the last read was cut by `read_count`: more is waiting
         self._slice_at = 0.0  # perf_counter time the feed last let the loop run
+        self._drops: deque[Dropping] = deque()  # workers' blocks being dropped, in steps
         self._turn = 0  # rotates the read order (`readable`)
         self.read_count = read_count
         self.max_lag = max_lag
@@ -316,9 +318,22 @@ class KvEventFeed:
             self._drop_blocks(state.model, wid)
 
     def _drop_blocks(self, model: str, wid: str) -> None:
+        """Its blocks go from the books now, from the index's holders in steps (the run
+        loop's, or before the worker's next events apply: `_settle_drops`)."""
         index = self.indexes.get(model)
         if index is not None:
-            index.drop_worker(wid)
+            self._drops.append(index.dropping(wid, RUN_BLOCKS))
+
+    def _settle_drops(self) -> Iterator[None]:
+        """The pending drops to their end, a step at a time."""
+        drops = self._drops
+        while drops:
+            yield from drops[0]
+            drops.popleft()
+
+    def _dropping(self, index: BlockIndex) -> set[str]:
+        """Workers whose holder entries in `index` are still being dropped."""
+        return {d.worker for d in self._drops if d.index is index} if self._drops else set()
 
     def _untrust(self, wid: str, status: str) -> None:
         self._forget(wid)
@@ -380,8 +395,8 @@ class KvEventFeed:
             log.debug("KV event streams unreadable: %s", exc)
             return 0
         read = 0
-        clock = time.perf_counter
-        self._slice_at = clock()
+        self._slice_at = time.perf_counter()
+        await self._run_steps(self._settle_drops(), None)
         for wid, entries in replies:
             self._more |= len(entries) >= self.read_count
             for entry_id, fields in entries:
@@ -392,22 +407,30 @@ class KvEventFeed:
                     break  # its CPU share is spent: the rest waits in its stream
                 state.cursor = entry_id
                 read += 1
-                began = clock()
-                for _ in self._raw_steps(wid, fields):
-                    now = clock()
-                    if now - self._slice_at > self.apply_budget:
-                        state.credit -= now - began  # the stream pays its own steps only
-                        await asyncio.sleep(0)  # let requests and /health run between
-                        began = self._slice_at = clock()
-                now = clock()
-                state.credit -= now - began
-                if now - self._slice_at > self.apply_budget:
-                    await asyncio.sleep(0)  # and between entries
-                    self._slice_at = clock()
+                await self._run_steps(self._raw_steps(wid, fields), state)
             state = self.streams.get(wid)
             if state is not None:
                 self._check_lag(state, entries)
         return read
+
+    async def _run_steps(self, steps: Iterator[None], state: StreamState | None) -> None:
+        """Run `steps`, letting the event loop run whenever `apply_budget` has passed since
+        it last did (and after the last step); `state`'s stream pays for its steps."""
+        clock = time.perf_counter
+        began = clock()
+        for _ in steps:
+            now = clock()
+            if now - self._slice_at > self.apply_budget:
+                if state is not None:
+                    state.credit -= now - began  # the stream pays its own steps only
+                await asyncio.sleep(0)  # let requests and /health run between
+                began = self._slice_at = clock()
+        now = clock()
+        if state is not None:
+            state.credit -= now - began
+        if now - self._slice_at > self.apply_budget:
+            await asyncio.sleep(0)
+            self._slice_at = clock()
 
     def _check_lag(self, state: StreamState, entries: Sequence[tuple[bytes, object]]) -> None:
         """A full read means more is waiting: behind by more than max_lag is untrusted."""
@@ -467,9 +490,9 @@ class KvEventFeed:
             pass
 
     def _entry_steps(self, wid: str, entry: StreamEntry) -> Iterator[None]:
-        """`apply_stream_entry` in runs of events of up to RUN_BLOCKS blocks (an event
-        holds up to 8,192, an entry up to 4,096 events): the reader may yield to the
-        event loop between runs. An honest entry is one run, one index call."""
+        """`apply_stream_entry` in runs of up to RUN_BLOCKS blocks (`_runs`): the reader
+        may yield to the event loop between runs. An honest entry is one run, one index
+        call."""
         state = self.streams[wid]
         if self._stale(state, entry.epoch):
             self.dropped["stale_epoch"] += 1
@@ -499,17 +522,14 @@ class KvEventFeed:
         elif state.status == "rebuilding" and clear is not None:
             events = events[clear:]  # a known state after all (vLLM cleared its cache)
             state.status = "ok"
+        yield from self._settle_drops()  # none of its old blocks may outlive its new ones
         index = self.indexes.get(state.model, _EMPTY)
-        run: list[KVEvent] = []
-        blocks = 0
-        last = len(events) - 1
-        for i, event in enumerate(events):
-            if in_default_namespace(event):
-                run.append(event)
-                blocks += 1 + len(getattr(event, "block_hashes", ()))
-            else:
-                self.dropped["namespace"] += 1  # the index holds a model's default namespace
-            if not run or (blocks < RUN_BLOCKS and i < last):
+        for run in _runs(events, self.dropped):
+            if self.streams.get(wid) is not state:
+                return  # it left (or rejoined afresh) while the loop ran
+            if isinstance(run[0], AllBlocksCleared):
+                self._drop_blocks(state.model, wid)
+                yield from self._settle_drops()
                 continue
             try:
                 index.apply(wid, run, self.route_clock())
@@ -519,11 +539,7 @@ class KvEventFeed:
                 return
             if state.status == "rebuilding":
                 self._count_removals(wid, state, run)
-            run, blocks = [], 0
-            if i < last:
-                yield
-                if self.streams.get(wid) is not state:
-                    return  # it left (or rejoined afresh) while the loop ran
+            yield
         state.applied += 1
 
     def _rebuild(self, wid: str, cause: str) -> None:
@@ -583,11 +599,11 @@ class KvEventFeed:
         if index is None:
             return {}
         usable = ("ok", "rebuilding")  # rebuilding: beside its tree (see the module doc)
-        streams = self.streams
+        streams, dropping = self.streams, self._dropping(index)
         return {
             w: n
             for w, n in index.match(tokens).items()
-            if (s := streams.get(w)) is not None and s.status in usable
+            if (s := streams.get(w)) is not None and s.status in usable and w not in dropping
         }
 
     def match_tiers(
@@ -599,11 +615,11 @@ class KvEventFeed:
         if index is None:
             return {}
         usable = ("ok", "rebuilding")  # as in `match`
-        streams = self.streams
+        streams, dropping = self.streams, self._dropping(index)
         return {
             w: n
             for w, n in index.match_tiers(tokens).items()
-            if (s := streams.get(w)) is not None and s.status in usable
+            if (s := streams.get(w)) is not None and s.status in usable and w not in dropping
         }
 
     def lost_at(self, model: str, tokens: Sequence[int] | np.ndarray, wid: str, held: int) -> float:
@@ -655,6 +671,54 @@ def members_of(streams: dict[str, StreamState]) -> dict[str, list[str]]:
     for wid, state in streams.items():
         by_model.setdefault(state.model, []).append(wid)
     return by_model
+
+
+def _runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[list[KVEvent]]:
+    """`events` in runs of up to RUN_BLOCKS blocks, each AllBlocksCleared a run of its own
+    (the feed drops the worker's blocks in steps), an event in another namespace left out
+    (counted), an event of more blocks split into pieces (`_pieces`)."""
+    run: list[KVEvent] = []
+    blocks = 0
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            if run:
+                yield run
+                run, blocks = [], 0
+            yield [event]
+            continue
+        if not in_default_namespace(event):
+            dropped["namespace"] += 1  # the index holds a model's default namespace
+            continue
+        for piece in _pieces(event):
+            n = len(piece.block_hashes)  # type: ignore[union-attr]
+            if run and blocks + n > RUN_BLOCKS:
+                yield run
+                run, blocks = [], 0
+            run.append(piece)
+            blocks += n
+    if run:
+        yield run
+
+
+def _pieces(event: KVEvent) -> Iterator[KVEvent]:
+    """`event` in pieces of up to RUN_BLOCKS blocks, applied as the whole would be: each
+    stored piece under the last block of the one before."""
+    hashes: tuple = getattr(event, "block_hashes", ())
+    if len(hashes) <= RUN_BLOCKS:
+        yield event
+        return
+    n = RUN_BLOCKS
+    for i in range(0, len(hashes), n):
+        if isinstance(event, BlockRemoved):
+            yield BlockRemoved(hashes[i : i + n], event.medium)
+        elif isinstance(event, BlockStored):
+            bs, keys = event.block_size, event.extra_keys
+            yield BlockStored(
+                hashes[i : i + n],
+                event.parent_block_hash if i == 0 or bs == 0 else hashes[i - 1],
+                event.token_ids[i * bs : (i + n) * bs],
+                bs, event.medium, None if keys is None else keys[i : i + n],
+            )  # fmt: skip
 
 
 def _last_clear(events: Sequence[KVEvent]) -> int | None:

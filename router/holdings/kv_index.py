@@ -77,6 +77,26 @@ class _WorkerBlocks:
                 extra.pop((engine_hash, bit), None)
 
 
+class Dropping:
+    """A worker's holder entries in one index, cleared `run` a step (`BlockIndex.dropping`).
+    An iterator, not a generator: one left part-way goes on where it stopped."""
+
+    def __init__(self, index: BlockIndex, worker: str, keys: list[int], run: int) -> None:
+        self.index, self.worker, self.keys, self.run = index, worker, keys, run
+        self.at = 0
+
+    def __iter__(self) -> Dropping:
+        return self
+
+    def __next__(self) -> None:
+        if self.at >= len(self.keys):
+            raise StopIteration
+        unhold, worker = self.index._unhold, self.worker
+        for key in self.keys[self.at : self.at + self.run]:  # a key twice: unheld once
+            unhold(worker, key, 7)
+        self.at += self.run
+
+
 class BlockIndex:
     """One model's blocks of `block_size` tokens -> their holders."""
 
@@ -248,11 +268,17 @@ class BlockIndex:
 
     def drop_worker(self, worker: str) -> None:
         """Forget everything `worker` holds (cleared, restarted, gone, out of sync)."""
+        for _ in self.dropping(worker):
+            pass
+
+    def dropping(self, worker: str, run: int = 4096) -> Dropping:
+        """`drop_worker` in steps of `run` blocks (~1 us each), for a caller that lets
+        other work run between them (a worker's share can be 100k+ blocks: one call
+        stalled a router ~0.1-1 s per rejoin). Its books go at once (`blocks_of` is 0);
+        its holder entries a step at a time, so until the steps end `match` may still
+        name it: the caller must not route on it, nor apply its events here, meanwhile."""
         wb = self._workers.pop(worker, None)
-        if wb is None:
-            return
-        for key in set(wb.by_hash.values()):
-            self._unhold(worker, key, 7)
+        return Dropping(self, worker, list(wb.by_hash.values()) if wb is not None else [], run)
 
     # ---- lookups ----------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
