@@ -49,8 +49,9 @@ out of the feed or reaches the index.
 
 Bounds against a worker's credential (issue 30: one worker's stream stalled every router):
 - Sizes are checked in Redis before a read (shared/wire/registry.py `read_kv_events`): an
-  entry over MAX_ENTRY_BYTES never crosses the wire. Routers trim every followed stream
-  to `stream_len` entries (a worker's own MAXLEN is not trusted).
+  entry over MAX_ENTRY_BYTES never crosses the wire, and the reader trims the stream past
+  it (measured once, its memory back to Redis). Routers trim every followed stream to
+  `stream_len` entries (a worker's own MAXLEN is not trusted).
 - Entries are applied with a time budget: past `apply_budget` seconds of the event loop
   the feed yields, so `/health` and routing run between its steps. A step is at most one
   event's decode (a batch over SLICED_BYTES is decoded an event at a time; msgpack holds
@@ -84,7 +85,7 @@ from dataclasses import dataclass
 import numpy as np
 from redis.exceptions import RedisError
 
-from router.holdings.kv_index import BlockIndex, Dropping
+from router.holdings.kv_index import BlockIndex, Dropping, Freeing
 from router.holdings.namespace import in_default_namespace
 from shared.serving.aio import reraise_if_cancelled
 from shared.wire.kv_events import (
@@ -191,7 +192,8 @@ class KvEventFeed:
         self._wait = POLL_S  # before the run loop's next read (see POLL_S)
         self._more = False  # the last read was cut by `read_count`: more is waiting
         self._slice_at = 0.0  # perf_counter time the feed last let the loop run
-        self._drops: deque[Dropping] = deque()  # workers' blocks being dropped, in steps
+        self._drops: deque[Dropping | Freeing] = deque()  # blocks being dropped, in steps
+        self._oversized: dict[str, bytes] = {}  # worker -> its last oversized entry read
         self._turn = 0  # rotates the read order (`readable`)
         self.read_count = read_count
         self.max_lag = max_lag
@@ -309,8 +311,11 @@ class KvEventFeed:
         return min(fair, SHARE_SLACK * -(-tokens // block_size))
 
     def drop_model(self, model: str) -> None:
-        """Free `model`'s index (no followed worker serves it)."""
-        self.indexes.pop(model, None)
+        """Free `model`'s index (no followed worker serves it), in steps as a drop is."""
+        index = self.indexes.pop(model, None)
+        if index is not None:
+            self._drops = deque(d for d in self._drops if d.index is not index)
+            self._drops.append(index.freeing(RUN_BLOCKS))
 
     def _forget(self, wid: str) -> None:
         state = self.streams.get(wid)
@@ -407,11 +412,24 @@ class KvEventFeed:
                     break  # its CPU share is spent: the rest waits in its stream
                 state.cursor = entry_id
                 read += 1
+                if b"oversized" in fields:
+                    self._oversized[wid] = entry_id
                 await self._run_steps(self._raw_steps(wid, fields), state)
             state = self.streams.get(wid)
             if state is not None:
                 self._check_lag(state, entries)
+        await self._trim_oversized()
         return read
+
+    async def _trim_oversized(self) -> None:
+        """Trim each stream past the oversized entry just read (registry.py says why)."""
+        while self._oversized:
+            wid, entry_id = self._oversized.popitem()
+            try:
+                await self.registry.trim_kv_events_past(wid, entry_id)
+            except (RedisError, OSError, TimeoutError) as exc:
+                reraise_if_cancelled()
+                log.debug("KV event stream %s not trimmed: %s", wid, exc)
 
     async def _run_steps(self, steps: Iterator[None], state: StreamState | None) -> None:
         """Run `steps`, letting the event loop run whenever `apply_budget` has passed since

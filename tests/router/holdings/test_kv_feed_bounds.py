@@ -44,10 +44,9 @@ async def test_an_oversized_entry_is_measured_in_redis_and_never_read(redis: Red
     big = entry_fields("w", 1.0, 1, b"\x00" * (MAX_BATCH_BYTES + 4096))
     await redis.xadd(Registry(redis).kv_events_key("w"), big)  # type: ignore[arg-type]
     await write(redis, "w", 1.0, 2, chain(2, 1, parent=1))
-    replies = await Registry(redis).read_kv_events({"w": "0"}, 10)
-    (_, entries), = replies  # fmt: skip
+    (_, entries), = await Registry(redis).read_kv_events({"w": "0"}, 10)  # fmt: skip
     sizes = [sum(len(v) for v in fields.values()) for _, fields in entries]
-    assert len(entries) == 3 and max(sizes) < 1024, sizes  # the big one came back as its size
+    assert len(entries) == 2 and max(sizes) < 1024, sizes  # the big one came back as its size
     size = sum(len(k) + len(v if isinstance(v, bytes) else v.encode()) for k, v in big.items())
     assert entries[1][1] == {b"oversized": str(size).encode()}
 
@@ -57,6 +56,28 @@ async def test_an_oversized_entry_is_measured_in_redis_and_never_read(redis: Red
     assert feed.dropped["oversized"] == 1
     # The hole it leaves is a gap: the worker's index is rebuilt from what follows.
     assert feed.status_of("w") == "rebuilding" and feed.match("m", [2, 2]) == {}
+
+
+async def test_a_read_measures_one_oversized_entry_and_the_reader_trims_it(redis: Redis) -> None:
+    """8 x 64 MB in one MULTI were copied into the read script at once (512 MB of Redis
+    memory, every router's read, until 10,000 newer entries pushed them out): a read
+    stops at a stream's first oversized entry, and the router that met it trims it away."""
+    key = Registry(redis).kv_events_key("w")
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    for seq in range(1, 4):
+        fields = entry_fields("w", 1.0, seq, b"\x00" * (MAX_BATCH_BYTES + 4096))
+        await redis.xadd(key, fields)  # type: ignore[arg-type]
+    await write(redis, "w", 1.0, 4, chain(2, 1, parent=1))
+    (_, entries), = await Registry(redis).read_kv_events({"w": "0"}, 10)  # fmt: skip
+    assert [list(f) for _, f in entries] == [
+        [b"worker", b"epoch", b"seq", b"batch"],
+        [b"oversized"],
+    ]
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await drain(feed)
+    assert feed.dropped["oversized"] == 3 and await redis.xlen(key) == 1  # the last one left
+    assert feed.status_of("w") == "rebuilding"
 
 
 async def test_routers_trim_a_stream_its_worker_does_not(redis: Redis) -> None:
@@ -140,6 +161,20 @@ async def test_a_rejoining_workers_blocks_are_dropped_in_steps(redis: Redis) -> 
     assert len({n for n, _ in seen if 0 < n < 8_000}) >= 3  # other turns between steps
     assert all(named == () for _, named in seen)
     assert len(index) == 1 and feed.match("m", [50_000, 50_000]) == {"w": 2}
+
+
+async def test_a_model_nobody_serves_is_freed_in_steps(redis: Redis) -> None:
+    """A model flip every second freed a model's whole index at once (finding 7's fix
+    made the stall): its blocks go in steps, the loop running between."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 8_000))
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await drain(feed)
+    old = feed.indexes["m"]
+    feed.follow([FeedMember("w", "flip", 1.0, block_size=2)])  # a new model field
+    assert list(feed.indexes) == ["flip"]
+    seen = await watch(feed, lambda: len(old))
+    assert len({n for n in seen if 0 < n < 8_000}) >= 3 and len(old) == 0
 
 
 async def test_a_malformed_large_batch_is_dropped_whole(redis: Redis) -> None:
