@@ -219,12 +219,16 @@ class KvEventFeed:
             if state is None:  # a join, or a rejoin (its hash was gone for a while)
                 state = self._rejoin(m.worker_id, m.model)
             if state is None or state.model != m.model:
+                fresh = StreamState(m.model, m.epoch)
                 if state is not None:
                     self._forget(m.worker_id)
-                    cursor = state.cursor  # a model change: read on, not from "0"
+                    fresh.cursor = state.cursor  # a model change: read on, not from "0"
+                    # and on the CPU share it has left (a fresh burst each flip gave a
+                    # worker changing its model every second half the event loop)
+                    fresh.credit, fresh.credited_at = state.credit, state.credited_at
                 else:
-                    cursor = self._cursors.pop(m.worker_id, "0")  # a rejoin: read on
-                self.streams[m.worker_id] = StreamState(m.model, m.epoch, cursor)
+                    fresh.cursor = self._cursors.pop(m.worker_id, "0")  # a rejoin: read on
+                self.streams[m.worker_id] = fresh
                 continue
             if m.epoch != state.heartbeat_epoch:
                 state.heartbeat_epoch = m.epoch
@@ -388,6 +392,9 @@ class KvEventFeed:
         return False
 
     async def _poll_once(self) -> int:
+        self._slice_at = time.perf_counter()
+        if self._drops:  # (follow's: a departed or restarted worker, an unused model)
+            await self._run_steps(self._settle_drops(), None)
         cursors = self.readable()
         self._more = False
         if not cursors:
@@ -401,7 +408,6 @@ class KvEventFeed:
             return 0
         read = 0
         self._slice_at = time.perf_counter()
-        await self._run_steps(self._settle_drops(), None)
         for wid, entries in replies:
             self._more |= len(entries) >= self.read_count
             for entry_id, fields in entries:

@@ -335,3 +335,17 @@ async def test_a_stream_past_its_cpu_share_waits_unread(redis: Redis) -> None:
     await asyncio.sleep(0.05)
     await drain(feed)
     assert feed.status_of("w") == "ok" and feed.match("m", [1, 1, 2, 2, 3, 3]) == {"w": 6}
+
+
+async def test_a_model_change_keeps_the_spent_cpu_share(redis: Redis) -> None:
+    """A worker that changed its model every second got a fresh CPU burst each time
+    (/health p50 39 ms under the model-flip attack): its share is the worker's."""
+    for seq in range(3):
+        await write(
+            redis, "w", 1.0, seq, *([AllBlocksCleared()] if seq == 0 else []), chain(seq + 1, 1)
+        )
+    feed = KvEventFeed(Registry(redis), cpu_share=0.0, cpu_burst=1e-9)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    assert await feed.poll() == 1  # one entry, then its credit is spent
+    feed.follow([FeedMember("w", "flip", 1.0, block_size=2)])
+    assert await feed.poll() == 0 and feed.throttled
