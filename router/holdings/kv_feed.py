@@ -514,7 +514,7 @@ class KvEventFeed:
             pass
 
     def _entry_steps(self, wid: str, entry: StreamEntry) -> Iterator[None]:
-        """`apply_stream_entry` in runs of up to RUN_BLOCKS blocks (`_runs`): the reader
+        """`apply_stream_entry` in runs of up to RUN_BLOCKS blocks (`_event_runs`): the reader
         may yield to the event loop between runs. An honest entry is one run, one index
         call."""
         state = self.streams[wid]
@@ -548,7 +548,7 @@ class KvEventFeed:
             state.status = "ok"
         yield from self._settle_drops()  # none of its old blocks may outlive its new ones
         index = self.indexes.get(state.model, _EMPTY)
-        for run in _runs(events, self.dropped):
+        for run in _event_runs(events, self.dropped):
             if self.streams.get(wid) is not state:
                 return  # it left (or rejoined afresh) while the loop ran
             if isinstance(run[0], AllBlocksCleared):
@@ -697,7 +697,7 @@ def members_of(streams: dict[str, StreamState]) -> dict[str, list[str]]:
     return by_model
 
 
-def _runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[list[KVEvent]]:
+def _event_runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[list[KVEvent]]:
     """`events` in runs of up to RUN_BLOCKS blocks, each AllBlocksCleared a run of its own
     (the feed drops the worker's blocks in steps), an event in another namespace left out
     (counted), an event of more blocks split into pieces (`_pieces`)."""
