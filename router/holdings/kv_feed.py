@@ -546,7 +546,8 @@ class KvEventFeed:
         elif state.status == "rebuilding" and clear is not None:
             events = events[clear:]  # a known state after all (vLLM cleared its cache)
             state.status = "ok"
-        yield from self._settle_drops()  # none of its old blocks may outlive its new ones
+        if self._drops:  # none of its old blocks may outlive its new ones
+            yield from self._settle_drops()
         index = self.indexes.get(state.model, _EMPTY)
         for run in _event_runs(events, self.dropped):
             if self.streams.get(wid) is not state:
@@ -713,7 +714,12 @@ def _event_runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[li
         if not in_default_namespace(event):
             dropped["namespace"] += 1  # the index holds a model's default namespace
             continue
-        for piece in _pieces(event):
+        n = len(event.block_hashes)  # type: ignore[union-attr]
+        if blocks + n <= RUN_BLOCKS:  # the common case: the event joins the run
+            run.append(event)
+            blocks += n
+            continue
+        for piece in _pieces(event) if n > RUN_BLOCKS else (event,):
             n = len(piece.block_hashes)  # type: ignore[union-attr]
             if run and blocks + n > RUN_BLOCKS:
                 yield run
@@ -727,10 +733,7 @@ def _event_runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[li
 def _pieces(event: KVEvent) -> Iterator[KVEvent]:
     """`event` in pieces of up to RUN_BLOCKS blocks, applied as the whole would be: each
     stored piece under the last block of the one before."""
-    hashes: tuple = getattr(event, "block_hashes", ())
-    if len(hashes) <= RUN_BLOCKS:
-        yield event
-        return
+    hashes: tuple = event.block_hashes  # type: ignore[union-attr]
     n = RUN_BLOCKS
     for i in range(0, len(hashes), n):
         if isinstance(event, BlockRemoved):
