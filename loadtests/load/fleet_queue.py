@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -41,6 +42,7 @@ from loadtests.load.cluster import ROOT, Child, Cluster, WorkerSpec, serve_route
 from loadtests.load.workloads import words
 from shared.procs import free_port, wait_until
 
+NO_BEFORE = "none"  # --before-ref none: this tree's side alone
 CLASSES = ("interactive", "standard", "batch")
 TIER = {"interactive": "priority", "standard": "default", "batch": "flex"}
 
@@ -278,7 +280,9 @@ def saturation_rate(args: argparse.Namespace) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--before-ref", default="main", help="today's router: this git ref")
+    p.add_argument(
+        "--before-ref", default="main", help=f"today's router: this git ref ({NO_BEFORE}: skip it)"
+    )
     p.add_argument("--workload", choices=["shared_prefix", "multi_turn"], default="shared_prefix")
     p.add_argument("--loads", default="0.5,1.5", help="rates, as multiples of saturation")
     p.add_argument("--seconds", type=float, default=30.0, help="schedule length per run")
@@ -310,13 +314,15 @@ async def _main(args: argparse.Namespace) -> dict:
         heartbeat_s=0.2, max_running=args.max_running, extra=("--log-level", "WARNING"),
     )  # fmt: skip
     results: dict = {"saturation_rps": sat, "args": vars(args), "runs": []}
-    before_name = f"@{short(args.before_ref)}"
+    before_name = "" if args.before_ref == NO_BEFORE else f"@{short(args.before_ref)}"
+    skip_before = args.before_ref == NO_BEFORE
     with (
         tempfile.TemporaryDirectory() as tmp,
-        checkout(args.before_ref) as before,
+        contextlib.nullcontext() if skip_before else checkout(args.before_ref) as before,
         sim_cluster(args.workers, spec) as fleet,
     ):
-        sides = [(before_name, before, False), ("this tree", None, True)]
+        sides = [] if skip_before else [(before_name, before, False)]
+        sides.append(("this tree", None, True))
         for load in (float(x) for x in args.loads.split(",")):
             plan_of = schedule(args, load * sat)
             for name, tree, new in sides:
@@ -362,8 +368,20 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.1f} ms"
 
 
+def defaults() -> argparse.Namespace:
+    """Every option at its default (another command's starting point: `sweep --multi-tenant`)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Both sides at every load of `args.loads`; the results `--json` writes."""
+    return asyncio.run(_main(args))
+
+
 def main(args: argparse.Namespace) -> int:
-    results = asyncio.run(_main(args))
+    results = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

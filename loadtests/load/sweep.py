@@ -28,6 +28,18 @@ Prints one table (per policy and rate: offered, sent and answered req/s, goodput
 and TPOT p99, hit rate, spread), writes `sweep.json` (each point under vLLM's field names) and
 `sweep.png` (latency vs offered load, one line per policy), and ends with a verdict:
 "cache_aware sustains 8 req/s within the SLO, round_robin 4".
+
+    python -m loadtests sweep --multi-tenant --rates 0.5,1,1.5,2 [--before-ref main]
+
+`--multi-tenant` sweeps the fleet queue's workload instead (`fleet-queue`,
+loadtests/load/fleet_queue.py: `--tenants` tenants, one sending `--flood` times its
+share, three classes, open loop) through today's router (`--before-ref`) and this tree's,
+side by side, each rate a multiple of the fleet's saturation rate and every rate run
+(past saturation is the point). The fleet and the workload's other knobs are
+`fleet-queue`'s defaults; `--workload` (shared_prefix or multi_turn) and `--seconds`
+apply. Per side and rate: goodput at SLO, attainment per class, hit rate, Jain, 429 and
+503; a rate is *kept* when goodput at SLO is at least `KEEP_UP` of the offered rate or,
+past saturation, of the saturation rate (what the fleet can serve at all).
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ from loadtests.kit import (
     clock_text,
     options_from_namespace,
 )
+from loadtests.load import fleet_queue
 from loadtests.load.cluster import Cluster, ClusterSpec
 from loadtests.load.compare import POLICIES, WORKLOAD_DEFAULTS, RouterSpec
 from loadtests.load.records import RequestRecord, read_records
@@ -328,6 +341,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--users", type=int, default=64, help=f"most requests in flight (max_concurrency) {d}"
     )
     p.add_argument("--keep-going", action="store_true", help="every rate, also past saturation")
+    p.add_argument(
+        "--multi-tenant", action="store_true",
+        help="fleet-queue's tenants and classes, today's router vs this tree; "
+        "--rates are multiples of saturation",
+    )  # fmt: skip
+    p.add_argument("--before-ref", default="main", help=f"--multi-tenant: today's router {d}")
+    p.add_argument("--tenants", type=int, default=8, help=f"--multi-tenant: tenants {d}")
+    p.add_argument(
+        "--flood", type=float, default=10.0, help=f"--multi-tenant: t0 sends this x its share {d}"
+    )
     p.add_argument("--workers", type=int, default=4, help=f"sim workers {d}")
     p.add_argument(
         "--cache-tokens", type=int, default=4096, help=f"KV capacity per sim worker, tokens {d}"
@@ -349,6 +372,8 @@ def main(args: argparse.Namespace) -> int:
     rates = sorted({float(r) for r in args.rates.split(",") if r.strip()})
     if not rates or min(rates) <= 0:
         raise ValueError(f"--rates wants positive req/s, comma-separated, got {args.rates!r}")
+    if args.multi_tenant:
+        return multi_tenant(args, rates)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     slo = SLO.parse(args.slo)
     workload = options_from_namespace(args)
@@ -373,4 +398,59 @@ def main(args: argparse.Namespace) -> int:
     plot(results, args.out / "sweep.png", f"{workload.workload}, {where}: latency vs load")
     print(f"plot: {args.out / 'sweep.png'}")
     print(f"{verdict(results, slo)} ({clock_text(time.monotonic() - started)})")
+    return 0
+
+
+# -- --multi-tenant: the fleet queue's workload past saturation --------------------------
+def kept(run: dict, saturation_rps: float) -> bool:
+    """Goodput at SLO at least KEEP_UP of what the fleet could serve at this rate."""
+    return run["goodput_rps"] >= KEEP_UP * min(run["rate_rps"], saturation_rps)
+
+
+def multi_tenant_table(results: dict) -> str:
+    sat = results["saturation_rps"]
+    lines = [
+        "| router | load (x saturation) | offered (req/s) | goodput@SLO (req/s) | interactive "
+        "| standard | batch | hit rate | Jain | 429 | 503 | kept |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(results["runs"], key=lambda r: (r["side"], r["load"])):
+        c = r["classes"]
+        att = [fleet_queue._pct(c[k]["attainment"]) for k in fleet_queue.CLASSES]
+        hit = fleet_queue._pct(r["hit_rate"])
+        refused = sum(c[k]["429"] for k in c)
+        failed = sum(c[k]["503"] for k in c)
+        lines.append(
+            f"| {r['side']} | {r['load']:g} | {r['rate_rps']:.1f} | {r['goodput_rps']:.2f} "
+            f"| {' | '.join(att)} | {hit} | {r['jain']:.3f} | {refused} | {failed} "
+            f"| {'yes' if kept(r, sat) else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def multi_tenant(args: argparse.Namespace, loads: list[float]) -> int:
+    ns = fleet_queue.defaults()
+    ns.loads = ",".join(f"{x:g}" for x in loads)
+    ns.seconds, ns.before_ref = args.seconds, args.before_ref
+    ns.tenants, ns.flood = args.tenants, args.flood
+    if args.workload in ("shared_prefix", "multi_turn"):
+        ns.workload = args.workload
+    started = time.monotonic()
+    results = fleet_queue.run(ns)
+    print(multi_tenant_table(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sweep.json").write_text(json.dumps(results, indent=2) + "\n")
+    sat = results["saturation_rps"]
+    sides: dict[str, list[dict]] = {}
+    for r in results["runs"]:
+        sides.setdefault(r["side"], []).append(r)
+    said = []
+    for side, runs in sides.items():
+        past = [r for r in runs if r["load"] > 1]
+        worst = min((r["goodput_rps"] for r in past), default=None)
+        kept_all = all(kept(r, sat) for r in runs)
+        tail = "" if worst is None else f", at least {worst / sat:.2f}x saturation past it"
+        said.append(f"{side} {'keeps' if kept_all else 'does not keep'} goodput at SLO{tail}")
+    print(f"verdict ({ns.workload}, saturation {sat:.1f} req/s): {'; '.join(said)} "
+          f"({clock_text(time.monotonic() - started)})")  # fmt: skip
     return 0
