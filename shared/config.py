@@ -192,6 +192,11 @@ class RouterConfig(_Frozen):
     # A waiting request is urgent once this fraction of its class's TTFT objective has
     # passed: it then takes any free seat, ahead of affinity.
     queue_urgent_fraction: float = Field(0.5, gt=0, le=1)
+    # Replicas (sync on): each grows its count on a worker by at most this share of the
+    # worker's seats (at least 1) above the least it held there over the last three
+    # `sync_load_interval`s, so N replicas hold at most seats + (N - 1) x that share
+    # (router/queue/seats.py).
+    queue_replica_slack: float = Field(0.25, gt=0, le=1)
     forward_authorization: bool = False
     drain_timeout: float = Field(30.0, ge=0)
     # After SIGTERM, keep serving (readiness 503) this long before refusing new requests,

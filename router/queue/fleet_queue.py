@@ -56,7 +56,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from router.queue.seats import Seats
+from router.queue.seats import WINDOW_INTERVALS, Seats
 from router.queue.stats import QueueStats
 from router.queue.tenants import Tenant, Tenants
 from router.queue.ticket import Seat, Ticket
@@ -105,7 +105,11 @@ class FleetQueue:
     ) -> None:
         self.config, self.fleet, self.affinity, self.clock = config, fleet, affinity, clock
         self.tenants = Tenants(config)
-        self.seats = Seats(fleet.workers, remote, config.queue_seat_factor, config.max_concurrent)
+        window = math.ceil(WINDOW_INTERVALS * config.sync_load_interval / TICK_S)
+        self.seats = Seats(
+            fleet.workers, remote, config.queue_seat_factor, config.max_concurrent,
+            config.queue_replica_slack, window,
+        )  # fmt: skip
         self.stats = QueueStats(self.tenants, stats_registry)  # type: ignore[arg-type]
         self._slo = {c: getattr(config.classes, c).ttft_slo_s for c in CLASSES}
         self._seq = itertools.count()
