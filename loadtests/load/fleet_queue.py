@@ -247,6 +247,21 @@ async def watch_seats(fleet: Cluster, seats: int, stop: asyncio.Event) -> dict:
             "share_of_samples_over": over / samples if samples else 0.0}  # fmt: skip
 
 
+async def placed(routers: list[Child]) -> dict[str, float]:
+    """Where this tree's queue placed its waiting requests against their best predicted
+    worker (`radix_router_queue_placed_total`, summed over the replicas)."""
+    out: dict[str, float] = {}
+    prefix = "radix_router_queue_placed_total{"
+    async with aiohttp.ClientSession() as session:
+        for child in routers:
+            async with session.get(child.url + "/metrics") as r:
+                for line in (await r.text()).splitlines():
+                    if line.startswith(prefix):
+                        name = line.split('placed="', 1)[1].split('"', 1)[0]
+                        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def hit_rate(fleet: Cluster) -> tuple[float, float]:
     return (
         fleet.worker_counter("radix_worker_cached_tokens_total"),
@@ -334,6 +349,8 @@ async def _main(args: argparse.Namespace) -> dict:
                     )
                 plan = [Sent(s.at, s.tenant, s.klass, s.prompt) for s in plan_of]
                 out = await run_side(args, fleet, [c.url for c in routers], plan, new)
+                if new:
+                    out["placed"] = await placed(routers)
                 out.update(side=name, load=load, rate_rps=load * sat, sent=len(plan))
                 results["runs"].append(out)
                 print(render(out), flush=True)
@@ -349,7 +366,13 @@ def render(run: dict) -> str:
         f"goodput@SLO {run['goodput_rps']:.2f} req/s, hit rate {_pct(run['hit_rate'])}, "
         f"Jain {run['jain']:.3f}, others' TTFT p50 {_ms(run['others_ttft_p50_s'])}, "
         f"worker max held {run['seats']['max_held']}/{run['seats']['seats']} seats"
+        f" (over in {100 * run['seats']['share_of_samples_over']:.1f}% of samples)"
     ]
+    if run.get("placed"):
+        lines.append(
+            f"{'':>12}waiting requests placed: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in run["placed"].items())
+        )
     for klass, c in run["classes"].items():
         lines.append(
             f"{'':>12}{klass:<12} sent {c['sent']:>5}  goodput {c['goodput_rps']:6.2f}/s  "

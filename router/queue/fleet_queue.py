@@ -15,7 +15,7 @@ looking at the first `SCAN` requests of each tenant's FIFO per class, in this or
         predicted there than on w, and has a free seat in this same pass is not w's:
         it takes its best worker's seat instead (urgent or not: a free seat where it
         hits costs no wait);
-     b. a request is held, while not urgent (step 3), for its best worker when that one
+     b. a request is held, until critical (step 3), for its best worker when that one
         holds over twice w's prediction, and away from w while the turn it extends (a
         request of its tenant whose prompt is a prefix of its own) is still before its
         first byte on w: sent now, it would find that prompt not yet in w's cache. A
@@ -30,9 +30,12 @@ looking at the first `SCAN` requests of each tenant's FIFO per class, in this or
      seat no one with credit can use: a seat never stays empty for fairness. Between
      tenants with work waiting in a class, service follows their weights to within a
      quantum, which is also how far locality may run ahead of fairness (DLPM's bound);
-  3. urgency: a request that waited `queue_urgent_fraction` of its class's TTFT
-     objective goes first, the earliest deadline first, and is held for no worker
-     (0b): it would miss its deadline waiting for its best one;
+  3. urgency: a request that waited `queue_urgent_fraction` (f) of its class's TTFT
+     objective goes first, the earliest deadline first, still on its best worker
+     (0b holds it from the others: that one frees a seat soon, and a seat away costs
+     its whole cached prefix). Once critical, halfway from there to its deadline
+     (waited (1 + f) / 2 of the objective), it is held for no worker: it would miss its
+     deadline waiting for its best one;
   4. the longest predicted cached prefix on w (affinity);
   5. arrival order.
 Urgency never lifts a request over a higher class (a flood of standard requests past
@@ -326,17 +329,20 @@ class FleetQueue:
                         and self._serves(ticket.best, ticket, now, routable)
                     ):
                         continue  # 0a: its best worker's seat is free in this pass
-                    if now >= ticket.urgent_at:
+                    if now >= ticket.critical_at:
                         key: tuple = (False, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
                     else:
                         held = (away and ticket.best_units > 2 * here) or (
                             bool(prefilling) and _extends(ticket, prefilling)
                         )
-                        key = (held, ticket.rank, broke, 1, -here, ticket.seq)
+                        if now >= ticket.urgent_at:
+                            key = (held, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
+                        else:
+                            key = (held, ticket.rank, broke, 1, -here, ticket.seq)
                     if best_key is None or key < best_key:
                         best, best_key = ticket, key
                         where = (
-                            "urgent" if key[3] == 0 else "held" if key[0] else "near"
+                            "held" if key[0] else "urgent" if key[3] == 0 else "near"
                         ) if away else "best"  # fmt: skip
         return None if best is None else (best, where)
 

@@ -20,8 +20,8 @@ class Ticket:
     """One request through the queue: who, which class, and where it sits."""
 
     __slots__ = (
-        "arrived", "best", "best_units", "deadline", "exclude", "first_byte", "future",
-        "klass", "model", "rank", "request", "seated", "seq", "status", "tenant",
+        "arrived", "best", "best_units", "critical_at", "deadline", "exclude", "first_byte",
+        "future", "klass", "model", "rank", "request", "seated", "seq", "status", "tenant",
         "units", "units_at", "urgent_at", "worker",
     )  # fmt: skip
 
@@ -33,6 +33,8 @@ class Ticket:
         self.request, self.model, self.seq = request, model, seq
         self.arrived, self.deadline = now, now + slo_s
         self.urgent_at = now + slo_s * urgent_fraction
+        # Halfway from urgent to the deadline: held for no worker (fleet_queue.py's rule).
+        self.critical_at = now + slo_s * (1 + urgent_fraction) / 2
         self.units: Mapping[str, float] = {}  # predicted cached prefix per worker
         self.units_at = now
         self.best, self.best_units = "", 0.0

@@ -18,6 +18,7 @@ from loadtests.load.runner import RunSpec
 from loadtests.load.summary import SLO, summarize
 from loadtests.load.sweep import (
     Point,
+    kept,
     late_share,
     load_for,
     rates_per_s,
@@ -128,3 +129,32 @@ def test_the_saturation_point_moves_when_workers_are_added(tmp_path: Path) -> No
     assert found == {1: (4, 8), 2: (8, 16)}
     result = json.loads((tmp_path / "w2/round_robin/rate_16/summary.json").read_text())
     assert result["request_rate"] == 16 and result["max_concurrency"] == 48
+
+
+def test_a_multi_tenant_rate_is_kept_up_to_what_the_fleet_can_serve() -> None:
+    below = {"rate_rps": 5.0, "goodput_rps": 4.6}
+    past = {"rate_rps": 30.0, "goodput_rps": 18.5}
+    assert kept(below, saturation_rps=20.0) and not kept({**below, "goodput_rps": 4.4}, 20.0)
+    # Past saturation the fleet can serve 20 at most: 18.5 of it is kept, 17 is not.
+    assert kept(past, 20.0) and not kept({**past, "goodput_rps": 17.0}, 20.0)
+
+
+# fleet-queue's workload (its tenants, classes and open-loop client) through this tree's
+# router, below and past saturation, on fleet-queue's default sim fleet.
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sweep_runs_the_multi_tenant_workload_past_saturation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sweep", "--multi-tenant", "--rates", "0.5,1.5", "--seconds", "4",
+            "--before-ref", "none", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "sweep.json").read_text())
+    runs = {r["load"]: r for r in results["runs"]}
+    assert set(runs) == {0.5, 1.5}
+    assert runs[1.5]["rate_rps"] > results["saturation_rps"] > runs[0.5]["rate_rps"]
+    for run in runs.values():
+        assert set(run["classes"]) == {"interactive", "standard", "batch"}
+        assert sum(c["503"] for c in run["classes"].values()) == 0
+    out = capsys.readouterr().out
+    assert "| this tree | 1.5 |" in out and "verdict (shared_prefix" in out

@@ -123,9 +123,16 @@ async def test_an_urgent_request_takes_a_worse_worker_but_not_a_higher_class() -
     queue, clock = _queue({"w0": 1, "w1": 1}, affinity)
     fillers = await _fill(queue, 2)
     on_w0 = next(t for t in fillers if t.worker == "w0")
-    urgent = _ticket(queue, "hit-w1", klass="batch")  # SLO 120 s: urgent after 60 s
+    # SLO 120 s: urgent after 60 s (first on w1, still held from w0), critical after 90 s
+    urgent = _ticket(queue, "hit-w1", klass="batch")
     await _enter(queue, urgent)
     clock.advance(61)
+    early = _ticket(queue, "cold", klass="batch")
+    await _enter(queue, early)
+    queue.done(on_w0)  # urgent, not critical: w0's seat goes to the cold one
+    assert early.worker == "w0" and urgent.worker is None
+    on_w0 = early
+    clock.advance(30)
     fresh = _ticket(queue, "cold", klass="batch")
     interactive = _ticket(queue, "cold", klass="interactive")  # SLO 1 s, just in
     await _enter(queue, fresh)
@@ -141,11 +148,11 @@ async def test_a_request_takes_its_best_workers_seat_when_both_come_free() -> No
     # order would put w0 first: the requests that hit on w1 take w1's seat instead,
     # urgent or not (the rule's 0a), and a cold one takes w0's.
     affinity = {"hit-w1": {"w1": 100.0}, "near-w1": {"w0": 60.0, "w1": 100.0}, "cold": {}}
-    for text, wait in (("hit-w1", 61.0), ("near-w1", 0.0)):
+    for text, wait in (("hit-w1", 91.0), ("near-w1", 0.0)):
         remote = {"w0": 1, "w1": 1}
         queue, clock = _queue({"w0": 1, "w1": 1}, affinity, remote)
         queue.seats.refresh()  # the replica's counts read: both workers full
-        ticket = _ticket(queue, text, klass="batch")  # urgent after 60 s
+        ticket = _ticket(queue, text, klass="batch")  # critical after 90 s
         await _enter(queue, ticket)
         clock.advance(wait)
         remote.clear()
