@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -216,3 +217,22 @@ def test_config_refuses_a_shared_key_and_a_bad_weight() -> None:
         load_config(
             RouterConfig, overrides={"classes": {"interactive": {"ttft_slo_s": 0}}}, environ={}
         )
+
+
+def test_a_config_file_error_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        "policy: cache_aware\n"
+        "tenants:\n"
+        "  a: {keys: [k1]}\n"
+        "  b:\n"
+        "    keys:\n"
+        "      - k2\n"
+        "      - k1\n"
+        "    weight: 1\n"
+    )
+    with pytest.raises(ConfigError, match=r"keys\[1\] is also a key of tenant 'a'.*line 7\)"):
+        load_config(RouterConfig, path, environ={})
+    path.write_text("tenants:\n  a:\n    keys: [k]\n    weight: 0\n")
+    with pytest.raises(ConfigError, match=r"tenants\.a\.weight: .*greater than 0.*line 4\)"):
+        load_config(RouterConfig, path, environ={})
