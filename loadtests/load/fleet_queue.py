@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -210,6 +211,7 @@ def router_config(args: argparse.Namespace, new: bool, sync: bool) -> dict:
         config["tenants"] = {f"t{t}": {"keys": [f"key-t{t}"]} for t in range(args.tenants)}
         config["classes"] = {k: {"ttft_slo_s": v} for k, v in _slo(args).items()}
         config["queue_timeout"] = args.max_wait
+        config["queue_seat_factor"] = args.seat_factor
     return config
 
 
@@ -275,7 +277,8 @@ async def run_side(
     fleet.flush()
     cached0, prompt0 = hit_rate(fleet)
     stop = asyncio.Event()
-    watcher = asyncio.create_task(watch_seats(fleet, args.max_running, stop))
+    per_worker = math.ceil(args.max_running * (args.seat_factor if new else 1.0))
+    watcher = asyncio.create_task(watch_seats(fleet, per_worker, stop))
     await drive(urls, plan, new, args.drain)
     stop.set()
     seats = await watcher
@@ -308,6 +311,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="1,4,60", help="TTFT objective s: interactive,standard,batch")
     p.add_argument("--max-wait", type=float, default=20.0, help="each tenant's max_queue_wait_s")
     p.add_argument("--replicas", type=int, default=1, help="routers per side (2: sync on)")
+    p.add_argument(
+        "--seat-factor", type=float, default=1.0, help="this tree's queue_seat_factor"
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-running", type=int, default=4, help="each worker's seats")
     p.add_argument("--decode-ms", type=float, default=25.0)
