@@ -148,8 +148,12 @@ class Seats:
 
     def describe(self, worker_id: str) -> dict[str, int | None]:
         """The seat figures /workers shows for a worker."""
-        return {
-            "seats": self.seats(worker_id),
+        seats = self.seats(worker_id)
+        out = {
+            "seats": seats,
             "seated": self.held.get(worker_id, 0),
             "remote_in_flight": self._remote().get(worker_id, 0),
         }
+        if self.replicas and seats is not None:
+            out["replica_ceiling"] = self.ceiling(worker_id, seats)  # floor + slack, now
+        return out

@@ -77,6 +77,7 @@ def test_a_lone_router_fills_every_seat_at_once() -> None:
         assert seats.free("w")
         seats.take("w")
     assert not seats.free("w")
+    assert "replica_ceiling" not in seats.describe("w")
 
 
 def test_a_replica_grows_by_the_slack_per_window() -> None:
@@ -92,3 +93,11 @@ def test_a_replica_grows_by_the_slack_per_window() -> None:
     # 2 (a quarter of 8) above the least held over the window (3 refreshes): 2 at once,
     # 2 more once the window no longer remembers holding fewer.
     assert taken == [2, 0, 0, 0] * 4 and seats.held["w"] == 8
+    # /workers shows the ceiling: the least held over the window (6, before the last
+    # two were taken) + 2.
+    assert seats.describe("w") == {
+        "seats": 8,
+        "seated": 8,
+        "remote_in_flight": 0,
+        "replica_ceiling": 8,
+    }
