@@ -311,9 +311,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="1,4,60", help="TTFT objective s: interactive,standard,batch")
     p.add_argument("--max-wait", type=float, default=20.0, help="each tenant's max_queue_wait_s")
     p.add_argument("--replicas", type=int, default=1, help="routers per side (2: sync on)")
-    p.add_argument(
-        "--seat-factor", type=float, default=1.0, help="this tree's queue_seat_factor"
-    )
+    p.add_argument("--seat-factor", type=float, default=1.0, help="this tree's queue_seat_factor")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-running", type=int, default=4, help="each worker's seats")
     p.add_argument("--decode-ms", type=float, default=25.0)

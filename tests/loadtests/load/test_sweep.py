@@ -21,6 +21,7 @@ from loadtests.load.sweep import (
     kept,
     late_share,
     load_for,
+    multi_tenant_verdict,
     rates_per_s,
     saturation,
     sustained_rate,
@@ -131,12 +132,26 @@ def test_the_saturation_point_moves_when_workers_are_added(tmp_path: Path) -> No
     assert result["request_rate"] == 16 and result["max_concurrency"] == 48
 
 
-def test_a_multi_tenant_rate_is_kept_up_to_what_the_fleet_can_serve() -> None:
-    below = {"rate_rps": 5.0, "goodput_rps": 4.6}
-    past = {"rate_rps": 30.0, "goodput_rps": 18.5}
-    assert kept(below, saturation_rps=20.0) and not kept({**below, "goodput_rps": 4.4}, 20.0)
-    # Past saturation the fleet can serve 20 at most: 18.5 of it is kept, 17 is not.
-    assert kept(past, 20.0) and not kept({**past, "goodput_rps": 17.0}, 20.0)
+def test_a_multi_tenant_rate_is_kept_while_interactive_meets_its_objective() -> None:
+    def run(interactive: float | None, answered_503: int = 0) -> dict:
+        c = {"attainment": 1.0, "503": 0}
+        return {"classes": {"interactive": {**c, "attainment": interactive},
+                            "standard": {**c, "503": answered_503}, "batch": c}}  # fmt: skip
+
+    assert kept(run(0.995)) and kept(run(None))  # none sent: nothing to miss
+    assert not kept(run(0.98))
+    assert not kept(run(1.0, answered_503=1))  # a 503 from load is never kept
+    results = {"saturation_rps": 20.0, "args": {"workload": "shared_prefix"}, "runs": [
+        {**run(1.0), "side": "new", "load": 0.5, "goodput_rps": 9.9},
+        {**run(0.9), "side": "old", "load": 1.5, "goodput_rps": 17.0},
+        {**run(1.0), "side": "new", "load": 1.5, "goodput_rps": 27.0},
+        {**run(1.0), "side": "old", "load": 0.5, "goodput_rps": 9.8},
+    ]}  # fmt: skip
+    assert multi_tenant_verdict(results) == (
+        "verdict (shared_prefix, saturation 20.0 req/s): new keeps interactive at 0.5x, 1.5x; "
+        "goodput 9.9 / 27.0 req/s at 0.5x / 1.5x; old keeps interactive at 0.5x; "
+        "goodput 9.8 / 17.0 req/s at 0.5x / 1.5x"
+    )
 
 
 # fleet-queue's workload (its tenants, classes and open-loop client) through this tree's
