@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Protocol
 from router.queue.seats import WINDOW_INTERVALS, Seats
 from router.queue.stats import QueueStats
 from router.queue.tenants import Tenant, Tenants
-from router.queue.ticket import Seat, Ticket
+from router.queue.ticket import InPrefill, Seat, Ticket
 from shared.config import RouterConfig
 from shared.serving.errors import APIError
 from shared.wire.service_class import CLASSES, ServiceClass
@@ -81,10 +81,6 @@ TICK_S = 0.05
 # A waiting request's affinity is asked again once this old, at most this many a pass
 # (a tree walk is ~10 µs on an 8,000-char prompt, loadtests/results/tree.md).
 REFRESH_S = 0.1
-# A waiting turn is compared with at most this many of its tenant's requests in prefill
-# on the worker, the latest first (a non-streamed answer stays "before its first byte"
-# until it ends: the list can be as long as the worker's seats).
-PREFILL_SCAN = 8
 REFRESH_BUDGET = 32
 Affinity = Callable[["RouteRequest"], Mapping[str, float]]
 
@@ -121,10 +117,7 @@ class FleetQueue:
         self._slo = {c: getattr(config.classes, c).ttft_slo_s for c in CLASSES}
         self._seq = itertools.count()
         self._refreshes = 0  # affinity asks left in this pass
-        # Per worker and tenant, its seated requests whose answer has not begun (their
-        # prompt is not yet in the worker's cache): a turn that extends one waits for it
-        # (the rule's 0b).
-        self._prefilling: dict[tuple[str, Tenant], list[Ticket]] = {}
+        self._prefilling = InPrefill()  # a turn that extends one waits for it (0b)
         self.waiting = 0
         self.active = 0  # admitted: seated or passing, until their answer ends
         self.draining = False
@@ -229,26 +222,17 @@ class FleetQueue:
         if ticket.worker == worker_id:
             return
         if ticket.worker is not None:
-            self._prefilled(ticket)
+            self._prefilling.remove(ticket)
             self.seats.give(ticket.worker)
         self.seats.take(worker_id)
         ticket.worker = worker_id
-        self._prefilling.setdefault((worker_id, ticket.tenant), []).append(ticket)
+        self._prefilling.add(ticket, worker_id)
 
     def answered(self, ticket: Ticket, status: int) -> None:
         """The answer's head left (its first byte: the router's TTFT)."""
         if ticket.first_byte is None:
             ticket.first_byte, ticket.status = self.clock(), status
-            self._prefilled(ticket)
-
-    def _prefilled(self, ticket: Ticket) -> None:
-        """`ticket`'s prompt is in its worker's cache now, or never will be."""
-        key = (ticket.worker, ticket.tenant)
-        on = self._prefilling.get(key)  # type: ignore[arg-type]
-        if on is not None and ticket in on:
-            on.remove(ticket)
-            if not on:
-                del self._prefilling[key]  # type: ignore[index]
+            self._prefilling.remove(ticket)
 
     def done(self, ticket: Ticket) -> None:
         """The request ended, whatever the way: its seat frees and goes on at once."""
@@ -261,7 +245,7 @@ class FleetQueue:
         self._settle_idle()
 
     def _release_seat(self, ticket: Ticket) -> None:
-        self._prefilled(ticket)
+        self._prefilling.remove(ticket)
         self.seats.give(ticket.worker)  # type: ignore[arg-type]
         ticket.worker = None
         self.pump()
@@ -319,7 +303,7 @@ class FleetQueue:
             # A tenant without credit is looked at too, behind every one with credit in
             # the same class: it takes the seat only when no one else can use it.
             broke = tenant.credit <= 0
-            prefilling = self._prefilling.get((wid, tenant))
+            prefilling = self._prefilling.of(wid, tenant)
             for queue in tenant.queues:
                 for ticket in itertools.islice(queue, SCAN):
                     if not self._serves(wid, ticket, now, routable):
@@ -339,7 +323,7 @@ class FleetQueue:
                         key: tuple = (False, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
                     else:
                         held = (away and ticket.best_units > 2 * here) or (
-                            prefilling is not None and _extends(ticket, prefilling)
+                            prefilling is not None and InPrefill.extends(ticket, prefilling)
                         )
                         if now >= ticket.urgent_at:
                             key = (held, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
@@ -358,7 +342,7 @@ class FleetQueue:
         ticket.tenant.credit -= 1
         self.seats.take(wid)
         ticket.worker, ticket.seated = wid, now
-        self._prefilling.setdefault((wid, ticket.tenant), []).append(ticket)
+        self._prefilling.add(ticket, wid)
         ticket.exclude = [w for w in self.fleet.view(now, ticket.model).ids if w != wid]
         ticket.future.set_result(wid)  # type: ignore[union-attr]
 
@@ -392,14 +376,3 @@ class FleetQueue:
         """`async with queue.seat(ticket) as seat:` admitted (or refused) on entry; the
         seat is freed on exit, whatever the way out."""
         return Seat(self, ticket)
-
-
-def _extends(ticket: Ticket, prefilling: list[Ticket]) -> bool:
-    """Whether `ticket`'s prompt extends one of the last `PREFILL_SCAN` of its tenant's
-    requests on the worker still before their first byte (the next turn of a
-    conversation whose last turn is still in prefill)."""
-    text = ticket.request.text
-    return any(
-        len(p.request.text) < len(text) and text.startswith(p.request.text)
-        for p in itertools.islice(reversed(prefilling), PREFILL_SCAN)
-    )

@@ -23,9 +23,11 @@ intervals: whatever the others read of it in that window is at least floor(w). T
 bound this gives: with N replicas a worker holds at most seats(w) + (N - 1) x slack(w)
 (the last replica to take a seat saw room under seats(w) with every other one's count,
 and each of those counts has grown by at most slack(w) since it was published), as
-long as each replica's sync round keeps its interval (a round late by d widens the
-window by d; with Redis gone the replicas do not see each other at all). With 4 seats
-and the default slack: 5 of 4 with 2 replicas. The price: a replica fills a worker
+long as what a replica reads of another is under `WINDOW_INTERVALS` intervals old (each
+publishes and reads once an interval: a round later than that breaks the bound by what
+is seated meanwhile; with Redis gone the replicas do not see each other at all). The
+count published is the router's in flight, which trails a seat by the instant between
+the seat and the send. With 4 seats and the default slack: 5 of 4 with 2 replicas. The price: a replica fills a worker
 from empty at slack(w) seats per window, not at once (loadtests/results/fleet_queue.md
 measures both with 2 replicas).
 """
