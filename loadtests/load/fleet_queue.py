@@ -2,6 +2,11 @@
 
     python -m loadtests fleet-queue --before-ref main [--workload shared_prefix]
         [--loads 0.5,1.5] [--seconds 30] [--tenants 8] [--flood 10] [--replicas 1]
+        [--seat-factor 1.0]
+
+`--before-ref none` runs this tree's side alone. Since the fleet queue was merged,
+`main` queues too: today's router without a queue is aa1ca1e (the merge's first
+parent, loadtests/results/fleet_queue.md).
 
 One sim fleet (Redis, `--workers` sim workers of `--max-running` seats each, this
 tree's code) serves the same open-loop schedule twice per load, flushed in between:
@@ -17,7 +22,9 @@ within the class's TTFT objective), SLO attainment (of those sent), TTFT p50, 42
 503s; the fleet's hit rate (the workers' own cached / prompt token counters); Jain's
 index over the tenants' goodput, each divided by its fair share (weight-proportional
 max-min shares of the total goodput, capped at what the tenant sent), so 1.0 is a fair
-split; with `--replicas 2`, how far the busiest worker ran past its seats.
+split; how far the busiest worker ran past its seats (with `--replicas 2`, the
+replicas' bound); where this tree's queue placed its waiting requests against their best
+predicted worker (`radix_router_queue_placed_total`).
 """
 
 from __future__ import annotations
