@@ -115,6 +115,8 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 routed.cache_key = session_digest(
                     _session_namespace(tenant.name, request), cache_key
                 )
+                routed.pin_ttl = getattr(parsed, "cache_pin_ttl", None) or 0.0
+                routed.prompt_cache_key = cache_key
             ticket = queue.ticket(
                 tenant, klass,
                 RouteRequest(text, session_key, ids, model or "", namespace),
