@@ -204,13 +204,17 @@ def sync_wire_main(args: argparse.Namespace) -> int:
     fp = tokenizer_fingerprint(tokens.tokenizer)
     texts = [canonical_chat_text(ChatCompletionRequest.model_validate({"messages": m}).messages)
              for m in requests]  # fmt: skip
-    ids = [tokens.chat(m) for m in requests]
+    # What the router publishes: the tree's key (a TokenKey, two code units an id).
+    ids = [tokens.chat(m).tree_key() for m in requests]
     arms = {
         "text": (texts, RouterConfig(sync=True), None),
         "tokens": (ids, RouterConfig(sync=True, tokenizer="sim"), fp),
     }
-    raw = {"text": [len(t.encode()) for t in texts], "tokens": [4 * len(i) for i in ids]}
-    units = {"text": np.mean([len(t) for t in texts]), "tokens": np.mean([len(i) for i in ids])}
+    raw = {"text": [len(t.encode()) for t in texts], "tokens": [2 * len(i) for i in ids]}
+    units = {
+        "text": np.mean([len(t) for t in texts]),
+        "tokens": np.mean([len(i) // 2 for i in ids]),
+    }
     sizes: dict[str, list[int]] = {}
     cpu: dict[str, dict[str, list[float]]] = {a: {"publish": [], "apply": []} for a in arms}
     for _ in range(args.rounds):

@@ -18,13 +18,73 @@ only through the very pieces before it.
 
 Runs live in `PromptTokens`' bounded trie and are dropped with it; a prompt keeps its own
 chain alive only while the request that carries it is in flight.
+
+The router's prefix tree keys ids as a `TokenKey` (below): each run keeps its piece's
+key, so a prompt's key is one join of its runs' keys, with no Python object per id.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from itertools import chain
 
+import numpy as np
+
 from shared.wire.kv_events import block_key_list
+
+MAX_ID = 2**31 - 1  # the largest id a key holds (KV events and replica sync carry as many)
+
+
+class TokenKey(str):
+    """Token ids as the router's prefix tree keys them (router/holdings/tree.py): the ids'
+    uint32 little-endian bytes read as UTF-16 code units, two per id (low half first).
+
+    A str, so the tree compares and slices a 2k-id prompt in C (a memcmp over 8 KB)
+    where a tuple of ints compared item by item: match + insert cost 16 µs a request as
+    tuples, 2 µs as keys (loadtests/results/router_cpu.md). And it is the wire form
+    (`wire()`), so a replica turns a sync entry into a key with one decode, no int per id.
+    Two code units per id, never joined: an id <= MAX_ID has a high half <= 0x7FFF, so no
+    surrogate pair forms (`token_key` and replica sync refuse larger ones). Its own type
+    so that a key of ids never passes for text, nor text for ids."""
+
+    __slots__ = ()
+
+    def wire(self) -> bytes:
+        """The ids as uint32 little-endian bytes."""
+        return self.encode("utf-16-le", "surrogatepass")
+
+    def ids(self) -> list[int]:
+        return np.frombuffer(self.wire(), "<u4").tolist()  # type: ignore[no-any-return]
+
+
+def token_key(ids: Sequence[int] | np.ndarray) -> TokenKey | None:
+    """The key of `ids`; None when one is not a token id (< 0 or > MAX_ID, or not an int:
+    a client's token-id prompt can hold anything)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            return None
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > MAX_ID):
+            return None
+        return key_of_wire(ids.astype("<u4").tobytes())
+    try:
+        packed = array("i", ids)  # int32, in C: refuses non-ints and anything past 2**31 - 1
+    except (TypeError, OverflowError, ValueError):
+        return None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    raw = packed.tobytes()
+    if not raw[3::4].isascii():  # an id's top byte >= 0x80: its sign bit, a negative id
+        return None
+    return key_of_wire(raw)
+
+
+def key_of_wire(raw: bytes) -> TokenKey:
+    """The key of ids given as uint32 little-endian bytes, each <= MAX_ID (checked by the
+    caller: a larger one could pair two code units into one)."""
+    return TokenKey(raw.decode("utf-16-le", "surrogatepass"))
+
 
 # Per block size: (keys of the blocks ending in this run, ids after the last whole
 # block, the last key so far: 0 before the first block).
@@ -34,11 +94,12 @@ _Keyed = tuple[list[int], tuple[int, ...], int]
 class Run:
     """One piece's ids after a given prefix: a node of the conversation trie."""
 
-    __slots__ = ("ids", "keyed", "parent")
+    __slots__ = ("ids", "key", "keyed", "parent")
 
     def __init__(self, parent: Run | None, ids: tuple[int, ...]) -> None:
         self.parent = parent
         self.ids = ids
+        self.key = token_key(ids)  # None: an id the tree cannot key (the prompt is keyed whole)
         self.keyed: dict[int, _Keyed] = {}  # block size -> what `chain_keys` computed
 
 
@@ -82,9 +143,14 @@ class PromptIds(tuple[int, ...]):
     request) that knows its block keys when it was built from cached pieces."""
 
     last: Run | None = None  # the run of its last piece; None: keyed from scratch
+    key: TokenKey | None = None  # the tree's key, the runs' joined (from_runs)
 
     def tolist(self) -> list[int]:
         return list(self)
+
+    def tree_key(self) -> TokenKey | None:
+        """`token_key(self)`, from the runs' keys where they are carried."""
+        return self.key if self.key is not None else token_key(self)
 
     def block_keys(self, block_size: int) -> list[int]:
         """`block_keys(self, block_size)` as ints, from the runs' keys where it has them."""
@@ -93,16 +159,16 @@ class PromptIds(tuple[int, ...]):
         return chain_keys(self.last, block_size)
 
 
-def from_runs(last: Run) -> PromptIds:
-    """The ids of `last` and its ancestors, carrying `last` for their block keys."""
-    parts = []
-    run: Run | None = last
-    while run is not None:
-        parts.append(run.ids)
-        run = run.parent
+def from_runs(runs: Sequence[Run]) -> PromptIds:
+    """The ids of `runs` (a chain, root first), carrying the last for their block keys
+    and the runs' keys joined for the tree's."""
     flat: list[int] = []
-    for ids in reversed(parts):
-        flat += ids  # a list grown by tuples: a copy of pointers, 3x a chain iterator
+    keys = []
+    for run in runs:
+        flat += run.ids  # a list grown by tuples: a copy of pointers, 3x a chain iterator
+        keys.append(run.key)
     out = PromptIds(flat)
-    out.last = last
+    out.last = runs[-1]
+    if None not in keys:
+        out.key = TokenKey("".join(keys))  # type: ignore[arg-type]
     return out

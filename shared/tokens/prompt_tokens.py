@@ -129,6 +129,7 @@ class PromptTokens:
             return PromptIds(encode_prompt(self.tokenizer, text))
         runs = self._runs
         run: Run | None = None
+        chain = []
         first, *rest = text.split(self._split)  # a literal split: C speed, no regex scan
         # Keyed by the text after each tag (the first piece, before any tag, on its own
         # key); the ids include the tag's.
@@ -140,8 +141,8 @@ class PromptTokens:
             else:
                 self.hits += 1
             run = got
-        assert run is not None  # split() returns at least one piece
-        ids = from_runs(run)
+            chain.append(got)
+        ids = from_runs(chain)  # split() returns at least one piece
         bos = self._bos
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
             # Only where the first run is under two ids (it drops a doubled BOS itself).

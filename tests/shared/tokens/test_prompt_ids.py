@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.holdings.kv_index import BlockIndex
-from shared.tokens.prompt_ids import PromptIds
+from shared.tokens.prompt_ids import MAX_ID, PromptIds, TokenKey, key_of_wire, token_key
 from shared.tokens.prompt_tokens import PromptTokens, encode_prompt, load_tokenizer
 from shared.wire.kv_events import BlockStored, block_key_list, block_keys
 
@@ -58,6 +58,38 @@ def test_carried_keys_are_the_whole_prompts_keys(setting: str) -> None:
 
     check()
     assert router.piecewise
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, MAX_ID), max_size=40))
+def test_a_token_key_is_the_ids_bytes_two_code_units_an_id(ids: list[int]) -> None:
+    key = token_key(ids)
+    assert type(key) is TokenKey and len(key) == 2 * len(ids)
+    assert key.ids() == ids
+    assert key.wire() == np.asarray(ids, dtype="<u4").tobytes()  # replica sync's payload
+    assert key_of_wire(key.wire()) == key
+    assert token_key(np.asarray(ids, dtype=np.int64)) == key
+
+
+def test_a_token_key_refuses_what_is_no_token_id() -> None:
+    """A client's token-id prompt can hold anything: no key (the room keys it by text),
+    never an exception, and never an id whose halves pair into one code unit."""
+    for bad in ([-1], [MAX_ID + 1], [0xDC00D800], [2**70], [1.0], ["7"], [[1]], [None]):
+        assert token_key(bad) is None, bad  # type: ignore[arg-type]
+    assert token_key(np.asarray([5, -1])) is None
+    assert token_key(np.asarray([0.5])) is None
+    assert token_key(()) == ""
+
+
+def test_prompt_ids_carry_their_tree_key() -> None:
+    router = PromptTokens.load("sim")
+    chat = [{"role": "system", "content": "Keyed words. " * 30}]
+    for turn in range(4):
+        chat.append({"role": "user", "content": f"turn {turn}"})
+        ids = router.chat(chat)
+        assert ids.key is not None  # joined from the runs' keys, not rebuilt per request
+        assert ids.tree_key() == token_key(list(ids))
+        chat.append({"role": "assistant", "content": f"answer {turn}"})
 
 
 def test_the_caches_stay_within_their_bounds_and_stay_right() -> None:
