@@ -103,46 +103,38 @@ class Run:
         self.keyed: dict[int, _Keyed] = {}  # block size -> what `chain_keys` computed
 
 
-def chain_keys(last: Run, block_size: int) -> list[int]:
-    """The block keys of the ids of `last` and its ancestors, root first.
+def chain_keys(runs: Sequence[Run], block_size: int) -> list[int]:
+    """The block keys of the ids of `runs` (a chain, root first).
 
-    The runs not keyed yet at this block size (a new turn's few pieces; iteratively: a
-    chat of thousands of messages is a chain that deep) are keyed together, from the
-    last key before them."""
-    runs = []
-    run: Run | None = last
-    while run is not None and block_size not in run.keyed:
-        runs.append(run)
-        run = run.parent
-    if runs:
-        tail, prev = run.keyed[block_size][1:] if run is not None else ((), 0)
-        runs.reverse()
+    The runs not keyed yet at this block size (a new turn's few pieces, at the end) are
+    keyed together, from the last key before them. The chain is the list the prompt was
+    built from, so neither pass walks parent pointers."""
+    keyed = len(runs)
+    while keyed and block_size not in runs[keyed - 1].keyed:
+        keyed -= 1
+    if keyed < len(runs):
+        tail, prev = runs[keyed - 1].keyed[block_size][1:] if keyed else ((), 0)
         flat = list(tail)
         ends = []
-        for run in runs:
+        for run in runs[keyed:]:
             flat += run.ids
             ends.append(len(flat))
         keys = block_key_list(flat, block_size, prev)  # whole blocks only
         done = 0  # blocks keyed by the runs before
-        for run, end in zip(runs, ends, strict=True):
+        for run, end in zip(runs[keyed:], ends, strict=True):
             upto = end // block_size  # the blocks that end inside this run (or before)
             new = keys[done:upto]
             prev = new[-1] if new else prev
             run.keyed[block_size] = (new, tuple(flat[upto * block_size : end]), prev)
             done = upto
-    parts = []
-    run = last
-    while run is not None:
-        parts.append(run.keyed[block_size][0])
-        run = run.parent
-    return list(chain.from_iterable(reversed(parts)))
+    return list(chain.from_iterable([run.keyed[block_size][0] for run in runs]))
 
 
 class PromptIds(tuple[int, ...]):
     """A prompt's ids as a tuple of ints (what the token tree keys on, no conversion per
     request) that knows its block keys when it was built from cached pieces."""
 
-    last: Run | None = None  # the run of its last piece; None: keyed from scratch
+    runs: Sequence[Run] = ()  # the runs of its pieces, root first; none: keyed from scratch
     key: TokenKey | None = None  # the tree's key, the runs' joined (from_runs)
 
     def tolist(self) -> list[int]:
@@ -154,13 +146,13 @@ class PromptIds(tuple[int, ...]):
 
     def block_keys(self, block_size: int) -> list[int]:
         """`block_keys(self, block_size)` as ints, from the runs' keys where it has them."""
-        if self.last is None:
+        if not self.runs:
             return block_key_list(self, block_size)
-        return chain_keys(self.last, block_size)
+        return chain_keys(self.runs, block_size)
 
 
 def from_runs(runs: Sequence[Run]) -> PromptIds:
-    """The ids of `runs` (a chain, root first), carrying the last for their block keys
+    """The ids of `runs` (a chain, root first), carrying the runs for their block keys
     and the runs' keys joined for the tree's."""
     flat: list[int] = []
     keys = []
@@ -168,7 +160,7 @@ def from_runs(runs: Sequence[Run]) -> PromptIds:
         flat += run.ids  # a list grown by tuples: a copy of pointers, 3x a chain iterator
         keys.append(run.key)
     out = PromptIds(flat)
-    out.last = runs[-1]
+    out.runs = runs
     if None not in keys:
         out.key = TokenKey("".join(keys))  # type: ignore[arg-type]
     return out

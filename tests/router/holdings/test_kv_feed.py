@@ -166,3 +166,28 @@ def test_a_rebuilding_worker_scores_on_its_index_and_its_tree() -> None:
     assert feed.status_of("w") == "rebuilding" and feed.rebuilds == {"gap": 1, "marker": 1}
     apply(6, AllBlocksCleared())  # the engine cleared its cache: a known state
     assert feed.status_of("w") == "ok"
+
+
+def test_token_ids_that_are_not_token_ids_drop_their_entry() -> None:
+    """An event's token ids are checked in C (shared/wire/kv_events.py `_check_ids`): an id
+    past 31 bits, a negative one, a float, a string or a list drops the whole entry as
+    malformed; the entries around it still apply."""
+    import msgpack
+
+    feed = KvEventFeed(registry=None)  # type: ignore[arg-type]  # entries applied by hand
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+
+    def stored(ids: list, seq: int) -> dict[bytes, bytes]:
+        event = {"type": "BlockStored", "block_hashes": [seq + 100], "parent_block_hash": None,
+                 "token_ids": ids, "block_size": 2, "lora_id": None, "medium": None}  # fmt: skip
+        payload = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}, event]])
+        fields = entry_fields("w", 1.0, seq, payload)
+        return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+
+    bad = [[1, 2**31], [1, -1], [1, -(2**31)], [1, 2.0], [1, "2"], [1, [2]], [1, None], [1, 2**63]]
+    feed.apply_entry("w", stored([5, 6], 0))
+    for seq, ids in enumerate(bad, start=1):
+        feed.apply_entry("w", stored(ids, seq))
+    feed.apply_entry("w", stored([2**31 - 1, 0], len(bad) + 1))
+    assert feed.dropped["malformed"] == len(bad)
+    assert feed.match("m", [2**31 - 1, 0]) == {"w": 2}

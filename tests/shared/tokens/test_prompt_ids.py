@@ -130,7 +130,7 @@ def test_the_index_matches_carried_keys_as_plain_ids() -> None:
     index.apply("w0", [BlockStored(tuple(range(1, n // 4 + 1)), None, list(held)[:n], 4)])
     chat += [{"role": "assistant", "content": "two"}, {"role": "user", "content": "three"}]
     ids = router.chat(chat)
-    assert ids.last is not None  # carried, not keyed from scratch
+    assert ids.runs  # carried, not keyed from scratch
     assert index.match(ids) == index.match(np.asarray(list(ids))) == {"w0": n}
 
 
