@@ -128,14 +128,17 @@ def test_token_keys_match_and_count_whole_ids(
     share a low half (1, 0x10001, 0x20001) part inside an id, and that never counts."""
     keyed: PrefixTree[str] = PrefixTree(width=2)
     plain: PrefixTree[tuple[int, ...]] = PrefixTree()
-    for tree in (keyed, plain):
-        tree.set_cap("y", cap)
+    capped: PrefixTree[str] = PrefixTree(width=2)  # a cap in ids holds, in ids
+    capped.set_cap("y", cap)
     for now, (ids, tenant) in enumerate(ops):
         key = token_key(ids)
         assert key is not None and len(key) == 2 * len(ids)
         keyed.insert(key, tenant, now)
         plain.insert(tuple(ids), tenant, now)
+        capped.insert(key, tenant, now)
         keyed.check_integrity()
+        capped.check_integrity()
+        assert capped.tenant_size("y") <= cap
     for q in queries + [ids for ids, _ in ops]:
         assert keyed.match(token_key(q)) == plain.match(tuple(q))  # type: ignore[arg-type]
         path = keyed.match_path(token_key(q))  # type: ignore[arg-type]
