@@ -204,13 +204,13 @@ def sync_wire_main(args: argparse.Namespace) -> int:
     fp = tokenizer_fingerprint(tokens.tokenizer)
     texts = [canonical_chat_text(ChatCompletionRequest.model_validate({"messages": m}).messages)
              for m in requests]  # fmt: skip
-    # What the router publishes: the tree's key (a TokenKey, two code units an id).
+    # What the router publishes: the tree's key (a TokenKey, 4 chars an id).
     ids = [tokens.chat(m).tree_key() for m in requests]
     arms = {
         "text": (texts, RouterConfig(sync=True), None),
         "tokens": (ids, RouterConfig(sync=True, tokenizer="sim"), fp),
     }
-    raw = {"text": [len(t.encode()) for t in texts], "tokens": [2 * len(i) for i in ids]}
+    raw = {"text": [len(t.encode()) for t in texts], "tokens": [len(i) for i in ids]}
     units = {
         "text": np.mean([len(t) for t in texts]),
         "tokens": np.mean([len(i) // 2 for i in ids]),

@@ -13,7 +13,7 @@ entry never stops a loop):
             `tokenizer`: inflated to at most 4 bytes an id, a whole number of ids, each
             a valid token id, and the fingerprint (shared/tokens/fingerprint.py) must
             be the reader's own: ids of another tokenizer would pollute its tree. The
-            inflated bytes are the tree's TokenKey as they are (its UTF-16 code units:
+            inflated bytes are the tree's TokenKey as they are (Latin-1, a char a byte:
             shared/tokens/prompt_ids.py): written with one encode, read with one decode,
             no int per id.
   Both are capped at `sync_max_chars` elements (chars, or ids). A reader of the version
@@ -40,7 +40,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from shared.tokens.fingerprint import FINGERPRINT_LEN
-from shared.tokens.prompt_ids import MAX_ID, TokenKey, key_of_wire, token_key
+from shared.tokens.prompt_ids import (
+    KEY_WIDTH,
+    MAX_ID,
+    TokenKey,
+    ids_in_range,
+    key_of_wire,
+    token_key,
+)
 from shared.wire.peers import WORKER_ID
 
 # One stream field per decision, `replica id SEP worker id SEP zlib(text)`: a single
@@ -90,7 +97,7 @@ def encode_tokens(
     key = ids if type(ids) is TokenKey else token_key(ids[:max_ids])
     if not key:
         return None
-    packed = key[: 2 * max_ids].encode("utf-16-le", "surrogatepass")
+    packed = key[: KEY_WIDTH * max_ids].encode("latin-1")
     return header + worker_id.encode() + SEP + TOKENS + fingerprint.encode() + b":" + (
         zlib.compress(packed, 1)
     )  # fmt: skip
@@ -130,8 +137,8 @@ def decode_decision(
         return worker_id, raw.decode("utf-8", "replace")
     if not raw or len(raw) % 4:
         raise ValueError("token payload is not a whole number of ids")
-    if int(np.frombuffer(raw, dtype="<u4").max()) > MAX_TOKEN_ID:
-        raise ValueError("token id out of range")  # (and two halves could pair up)
+    if not ids_in_range(raw):
+        raise ValueError("token id out of range")
     return worker_id, key_of_wire(raw)
 
 

@@ -1,9 +1,9 @@
 """Approximate multi-tenant radix tree: which worker probably caches which prefix.
 
 One shared tree over sequences, with the same code: ``str`` for request text, and for
-token ids their ``TokenKey`` (shared/tokens/prompt_ids.py: a str of two UTF-16 code units
-an id, so ids compare and slice as text does, in C, with no int object per id; a
-``width=2`` tree counts them in ids). A ``tuple[int, ...]`` works too, item by item.
+token ids their ``TokenKey`` (shared/tokens/prompt_ids.py: the ids' bytes as a str, four
+chars an id, so ids compare and slice as text does, in C, with no int object per id; a
+``width=4`` tree counts them in ids). A ``tuple[int, ...]`` works too, item by item.
 Each node holds a run of elements and records which tenants (workers) hold it and when
 each last used it. A tenant that holds a node holds every ancestor too, so each
 tenant's logical tree is the set of nodes it holds.
@@ -34,12 +34,12 @@ Cost model, the reason for the shape:
   so a node always sits after its descendants and the head is a tenant-leaf. (A
   split puts the new lower half at the tail; it is then only evicted together with
   its upper half, which is what the unsplit node would have been.)
-- Units: a unit is ``width`` elements (1: a char; 2: an id of a ``TokenKey``). Every
+- Units: a unit is ``width`` elements (1: a char; 4: an id of a ``TokenKey``). Every
   size, cap, budget and match length the tree takes or gives is in units; inside it
-  counts elements. Two keys can part between the two halves of an id (same low half:
-  ids 2**16 apart; never below 65,536 ids): a match ends at the last whole unit, a path
-  entry that adds no whole unit is left out, and the shared half is stored and counted
-  once (a size half an id under the ids', per such split).
+  counts elements. Two keys can part inside an id (ids that share their low bytes): a
+  match ends at the last whole unit, a path entry that adds no whole unit is left out,
+  and the shared bytes are stored and counted once (a size under the ids' by less than
+  an id per such split).
 - Sizes: ``tenant_size`` is a tenant's logical units (its own cap applies to it);
   ``total_chars`` is the units actually stored, shared nodes counted once (the global
   budget applies to it, as it is what costs memory). Crossing a budget on insert

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 
 import numpy as np
@@ -35,25 +35,26 @@ import numpy as np
 from shared.wire.kv_events import block_key_list
 
 MAX_ID = 2**31 - 1  # the largest id a key holds (KV events and replica sync carry as many)
+KEY_WIDTH = 4  # chars of a TokenKey per id
 
 
 class TokenKey(str):
     """Token ids as the router's prefix tree keys them (router/holdings/tree.py): the ids'
-    uint32 little-endian bytes read as UTF-16 code units, two per id (low half first).
+    uint32 little-endian bytes read as Latin-1, one char a byte, KEY_WIDTH chars an id.
 
     A str, so the tree compares and slices a 2k-id prompt in C (a memcmp over 8 KB)
-    where a tuple of ints compared item by item: match + insert cost 16 µs a request as
-    tuples, 2 µs as keys (loadtests/results/router_cpu.md). And it is the wire form
-    (`wire()`), so a replica turns a sync entry into a key with one decode, no int per id.
-    Two code units per id, never joined: an id <= MAX_ID has a high half <= 0x7FFF, so no
-    surrogate pair forms (`token_key` and replica sync refuse larger ones). Its own type
-    so that a key of ids never passes for text, nor text for ids."""
+    where a tuple of ints compared item by item (match + insert: 16 µs a request as
+    tuples, 2 µs as keys, loadtests/results/router_cpu.md). And it is the wire form
+    (`wire()`): a replica turns a sync entry into a key with one decode, no int per id.
+    Latin-1 maps every byte to one char with no error path (UTF-16 code units were tried:
+    ids whose low half is a surrogate went through the codec's error handler, ~1 µs
+    each). Its own type, so that a key of ids never passes for text, nor text for ids."""
 
     __slots__ = ()
 
     def wire(self) -> bytes:
         """The ids as uint32 little-endian bytes."""
-        return self.encode("utf-16-le", "surrogatepass")
+        return self.encode("latin-1")
 
     def ids(self) -> list[int]:
         return np.frombuffer(self.wire(), "<u4").tolist()  # type: ignore[no-any-return]
@@ -75,15 +76,20 @@ def token_key(ids: Sequence[int] | np.ndarray) -> TokenKey | None:
     if sys.byteorder == "big":
         packed.byteswap()
     raw = packed.tobytes()
-    if not raw[3::4].isascii():  # an id's top byte >= 0x80: its sign bit, a negative id
-        return None
+    if not ids_in_range(raw):
+        return None  # a negative id
     return key_of_wire(raw)
 
 
+def ids_in_range(raw: bytes) -> bool:
+    """Every uint32 little-endian id of `raw` is <= MAX_ID: each id's top byte is under
+    0x80 (one C pass over a strided slice)."""
+    return raw[3::4].isascii()
+
+
 def key_of_wire(raw: bytes) -> TokenKey:
-    """The key of ids given as uint32 little-endian bytes, each <= MAX_ID (checked by the
-    caller: a larger one could pair two code units into one)."""
-    return TokenKey(raw.decode("utf-16-le", "surrogatepass"))
+    """The key of ids given as uint32 little-endian bytes."""
+    return TokenKey(raw.decode("latin-1"))
 
 
 # Per block size: (keys of the blocks ending in this run, ids after the last whole
@@ -94,21 +100,39 @@ _Keyed = tuple[list[int], tuple[int, ...], int]
 class Run:
     """One piece's ids after a given prefix: a node of the conversation trie."""
 
-    __slots__ = ("ids", "key", "keyed", "parent")
+    __slots__ = ("chained", "ids", "key", "keyed", "parent", "whole")
 
     def __init__(self, parent: Run | None, ids: tuple[int, ...]) -> None:
         self.parent = parent
         self.ids = ids
-        self.key = token_key(ids)  # None: an id the tree cannot key (the prompt is keyed whole)
+        self.key = token_key(ids) or ""  # "" where an id is no token id (never a tokenizer's)
+        # Every run of the chain up to here has its key: a prompt's is their join.
+        self.chained = (parent is None or parent.chained) and (self.key or not ids)
         self.keyed: dict[int, _Keyed] = {}  # block size -> what `chain_keys` computed
+        # Block size -> the keys of every block up to this run's end, root first: held by
+        # one run of a line of turns at a time (`chain_keys` moves it on).
+        self.whole: dict[int, list[int]] = {}
 
 
-def chain_keys(runs: Sequence[Run], block_size: int) -> list[int]:
-    """The block keys of the ids of `runs` (a chain, root first).
+def chain_keys(
+    runs: Sequence[Run], block_size: int, grow: Callable[[int], None] | None = None
+) -> list[int]:
+    """The block keys of the ids of `runs` (a chain, root first), a new list.
 
     The runs not keyed yet at this block size (a new turn's few pieces, at the end) are
     keyed together, from the last key before them. The chain is the list the prompt was
-    built from, so neither pass walks parent pointers."""
+    built from, so neither pass walks parent pointers.
+
+    The whole chain's keys come from the deepest run before the last that holds them
+    (`whole`), extended by the runs after it and moved to the run before the last: the
+    next turn of the conversation extends that run, so a turn costs its new runs, not a
+    pass over all of them (a 20-turn chat has ~60: the pass was the largest part of the
+    KV index's lookup, loadtests/results/router_cpu.md). Moved, not copied, the lists
+    hold each key of a line of turns once; a prompt that branches off where no run holds
+    one (an edited turn, another chat on a shared system prompt) concatenates its runs
+    and starts a list of its own, whose 8 bytes a key go to `grow` (the caches' byte
+    bound, shared/tokens/prompt_tokens.py). The last run never holds one: a turn's
+    generation prompt is a leaf the next turn does not extend."""
     keyed = len(runs)
     while keyed and block_size not in runs[keyed - 1].keyed:
         keyed -= 1
@@ -127,7 +151,21 @@ def chain_keys(runs: Sequence[Run], block_size: int) -> list[int]:
             prev = new[-1] if new else prev
             run.keyed[block_size] = (new, tuple(flat[upto * block_size : end]), prev)
             done = upto
-    return list(chain.from_iterable([run.keyed[block_size][0] for run in runs]))
+    last = len(runs) - 1
+    held = last - 1
+    while held >= 0 and block_size not in runs[held].whole:
+        held -= 1
+    whole = runs[held].whole[block_size] if held >= 0 else []
+    between = runs[held + 1 : last]
+    if between:
+        added = list(chain.from_iterable([run.keyed[block_size][0] for run in between]))
+        if held >= 0:
+            del runs[held].whole[block_size]  # moved on, extended in place below
+        elif grow is not None:
+            grow(8 * (len(whole) + len(added)))
+        whole += added
+        runs[last - 1].whole[block_size] = whole
+    return whole + runs[last].keyed[block_size][0]  # a copy: `whole` changes as it moves
 
 
 class PromptIds(tuple[int, ...]):
@@ -135,7 +173,8 @@ class PromptIds(tuple[int, ...]):
     request) that knows its block keys when it was built from cached pieces."""
 
     runs: Sequence[Run] = ()  # the runs of its pieces, root first; none: keyed from scratch
-    key: TokenKey | None = None  # the tree's key, the runs' joined (from_runs)
+    key: TokenKey | None = None  # the tree's key, the runs' joined (PromptTokens.text)
+    grow: Callable[[int], None] | None = None  # the bytes its runs' key lists take (chain_keys)
 
     def tolist(self) -> list[int]:
         return list(self)
@@ -148,19 +187,4 @@ class PromptIds(tuple[int, ...]):
         """`block_keys(self, block_size)` as ints, from the runs' keys where it has them."""
         if not self.runs:
             return block_key_list(self, block_size)
-        return chain_keys(self.runs, block_size)
-
-
-def from_runs(runs: Sequence[Run]) -> PromptIds:
-    """The ids of `runs` (a chain, root first), carrying the runs for their block keys
-    and the runs' keys joined for the tree's."""
-    flat: list[int] = []
-    keys = []
-    for run in runs:
-        flat += run.ids  # a list grown by tuples: a copy of pointers, 3x a chain iterator
-        keys.append(run.key)
-    out = PromptIds(flat)
-    out.runs = runs
-    if None not in keys:
-        out.key = TokenKey("".join(keys))  # type: ignore[arg-type]
-    return out
+        return chain_keys(self.runs, block_size, self.grow)

@@ -124,15 +124,15 @@ id_lists = st.lists(st.sampled_from([1, 2, 3, 0x10001, 0x20001, 2**31 - 1]), max
 def test_token_keys_match_and_count_whole_ids(
     ops: list[tuple[list[int], str]], queries: list[list[int]], cap: int
 ) -> None:
-    """A width-2 tree over TokenKeys answers as a tuple tree over the same ids: ids that
-    share a low half (1, 0x10001, 0x20001) part inside an id, and that never counts."""
-    keyed: PrefixTree[str] = PrefixTree(width=2)
+    """A width-4 tree over TokenKeys answers as a tuple tree over the same ids: ids that
+    share low bytes (1, 0x10001, 0x20001) part inside an id, and that never counts."""
+    keyed: PrefixTree[str] = PrefixTree(width=4)
     plain: PrefixTree[tuple[int, ...]] = PrefixTree()
-    capped: PrefixTree[str] = PrefixTree(width=2)  # a cap in ids holds, in ids
+    capped: PrefixTree[str] = PrefixTree(width=4)  # a cap in ids holds, in ids
     capped.set_cap("y", cap)
     for now, (ids, tenant) in enumerate(ops):
         key = token_key(ids)
-        assert key is not None and len(key) == 2 * len(ids)
+        assert key is not None and len(key) == 4 * len(ids)
         keyed.insert(key, tenant, now)
         plain.insert(tuple(ids), tenant, now)
         capped.insert(key, tenant, now)
@@ -144,8 +144,8 @@ def test_token_keys_match_and_count_whole_ids(
         path = keyed.match_path(token_key(q))  # type: ignore[arg-type]
         ends = [e for _, e in path]
         assert all(0 < e1 < e2 for e1, e2 in pairwise(ends))
-    # Sizes are elements / 2: where two ids part inside an id, the low half they share is
-    # stored (and counted) once, so a size may be under the ids' by a node's half id.
+    # Sizes are elements / 4: where two ids part inside an id, the low bytes they share are
+    # stored (and counted) once, so a size may be under the ids' by under an id a node.
     for tenant in ("x", "y"):
         size = keyed.tenant_size(tenant)
         assert size <= plain.tenant_size(tenant) <= size + keyed.tenant_nodes(tenant)
