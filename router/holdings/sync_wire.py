@@ -21,7 +21,7 @@ entry never stops a loop):
   drops it as malformed, so a rolling upgrade never puts ids into a text tree.
   Compatibility with the version that keyed ids as tuples (same format): either reads
   the other's token entries. A request a router on ids keys by its text (no ids for it)
-  is now shared as a token entry too, its code points behind the id TEXT_IN_IDS
+  is now shared as a token entry too, its UTF-8 bytes behind the id TEXT_IN_IDS
   (router/holdings/namespace.py); a replica of that version files it as ids no prompt
   of its starts with (it shared such a request as text, which replicas on ids skip);
 - a session entry is `replica id SEP worker id SEP digest`: the digest exactly
