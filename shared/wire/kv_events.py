@@ -4,7 +4,8 @@ vLLM (`vllm/distributed/kv_events.py`) and SGLang publish, per engine step, a ba
 
     [ts, [event, ...], data_parallel_rank]          (msgpack, array_like)
 
-    BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium
+    BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+                    lora_name, extra_keys (the last two: newer vLLM, 0.32 here)
     BlockRemoved    block_hashes, medium
     AllBlocksCleared
 
@@ -60,6 +61,9 @@ class BlockStored:
     # name, a cache_salt on the first block, ...), or None; None for the whole event when
     # no block has any. Bounded: MAX_EXTRA_KEYS items of short strings or ints.
     extra_keys: tuple[tuple[str | int, ...] | None, ...] | None = None
+    # The LoRA adapter the blocks were computed with: vLLM's `lora_name`, else its
+    # `lora_id` (all an event has where the schema predates `lora_name`); None: the base.
+    lora: str | int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +136,9 @@ def _event_obj(event: KVEvent) -> dict[str, Any]:
             "parent_block_hash": event.parent_block_hash,
             "token_ids": np.asarray(event.token_ids, dtype=np.int64).tolist(),
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": event.lora if type(event.lora) is int else None,
             "medium": event.medium,
-            "lora_name": None,
+            "lora_name": event.lora if isinstance(event.lora, str) else None,
             "extra_keys": None if event.extra_keys is None else [
                 None if k is None else list(k) for k in event.extra_keys
             ],
@@ -226,7 +230,7 @@ def _decode_event(raw: object) -> KVEvent:
         parent = f.get("parent_block_hash")
         return BlockStored(
             hashes, None if parent is None else _hash(parent), tokens, size, _medium(f),
-            _extra_keys(f.get("extra_keys"), len(hashes)),
+            _extra_keys(f.get("extra_keys"), len(hashes)), _lora(f),
         )  # fmt: skip
     if tag == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_ORDER)
@@ -285,6 +289,20 @@ def _extra_keys(value: object, blocks: int) -> tuple[tuple[str | int, ...] | Non
                 raise ValueError("an extra key is neither a string nor a 64-bit int")
         out.append(tuple(keys))
     return tuple(out)
+
+
+def _lora(f: dict[str, Any]) -> str | int | None:
+    """`lora_name` where set, else `lora_id` (an int; 0 is vLLM's "no adapter")."""
+    name, lid = f.get("lora_name"), f.get("lora_id")
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("lora_name is not a non-empty string")
+        return name
+    if lid is None or lid == 0:
+        return None
+    if type(lid) is not int or not 0 < lid < 2**63:
+        raise ValueError("lora_id is not a positive int")
+    return lid
 
 
 def _medium(f: dict[str, Any]) -> str | None:
