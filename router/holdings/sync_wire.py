@@ -20,10 +20,10 @@ entry never stops a loop):
   before tokens (text only) fails to inflate a token payload (`T` is no zlib header) and
   drops it as malformed, so a rolling upgrade never puts ids into a text tree.
   Compatibility with the version that keyed ids as tuples (same format): either reads
-  the other's token entries. A request a router on ids keys by its text (no ids for it)
-  is now shared as a token entry too, its UTF-8 bytes behind the id TEXT_IN_IDS
-  (router/holdings/namespace.py); a replica of that version files it as ids no prompt
-  of its starts with (it shared such a request as text, which replicas on ids skip);
+  the other's token entries. A request a router on ids keys by its text (no ids for it:
+  its UTF-8 bytes behind the id TEXT_IN_IDS, router/holdings/namespace.py) is shared
+  only where those bytes are whole ids in range (ASCII, a multiple of 4 bytes); else
+  not at all, where that version shared it as text, which replicas on ids skip;
 - a session entry is `replica id SEP worker id SEP digest`: the digest exactly
   `DIGEST_BYTES` long (router/holdings/sessions.py), the worker id of the registry's shape,
   the whole at most `SESSION_MAX_BYTES`;
@@ -98,6 +98,8 @@ def encode_tokens(
     if not key:
         return None
     packed = key[: KEY_WIDTH * max_ids].encode("latin-1")
+    if len(packed) % KEY_WIDTH or not ids_in_range(packed):
+        return None  # a text key in a tree on ids (router/holdings/room.py): not ids
     return header + worker_id.encode() + SEP + TOKENS + fingerprint.encode() + b":" + (
         zlib.compress(packed, 1)
     )  # fmt: skip
