@@ -105,13 +105,8 @@ log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "syncing", "rebuilding", "stale", "lagging", "block_size")
 APPLY_BUDGET_S = 0.005  # event-loop time spent applying entries before yielding once
-# A sized read cannot block in Redis, so the feed polls: POLL_S after a read that found
-# entries, twice as long after each one that found none, up to POLL_MAX_S (and the
-# fleet's `idle`). Polling at POLL_S alone cost an idle router 10-17 ms of CPU a second
-# (20 reads; most of it in the kernel), 0.1-0.3 ms a routed request at the rates the
-# router-tokens bench runs: the KV-event mode's regression against XREAD BLOCK.
-POLL_S = 0.05
-POLL_MAX_S = 0.4
+POLL_S = 0.05  # between reads of idle streams (a sized read cannot block in Redis)
+READ_GAP_S = 0.2  # after a read that reached the end of every stream (`run`)
 # A batch larger than this is decoded an event at a time (shared/wire/kv_events.py
 # BatchReader), the loop free between; smaller ones in one call (~1 ms).
 SLICED_BYTES = 64 * 1024
@@ -189,12 +184,11 @@ class KvEventFeed:
         self._block_sizes: dict[str, int] = {}  # worker id -> its heartbeat's block size
         self._host_capacity: dict[str, int] = {}  # worker id -> its host tier in tokens
         self._trimmed = 0.0
-        self._wait = POLL_S  # before the run loop's next read (see POLL_S)
-        self._more = False  # the last read was cut by `read_count`: more is waiting
         self._slice_at = 0.0  # perf_counter time the feed last let the loop run
         self._drops: deque[Dropping | Freeing] = deque()  # blocks being dropped, in steps
         self._oversized: dict[str, bytes] = {}  # worker -> its last oversized entry read
         self._turn = 0  # rotates the read order (`readable`)
+        self._drained = False  # the last read reached the end of every stream it read
         self.read_count = read_count
         self.max_lag = max_lag
         self.clock = clock  # wall time: stream entry ids are milliseconds of it
@@ -396,7 +390,6 @@ class KvEventFeed:
         if self._drops:  # (follow's: a departed or restarted worker, an unused model)
             await self._run_steps(self._settle_drops(), None)
         cursors = self.readable()
-        self._more = False
         if not cursors:
             return 0
         try:
@@ -408,8 +401,8 @@ class KvEventFeed:
             return 0
         read = 0
         self._slice_at = time.perf_counter()
+        self._drained = all(len(entries) < self.read_count for _, entries in replies)
         for wid, entries in replies:
-            self._more |= len(entries) >= self.read_count
             for entry_id, fields in entries:
                 state = self.streams.get(wid)
                 if state is None:  # (not while this task applies: follow runs between)
@@ -418,8 +411,9 @@ class KvEventFeed:
                     break  # its CPU share is spent: the rest waits in its stream
                 state.cursor = entry_id
                 read += 1
-                if b"oversized" in fields:
+                if b"oversized" in fields:  # its read stopped there: more may follow
                     self._oversized[wid] = entry_id
+                    self._drained = False
                 await self._run_steps(self._raw_steps(wid, fields), state)
             state = self.streams.get(wid)
             if state is not None:
@@ -586,24 +580,38 @@ class KvEventFeed:
             state.status = "ok"  # the pool has turned over: see the module doc
 
     async def run(self, members: Callable[[], Iterable[FeedMember]], idle: float) -> None:
-        """Follow the fleet, read and trim forever (cancel to stop); the reads' pace is
-        POLL_S's rule."""
+        """Follow the fleet, read and trim forever (cancel to stop).
+
+        How often it reads (each read is a Redis round trip, ~90 µs of the router's CPU
+        whatever it brings): a read that leaves entries behind (a full page) is followed
+        at once; one that reads every stream to its end waits READ_GAP_S, so it takes a
+        few of a busy writer's batches at a time (workers write every 50 ms); an empty
+        one waits twice as long as the last wait, up to `idle`. Reading every 50 ms made
+        this task most of what KV events cost a router behind one busy worker (~20 reads
+        a second, most of them empty; loadtests/results/router_cpu.md). The index then
+        lags the streams by up to READ_GAP_S while they are busy, `idle` after a quiet
+        spell: a route's own blocks are the tree's to predict meanwhile (merge.py's
+        `in_flight_window`, 2 s)."""
         loop = asyncio.get_running_loop()
-        longest = max(POLL_S, min(POLL_MAX_S, idle))
+        wait = POLL_S
         while True:
             self.follow(members())
             failures = self.failures
-            if self.streams:
-                read = await self._poll_once()
-                if loop.time() - self._trimmed > TRIM_EVERY_S:
-                    self._trimmed = loop.time()
-                    await self._trim()
-                if read and self._more:
-                    continue  # a full read: more is waiting
-                self._wait = POLL_S if read else min(2 * self._wait, longest)
-            if not self.streams or self.failures != failures:
-                self._wait = idle
-            await asyncio.sleep(self._wait)
+            if not self.streams:
+                await asyncio.sleep(idle)
+                continue
+            read = await self.poll()
+            if loop.time() - self._trimmed > TRIM_EVERY_S:
+                self._trimmed = loop.time()
+                await self._trim()
+            if self.failures != failures:
+                await asyncio.sleep(idle)
+            elif not read:
+                wait = min(idle, wait * 2)
+                await asyncio.sleep(wait)
+            elif self._drained:
+                wait = READ_GAP_S
+                await asyncio.sleep(wait)
 
     async def _trim(self) -> None:
         try:
@@ -744,7 +752,7 @@ def _pieces(event: KVEvent) -> Iterator[KVEvent]:
                 hashes[i : i + n],
                 event.parent_block_hash if i == 0 or bs == 0 else hashes[i - 1],
                 event.token_ids[i * bs : (i + n) * bs],
-                bs, event.medium, None if keys is None else keys[i : i + n],
+                bs, event.medium, None if keys is None else keys[i : i + n], event.lora,
             )  # fmt: skip
 
 

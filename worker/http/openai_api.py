@@ -143,7 +143,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     req = CompletionRequest.model_validate(body)
     refuse_unsupported(body)
-    model = check_model(request, req.model)
+    model = check_model(request, req.model, body)
     text, ids = req.prompt_text(), req.prompt_ids()
     if req.echo and text is None:
         raise APIError(400, "echo needs a text prompt", param="echo", code="unsupported")
@@ -168,7 +168,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     req = ChatCompletionRequest.model_validate(body)
     refuse_unsupported(body)
-    model = check_model(request, req.model)
+    model = check_model(request, req.model, body)
     engine = request.app[ENGINE]
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
@@ -205,6 +205,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     req = GenerateWireRequest.model_validate(body)
+    check_model(request, None, body)  # SGLang's `lora_path`
     try:
         sp = GenerateSamplingParams.model_validate(req.sampling_params)
     except ValidationError as exc:  # name the nested field: sampling_params.max_new_tokens

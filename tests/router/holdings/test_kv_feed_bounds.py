@@ -189,38 +189,6 @@ async def test_a_malformed_large_batch_is_dropped_whole(redis: Redis) -> None:
     assert feed.dropped["malformed"] == 1 and feed.indexes["m"].blocks_of("w") == 1
 
 
-async def test_an_idle_feed_reads_less_often_the_longer_it_is_idle(redis: Redis) -> None:
-    """A sized read cannot block in Redis; polling every 50 ms cost an idle router
-    10-17 ms of CPU a second (the KV-event mode's CPU regression). The wait doubles after
-    each empty read, and the first entry brings it back."""
-    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
-    registry = CountingRegistry(redis)
-    feed = KvEventFeed(registry)
-    member = FeedMember("w", "m", 1.0, block_size=2)
-    task = asyncio.create_task(feed.run(lambda: [member], idle=1.0))
-    try:
-        while feed.match("m", [1, 1]) != {"w": 2}:
-            await asyncio.sleep(0.01)
-        registry.reads = 0
-        await asyncio.sleep(1.5)
-        assert registry.reads <= 9  # 50, 100, 200, 400, 400, 400 ms (at 50 ms: 30)
-        await write(redis, "w", 1.0, 1, chain(2, 1, parent=1))
-        while feed.match("m", [1, 1, 2, 2]) != {"w": 4}:
-            await asyncio.sleep(0.01)
-        assert feed._wait <= 0.4
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
-class CountingRegistry(Registry):
-    reads = 0
-
-    async def read_kv_events(self, cursors, count, **kw):  # type: ignore[no-untyped-def]
-        self.reads += 1
-        return await super().read_kv_events(cursors, count, **kw)
-
-
 async def watch(feed: KvEventFeed, state: Callable[[], object]) -> list[object]:
     """What another task saw of `state` at each of its turns while the feed read."""
     seen = []
