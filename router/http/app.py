@@ -28,13 +28,14 @@ from router.holdings.room import Holdings
 from router.holdings.sync import DecisionSync, ReplicaSync
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
-from router.http.edge import make_edge_middleware
+from router.http.edge import edge_middleware, install_hot_paths, make_edge
 from router.http.openapi import build_openapi
 from router.http.ratelimit import make_rate_limit_check
 from router.http.state import (
     CLOCK,
     CONFIG,
     DISCOVERY,
+    EDGE,
     FLEET,
     KV_FEED,
     METRICS,
@@ -292,12 +293,15 @@ def create_app(
         ratelimit_redis = Redis.from_url(
             config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
         )
-    edge = make_edge_middleware(
+    edge = make_edge(
         ACCESS_LOG, (("worker", "x-radix-worker"), ("route", "x-radix-route-reason")),
         _counter(metrics), make_auth_check(config),
         make_rate_limit_check(config, clock, ratelimit_redis), access_log=config.access_log,
     )  # fmt: skip
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[edge])
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[edge_middleware(edge)]
+    )
+    app[EDGE] = edge
     app[CONFIG] = config
     app[CLOCK] = clock
     app[ROUTING] = routing
@@ -358,6 +362,8 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
                            keepalive_timeout=KEEPALIVE_S)  # fmt: skip
     await runner.setup()
+    # The inference routes straight from aiohttp's server to the edge (router/http/edge.py).
+    install_hot_paths(runner, app[EDGE])
     # The app and its cleanup_ctx are built: out of every collection from now on. Before
     # the bind, so no request waits on this one full pass; the fleet's first read is
     # frozen too, later (`_settle_gc`), at the cost of a pass over what is young only.
