@@ -59,7 +59,7 @@ from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
 from shared.config import RouterConfig
-from shared.serving.access_log import OnDone, stamp_request_id
+from shared.serving.access_log import REQUEST_ID, REQUEST_ID_HEADER, OnDone
 from shared.serving.aio import stop_task
 from shared.serving.errors import ERROR_CODE
 from shared.serving.gc_policy import freeze_startup, tune_for_serving
@@ -199,8 +199,13 @@ async def _queue_ctx(app: web.Application) -> AsyncIterator[None]:
     await stop_task(task)
 
 
-async def _first_byte(request: web.Request, response: web.StreamResponse) -> None:
-    """An answer's head is leaving: the fleet queue's TTFT for the request's class."""
+async def _on_head(request: web.Request, response: web.StreamResponse) -> None:
+    """An answer's head is leaving (`on_response_prepare`): it carries the request's id
+    (shared/serving/access_log.py), and the fleet queue takes its TTFT for the request's
+    class. One hook, not two: each is one more coroutine per answer."""
+    rid = request.get(REQUEST_ID)
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
     ticket = request.get(TICKET)
     if ticket is not None:
         request.app[QUEUE].answered(ticket, response.status)
@@ -320,7 +325,7 @@ def create_app(
     if feed is not None:
         app[KV_FEED] = feed
         metrics.watch_kv_feed(feed)
-    app.on_response_prepare.extend([stamp_request_id, _first_byte])
+    app.on_response_prepare.append(_on_head)
     app.cleanup_ctx.extend(
         [
             _session_ctx,
