@@ -2,12 +2,13 @@
 (and `upstream-reuse`, UPSTREAM_REUSE below: the price of a worker that does not echo
 request ids):
 straight to a sim worker (zero cost unless `--prefill-us` / `--decode-ms`), through our router with 1 and with N processes
-(`serve --processes N`, replica sync through an embedded Redis), and through SGLang's
+(`serve --processes N`, replica sync through an embedded Redis; with `--unsynced` also N
+without Redis, so without sync: the sync's own price), and through SGLang's
 Rust router (`sglang-router`, from its own venv) when its Python is given.
 
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
-        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero]
+        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero] [--unsynced]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/kit.py`) as one more target, so a change's price is measured side by side;
@@ -138,10 +139,14 @@ def start_targets(
 ) -> list[Target]:
     targets = [Target("direct", worker_url)]
 
-    def router(name: str, n: int, tree: Path = ROOT, env: dict | None = None) -> None:
+    def router(
+        name: str, n: int, tree: Path = ROOT, env: dict | None = None, sync: bool = True
+    ) -> None:
         flags = ["--worker-url", worker_url]
         if n > 1:
-            flags += ["--processes", str(n), "--redis-url", redis_url]
+            flags += ["--processes", str(n)]
+        if n > 1 and sync:  # replicas share decisions and loads through Redis
+            flags += ["--redis-url", redis_url]
         child = serve_router(f"{len(targets)}", free_port(), tmp, flags, tree, env, wait=False)
         targets.append(Target(name, child.url, child))
 
@@ -149,6 +154,8 @@ def start_targets(
         router(f"router x1 @{args.before_ref}", 1, before)
     for n in sorted({1, args.processes}):
         router(f"router x{n}", n)
+    if args.unsynced and args.processes > 1:
+        router(f"router x{args.processes}, no sync", args.processes, sync=False)
     for client in args.upstream_clients:
         router(f"router x1 ({client} client)", 1, env={"RADIX_ROUTER_UPSTREAM_CLIENT": client})
     if args.sglang_python:
@@ -194,6 +201,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
     )
     p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
+    p.add_argument(
+        "--unsynced", action="store_true",
+        help="also N processes without Redis (no replica sync): what the sync itself costs",
+    )  # fmt: skip
     p.add_argument(
         "--sglang-python",
         default=None,
