@@ -57,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "the routing policies on 8-1,000 simulated workers",
     ),
     "simulate-events": (
-        "loadtests.simulate.simulate_events",
+        "loadtests.simulate.simulate:EVENTS",
         "tree vs tree + KV events vs a ceiling, divergence cases",
     ),
     "agent": (
@@ -65,7 +65,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "agent sessions (prompt_cache_key, pins, tool gaps): today vs keys vs pins",
     ),
     "host-tier": (
-        "loadtests.simulate.simulate_events:HOST_TIER",
+        "loadtests.simulate.simulate:HOST_TIER",
         "host KV tier 0 / 4x / 10x vs unbounded",
     ),
     "sim-calibrate": (
@@ -86,7 +86,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "predicted hits across cache_salt / template namespaces, before vs after",
     ),
     "policy-cost": ("loadtests.router.bench_policy", "CPU per routing decision as the fleet grows"),
-    "tree": ("loadtests.router.bench_tree", "the router's prefix tree vs a pygtrie baseline"),
+    "tree": (
+        "loadtests.router.bench_policy:TREE",
+        "the router's prefix tree vs a pygtrie baseline",
+    ),
     "router-overhead": ("loadtests.router.bench_router_overhead", "the router vs going direct"),
     "router-fleet-size": (
         "loadtests.router.bench_router_overhead:FLEET_SIZE",
@@ -117,7 +120,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "`radix-router up`: predicted vs actual cached tokens, KV events on/off",
     ),
     "engine": ("loadtests.engine.bench_engine", "TTFT cached vs uncached, decode tokens/s"),
-    "scheduler": ("loadtests.engine.bench_scheduler", "one worker: fcfs vs lpm, in-flight sharing"),
+    "scheduler": (
+        "loadtests.engine.bench_engine:SCHEDULER",
+        "one worker: fcfs vs lpm, in-flight sharing",
+    ),
     "radix-cache": ("loadtests.engine.bench_radix_cache", "radix cache vs no cache on a trace"),
     "host-reload": (
         "loadtests.engine.bench_radix_cache:HOST_RELOAD",

@@ -6,31 +6,23 @@
 
 Flags map one to one onto `WorkerConfig` keys (shared/config.py) and win over the
 environment (`RADIX_WORKER_<KEY>`) and the YAML file. SIGTERM (or Ctrl-C): leave the
-fleet, answer 503 to new requests, finish in-flight ones within `drain_timeout`, exit 0.
+fleet, answer 503 to new requests, finish in-flight ones within `drain_timeout`, exit 0
+(worker/http/server.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
-import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from aiohttp import web
-
 from shared.config import ConfigError, WorkerConfig, load_config
-from shared.serving.http_server import KEEPALIVE_S, BindError, bind
 from shared.serving.logging import setup_logging
 from worker.backends import build_engine
-from worker.http.app import create_app
-from worker.http.state import HEARTBEAT, STATE
+from worker.http import server
 from worker.models.model_presets import ARCHS, PRESETS
-
-log = logging.getLogger("worker")
 
 SERVE_DESCRIPTION = """Serve a model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions,
 /generate) with a radix KV cache, and heartbeat into Redis so routers find it.
@@ -231,87 +223,10 @@ def _parser() -> argparse.ArgumentParser:
     down.add_argument("model", metavar="MODEL", help="repo id, e.g. Qwen/Qwen2.5-7B-Instruct")
     down.add_argument("--revision", help="commit, tag or branch (default main; pin it)")
     down.add_argument("--dir", required=True, help="target folder (the model cache volume)")
-    from worker.attach.sidecar import add_attach_parser
+    from worker.attach.command import add_attach_parser
 
     add_attach_parser(sub)
     return parser
-
-
-def _url_host(host: str) -> str:
-    # A wildcard bind is not dialable; the hostname is (pods, compose services).
-    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-
-
-async def serve(config: WorkerConfig) -> int:
-    # Blocking setup (tokenizers, vLLM args) off the loop; weights load in engine.start().
-    try:
-        engine = await asyncio.to_thread(build_engine, config)
-    except ConfigError:
-        raise  # a key that names what is wrong: exit 2 (main)
-    except ValueError as e:  # a size the host cannot hold (worker/engine/free_memory.py)
-        log.error("engine cannot start: %s", e)
-        return 1
-    app = create_app(config, engine)
-    state = app[STATE]
-    # handler_cancellation: a client that hangs up cancels its handler, which aborts
-    # its engine request (non-streaming requests otherwise notice only when answering).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=KEEPALIVE_S)  # fmt: skip
-    await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        try:  # a port that is taken: one line and exit 1, the engine and runner stopped
-            await bind(runner, config.host, config.port,
-                       header_read_timeout=config.header_read_timeout)  # fmt: skip
-        except BindError as e:
-            log.error("%s", e)
-            return 1
-        port = runner.addresses[0][1]
-        if state.url is None:
-            state.url = f"http://{_url_host(config.host)}:{port}"
-        waiters = [asyncio.ensure_future(state.booted.wait()), asyncio.ensure_future(stop.wait())]
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        for waiter in waiters:
-            waiter.cancel()
-        if state.failure is not None:
-            log.error("engine failed to start: %s", state.failure)
-            return 1
-        if state.ready.is_set():
-            log.info(
-                "serving %s on http://%s:%d (engine=%s)",
-                state.served_model, config.host, port, config.engine,
-            )  # fmt: skip
-        await stop.wait()
-        # Deregister first, then drain: routers drop the worker within a discovery
-        # interval; until then (shutdown_delay) it still serves what they send.
-        log.info("shutting down: leaving the fleet, then draining %d in flight", state.inflight)
-        heartbeat = app.get(HEARTBEAT)
-        if heartbeat is not None:
-            await heartbeat.leave()
-        if config.shutdown_delay > 0:
-            await asyncio.sleep(config.shutdown_delay)
-        state.draining = True
-        try:
-            await asyncio.wait_for(state.idle.wait(), config.drain_timeout)
-        except TimeoutError:
-            log.warning("drain timeout: %d requests still in flight are cut", state.inflight)
-        return 0
-    finally:
-        await runner.cleanup()
-
-
-def _run(config: WorkerConfig) -> int:
-    try:
-        import uvloop
-    except ImportError:
-        factory = None
-    else:
-        factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(serve(config))
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -348,14 +263,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "download":
         return _download(args)
     if args.command == "attach":
-        from worker.attach.sidecar import run_attach
+        from worker.attach.command import run_attach
 
         return run_attach(args)
     overrides = {key: getattr(args, key) for _, key, _, _ in _SERVE_FLAGS}
     try:
         config = load_config(WorkerConfig, args.config, overrides)
         setup_logging(config.log_level)
-        return _run(config)
+        return server.run(config, build_engine)
     except ConfigError as exc:
         print(f"radix-worker: {exc}", file=sys.stderr)
         return 2

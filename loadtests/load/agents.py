@@ -1,19 +1,28 @@
 """The `agent` workload: sessions of tool-calling calls, as plain data any driver replays.
 
-A session is what an agent framework sends for one task:
+A session is what a coding agent sends for one task. Its distributions (the defaults; one
+token a word in the simulator):
 
-- `calls` calls in a chain. Call 1 is the system prompt (tool definitions, task) and a
-  user turn; each later call is the whole context so far plus the last answer and the
-  output of the tool it asked for (`tool_min`..`tool_max` words, uniform: 0.5-8k tokens).
-- Between calls, the tool runs: a gap drawn from a log-normal distribution, median
-  `gap_median_s`, shape `gap_sigma`, clipped to [`gap_min_s`, `gap_max_s`] (seconds to
-  minutes, as coding agents' shell and test runs), divided by `speedup` for simulation.
-- With probability `fanout_p` a call fans out `fanout_min`..`fanout_max` parallel
-  siblings (sub-agents on one context, each with its own short instruction); the chain
-  goes on from the first sibling's answer once all are answered.
-- Every call carries `prompt_cache_key` = the session's id (what the OpenAI Agents SDK
-  and Codex send: one key per conversation) and, when `pin_ttl_s` > 0, `cache_pin_ttl`
-  (our extension, worker/engine/pins.py) for the gap that follows.
+- starting context: `context_min`..`context_max` words, uniform (default 10k-30k): the
+  system prompt, the tool schemas and the repository context a coding agent opens
+  with (Claude Code, Codex and OpenHands start at 10-30k tokens). Distinct per session
+  (nothing shared across sessions: the conservative case for a cache);
+- calls: `calls_min`..`calls_max` a session, uniform (default 8-24; a fan-out counts as
+  one). Call 1 is the starting context and a user turn; each later call is the whole
+  context so far plus the last answer and the output of the tool it asked for;
+- tool output: `tool_min`..`tool_max` words appended each call (0.5-8k, the issue's
+  range), log-uniform (`tool_dist`; most outputs are a file or a grep, few a whole test
+  log: mean 2.7k) or uniform (mean 4.25k);
+- tool gaps: log-normal, median `gap_median_s`, shape `gap_sigma`, clipped to
+  [`gap_min_s`, `gap_max_s`] (default 20 s, 1, 2-240 s: shell and test runs), divided
+  by `speedup` for simulation;
+- fan-out: with probability `fanout_p` a call fans out `fanout_min`..`fanout_max`
+  parallel siblings (sub-agents on one context, each with its own short instruction);
+  the chain goes on from the first sibling's answer once all are answered.
+
+Every call carries `prompt_cache_key` = the session's id (what the OpenAI Agents SDK
+and Codex send: one key per conversation) and, when `pin_ttl_s` > 0, `cache_pin_ttl`
+(our extension, worker/engine/pins.py) for the gap that follows.
 
 `agent_sessions(options)` gives the sessions with their start times (Poisson,
 `session_rate` a second); a driver asks each for `next_step()` (the texts of the next
@@ -54,12 +63,15 @@ from shared.procs import http_json
 @dataclass(frozen=True)
 class AgentOptions:
     sessions: int = 32
-    calls: int = 6  # calls per session (k), fan-outs counting as one
+    calls_min: int = 8  # calls per session (k), uniform, fan-outs counting as one
+    calls_max: int = 24
     session_rate: float = 0.5  # sessions started a second (Poisson)
-    system_words: int = 1500  # tool definitions + task: one token a word in the simulator
+    context_min: int = 10_000  # starting context, words (one token a word in the sim)
+    context_max: int = 30_000
     user_words: int = 60
     tool_min: int = 500  # tool output appended each call, words (~tokens)
     tool_max: int = 8000
+    tool_dist: str = "loguniform"  # or "uniform"
     output_tokens: int = 48  # each answer
     gap_median_s: float = 20.0
     gap_sigma: float = 1.0
@@ -82,6 +94,7 @@ class AgentSession:
     start_s: float
     options: AgentOptions
     rng: random.Random
+    calls: int = 0  # this session's k (drawn by `agent_sessions`)
     context: str = ""
     calls_done: int = 0
     times: list[tuple[float, float]] = field(default_factory=list)  # (sent, last answer)
@@ -92,15 +105,16 @@ class AgentSession:
 
     @property
     def done(self) -> bool:
-        return self.calls_done >= self.options.calls
+        return self.calls_done >= self.calls
 
     def next_step(self) -> list[str]:
         """The texts of the next call (one) or its parallel siblings (2-8)."""
         o, rng = self.options, self.rng
         if not self.context:
-            self.context = f"system: session {self.sid} " + words(rng, o.system_words)
+            n = rng.randint(o.context_min, o.context_max)
+            self.context = f"system: session {self.sid} " + words(rng, n)
             self.context += "\nuser: " + words(rng, o.user_words)
-        last = self.calls_done == o.calls - 1
+        last = self.calls_done == self.calls - 1
         if not last and self.calls_done > 0 and rng.random() < o.fanout_p:
             n = rng.randint(o.fanout_min, o.fanout_max)
             return [f"{self.context}\nsubtask {i}: " + words(rng, 12) for i in range(n)]
@@ -109,10 +123,16 @@ class AgentSession:
     def on_answers(self, texts: list[str], answers: list[str]) -> None:
         """All of the step's calls answered: the chain goes on from the first sibling,
         plus the output of the tool it called."""
-        o, rng = self.options, self.rng
         self.calls_done += 1
-        tool = words(rng, rng.randint(o.tool_min, o.tool_max))
+        tool = words(self.rng, self.tool_words())
         self.context = f"{texts[0]}\nassistant: {answers[0]}\ntool: {tool}"
+
+    def tool_words(self) -> int:
+        """One tool output's length, from `tool_dist` over [`tool_min`, `tool_max`]."""
+        o, rng = self.options, self.rng
+        if o.tool_dist == "uniform":
+            return rng.randint(o.tool_min, o.tool_max)
+        return round(math.exp(rng.uniform(math.log(o.tool_min), math.log(o.tool_max))))
 
     def gap_s(self) -> float:
         """The tool's run time before the next call (already divided by `speedup`)."""
@@ -135,7 +155,9 @@ def agent_sessions(options: AgentOptions) -> list[AgentSession]:
     rng = random.Random(options.seed)
     t, out = 0.0, []
     for sid in range(options.sessions):
-        out.append(AgentSession(sid, t, options, random.Random(f"{options.seed}:{sid}")))
+        own = random.Random(f"{options.seed}:{sid}")
+        calls = own.randint(options.calls_min, options.calls_max)
+        out.append(AgentSession(sid, t, options, own, calls))
         t += rng.expovariate(options.session_rate)
     return out
 
@@ -162,7 +184,8 @@ def _call(client: OpenAI, model: str, text: str, extra: dict[str, object], max_t
 
 
 def replay(urls: list[str], options: AgentOptions) -> dict[str, float]:
-    """Every session, each in its own thread; the figures the simulator reports (loadtests/simulate/agents.py)."""
+    """Every session, each in its own thread; the figures the simulator reports
+    (loadtests/simulate/agents.py), and the pack's (`vllm bench serve` names)."""
     clients = [
         OpenAI(base_url=u + "/v1", api_key="agents", max_retries=2, timeout=120) for u in urls
     ]
@@ -170,6 +193,7 @@ def replay(urls: list[str], options: AgentOptions) -> dict[str, float]:
     model = body["data"][0]["id"]
     lock = threading.Lock()
     calls: list[tuple[int, float, int, int]] = []  # (step index, ttft, cached, prompt)
+    per_worker: dict[str, int] = {}
     jct: list[float] = []
     sib = [0, 0]  # siblings, siblings on their first sibling's worker
     turn = [0]
@@ -191,6 +215,8 @@ def replay(urls: list[str], options: AgentOptions) -> dict[str, float]:
                 ))  # fmt: skip
                 with lock:
                     calls.extend((n, o[1], o[2], o[3]) for o in outs)
+                    for o in outs:
+                        per_worker[o[0]] = per_worker.get(o[0], 0) + 1
                     if len(outs) > 1:
                         sib[0] += len(outs) - 1
                         sib[1] += sum(o[0] == outs[0][0] for o in outs[1:])
@@ -204,15 +230,44 @@ def replay(urls: list[str], options: AgentOptions) -> dict[str, float]:
     agents = agent_sessions(options)
     with ThreadPoolExecutor(len(agents)) as pool:
         list(pool.map(session, agents))
+    duration = time.perf_counter() - t0
     later = [(c, p) for i, _, c, p in calls if i > 0]
+    ttft = np.array([t for _, t, _, _ in calls]) * 1e3
+    counts = list(per_worker.values())
     return {
         "hit_after_first": float(np.mean([c / p for c, p in later])) if later else 0.0,
         "jct_mean_s": float(np.mean(jct)),
-        "ttft_p50_ms": float(np.percentile([t for _, t, _, _ in calls], 50)) * 1e3,
-        "ttft_p99_ms": float(np.percentile([t for _, t, _, _ in calls], 99)) * 1e3,
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": float(np.percentile(ttft, 99)),
         "siblings_colocated": sib[1] / sib[0] if sib[0] else 1.0,
         "calls": len(calls),
+        # The pack's columns (loadtests/load/pack.py), under vLLM's names.
+        "completed": len(calls),
+        "failed": 0,  # a failed call raises: the replay stops
+        "request_throughput": len(calls) / duration,
+        "mean_ttft_ms": float(ttft.mean()),
+        "median_ttft_ms": float(np.median(ttft)),
+        "p99_ttft_ms": float(np.percentile(ttft, 99)),
+        "hit_rate": sum(c for _, _, c, _ in calls) / max(1, sum(p for *_, p in calls)),
+        "load_max_over_mean": max(counts) / float(np.mean(counts)) if counts else 0.0,
     }
+
+
+def live_cell(
+    spec: WorkerSpec, workers: int, settings: dict[str, object], options: AgentOptions,
+) -> dict[str, float]:  # fmt: skip
+    """The pack's agent cell (loadtests/load/pack.py): a fresh fleet of `workers` sim
+    workers (`spec`; pins granted up to the workload's longest gap), one router with
+    `settings`, the sessions replayed through it."""
+    ttl = options.gap_max_s / options.speedup
+    spec = replace(spec, extra=(*spec.extra, "--pin-max-ttl-s", str(ttl)))
+    fleet = Cluster()
+    try:
+        for i in range(workers):
+            fleet.start_worker(f"w{i}", spec, wait=False)
+        return replay([fleet.start_router(settings).url], options)
+    finally:
+        fleet.close()
 
 
 def _side(

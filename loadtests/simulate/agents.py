@@ -50,7 +50,13 @@ import numpy as np
 from loadtests.kit import WorkloadOptions
 from loadtests.load.agents import AgentOptions, AgentSession, agent_sessions, run_live
 from loadtests.load.workloads import Workload
-from loadtests.simulate.simulation import Simulation, WordTokenizer, output_tokens, reply_text
+from loadtests.simulate.simulation import (
+    LiveTokenizer,
+    Simulation,
+    WordTokenizer,
+    output_tokens,
+    reply_text,
+)
 from loadtests.simulate.worker import CostModel, Job
 from router.holdings import sessions
 from router.holdings.prediction import RouteRequest
@@ -71,11 +77,16 @@ class AgentResult:
     # The same over what could be cached: the previous call's prompt (the new tool
     # output never can be), so 1.0 means the cache survived every tool gap.
     call_reuse: np.ndarray
+    # The workload's own ceiling per call after the first: what could be cached (the
+    # previous call's prompt) over the prompt; hit after 1st can be no higher.
+    call_ceiling: np.ndarray
     ttft: np.ndarray  # per agent call
     siblings: int = 0
     siblings_together: int = 0
     background_hit: float = float("nan")
     reasons: dict[str, int] = field(default_factory=dict)
+    hit_rate: float = 0.0  # every agent call's cached / prompt tokens, summed
+    makespan: float = 0.0  # first call sent to last answer, virtual seconds
 
     def row(self) -> dict[str, object]:
         return {
@@ -84,12 +95,18 @@ class AgentResult:
             "calls": len(self.ttft),
             "hit_after_first": float(self.call_hit.mean()) if len(self.call_hit) else 0.0,
             "reuse_after_first": float(self.call_reuse.mean()) if len(self.call_reuse) else 0.0,
+            "ceiling_after_first": (
+                float(self.call_ceiling.mean()) if len(self.call_ceiling) else 0.0
+            ),
             "jct_mean_s": float(self.jct.mean()),
             "jct_less_gaps_mean_s": float(self.jct_less_gaps.mean()),
             "ttft_p50_ms": float(np.percentile(self.ttft, 50)) * 1e3,
             "ttft_p99_ms": float(np.percentile(self.ttft, 99)) * 1e3,
             "siblings_colocated": self.siblings_together / self.siblings if self.siblings else 1.0,
             "background_hit": self.background_hit,
+            "hit_rate": self.hit_rate,
+            "request_throughput": len(self.ttft) / self.makespan if self.makespan else 0.0,
+            "median_ttft_ms": float(np.median(self.ttft)) * 1e3,
             "reasons": self.reasons,
         }
 
@@ -108,6 +125,7 @@ class AgentSim(Simulation):
     def __init__(
         self, config: RouterConfig, workers: int, cost: CostModel, options: AgentOptions,
         replicas: int = 1, sync_delay_s: float = 0.02, seed: int = 0,
+        tokenizer: WordTokenizer | LiveTokenizer | None = None,
     ) -> None:  # fmt: skip
         super().__init__(config, workers, cost, seed)
         self.config = config
@@ -121,7 +139,7 @@ class AgentSim(Simulation):
         self._sync: list[tuple[float, int, int, str, str | None, bytes | None]] = []
         self._sync_seq = 0
         self._turn = 0
-        self.tok = WordTokenizer()
+        self.tok = tokenizer or WordTokenizer()
 
     # -- routing ----------------------------------------------------------------------
     def _apply_sync(self, now: float) -> None:
@@ -152,16 +170,19 @@ class AgentSim(Simulation):
         digest = None
         if job.pin_key is not None and self.options.keys:
             digest = session_digest("", job.pin_key)
-            decision, placed = sessions.select(
+            decision, placed, left = sessions.select(
                 table, policy, request, self.views, now, digest,
                 self.config.balance_abs_threshold, self.config.balance_rel_threshold,
-                agree=len(self.replicas) > 1,
+                agree=len(self.replicas) > 1, pin_ttl=job.pin_ttl,
             )  # fmt: skip
             digest = digest if placed else None
+            if left is not None:  # the session moved: its pin on the old worker goes
+                self.workers[self.index[left]].engine.release_pin(job.pin_key)
         else:
             decision = policy.select(request, self.views, now)
         self._share(r, now, decision.worker_id, job.text, digest)
-        self.reasons[decision.reason] += 1
+        who = "agent" if job.session >= 0 else "background"
+        self.reasons[f"{who} {decision.reason}"] += 1
         i = self.index[decision.worker_id]
         worker = self.workers[i]
         if not worker.fits(job):
@@ -240,18 +261,20 @@ class AgentSim(Simulation):
     def _result(self, agents, history, first_sent, last_answer, gaps, bg_jobs) -> AgentResult:  # type: ignore[no-untyped-def]
         done = [s.sid for s in agents if s.sid in last_answer]
         jct = np.array([last_answer[i] - first_sent[i] for i in done])
-        hits, reuse, ttft, sib, together = [], [], [], 0, 0
+        hits, reuse, ceiling, ttft, sib, together = [], [], [], [], 0, 0
+        cached = prompt = 0
         for sid in done:
             for n, step in enumerate(history[sid]):
-                for job in step.jobs:
+                for k, job in enumerate(step.jobs):
                     ttft.append(job.ttft)
+                    cached, prompt = cached + job.cached, prompt + len(job.tokens)
                     if n > 0:
                         hits.append(job.cached / len(job.tokens))
-                        before = history[sid][n - 1].jobs[0].tokens
-                        same = min(len(before), len(job.tokens))
-                        neq = before[:same] != job.tokens[:same]
-                        reusable = int(neq.argmax()) if neq.any() else same
+                        # A sibling can reuse the context its first sibling prefills.
+                        before = (step.jobs[0] if k else history[sid][n - 1].jobs[0]).tokens
+                        reusable = _common(before, job.tokens)
                         reuse.append(min(job.cached, reusable) / reusable if reusable else 1.0)
+                        ceiling.append(reusable / len(job.tokens))
                 if len(step.jobs) > 1:
                     sib += len(step.jobs) - 1
                     together += sum(j.worker == step.jobs[0].worker for j in step.jobs[1:])
@@ -259,11 +282,20 @@ class AgentSim(Simulation):
         bg_cached = sum(j.cached for j in bg_jobs if j.admitted >= 0)
         return AgentResult(
             label="", jct=jct, jct_less_gaps=jct - np.array([gaps[i] for i in done]),
-            call_hit=np.array(hits), call_reuse=np.array(reuse), ttft=np.array(ttft), siblings=sib,
+            call_hit=np.array(hits), call_reuse=np.array(reuse),
+            call_ceiling=np.array(ceiling), ttft=np.array(ttft), siblings=sib,
             siblings_together=together,
             background_hit=bg_cached / bg_prompt if bg_prompt else float("nan"),
-            reasons=dict(self.reasons),
+            reasons=dict(self.reasons), hit_rate=cached / prompt if prompt else 0.0,
+            makespan=max(last_answer.values(), default=0.0) - min(first_sent.values(), default=0.0),
         )  # fmt: skip
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the common prefix of two token arrays."""
+    same = min(len(a), len(b))
+    neq = a[:same] != b[:same]
+    return int(neq.argmax()) if neq.any() else same
 
 
 def background_requests(
@@ -287,9 +319,12 @@ def background_requests(
 def simulate_agents(
     label: str, config: RouterConfig, workers: int, cost: CostModel, options: AgentOptions,
     replicas: int = 1, background: list[tuple[float, str]] = (), seed: int = 0,
+    tokenizer: WordTokenizer | LiveTokenizer | None = None,
 ) -> AgentResult:  # fmt: skip
     """One run; `options.keys` / `cost.pin_budget` / `options.pin_ttl_s` say which side."""
-    sim = AgentSim(config, workers, cost, options, replicas=replicas, seed=seed)
+    sim = AgentSim(
+        config, workers, cost, options, replicas=replicas, seed=seed, tokenizer=tokenizer
+    )
     result = sim.run_agents(list(background))
     return replace(result, label=label)
 
@@ -312,11 +347,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         value = getattr(defaults, f.name)
         p.add_argument("--" + f.name.replace("_", "-"), type=type(value), default=value)
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--cache-tokens", type=int, default=64_000, help="device KV per worker")
+    p.add_argument("--cache-tokens", type=int, default=192_000, help="device KV per worker")
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--prefill-us", type=float, default=30.0)
     p.add_argument("--decode-ms", type=float, default=3.0)
-    p.add_argument("--pin-budget", type=float, default=0.8, help="fraction of KV, keys+pins")
+    p.add_argument("--pin-budget", type=float, default=0.25,
+                   help="fraction of KV, keys+pins (the worker's default)")  # fmt: skip
     p.add_argument("--pin-ttl-s", type=float, default=None, help="default: gap max / speedup")
     p.add_argument("--background-rate", type=float, default=6.0, help="shared-prefix req/s")
     p.add_argument("--background-s", type=float, default=60.0, help="its span, seconds")
@@ -365,7 +401,8 @@ def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, fl
 
 def table(results: list[AgentResult], extra: dict[str, float]) -> str:
     cols = [
-        ("side", "label", "{}"), ("hit after 1st", "hit_after_first", "{:.3f}"),
+        ("side", "label", "{}"), ("ceiling", "ceiling_after_first", "{:.3f}"),
+        ("hit after 1st", "hit_after_first", "{:.3f}"),
         ("reuse after 1st", "reuse_after_first", "{:.3f}"),
         ("JCT mean s", "jct_mean_s", "{:.2f}"), ("JCT less gaps s", "jct_less_gaps_mean_s", "{:.2f}"),
         ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"),

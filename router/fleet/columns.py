@@ -63,7 +63,7 @@ class FleetColumns:
         self._valid_from, self._valid_until = math.inf, -math.inf
         self._members: list[Worker] = []  # routable workers, table order
         self._views: dict[str | None, FleetView] = {}
-        self._reported: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._reported: tuple[int, frozenset[str], frozenset[str]] = (-1, frozenset(), frozenset())
 
     def invalidate(self) -> None:
         """Who is routable, a model or a capacity changed: rebuild at the next read."""
@@ -119,12 +119,25 @@ class FleetColumns:
         )
 
     def reported_models(self) -> frozenset[str]:
-        """Every model some worker (routable or not) reports."""
-        at, models = self._reported
+        """Every model some worker (routable or not) reports, its adapters included."""
+        return self._reported_names()[0]
+
+    def reported_adapters(self) -> frozenset[str]:
+        """Every name some worker serves as a LoRA adapter (`WorkerRecord.adapters`) and
+        none as its base model: a worker credential that lists a base model's name among
+        its adapters cannot move that model's requests out of their default namespace
+        (and so off the KV-event index) for the whole fleet."""
+        return self._reported_names()[1]
+
+    def _reported_names(self) -> tuple[frozenset[str], frozenset[str]]:
+        at, models, adapters = self._reported
         if at != self._generation:
-            models = frozenset(w.report.model for w in self._workers.values()) - {""}
-            self._reported = (self._generation, models)
-        return models
+            reports = [w.report for w in self._workers.values()]
+            bases = frozenset(r.model for r in reports) - {""}
+            listed = frozenset(a for r in reports for a in r.adapters)
+            models, adapters = bases | listed, listed - bases
+            self._reported = (self._generation, models, adapters)
+        return models, adapters
 
     def _set_remote(self, remote: Mapping[str, int]) -> None:
         old, self.remote = self.remote, remote
@@ -163,7 +176,11 @@ class FleetColumns:
     def _build(self, model: str | None, register: bool) -> FleetView:
         members = self._members
         if model is not None:
-            members = [w for w in members if not w.report.model or w.report.model == model]
+            members = [
+                w
+                for w in members
+                if not w.report.model or w.report.model == model or model in w.report.adapters
+            ]
         ids = tuple(w.worker_id for w in members)
         remote = self.remote
         loads = [w.load_with(remote.get(w.worker_id, 0)) for w in members]

@@ -8,8 +8,8 @@ registry; the other two stay until removed by hand. What one worker's numbers me
 The table keeps its own books: every write to a worker goes through a method here.
 The proxy asks (`attempt`, then `succeeded` or `failed(kind)`), metrics and handlers
 only read. That is what lets the policy's columns (`router/fleet/columns.py`) be kept
-between requests instead of rebuilt: every change of who is routable, a model or a
-capacity calls `columns.invalidate()`, and nothing else does. The table tells the
+between requests instead of rebuilt: every change of who is routable, a model, its
+adapters or a capacity calls `columns.invalidate()`, and nothing else does. The table tells the
 holdings room (router/holdings/room.py) what concerns a worker's cache: that it left,
 restarted or changed model (`forget`), and what each answer reported (`answered`).
 """
@@ -172,8 +172,9 @@ class Fleet:
         if old.model and r.model != old.model:
             self.holdings.forget(w.worker_id)
         w.report, w.reported_at, w.url = r, now, r.url
-        if (r.model, r.draining, r.kv_capacity_tokens, r.host_kv_capacity_tokens) != (
+        if (r.model, r.adapters, r.draining, r.kv_capacity_tokens, r.host_kv_capacity_tokens) != (
             old.model,
+            old.adapters,
             old.draining,
             old.kv_capacity_tokens,
             old.host_kv_capacity_tokens,
@@ -235,8 +236,19 @@ class Fleet:
             or (not model and any(not w.report.model for w in self.workers.values()))
         )
 
-    def models(self) -> list[str]:
-        return sorted(self.columns.reported_models())
+    def serves_adapter(self, model: str | None) -> bool:
+        """Whether some worker serves `model` as a LoRA adapter beside its base model (its
+        requests then key their own cache namespace: router/holdings/namespace.py)."""
+        return model is not None and model in self.columns.reported_adapters()
+
+    def models(self) -> dict[str, str | None]:
+        """Every model served, sorted: a LoRA adapter with its base model (vLLM's
+        `parent` in /v1/models), a base model with None."""
+        parents: dict[str, str | None] = {}
+        for w in self.workers.values():
+            for adapter in w.report.adapters:
+                parents.setdefault(adapter, w.report.model)
+        return {m: parents.get(m) for m in sorted(self.columns.reported_models())}
 
     def in_flight_by_worker(self) -> dict[str, int]:
         """This router's requests in flight per worker (what replica sync shares)."""

@@ -128,6 +128,7 @@ class Worker:
             "url": self.url,
             "source": self.source,
             "model": r.model,
+            "adapters": list(r.adapters),
             "engine": r.engine,
             "epoch": r.epoch,
             "load": self.load,

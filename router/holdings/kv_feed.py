@@ -100,6 +100,7 @@ log = logging.getLogger(__name__)
 STATUSES = ("ok", "syncing", "rebuilding", "stale", "lagging", "block_size")
 APPLY_BUDGET_S = 0.005  # event-loop time spent applying entries before yielding once
 POLL_S = 0.05  # between reads of idle streams (a sized read cannot block in Redis)
+READ_GAP_S = 0.2  # after a read that reached the end of every stream (`run`)
 TRIM_EVERY_S = 1.0  # between the router's trims of the followed streams (cheap: MAXLEN ~)
 MAX_CURSORS = 4096  # departed workers' cursors kept (registry MAX_WORKERS)
 DEPARTED_S = 30.0  # a departed worker's state and blocks kept for its return
@@ -172,6 +173,7 @@ class KvEventFeed:
         self._host_capacity: dict[str, int] = {}  # worker id -> its host tier in tokens
         self._trimmed = 0.0
         self._turn = 0  # rotates the read order (`readable`)
+        self._drained = False  # the last read reached the end of every stream it read
         self.read_count = read_count
         self.max_lag = max_lag
         self.clock = clock  # wall time: stream entry ids are milliseconds of it
@@ -363,6 +365,7 @@ class KvEventFeed:
         clock = time.perf_counter
         budget = self.apply_budget
         started = clock()
+        self._drained = all(len(entries) < self.read_count for _, entries in replies)
         for wid, entries in replies:
             for entry_id, fields in entries:
                 state = self.streams.get(wid)
@@ -500,18 +503,38 @@ class KvEventFeed:
             state.status = "ok"  # the pool has turned over: see the module doc
 
     async def run(self, members: Callable[[], Iterable[FeedMember]], idle: float) -> None:
-        """Follow the fleet, read and trim forever (cancel to stop)."""
+        """Follow the fleet, read and trim forever (cancel to stop).
+
+        How often it reads (each read is a Redis round trip, ~90 µs of the router's CPU
+        whatever it brings): a read that leaves entries behind (a full page) is followed
+        at once; one that reads every stream to its end waits READ_GAP_S, so it takes a
+        few of a busy writer's batches at a time (workers write every 50 ms); an empty
+        one waits twice as long as the last wait, up to `idle`. Reading every 50 ms made
+        this task most of what KV events cost a router behind one busy worker (~20 reads
+        a second, most of them empty; loadtests/results/router_cpu.md). The index then
+        lags the streams by up to READ_GAP_S while they are busy, `idle` after a quiet
+        spell: a route's own blocks are the tree's to predict meanwhile (merge.py's
+        `in_flight_window`, 2 s)."""
         loop = asyncio.get_running_loop()
+        wait = POLL_S
         while True:
             self.follow(members())
             failures = self.failures
-            if self.streams:
-                await self.poll(block_ms=int(idle * 1000))  # waits up to `idle` for news
-                if loop.time() - self._trimmed > TRIM_EVERY_S:
-                    self._trimmed = loop.time()
-                    await self._trim()
-            if not self.streams or self.failures != failures:
+            if not self.streams:
                 await asyncio.sleep(idle)
+                continue
+            read = await self.poll()
+            if loop.time() - self._trimmed > TRIM_EVERY_S:
+                self._trimmed = loop.time()
+                await self._trim()
+            if self.failures != failures:
+                await asyncio.sleep(idle)
+            elif not read:
+                wait = min(idle, wait * 2)
+                await asyncio.sleep(wait)
+            elif self._drained:
+                wait = READ_GAP_S
+                await asyncio.sleep(wait)
 
     async def _trim(self) -> None:
         try:

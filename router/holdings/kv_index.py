@@ -130,10 +130,11 @@ class BlockIndex:
             parent = known
         media = _MEDIA.get(event.medium, 1)
         blocks = self._blocks
-        ids = event.token_ids
+        ids = event.token_ids  # a list where decoded (shared/wire/kv_events.py)
         keys = block_key_list(
-            ids.tolist() if isinstance(ids, np.ndarray) else list(ids), bs, parent
-        )
+            ids if isinstance(ids, list) else ids.tolist() if isinstance(ids, np.ndarray)
+            else list(ids), bs, parent,
+        )  # fmt: skip
         by_hash = wb.by_hash
         for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)

@@ -18,6 +18,21 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      exceeds the least load by more than ``balance_abs_threshold`` and is more than
      ``balance_rel_threshold`` times it. Then (or when the worker is gone) the policy
      decides and the entry moves to its choice.
+  3. Except a *lost* session: the policy found no cached prefix for the call anywhere
+     (reason ``no_match``: the router's tree, which follows each worker's LRU, has let
+     the session's context go), no pin holds it (the last call's ``cache_pin_ttl`` has
+     run out, or there was none) and the entry is older than ``FRESH_S`` (not a sibling
+     of the call that placed it). Its worker has most likely evicted the context too,
+     so keeping it there only adds a re-prefill to a worker already short of KV; the
+     policy's ``no_match`` placement (the least loaded worker, or with ``no_match:
+     smallest_tree`` the most free KV) takes it and the entry moves. Measured beside a
+     shared-prefix neighbour (loadtests/results/agents.md): sessions held on full
+     workers evicted the neighbour's prefixes there (its hit rate 2.1 points under its
+     solo run with keys, 1.0 with the rule, as for today's router, which re-places
+     lost sessions the same way). One router only: replicas keep the session (rule
+     2), as freshness and pins are not shared between their tables, and a move one
+     replica makes alone split siblings (0.940-0.948 co-located with the rule, 1.000
+     without).
 
 Keys are namespaced by tenant: the table is keyed by ``sha256(namespace NUL key)``,
 the namespace being the caller's tenant (config ``tenants``) or, without one, its API
@@ -34,7 +49,7 @@ import hashlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from router.fleet.view import view_columns
 from router.holdings.prediction import RouteRequest
@@ -63,15 +78,23 @@ def overloaded(load: int, low: int, abs_threshold: float, rel_threshold: float) 
     return load - low > abs_threshold and load > rel_threshold * low
 
 
+# Seconds an entry counts as fresh: calls within it of the one that placed or last kept
+# the session are its siblings (fanned out at once), kept together whatever the tree
+# says; a tool gap is longer (the agent workload's shortest is 2 s).
+FRESH_S = 1.0
+
+
 class SessionTable:
-    """digest → (worker id, last use), LRU-bounded and aged; the proxy's only session state."""
+    """digest → (worker id, last use, pinned until), LRU-bounded and aged; the proxy's
+    only session state."""
 
     def __init__(self, max_entries: int, ttl: float) -> None:
         self.max_entries = max_entries
         self.ttl = ttl
-        self._entries: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[str, float, float]] = OrderedDict()
         self.hits = 0  # calls routed by the table
         self.moved = 0  # entries moved off an overloaded or gone worker
+        self.lost = 0  # entries moved by rule 3 (a lost session)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -85,8 +108,16 @@ class SessionTable:
             return None
         return entry[0]
 
-    def put(self, digest: bytes, worker_id: str, now: float) -> None:
-        self._entries[digest] = (worker_id, now)
+    def held(self, digest: bytes, now: float) -> bool:
+        """Whether the session's context is still held where it is: a fresh entry
+        (siblings) or a pin not yet run out (rule 3)."""
+        entry = self._entries.get(digest)
+        return entry is not None and (now - entry[1] <= FRESH_S or now < entry[2])
+
+    def put(self, digest: bytes, worker_id: str, now: float, pin_ttl: float = 0.0) -> None:
+        """Record the session on `worker_id` at `now`; `pin_ttl`: the call asked its
+        worker to pin its context that long (``cache_pin_ttl``; the worker may clamp it)."""
+        self._entries[digest] = (worker_id, now, now + pin_ttl)
         self._entries.move_to_end(digest)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -109,7 +140,6 @@ class SessionTable:
             self.moved += 1
             return None
         self.hits += 1
-        self.put(digest, wid, now)
         return wid
 
 
@@ -148,6 +178,14 @@ def rendezvous(
     return top[0][1]
 
 
+class Placement(NamedTuple):
+    """What the session rule decided for one keyed request."""
+
+    decision: Decision
+    placed: bool  # placed anew (a first call, or moved): shared with the replicas
+    left: str | None  # the worker the session moved off: its pin there is released
+
+
 class Routes(Protocol):
     """router/routing.py's Routing, as the session rule uses it."""
 
@@ -160,18 +198,35 @@ class Routes(Protocol):
 def select(
     table: SessionTable, routing: Routes, request: RouteRequest, view: Sequence, now: float,
     digest: bytes, abs_threshold: float, rel_threshold: float, agree: bool = False,
-) -> tuple[Decision, bool]:  # fmt: skip
-    """The module's rule for one keyed request: (decision, whether the session was placed
-    anew, so the caller shares it with the replicas). The routing records the route in
-    the holdings room either way, as if the policy had chose it. `agree`: replicas share
+    pin_ttl: float = 0.0,
+) -> Placement:  # fmt: skip
+    """The module's rule for one keyed request: the decision, whether the session was
+    placed anew (the caller shares it with the replicas) and the worker it left, if it
+    moved (the caller releases the session's pin there: ``POST /release_pin``). The
+    routing records the route in the holdings room either way, as if the policy had
+    chosen it. `agree`: replicas share
     decisions (`sync`), so a new session with no prefix anywhere takes its rendezvous
     pick; a lone router keeps the policy's (it balances better: the smallest tree, or the
-    least load)."""
+    least load). `pin_ttl`: the request's ``cache_pin_ttl`` (0: none), for rule 3."""
     ids, loads, _ = view_columns(view)
+    held = table.held(digest, now)
+    before = table.get(digest, now)
     wid = table.pick(digest, ids, loads, now, abs_threshold, rel_threshold)
     if wid is not None:
         kept = Decision(wid, "session")
-        return routing.select(request, view, now, amend=lambda _: kept), False
+        lost = [False]
+
+        def keep(decision: Decision) -> Decision:
+            if decision.reason == "no_match" and not held and not agree:  # rule 3
+                lost[0] = True
+                return decision
+            return kept
+
+        decision = routing.select(request, view, now, amend=keep)
+        table.lost += lost[0]
+        table.put(digest, decision.worker_id, now, pin_ttl)
+        moved = lost[0] and decision.worker_id != wid
+        return Placement(decision, lost[0], wid if moved else None)
 
     def rendezvous_pick(decision: Decision) -> Decision:
         if agree and decision.reason in ("no_match", "balance"):
@@ -182,5 +237,6 @@ def select(
 
     decision = routing.select(request, view, now, amend=rendezvous_pick)
     # Recorded at decision time: siblings sent before this one is answered follow it.
-    table.put(digest, decision.worker_id, now)
-    return decision, True
+    table.put(digest, decision.worker_id, now, pin_ttl)
+    left = before if before is not None and before != decision.worker_id else None
+    return Placement(decision, True, left)

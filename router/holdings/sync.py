@@ -56,6 +56,7 @@ from router.holdings.sync_wire import (
 )
 from shared.config import RouterConfig
 from shared.serving.aio import reraise_if_cancelled
+from shared.tokens.prompt_ids import TokenKey
 from shared.wire.peers import Rejections
 from shared.wire.registry import MAX_WORKERS, Registry
 
@@ -66,7 +67,7 @@ SESSION = b"\x01"
 # Decisions buffered while Redis is unreachable; beyond this the oldest are dropped.
 PENDING_MAX = 10_000
 
-Observe = Callable[[str, Key, float], None]  # (worker_id, text or token ids, now)
+Observe = Callable[[str, Key, float], None]  # (worker_id, text or TokenKey, now)
 # A session's placement (router/holdings/sessions.py): (digest, worker_id, now).
 ObserveSession = Callable[[bytes, str, float], None]
 # Entries sent in one script call: Redis refuses a query over 1 GB, and entries are
@@ -168,7 +169,7 @@ class DecisionSync:
     def publish(self, worker_id: str, key: str | Sequence[int] | np.ndarray) -> None:
         """`key`: what this router's tree keyed the decision on (text, or prompt ids)."""
         cap = self.config.sync_max_chars
-        if isinstance(key, str):
+        if isinstance(key, str) and type(key) is not TokenKey:
             entry = encode_decision(self._header, worker_id, key, cap)
         elif self.fingerprint is not None:
             entry = encode_tokens(self._header, worker_id, key, self.fingerprint, cap)
@@ -316,7 +317,7 @@ class DecisionSync:
             except ValueError as e:
                 self.rejections.reject("sync_decisions", "stream entry", str(e))
                 continue
-            if (type(key) is tuple) != on_tokens:
+            if (type(key) is TokenKey) != on_tokens:
                 # A text decision for a tree on tokens: an older replica's, in a rolling
                 # upgrade (its text cannot be turned back into the ids it routed).
                 self.skipped += 1

@@ -102,7 +102,9 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # An engine that schedules by `priority` gets the class's where the body
             # names a tier but no priority (router/upstream/proxy.py).
             add = priority if "priority" not in data and "service_tier" in data else None
-            namespace = request_namespace(parsed, renders=tokenize is not None)
+            namespace = request_namespace(
+                parsed, renders=tokenize is not None, adapter=app[FLEET].serves_adapter(model)
+            )
             routed = Routed(
                 endpoint, path, raw, text, session_key, model, ids, stream, add, namespace
             )
@@ -113,6 +115,8 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 routed.cache_key = session_digest(
                     _session_namespace(tenant.name, request), cache_key
                 )
+                routed.pin_ttl = getattr(parsed, "cache_pin_ttl", None) or 0.0
+                routed.prompt_cache_key = cache_key
             ticket = queue.ticket(
                 tenant, klass,
                 RouteRequest(text, session_key, ids, model or "", namespace),
@@ -161,8 +165,8 @@ async def models(request: web.Request) -> web.Response:
     if unknown:
         await asyncio.gather(*(_probe_model(request, w) for w in unknown))
     data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "radix-router"}
-        for m in fleet.models()
+        {"id": m, "object": "model", "created": 0, "owned_by": "radix-router", "parent": parent}
+        for m, parent in fleet.models().items()
     ]
     return web.json_response({"object": "list", "data": data})
 

@@ -84,8 +84,8 @@ class Routed:
     per request against 0.6 us here (timeit)."""
 
     __slots__ = (
-        "body", "cache_key", "endpoint", "model", "namespace", "path", "priority", "session_key",
-        "stream",
+        "body", "cache_key", "endpoint", "model", "namespace", "path", "pin_ttl", "priority",
+        "prompt_cache_key", "session_key", "stream",
         "text",
         "tokens",
     )  # fmt: skip
@@ -111,6 +111,8 @@ class Routed:
         self.namespace = namespace  # its cache namespace (router/holdings/namespace.py)
         # The tenant-namespaced digest of `prompt_cache_key` (router/holdings/sessions.py).
         self.cache_key: bytes | None = None
+        self.pin_ttl = 0.0  # its `cache_pin_ttl` (the session rule's rule 3)
+        self.prompt_cache_key: str | None = None  # as sent: what a worker pins under
 
 
 class Seating(Protocol):
@@ -163,6 +165,8 @@ class Proxy:
         self.sessions = SessionTable(config.session_table_max, config.session_ttl)
         if sync is not None:
             sync.on_session = self.sessions.put
+        self._releases: set[asyncio.Task[None]] = set()  # pins released on moved sessions
+        self.pin_releases = {"sent": 0, "failed": 0}
 
     def _select(self, routed: Routed, tried: list[str]) -> tuple[Worker, Decision] | None:
         now = self.clock()
@@ -178,15 +182,40 @@ class Proxy:
             decision = self.routing.select(request, view, now)
         else:  # a prompt_cache_key session (router/holdings/sessions.py)
             config = self.config
-            decision, placed = sessions.select(
+            decision, placed, left = sessions.select(
                 self.sessions, self.routing, request, view, now, routed.cache_key,
                 config.balance_abs_threshold, config.balance_rel_threshold,
-                agree=self.sync is not None,
+                agree=self.sync is not None, pin_ttl=routed.pin_ttl,
             )  # fmt: skip
             if placed and self.sync is not None:
                 self.sync.publish_session(decision.worker_id, routed.cache_key)
+            old = self.fleet.workers.get(left) if left is not None else None
+            if old is not None and routed.prompt_cache_key is not None:
+                self._release_pin(old.url, routed.prompt_cache_key)
         self.metrics.decision(decision.reason)
         return self.fleet.workers[decision.worker_id], decision
+
+    def _release_pin(self, url: str, key: str) -> None:
+        """The session moved off the worker at `url`: release its pin there (``POST
+        /release_pin``, worker/engine/pins.py) in the background. Best effort: a pin the
+        call does not reach runs out at its TTL."""
+
+        async def release() -> None:
+            head = [("Content-Type", "application/json")]
+            if self._worker_auth is not None:
+                head.append(("Authorization", self._worker_auth))
+            body = json_codec.dumps({"prompt_cache_key": key})
+            try:
+                answer = await self.pool.post(url, "/release_pin", head, body, "release-pin")
+                await answer.read_all()
+                self.pool.release(url, answer)
+                self.pin_releases["sent"] += 1
+            except (OSError, TimeoutError, UpstreamBroken):
+                self.pin_releases["failed"] += 1
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def forward(
         self, request: web.Request, routed: Routed, seat: Seating | None = None

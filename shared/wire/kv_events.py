@@ -4,7 +4,8 @@ vLLM (`vllm/distributed/kv_events.py`) and SGLang publish, per engine step, a ba
 
     [ts, [event, ...], data_parallel_rank]          (msgpack, array_like)
 
-    BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium
+    BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+                    lora_name, extra_keys (the last two: newer vLLM, 0.32 here)
     BlockRemoved    block_hashes, medium
     AllBlocksCleared
 
@@ -23,7 +24,9 @@ depends on how an engine hashes.
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -58,6 +61,9 @@ class BlockStored:
     # name, a cache_salt on the first block, ...), or None; None for the whole event when
     # no block has any. Bounded: MAX_EXTRA_KEYS items of short strings or ints.
     extra_keys: tuple[tuple[str | int, ...] | None, ...] | None = None
+    # The LoRA adapter the blocks were computed with: vLLM's `lora_name`, else its
+    # `lora_id` (all an event has where the schema predates `lora_name`); None: the base.
+    lora: str | int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +136,9 @@ def _event_obj(event: KVEvent) -> dict[str, Any]:
             "parent_block_hash": event.parent_block_hash,
             "token_ids": np.asarray(event.token_ids, dtype=np.int64).tolist(),
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": event.lora if type(event.lora) is int else None,
             "medium": event.medium,
-            "lora_name": None,
+            "lora_name": event.lora if isinstance(event.lora, str) else None,
             "extra_keys": None if event.extra_keys is None else [
                 None if k is None else list(k) for k in event.extra_keys
             ],
@@ -220,15 +226,11 @@ def _decode_event(raw: object) -> KVEvent:
             return BlockStored(hashes, None, np.empty(0, np.int64), 0, _medium(f))
         if size == 0 or not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
             raise ValueError("token_ids is not block_size tokens per block")
-        ids = np.array(tokens)  # checked as a whole: no Python loop per token
-        if ids.dtype.kind not in "iu" or ids.ndim != 1:
-            raise ValueError("token ids are not integers")
-        if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
-            raise ValueError("token id out of range")
+        _check_ids(tokens)
         parent = f.get("parent_block_hash")
         return BlockStored(
-            hashes, None if parent is None else _hash(parent), ids.astype(np.int64), size,
-            _medium(f), _extra_keys(f.get("extra_keys"), len(hashes)),
+            hashes, None if parent is None else _hash(parent), tokens, size, _medium(f),
+            _extra_keys(f.get("extra_keys"), len(hashes)), _lora(f),
         )  # fmt: skip
     if tag == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_ORDER)
@@ -236,6 +238,20 @@ def _decode_event(raw: object) -> KVEvent:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown event type {str(tag)[:40]!r}")
+
+
+def _check_ids(tokens: list[object]) -> None:
+    """Token ids, each an int in [0, MAX_TOKEN_ID], checked in C with no Python loop per
+    token; the list is kept as it is (the index keys it as ints: an array made here was
+    turned back into a list there, ~10 µs an event)."""
+    try:
+        packed = array("i", tokens)  # int32: refuses non-ints and anything past 2**31 - 1
+    except (TypeError, OverflowError):
+        raise ValueError("token ids are not integers in range") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    if not packed.tobytes()[3::4].isascii():  # a sign bit set: a negative id
+        raise ValueError("token id out of range")
 
 
 def _hash(value: object) -> BlockHash:
@@ -249,6 +265,8 @@ def _hash(value: object) -> BlockHash:
 def _hashes(value: object) -> tuple[BlockHash, ...]:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_BLOCKS:
         raise ValueError("block_hashes is not a non-empty list of bounded length")
+    if set(map(type, value)) == {int} and min(value) >= -(2**63) and max(value) < 2**64:
+        return tuple(value)  # the common case (64-bit int hashes), checked in C
     return tuple(_hash(v) for v in value)
 
 
@@ -271,6 +289,20 @@ def _extra_keys(value: object, blocks: int) -> tuple[tuple[str | int, ...] | Non
                 raise ValueError("an extra key is neither a string nor a 64-bit int")
         out.append(tuple(keys))
     return tuple(out)
+
+
+def _lora(f: dict[str, Any]) -> str | int | None:
+    """`lora_name` where set, else `lora_id` (an int; 0 is vLLM's "no adapter")."""
+    name, lid = f.get("lora_name"), f.get("lora_id")
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("lora_name is not a non-empty string")
+        return name
+    if lid is None or lid == 0:
+        return None
+    if type(lid) is not int or not 0 < lid < 2**63:
+        raise ValueError("lora_id is not a positive int")
+    return lid
 
 
 def _medium(f: dict[str, Any]) -> str | None:

@@ -52,16 +52,28 @@ def check_worker_id(worker_id: object) -> str:
 
 
 def served_model(answer: object) -> str:
-    """The first model id in a `/v1/models` answer, or "" when it names none. Anything
-    but a list of objects with a printable id of at most 256 characters (what the
-    registry accepts of a model) names none: a `{"data": 5}` once made the router's own
-    `GET /v1/models` answer 500."""
+    """The base model's id in a `/v1/models` answer (the first entry without a `parent`,
+    else the first), or "" when it names none. Anything but a list of objects with a
+    printable id of at most 256 characters (what the registry accepts of a model) names
+    none: a `{"data": 5}` once made the router's own `GET /v1/models` answer 500."""
+    named = _model_entries(answer)
+    return next((name for name, parent in named if parent is None), named[0][0] if named else "")
+
+
+def served_adapters(answer: object) -> list[str]:
+    """The LoRA adapters in a `/v1/models` answer: the ids with a `parent` (vLLM lists
+    each `--lora-modules` adapter so, its parent the base model)."""
+    return [name for name, parent in _model_entries(answer) if parent is not None]
+
+
+def _model_entries(answer: object) -> list[tuple[str, object]]:
     models = answer.get("data") if isinstance(answer, dict) else None
+    out = []
     for model in models if isinstance(models, list) else ():
         name = model.get("id") if isinstance(model, dict) else None
         if isinstance(name, str) and name and len(name) <= 256 and name.isprintable():
-            return name
-    return ""
+            out.append((name, model.get("parent")))  # type: ignore[union-attr]
+    return out
 
 
 def parse_networks(cidrs: Iterable[str]) -> tuple[Network, ...]:

@@ -44,6 +44,8 @@ MAX_WORKERS = 4096  # worker hashes read per poll
 MAX_ENTRY_BYTES = MAX_BATCH_BYTES + 1024
 MAX_REPLY_BYTES = 2 * MAX_ENTRY_BYTES  # one read of every stream, whatever `count` is
 SCAN_COUNT = 10_000  # keys the server walks per SCAN round trip (~1 ms of its time)
+MAX_ADAPTERS = 32  # adapter names one worker may advertise (each a model name, <= 256 chars)
+MAX_FIELD_CHARS = 1024  # any field of a record (the adapters' names joined, too)
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,16 @@ class WorkerRecord:
     # Pins across tool gaps (worker/engine/pins.py): prefixes held, and their tokens.
     pins: int = 0
     pinned_tokens: int = 0
+    # LoRA adapters served beside `model`, each under its own `model` name (vLLM's
+    # `--lora-modules`, read from the upstream's /v1/models by `attach`): routers send an
+    # adapter's requests here, keyed apart from the base model's (router/holdings/namespace.py).
+    # In the hash: the names joined by ",", at most MAX_ADAPTERS of them.
+    adapters: tuple[str, ...] = ()
 
     def to_hash(self) -> dict[str, str]:
-        return {
-            k: (str(int(v)) if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()
-        }
+        out = {k: (str(int(v)) if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+        out["adapters"] = ",".join(self.adapters)
+        return out
 
     @classmethod
     def from_hash(cls, raw: dict[bytes | str, bytes | str]) -> WorkerRecord:
@@ -100,7 +107,7 @@ class WorkerRecord:
         for k, v in raw.items():
             key = k.decode() if isinstance(k, bytes) else k
             value = v.decode() if isinstance(v, bytes) else v
-            if len(value) > 1024:
+            if len(value) > MAX_FIELD_CHARS:
                 raise ValueError(f"worker record field {key!r:.40} is too long")
             data[key] = value
         kwargs: dict[str, object] = {}
@@ -122,6 +129,8 @@ class WorkerRecord:
                 kwargs[f.name] = real
             elif f.type == "bool":
                 kwargs[f.name] = value not in ("0", "", "false", "False")
+            elif f.name == "adapters":
+                kwargs[f.name] = parse_adapters(value)
             elif not value.isprintable() or len(value) > 256:
                 raise ValueError(f"{f.name} must be printable text of at most 256 characters")
             else:
@@ -130,6 +139,35 @@ class WorkerRecord:
         check_worker_id(record.worker_id)
         check_worker_url(record.url)
         return record
+
+
+def parse_adapters(value: str) -> tuple[str, ...]:
+    """A record's `adapters` field: "" or names joined by ","; ValueError beyond
+    MAX_ADAPTERS names or on a name that could not be a model name."""
+    if not value:
+        return ()
+    names = value.split(",")
+    if len(names) > MAX_ADAPTERS:
+        raise ValueError(f"adapters names more than {MAX_ADAPTERS} names")
+    for name in names:
+        if not name or not name.isprintable() or len(name) > 256:
+            raise ValueError("adapters must be printable names of at most 256 characters")
+    return tuple(names)
+
+
+def fit_adapters(names: list[str]) -> tuple[str, ...]:
+    """The adapter names a record can carry, in order: valid names (no ",") while they
+    fit MAX_ADAPTERS and MAX_FIELD_CHARS joined; the rest are not advertised."""
+    out: list[str] = []
+    used = -1
+    for name in names:
+        if "," in name or not name or not name.isprintable() or len(name) > 256:
+            continue
+        if len(out) == MAX_ADAPTERS or used + 1 + len(name) > MAX_FIELD_CHARS:
+            break
+        out.append(name)
+        used += 1 + len(name)
+    return tuple(out)
 
 
 class Registry:

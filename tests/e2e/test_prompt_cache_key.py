@@ -7,6 +7,7 @@ workers, one or two `python -m router serve` replicas, the official openai clien
   alternating), where today's router spreads them by load.
 - A pin's TTL over the worker's maximum is clamped, and the answer's usage says so; the
   pin shows in the worker's /metrics and its heartbeat in Redis.
+- A session moved off its worker (overloaded) has its pin there released by the router.
 """
 
 from __future__ import annotations
@@ -148,3 +149,36 @@ def test_a_ttl_over_the_maximum_is_clamped_and_the_pin_is_reported(fleet: Cluste
         wait_until(lambda: heartbeat_pins() > 0, 10)
     finally:
         redis.close()
+
+
+def pins_at(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return float(next(ln for ln in lines if ln.startswith("radix_worker_pins ")).split()[1])
+
+
+def test_a_moved_session_has_its_pin_released_on_the_worker_it_left(fleet: Cluster) -> None:
+    """The session's worker gets busy (a long stream on it) past the balance rule, so the
+    session's next call goes elsewhere; the router tells the old worker to release the
+    pin it keeps for that session (POST /release_pin), which would otherwise hold its KV
+    for the TTL (60 s) for a call that goes elsewhere. Fails where the router sends none."""
+    router = fleet.start_router(
+        {"policy": "cache_aware", "balance_abs_threshold": 0, "balance_rel_threshold": 1.0}
+    )
+    c, model = client(router), model_of(router)
+    context = "agent context " * 40
+    home, usage = call(c, model, context, "moving-1", cache_pin_ttl=60)
+    assert usage["cache_pin"]["ttl_s"] == 60.0
+    assert pins_at(fleet.workers[home].url) == 1
+    # A long answer on the session's worker (its prefix matches there): load 1 against 0.
+    busy = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": context}], max_tokens=4000,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    try:
+        next(iter(busy))
+        moved, _ = call(c, model, context + " tool: done", "moving-1", cache_pin_ttl=60)
+        assert moved != home
+        wait_until(lambda: pins_at(fleet.workers[home].url) == 0, 10)
+    finally:
+        busy.close()

@@ -42,6 +42,11 @@ CASES: list[Any] = [
     ("token_id_out_of_vocab", "/v1/completions", b'{"prompt": [-1, 5], "max_tokens": 2}', 400, "prompt"),
     ("sampling_params_string", "/generate", b'{"text": "x", "sampling_params": "abc"}', 400, "sampling_params"),
     ("unknown_model", "/v1/completions", b'{"prompt": "x", "model": "gpt-9", "max_tokens": 2}', 404, "model_not_found"),
+    # A LoRA adapter the engine does not serve (ours serves none): vLLM's 404, by name or
+    # by SGLang's `lora_path` (worker/http/openai_api.py says why 404, not 400).
+    ("unknown_adapter", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "model": "tiny-lora-a"}', 404, "model_not_found"),
+    ("adapter_lora_path", "/v1/completions", b'{"prompt": "x", "lora_path": "tiny-lora-a", "max_tokens": 2}', 404, "model_not_found"),
+    ("generate_lora_path", "/generate", b'{"text": "x", "lora_path": "tiny-lora-a"}', 404, "model_not_found"),
     pytest.param("deep_nesting", "/v1/completions", b"[" * 5000 + b"]" * 5000, 400, "invalid_json"),
     # Was a worker 500 (the sim tokenizer's utf-8 encode) and a router 502; now the strict
     # request models refuse it at the edge.

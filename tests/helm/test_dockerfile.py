@@ -149,7 +149,7 @@ def test_sidecar_image_is_slim_and_runs_attach_and_download(stages: dict[str, St
     assert sidecar.last("USER") == "10001:10001"
     # What the sidecar runs imports no torch (the image has none).
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, worker.cli, worker.attach.sidecar, worker.download; "
+        [sys.executable, "-c", "import sys, worker.cli, worker.attach.command, worker.download; "
          "sys.exit('torch' in sys.modules)"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -142,8 +142,10 @@ def test_the_record_takes_the_engines_stats_by_their_own_names() -> None:
     from worker.http.state import WorkerState
 
     # What the worker says of itself, not its engine's numbers (priority_scheduling: an
-    # attached vLLM started with priority scheduling; our engine always orders by class).
-    own = {"worker_id", "url", "model", "engine", "epoch", "draining", "priority_scheduling"}
+    # attached vLLM started with priority scheduling; our engine always orders by class;
+    # adapters: an attached vLLM's LoRA adapters, our engine serves none).
+    own = {"worker_id", "url", "model", "engine", "epoch", "draining", "priority_scheduling",
+           "adapters"}  # fmt: skip
     stats_names = [f.name for f in fields(EngineStats)]
     record_names = {f.name for f in fields(WorkerRecord)} - own
     assert record_names <= set(stats_names), record_names - set(stats_names)

@@ -6,9 +6,11 @@
 A sidecar next to the stock server (same pod in the chart). Every `--interval` it
 scrapes the upstream's own `/metrics` (worker/attach/upstream_metrics.py: running, queued, KV
 usage, token totals) and writes the same heartbeat record our workers write, with the
-upstream's URL (or `--advertise-url`, what routers dial), its model from `/v1/models`,
-and its KV capacity (vLLM: `vllm:cache_config_info`; SGLang: `/get_server_info`
-`max_total_num_tokens`). The router treats it as any worker: both engines serve the
+upstream's URL (or `--advertise-url`, what routers dial), its model from `/v1/models`
+(the entry without a `parent`; the entries with one, vLLM's `--lora-modules` adapters,
+as its `adapters`: read once per epoch, so an adapter loaded at run time is advertised
+from the next restart), and its KV capacity (vLLM: `vllm:cache_config_info`; SGLang:
+`/get_server_info` `max_total_num_tokens`). The router treats it as any worker: both engines serve the
 OpenAI API and report `cached_tokens`. Of a host KV tier only SGLang's host hits are
 exported in tokens (worker/attach/upstream_metrics.py says what each engine exposes).
 
@@ -21,18 +23,14 @@ heartbeating a dead server; it registers again once it answers.
 
 SIGTERM: deregister at once and exit 0. In the chart the engine container then keeps
 serving through its preStop delay, so requests the routers still send are answered.
+The command line (flags and their checks): worker/attach/command.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import os
-import signal
-import socket
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,10 +38,9 @@ from typing import Any
 import aiohttp
 from redis.exceptions import RedisError
 
-from shared.config import read_password_file
 from shared.serving.aio import stop_task
-from shared.wire.peers import served_model
-from shared.wire.registry import Registry, WorkerRecord
+from shared.wire.peers import served_adapters, served_model
+from shared.wire.registry import Registry, WorkerRecord, fit_adapters
 from worker.attach.echo_check import REQUEST_ID_HEADER, echo_advice, probe_id
 from worker.attach.upstream_metrics import StockEngine, UpstreamLoad, parse_load
 from worker.heartbeat import Heartbeat, connect
@@ -84,6 +81,7 @@ class Upstream:
         self.base = config.upstream.rstrip("/")
         self.epoch = 0.0
         self.model = ""
+        self.adapters: tuple[str, ...] = ()  # LoRA adapters it serves (its /v1/models)
         self.capacity = 0
         self.block_size = 0  # of its KV events, as its own publisher names it (0: unknown)
         self._last: UpstreamLoad | None = None
@@ -107,6 +105,7 @@ class Upstream:
         if not self.echoes:
             log.warning("%s", echo_advice(self.config.engine, self.base))
         self.model = self.config.served_model_name or served_model(models)
+        self.adapters = fit_adapters(served_adapters(models))
         if self.config.engine == "sglang":
             info = await self._get("/get_server_info")
             value = info.get("max_total_num_tokens") if isinstance(info, dict) else None
@@ -153,6 +152,7 @@ class Upstream:
             worker_id=self.config.worker_id,
             url=self.config.advertise_url,
             model=self.model,
+            adapters=self.adapters,
             engine=self.config.engine,
             epoch=self.epoch,
             running=load.running,
@@ -238,103 +238,3 @@ async def _leave(registry: Registry, record: WorkerRecord) -> None:
         log.info("deregistered %s", record.worker_id)
     except (RedisError, OSError, TimeoutError) as exc:
         log.warning("could not deregister in Redis (%s); the record expires", exc)
-
-
-def add_attach_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "attach", help="register a stock SGLang or vLLM server as a worker (a sidecar)",
-        description=__doc__.split("\n\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    p.add_argument(
-        "--upstream", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000"
-    )
-    p.add_argument("--engine", required=True, choices=("sglang", "vllm"))
-    p.add_argument(
-        "--redis-url", default=os.environ.get("RADIX_WORKER_REDIS_URL"),
-        help="Redis of the fleet (default: $RADIX_WORKER_REDIS_URL, which keeps a password "
-        "out of the process list)",
-    )  # fmt: skip
-    p.add_argument(
-        "--redis-password-file", default=os.environ.get("RADIX_WORKER_REDIS_PASSWORD_FILE"),
-        help="file holding the Redis password (default: $RADIX_WORKER_REDIS_PASSWORD_FILE); "
-        "the URL then names only the user",
-    )  # fmt: skip
-    p.add_argument("--worker-id", help="id in the fleet (default: the hostname)")
-    p.add_argument("--advertise-url", help="URL routers dial (default: --upstream)")
-    p.add_argument("--served-model-name", help="model name (default: the upstream's /v1/models)")
-    p.add_argument("--redis-prefix", default="radixrouter:")
-    p.add_argument(
-        "--kv-events", metavar="ENDPOINT",
-        help="the engine's ZMQ KV-event publisher, e.g. tcp://127.0.0.1:5557 (vLLM "
-        "--kv-events-config endpoint): forwarded to this worker's Redis stream",
-    )  # fmt: skip
-    p.add_argument(
-        "--kv-events-replay", metavar="ENDPOINT",
-        help="the publisher's replay socket (vLLM replay_endpoint), asked on a gap",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-running-requests", type=int, default=0, metavar="N",
-        help="the engine's batch cap (vLLM --max-num-seqs, SGLang --max-running-requests): "
-        "the router's seats for it; unset, the router never holds requests back from it",
-    )  # fmt: skip
-    p.add_argument(
-        "--priority-scheduling", action="store_true",
-        help="the engine runs vLLM's --scheduling-policy priority: routers add each "
-        "request's class as its integer `priority`",
-    )  # fmt: skip
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between heartbeats")
-    p.add_argument("--log-level", default="INFO")
-
-
-def run_attach(args: argparse.Namespace) -> int:
-    from shared.wire.peers import check_worker_id, check_worker_url
-
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )  # fmt: skip
-    try:
-        upstream = check_worker_url(args.upstream)
-        advertise = check_worker_url(args.advertise_url or args.upstream)
-        # Routers drop a record whose id has another shape: refuse it here, loudly.
-        worker_id = check_worker_id(args.worker_id or socket.gethostname())
-    except ValueError as exc:
-        print(f"radix-worker attach: {exc}", file=sys.stderr)
-        return 2
-    if not args.redis_url:
-        print(
-            "radix-worker attach: --redis-url (or RADIX_WORKER_REDIS_URL) is required",
-            file=sys.stderr,
-        )
-        return 2
-    if args.redis_password_file:
-        try:
-            read_password_file(args.redis_password_file)
-        except ValueError as exc:
-            print(f"radix-worker attach: --redis-password-file: {exc}", file=sys.stderr)
-            return 2
-    if args.interval <= 0:
-        print("radix-worker attach: --interval must be > 0", file=sys.stderr)
-        return 2
-    if args.max_running_requests < 0:
-        print("radix-worker attach: --max-running-requests must be >= 0", file=sys.stderr)
-        return 2
-    config = AttachConfig(
-        upstream=upstream, engine=args.engine, redis_url=args.redis_url,
-        worker_id=worker_id, advertise_url=advertise,
-        redis_prefix=args.redis_prefix, redis_password_file=args.redis_password_file,
-        served_model_name=args.served_model_name,
-        interval=args.interval, kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
-        max_running_requests=args.max_running_requests,
-        priority_scheduling=args.priority_scheduling,
-    )  # fmt: skip
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await attach(config, stop)
-
-    asyncio.run(main())
-    return 0

@@ -172,6 +172,18 @@ class AsyncEngine:
         self._submit(flush)
         return await asyncio.wrap_future(done)
 
+    async def release_pin(self, key: str) -> bool:
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+
+        def release() -> None:
+            try:
+                done.set_result(self.engine.release_pin(key))
+            except Exception as exc:
+                done.set_exception(exc)
+
+        self._submit(release)
+        return await asyncio.wrap_future(done)
+
     def stats(self) -> EngineStats:
         if self._engine is None:
             return EngineStats(0, 0, 0, 0, 0, 0, 0)

@@ -315,6 +315,12 @@ class LLMEngine:
         self.cache.reset()
         return True
 
+    def release_pin(self, key: str) -> bool:
+        """Release the pin held under `key` (a session the router moved elsewhere:
+        worker/engine/pins.py); whether there was one."""
+        pins = self.scheduler.pins
+        return pins is not None and pins.release(key, "moved")
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running),

@@ -14,6 +14,9 @@ when it finishes:
 - Budget: pins hold at most ``budget`` tokens (``pin_budget`` × KV capacity; a shared
   prefix counts once per pin that holds it, so the bound is conservative). A new pin
   past it releases the oldest pins first.
+- Moved: the router moved the session to another worker (its worker overloaded or
+  gone, or its context lost: router/holdings/sessions.py) and says so (``POST
+  /release_pin``): the pin would only hold KV for a call that goes elsewhere.
 - Memory pressure: when a request cannot be admitted even after evicting every unpinned
   token, the scheduler releases the oldest pins (``relieve``) before it preempts or
   waits; with a host tier the released prefix is then evicted *to the host* (write-back),
@@ -56,7 +59,7 @@ class PinTable:
         self._expiry: list[tuple[float, int, Pin]] = []  # lazily cleaned heap
         self._seq = 0
         self.pinned_tokens = 0
-        self.released = {"expired": 0, "next_call": 0, "budget": 0, "pressure": 0}
+        self.released = {"expired": 0, "next_call": 0, "budget": 0, "pressure": 0, "moved": 0}
         self.clamped = 0
 
     def __len__(self) -> int:

@@ -220,6 +220,10 @@ class Engine(Protocol):
 
     async def flush_cache(self) -> bool: ...
 
+    async def release_pin(self, key: str) -> bool:
+        """Release the pin held under a `prompt_cache_key` (worker/engine/pins.py)."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     def tokenize(self, text: str) -> list[int]:

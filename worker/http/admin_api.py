@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from shared.serving.body import read_json
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
+from shared.wire.protocol import MAX_PROMPT_CACHE_KEY_BYTES
 from worker.http.openapi import openapi_document
 from worker.http.state import CONFIG, ENGINE, METRICS, STATE
+
+RELEASE_PIN_MAX_BYTES = 4096  # {"prompt_cache_key": ...} of at most 1,024 bytes, escaped
 
 
 async def models(request: web.Request) -> web.Response:
@@ -45,6 +49,24 @@ async def flush_cache(request: web.Request) -> web.Response:
     if not await request.app[ENGINE].flush_cache():
         raise APIError(409, "cannot flush the cache while requests are running", code="busy")
     return web.json_response({"flushed": True})
+
+
+async def release_pin(request: web.Request) -> web.Response:
+    """``{"prompt_cache_key": K}``: release the session's pin here (the router moved the
+    session to another worker: worker/engine/pins.py). 200 ``{"released": bool}``."""
+    if not request.app[STATE].ready.is_set():
+        raise APIError(503, "engine is starting", code="not_ready")
+    config = request.app[CONFIG]
+    # A key is at most 1,024 bytes: the body is bounded far below the inference limit.
+    _, body = await read_json(request, RELEASE_PIN_MAX_BYTES, config.body_read_timeout)
+    key = body.get("prompt_cache_key")
+    if not isinstance(key, str) or not key:
+        raise APIError(400, "prompt_cache_key: a non-empty string is required",
+                       param="prompt_cache_key")  # fmt: skip
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_PROMPT_CACHE_KEY_BYTES:
+        raise APIError(400, f"prompt_cache_key: longer than {MAX_PROMPT_CACHE_KEY_BYTES} bytes",
+                       param="prompt_cache_key")  # fmt: skip
+    return web.json_response({"released": await request.app[ENGINE].release_pin(key)})
 
 
 async def server_info(request: web.Request) -> web.Response:

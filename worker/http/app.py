@@ -190,6 +190,7 @@ ROUTES = [
     web.get("/health", admin_api.health),
     web.get("/metrics", admin_api.metrics),
     web.post("/flush_cache", admin_api.flush_cache),
+    web.post("/release_pin", admin_api.release_pin),
     web.get("/get_server_info", admin_api.server_info),
     web.get("/openapi.json", admin_api.openapi),
 ]

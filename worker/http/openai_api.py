@@ -1,7 +1,7 @@
 """The inference endpoints: OpenAI completions and chat, and SGLang's `/generate`.
 
 Each handler validates its body with the shared pydantic models, builds one
-`EngineRequest` and a formatter for its wire format (worker/http/formats.py); `_answer` does the rest the same
+`EngineRequest` (worker/http/intake.py) and a formatter for its wire format (worker/http/formats.py); `_answer` does the rest the same
 way for all three: the first engine output is awaited before any byte is sent, so a
 request the engine refuses (prompt too long, queue full) still gets a clean 4xx/503,
 then the answer is returned whole or streamed as SSE. The engine stream is always
@@ -11,8 +11,6 @@ closed (`aclosing`), so a client that disconnects aborts its request and frees i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import time
 from typing import Any
 
@@ -34,7 +32,6 @@ from worker.engine.types import (
     EngineOverloaded,
     EngineRequest,
     GenerateOutput,
-    SamplingParams,
 )
 from worker.http.formats import (
     ChatFormat,
@@ -45,89 +42,14 @@ from worker.http.formats import (
     Tally,
     TokenBytes,
 )
-from worker.http.state import CONFIG, ENGINE, METRICS, STATE
+from worker.http.intake import (
+    check_model,
+    refuse_unsupported,
+    sampling_params,
+    session_pin,
+)
+from worker.http.state import CONFIG, ENGINE, METRICS
 from worker.http.streaming import Event, open_stream, send_done, send_events
-
-# Accepted by the OpenAI API but not served by this engine: a 400 naming the field
-# beats a 200 that ignored it. (The router passes them through untouched, so a vLLM or
-# SGLang backend that serves them still gets them.)
-UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "response_format", "suffix", "best_of", "audio", "modalities", "prediction",
-)  # fmt: skip
-
-
-log = logging.getLogger(__name__)
-
-
-def _session(
-    request: web.Request, req: Any, gen: EngineRequest, klass: str
-) -> tuple[EngineRequest, Any]:
-    """`prompt_cache_key` (logged, never scheduled on) and the pin the answer leaves:
-    `cache_pin_ttl` seconds, else for a keyed request its class's `pin_class_ttl_s`, else
-    `pin_default_ttl_s`; clamped to `pin_max_ttl_s` (worker/engine/pins.py). Returns the
-    request and usage's `cache_pin`."""
-    key, asked = req.prompt_cache_key, req.cache_pin_ttl
-    config = request.app[CONFIG]
-    if key is not None:
-        log.info("request_id=%s prompt_cache_key=%r", gen.request_id, key[:128])
-    if asked is None and key is not None:  # the default: the request's class's, else the worker's
-        asked = config.pin_class_ttl_s.get(klass, config.pin_default_ttl_s)
-    asked = asked or 0.0
-    if not asked or not config.pin_budget:
-        return dataclasses.replace(gen, cache_key=key), None
-    ttl = min(asked, config.pin_max_ttl_s)
-    pin = {"ttl_s": ttl, "requested_ttl_s": asked, "clamped": ttl < asked}
-    return dataclasses.replace(gen, cache_key=key, pin_ttl=ttl), pin
-
-
-# What each field may hold and still mean "nothing asked": plain text is OpenAI's
-# default `response_format`, and some SDKs send it explicitly on every request.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"response_format": ({"type": "text"},)}
-
-
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name in UNSUPPORTED_FIELDS:
-        if body.get(name) not in (None, False, [], {}, *_NEUTRAL.get(name, ())):
-            raise APIError(
-                400, f"{name} is not supported by this worker", param=name,
-                code="unsupported_parameter",
-            )  # fmt: skip
-
-
-def _check_model(request: web.Request, model: str | None) -> str:
-    """The served name; 404 for any other (requests without `model` are accepted)."""
-    served = request.app[STATE].served_model
-    if model is not None and model not in (served, request.app[CONFIG].model):
-        raise APIError(
-            404, f"the model {model!r} does not exist; this worker serves {served!r}",
-            param="model", code="model_not_found",
-        )  # fmt: skip
-    return served
-
-
-def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    out = []
-    for key, value in (bias or {}).items():
-        if not key.isdigit() or len(key) > 12:
-            raise APIError(
-                400, f"logit_bias keys must be token ids, got {key[:20]!r}", param="logit_bias",
-                code="invalid_value",
-            )  # fmt: skip
-        out.append((int(key), float(value)))
-    return tuple(out)
-
-
-def _sampling(req: Any, max_tokens: int, logprobs: bool = False, top: int = 0) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        min_p=req.min_p, seed=req.seed, stop=req.stop_list(),
-        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-        n=getattr(req, "n", 1), presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        logit_bias=_logit_bias(getattr(req, "logit_bias", None)), logprobs=logprobs,
-        top_logprobs=top,
-    )  # fmt: skip
 
 
 def _engine_error(exc: Exception, params: dict[str, str]) -> APIError:
@@ -220,8 +142,8 @@ def _token_bytes(request: web.Request) -> TokenBytes:
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     req = CompletionRequest.model_validate(body)
-    _refuse_unsupported(body)
-    model = _check_model(request, req.model)
+    refuse_unsupported(body)
+    model = check_model(request, req.model, body)
     text, ids = req.prompt_text(), req.prompt_ids()
     if req.echo and text is None:
         raise APIError(400, "echo needs a text prompt", param="echo", code="unsupported")
@@ -229,13 +151,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     klass, priority = request_class(body)
     gen = EngineRequest(
         request_id=rid, prompt=text, prompt_token_ids=tuple(ids) if ids is not None else None,
-        params=_sampling(  # 16: OpenAI's default for completions
+        params=sampling_params(  # 16: OpenAI's default for completions
             req, req.max_tokens or 16, req.logprobs is not None, req.logprobs or 0
         ),
         cache_salt=req.cache_salt,
         priority=priority,
     )  # fmt: skip
-    gen, pin = _session(request, req, gen, klass)
+    gen, pin = session_pin(request, req, gen, klass)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = text if req.echo and text else ""
     fmt = CompletionFormat(rid, model, echo, include_usage, _token_bytes(request))
@@ -245,8 +167,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     req = ChatCompletionRequest.model_validate(body)
-    _refuse_unsupported(body)
-    model = _check_model(request, req.model)
+    refuse_unsupported(body)
+    model = check_model(request, req.model, body)
     engine = request.app[ENGINE]
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
@@ -264,9 +186,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise APIError(
             400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
-    params = _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0)
+    params = sampling_params(req, max_tokens, req.logprobs, req.top_logprobs or 0)
     klass, priority = request_class(body)
-    gen, pin = _session(
+    gen, pin = session_pin(
         request, req, EngineRequest(
             request_id=rid, prompt_token_ids=tuple(ids), params=params, priority=priority,
             cache_salt=req.cache_salt,
@@ -283,6 +205,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await _read(request)
     req = GenerateWireRequest.model_validate(body)
+    check_model(request, None, body)  # SGLang's `lora_path`
     try:
         sp = GenerateSamplingParams.model_validate(req.sampling_params)
     except ValidationError as exc:  # name the nested field: sampling_params.max_new_tokens
@@ -293,7 +216,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     gen = EngineRequest(
         request_id=rid, prompt=req.text,
         prompt_token_ids=tuple(req.input_ids) if req.input_ids is not None else None,
-        params=_sampling(sp, sp.max_new_tokens),
+        params=sampling_params(sp, sp.max_new_tokens),
         priority=request_class(body)[1],
     )  # fmt: skip
     prompt_param = "text" if req.text is not None else "input_ids"

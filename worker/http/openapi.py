@@ -62,6 +62,15 @@ def openapi_document(served_model: str) -> dict[str, Any]:
             "/flush_cache": {
                 "post": _json_operation("Drop every cached prefix", "401", "409", "503")
             },
+            "/release_pin": {
+                "post": _json_operation(
+                    "Release a prompt_cache_key's pin (its session moved)",
+                    "400",
+                    "401",
+                    "413",
+                    "503",
+                )
+            },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",

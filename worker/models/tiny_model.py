@@ -226,3 +226,34 @@ def make_tiny_model(
     weights = _random_weights(ModelConfig.from_dict(hf_cfg), seed, device, parse_dtype(dtype))
     _save_weights(out, weights, num_shards)
     return out
+
+
+def make_tiny_lora(model_dir: Path, out_dir: Path, rank: int = 8, seed: int = 1) -> Path:
+    """A random LoRA adapter for the model in `model_dir`, in PEFT's format
+    (`adapter_config.json`, `adapter_model.safetensors`): rank `rank` on every layer's
+    q_proj and v_proj. Our engine serves no adapter; vLLM does (`--enable-lora
+    --lora-modules NAME=out_dir`, tests/e2e/test_attach_vllm_events.py)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    outs = {
+        "q_proj": cfg["num_attention_heads"] * head_dim,
+        "v_proj": cfg["num_key_value_heads"] * head_dim,
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, out in outs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.1
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.1
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0, "target_modules": list(outs), "bias": "none",
+        "base_model_name_or_path": str(model_dir), "fan_in_fan_out": False,
+        "inference_mode": True, "modules_to_save": None,
+    }  # fmt: skip
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out_dir

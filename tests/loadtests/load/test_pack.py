@@ -17,6 +17,7 @@ from loadtests.load.cluster import ClusterSpec
 from loadtests.load.compare import SGLANG
 from loadtests.load.pack import (
     SMALL,
+    TODAY_AGENTS,
     WORKLOADS,
     agrees,
     eviction_options,
@@ -67,11 +68,43 @@ def test_sglang_router_runs_where_it_can_and_is_skipped_with_the_reason_elsewher
         assert python == sys.executable
 
 
-def test_a_missing_workload_is_skipped_with_its_reason() -> None:
+def test_every_workload_of_the_issue_is_a_cell() -> None:
     reasons = {e.name: e.missing() for e in WORKLOADS}
-    assert reasons["shared_prefix_zipf"] is None and reasons["mooncake"] is None
-    for name in ("agent", "multi_tenant"):
-        assert reasons[name] is None or reasons[name]  # runs, or says why not
+    assert set(reasons) == {"shared_prefix_zipf", "multi_turn", "rag", "mooncake",
+                            "eviction_stress", "agent", "multi_tenant"}  # fmt: skip
+    assert all(why is None for why in reasons.values())
+    own = {e.name for e in WORKLOADS if e.cells is not None}
+    assert own == {"agent", "multi_tenant"}  # their own drivers, not `compare`
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pack_agent_and_multi_tenant_cells(tmp_path: Path) -> None:
+    """The two workloads with their own drivers: a cell per router, live beside the
+    prediction, their own figures in the report; the agent's today side (no keys, no
+    pins) beside the keyed ones."""
+    out = tmp_path / "report"
+    code = main([
+        "pack", "--workloads", "agent,multi_tenant", "--routers", "cache_aware (fleet)",
+        "--scale", "0.5", "--out", str(out), "--work", str(tmp_path / "runs"),
+    ])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "pack.json").read_text())
+    cells = {(c["workload"], c["router"]): c for c in report["cells"]}
+    assert set(cells) == {("agent", "cache_aware (fleet)"), ("agent", TODAY_AGENTS),
+                          ("multi_tenant", "cache_aware (fleet)")}  # fmt: skip
+    for c in cells.values():
+        assert c["live"]["completed"] > 0 and c["live"]["failed"] == 0
+        assert 0 < c["live"]["hit_rate"] < 1
+        p = c["predicted"]
+        assert p["hit_rate_min"] <= p["hit_rate"] <= p["hit_rate_max"]
+        assert c["agrees"] or c["gap"].startswith("live ")
+    agent = cells[("agent", "cache_aware (fleet)")]
+    assert agent["live"]["siblings_colocated"] >= 0.95 and "hit_after_first" in agent["predicted"]
+    assert cells[("multi_tenant", "cache_aware (fleet)")]["live"]["jain"] > 0
+    text = (out / "pack.md").read_text()
+    for heading in ("## agent", "## multi_tenant", "hit rate after the 1st call", "Jain"):
+        assert heading in text
 
 
 @pytest.mark.slow

@@ -163,7 +163,7 @@ def test_routable_skips_draining_open_breaker_tried_and_other_models() -> None:
     assert [w.worker_id for w in routable(fleet, 1.0, exclude=["w1"], model="m")] == []
     assert fleet.view(1.0).ids == ("w1", "w4")
     assert fleet.view(1.0, "m", exclude=["w1"]).ids == ()
-    assert fleet.models() == ["m", "other"]
+    assert fleet.models() == {"m": None, "other": None}
 
 
 def test_bad_worker_urls_are_refused() -> None:

@@ -4,20 +4,26 @@ entries travelling between two replicas over a real Redis server."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 from redis.asyncio import Redis
 
+from router.fleet.view import FleetView
+from router.holdings.prediction import RouteRequest
 from router.holdings.sessions import (
     AGREE_MARGIN,
     DIGEST_BYTES,
+    FRESH_S,
     SessionTable,
     rendezvous,
+    select,
     session_digest,
     tenant_of,
 )
 from router.holdings.sync import DecisionSync
 from router.holdings.sync_wire import SEP, decode_session, encode_session
+from router.policy import build_routing
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.wire.registry import Registry
@@ -135,3 +141,55 @@ def test_a_load_difference_within_the_margin_keeps_the_top_worker() -> None:
     for extra in range(AGREE_MARGIN + 1):
         loads = [extra if w == first else 0 for w in IDS]
         assert rendezvous(d, IDS, loads, 64, 1.5) == first
+
+
+def _placed(pin_ttl: float) -> tuple[object, SessionTable, FleetView, str]:
+    """A cache_aware routing with one keyed session placed at t=0 (its context in the
+    router's tree of its worker only), that worker the busiest."""
+    routing = build_routing(RouterConfig(policy="cache_aware"), random.Random(0))
+    view = FleetView(IDS, capacities=(100_000,) * 3)
+    table = SessionTable(100, 600)
+    d = session_digest("", "s")
+    context = "system: a long context " + "tools and repository " * 50
+    first, placed, _ = select(table, routing, RouteRequest(context), view, 0.0, d, 64, 1.5,
+                           pin_ttl=pin_ttl)  # fmt: skip
+    assert placed
+    other = "system: another session " + "unrelated words " * 80
+    select(table, routing, RouteRequest(other), view, 0.0, session_digest("", "o"), 64, 1.5)
+    # The session's worker is busier (not overloaded): the policy's no_match pick is elsewhere.
+    view.loads[IDS.index(first.worker_id)] = 3
+    return routing, table, view, first.worker_id
+
+
+def test_a_lost_session_follows_the_policy_and_a_pinned_or_fresh_one_stays() -> None:
+    """Rule 3: the router's tree holds nothing of the call anywhere (no_match) after a
+    tool gap with no pin: the session moves to the policy's no_match pick (the least
+    loaded worker) instead of staying on a worker that has let its context go. A pin that has not
+    run out, or a sibling within FRESH_S of the call that placed it, keeps it. Fails on
+    the rule without 3 (the session always stays)."""
+    d = session_digest("", "s")
+    forgotten = RouteRequest("user: nothing the tree has seen " * 20)
+    routing, table, view, home = _placed(pin_ttl=0.0)
+    odd = RouteRequest("subtask: " + "unseen words " * 40)
+    sibling, _, _ = select(table, routing, odd, view, FRESH_S / 2, d, 64, 1.5)
+    assert sibling.worker_id == home  # a sibling: fresh, kept
+    later, moved, left = select(table, routing, forgotten, view, 10.0, d, 64, 1.5)
+    assert moved and later.reason == "no_match" and later.worker_id != home
+    assert left == home  # the caller releases the session's pin there
+    assert table.get(d, 10.0) == later.worker_id and table.lost == 1
+
+    routing, table, view, home = _placed(pin_ttl=30.0)
+    later, moved, left = select(table, routing, forgotten, view, 10.0, d, 64, 1.5)
+    assert not moved and left is None
+    assert later.worker_id == home and later.reason == "session"  # pinned
+    # That call asked for no pin: at t=20, with nothing of the call in any tree, it moves.
+    after, moved, _ = select(table, routing, odd, view, 20.0, d, 64, 1.5)
+    assert moved and after.worker_id != home
+
+
+def test_a_session_whose_context_the_tree_holds_stays() -> None:
+    routing, table, view, home = _placed(pin_ttl=0.0)
+    d = session_digest("", "s")
+    grown = RouteRequest("system: a long context " + "tools and repository " * 50 + "tool: ok")
+    later, moved, left = select(table, routing, grown, view, 10.0, d, 64, 1.5)
+    assert not moved and left is None and later.worker_id == home

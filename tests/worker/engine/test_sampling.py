@@ -10,14 +10,15 @@ from pathlib import Path
 import torch
 
 from tests.worker.engine.test_engine import make_engine, rand_ids, req, run, tokens
-from worker.engine.runtime.sampler import TorchSampler, _penalize
+from worker.engine.runtime.penalties import penalize
+from worker.engine.runtime.sampler import TorchSampler
 from worker.engine.types import SamplingParams
 
 
 def test_presence_and_frequency_penalties_follow_openai() -> None:
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), SamplingParams()]
-    out = _penalize(logits, params, [[3, 3, 7], [3]], None)
+    out = penalize(logits, params, [[3, 3, 7], [3]], None)
     want = logits[0].clone()
     want[3] -= 0.25 * 2 + 0.5
     want[7] -= 0.25 * 1 + 0.5
@@ -26,7 +27,7 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
 
 def test_repetition_penalty_scales_seen_tokens_by_sign() -> None:
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
-    out = _penalize(logits, [SamplingParams(repetition_penalty=2.0)], [[1]], [[0]])
+    out = penalize(logits, [SamplingParams(repetition_penalty=2.0)], [[1]], [[0]])
     assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]  # 0 (prompt) and 1 (output) were seen
 
 

@@ -55,3 +55,37 @@ def test_bad_pin_fields_are_refused_naming_them(client: OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             pin_of(client, **body)
         assert isinstance(e.value.body, dict) and e.value.body["param"] == param, body
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + "/release_pin", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_a_moved_sessions_pin_is_released_and_bad_releases_are_refused(client: OpenAI) -> None:
+    """POST /release_pin (the router moved the session elsewhere): the key's pin goes,
+    once; bad bodies get the OpenAI error shape naming the field, an oversized one 413."""
+    url = str(client.base_url).removesuffix("/v1/")
+    pin_of(client, prompt_cache_key="moving", cache_pin_ttl=60)
+    assert _post(url, b'{"prompt_cache_key": "moving"}') == (200, {"released": True})
+    assert _post(url, b'{"prompt_cache_key": "moving"}') == (200, {"released": False})
+    for body, status in (
+        (b'{"prompt_cache_key": 7}', 400),
+        (b"{}", 400),
+        (b'{"prompt_cache_key": "' + b"x" * 1025 + b'"}', 400),
+        (b'{"prompt_cache_key": "' + b"x" * 5000 + b'"}', 413),
+        (b"not json", 400),
+    ):
+        code, answer = _post(url, body)
+        assert code == status and set(answer["error"]) >= {"message", "type", "code"}, body
+        if status == 400 and body.startswith(b'{"prompt'):
+            assert answer["error"]["param"] == "prompt_cache_key"

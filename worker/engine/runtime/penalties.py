@@ -1,4 +1,8 @@
-"""Token counts for the sampler's penalties, kept on the device per running sequence.
+"""What a batch's own parameters do to its logits before the sampler draws: presence,
+frequency and repetition penalties (`penalize`) and `logit_bias` (`add_logit_bias`), each
+one batched tensor operation, and the token counts the penalties need (`PenaltyCounts`).
+
+The counts are kept on the device per running sequence.
 
 Presence and frequency penalties need each sequence's output-token counts, the
 repetition penalty also which tokens its prompt holds. Rebuilt every step, that is
@@ -17,6 +21,7 @@ import numpy as np
 import torch
 
 from worker.engine.runtime.attention.metadata import Staging
+from worker.engine.types import SamplingParams
 
 
 class PenaltyCounts:
@@ -96,3 +101,68 @@ class PenaltyCounts:
         self.counts[:n] = counts
         self.seen[:n] = seen
         self._free = list(range(2 * n - 1, n - 1, -1))
+
+
+def _counts(
+    ids: Sequence[Sequence[int]], vocab: int, device: torch.device, staging: Staging
+) -> torch.Tensor:
+    """[rows, vocab] occurrences of each token id: one padded scatter."""
+    width = max((len(x) for x in ids), default=0)
+    counts = torch.zeros(len(ids), vocab + 1, device=device)
+    if width:
+        padded = np.full((len(ids), width), vocab, dtype=np.int64)  # pad: a spare column
+        for r, x in enumerate(ids):
+            padded[r, : len(x)] = x
+        index = staging.upload(padded)
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def penalize(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]] | None,
+    staging: Staging | None = None,
+    columns: torch.Tensor | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Penalties on every row (a row without any has neutral values: 1, 0, 0). The
+    counts come from `tables` (output counts, prompt seen; the engine's sequences keep
+    theirs on the device) or are counted here from `outputs` and `prompts`. `columns`:
+    [batch, 3] repetition, frequency and presence penalties on the device (the
+    sampler's parameter columns); None: uploaded here."""
+    if not any(p.penalized for p in params):
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    staging = staging or Staging(dev)
+    if columns is None:
+        rows = [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params]
+        columns = staging.upload(np.array(rows, dtype=np.float32).reshape(len(params), 3))
+    logits = logits.float()
+    counts = _counts(outputs, vocab, dev, staging) if tables is None else tables[0]
+    if any(p.repetition_penalty != 1 for p in params):
+        seen = counts > 0
+        if tables is not None:
+            seen |= tables[1]
+        elif prompts is not None:
+            seen |= _counts(prompts, vocab, dev, staging) > 0
+        rep = columns[:, 0, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - columns[:, 1, None] * counts - columns[:, 2, None] * (counts > 0)
+
+
+def add_logit_bias(
+    logits: torch.Tensor, params: list[SamplingParams], staging: Staging | None = None
+) -> torch.Tensor:
+    entries = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias]
+    if not entries:
+        return logits
+    staging = staging or Staging(logits.device)
+    logits = logits.float().clone()
+    vocab = logits.shape[1]
+    # One scatter_add over the flat logits (no sort, unlike an accumulating index_put).
+    flat = staging.upload(np.array([r * vocab + c for r, c, _ in entries], dtype=np.int64))
+    values = staging.upload(np.array([b for _, _, b in entries], dtype=np.float32))
+    logits.view(-1).scatter_add_(0, flat, values)
+    return logits

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from worker.engine.runtime.attention.metadata import Staging
-from worker.engine.runtime.penalties import PenaltyCounts
+from worker.engine.runtime.penalties import PenaltyCounts, add_logit_bias, penalize
 from worker.engine.runtime.threshold_filter import filtered_probs
 from worker.engine.types import SamplingParams, TokenLogprob
 
@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from worker.engine.req import Req
 
 
-# Columns of the per-row parameter array (float32; token ids < 2**24 stay exact).
+# Columns of the per-row parameter array (float32; token ids < 2**24 stay exact);
+# repetition, frequency, presence in a row: `penalize`'s columns.
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _FREQ, _PRES, _GREEDY = range(8)
 
 
@@ -129,9 +130,10 @@ class TorchSampler:
         if sampling or any(p.penalized for p in params):
             cols = self._staging.upload(_columns(params, logits.shape[1]))
         raw = logits
-        logits = _penalize(logits, params, outputs or [()] * len(params), prompts,
-                           self._staging, cols, tables)  # fmt: skip
-        logits = _bias(logits, params, self._staging)
+        penalties = None if cols is None else cols[:, _REP : _PRES + 1]
+        logits = penalize(logits, params, outputs or [()] * len(params), prompts,
+                          self._staging, penalties, tables)  # fmt: skip
+        logits = add_logit_bias(logits, params, self._staging)
         ids = logits.argmax(dim=-1)
         if sampling:
             assert cols is not None
@@ -223,68 +225,6 @@ def _columns(params: list[SamplingParams], vocab: int) -> np.ndarray:
           float(p.temperature == 0)) for p in params],
         dtype=np.float32,
     ).reshape(len(params), 8)  # fmt: skip
-
-
-def _counts(
-    ids: Sequence[Sequence[int]], vocab: int, device: torch.device, staging: Staging
-) -> torch.Tensor:
-    """[rows, vocab] occurrences of each token id: one padded scatter."""
-    width = max((len(x) for x in ids), default=0)
-    counts = torch.zeros(len(ids), vocab + 1, device=device)
-    if width:
-        padded = np.full((len(ids), width), vocab, dtype=np.int64)  # pad: a spare column
-        for r, x in enumerate(ids):
-            padded[r, : len(x)] = x
-        index = staging.upload(padded)
-        counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))
-    return counts[:, :vocab]
-
-
-def _penalize(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    outputs: Sequence[Sequence[int]],
-    prompts: Sequence[Sequence[int]] | None,
-    staging: Staging | None = None,
-    cols: torch.Tensor | None = None,
-    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Penalties on every row (a row without any has neutral values: 1, 0, 0). The
-    counts come from `tables` (output counts, prompt seen; the engine's sequences keep
-    theirs on the device) or are counted here from `outputs` and `prompts`."""
-    if not any(p.penalized for p in params):
-        return logits
-    dev, vocab = logits.device, logits.shape[1]
-    staging = staging or Staging(dev)
-    if cols is None:
-        cols = staging.upload(_columns(params, vocab))
-    logits = logits.float()
-    counts = _counts(outputs, vocab, dev, staging) if tables is None else tables[0]
-    if any(p.repetition_penalty != 1 for p in params):
-        seen = counts > 0
-        if tables is not None:
-            seen |= tables[1]
-        elif prompts is not None:
-            seen |= _counts(prompts, vocab, dev, staging) > 0
-        rep = cols[:, _REP, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - cols[:, _FREQ, None] * counts - cols[:, _PRES, None] * (counts > 0)
-
-
-def _bias(
-    logits: torch.Tensor, params: list[SamplingParams], staging: Staging | None = None
-) -> torch.Tensor:
-    entries = [(i, tok, b) for i, p in enumerate(params) for tok, b in p.logit_bias]
-    if not entries:
-        return logits
-    staging = staging or Staging(logits.device)
-    logits = logits.float().clone()
-    vocab = logits.shape[1]
-    # One scatter_add over the flat logits (no sort, unlike an accumulating index_put).
-    flat = staging.upload(np.array([r * vocab + c for r, c, _ in entries], dtype=np.int64))
-    values = staging.upload(np.array([b for _, _, b in entries], dtype=np.float32))
-    logits.view(-1).scatter_add_(0, flat, values)
-    return logits
 
 
 def _filtered_probs(
