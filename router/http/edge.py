@@ -29,6 +29,7 @@ Two ways in, one edge:
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from aiohttp import hdrs, web
@@ -51,7 +52,7 @@ class Edge:
     auth: AuthCheck
     rate_limit: RateLimitCheck | None
 
-    def guard(self, request: web.Request):  # type: ignore[no-untyped-def]
+    def guard(self, request: web.Request) -> Awaitable[None] | None:
         """The API key, then the rate limit: an awaitable only where the limit is shared."""
         self.auth(request)
         rate_limit = self.rate_limit
