@@ -26,8 +26,10 @@ What a client can send, and what it gets back:
 - A body over LARGE_BODY_BYTES is parsed off the common path (issue 30: three clients
   sending 10 MB prompts again and again held `/health` at 120 ms p50, 320 ms p99): the
   byte checks run in slices of SLICE_BYTES with the event loop free between, and at most
-  LARGE_AT_ONCE such bodies are parsed at a time per event loop, at most LARGE_WAITING
-  waiting (beyond: 503 with Retry-After, code `server_busy`). A thread would not help:
+  LARGE_AT_ONCE such bodies are parsed at a time per event loop; the others wait their
+  turn in arrival order. Waiting is not refused: each waiting body is already read (the
+  connection limit times max_body_bytes bounds them), and load never answers 503 (the
+  fleet queue's rule). A thread would not help:
   orjson, json and bytes.translate all hold the GIL. What stays one step is the parse
   itself, ~3 ms a MB here (orjson), so a 16 MB body ~50 ms. Small bodies (the hot path)
   are parsed as before, inline.
@@ -39,8 +41,6 @@ import asyncio
 import json
 import re
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from aiohttp import web
@@ -68,7 +68,6 @@ _MAX_INT_DIGITS = 20  # longer integers are not parsed at all (see _bounded_int)
 LARGE_BODY_BYTES = 1 << 20
 SLICE_BYTES = 1 << 20  # ~1.5 ms of translate and search a slice
 LARGE_AT_ONCE = 1
-LARGE_WAITING = 8  # bodies of up to max_body_bytes each, held while they wait
 
 
 class _TooLarge:
@@ -221,29 +220,10 @@ def parse_json_object(
     return data
 
 
-class _Gate:
-    """Large bodies parsed at once and waiting, on one event loop."""
-
-    def __init__(self) -> None:
-        self.slots = asyncio.Semaphore(LARGE_AT_ONCE)
-        self.waiting = 0
-
-
-_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Gate] = weakref.WeakKeyDictionary()
-
-
-@contextmanager
-def _waiting(gate: _Gate) -> Iterator[None]:
-    if gate.waiting >= LARGE_WAITING:
-        raise APIError(
-            503, f"more than {LARGE_WAITING} large request bodies are waiting to be parsed; retry",
-            code="server_busy", headers={"Retry-After": "1"},
-        )  # fmt: skip
-    gate.waiting += 1
-    try:
-        yield
-    finally:
-        gate.waiting -= 1
+# The large bodies parsed at once, per event loop.
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def _sliced_search(raw: bytes, found: Any, overlap: int) -> bool:
@@ -258,17 +238,13 @@ async def _sliced_search(raw: bytes, found: Any, overlap: int) -> bool:
 
 async def parse_large(raw: bytes) -> dict[str, Any]:
     """`parse_json_object` for a body over LARGE_BODY_BYTES (the module says how)."""
-    gate = _GATES.setdefault(asyncio.get_running_loop(), _Gate())
-    with _waiting(gate):
-        await gate.slots.acquire()
-    try:
+    gate = _GATES.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(LARGE_AT_ONCE))
+    async with gate:
         overflow = await _sliced_search(
             raw, lambda piece: _LONG_RUN in piece.translate(_DIGIT_MASK), len(_LONG_RUN) - 1
         )
         surrogate = await _sliced_search(raw, _may_have_surrogate, 3)  # \ud8 before the last
         return parse_json_object(raw, overflow, surrogate)
-    finally:
-        gate.slots.release()
 
 
 async def read_json(request: web.Request, limit: int, deadline: float) -> tuple[bytes, dict]:
