@@ -17,7 +17,7 @@ from router.holdings.prediction import Prediction, RouteRequest
 from router.holdings.room import Holdings
 from router.policy.base import Decision, Policy, WorkerView
 
-Publish = Callable[[str, "str | tuple[int, ...]"], None]
+Publish = Callable[[str, str], None]  # (worker id, text or TokenKey)
 Amend = Callable[[Decision], Decision]
 
 
@@ -57,7 +57,7 @@ class Routing:
             self.publish(decision.worker_id, prediction.key)
         return decision
 
-    def observe(self, worker_id: str, key: str | tuple[int, ...], now: float) -> None:
+    def observe(self, worker_id: str, key: str, now: float) -> None:
         """Another replica's decision (router/holdings/sync.py), for the room where the
         policy reads holdings (a load-only policy kept no tree before the room either)."""
         if self._reads:

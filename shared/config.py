@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -192,6 +192,11 @@ class RouterConfig(_Frozen):
     # A waiting request is urgent once this fraction of its class's TTFT objective has
     # passed: it then takes any free seat, ahead of affinity.
     queue_urgent_fraction: float = Field(0.5, gt=0, le=1)
+    # Replicas (sync on): each grows its count on a worker by at most this share of the
+    # worker's seats (at least 1) above the least it held there over the last three
+    # `sync_load_interval`s, so N replicas hold at most seats + (N - 1) x that share
+    # (router/queue/seats.py).
+    queue_replica_slack: float = Field(0.25, gt=0, le=1)
     forward_authorization: bool = False
     drain_timeout: float = Field(30.0, ge=0)
     # After SIGTERM, keep serving (readiness 503) this long before refusing new requests,
@@ -469,8 +474,10 @@ def load_config(
 ) -> ConfigT:
     """Merge defaults < file < environment < overrides (CLI flags; None values skipped)."""
     layers: list[tuple[str, dict[str, Any]]] = []
+    lines: yaml.Node | None = None
     if file is not None:
         layers.append((f"file {file}", _read_file(file)))
+        lines = yaml.compose(Path(file).read_text())
     layers.append(("environment", _from_env(model, os.environ if environ is None else environ)))
     layers.append(("flags", {k: v for k, v in (overrides or {}).items() if v is not None}))
     merged: dict[str, Any] = {}
@@ -488,8 +495,41 @@ def load_config(
             top = str(err["loc"][0]) if err["loc"] else ""
             where = source.get(top, "defaults")
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            if lines is not None and where.startswith("file "):
+                # A check over several entries names the entry at fault in its message.
+                named = _NAMED_PATH.match(msg.removeprefix("Value error, "))
+                loc = _path_loc(named.group(1)) if named else err["loc"]
+                line = _line_of(lines, loc)
+                where += "" if line is None else f", line {line}"
             problems.append(f"{key}: {msg} (from {where})")
         raise ConfigError(f"invalid {model.__name__}: " + "; ".join(problems)) from None
+
+
+_NAMED_PATH = re.compile(r"([A-Za-z_]\w*(?:\.\w+|\[\d+\])+) ")
+
+
+def _path_loc(path: str) -> tuple[str | int, ...]:
+    """ "tenants.b.keys[1]" -> ("tenants", "b", "keys", 1)."""
+    return tuple(int(p) if p.isdigit() else p for p in re.findall(r"\w+", path))
+
+
+def _line_of(node: yaml.Node, loc: Sequence[str | int]) -> int | None:
+    """The 1-based line of the YAML entry at `loc` (the deepest one found)."""
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            found = next((kv for kv in node.value if kv[0].value == str(part)), None)
+            if found is None:
+                break
+            line, node = found[0].start_mark.line + 1, found[1]
+        elif (
+            isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value)
+        ):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
 
 
 def dump_config(config: _Frozen) -> str:

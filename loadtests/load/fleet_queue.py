@@ -2,6 +2,11 @@
 
     python -m loadtests fleet-queue --before-ref main [--workload shared_prefix]
         [--loads 0.5,1.5] [--seconds 30] [--tenants 8] [--flood 10] [--replicas 1]
+        [--seat-factor 1.0]
+
+`--before-ref none` runs this tree's side alone. Since the fleet queue was merged,
+`main` queues too: today's router without a queue is aa1ca1e (the merge's first
+parent, loadtests/results/fleet_queue.md).
 
 One sim fleet (Redis, `--workers` sim workers of `--max-running` seats each, this
 tree's code) serves the same open-loop schedule twice per load, flushed in between:
@@ -17,14 +22,18 @@ within the class's TTFT objective), SLO attainment (of those sent), TTFT p50, 42
 503s; the fleet's hit rate (the workers' own cached / prompt token counters); Jain's
 index over the tenants' goodput, each divided by its fair share (weight-proportional
 max-min shares of the total goodput, capped at what the tenant sent), so 1.0 is a fair
-split; with `--replicas 2`, how far the busiest worker ran past its seats.
+split; how far the busiest worker ran past its seats (with `--replicas 2`, the
+replicas' bound); where this tree's queue placed its waiting requests against their best
+predicted worker (`radix_router_queue_placed_total`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -41,6 +50,7 @@ from loadtests.load.cluster import ROOT, Child, Cluster, WorkerSpec, serve_route
 from loadtests.load.workloads import words
 from shared.procs import free_port, wait_until
 
+NO_BEFORE = "none"  # --before-ref none: this tree's side alone
 CLASSES = ("interactive", "standard", "batch")
 TIER = {"interactive": "priority", "standard": "default", "batch": "flex"}
 
@@ -208,6 +218,7 @@ def router_config(args: argparse.Namespace, new: bool, sync: bool) -> dict:
         config["tenants"] = {f"t{t}": {"keys": [f"key-t{t}"]} for t in range(args.tenants)}
         config["classes"] = {k: {"ttft_slo_s": v} for k, v in _slo(args).items()}
         config["queue_timeout"] = args.max_wait
+        config["queue_seat_factor"] = args.seat_factor
     return config
 
 
@@ -245,6 +256,21 @@ async def watch_seats(fleet: Cluster, seats: int, stop: asyncio.Event) -> dict:
             "share_of_samples_over": over / samples if samples else 0.0}  # fmt: skip
 
 
+async def placed(routers: list[Child]) -> dict[str, float]:
+    """Where this tree's queue placed its waiting requests against their best predicted
+    worker (`radix_router_queue_placed_total`, summed over the replicas)."""
+    out: dict[str, float] = {}
+    prefix = "radix_router_queue_placed_total{"
+    async with aiohttp.ClientSession() as session:
+        for child in routers:
+            async with session.get(child.url + "/metrics") as r:
+                for line in (await r.text()).splitlines():
+                    if line.startswith(prefix):
+                        name = line.split('placed="', 1)[1].split('"', 1)[0]
+                        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def hit_rate(fleet: Cluster) -> tuple[float, float]:
     return (
         fleet.worker_counter("radix_worker_cached_tokens_total"),
@@ -258,7 +284,8 @@ async def run_side(
     fleet.flush()
     cached0, prompt0 = hit_rate(fleet)
     stop = asyncio.Event()
-    watcher = asyncio.create_task(watch_seats(fleet, args.max_running, stop))
+    per_worker = math.ceil(args.max_running * (args.seat_factor if new else 1.0))
+    watcher = asyncio.create_task(watch_seats(fleet, per_worker, stop))
     await drive(urls, plan, new, args.drain)
     stop.set()
     seats = await watcher
@@ -278,7 +305,9 @@ def saturation_rate(args: argparse.Namespace) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--before-ref", default="main", help="today's router: this git ref")
+    p.add_argument(
+        "--before-ref", default="main", help=f"today's router: this git ref ({NO_BEFORE}: skip it)"
+    )
     p.add_argument("--workload", choices=["shared_prefix", "multi_turn"], default="shared_prefix")
     p.add_argument("--loads", default="0.5,1.5", help="rates, as multiples of saturation")
     p.add_argument("--seconds", type=float, default=30.0, help="schedule length per run")
@@ -289,6 +318,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="1,4,60", help="TTFT objective s: interactive,standard,batch")
     p.add_argument("--max-wait", type=float, default=20.0, help="each tenant's max_queue_wait_s")
     p.add_argument("--replicas", type=int, default=1, help="routers per side (2: sync on)")
+    p.add_argument("--seat-factor", type=float, default=1.0, help="this tree's queue_seat_factor")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-running", type=int, default=4, help="each worker's seats")
     p.add_argument("--decode-ms", type=float, default=25.0)
@@ -310,13 +340,15 @@ async def _main(args: argparse.Namespace) -> dict:
         heartbeat_s=0.2, max_running=args.max_running, extra=("--log-level", "WARNING"),
     )  # fmt: skip
     results: dict = {"saturation_rps": sat, "args": vars(args), "runs": []}
-    before_name = f"@{short(args.before_ref)}"
+    before_name = "" if args.before_ref == NO_BEFORE else f"@{short(args.before_ref)}"
+    skip_before = args.before_ref == NO_BEFORE
     with (
         tempfile.TemporaryDirectory() as tmp,
-        checkout(args.before_ref) as before,
+        contextlib.nullcontext() if skip_before else checkout(args.before_ref) as before,
         sim_cluster(args.workers, spec) as fleet,
     ):
-        sides = [(before_name, before, False), ("this tree", None, True)]
+        sides = [] if skip_before else [(before_name, before, False)]
+        sides.append(("this tree", None, True))
         for load in (float(x) for x in args.loads.split(",")):
             plan_of = schedule(args, load * sat)
             for name, tree, new in sides:
@@ -328,6 +360,8 @@ async def _main(args: argparse.Namespace) -> dict:
                     )
                 plan = [Sent(s.at, s.tenant, s.klass, s.prompt) for s in plan_of]
                 out = await run_side(args, fleet, [c.url for c in routers], plan, new)
+                if new:
+                    out["placed"] = await placed(routers)
                 out.update(side=name, load=load, rate_rps=load * sat, sent=len(plan))
                 results["runs"].append(out)
                 print(render(out), flush=True)
@@ -343,7 +377,13 @@ def render(run: dict) -> str:
         f"goodput@SLO {run['goodput_rps']:.2f} req/s, hit rate {_pct(run['hit_rate'])}, "
         f"Jain {run['jain']:.3f}, others' TTFT p50 {_ms(run['others_ttft_p50_s'])}, "
         f"worker max held {run['seats']['max_held']}/{run['seats']['seats']} seats"
+        f" (over in {100 * run['seats']['share_of_samples_over']:.1f}% of samples)"
     ]
+    if run.get("placed"):
+        lines.append(
+            f"{'':>12}waiting requests placed: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in run["placed"].items())
+        )
     for klass, c in run["classes"].items():
         lines.append(
             f"{'':>12}{klass:<12} sent {c['sent']:>5}  goodput {c['goodput_rps']:6.2f}/s  "
@@ -362,8 +402,20 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.1f} ms"
 
 
+def defaults() -> argparse.Namespace:
+    """Every option at its default (another command's starting point: `sweep --multi-tenant`)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Both sides at every load of `args.loads`; the results `--json` writes."""
+    return asyncio.run(_main(args))
+
+
 def main(args: argparse.Namespace) -> int:
-    results = asyncio.run(_main(args))
+    results = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

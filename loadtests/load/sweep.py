@@ -28,6 +28,20 @@ Prints one table (per policy and rate: offered, sent and answered req/s, goodput
 and TPOT p99, hit rate, spread), writes `sweep.json` (each point under vLLM's field names) and
 `sweep.png` (latency vs offered load, one line per policy), and ends with a verdict:
 "cache_aware sustains 8 req/s within the SLO, round_robin 4".
+
+    python -m loadtests sweep --multi-tenant --rates 0.5,1,1.5,2 [--before-ref main]
+
+`--multi-tenant` sweeps the fleet queue's workload instead (`fleet-queue`,
+loadtests/load/fleet_queue.py: `--tenants` tenants, one sending `--flood` times its
+share, three classes, open loop) through today's router (`--before-ref`) and this tree's,
+side by side, each rate a multiple of the fleet's saturation rate and every rate run
+(past saturation is the point). The fleet and the workload's other knobs are
+`fleet-queue`'s defaults; `--workload` (shared_prefix or multi_turn) and `--seconds`
+apply. Per side and rate: goodput at SLO, attainment per class, hit rate, Jain, 429 and
+503; a rate is *kept* when the interactive class met its TTFT objective for at least
+`INTERACTIVE_KEPT` of its requests and no request was answered 503 (issue 35's bar for
+past saturation; goodput alone cannot say it, as a batch objective longer than the run
+counts the backlog served after it as met).
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ from loadtests.kit import (
     clock_text,
     options_from_namespace,
 )
+from loadtests.load import fleet_queue
 from loadtests.load.cluster import Cluster, ClusterSpec
 from loadtests.load.compare import POLICIES, WORKLOAD_DEFAULTS, RouterSpec
 from loadtests.load.records import RequestRecord, read_records
@@ -60,6 +75,7 @@ from loadtests.load.workloads import read_trace
 
 LATE_S = 0.05  # a send this much after its due time waited for a free user
 KEEP_UP = 0.9  # share of the offered rate (and of requests within the SLO) that counts as kept
+INTERACTIVE_KEPT = 0.99  # --multi-tenant: interactive attainment that keeps a rate
 
 
 @dataclass(frozen=True)
@@ -328,6 +344,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--users", type=int, default=64, help=f"most requests in flight (max_concurrency) {d}"
     )
     p.add_argument("--keep-going", action="store_true", help="every rate, also past saturation")
+    p.add_argument(
+        "--multi-tenant", action="store_true",
+        help="fleet-queue's tenants and classes, today's router vs this tree; "
+        "--rates are multiples of saturation",
+    )  # fmt: skip
+    p.add_argument("--before-ref", default="main", help=f"--multi-tenant: today's router {d}")
+    p.add_argument("--tenants", type=int, default=8, help=f"--multi-tenant: tenants {d}")
+    p.add_argument(
+        "--flood", type=float, default=10.0, help=f"--multi-tenant: t0 sends this x its share {d}"
+    )
     p.add_argument("--workers", type=int, default=4, help=f"sim workers {d}")
     p.add_argument(
         "--cache-tokens", type=int, default=4096, help=f"KV capacity per sim worker, tokens {d}"
@@ -349,6 +375,8 @@ def main(args: argparse.Namespace) -> int:
     rates = sorted({float(r) for r in args.rates.split(",") if r.strip()})
     if not rates or min(rates) <= 0:
         raise ValueError(f"--rates wants positive req/s, comma-separated, got {args.rates!r}")
+    if args.multi_tenant:
+        return multi_tenant(args, rates)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     slo = SLO.parse(args.slo)
     workload = options_from_namespace(args)
@@ -373,4 +401,67 @@ def main(args: argparse.Namespace) -> int:
     plot(results, args.out / "sweep.png", f"{workload.workload}, {where}: latency vs load")
     print(f"plot: {args.out / 'sweep.png'}")
     print(f"{verdict(results, slo)} ({clock_text(time.monotonic() - started)})")
+    return 0
+
+
+# -- --multi-tenant: the fleet queue's workload past saturation --------------------------
+def kept(run: dict) -> bool:
+    """Interactive attainment at least INTERACTIVE_KEPT, and no 503."""
+    classes = run["classes"]
+    attained = classes["interactive"]["attainment"]
+    no_503 = not any(c["503"] for c in classes.values())
+    return no_503 and (attained is None or attained >= INTERACTIVE_KEPT)
+
+
+def multi_tenant_table(results: dict) -> str:
+    lines = [
+        "| router | load (x saturation) | offered (req/s) | goodput@SLO (req/s) | interactive "
+        "| standard | batch | hit rate | Jain | 429 | 503 | kept |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(results["runs"], key=lambda r: (r["side"], r["load"])):
+        c = r["classes"]
+        att = [fleet_queue._pct(c[k]["attainment"]) for k in fleet_queue.CLASSES]
+        hit = fleet_queue._pct(r["hit_rate"])
+        refused = sum(c[k]["429"] for k in c)
+        failed = sum(c[k]["503"] for k in c)
+        lines.append(
+            f"| {r['side']} | {r['load']:g} | {r['rate_rps']:.1f} | {r['goodput_rps']:.2f} "
+            f"| {' | '.join(att)} | {hit} | {r['jain']:.3f} | {refused} | {failed} "
+            f"| {'yes' if kept(r) else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def multi_tenant_verdict(results: dict) -> str:
+    """ "verdict (...): this tree keeps interactive at 0.5-2x, goodput 9.9 / 19.7 req/s ..." """
+    sides: dict[str, list[dict]] = {}
+    for r in sorted(results["runs"], key=lambda r: r["load"]):
+        sides.setdefault(r["side"], []).append(r)
+    said = []
+    for side, runs in sides.items():
+        held = [f"{r['load']:g}x" for r in runs if kept(r)]
+        goodput = " / ".join(f"{r['goodput_rps']:.1f}" for r in runs)
+        loads = " / ".join(f"{r['load']:g}x" for r in runs)
+        where = ", ".join(held) if held else "no rate"
+        said.append(f"{side} keeps interactive at {where}; goodput {goodput} req/s at {loads}")
+    sat = results["saturation_rps"]
+    return f"verdict ({results['args']['workload']}, saturation {sat:.1f} req/s): " + "; ".join(
+        said
+    )
+
+
+def multi_tenant(args: argparse.Namespace, loads: list[float]) -> int:
+    ns = fleet_queue.defaults()
+    ns.loads = ",".join(f"{x:g}" for x in loads)
+    ns.seconds, ns.before_ref = args.seconds, args.before_ref
+    ns.tenants, ns.flood = args.tenants, args.flood
+    if args.workload in ("shared_prefix", "multi_turn"):
+        ns.workload = args.workload
+    started = time.monotonic()
+    results = fleet_queue.run(ns)
+    print(multi_tenant_table(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sweep.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"{multi_tenant_verdict(results)} ({clock_text(time.monotonic() - started)})")
     return 0

@@ -40,6 +40,7 @@ from router.holdings.sync import DecisionSync
 from router.policy import build_routing
 from shared.config import RouterConfig
 from shared.tokens.fingerprint import tokenizer_fingerprint
+from shared.tokens.prompt_ids import KEY_WIDTH
 from shared.tokens.prompt_tokens import PromptTokens
 from shared.wire.protocol import ChatCompletionRequest, canonical_chat_text
 from shared.wire.registry import Registry
@@ -204,13 +205,17 @@ def sync_wire_main(args: argparse.Namespace) -> int:
     fp = tokenizer_fingerprint(tokens.tokenizer)
     texts = [canonical_chat_text(ChatCompletionRequest.model_validate({"messages": m}).messages)
              for m in requests]  # fmt: skip
-    ids = [tokens.chat(m) for m in requests]
+    # What the router publishes: the tree's key (a TokenKey, KEY_WIDTH chars an id).
+    ids = [tokens.chat(m).tree_key() for m in requests]
     arms = {
         "text": (texts, RouterConfig(sync=True), None),
         "tokens": (ids, RouterConfig(sync=True, tokenizer="sim"), fp),
     }
-    raw = {"text": [len(t.encode()) for t in texts], "tokens": [4 * len(i) for i in ids]}
-    units = {"text": np.mean([len(t) for t in texts]), "tokens": np.mean([len(i) for i in ids])}
+    raw = {"text": [len(t.encode()) for t in texts], "tokens": [len(i) for i in ids]}
+    units = {
+        "text": np.mean([len(t) for t in texts]),
+        "tokens": np.mean([len(i) // KEY_WIDTH for i in ids]),
+    }
     sizes: dict[str, list[int]] = {}
     cpu: dict[str, dict[str, list[float]]] = {a: {"publish": [], "apply": []} for a in arms}
     for _ in range(args.rounds):

@@ -152,9 +152,13 @@ def in_flight_window(
     past: dict[object, int] = {}
     fresh: dict[object, int] = {}
     changed = False
+    trust: dict[object, bool] = {}  # asked once per worker, not once per path entry
     for holders, end in path:  # root side first: deeper ends overwrite
         for w, used in holders.items():
-            if trusted(w):  # type: ignore[arg-type]
+            t = trust.get(w)
+            if t is None:
+                t = trust[w] = trusted(w)  # type: ignore[arg-type]
+            if t:
                 if used < cutoff:
                     past[w] = end
                     changed = True

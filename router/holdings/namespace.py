@@ -26,7 +26,9 @@ and keys no template (our engine ignores both fields: keyed apart, the same chat
   inside the 31-bit range KV events and replica sync carry). A match must cover the
   whole prefix to count, and the prefix's length is taken off every end, so two
   namespaces share nothing and lengths stay the request's own. Replica sync carries
-  the prefixed key as it is: a replica files it under the same namespace.
+  the prefixed key as it is: a replica files it under the same namespace. In a tree on
+  ids, a request the router has no ids for is keyed by its text's code points behind
+  the id `TEXT_IN_IDS` (after its namespace's tags): text never matches ids there.
 - The KV-event index holds each model's default namespace only: a stored block whose
   hash mixed in anything beside its tokens (vLLM's `extra_keys`: the `cache_salt` on a
   salted prompt's first block, the LoRA name on every block of an adapter's; our engine
@@ -48,6 +50,7 @@ DEFAULT = ""
 TEXT_TAG = "\x00ns:"
 NS_ID_BASE = 2**31 - 2**16  # ids from here on are namespace tags, not tokens
 ID_TAGS = 4
+TEXT_IN_IDS = NS_ID_BASE - 1  # leads a text key in a tree on ids (router/holdings/room.py)
 
 
 def namespace_of(

@@ -47,7 +47,7 @@ class Prediction:
     """Read only (not frozen: built on every request, and a frozen init costs more)."""
 
     request: RouteRequest
-    key: str | tuple[int, ...]  # what the tree keys the request on (namespace included)
+    key: str  # what the tree keys the request on (text or a TokenKey, namespace included)
     length: int  # the request's length in the tree's units
     on_tokens: bool  # the units are prompt ids (else chars)
     path: Path

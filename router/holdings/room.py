@@ -29,12 +29,13 @@ from collections.abc import Callable, Sequence
 from router.fleet.view import WorkerView, view_columns
 from router.holdings.claims import Claims, unconfirmed_claims
 from router.holdings.merge import HOST_HIT_WEIGHT, BlockHolders, KvScorer
-from router.holdings.namespace import DEFAULT, prefix_of, strip
+from router.holdings.namespace import DEFAULT, TEXT_IN_IDS, prefix_of, strip
 from router.holdings.prediction import Prediction, RouteRequest
 from router.holdings.tree import PrefixTree
 from shared.config import RouterConfig
+from shared.tokens.prompt_ids import KEY_WIDTH, PromptIds, TokenKey, token_key
 
-Key = str | tuple[int, ...]
+Key = str  # text, or a TokenKey (shared/tokens/prompt_ids.py)
 _NONE: frozenset[str] = frozenset()
 
 
@@ -49,10 +50,13 @@ class Holdings:
         host_weight: Callable[[str], float] = lambda _wid: HOST_HIT_WEIGHT,
     ) -> None:
         self._cfg = config
-        self.tree: PrefixTree = PrefixTree(max_chars=config.tree_max_chars)  # type: ignore[type-arg]
         # With a tokenizer the tree keys on the prompt ids (the worker's own units): matches
-        # and caps are in tokens and no chars-per-token guess enters (issue 26).
+        # and caps are in tokens and no chars-per-token guess enters (issue 26). Its keys
+        # are TokenKeys, KEY_WIDTH chars an id.
         self.on_tokens = config.tokenizer is not None
+        self.tree: PrefixTree = PrefixTree(  # type: ignore[type-arg]
+            max_chars=config.tree_max_chars, width=KEY_WIDTH if self.on_tokens else 1
+        )
         self.kv = (
             KvScorer(feed, config.kv_events_inflight, host_weight) if feed is not None else None
         )
@@ -88,33 +92,47 @@ class Holdings:
         if self._forgotten:
             forgotten, self._forgotten = tuple(self._forgotten), []
         return Prediction(
-            request, key, n, type(key) is tuple, path, forgotten, detail,
+            request, key, n, self.on_tokens, path, forgotten, detail,
             frozenset(detail) if detail else _NONE, tree.tenant_sizes,
         )  # fmt: skip
 
     def _key(self, request: RouteRequest) -> tuple[Key, int, int]:
-        """(tree key, the request's length in the tree's units, the namespace prefix's
-        length): the prompt ids where the router tokenizes, else the routing text."""
+        """(tree key, the request's length in the tree's units, the length of what goes
+        before it in the key, in units): the routing text, or where the router tokenizes
+        the prompt ids' TokenKey. A request the router has no ids for (too long to
+        tokenize, the tokenizer busy, ids that are no token ids) is keyed in a tree on
+        ids by its text's UTF-8 bytes behind the TEXT_IN_IDS tag, where no prompt's ids
+        are, counted at KEY_WIDTH bytes a token."""
+        if not self.on_tokens:
+            text = request.text
+            if request.namespace == DEFAULT:
+                return text, len(text), 0
+            prefix = prefix_of(request.namespace, False)
+            return prefix + text, len(text), len(prefix)  # type: ignore[operator]
         ids = request.tokens
-        key: Key
-        if self.on_tokens and ids is not None:
-            if type(ids) is not tuple:
-                # A plain tuple of ints (an int64 array's items would compare one by one
-                # in Python). The tokenizer's PromptIds is a tuple already: sliced whole
-                # (a copy of pointers), so the tree never keeps its block-key chain.
-                ids = (
-                    ids[:]
-                    if isinstance(ids, tuple)
-                    else tuple(ids.tolist() if hasattr(ids, "tolist") else ids)
-                )
-            key = ids  # type: ignore[assignment]
-        else:
-            key = request.text
-        n = len(key)
+        key = None
+        if ids is not None:
+            key = ids.tree_key() if type(ids) is PromptIds else token_key(ids)
+        if key is None:
+            # (UTF-8's encoder passes lone surrogates inline; UTF-32's calls the error
+            # handler for each: 80 ms for a 1M-char prompt of them, 2 ms this way.)
+            return self._tagged(request.text.encode("utf-8", "surrogatepass"), request)
+        n = len(key) // KEY_WIDTH
         if request.namespace == DEFAULT:
             return key, n, 0
-        prefix = prefix_of(request.namespace, type(key) is tuple)
-        return prefix + key, n, len(prefix)  # type: ignore[operator]
+        prefix = token_key(prefix_of(request.namespace, True))  # type: ignore[arg-type]
+        return TokenKey(prefix + key), n, len(prefix) // KEY_WIDTH  # type: ignore[operator]
+
+    def _tagged(self, text: bytes, request: RouteRequest) -> tuple[Key, int, int]:
+        """The key of `text` (UTF-8 bytes) behind its namespace's tags and TEXT_IN_IDS, in
+        a tree on ids."""
+        tags = (TEXT_IN_IDS,)
+        if request.namespace != DEFAULT:
+            tags = (*prefix_of(request.namespace, True), TEXT_IN_IDS)  # type: ignore[misc]
+        prefix = token_key(tags)
+        assert prefix is not None  # tags are ids <= MAX_ID
+        key = TokenKey(prefix + text.decode("latin-1"))
+        return key, len(text) // KEY_WIDTH, len(tags)
 
     def affinity(self, request: RouteRequest) -> dict[str, float]:
         """Per worker, the prefix of the request its tree holds (the tree's units, within
@@ -138,11 +156,16 @@ class Holdings:
         """A policy sent the predicted request to `worker_id`."""
         self.tree.insert(prediction.key, worker_id, now)
 
-    def observe(self, worker_id: str, key: Key, now: float) -> None:
+    def observe(self, worker_id: str, key: Key | Sequence[int], now: float) -> None:
         """Another replica's decision, keyed as its tree keyed it (router/holdings/sync.py:
-        the prompt ids where the routers tokenize, with the same tokenizer). A key of the
-        other kind would count chars against a cap in tokens, or the reverse: skipped."""
-        if (type(key) is tuple) == self.on_tokens and key:
+        a TokenKey where the routers tokenize, with the same tokenizer; plain ids are
+        keyed here). A key of the other kind would count chars against a cap in tokens,
+        or the reverse: skipped."""
+        if not isinstance(key, str):
+            key = token_key(key) if self.on_tokens else None  # type: ignore[assignment]
+            if key is None:
+                return
+        if (type(key) is TokenKey) == self.on_tokens and key:
             self.tree.insert(key, worker_id, now)
 
     def answered(

@@ -12,10 +12,18 @@ entry never stops a loop):
     tokens  `TOKENS fingerprint : zlib(uint32 little-endian ids)` when the router has a
             `tokenizer`: inflated to at most 4 bytes an id, a whole number of ids, each
             a valid token id, and the fingerprint (shared/tokens/fingerprint.py) must
-            be the reader's own: ids of another tokenizer would pollute its tree.
+            be the reader's own: ids of another tokenizer would pollute its tree. The
+            inflated bytes are the tree's TokenKey as they are (Latin-1, a char a byte:
+            shared/tokens/prompt_ids.py): written with one encode, read with one decode,
+            no int per id.
   Both are capped at `sync_max_chars` elements (chars, or ids). A reader of the version
   before tokens (text only) fails to inflate a token payload (`T` is no zlib header) and
-  drops it as malformed, so a rolling upgrade never puts ids into a text tree;
+  drops it as malformed, so a rolling upgrade never puts ids into a text tree.
+  Compatibility with the version that keyed ids as tuples (same format): either reads
+  the other's token entries. A request a router on ids keys by its text (no ids for it:
+  its UTF-8 bytes behind the id TEXT_IN_IDS, router/holdings/namespace.py) is shared
+  only where those bytes are whole ids in range (ASCII, a multiple of 4 bytes); else
+  not at all, where that version shared it as text, which replicas on ids skip;
 - a session entry is `replica id SEP worker id SEP digest`: the digest exactly
   `DIGEST_BYTES` long (router/holdings/sessions.py), the worker id of the registry's shape,
   the whole at most `SESSION_MAX_BYTES`;
@@ -32,6 +40,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from shared.tokens.fingerprint import FINGERPRINT_LEN
+from shared.tokens.prompt_ids import (
+    KEY_WIDTH,
+    MAX_ID,
+    TokenKey,
+    ids_in_range,
+    key_of_wire,
+    token_key,
+)
 from shared.wire.peers import WORKER_ID
 
 # One stream field per decision, `replica id SEP worker id SEP zlib(text)`: a single
@@ -39,9 +55,9 @@ from shared.wire.peers import WORKER_ID
 SEP = b"\x00"
 # Leads a token payload; a zlib stream starts with 0x?8 (deflate), never with `T`.
 TOKENS = b"T"
-MAX_TOKEN_ID = 2**31 - 1  # as in KV events (shared/wire/kv_events.py)
+MAX_TOKEN_ID = MAX_ID  # as in KV events (shared/wire/kv_events.py)
 
-Key = str | tuple[int, ...]  # what a tree keys on: text, or token ids
+Key = str  # what a tree keys on: text, or a TokenKey
 SESSION_MAX_BYTES = 512  # a replica id, a worker id and a digest fit well within
 DIGEST_BYTES = 16  # a session's key, hashed with its tenant (router/holdings/sessions.py)
 
@@ -72,28 +88,21 @@ def encode_decision(header: bytes, worker_id: str, text: str, max_chars: int) ->
 
 
 def encode_tokens(
-    header: bytes, worker_id: str, ids: Sequence[int] | np.ndarray, fingerprint: str,
-    max_ids: int,
+    header: bytes, worker_id: str, ids: TokenKey | Sequence[int] | np.ndarray,
+    fingerprint: str, max_ids: int,
 ) -> bytes | None:  # fmt: skip
-    """A decision keyed on prompt ids: 4 bytes an id before zlib. None when an id is not
-    a token id (< 0 or >= 2**31: a client's token-id prompt can hold anything; the
-    worker answers it, the other replicas need not learn it)."""
-    try:
-        arr = np.asarray(ids[:max_ids], dtype=np.int64)
-    except (OverflowError, ValueError, TypeError):
+    """A decision keyed on prompt ids (a TokenKey, or the ids): 4 bytes an id before
+    zlib. None when an id is not a token id (< 0 or >= 2**31: a client's token-id prompt
+    can hold anything; the worker answers it, the other replicas need not learn it)."""
+    key = ids if type(ids) is TokenKey else token_key(ids[:max_ids])
+    if not key:
         return None
-    if not arr.size or arr.ndim != 1 or int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID:
-        return None
-    packed = arr.astype("<u4").tobytes()
-    return (
-        header
-        + worker_id.encode()
-        + SEP
-        + TOKENS
-        + fingerprint.encode()
-        + b":"
-        + (zlib.compress(packed, 1))
-    )
+    packed = key[: KEY_WIDTH * max_ids].encode("latin-1")
+    if len(packed) % KEY_WIDTH or not ids_in_range(packed):
+        return None  # a text key in a tree on ids (router/holdings/room.py): not ids
+    return header + worker_id.encode() + SEP + TOKENS + fingerprint.encode() + b":" + (
+        zlib.compress(packed, 1)
+    )  # fmt: skip
 
 
 def decode_decision(
@@ -130,10 +139,9 @@ def decode_decision(
         return worker_id, raw.decode("utf-8", "replace")
     if not raw or len(raw) % 4:
         raise ValueError("token payload is not a whole number of ids")
-    ids = np.frombuffer(raw, dtype="<u4")
-    if int(ids.max()) > MAX_TOKEN_ID:
+    if not ids_in_range(raw):
         raise ValueError("token id out of range")
-    return worker_id, tuple(ids.tolist())
+    return worker_id, key_of_wire(raw)
 
 
 def add_loads(

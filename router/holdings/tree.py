@@ -1,9 +1,12 @@
 """Approximate multi-tenant radix tree: which worker probably caches which prefix.
 
-One shared tree over sequences (``str`` for request text; ``tuple[int, ...]`` for
-token ids, with the same code). Each node holds a run of elements and records which
-tenants (workers) hold it and when each last used it. A tenant that holds a node
-holds every ancestor too, so each tenant's logical tree is the set of nodes it holds.
+One shared tree over sequences, with the same code: ``str`` for request text, and for
+token ids their ``TokenKey`` (shared/tokens/prompt_ids.py: the ids' bytes as a str, four
+chars an id, so ids compare and slice as text does, in C, with no int object per id; a
+``width=4`` tree counts them in ids). A ``tuple[int, ...]`` works too, item by item.
+Each node holds a run of elements and records which tenants (workers) hold it and when
+each last used it. A tenant that holds a node holds every ancestor too, so each
+tenant's logical tree is the set of nodes it holds.
 
 Worked example (``dump()`` renders exactly this; tests/router/holdings/test_tree.py asserts it)::
 
@@ -31,8 +34,14 @@ Cost model, the reason for the shape:
   so a node always sits after its descendants and the head is a tenant-leaf. (A
   split puts the new lower half at the tail; it is then only evicted together with
   its upper half, which is what the unsplit node would have been.)
-- Sizes: ``tenant_size`` is a tenant's logical chars (its own cap applies to it);
-  ``total_chars`` is the chars actually stored, shared nodes counted once (the global
+- Units: a unit is ``width`` elements (1: a char; 4: an id of a ``TokenKey``). Every
+  size, cap, budget and match length the tree takes or gives is in units; inside it
+  counts elements. Two keys can part inside an id (ids that share their low bytes): a
+  match ends at the last whole unit, a path entry that adds no whole unit is left out,
+  and the shared bytes are stored and counted once (a size under the ids' by less than
+  an id per such split).
+- Sizes: ``tenant_size`` is a tenant's logical units (its own cap applies to it);
+  ``total_chars`` is the units actually stored, shared nodes counted once (the global
   budget applies to it, as it is what costs memory). Crossing a budget on insert
   evicts down to ``(1 - hysteresis) × budget`` in one go, so the work is amortised;
   the global budget takes the globally oldest tenant entry first (a heap over the
@@ -80,16 +89,23 @@ def _common_len(text: Seq, pos: int, key: Seq) -> int:
 class PrefixTree(Generic[Seq]):
     """Shared radix tree with one bounded, LRU-evicted logical tree per tenant."""
 
-    def __init__(self, max_chars: int | None = None, hysteresis: float = 0.05) -> None:
+    def __init__(
+        self, max_chars: int | None = None, hysteresis: float = 0.05, width: int = 1
+    ) -> None:
         if max_chars is not None and max_chars <= 0:
             raise ValueError(f"max_chars must be positive, got {max_chars}")
         if not 0.0 <= hysteresis < 1.0:
             raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
-        self.max_chars = max_chars
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        self.max_chars = max_chars  # in units
         self.hysteresis = hysteresis
+        self.width = width  # elements per unit (module doc)
+        self._budget = None if max_chars is None else max_chars * width  # in elements
         self._root: _Node[Seq] = _Node(None, None)  # type: ignore[arg-type]
-        self._total = 0  # chars stored, shared nodes once
-        self._size: dict[Tenant, int] = {}  # chars per tenant (its logical tree)
+        # Below, sizes and caps are in elements (units x width).
+        self._total = 0  # elements stored, shared nodes once
+        self._size: dict[Tenant, int] = {}  # elements per tenant (its logical tree)
         self._lru: dict[Tenant, OrderedDict[_Node[Seq], None]] = {}  # head = oldest
         self._cap: dict[Tenant, int] = {}
         # When an insert last pushed each tenant over its cap: routes that overflow a
@@ -100,20 +116,23 @@ class PrefixTree(Generic[Seq]):
 
     @property
     def total_chars(self) -> int:
-        return self._total
+        """Units stored, shared nodes counted once."""
+        return self._total // self.width
 
     def tenants(self) -> list[Tenant]:
         return list(self._size)
 
     def tenant_size(self, tenant: Tenant) -> int:
-        return self._size.get(tenant, 0)
+        return self._size.get(tenant, 0) // self.width
 
     def tenant_nodes(self, tenant: Tenant) -> int:
         return len(self._lru.get(tenant, ()))
 
     def tenant_sizes(self, tenants: Iterable[Tenant]) -> list[int]:
         """``tenant_size`` of each, in order: one C-level pass for a whole fleet."""
-        return list(map(self._size.get, tenants, repeat(0)))
+        sizes = list(map(self._size.get, tenants, repeat(0)))
+        width = self.width
+        return sizes if width == 1 else [s // width for s in sizes]
 
     def match_path(self, text: Seq) -> list[tuple[Mapping[Tenant, float], int]]:
         """The nodes ``text`` runs through, root side first, as (holders, matched length
@@ -126,7 +145,7 @@ class PrefixTree(Generic[Seq]):
         what refreshes its recency.
         """
         node, pos, n = self._root, 0, len(text)
-        is_str = type(text) is str  # str compares in place; tuples have no startswith
+        is_str = isinstance(text, str)  # str compares in place; tuples have no startswith
         path: list[tuple[Mapping[Tenant, float], int]] = []
         while pos < n:
             child = node.children.get(text[pos])
@@ -141,7 +160,9 @@ class PrefixTree(Generic[Seq]):
                 continue
             path.append((child.tenants, pos + _common_len(text, pos, key)))
             break
-        return path
+        if self.width == 1:
+            return path
+        return _whole_units(path, self.width)
 
     def match(self, text: Seq) -> dict[Tenant, int]:
         """Per tenant, the length of the longest prefix of ``text`` it holds (> 0 only)."""
@@ -164,7 +185,7 @@ class PrefixTree(Generic[Seq]):
             self._size[tenant] = 0
             self._lru[tenant] = OrderedDict()
         node, pos, n = self._root, 0, len(text)
-        is_str = type(text) is str
+        is_str = isinstance(text, str)
         path: list[_Node[Seq]] = []
         while pos < n:
             first = text[pos]
@@ -198,29 +219,32 @@ class PrefixTree(Generic[Seq]):
         if cap is not None and size[tenant] > cap:
             self._overflowed[tenant] = now
             self._shrink_tenant(tenant, int(cap * (1.0 - self.hysteresis)))
-        if self.max_chars is not None and self._total > self.max_chars:
-            self._shrink_global(int(self.max_chars * (1.0 - self.hysteresis)))
+        budget = self._budget
+        if budget is not None and self._total > budget:
+            self._shrink_global(int(budget * (1.0 - self.hysteresis)))
 
     def overflowed_at(self, tenant: Tenant) -> float:
         """When an insert last pushed ``tenant`` over its cap (-inf: never)."""
         return self._overflowed.get(tenant, float("-inf"))
 
     def set_cap(self, tenant: Tenant, max_chars: int | None) -> None:
-        """Bound one tenant's logical tree (None: only the global budget applies)."""
+        """Bound one tenant's logical tree, in units (None: only the global budget applies)."""
         if max_chars is None:
             self._cap.pop(tenant, None)
             return
         if max_chars < 0:
             raise ValueError(f"max_chars must be >= 0, got {max_chars}")
-        self._cap[tenant] = max_chars
-        if self._size.get(tenant, 0) > max_chars:
-            self._shrink_tenant(tenant, int(max_chars * (1.0 - self.hysteresis)))
+        cap = max_chars * self.width
+        self._cap[tenant] = cap
+        if self._size.get(tenant, 0) > cap:
+            self._shrink_tenant(tenant, int(cap * (1.0 - self.hysteresis)))
 
     def evict(self, tenant: Tenant, chars: int) -> int:
-        """Evict at least ``chars`` of ``tenant``'s least recently used entries."""
+        """Evict at least ``chars`` units of ``tenant``'s least recently used entries;
+        returns the units evicted."""
         before = self._size.get(tenant, 0)
-        self._shrink_tenant(tenant, max(0, before - chars))
-        return before - self._size.get(tenant, 0)
+        self._shrink_tenant(tenant, max(0, before - chars * self.width))
+        return (before - self._size.get(tenant, 0)) // self.width
 
     def remove_tenant(self, tenant: Tenant) -> None:
         """Forget a tenant entirely (worker left, or restarted with an empty cache)."""
@@ -330,6 +354,21 @@ class PrefixTree(Generic[Seq]):
         assert total == self._total, (total, self._total)
         assert sizes == self._size, (sizes, self._size)
         assert counts == {t: len(lru) for t, lru in self._lru.items()}
+
+
+def _whole_units(
+    path: list[tuple[Mapping[Tenant, float], int]], width: int
+) -> list[tuple[Mapping[Tenant, float], int]]:
+    """A match path in elements as one in whole units: an entry that ends inside the unit
+    where the one before it ended adds nothing its holders are known to hold."""
+    out: list[tuple[Mapping[Tenant, float], int]] = []
+    last = 0
+    for held, end in path:
+        units = end // width
+        if units > last:
+            out.append((held, units))
+            last = units
+    return out
 
 
 def _sort_key(node: _Node[Seq]) -> tuple[str, object]:

@@ -10,9 +10,17 @@ no other tenant is refused for it. Load is never a 503; draining is.
 
 The rule: a freed seat on worker w goes to the best waiting request w can serve,
 looking at the first `SCAN` requests of each tenant's FIFO per class, in this order:
-  0. locality: a request is held for its best worker while that worker's predicted
-     cached prefix is over twice w's and it is not urgent (step 3); a held one takes
-     w's seat only when no one else can use it, so a seat never stays empty for it;
+  0. locality, in two parts:
+     a. a request whose best worker (most predicted cached prefix) is not w, has more
+        predicted there than on w, and has a free seat in this same pass is not w's:
+        it takes its best worker's seat instead (urgent or not: a free seat where it
+        hits costs no wait);
+     b. a request is held, until critical (step 3), for its best worker when that one
+        holds over twice w's prediction, and away from w while the turn it extends (a
+        request of its tenant whose prompt is a prefix of its own) is still before its
+        first byte on w: sent now, it would find that prompt not yet in w's cache. A
+        held one takes w's seat only when no one else can use it, so a seat never stays
+        empty for it;
   1. class: interactive, then standard, then batch (strict bands, as llm-d's flow
      control and Dynamo's router have them);
   2. fair share within the class (deficit round robin): tenants with credit first; a
@@ -22,9 +30,12 @@ looking at the first `SCAN` requests of each tenant's FIFO per class, in this or
      seat no one with credit can use: a seat never stays empty for fairness. Between
      tenants with work waiting in a class, service follows their weights to within a
      quantum, which is also how far locality may run ahead of fairness (DLPM's bound);
-  3. urgency: a request that waited `queue_urgent_fraction` of its class's TTFT
-     objective goes first, the earliest deadline first, and is held for no worker: it
-     would miss its deadline waiting for its best one;
+  3. urgency: a request that waited `queue_urgent_fraction` (f) of its class's TTFT
+     objective goes first, the earliest deadline first, still on its best worker
+     (0b holds it from the others: that one frees a seat soon, and a seat away costs
+     its whole cached prefix). Once critical, halfway from there to its deadline
+     (waited (1 + f) / 2 of the objective), it is held for no worker: it would miss its
+     deadline waiting for its best one;
   4. the longest predicted cached prefix on w (affinity);
   5. arrival order.
 Urgency never lifts a request over a higher class (a flood of standard requests past
@@ -35,7 +46,9 @@ Affinity is what the router predicts each worker holds of the request's prompt
 (`Affinity`: the holdings room's tree, router/holdings/room.py `affinity`), asked
 when the request starts waiting (one that passes at once costs nothing) and again when
 a seat looks at it `REFRESH_S` later, at most `REFRESH_BUDGET` times a pass: the
-tree learns where the turn before it went once that turn leaves the queue.
+tree learns where the turn before it went once that turn leaves the queue. Each
+placement of a waiting request is counted as on its best worker or away from it
+(`QueueStats.placed`): what locality the queue gave up, and why.
 """
 
 from __future__ import annotations
@@ -46,10 +59,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from router.queue.seats import Seats
+from router.queue.seats import WINDOW_INTERVALS, Seats
 from router.queue.stats import QueueStats
 from router.queue.tenants import Tenant, Tenants
-from router.queue.ticket import Seat, Ticket
+from router.queue.ticket import InPrefill, Seat, Ticket
 from shared.config import RouterConfig
 from shared.serving.errors import APIError
 from shared.wire.service_class import CLASSES, ServiceClass
@@ -95,11 +108,16 @@ class FleetQueue:
     ) -> None:
         self.config, self.fleet, self.affinity, self.clock = config, fleet, affinity, clock
         self.tenants = Tenants(config)
-        self.seats = Seats(fleet.workers, remote, config.queue_seat_factor, config.max_concurrent)
+        window = math.ceil(WINDOW_INTERVALS * config.sync_load_interval / TICK_S)
+        self.seats = Seats(
+            fleet.workers, remote, config.queue_seat_factor, config.max_concurrent,
+            config.queue_replica_slack, window,
+        )  # fmt: skip
         self.stats = QueueStats(self.tenants, stats_registry)  # type: ignore[arg-type]
         self._slo = {c: getattr(config.classes, c).ttft_slo_s for c in CLASSES}
         self._seq = itertools.count()
         self._refreshes = 0  # affinity asks left in this pass
+        self._prefilling = InPrefill()  # a turn that extends one waits for it (0b)
         self.waiting = 0
         self.active = 0  # admitted: seated or passing, until their answer ends
         self.draining = False
@@ -204,14 +222,17 @@ class FleetQueue:
         if ticket.worker == worker_id:
             return
         if ticket.worker is not None:
+            self._prefilling.remove(ticket)
             self.seats.give(ticket.worker)
         self.seats.take(worker_id)
         ticket.worker = worker_id
+        self._prefilling.add(ticket, worker_id)
 
     def answered(self, ticket: Ticket, status: int) -> None:
         """The answer's head left (its first byte: the router's TTFT)."""
         if ticket.first_byte is None:
             ticket.first_byte, ticket.status = self.clock(), status
+            self._prefilling.remove(ticket)
 
     def done(self, ticket: Ticket) -> None:
         """The request ended, whatever the way: its seat frees and goes on at once."""
@@ -224,6 +245,7 @@ class FleetQueue:
         self._settle_idle()
 
     def _release_seat(self, ticket: Ticket) -> None:
+        self._prefilling.remove(ticket)
         self.seats.give(ticket.worker)  # type: ignore[arg-type]
         ticket.worker = None
         self.pump()
@@ -246,10 +268,11 @@ class FleetQueue:
             free = [wid for wid in ids if seats.free(wid)]
             # The emptiest worker first, so seats freed together spread the queue.
             free.sort(key=lambda wid: seats.occupied(wid) / (seats.seats(wid) or math.inf))
+            free_set = frozenset(free)
             for wid in free:
-                ticket = self._best_for(wid, now, routable)
-                if ticket is not None:
-                    self._give(ticket, wid, now)
+                picked = self._best_for(wid, now, routable, free_set)
+                if picked is not None:
+                    self._give(picked[0], wid, now, picked[1])
                     break
             else:
                 return
@@ -260,7 +283,11 @@ class FleetQueue:
             ids = routable[ticket.model] = frozenset(self.fleet.view(now, ticket.model).ids)
         return wid in ids
 
-    def _best_for(self, wid: str, now: float, routable: dict) -> Ticket | None:
+    def _best_for(
+        self, wid: str, now: float, routable: dict, free: frozenset[str]
+    ) -> tuple[Ticket, str] | None:
+        """The waiting request w's seat goes to, and where it stands against its best
+        worker (a `PLACED` name)."""
         waiting = [t for t in self.tenants if t.waiting]
         if not any(t.credit > 0 for t in waiting):
             # A new round: each waiting tenant gains weight x quantum, as many times as
@@ -276,6 +303,7 @@ class FleetQueue:
             # A tenant without credit is looked at too, behind every one with credit in
             # the same class: it takes the seat only when no one else can use it.
             broke = tenant.credit <= 0
+            prefilling = self._prefilling.of(wid, tenant)
             for queue in tenant.queues:
                 for ticket in itertools.islice(queue, SCAN):
                     if not self._serves(wid, ticket, now, routable):
@@ -283,21 +311,38 @@ class FleetQueue:
                     if self._refreshes and now - ticket.units_at >= REFRESH_S:
                         self._refreshes -= 1
                         self._predict(ticket, now)
-                    if now >= ticket.urgent_at:
+                    here = ticket.units.get(wid, 0.0)
+                    away = ticket.best != wid and ticket.best_units > here
+                    if (
+                        away
+                        and ticket.best in free
+                        and self._serves(ticket.best, ticket, now, routable)
+                    ):
+                        continue  # 0a: its best worker's seat is free in this pass
+                    if now >= ticket.critical_at:
                         key: tuple = (False, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
                     else:
-                        here = ticket.units.get(wid, 0.0)
-                        held = ticket.best != wid and ticket.best_units > 2 * here
-                        key = (held, ticket.rank, broke, 1, -here, ticket.seq)
+                        held = (away and ticket.best_units > 2 * here) or (
+                            prefilling is not None and InPrefill.extends(ticket, prefilling)
+                        )
+                        if now >= ticket.urgent_at:
+                            key = (held, ticket.rank, broke, 0, ticket.deadline, ticket.seq)
+                        else:
+                            key = (held, ticket.rank, broke, 1, -here, ticket.seq)
                     if best_key is None or key < best_key:
                         best, best_key = ticket, key
-        return best
+                        where = (
+                            "held" if key[0] else "urgent" if key[3] == 0 else "near"
+                        ) if away else "best"  # fmt: skip
+        return None if best is None else (best, where)
 
-    def _give(self, ticket: Ticket, wid: str, now: float) -> None:
+    def _give(self, ticket: Ticket, wid: str, now: float, placed: str) -> None:
+        self.stats.placed[placed] += 1
         self._unqueue(ticket)
         ticket.tenant.credit -= 1
         self.seats.take(wid)
         ticket.worker, ticket.seated = wid, now
+        self._prefilling.add(ticket, wid)
         ticket.exclude = [w for w in self.fleet.view(now, ticket.model).ids if w != wid]
         ticket.future.set_result(wid)  # type: ignore[union-attr]
 

@@ -7,23 +7,43 @@
                   seat is given, before the request leaves) + the other replicas'
                   requests in flight to w (replica sync, refreshed every
                   `sync_load_interval`).
-    free(w)     = occupied(w) < seats(w), and this router holds under `max_concurrent`.
+    free(w)     = occupied(w) < seats(w), and this router holds under `max_concurrent`,
+                  and (replicas only) held(w) < floor(w) + slack(w).
 
 The worker's own running and waiting counts are not added: they are this router's
 requests again, a heartbeat late, and a seat must come free the instant a request
-ends. Another replica's figure is up to one `sync_load_interval` old, so replicas may
-together seat a worker past its seats by what they give it within one interval
-(loadtests/results/fleet_queue.md measures it with 2 replicas).
+ends.
+
+Replicas (replica sync on: `remote` given). Another replica's figure is what it
+published up to `sync_load_interval` ago, read up to one more interval ago, so two
+replicas could each fill the same free seats. Each replica therefore grows its own
+count on a worker by at most slack(w) = max(1, ceil(seats(w) x queue_replica_slack))
+above floor(w), the least it held there over the last `WINDOW_INTERVALS` sync
+intervals: whatever the others read of it in that window is at least floor(w). The
+bound this gives: with N replicas a worker holds at most seats(w) + (N - 1) x slack(w)
+(the last replica to take a seat saw room under seats(w) with every other one's count,
+and each of those counts has grown by at most slack(w) since it was published), as
+long as what a replica reads of another is under `WINDOW_INTERVALS` intervals old (each
+publishes and reads once an interval: a round later than that breaks the bound by what
+is seated meanwhile; with Redis gone the replicas do not see each other at all). The
+count published is the router's in flight, which trails a seat by the instant between
+the seat and the send. With 4 seats and the default slack: 5 of 4 with 2 replicas. The price: a replica fills a worker
+from empty at slack(w) seats per window, not at once (loadtests/results/fleet_queue.md
+measures both with 2 replicas).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
 
 from router.fleet.workers import Worker
 
 NO_REMOTE: Mapping[str, int] = {}
+# The window floor(w) covers, in sync intervals: one for the publish, one for the read,
+# one for a round that runs late.
+WINDOW_INTERVALS = 3
 
 
 class Seats:
@@ -33,13 +53,25 @@ class Seats:
         remote: Callable[[], Mapping[str, int]] | None,
         factor: float,
         max_concurrent: int,
+        slack: float = 0.25,
+        window_ticks: int = 15,
     ) -> None:
+        """`slack` (`queue_replica_slack`) and `window_ticks` (refreshes per window) bound
+        a replica's growth; they apply only with `remote` (replica sync on)."""
         self._workers = workers
         self._remote = remote or (lambda: NO_REMOTE)
+        self.replicas = remote is not None
         self.factor = factor
         self.max_concurrent = max_concurrent
         self.held: dict[str, int] = {}  # this router's seated requests per worker
         self.total = 0
+        self.slack = slack
+        # floor(w): the least held on w in this refresh, and in each earlier one of the
+        # window (oldest dropped); a worker in neither held none.
+        self._low: dict[str, int] = {}
+        self._lows: dict[str, deque[int]] = {}
+        self._window_ticks = window_ticks
+        self._floor: dict[str, int] = {}
         # Workers with no free seat, kept as seats are taken and given and re-read by
         # `refresh` (other replicas' counts, heartbeats): below saturation it is empty
         # and an arrival costs no pass over the fleet.
@@ -61,7 +93,16 @@ class Seats:
 
     def _room(self, worker_id: str) -> bool:
         seats = self.seats(worker_id)
-        return seats is None or self.occupied(worker_id) < seats
+        if seats is None:
+            return True
+        if self.occupied(worker_id) >= seats:
+            return False
+        return not self.replicas or self.held.get(worker_id, 0) < self.ceiling(worker_id, seats)
+
+    def ceiling(self, worker_id: str, seats: int) -> int:
+        """floor(w) + slack(w): the most this replica may hold on w now."""
+        floor = min(self._floor.get(worker_id, 0), self._low.get(worker_id, 0))
+        return floor + max(1, math.ceil(seats * self.slack))
 
     def _note(self, worker_id: str) -> None:
         if self._room(worker_id):
@@ -70,8 +111,26 @@ class Seats:
             self.full.add(worker_id)
 
     def refresh(self) -> None:
-        """Re-read every worker's seats (the queue's tick: replicas' counts, heartbeats)."""
+        """Re-read every worker's seats (the queue's tick: replicas' counts, heartbeats),
+        and move floor(w)'s window on by one refresh."""
+        if self.replicas:
+            self._slide()
         self.full = {wid for wid in self._workers if not self._room(wid)}
+
+    def _slide(self) -> None:
+        for wid in set(self._lows) | set(self._low) | set(self.held):
+            lows = self._lows.get(wid)
+            if lows is None:
+                lows = self._lows[wid] = deque(maxlen=self._window_ticks)
+            lows.append(self._low.get(wid, 0))
+            floor = min(lows)
+            if floor == 0 and not any(lows) and wid not in self.held:
+                del self._lows[wid]  # nothing held on it for a whole window
+                self._floor.pop(wid, None)
+            else:
+                self._floor[wid] = floor
+        # Each new refresh starts at what is held now (absent: none, then or since).
+        self._low = dict(self.held)
 
     def take(self, worker_id: str) -> None:
         self.held[worker_id] = self.held.get(worker_id, 0) + 1
@@ -84,13 +143,19 @@ class Seats:
             self.held[worker_id] = left
         else:
             del self.held[worker_id]
+        if self.replicas and left < self._low.get(worker_id, 0):
+            self._low[worker_id] = left
         self.total -= 1
         self._note(worker_id)
 
     def describe(self, worker_id: str) -> dict[str, int | None]:
         """The seat figures /workers shows for a worker."""
-        return {
-            "seats": self.seats(worker_id),
+        seats = self.seats(worker_id)
+        out = {
+            "seats": seats,
             "seated": self.held.get(worker_id, 0),
             "remote_in_flight": self._remote().get(worker_id, 0),
         }
+        if self.replicas and seats is not None:
+            out["replica_ceiling"] = self.ceiling(worker_id, seats)  # floor + slack, now
+        return out

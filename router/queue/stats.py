@@ -25,6 +25,10 @@ from prometheus_client.registry import Collector
 from router.queue.tenants import Tenants
 from shared.wire.service_class import CLASSES
 
+# Where a waiting request was placed against its best predicted worker (fleet_queue.py's
+# rule): on it (or none predicted better), or away: urgent, held (no one else could use
+# the seat), near (its best held at most twice as much).
+PLACED = ("best", "urgent", "held", "near")
 WAIT_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
 
@@ -54,6 +58,7 @@ class QueueStats:
         self.tallies: dict[tuple[str, str], ClassTally] = {
             (t.name, c): ClassTally() for t in tenants for c in CLASSES
         }
+        self.placed = dict.fromkeys(PLACED, 0)
         if registry is not None:
             registry.register(_QueueCollector(self))
 
@@ -118,6 +123,15 @@ class _QueueCollector(Collector):
                     family.add_metric(key, getattr(tally, name))
                 cumulative = list(accumulate(tally.waits))
                 wait.add_metric(key, list(zip(bounds, cumulative, strict=True)), tally.wait_s)
+        placed = CounterFamily(
+            "radix_router_queue_placed",
+            "Waiting requests given a seat: on their best predicted worker, or away from it "
+            "(urgent, held, near)",
+            labels=["placed"],
+        )
+        for name, n in self.stats.placed.items():
+            placed.add_metric([name], n)
         yield waiting
         yield wait
+        yield placed
         yield from families.values()

@@ -6,6 +6,7 @@ tells the worker it picked)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,8 +21,8 @@ class Ticket:
     """One request through the queue: who, which class, and where it sits."""
 
     __slots__ = (
-        "arrived", "best", "best_units", "deadline", "exclude", "first_byte", "future",
-        "klass", "model", "rank", "request", "seated", "seq", "status", "tenant",
+        "arrived", "best", "best_units", "critical_at", "deadline", "exclude", "first_byte",
+        "future", "klass", "model", "rank", "request", "seated", "seq", "status", "tenant",
         "units", "units_at", "urgent_at", "worker",
     )  # fmt: skip
 
@@ -33,6 +34,8 @@ class Ticket:
         self.request, self.model, self.seq = request, model, seq
         self.arrived, self.deadline = now, now + slo_s
         self.urgent_at = now + slo_s * urgent_fraction
+        # Halfway from urgent to the deadline: held for no worker (fleet_queue.py's rule).
+        self.critical_at = now + slo_s * (1 + urgent_fraction) / 2
         self.units: Mapping[str, float] = {}  # predicted cached prefix per worker
         self.units_at = now
         self.best, self.best_units = "", 0.0
@@ -42,6 +45,44 @@ class Ticket:
         self.seated: float | None = None
         self.first_byte: float | None = None
         self.status = 0
+
+
+class InPrefill:
+    """Seated tickets whose answer has not begun, per worker and tenant: their prompt is
+    not yet in the worker's cache (fleet_queue.py's rule, 0b)."""
+
+    # A waiting turn is compared with at most this many of its tenant's tickets on the
+    # worker, the latest first (a non-streamed answer stays "before its first byte" until
+    # it ends: the list can be as long as the worker's seats).
+    SCAN = 8
+
+    def __init__(self) -> None:
+        self._on: dict[tuple[str, Tenant], list[Ticket]] = {}
+
+    def add(self, ticket: Ticket, worker_id: str) -> None:
+        self._on.setdefault((worker_id, ticket.tenant), []).append(ticket)
+
+    def remove(self, ticket: Ticket) -> None:
+        """`ticket`'s prompt is in its worker's cache now, or never will be."""
+        key = (ticket.worker, ticket.tenant)
+        on = self._on.get(key)  # type: ignore[arg-type]
+        if on is not None and ticket in on:
+            on.remove(ticket)
+            if not on:
+                del self._on[key]  # type: ignore[arg-type]
+
+    def of(self, worker_id: str, tenant: Tenant) -> list[Ticket] | None:
+        return self._on.get((worker_id, tenant))
+
+    @classmethod
+    def extends(cls, ticket: Ticket, on: list[Ticket]) -> bool:
+        """Whether `ticket`'s prompt extends one of `on` (`of`'s list; the next turn of a
+        conversation whose last turn is still in prefill there)."""
+        text = ticket.request.text
+        return any(
+            len(p.request.text) < len(text) and text.startswith(p.request.text)
+            for p in itertools.islice(reversed(on), cls.SCAN)
+        )
 
 
 class SeatKeeper(Protocol):

@@ -18,13 +18,79 @@ only through the very pieces before it.
 
 Runs live in `PromptTokens`' bounded trie and are dropped with it; a prompt keeps its own
 chain alive only while the request that carries it is in flight.
+
+The router's prefix tree keys ids as a `TokenKey` (below): each run keeps its piece's
+key, so a prompt's key is one join of its runs' keys, with no Python object per id.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Callable, Sequence
 from itertools import chain
 
+import numpy as np
+
 from shared.wire.kv_events import block_key_list
+
+MAX_ID = 2**31 - 1  # the largest id a key holds (KV events and replica sync carry as many)
+KEY_WIDTH = 4  # chars of a TokenKey per id
+
+
+class TokenKey(str):
+    """Token ids as the router's prefix tree keys them (router/holdings/tree.py): the ids'
+    uint32 little-endian bytes read as Latin-1, one char a byte, KEY_WIDTH chars an id.
+
+    A str, so the tree compares and slices a 2k-id prompt in C (a memcmp over 8 KB)
+    where a tuple of ints compared item by item (match + insert: 16 µs a request as
+    tuples, 2 µs as keys, loadtests/results/router_cpu.md). And it is the wire form
+    (`wire()`): a replica turns a sync entry into a key with one decode, no int per id.
+    Latin-1 maps every byte to one char with no error path (UTF-16 code units were tried:
+    ids whose low half is a surrogate went through the codec's error handler, ~1 µs
+    each). Its own type, so that a key of ids never passes for text, nor text for ids."""
+
+    __slots__ = ()
+
+    def wire(self) -> bytes:
+        """The ids as uint32 little-endian bytes."""
+        return self.encode("latin-1")
+
+    def ids(self) -> list[int]:
+        return np.frombuffer(self.wire(), "<u4").tolist()  # type: ignore[no-any-return]
+
+
+def token_key(ids: Sequence[int] | np.ndarray) -> TokenKey | None:
+    """The key of `ids`; None when one is not a token id (< 0 or > MAX_ID, or not an int:
+    a client's token-id prompt can hold anything)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            return None
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > MAX_ID):
+            return None
+        return key_of_wire(ids.astype("<u4").tobytes())
+    try:
+        packed = array("i", ids)  # int32, in C: refuses non-ints and anything past 2**31 - 1
+    except (TypeError, OverflowError, ValueError):
+        return None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    raw = packed.tobytes()
+    if not ids_in_range(raw):
+        return None  # a negative id
+    return key_of_wire(raw)
+
+
+def ids_in_range(raw: bytes) -> bool:
+    """Every uint32 little-endian id of `raw` is <= MAX_ID: each id's top byte is under
+    0x80 (one C pass over a strided slice)."""
+    return raw[3::4].isascii()
+
+
+def key_of_wire(raw: bytes) -> TokenKey:
+    """The key of ids given as uint32 little-endian bytes."""
+    return TokenKey(raw.decode("latin-1"))
+
 
 # Per block size: (keys of the blocks ending in this run, ids after the last whole
 # block, the last key so far: 0 before the first block).
@@ -34,75 +100,91 @@ _Keyed = tuple[list[int], tuple[int, ...], int]
 class Run:
     """One piece's ids after a given prefix: a node of the conversation trie."""
 
-    __slots__ = ("ids", "keyed", "parent")
+    __slots__ = ("chained", "ids", "key", "keyed", "parent", "whole")
 
     def __init__(self, parent: Run | None, ids: tuple[int, ...]) -> None:
         self.parent = parent
         self.ids = ids
+        self.key = token_key(ids) or ""  # "" where an id is no token id (never a tokenizer's)
+        # Every run of the chain up to here has its key: a prompt's is their join.
+        self.chained = (parent is None or parent.chained) and (self.key or not ids)
         self.keyed: dict[int, _Keyed] = {}  # block size -> what `chain_keys` computed
+        # Block size -> the keys of every block up to this run's end, root first: held by
+        # one run of a line of turns at a time (`chain_keys` moves it on).
+        self.whole: dict[int, list[int]] = {}
 
 
-def chain_keys(last: Run, block_size: int) -> list[int]:
-    """The block keys of the ids of `last` and its ancestors, root first.
+def chain_keys(
+    runs: Sequence[Run], block_size: int, grow: Callable[[int], None] | None = None
+) -> list[int]:
+    """The block keys of the ids of `runs` (a chain, root first), a new list.
 
-    The runs not keyed yet at this block size (a new turn's few pieces; iteratively: a
-    chat of thousands of messages is a chain that deep) are keyed together, from the
-    last key before them."""
-    runs = []
-    run: Run | None = last
-    while run is not None and block_size not in run.keyed:
-        runs.append(run)
-        run = run.parent
-    if runs:
-        tail, prev = run.keyed[block_size][1:] if run is not None else ((), 0)
-        runs.reverse()
+    The runs not keyed yet at this block size (a new turn's few pieces, at the end) are
+    keyed together, from the last key before them. The chain is the list the prompt was
+    built from, so neither pass walks parent pointers.
+
+    The whole chain's keys come from the deepest run before the last that holds them
+    (`whole`), extended by the runs after it and moved to the run before the last: the
+    next turn of the conversation extends that run, so a turn costs its new runs, not a
+    pass over all of them (a 20-turn chat has ~60: the pass was the largest part of the
+    KV index's lookup, loadtests/results/router_cpu.md). Moved, not copied, the lists
+    hold each key of a line of turns once; a prompt that branches off where no run holds
+    one (an edited turn, another chat on a shared system prompt) concatenates its runs
+    and starts a list of its own, whose 8 bytes a key go to `grow` (the caches' byte
+    bound, shared/tokens/prompt_tokens.py). The last run never holds one: a turn's
+    generation prompt is a leaf the next turn does not extend."""
+    keyed = len(runs)
+    while keyed and block_size not in runs[keyed - 1].keyed:
+        keyed -= 1
+    if keyed < len(runs):
+        tail, prev = runs[keyed - 1].keyed[block_size][1:] if keyed else ((), 0)
         flat = list(tail)
         ends = []
-        for run in runs:
+        for run in runs[keyed:]:
             flat += run.ids
             ends.append(len(flat))
         keys = block_key_list(flat, block_size, prev)  # whole blocks only
         done = 0  # blocks keyed by the runs before
-        for run, end in zip(runs, ends, strict=True):
+        for run, end in zip(runs[keyed:], ends, strict=True):
             upto = end // block_size  # the blocks that end inside this run (or before)
             new = keys[done:upto]
             prev = new[-1] if new else prev
             run.keyed[block_size] = (new, tuple(flat[upto * block_size : end]), prev)
             done = upto
-    parts = []
-    run = last
-    while run is not None:
-        parts.append(run.keyed[block_size][0])
-        run = run.parent
-    return list(chain.from_iterable(reversed(parts)))
+    last = len(runs) - 1
+    held = last - 1
+    while held >= 0 and block_size not in runs[held].whole:
+        held -= 1
+    whole = runs[held].whole[block_size] if held >= 0 else []
+    between = runs[held + 1 : last]
+    if between:
+        added = list(chain.from_iterable([run.keyed[block_size][0] for run in between]))
+        if held >= 0:
+            del runs[held].whole[block_size]  # moved on, extended in place below
+        elif grow is not None:
+            grow(8 * (len(whole) + len(added)))
+        whole += added
+        runs[last - 1].whole[block_size] = whole
+    return whole + runs[last].keyed[block_size][0]  # a copy: `whole` changes as it moves
 
 
 class PromptIds(tuple[int, ...]):
     """A prompt's ids as a tuple of ints (what the token tree keys on, no conversion per
     request) that knows its block keys when it was built from cached pieces."""
 
-    last: Run | None = None  # the run of its last piece; None: keyed from scratch
+    runs: Sequence[Run] = ()  # the runs of its pieces, root first; none: keyed from scratch
+    key: TokenKey | None = None  # the tree's key, the runs' joined (PromptTokens.text)
+    grow: Callable[[int], None] | None = None  # the bytes its runs' key lists take (chain_keys)
 
     def tolist(self) -> list[int]:
         return list(self)
 
+    def tree_key(self) -> TokenKey | None:
+        """`token_key(self)`, from the runs' keys where they are carried."""
+        return self.key if self.key is not None else token_key(self)
+
     def block_keys(self, block_size: int) -> list[int]:
         """`block_keys(self, block_size)` as ints, from the runs' keys where it has them."""
-        if self.last is None:
+        if not self.runs:
             return block_key_list(self, block_size)
-        return chain_keys(self.last, block_size)
-
-
-def from_runs(last: Run) -> PromptIds:
-    """The ids of `last` and its ancestors, carrying `last` for their block keys."""
-    parts = []
-    run: Run | None = last
-    while run is not None:
-        parts.append(run.ids)
-        run = run.parent
-    flat: list[int] = []
-    for ids in reversed(parts):
-        flat += ids  # a list grown by tuples: a copy of pointers, 3x a chain iterator
-    out = PromptIds(flat)
-    out.last = last
-    return out
+        return chain_keys(self.runs, block_size, self.grow)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from shared.tokens.prompt_ids import PromptIds, Run, from_runs
+from shared.tokens.prompt_ids import PromptIds, Run, TokenKey
 
 _ID_BYTES = 40  # an id in a tuple: its pointer and (past 256) its int object
 _ENTRY_BYTES = 200  # a dict slot, its key tuple and a Run
@@ -129,6 +129,9 @@ class PromptTokens:
             return PromptIds(encode_prompt(self.tokenizer, text))
         runs = self._runs
         run: Run | None = None
+        chain: list[Run] = []
+        flat: list[int] = []
+        keys: list[str] = []
         first, *rest = text.split(self._split)  # a literal split: C speed, no regex scan
         # Keyed by the text after each tag (the first piece, before any tag, on its own
         # key); the ids include the tag's.
@@ -140,8 +143,13 @@ class PromptTokens:
             else:
                 self.hits += 1
             run = got
-        assert run is not None  # split() returns at least one piece
-        ids = from_runs(run)
+            chain.append(got)
+            flat += got.ids  # a list grown by tuples: a copy of pointers
+            keys.append(got.key)
+        ids = PromptIds(flat)
+        ids.runs, ids.grow = chain, self._grow  # its block keys, from the runs' (prompt_ids.py)
+        if got.chained:  # split() returns at least one piece
+            ids.key = TokenKey("".join(keys))  # the tree's key, no int object per id
         bos = self._bos
         if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
             # Only where the first run is under two ids (it drops a doubled BOS itself).
@@ -184,6 +192,15 @@ class PromptTokens:
         cache[key] = value
         self._held += n
         self._bytes += size
+
+    def _grow(self, nbytes: int) -> None:
+        """Key lists the runs took on (shared/tokens/prompt_ids.py `chain_keys`): counted
+        against `max_bytes` like the rest, and cleared with it."""
+        if self._bytes + nbytes > self.max_bytes:
+            self._pieces.clear()
+            self._runs.clear()
+            self._held = self._bytes = 0
+        self._bytes += nbytes
 
     def _pieces_agree(self) -> bool:
         """Pieces encoded apart == the whole encoded, on a sample chat and a plain text."""

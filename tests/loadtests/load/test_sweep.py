@@ -18,8 +18,10 @@ from loadtests.load.runner import RunSpec
 from loadtests.load.summary import SLO, summarize
 from loadtests.load.sweep import (
     Point,
+    kept,
     late_share,
     load_for,
+    multi_tenant_verdict,
     rates_per_s,
     saturation,
     sustained_rate,
@@ -128,3 +130,46 @@ def test_the_saturation_point_moves_when_workers_are_added(tmp_path: Path) -> No
     assert found == {1: (4, 8), 2: (8, 16)}
     result = json.loads((tmp_path / "w2/round_robin/rate_16/summary.json").read_text())
     assert result["request_rate"] == 16 and result["max_concurrency"] == 48
+
+
+def test_a_multi_tenant_rate_is_kept_while_interactive_meets_its_objective() -> None:
+    def run(interactive: float | None, answered_503: int = 0) -> dict:
+        c = {"attainment": 1.0, "503": 0}
+        return {"classes": {"interactive": {**c, "attainment": interactive},
+                            "standard": {**c, "503": answered_503}, "batch": c}}  # fmt: skip
+
+    assert kept(run(0.995)) and kept(run(None))  # none sent: nothing to miss
+    assert not kept(run(0.98))
+    assert not kept(run(1.0, answered_503=1))  # a 503 from load is never kept
+    results = {"saturation_rps": 20.0, "args": {"workload": "shared_prefix"}, "runs": [
+        {**run(1.0), "side": "new", "load": 0.5, "goodput_rps": 9.9},
+        {**run(0.9), "side": "old", "load": 1.5, "goodput_rps": 17.0},
+        {**run(1.0), "side": "new", "load": 1.5, "goodput_rps": 27.0},
+        {**run(1.0), "side": "old", "load": 0.5, "goodput_rps": 9.8},
+    ]}  # fmt: skip
+    assert multi_tenant_verdict(results) == (
+        "verdict (shared_prefix, saturation 20.0 req/s): new keeps interactive at 0.5x, 1.5x; "
+        "goodput 9.9 / 27.0 req/s at 0.5x / 1.5x; old keeps interactive at 0.5x; "
+        "goodput 9.8 / 17.0 req/s at 0.5x / 1.5x"
+    )
+
+
+# fleet-queue's workload (its tenants, classes and open-loop client) through this tree's
+# router, below and past saturation, on fleet-queue's default sim fleet.
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sweep_runs_the_multi_tenant_workload_past_saturation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sweep", "--multi-tenant", "--rates", "0.5,1.5", "--seconds", "4",
+            "--before-ref", "none", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "sweep.json").read_text())
+    runs = {r["load"]: r for r in results["runs"]}
+    assert set(runs) == {0.5, 1.5}
+    assert runs[1.5]["rate_rps"] > results["saturation_rps"] > runs[0.5]["rate_rps"]
+    for run in runs.values():
+        assert set(run["classes"]) == {"interactive", "standard", "batch"}
+        assert sum(c["503"] for c in run["classes"].values()) == 0
+    out = capsys.readouterr().out
+    assert "| this tree | 1.5 |" in out and "verdict (shared_prefix" in out

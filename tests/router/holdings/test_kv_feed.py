@@ -166,3 +166,68 @@ def test_a_rebuilding_worker_scores_on_its_index_and_its_tree() -> None:
     assert feed.status_of("w") == "rebuilding" and feed.rebuilds == {"gap": 1, "marker": 1}
     apply(6, AllBlocksCleared())  # the engine cleared its cache: a known state
     assert feed.status_of("w") == "ok"
+
+
+def test_token_ids_that_are_not_token_ids_drop_their_entry() -> None:
+    """An event's token ids are checked in C (shared/wire/kv_events.py `_check_ids`): an id
+    past 31 bits, a negative one, a float, a string or a list drops the whole entry as
+    malformed; the entries around it still apply."""
+    import msgpack
+
+    feed = KvEventFeed(registry=None)  # type: ignore[arg-type]  # entries applied by hand
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+
+    def stored(ids: list, seq: int) -> dict[bytes, bytes]:
+        event = {"type": "BlockStored", "block_hashes": [seq + 100], "parent_block_hash": None,
+                 "token_ids": ids, "block_size": 2, "lora_id": None, "medium": None}  # fmt: skip
+        payload = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}, event]])
+        fields = entry_fields("w", 1.0, seq, payload)
+        return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+
+    bad = [[1, 2**31], [1, -1], [1, -(2**31)], [1, 2.0], [1, "2"], [1, [2]], [1, None], [1, 2**63]]
+    feed.apply_entry("w", stored([5, 6], 0))
+    for seq, ids in enumerate(bad, start=1):
+        feed.apply_entry("w", stored(ids, seq))
+    feed.apply_entry("w", stored([2**31 - 1, 0], len(bad) + 1))
+    assert feed.dropped["malformed"] == len(bad)
+    assert feed.match("m", [2**31 - 1, 0]) == {"w": 2}
+
+
+async def test_reads_are_paced_by_what_they_find(redis: Redis) -> None:
+    """`KvEventFeed.run`: an empty read waits twice as long as the last wait (up to the
+    feed's idle) and a read that drained the streams waits READ_GAP_S, so an idle router
+    makes a few Redis round trips a second, not one every 50 ms (~20), while what a busy
+    writer appends every 50 ms is still applied, in few reads."""
+    registry = Registry(redis)
+    feed = KvEventFeed(registry)
+    reads = 0
+    real_read = registry.read_kv_events
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        nonlocal reads
+        reads += 1
+        return await real_read(*args, **kwargs)  # type: ignore[arg-type]
+
+    registry.read_kv_events = counted  # type: ignore[method-assign]
+    member = FeedMember("w", "m", 1.0, block_size=2)
+    task = asyncio.create_task(feed.run(lambda: [member], idle=0.4))
+    try:
+        await asyncio.sleep(1.5)  # nothing written: 0.1, 0.2, 0.4, 0.4 ... between reads
+        assert 1 <= reads <= 7, reads  # (a loaded machine only reads less)
+        reads = 0
+        key = registry.kv_events_key("w")
+        await redis.xadd(key, entry_fields("w", 1.0, 0, encode_batch([AllBlocksCleared()])))
+        for seq in range(1, 21):  # a busy writer: an entry every 50 ms for a second
+            stored = BlockStored((seq,), None, (seq, seq), 2)
+            await redis.xadd(key, entry_fields("w", 1.0, seq, encode_batch([stored])))
+            await asyncio.sleep(0.05)
+        for _ in range(100):
+            if feed.match("m", [20, 20]):
+                break
+            await asyncio.sleep(0.05)
+        assert feed.match("m", [20, 20]) == {"w": 2} and feed.trusted("w")
+        assert feed.streams["w"].applied == 21
+        assert reads <= 12, reads  # a read every 50 ms would be 20 or more
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

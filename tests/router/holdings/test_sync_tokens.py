@@ -19,6 +19,7 @@ from router.holdings.sync import SEP, DecisionSync
 from router.holdings.sync_wire import TOKENS, decode_decision, encode_decision, encode_tokens
 from shared.config import RouterConfig
 from shared.tokens.fingerprint import FINGERPRINT_LEN, tokenizer_fingerprint
+from shared.tokens.prompt_ids import TokenKey, token_key
 from shared.tokens.prompt_tokens import load_tokenizer
 from shared.wire.peers import Rejections
 from shared.wire.registry import Registry
@@ -48,10 +49,14 @@ def test_fingerprint_names_the_tokenizer_not_its_path(tiny_model_dir: object) ->
 def test_token_entries_round_trip_compactly() -> None:
     ids = np.arange(40_000, 42_000, dtype=np.int64)  # a 2k-token prompt
     entry = encode_tokens(b"r1" + SEP, "w1", ids, FP, CONFIG.sync_max_chars)
-    assert decode_decision(entry, CONFIG.sync_max_chars, FP) == ("w1", tuple(ids.tolist()))
+    worker, key = decode_decision(entry, CONFIG.sync_max_chars, FP)
+    assert (worker, type(key), key.ids()) == ("w1", TokenKey, ids.tolist())
+    assert key == token_key(ids)  # the tree's key, as the writer's tree keyed it
     assert len(entry) < 4 * len(ids)  # zlib of 4 bytes an id
     capped = encode_tokens(b"r1" + SEP, "w1", list(range(100)), FP, 64)
-    assert decode_decision(capped, 64, FP) == ("w1", tuple(range(64)))
+    assert decode_decision(capped, 64, FP)[1].ids() == list(range(64))  # type: ignore[union-attr]
+    # A TokenKey is written as it is: the same bytes as its ids.
+    assert encode_tokens(b"r1" + SEP, "w1", token_key(ids), FP, 10_000) == entry  # type: ignore[arg-type]
     # The text entries of the version before tokens still read as text.
     old = b"r0" + SEP + b"w2" + SEP + zlib.compress(b"a conversation")
     assert decode_decision(old, CONFIG.sync_max_chars, FP) == ("w2", "a conversation")
@@ -75,6 +80,13 @@ def test_a_clients_out_of_range_ids_are_not_shared_and_never_raise(redis_server)
     assert not sync._pending
     sync.publish("w1", [2**31 - 1, 0])
     assert len(sync._pending) == 1
+    # A router on ids keys a request it has no ids for by its text's bytes (room.py):
+    # not ids where a byte is past 0x7f in an id's top byte, or not 4 a token. Not shared
+    # (every replica would refuse it), never raised on.
+    for text in ("abcéxyz", "ünïcödé text!!", "abc"):  # a top byte 0xc3; 18 bytes; 3
+        room_key = TokenKey(text.encode().decode("latin-1"))
+        sync.publish("w1", room_key)
+    assert len(sync._pending) == 1
 
 
 async def test_tokens_reach_the_other_replica_and_text_entries_are_skipped(
@@ -93,7 +105,10 @@ async def test_tokens_reach_the_other_replica_and_text_entries_are_skipped(
             f"{PREFIX}decisions", {"d": b"old" + SEP + b"w2" + SEP + zlib.compress(b"hi")}
         )
         a.publish("w3", [9, 10])
-        await wait_until(lambda: b_seen == [("w1", (5, 6, 7, 8)), ("w3", (9, 10))])
+        await wait_until(
+            lambda: b_seen == [("w1", token_key([5, 6, 7, 8])), ("w3", token_key([9, 10]))]
+        )
+        assert all(type(key) is TokenKey for _, key in b_seen)
         assert b.skipped == 1 and b.rejections.counts.get("sync_decisions", 0) == 0
     finally:
         await a.stop()
@@ -118,6 +133,7 @@ async def test_bad_token_entries_are_dropped_counted_and_the_reader_goes_on(
         tok(zlib.compress(b"\x01\x02\x03")),  # not a whole number of ids
         tok(zlib.compress(b"")),  # no ids
         tok(zlib.compress(np.array([2**31], dtype="<u4").tobytes())),  # id out of range
+        tok(zlib.compress(np.array([5, 0xDC00D800], dtype="<u4").tobytes())),  # the last id
         tok(zlib.compress(b"\x00" * (4 * cap + 4))),  # over the cap once inflated
         tok(bomb[: 4 * cap]),  # a bomb cut to fit the entry: inflates past the cap
         tok(b"not zlib"),
@@ -139,7 +155,7 @@ async def test_bad_token_entries_are_dropped_counted_and_the_reader_goes_on(
         tracemalloc.stop()
         await sync.stop()
         await plain.stop()
-    assert seen == [("w2", (1, 2, 3))]  # the one good entry, and no more
+    assert seen == [("w2", token_key([1, 2, 3]))]  # the one good entry, and no more
     assert sync.rejections.counts["sync_decisions"] == len(bad)
     # A text tree takes no ids at all: every token entry is refused and counted.
     assert text_reader == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import openai
 import pytest
 
@@ -13,6 +14,8 @@ from router.http.state import FLEET, ROUTING
 from router.policy import build_routing
 from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
+from shared.tokens.prompt_ids import token_key
+from shared.tokens.prompt_tokens import PromptTokens
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 
 SYSTEM = "You keep the warehouse books: answer in one short sentence, with the figure. " * 8
@@ -46,10 +49,14 @@ async def test_second_turn_predicted_in_the_tokens_the_worker_reports(policy: st
         assert cached > 100 and abs(predicted - cached) <= page, (predicted, cached)
         w = router.app[FLEET].workers[next(iter(router.app[FLEET].workers))]
         assert abs(w.predicted_tokens_total - w.actual_cached_tokens_total) <= page
-        # The tree holds token sequences: the root's children are keyed by token ids.
-        root = router.app[ROUTING].holdings.tree._root
-        assert root.children and all(type(k) is int for k in root.children)
-        assert all(type(c.key) is tuple for c in root.children.values())
+        # The tree holds token keys: the ids' bytes, 4 chars an id (shared/tokens/prompt_ids.py),
+        # the first turn's ids from the root down.
+        tree = router.app[ROUTING].holdings.tree
+        (child,) = tree._root.children.values()
+        whole = child.key[: len(child.key) // 4 * 4]
+        held = np.frombuffer(whole.encode("latin-1"), "<u4").tolist()
+        assert tree.width == 4 and len(held) > 100
+        assert held == list(PromptTokens.load("sim").chat(turn[:2]))[: len(held)]
     finally:
         await client.close()
         await router.close()
@@ -67,8 +74,29 @@ def test_tree_cap_and_match_rate_units(policy: str, tokenizer: str | None) -> No
     p.select(RouteRequest(text, tokens=ids), fleet, 1.0)
     d = p.select(RouteRequest(text[:40] + "zz", tokens=(*ids[:20], 7)), fleet, 2.0)
     if tokenizer:  # in tokens: no chars-per-token conversion anywhere
-        assert p.holdings.tree._cap["w0"] == 100
+        assert p.holdings.tree._cap["w0"] == 100 * 4  # in chars: 4 an id
         assert (d.matched_chars, d.match_rate, d.predicted_tokens) == (20, 20 / 21, 20.0)
     else:
         assert p.holdings.tree._cap["w0"] == 400
         assert (d.matched_chars, d.match_rate) == (40, 40 / 42)
+
+
+def test_text_in_a_tree_on_ids_never_matches_ids() -> None:
+    """A request the router has no ids for (too long to tokenize, the tokenizer busy) is
+    keyed by its text's bytes behind TEXT_IN_IDS: ids with those bytes share nothing with
+    it, and its lengths are its bytes at 4 a token."""
+    p = build_routing(RouterConfig(tokenizer="sim"), random.Random(0))
+    fleet = FleetView(["w0", "w1"], capacities=[10_000, 10_000])
+    text = "routed on its text alone"
+    as_ids = list(np.frombuffer(text.encode()[:24], "<u4").tolist())  # the same bytes
+    p.select(RouteRequest(text, tokens=as_ids), fleet, 1.0)
+    first = p.holdings.tree.match(token_key(as_ids))  # type: ignore[arg-type]
+    prediction = p.holdings.predict(RouteRequest(text, tokens=None), fleet, 2.0)
+    assert first and prediction.path == []  # the same bytes as ids: no match
+    d = p.select(RouteRequest(text, tokens=None), fleet, 3.0)
+    longer = text + " and then some more"
+    again = p.holdings.predict(RouteRequest(longer, tokens=None), fleet, 4.0)
+    assert again.length == len(longer) // 4
+    assert again.holdings()[d.worker_id].device == len(text) // 4
+    # A client's ids that are no token ids are keyed the same way (not raised on).
+    p.select(RouteRequest("ids", tokens=[-5, 2**40]), fleet, 5.0)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import random
 import textwrap
 import tracemalloc
+from itertools import pairwise
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.holdings import tree as tree_module
 from router.holdings.tree import PrefixTree
+from shared.tokens.prompt_ids import token_key
 
 WORKED_EXAMPLE = """\
 'hel' a@3 b@2
@@ -111,6 +113,43 @@ def test_token_ids_use_the_same_tree() -> None:
     assert tree.match((7,)) == {}
     assert tree.dump() == "(1, 2) x@1 y@2\n  (3, 4) x@1\n  (5,) y@2"
     tree.check_integrity()
+
+
+id_lists = st.lists(st.sampled_from([1, 2, 3, 0x10001, 0x20001, 2**31 - 1]), max_size=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(id_lists, st.sampled_from(["x", "y"])), max_size=20),
+       queries=st.lists(id_lists, max_size=6), cap=st.integers(0, 12))  # fmt: skip
+def test_token_keys_match_and_count_whole_ids(
+    ops: list[tuple[list[int], str]], queries: list[list[int]], cap: int
+) -> None:
+    """A width-4 tree over TokenKeys answers as a tuple tree over the same ids: ids that
+    share low bytes (1, 0x10001, 0x20001) part inside an id, and that never counts."""
+    keyed: PrefixTree[str] = PrefixTree(width=4)
+    plain: PrefixTree[tuple[int, ...]] = PrefixTree()
+    capped: PrefixTree[str] = PrefixTree(width=4)  # a cap in ids holds, in ids
+    capped.set_cap("y", cap)
+    for now, (ids, tenant) in enumerate(ops):
+        key = token_key(ids)
+        assert key is not None and len(key) == 4 * len(ids)
+        keyed.insert(key, tenant, now)
+        plain.insert(tuple(ids), tenant, now)
+        capped.insert(key, tenant, now)
+        keyed.check_integrity()
+        capped.check_integrity()
+        assert capped.tenant_size("y") <= cap
+    for q in queries + [ids for ids, _ in ops]:
+        assert keyed.match(token_key(q)) == plain.match(tuple(q))  # type: ignore[arg-type]
+        path = keyed.match_path(token_key(q))  # type: ignore[arg-type]
+        ends = [e for _, e in path]
+        assert all(0 < e1 < e2 for e1, e2 in pairwise(ends))
+    # Sizes are elements / 4: where two ids part inside an id, the low bytes they share are
+    # stored (and counted) once, so a size may be under the ids' by under an id a node.
+    for tenant in ("x", "y"):
+        size = keyed.tenant_size(tenant)
+        assert size <= plain.tenant_size(tenant) <= size + keyed.tenant_nodes(tenant)
+    assert keyed.total_chars <= plain.total_chars
 
 
 def test_eviction_is_lru_by_now_and_refresh_counts() -> None:

@@ -118,6 +118,11 @@ async def test_interactive_jumps_batch(fleet: Callable[..., Any]) -> None:
     assert order == ["first", "interactive", "batch0", "batch1", "batch2"]
     assert queue.stats.tallies["c", "interactive"].served == 1
     assert queue.stats.tallies["c", "batch"].served == 3
+    # The four that waited were placed on the one worker: their best (none predicted
+    # better elsewhere), and /metrics says so.
+    assert queue.stats.placed == {"best": 4, "urgent": 0, "held": 0, "near": 0}
+    text = await (await client.get("/metrics")).text()
+    assert 'radix_router_queue_placed_total{placed="best"} 4.0' in text
 
 
 async def test_flooding_tenant_does_not_hold_back_another(fleet: Callable[..., Any]) -> None:

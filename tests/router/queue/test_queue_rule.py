@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +26,9 @@ class Hooks:
 
 
 def _queue(
-    seats: dict[str, int], affinity: dict[str, Mapping[str, float]] | None = None, **config: Any
-) -> tuple[FleetQueue, ManualClock]:
+    seats: dict[str, int], affinity: dict[str, Mapping[str, float]] | None = None,
+    remote: dict[str, int] | None = None, **config: Any,
+) -> tuple[FleetQueue, ManualClock]:  # fmt: skip
     cfg = RouterConfig.model_validate(config)
     fleet = Fleet(cfg, Hooks())
     records = {
@@ -38,7 +40,8 @@ def _queue(
     fleet.apply_registry(records)
     clock = ManualClock()
     predict = affinity or {}
-    queue = FleetQueue(cfg, fleet, lambda r: predict.get(r.text, {}), None, clock)
+    others = None if remote is None else (lambda: remote)
+    queue = FleetQueue(cfg, fleet, lambda r: predict.get(r.text, {}), others, clock)
     return queue, clock
 
 
@@ -121,9 +124,16 @@ async def test_an_urgent_request_takes_a_worse_worker_but_not_a_higher_class() -
     queue, clock = _queue({"w0": 1, "w1": 1}, affinity)
     fillers = await _fill(queue, 2)
     on_w0 = next(t for t in fillers if t.worker == "w0")
-    urgent = _ticket(queue, "hit-w1", klass="batch")  # SLO 120 s: urgent after 60 s
+    # SLO 120 s: urgent after 60 s (first on w1, still held from w0), critical after 90 s
+    urgent = _ticket(queue, "hit-w1", klass="batch")
     await _enter(queue, urgent)
     clock.advance(61)
+    early = _ticket(queue, "cold", klass="batch")
+    await _enter(queue, early)
+    queue.done(on_w0)  # urgent, not critical: w0's seat goes to the cold one
+    assert early.worker == "w0" and urgent.worker is None
+    on_w0 = early
+    clock.advance(30)
     fresh = _ticket(queue, "cold", klass="batch")
     interactive = _ticket(queue, "cold", klass="interactive")  # SLO 1 s, just in
     await _enter(queue, fresh)
@@ -132,6 +142,52 @@ async def test_an_urgent_request_takes_a_worse_worker_but_not_a_higher_class() -
     assert interactive.worker == "w0" and urgent.worker is None
     queue.done(interactive)  # then the urgent batch one, on w0 though it hits on w1
     assert urgent.worker == "w0" and fresh.worker is None
+
+
+async def test_a_request_takes_its_best_workers_seat_when_both_come_free() -> None:
+    # Another replica held both seats; they come free in one pass. The emptier-first
+    # order would put w0 first: the requests that hit on w1 take w1's seat instead,
+    # urgent or not (the rule's 0a), and a cold one takes w0's.
+    affinity = {"hit-w1": {"w1": 100.0}, "near-w1": {"w0": 60.0, "w1": 100.0}, "cold": {}}
+    for text, wait in (("hit-w1", 91.0), ("near-w1", 0.0)):
+        remote = {"w0": 1, "w1": 1}
+        queue, clock = _queue({"w0": 1, "w1": 1}, affinity, remote)
+        queue.seats.refresh()  # the replica's counts read: both workers full
+        ticket = _ticket(queue, text, klass="batch")  # critical after 90 s
+        await _enter(queue, ticket)
+        clock.advance(wait)
+        remote.clear()
+        queue.seats.refresh()
+        queue.pump()
+        assert ticket.worker == "w1", text
+        assert queue.stats.placed["best"] == 1
+
+
+async def test_a_turn_waits_while_the_turn_it_extends_is_before_its_first_byte() -> None:
+    tenants = {"a": {"keys": ["ka"]}, "b": {"keys": ["kb"]}}
+    turn2 = "chat: hello. answer. and then?"
+    affinity = {turn2: {"w0": 100.0}}  # the tree learnt turn 1 went to w0
+    queue, _ = _queue({"w0": 2}, affinity, tenants=tenants)
+    turn1 = _ticket(queue, "chat: hello.", "a")
+    await queue.admit(turn1)
+    queue.sit(turn1, "w0")
+    [filler] = await _fill(queue, 1)
+    nxt, cold = _ticket(queue, turn2, "a"), _ticket(queue, "cold", "a")
+    await _enter(queue, nxt)
+    await _enter(queue, cold)
+    queue.done(filler)  # turn 1 is still in prefill: the cold one takes the seat
+    assert cold.worker == "w0" and nxt.worker is None
+    queue.answered(turn1, 200)  # turn 1's prompt is in w0's cache now
+    queue.done(cold)
+    assert nxt.worker == "w0"
+    assert queue.stats.placed == {"best": 2, "urgent": 0, "held": 0, "near": 0}
+    # Another tenant's prompt is no turn of this one's conversation: not held for it.
+    other = _ticket(queue, turn2 + " more", "b")
+    later = _ticket(queue, "cold too", "b")
+    await _enter(queue, other)
+    await _enter(queue, later)
+    queue.done(turn1)  # `nxt` is in prefill on w0, but it is tenant a's
+    assert other.worker == "w0" and later.worker is None
 
 
 async def test_the_bounds_refuse_only_their_tenant() -> None:
@@ -161,3 +217,22 @@ def test_config_refuses_a_shared_key_and_a_bad_weight() -> None:
         load_config(
             RouterConfig, overrides={"classes": {"interactive": {"ttft_slo_s": 0}}}, environ={}
         )
+
+
+def test_a_config_file_error_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        "policy: cache_aware\n"
+        "tenants:\n"
+        "  a: {keys: [k1]}\n"
+        "  b:\n"
+        "    keys:\n"
+        "      - k2\n"
+        "      - k1\n"
+        "    weight: 1\n"
+    )
+    with pytest.raises(ConfigError, match=r"keys\[1\] is also a key of tenant 'a'.*line 7\)"):
+        load_config(RouterConfig, path, environ={})
+    path.write_text("tenants:\n  a:\n    keys: [k]\n    weight: 0\n")
+    with pytest.raises(ConfigError, match=r"tenants\.a\.weight: .*greater than 0.*line 4\)"):
+        load_config(RouterConfig, path, environ={})

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.holdings.kv_index import BlockIndex
-from shared.tokens.prompt_ids import PromptIds
+from shared.tokens.prompt_ids import MAX_ID, PromptIds, TokenKey, key_of_wire, token_key
 from shared.tokens.prompt_tokens import PromptTokens, encode_prompt, load_tokenizer
 from shared.wire.kv_events import BlockStored, block_key_list, block_keys
 
@@ -60,6 +60,56 @@ def test_carried_keys_are_the_whole_prompts_keys(setting: str) -> None:
     assert router.piecewise
 
 
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, MAX_ID), max_size=40))
+def test_a_token_key_is_the_ids_bytes(ids: list[int]) -> None:
+    key = token_key(ids)
+    assert type(key) is TokenKey and len(key) == 4 * len(ids)
+    assert key.ids() == ids
+    assert key.wire() == np.asarray(ids, dtype="<u4").tobytes()  # replica sync's payload
+    assert key_of_wire(key.wire()) == key
+    assert token_key(np.asarray(ids, dtype=np.int64)) == key
+
+
+def test_a_token_key_refuses_what_is_no_token_id() -> None:
+    """A client's token-id prompt can hold anything: no key (the room keys it by text),
+    never an exception."""
+    for bad in ([-1], [MAX_ID + 1], [0xDC00D800], [2**70], [1.0], ["7"], [[1]], [None]):
+        assert token_key(bad) is None, bad  # type: ignore[arg-type]
+    assert token_key(np.asarray([5, -1])) is None
+    assert token_key(np.asarray([0.5])) is None
+    assert token_key(()) == ""
+
+
+def test_prompt_ids_carry_their_tree_key() -> None:
+    router = PromptTokens.load("sim")
+    chat = [{"role": "system", "content": "Keyed words. " * 30}]
+    for turn in range(4):
+        chat.append({"role": "user", "content": f"turn {turn}"})
+        ids = router.chat(chat)
+        assert ids.key is not None  # joined from the runs' keys, not rebuilt per request
+        assert ids.tree_key() == token_key(list(ids))
+        chat.append({"role": "assistant", "content": f"answer {turn}"})
+
+
+def test_a_conversations_block_keys_are_held_once_and_moved_on() -> None:
+    """One run of a line of turns holds the whole chain's keys (the run before the last,
+    which the next turn extends): a turn keys its new runs only, and a 30-turn chat holds
+    one list, not one a turn. A turn that branches off (an edit) keys from its runs."""
+    router = PromptTokens.load("sim")
+    chat = [{"role": "system", "content": "Moved words. " * 40}]
+    for turn in range(30):
+        chat.append({"role": "user", "content": f"turn {turn}"})
+        ids = router.chat(chat)
+        assert ids.block_keys(4) == scratch(ids, 4)
+        holders = [run for run in ids.runs if 4 in run.whole]
+        assert holders == [ids.runs[-2]]
+        chat.append({"role": "assistant", "content": f"answer {turn}"})
+    edited = [*chat[:3], {"role": "assistant", "content": "another answer"}, chat[3]]
+    ids = router.chat(edited)
+    assert ids.block_keys(4) == scratch(ids, 4)
+
+
 def test_the_caches_stay_within_their_bounds_and_stay_right() -> None:
     router = PromptTokens(load_tokenizer("sim"), max_entries=12, max_tokens=600)
     chats = [[{"role": "system", "content": f"Chat {i}. " + "word " * 40}] for i in range(5)]
@@ -98,7 +148,7 @@ def test_the_index_matches_carried_keys_as_plain_ids() -> None:
     index.apply("w0", [BlockStored(tuple(range(1, n // 4 + 1)), None, list(held)[:n], 4)])
     chat += [{"role": "assistant", "content": "two"}, {"role": "user", "content": "three"}]
     ids = router.chat(chat)
-    assert ids.last is not None  # carried, not keyed from scratch
+    assert ids.runs  # carried, not keyed from scratch
     assert index.match(ids) == index.match(np.asarray(list(ids))) == {"w0": n}
 
 
