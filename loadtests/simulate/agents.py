@@ -14,7 +14,10 @@ with agents beside them compares with a run of them alone.
 Reported per run (`AgentResult`): job completion time per session (first call sent to
 last answer), the same less its tool gaps, per-call hit rate after the first call (mean
 of each call's cached / prompt tokens), TTFT per call, siblings co-located (siblings
-that reached their first sibling's worker) and the background's hit rate.
+that reached their first sibling's worker) and the background's hit rate; and where the
+JCT goes (`breakdown`): tool gaps, queue, prefill and decode per session, the tokens
+prefilled and the workers' busy fraction, with the floor no side can beat (the gaps
+over today's JCT).
 
 `python -m loadtests agent`: the agent workload, side by side, in one run.
 
@@ -34,6 +37,8 @@ hit rate beside agents with its hit rate alone. Simulated (loadtests/simulate/ag
 the router's policy and session code, the engine's scheduler, cache and pins, virtual
 time); `--live` replays the same sessions through a local sim fleet instead
 (`run_live` in loadtests/load/agents.py), `--before-ref REF` running the today side from REF.
+Simulator only: `--sides` (a subset of the sides) and `--host-cache-tokens` (a host KV
+tier on every side's workers).
 """
 
 from __future__ import annotations
