@@ -196,25 +196,27 @@ def test_a_session_whose_context_the_tree_holds_stays() -> None:
     assert not moved and left is None and later.worker_id == home
 
 
-def test_replicas_spread_new_sessions_by_the_sessions_each_worker_holds() -> None:
-    """Through replicas (`agree`) a new session with no cached prefix takes the key's
+def test_new_sessions_spread_by_the_sessions_each_worker_holds() -> None:
+    """A new session with no cached prefix (one router or replicas) takes the key's
     rendezvous pick among the workers holding the fewest active sessions. Between tool
-    gaps the loads (requests in flight) are 0, so the pick used to be the hash alone:
-    12 sessions on 4 workers put 6 on one (its KV short, hit after the first call 0.845
-    through 2 replicas against 0.901 on one router). Fails without the count."""
+    gaps the loads (requests in flight) are 0, so through replicas the pick used to be
+    the hash alone: 12 sessions on 4 workers put 6 on one (its KV short, hit after the
+    first call 0.845 through 2 replicas against 0.901 on one router). Fails on replicas
+    without the count."""
     ids = ("w0", "w1", "w2", "w3")
-    routing = build_routing(RouterConfig(policy="cache_aware"), random.Random(0))
-    view = FleetView(ids, capacities=(100_000,) * 4)
-    table = SessionTable(100, 600)
-    placed = []
-    for i in range(12):
-        text = RouteRequest(f"system: session {i} " + f"context{i} words " * 60)
-        decision, _, _ = select(
-            table, routing, text, view, float(i), session_digest("", f"agent-{i}"), 64, 1.5,
-            agree=True,
-        )  # fmt: skip
-        placed.append(decision.worker_id)
-    assert sorted(placed.count(w) for w in ids) == [3, 3, 3, 3]
+    for agree in (True, False):
+        routing = build_routing(RouterConfig(policy="cache_aware"), random.Random(0))
+        view = FleetView(ids, capacities=(100_000,) * 4)
+        table = SessionTable(100, 600)
+        placed = []
+        for i in range(12):
+            text = RouteRequest(f"system: session {i} " + f"context{i} words " * 60)
+            decision, _, _ = select(
+                table, routing, text, view, float(i), session_digest("", f"agent-{i}"),
+                64, 1.5, agree=agree,
+            )  # fmt: skip
+            placed.append(decision.worker_id)
+        assert sorted(placed.count(w) for w in ids) == [3, 3, 3, 3], agree
     # A second replica with the same table (the sync carries placements) picks the same
     # worker for the next session's first siblings.
     other = SessionTable(100, 600)
