@@ -105,9 +105,8 @@ def block_key_list(tokens: Sequence[int], block_size: int, parent: int = 0) -> l
     a wrong prediction for one block, never a wrong answer."""
     keys = []
     key = parent
-    ids = tuple(tokens)  # then one tuple slice and one concatenation a block
-    for start in range(0, len(ids) - len(ids) % block_size, block_size):
-        key = hash((key,) + ids[start : start + block_size]) & _MASK64
+    for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
+        key = hash((key, *tokens[start : start + block_size])) & _MASK64
         keys.append(key)
     return keys
 
