@@ -124,7 +124,8 @@ class PromptTokens:
         return self.text(text)
 
     def text(self, text: str) -> PromptIds:
-        """The ids, as a tuple that carries its block keys (shared/tokens/prompt_ids.py)."""
+        """The ids, carrying their tree key and block keys (shared/tokens/prompt_ids.py);
+        joined into one tuple only if read id by id."""
         if self._split is None:
             return PromptIds(encode_prompt(self.tokenizer, text))
         runs = self._runs
