@@ -365,7 +365,13 @@ class BlockIndex:
         bs = self.block_size
         for w in first:
             held = self._run(w, keys, 1, len(keys))
-            on_device = self._run(w, keys, 0, held, DEVICE)
+            # The device run is a prefix of the held one: where the held run's last block
+            # is on the device, so is all of it (no host tier: every lookup), one look-up
+            # instead of a second bisection.
+            if blocks[keys[held - 1]][w][0] & DEVICE:
+                on_device = held
+            else:
+                on_device = self._run(w, keys, 0, held - 1, DEVICE)
             out[w] = (on_device * bs, held * bs)
         return out
 

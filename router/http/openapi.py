@@ -19,10 +19,10 @@ _INFERENCE_ERRORS = {
     "408": "Request body not received within body_read_timeout",
     "413": "Request body too large",
     "415": "Content-Encoding other than gzip or deflate",
-    "429": "Router at capacity; see Retry-After",
+    "429": "Past the API key's rate limit or its tenant's queue bound; see Retry-After",
     "500": "The request failed on two workers (its fault, not the fleet's)",
     "502": "Every attempt on a worker failed",
-    "503": "No healthy worker, every worker busy (see Retry-After), or draining",
+    "503": "No healthy worker, every worker tried refused it as busy (see Retry-After), or draining",
     "504": "Worker timed out",
 }
 
