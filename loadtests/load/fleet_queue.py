@@ -297,6 +297,19 @@ async def run_side(
     return out
 
 
+def this_tree_sides(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """This tree's sides, in run order: one per `--seat-factors` entry (each its own copy
+    of `args` with that `seat_factor`), else one at `--seat-factor`."""
+    factors = [float(x) for x in args.seat_factors.split(",")] if args.seat_factors else []
+    return [
+        (
+            f"seats x{f:g}" if factors else "this tree",
+            argparse.Namespace(**{**vars(args), "seat_factor": f}),
+        )
+        for f in factors or [args.seat_factor]
+    ]
+
+
 def saturation_rate(args: argparse.Namespace) -> float:
     prompt = args.system_len + args.question_len * (
         args.turns if args.workload == "multi_turn" else 1
@@ -352,10 +365,7 @@ async def _main(args: argparse.Namespace) -> dict:
         sim_cluster(args.workers, spec) as fleet,
     ):
         sides = [] if skip_before else [(before_name, before, False, args)]
-        factors = [float(x) for x in args.seat_factors.split(",")] if args.seat_factors else []
-        for f in factors or [args.seat_factor]:
-            name = f"seats x{f:g}" if factors else "this tree"
-            sides.append((name, None, True, argparse.Namespace(**{**vars(args), "seat_factor": f})))
+        sides += [(name, None, True, side) for name, side in this_tree_sides(args)]
         for load in (float(x) for x in args.loads.split(",")):
             plan_of = schedule(args, load * sat)
             for i, (name, tree, new, side_args) in enumerate(sides):
