@@ -22,6 +22,8 @@ import contextlib
 import json
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -365,33 +367,58 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+# The sampler runs in a process of its own: as a thread of the benchmark it shared the
+# attacker's GIL, and msgpack packing a 4 MB entry holds it for 50-170 ms, so /health
+# looked that slow whatever the router did (p99 150-450 ms under the rejoin attacks).
+_SAMPLER = r"""
+import json, sys, time, urllib.request
+from pathlib import Path
+
+url, pid, stop = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+latencies, peak = [], 0.0
+while not stop.exists():
+    start = time.perf_counter()
+    try:
+        urllib.request.urlopen(url + "/health", timeout=60).read()
+    except OSError:
+        pass
+    latencies.append((time.perf_counter() - start) * 1000)
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            peak = max(peak, int(line.split()[1]) / 1024)
+    time.sleep(0.05)
+print(json.dumps({"latencies_ms": latencies, "peak_mb": peak}))
+"""
+
+
 class Sampler:
     """/health every 50 ms (a slow answer delays the next ask: its latency is recorded)
-    and the router's RSS, on a thread, while the attack runs."""
+    and the router's RSS, from a process of its own, while the attack runs."""
 
     def __init__(self, url: str, pid: int) -> None:
         self.url, self.pid = url, pid
         self.latencies_ms: list[float] = []
         self.peak_mb = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._dir = tempfile.TemporaryDirectory(prefix="sampler-")
+        self._stop = Path(self._dir.name) / "stop"
+        self._proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> Sampler:
-        self._thread.start()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _SAMPLER, self.url, str(self.pid), str(self._stop)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(120)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            start = time.perf_counter()
-            with contextlib.suppress(OSError):
-                http_json(self.url + "/health", timeout=60)
-            self.latencies_ms.append((time.perf_counter() - start) * 1000)
-            self.peak_mb = max(self.peak_mb, rss_mb(self.pid))
-            time.sleep(0.05)
+        self._stop.touch()
+        if self._proc is None:
+            return
+        out, _ = self._proc.communicate(timeout=120)
+        self._dir.cleanup()
+        if out.strip():
+            got = json.loads(out)
+            self.latencies_ms, self.peak_mb = got["latencies_ms"], got["peak_mb"]
 
 
 def honest_ok(url: str) -> str:

@@ -36,7 +36,10 @@ from loadtests.kit import ROOT, checkout, short
 # {"us": per-request microseconds per repeat, "digest": what the index answers}.
 SIDE = r"""
 import json, pickle, sys, time
-from router.holdings.kv_feed import FeedMember, KvEventFeed
+try:
+    from router.holdings.kv_feed import FeedMember, KvEventFeed
+except ImportError:  # refs before the holdings room (issue 30)
+    from router.fleet.kv_feed import FeedMember, KvEventFeed
 d = pickle.load(open(sys.argv[1], "rb"))
 times, digest = [], None
 for _ in range(int(sys.argv[2])):

@@ -2,12 +2,13 @@
 (and `upstream-reuse`, UPSTREAM_REUSE below: the price of a worker that does not echo
 request ids):
 straight to a sim worker (zero cost unless `--prefill-us` / `--decode-ms`), through our router with 1 and with N processes
-(`serve --processes N`, replica sync through an embedded Redis), and through SGLang's
+(`serve --processes N`, replica sync through an embedded Redis; with `--unsynced` also N
+without Redis, so without sync: the sync's own price), and through SGLang's
 Rust router (`sglang-router`, from its own venv) when its Python is given.
 
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
-        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero]
+        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero] [--unsynced]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/kit.py`) as one more target, so a change's price is measured side by side;
@@ -43,6 +44,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -137,10 +139,14 @@ def start_targets(
 ) -> list[Target]:
     targets = [Target("direct", worker_url)]
 
-    def router(name: str, n: int, tree: Path = ROOT, env: dict | None = None) -> None:
+    def router(
+        name: str, n: int, tree: Path = ROOT, env: dict | None = None, sync: bool = True
+    ) -> None:
         flags = ["--worker-url", worker_url]
         if n > 1:
-            flags += ["--processes", str(n), "--redis-url", redis_url]
+            flags += ["--processes", str(n)]
+        if n > 1 and sync:  # replicas share decisions and loads through Redis
+            flags += ["--redis-url", redis_url]
         child = serve_router(f"{len(targets)}", free_port(), tmp, flags, tree, env, wait=False)
         targets.append(Target(name, child.url, child))
 
@@ -148,6 +154,8 @@ def start_targets(
         router(f"router x1 @{args.before_ref}", 1, before)
     for n in sorted({1, args.processes}):
         router(f"router x{n}", n)
+    if args.unsynced and args.processes > 1:
+        router(f"router x{args.processes}, no sync", args.processes, sync=False)
     for client in args.upstream_clients:
         router(f"router x1 ({client} client)", 1, env={"RADIX_ROUTER_UPSTREAM_CLIENT": client})
     if args.sglang_python:
@@ -193,6 +201,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
     )
     p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
+    p.add_argument(
+        "--unsynced", action="store_true",
+        help="also N processes without Redis (no replica sync): what the sync itself costs",
+    )  # fmt: skip
     p.add_argument(
         "--sglang-python",
         default=None,
@@ -341,4 +353,152 @@ connections it opened (`radix_router_upstream_connections_opened_total`).
 """,
     reuse_arguments,
     reuse_main,
+)
+
+
+# -- router-profile ---------------------------------------------------------------------
+# Run in the profiled process with `python -c`, from the tree under test (so the code of a
+# `--before-ref` is the one profiled): a router app on uvloop in process, fronting the
+# worker argv[1], CPU-time cProfile while the parent's wrk runs, then shares per layer.
+_PROFILED = """
+import asyncio, cProfile, json, sys, time
+import uvloop
+from aiohttp import web
+from router.http.app import create_app
+from shared.config import RouterConfig
+from shared.procs import free_port
+from shared.serving.gc_policy import freeze_startup, tune_for_serving
+
+async def main():
+    app = create_app(RouterConfig(worker_urls=(sys.argv[1],), access_log=False))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:  # as serve() does, where the tree has it
+        from router.http.edge import install_hot_paths
+        from router.http.state import EDGE
+        install_hot_paths(runner, app[EDGE])
+    except ImportError:
+        pass
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    freeze_startup()
+    tune_for_serving()
+    print(port, flush=True)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.readline)  # the warm-up is done
+    profile = cProfile.Profile(time.process_time)
+    profile.enable()
+    await loop.run_in_executor(None, sys.stdin.readline)  # the measured run is done
+    profile.disable()
+    profile.create_stats()
+    out = {}
+    for (path, _line, name), (_cc, _nc, own, _cum, _callers) in profile.stats.items():
+        out[path + ":" + name] = out.get(path + ":" + name, 0.0) + own
+    print(json.dumps(out), flush=True)
+    await runner.cleanup()
+
+uvloop.run(main())
+"""
+# Layers of the router, by where a function lives (the first that matches): shares of
+# the CPU the profile saw (wrk and the worker are other processes).
+LAYERS = (
+    ("aiohttp server", ("aiohttp/web_", "aiohttp/http_", "aiohttp/streams", "aiohttp/base_protocol",
+                        "aiohttp/helpers", "aiosignal", "multidict", "yarl")),
+    ("upstream client", ("router/upstream/connection", "router/upstream/pool",
+                         "router/upstream/transport", "router/upstream/echo")),
+    ("proxy", ("router/upstream/proxy", "router/upstream/answers")),
+    ("edge + handlers", ("router/http/", "shared/serving/access_log", "shared/serving/errors",
+                         "shared/serving/http.py")),
+    ("policy + holdings", ("router/policy", "router/holdings", "router/routing")),
+    ("fleet table", ("router/fleet",)),
+    ("fleet queue", ("router/queue",)),
+    ("metrics", ("metrics", "prometheus")),
+    ("body + JSON", ("shared/serving/body", "json_codec", "orjson", "json/")),
+    ("request model", ("pydantic", "shared/wire")),
+    ("event loop", ("asyncio", "uvloop")),
+    ("builtins", ("~",)),
+)  # fmt: skip
+
+
+def layer_of(where: str) -> str:
+    return next((name for name, parts in LAYERS if any(p in where for p in parts)), "other")
+
+
+def profile_tree(tree: Path, worker_url: str, args: argparse.Namespace, script: Path) -> dict:
+    """Per layer: CPU seconds of one profiled run of the router at `tree` under wrk."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PROFILED, worker_url], cwd=tree, text=True,
+        env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        url = f"http://127.0.0.1:{child.stdout.readline().strip()}/v1/completions"
+        wrk(url, 1, args.connections, script)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        done = wrk(url, args.seconds, args.connections, script)["done"]
+        child.stdin.write("\n")
+        child.stdin.flush()
+        own = json.loads(child.stdout.readline())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    layers: dict[str, float] = {}
+    for where, seconds in own.items():
+        layers[layer_of(where)] = layers.get(layer_of(where), 0.0) + seconds
+    return {"requests": done, "layers": layers}
+
+
+def profile_main(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as d, contextlib.ExitStack() as stack:
+        tmp = Path(d)
+        script = tmp / "post.lua"
+        script.write_text(LUA)
+        wport = free_port()
+        worker = serve("w", [zero_worker.__name__, str(wport)], wport, tmp)
+        stack.callback(worker.stop, grace_s=15)
+        trees = {"this tree": ROOT}
+        if args.before_ref:
+            trees = {f"@{args.before_ref}": stack.enter_context(checkout(args.before_ref)), **trees}
+        seen = {name: profile_tree(tree, worker.url, args, script) for name, tree in trees.items()}
+    names = list(seen)
+    print("| layer | " + " | ".join(f"{n}: share | {n}: us / request" for n in names) + " |")
+    print("|---|" + "---:|---:|" * len(names))
+    first = seen[names[0]]["layers"]
+    for layer in sorted(first, key=lambda k: -first[k]):
+        cells = []
+        for n in names:
+            total = sum(seen[n]["layers"].values())
+            value = seen[n]["layers"].get(layer, 0.0)
+            cells.append(f"{100 * value / total:.1f}% | {value / seen[n]['requests'] * 1e6:.0f}")
+        print(f"| {layer} | " + " | ".join(cells) + " |")
+    totals = [sum(seen[n]["layers"].values()) / seen[n]["requests"] * 1e6 for n in names]
+    print("| all (profiled: cProfile's own cost included) | "
+          + " | ".join(f"100% | {t:.0f}" for t in totals) + " |")  # fmt: skip
+    return 0
+
+
+def profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=4.0, help="the profiled wrk run, seconds")
+    p.add_argument("--connections", type=int, default=32, help="wrk keep-alive connections")
+    p.add_argument("--before-ref", default=None, help="also profile the router at this git ref")
+
+
+ROUTER_PROFILE = Command(
+    """Where the router's CPU goes, per layer, under wrk (a cProfile with a CPU-time clock).
+
+    python -m loadtests router-profile [--before-ref main] [--seconds 4] [--connections 32]
+
+A router app (`create_app`, on uvloop, served as `serve()` serves it: the hot paths of
+router/http/edge.py installed where the tree has them, start-up frozen out of the
+garbage collector) runs in a child process in front of the zero-cost worker
+(loadtests/router/zero_worker.py); wrk POSTs one completion for `--seconds` while the
+child profiles itself with `cProfile.Profile(time.process_time)` (a wall clock put 25-40%
+in socket writes: the process waiting for the kernel, not its CPU). Each function's own
+time is summed into the router's layers (`LAYERS`, by file). With `--before-ref REF` the
+router at REF (a temporary worktree) is profiled first, the same way. Absolute figures
+include cProfile's own cost (about 4x); the shares are what to compare.
+""",
+    profile_arguments,
+    profile_main,
 )

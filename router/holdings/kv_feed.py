@@ -49,12 +49,15 @@ out of the feed or reaches the index.
 
 Bounds against a worker's credential (issue 30: one worker's stream stalled every router):
 - Sizes are checked in Redis before a read (shared/wire/registry.py `read_kv_events`): an
-  entry over MAX_ENTRY_BYTES never crosses the wire. Routers trim every followed stream
-  to `stream_len` entries (a worker's own MAXLEN is not trusted).
+  entry over MAX_ENTRY_BYTES never crosses the wire, and the reader trims the stream past
+  it (measured once, its memory back to Redis). Routers trim every followed stream to
+  `stream_len` entries (a worker's own MAXLEN is not trusted).
 - Entries are applied with a time budget: past `apply_budget` seconds of the event loop
-  the feed yields before the next entry, so `/health` and routing run between them. An
-  entry's epoch is checked before its batch is decoded: an old epoch's entries cost a
-  few field reads each.
+  the feed yields, so `/health` and routing run between its steps. A step is at most one
+  event's decode (a batch over SLICED_BYTES is decoded an event at a time; msgpack holds
+  the GIL, so a thread would not free the loop) or one run of RUN_BLOCKS blocks applied
+  to the index. An entry's epoch is checked before its batch is decoded: an old epoch's
+  entries cost a few field reads each.
 - A worker's cursor outlives its membership: one that rejoins (DEL and rewrite of its
   hash) or changes its model is read on from where the router was, not from "0". One
   back within DEPARTED_S keeps its state and blocks too (a heartbeat that lapsed).
@@ -75,20 +78,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from redis.exceptions import RedisError
 
-from router.holdings.kv_index import BlockIndex
+from router.holdings.kv_index import BlockIndex, Dropping, Freeing
 from router.holdings.namespace import in_default_namespace
 from shared.serving.aio import reraise_if_cancelled
 from shared.wire.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
+    BatchReader,
     BlockRemoved,
+    BlockStored,
+    EventBatch,
     KVEvent,
     StreamEntry,
     parse_header,
@@ -101,6 +107,12 @@ STATUSES = ("ok", "syncing", "rebuilding", "stale", "lagging", "block_size")
 APPLY_BUDGET_S = 0.005  # event-loop time spent applying entries before yielding once
 POLL_S = 0.05  # between reads of idle streams (a sized read cannot block in Redis)
 READ_GAP_S = 0.2  # after a read that reached the end of every stream (`run`)
+# A batch larger than this is decoded an event at a time (shared/wire/kv_events.py
+# BatchReader), the loop free between; smaller ones in one call (~1 ms).
+SLICED_BYTES = 64 * 1024
+# Events are applied to the index in runs of up to this many blocks (~1-2 us each), one
+# call a run; the feed may yield between runs. An honest entry is one run.
+RUN_BLOCKS = 2048
 TRIM_EVERY_S = 1.0  # between the router's trims of the followed streams (cheap: MAXLEN ~)
 MAX_CURSORS = 4096  # departed workers' cursors kept (registry MAX_WORKERS)
 DEPARTED_S = 30.0  # a departed worker's state and blocks kept for its return
@@ -172,6 +184,9 @@ class KvEventFeed:
         self._block_sizes: dict[str, int] = {}  # worker id -> its heartbeat's block size
         self._host_capacity: dict[str, int] = {}  # worker id -> its host tier in tokens
         self._trimmed = 0.0
+        self._slice_at = 0.0  # perf_counter time the feed last let the loop run
+        self._drops: deque[Dropping | Freeing] = deque()  # blocks being dropped, in steps
+        self._oversized: dict[str, bytes] = {}  # worker -> its last oversized entry read
         self._turn = 0  # rotates the read order (`readable`)
         self._drained = False  # the last read reached the end of every stream it read
         self.read_count = read_count
@@ -198,12 +213,16 @@ class KvEventFeed:
             if state is None:  # a join, or a rejoin (its hash was gone for a while)
                 state = self._rejoin(m.worker_id, m.model)
             if state is None or state.model != m.model:
+                fresh = StreamState(m.model, m.epoch)
                 if state is not None:
                     self._forget(m.worker_id)
-                    cursor = state.cursor  # a model change: read on, not from "0"
+                    fresh.cursor = state.cursor  # a model change: read on, not from "0"
+                    # and on the CPU share it has left (a fresh burst each flip gave a
+                    # worker changing its model every second half the event loop)
+                    fresh.credit, fresh.credited_at = state.credit, state.credited_at
                 else:
-                    cursor = self._cursors.pop(m.worker_id, "0")  # a rejoin: read on
-                self.streams[m.worker_id] = StreamState(m.model, m.epoch, cursor)
+                    fresh.cursor = self._cursors.pop(m.worker_id, "0")  # a rejoin: read on
+                self.streams[m.worker_id] = fresh
                 continue
             if m.epoch != state.heartbeat_epoch:
                 state.heartbeat_epoch = m.epoch
@@ -290,8 +309,11 @@ class KvEventFeed:
         return min(fair, SHARE_SLACK * -(-tokens // block_size))
 
     def drop_model(self, model: str) -> None:
-        """Free `model`'s index (no followed worker serves it)."""
-        self.indexes.pop(model, None)
+        """Free `model`'s index (no followed worker serves it), in steps as a drop is."""
+        index = self.indexes.pop(model, None)
+        if index is not None:
+            self._drops = deque(d for d in self._drops if d.index is not index)
+            self._drops.append(index.freeing(RUN_BLOCKS))
 
     def _forget(self, wid: str) -> None:
         state = self.streams.get(wid)
@@ -299,9 +321,22 @@ class KvEventFeed:
             self._drop_blocks(state.model, wid)
 
     def _drop_blocks(self, model: str, wid: str) -> None:
+        """Its blocks go from the books now, from the index's holders in steps (the run
+        loop's, or before the worker's next events apply: `_settle_drops`)."""
         index = self.indexes.get(model)
         if index is not None:
-            index.drop_worker(wid)
+            self._drops.append(index.dropping(wid, RUN_BLOCKS))
+
+    def _settle_drops(self) -> Iterator[None]:
+        """The pending drops to their end, a step at a time."""
+        drops = self._drops
+        while drops:
+            yield from drops[0]
+            drops.popleft()
+
+    def _dropping(self, index: BlockIndex) -> set[str]:
+        """Workers whose holder entries in `index` are still being dropped."""
+        return {d.worker for d in self._drops if d.index is index} if self._drops else set()
 
     def _untrust(self, wid: str, status: str) -> None:
         self._forget(wid)
@@ -351,6 +386,9 @@ class KvEventFeed:
         return False
 
     async def _poll_once(self) -> int:
+        self._slice_at = time.perf_counter()
+        if self._drops:  # (follow's: a departed or restarted worker, an unused model)
+            await self._run_steps(self._settle_drops(), None)
         cursors = self.readable()
         if not cursors:
             return 0
@@ -362,9 +400,7 @@ class KvEventFeed:
             log.debug("KV event streams unreadable: %s", exc)
             return 0
         read = 0
-        clock = time.perf_counter
-        budget = self.apply_budget
-        started = clock()
+        self._slice_at = time.perf_counter()
         self._drained = all(len(entries) < self.read_count for _, entries in replies)
         for wid, entries in replies:
             for entry_id, fields in entries:
@@ -375,19 +411,44 @@ class KvEventFeed:
                     break  # its CPU share is spent: the rest waits in its stream
                 state.cursor = entry_id
                 read += 1
-                step = clock()
-                for _ in self._raw_steps(wid, fields):
-                    now = clock()
-                    state.credit -= now - step
-                    if now - started > budget:
-                        await asyncio.sleep(0)  # let requests and /health run between
-                        started = now = clock()
-                    step = now
-                state.credit -= clock() - step
+                if b"oversized" in fields:  # its read stopped there: more may follow
+                    self._oversized[wid] = entry_id
+                    self._drained = False
+                await self._run_steps(self._raw_steps(wid, fields), state)
             state = self.streams.get(wid)
             if state is not None:
                 self._check_lag(state, entries)
+        await self._trim_oversized()
         return read
+
+    async def _trim_oversized(self) -> None:
+        """Trim each stream past the oversized entry just read (registry.py says why)."""
+        while self._oversized:
+            wid, entry_id = self._oversized.popitem()
+            try:
+                await self.registry.trim_kv_events_past(wid, entry_id)
+            except (RedisError, OSError, TimeoutError) as exc:
+                reraise_if_cancelled()
+                log.debug("KV event stream %s not trimmed: %s", wid, exc)
+
+    async def _run_steps(self, steps: Iterator[None], state: StreamState | None) -> None:
+        """Run `steps`, letting the event loop run whenever `apply_budget` has passed since
+        it last did (and after the last step); `state`'s stream pays for its steps."""
+        clock = time.perf_counter
+        began = clock()
+        for _ in steps:
+            now = clock()
+            if now - self._slice_at > self.apply_budget:
+                if state is not None:
+                    state.credit -= now - began  # the stream pays its own steps only
+                await asyncio.sleep(0)  # let requests and /health run between
+                began = self._slice_at = clock()
+        now = clock()
+        if state is not None:
+            state.credit -= now - began
+        if now - self._slice_at > self.apply_budget:
+            await asyncio.sleep(0)
+            self._slice_at = clock()
 
     def _check_lag(self, state: StreamState, entries: Sequence[tuple[bytes, object]]) -> None:
         """A full read means more is waiting: behind by more than max_lag is untrusted."""
@@ -415,14 +476,24 @@ class KvEventFeed:
             if self._stale(self.streams[wid], header.epoch):
                 self.dropped["stale_epoch"] += 1
                 return
-            entry = header.decode()
+            if len(header.payload) <= SLICED_BYTES:
+                entry = header.decode()
+            else:  # up to 4 MB: an event a step; the entry is applied whole or not at all
+                reader = BatchReader(header.payload)
+                events = []
+                for event in reader.events():
+                    events.append(event)
+                    yield
+                batch = EventBatch(reader.ts, tuple(events))
+                entry = StreamEntry(wid, header.epoch, header.seq, batch, header.resync)
         except ValueError as exc:
             reason = "other_worker" if "another worker" in str(exc) else "malformed"
             if "too large" in str(exc):
                 reason = "oversized"
             self.dropped[reason] += 1
             return
-        yield  # decoded: up to 4 MB of msgpack
+        if wid not in self.streams:
+            return  # gone while it was decoded
         yield from self._entry_steps(wid, entry)
 
     @staticmethod
@@ -437,8 +508,9 @@ class KvEventFeed:
             pass
 
     def _entry_steps(self, wid: str, entry: StreamEntry) -> Iterator[None]:
-        """`apply_stream_entry`, one event at a time: the reader may yield to the event
-        loop at each step (one event of up to 8,192 blocks; an entry holds up to 4,096)."""
+        """`apply_stream_entry` in runs of up to RUN_BLOCKS blocks (`_event_runs`): the reader
+        may yield to the event loop between runs. An honest entry is one run, one index
+        call."""
         state = self.streams[wid]
         if self._stale(state, entry.epoch):
             self.dropped["stale_epoch"] += 1
@@ -468,19 +540,24 @@ class KvEventFeed:
         elif state.status == "rebuilding" and clear is not None:
             events = events[clear:]  # a known state after all (vLLM cleared its cache)
             state.status = "ok"
+        if self._drops:  # none of its old blocks may outlive its new ones
+            yield from self._settle_drops()
         index = self.indexes.get(state.model, _EMPTY)
-        for event in events:
-            if not in_default_namespace(event):
-                self.dropped["namespace"] += 1  # the index holds a model's default namespace
+        for run in _event_runs(events, self.dropped):
+            if self.streams.get(wid) is not state:
+                return  # it left (or rejoined afresh) while the loop ran
+            if isinstance(run[0], AllBlocksCleared):
+                self._drop_blocks(state.model, wid)
+                yield from self._settle_drops()
                 continue
             try:
-                index.apply(wid, (event,), self.route_clock())
+                index.apply(wid, run, self.route_clock())
             except ValueError:  # a block size other than the model's
                 self.dropped["block_size"] += 1
                 self._untrust(wid, "block_size")
                 return
             if state.status == "rebuilding":
-                self._count_removals(wid, state, (event,))
+                self._count_removals(wid, state, run)
             yield
         state.applied += 1
 
@@ -555,11 +632,11 @@ class KvEventFeed:
         if index is None:
             return {}
         usable = ("ok", "rebuilding")  # rebuilding: beside its tree (see the module doc)
-        streams = self.streams
+        streams, dropping = self.streams, self._dropping(index)
         return {
             w: n
             for w, n in index.match(tokens).items()
-            if (s := streams.get(w)) is not None and s.status in usable
+            if (s := streams.get(w)) is not None and s.status in usable and w not in dropping
         }
 
     def match_tiers(
@@ -571,11 +648,11 @@ class KvEventFeed:
         if index is None:
             return {}
         usable = ("ok", "rebuilding")  # as in `match`
-        streams = self.streams
+        streams, dropping = self.streams, self._dropping(index)
         return {
             w: n
             for w, n in index.match_tiers(tokens).items()
-            if (s := streams.get(w)) is not None and s.status in usable
+            if (s := streams.get(w)) is not None and s.status in usable and w not in dropping
         }
 
     def lost_at(self, model: str, tokens: Sequence[int] | np.ndarray, wid: str, held: int) -> float:
@@ -627,6 +704,56 @@ def members_of(streams: dict[str, StreamState]) -> dict[str, list[str]]:
     for wid, state in streams.items():
         by_model.setdefault(state.model, []).append(wid)
     return by_model
+
+
+def _event_runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[list[KVEvent]]:
+    """`events` in runs of up to RUN_BLOCKS blocks, each AllBlocksCleared a run of its own
+    (the feed drops the worker's blocks in steps), an event in another namespace left out
+    (counted), an event of more blocks split into pieces (`_pieces`)."""
+    run: list[KVEvent] = []
+    blocks = 0
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            if run:
+                yield run
+                run, blocks = [], 0
+            yield [event]
+            continue
+        if not in_default_namespace(event):
+            dropped["namespace"] += 1  # the index holds a model's default namespace
+            continue
+        n = len(event.block_hashes)  # type: ignore[union-attr]
+        if blocks + n <= RUN_BLOCKS:  # the common case: the event joins the run
+            run.append(event)
+            blocks += n
+            continue
+        for piece in _pieces(event) if n > RUN_BLOCKS else (event,):
+            n = len(piece.block_hashes)  # type: ignore[union-attr]
+            if run and blocks + n > RUN_BLOCKS:
+                yield run
+                run, blocks = [], 0
+            run.append(piece)
+            blocks += n
+    if run:
+        yield run
+
+
+def _pieces(event: KVEvent) -> Iterator[KVEvent]:
+    """`event` in pieces of up to RUN_BLOCKS blocks, applied as the whole would be: each
+    stored piece under the last block of the one before."""
+    hashes: tuple = event.block_hashes  # type: ignore[union-attr]
+    n = RUN_BLOCKS
+    for i in range(0, len(hashes), n):
+        if isinstance(event, BlockRemoved):
+            yield BlockRemoved(hashes[i : i + n], event.medium)
+        elif isinstance(event, BlockStored):
+            bs, keys = event.block_size, event.extra_keys
+            yield BlockStored(
+                hashes[i : i + n],
+                event.parent_block_hash if i == 0 or bs == 0 else hashes[i - 1],
+                event.token_ids[i * bs : (i + n) * bs],
+                bs, event.medium, None if keys is None else keys[i : i + n], event.lora,
+            )  # fmt: skip
 
 
 def _last_clear(events: Sequence[KVEvent]) -> int | None:

@@ -77,6 +77,48 @@ class _WorkerBlocks:
                 extra.pop((engine_hash, bit), None)
 
 
+class Dropping:
+    """A worker's holder entries in one index, cleared `run` a step (`BlockIndex.dropping`).
+    An iterator, not a generator: one left part-way goes on where it stopped."""
+
+    def __init__(self, index: BlockIndex, worker: str, keys: list[int], run: int) -> None:
+        self.index, self.worker, self.keys, self.run = index, worker, keys, run
+        self.at = 0
+
+    def __iter__(self) -> Dropping:
+        return self
+
+    def __next__(self) -> None:
+        if self.at >= len(self.keys):
+            raise StopIteration
+        unhold, worker = self.index._unhold, self.worker
+        for key in self.keys[self.at : self.at + self.run]:  # a key twice: unheld once
+            unhold(worker, key, 7)
+        self.at += self.run
+
+
+class Freeing:
+    """A whole index's blocks forgotten, `run` a step (`BlockIndex.freeing`): freeing a
+    model's index of 100k+ blocks at once stalled a router for tens of ms."""
+
+    worker = None  # (beside Dropping: no one worker)
+
+    def __init__(self, index: BlockIndex, run: int) -> None:
+        self.index, self.run = index, run
+
+    def __iter__(self) -> Freeing:
+        return self
+
+    def __next__(self) -> None:
+        blocks = self.index._blocks
+        if not blocks:
+            self.index._workers.clear()
+            self.index._lost.clear()
+            raise StopIteration
+        for _ in range(min(self.run, len(blocks))):
+            blocks.popitem()
+
+
 class BlockIndex:
     """One model's blocks of `block_size` tokens -> their holders."""
 
@@ -249,11 +291,22 @@ class BlockIndex:
 
     def drop_worker(self, worker: str) -> None:
         """Forget everything `worker` holds (cleared, restarted, gone, out of sync)."""
+        for _ in self.dropping(worker):
+            pass
+
+    def freeing(self, run: int = 4096) -> Freeing:
+        """Forget every block, `run` a step (an index no longer used: a model no worker
+        serves)."""
+        return Freeing(self, run)
+
+    def dropping(self, worker: str, run: int = 4096) -> Dropping:
+        """`drop_worker` in steps of `run` blocks (~1 us each), for a caller that lets
+        other work run between them (a worker's share can be 100k+ blocks: one call
+        stalled a router ~0.1-1 s per rejoin). Its books go at once (`blocks_of` is 0);
+        its holder entries a step at a time, so until the steps end `match` may still
+        name it: the caller must not route on it, nor apply its events here, meanwhile."""
         wb = self._workers.pop(worker, None)
-        if wb is None:
-            return
-        for key in set(wb.by_hash.values()):
-            self._unhold(worker, key, 7)
+        return Dropping(self, worker, list(wb.by_hash.values()) if wb is not None else [], run)
 
     # ---- lookups ----------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
@@ -312,7 +365,13 @@ class BlockIndex:
         bs = self.block_size
         for w in first:
             held = self._run(w, keys, 1, len(keys))
-            on_device = self._run(w, keys, 0, held, DEVICE)
+            # The device run is a prefix of the held one: where the held run's last block
+            # is on the device, so is all of it (no host tier: every lookup), one look-up
+            # instead of a second bisection.
+            if blocks[keys[held - 1]][w][0] & DEVICE:
+                on_device = held
+            else:
+                on_device = self._run(w, keys, 0, held - 1, DEVICE)
             out[w] = (on_device * bs, held * bs)
         return out
 

@@ -28,13 +28,14 @@ from router.holdings.room import Holdings
 from router.holdings.sync import DecisionSync, ReplicaSync
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
-from router.http.edge import make_edge_middleware
+from router.http.edge import edge_middleware, install_hot_paths, make_edge
 from router.http.openapi import build_openapi
 from router.http.ratelimit import make_rate_limit_check
 from router.http.state import (
     CLOCK,
     CONFIG,
     DISCOVERY,
+    EDGE,
     FLEET,
     KV_FEED,
     METRICS,
@@ -58,7 +59,7 @@ from router.upstream.clients import make_transport
 from router.upstream.proxy import PROXY, Proxy
 from router.upstream.resolver import GuardedResolver
 from shared.config import RouterConfig
-from shared.serving.access_log import OnDone, stamp_request_id
+from shared.serving.access_log import REQUEST_ID, REQUEST_ID_HEADER, OnDone
 from shared.serving.aio import stop_task
 from shared.serving.errors import ERROR_CODE
 from shared.serving.gc_policy import freeze_startup, tune_for_serving
@@ -198,8 +199,13 @@ async def _queue_ctx(app: web.Application) -> AsyncIterator[None]:
     await stop_task(task)
 
 
-async def _first_byte(request: web.Request, response: web.StreamResponse) -> None:
-    """An answer's head is leaving: the fleet queue's TTFT for the request's class."""
+async def _on_head(request: web.Request, response: web.StreamResponse) -> None:
+    """An answer's head is leaving (`on_response_prepare`): it carries the request's id
+    (shared/serving/access_log.py), and the fleet queue takes its TTFT for the request's
+    class. One hook, not two: each is one more coroutine per answer."""
+    rid = request.get(REQUEST_ID)
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
     ticket = request.get(TICKET)
     if ticket is not None:
         request.app[QUEUE].answered(ticket, response.status)
@@ -292,12 +298,15 @@ def create_app(
         ratelimit_redis = Redis.from_url(
             config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
         )
-    edge = make_edge_middleware(
+    edge = make_edge(
         ACCESS_LOG, (("worker", "x-radix-worker"), ("route", "x-radix-route-reason")),
         _counter(metrics), make_auth_check(config),
         make_rate_limit_check(config, clock, ratelimit_redis), access_log=config.access_log,
     )  # fmt: skip
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[edge])
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[edge_middleware(edge)]
+    )
+    app[EDGE] = edge
     app[CONFIG] = config
     app[CLOCK] = clock
     app[ROUTING] = routing
@@ -316,7 +325,7 @@ def create_app(
     if feed is not None:
         app[KV_FEED] = feed
         metrics.watch_kv_feed(feed)
-    app.on_response_prepare.extend([stamp_request_id, _first_byte])
+    app.on_response_prepare.append(_on_head)
     app.cleanup_ctx.extend(
         [
             _session_ctx,
@@ -358,6 +367,8 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
                            keepalive_timeout=KEEPALIVE_S)  # fmt: skip
     await runner.setup()
+    # The inference routes straight from aiohttp's server to the edge (router/http/edge.py).
+    install_hot_paths(runner, app[EDGE])
     # The app and its cleanup_ctx are built: out of every collection from now on. Before
     # the bind, so no request waits on this one full pass; the fleet's first read is
     # frozen too, later (`_settle_gc`), at the cost of a pass over what is young only.

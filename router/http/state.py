@@ -13,6 +13,7 @@ from router.fleet.discovery import Discovery
 from router.fleet.table import Fleet
 from router.holdings.kv_feed import KvEventFeed
 from router.holdings.sync import ReplicaSync
+from router.http.edge import Edge
 from router.http.tokenize import Tokenizing
 from router.metrics import Metrics
 from router.queue.fleet_queue import FleetQueue
@@ -34,6 +35,7 @@ SYNC = web.AppKey("sync", ReplicaSync | None)  # replica sync; None on a lone ro
 TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `tokenizer`)
 TOKENIZE = web.AppKey("tokenize", Tokenizing)  # ... used bounded (router/http/tokenize.py)
 KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
+EDGE = web.AppKey("edge", Edge)  # what every request passes through (router/http/edge.py)
 # Set up in cleanup_ctx (they need the running loop):
 # Per request: its ticket in the fleet queue (its first byte is told to the queue).
 TICKET = request_key("ticket")

@@ -124,14 +124,15 @@ class PromptTokens:
         return self.text(text)
 
     def text(self, text: str) -> PromptIds:
-        """The ids, as a tuple that carries its block keys (shared/tokens/prompt_ids.py)."""
+        """The ids, carrying their tree key and block keys (shared/tokens/prompt_ids.py);
+        joined into one tuple only if read id by id."""
         if self._split is None:
             return PromptIds(encode_prompt(self.tokenizer, text))
         runs = self._runs
         run: Run | None = None
         chain: list[Run] = []
-        flat: list[int] = []
         keys: list[str] = []
+        n = 0
         first, *rest = text.split(self._split)  # a literal split: C speed, no regex scan
         # Keyed by the text after each tag (the first piece, before any tag, on its own
         # key); the ids include the tag's.
@@ -144,16 +145,15 @@ class PromptTokens:
                 self.hits += 1
             run = got
             chain.append(got)
-            flat += got.ids  # a list grown by tuples: a copy of pointers
+            n += len(got.ids)
             keys.append(got.key)
-        ids = PromptIds(flat)
-        ids.runs, ids.grow = chain, self._grow  # its block keys, from the runs' (prompt_ids.py)
-        if got.chained:  # split() returns at least one piece
-            ids.key = TokenKey("".join(keys))  # the tree's key, no int object per id
+        # Not joined into one tuple here (PromptIds): its readers want its keys.
+        key = TokenKey("".join(keys)) if got.chained else None  # split() gives >= 1 piece
+        ids = PromptIds.of_runs(chain, n, key, self._grow)
         bos = self._bos
-        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+        if bos is not None and n >= 2 and _first_two(chain) == (bos, bos):
             # Only where the first run is under two ids (it drops a doubled BOS itself).
-            return PromptIds(ids[1:])
+            return PromptIds(ids.flat()[1:])
         return ids
 
     def _run(self, parent: Run | None, key: object, piece: str) -> Run:
@@ -247,3 +247,13 @@ def _special_split(tokenizer: Encoder) -> str | None:
     if not counts[tag]:
         return None
     return tag
+
+
+def _first_two(chain: Sequence[Run]) -> tuple[int, ...]:
+    """The first two ids of a chain of runs (fewer where it has fewer)."""
+    head: tuple[int, ...] = ()
+    for run in chain:
+        head += run.ids[: 2 - len(head)]
+        if len(head) == 2:
+            break
+    return head

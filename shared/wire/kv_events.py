@@ -27,7 +27,7 @@ import hashlib
 import sys
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -196,6 +196,58 @@ def decode_batch(payload: bytes) -> EventBatch:
     if not isinstance(events, list) or len(events) > MAX_EVENTS:
         raise ValueError("batch events is not a list of bounded length")
     return EventBatch(float(ts), tuple(_decode_event(e) for e in events))
+
+
+class BatchReader:
+    """`decode_batch` an event at a time, for a reader that lets other work run between
+    the events of a large batch: 4 MB of msgpack decode in one call in ~70 ms (3 MB of
+    20 stored events, measured), which no thread can take off an event loop (msgpack
+    holds the GIL throughout); one event of them in ~4 ms. The checks and errors are
+    decode_batch's, raised by the step that meets them: a caller that must drop a
+    malformed batch whole collects the events before it applies any."""
+
+    def __init__(self, payload: bytes) -> None:
+        import msgpack  # see encode_batch
+
+        if (
+            not isinstance(payload, bytes | bytearray | memoryview)
+            or len(payload) > MAX_BATCH_BYTES
+        ):
+            raise ValueError("batch is not bytes or is too large")
+        self._size = len(payload)
+        self._unpacker = msgpack.Unpacker(
+            raw=False, strict_map_key=True, max_buffer_size=MAX_BATCH_BYTES, max_array_len=MAX_BATCH_BYTES,
+            max_map_len=64, max_str_len=256, max_bin_len=MAX_HASH_BYTES, max_ext_len=0,
+        )  # fmt: skip
+        self._unpacker.feed(payload)
+        self._items = self._read(self._unpacker.read_array_header)
+        if self._items not in (2, 3):
+            raise ValueError("batch is not [ts, events(, dp_rank)]")
+        ts = self._read(self._unpacker.unpack)
+        if not isinstance(ts, int | float) or isinstance(ts, bool):
+            raise ValueError("batch ts is not a number")
+        self.ts = float(ts)
+        self.count = self._read(self._unpacker.read_array_header)
+        if self.count > MAX_EVENTS:
+            raise ValueError("batch events is not a list of bounded length")
+
+    @staticmethod
+    def _read(step: Any) -> Any:
+        import msgpack
+
+        try:
+            return step()
+        except (ValueError, msgpack.UnpackException, TypeError) as exc:
+            raise ValueError(f"batch is not msgpack: {str(exc)[:80]}") from None
+
+    def events(self) -> Iterator[KVEvent]:
+        """The batch's events, decoded one per item; then the batch must end."""
+        for _ in range(self.count):
+            yield _decode_event(self._read(self._unpacker.unpack))
+        if self._items == 3:
+            self._read(self._unpacker.skip)  # data_parallel_rank
+        if self._unpacker.tell() != self._size:
+            raise ValueError("batch is not msgpack: extra data after it")
 
 
 def _fields(raw: object, order: tuple[str, ...]) -> tuple[str, dict[str, Any]]:

@@ -226,7 +226,15 @@ class Registry:
         of 64 MB took a router from 73 MB to 641 MB (issue 30). One reply carries at most
         `max_reply_bytes` (at least one entry): 256 entries of 4 MB would be 1 GB. So the read is a script
         (XRANGE per stream, exclusive of the cursor), and does not block: the caller
-        polls."""
+        polls.
+
+        What measuring costs Redis: XRANGE copies an entry into the script to measure
+        it, and no command tells an entry's size without that copy. The script takes one
+        entry at a time (one XRANGE each), so it holds at most one oversized entry's copy,
+        and it stops a stream's read at its first oversized entry (a 64 MB copy is ~10-20
+        ms of Redis): 8 entries of 64 MB were 512 MB copied into Lua at once. The reader
+        then trims the stream past it (`trim_kv_events_past`), so it is measured once, not
+        once per router."""
         if not cursors:
             return []
         keys = [self.kv_events_key(w) for w in cursors]
@@ -252,6 +260,14 @@ class Registry:
             for wid in worker_ids:
                 pipe.xtrim(self.kv_events_key(wid), maxlen=maxlen, approximate=True)
             await pipe.execute()
+
+    async def trim_kv_events_past(self, worker_id: str, entry_id: bytes | str) -> None:
+        """Remove the worker's entries up to `entry_id` included (XTRIM MINID): what an
+        oversized entry leaves (`read_kv_events`). Other routers that had not read up to
+        it see a gap there, as they would have in any case (they would drop it too)."""
+        text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        ms, seq = text.split("-")
+        await self.redis.xtrim(self.kv_events_key(worker_id), minid=f"{ms}-{int(seq) + 1}")
 
     async def last_kv_event_id(self, worker_id: str) -> bytes | None:
         """The id of the newest entry in the worker's stream (None when empty)."""
@@ -339,20 +355,22 @@ _READ_SIZED = """
 local count, bound, budget, out = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), {}
 local total = 0
 for i, key in ipairs(KEYS) do
-  local kept = {}
-  if total < budget then
-    local entries = redis.call('XRANGE', key, '(' .. ARGV[3 + i], '+', 'COUNT', count)
-    for _, entry in ipairs(entries) do
-      local size = 0
-      for _, v in ipairs(entry[2]) do size = size + #v end
-      if size > bound then
-        entry[2] = {'oversized', tostring(size)}
-        size = 64
-      end
-      if total > 0 and total + size > budget then break end
-      total = total + size
-      kept[#kept + 1] = entry
+  local kept, cursor = {}, ARGV[3 + i]
+  while total < budget and #kept < count do
+    local entry = redis.call('XRANGE', key, '(' .. cursor, '+', 'COUNT', 1)[1]
+    if entry == nil then break end
+    cursor = entry[1]
+    local size = 0
+    for _, v in ipairs(entry[2]) do size = size + #v end
+    local oversized = size > bound
+    if oversized then
+      entry[2] = {'oversized', tostring(size)}
+      size = 64
     end
+    if total > 0 and total + size > budget then break end
+    total = total + size
+    kept[#kept + 1] = entry
+    if oversized then break end
   end
   out[i] = kept
 end

@@ -87,6 +87,9 @@ async def test_each_role_does_its_job_with_its_own_user(users: tuple[Redis, Redi
     feed_read = await Registry(router).read_kv_events({"w0": "0"}, 10)
     assert [w for w, _ in feed_read] == ["w0"]
     await Registry(router).trim_kv_events(["w0"], 100)  # a selector allows XTRIM alone
+    # ... with MINID too: past an oversized entry (kv_feed), here the one entry
+    await Registry(router).trim_kv_events_past("w0", feed_read[0][1][0][0])
+    assert await Registry(router).read_kv_events({"w0": "0"}, 10) == []
 
     limiter = RedisGcra(router, Registry(router), rate=1.0, burst=1)
     assert await limiter.take(b"client-a") == 0.0

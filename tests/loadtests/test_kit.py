@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import types
 
 import pytest
@@ -52,6 +53,16 @@ def test_a_command_beside_another_gets_its_own_help_and_the_line_that_started_it
         main(["fake", "--help"])
     shown = capsys.readouterr().out
     assert "The second command: its own text." in shown and "(default: 3)" in shown
+
+
+def test_cpu_seconds_sees_less_than_a_clock_tick() -> None:
+    """A 10 ms tick made a 200-request round's ratio move 0.1 a tick: the count must
+    resolve a 2 ms burn (as ticks it reads 0 or 10 ms), close to this thread's own."""
+    before, own = cpu_seconds(os.getpid()), time.thread_time()
+    while time.thread_time() - own < 0.002:
+        pass
+    seen, own = cpu_seconds(os.getpid()) - before, time.thread_time() - own
+    assert 0.5 * own <= seen <= own + 0.005
 
 
 def test_cpu_seconds_counts_this_process_and_pct_is_nearest_rank() -> None:

@@ -11,6 +11,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from router.holdings.sync import ReplicaSync
 from router.http.app import create_app
+from router.http.edge import install_hot_paths
+from router.http.state import EDGE
 from shared.config import RouterConfig
 from tests.router.fakes import FakeWorker
 from tests.router.raw_upstream import RawUpstream
@@ -46,6 +48,7 @@ async def start_router() -> AsyncIterator[StartRouter]:
         urls: list[str] | tuple[str, ...] = (),
         sync: ReplicaSync | None = None,
         clock: Callable[[], float] = time.monotonic,
+        hot_paths: bool = True,
         **overrides: Any,
     ) -> TestClient:
         config = RouterConfig(worker_urls=tuple(urls), host="127.0.0.1", **overrides)
@@ -53,6 +56,9 @@ async def start_router() -> AsyncIterator[StartRouter]:
         server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
         client = TestClient(server)
         await client.start_server()
+        if hot_paths:  # as `serve()` runs it (router/http/edge.py); False: the app's router only
+            assert server.runner is not None
+            install_hot_paths(server.runner, app[EDGE])
         clients.append(client)
         return client
 

@@ -31,6 +31,8 @@ from aiohttp import web
 from loadtests.load.cluster import Cluster, WorkerSpec, serve, serve_router
 from loadtests.router import zero_worker
 from router.http.app import create_app
+from router.http.edge import install_hot_paths
+from router.http.state import EDGE
 from shared.config import RouterConfig
 from shared.procs import free_port, wait_until
 
@@ -82,8 +84,10 @@ def _cycles(worker_url: str, kinds: dict[str, Callable[[int], bytes]]) -> dict[s
 
     async def scenario() -> dict[str, object]:
         config = RouterConfig(worker_urls=(worker_url,), host="127.0.0.1", access_log=False)
-        runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+        app = create_app(config)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
+        install_hot_paths(runner, app[EDGE])  # as `serve()` does
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -7,6 +7,7 @@ the code before the bound (a real Redis-protocol server, the router's own feed).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 
@@ -43,10 +44,9 @@ async def test_an_oversized_entry_is_measured_in_redis_and_never_read(redis: Red
     big = entry_fields("w", 1.0, 1, b"\x00" * (MAX_BATCH_BYTES + 4096))
     await redis.xadd(Registry(redis).kv_events_key("w"), big)  # type: ignore[arg-type]
     await write(redis, "w", 1.0, 2, chain(2, 1, parent=1))
-    replies = await Registry(redis).read_kv_events({"w": "0"}, 10)
-    (_, entries), = replies  # fmt: skip
+    (_, entries), = await Registry(redis).read_kv_events({"w": "0"}, 10)  # fmt: skip
     sizes = [sum(len(v) for v in fields.values()) for _, fields in entries]
-    assert len(entries) == 3 and max(sizes) < 1024, sizes  # the big one came back as its size
+    assert len(entries) == 2 and max(sizes) < 1024, sizes  # the big one came back as its size
     size = sum(len(k) + len(v if isinstance(v, bytes) else v.encode()) for k, v in big.items())
     assert entries[1][1] == {b"oversized": str(size).encode()}
 
@@ -56,6 +56,28 @@ async def test_an_oversized_entry_is_measured_in_redis_and_never_read(redis: Red
     assert feed.dropped["oversized"] == 1
     # The hole it leaves is a gap: the worker's index is rebuilt from what follows.
     assert feed.status_of("w") == "rebuilding" and feed.match("m", [2, 2]) == {}
+
+
+async def test_a_read_measures_one_oversized_entry_and_the_reader_trims_it(redis: Redis) -> None:
+    """8 x 64 MB in one MULTI were copied into the read script at once (512 MB of Redis
+    memory, every router's read, until 10,000 newer entries pushed them out): a read
+    stops at a stream's first oversized entry, and the router that met it trims it away."""
+    key = Registry(redis).kv_events_key("w")
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    for seq in range(1, 4):
+        fields = entry_fields("w", 1.0, seq, b"\x00" * (MAX_BATCH_BYTES + 4096))
+        await redis.xadd(key, fields)  # type: ignore[arg-type]
+    await write(redis, "w", 1.0, 4, chain(2, 1, parent=1))
+    (_, entries), = await Registry(redis).read_kv_events({"w": "0"}, 10)  # fmt: skip
+    assert [list(f) for _, f in entries] == [
+        [b"worker", b"epoch", b"seq", b"batch"],
+        [b"oversized"],
+    ]
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await drain(feed)
+    assert feed.dropped["oversized"] == 3 and await redis.xlen(key) == 1  # the last one left
+    assert feed.status_of("w") == "rebuilding"
 
 
 async def test_routers_trim_a_stream_its_worker_does_not(redis: Redis) -> None:
@@ -86,24 +108,104 @@ async def test_entries_are_applied_with_the_event_loop_in_between(redis: Redis) 
     await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
     for seq in range(1, 40):
         await write(redis, "w", 1.0, seq, chain(seq + 1, 1, parent=seq))
-    feed = KvEventFeed(Registry(redis), apply_budget=0.0)  # yield after every entry
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0)  # yield at every chance
     feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
-    ticks = 0
+    seen = await watch(feed, lambda: feed.streams["w"].applied)
+    assert feed.match("m", [1, 1, 2, 2]) == {"w": 4}
+    assert len(seen) >= 40  # another task ran between entries, not only around the read
+
+
+async def test_a_large_batch_is_decoded_with_the_event_loop_in_between(redis: Redis) -> None:
+    """A 4 MB batch was decoded in one step (~70-300 ms: /health p99 0.2-0.8 s under the
+    rejoin flood); msgpack holds the GIL, so it is decoded an event at a time instead."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    events = [chain(10_000 * (e + 1), 2_000) for e in range(30)]  # 60k blocks: ~0.5 MB
+    big = await write(redis, "w", 1.0, 1, *events)
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0, read_count=1)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    assert await feed.poll() == 1  # the first entry
+    index = feed.indexes["m"]
+    # Turns of another task while the batch was read but none of it applied yet.
+    state = feed.streams["w"]
+    seen = await watch(feed, lambda: (state.cursor, state.applied, index.blocks_of("w")))
+    assert seen.count((big, 1, 1)) >= 30
+    assert index.blocks_of("w") == 1 + 60_000  # then applied whole
+
+
+async def test_a_large_event_is_applied_in_pieces_with_the_loop_in_between(redis: Redis) -> None:
+    """One stored event of 8,192 blocks was one index call (~30-70 ms here); applied in
+    runs of RUN_BLOCKS it leaves the same index."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 8_000))
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    seen = await watch(feed, lambda: feed.indexes["m"].blocks_of("w"))
+    assert len({n for n in seen if 0 < n < 8_000}) >= 3  # other turns between the pieces
+    tokens = [t for i in range(1, 8_001) for t in (i, i)]
+    assert feed.match("m", tokens) == {"w": 16_000} and feed.indexes["m"].orphans == 0
+
+
+async def test_a_rejoining_workers_blocks_are_dropped_in_steps(redis: Redis) -> None:
+    """A new epoch (a rejoin) dropped the worker's whole share in one call: 100k+ blocks,
+    ~0.1-1 s of a stalled router a second under the rejoin flood. They go in steps, and
+    the worker is routed on none of them meanwhile."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 8_000))
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await drain(feed)
+    index = feed.indexes["m"]
+    assert len(index) == 8_000 and feed.trusted("w")
+    feed.follow([FeedMember("w", "m", 2.0, block_size=2)])  # restarted: a new epoch
+    assert index.blocks_of("w") == 0 and feed.match("m", [1, 1]) == {}
+    await write(redis, "w", 2.0, 0, AllBlocksCleared(), chain(50_000, 1))
+    seen = await watch(feed, lambda: (len(index), tuple(feed.match("m", [1, 1]))))
+    assert len({n for n, _ in seen if 0 < n < 8_000}) >= 3  # other turns between steps
+    assert all(named == () for _, named in seen)
+    assert len(index) == 1 and feed.match("m", [50_000, 50_000]) == {"w": 2}
+
+
+async def test_a_model_nobody_serves_is_freed_in_steps(redis: Redis) -> None:
+    """A model flip every second freed a model's whole index at once (finding 7's fix
+    made the stall): its blocks go in steps, the loop running between."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 8_000))
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await drain(feed)
+    old = feed.indexes["m"]
+    feed.follow([FeedMember("w", "flip", 1.0, block_size=2)])  # a new model field
+    assert list(feed.indexes) == ["flip"]
+    seen = await watch(feed, lambda: len(old))
+    assert len({n for n in seen if 0 < n < 8_000}) >= 3 and len(old) == 0
+
+
+async def test_a_malformed_large_batch_is_dropped_whole(redis: Redis) -> None:
+    """Decoded in steps, a large batch is still applied all or nothing."""
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), chain(1, 1))
+    payload = encode_batch([chain(10_000 * (e + 1), 2_000) for e in range(30)])
+    cut = payload[: len(payload) - 10]  # its last event cut short
+    await redis.xadd(Registry(redis).kv_events_key("w"), entry_fields("w", 1.0, 1, cut))  # type: ignore[arg-type]
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await drain(feed)
+    assert feed.dropped["malformed"] == 1 and feed.indexes["m"].blocks_of("w") == 1
+
+
+async def watch(feed: KvEventFeed, state: Callable[[], object]) -> list[object]:
+    """What another task saw of `state` at each of its turns while the feed read."""
+    seen = []
     polling = True
 
     async def other_requests() -> None:
-        nonlocal ticks
         while polling:
-            ticks += 1
+            seen.append(state())
             await asyncio.sleep(0)
 
     other = asyncio.create_task(other_requests())
     await asyncio.sleep(0)
-    read = await feed.poll()
+    while await feed.poll():
+        pass
     polling = False
     await other
-    assert read == 40 and feed.match("m", [1, 1, 2, 2]) == {"w": 4}
-    assert ticks >= 40  # the other task ran between entries, not only around the read
+    return list(dict.fromkeys(seen)) if all(isinstance(x, int) for x in seen) else seen
 
 
 async def test_a_rejoin_or_a_model_change_reads_on_from_the_cursor(redis: Redis) -> None:
@@ -201,3 +303,17 @@ async def test_a_stream_past_its_cpu_share_waits_unread(redis: Redis) -> None:
     await asyncio.sleep(0.05)
     await drain(feed)
     assert feed.status_of("w") == "ok" and feed.match("m", [1, 1, 2, 2, 3, 3]) == {"w": 6}
+
+
+async def test_a_model_change_keeps_the_spent_cpu_share(redis: Redis) -> None:
+    """A worker that changed its model every second got a fresh CPU burst each time
+    (/health p50 39 ms under the model-flip attack): its share is the worker's."""
+    for seq in range(3):
+        await write(
+            redis, "w", 1.0, seq, *([AllBlocksCleared()] if seq == 0 else []), chain(seq + 1, 1)
+        )
+    feed = KvEventFeed(Registry(redis), cpu_share=0.0, cpu_burst=1e-9)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    assert await feed.poll() == 1  # one entry, then its credit is spent
+    feed.follow([FeedMember("w", "flip", 1.0, block_size=2)])
+    assert await feed.poll() == 0 and feed.throttled

@@ -152,6 +152,42 @@ def test_the_index_matches_carried_keys_as_plain_ids() -> None:
     assert index.match(ids) == index.match(np.asarray(list(ids))) == {"w0": n}
 
 
+def test_prompt_ids_read_as_the_tuple_of_their_ids() -> None:
+    """Held as runs, the ids still read as the tuple they stand for: length, items,
+    slices, equality and hash, numpy."""
+    router, worker = PromptTokens.load("sim"), load_tokenizer("sim")
+    chat = [{"role": "system", "content": "Runs of words. " * 20}, {"role": "user", "content": "a"}]
+    router.chat(chat)
+    chat += [{"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    ids = router.chat(chat)
+    assert ids.runs
+    whole = tuple(encode_prompt(worker, worker.apply_chat_template(chat, True)))
+    assert len(ids) == len(whole) and ids.tolist() == list(whole) == list(ids)
+    assert ids == whole and hash(ids) == hash(whole) and ids != whole[:-1]
+    assert ids[5] == whole[5] and ids[-1] == whole[-1] and ids[3:9] == whole[3:9]
+    assert np.asarray(ids, dtype=np.int64).tolist() == list(whole)
+    assert PromptIds(whole) == ids and PromptIds([1, 2]) == (1, 2)
+
+
+def test_routing_reads_a_prompts_keys_not_its_ids_one_by_one() -> None:
+    """The tree's key, the index's block keys and the length come from the runs: the
+    flat tuple of ints (~40 us of a 2k-id chat's tokenizing when it was built on every
+    request) is not made on the way."""
+    router = PromptTokens.load("sim")
+    chat = [{"role": "system", "content": "Joined late. " * 40}, {"role": "user", "content": "x"}]
+    held = router.chat(chat)
+    index = BlockIndex(16)
+    n = len(held) // 16 * 16
+    index.apply("w0", [BlockStored(tuple(range(1, n // 16 + 1)), None, held.tolist()[:n], 16)])
+    chat += [{"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]
+    ids = router.chat(chat)
+    assert ids.tree_key() == token_key(list(ids))
+    ids = router.chat(chat)  # asked again: nothing read above
+    assert index.match_tiers(ids) == {"w0": (n, n)} and len(ids) > n
+    assert index.lost_at("w0", ids, 0) == float("-inf") and ids.tree_key()
+    assert ids._flat is None  # (private: what this test is about)
+
+
 def test_block_keys_chain_from_their_parent_and_tell_repeats_apart() -> None:
     a, b = list(range(32)), list(range(100, 116))
     whole = block_key_list(a + b + [7, 7], 16)  # the partial block is not keyed

@@ -1,0 +1,112 @@
+"""The inference routes served without the app's router (router/http/edge.py
+`install_hot_paths`) answer exactly as through it: status, OpenAI-shaped errors, request
+ids, the access-log line, the router's counts; and only they take that way."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from router.http.edge import install_hot_paths
+from router.http.state import EDGE
+from tests.router.conftest import StartRouter, StartWorkers, url_of
+
+OK = {"model": "sim", "prompt": "hello", "max_tokens": 2}
+CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+AUTH = {"Authorization": "Bearer k"}
+
+
+async def _exchanges(client: Any) -> list[tuple[Any, ...]]:
+    """What a client sees of each kind of inference request (ids fixed where sent)."""
+    cases: list[tuple[str, str, Any, dict[str, str]]] = [
+        ("POST", "/v1/completions", OK, {**AUTH, "x-request-id": "id-1"}),
+        ("POST", "/v1/chat/completions", CHAT, {**AUTH, "x-request-id": "id-2"}),
+        ("POST", "/v1/completions", OK, {"x-request-id": "id-3"}),  # no key: 401
+        ("POST", "/v1/completions", b"{not json", {**AUTH, "x-request-id": "id-4"}),
+        ("POST", "/v1/completions", {**OK, "stream": 1}, {**AUTH, "x-request-id": "id-5"}),
+        ("POST", "/v1/completions", {"prompt": 5}, {**AUTH, "x-request-id": "id-6"}),
+        ("GET", "/v1/completions", None, {**AUTH, "x-request-id": "id-7"}),  # 405
+        ("POST", "/v1/completions?x=1", OK, {**AUTH, "x-request-id": "id-8"}),  # the app's way
+    ]
+    out = []
+    for method, path, body, headers in cases:
+        kw = {"data": body} if isinstance(body, bytes) else {"json": body}
+        async with client.request(method, path, headers=headers, **kw) as r:
+            text = await r.text()
+            # The answer's own ids and times differ per run; statuses, error bodies,
+            # routing headers and the echoed request id must not.
+            text = re.sub(r'"(id|created)": ?("[^"]*"|\d+)', "", text)
+            out.append(
+                (path, r.status, r.headers.get("x-request-id"), r.headers.get("x-radix-worker"),
+                 r.headers.get("Content-Type", "").split(";")[0], text)
+            )  # fmt: skip
+    return out
+
+
+async def _metrics(client: Any) -> list[str]:
+    text = await (await client.get("/metrics", headers=AUTH)).text()
+    wanted = ("radix_router_requests_total", "radix_router_worker_requests_total")
+    return sorted(line for line in text.splitlines() if line.startswith(wanted))
+
+
+async def test_the_same_answers_either_way(
+    fake_workers: StartWorkers, start_router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    [(_, server)] = await fake_workers("ok")
+    seen = {}
+    for hot in (True, False):
+        client = await start_router([url_of(server)], api_keys=("k",), hot_paths=hot)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="router.access"):
+            exchanges = await _exchanges(client)
+        lines = [
+            re.sub(r" ms=[\d.]+", "", rec.getMessage())
+            for rec in caplog.records
+            if rec.name == "router.access"
+        ]
+        seen[hot] = (exchanges, lines, await _metrics(client))
+    exchanges, lines, metrics = seen[True]
+    assert [s[1] for s in exchanges] == [200, 200, 401, 400, 400, 400, 405, 200]
+    assert [s[2] for s in exchanges] == [f"id-{i}" for i in range(1, 9)]
+    assert (
+        exchanges[0][3] == url_of(server).removeprefix("http://")
+        and exchanges[1][4] == "text/event-stream"
+    )
+    assert len(lines) == 8 and all("request_id=id-" in line for line in lines)
+    assert any('status="200"' in m for m in metrics)
+    assert seen[True] == seen[False]
+
+
+async def test_only_the_inference_routes_skip_the_app_router(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    [(_, server)] = await fake_workers("ok")
+    client = await start_router([url_of(server)], hot_paths=False)
+    runner = client.server.runner
+    assert runner is not None and runner.server is not None
+    through_app: list[str] = []
+    app_way = runner.server.request_handler
+
+    async def counted(request: web.BaseRequest) -> web.StreamResponse:
+        through_app.append(f"{request.method} {request.raw_path}")
+        return await app_way(request)
+
+    runner.server.request_handler = counted
+    install_hot_paths(runner, client.app[EDGE])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = OK if path == "/v1/completions" else {**CHAT, "stream": False}
+        assert (await client.post(path, json=body)).status == 200
+    assert through_app == []
+    await client.post("/v1/completions?x=1", json=OK)
+    await client.post("/generate", json={"text": "hi"})
+    await client.get("/v1/completions")
+    headers = {"Expect": "100-continue"}
+    assert (await client.post("/v1/completions", json=OK, headers=headers)).status == 200
+    assert through_app == [
+        "POST /v1/completions?x=1", "POST /generate", "GET /v1/completions",
+        "POST /v1/completions",
+    ]  # fmt: skip
