@@ -13,6 +13,7 @@ from router.fleet.view import FleetView
 from router.holdings.prediction import RouteRequest
 from router.holdings.sessions import (
     ACTIVE_S,
+    ACTIVE_SCAN,
     AGREE_MARGIN,
     DIGEST_BYTES,
     FRESH_S,
@@ -240,3 +241,14 @@ def test_an_overloaded_worker_with_the_fewest_sessions_is_passed_over() -> None:
     active = {"w0": 0, "w1": 2, "w2": 1}
     assert rendezvous(d, IDS, [0, 0, 0], 64, 1.5, active) == "w0"
     assert rendezvous(d, IDS, [200, 0, 0], 64, 1.5, active) == "w2"  # w0 overloaded
+
+
+def test_counting_active_sessions_looks_at_the_newest_few_only() -> None:
+    """Fresh keys make every call a session's first, each counting active sessions: the
+    count reads at most ACTIVE_SCAN entries, the newest, however many the table holds."""
+    table = SessionTable(max_entries=4 * ACTIVE_SCAN, ttl=600)
+    for i in range(3 * ACTIVE_SCAN):
+        table.put(b"old%d" % i, "w0", now=10.0)
+    for i in range(ACTIVE_SCAN):
+        table.put(b"new%d" % i, "w1", now=20.0)
+    assert table.active(now=30.0) == {"w1": ACTIVE_SCAN}
