@@ -257,7 +257,12 @@ class BlockIndex:
                 del holders[worker]  # type: ignore[union-attr]
                 if not holders:
                     del blocks[key]
-            wb.forget(engine_hash)  # held in no tier any more
+            # held in no tier any more: `_WorkerBlocks.forget`, inlined (`extra` is
+            # empty for most workers, and this runs for every block a worker evicts)
+            del by_hash[engine_hash]
+            if extra:
+                for bit in _BITS:
+                    extra.pop((engine_hash, bit), None)
             lost_key = (worker, key)
             if lost_key in lost:
                 lost.move_to_end(lost_key)
