@@ -180,10 +180,15 @@ class BlockIndex:
         by_hash = wb.by_hash
         for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)
-            if holders is None:
-                blocks[parent] = holders = {}
-            else:
-                blocks.move_to_end(parent)
+            if holders is None:  # a block no worker holds (most of a turn's new blocks)
+                old = by_hash.get(engine_hash)
+                if old is not None and old != parent:
+                    self._unhold(worker, old, 7)
+                    wb.forget(engine_hash)
+                blocks[parent] = {worker: (media, engine_hash)}
+                by_hash[engine_hash] = parent
+                continue
+            blocks.move_to_end(parent)
             held = holders.get(worker)
             if held is None:
                 bits = 0

@@ -195,7 +195,7 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise ValueError("batch ts is not a number")
     if not isinstance(events, list) or len(events) > MAX_EVENTS:
         raise ValueError("batch events is not a list of bounded length")
-    return EventBatch(float(ts), tuple(_decode_event(e) for e in events))
+    return EventBatch(float(ts), tuple([_decode_event(e) for e in events]))
 
 
 class BatchReader:
