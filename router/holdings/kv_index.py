@@ -161,7 +161,9 @@ class BlockIndex:
             return
         if event.block_size != bs:
             raise ValueError(f"block size {event.block_size} is not the index's {bs}")
-        wb = self._workers.setdefault(worker, _WorkerBlocks())
+        wb = self._workers.get(worker)
+        if wb is None:  # (not `setdefault`: that builds a _WorkerBlocks every event)
+            wb = self._workers[worker] = _WorkerBlocks()
         if event.parent_block_hash is None:
             parent = 0
         else:
