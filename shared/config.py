@@ -184,7 +184,9 @@ class RouterConfig(_Frozen):
     # Each class's TTFT objective (a class comes from `service_tier` or `priority`).
     classes: ClassesConfig = ClassesConfig()
     # A worker's seats: `max_running_requests` from its heartbeat x this factor (a worker
-    # reporting none has unbounded seats: nothing waits for it).
+    # reporting none has unbounded seats: nothing waits for it). 1.25 measured better with
+    # one router; it stays 1.0 because the replica slack is a share of seats and widens
+    # with it (loadtests/results/fleet_queue.md, "queue_seat_factor 1.0 against 1.25").
     queue_seat_factor: float = Field(1.0, gt=0)
     # Deficit round robin: each round gives a backlogged tenant weight x this many
     # requests of credit; it is also how far locality may run ahead of fairness.

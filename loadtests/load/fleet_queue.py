@@ -2,11 +2,12 @@
 
     python -m loadtests fleet-queue --before-ref main [--workload shared_prefix]
         [--loads 0.5,1.5] [--seconds 30] [--tenants 8] [--flood 10] [--replicas 1]
-        [--seat-factor 1.0]
+        [--seat-factor 1.0] [--seat-factors 1,1.25]
 
-`--before-ref none` runs this tree's side alone. Since the fleet queue was merged,
-`main` queues too: today's router without a queue is aa1ca1e (the merge's first
-parent, loadtests/results/fleet_queue.md).
+`--before-ref none` runs this tree's side alone. `--seat-factors 1,1.25` runs this tree's
+side once per `queue_seat_factor`, in that order, after the before side. Since the fleet
+queue was merged, `main` queues too: today's router without a queue is aa1ca1e (the
+merge's first parent, loadtests/results/fleet_queue.md).
 
 One sim fleet (Redis, `--workers` sim workers of `--max-running` seats each, this
 tree's code) serves the same open-loop schedule twice per load, flushed in between:
@@ -296,6 +297,19 @@ async def run_side(
     return out
 
 
+def this_tree_sides(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """This tree's sides, in run order: one per `--seat-factors` entry (each its own copy
+    of `args` with that `seat_factor`), else one at `--seat-factor`."""
+    factors = [float(x) for x in args.seat_factors.split(",")] if args.seat_factors else []
+    return [
+        (
+            f"seats x{f:g}" if factors else "this tree",
+            argparse.Namespace(**{**vars(args), "seat_factor": f}),
+        )
+        for f in factors or [args.seat_factor]
+    ]
+
+
 def saturation_rate(args: argparse.Namespace) -> float:
     prompt = args.system_len + args.question_len * (
         args.turns if args.workload == "multi_turn" else 1
@@ -319,6 +333,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait", type=float, default=20.0, help="each tenant's max_queue_wait_s")
     p.add_argument("--replicas", type=int, default=1, help="routers per side (2: sync on)")
     p.add_argument("--seat-factor", type=float, default=1.0, help="this tree's queue_seat_factor")
+    p.add_argument(
+        "--seat-factors", default="", help="this tree once per factor, side by side: 1,1.25"
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-running", type=int, default=4, help="each worker's seats")
     p.add_argument("--decode-ms", type=float, default=25.0)
@@ -347,19 +364,19 @@ async def _main(args: argparse.Namespace) -> dict:
         contextlib.nullcontext() if skip_before else checkout(args.before_ref) as before,
         sim_cluster(args.workers, spec) as fleet,
     ):
-        sides = [] if skip_before else [(before_name, before, False)]
-        sides.append(("this tree", None, True))
+        sides = [] if skip_before else [(before_name, before, False, args)]
+        sides += [(name, None, True, side) for name, side in this_tree_sides(args)]
         for load in (float(x) for x in args.loads.split(",")):
             plan_of = schedule(args, load * sat)
-            for name, tree, new in sides:
+            for i, (name, tree, new, side_args) in enumerate(sides):
                 routers = []
                 for r in range(args.replicas):
-                    config = router_config(args, new, args.replicas > 1)
+                    config = router_config(side_args, new, args.replicas > 1)
                     routers.append(
-                        start_router(fleet, f"{name[:6]}-{load}-{r}", config, tree, Path(tmp))
+                        start_router(fleet, f"{name[:6]}{i}-{load}-{r}", config, tree, Path(tmp))
                     )
                 plan = [Sent(s.at, s.tenant, s.klass, s.prompt) for s in plan_of]
-                out = await run_side(args, fleet, [c.url for c in routers], plan, new)
+                out = await run_side(side_args, fleet, [c.url for c in routers], plan, new)
                 if new:
                     out["placed"] = await placed(routers)
                 out.update(side=name, load=load, rate_rps=load * sat, sent=len(plan))

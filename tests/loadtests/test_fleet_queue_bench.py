@@ -7,7 +7,15 @@ import argparse
 
 import pytest
 
-from loadtests.load.fleet_queue import add_arguments, fair_shares, jain, schedule
+from loadtests.load.fleet_queue import (
+    add_arguments,
+    defaults,
+    fair_shares,
+    jain,
+    router_config,
+    schedule,
+    this_tree_sides,
+)
 
 
 def test_fair_shares_cap_each_tenant_at_what_it_sent() -> None:
@@ -30,3 +38,15 @@ def test_the_flooder_sends_its_multiple_and_the_schedule_is_seeded() -> None:
     assert 1700 < counts["t0"] < 2300 and all(150 < counts[t] < 250 for t in ("t1", "t2", "t3"))
     assert [(s.at, s.prompt) for s in schedule(args, 13.0)] == [(s.at, s.prompt) for s in plan]
     assert {s.klass for s in plan} == {"interactive", "standard", "batch"}
+
+
+def test_seat_factors_run_this_tree_once_per_factor_in_order() -> None:
+    args = defaults()
+    assert [(n, a.seat_factor) for n, a in this_tree_sides(args)] == [("this tree", 1.0)]
+    args.seat_factors = "1.25,1"
+    sides = this_tree_sides(args)
+    assert [n for n, _ in sides] == ["seats x1.25", "seats x1"]
+    # Each side's router gets its own factor; the namespace it came from is not changed.
+    configs = [router_config(a, new=True, sync=False) for _, a in sides]
+    assert [c["queue_seat_factor"] for c in configs] == [1.25, 1.0]
+    assert args.seat_factor == 1.0
