@@ -161,7 +161,9 @@ class BlockIndex:
             return
         if event.block_size != bs:
             raise ValueError(f"block size {event.block_size} is not the index's {bs}")
-        wb = self._workers.setdefault(worker, _WorkerBlocks())
+        wb = self._workers.get(worker)
+        if wb is None:  # (not `setdefault`: that builds a _WorkerBlocks every event)
+            wb = self._workers[worker] = _WorkerBlocks()
         if event.parent_block_hash is None:
             parent = 0
         else:
@@ -180,10 +182,15 @@ class BlockIndex:
         by_hash = wb.by_hash
         for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)
-            if holders is None:
-                blocks[parent] = holders = {}
-            else:
-                blocks.move_to_end(parent)
+            if holders is None:  # a block no worker holds (most of a turn's new blocks)
+                old = by_hash.get(engine_hash)
+                if old is not None and old != parent:
+                    self._unhold(worker, old, 7)
+                    wb.forget(engine_hash)
+                blocks[parent] = {worker: (media, engine_hash)}
+                by_hash[engine_hash] = parent
+                continue
+            blocks.move_to_end(parent)
             held = holders.get(worker)
             if held is None:
                 bits = 0
@@ -257,7 +264,12 @@ class BlockIndex:
                 del holders[worker]  # type: ignore[union-attr]
                 if not holders:
                     del blocks[key]
-            wb.forget(engine_hash)  # held in no tier any more
+            # held in no tier any more: `_WorkerBlocks.forget`, inlined (`extra` is
+            # empty for most workers, and this runs for every block a worker evicts)
+            del by_hash[engine_hash]
+            if extra:
+                for bit in _BITS:
+                    extra.pop((engine_hash, bit), None)
             lost_key = (worker, key)
             if lost_key in lost:
                 lost.move_to_end(lost_key)

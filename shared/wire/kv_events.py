@@ -24,9 +24,8 @@ depends on how an engine hashes.
 from __future__ import annotations
 
 import hashlib
-import sys
+import struct
 import time
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -195,7 +194,7 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise ValueError("batch ts is not a number")
     if not isinstance(events, list) or len(events) > MAX_EVENTS:
         raise ValueError("batch events is not a list of bounded length")
-    return EventBatch(float(ts), tuple(_decode_event(e) for e in events))
+    return EventBatch(float(ts), tuple([_decode_event(e) for e in events]))
 
 
 class BatchReader:
@@ -295,14 +294,15 @@ def _decode_event(raw: object) -> KVEvent:
 def _check_ids(tokens: list[object]) -> None:
     """Token ids, each an int in [0, MAX_TOKEN_ID], checked in C with no Python loop per
     token; the list is kept as it is (the index keys it as ints: an array made here was
-    turned back into a list there, ~10 µs an event)."""
+    turned back into a list there, ~10 µs an event). Packed as little-endian int32
+    (`struct` refuses non-ints and anything outside [-2**31, 2**31 - 1]; about half
+    of `array("i", ...)`'s time: ~2.4 against ~4.9 µs for a turn's 288 ids), then the
+    sign bytes say whether any is negative."""
     try:
-        packed = array("i", tokens)  # int32: refuses non-ints and anything past 2**31 - 1
-    except (TypeError, OverflowError):
+        packed = struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error:
         raise ValueError("token ids are not integers in range") from None
-    if sys.byteorder == "big":
-        packed.byteswap()
-    if not packed.tobytes()[3::4].isascii():  # a sign bit set: a negative id
+    if not packed[3::4].isascii():  # a sign bit set: a negative id
         raise ValueError("token id out of range")
 
 
