@@ -106,9 +106,9 @@ MUTATIONS = (
     Mutation(
         "drop-worker-keeps-host-blocks",
         "router/holdings/kv_index.py",
-        "def drop_worker(self, worker: str) -> None:",
-        "self._unhold(worker, key, 7)",
-        "self._unhold(worker, key, 1)",
+        "class Dropping:",
+        "unhold(worker, key, 7)",
+        "unhold(worker, key, 1)",
         "tests/router/holdings/test_merge_tiers.py::test_a_dropped_worker_holds_nothing_in_any_tier",
     ),
     Mutation(
