@@ -4,7 +4,7 @@ The router side is the router's own code: `build_routing` (cache_aware and its t
 with keys, `router.holdings.sessions.select` over a `SessionTable`, as the proxy runs them.
 `replicas` > 1 gives each replica its own policy and table, sends a session's calls
 round robin over them, and applies each replica's decisions (tree inserts, session
-placements) to the others `sync_delay_s` later (router/fleet/sync.py's flush). The
+placements and pins, as the proxy publishes them) to the others `sync_delay_s` later (router/fleet/sync.py's flush). The
 workers are the engine (simulate/worker.py) with pins on when `CostModel.pin_budget` > 0.
 
 Optional background: `background` shared-prefix requests (open loop, Poisson at
@@ -67,6 +67,7 @@ from loadtests.simulate.worker import CostModel, Job
 from router.holdings import sessions
 from router.holdings.prediction import RouteRequest
 from router.holdings.sessions import SessionTable, session_digest
+from router.holdings.sync_wire import SessionEntry
 from router.policy import build_routing
 from router.routing import Routing
 from shared.config import RouterConfig
@@ -151,7 +152,7 @@ class AgentSim(Simulation):
             for r in range(replicas)
         ]  # fmt: skip
         self.sync_delay_s = sync_delay_s
-        self._sync: list[tuple[float, int, int, str, str | None, bytes | None]] = []
+        self._sync: list[tuple[float, int, int, str, str | None, SessionEntry | None]] = []
         self._sync_seq = 0
         self._turn = 0
         self.tok = tokenizer or WordTokenizer()
@@ -159,19 +160,19 @@ class AgentSim(Simulation):
     # -- routing ----------------------------------------------------------------------
     def _apply_sync(self, now: float) -> None:
         while self._sync and self._sync[0][0] <= now:
-            _, _, r, wid, text, digest = heapq.heappop(self._sync)
+            _, _, r, wid, text, session = heapq.heappop(self._sync)
             policy, table = self.replicas[r]
             if text is not None:
                 policy.observe(wid, text, now)
-            if digest is not None:
-                table.put(digest, wid, now)
+            if session is not None:
+                table.learn(session, now)
 
-    def _share(self, r: int, now: float, wid: str, text: str, digest: bytes | None) -> None:
+    def _share(self, r: int, now: float, wid: str, text: str, session: SessionEntry | None) -> None:
         for other in range(len(self.replicas)):
             if other != r:
                 self._sync_seq += 1
                 at = now + self.sync_delay_s
-                heapq.heappush(self._sync, (at, self._sync_seq, other, wid, text, digest))
+                heapq.heappush(self._sync, (at, self._sync_seq, other, wid, text, session))
 
     def _route(self, job: Job, now: float) -> None:  # type: ignore[override]
         self._apply_sync(now)
@@ -182,7 +183,7 @@ class AgentSim(Simulation):
         self._turn += 1
         policy, table = self.replicas[r]
         request = RouteRequest(job.text)
-        digest = None
+        shared = None
         if job.pin_key is not None and self.options.keys:
             digest = session_digest("", job.pin_key)
             decision, placed, left = sessions.select(
@@ -190,12 +191,13 @@ class AgentSim(Simulation):
                 self.config.balance_abs_threshold, self.config.balance_rel_threshold,
                 agree=len(self.replicas) > 1, pin_ttl=job.pin_ttl,
             )  # fmt: skip
-            digest = digest if placed else None
+            if placed or job.pin_ttl > 0:  # as the proxy publishes it
+                shared = SessionEntry(digest, decision.worker_id, job.pin_ttl, placed)
             if left is not None:  # the session moved: its pin on the old worker goes
                 self.workers[self.index[left]].engine.release_pin(job.pin_key)
         else:
             decision = policy.select(request, self.views, now)
-        self._share(r, now, decision.worker_id, job.text, digest)
+        self._share(r, now, decision.worker_id, job.text, shared)
         who = "agent" if job.session >= 0 else "background"
         self.reasons[f"{who} {decision.reason}"] += 1
         i = self.index[decision.worker_id]

@@ -34,10 +34,12 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      shared-prefix neighbour (loadtests/results/agents.md): sessions held on full
      workers evicted the neighbour's prefixes there (its hit rate 2.1 points under its
      solo run with keys, 1.0 with the rule, as for today's router, which re-places
-     lost sessions the same way). One router only: replicas keep the session (rule
-     2), as freshness and pins are not shared between their tables, and a move one
-     replica makes alone split siblings (0.940-0.948 co-located with the rule, 1.000
-     without).
+     lost sessions the same way). Through replicas each call that asks for a pin
+     shares it (router/holdings/sync.py), so every replica knows what is held, and a
+     lost session moves to the key's rendezvous pick (rule 1's), which every replica
+     makes alike: the policy's pick follows each replica's own load view, and a move
+     one replica made alone split siblings (0.940-0.948 co-located; 1.000 with the
+     shared pick over 5 seeds, loadtests/results/agents.md).
 
 Keys are namespaced by tenant: the table is keyed by ``sha256(namespace NUL key)``,
 the namespace being the caller's tenant (config ``tenants``) or, without one, its API
@@ -45,7 +47,8 @@ key's identity (hashed, never stored; router/http/handlers.py), so one tenant ca
 steer, or learn about, another's sessions. The table holds at most ``session_table_max``
 entries (least recently used dropped first) and an entry lives ``session_ttl`` seconds
 after its last use. Other router replicas learn entries through replica sync
-(router/fleet/sync.py): only the 16-byte digest and the worker id travel.
+(router/holdings/sync.py): only the 16-byte digest, the worker id and the pin's TTL
+travel.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from typing import NamedTuple, Protocol
 
 from router.fleet.view import view_columns
 from router.holdings.prediction import RouteRequest
-from router.holdings.sync_wire import DIGEST_BYTES
+from router.holdings.sync_wire import DIGEST_BYTES, SessionEntry
 from router.policy.base import Decision
 
 
@@ -89,22 +92,24 @@ def overloaded(load: int, low: int, abs_threshold: float, rel_threshold: float) 
 FRESH_S = 1.0
 
 # A session used within this many seconds counts as active on its worker (longer than a
-# tool gap: the agent workload's longest is 240 s); at most ACTIVE_SCAN entries are
-# counted per placement, the newest, standing for the rest: a new session's first call
-# pays it, and any client can make every call a first call with fresh keys, so it is
-# kept near the cost of routing itself (~0.08 ms here; 4,096 cost 0.6 ms).
+# tool gap: the agent workload's longest is 240 s).
 ACTIVE_S = 300.0
-ACTIVE_SCAN = 512
 
 
 class SessionTable:
     """digest → (worker id, last use, pinned until), LRU-bounded and aged; the proxy's
-    only session state."""
+    only session state. Times (`now`) never decrease: the table is kept in order of
+    last use, so the active sessions are its newest entries."""
 
     def __init__(self, max_entries: int, ttl: float) -> None:
         self.max_entries = max_entries
         self.ttl = ttl
         self._entries: OrderedDict[bytes, tuple[str, float, float]] = OrderedDict()
+        # The entries used within ACTIVE_S (oldest first) and their count per worker,
+        # kept as entries come, go and age: a first call reads the counts in O(1)
+        # instead of scanning the table (fresh keys make every call a first call).
+        self._window: OrderedDict[bytes, str] = OrderedDict()
+        self._active: dict[str, int] = {}
         self.hits = 0  # calls routed by the table
         self.moved = 0  # entries moved off an overloaded or gone worker
         self.lost = 0  # entries moved by rule 3 (a lost session)
@@ -113,23 +118,36 @@ class SessionTable:
         return len(self._entries)
 
     def active(self, now: float) -> dict[str, int]:
-        """Sessions per worker used within `ACTIVE_S` (newest first, at most
-        `ACTIVE_SCAN` looked at: bounded work on a first call). Replicas share
-        placements, so their counts agree but for what the sync has not carried yet."""
-        counts: dict[str, int] = {}
-        for n, digest in enumerate(reversed(self._entries)):
-            wid, used, _ = self._entries[digest]
-            if n >= ACTIVE_SCAN or now - used > ACTIVE_S:
+        """Sessions per worker used within `ACTIVE_S` (workers with none left out).
+        Replicas share placements, so their counts agree but for what the sync has not
+        carried yet. Amortized O(1): each entry leaves the window once per use."""
+        window, entries = self._window, self._entries
+        while window:
+            digest = next(iter(window))
+            if now - entries[digest][1] <= ACTIVE_S:
                 break
-            counts[wid] = counts.get(wid, 0) + 1
-        return counts
+            self._uncount(digest)
+        return dict(self._active)
+
+    def _uncount(self, digest: bytes) -> None:
+        wid = self._window.pop(digest, None)
+        if wid is not None:
+            left = self._active[wid] - 1
+            if left:
+                self._active[wid] = left
+            else:
+                del self._active[wid]
+
+    def _drop(self, digest: bytes) -> None:
+        del self._entries[digest]
+        self._uncount(digest)
 
     def get(self, digest: bytes, now: float) -> str | None:
         entry = self._entries.get(digest)
         if entry is None:
             return None
         if now - entry[1] > self.ttl:
-            del self._entries[digest]
+            self._drop(digest)
             return None
         return entry[0]
 
@@ -144,8 +162,23 @@ class SessionTable:
         worker to pin its context that long (``cache_pin_ttl``; the worker may clamp it)."""
         self._entries[digest] = (worker_id, now, now + pin_ttl)
         self._entries.move_to_end(digest)
+        self._uncount(digest)
+        self._window[digest] = worker_id
+        self._active[worker_id] = self._active.get(worker_id, 0) + 1
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))
+
+    def learn(self, entry: SessionEntry, now: float) -> None:
+        """Another replica placed the session, or kept it with a pin (replica sync:
+        router/holdings/sync.py). A *kept* entry naming another worker than this table's
+        is stale (this replica or a third moved the session since) and is ignored: taken,
+        a replica's keep crossing another's move in the stream would swap the two
+        replicas' workers for the session, splitting it for good."""
+        if not entry.placed:
+            mine = self._entries.get(entry.digest)
+            if mine is not None and mine[0] != entry.worker_id:
+                return
+        self.put(entry.digest, entry.worker_id, now, entry.pin_ttl)
 
     def pick(
         self, digest: bytes, ids: Sequence[str], loads: Sequence[int], now: float,
@@ -237,9 +270,11 @@ def select(
     placed anew (the caller shares it with the replicas) and the worker it left, if it
     moved (the caller releases the session's pin there: ``POST /release_pin``). The
     routing records the route in the holdings room either way, as if the policy had
-    chosen it. `agree`: replicas share decisions (`sync`), so rule 3 is off (a move one
-    replica makes alone splits siblings). `pin_ttl`: the request's ``cache_pin_ttl``
-    (0: none), for rule 3."""
+    chosen it. `agree`: replicas share decisions (`sync`), so a lost session (rule 3)
+    moves to the key's rendezvous pick, which every replica makes alike, not to the
+    policy's, which follows each replica's own load view. `pin_ttl`: the request's
+    ``cache_pin_ttl`` (0: none), for rule 3; the caller shares it with the replicas
+    (``SessionTable.learn`` on theirs)."""
     ids, loads, _ = view_columns(view)
     held = table.held(digest, now)
     before = table.get(digest, now)
@@ -249,8 +284,12 @@ def select(
         lost = [False]
 
         def keep(decision: Decision) -> Decision:
-            if decision.reason == "no_match" and not held and not agree:  # rule 3
+            if decision.reason == "no_match" and not held:  # rule 3
                 lost[0] = True
+                if agree:  # where every replica would move it (rule 1's pick)
+                    active = table.active(now)
+                    pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active)
+                    return Decision(pick, "session")
                 return decision
             return kept
 

@@ -17,10 +17,12 @@ wasted. So every replica:
   version before tokens, during a rolling upgrade: counted in `skipped`). On start it first replays the whole (bounded) stream, so a replica
   that starts late or restarts recovers the fleet's affinity instead of starting empty;
   after a Redis outage it resumes from the last entry it applied.
-- `publish_session(worker_id, digest)` on each prompt_cache_key session placed
-  (router/holdings/sessions.py): a field `s`, `replica id SEP worker id SEP digest`; the
-  reader hands it to `on_session` (the proxy's session table), so siblings of one
-  session co-locate whichever replica each reaches.
+- `publish_session(worker_id, digest, pin_ttl, placed)` on each prompt_cache_key
+  session placed, and on each call that keeps one with a pin
+  (router/holdings/sessions.py): a field `s`, `replica id SEP worker id SEP digest
+  KIND pin-ms` (router/holdings/sync_wire.py); the reader hands it to `on_session` (the
+  proxy's session table), so siblings of one session co-locate whichever replica each
+  reaches, and every replica knows how long the session's context is pinned.
 - Every `sync_load_interval` it writes its in-flight count per worker to a short-lived
   hash and reads the other replicas' hashes; `remote_inflight()` is their sum, which the
   fleet adds to its own in-flight count when computing load.
@@ -47,6 +49,7 @@ from redis.exceptions import RedisError
 from router.holdings.sync_wire import (
     SEP,
     Key,
+    SessionEntry,
     add_loads,
     decode_decision,
     decode_session,
@@ -68,8 +71,8 @@ SESSION = b"\x01"
 PENDING_MAX = 10_000
 
 Observe = Callable[[str, Key, float], None]  # (worker_id, text or TokenKey, now)
-# A session's placement (router/holdings/sessions.py): (digest, worker_id, now).
-ObserveSession = Callable[[bytes, str, float], None]
+# A session placed or kept with a pin (router/holdings/sessions.py), and when it arrived.
+ObserveSession = Callable[[SessionEntry, float], None]
 # Entries sent in one script call: Redis refuses a query over 1 GB, and entries are
 # bounded by what `sync_max_chars` allows (router/holdings/sync_wire.py).
 APPEND_MAX_ENTRIES = 512
@@ -96,7 +99,9 @@ class ReplicaSync(Protocol):
 
     def publish(self, worker_id: str, key: str | Sequence[int] | np.ndarray) -> None: ...
 
-    def publish_session(self, worker_id: str, digest: bytes) -> None: ...
+    def publish_session(
+        self, worker_id: str, digest: bytes, pin_ttl: float = 0.0, placed: bool = True
+    ) -> None: ...
 
     def remote_inflight(self) -> Mapping[str, int]: ...
 
@@ -180,10 +185,14 @@ class DecisionSync:
         self._pending.append(entry)
         self._wakeup.set()
 
-    def publish_session(self, worker_id: str, digest: bytes) -> None:
-        """A prompt_cache_key session placed on `worker_id` (its tenant-namespaced digest:
-        the key itself never leaves this router)."""
-        self._pending.append(SESSION + encode_session(self._header, worker_id, digest))
+    def publish_session(
+        self, worker_id: str, digest: bytes, pin_ttl: float = 0.0, placed: bool = True
+    ) -> None:
+        """A prompt_cache_key session placed (or, `placed` False, kept) on `worker_id`,
+        whose call asked for a pin of `pin_ttl` seconds there (its tenant-namespaced
+        digest: the key itself never leaves this router)."""
+        entry = encode_session(self._header, worker_id, digest, pin_ttl, placed)
+        self._pending.append(SESSION + entry)
         self._wakeup.set()
 
     def remote_inflight(self) -> Mapping[str, int]:
@@ -329,12 +338,12 @@ class DecisionSync:
 
     def _apply_session(self, entry: bytes, now: float) -> None:
         try:
-            digest, worker_id = decode_session(entry)
+            session = decode_session(entry)
         except ValueError as e:
             self.rejections.reject("sync_sessions", "stream entry", str(e))
             return
         if self.on_session is not None:
-            self.on_session(digest, worker_id, now)
+            self.on_session(session, now)
             self.applied += 1
 
     async def _load_once(self) -> None:

@@ -24,9 +24,17 @@ entry never stops a loop):
   its UTF-8 bytes behind the id TEXT_IN_IDS, router/holdings/namespace.py) is shared
   only where those bytes are whole ids in range (ASCII, a multiple of 4 bytes); else
   not at all, where that version shared it as text, which replicas on ids skip;
-- a session entry is `replica id SEP worker id SEP digest`: the digest exactly
-  `DIGEST_BYTES` long (router/holdings/sessions.py), the worker id of the registry's shape,
-  the whole at most `SESSION_MAX_BYTES`;
+- a session entry is `replica id SEP worker id SEP digest KIND pin-ms`, the whole at
+  most `SESSION_MAX_BYTES` (checked before anything is split): the digest exactly
+  `DIGEST_BYTES` long (router/holdings/sessions.py), the worker id of the registry's
+  shape, KIND `p` (the session was placed there: a first call or a move) or `k` (kept
+  there by a call that asked for a pin), pin-ms the call's ``cache_pin_ttl`` in
+  milliseconds, ASCII digits, at most `MAX_PIN_MS` (the request schema's bound, 86,400
+  s): the other replicas then know how long the session's context is held (rule 3 of
+  the session rule). An entry with nothing after the digest is the version before
+  pins': placed, no pin. A reader of that version drops the longer entries (a bad
+  digest, counted): during a rolling upgrade it learns no sessions from the new
+  replicas;
 - a load hash maps worker ids to integer in-flight counts, each clamped to what one
   replica can have in flight (`max_concurrent`): a fake `{w1: 1000000}` steered all
   traffic away from w1, and a "1.5" broke the load loop every round.
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,28 +67,53 @@ TOKENS = b"T"
 MAX_TOKEN_ID = MAX_ID  # as in KV events (shared/wire/kv_events.py)
 
 Key = str  # what a tree keys on: text, or a TokenKey
-SESSION_MAX_BYTES = 512  # a replica id, a worker id and a digest fit well within
+SESSION_MAX_BYTES = 512  # a replica id, a worker id, a digest and a pin fit well within
 DIGEST_BYTES = 16  # a session's key, hashed with its tenant (router/holdings/sessions.py)
+PLACED, KEPT = b"p", b"k"  # a session entry's kind
+MAX_PIN_MS = 86_400_000  # shared/wire/protocol.py's PinTtl bound, in milliseconds
 
 
-def encode_session(header: bytes, worker_id: str, digest: bytes) -> bytes:
-    return header + worker_id.encode() + SEP + digest
+class SessionEntry(NamedTuple):
+    """One session entry, decoded: where a replica placed or kept a session, and the pin
+    its call asked for there (seconds, 0: none)."""
+
+    digest: bytes
+    worker_id: str
+    pin_ttl: float = 0.0
+    placed: bool = True
 
 
-def decode_session(entry: object) -> tuple[bytes, str]:
-    """(digest, worker id) of one session entry; ValueError saying why it is refused."""
+def encode_session(
+    header: bytes, worker_id: str, digest: bytes, pin_ttl: float = 0.0, placed: bool = True
+) -> bytes:
+    ms = min(max(round(pin_ttl * 1000), 0), MAX_PIN_MS)
+    kind = PLACED if placed else KEPT
+    return header + worker_id.encode() + SEP + digest + kind + str(ms).encode()
+
+
+def decode_session(entry: object) -> SessionEntry:
+    """One session entry; ValueError saying why it is refused."""
     if not isinstance(entry, bytes) or len(entry) > SESSION_MAX_BYTES:
         raise ValueError("session entry too large")
-    parts = entry.split(SEP, 2)  # the digest may hold NUL bytes: it is last
+    parts = entry.split(SEP, 2)  # the digest may hold NUL bytes: it comes after the ids
     if len(parts) != 3:
         raise ValueError("malformed session entry")
-    _replica, worker, digest = parts
+    _replica, worker, rest = parts
     worker_id = worker.decode("utf-8", "replace")
     if not WORKER_ID.fullmatch(worker_id):
         raise ValueError("bad worker id")
+    digest, tail = rest[:DIGEST_BYTES], rest[DIGEST_BYTES:]
     if len(digest) != DIGEST_BYTES:
         raise ValueError("bad session digest")
-    return digest, worker_id
+    if not tail:  # the version before pins: a placement
+        return SessionEntry(digest, worker_id)
+    kind, ms = tail[:1], tail[1:]
+    if kind not in (PLACED, KEPT):
+        raise ValueError("bad session digest, or an unknown kind after it")
+    # bytes.isdigit is ASCII digits only; the length bound keeps int() short.
+    if not ms.isdigit() or len(ms) > len(str(MAX_PIN_MS)) or int(ms) > MAX_PIN_MS:
+        raise ValueError("bad pin TTL")
+    return SessionEntry(digest, worker_id, int(ms) / 1000, kind == PLACED)
 
 
 def encode_decision(header: bytes, worker_id: str, text: str, max_chars: int) -> bytes:

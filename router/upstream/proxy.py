@@ -164,7 +164,7 @@ class Proxy:
         # prompt_cache_key -> worker (router/holdings/sessions.py), shared with the replicas.
         self.sessions = SessionTable(config.session_table_max, config.session_ttl)
         if sync is not None:
-            sync.on_session = self.sessions.put
+            sync.on_session = self.sessions.learn
         self._releases: set[asyncio.Task[None]] = set()  # pins released on moved sessions
         self.pin_releases = {"sent": 0, "failed": 0}
 
@@ -187,8 +187,11 @@ class Proxy:
                 config.balance_abs_threshold, config.balance_rel_threshold,
                 agree=self.sync is not None, pin_ttl=routed.pin_ttl,
             )  # fmt: skip
-            if placed and self.sync is not None:
-                self.sync.publish_session(decision.worker_id, routed.cache_key)
+            if self.sync is not None and (placed or routed.pin_ttl > 0):
+                # The other replicas learn where it is and how long its context is held.
+                self.sync.publish_session(
+                    decision.worker_id, routed.cache_key, routed.pin_ttl, placed
+                )
             old = self.fleet.workers.get(left) if left is not None else None
             if old is not None and routed.prompt_cache_key is not None:
                 self._release_pin(old.url, routed.prompt_cache_key)

@@ -13,7 +13,6 @@ from router.fleet.view import FleetView
 from router.holdings.prediction import RouteRequest
 from router.holdings.sessions import (
     ACTIVE_S,
-    ACTIVE_SCAN,
     AGREE_MARGIN,
     DIGEST_BYTES,
     FRESH_S,
@@ -24,7 +23,13 @@ from router.holdings.sessions import (
     tenant_of,
 )
 from router.holdings.sync import DecisionSync
-from router.holdings.sync_wire import SEP, decode_session, encode_session
+from router.holdings.sync_wire import (
+    SEP,
+    SESSION_MAX_BYTES,
+    SessionEntry,
+    decode_session,
+    encode_session,
+)
 from router.policy import build_routing
 from shared.config import RouterConfig
 from shared.redis_server import RedisServer
@@ -101,7 +106,40 @@ def test_a_bad_session_entry_is_refused(entry: object, why: str) -> None:
 
 def test_a_digest_holding_separators_round_trips() -> None:
     digest = SEP * DIGEST_BYTES
-    assert decode_session(encode_session(b"r1" + SEP, "w2", digest)) == (digest, "w2")
+    assert decode_session(encode_session(b"r1" + SEP, "w2", digest)) == (digest, "w2", 0, True)
+    kept = decode_session(encode_session(b"r1" + SEP, "w2", b"p" * DIGEST_BYTES, 240.5, False))
+    assert kept == SessionEntry(b"p" * DIGEST_BYTES, "w2", 240.5, False)
+
+
+def test_an_entry_of_the_version_before_pins_is_a_placement() -> None:
+    old = b"r1" + SEP + b"w2" + SEP + b"d" * DIGEST_BYTES  # what that version wrote
+    assert decode_session(old) == SessionEntry(b"d" * DIGEST_BYTES, "w2", 0.0, True)
+
+
+@pytest.mark.parametrize(
+    "tail, why",
+    [
+        (b"p", "pin TTL"),  # no digits
+        (b"p-5", "pin TTL"),
+        (b"p1.5", "pin TTL"),
+        (b"p86400001", "pin TTL"),  # over the request schema's 86,400 s
+        (b"p" + b"9" * 40, "pin TTL"),  # an int() of any length is never built
+        ("p１２".encode(), "pin TTL"),  # non-ASCII digits
+        (b"x100", "unknown kind"),
+    ],
+)
+def test_a_bad_pin_in_a_session_entry_is_refused(tail: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        decode_session(b"r" + SEP + b"w0" + SEP + b"d" * DIGEST_BYTES + tail)
+
+
+def test_a_session_entry_is_bounded_before_it_is_parsed() -> None:
+    """An entry of the right shape but over SESSION_MAX_BYTES (a long replica id:
+    nothing else checks it) is refused whole: fails without the size bound."""
+    entry = encode_session(b"r" * 4096 + SEP, "w0", b"d" * DIGEST_BYTES, 10.0)
+    assert len(entry) > SESSION_MAX_BYTES
+    with pytest.raises(ValueError, match="too large"):
+        decode_session(entry)
 
 
 async def test_sessions_reach_the_other_replica_and_garbage_is_counted(
@@ -116,7 +154,7 @@ async def test_sessions_reach_the_other_replica_and_garbage_is_counted(
             local_inflight=dict,
         )  # fmt: skip
         table = SessionTable(100, 60)
-        sync.on_session = table.put
+        sync.on_session = table.learn
         made.append((redis, sync, table))
     (ra, a, _), (_, b, table_b) = made
     try:
@@ -125,10 +163,15 @@ async def test_sessions_reach_the_other_replica_and_garbage_is_counted(
         await asyncio.wait_for(asyncio.gather(a.caught_up.wait(), b.caught_up.wait()), 5)
         # Anyone who can write to Redis can write an entry: a bad one is counted, skipped.
         await ra.xadd(a.registry.decisions_stream, {"s": b"evil" + SEP + b"w1" + SEP + b"x"})
+        await ra.xadd(a.registry.decisions_stream, {"s": b"evil" + SEP + b"w1" + SEP + b"x" * 600})
         digest = session_digest(tenant_of("k"), "chat-9")
         a.publish_session("w1", digest)
         await wait_until(lambda: table_b.get(digest, 0) == "w1")
-        assert b.rejections.counts.get("sync_sessions", 0) >= 1
+        assert b.rejections.counts.get("sync_sessions", 0) >= 2
+        # A call that kept the session with a pin: the other replica learns the pin.
+        assert not table_b.held(digest, b.clock() + 2 * FRESH_S)
+        a.publish_session("w1", digest, pin_ttl=600.0, placed=False)
+        await wait_until(lambda: table_b.held(digest, b.clock() + 2 * FRESH_S))
     finally:
         for redis, sync, _ in made:
             await sync.stop()
@@ -189,6 +232,72 @@ def test_a_lost_session_follows_the_policy_and_a_pinned_or_fresh_one_stays() -> 
     assert moved and after.worker_id != home
 
 
+def _two_replicas(pin_ttl: float) -> tuple[list[tuple[object, SessionTable]], str]:
+    """Two replicas (a routing and a session table each) that share, as the sync does,
+    the placement of one keyed session (and a second session) at t=0 and its pin."""
+    replicas = [
+        (build_routing(RouterConfig(policy="cache_aware"), random.Random(r)), SessionTable(100, 600))
+        for r in range(2)
+    ]  # fmt: skip
+    view = FleetView(IDS, capacities=(100_000,) * 3)
+    (routing_a, table_a), (routing_b, table_b) = replicas
+    for key, text, ttl in (
+        ("s", "system: a long context " + "tools and repository " * 50, pin_ttl),
+        ("o", "system: another session " + "unrelated words " * 80, 0.0),
+    ):
+        d = session_digest("", key)
+        decision, placed, _ = select(
+            table_a, routing_a, RouteRequest(text), view, 0.0, d, 64, 1.5, agree=True,
+            pin_ttl=ttl,
+        )  # fmt: skip
+        assert placed
+        routing_b.observe(decision.worker_id, text, 0.0)
+        table_b.learn(SessionEntry(d, decision.worker_id, ttl, placed), 0.0)
+    return replicas, table_a.get(session_digest("", "s"), 0.0)  # type: ignore[return-value]
+
+
+def test_replicas_move_a_lost_session_to_one_worker_and_keep_a_pinned_one() -> None:
+    """Rule 3 through replicas: a lost session's siblings reach both replicas at once,
+    each with its own load view (the policy's no_match picks differ), and both move it
+    to the key's rendezvous pick. A pin asked on one replica holds the session on the
+    other (the pin travels with the session entry): fails if `learn` drops the TTL."""
+    d = session_digest("", "s")
+    forgotten = RouteRequest("user: nothing the tree has seen " * 20)
+    replicas, home = _two_replicas(pin_ttl=0.0)
+    picks = []
+    for r, (routing, table) in enumerate(replicas):
+        view = FleetView(IDS, capacities=(100_000,) * 3)
+        # Each replica's own view: the policy's no_match pick (least loaded) is w0 on
+        # one, w2 on the other.
+        view.loads[:] = [0, 2, 3] if r == 0 else [3, 2, 0]
+        decision, moved, _ = select(table, routing, forgotten, view, 10.0, d, 64, 1.5, agree=True)
+        assert moved and table.lost == 1
+        picks.append(decision.worker_id)
+    assert picks[0] == picks[1]
+
+    replicas, home = _two_replicas(pin_ttl=30.0)
+    routing_b, table_b = replicas[1]
+    view = FleetView(IDS, capacities=(100_000,) * 3)
+    view.loads[:] = [3 if w == home else 0 for w in IDS]
+    kept, moved, _ = select(table_b, routing_b, forgotten, view, 10.0, d, 64, 1.5, agree=True)
+    assert not moved and kept.worker_id == home and kept.reason == "session"
+
+
+def test_a_replicas_stale_keep_does_not_undo_a_move() -> None:
+    """A keep (`placed` False) naming another worker than the table's crossed a move in
+    the stream: ignored, so the replicas do not swap workers for the session; a
+    placement always wins, and a keep on the same worker refreshes the pin."""
+    d = session_digest("", "s")
+    table = SessionTable(100, 600)
+    table.put(d, "w2", 10.0)  # this replica moved the session to w2
+    table.learn(SessionEntry(d, "w1", 60.0, placed=False), 10.1)  # another's keep on w1
+    assert table.get(d, 11.0) == "w2" and not table.held(d, 20.0)
+    table.learn(SessionEntry(d, "w2", 60.0, placed=False), 12.0)
+    assert table.held(d, 50.0)
+    table.learn(SessionEntry(d, "w0", 0.0, placed=True), 13.0)
+    assert table.get(d, 14.0) == "w0"
+
+
 def test_a_session_whose_context_the_tree_holds_stays() -> None:
     routing, table, view, home = _placed(pin_ttl=0.0)
     d = session_digest("", "s")
@@ -243,12 +352,58 @@ def test_an_overloaded_worker_with_the_fewest_sessions_is_passed_over() -> None:
     assert rendezvous(d, IDS, [200, 0, 0], 64, 1.5, active) == "w2"  # w0 overloaded
 
 
-def test_counting_active_sessions_looks_at_the_newest_few_only() -> None:
-    """Fresh keys make every call a session's first, each counting active sessions: the
-    count reads at most ACTIVE_SCAN entries, the newest, however many the table holds."""
-    table = SessionTable(max_entries=4 * ACTIVE_SCAN, ttl=600)
-    for i in range(3 * ACTIVE_SCAN):
-        table.put(b"old%d" % i, "w0", now=10.0)
-    for i in range(ACTIVE_SCAN):
-        table.put(b"new%d" % i, "w1", now=20.0)
-    assert table.active(now=30.0) == {"w1": ACTIVE_SCAN}
+def _scan(table: SessionTable, now: float) -> dict[str, int]:
+    """The plain count the table keeps incrementally: every live entry used within ACTIVE_S."""
+    counts: dict[str, int] = {}
+    for wid, used, _ in table._entries.values():
+        if now - used <= ACTIVE_S:
+            counts[wid] = counts.get(wid, 0) + 1
+    return counts
+
+
+def test_the_active_count_is_kept_as_a_scan_would_count() -> None:
+    """`active` reads counts kept as entries are put, moved, aged out, dropped by the
+    LRU bound or expired by `get`: after every step they equal a full scan's."""
+    rng = random.Random(7)
+    table = SessionTable(max_entries=60, ttl=500.0)
+    keys = [session_digest("", f"k{i}") for i in range(100)]
+    now = 0.0
+    for _ in range(5000):
+        now += rng.expovariate(1 / 4.0)
+        d = rng.choice(keys)
+        what = rng.random()
+        if what < 0.6:
+            table.put(d, rng.choice(IDS), now, pin_ttl=rng.choice((0.0, 30.0)))
+        elif what < 0.75:
+            table.learn(SessionEntry(d, rng.choice(IDS), 10.0, rng.random() < 0.5), now)
+        else:
+            table.get(d, now)  # may expire the entry
+        assert table.active(now) == _scan(table, now)
+    assert len(table) <= 60
+
+
+def test_counting_active_sessions_does_not_read_the_table() -> None:
+    """A first call's count costs the same however many sessions the table holds: it
+    reads only the entries leaving the window since the last count (fails on a scan)."""
+    table = SessionTable(max_entries=100_000, ttl=3600)
+    for i in range(50_000):
+        table.put(b"s%d" % i, IDS[i % 3], now=10.0)
+    assert table.active(20.0) == {w: 50_000 // 3 + (i < 50_000 % 3) for i, w in enumerate(IDS)}
+    table._entries = _Unread(table._entries)  # a scan would read every entry
+    assert table.active(30.0)["w0"] == 16_667
+    assert table._entries.reads == 1  # only the oldest, to see it is still active
+
+
+class _Unread(dict):
+    """The table's entries, counting the values read."""
+
+    def __init__(self, entries: dict) -> None:
+        super().__init__(entries)
+        self.reads = 0
+
+    def __getitem__(self, key: bytes) -> tuple[str, float, float]:
+        self.reads += 1
+        return super().__getitem__(key)
+
+    def values(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("the whole table read")
