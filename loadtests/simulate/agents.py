@@ -48,6 +48,7 @@ import dataclasses
 import heapq
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -189,7 +190,7 @@ class AgentSim(Simulation):
             decision, placed, left = sessions.select(
                 table, policy, request, self.views, now, digest,
                 self.config.balance_abs_threshold, self.config.balance_rel_threshold,
-                agree=len(self.replicas) > 1, pin_ttl=job.pin_ttl,
+                pin_ttl=job.pin_ttl,
             )  # fmt: skip
             if placed or job.pin_ttl > 0:  # as the proxy publishes it
                 shared = SessionEntry(digest, decision.worker_id, job.pin_ttl, placed)
@@ -346,12 +347,31 @@ def simulate_agents(
     replicas: int = 1, background: list[tuple[float, str]] = (), seed: int = 0,
     tokenizer: WordTokenizer | LiveTokenizer | None = None,
 ) -> AgentResult:  # fmt: skip
-    """One run; `options.keys` / `cost.pin_budget` / `options.pin_ttl_s` say which side."""
-    sim = AgentSim(
-        config, workers, cost, options, replicas=replicas, seed=seed, tokenizer=tokenizer
+    """One run; `options.keys` / `cost.pin_budget` / `options.pin_ttl_s` say which side.
+    The router's tree counts characters against the workers' KV in tokens at the
+    workload's own chars per token, as a live router learns it from its first answers
+    (router/holdings/calibration.py): at the default guess (4.0; these texts are 5.0 a
+    token) the tree forgot prefixes the workers still held, and the neighbour's
+    requests were sent where nothing was cached."""
+    tok = tokenizer or WordTokenizer()
+    config = config.model_copy(
+        update={"tree_chars_per_token": chars_per_token(options, background, tok)}
     )
+    sim = AgentSim(config, workers, cost, options, replicas=replicas, seed=seed, tokenizer=tok)
     result = sim.run_agents(list(background))
     return replace(result, label=label)
+
+
+def chars_per_token(
+    options: AgentOptions, background: Sequence[tuple[float, str]],
+    tokenizer: WordTokenizer | LiveTokenizer,
+) -> float:  # fmt: skip
+    """Characters per token of the run's texts (the sessions' first calls and up to 64
+    background requests): what the live router's calibration converges to."""
+    texts = [s.next_step()[0] for s in agent_sessions(options)[:16]]
+    texts += [text for _, text in background[:64]]
+    tokens = sum(len(tokenizer.encode(t)) for t in texts)
+    return sum(map(len, texts)) / tokens if tokens else 4.0
 
 
 def background_alone(

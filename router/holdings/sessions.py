@@ -263,18 +263,16 @@ class Routes(Protocol):
 
 def select(
     table: SessionTable, routing: Routes, request: RouteRequest, view: Sequence, now: float,
-    digest: bytes, abs_threshold: float, rel_threshold: float, agree: bool = False,
-    pin_ttl: float = 0.0,
+    digest: bytes, abs_threshold: float, rel_threshold: float, pin_ttl: float = 0.0,
 ) -> Placement:  # fmt: skip
     """The module's rule for one keyed request: the decision, whether the session was
     placed anew (the caller shares it with the replicas) and the worker it left, if it
     moved (the caller releases the session's pin there: ``POST /release_pin``). The
     routing records the route in the holdings room either way, as if the policy had
-    chosen it. `agree`: replicas share decisions (`sync`), so a lost session (rule 3)
-    moves to the key's rendezvous pick, which every replica makes alike, not to the
-    policy's, which follows each replica's own load view. `pin_ttl`: the request's
-    ``cache_pin_ttl`` (0: none), for rule 3; the caller shares it with the replicas
-    (``SessionTable.learn`` on theirs)."""
+    chosen it. One router and replicas alike: a lost session (rule 3) moves to rule 1's
+    pick, which every replica makes alike (the policy's follows each replica's own load
+    view). `pin_ttl`: the request's ``cache_pin_ttl`` (0: none), for rule 3; the caller
+    shares it with the replicas (``SessionTable.learn`` on theirs)."""
     ids, loads, _ = view_columns(view)
     held = table.held(digest, now)
     before = table.get(digest, now)
@@ -284,13 +282,11 @@ def select(
         lost = [False]
 
         def keep(decision: Decision) -> Decision:
-            if decision.reason == "no_match" and not held:  # rule 3
+            if decision.reason == "no_match" and not held:  # rule 3: rule 1's pick
                 lost[0] = True
-                if agree:  # where every replica would move it (rule 1's pick)
-                    active = table.active(now)
-                    pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active)
-                    return Decision(pick, "session")
-                return decision
+                active = table.active(now)
+                pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active)
+                return Decision(pick, "session")
             return kept
 
         decision = routing.select(request, view, now, amend=keep)

@@ -185,7 +185,7 @@ class Proxy:
             decision, placed, left = sessions.select(
                 self.sessions, self.routing, request, view, now, routed.cache_key,
                 config.balance_abs_threshold, config.balance_rel_threshold,
-                agree=self.sync is not None, pin_ttl=routed.pin_ttl,
+                pin_ttl=routed.pin_ttl,
             )  # fmt: skip
             if self.sync is not None and (placed or routed.pin_ttl > 0):
                 # The other replicas learn where it is and how long its context is held.

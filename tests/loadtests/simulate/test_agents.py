@@ -9,7 +9,8 @@ import statistics
 from dataclasses import replace
 
 from loadtests.load.agents import AgentOptions, agent_sessions
-from loadtests.simulate.agents import background_requests, simulate_agents
+from loadtests.simulate.agents import background_requests, chars_per_token, simulate_agents
+from loadtests.simulate.simulation import WordTokenizer
 from loadtests.simulate.worker import CostModel
 from shared.config import RouterConfig
 
@@ -74,3 +75,16 @@ def test_the_jct_breakdown_adds_up_to_the_jct_and_prefill_follows_the_misses() -
         assert 0 < row["busy"] < 1  # type: ignore[operator]
     assert today["gaps_mean_s"] == pinned["gaps_mean_s"]  # the same sessions, the same gaps
     assert pinned["prefilled_tokens"] < today["prefilled_tokens"]  # type: ignore[operator]
+
+
+def test_the_routers_tree_counts_the_workloads_own_chars_per_token() -> None:
+    """The simulated router caps its tree at the texts' own chars per token, as a live
+    router calibrates it from its first answers (router/holdings/calibration.py); the
+    default guess (4.0) made its tree forget what the workers held (5.0 here)."""
+    o = AgentOptions(sessions=4, seed=2)
+    churn = background_requests(20, 4.0, seed=1, groups=20)
+    texts = [s.next_step()[0] for s in agent_sessions(o)] + [t for _, t in churn]
+    words = sum(len(t.split()) for t in texts)
+    ratio = chars_per_token(o, churn, WordTokenizer())
+    assert ratio == sum(map(len, texts)) / words
+    assert 4.5 < ratio < 5.5
