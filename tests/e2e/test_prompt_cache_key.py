@@ -107,11 +107,15 @@ def test_siblings_share_a_worker_across_two_replicas(fleet: Cluster) -> None:
     b = fleet.add_router("router-b", sync)
     placed = first_call_siblings([a, b], keyed=True)
     assert all(len(workers) == 1 for workers in placed), placed
-    # Later calls of every session, through either replica, stay there.
+    # Later calls of every session (its first sibling's context and a tool's output),
+    # through either replica, stay there. (A later call whose text no tree holds would
+    # be a lost session, which moves: rule 3, router/holdings/sessions.py.)
     model = model_of(a)
     for s, workers in enumerate(placed):
+        context = "sibling 0: " + words(random.Random(f"s{s}"), 60)
         for r in (a, b):
-            worker, _ = call(client(r), model, f"later call {s} " + "x " * 30, f"session-{s}")
+            later = f"{context} tool: later call {s} " + "x " * 30
+            worker, _ = call(client(r), model, later, f"session-{s}")
             assert {worker} == workers
 
 
