@@ -12,12 +12,11 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      holding the fewest active sessions (``rendezvous``, ``SessionTable.active``:
      placements the replicas share), so sessions spread over the workers' KV, and
      router replicas that see a session's first siblings at the same instant (before
-     the sync carries anything) still agree. One router and replicas alike: over 5
-     seeds of the churn run this gave hit after the first call 0.898 on one router
-     against 0.883 with the policy's pick (most free KV by the router's tree, which
-     the churn fills), and 0.900 through 2 replicas against 0.845-0.901 by hash and
-     load alone (loadtests/results/agents.md). The choice is recorded *at decision
-     time*, so siblings sent a moment later (still unanswered) follow the first one.
+     the sync carries anything) still agree. One router and replicas alike (5 seeds
+     of the churn run: hit after the first call 0.898 against 0.883 with the policy's
+     pick; 0.900 through 2 replicas against 0.845-0.901 by hash and load alone:
+     loadtests/results/agents.md). The choice is recorded *at decision time*, so
+     siblings sent a moment later (still unanswered) follow the first one.
   2. An entry whose worker is routable and not overloaded → that worker, reason
      ``session``. Overloaded is the balance rule seen from the session's worker: its load
      exceeds the least load by more than ``balance_abs_threshold`` and is more than
@@ -28,18 +27,14 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      the session's context go), no pin holds it (the last call's ``cache_pin_ttl`` has
      run out, or there was none) and the entry is older than ``FRESH_S`` (not a sibling
      of the call that placed it). Its worker has most likely evicted the context too,
-     so keeping it there only adds a re-prefill to a worker already short of KV; the
-     policy's ``no_match`` placement (the least loaded worker, or with ``no_match:
-     smallest_tree`` the most free KV) takes it and the entry moves. Measured beside a
-     shared-prefix neighbour (loadtests/results/agents.md): sessions held on full
-     workers evicted the neighbour's prefixes there (its hit rate 2.1 points under its
-     solo run with keys, 1.0 with the rule, as for today's router, which re-places
-     lost sessions the same way). Through replicas each call that asks for a pin
-     shares it (router/holdings/sync.py), so every replica knows what is held, and a
-     lost session moves to the key's rendezvous pick (rule 1's), which every replica
-     makes alike: the policy's pick follows each replica's own load view, and a move
-     one replica made alone split siblings (0.940-0.948 co-located; 1.000 with the
-     shared pick over 5 seeds, loadtests/results/agents.md).
+     so keeping it there only adds a re-prefill to a worker already short of KV: it
+     moves to rule 1's pick. Measured beside a shared-prefix neighbour: sessions held
+     on full workers evicted the neighbour's prefixes there (2.1 points under its solo
+     run with keys, 1.0 with the rule). Through replicas each call that asks for a pin
+     shares it (router/holdings/sync.py), so every replica knows what is held, and
+     rule 1's pick is one every replica makes alike (the policy's follows each
+     replica's own load view: a move one replica made alone split siblings,
+     0.940-0.948 co-located; 1.000 with rule 1's pick over 5 seeds).
 
 Keys are namespaced by tenant: the table is keyed by ``sha256(namespace NUL key)``,
 the namespace being the caller's tenant (config ``tenants``) or, without one, its API
