@@ -8,11 +8,14 @@ workers, one or two `python -m router serve` replicas, the official openai clien
 - A pin's TTL over the worker's maximum is clamped, and the answer's usage says so; the
   pin shows in the worker's /metrics and its heartbeat in Redis.
 - A session moved off its worker (overloaded) has its pin there released by the router.
+- A pin asked through one replica holds a lost session on the other (the pin's TTL
+  travels with the session entry).
 """
 
 from __future__ import annotations
 
 import random
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +120,26 @@ def test_siblings_share_a_worker_across_two_replicas(fleet: Cluster) -> None:
             later = f"{context} tool: later call {s} " + "x " * 30
             worker, _ = call(client(r), model, later, f"session-{s}")
             assert {worker} == workers
+
+
+def test_a_pin_asked_through_one_replica_holds_the_session_on_the_other(fleet: Cluster) -> None:
+    """Rule 3 through replicas: a later call whose text no tree holds (a lost session)
+    moves, unless a pin still holds the session's context. The pin is asked through
+    replica A; replica B knows it only from the session entry the sync carried (with
+    its TTL), and keeps the session where A placed it; the same call for a session
+    placed without a pin moves. Fails where pins do not travel between replicas."""
+    sync = {"policy": "cache_aware", "sync": True, "sync_flush_interval": 0.01}
+    a = fleet.start_router(sync)
+    b = fleet.add_router("router-b", sync)
+    model = model_of(a)
+    rng = random.Random(5)
+    homes = {}
+    for key, extra in (("pinned-1", {"cache_pin_ttl": 60}), ("unpinned-1", {})):
+        homes[key], _ = call(client(a), model, f"{key}: " + words(rng, 60), key, **extra)
+    time.sleep(1.5)  # past FRESH_S (not a sibling), and the sync has carried both
+    for key, stays in (("pinned-1", True), ("unpinned-1", False)):
+        worker, _ = call(client(b), model, "unrelated: " + words(rng, 40), key)
+        assert (worker == homes[key]) is stays, (key, worker, homes)
 
 
 def test_unkeyed_siblings_spread_as_today(fleet: Cluster) -> None:
