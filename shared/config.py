@@ -183,11 +183,13 @@ class RouterConfig(_Frozen):
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     # Each class's TTFT objective (a class comes from `service_tier` or `priority`).
     classes: ClassesConfig = ClassesConfig()
-    # A worker's seats: `max_running_requests` from its heartbeat x this factor (a worker
-    # reporting none has unbounded seats: nothing waits for it). 1.25 measured better with
-    # one router; it stays 1.0 because the replica slack is a share of seats and widens
-    # with it (loadtests/results/fleet_queue.md, "queue_seat_factor 1.0 against 1.25").
-    queue_seat_factor: float = Field(1.0, gt=0)
+    # A worker's seats: `max_running_requests` m from its heartbeat + this many spare
+    # seats (a worker reporting none has unbounded seats: nothing waits for it). One
+    # spare keeps the engine's next request waiting in it, so no engine step runs a slot
+    # short while the router answers the end of one request with the next; a fixed
+    # count, not a share of m, so at m = 256 the router still orders all but one of a
+    # worker's queued requests (loadtests/results/fleet_queue.md, "Seats").
+    queue_spare_seats: int = Field(1, ge=0)
     # Deficit round robin: each round gives a backlogged tenant weight x this many
     # requests of credit; it is also how far locality may run ahead of fairness.
     queue_quantum: float = Field(4.0, gt=0)
@@ -195,9 +197,9 @@ class RouterConfig(_Frozen):
     # passed: it then takes any free seat, ahead of affinity.
     queue_urgent_fraction: float = Field(0.5, gt=0, le=1)
     # Replicas (sync on): each grows its count on a worker by at most this share of the
-    # worker's seats (at least 1) above the least it held there over the last three
-    # `sync_load_interval`s, so N replicas hold at most seats + (N - 1) x that share
-    # (router/queue/seats.py).
+    # worker's `max_running_requests` (at least 1) above the least it held there over
+    # the last three `sync_load_interval`s, so N replicas hold at most
+    # seats + (N - 1) x that share (router/queue/seats.py).
     queue_replica_slack: float = Field(0.25, gt=0, le=1)
     forward_authorization: bool = False
     drain_timeout: float = Field(30.0, ge=0)

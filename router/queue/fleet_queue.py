@@ -110,7 +110,7 @@ class FleetQueue:
         self.tenants = Tenants(config)
         window = math.ceil(WINDOW_INTERVALS * config.sync_load_interval / TICK_S)
         self.seats = Seats(
-            fleet.workers, remote, config.queue_seat_factor, config.max_concurrent,
+            fleet.workers, remote, config.queue_spare_seats, config.max_concurrent,
             config.queue_replica_slack, window,
         )  # fmt: skip
         self.stats = QueueStats(self.tenants, stats_registry)  # type: ignore[arg-type]

@@ -29,7 +29,8 @@ def _queue(
     seats: dict[str, int], affinity: dict[str, Mapping[str, float]] | None = None,
     remote: dict[str, int] | None = None, **config: Any,
 ) -> tuple[FleetQueue, ManualClock]:  # fmt: skip
-    cfg = RouterConfig.model_validate(config)
+    # Seats as given (no spare seat, unless a test asks for one).
+    cfg = RouterConfig.model_validate({"queue_spare_seats": 0, **config})
     fleet = Fleet(cfg, Hooks())
     records = {
         wid: WorkerRecord(
