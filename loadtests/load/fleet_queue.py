@@ -30,12 +30,14 @@ so a retried request's wait and back-off count against its class's objective.
 Per side and load it prints, per class: goodput at SLO (requests/s whose first byte came
 within the class's TTFT objective), SLO attainment (of those sent), TTFT p50, requests
 refused for good (429 on the last try), 429 answers (every try), retried requests and
-requests answered 503 on any try; the fleet's hit rate (the workers' own cached / prompt token counters); Jain's
-index over the tenants' goodput, each divided by its fair share (weight-proportional
-max-min shares of the total goodput, capped at what the tenant sent), so 1.0 is a fair
-split; how far the busiest worker ran past its seats (with `--replicas 2`, the
-replicas' bound); where this tree's queue placed its waiting requests against their best
-predicted worker (`radix_router_queue_placed_total`).
+requests answered 503 on any try; the fleet's hit rate (the workers' own cached /
+prompt token counters); Jain's index over the tenants' goodput, each divided by its fair
+share (weight-proportional max-min shares of the total goodput, capped at what the
+tenant sent), so 1.0 is a fair split; how far the busiest worker ran past its seats
+(with `--replicas 2`, the replicas' bound); where this tree's queue placed its waiting
+requests against their best predicted worker (`radix_router_queue_placed_total`); and
+goodput over the answers' span (to the last good first byte), never above what the
+fleet serves a second.
 """
 
 from __future__ import annotations
