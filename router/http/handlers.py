@@ -211,7 +211,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
-    """A rebuilding worker's progress (router/holdings/kv_feed.py): trusted again once it has
+    """A rebuilding worker's progress (router/holdings/feed_entries.py): trusted again once it has
     removed `needed` blocks since the loss (0: its pool size is not known)."""
     rebuild = feed.rebuild_of(wid) if feed is not None else None
     return None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}
