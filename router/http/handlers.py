@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from router.fleet.workers import Worker
 from router.holdings.kv_feed import KvEventFeed
 from router.holdings.namespace import request_namespace
-from router.holdings.prediction import RouteRequest
 from router.holdings.sessions import session_digest, tenant_of
 from router.http.auth import request_bearer_token
 from router.http.state import (
@@ -117,10 +116,7 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 )
                 routed.pin_ttl = getattr(parsed, "cache_pin_ttl", None) or 0.0
                 routed.prompt_cache_key = cache_key
-            ticket = queue.ticket(
-                tenant, klass,
-                RouteRequest(text, session_key, ids, model or "", namespace),
-            )  # fmt: skip
+            ticket = queue.ticket(tenant, klass, routed.route)
             request[TICKET] = ticket
             async with queue.seat(ticket) as seat:
                 response = await app[PROXY].forward(request, routed, seat)
