@@ -78,15 +78,15 @@ def _inference_handler(endpoint: str, path: str) -> Any:
     # every request, and only inference requests are timed anyway.
     async def handler(request: web.Request) -> web.StreamResponse:
         app = request.app
-        clock, metrics = app[CLOCK], app[METRICS]
+        clock, metrics, config = app[CLOCK], app[METRICS], app[CONFIG]
         start = clock()
         status = 499
         try:
             # The body is read and checked before the request may take a slot: a client
             # trickling its body holds no capacity (shared/serving/body.py).
-            raw, data = await read_request_json(request)
+            raw, data = await read_json(request, config.max_body_bytes, config.body_read_timeout)
             text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
-            session_key = request.headers.get(app[CONFIG].session_header) or getattr(
+            session_key = request.headers.get(config.session_header) or getattr(
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
