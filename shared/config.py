@@ -188,7 +188,7 @@ class RouterConfig(_Frozen):
     # spare keeps the engine's next request waiting in it, so no engine step runs a slot
     # short while the router answers the end of one request with the next; a fixed
     # count, not a share of m, so at m = 256 the router still orders all but one of a
-    # worker's queued requests (loadtests/results/fleet_queue.md, "Seats").
+    # worker's queued requests (loadtests/results/fleet_queue.md, "Final state").
     queue_spare_seats: int = Field(1, ge=0)
     # Deficit round robin: each round gives a backlogged tenant weight x this many
     # requests of credit; it is also how far locality may run ahead of fairness.
