@@ -53,15 +53,31 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# A tenant's weight, and the queue's quantum (requests of credit per weight and round),
+# bounded so that the fleet queue's credit arithmetic stays finite (router/queue/).
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
+MIN_QUANTUM, MAX_QUANTUM = 1e-3, 1e6
+
+
 class TenantConfig(_Frozen):
     """One tenant of the fleet queue (router/queue/): named by its API keys, served in
     proportion to `weight`, refused with 429 past its own bounds (unset: the router's
     `max_queue` and `queue_timeout`)."""
 
     keys: tuple[str, ...] = Field(min_length=1)
-    weight: float = Field(1.0, gt=0)
+    # A share beside the other tenants': finite, and within MIN_WEIGHT..MAX_WEIGHT, as the
+    # queue's credit arithmetic needs (a weight of 1e-320 overflowed its new-round count,
+    # credit / (weight x quantum), to infinity: the queue raised on every freed seat).
+    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT, allow_inf_nan=False)
     max_queue: int | None = Field(None, ge=0)
     max_queue_wait_s: float | None = Field(None, gt=0)
+
+    @field_validator("weight")
+    @classmethod
+    def _weight_floor(cls, v: float) -> float:
+        if v < MIN_WEIGHT:
+            raise ValueError(f"must be at least {MIN_WEIGHT} (a share beside the others')")
+        return v
 
 
 class ClassConfig(_Frozen):
@@ -190,7 +206,7 @@ class RouterConfig(_Frozen):
     queue_seat_factor: float = Field(1.0, gt=0)
     # Deficit round robin: each round gives a backlogged tenant weight x this many
     # requests of credit; it is also how far locality may run ahead of fairness.
-    queue_quantum: float = Field(4.0, gt=0)
+    queue_quantum: float = Field(4.0, ge=MIN_QUANTUM, le=MAX_QUANTUM)
     # A waiting request is urgent once this fraction of its class's TTFT objective has
     # passed: it then takes any free seat, ahead of affinity.
     queue_urgent_fraction: float = Field(0.5, gt=0, le=1)

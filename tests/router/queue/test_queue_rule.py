@@ -236,3 +236,39 @@ def test_a_config_file_error_names_its_line(tmp_path: Path) -> None:
     path.write_text("tenants:\n  a:\n    keys: [k]\n    weight: 0\n")
     with pytest.raises(ConfigError, match=r"tenants\.a\.weight: .*greater than 0.*line 4\)"):
         load_config(RouterConfig, path, environ={})
+
+
+def test_config_bounds_a_weight_and_the_quantum_to_finite_credit() -> None:
+    """A weight (or quantum) of 1e-320 made the new-round count, credit / (weight x
+    quantum), infinite: `math.floor` raised OverflowError on every freed seat, so the
+    queue never handed seats again. An infinite weight starved every other tenant. The
+    config refuses both, naming the key."""
+    for weight in (1e-320, 1e-7, float("inf"), float("nan"), 1e7):
+        with pytest.raises(ConfigError, match=r"tenants\.a\.weight"):
+            load_config(
+                RouterConfig, overrides={"tenants": {"a": {"keys": ["k"], "weight": weight}}},
+                environ={},
+            )  # fmt: skip
+    for quantum in (1e-320, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"queue_quantum"):
+            load_config(RouterConfig, overrides={"queue_quantum": quantum}, environ={})
+
+
+async def test_the_extreme_weights_the_config_allows_still_hand_every_seat() -> None:
+    """At the bounds (MIN_WEIGHT beside MAX_WEIGHT, MIN_QUANTUM) the credit arithmetic
+    stays finite: every waiting request gets the seat in turn, the heavy tenant ahead."""
+    from shared.config import MAX_WEIGHT, MIN_QUANTUM, MIN_WEIGHT
+
+    tenants = {"tiny": {"keys": ["kt"], "weight": MIN_WEIGHT},
+               "huge": {"keys": ["kh"], "weight": MAX_WEIGHT}}  # fmt: skip
+    queue, _ = _queue({"w0": 1}, tenants=tenants, queue_quantum=MIN_QUANTUM)
+    [runner] = await _fill(queue, 1)
+    waiting = [_ticket(queue, f"tiny{i}", "tiny") for i in range(3)]
+    waiting += [_ticket(queue, f"huge{i}", "huge") for i in range(3)]
+    tasks = [await _enter(queue, t) for t in waiting]
+    order = await _served_order(queue, runner, waiting)
+    assert sorted(order) == sorted(t.request.text for t in waiting), order
+    # (tiny0 may go first: a tenant that starts waiting starts with its quantum of credit)
+    assert order.index("huge2") < order.index("tiny1"), order
+    for task in tasks:
+        task.cancel()
