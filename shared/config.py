@@ -57,6 +57,10 @@ class _Frozen(BaseModel):
 # bounded so that the fleet queue's credit arithmetic stays finite (router/queue/).
 MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
 MIN_QUANTUM, MAX_QUANTUM = 1e-3, 1e6
+# The longest a request may wait in the queue: finite, as its 429's Retry-After is a
+# quarter of it in whole seconds (infinity raised OverflowError there: a 500, not a
+# 429; 1e300 sent a 301-digit header).
+MAX_QUEUE_WAIT_S = 86_400.0
 
 
 class TenantConfig(_Frozen):
@@ -70,7 +74,7 @@ class TenantConfig(_Frozen):
     # credit / (weight x quantum), to infinity: the queue raised on every freed seat).
     weight: float = Field(1.0, gt=0, le=MAX_WEIGHT, allow_inf_nan=False)
     max_queue: int | None = Field(None, ge=0)
-    max_queue_wait_s: float | None = Field(None, gt=0)
+    max_queue_wait_s: float | None = Field(None, gt=0, le=MAX_QUEUE_WAIT_S)
 
     @field_validator("weight")
     @classmethod
@@ -194,7 +198,7 @@ class RouterConfig(_Frozen):
     # `max_queue` waiting and `queue_timeout` seconds (its own bounds in `tenants`).
     max_concurrent: int = Field(1024, ge=1)
     max_queue: int = Field(4096, ge=0)
-    queue_timeout: float = Field(30.0, gt=0)
+    queue_timeout: float = Field(30.0, gt=0, le=MAX_QUEUE_WAIT_S)
     # Tenants by API key (keys in `api_keys` and none: the tenant "default").
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     # Each class's TTFT objective (a class comes from `service_tier` or `priority`).

@@ -252,6 +252,29 @@ def test_config_bounds_a_weight_and_the_quantum_to_finite_credit() -> None:
     for quantum in (1e-320, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match=r"queue_quantum"):
             load_config(RouterConfig, overrides={"queue_quantum": quantum}, environ={})
+    # A wait bound of infinity raised OverflowError computing the 429's Retry-After (a
+    # quarter of it, whole seconds): the client got a 500; 1e300 a 301-digit header.
+    for wait in (float("inf"), 1e300):
+        with pytest.raises(ConfigError, match=r"queue_timeout"):
+            load_config(RouterConfig, overrides={"queue_timeout": wait}, environ={})
+        with pytest.raises(ConfigError, match=r"tenants\.a\.max_queue_wait_s"):
+            load_config(
+                RouterConfig, environ={},
+                overrides={"tenants": {"a": {"keys": ["k"], "max_queue_wait_s": wait}}},
+            )  # fmt: skip
+
+
+async def test_a_refusal_at_the_longest_wait_allowed_is_a_429_with_a_short_header() -> None:
+    from shared.config import MAX_QUEUE_WAIT_S
+
+    queue, _ = _queue({"w0": 1}, max_queue=1, queue_timeout=MAX_QUEUE_WAIT_S)
+    await _fill(queue, 1)
+    waiting = await _enter(queue, _ticket(queue, "a"))
+    with pytest.raises(APIError) as refused:
+        await queue.admit(_ticket(queue, "b"))
+    assert refused.value.status == 429
+    assert refused.value.headers["Retry-After"] == str(int(MAX_QUEUE_WAIT_S / 4))
+    waiting.cancel()
 
 
 async def test_the_extreme_weights_the_config_allows_still_hand_every_seat() -> None:
