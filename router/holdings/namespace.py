@@ -51,6 +51,11 @@ TEXT_TAG = "\x00ns:"
 NS_ID_BASE = 2**31 - 2**16  # ids from here on are namespace tags, not tokens
 ID_TAGS = 4
 TEXT_IN_IDS = NS_ID_BASE - 1  # leads a text key in a tree on ids (router/holdings/room.py)
+# The longest adapter name keyed by its text: the registry's bound on a model name
+# (shared/wire/registry.py). A longer `lora_path` names no adapter a worker has, and was
+# digested whole on the event loop (a 15 MB one: ~75 ms); it is keyed as "too long",
+# apart from the base model's, and the worker answers it as any unknown adapter.
+MAX_NAME_CHARS = 256
 
 
 def namespace_of(
@@ -82,6 +87,8 @@ def request_namespace(parsed: object, renders: bool = True, adapter: bool = Fals
     model = getattr(parsed, "model", None)
     named = model if adapter else None
     if isinstance(lora_path, str) and lora_path:  # SGLang's adapter field
+        if len(lora_path) > MAX_NAME_CHARS:  # no adapter is named so (see MAX_NAME_CHARS)
+            lora_path = "\x00too long"
         named = f"{named or ''}\x00lora_path:{lora_path}"
     template = extra.get("chat_template") if renders else None
     kwargs = extra.get("chat_template_kwargs") if renders else None

@@ -224,7 +224,7 @@ class Proxy:
         if routed.model and not self.fleet.knows_model(routed.model):
             raise APIError(
                 404,
-                f"model {routed.model!r} is not served by this fleet",
+                f"model {routed.model[:256]!r} is not served by this fleet",
                 param="model",
                 code="model_not_found",
             )

@@ -74,7 +74,7 @@ def check_model(request: web.Request, model: str | None, body: dict[str, Any]) -
     served = request.app[STATE].served_model
     if model is not None and model not in (served, request.app[CONFIG].model):
         raise APIError(
-            404, f"the model {model!r} does not exist; this worker serves {served!r}",
+            404, f"the model {model[:256]!r} does not exist; this worker serves {served!r}",
             param="model", code="model_not_found",
         )  # fmt: skip
     adapter = body.get("lora_path")

@@ -137,3 +137,20 @@ def test_the_index_keeps_an_adapters_blocks_out_of_its_base_models() -> None:
         room = Holdings(RouterConfig(tokenizer="sim"), feed)
         held = room.predict(RouteRequest("", tokens=ids, model="m"), FleetView(["w0", "w1"]), 1.0)
         assert held.holdings() == {"w1": Holding(8, 0, "index")}, form
+
+
+def test_a_lora_path_longer_than_any_name_is_keyed_without_digesting_it() -> None:
+    """An SGLang `lora_path` is an adapter's name: past MAX_NAME_CHARS (the registry's
+    bound on a name) it names none, and digesting it cost the event loop ~75 ms for 15
+    MB. Such a request is keyed as "too long" (its text never read), apart from the base
+    model's and from every real adapter's."""
+    from router.holdings.namespace import MAX_NAME_CHARS
+
+    def ns(lora_path: str) -> str:
+        body = {"model": "base", "prompt": "x", "lora_path": lora_path}
+        return request_namespace(CompletionRequest.model_validate(body))
+
+    long_a, long_b = "a" * 1_000_000, "b" * (MAX_NAME_CHARS + 1)
+    assert ns(long_a) == ns(long_b)  # keyed without its text
+    assert ns(long_a) not in (DEFAULT, ns("a"), ns("a" * MAX_NAME_CHARS))
+    assert ns("a" * MAX_NAME_CHARS) != ns("b" * MAX_NAME_CHARS)  # a real name: its own key
