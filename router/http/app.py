@@ -357,11 +357,9 @@ def _host_weight(config: RouterConfig, fleet: Callable[[], Fleet]) -> Callable[[
     return of
 
 
-async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then: readiness 503 at once while still serving for
-    `shutdown_delay` (load balancers stop sending), then refuse new work (503) and let
-    in-flight requests (streams included) finish within `drain_timeout`, and return."""
-    app = create_app(config)
+async def serving_runner(app: web.Application) -> web.AppRunner:
+    """The app's runner, set up as `serve()` serves it (then `bind` it): what the server
+    conformance suite (tests/router/http/test_server_conformance.py) holds to its table."""
     # handler_cancellation: a client that disconnects cancels its handler, which
     # cancels the upstream request and releases its load guard.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
@@ -369,6 +367,15 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     await runner.setup()
     # The inference routes straight from aiohttp's server to the edge (router/http/edge.py).
     install_hot_paths(runner, app[EDGE])
+    return runner
+
+
+async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then: readiness 503 at once while still serving for
+    `shutdown_delay` (load balancers stop sending), then refuse new work (503) and let
+    in-flight requests (streams included) finish within `drain_timeout`, and return."""
+    app = create_app(config)
+    runner = await serving_runner(app)
     # The app and its cleanup_ctx are built: out of every collection from now on. Before
     # the bind, so no request waits on this one full pass; the fleet's first read is
     # frozen too, later (`_settle_gc`), at the cost of a pass over what is young only.
