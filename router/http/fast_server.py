@@ -1,0 +1,289 @@
+"""A listening protocol that serves the simplest inference requests itself and hands
+every other connection to aiohttp (config `fast_hot_paths`, off by default).
+
+A request is served here only when it is, whole, in what the connection has read:
+`POST /v1/chat/completions` or `POST /v1/completions` (that exact target), HTTP/1.1,
+one `Content-Length` no larger than `max_body_bytes`, a `Host`, no `Transfer-Encoding`,
+`Expect`, `Upgrade` or `Content-Encoding`, `Connection` absent or `keep-alive`, at most
+128 headers of at most 8190 bytes a name or value (aiohttp's limits), and nothing after
+it (no pipelined request begun). httptools parses it; the edge and the route's handler
+run as for the hot paths (router/http/edge.py), on a request object that carries what
+they read (`FastRequest`), and aiohttp's own response objects and writer frame the
+answer, so the answer's bytes are aiohttp's.
+
+Anything else (a request split across reads, a parse error, any other route, method,
+version or header) hands the connection over: aiohttp's protocol (with the head
+deadline of shared/serving/http_server.py) takes the transport (`set_protocol`) and is
+fed the current request's bytes from their first, and the connection stays aiohttp's.
+A hand-over never happens while a fast answer is being written: bytes that arrive
+then wait until it is done. tests/router/http/test_server_conformance.py holds both
+ways to one table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import httptools
+from aiohttp import web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.http_writer import HttpVersion11, StreamWriter
+from aiohttp.web_urldispatcher import UrlMappingMatchInfo
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.http.edge import Edge, hot_routes
+from shared.serving.access_log import AccessLog, Guard, serve_logged
+from shared.serving.errors import Handler, error_response_for
+from shared.serving.http_server import KEEPALIVE_S, ProtocolFactory, deadline_protocol
+
+log = logging.getLogger(__name__)
+
+MAX_HEADERS = 128  # aiohttp's server: more is 400
+MAX_FIELD = 8190  # aiohttp's server: a longer header name or value is 400
+_REFUSED = frozenset(
+    (b"transfer-encoding", b"expect", b"upgrade", b"content-encoding", b"te", b"trailer")
+)
+
+
+class _HandOver(Exception):
+    """Raised in a parser callback: this request is aiohttp's."""
+
+
+class _Content:
+    """`request.content` for a body that came whole (shared/serving/body.py reads it)."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def is_eof(self) -> bool:
+        return True
+
+    async def readexactly(self, n: int) -> bytes:
+        assert n == len(self._body)
+        return self._body
+
+
+class FastRequest(dict[str, Any]):
+    """What the edge, the inference handler and aiohttp's responses read of a request."""
+
+    __slots__ = ("_match_info", "_payload_writer", "app", "content", "content_length",
+                 "headers", "path", "transport")  # fmt: skip
+    method = "POST"
+    version = HttpVersion11
+    keep_alive = True
+
+    def __init__(self, path: str, headers: CIMultiDictProxy[str], body: bytes,
+                 match: UrlMappingMatchInfo, writer: StreamWriter,
+                 transport: asyncio.Transport) -> None:  # fmt: skip
+        self.path = path
+        self.headers = headers
+        self.content_length = len(body)
+        self.content = _Content(body)
+        self._match_info = match
+        self.app = match.current_app
+        self._payload_writer = writer
+        self.transport = transport
+
+    @property
+    def raw_path(self) -> str:
+        return self.path
+
+    @property
+    def match_info(self) -> UrlMappingMatchInfo:
+        return self._match_info
+
+    @property
+    def remote(self) -> str | None:
+        peer = self.transport.get_extra_info("peername")
+        return peer[0] if isinstance(peer, (list, tuple)) else None
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        # aiohttp's `Request._prepare_hook`: the app's on_response_prepare signals.
+        for app in self._match_info.apps:
+            if on_prepare := app.on_response_prepare:
+                await on_prepare.send(self, response)
+
+
+class FastProtocol(BaseProtocol):
+    """One connection: fast answers while its requests are simple, aiohttp's after."""
+
+    def __init__(self, hot: dict[bytes, tuple[Handler, UrlMappingMatchInfo]], fallback: Callable[[], asyncio.Protocol],
+                 log: AccessLog, guard: Guard, max_body: int, head_timeout: float, keepalive: float) -> None:  # fmt: skip
+        super().__init__(asyncio.get_running_loop())
+        self._hot, self._fallback, self._log, self._guard = hot, fallback, log, guard
+        self._max_body, self._head_timeout, self._keepalive = max_body, head_timeout, keepalive
+        self._parser = httptools.HttpRequestParser(self)
+        self._read = bytearray()  # bytes read since the current request's first
+        self._pending = bytearray()  # read while a fast answer was being written
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._begun = 0
+        self._done = False
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._length = -1
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm(self._head_timeout)  # a client that sends nothing is late too
+
+    def data_received(self, data: bytes) -> None:
+        if self._task is not None:  # a fast answer is being written: wait for it
+            self._pending += data
+            return
+        self._feed(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+        if self._task is not None:
+            self._task.cancel()  # the client left: as aiohttp's handler_cancellation
+
+    # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        self._begun += 1
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        if (
+            parser.get_method() != b"POST"
+            or self._url not in self._hot
+            or parser.get_http_version() != "1.1"
+            or not parser.should_keep_alive()
+            or len(self._headers) > MAX_HEADERS
+        ):
+            raise _HandOver
+        length, host = -1, False
+        for name, value in self._headers:
+            if len(name) > MAX_FIELD or len(value) > MAX_FIELD:
+                raise _HandOver
+            lower = name.lower()
+            if lower == b"content-length":
+                if length >= 0 or not value.isdigit():
+                    raise _HandOver
+                length = int(value)
+            elif lower == b"host":
+                host = True
+            elif lower in _REFUSED or (lower == b"connection" and value.lower() != b"keep-alive"):
+                raise _HandOver
+        if length < 0 or length > self._max_body or not host:
+            raise _HandOver
+        self._length = length
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._done = True
+
+    # -- the connection's course
+    def _feed(self, data: bytes) -> None:
+        self._disarm()
+        self._read += data
+        try:
+            self._parser.feed_data(data)
+        except (_HandOver, httptools.HttpParserError):
+            return self._hand_over()
+        if not self._done or self._begun > 1:  # split across reads, or pipelined
+            return self._hand_over()
+        transport = self.transport
+        assert transport is not None
+        url = self._url
+        handler, match = self._hot[url]
+        headers = CIMultiDictProxy(
+            CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in self._headers)
+        )
+        body = b"".join(self._body)
+        self._read.clear()
+        self._begun, self._done, self._url, self._headers, self._body = 0, False, b"", [], []
+        writer = StreamWriter(self, self._loop)
+        request = FastRequest(url.decode("ascii"), headers, body, match, writer, transport)
+        self._task = self._loop.create_task(self._answer(request, handler))
+
+    async def _answer(self, request: FastRequest, handler: Handler) -> None:
+        keep = False
+        try:
+            response = await serve_logged(
+                request, handler, self._log, self._guard, error_response_for
+            )  # type: ignore[arg-type]
+            await response.prepare(request)  # type: ignore[arg-type]
+            await response.write_eof()
+            keep = response.keep_alive is not False
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.exception("error answering %s", request.path)
+        finally:
+            self._task = None
+        transport = self.transport
+        if transport is None:
+            return
+        if not keep:
+            transport.close()
+            return
+        pending, self._pending = bytes(self._pending), bytearray()
+        if pending:
+            self._feed(pending)
+        else:
+            self._arm(self._keepalive)  # idle: aiohttp's keep-alive timeout
+
+    def _hand_over(self) -> None:
+        """aiohttp's protocol takes the connection and the current request's bytes."""
+        self._disarm()
+        transport = self.transport
+        if transport is None:
+            return
+        inner = self._fallback()
+        transport.set_protocol(inner)
+        inner.connection_made(transport)
+        if self._paused:  # the transport will tell the new protocol when to go on
+            inner.pause_writing()
+        data, self._read = bytes(self._read), bytearray()
+        self.transport = None
+        if data:
+            inner.data_received(data)
+
+    def _arm(self, seconds: float) -> None:
+        self._timer = self._loop.call_later(seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self.transport is not None and self._task is None:
+            self.transport.close()
+
+
+def fast_protocol(
+    runner: web.AppRunner, edge: Edge, max_body: int, head_timeout: float
+) -> ProtocolFactory:
+    """Each accepted connection's protocol (`bind(protocol=...)`) for `runner`, set up."""
+    server = runner.server
+    assert server is not None, "fast_protocol needs a runner that is set up"
+    hot = {path.encode(): route for path, route in hot_routes(runner.app).items()}
+
+    def fallback() -> asyncio.Protocol:
+        return deadline_protocol(server, head_timeout)
+
+    def protocol() -> asyncio.Protocol:
+        return FastProtocol(
+            hot, fallback, edge.log, edge.guard, max_body, head_timeout, KEEPALIVE_S
+        )
+
+    return protocol
