@@ -423,17 +423,26 @@ from shared.procs import free_port
 from shared.serving.gc_policy import freeze_startup, tune_for_serving
 
 async def main():
-    app = create_app(RouterConfig(worker_urls=(sys.argv[1],), access_log=False))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:  # as serve() does, where the tree has it
-        from router.http.edge import install_hot_paths
-        from router.http.state import EDGE
-        install_hot_paths(runner, app[EDGE])
-    except ImportError:
-        pass
+    fast = {"fast_hot_paths": True} if sys.argv[2] == "fast" else {}
+    config = RouterConfig(worker_urls=(sys.argv[1],), access_log=False, **fast)
+    app = create_app(config)
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:  # as serve() serves it, where the tree has it
+        from router.http.app import serving_protocol, serving_runner
+        from shared.serving.http_server import bind
+        runner = await serving_runner(app)
+        protocol = serving_protocol(runner, config)
+        await bind(runner, "127.0.0.1", port, header_read_timeout=10, protocol=protocol)
+    except ImportError:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            from router.http.edge import install_hot_paths
+            from router.http.state import EDGE
+            install_hot_paths(runner, app[EDGE])
+        except ImportError:
+            pass
+        await web.TCPSite(runner, "127.0.0.1", port).start()
     freeze_startup()
     tune_for_serving()
     print(port, flush=True)
@@ -455,6 +464,7 @@ uvloop.run(main())
 # Layers of the router, by where a function lives (the first that matches): shares of
 # the CPU the profile saw (wrk and the worker are other processes).
 LAYERS = (
+    ("fast server", ("router/http/fast_server",)),
     ("aiohttp server", ("aiohttp/web_", "aiohttp/http_", "aiohttp/streams", "aiohttp/base_protocol",
                         "aiohttp/helpers", "aiosignal", "multidict", "yarl")),
     ("upstream client", ("router/upstream/connection", "router/upstream/pool",
@@ -477,10 +487,12 @@ def layer_of(where: str) -> str:
     return next((name for name, parts in LAYERS if any(p in where for p in parts)), "other")
 
 
-def profile_tree(tree: Path, worker_url: str, args: argparse.Namespace, script: Path) -> dict:
+def profile_tree(
+    tree: Path, worker_url: str, args: argparse.Namespace, script: Path, fast: bool = False
+) -> dict:
     """Per layer: CPU seconds of one profiled run of the router at `tree` under wrk."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _PROFILED, worker_url], cwd=tree, text=True,
+        [sys.executable, "-c", _PROFILED, worker_url, "fast" if fast else "-"], cwd=tree, text=True,
         env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )  # fmt: skip
     assert child.stdin is not None and child.stdout is not None
@@ -514,6 +526,8 @@ def profile_main(args: argparse.Namespace) -> int:
         if args.before_ref:
             trees = {f"@{args.before_ref}": stack.enter_context(checkout(args.before_ref)), **trees}
         seen = {name: profile_tree(tree, worker.url, args, script) for name, tree in trees.items()}
+        if args.fast:
+            seen["fast_hot_paths"] = profile_tree(ROOT, worker.url, args, script, fast=True)
     names = list(seen)
     print("| layer | " + " | ".join(f"{n}: share | {n}: us / request" for n in names) + " |")
     print("|---|" + "---:|---:|" * len(names))
@@ -535,12 +549,13 @@ def profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="the profiled wrk run, seconds")
     p.add_argument("--connections", type=int, default=32, help="wrk keep-alive connections")
     p.add_argument("--before-ref", default=None, help="also profile the router at this git ref")
+    p.add_argument("--fast", action="store_true", help="also this tree with fast_hot_paths on")
 
 
 ROUTER_PROFILE = Command(
     """Where the router's CPU goes, per layer, under wrk (a cProfile with a CPU-time clock).
 
-    python -m loadtests router-profile [--before-ref main] [--seconds 4] [--connections 32]
+    python -m loadtests router-profile [--before-ref main] [--seconds 4] [--connections 32] [--fast]
 
 A router app (`create_app`, on uvloop, served as `serve()` serves it: the hot paths of
 router/http/edge.py installed where the tree has them, start-up frozen out of the
@@ -549,7 +564,8 @@ garbage collector) runs in a child process in front of the zero-cost worker
 child profiles itself with `cProfile.Profile(time.process_time)` (a wall clock put 25-40%
 in socket writes: the process waiting for the kernel, not its CPU). Each function's own
 time is summed into the router's layers (`LAYERS`, by file). With `--before-ref REF` the
-router at REF (a temporary worktree) is profiled first, the same way. Absolute figures
+router at REF (a temporary worktree) is profiled first, the same way; with `--fast`
+this tree again with `fast_hot_paths` on (router/http/fast_server.py). Absolute figures
 include cProfile's own cost (about 4x); the shares are what to compare.
 """,
     profile_arguments,
