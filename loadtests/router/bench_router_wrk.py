@@ -532,7 +532,8 @@ def profile_main(args: argparse.Namespace) -> int:
     print("| layer | " + " | ".join(f"{n}: share | {n}: us / request" for n in names) + " |")
     print("|---|" + "---:|---:|" * len(names))
     first = seen[names[0]]["layers"]
-    for layer in sorted(first, key=lambda k: -first[k]):
+    every = {layer for n in names for layer in seen[n]["layers"]}  # a layer one tree lacks too
+    for layer in sorted(every, key=lambda k: -first.get(k, 0.0)):
         cells = []
         for n in names:
             total = sum(seen[n]["layers"].values())

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
-import httptools
 from aiohttp import web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_writer import HttpVersion11, StreamWriter
@@ -42,14 +42,6 @@ from shared.serving.http_server import KEEPALIVE_S, ProtocolFactory, deadline_pr
 log = logging.getLogger(__name__)
 
 MAX_HEADERS = 128  # aiohttp's server: more is 400
-MAX_FIELD = 8190  # aiohttp's server: a longer header name or value is 400
-_REFUSED = frozenset(
-    (b"transfer-encoding", b"expect", b"upgrade", b"content-encoding", b"te", b"trailer")
-)
-
-
-class _HandOver(Exception):
-    """Raised in a parser callback: this request is aiohttp's."""
 
 
 class _Content:
@@ -109,25 +101,31 @@ class FastRequest(dict[str, Any]):
                 await on_prepare.send(self, response)
 
 
+# The request a fast answer is for, as one strict pattern over its decoded head (line and
+# headers, the blank line not included): the exact request line, then header lines of a
+# token, a colon and a value of visible characters, spaces and tabs (bytes beyond ASCII
+# allowed, as aiohttp allows them), each ending CRLF. Possessive quantifiers keep it
+# linear on any input. Anything it refuses is aiohttp's to answer, so it errs strict.
+_NAME = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]++"
+_VALUE = r"(?:[^\x00-\x20\x7f]|[ \t]++(?=[^\x00-\x20\x7f]))*+"  # OWS at its ends left out
+_FIELDS = re.compile(rf"({_NAME}):[ \t]*+({_VALUE})[ \t]*+\r\n")
+_HEAD = re.compile(
+    rf"POST (/v1/completions|/v1/chat/completions) HTTP/1\.1\r\n(?:{_NAME}:[ \t]*+{_VALUE}[ \t]*+\r\n)*+"
+)
+MAX_HEAD = 8190  # a longer head is aiohttp's, so no single field can pass its limits
+
+
 class FastProtocol(BaseProtocol):
     """One connection: fast answers while its requests are simple, aiohttp's after."""
 
-    def __init__(self, hot: dict[bytes, tuple[Handler, UrlMappingMatchInfo]], fallback: Callable[[], asyncio.Protocol],
+    def __init__(self, hot: dict[str, tuple[Handler, UrlMappingMatchInfo]], fallback: Callable[[], asyncio.Protocol],
                  log: AccessLog, guard: Guard, max_body: int, head_timeout: float, keepalive: float) -> None:  # fmt: skip
         super().__init__(asyncio.get_running_loop())
         self._hot, self._fallback, self._log, self._guard = hot, fallback, log, guard
         self._max_body, self._head_timeout, self._keepalive = max_body, head_timeout, keepalive
-        self._parser = httptools.HttpRequestParser(self)
-        self._read = bytearray()  # bytes read since the current request's first
         self._pending = bytearray()  # read while a fast answer was being written
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._begun = 0
-        self._done = False
-        self._url = b""
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._body: list[bytes] = []
-        self._length = -1
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -146,71 +144,19 @@ class FastProtocol(BaseProtocol):
         if self._task is not None:
             self._task.cancel()  # the client left: as aiohttp's handler_cancellation
 
-    # -- httptools callbacks
-    def on_message_begin(self) -> None:
-        self._begun += 1
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        parser = self._parser
-        if (
-            parser.get_method() != b"POST"
-            or self._url not in self._hot
-            or parser.get_http_version() != "1.1"
-            or not parser.should_keep_alive()
-            or len(self._headers) > MAX_HEADERS
-        ):
-            raise _HandOver
-        length, host = -1, False
-        for name, value in self._headers:
-            if len(name) > MAX_FIELD or len(value) > MAX_FIELD:
-                raise _HandOver
-            lower = name.lower()
-            if lower == b"content-length":
-                if length >= 0 or not value.isdigit():
-                    raise _HandOver
-                length = int(value)
-            elif lower == b"host":
-                host = True
-            elif lower in _REFUSED or (lower == b"connection" and value.lower() != b"keep-alive"):
-                raise _HandOver
-        if length < 0 or length > self._max_body or not host:
-            raise _HandOver
-        self._length = length
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        self._done = True
-
     # -- the connection's course
     def _feed(self, data: bytes) -> None:
+        """`data` holds exactly one simple request: answer it; else hand over."""
         self._disarm()
-        self._read += data
-        try:
-            self._parser.feed_data(data)
-        except (_HandOver, httptools.HttpParserError):
-            return self._hand_over()
-        if not self._done or self._begun > 1:  # split across reads, or pipelined
-            return self._hand_over()
+        found = _simple(data, self._max_body)
+        if found is None:
+            return self._hand_over(data)
+        path, headers, body = found
         transport = self.transport
         assert transport is not None
-        url = self._url
-        handler, match = self._hot[url]
-        headers = CIMultiDictProxy(
-            CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in self._headers)
-        )
-        body = b"".join(self._body)
-        self._read.clear()
-        self._begun, self._done, self._url, self._headers, self._body = 0, False, b"", [], []
+        handler, match = self._hot[path]
         writer = StreamWriter(self, self._loop)
-        request = FastRequest(url.decode("ascii"), headers, body, match, writer, transport)
+        request = FastRequest(path, headers, body, match, writer, transport)
         self._task = self._loop.create_task(self._answer(request, handler))
 
     async def _answer(self, request: FastRequest, handler: Handler) -> None:
@@ -240,8 +186,8 @@ class FastProtocol(BaseProtocol):
         else:
             self._arm(self._keepalive)  # idle: aiohttp's keep-alive timeout
 
-    def _hand_over(self) -> None:
-        """aiohttp's protocol takes the connection and the current request's bytes."""
+    def _hand_over(self, data: bytes) -> None:
+        """aiohttp's protocol takes the connection and `data`, the current request's bytes."""
         self._disarm()
         transport = self.transport
         if transport is None:
@@ -251,7 +197,6 @@ class FastProtocol(BaseProtocol):
         inner.connection_made(transport)
         if self._paused:  # the transport will tell the new protocol when to go on
             inner.pause_writing()
-        data, self._read = bytes(self._read), bytearray()
         self.transport = None
         if data:
             inner.data_received(data)
@@ -270,13 +215,47 @@ class FastProtocol(BaseProtocol):
             self.transport.close()
 
 
+def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDictProxy[str], bytes] | None:
+    """(path, headers, body) where `data` is exactly one request a fast answer may take
+    (the module's rule), else None."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or end > MAX_HEAD:
+        return None
+    # As aiohttp decodes a head (UTF-8, undecodable bytes kept as surrogates).
+    head = data[: end + 2].decode("utf-8", "surrogateescape")
+    line = _HEAD.fullmatch(head)
+    if line is None:
+        return None
+    fields = _FIELDS.findall(head, line.end(1) + 11)
+    if len(fields) > MAX_HEADERS:
+        return None
+    headers = CIMultiDict(fields)
+    lengths = headers.getall("Content-Length", ())
+    if len(lengths) != 1 or len(headers.getall("Host", ())) != 1:
+        return None
+    length = lengths[0]
+    if not (length.isascii() and length.isdigit()) or int(length) > max_body:
+        return None
+    if end + 4 + int(length) != len(data):  # the body split across reads, or more after it
+        return None
+    connection = headers.get("Connection")
+    if connection is not None and connection.lower() != "keep-alive":
+        return None
+    if (
+        "Transfer-Encoding" in headers or "Expect" in headers or "Upgrade" in headers
+        or "Content-Encoding" in headers or "TE" in headers or "Trailer" in headers
+    ):  # fmt: skip
+        return None
+    return line[1], CIMultiDictProxy(headers), data[end + 4 :]
+
+
 def fast_protocol(
     runner: web.AppRunner, edge: Edge, max_body: int, head_timeout: float
 ) -> ProtocolFactory:
     """Each accepted connection's protocol (`bind(protocol=...)`) for `runner`, set up."""
     server = runner.server
     assert server is not None, "fast_protocol needs a runner that is set up"
-    hot = {path.encode(): route for path, route in hot_routes(runner.app).items()}
+    hot = hot_routes(runner.app)
 
     def fallback() -> asyncio.Protocol:
         return deadline_protocol(server, head_timeout)

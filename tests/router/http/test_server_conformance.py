@@ -31,6 +31,7 @@ from router.http.app import create_app, serving_protocol, serving_runner
 from shared.config import RouterConfig
 from shared.serving.http_server import bind
 from tests.router.conftest import StartWorkers, url_of
+from tests.router.fakes import FakeWorker
 from tests.router.raw_client import Answer, Exchange, exchange
 
 SERVERS = ["aiohttp", "fast"]  # config fast_hot_paths off / on
@@ -112,6 +113,9 @@ CASES: dict[str, Case] = {
     "chunked-trailer": Case([chunked_post(chunks(OK_BODY, end=b"0\r\nX-T: 1\r\n\r\n"))], (OK,), "reusable"),
     "no-body": Case([b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n\r\n"], (BAD_JSON,), "reusable"),
     "empty-body": Case([post(body=b"")], (BAD_JSON,), "reusable"),
+    "content-length-leading-zeros": Case([post().replace(b"Length: 52", b"Length: 0052")], (OK,), "reusable"),
+    "two-hosts": Case([post(extra=b"Host: other\r\n")], (TEXT_400,), "closed"),
+    "empty-and-padded-values": Case([post(extra=b"X-A:\r\nX-B: \t a \t b \t\r\n")], (OK,), "reusable"),
     "get-with-a-body": Case([b"GET /health HTTP/1.1\r\nHost: router\r\nContent-Length: 3\r\n\r\nabc"], (Want(200, "health"),), "reusable"),
     # -- connections
     "pipelined": Case([post(extra=b"x-request-id: a\r\n") + post(extra=b"x-request-id: b\r\n")], (Want(200, rid="a"), Want(200, rid="b")), "reusable"),
@@ -202,6 +206,7 @@ CASES: dict[str, Case] = {
 class Served:
     host: str
     port: int
+    worker: FakeWorker | None = None
 
 
 async def start_served(kind: str, config: RouterConfig) -> tuple[Served, Any]:
@@ -218,13 +223,13 @@ async def start_served(kind: str, config: RouterConfig) -> tuple[Served, Any]:
 async def served(
     request: pytest.FixtureRequest, fake_workers: StartWorkers
 ) -> AsyncIterator[Served]:
-    [(_, worker)] = await fake_workers("ok", stream_chunks=3, chunk_delay=0.05)
+    [(fake, worker)] = await fake_workers("ok", stream_chunks=3, chunk_delay=0.05)
     config = RouterConfig(
         worker_urls=(url_of(worker),), host="127.0.0.1", max_body_bytes=BODY_LIMIT,
         header_read_timeout=HEAD_DEADLINE,
     )  # fmt: skip
     server, stop = await start_served(request.param, config)
-    yield server
+    yield Served(server.host, server.port, fake)
     await stop()
 
 
@@ -316,3 +321,18 @@ async def test_a_client_that_closes_mid_chunked_body(served: Served) -> None:
 
 async def test_a_client_that_closes_mid_stream(served: Served) -> None:
     await _others_unharmed(served, [post(body=STREAM_BODY), ("sleep", 0.07), "close"])
+
+
+async def test_the_worker_sees_the_same_headers(served: Served) -> None:
+    """Header values as aiohttp decodes them (UTF-8, other bytes surrogate-escaped and so
+    not forwarded), without the whitespace around them; the session header routes."""
+    extra = (
+        b"User-Agent: caf\xc3\xa9 \xe2\x98\x95\r\nAccept: \t a \t\r\n"
+        b"traceparent: \xff\xfe\r\nx-session-id: s\xc3\xa9s\r\nx-request-id: r-1\r\n"
+    )
+    got = await exchange(served.host, served.port, [post(extra=extra)], want=1)
+    check(got.answers[0], Want(200, rid="r-1"))
+    assert served.worker is not None
+    seen = served.worker.headers_seen[-1]
+    assert (seen["User-Agent"], seen["Accept"], seen["x-session-id"]) == ("café ☕", "a", "sés")
+    assert "traceparent" not in seen and seen["X-Request-ID"] == "r-1"
