@@ -42,6 +42,7 @@ from shared.serving.http_server import KEEPALIVE_S, ProtocolFactory, deadline_pr
 log = logging.getLogger(__name__)
 
 MAX_HEADERS = 128  # aiohttp's server: more is 400
+MAX_PENDING = 65536  # bytes read during an answer before reading pauses
 
 
 class _Content:
@@ -125,16 +126,23 @@ class FastProtocol(BaseProtocol):
         self._max_body, self._head_timeout, self._keepalive = max_body, head_timeout, keepalive
         self._pending = bytearray()  # read while a fast answer was being written
         self._task: asyncio.Task[None] | None = None
+        # One timer a connection, re-armed lazily: it closes the connection once it has
+        # been idle `_limit` seconds (the head deadline until a first answer, then
+        # aiohttp's keep-alive timeout), not a timer handle per request.
         self._timer: asyncio.TimerHandle | None = None
+        self._idle_since = self._loop.time()
+        self._limit = head_timeout
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._arm(self._head_timeout)  # a client that sends nothing is late too
+        self._arm(self._limit)  # a client that sends nothing is late too
 
     def data_received(self, data: bytes) -> None:
         if self._task is not None:  # a fast answer is being written: wait for it
             self._pending += data
+            if len(self._pending) > MAX_PENDING and self.transport is not None:
+                self.transport.pause_reading()  # resumed when the answer is written
             return
         self._feed(data)
 
@@ -147,7 +155,6 @@ class FastProtocol(BaseProtocol):
     # -- the connection's course
     def _feed(self, data: bytes) -> None:
         """`data` holds exactly one simple request: answer it; else hand over."""
-        self._disarm()
         found = _simple(data, self._max_body)
         if found is None:
             return self._hand_over(data)
@@ -181,10 +188,13 @@ class FastProtocol(BaseProtocol):
             transport.close()
             return
         pending, self._pending = bytes(self._pending), bytearray()
+        if len(pending) > MAX_PENDING:
+            transport.resume_reading()
+        self._idle_since, self._limit = self._loop.time(), self._keepalive
         if pending:
             self._feed(pending)
-        else:
-            self._arm(self._keepalive)  # idle: aiohttp's keep-alive timeout
+        elif self._timer is None:
+            self._arm(self._limit)
 
     def _hand_over(self, data: bytes) -> None:
         """aiohttp's protocol takes the connection and `data`, the current request's bytes."""
@@ -211,7 +221,12 @@ class FastProtocol(BaseProtocol):
 
     def _expire(self) -> None:
         self._timer = None
-        if self.transport is not None and self._task is None:
+        if self.transport is None:
+            return
+        left = self._limit - (self._loop.time() - self._idle_since)
+        if self._task is not None or left > 0.001:  # busy, or not idle that long yet
+            self._arm(left if self._task is None else self._limit)
+        else:
             self.transport.close()
 
 

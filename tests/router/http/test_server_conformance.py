@@ -198,6 +198,7 @@ CASES: dict[str, Case] = {
     "non-ascii-query": Case([post(path=b"/v1/completions?x=\xc3\xa9")], (TEXT_400,), "closed"),
     "non-utf8-body": Case([post(body=b'{"prompt": "\xff\xfe"}')], (Want(400, "openai", error=BAD_JSON.error),), "reusable"),
     # -- time
+    "silent-client": Case([("sleep", 2 * HEAD_DEADLINE)], (), "closed"),
     "slow-headers": Case([HEAD[:40], ("sleep", 2 * HEAD_DEADLINE), HEAD[40:] + OK_BODY], (), "closed"),
 }  # fmt: skip
 
