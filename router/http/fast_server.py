@@ -169,9 +169,12 @@ class FastProtocol(BaseProtocol):
     async def _answer(self, request: FastRequest, handler: Handler) -> None:
         keep = False
         try:
-            response = await serve_logged(
-                request, handler, self._log, self._guard, error_response_for
-            )  # type: ignore[arg-type]
+            try:
+                response = await serve_logged(
+                    request, handler, self._log, self._guard, error_response_for
+                )  # type: ignore[arg-type]
+            except web.HTTPException as exc:  # what the edge lets through: aiohttp sends it
+                response = exc
             await response.prepare(request)  # type: ignore[arg-type]
             await response.write_eof()
             keep = response.keep_alive is not False
