@@ -32,7 +32,7 @@ from aiohttp import web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_writer import HttpVersion11, StreamWriter
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from router.http.edge import Edge, hot_routes
 from shared.serving.access_log import AccessLog, Guard, serve_logged
@@ -41,6 +41,8 @@ from shared.serving.http_server import KEEPALIVE_S, ProtocolFactory, deadline_pr
 
 log = logging.getLogger(__name__)
 
+# A hot route: its handler, its match (request.match_info) and the on_response_prepare hooks.
+Route = tuple[Handler, UrlMappingMatchInfo, tuple[Callable[..., Any], ...]]
 MAX_HEADERS = 128  # aiohttp's server: more is 400
 MAX_PENDING = 65536  # bytes read during an answer before reading pauses
 
@@ -64,19 +66,19 @@ class _Content:
 class FastRequest(dict[str, Any]):
     """What the edge, the inference handler and aiohttp's responses read of a request."""
 
-    __slots__ = ("_match_info", "_payload_writer", "app", "content", "content_length",
+    __slots__ = ("_hooks", "_match_info", "_payload_writer", "app", "content", "content_length",
                  "headers", "path", "transport")  # fmt: skip
     method = "POST"
     version = HttpVersion11
     keep_alive = True
 
-    def __init__(self, path: str, headers: CIMultiDictProxy[str], body: bytes,
-                 match: UrlMappingMatchInfo, writer: StreamWriter,
-                 transport: asyncio.Transport) -> None:  # fmt: skip
+    def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, route: Route,
+                 writer: StreamWriter, transport: asyncio.Transport) -> None:  # fmt: skip
         self.path = path
         self.headers = headers
         self.content_length = len(body)
         self.content = _Content(body)
+        _, match, self._hooks = route
         self._match_info = match
         self.app = match.current_app
         self._payload_writer = writer
@@ -96,10 +98,9 @@ class FastRequest(dict[str, Any]):
         return peer[0] if isinstance(peer, (list, tuple)) else None
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
-        # aiohttp's `Request._prepare_hook`: the app's on_response_prepare signals.
-        for app in self._match_info.apps:
-            if on_prepare := app.on_response_prepare:
-                await on_prepare.send(self, response)
+        # aiohttp's `Request._prepare_hook`: the apps' on_response_prepare receivers.
+        for hook in self._hooks:
+            await hook(self, response)
 
 
 # The request a fast answer is for, as one strict pattern over its decoded head (line and
@@ -119,7 +120,7 @@ MAX_HEAD = 8190  # a longer head is aiohttp's, so no single field can pass its l
 class FastProtocol(BaseProtocol):
     """One connection: fast answers while its requests are simple, aiohttp's after."""
 
-    def __init__(self, hot: dict[str, tuple[Handler, UrlMappingMatchInfo]], fallback: Callable[[], asyncio.Protocol],
+    def __init__(self, hot: dict[str, Route], fallback: Callable[[], asyncio.Protocol],
                  log: AccessLog, guard: Guard, max_body: int, head_timeout: float, keepalive: float) -> None:  # fmt: skip
         super().__init__(asyncio.get_running_loop())
         self._hot, self._fallback, self._log, self._guard = hot, fallback, log, guard
@@ -161,10 +162,10 @@ class FastProtocol(BaseProtocol):
         path, headers, body = found
         transport = self.transport
         assert transport is not None
-        handler, match = self._hot[path]
+        route = self._hot[path]
         writer = StreamWriter(self, self._loop)
-        request = FastRequest(path, headers, body, match, writer, transport)
-        self._task = self._loop.create_task(self._answer(request, handler))
+        request = FastRequest(path, headers, body, route, writer, transport)
+        self._task = self._loop.create_task(self._answer(request, route[0]))
 
     async def _answer(self, request: FastRequest, handler: Handler) -> None:
         keep = False
@@ -233,7 +234,7 @@ class FastProtocol(BaseProtocol):
             self.transport.close()
 
 
-def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDictProxy[str], bytes] | None:
+def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] | None:
     """(path, headers, body) where `data` is exactly one request a fast answer may take
     (the module's rule), else None."""
     end = data.find(b"\r\n\r\n")
@@ -264,7 +265,7 @@ def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDictProxy[str], byt
         or "Content-Encoding" in headers or "TE" in headers or "Trailer" in headers
     ):  # fmt: skip
         return None
-    return line[1], CIMultiDictProxy(headers), data[end + 4 :]
+    return line[1], headers, data[end + 4 :]
 
 
 def fast_protocol(
@@ -273,7 +274,11 @@ def fast_protocol(
     """Each accepted connection's protocol (`bind(protocol=...)`) for `runner`, set up."""
     server = runner.server
     assert server is not None, "fast_protocol needs a runner that is set up"
-    hot = hot_routes(runner.app)
+    # The apps' on_response_prepare receivers, read once: the app is frozen by now.
+    hot = {
+        path: (handler, match, tuple(h for app in match.apps for h in app.on_response_prepare))
+        for path, (handler, match) in hot_routes(runner.app).items()
+    }
 
     def fallback() -> asyncio.Protocol:
         return deadline_protocol(server, head_timeout)
