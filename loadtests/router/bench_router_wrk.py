@@ -9,7 +9,7 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
         [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero] [--unsynced] \\
-        [--floor] [--fast]
+        [--floor] [--aiohttp-server]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/kit.py`) as one more target, so a change's price is measured side by side;
@@ -19,8 +19,9 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 which on 2 cores sets the pace of every target); `--rounds N` repeats each target's run
 N times, the order flipped every round, and prints medians and ratios to sglang-router.
 
-`--fast` adds a router x1 with `fast_hot_paths` on (router/http/fast_server.py: the
-simplest inference requests served by the router's own protocol). `--floor` adds two servers that route nothing and answer every POST with the zero-cost
+`--aiohttp-server` adds a router x1 with `fast_hot_paths` off: aiohttp's server for every
+request, where the router's own protocol (router/http/fast_server.py, on by default)
+serves the simplest inference requests. `--floor` adds two servers that route nothing and answer every POST with the zero-cost
 worker's fixed completion (`FLOORS`, below): aiohttp's low-level `web.Server` (its
 protocol, C parser, request and response objects: the server layer the router runs
 on) and a bare `asyncio.Protocol` with httptools' parser on uvloop (what a hand-written
@@ -172,8 +173,8 @@ def start_targets(
         router(f"router x{args.processes}, no sync", args.processes, sync=False)
     for client in args.upstream_clients:
         router(f"router x1 ({client} client)", 1, env={"RADIX_ROUTER_UPSTREAM_CLIENT": client})
-    if args.fast:
-        router("router x1, fast_hot_paths", 1, env={"RADIX_ROUTER_FAST_HOT_PATHS": "true"})
+    if args.aiohttp_server:
+        router("router x1, aiohttp server", 1, env={"RADIX_ROUTER_FAST_HOT_PATHS": "false"})
     if args.floor:
         for kind in FLOORS:
             port = free_port()
@@ -239,8 +240,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
     p.add_argument(
-        "--fast", action="store_true",
-        help="also a router x1 with fast_hot_paths on (router/http/fast_server.py)",
+        "--aiohttp-server", action="store_true",
+        help="also a router x1 with fast_hot_paths off (aiohttp's server for every request)",
     )  # fmt: skip
     p.add_argument(
         "--floor", action="store_true",
@@ -423,7 +424,7 @@ from shared.procs import free_port
 from shared.serving.gc_policy import freeze_startup, tune_for_serving
 
 async def main():
-    fast = {"fast_hot_paths": True} if sys.argv[2] == "fast" else {}
+    fast = {"fast_hot_paths": False} if sys.argv[2] == "aiohttp" else {}
     config = RouterConfig(worker_urls=(sys.argv[1],), access_log=False, **fast)
     app = create_app(config)
     port = free_port()
@@ -488,11 +489,11 @@ def layer_of(where: str) -> str:
 
 
 def profile_tree(
-    tree: Path, worker_url: str, args: argparse.Namespace, script: Path, fast: bool = False
+    tree: Path, worker_url: str, args: argparse.Namespace, script: Path, aiohttp: bool = False
 ) -> dict:
     """Per layer: CPU seconds of one profiled run of the router at `tree` under wrk."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _PROFILED, worker_url, "fast" if fast else "-"], cwd=tree, text=True,
+        [sys.executable, "-c", _PROFILED, worker_url, "aiohttp" if aiohttp else "-"], cwd=tree, text=True,
         env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )  # fmt: skip
     assert child.stdin is not None and child.stdout is not None
@@ -526,8 +527,8 @@ def profile_main(args: argparse.Namespace) -> int:
         if args.before_ref:
             trees = {f"@{args.before_ref}": stack.enter_context(checkout(args.before_ref)), **trees}
         seen = {name: profile_tree(tree, worker.url, args, script) for name, tree in trees.items()}
-        if args.fast:
-            seen["fast_hot_paths"] = profile_tree(ROOT, worker.url, args, script, fast=True)
+        if args.aiohttp_server:
+            seen["aiohttp server"] = profile_tree(ROOT, worker.url, args, script, aiohttp=True)
     names = list(seen)
     print("| layer | " + " | ".join(f"{n}: share | {n}: us / request" for n in names) + " |")
     print("|---|" + "---:|---:|" * len(names))
@@ -550,13 +551,15 @@ def profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="the profiled wrk run, seconds")
     p.add_argument("--connections", type=int, default=32, help="wrk keep-alive connections")
     p.add_argument("--before-ref", default=None, help="also profile the router at this git ref")
-    p.add_argument("--fast", action="store_true", help="also this tree with fast_hot_paths on")
+    p.add_argument(
+        "--aiohttp-server", action="store_true", help="also this tree with fast_hot_paths off"
+    )
 
 
 ROUTER_PROFILE = Command(
     """Where the router's CPU goes, per layer, under wrk (a cProfile with a CPU-time clock).
 
-    python -m loadtests router-profile [--before-ref main] [--seconds 4] [--connections 32] [--fast]
+    python -m loadtests router-profile [--before-ref main] [--seconds 4] [--connections 32] [--aiohttp-server]
 
 A router app (`create_app`, on uvloop, served as `serve()` serves it: the hot paths of
 router/http/edge.py installed where the tree has them, start-up frozen out of the
@@ -565,8 +568,9 @@ garbage collector) runs in a child process in front of the zero-cost worker
 child profiles itself with `cProfile.Profile(time.process_time)` (a wall clock put 25-40%
 in socket writes: the process waiting for the kernel, not its CPU). Each function's own
 time is summed into the router's layers (`LAYERS`, by file). With `--before-ref REF` the
-router at REF (a temporary worktree) is profiled first, the same way; with `--fast`
-this tree again with `fast_hot_paths` on (router/http/fast_server.py). Absolute figures
+router at REF (a temporary worktree) is profiled first, the same way; with
+`--aiohttp-server` this tree again with `fast_hot_paths` off (router/http/fast_server.py
+not in front). Absolute figures
 include cProfile's own cost (about 4x); the shares are what to compare.
 """,
     profile_arguments,

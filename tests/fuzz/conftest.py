@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from router.http.app import create_app as create_router
 from shared.config import RouterConfig, WorkerConfig
-from tests.router.conftest import FAST_BY_DEFAULT, ServedTestServer
+from tests.router.conftest import ServedTestServer
 from worker.backends import build_engine
 from worker.http.app import create_app as create_worker
 from worker.http.state import STATE
@@ -41,10 +41,7 @@ async def start_worker(config: WorkerConfig) -> TestServer:
 
 
 async def start_router(config: RouterConfig) -> TestServer:
-    """The router as `serve()` serves it (tests/router/conftest.py `ServedTestServer`);
-    RADIX_TEST_FAST_HOT_PATHS=1: with `fast_hot_paths` on."""
-    if FAST_BY_DEFAULT:
-        config = config.model_copy(update={"fast_hot_paths": True})
+    """The router as `serve()` serves it (tests/router/conftest.py `ServedTestServer`)."""
     server = ServedTestServer(create_router(config), host="127.0.0.1")
     await server.start_server()
     return server

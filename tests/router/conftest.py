@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -44,11 +43,6 @@ async def fake_workers() -> AsyncIterator[StartWorkers]:
         await server.close()
 
 
-# RADIX_TEST_FAST_HOT_PATHS=1 runs every router test's router with `fast_hot_paths` on
-# (router/http/fast_server.py) unless the test says otherwise.
-FAST_BY_DEFAULT = os.environ.get("RADIX_TEST_FAST_HOT_PATHS") == "1"
-
-
 class ServedTestServer(TestServer):
     """aiohttp's test server, listening as `serve()` listens (router/http/app.py): the
     hot paths, the head deadline, and the router's own protocol where the config's
@@ -78,7 +72,8 @@ async def start_router() -> AsyncIterator[StartRouter]:
         hot_paths: bool = True,
         **overrides: Any,
     ) -> TestClient:
-        overrides.setdefault("fast_hot_paths", FAST_BY_DEFAULT and hot_paths)
+        if not hot_paths:  # the app's router for every request
+            overrides["fast_hot_paths"] = False
         config = RouterConfig(worker_urls=tuple(urls), host="127.0.0.1", **overrides)
         app = create_app(config, sync=sync, clock=clock)
         if config.fast_hot_paths:  # served as `serve()` serves it, the own protocol in front

@@ -3,11 +3,14 @@ against every implementation in `SERVERS`: the same client bytes must get the sa
 answers (status, HTTP version, framing, the OpenAI error shape where the router
 answers) and leave the connection in the same state.
 
-Today there is one: the router as `serve()` serves it (aiohttp's server, the hot paths
-of router/http/edge.py, the head deadline of shared/serving/http_server.py). The table
-is what aiohttp does, recorded case by case; a hand-written server for the hot routes
-(issue 34) may replace it only where it passes this table unchanged (the house rule for
-protocol code written by hand, as tests/router/upstream/test_transport_conformance.py
+Both are the router as `serve()` serves it (router/http/app.py `serving_runner` and
+`serving_protocol`): "aiohttp" is aiohttp's server for every request (the hot paths of
+router/http/edge.py, the head deadline of shared/serving/http_server.py; config
+`fast_hot_paths: false`), "fast" the router's own protocol for the simplest inference
+requests in front of it (router/http/fast_server.py, the default). The table is what
+aiohttp does, recorded case by case before the own protocol was written; the own
+protocol may serve the router only while it passes this table unchanged (the house rule
+for protocol code written by hand, as tests/router/upstream/test_transport_conformance.py
 holds the upstream client).
 
 A case is the bytes a client writes (tests/router/raw_client.py: sleeps and a close
