@@ -92,23 +92,21 @@ class Seats:
         return self._room(worker_id)
 
     def _room(self, worker_id: str) -> bool:
-        seats = self.seats(worker_id)
-        if seats is None:
-            return True
-        if self.occupied(worker_id) >= seats:
+        # `seats` and `occupied` inlined: this runs on every seat taken and given.
+        worker = self._workers.get(worker_id)
+        most = worker.report.max_running_requests if worker is not None else 0
+        if most <= 0:
+            return True  # unbounded
+        seats = math.ceil(most * self.factor)
+        held = self.held.get(worker_id, 0)
+        if held + (self._remote().get(worker_id, 0) if self.replicas else 0) >= seats:
             return False
-        return not self.replicas or self.held.get(worker_id, 0) < self.ceiling(worker_id, seats)
+        return not self.replicas or held < self.ceiling(worker_id, seats)
 
     def ceiling(self, worker_id: str, seats: int) -> int:
         """floor(w) + slack(w): the most this replica may hold on w now."""
         floor = min(self._floor.get(worker_id, 0), self._low.get(worker_id, 0))
         return floor + max(1, math.ceil(seats * self.slack))
-
-    def _note(self, worker_id: str) -> None:
-        if self._room(worker_id):
-            self.full.discard(worker_id)
-        else:
-            self.full.add(worker_id)
 
     def refresh(self) -> None:
         """Re-read every worker's seats (the queue's tick: replicas' counts, heartbeats),
@@ -135,7 +133,10 @@ class Seats:
     def take(self, worker_id: str) -> None:
         self.held[worker_id] = self.held.get(worker_id, 0) + 1
         self.total += 1
-        self._note(worker_id)
+        if not self._room(worker_id):  # (`_note`, inlined: every seat taken)
+            self.full.add(worker_id)
+        elif self.full:
+            self.full.discard(worker_id)
 
     def give(self, worker_id: str) -> None:
         left = self.held[worker_id] - 1
@@ -146,7 +147,10 @@ class Seats:
         if self.replicas and left < self._low.get(worker_id, 0):
             self._low[worker_id] = left
         self.total -= 1
-        self._note(worker_id)
+        if not self._room(worker_id):  # (`_note`, inlined: every seat given)
+            self.full.add(worker_id)
+        elif self.full:
+            self.full.discard(worker_id)
 
     def describe(self, worker_id: str) -> dict[str, int | None]:
         """The seat figures /workers shows for a worker."""

@@ -85,7 +85,7 @@ class Routed:
 
     __slots__ = (
         "body", "cache_key", "endpoint", "model", "namespace", "path", "pin_ttl", "priority",
-        "prompt_cache_key", "session_key", "stream",
+        "prompt_cache_key", "route", "session_key", "stream",
         "text",
         "tokens",
     )  # fmt: skip
@@ -109,6 +109,9 @@ class Routed:
         # has its own `priority`, or names no class.
         self.priority = priority
         self.namespace = namespace  # its cache namespace (router/holdings/namespace.py)
+        # What the policy and the fleet queue read of it: built once, shared by the
+        # queue's ticket and every try's decision (`Proxy._select`).
+        self.route = RouteRequest(text, session_key, tokens, model or "", namespace)
         # The tenant-namespaced digest of `prompt_cache_key` (router/holdings/sessions.py).
         self.cache_key: bytes | None = None
         self.pin_ttl = 0.0  # its `cache_pin_ttl` (the session rule's rule 3)
@@ -175,9 +178,7 @@ class Proxy:
         view = self.fleet.view(now, routed.model, exclude=tried)
         if not view:
             return None
-        request = RouteRequest(
-            routed.text, routed.session_key, routed.tokens, routed.model or "", routed.namespace
-        )
+        request = routed.route
         if routed.cache_key is None:
             decision = self.routing.select(request, view, now)
         else:  # a prompt_cache_key session (router/holdings/sessions.py)

@@ -24,6 +24,8 @@ from pydantic_core import PydanticCustomError
 from shared.wire.known_fields import KNOWN_EXTRA
 
 UNRECOGNIZED = "unrecognized_argument"  # the error type `validation_error` names
+# Per request class, every top-level field it accepts (its own and KNOWN_EXTRA's).
+_KNOWN_NAMES: dict[type, frozenset[str]] = {}
 
 
 class _Lenient(BaseModel):
@@ -133,6 +135,12 @@ class _Sampling(_Lenient):
     def _refuse_unrecognized(cls, data: Any) -> Any:
         """An unknown top-level field is an error naming it (and the nearest known one)."""
         if isinstance(data, dict):
+            known = _KNOWN_NAMES.get(cls)
+            if known is None:  # once per class: `model_fields` is a property per read
+                known = frozenset(cls.model_fields) | KNOWN_EXTRA[cls.wire_endpoint]
+                _KNOWN_NAMES[cls] = known
+            if known.issuperset(data):  # every request but a bad one: one C call
+                return data
             extra = KNOWN_EXTRA[cls.wire_endpoint]
             for name in data:
                 if name not in cls.model_fields and name not in extra:
