@@ -36,7 +36,7 @@ decoded: an old epoch's entries cost a few field reads each. Applying is in step
 generators below yield between them, and the reader, router/holdings/feed_reader.py,
 lets the event loop run there): a step is at most one event's decode (a batch over
 SLICED_BYTES is decoded an event at a time; msgpack holds the GIL, so a thread would not
-free the loop) or one run of RUN_BLOCKS blocks applied to the index.
+free the loop) or one run of RUN_BLOCKS blocks and RUN_TOKENS tokens applied to the index.
 """
 
 from __future__ import annotations
@@ -63,9 +63,13 @@ from shared.wire.kv_events import (
 # A batch larger than this is decoded an event at a time (shared/wire/kv_events.py
 # BatchReader), the loop free between; smaller ones in one call (~1 ms).
 SLICED_BYTES = 64 * 1024
-# Events are applied to the index in runs of up to this many blocks (~1-2 us each), one
-# call a run; the feed may yield between runs. An honest entry is one run.
+# Events are applied to the index in runs of up to this many blocks (~1-2 us each) and
+# tokens, one call a run; the feed may yield between runs. An honest entry is one run.
+# The token bound is RUN_BLOCKS blocks of vLLM's default 16 tokens: without it one event
+# of 4M token ids in large blocks (a heartbeat may name any block size up to 4,096) was
+# one run, ~70-220 ms of the event loop in one index call (measured here, 2 busy cores).
 RUN_BLOCKS = 2048
+RUN_TOKENS = RUN_BLOCKS * 16
 
 
 class FeedBooks(Protocol):
@@ -203,47 +207,55 @@ _EMPTY = _NoIndex(1, 1)
 
 
 def event_runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[list[KVEvent]]:
-    """`events` in runs of up to RUN_BLOCKS blocks, each AllBlocksCleared a run of its own
-    (the feed drops the worker's blocks in steps), an event in another namespace left out
-    (counted), an event of more blocks split into pieces (`block_pieces`)."""
+    """`events` in runs of up to RUN_BLOCKS blocks and RUN_TOKENS tokens, each
+    AllBlocksCleared a run of its own (the feed drops the worker's blocks in steps), an
+    event in another namespace left out (counted), a larger event split into pieces
+    (`block_pieces`)."""
     run: list[KVEvent] = []
-    blocks = 0
+    blocks = tokens = 0
     for event in events:
         if isinstance(event, AllBlocksCleared):
             if run:
                 yield run
-                run, blocks = [], 0
+                run, blocks, tokens = [], 0, 0
             yield [event]
             continue
         if not in_default_namespace(event):
             dropped["namespace"] += 1  # the index holds a model's default namespace
             continue
         n = len(event.block_hashes)  # type: ignore[union-attr]
-        if blocks + n <= RUN_BLOCKS:  # the common case: the event joins the run
+        t = len(event.token_ids) if isinstance(event, BlockStored) else 0
+        if blocks + n <= RUN_BLOCKS and tokens + t <= RUN_TOKENS:  # the common case
             run.append(event)
             blocks += n
+            tokens += t
             continue
-        for piece in block_pieces(event) if n > RUN_BLOCKS else (event,):
+        big = n > RUN_BLOCKS or t > RUN_TOKENS
+        for piece in block_pieces(event) if big else (event,):
             n = len(piece.block_hashes)  # type: ignore[union-attr]
-            if run and blocks + n > RUN_BLOCKS:
+            t = len(piece.token_ids) if isinstance(piece, BlockStored) else 0
+            if run and (blocks + n > RUN_BLOCKS or tokens + t > RUN_TOKENS):
                 yield run
-                run, blocks = [], 0
+                run, blocks, tokens = [], 0, 0
             run.append(piece)
             blocks += n
+            tokens += t
     if run:
         yield run
 
 
 def block_pieces(event: KVEvent) -> Iterator[KVEvent]:
-    """`event` in pieces of up to RUN_BLOCKS blocks, applied as the whole would be: each
-    stored piece under the last block of the one before."""
+    """`event` in pieces of up to RUN_BLOCKS blocks and RUN_TOKENS tokens (at least one
+    block), applied as the whole would be: each stored piece under the last block of the
+    one before."""
     hashes: tuple = event.block_hashes  # type: ignore[union-attr]
-    n = RUN_BLOCKS
+    bs = event.block_size if isinstance(event, BlockStored) else 0
+    n = min(RUN_BLOCKS, max(1, RUN_TOKENS // bs)) if bs else RUN_BLOCKS
     for i in range(0, len(hashes), n):
         if isinstance(event, BlockRemoved):
             yield BlockRemoved(hashes[i : i + n], event.medium)
         elif isinstance(event, BlockStored):
-            bs, keys = event.block_size, event.extra_keys
+            keys = event.extra_keys
             yield BlockStored(
                 hashes[i : i + n],
                 event.parent_block_hash if i == 0 or bs == 0 else hashes[i - 1],

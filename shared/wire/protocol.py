@@ -67,6 +67,10 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's limit
 # OpenAI's `prompt_cache_key` (requests that share a cache say so): at most this many
 # UTF-8 bytes (router/holdings/sessions.py keys its session table on it).
 MAX_PROMPT_CACHE_KEY_BYTES = 1024
+# The key a worker pins a session under, where the router sends it: the tenant's session
+# (router/holdings/sessions.py's digest, hex), not the client's text, since two tenants
+# may pick one key; without the header a worker pins under `prompt_cache_key` itself.
+PIN_KEY_HEADER = "x-radix-pin-key"
 # Our extension: hold the answer's prefix in the worker's cache this many seconds after
 # it (a pin across a tool gap; worker/engine/pins.py). The worker clamps it to its
 # `pin_max_ttl_s` and says so in the answer's usage.

@@ -144,6 +144,24 @@ async def test_a_large_event_is_applied_in_pieces_with_the_loop_in_between(redis
     assert feed.match("m", tokens) == {"w": 16_000} and feed.indexes["m"].orphans == 0
 
 
+async def test_an_event_of_large_blocks_is_applied_in_pieces_of_bounded_tokens(
+    redis: Redis,
+) -> None:
+    """A heartbeat may name blocks of up to 4,096 tokens: one stored event of 1,000 such
+    blocks (4M token ids, inside the 4 MB entry bound) was one run of 1,000 blocks, one
+    index call of ~70-220 ms. Runs are bounded in tokens too (RUN_TOKENS): 64 blocks of
+    4,096 go in pieces with the loop running between, and leave the same index."""
+    bs, n = 4096, 64
+    ids = [(i * 7) % 50_000 for i in range(bs * n)]
+    big = BlockStored(tuple(range(1, n + 1)), None, ids, bs)
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), big)
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=bs)])
+    seen = await watch(feed, lambda: feed.indexes["m"].blocks_of("w"))
+    assert len({k for k in seen if 0 < k < n}) >= 3  # other turns between the pieces
+    assert feed.match("m", ids) == {"w": bs * n} and feed.indexes["m"].orphans == 0
+
+
 async def test_a_rejoining_workers_blocks_are_dropped_in_steps(redis: Redis) -> None:
     """A new epoch (a rejoin) dropped the worker's whole share in one call: 100k+ blocks,
     ~0.1-1 s of a stalled router a second under the rejoin flood. They go in steps, and
