@@ -103,6 +103,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.router.bench_router_wrk:ROUTER_PROFILE",
         "where the router's CPU goes under wrk, per layer (cProfile), vs a git ref",
     ),
+    "router-pieces": (
+        "loadtests.router.bench_router_overhead:ROUTER_PIECES",
+        "the request path's pieces in process (request model, queue, table), vs a git ref",
+    ),
     "upstream-reuse": (
         "loadtests.router.bench_router_wrk:UPSTREAM_REUSE",
         "router CPU: a worker that echoes request ids vs one that does not",

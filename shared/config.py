@@ -53,15 +53,35 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# A tenant's weight, and the queue's quantum (requests of credit per weight and round),
+# bounded so that the fleet queue's credit arithmetic stays finite (router/queue/).
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
+MIN_QUANTUM, MAX_QUANTUM = 1e-3, 1e6
+# The longest a request may wait in the queue: finite, as its 429's Retry-After is a
+# quarter of it in whole seconds (infinity raised OverflowError there: a 500, not a
+# 429; 1e300 sent a 301-digit header).
+MAX_QUEUE_WAIT_S = 86_400.0
+
+
 class TenantConfig(_Frozen):
     """One tenant of the fleet queue (router/queue/): named by its API keys, served in
     proportion to `weight`, refused with 429 past its own bounds (unset: the router's
     `max_queue` and `queue_timeout`)."""
 
     keys: tuple[str, ...] = Field(min_length=1)
-    weight: float = Field(1.0, gt=0)
+    # A share beside the other tenants': finite, and within MIN_WEIGHT..MAX_WEIGHT, as the
+    # queue's credit arithmetic needs (a weight of 1e-320 overflowed its new-round count,
+    # credit / (weight x quantum), to infinity: the queue raised on every freed seat).
+    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT, allow_inf_nan=False)
     max_queue: int | None = Field(None, ge=0)
-    max_queue_wait_s: float | None = Field(None, gt=0)
+    max_queue_wait_s: float | None = Field(None, gt=0, le=MAX_QUEUE_WAIT_S)
+
+    @field_validator("weight")
+    @classmethod
+    def _weight_floor(cls, v: float) -> float:
+        if v < MIN_WEIGHT:
+            raise ValueError(f"must be at least {MIN_WEIGHT} (a share beside the others')")
+        return v
 
 
 class ClassConfig(_Frozen):
@@ -165,6 +185,10 @@ class RouterConfig(_Frozen):
     # A connection whose request head (line and headers) is not complete this long after
     # it opened, or after the first byte of a later request, is closed (shared/serving/http_server.py).
     header_read_timeout: float = Field(10.0, gt=0)
+    # The simplest inference requests served by the router's own protocol, everything else
+    # by aiohttp's (router/http/fast_server.py; ~10% less CPU a request); both pass one
+    # conformance suite. False: aiohttp's server for every request.
+    fast_hot_paths: bool = True
     # A non-streamed worker answer larger than this is refused with 502, never buffered.
     max_response_bytes: int = Field(64 * 1024 * 1024, gt=0)
     # All non-streamed answers being read at once hold at most this many bytes; an answer
@@ -178,26 +202,28 @@ class RouterConfig(_Frozen):
     # `max_queue` waiting and `queue_timeout` seconds (its own bounds in `tenants`).
     max_concurrent: int = Field(1024, ge=1)
     max_queue: int = Field(4096, ge=0)
-    queue_timeout: float = Field(30.0, gt=0)
+    queue_timeout: float = Field(30.0, gt=0, le=MAX_QUEUE_WAIT_S)
     # Tenants by API key (keys in `api_keys` and none: the tenant "default").
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     # Each class's TTFT objective (a class comes from `service_tier` or `priority`).
     classes: ClassesConfig = ClassesConfig()
-    # A worker's seats: `max_running_requests` from its heartbeat x this factor (a worker
-    # reporting none has unbounded seats: nothing waits for it). 1.25 measured better with
-    # one router; it stays 1.0 because the replica slack is a share of seats and widens
-    # with it (loadtests/results/fleet_queue.md, "queue_seat_factor 1.0 against 1.25").
-    queue_seat_factor: float = Field(1.0, gt=0)
+    # A worker's seats: `max_running_requests` m from its heartbeat + this many spare
+    # seats (a worker reporting none has unbounded seats: nothing waits for it). One
+    # spare keeps the engine's next request waiting in it, so no engine step runs a slot
+    # short while the router answers the end of one request with the next; a fixed
+    # count, not a share of m, so at m = 256 the router still orders all but one of a
+    # worker's queued requests (loadtests/results/fleet_queue.md, "Final state").
+    queue_spare_seats: int = Field(1, ge=0)
     # Deficit round robin: each round gives a backlogged tenant weight x this many
     # requests of credit; it is also how far locality may run ahead of fairness.
-    queue_quantum: float = Field(4.0, gt=0)
+    queue_quantum: float = Field(4.0, ge=MIN_QUANTUM, le=MAX_QUANTUM)
     # A waiting request is urgent once this fraction of its class's TTFT objective has
     # passed: it then takes any free seat, ahead of affinity.
     queue_urgent_fraction: float = Field(0.5, gt=0, le=1)
     # Replicas (sync on): each grows its count on a worker by at most this share of the
-    # worker's seats (at least 1) above the least it held there over the last three
-    # `sync_load_interval`s, so N replicas hold at most seats + (N - 1) x that share
-    # (router/queue/seats.py).
+    # worker's `max_running_requests` (at least 1) above the least it held there over
+    # the last three `sync_load_interval`s, so N replicas hold at most
+    # seats + (N - 1) x that share (router/queue/seats.py).
     queue_replica_slack: float = Field(0.25, gt=0, le=1)
     forward_authorization: bool = False
     drain_timeout: float = Field(30.0, ge=0)

@@ -2,12 +2,12 @@
 
     python -m loadtests fleet-queue --before-ref main [--workload shared_prefix]
         [--loads 0.5,1.5] [--seconds 30] [--tenants 8] [--flood 10] [--replicas 1]
-        [--seat-factor 1.0] [--seat-factors 1,1.25]
+        [--spare-seats 0,1] [--retries 2]
 
-`--before-ref none` runs this tree's side alone. `--seat-factors 1,1.25` runs this tree's
-side once per `queue_seat_factor`, in that order, after the before side. Since the fleet
-queue was merged, `main` queues too: today's router without a queue is aa1ca1e (the
-merge's first parent, loadtests/results/fleet_queue.md).
+`--before-ref none` runs this tree's side alone. `--spare-seats 0,1` runs this tree's
+side once per `queue_spare_seats`, in that order, after the before side (not given: the
+router's default). Since the fleet queue was merged, `main` queues too: today's router
+without a queue is aa1ca1e (the merge's first parent, loadtests/results/fleet_queue.md).
 
 One sim fleet (Redis, `--workers` sim workers of `--max-running` seats each, this
 tree's code) serves the same open-loop schedule twice per load, flushed in between:
@@ -15,17 +15,29 @@ through `--before-ref`'s router (today's: no tenants, no classes; its requests c
 class field, so this tree's workers order them as today's do) and through this tree's
 (tenants and classes configured). `--tenants` tenants of weight 1 each send at one rate,
 one of them `--flood` times that; each request is interactive, standard or batch by
-`--mix` (multi_turn: each conversation keeps one class). A load of 1.0 is the fleet's saturation rate, computed from the cost model:
-workers x seats / (output_len x decode_ms + prompt x prefill_us).
+`--mix` (multi_turn: each conversation keeps one class). A load of 1.0 is the fleet's
+saturation rate, computed from the cost model:
+workers x max_running / (output_len x decode_ms + prompt x prefill_us).
+
+The client is open loop (each request leaves at its scheduled time, whatever came back
+before) and retries as the official openai client does (openai-python's defaults,
+`_base_client.py`): up to `--retries` (2) more tries of a request answered 408, 409, 429
+or 5xx, after its Retry-After when that is 0-120 s, else 0.5 x 2^n s (at most 8 s, less
+up to 25% jitter). A request's TTFT is taken from its FIRST try's send to the first byte
+of its streamed answer's body (the first token: the worker opens its stream only then),
+so a retried request's wait and back-off count against its class's objective.
 
 Per side and load it prints, per class: goodput at SLO (requests/s whose first byte came
-within the class's TTFT objective), SLO attainment (of those sent), TTFT p50, 429s and
-503s; the fleet's hit rate (the workers' own cached / prompt token counters); Jain's
-index over the tenants' goodput, each divided by its fair share (weight-proportional
-max-min shares of the total goodput, capped at what the tenant sent), so 1.0 is a fair
-split; how far the busiest worker ran past its seats (with `--replicas 2`, the
-replicas' bound); where this tree's queue placed its waiting requests against their best
-predicted worker (`radix_router_queue_placed_total`).
+within the class's TTFT objective), SLO attainment (of those sent), TTFT p50, requests
+refused for good (429 on the last try), 429 answers (every try), retried requests and
+requests answered 503 on any try; the fleet's hit rate (the workers' own cached /
+prompt token counters); Jain's index over the tenants' goodput, each divided by its fair
+share (weight-proportional max-min shares of the total goodput, capped at what the
+tenant sent), so 1.0 is a fair split; how far the busiest worker ran past its seats
+(with `--replicas 2`, the replicas' bound); where this tree's queue placed its waiting
+requests against their best predicted worker (`radix_router_queue_placed_total`); and
+goodput over the answers' span (to the last good first byte), never above what the
+fleet serves a second.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +61,7 @@ import yaml
 from loadtests.kit import checkout, short
 from loadtests.load.cluster import ROOT, Child, Cluster, WorkerSpec, serve_router, sim_cluster
 from loadtests.load.workloads import words
+from shared.config import RouterConfig
 from shared.procs import free_port, wait_until
 
 NO_BEFORE = "none"  # --before-ref none: this tree's side alone
@@ -62,8 +75,11 @@ class Sent:
     tenant: str
     klass: str
     prompt: str
-    status: int = 0
-    ttft: float | None = None
+    status: int = 0  # the last try's
+    ttft: float | None = None  # from the first try's send
+    tries: int = 0
+    answered_429: int = 0  # tries answered 429
+    answered_503: int = 0  # tries answered 503
 
 
 def schedule(args: argparse.Namespace, rate: float) -> list[Sent]:
@@ -112,28 +128,66 @@ def _prompts(
         convs[c] += " " + words(rng, args.output_len)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, s: Sent, classes: bool, t0: float) -> None:
+# openai-python's retry rule (`_base_client.py`, `_should_retry` and
+# `_calculate_retry_timeout`): what a client of the official SDK does by default.
+RETRY_STATUSES = frozenset({408, 409, 429})
+RETRY_AFTER_MAX_S = 120.0
+BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0
+
+
+def retry_delay(headers: Mapping[str, str], retry: int, rng: random.Random) -> float:
+    """Seconds before retry number `retry` (0-based): the answer's Retry-After when it is
+    a number in (0, 120], else 0.5 x 2^retry s, at most 8, less up to 25% jitter."""
+    try:
+        after = float(headers.get("Retry-After", ""))
+    except ValueError:
+        after = math.nan
+    if math.isfinite(after) and 0 < after <= RETRY_AFTER_MAX_S:
+        return after
+    return min(BACKOFF_S * 2.0**retry, BACKOFF_MAX_S) * (1 - 0.25 * rng.random())
+
+
+def should_retry(status: int) -> bool:
+    return status in RETRY_STATUSES or status >= 500
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, s: Sent, classes: bool, retries: int
+) -> None:
     body: dict = {"prompt": s.prompt, "max_tokens": OUTPUT[0], "ignore_eos": True, "stream": True}
     if classes:
         body["service_tier"] = TIER[s.klass]
-    start = time.monotonic()
-    try:
-        async with session.post(
-            url + "/v1/completions", json=body, headers={"Authorization": f"Bearer key-{s.tenant}"}
-        ) as r:
-            s.status = r.status
-            if r.status == 200:
-                await r.content.readany()
-                s.ttft = time.monotonic() - start
+    headers = {"Authorization": f"Bearer key-{s.tenant}"}
+    rng = random.Random(f"{s.at}:{s.tenant}")  # the jitter, the same for both sides
+    start = time.monotonic()  # the first try's send: TTFT and the SLO count from here
+    while True:
+        s.tries += 1
+        try:
+            async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+                s.status = r.status
+                s.answered_429 += r.status == 429
+                s.answered_503 += r.status == 503
+                if r.status == 200:
+                    await r.content.readany()
+                    s.ttft = time.monotonic() - start
+                    await r.read()
+                    return
                 await r.read()
-    except (aiohttp.ClientError, TimeoutError):
-        s.status = -1
+                retry_headers = r.headers
+        except (aiohttp.ClientError, TimeoutError):
+            s.status = -1
+            return
+        if s.tries > retries or not should_retry(s.status):
+            return
+        await asyncio.sleep(retry_delay(retry_headers, s.tries - 1, rng))
 
 
 OUTPUT = [16]  # max_tokens of every request (set from --output-len)
 
 
-async def drive(urls: list[str], plan: list[Sent], classes: bool, drain_s: float) -> float:
+async def drive(
+    urls: list[str], plan: list[Sent], classes: bool, drain_s: float, retries: int = 0
+) -> float:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
@@ -144,7 +198,8 @@ async def drive(urls: list[str], plan: list[Sent], classes: bool, drain_s: float
             delay = s.at - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, urls[i % len(urls)], s, classes, t0)))
+            url = urls[i % len(urls)]
+            tasks.append(asyncio.create_task(_one(session, url, s, classes, retries)))
         _, pending = await asyncio.wait(tasks, timeout=drain_s)
         for task in pending:
             task.cancel()
@@ -183,8 +238,10 @@ def summarize(plan: list[Sent], slo: dict[str, float], seconds: float) -> dict:
             "goodput_rps": len(good) / seconds,
             "attainment": len(good) / len(mine) if mine else None,
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-            "429": sum(s.status == 429 for s in mine),
-            "503": sum(s.status == 503 for s in mine),
+            "429": sum(s.status == 429 for s in mine),  # refused for good: every try
+            "429_answers": sum(s.answered_429 for s in mine),
+            "retried": sum(s.tries > 1 for s in mine),
+            "503": sum(s.answered_503 > 0 for s in mine),  # on any try
             "unanswered": sum(s.status in (0, -1) for s in mine),
         }
     good_by: dict[str, float] = {}
@@ -196,6 +253,11 @@ def summarize(plan: list[Sent], slo: dict[str, float], seconds: float) -> dict:
     shares = fair_shares(sent_by, sum(good_by.values()))
     out["jain"] = jain([good_by[t] / shares[t] for t in sent_by if shares[t] > 0])
     out["goodput_rps"] = sum(good_by.values()) / seconds
+    # The same over the run's span up to the last good first byte (the schedule's clock):
+    # answers served after the schedule ended (a backlog, a retry) spread over the time
+    # they took, so it never goes above what the fleet serves a second.
+    ends = [s.at + s.ttft for s in plan if s.ttft is not None and s.ttft <= slo[s.klass]]
+    out["goodput_span_rps"] = sum(good_by.values()) / max([seconds, *ends])
     for who, mine in (("flooder", [s for s in plan if s.tenant == "t0"]),
                       ("others", [s for s in plan if s.tenant != "t0"])):  # fmt: skip
         out[who] = {k: _attainment([s for s in mine if s.klass == k], slo[k]) for k in CLASSES}
@@ -219,7 +281,8 @@ def router_config(args: argparse.Namespace, new: bool, sync: bool) -> dict:
         config["tenants"] = {f"t{t}": {"keys": [f"key-t{t}"]} for t in range(args.tenants)}
         config["classes"] = {k: {"ttft_slo_s": v} for k, v in _slo(args).items()}
         config["queue_timeout"] = args.max_wait
-        config["queue_seat_factor"] = args.seat_factor
+        if args.spare_seats is not None:
+            config["queue_spare_seats"] = args.spare_seats
     return config
 
 
@@ -285,9 +348,9 @@ async def run_side(
     fleet.flush()
     cached0, prompt0 = hit_rate(fleet)
     stop = asyncio.Event()
-    per_worker = math.ceil(args.max_running * (args.seat_factor if new else 1.0))
+    per_worker = args.max_running + (spare_seats(args) if new else 0)
     watcher = asyncio.create_task(watch_seats(fleet, per_worker, stop))
-    await drive(urls, plan, new, args.drain)
+    await drive(urls, plan, new, args.drain, args.retries)
     stop.set()
     seats = await watcher
     cached1, prompt1 = hit_rate(fleet)
@@ -297,16 +360,21 @@ async def run_side(
     return out
 
 
+def spare_seats(args: argparse.Namespace) -> int:
+    """This tree's `queue_spare_seats`: the side's own, else the router's default."""
+    return RouterConfig().queue_spare_seats if args.spare_seats is None else args.spare_seats
+
+
 def this_tree_sides(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
-    """This tree's sides, in run order: one per `--seat-factors` entry (each its own copy
-    of `args` with that `seat_factor`), else one at `--seat-factor`."""
-    factors = [float(x) for x in args.seat_factors.split(",")] if args.seat_factors else []
+    """This tree's sides, in run order: one per `--spare-seats` entry (each its own copy
+    of `args` with that `spare_seats`), else one at the router's default."""
+    counts = [int(x) for x in args.spare_seats_list.split(",")] if args.spare_seats_list else []
     return [
         (
-            f"seats x{f:g}" if factors else "this tree",
-            argparse.Namespace(**{**vars(args), "seat_factor": f}),
+            f"spare {n}" if counts else "this tree",
+            argparse.Namespace(**{**vars(args), "spare_seats": n}),
         )
-        for f in factors or [args.seat_factor]
+        for n in counts or [None]
     ]
 
 
@@ -332,10 +400,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="1,4,60", help="TTFT objective s: interactive,standard,batch")
     p.add_argument("--max-wait", type=float, default=20.0, help="each tenant's max_queue_wait_s")
     p.add_argument("--replicas", type=int, default=1, help="routers per side (2: sync on)")
-    p.add_argument("--seat-factor", type=float, default=1.0, help="this tree's queue_seat_factor")
     p.add_argument(
-        "--seat-factors", default="", help="this tree once per factor, side by side: 1,1.25"
-    )
+        "--spare-seats", dest="spare_seats_list", default="",
+        help="this tree once per queue_spare_seats, side by side: 0,1 (default: the router's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--retries", type=int, default=2,
+        help="the client's retries of a 408/409/429/5xx, as openai-python's max_retries",
+    )  # fmt: skip
+    p.set_defaults(spare_seats=None)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-running", type=int, default=4, help="each worker's seats")
     p.add_argument("--decode-ms", type=float, default=25.0)
@@ -391,7 +464,9 @@ async def _main(args: argparse.Namespace) -> dict:
 def render(run: dict) -> str:
     lines = [
         f"{run['side']:>10}  load {run['load']:.2f} ({run['rate_rps']:.1f} req/s, {run['sent']} sent): "
-        f"goodput@SLO {run['goodput_rps']:.2f} req/s, hit rate {_pct(run['hit_rate'])}, "
+        f"goodput@SLO {run['goodput_rps']:.2f} req/s "
+        f"(over the answers' span {run.get('goodput_span_rps', math.nan):.2f}), "
+        f"hit rate {_pct(run['hit_rate'])}, "
         f"Jain {run['jain']:.3f}, others' TTFT p50 {_ms(run['others_ttft_p50_s'])}, "
         f"worker max held {run['seats']['max_held']}/{run['seats']['seats']} seats"
         f" (over in {100 * run['seats']['share_of_samples_over']:.1f}% of samples)"
@@ -406,7 +481,8 @@ def render(run: dict) -> str:
             f"{'':>12}{klass:<12} sent {c['sent']:>5}  goodput {c['goodput_rps']:6.2f}/s  "
             f"attainment {_pct(c['attainment']):>6} (flooder {_pct(run['flooder'][klass])}, "
             f"others {_pct(run['others'][klass])})  TTFT p50 {_ms(c['ttft_p50_s']):>9}  "
-            f"429 {c['429']:>4}  503 {c['503']:>4}  unanswered {c['unanswered']}"
+            f"429 {c['429']:>4} (answers {c['429_answers']}, retried {c['retried']})  "
+            f"503 {c['503']:>4}  unanswered {c['unanswered']}"
         )
     return "\n".join(lines)
 

@@ -352,3 +352,132 @@ worker's model (what a registry heartbeat reports), and a warm-up fills the tree
     fleet_size_arguments,
     fleet_size_main,
 )
+
+
+# -- router-pieces ----------------------------------------------------------------------
+# Run in each side's own tree with `python -c` (only APIs both sides have): each piece of
+# the request path timed in CPU time, min of `repeats` runs of `n` calls, as JSON.
+_PIECES = r"""
+import asyncio, gc, json, sys, time
+from router.http.app import create_app
+from router.http.state import FLEET, QUEUE
+from router.holdings.prediction import RouteRequest
+from shared.config import RouterConfig
+from shared.wire.protocol import routing_text
+
+n, repeats = int(sys.argv[1]), int(sys.argv[2])
+gc.disable()  # a collection landing in one side's loop is not what is measured
+completion = {"model": "sim", "prompt": "x" * 1800 + " question 1", "max_tokens": 4}
+chat = {"messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": "hi " * 100}], "max_tokens": 4}
+app = create_app(RouterConfig(worker_urls=("http://127.0.0.1:9",), access_log=False))
+fleet, queue = app[FLEET], app[QUEUE]
+tenant, request = queue.tenants.of_headers({}), RouteRequest("x")
+wid = next(iter(fleet.workers))
+worker = fleet.workers[wid]
+
+def model():
+    for _ in range(n):
+        routing_text("completions", completion)
+
+def chat_model():
+    for _ in range(n):
+        routing_text("chat", chat)
+
+async def cycles():
+    for _ in range(n):
+        ticket = queue.ticket(tenant, "standard", request)
+        async with queue.seat(ticket) as seat:
+            seat.sit(wid)
+            queue.answered(ticket, 200)
+            queue.answered(ticket, 200)
+
+def seat():
+    asyncio.run(cycles())
+
+def table():
+    now = time.monotonic()
+    for _ in range(n):
+        fleet.view(now, None, exclude=[])
+        attempt = fleet.attempt(worker, now)
+        fleet.succeeded(attempt, 0.0, None, 100, None, now)
+        attempt.release()
+
+out = {}
+for piece in (model, chat_model, seat, table):
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        piece()
+        best = min(best, (time.process_time() - t0) / n * 1e6)
+    out[piece.__name__] = best
+print(json.dumps(out))
+"""
+PIECE_NAMES = {
+    "model": "request model, a completion body (routing_text)",
+    "chat_model": "request model, a chat body (routing_text)",
+    "seat": "fleet queue, a free seat: ticket, admit, sit, answered x2, done",
+    "table": "fleet table: view, attempt, succeeded, release",
+}
+
+
+def pieces_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calls", type=int, default=20000, help="calls per timed run")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per side, min kept")
+    p.add_argument("--rounds", type=int, default=3, help="sides run alternately this often")
+    p.add_argument("--before-ref", default="", help="also time the pieces of this git ref")
+
+
+def pieces_main(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+    import sys
+
+    with ExitStack() as stack:
+        sides = {"this tree": ROOT}
+        if args.before_ref:
+            before = stack.enter_context(checkout(args.before_ref))
+            sides = {f"@{args.before_ref}": before, "this tree": ROOT}
+        seen: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
+        for r in range(args.rounds):
+            for name, tree in list(sides.items())[:: 1 if r % 2 == 0 else -1]:
+                out = subprocess.run(
+                    [sys.executable, "-c", _PIECES, str(args.calls), str(args.repeats)],
+                    cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
+                    capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                for piece, us in json.loads(out.stdout).items():
+                    seen[name].setdefault(piece, []).append(us)
+    names = list(sides)
+    print(f"CPU µs per call (min of {args.repeats} runs of {args.calls} calls; the range over "
+          f"{args.rounds} alternating rounds)\n")  # fmt: skip
+    print("| piece | " + " | ".join(names) + (" | after / before |" if len(names) == 2 else " |"))
+    print("|---|" + "---:|" * (len(names) + (len(names) == 2)))
+    for piece, title in PIECE_NAMES.items():
+        cells = [f"{min(seen[n][piece]):.2f}-{max(seen[n][piece]):.2f}" for n in names]
+        if len(names) == 2:
+            a, b = (statistics.median(seen[n][piece]) for n in names)
+            cells.append(f"{b / a:.2f}x")
+        print(f"| {title} | " + " | ".join(cells) + " |")
+    return 0
+
+
+ROUTER_PIECES = Command(
+    """The request path's pieces in process, CPU time per call, before and after.
+
+    python -m loadtests router-pieces [--before-ref main] [--calls 20000] [--repeats 5]
+        [--rounds 3]
+
+Each side (this tree, and the router's code at `--before-ref` from a temporary
+checkout) runs in its own process, the sides alternating `--rounds` times: the request
+model (`routing_text` of a 1,800-char completion body and of a two-message chat body),
+the fleet queue's path for a request that finds a free seat (its ticket, admission, the
+seat taken, the answer's first byte told twice as the router tells it, the seat given
+back), and the fleet table's per-try books (the view, attempt, succeeded, release) on a
+router app built by `create_app` with one static worker. The garbage collector is off
+while it times; each figure is the least of `--repeats` runs. Where a cut is too small
+for wrk to resolve (loadtests/results/router_cpu.md), this measures it.
+""",
+    pieces_arguments,
+    pieces_main,
+)

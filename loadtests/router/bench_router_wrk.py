@@ -8,7 +8,8 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 
     python -m loadtests router-wrk [--seconds 8] [--connections 64] [--processes 2] \\
         [--sglang-python /work/venv-sglang/bin/python] [--ttft-requests 200] [--rate 300] \\
-        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero] [--unsynced]
+        [--before-ref main] [--upstream-client aiohttp] [--rounds 3] [--worker zero] [--unsynced] \\
+        [--floor] [--aiohttp-server]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
 `loadtests/kit.py`) as one more target, so a change's price is measured side by side;
@@ -17,6 +18,19 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
 `x-request-id`) behind the routers instead of the sim worker (~0.5 ms of CPU a request,
 which on 2 cores sets the pace of every target); `--rounds N` repeats each target's run
 N times, the order flipped every round, and prints medians and ratios to sglang-router.
+
+`--aiohttp-server` adds a router x1 with `fast_hot_paths` off: aiohttp's server for every
+request, where the router's own protocol (router/http/fast_server.py, on by default)
+serves the simplest inference requests. `--floor` adds two servers that route nothing and answer every POST with the zero-cost
+worker's fixed completion (`FLOORS`, below): aiohttp's low-level `web.Server` (its
+protocol, C parser, request and response objects: the server layer the router runs
+on) and a bare `asyncio.Protocol` with httptools' parser on uvloop (what a hand-written
+server for the hot routes would cost at least). Their CPU a request, side by side with
+the routers', is the floor under the router's own and what taking aiohttp's server out
+of the hot routes could save at most: printed as (aiohttp - httptools) / router x1. Each
+floor runs twice: as fast as it goes, and offered the router x1's last req/s (wrk's
+`delay()`, as `--rate`): a server's CPU a request falls as its rate rises (more
+requests a loop wake-up), so the paced pair is the one to hold against the router.
 
 Per target: wrk (a C load generator: Debian's `wrk`) with `--connections` keep-alive
 connections POSTs one 1,800-char completion (`max_tokens` 4) for `--seconds`, after a
@@ -76,6 +90,7 @@ class Target:
     name: str
     url: str
     child: Child | None = None  # None: the worker itself (direct)
+    paced: bool = False  # offered the router x1's last req/s (the server floors)
 
 
 def lua(rate: float, connections: int) -> str:
@@ -158,6 +173,15 @@ def start_targets(
         router(f"router x{args.processes}, no sync", args.processes, sync=False)
     for client in args.upstream_clients:
         router(f"router x1 ({client} client)", 1, env={"RADIX_ROUTER_UPSTREAM_CLIENT": client})
+    if args.aiohttp_server:
+        router("router x1, aiohttp server", 1, env={"RADIX_ROUTER_FAST_HOT_PATHS": "false"})
+    if args.floor:
+        for kind in FLOORS:
+            port = free_port()
+            child = serve(f"floor-{kind}", [__name__, "--floor", kind, str(port)], port, tmp,
+                          wait=False)  # fmt: skip
+            targets.append(Target(f"floor: {kind}", child.url, child))
+            targets.append(Target(f"floor: {kind}, router's rate", child.url, child, paced=True))
     if args.sglang_python:
         port = free_port()
         cmd = ["sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
@@ -173,6 +197,7 @@ def start_targets(
 def summarize(rounds: dict[str, list[tuple[float, float]]]) -> None:
     """Medians over rounds, and each target's ratios to sglang-router's where it ran."""
     ref = rounds.get("sglang-router")
+    floor_line(rounds)
     print(
         "\n| target | req/s, median | CPU ms / request, median | req/s / sglang-router | CPU / sglang-router |"
     )
@@ -189,6 +214,19 @@ def summarize(rounds: dict[str, list[tuple[float, float]]]) -> None:
         print(f"| {name} | {rps:.0f} | {cpu:.3f} | {vs} |")
 
 
+def floor_line(rounds: dict[str, list[tuple[float, float]]]) -> None:
+    """With `--floor`: the server layer's share of the router's CPU, from the medians."""
+    if "router x1" not in rounds or "floor: aiohttp" not in rounds:
+        return
+    router = statistics.median(v[1] for v in rounds["router x1"])
+    for how in ("", ", router's rate"):
+        aio, bare = (statistics.median(v[1] for v in rounds[f"floor: {k}{how}"]) for k in FLOORS)
+        print(f"\nserver layer{how or ', as fast as each goes'}: aiohttp {aio:.3f} - httptools "
+              f"{bare:.3f} = {aio - bare:.3f} ms a request, {(aio - bare) / router:.0%} of router "
+              f"x1's {router:.3f} ms; without it the router would cost "
+              f"{(router - aio + bare) / router:.2f}x")  # fmt: skip
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="wrk run per target, seconds")
     p.add_argument("--rounds", type=int, default=1, help="wrk runs per target, order alternating")
@@ -201,6 +239,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate", type=float, default=0.0, help="offered req/s per target (0: as fast as it goes)"
     )
     p.add_argument("--processes", type=int, default=2, help="router processes of the second run")
+    p.add_argument(
+        "--aiohttp-server", action="store_true",
+        help="also a router x1 with fast_hot_paths off (aiohttp's server for every request)",
+    )  # fmt: skip
+    p.add_argument(
+        "--floor", action="store_true",
+        help="also the server floors: aiohttp's low-level server and asyncio + httptools, fixed answer",
+    )  # fmt: skip
     p.add_argument(
         "--unsynced", action="store_true",
         help="also N processes without Redis (no replica sync): what the sync itself costs",
@@ -254,17 +300,25 @@ def main(args: argparse.Namespace) -> int:
             targets = start_targets(args, tmp, worker.url, redis.url, before)
             print("| round | target | req/s | p50 (ms) | p99 (ms) | CPU ms / request | non-2xx |")
             print("|---:|---|---:|---:|---:|---:|---:|")
+            paced = tmp / "paced.lua"
+            router_rps = 0.0
             for t in targets:
-                wrk(t.url + "/v1/completions", 1, args.connections, script)  # warm-up
+                r = wrk(t.url + "/v1/completions", 1, args.connections, script)  # warm-up
+                router_rps = r["rps"] if t.name == "router x1" else router_rps
             rounds: dict[str, list[tuple[float, float]]] = {t.name: [] for t in targets}
             for n in range(args.rounds):
                 # The order flips every round, so drift on a shared machine hits all alike.
                 for t in targets if n % 2 == 0 else targets[::-1]:
                     pid = (t.child or worker).pid
+                    # A paced floor is offered what the router x1 last carried: CPU a
+                    # request falls as a server's rate rises (more requests a wake-up).
+                    paced.write_text(lua(router_rps, args.connections))
                     cpu0 = cpu_seconds(pid, descendants=True)
-                    r = wrk(t.url + "/v1/completions", args.seconds, args.connections, script)
+                    r = wrk(t.url + "/v1/completions", args.seconds, args.connections,
+                            paced if t.paced else script)  # fmt: skip
                     cpu = (cpu_seconds(pid, descendants=True) - cpu0) * 1e3 / max(1, r["done"])
                     rounds[t.name].append((r["rps"], cpu))
+                    router_rps = r["rps"] if t.name == "router x1" else router_rps
                     print(f"| {n + 1} | {t.name} | {r['rps']:.0f} | {r['p50']:.1f} | "
                           f"{r['p99']:.1f} | {cpu:.3f} | {r['non2xx']} |", flush=True)  # fmt: skip
             print("\n(direct: the CPU column is the worker's own)")
@@ -370,17 +424,26 @@ from shared.procs import free_port
 from shared.serving.gc_policy import freeze_startup, tune_for_serving
 
 async def main():
-    app = create_app(RouterConfig(worker_urls=(sys.argv[1],), access_log=False))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:  # as serve() does, where the tree has it
-        from router.http.edge import install_hot_paths
-        from router.http.state import EDGE
-        install_hot_paths(runner, app[EDGE])
-    except ImportError:
-        pass
+    fast = {"fast_hot_paths": False} if sys.argv[2] == "aiohttp" else {}
+    config = RouterConfig(worker_urls=(sys.argv[1],), access_log=False, **fast)
+    app = create_app(config)
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:  # as serve() serves it, where the tree has it
+        from router.http.app import serving_protocol, serving_runner
+        from shared.serving.http_server import bind
+        runner = await serving_runner(app)
+        protocol = serving_protocol(runner, config)
+        await bind(runner, "127.0.0.1", port, header_read_timeout=10, protocol=protocol)
+    except ImportError:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            from router.http.edge import install_hot_paths
+            from router.http.state import EDGE
+            install_hot_paths(runner, app[EDGE])
+        except ImportError:
+            pass
+        await web.TCPSite(runner, "127.0.0.1", port).start()
     freeze_startup()
     tune_for_serving()
     print(port, flush=True)
@@ -402,6 +465,7 @@ uvloop.run(main())
 # Layers of the router, by where a function lives (the first that matches): shares of
 # the CPU the profile saw (wrk and the worker are other processes).
 LAYERS = (
+    ("fast server", ("router/http/fast_server",)),
     ("aiohttp server", ("aiohttp/web_", "aiohttp/http_", "aiohttp/streams", "aiohttp/base_protocol",
                         "aiohttp/helpers", "aiosignal", "multidict", "yarl")),
     ("upstream client", ("router/upstream/connection", "router/upstream/pool",
@@ -424,10 +488,12 @@ def layer_of(where: str) -> str:
     return next((name for name, parts in LAYERS if any(p in where for p in parts)), "other")
 
 
-def profile_tree(tree: Path, worker_url: str, args: argparse.Namespace, script: Path) -> dict:
+def profile_tree(
+    tree: Path, worker_url: str, args: argparse.Namespace, script: Path, aiohttp: bool = False
+) -> dict:
     """Per layer: CPU seconds of one profiled run of the router at `tree` under wrk."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _PROFILED, worker_url], cwd=tree, text=True,
+        [sys.executable, "-c", _PROFILED, worker_url, "aiohttp" if aiohttp else "-"], cwd=tree, text=True,
         env={**os.environ, "PYTHONPATH": str(tree)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )  # fmt: skip
     assert child.stdin is not None and child.stdout is not None
@@ -461,11 +527,14 @@ def profile_main(args: argparse.Namespace) -> int:
         if args.before_ref:
             trees = {f"@{args.before_ref}": stack.enter_context(checkout(args.before_ref)), **trees}
         seen = {name: profile_tree(tree, worker.url, args, script) for name, tree in trees.items()}
+        if args.aiohttp_server:
+            seen["aiohttp server"] = profile_tree(ROOT, worker.url, args, script, aiohttp=True)
     names = list(seen)
     print("| layer | " + " | ".join(f"{n}: share | {n}: us / request" for n in names) + " |")
     print("|---|" + "---:|---:|" * len(names))
     first = seen[names[0]]["layers"]
-    for layer in sorted(first, key=lambda k: -first[k]):
+    every = {layer for n in names for layer in seen[n]["layers"]}  # a layer one tree lacks too
+    for layer in sorted(every, key=lambda k: -first.get(k, 0.0)):
         cells = []
         for n in names:
             total = sum(seen[n]["layers"].values())
@@ -482,12 +551,15 @@ def profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="the profiled wrk run, seconds")
     p.add_argument("--connections", type=int, default=32, help="wrk keep-alive connections")
     p.add_argument("--before-ref", default=None, help="also profile the router at this git ref")
+    p.add_argument(
+        "--aiohttp-server", action="store_true", help="also this tree with fast_hot_paths off"
+    )
 
 
 ROUTER_PROFILE = Command(
     """Where the router's CPU goes, per layer, under wrk (a cProfile with a CPU-time clock).
 
-    python -m loadtests router-profile [--before-ref main] [--seconds 4] [--connections 32]
+    python -m loadtests router-profile [--before-ref main] [--seconds 4] [--connections 32] [--aiohttp-server]
 
 A router app (`create_app`, on uvloop, served as `serve()` serves it: the hot paths of
 router/http/edge.py installed where the tree has them, start-up frozen out of the
@@ -496,9 +568,78 @@ garbage collector) runs in a child process in front of the zero-cost worker
 child profiles itself with `cProfile.Profile(time.process_time)` (a wall clock put 25-40%
 in socket writes: the process waiting for the kernel, not its CPU). Each function's own
 time is summed into the router's layers (`LAYERS`, by file). With `--before-ref REF` the
-router at REF (a temporary worktree) is profiled first, the same way. Absolute figures
+router at REF (a temporary worktree) is profiled first, the same way; with
+`--aiohttp-server` this tree again with `fast_hot_paths` off (router/http/fast_server.py
+not in front). Absolute figures
 include cProfile's own cost (about 4x); the shares are what to compare.
 """,
     profile_arguments,
     profile_main,
 )
+
+
+# -- server floors (`router-wrk --floor`) ----------------------------------------------
+# Each answers every POST with the zero-cost worker's completion and every GET (/health)
+# with its small info object, keep-alive, on uvloop: nothing but the HTTP server layer.
+def _fixed(method: str) -> bytes:
+    return zero_worker.COMPLETION if method == "POST" else zero_worker.INFO
+
+
+async def _aiohttp_floor(port: int) -> None:
+    """aiohttp's low-level server: its protocol, parser, Request and Response objects."""
+    from aiohttp import web
+
+    async def handler(request: web.BaseRequest) -> web.Response:
+        await request.read()
+        return web.Response(body=_fixed(request.method), content_type="application/json")
+
+    runner = web.ServerRunner(web.Server(handler), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()
+
+
+class _HttptoolsFloor(asyncio.Protocol):
+    """An asyncio.Protocol with httptools' request parser: the least a Python server does."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except Exception:
+            self.transport.close()  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        body = _fixed(self.parser.get_method().decode())
+        self.transport.write(  # type: ignore[union-attr]
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        if not self.parser.should_keep_alive():
+            self.transport.close()  # type: ignore[union-attr]
+
+
+async def _httptools_floor(port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_HttptoolsFloor, "127.0.0.1", port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+FLOORS = {"aiohttp": _aiohttp_floor, "httptools": _httptools_floor}
+
+if (
+    __name__ == "__main__"
+):  # a floor server: python -m loadtests.router.bench_router_wrk --floor KIND PORT
+    import uvloop
+
+    _, _, kind, port = sys.argv
+    uvloop.run(FLOORS[kind](int(port)))

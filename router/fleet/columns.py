@@ -105,6 +105,8 @@ class FleetColumns:
             view = self._build(key, register=keep)
             if keep:
                 self._views[key] = view
+        if not exclude:  # (every first try: no set built)
+            return view
         skip = set(exclude)
         if not skip:
             return view

@@ -19,7 +19,7 @@ After the merge the room applies one more, learned from answers rather than even
 `unconfirmed_claims` (router/holdings/claims.py).
 
 A worker that is not trusted (stale epoch, lagging, no events) keeps its tree match; a
-rebuilding one (events lost, router/holdings/kv_feed.py) keeps it and adds its index's.
+rebuilding one (events lost, router/holdings/feed_entries.py) keeps it and adds its index's.
 """
 
 from __future__ import annotations

@@ -51,6 +51,14 @@ TEXT_TAG = "\x00ns:"
 NS_ID_BASE = 2**31 - 2**16  # ids from here on are namespace tags, not tokens
 ID_TAGS = 4
 TEXT_IN_IDS = NS_ID_BASE - 1  # leads a text key in a tree on ids (router/holdings/room.py)
+# The longest model or adapter name keyed by its text: the registry's bound on a name
+# (shared/wire/registry.py), and the longest chat template (a real one is a few KB). A
+# longer one names no model or adapter a worker serves, and was digested whole on the
+# event loop (a 15 MB `lora_path`: ~75 ms); it is keyed as TOO_LONG, apart from the
+# default namespace, and the worker answers it as it answers any unknown name.
+MAX_NAME_CHARS = 256
+MAX_TEMPLATE_CHARS = 65_536
+TOO_LONG = "\x00too long"
 
 
 def namespace_of(
@@ -79,18 +87,25 @@ def request_namespace(parsed: object, renders: bool = True, adapter: bool = Fals
     salt = getattr(parsed, "cache_salt", None)
     extra = getattr(parsed, "model_extra", None) or {}
     lora_path = extra.get("lora_path")
-    model = getattr(parsed, "model", None)
+    model = _bounded(getattr(parsed, "model", None), MAX_NAME_CHARS)
     named = model if adapter else None
     if isinstance(lora_path, str) and lora_path:  # SGLang's adapter field
-        named = f"{named or ''}\x00lora_path:{lora_path}"
+        named = f"{named or ''}\x00lora_path:{_bounded(lora_path, MAX_NAME_CHARS)}"
     template = extra.get("chat_template") if renders else None
     kwargs = extra.get("chat_template_kwargs") if renders else None
     if salt is None and template is None and not kwargs and named is None:
         return DEFAULT
+    if template is not None:
+        template = _bounded(template if isinstance(template, str) else "", MAX_TEMPLATE_CHARS)
     return namespace_of(
-        model, salt, str(template) if template is not None else None,
-        kwargs if isinstance(kwargs, Mapping) else {"": repr(kwargs)}, named,
+        model, salt, template, kwargs if isinstance(kwargs, Mapping) else {"": repr(kwargs)},
+        named,
     )  # fmt: skip
+
+
+def _bounded(text: str | None, limit: int) -> str | None:
+    """`text` as a namespace keys it: past `limit` characters, TOO_LONG (never read)."""
+    return TOO_LONG if text is not None and len(text) > limit else text
 
 
 def in_default_namespace(event: KVEvent) -> bool:

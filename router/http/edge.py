@@ -81,12 +81,8 @@ def edge_middleware(edge: Edge) -> web.middleware:
     return edge_middleware
 
 
-def install_hot_paths(runner: web.AppRunner, edge: Edge) -> None:
-    """Serve `HOT_PATHS` on `runner` (set up, not yet serving: connections accepted
-    before this keep the app's way) through `edge` without the app's router."""
-    server = runner.server
-    assert server is not None, "install_hot_paths needs a runner that is set up"
-    app = runner.app
+def hot_routes(app: web.Application) -> dict[str, tuple[Handler, UrlMappingMatchInfo]]:
+    """`HOT_PATHS`' handlers, each with its route's match (what `request.match_info` is)."""
     hot: dict[str, tuple[Handler, UrlMappingMatchInfo]] = {}
     for route in app.router.routes():
         path = route.resource.canonical if route.resource is not None else None
@@ -97,6 +93,15 @@ def install_hot_paths(runner: web.AppRunner, edge: Edge) -> None:
             match.add_app(app)
             match.freeze()
             hot[path] = (route.handler, match)  # type: ignore[assignment]
+    return hot
+
+
+def install_hot_paths(runner: web.AppRunner, edge: Edge) -> None:
+    """Serve `HOT_PATHS` on `runner` (set up, not yet serving: connections accepted
+    before this keep the app's way) through `edge` without the app's router."""
+    server = runner.server
+    assert server is not None, "install_hot_paths needs a runner that is set up"
+    hot = hot_routes(runner.app)
     fallback = server.request_handler
     log, guard = edge.log, edge.guard
 

@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from router.fleet.workers import Worker
 from router.holdings.kv_feed import KvEventFeed
 from router.holdings.namespace import request_namespace
-from router.holdings.prediction import RouteRequest
 from router.holdings.sessions import session_digest, tenant_of
 from router.http.auth import request_bearer_token
 from router.http.state import (
@@ -79,15 +78,15 @@ def _inference_handler(endpoint: str, path: str) -> Any:
     # every request, and only inference requests are timed anyway.
     async def handler(request: web.Request) -> web.StreamResponse:
         app = request.app
-        clock, metrics = app[CLOCK], app[METRICS]
+        clock, metrics, config = app[CLOCK], app[METRICS], app[CONFIG]
         start = clock()
         status = 499
         try:
             # The body is read and checked before the request may take a slot: a client
             # trickling its body holds no capacity (shared/serving/body.py).
-            raw, data = await read_request_json(request)
+            raw, data = await read_json(request, config.max_body_bytes, config.body_read_timeout)
             text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
-            session_key = request.headers.get(app[CONFIG].session_header) or getattr(
+            session_key = request.headers.get(config.session_header) or getattr(
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
@@ -117,10 +116,7 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 )
                 routed.pin_ttl = getattr(parsed, "cache_pin_ttl", None) or 0.0
                 routed.prompt_cache_key = cache_key
-            ticket = queue.ticket(
-                tenant, klass,
-                RouteRequest(text, session_key, ids, model or "", namespace),
-            )  # fmt: skip
+            ticket = queue.ticket(tenant, klass, routed.route)
             request[TICKET] = ticket
             async with queue.seat(ticket) as seat:
                 response = await app[PROXY].forward(request, routed, seat)
@@ -211,7 +207,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _rebuild(feed: KvEventFeed | None, wid: str) -> dict[str, int] | None:
-    """A rebuilding worker's progress (router/holdings/kv_feed.py): trusted again once it has
+    """A rebuilding worker's progress (router/holdings/feed_entries.py): trusted again once it has
     removed `needed` blocks since the loss (0: its pool size is not known)."""
     rebuild = feed.rebuild_of(wid) if feed is not None else None
     return None if rebuild is None else {"removed": rebuild.removed, "needed": rebuild.needed}

@@ -110,7 +110,7 @@ class FleetQueue:
         self.tenants = Tenants(config)
         window = math.ceil(WINDOW_INTERVALS * config.sync_load_interval / TICK_S)
         self.seats = Seats(
-            fleet.workers, remote, config.queue_seat_factor, config.max_concurrent,
+            fleet.workers, remote, config.queue_spare_seats, config.max_concurrent,
             config.queue_replica_slack, window,
         )  # fmt: skip
         self.stats = QueueStats(self.tenants, stats_registry)  # type: ignore[arg-type]
@@ -141,9 +141,11 @@ class FleetQueue:
             raise APIError(
                 503, "the router is shutting down", code="draining", headers={"Retry-After": "1"}
             )
-        if not self.waiting and self._pass(ticket):
+        if not self.waiting and self._pass(ticket):  # a free seat: it goes at once
             ticket.seated = ticket.arrived
-            self._admitted(ticket)
+            self.active += 1
+            self._idle.clear()
+            self.stats.seated(ticket.tenant.name, ticket.klass, 0.0)
             return
         tenant = ticket.tenant
         if tenant.waiting >= tenant.max_queue:
@@ -245,7 +247,8 @@ class FleetQueue:
         self._settle_idle()
 
     def _release_seat(self, ticket: Ticket) -> None:
-        self._prefilling.remove(ticket)
+        if ticket.first_byte is None:  # (an answered ticket left prefill at its first byte)
+            self._prefilling.remove(ticket)
         self.seats.give(ticket.worker)  # type: ignore[arg-type]
         ticket.worker = None
         self.pump()

@@ -1,8 +1,14 @@
 """A worker's seats: how many requests it may hold at once, and how many it holds.
 
-    seats(w)    = ceil(max_running_requests(w) x queue_seat_factor), from its heartbeat;
-                  a worker that reports none (static, admin, not yet heard) has no
-                  bound: nothing ever waits for it.
+    m(w)        = max_running_requests(w), from its heartbeat; a worker that reports
+                  none (static, admin, not yet heard) has no bound: nothing ever waits
+                  for it.
+    seats(w)    = m(w) + queue_spare_seats (1): the engine's running slots, and one
+                  request waiting in it, ready for the step after a slot frees (the
+                  router's answer to a request's end, a dispatch, arrives a step late).
+                  A fixed count, not a share of m: whatever waits in the engine is out
+                  of the router's reach (its order, fairness, classes), and a share
+                  would put 64 there at m = 256.
     occupied(w) = this router's seated requests on w (exact: counted from the moment a
                   seat is given, before the request leaves) + the other replicas'
                   requests in flight to w (replica sync, refreshed every
@@ -17,7 +23,7 @@ ends.
 Replicas (replica sync on: `remote` given). Another replica's figure is what it
 published up to `sync_load_interval` ago, read up to one more interval ago, so two
 replicas could each fill the same free seats. Each replica therefore grows its own
-count on a worker by at most slack(w) = max(1, ceil(seats(w) x queue_replica_slack))
+count on a worker by at most slack(w) = max(1, ceil(m(w) x queue_replica_slack))
 above floor(w), the least it held there over the last `WINDOW_INTERVALS` sync
 intervals: whatever the others read of it in that window is at least floor(w). The
 bound this gives: with N replicas a worker holds at most seats(w) + (N - 1) x slack(w)
@@ -27,9 +33,11 @@ long as what a replica reads of another is under `WINDOW_INTERVALS` intervals ol
 publishes and reads once an interval: a round later than that breaks the bound by what
 is seated meanwhile; with Redis gone the replicas do not see each other at all). The
 count published is the router's in flight, which trails a seat by the instant between
-the seat and the send. With 4 seats and the default slack: 5 of 4 with 2 replicas. The price: a replica fills a worker
-from empty at slack(w) seats per window, not at once (loadtests/results/fleet_queue.md
-measures both with 2 replicas).
+the seat and the send. The slack is a share of m, not of seats, so the spare seat does
+not widen it: m + 1 + (N - 1) x max(1, ceil(m / 4)) with the defaults, 6 for m = 4 and
+2 replicas (two waiting in a 4-slot engine), 321 for m = 256. The price: a replica
+fills a worker from empty at slack(w) seats per window, not at once
+(loadtests/results/fleet_queue.md measures both with 2 replicas).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ class Seats:
         self,
         workers: Mapping[str, Worker],
         remote: Callable[[], Mapping[str, int]] | None,
-        factor: float,
+        spare: int,
         max_concurrent: int,
         slack: float = 0.25,
         window_ticks: int = 15,
@@ -61,7 +69,7 @@ class Seats:
         self._workers = workers
         self._remote = remote or (lambda: NO_REMOTE)
         self.replicas = remote is not None
-        self.factor = factor
+        self.spare = spare
         self.max_concurrent = max_concurrent
         self.held: dict[str, int] = {}  # this router's seated requests per worker
         self.total = 0
@@ -77,11 +85,15 @@ class Seats:
         # and an arrival costs no pass over the fleet.
         self.full: set[str] = set()
 
+    def running(self, worker_id: str) -> int:
+        """m(w): the worker's running slots (0: it reports none)."""
+        worker = self._workers.get(worker_id)
+        return worker.report.max_running_requests if worker is not None else 0
+
     def seats(self, worker_id: str) -> int | None:
         """The worker's seats; None: unbounded (it reports no max_running_requests)."""
-        worker = self._workers.get(worker_id)
-        most = worker.report.max_running_requests if worker is not None else 0
-        return math.ceil(most * self.factor) if most > 0 else None
+        most = self.running(worker_id)
+        return most + self.spare if most > 0 else None
 
     def occupied(self, worker_id: str) -> int:
         return self.held.get(worker_id, 0) + self._remote().get(worker_id, 0)
@@ -92,23 +104,21 @@ class Seats:
         return self._room(worker_id)
 
     def _room(self, worker_id: str) -> bool:
-        seats = self.seats(worker_id)
-        if seats is None:
-            return True
-        if self.occupied(worker_id) >= seats:
+        # `seats` and `occupied` inlined: this runs on every seat taken and given.
+        worker = self._workers.get(worker_id)
+        most = worker.report.max_running_requests if worker is not None else 0
+        if most <= 0:
+            return True  # unbounded
+        seats = most + self.spare
+        held = self.held.get(worker_id, 0)
+        if held + (self._remote().get(worker_id, 0) if self.replicas else 0) >= seats:
             return False
-        return not self.replicas or self.held.get(worker_id, 0) < self.ceiling(worker_id, seats)
+        return not self.replicas or held < self.ceiling(worker_id, most)
 
-    def ceiling(self, worker_id: str, seats: int) -> int:
-        """floor(w) + slack(w): the most this replica may hold on w now."""
+    def ceiling(self, worker_id: str, most: int) -> int:
+        """floor(w) + slack(w): the most this replica may hold on w now (`most`: m(w))."""
         floor = min(self._floor.get(worker_id, 0), self._low.get(worker_id, 0))
-        return floor + max(1, math.ceil(seats * self.slack))
-
-    def _note(self, worker_id: str) -> None:
-        if self._room(worker_id):
-            self.full.discard(worker_id)
-        else:
-            self.full.add(worker_id)
+        return floor + max(1, math.ceil(most * self.slack))
 
     def refresh(self) -> None:
         """Re-read every worker's seats (the queue's tick: replicas' counts, heartbeats),
@@ -135,7 +145,10 @@ class Seats:
     def take(self, worker_id: str) -> None:
         self.held[worker_id] = self.held.get(worker_id, 0) + 1
         self.total += 1
-        self._note(worker_id)
+        if not self._room(worker_id):  # (`_note`, inlined: every seat taken)
+            self.full.add(worker_id)
+        elif self.full:
+            self.full.discard(worker_id)
 
     def give(self, worker_id: str) -> None:
         left = self.held[worker_id] - 1
@@ -146,7 +159,10 @@ class Seats:
         if self.replicas and left < self._low.get(worker_id, 0):
             self._low[worker_id] = left
         self.total -= 1
-        self._note(worker_id)
+        if not self._room(worker_id):  # (`_note`, inlined: every seat given)
+            self.full.add(worker_id)
+        elif self.full:
+            self.full.discard(worker_id)
 
     def describe(self, worker_id: str) -> dict[str, int | None]:
         """The seat figures /workers shows for a worker."""
@@ -157,5 +173,5 @@ class Seats:
             "remote_in_flight": self._remote().get(worker_id, 0),
         }
         if self.replicas and seats is not None:
-            out["replica_ceiling"] = self.ceiling(worker_id, seats)  # floor + slack, now
+            out["replica_ceiling"] = self.ceiling(worker_id, self.running(worker_id))
         return out

@@ -60,16 +60,25 @@ class InPrefill:
         self._on: dict[tuple[str, Tenant], list[Ticket]] = {}
 
     def add(self, ticket: Ticket, worker_id: str) -> None:
-        self._on.setdefault((worker_id, ticket.tenant), []).append(ticket)
+        key = (worker_id, ticket.tenant)
+        on = self._on.get(key)  # (not `setdefault`: that builds a list every call)
+        if on is None:
+            self._on[key] = [ticket]
+        else:
+            on.append(ticket)
 
     def remove(self, ticket: Ticket) -> None:
         """`ticket`'s prompt is in its worker's cache now, or never will be."""
         key = (ticket.worker, ticket.tenant)
         on = self._on.get(key)  # type: ignore[arg-type]
-        if on is not None and ticket in on:
-            on.remove(ticket)
-            if not on:
-                del self._on[key]  # type: ignore[arg-type]
+        if on is None:
+            return
+        try:
+            on.remove(ticket)  # (one scan, not `in` and then `remove`)
+        except ValueError:
+            return
+        if not on:
+            del self._on[key]  # type: ignore[arg-type]
 
     def of(self, worker_id: str, tenant: Tenant) -> list[Ticket] | None:
         return self._on.get((worker_id, tenant))

@@ -65,6 +65,7 @@ from shared.serving import json_codec
 from shared.serving.access_log import REQUEST_ID
 from shared.serving.errors import APIError, error_body
 from shared.serving.http import EVENT_STREAM, DeadlineStream
+from shared.wire.protocol import PIN_KEY_HEADER
 from shared.wire.service_class import with_priority
 
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
@@ -85,7 +86,7 @@ class Routed:
 
     __slots__ = (
         "body", "cache_key", "endpoint", "model", "namespace", "path", "pin_ttl", "priority",
-        "prompt_cache_key", "session_key", "stream",
+        "prompt_cache_key", "route", "session_key", "stream",
         "text",
         "tokens",
     )  # fmt: skip
@@ -109,10 +110,13 @@ class Routed:
         # has its own `priority`, or names no class.
         self.priority = priority
         self.namespace = namespace  # its cache namespace (router/holdings/namespace.py)
+        # What the policy and the fleet queue read of it: built once, shared by the
+        # queue's ticket and every try's decision (`Proxy._select`).
+        self.route = RouteRequest(text, session_key, tokens, model or "", namespace)
         # The tenant-namespaced digest of `prompt_cache_key` (router/holdings/sessions.py).
         self.cache_key: bytes | None = None
         self.pin_ttl = 0.0  # its `cache_pin_ttl` (the session rule's rule 3)
-        self.prompt_cache_key: str | None = None  # as sent: what a worker pins under
+        self.prompt_cache_key: str | None = None  # as the client sent it (pins: cache_key)
 
 
 class Seating(Protocol):
@@ -175,9 +179,7 @@ class Proxy:
         view = self.fleet.view(now, routed.model, exclude=tried)
         if not view:
             return None
-        request = RouteRequest(
-            routed.text, routed.session_key, routed.tokens, routed.model or "", routed.namespace
-        )
+        request = routed.route
         if routed.cache_key is None:
             decision = self.routing.select(request, view, now)
         else:  # a prompt_cache_key session (router/holdings/sessions.py)
@@ -194,17 +196,18 @@ class Proxy:
                 )
             old = self.fleet.workers.get(left) if left is not None else None
             if old is not None and routed.prompt_cache_key is not None:
-                self._release_pin(old.url, routed.prompt_cache_key)
+                self._release_pin(old.url, routed.prompt_cache_key, routed.cache_key)
         self.metrics.decision(decision.reason)
         return self.fleet.workers[decision.worker_id], decision
 
-    def _release_pin(self, url: str, key: str) -> None:
+    def _release_pin(self, url: str, key: str, session: bytes) -> None:
         """The session moved off the worker at `url`: release its pin there (``POST
-        /release_pin``, worker/engine/pins.py) in the background. Best effort: a pin the
-        call does not reach runs out at its TTL."""
+        /release_pin``, worker/engine/pins.py) in the background, named as it was pinned
+        (PIN_KEY_HEADER: the tenant's `session`). Best effort: a pin the call does not
+        reach runs out at its TTL."""
 
         async def release() -> None:
-            head = [("Content-Type", "application/json")]
+            head = [("Content-Type", "application/json"), (PIN_KEY_HEADER, session.hex())]
             if self._worker_auth is not None:
                 head.append(("Authorization", self._worker_auth))
             body = json_codec.dumps({"prompt_cache_key": key})
@@ -226,7 +229,7 @@ class Proxy:
         if routed.model and not self.fleet.knows_model(routed.model):
             raise APIError(
                 404,
-                f"model {routed.model!r} is not served by this fleet",
+                f"model {routed.model[:256]!r} is not served by this fleet",
                 param="model",
                 code="model_not_found",
             )
@@ -348,10 +351,13 @@ class Proxy:
         body = routed.body
         if routed.priority is not None and worker.report.priority_scheduling:
             body = with_priority(body, routed.priority)
+        head = self._request_head(request)
+        if routed.cache_key is not None:  # the worker pins the tenant's session, not the text
+            head.append((PIN_KEY_HEADER, routed.cache_key.hex()))
         try:
             with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
                 upstream = await self.pool.post(
-                    worker.url, routed.path, self._request_head(request), body,
+                    worker.url, routed.path, head, body,
                     self._wire_id(request), fresh,
                 )  # fmt: skip
         except AttemptFailed as e:

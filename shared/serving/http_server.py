@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -90,13 +91,25 @@ class _HeaderDeadline(asyncio.Protocol):
             inner.force_close()
 
 
+def deadline_protocol(server: web.Server, timeout: float) -> asyncio.Protocol:
+    """One connection's protocol: aiohttp's, closed when a request head is late."""
+    return _HeaderDeadline(server(), timeout)
+
+
+# A protocol for each accepted connection, in place of `deadline_protocol`'s.
+ProtocolFactory = Callable[[], asyncio.Protocol]
+
+
 class HeaderDeadlineSite(web.TCPSite):
-    """A TCP site whose connections get a request-head deadline (see the module)."""
+    """A TCP site whose connections get a request-head deadline (see the module), or
+    `protocol`'s protocol (which keeps that deadline itself)."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
-                 header_read_timeout: float, reuse_port: bool = False) -> None:  # fmt: skip
+                 header_read_timeout: float, reuse_port: bool = False,
+                 protocol: ProtocolFactory | None = None) -> None:  # fmt: skip
         super().__init__(runner, host, port, reuse_port=reuse_port)
         self._header_read_timeout = header_read_timeout
+        self._protocol = protocol
 
     async def start(self) -> None:
         # TCPSite.start, with the protocol factory wrapped; BaseSite.start registers it.
@@ -105,7 +118,7 @@ class HeaderDeadlineSite(web.TCPSite):
         assert server is not None
         timeout = self._header_read_timeout
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _HeaderDeadline(server(), timeout),
+            self._protocol or (lambda: _HeaderDeadline(server(), timeout)),
             self._host,
             self._port,
             backlog=self._backlog,
@@ -117,10 +130,10 @@ class HeaderDeadlineSite(web.TCPSite):
 
 
 async def bind(runner: web.BaseRunner, host: str, port: int, *, header_read_timeout: float,
-               reuse_port: bool = False) -> HeaderDeadlineSite:  # fmt: skip
+               reuse_port: bool = False, protocol: ProtocolFactory | None = None) -> HeaderDeadlineSite:  # fmt: skip
     """Listen on host:port; BindError (one line, the address in it) when that fails."""
     site = HeaderDeadlineSite(runner, host, port, header_read_timeout=header_read_timeout,
-                              reuse_port=reuse_port)  # fmt: skip
+                              reuse_port=reuse_port, protocol=protocol)  # fmt: skip
     try:
         await site.start()
     except OSError as e:

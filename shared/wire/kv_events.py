@@ -39,6 +39,12 @@ MEDIUMS = frozenset({MEDIUM_GPU, MEDIUM_CPU, "STORAGE"})
 MAX_BATCH_BYTES = 4 * 1024 * 1024  # one stream entry / ZMQ frame
 MAX_EVENTS = 4096  # events in one batch
 MAX_BLOCKS = 8192  # hashes in one event
+# Token ids in one event, and so the longest array msgpack decodes: one event is one
+# decode call (BatchReader's step), and 4M ids in one event (inside MAX_BATCH_BYTES, in
+# 4,096-token blocks) held the event loop ~140-200 ms to decode and check. 2**18 is two
+# 128k-token contexts; vLLM stores a step's blocks per event (a chunked prefill's
+# worth), our engine at most this many per event (worker/engine/kv_blocks.py).
+MAX_EVENT_TOKENS = 1 << 18
 MAX_BLOCK_SIZE = 4096  # tokens per block
 MAX_TOKEN_ID = 2**31 - 1
 MAX_HASH_BYTES = 64
@@ -182,7 +188,7 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise ValueError("batch is not bytes or is too large")
     try:
         raw = msgpack.unpackb(
-            payload, raw=False, strict_map_key=True, max_array_len=MAX_BATCH_BYTES,
+            payload, raw=False, strict_map_key=True, max_array_len=MAX_EVENT_TOKENS,
             max_map_len=64, max_str_len=256, max_bin_len=MAX_HASH_BYTES, max_ext_len=0,
         )  # fmt: skip
     except (ValueError, msgpack.UnpackException, TypeError) as exc:
@@ -215,7 +221,7 @@ class BatchReader:
             raise ValueError("batch is not bytes or is too large")
         self._size = len(payload)
         self._unpacker = msgpack.Unpacker(
-            raw=False, strict_map_key=True, max_buffer_size=MAX_BATCH_BYTES, max_array_len=MAX_BATCH_BYTES,
+            raw=False, strict_map_key=True, max_buffer_size=MAX_BATCH_BYTES, max_array_len=MAX_EVENT_TOKENS,
             max_map_len=64, max_str_len=256, max_bin_len=MAX_HASH_BYTES, max_ext_len=0,
         )  # fmt: skip
         self._unpacker.feed(payload)

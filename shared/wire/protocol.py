@@ -24,6 +24,8 @@ from pydantic_core import PydanticCustomError
 from shared.wire.known_fields import KNOWN_EXTRA
 
 UNRECOGNIZED = "unrecognized_argument"  # the error type `validation_error` names
+# Per request class, every top-level field it accepts (its own and KNOWN_EXTRA's).
+_KNOWN_NAMES: dict[type, frozenset[str]] = {}
 
 
 class _Lenient(BaseModel):
@@ -65,6 +67,10 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's limit
 # OpenAI's `prompt_cache_key` (requests that share a cache say so): at most this many
 # UTF-8 bytes (router/holdings/sessions.py keys its session table on it).
 MAX_PROMPT_CACHE_KEY_BYTES = 1024
+# The key a worker pins a session under, where the router sends it: the tenant's session
+# (router/holdings/sessions.py's digest, hex), not the client's text, since two tenants
+# may pick one key; without the header a worker pins under `prompt_cache_key` itself.
+PIN_KEY_HEADER = "x-radix-pin-key"
 # Our extension: hold the answer's prefix in the worker's cache this many seconds after
 # it (a pin across a tool gap; worker/engine/pins.py). The worker clamps it to its
 # `pin_max_ttl_s` and says so in the answer's usage.
@@ -133,6 +139,12 @@ class _Sampling(_Lenient):
     def _refuse_unrecognized(cls, data: Any) -> Any:
         """An unknown top-level field is an error naming it (and the nearest known one)."""
         if isinstance(data, dict):
+            known = _KNOWN_NAMES.get(cls)
+            if known is None:  # once per class: `model_fields` is a property per read
+                known = frozenset(cls.model_fields) | KNOWN_EXTRA[cls.wire_endpoint]
+                _KNOWN_NAMES[cls] = known
+            if known.issuperset(data):  # every request but a bad one: one C call
+                return data
             extra = KNOWN_EXTRA[cls.wire_endpoint]
             for name in data:
                 if name not in cls.model_fields and name not in extra:

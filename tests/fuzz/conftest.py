@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from router.http.app import create_app as create_router
 from shared.config import RouterConfig, WorkerConfig
+from tests.router.conftest import ServedTestServer
 from worker.backends import build_engine
 from worker.http.app import create_app as create_worker
 from worker.http.state import STATE
@@ -40,7 +41,8 @@ async def start_worker(config: WorkerConfig) -> TestServer:
 
 
 async def start_router(config: RouterConfig) -> TestServer:
-    server = TestServer(create_router(config), host="127.0.0.1", handler_cancellation=True)
+    """The router as `serve()` serves it (tests/router/conftest.py `ServedTestServer`)."""
+    server = ServedTestServer(create_router(config), host="127.0.0.1")
     await server.start_server()
     return server
 

@@ -103,6 +103,19 @@ async def test_bad_request_gets_openai_error_and_service_keeps_serving(
 
 
 @pytest.mark.parametrize("target", ["worker", "router"])
+async def test_an_unknown_models_404_quotes_at_most_a_names_length(
+    services: Services, http: aiohttp.ClientSession, target: str
+) -> None:
+    """The 404 quoted the whole `model` (up to the body cap, 16 MB by default: as much
+    again to render and send); a name is at most 256 characters (the registry's bound)."""
+    base = getattr(services, target)
+    raw = json.dumps({"prompt": "x", "model": "m" * (BODY_LIMIT - 100)}).encode()
+    status, body = await post(http, base + "/v1/completions", raw)
+    assert_openai_error(status, body, 404, "model_not_found")
+    assert len(body["error"]["message"]) < 512
+
+
+@pytest.mark.parametrize("target", ["worker", "router"])
 async def test_body_over_the_configured_limit_is_413(
     services: Services, http: aiohttp.ClientSession, target: str
 ) -> None:

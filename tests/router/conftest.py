@@ -7,13 +7,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from yarl import URL
 
 from router.holdings.sync import ReplicaSync
-from router.http.app import create_app
+from router.http.app import create_app, serving_protocol, serving_runner
 from router.http.edge import install_hot_paths
-from router.http.state import EDGE
+from router.http.state import CONFIG, EDGE
 from shared.config import RouterConfig
+from shared.serving.http_server import bind
 from tests.router.fakes import FakeWorker
 from tests.router.raw_upstream import RawUpstream
 
@@ -40,6 +43,24 @@ async def fake_workers() -> AsyncIterator[StartWorkers]:
         await server.close()
 
 
+class ServedTestServer(TestServer):
+    """aiohttp's test server, listening as `serve()` listens (router/http/app.py): the
+    hot paths, the head deadline, and the router's own protocol where the config's
+    `fast_hot_paths` is on."""
+
+    async def start_server(self, loop: Any = None, **kwargs: Any) -> None:
+        if self.runner:
+            return
+        app: web.Application = self.app  # type: ignore[assignment]
+        config = app[CONFIG]
+        self.runner = runner = await serving_runner(app)
+        await bind(runner, self.host, 0, header_read_timeout=config.header_read_timeout,
+                   protocol=serving_protocol(runner, config))  # fmt: skip
+        self.port = runner.addresses[0][1]
+        self.scheme = "http"
+        self._root = URL(f"http://{self.host}:{self.port}")
+
+
 @pytest.fixture
 async def start_router() -> AsyncIterator[StartRouter]:
     clients: list[TestClient] = []
@@ -51,12 +72,18 @@ async def start_router() -> AsyncIterator[StartRouter]:
         hot_paths: bool = True,
         **overrides: Any,
     ) -> TestClient:
+        if not hot_paths:  # the app's router for every request
+            overrides["fast_hot_paths"] = False
         config = RouterConfig(worker_urls=tuple(urls), host="127.0.0.1", **overrides)
         app = create_app(config, sync=sync, clock=clock)
-        server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
+        if config.fast_hot_paths:  # served as `serve()` serves it, the own protocol in front
+            server: TestServer = ServedTestServer(app, host="127.0.0.1")
+        else:
+            server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
         client = TestClient(server)
         await client.start_server()
-        if hot_paths:  # as `serve()` runs it (router/http/edge.py); False: the app's router only
+        if hot_paths and not config.fast_hot_paths:
+            # as `serve()` runs it (router/http/edge.py); False: the app's router only
             assert server.runner is not None
             install_hot_paths(server.runner, app[EDGE])
         clients.append(client)

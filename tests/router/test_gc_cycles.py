@@ -26,15 +26,13 @@ from pathlib import Path
 
 import pytest
 import uvloop
-from aiohttp import web
 
 from loadtests.load.cluster import Cluster, WorkerSpec, serve, serve_router
 from loadtests.router import zero_worker
-from router.http.app import create_app
-from router.http.edge import install_hot_paths
-from router.http.state import EDGE
+from router.http.app import create_app, serving_protocol, serving_runner
 from shared.config import RouterConfig
 from shared.procs import free_port, wait_until
+from shared.serving.http_server import bind
 
 pytestmark = pytest.mark.slow  # starts two worker processes
 
@@ -79,17 +77,19 @@ async def _answer(reader: asyncio.StreamReader) -> int:
     return int(head.split(b" ", 2)[1])
 
 
-def _cycles(worker_url: str, kinds: dict[str, Callable[[int], bytes]]) -> dict[str, object]:
+def _cycles(
+    worker_url: str, kinds: dict[str, Callable[[int], bytes]], fast: bool
+) -> dict[str, object]:
     """Per kind: its last status and the types of the objects found in cycles."""
 
     async def scenario() -> dict[str, object]:
-        config = RouterConfig(worker_urls=(worker_url,), host="127.0.0.1", access_log=False)
-        app = create_app(config)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        install_hot_paths(runner, app[EDGE])  # as `serve()` does
+        config = RouterConfig(
+            worker_urls=(worker_url,), host="127.0.0.1", access_log=False, fast_hot_paths=fast
+        )
+        runner = await serving_runner(create_app(config))  # as `serve()` serves it
         port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        protocol = serving_protocol(runner, config)
+        await bind(runner, "127.0.0.1", port, header_read_timeout=10, protocol=protocol)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         out: dict[str, object] = {}
         try:
@@ -139,12 +139,17 @@ def no_echo_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         child.stop()
 
 
-def test_no_cycles_per_request_echoing_worker(sim_worker: str) -> None:
+# fast: the simplest inference requests through router/http/fast_server.py
+FAST = pytest.mark.parametrize("fast", [False, True], ids=["aiohttp", "fast"])
+
+
+@FAST
+def test_no_cycles_per_request_echoing_worker(sim_worker: str, fast: bool) -> None:
     kinds = {
         "completion": COMPLETION, "chat stream": CHAT_STREAM, "bad JSON": BAD_JSON,
         "bad field": BAD_FIELD, "unknown model": UNKNOWN_MODEL,
     }  # fmt: skip
-    found = _cycles(sim_worker, kinds)
+    found = _cycles(sim_worker, kinds, fast)
     assert {k: v[0] for k, v in found.items()} == {  # type: ignore[index]
         "completion": 200, "chat stream": 200, "bad JSON": 400, "bad field": 400,
         "unknown model": 404,
@@ -152,9 +157,10 @@ def test_no_cycles_per_request_echoing_worker(sim_worker: str) -> None:
     assert {k: v[1] for k, v in found.items()} == {key: {} for key in kinds}  # type: ignore[index]
 
 
-def test_no_cycles_per_request_worker_without_echo(no_echo_worker: str) -> None:
+@FAST
+def test_no_cycles_per_request_worker_without_echo(no_echo_worker: str, fast: bool) -> None:
     """A fresh upstream connection per request: opened, used once, closed, all freed."""
-    found = _cycles(no_echo_worker, {"completion": COMPLETION})
+    found = _cycles(no_echo_worker, {"completion": COMPLETION}, fast)
     assert found == {"completion": (200, {})}
 
 

@@ -5,6 +5,7 @@ not (SGLang, or vLLM without it)."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import aiohttp
@@ -53,3 +54,43 @@ async def test_the_echo_is_checked_and_the_fix_named(
     if warned:
         assert "routers open a new connection per request" in warned[0]
         assert FIX[engine] in warned[0]
+
+
+def _models_engine(entries: int) -> web.Application:
+    """A stock engine's `/v1/models`: the base model and `entries` LoRA adapters."""
+    data = [{"id": "m"}, *({"id": f"adapter-{i:06d}", "parent": "m"} for i in range(entries))]
+    body = json.dumps({"object": "list", "data": data}).encode()
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def _identified(entries: int) -> Upstream:
+    server = TestServer(_models_engine(entries), host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    config = AttachConfig(url, "vllm", "redis://unused", "w0", url)
+    try:
+        async with aiohttp.ClientSession() as session:
+            upstream = Upstream(config, session)
+            await upstream._identify()
+            return upstream
+    finally:
+        await server.close()
+
+
+async def test_the_upstreams_adapters_are_bounded_and_so_is_its_answer() -> None:
+    """An attached engine listing 100 adapters is advertised with the first MAX_ADAPTERS
+    (the registry's bound); one whose `/v1/models` runs past MAX_ANSWER_BYTES (here 300k
+    adapters, ~12 MB) is refused as it is read, not held and parsed whole."""
+    from shared.wire.registry import MAX_ADAPTERS
+
+    upstream = await _identified(100)
+    assert upstream.model == "m" and len(upstream.adapters) == MAX_ADAPTERS
+    assert upstream.adapters[0] == "adapter-000000"
+    with pytest.raises(ValueError, match="over"):
+        await _identified(300_000)

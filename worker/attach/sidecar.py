@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -46,6 +47,10 @@ from worker.attach.upstream_metrics import StockEngine, UpstreamLoad, parse_load
 from worker.heartbeat import Heartbeat, connect
 
 log = logging.getLogger("worker.attach")
+
+# The most the sidecar reads of an upstream answer (/metrics every interval, /v1/models
+# with its adapters): vLLM's /metrics is ~100 KB; read whole, any size was held and parsed.
+MAX_ANSWER_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,13 @@ class Upstream:
                 raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
             if request_id is not None:
                 self.echoes = r.headers.get(REQUEST_ID_HEADER) == request_id
-            return await (r.text() if path == "/metrics" else r.json(content_type=None))
+            body = bytearray()
+            async for chunk in r.content.iter_any():
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES:  # before it is all held, and parsed
+                    raise ValueError(f"{path} answered over {MAX_ANSWER_BYTES} bytes")
+            text = body.decode("utf-8", "replace")
+            return text if path == "/metrics" else json.loads(text)
 
     async def _identify(self) -> None:
         """Model name and KV capacity: read once per epoch (they change only on restart);

@@ -44,6 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from shared.wire.kv_events import (
+    MAX_EVENT_TOKENS,
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -86,6 +87,9 @@ class BlockEvents:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        # Blocks per BlockStored: readers bound an event's blocks and its token ids
+        # (MAX_EVENT_TOKENS: 1,024 blocks of 4,096 tokens would be refused).
+        self.event_blocks = max(1, min(MAX_EVENT_BLOCKS, MAX_EVENT_TOKENS // block_size))
         self.medium = medium  # the device pool's
         self.host_medium = host_medium  # the host tier's (None: its moves are not published)
         self.max_pending = max_pending
@@ -155,8 +159,8 @@ class BlockEvents:
             prev = engine_block_hash(prev, raw[j * bs * _TB : (j + 1) * bs * _TB])
             hashes.append(prev)
         leaf.blocks = tuple(hashes)
-        for i in range(0, len(hashes), MAX_EVENT_BLOCKS):  # readers bound an event's size
-            chunk = leaf.blocks[i : i + MAX_EVENT_BLOCKS]
+        for i in range(0, len(hashes), self.event_blocks):  # readers bound an event's size
+            chunk = leaf.blocks[i : i + self.event_blocks]
             ids = tokens[i * bs : (i + len(chunk)) * bs].copy()  # not a view of the request's
             self._emit(self._block(chunk, parent, ids, self.medium))
             parent = chunk[-1]
@@ -180,8 +184,8 @@ class BlockEvents:
         parent = _last_block(node.parent)
         tokens = self._tokens_of(node)
         bs = self.block_size
-        for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
-            chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
+        for i in range(0, len(node.blocks), self.event_blocks):
+            chunk = node.blocks[i : i + self.event_blocks]
             self._emit(self._block(chunk, parent, tokens[i * bs : (i + len(chunk)) * bs], medium))
             parent = chunk[-1]
 
@@ -230,8 +234,8 @@ class BlockEvents:
                          (self.host_medium, node.host_value is not None)) if held and m]  # fmt: skip
                 for medium in media:  # each tier holding the node: one chain of stores
                     up = parent
-                    for i in range(0, len(node.blocks), MAX_EVENT_BLOCKS):
-                        chunk = node.blocks[i : i + MAX_EVENT_BLOCKS]
+                    for i in range(0, len(node.blocks), self.event_blocks):
+                        chunk = node.blocks[i : i + self.event_blocks]
                         ids = tokens[i * bs : (i + len(chunk)) * bs].copy()
                         self.pending.append(self._block(chunk, up, ids, medium))
                         up = chunk[-1]

@@ -22,8 +22,11 @@ when it finishes:
   waits; with a host tier the released prefix is then evicted *to the host* (write-back),
   so it is moved to the host tier before it is dropped. Pins never starve other traffic.
 
-Keys are the ``prompt_cache_key`` the worker was sent (one pin per key: a new answer
-replaces the session's older pin), or the request id for a pin without a key.
+Keys are the session's (one pin per key: a new answer replaces the session's older pin):
+the router's ``x-radix-pin-key`` header where it sends one (its tenant's session: two
+tenants may pick one ``prompt_cache_key``, and one's calls must not release the other's
+pin; worker/http/intake.py ``pin_key``), else the ``prompt_cache_key`` itself, or the
+request id for a pin without a key.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from shared.serving.body import read_json
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.protocol import MAX_PROMPT_CACHE_KEY_BYTES
+from worker.http.intake import pin_key
 from worker.http.openapi import openapi_document
 from worker.http.state import CONFIG, ENGINE, METRICS, STATE
 
@@ -66,7 +67,8 @@ async def release_pin(request: web.Request) -> web.Response:
     if len(key.encode("utf-8", "surrogatepass")) > MAX_PROMPT_CACHE_KEY_BYTES:
         raise APIError(400, f"prompt_cache_key: longer than {MAX_PROMPT_CACHE_KEY_BYTES} bytes",
                        param="prompt_cache_key")  # fmt: skip
-    return web.json_response({"released": await request.app[ENGINE].release_pin(key)})
+    held_as = pin_key(request, key)  # the router's key for the session, where it sends one
+    return web.json_response({"released": await request.app[ENGINE].release_pin(held_as)})
 
 
 async def server_info(request: web.Request) -> web.Response:

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from shared.serving.errors import APIError
+from shared.wire.protocol import MAX_PROMPT_CACHE_KEY_BYTES, PIN_KEY_HEADER
 from worker.engine.types import EngineRequest, SamplingParams
 from worker.http.state import CONFIG, STATE
 
@@ -43,11 +44,25 @@ def session_pin(
     if asked is None and key is not None:  # the default: the request's class's, else the worker's
         asked = config.pin_class_ttl_s.get(klass, config.pin_default_ttl_s)
     asked = asked or 0.0
+    held_as = key if key is None else pin_key(request, key)
     if not asked or not config.pin_budget:
-        return dataclasses.replace(gen, cache_key=key), None
+        return dataclasses.replace(gen, cache_key=held_as), None
     ttl = min(asked, config.pin_max_ttl_s)
     pin = {"ttl_s": ttl, "requested_ttl_s": asked, "clamped": ttl < asked}
-    return dataclasses.replace(gen, cache_key=key, pin_ttl=ttl), pin
+    return dataclasses.replace(gen, cache_key=held_as, pin_ttl=ttl), pin
+
+
+def pin_key(request: web.Request, key: str) -> str:
+    """The key a session's pin is held under: the router's PIN_KEY_HEADER (its tenant's
+    session) where sent, else the client's `prompt_cache_key`; 400 past the key's bound.
+    Pinning and `POST /release_pin` (worker/http/admin_api.py) both key by it."""
+    sent = request.headers.get(PIN_KEY_HEADER)
+    if sent is None:
+        return key
+    if not sent or len(sent.encode("utf-8", "surrogateescape")) > MAX_PROMPT_CACHE_KEY_BYTES:
+        raise APIError(400, f"{PIN_KEY_HEADER}: 1 to {MAX_PROMPT_CACHE_KEY_BYTES} bytes",
+                       code="invalid_value")  # fmt: skip
+    return "router:" + sent  # never a client's own key: those pin under their text
 
 
 # What each field may hold and still mean "nothing asked": plain text is OpenAI's
@@ -74,7 +89,7 @@ def check_model(request: web.Request, model: str | None, body: dict[str, Any]) -
     served = request.app[STATE].served_model
     if model is not None and model not in (served, request.app[CONFIG].model):
         raise APIError(
-            404, f"the model {model!r} does not exist; this worker serves {served!r}",
+            404, f"the model {model[:256]!r} does not exist; this worker serves {served!r}",
             param="model", code="model_not_found",
         )  # fmt: skip
     adapter = body.get("lora_path")

@@ -109,14 +109,19 @@ def test_bad_rates_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> No
     assert "error: --rates wants positive req/s" in capsys.readouterr().err
 
 
-# Requests of 8 tokens at 39 ms a step, 2 at a time: one sim worker answers about 5.7 per
-# second (6.4 less the prefill steps and the way there and back, measured). Doubling rates put one worker's capacity between 4 and 8 and two workers'
-# between 8 and 16, half way on a log scale, so neither edge is close to a measured point.
+# Requests of 8 tokens at 39 ms a step, 2 at a time: by the cost model one sim worker
+# answers at most about 5.7 per second (6.4 less the prefill steps and the way there and
+# back, measured), two about 11.4; a loaded machine only slows them. So at 8 and 16 req/s
+# one worker falls behind whatever the machine does, and at 16 both fleets are past their
+# capacity: what they answer there is what they can, about 1:2. The test asserts that
+# order, not where a busy machine puts the edge: it asserted the exact (sustained,
+# saturation) rungs, 4 / 8 for one worker and 8 / 16 for two on a quiet machine, and
+# failed under machine load (passing on rerun).
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_saturation_point_moves_when_workers_are_added(tmp_path: Path) -> None:
     workload = WorkloadOptions(groups=4, system_len=32, question_len=8, output_len=8)
-    found = {}
+    found, answered_at_16 = {}, {}
     for workers in (1, 2):
         fleet = ClusterSpec(workers=workers, prefill_us_per_token=10, decode_ms_per_token=39,
                           max_running_requests=2)  # fmt: skip
@@ -125,9 +130,14 @@ def test_the_saturation_point_moves_when_workers_are_added(tmp_path: Path) -> No
         points = results["round_robin"]
         assert all(p.summary.failures == 0 for p in points)
         found[workers] = (sustained_rate(points), saturation(points))
+        answered_at_16[workers] = max(points, key=lambda p: p.rate).answered
         # Every worker answered: round robin over the whole fleet.
         assert sorted(points[0].summary.per_worker_requests) == [f"w{i}" for i in range(workers)]
-    assert found == {1: (4, 8), 2: (8, 16)}
+    (_, one), (_, two) = found[1], found[2]
+    # Each fleet falls behind within the ladder (one worker at 8 at the latest), two
+    # workers no sooner than one, and past both edges two answer about twice as many.
+    assert one in (4, 8) and two is not None and two >= one, found
+    assert answered_at_16[2] >= 1.5 * answered_at_16[1], answered_at_16
     result = json.loads((tmp_path / "w2/round_robin/rate_16/summary.json").read_text())
     assert result["request_rate"] == 16 and result["max_concurrency"] == 48
 

@@ -17,7 +17,7 @@ from router.holdings.room import Holdings
 from router.policy import build_routing
 from shared.config import RouterConfig
 from shared.wire.kv_events import AllBlocksCleared, BlockStored, encode_batch, entry_fields
-from shared.wire.protocol import CompletionRequest
+from shared.wire.protocol import ChatCompletionRequest, CompletionRequest
 from shared.wire.registry import WorkerRecord
 
 SYSTEM = "You are a careful assistant. " * 8
@@ -137,3 +137,36 @@ def test_the_index_keeps_an_adapters_blocks_out_of_its_base_models() -> None:
         room = Holdings(RouterConfig(tokenizer="sim"), feed)
         held = room.predict(RouteRequest("", tokens=ids, model="m"), FleetView(["w0", "w1"]), 1.0)
         assert held.holdings() == {"w1": Holding(8, 0, "index")}, form
+
+
+def test_names_and_templates_past_their_bound_are_keyed_without_digesting_them() -> None:
+    """An SGLang `lora_path` is an adapter's name: past MAX_NAME_CHARS (the registry's
+    bound on a name) it names none, and digesting it cost the event loop ~75 ms for 15
+    MB. Such a request is keyed as TOO_LONG (its text never read), apart from the base
+    model's and from every real adapter's."""
+    from router.holdings.namespace import MAX_NAME_CHARS
+
+    def ns(lora_path: str) -> str:
+        body = {"model": "base", "prompt": "x", "lora_path": lora_path}
+        return request_namespace(CompletionRequest.model_validate(body))
+
+    long_a, long_b = "a" * 1_000_000, "b" * (MAX_NAME_CHARS + 1)
+    assert ns(long_a) == ns(long_b)  # keyed without its text
+    assert ns(long_a) not in (DEFAULT, ns("a"), ns("a" * MAX_NAME_CHARS))
+    assert ns("a" * MAX_NAME_CHARS) != ns("b" * MAX_NAME_CHARS)  # a real name: its own key
+    # The model (keyed with a salt) and a chat template (where the router renders chats)
+    # are bounded the same way (a template at MAX_TEMPLATE_CHARS).
+    from router.holdings.namespace import MAX_TEMPLATE_CHARS
+
+    def salted(model: str) -> str:
+        return request_namespace(CompletionRequest(model=model, prompt="x", cache_salt="s"))
+
+    assert salted("m" * 1_000_000) == salted("n" * (MAX_NAME_CHARS + 1)) != salted("m")
+
+    def templated(template: str) -> str:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                "chat_template": template}  # fmt: skip
+        return request_namespace(ChatCompletionRequest.model_validate(body), renders=True)
+
+    assert templated("{{ a }}" * 1_000_000) == templated("x" * (MAX_TEMPLATE_CHARS + 1))
+    assert templated("x" * MAX_TEMPLATE_CHARS) not in (templated("y"), DEFAULT)

@@ -87,7 +87,7 @@ async def test_routers_trim_a_stream_its_worker_does_not(redis: Redis) -> None:
     assert await redis.xlen(key) == 300
     feed = KvEventFeed(Registry(redis), stream_len=100)
     feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
-    await feed._trim()
+    await feed.reader.trim()
     assert await redis.xlen(key) < 300  # MAXLEN ~: whole macro nodes, at least 100 kept
     assert await redis.xlen(key) >= 100
 
@@ -142,6 +142,24 @@ async def test_a_large_event_is_applied_in_pieces_with_the_loop_in_between(redis
     assert len({n for n in seen if 0 < n < 8_000}) >= 3  # other turns between the pieces
     tokens = [t for i in range(1, 8_001) for t in (i, i)]
     assert feed.match("m", tokens) == {"w": 16_000} and feed.indexes["m"].orphans == 0
+
+
+async def test_an_event_of_large_blocks_is_applied_in_pieces_of_bounded_tokens(
+    redis: Redis,
+) -> None:
+    """A heartbeat may name blocks of up to 4,096 tokens: one stored event of 1,000 such
+    blocks (4M token ids, inside the 4 MB entry bound) was one run of 1,000 blocks, one
+    index call of ~70-220 ms. Runs are bounded in tokens too (RUN_TOKENS): 64 blocks of
+    4,096 go in pieces with the loop running between, and leave the same index."""
+    bs, n = 4096, 64
+    ids = [(i * 7) % 50_000 for i in range(bs * n)]
+    big = BlockStored(tuple(range(1, n + 1)), None, ids, bs)
+    await write(redis, "w", 1.0, 0, AllBlocksCleared(), big)
+    feed = KvEventFeed(Registry(redis), apply_budget=0.0)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=bs)])
+    seen = await watch(feed, lambda: feed.indexes["m"].blocks_of("w"))
+    assert len({k for k in seen if 0 < k < n}) >= 3  # other turns between the pieces
+    assert feed.match("m", ids) == {"w": bs * n} and feed.indexes["m"].orphans == 0
 
 
 async def test_a_rejoining_workers_blocks_are_dropped_in_steps(redis: Redis) -> None:
@@ -250,7 +268,7 @@ async def test_block_size_comes_from_heartbeats_not_the_first_publisher(redis: R
         FeedMember("a", "m", 1.0, block_size=2),
         FeedMember("b", "m", 1.0, block_size=2),
     ])  # fmt: skip
-    assert feed.block_size("m") == 2 and "liar" not in feed.readable()
+    assert feed.block_size("m") == 2 and "liar" not in feed.reader.readable()
     # The router's config pins it whatever the heartbeats say.
     pinned = KvEventFeed(Registry(redis), block_size=2)
     pinned.follow([FeedMember("liar", "m", 1.0, block_size=1)])
@@ -298,8 +316,8 @@ async def test_a_stream_past_its_cpu_share_waits_unread(redis: Redis) -> None:
     feed = KvEventFeed(Registry(redis), cpu_share=0.0, cpu_burst=1e-9)
     feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
     assert await feed.poll() == 1  # one entry, then its credit is spent
-    assert await feed.poll() == 0 and feed.status_of("w") == "lagging" and feed.throttled
-    feed.cpu_share, feed.cpu_burst = 1.0, 10.0  # the credit comes back: it reads on
+    assert await feed.poll() == 0 and feed.status_of("w") == "lagging" and feed.reader.throttled
+    feed.reader.cpu_share, feed.reader.cpu_burst = 1.0, 10.0  # the credit comes back: it reads on
     await asyncio.sleep(0.05)
     await drain(feed)
     assert feed.status_of("w") == "ok" and feed.match("m", [1, 1, 2, 2, 3, 3]) == {"w": 6}
@@ -316,4 +334,4 @@ async def test_a_model_change_keeps_the_spent_cpu_share(redis: Redis) -> None:
     feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
     assert await feed.poll() == 1  # one entry, then its credit is spent
     feed.follow([FeedMember("w", "flip", 1.0, block_size=2)])
-    assert await feed.poll() == 0 and feed.throttled
+    assert await feed.poll() == 0 and feed.reader.throttled

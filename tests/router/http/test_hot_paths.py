@@ -1,11 +1,15 @@
 """The inference routes served without the app's router (router/http/edge.py
-`install_hot_paths`) answer exactly as through it: status, OpenAI-shaped errors, request
-ids, the access-log line, the router's counts; and only they take that way."""
+`install_hot_paths`), and the simplest of them by the router's own protocol
+(router/http/fast_server.py, `fast_hot_paths`), answer exactly as through the app's
+router: status, OpenAI-shaped errors, request ids, the access-log line, the router's
+counts; and only they take those ways."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -58,8 +62,10 @@ async def test_the_same_answers_either_way(
 ) -> None:
     [(_, server)] = await fake_workers("ok")
     seen = {}
-    for hot in (True, False):
-        client = await start_router([url_of(server)], api_keys=("k",), hot_paths=hot)
+    ways = {"fast": {"fast_hot_paths": True}, "hot": {"fast_hot_paths": False},
+            "app": {"hot_paths": False}}  # fmt: skip
+    for way, kw in ways.items():
+        client = await start_router([url_of(server)], api_keys=("k",), **kw)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="router.access"):
             exchanges = await _exchanges(client)
@@ -68,8 +74,8 @@ async def test_the_same_answers_either_way(
             for rec in caplog.records
             if rec.name == "router.access"
         ]
-        seen[hot] = (exchanges, lines, await _metrics(client))
-    exchanges, lines, metrics = seen[True]
+        seen[way] = (exchanges, lines, await _metrics(client))
+    exchanges, lines, metrics = seen["fast"]
     assert [s[1] for s in exchanges] == [200, 200, 401, 400, 400, 400, 405, 200]
     assert [s[2] for s in exchanges] == [f"id-{i}" for i in range(1, 9)]
     assert (
@@ -78,7 +84,7 @@ async def test_the_same_answers_either_way(
     )
     assert len(lines) == 8 and all("request_id=id-" in line for line in lines)
     assert any('status="200"' in m for m in metrics)
-    assert seen[True] == seen[False]
+    assert seen["fast"] == seen["hot"] == seen["app"]
 
 
 async def test_only_the_inference_routes_skip_the_app_router(
@@ -109,4 +115,43 @@ async def test_only_the_inference_routes_skip_the_app_router(
     assert through_app == [
         "POST /v1/completions?x=1", "POST /generate", "GET /v1/completions",
         "POST /v1/completions",
+    ]  # fmt: skip
+
+
+async def test_only_the_simplest_inference_requests_skip_aiohttp(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    """With `fast_hot_paths`, a plain POST of an inference route never reaches aiohttp's
+    server; a query, another route or method, `Expect`, a chunked body or `Connection:
+    close` does (and the connection is aiohttp's from then on)."""
+    [(_, server)] = await fake_workers("ok")
+    client = await start_router([url_of(server)], fast_hot_paths=True)
+    runner = client.server.runner
+    assert runner is not None and runner.server is not None
+    through_aiohttp: list[str] = []
+    aiohttp_way = runner.server.request_handler
+
+    async def counted(request: web.BaseRequest) -> web.StreamResponse:
+        through_aiohttp.append(f"{request.method} {request.raw_path}")
+        return await aiohttp_way(request)
+
+    runner.server.request_handler = counted
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = OK if path == "/v1/completions" else CHAT
+        for _ in range(2):
+            assert (await client.post(path, json=body)).status == 200
+    assert through_aiohttp == []
+    await client.post("/v1/completions?x=1", json=OK)
+    await client.post("/generate", json={"text": "hi"})
+    await client.get("/v1/completions")
+    await client.post("/v1/completions", json=OK, headers={"Expect": "100-continue"})
+    await client.post("/v1/completions", json=OK, headers={"Connection": "close"})
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield json.dumps(OK).encode()
+
+    await client.post("/v1/completions", data=chunks())
+    assert through_aiohttp == [
+        "POST /v1/completions?x=1", "POST /generate", "GET /v1/completions",
+        "POST /v1/completions", "POST /v1/completions", "POST /v1/completions",
     ]  # fmt: skip

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 
 from router.http.state import FLEET, QUEUE
 from router.queue.fleet_queue import FleetQueue
+from shared.config import RouterConfig
 from shared.redis_server import RedisServer
 from shared.wire.registry import Registry, WorkerRecord
 from tests.router.conftest import StartRouter, StartWorkers, url_of
@@ -62,11 +63,18 @@ async def fleet(
 ) -> AsyncIterator[Callable[..., Any]]:
     async def start(n: int = 1, **overrides: Any) -> tuple[Any, FleetQueue]:
         sim_workers(n)
-        settings = {"redis_url": redis_server.url, "discovery_interval": 0.1, "tenants": TENANTS}
-        client = await start_router(**{**settings, **overrides})
+        # No spare seat unless asked (the default's one would let a second request wait
+        # in the engine, out of the queue's order): one seat a worker.
+        settings = {
+            "redis_url": redis_server.url, "discovery_interval": 0.1, "tenants": TENANTS,
+            "queue_spare_seats": 0,
+        }  # fmt: skip
+        settings.update(overrides)
+        client = await start_router(**settings)
         queue = client.server.app[QUEUE]
-        # Seats come from the heartbeats: one each once the router has read them.
-        await wait_until(lambda: [queue.seats.seats(f"q{i}") for i in range(n)] == [1] * n, 10)
+        # Seats come from the heartbeats: 1 + the spare each once the router has read them.
+        each = 1 + settings["queue_spare_seats"]
+        await wait_until(lambda: [queue.seats.seats(f"q{i}") for i in range(n)] == [each] * n, 10)
         return client, queue
 
     yield start
@@ -96,6 +104,24 @@ async def test_below_saturation_nothing_waits(fleet: Callable[..., Any]) -> None
     workers = await (await client.get("/workers", headers=_key("c"))).json()
     assert {w["seats"] for w in workers["data"]} == {1}
     assert workers["queue"]["c"]["standard"]["served"] == 6
+
+
+async def test_the_default_spare_seat_keeps_one_request_waiting_in_the_engine(
+    fleet: Callable[..., Any],
+) -> None:
+    """With the default config a one-slot worker has two seats: a second request goes
+    to it at once (it waits in the engine for the slot), a third waits in the router."""
+    client, queue = await fleet(1, queue_spare_seats=RouterConfig().queue_spare_seats)
+    tally = queue.stats.tallies["c", "standard"]
+    first = [asyncio.create_task(_post(client, BLOCK)) for _ in range(2)]
+    await wait_until(lambda: queue.active == 2)
+    assert queue.waiting == 0 and tally.wait_s == 0.0  # both seated on arrival
+    third = asyncio.create_task(_post(client, SLOW))
+    await wait_until(lambda: queue.waiting == 1)  # no third seat: it waits here
+    assert [status for status, _ in await asyncio.gather(*first, third)] == [200] * 3
+    assert tally.served == 3 and tally.wait_s > 0.0
+    workers = await (await client.get("/workers", headers=_key("c"))).json()
+    assert [w["seats"] for w in workers["data"]] == [2]
 
 
 async def test_interactive_jumps_batch(fleet: Callable[..., Any]) -> None:

@@ -29,7 +29,8 @@ def _queue(
     seats: dict[str, int], affinity: dict[str, Mapping[str, float]] | None = None,
     remote: dict[str, int] | None = None, **config: Any,
 ) -> tuple[FleetQueue, ManualClock]:  # fmt: skip
-    cfg = RouterConfig.model_validate(config)
+    # Seats as given (no spare seat, unless a test asks for one).
+    cfg = RouterConfig.model_validate({"queue_spare_seats": 0, **config})
     fleet = Fleet(cfg, Hooks())
     records = {
         wid: WorkerRecord(
@@ -236,3 +237,62 @@ def test_a_config_file_error_names_its_line(tmp_path: Path) -> None:
     path.write_text("tenants:\n  a:\n    keys: [k]\n    weight: 0\n")
     with pytest.raises(ConfigError, match=r"tenants\.a\.weight: .*greater than 0.*line 4\)"):
         load_config(RouterConfig, path, environ={})
+
+
+def test_config_bounds_a_weight_and_the_quantum_to_finite_credit() -> None:
+    """A weight (or quantum) of 1e-320 made the new-round count, credit / (weight x
+    quantum), infinite: `math.floor` raised OverflowError on every freed seat, so the
+    queue never handed seats again. An infinite weight starved every other tenant. The
+    config refuses both, naming the key."""
+    for weight in (1e-320, 1e-7, float("inf"), float("nan"), 1e7):
+        with pytest.raises(ConfigError, match=r"tenants\.a\.weight"):
+            load_config(
+                RouterConfig, overrides={"tenants": {"a": {"keys": ["k"], "weight": weight}}},
+                environ={},
+            )  # fmt: skip
+    for quantum in (1e-320, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"queue_quantum"):
+            load_config(RouterConfig, overrides={"queue_quantum": quantum}, environ={})
+    # A wait bound of infinity raised OverflowError computing the 429's Retry-After (a
+    # quarter of it, whole seconds): the client got a 500; 1e300 a 301-digit header.
+    for wait in (float("inf"), 1e300):
+        with pytest.raises(ConfigError, match=r"queue_timeout"):
+            load_config(RouterConfig, overrides={"queue_timeout": wait}, environ={})
+        with pytest.raises(ConfigError, match=r"tenants\.a\.max_queue_wait_s"):
+            load_config(
+                RouterConfig, environ={},
+                overrides={"tenants": {"a": {"keys": ["k"], "max_queue_wait_s": wait}}},
+            )  # fmt: skip
+
+
+async def test_a_refusal_at_the_longest_wait_allowed_is_a_429_with_a_short_header() -> None:
+    from shared.config import MAX_QUEUE_WAIT_S
+
+    queue, _ = _queue({"w0": 1}, max_queue=1, queue_timeout=MAX_QUEUE_WAIT_S)
+    await _fill(queue, 1)
+    waiting = await _enter(queue, _ticket(queue, "a"))
+    with pytest.raises(APIError) as refused:
+        await queue.admit(_ticket(queue, "b"))
+    assert refused.value.status == 429
+    assert refused.value.headers["Retry-After"] == str(int(MAX_QUEUE_WAIT_S / 4))
+    waiting.cancel()
+
+
+async def test_the_extreme_weights_the_config_allows_still_hand_every_seat() -> None:
+    """At the bounds (MIN_WEIGHT beside MAX_WEIGHT, MIN_QUANTUM) the credit arithmetic
+    stays finite: every waiting request gets the seat in turn, the heavy tenant ahead."""
+    from shared.config import MAX_WEIGHT, MIN_QUANTUM, MIN_WEIGHT
+
+    tenants = {"tiny": {"keys": ["kt"], "weight": MIN_WEIGHT},
+               "huge": {"keys": ["kh"], "weight": MAX_WEIGHT}}  # fmt: skip
+    queue, _ = _queue({"w0": 1}, tenants=tenants, queue_quantum=MIN_QUANTUM)
+    [runner] = await _fill(queue, 1)
+    waiting = [_ticket(queue, f"tiny{i}", "tiny") for i in range(3)]
+    waiting += [_ticket(queue, f"huge{i}", "huge") for i in range(3)]
+    tasks = [await _enter(queue, t) for t in waiting]
+    order = await _served_order(queue, runner, waiting)
+    assert sorted(order) == sorted(t.request.text for t in waiting), order
+    # (tiny0 may go first: a tenant that starts waiting starts with its quantum of credit)
+    assert order.index("huge2") < order.index("tiny1"), order
+    for task in tasks:
+        task.cancel()

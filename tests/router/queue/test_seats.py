@@ -1,6 +1,7 @@
 """Seats shared by router replicas (router/queue/seats.py): however the replicas' takes
-and the sync's stale counts interleave, a worker holds at most its seats plus
-(replicas - 1) x the slack; without the growth bound it goes past that."""
+and the sync's stale counts interleave, a worker holds at most its seats
+(max_running_requests m + the spare seats) plus (replicas - 1) x the slack (a share of
+m, not of seats); without the growth bound it goes past that."""
 
 from __future__ import annotations
 
@@ -17,29 +18,29 @@ class Hooks:
         return
 
 
-def _workers(seats: int) -> Fleet:
+def _workers(running: int) -> Fleet:
     fleet = Fleet(RouterConfig(), Hooks())
     fleet.apply_registry(
         {
             "w": WorkerRecord(
-                "w", "http://127.0.0.1:9000", "m", "sim", 1.0, max_running_requests=seats
+                "w", "http://127.0.0.1:9000", "m", "sim", 1.0, max_running_requests=running
             )
         }
     )
     return fleet
 
 
-def _most_held(replicas: int, seats: int, bounded: bool, seed: int) -> int:
+def _most_held(replicas: int, running: int, spare: int, bounded: bool, seed: int) -> int:
     """Replicas sharing one worker under a random schedule: each takes every seat it
     sees free and ends requests at random; each publishes its count every `interval`
     refreshes and reads the others' at its own phase (the sync's two stale steps)."""
     rng = random.Random(seed)
-    fleet = _workers(seats)
+    fleet = _workers(running)
     interval = 5  # refreshes per sync_load_interval (0.25 s / 50 ms)
     published = [0] * replicas
     seen = [dict[str, int]() for _ in range(replicas)]
     group = [
-        Seats(fleet.workers, (lambda i=i: seen[i]) if bounded else None, 1.0, 10**6, 0.25, 15)
+        Seats(fleet.workers, (lambda i=i: seen[i]) if bounded else None, spare, 10**6, 0.25, 15)
         for i in range(replicas)
     ]
     if not bounded:  # the counts still shared, but no growth bound
@@ -63,17 +64,20 @@ def _most_held(replicas: int, seats: int, bounded: bool, seed: int) -> int:
 
 
 def test_replicas_hold_a_worker_within_the_stated_bound() -> None:
-    for replicas, seats in ((2, 4), (3, 4), (2, 16)):
-        slack = max(1, -(-seats // 4))  # ceil(seats x 0.25)
-        bound = seats + (replicas - 1) * slack
+    # (replicas, m, spare seats): the default spare (1), and none.
+    for replicas, running, spare in ((2, 4, 1), (3, 4, 1), (2, 4, 0), (2, 16, 1), (2, 16, 0)):
+        slack = max(1, -(-running // 4))  # ceil(m x 0.25): of m, not of m + spare
+        bound = running + spare + (replicas - 1) * slack
+        case = (replicas, running, spare)
         for seed in range(3):
-            assert _most_held(replicas, seats, True, seed) <= bound, (replicas, seats, seed)
-        assert max(_most_held(replicas, seats, False, seed) for seed in range(3)) > bound
+            assert _most_held(replicas, running, spare, True, seed) <= bound, (case, seed)
+        unbounded = (_most_held(replicas, running, spare, False, seed) for seed in range(3))
+        assert max(unbounded) > bound, case
 
 
 def test_a_lone_router_fills_every_seat_at_once() -> None:
-    seats = Seats(_workers(4).workers, None, 1.0, 100)
-    for _ in range(4):
+    seats = Seats(_workers(4).workers, None, 1, 100)
+    for _ in range(5):  # 4 running slots + 1 spare seat
         assert seats.free("w")
         seats.take("w")
     assert not seats.free("w")
@@ -81,23 +85,24 @@ def test_a_lone_router_fills_every_seat_at_once() -> None:
 
 
 def test_a_replica_grows_by_the_slack_per_window() -> None:
-    seats = Seats(_workers(8).workers, lambda: {}, 1.0, 100, 0.25, 3)
+    seats = Seats(_workers(8).workers, lambda: {}, 1, 100, 0.25, 3)
     taken = []
-    for _ in range(16):  # refreshes
+    for _ in range(20):  # refreshes
         seats.refresh()
         n = 0
         while seats.free("w"):
             seats.take("w")
             n += 1
         taken.append(n)
-    # 2 (a quarter of 8) above the least held over the window (3 refreshes): 2 at once,
-    # 2 more once the window no longer remembers holding fewer.
-    assert taken == [2, 0, 0, 0] * 4 and seats.held["w"] == 8
-    # /workers shows the ceiling: the least held over the window (6, before the last
-    # two were taken) + 2.
+    # 2 (a quarter of m = 8, not of its 9 seats) above the least held over the window
+    # (3 refreshes): 2 at once, 2 more once the window no longer remembers holding
+    # fewer, and the last seat (the spare) alone.
+    assert taken == [2, 0, 0, 0] * 4 + [1, 0, 0, 0] and seats.held["w"] == 9
+    # /workers shows the ceiling: the least held over the window (8, before the last
+    # one was taken) + 2.
     assert seats.describe("w") == {
-        "seats": 8,
-        "seated": 8,
+        "seats": 9,
+        "seated": 9,
         "remote_in_flight": 0,
-        "replica_ceiling": 8,
+        "replica_ceiling": 10,
     }

@@ -290,6 +290,10 @@ async def test_requests_naming_a_model_reach_only_its_workers(
     assert w0.seen == 0 and w1.seen == 4
     r = await client.post("/v1/completions", json={**BODY, "model": "nobody"})
     assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    # A name is at most 256 characters: the 404 quotes no more of a longer one.
+    r = await client.post("/v1/completions", json={**BODY, "model": "n" * 100_000})
+    error = (await r.json())["error"]
+    assert r.status == 404 and error["code"] == "model_not_found" and len(error["message"]) < 512
     unnamed = [await client.post("/v1/completions", json=BODY) for _ in range(2)]
     assert sorted([(await r.json())["worker"] for r in unnamed]) == ["w0", "w1"]
 

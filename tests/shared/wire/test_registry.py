@@ -94,3 +94,34 @@ def test_server_restarts_on_same_port(redis_server: RedisServer) -> None:
     assert not redis_server.running
     redis_server.start()
     assert redis_server.running and redis_server.port == port
+
+
+async def test_hostile_values_of_this_rounds_heartbeat_fields_reject_only_their_worker(
+    registry: Registry,
+) -> None:
+    """A worker credential writes what it likes into its own hash: the LoRA adapters and
+    pin counts (issues 30 and 33's fields) out of bounds or of the wrong type reject that
+    one record (counted), never the fleet's other workers, never an exception."""
+    from shared.wire.registry import MAX_ADAPTERS, MAX_FIELD_CHARS
+
+    await registry.publish_heartbeat(record("good"), ttl_s=5, joined=False)
+    hostile = {
+        "adapters": [
+            ",".join(f"a{i}" for i in range(MAX_ADAPTERS + 1)),  # one name too many
+            "a," + "y" * 300,  # a name longer than any model name (field under 1,024)
+            "a,,b", "a,\x00b", "x" * (MAX_FIELD_CHARS + 1),
+        ],
+        "pins": ["-1", "1.5", "x", str(10**16), "1e30", "9" * 5000],
+        "pinned_tokens": ["-5", "nan", ""],
+        "kv_block_size": ["-16", "0x10"],
+    }  # fmt: skip
+    n = 0
+    for field, values in hostile.items():
+        for value in values:
+            wid = f"bad{n}"
+            n += 1
+            await registry.redis.hset(
+                registry.worker_key(wid), mapping={**record(wid).to_hash(), field: value}
+            )
+    assert list(await registry.read_fleet()) == ["good"]
+    assert registry.rejections.counts["registry"] == n

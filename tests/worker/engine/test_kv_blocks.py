@@ -174,3 +174,34 @@ def test_a_block_held_twice_below_page_granularity_stays_until_both_go() -> None
     c.evict(1)  # the older leaf goes; the second copy of the [0]*8 block stays
     replay(events, index)
     assert held_keys(index, "w") == expected_keys(c, index) == set(index.keys([0] * 8 + [1] * 8))
+
+
+def test_events_of_large_blocks_stay_within_what_readers_decode() -> None:
+    """Readers refuse an event of more than MAX_EVENT_TOKENS token ids (one event is one
+    decode step on a router's event loop: shared/wire/kv_events.py). At 4,096-token
+    blocks, 1,024 blocks an event would be 4M ids: the cache publishes fewer blocks per
+    event, and every event it publishes, in its stores and its republish, decodes."""
+    from shared.wire.kv_events import MAX_EVENT_TOKENS
+
+    bs, blocks = 4096, 160  # 655,360 tokens: more than two events' worth
+    _a, c = make(capacity=bs * blocks + 8)
+    events = BlockEvents(bs, max_pending=1)  # the store overflows it: a republish follows
+    c.publish_events(events)
+    tokens = [i % 30_000 for i in range(bs * blocks)]
+    put(c, tokens)
+    index = BlockIndex(bs)
+    put(c, [1, 2, 3])  # the next change republishes the whole tree
+    published = events.drain(10_000)
+    assert isinstance(published[0], AllBlocksCleared)
+    stored = [e for e in published if isinstance(e, BlockStored)]
+    assert len(stored) >= 3 and all(len(e.token_ids) <= MAX_EVENT_TOKENS for e in stored)
+    for e in published:  # each through the wire form, one event a batch
+        index.apply("w", decode_batch(encode_batch([e])).events)
+    assert held_keys(index, "w") == expected_keys(c, index)
+    fresh = BlockEvents(bs)  # and as stored live, without a republish
+    _b, d = make(capacity=bs * blocks + 8)
+    d.publish_events(fresh)
+    put(d, tokens)
+    live = [e for e in fresh.drain(10_000) if isinstance(e, BlockStored)]
+    assert len(live) >= 3 and all(len(e.token_ids) <= MAX_EVENT_TOKENS for e in live)
+    assert all(decode_batch(encode_batch([e])).events for e in live)

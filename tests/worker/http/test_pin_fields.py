@@ -50,6 +50,10 @@ def test_bad_pin_fields_are_refused_naming_them(client: OpenAI) -> None:
         ({"cache_pin_ttl": -1}, "cache_pin_ttl"),
         ({"cache_pin_ttl": "5m"}, "cache_pin_ttl"),
         ({"prompt_cache_key": "x" * 1025}, "prompt_cache_key"),
+        ({"prompt_cache_key": "é" * 513}, "prompt_cache_key"),  # 513 characters, 1,026 bytes
+        ({"prompt_cache_key": ["k"] * 2000}, "prompt_cache_key"),
+        ({"cache_pin_ttl": 86_401}, "cache_pin_ttl"),
+        ({"cache_pin_ttl": True}, "cache_pin_ttl"),
         ({"prompt_cache_key": 7}, "prompt_cache_key"),
     ):
         with pytest.raises(openai.BadRequestError) as e:
@@ -82,6 +86,7 @@ def test_a_moved_sessions_pin_is_released_and_bad_releases_are_refused(client: O
         (b'{"prompt_cache_key": 7}', 400),
         (b"{}", 400),
         (b'{"prompt_cache_key": "' + b"x" * 1025 + b'"}', 400),
+        (('{"prompt_cache_key": "' + "é" * 513 + '"}').encode(), 400),  # 1,026 bytes
         (b'{"prompt_cache_key": "' + b"x" * 5000 + b'"}', 413),
         (b"not json", 400),
     ):

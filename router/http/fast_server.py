@@ -1,0 +1,293 @@
+"""A listening protocol that serves the simplest inference requests itself and hands
+every other connection to aiohttp (config `fast_hot_paths`, on by default: about 10%
+less CPU a request, loadtests/results/router_cpu.md).
+
+A request is served here only when it is, whole, in what the connection has read:
+`POST /v1/chat/completions` or `POST /v1/completions` (that exact target), HTTP/1.1,
+one `Content-Length` no larger than `max_body_bytes`, a `Host`, no `Transfer-Encoding`,
+`Expect`, `Upgrade`, `Content-Encoding`, `TE` or `Trailer`, `Connection` absent or
+`keep-alive`, a head of at most 8190 bytes and 128 headers (so within aiohttp's limits),
+and nothing after it (no pipelined request begun). One strict pattern (`_HEAD`) checks
+the head; the edge and the route's handler run as for the hot paths
+(router/http/edge.py), on a request object that carries what they read
+(`FastRequest`), and aiohttp's own response objects and writer frame the answer, so the
+answer's bytes are aiohttp's.
+
+Anything else (a request split across reads, a head the pattern refuses, any other
+route, method, version or header) hands the connection over: aiohttp's protocol (with the head
+deadline of shared/serving/http_server.py) takes the transport (`set_protocol`) and is
+fed the current request's bytes from their first, and the connection stays aiohttp's.
+A hand-over never happens while a fast answer is being written: bytes that arrive
+then wait until it is done. tests/router/http/test_server_conformance.py holds both
+ways to one table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.http_writer import HttpVersion11, StreamWriter
+from aiohttp.web_urldispatcher import UrlMappingMatchInfo
+from multidict import CIMultiDict
+
+from router.http.edge import Edge, hot_routes
+from shared.serving.access_log import AccessLog, Guard, serve_logged
+from shared.serving.errors import Handler, error_response_for
+from shared.serving.http_server import KEEPALIVE_S, ProtocolFactory, deadline_protocol
+
+log = logging.getLogger(__name__)
+
+# A hot route: its handler, its match (request.match_info) and the on_response_prepare hooks.
+Route = tuple[Handler, UrlMappingMatchInfo, tuple[Callable[..., Any], ...]]
+MAX_HEADERS = 128  # aiohttp's server: more is 400
+MAX_PENDING = 65536  # bytes read during an answer before reading pauses
+
+
+class _Content:
+    """`request.content` for a body that came whole (shared/serving/body.py reads it)."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def is_eof(self) -> bool:
+        return True
+
+    async def readexactly(self, n: int) -> bytes:
+        assert n == len(self._body)
+        return self._body
+
+
+class FastRequest(dict[str, Any]):
+    """What the edge, the inference handler and aiohttp's responses read of a request."""
+
+    __slots__ = ("_hooks", "_match_info", "_payload_writer", "app", "content", "content_length",
+                 "headers", "path", "transport")  # fmt: skip
+    method = "POST"
+    version = HttpVersion11
+    keep_alive = True
+
+    def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, route: Route,
+                 writer: StreamWriter, transport: asyncio.Transport) -> None:  # fmt: skip
+        self.path = path
+        self.headers = headers
+        self.content_length = len(body)
+        self.content = _Content(body)
+        _, match, self._hooks = route
+        self._match_info = match
+        self.app = match.current_app
+        self._payload_writer = writer
+        self.transport = transport
+
+    @property
+    def raw_path(self) -> str:
+        return self.path
+
+    @property
+    def match_info(self) -> UrlMappingMatchInfo:
+        return self._match_info
+
+    @property
+    def remote(self) -> str | None:
+        peer = self.transport.get_extra_info("peername")
+        return peer[0] if isinstance(peer, (list, tuple)) else None
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        # aiohttp's `Request._prepare_hook`: the apps' on_response_prepare receivers.
+        for hook in self._hooks:
+            await hook(self, response)
+
+
+# The request a fast answer is for, as one strict pattern over its decoded head (line and
+# headers, the blank line not included): the exact request line, then header lines of a
+# token, a colon and a value of visible characters, spaces and tabs (bytes beyond ASCII
+# allowed, as aiohttp allows them), each ending CRLF. Possessive quantifiers keep it
+# linear on any input. Anything it refuses is aiohttp's to answer, so it errs strict.
+_NAME = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]++"
+_VALUE = r"(?:[^\x00-\x20\x7f]|[ \t]++(?=[^\x00-\x20\x7f]))*+"  # OWS at its ends left out
+_FIELDS = re.compile(rf"({_NAME}):[ \t]*+({_VALUE})[ \t]*+\r\n")
+_HEAD = re.compile(
+    rf"POST (/v1/completions|/v1/chat/completions) HTTP/1\.1\r\n(?:{_NAME}:[ \t]*+{_VALUE}[ \t]*+\r\n)*+"
+)
+MAX_HEAD = 8190  # a longer head is aiohttp's, so no single field can pass its limits
+
+
+class FastProtocol(BaseProtocol):
+    """One connection: fast answers while its requests are simple, aiohttp's after."""
+
+    def __init__(self, hot: dict[str, Route], fallback: Callable[[], asyncio.Protocol],
+                 log: AccessLog, guard: Guard, max_body: int, head_timeout: float, keepalive: float) -> None:  # fmt: skip
+        super().__init__(asyncio.get_running_loop())
+        self._hot, self._fallback, self._log, self._guard = hot, fallback, log, guard
+        self._max_body, self._head_timeout, self._keepalive = max_body, head_timeout, keepalive
+        self._pending = bytearray()  # read while a fast answer was being written
+        self._task: asyncio.Task[None] | None = None
+        # One timer a connection, re-armed lazily: it closes the connection once it has
+        # been idle `_limit` seconds (the head deadline until a first answer, then
+        # aiohttp's keep-alive timeout), not a timer handle per request.
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle_since = self._loop.time()
+        self._limit = head_timeout
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm(self._limit)  # a client that sends nothing is late too
+
+    def data_received(self, data: bytes) -> None:
+        if self._task is not None:  # a fast answer is being written: wait for it
+            self._pending += data
+            if len(self._pending) > MAX_PENDING and self.transport is not None:
+                self.transport.pause_reading()  # resumed when the answer is written
+            return
+        self._feed(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+        if self._task is not None:
+            self._task.cancel()  # the client left: as aiohttp's handler_cancellation
+
+    # -- the connection's course
+    def _feed(self, data: bytes) -> None:
+        """`data` holds exactly one simple request: answer it; else hand over."""
+        found = _simple(data, self._max_body)
+        if found is None:
+            return self._hand_over(data)
+        path, headers, body = found
+        transport = self.transport
+        assert transport is not None
+        route = self._hot[path]
+        writer = StreamWriter(self, self._loop)
+        request = FastRequest(path, headers, body, route, writer, transport)
+        self._task = self._loop.create_task(self._answer(request, route[0]))
+
+    async def _answer(self, request: FastRequest, handler: Handler) -> None:
+        keep = False
+        try:
+            try:
+                response = await serve_logged(
+                    request, handler, self._log, self._guard, error_response_for
+                )  # type: ignore[arg-type]
+            except web.HTTPException as exc:  # what the edge lets through: aiohttp sends it
+                response = exc
+            await response.prepare(request)  # type: ignore[arg-type]
+            await response.write_eof()
+            keep = response.keep_alive is not False
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.exception("error answering %s", request.path)
+        finally:
+            self._task = None
+        transport = self.transport
+        if transport is None:
+            return
+        if not keep:
+            transport.close()
+            return
+        pending, self._pending = bytes(self._pending), bytearray()
+        if len(pending) > MAX_PENDING:
+            transport.resume_reading()
+        self._idle_since, self._limit = self._loop.time(), self._keepalive
+        if pending:
+            self._feed(pending)
+        elif self._timer is None:
+            self._arm(self._limit)
+
+    def _hand_over(self, data: bytes) -> None:
+        """aiohttp's protocol takes the connection and `data`, the current request's bytes."""
+        self._disarm()
+        transport = self.transport
+        if transport is None:
+            return
+        inner = self._fallback()
+        transport.set_protocol(inner)
+        inner.connection_made(transport)
+        if self._paused:  # the transport will tell the new protocol when to go on
+            inner.pause_writing()
+        self.transport = None
+        if data:
+            inner.data_received(data)
+
+    def _arm(self, seconds: float) -> None:
+        self._timer = self._loop.call_later(seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self.transport is None:
+            return
+        left = self._limit - (self._loop.time() - self._idle_since)
+        if self._task is not None or left > 0.001:  # busy, or not idle that long yet
+            self._arm(left if self._task is None else self._limit)
+        else:
+            self.transport.close()
+
+
+def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] | None:
+    """(path, headers, body) where `data` is exactly one request a fast answer may take
+    (the module's rule), else None."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or end > MAX_HEAD:
+        return None
+    # As aiohttp decodes a head (UTF-8, undecodable bytes kept as surrogates).
+    head = data[: end + 2].decode("utf-8", "surrogateescape")
+    line = _HEAD.fullmatch(head)
+    if line is None:
+        return None
+    fields = _FIELDS.findall(head, line.end(1) + 11)
+    if len(fields) > MAX_HEADERS:
+        return None
+    headers = CIMultiDict(fields)
+    lengths = headers.getall("Content-Length", ())
+    if len(lengths) != 1 or len(headers.getall("Host", ())) != 1:
+        return None
+    length = lengths[0]
+    if not (length.isascii() and length.isdigit()) or int(length) > max_body:
+        return None
+    if end + 4 + int(length) != len(data):  # the body split across reads, or more after it
+        return None
+    connection = headers.get("Connection")
+    if connection is not None and connection.lower() != "keep-alive":
+        return None
+    if (
+        "Transfer-Encoding" in headers or "Expect" in headers or "Upgrade" in headers
+        or "Content-Encoding" in headers or "TE" in headers or "Trailer" in headers
+    ):  # fmt: skip
+        return None
+    return line[1], headers, data[end + 4 :]
+
+
+def fast_protocol(
+    runner: web.AppRunner, edge: Edge, max_body: int, head_timeout: float
+) -> ProtocolFactory:
+    """Each accepted connection's protocol (`bind(protocol=...)`) for `runner`, set up."""
+    server = runner.server
+    assert server is not None, "fast_protocol needs a runner that is set up"
+    # The apps' on_response_prepare receivers, read once: the app is frozen by now.
+    hot = {
+        path: (handler, match, tuple(h for app in match.apps for h in app.on_response_prepare))
+        for path, (handler, match) in hot_routes(runner.app).items()
+    }
+
+    def fallback() -> asyncio.Protocol:
+        return deadline_protocol(server, head_timeout)
+
+    def protocol() -> asyncio.Protocol:
+        return FastProtocol(
+            hot, fallback, edge.log, edge.guard, max_body, head_timeout, KEEPALIVE_S
+        )
+
+    return protocol

@@ -1,0 +1,53 @@
+"""The router's own protocol (router/http/fast_server.py) keeps its bounds: what a client
+sends while a fast answer is being written waits, but at most `MAX_PENDING` bytes of it
+(then reading pauses), and a stream in flight is not disturbed by it. Its answers and
+hand-overs are held to aiohttp's by tests/router/http/test_server_conformance.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from router.http.app import create_app, serving_protocol, serving_runner
+from router.http.fast_server import MAX_PENDING, FastProtocol
+from shared.config import RouterConfig
+from shared.serving.http_server import bind
+from tests.router.conftest import StartWorkers, url_of
+
+STREAM = json.dumps({"model": "sim", "prompt": "hi", "stream": True}).encode()
+READ = 256 * 1024  # the most one read hands a protocol (asyncio's and uvloop's)
+
+
+async def test_bytes_read_during_an_answer_are_bounded(fake_workers: StartWorkers) -> None:
+    [(_, worker)] = await fake_workers("ok", stream_chunks=20, chunk_delay=0.05)  # ~1 s
+    config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1", fast_hot_paths=True)
+    runner = await serving_runner(create_app(config))
+    factory = serving_protocol(runner, config)
+    assert factory is not None
+    made: list[FastProtocol] = []
+
+    def recording() -> asyncio.Protocol:
+        protocol = factory()
+        assert isinstance(protocol, FastProtocol)
+        made.append(protocol)
+        return protocol
+
+    await bind(runner, "127.0.0.1", 0, header_read_timeout=10, protocol=recording)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(STREAM), STREAM)
+        )
+        head = await reader.readuntil(b"\r\n\r\n")  # the stream has begun
+        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+        for _ in range(64):  # 4 MB while the answer is written, not drained
+            writer.write(b"x" * 65536)
+        await asyncio.sleep(0.3)
+        [protocol] = made
+        assert MAX_PENDING < len(protocol._pending) <= MAX_PENDING + READ
+        # The stream goes on to its end (then the bytes are aiohttp's: a 400, closed).
+        await asyncio.wait_for(reader.readuntil(b"data: [DONE]"), 10)
+        writer.close()
+    finally:
+        await runner.cleanup()
