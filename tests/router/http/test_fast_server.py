@@ -1,14 +1,17 @@
 """The router's own protocol (router/http/fast_server.py) keeps its bounds: what a client
 sends while a fast answer is being written waits, but at most `MAX_PENDING` bytes of it
-(then reading pauses), and a stream in flight is not disturbed by it. Its answers and
+(then reading pauses), and a stream in flight is not disturbed by it; at shutdown
+`serve()` closes its kept-alive connections, which aiohttp's cleanup does not see. Its answers and
 hand-overs are held to aiohttp's by tests/router/http/test_server_conformance.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
-from router.http.app import create_app, serving_protocol, serving_runner
+from router.http.app import create_app, serve, serving_protocol, serving_runner
 from router.http.fast_server import MAX_PENDING, FastProtocol
 from shared.config import RouterConfig
 from shared.serving.http_server import bind
@@ -51,3 +54,26 @@ async def test_bytes_read_during_an_answer_are_bounded(fake_workers: StartWorker
         writer.close()
     finally:
         await runner.cleanup()
+
+
+async def test_serve_closes_idle_fast_connections_at_shutdown(fake_workers: StartWorkers) -> None:
+    [(_, worker)] = await fake_workers("ok")
+    config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1", port=0,
+                          fast_hot_paths=True, drain_timeout=1)  # fmt: skip
+    listening: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    served = asyncio.create_task(serve(config, ready=listening.set_result))
+    port = await asyncio.wait_for(listening, 10)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"model": "sim", "prompt": "hi", "max_tokens": 2}).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"Connection: close" not in head
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)  # answered by the fast protocol, kept alive, idle
+    os.kill(os.getpid(), signal.SIGTERM)  # serve()'s handler: stop
+    await asyncio.wait_for(served, 10)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the router
+    writer.close()
