@@ -143,9 +143,7 @@ class FleetQueue:
             )
         if not self.waiting and self._pass(ticket):  # a free seat: it goes at once
             ticket.seated = ticket.arrived
-            self.active += 1
-            self._idle.clear()
-            self.stats.seated(ticket.tenant.name, ticket.klass, 0.0)
+            self._admitted(ticket)
             return
         tenant = ticket.tenant
         if tenant.waiting >= tenant.max_queue:
