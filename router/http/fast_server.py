@@ -255,7 +255,7 @@ def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] |
     line = _HEAD.fullmatch(head)
     if line is None:
         return None
-    fields = _FIELDS.findall(head, line.end(1) + 11)
+    fields = _FIELDS.findall(head, line.end(1) + len(" HTTP/1.1\r\n"))
     if len(fields) > MAX_HEADERS:
         return None
     headers = CIMultiDict(fields)
@@ -263,9 +263,10 @@ def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] |
     if len(lengths) != 1 or len(headers.getall("Host", ())) != 1:
         return None
     length = lengths[0]
-    if not (length.isascii() and length.isdigit()) or int(length) > max_body:
+    if not (length.isascii() and length.isdigit()):
         return None
-    if end + 4 + int(length) != len(data):  # the body split across reads, or more after it
+    size = int(length)
+    if size > max_body or end + 4 + size != len(data):  # too large, split, or more after it
         return None
     connection = headers.get("Connection")
     if connection is not None and connection.lower() != "keep-alive":
