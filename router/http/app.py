@@ -380,6 +380,15 @@ def serving_protocol(runner: web.AppRunner, config: RouterConfig) -> FastServer 
     return FastServer(runner, edge, config.max_body_bytes, config.header_read_timeout)
 
 
+async def stop_serving(runner: web.AppRunner, fast: FastServer | None) -> None:
+    """Stop listening and close every connection: the router's own protocol's first
+    (aiohttp's server does not know them, so `runner.cleanup()` alone left the idle
+    ones open), then aiohttp's and the app's cleanup."""
+    if fast is not None:
+        fast.close()
+    await runner.cleanup()
+
+
 async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None) -> None:
     """Run until SIGTERM/SIGINT, then: readiness 503 at once while still serving for
     `shutdown_delay` (load balancers stop sending), then refuse new work (503) and let
@@ -434,9 +443,7 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
-        if fast is not None:  # its connections are not aiohttp's: cleanup() misses them
-            fast.close()
-        await runner.cleanup()
+        await stop_serving(runner, fast)
 
 
 async def _settle_gc(discovery: Discovery | None, config: RouterConfig) -> None:

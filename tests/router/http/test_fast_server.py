@@ -77,3 +77,28 @@ async def test_serve_closes_idle_fast_connections_at_shutdown(fake_workers: Star
     await asyncio.wait_for(served, 10)
     assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the router
     writer.close()
+
+
+async def test_a_connection_answering_at_shutdown_closes_once_its_answer_is_written(
+    fake_workers: StartWorkers,
+) -> None:
+    [(_, worker)] = await fake_workers("ok", stream_chunks=5, chunk_delay=0.05)
+    config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1", fast_hot_paths=True)
+    runner = await serving_runner(create_app(config))
+    fast = serving_protocol(runner, config)
+    assert fast is not None
+    await bind(runner, "127.0.0.1", 0, header_read_timeout=10, protocol=fast)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(STREAM), STREAM)
+        )
+        head = await reader.readuntil(b"\r\n\r\n")  # the stream has begun
+        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+        fast.close()
+        rest = await asyncio.wait_for(reader.read(), 10)  # the whole stream, then closed
+        assert b"data: [DONE]" in rest and rest.endswith(b"0\r\n\r\n")
+        writer.close()
+    finally:
+        await runner.cleanup()
