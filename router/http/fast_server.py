@@ -20,6 +20,10 @@ fed the current request's bytes from their first, and the connection stays aioht
 A hand-over never happens while a fast answer is being written: bytes that arrive
 then wait until it is done. tests/router/http/test_server_conformance.py holds both
 ways to one table.
+
+aiohttp's server lists only its own connections, so at shutdown `FastServer.close()`
+(router/http/app.py `stop_serving`, before `runner.cleanup()`) closes these: idle ones at
+once, one being answered when its answer is written.
 """
 
 from __future__ import annotations
