@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STATUSES = ("ok", "syncing", "rebuilding", "stale", "lagging", "block_size")
-
 
 @dataclass
 class StreamState:

@@ -45,18 +45,18 @@ import json
 from collections.abc import Mapping, Sequence
 
 from shared.wire.kv_events import BlockStored, KVEvent
+from shared.wire.registry import MAX_NAME_CHARS
 
 DEFAULT = ""
 TEXT_TAG = "\x00ns:"
 NS_ID_BASE = 2**31 - 2**16  # ids from here on are namespace tags, not tokens
 ID_TAGS = 4
 TEXT_IN_IDS = NS_ID_BASE - 1  # leads a text key in a tree on ids (router/holdings/room.py)
-# The longest model or adapter name keyed by its text: the registry's bound on a name
-# (shared/wire/registry.py), and the longest chat template (a real one is a few KB). A
-# longer one names no model or adapter a worker serves, and was digested whole on the
-# event loop (a 15 MB `lora_path`: ~75 ms); it is keyed as TOO_LONG, apart from the
-# default namespace, and the worker answers it as it answers any unknown name.
-MAX_NAME_CHARS = 256
+# A model or adapter name longer than MAX_NAME_CHARS (the registry's bound on a name,
+# shared/wire/registry.py), or a chat template longer than this (a real one is a few KB),
+# names no model or adapter a worker serves, and was digested whole on the event loop
+# (a 15 MB `lora_path`: ~75 ms); it is keyed as TOO_LONG, apart from the default
+# namespace, and the worker answers it as it answers any unknown name.
 MAX_TEMPLATE_CHARS = 65_536
 TOO_LONG = "\x00too long"
 

@@ -29,7 +29,7 @@ from router.holdings.sync import DecisionSync, ReplicaSync
 from router.http import dashboard, handlers
 from router.http.auth import make_auth_check
 from router.http.edge import edge_middleware, install_hot_paths, make_edge
-from router.http.fast_server import fast_protocol
+from router.http.fast_server import FastServer
 from router.http.openapi import build_openapi
 from router.http.ratelimit import make_rate_limit_check
 from router.http.state import (
@@ -64,7 +64,7 @@ from shared.serving.access_log import REQUEST_ID, REQUEST_ID_HEADER, OnDone
 from shared.serving.aio import stop_task
 from shared.serving.errors import ERROR_CODE
 from shared.serving.gc_policy import freeze_startup, tune_for_serving
-from shared.serving.http_server import KEEPALIVE_S, BindError, ProtocolFactory, bind
+from shared.serving.http_server import KEEPALIVE_S, BindError, bind
 from shared.serving.logging import setup_logging
 from shared.tokens.fingerprint import tokenizer_fingerprint
 from shared.tokens.prompt_tokens import PromptTokens
@@ -371,13 +371,22 @@ async def serving_runner(app: web.Application) -> web.AppRunner:
     return runner
 
 
-def serving_protocol(runner: web.AppRunner, config: RouterConfig) -> ProtocolFactory | None:
+def serving_protocol(runner: web.AppRunner, config: RouterConfig) -> FastServer | None:
     """The listening protocol `bind` gives each connection: aiohttp's (None), or the
     router's own for the simplest inference requests (`fast_hot_paths`)."""
     if not config.fast_hot_paths:
         return None
     edge = runner.app[EDGE]
-    return fast_protocol(runner, edge, config.max_body_bytes, config.header_read_timeout)
+    return FastServer(runner, edge, config.max_body_bytes, config.header_read_timeout)
+
+
+async def stop_serving(runner: web.AppRunner, fast: FastServer | None) -> None:
+    """Stop listening and close every connection: the router's own protocol's first
+    (aiohttp's server does not know them, so `runner.cleanup()` alone left the idle
+    ones open), then aiohttp's and the app's cleanup."""
+    if fast is not None:
+        fast.close()
+    await runner.cleanup()
 
 
 async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None) -> None:
@@ -386,6 +395,7 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     in-flight requests (streams included) finish within `drain_timeout`, and return."""
     app = create_app(config)
     runner = await serving_runner(app)
+    fast = serving_protocol(runner, config)
     # The app and its cleanup_ctx are built: out of every collection from now on. Before
     # the bind, so no request waits on this one full pass; the fleet's first read is
     # frozen too, later (`_settle_gc`), at the cost of a pass over what is young only.
@@ -414,7 +424,7 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
                 await asyncio.wait_for(first, 3 * config.discovery_interval + 1)
         await bind(runner, config.host, config.port, reuse_port=config.processes > 1,
                    header_read_timeout=config.header_read_timeout,
-                   protocol=serving_protocol(runner, config))  # fmt: skip
+                   protocol=fast)  # fmt: skip
         port = runner.addresses[0][1] if runner.addresses else config.port
         log.info("router listening on http://%s:%s (policy %s)", config.host, port, config.policy)
         settle = asyncio.create_task(_settle_gc(discovery, config), name="gc-settle")
@@ -433,7 +443,7 @@ async def serve(config: RouterConfig, ready: Callable[[int], None] | None = None
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
-        await runner.cleanup()
+        await stop_serving(runner, fast)
 
 
 async def _settle_gc(discovery: Discovery | None, config: RouterConfig) -> None:

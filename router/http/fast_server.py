@@ -20,6 +20,10 @@ fed the current request's bytes from their first, and the connection stays aioht
 A hand-over never happens while a fast answer is being written: bytes that arrive
 then wait until it is done. tests/router/http/test_server_conformance.py holds both
 ways to one table.
+
+aiohttp's server lists only its own connections, so at shutdown `FastServer.close()`
+(router/http/app.py `stop_serving`, before `runner.cleanup()`) closes these: idle ones at
+once, one being answered when its answer is written.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from multidict import CIMultiDict
 
 from router.http.edge import Edge, hot_routes
-from shared.serving.access_log import AccessLog, Guard, serve_logged
+from shared.serving.access_log import serve_logged
 from shared.serving.errors import Handler, error_response_for
-from shared.serving.http_server import KEEPALIVE_S, ProtocolFactory, deadline_protocol
+from shared.serving.http_server import KEEPALIVE_S, deadline_protocol
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +126,11 @@ MAX_HEAD = 8190  # a longer head is aiohttp's, so no single field can pass its l
 class FastProtocol(BaseProtocol):
     """One connection: fast answers while its requests are simple, aiohttp's after."""
 
-    def __init__(self, hot: dict[str, Route], fallback: Callable[[], asyncio.Protocol],
-                 log: AccessLog, guard: Guard, max_body: int, head_timeout: float, keepalive: float) -> None:  # fmt: skip
+    def __init__(self, server: FastServer) -> None:
         super().__init__(asyncio.get_running_loop())
-        self._hot, self._fallback, self._log, self._guard = hot, fallback, log, guard
-        self._max_body, self._head_timeout, self._keepalive = max_body, head_timeout, keepalive
+        self._server = server
+        self._hot, self._log, self._guard = server.hot, server.log, server.guard
+        self._max_body, self._keepalive = server.max_body, KEEPALIVE_S
         self._pending = bytearray()  # read while a fast answer was being written
         self._task: asyncio.Task[None] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has
@@ -134,11 +138,12 @@ class FastProtocol(BaseProtocol):
         # aiohttp's keep-alive timeout), not a timer handle per request.
         self._timer: asyncio.TimerHandle | None = None
         self._idle_since = self._loop.time()
-        self._limit = head_timeout
+        self._limit = server.head_timeout
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self._server.connections.add(self)
         self._arm(self._limit)  # a client that sends nothing is late too
 
     def data_received(self, data: bytes) -> None:
@@ -151,6 +156,7 @@ class FastProtocol(BaseProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
+        self._server.connections.discard(self)
         super().connection_lost(exc)
         if self._task is not None:
             self._task.cancel()  # the client left: as aiohttp's handler_cancellation
@@ -190,7 +196,7 @@ class FastProtocol(BaseProtocol):
         transport = self.transport
         if transport is None:
             return
-        if not keep:
+        if not keep or self._server.closing:
             transport.close()
             return
         pending, self._pending = bytes(self._pending), bytearray()
@@ -205,10 +211,11 @@ class FastProtocol(BaseProtocol):
     def _hand_over(self, data: bytes) -> None:
         """aiohttp's protocol takes the connection and `data`, the current request's bytes."""
         self._disarm()
+        self._server.connections.discard(self)  # aiohttp's from now on: its server's list
         transport = self.transport
         if transport is None:
             return
-        inner = self._fallback()
+        inner = self._server.fallback()
         transport.set_protocol(inner)
         inner.connection_made(transport)
         if self._paused:  # the transport will tell the new protocol when to go on
@@ -216,6 +223,11 @@ class FastProtocol(BaseProtocol):
         self.transport = None
         if data:
             inner.data_received(data)
+
+    def close_when_idle(self) -> None:
+        """Close now if no answer is being written, else once it is (`FastServer.closing`)."""
+        if self._task is None and self.transport is not None:
+            self.transport.close()
 
     def _arm(self, seconds: float) -> None:
         self._timer = self._loop.call_later(seconds, self._expire)
@@ -247,7 +259,7 @@ def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] |
     line = _HEAD.fullmatch(head)
     if line is None:
         return None
-    fields = _FIELDS.findall(head, line.end(1) + 11)
+    fields = _FIELDS.findall(head, line.end(1) + len(" HTTP/1.1\r\n"))
     if len(fields) > MAX_HEADERS:
         return None
     headers = CIMultiDict(fields)
@@ -255,9 +267,10 @@ def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] |
     if len(lengths) != 1 or len(headers.getall("Host", ())) != 1:
         return None
     length = lengths[0]
-    if not (length.isascii() and length.isdigit()) or int(length) > max_body:
+    if not (length.isascii() and length.isdigit()):
         return None
-    if end + 4 + int(length) != len(data):  # the body split across reads, or more after it
+    size = int(length)
+    if size > max_body or end + 4 + size != len(data):  # too large, split, or more after it
         return None
     connection = headers.get("Connection")
     if connection is not None and connection.lower() != "keep-alive":
@@ -270,24 +283,39 @@ def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] |
     return line[1], headers, data[end + 4 :]
 
 
-def fast_protocol(
-    runner: web.AppRunner, edge: Edge, max_body: int, head_timeout: float
-) -> ProtocolFactory:
-    """Each accepted connection's protocol (`bind(protocol=...)`) for `runner`, set up."""
-    server = runner.server
-    assert server is not None, "fast_protocol needs a runner that is set up"
-    # The apps' on_response_prepare receivers, read once: the app is frozen by now.
-    hot = {
-        path: (handler, match, tuple(h for app in match.apps for h in app.on_response_prepare))
-        for path, (handler, match) in hot_routes(runner.app).items()
-    }
+class FastServer:
+    """Each accepted connection's protocol (`bind(protocol=...)`, a `ProtocolFactory`) for
+    a set-up runner, and the connections it serves itself. aiohttp's server does not know
+    those (a connection joins its list only when handed over), so `runner.cleanup()` does
+    not close them: `close()` does, before it (router/http/app.py `serve`)."""
 
-    def fallback() -> asyncio.Protocol:
-        return deadline_protocol(server, head_timeout)
+    def __init__(
+        self, runner: web.AppRunner, edge: Edge, max_body: int, head_timeout: float
+    ) -> None:
+        server = runner.server
+        assert server is not None, "FastServer needs a runner that is set up"
+        self._aiohttp = server
+        # The apps' on_response_prepare receivers, read once: the app is frozen by now.
+        self.hot: dict[str, Route] = {
+            path: (handler, match, tuple(h for app in match.apps for h in app.on_response_prepare))
+            for path, (handler, match) in hot_routes(runner.app).items()
+        }
+        self.log, self.guard = edge.log, edge.guard
+        self.max_body, self.head_timeout = max_body, head_timeout
+        self.connections: set[FastProtocol] = set()
+        self.closing = False
 
-    def protocol() -> asyncio.Protocol:
-        return FastProtocol(
-            hot, fallback, edge.log, edge.guard, max_body, head_timeout, KEEPALIVE_S
-        )
+    def __call__(self) -> asyncio.Protocol:
+        # Closing: a connection accepted late is aiohttp's, whose shutdown closes it.
+        return self.fallback() if self.closing else FastProtocol(self)
 
-    return protocol
+    def fallback(self) -> asyncio.Protocol:
+        """aiohttp's protocol for one connection, with the head deadline."""
+        return deadline_protocol(self._aiohttp, self.head_timeout)
+
+    def close(self) -> None:
+        """Shutting down: idle connections close now, busy ones once their answer is
+        written; connections accepted from now on are aiohttp's."""
+        self.closing = True
+        for connection in list(self.connections):
+            connection.close_when_idle()

@@ -143,7 +143,7 @@ class FleetQueue:
             )
         if not self.waiting and self._pass(ticket):  # a free seat: it goes at once
             ticket.seated = ticket.arrived
-            self.active += 1
+            self.active += 1  # `_admitted`, inlined (router_cpu.md, "Fourth pass")
             self._idle.clear()
             self.stats.seated(ticket.tenant.name, ticket.klass, 0.0)
             return

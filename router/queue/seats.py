@@ -145,10 +145,7 @@ class Seats:
     def take(self, worker_id: str) -> None:
         self.held[worker_id] = self.held.get(worker_id, 0) + 1
         self.total += 1
-        if not self._room(worker_id):  # (`_note`, inlined: every seat taken)
-            self.full.add(worker_id)
-        elif self.full:
-            self.full.discard(worker_id)
+        self._note(worker_id)
 
     def give(self, worker_id: str) -> None:
         left = self.held[worker_id] - 1
@@ -159,9 +156,13 @@ class Seats:
         if self.replicas and left < self._low.get(worker_id, 0):
             self._low[worker_id] = left
         self.total -= 1
-        if not self._room(worker_id):  # (`_note`, inlined: every seat given)
+        self._note(worker_id)
+
+    def _note(self, worker_id: str) -> None:
+        """`full` as `worker_id`'s room now is (every seat taken and given)."""
+        if not self._room(worker_id):
             self.full.add(worker_id)
-        elif self.full:
+        elif self.full:  # (below saturation `full` is empty: no discard)
             self.full.discard(worker_id)
 
     def describe(self, worker_id: str) -> dict[str, int | None]:

@@ -66,6 +66,7 @@ from shared.serving.access_log import REQUEST_ID
 from shared.serving.errors import APIError, error_body
 from shared.serving.http import EVENT_STREAM, DeadlineStream
 from shared.wire.protocol import PIN_KEY_HEADER
+from shared.wire.registry import MAX_NAME_CHARS
 from shared.wire.service_class import with_priority
 
 SSE_TAIL_BYTES = 16384  # enough for the final usage chunk
@@ -229,7 +230,7 @@ class Proxy:
         if routed.model and not self.fleet.knows_model(routed.model):
             raise APIError(
                 404,
-                f"model {routed.model[:256]!r} is not served by this fleet",
+                f"model {routed.model[:MAX_NAME_CHARS]!r} is not served by this fleet",
                 param="model",
                 code="model_not_found",
             )

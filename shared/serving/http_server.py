@@ -118,7 +118,7 @@ class HeaderDeadlineSite(web.TCPSite):
         assert server is not None
         timeout = self._header_read_timeout
         self._server = await asyncio.get_running_loop().create_server(
-            self._protocol or (lambda: _HeaderDeadline(server(), timeout)),
+            self._protocol or (lambda: deadline_protocol(server, timeout)),
             self._host,
             self._port,
             backlog=self._backlog,

@@ -145,9 +145,9 @@ class _Sampling(_Lenient):
                 _KNOWN_NAMES[cls] = known
             if known.issuperset(data):  # every request but a bad one: one C call
                 return data
-            extra = KNOWN_EXTRA[cls.wire_endpoint]
             for name in data:
-                if name not in cls.model_fields and name not in extra:
+                if name not in known:
+                    extra = KNOWN_EXTRA[cls.wire_endpoint]
                     near = difflib.get_close_matches(str(name), [*cls.model_fields, *extra], 1)
                     hint = f" (did you mean {near[0]!r}?)" if near else ""
                     raise PydanticCustomError(

@@ -44,7 +44,10 @@ MAX_WORKERS = 4096  # worker hashes read per poll
 MAX_ENTRY_BYTES = MAX_BATCH_BYTES + 1024
 MAX_REPLY_BYTES = 2 * MAX_ENTRY_BYTES  # one read of every stream, whatever `count` is
 SCAN_COUNT = 10_000  # keys the server walks per SCAN round trip (~1 ms of its time)
-MAX_ADAPTERS = 32  # adapter names one worker may advertise (each a model name, <= 256 chars)
+# A model or adapter name, and any other text field of a record: at most this many
+# characters (the router keys and quotes no longer name: router/holdings/namespace.py).
+MAX_NAME_CHARS = 256
+MAX_ADAPTERS = 32  # adapter names one worker may advertise (each a model name)
 MAX_FIELD_CHARS = 1024  # any field of a record (the adapters' names joined, too)
 
 
@@ -131,8 +134,10 @@ class WorkerRecord:
                 kwargs[f.name] = value not in ("0", "", "false", "False")
             elif f.name == "adapters":
                 kwargs[f.name] = parse_adapters(value)
-            elif not value.isprintable() or len(value) > 256:
-                raise ValueError(f"{f.name} must be printable text of at most 256 characters")
+            elif not value.isprintable() or len(value) > MAX_NAME_CHARS:
+                raise ValueError(
+                    f"{f.name} must be printable text of at most {MAX_NAME_CHARS} characters"
+                )
             else:
                 kwargs[f.name] = value
         record = cls(**kwargs)  # type: ignore[arg-type]
@@ -150,8 +155,10 @@ def parse_adapters(value: str) -> tuple[str, ...]:
     if len(names) > MAX_ADAPTERS:
         raise ValueError(f"adapters names more than {MAX_ADAPTERS} names")
     for name in names:
-        if not name or not name.isprintable() or len(name) > 256:
-            raise ValueError("adapters must be printable names of at most 256 characters")
+        if not name or not name.isprintable() or len(name) > MAX_NAME_CHARS:
+            raise ValueError(
+                f"adapters must be printable names of at most {MAX_NAME_CHARS} characters"
+            )
     return tuple(names)
 
 
@@ -161,7 +168,7 @@ def fit_adapters(names: list[str]) -> tuple[str, ...]:
     out: list[str] = []
     used = -1
     for name in names:
-        if "," in name or not name or not name.isprintable() or len(name) > 256:
+        if "," in name or not name or not name.isprintable() or len(name) > MAX_NAME_CHARS:
             continue
         if len(out) == MAX_ADAPTERS or used + 1 + len(name) > MAX_FIELD_CHARS:
             break

@@ -14,6 +14,7 @@ from yarl import URL
 from router.holdings.sync import ReplicaSync
 from router.http.app import create_app, serving_protocol, serving_runner
 from router.http.edge import install_hot_paths
+from router.http.fast_server import FastServer
 from router.http.state import CONFIG, EDGE
 from shared.config import RouterConfig
 from shared.serving.http_server import bind
@@ -48,17 +49,25 @@ class ServedTestServer(TestServer):
     hot paths, the head deadline, and the router's own protocol where the config's
     `fast_hot_paths` is on."""
 
+    fast: FastServer | None = None
+
     async def start_server(self, loop: Any = None, **kwargs: Any) -> None:
         if self.runner:
             return
         app: web.Application = self.app  # type: ignore[assignment]
         config = app[CONFIG]
         self.runner = runner = await serving_runner(app)
+        self.fast = serving_protocol(runner, config)
         await bind(runner, self.host, 0, header_read_timeout=config.header_read_timeout,
-                   protocol=serving_protocol(runner, config))  # fmt: skip
+                   protocol=self.fast)  # fmt: skip
         self.port = runner.addresses[0][1]
         self.scheme = "http"
         self._root = URL(f"http://{self.host}:{self.port}")
+
+    async def close(self) -> None:
+        if self.fast is not None:  # as `serve()` stops (router/http/app.py `stop_serving`)
+            self.fast.close()
+        await super().close()
 
 
 @pytest.fixture

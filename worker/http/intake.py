@@ -15,6 +15,7 @@ from aiohttp import web
 
 from shared.serving.errors import APIError
 from shared.wire.protocol import MAX_PROMPT_CACHE_KEY_BYTES, PIN_KEY_HEADER
+from shared.wire.registry import MAX_NAME_CHARS
 from worker.engine.types import EngineRequest, SamplingParams
 from worker.http.state import CONFIG, STATE
 
@@ -89,7 +90,7 @@ def check_model(request: web.Request, model: str | None, body: dict[str, Any]) -
     served = request.app[STATE].served_model
     if model is not None and model not in (served, request.app[CONFIG].model):
         raise APIError(
-            404, f"the model {model[:256]!r} does not exist; this worker serves {served!r}",
+            404, f"the model {model[:MAX_NAME_CHARS]!r} does not exist; this worker serves {served!r}",
             param="model", code="model_not_found",
         )  # fmt: skip
     adapter = body.get("lora_path")

@@ -1,14 +1,17 @@
 """The router's own protocol (router/http/fast_server.py) keeps its bounds: what a client
 sends while a fast answer is being written waits, but at most `MAX_PENDING` bytes of it
-(then reading pauses), and a stream in flight is not disturbed by it. Its answers and
+(then reading pauses), and a stream in flight is not disturbed by it; at shutdown
+`serve()` closes its kept-alive connections, which aiohttp's cleanup does not see. Its answers and
 hand-overs are held to aiohttp's by tests/router/http/test_server_conformance.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
-from router.http.app import create_app, serving_protocol, serving_runner
+from router.http.app import create_app, serve, serving_protocol, serving_runner
 from router.http.fast_server import MAX_PENDING, FastProtocol
 from shared.config import RouterConfig
 from shared.serving.http_server import bind
@@ -16,6 +19,19 @@ from tests.router.conftest import StartWorkers, url_of
 
 STREAM = json.dumps({"model": "sim", "prompt": "hi", "stream": True}).encode()
 READ = 256 * 1024  # the most one read hands a protocol (asyncio's and uvloop's)
+
+
+async def _post(port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A new connection, one simple completion request on it (the fast protocol's to
+    answer), and its answer's head (a 200)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return reader, writer, head
 
 
 async def test_bytes_read_during_an_answer_are_bounded(fake_workers: StartWorkers) -> None:
@@ -34,13 +50,8 @@ async def test_bytes_read_during_an_answer_are_bounded(fake_workers: StartWorker
 
     await bind(runner, "127.0.0.1", 0, header_read_timeout=10, protocol=recording)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(STREAM), STREAM)
-        )
-        head = await reader.readuntil(b"\r\n\r\n")  # the stream has begun
-        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+        reader, writer, head = await _post(runner.addresses[0][1], STREAM)
+        assert b"text/event-stream" in head  # the stream has begun
         for _ in range(64):  # 4 MB while the answer is written, not drained
             writer.write(b"x" * 65536)
         await asyncio.sleep(0.3)
@@ -48,6 +59,44 @@ async def test_bytes_read_during_an_answer_are_bounded(fake_workers: StartWorker
         assert MAX_PENDING < len(protocol._pending) <= MAX_PENDING + READ
         # The stream goes on to its end (then the bytes are aiohttp's: a 400, closed).
         await asyncio.wait_for(reader.readuntil(b"data: [DONE]"), 10)
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_serve_closes_idle_fast_connections_at_shutdown(fake_workers: StartWorkers) -> None:
+    [(_, worker)] = await fake_workers("ok")
+    config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1", port=0,
+                          fast_hot_paths=True, drain_timeout=1)  # fmt: skip
+    listening: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    served = asyncio.create_task(serve(config, ready=listening.set_result))
+    port = await asyncio.wait_for(listening, 10)
+    body = json.dumps({"model": "sim", "prompt": "hi", "max_tokens": 2}).encode()
+    reader, writer, head = await _post(port, body)
+    assert b"Connection: close" not in head
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)  # answered by the fast protocol, kept alive, idle
+    os.kill(os.getpid(), signal.SIGTERM)  # serve()'s handler: stop
+    await asyncio.wait_for(served, 10)
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the router
+    writer.close()
+
+
+async def test_a_connection_answering_at_shutdown_closes_once_its_answer_is_written(
+    fake_workers: StartWorkers,
+) -> None:
+    [(_, worker)] = await fake_workers("ok", stream_chunks=5, chunk_delay=0.05)
+    config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1", fast_hot_paths=True)
+    runner = await serving_runner(create_app(config))
+    fast = serving_protocol(runner, config)
+    assert fast is not None
+    await bind(runner, "127.0.0.1", 0, header_read_timeout=10, protocol=fast)
+    try:
+        reader, writer, head = await _post(runner.addresses[0][1], STREAM)
+        assert b"text/event-stream" in head  # the stream has begun
+        fast.close()
+        rest = await asyncio.wait_for(reader.read(), 10)  # the whole stream, then closed
+        assert b"data: [DONE]" in rest and rest.endswith(b"0\r\n\r\n")
         writer.close()
     finally:
         await runner.cleanup()

@@ -57,6 +57,22 @@ async def _metrics(client: Any) -> list[str]:
     return sorted(line for line in text.splitlines() if line.startswith(wanted))
 
 
+def _through_aiohttp(client: Any) -> list[str]:
+    """The requests that reach aiohttp's request handler from now on ("METHOD target"),
+    recorded as they come."""
+    runner = client.server.runner
+    assert runner is not None and runner.server is not None
+    seen: list[str] = []
+    aiohttp_way = runner.server.request_handler
+
+    async def counted(request: web.BaseRequest) -> web.StreamResponse:
+        seen.append(f"{request.method} {request.raw_path}")
+        return await aiohttp_way(request)
+
+    runner.server.request_handler = counted
+    return seen
+
+
 async def test_the_same_answers_either_way(
     fake_workers: StartWorkers, start_router: StartRouter, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -92,17 +108,8 @@ async def test_only_the_inference_routes_skip_the_app_router(
 ) -> None:
     [(_, server)] = await fake_workers("ok")
     client = await start_router([url_of(server)], hot_paths=False)
-    runner = client.server.runner
-    assert runner is not None and runner.server is not None
-    through_app: list[str] = []
-    app_way = runner.server.request_handler
-
-    async def counted(request: web.BaseRequest) -> web.StreamResponse:
-        through_app.append(f"{request.method} {request.raw_path}")
-        return await app_way(request)
-
-    runner.server.request_handler = counted
-    install_hot_paths(runner, client.app[EDGE])
+    through_app = _through_aiohttp(client)  # installed below it: the hot paths go around
+    install_hot_paths(client.server.runner, client.app[EDGE])
     for path in ("/v1/completions", "/v1/chat/completions"):
         body = OK if path == "/v1/completions" else {**CHAT, "stream": False}
         assert (await client.post(path, json=body)).status == 200
@@ -126,16 +133,7 @@ async def test_only_the_simplest_inference_requests_skip_aiohttp(
     close` does (and the connection is aiohttp's from then on)."""
     [(_, server)] = await fake_workers("ok")
     client = await start_router([url_of(server)], fast_hot_paths=True)
-    runner = client.server.runner
-    assert runner is not None and runner.server is not None
-    through_aiohttp: list[str] = []
-    aiohttp_way = runner.server.request_handler
-
-    async def counted(request: web.BaseRequest) -> web.StreamResponse:
-        through_aiohttp.append(f"{request.method} {request.raw_path}")
-        return await aiohttp_way(request)
-
-    runner.server.request_handler = counted
+    through_aiohttp = _through_aiohttp(client)
     for path in ("/v1/completions", "/v1/chat/completions"):
         body = OK if path == "/v1/completions" else CHAT
         for _ in range(2):

@@ -26,11 +26,12 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
 
-from router.http.app import create_app, serving_protocol, serving_runner
+from router.http.app import create_app, serving_protocol, serving_runner, stop_serving
 from shared.config import RouterConfig
 from shared.serving.http_server import bind
 from tests.router.conftest import StartWorkers, url_of
@@ -220,7 +221,7 @@ async def start_served(kind: str, config: RouterConfig) -> tuple[Served, Any]:
     protocol = serving_protocol(runner, config)
     await bind(runner, config.host, 0, header_read_timeout=config.header_read_timeout,
                protocol=protocol)  # fmt: skip
-    return Served(config.host, runner.addresses[0][1]), runner.cleanup
+    return Served(config.host, runner.addresses[0][1]), partial(stop_serving, runner, protocol)
 
 
 @pytest.fixture(params=SERVERS)
