@@ -400,6 +400,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of KV, keys+pins (the worker's default)")  # fmt: skip
     p.add_argument("--pin-ttl-s", type=float, default=None, help="default: gap max / speedup")
     p.add_argument(
+        "--second-chance", type=float, default=CostModel.second_chance,
+        help="the radix cache's second-chance cap, fraction of KV, every side (0: off)",
+    )  # fmt: skip
+    p.add_argument(
         "--host-cache-tokens", type=int, default=0,
         help="host KV tier per worker, every side (0: off, the worker's default)",
     )  # fmt: skip
@@ -437,7 +441,7 @@ def run_sides(args: argparse.Namespace) -> tuple[list[AgentResult], dict[str, fl
     cost = CostModel(
         cache_tokens=args.cache_tokens, max_running=args.max_running,
         prefill_us_per_token=args.prefill_us, decode_ms_per_token=args.decode_ms,
-        host_cache_tokens=args.host_cache_tokens,
+        host_cache_tokens=args.host_cache_tokens, second_chance=args.second_chance,
     )  # fmt: skip
     pinned = replace(cost, pin_budget=args.pin_budget, pin_max_ttl_s=ttl)
     config = RouterConfig(policy="cache_aware")

@@ -76,6 +76,8 @@ class CostModel:
     # (0: off, today's engine) and the longest TTL granted.
     pin_budget: float = 0.0
     pin_max_ttl_s: float = 300.0
+    # The radix cache's capped second chance (worker/engine/radix_cache.py), every side.
+    second_chance: float = EngineConfig.second_chance
 
     @property
     def host_load_us_per_token(self) -> float:
@@ -94,6 +96,7 @@ class CostModel:
             kv_events_block_size=self.kv_events_block_size,
             pin_budget=self.pin_budget,
             pin_max_ttl_s=self.pin_max_ttl_s,
+            second_chance=self.second_chance,
         )
 
 

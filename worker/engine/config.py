@@ -82,6 +82,9 @@ class EngineConfig:
     pin_budget: float = 0.25  # fraction of the KV pool pins may hold, in [0, 1]
     pin_max_ttl_s: float = 300.0  # a longer cache_pin_ttl is clamped (and said so)
     pin_default_ttl_s: float = 0.0  # for requests with a prompt_cache_key and no TTL
+    # The radix cache's second chance for reused prefixes (radix_cache.py): the share
+    # of the KV pool granted second chances may hold together, in [0, 1]; 0: plain LRU.
+    second_chance: float = 0.0
     inbatch_dedup_min_tokens: int = 32  # 0: off
     # SGLang's defaults: 0.7 -> 0.098 (0.7 x 0.14) over 600 decode steps; outputs
     # longer than 4,096 tokens are reserved as 4,096.
@@ -120,6 +123,10 @@ class EngineConfig:
             )
         if not 0 <= self.pin_budget <= 1:  # a fraction of KV: more, or less, means nothing
             raise ValueError(f"EngineConfig.pin_budget must be in [0, 1], got {self.pin_budget}")
+        if not 0 <= self.second_chance <= 1:
+            raise ValueError(
+                f"EngineConfig.second_chance must be in [0, 1], got {self.second_chance}"
+            )
         if self.host_write_policy not in ("write_back", "write_through"):
             raise ValueError(
                 "EngineConfig.host_write_policy must be write_back or write_through, "

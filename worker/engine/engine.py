@@ -88,11 +88,12 @@ class LLMEngine:
                 # The runner owns the host pool's memory (it sized and allocated it).
                 host_capacity = getattr(runner, "host_capacity", 0)
                 write_through = config.host_write_policy == "write_through"
+                chance = int(config.second_chance * self.allocator.capacity)
                 if host_capacity:
                     host = HostTier(host_capacity, write_through)
-                    cache = HiRadixCache(self.allocator, host, page_size=config.page_size)
+                    cache = HiRadixCache(self.allocator, host, config.page_size, chance)
                 else:
-                    cache = RadixCache(self.allocator, page_size=config.page_size)
+                    cache = RadixCache(self.allocator, config.page_size, chance)
         self.cache: PrefixCache = cache
         self.salt_names = SaltNames()  # cache namespaces' salts, named in KV events
         self.kv_events: BlockEvents | None = None  # drained by the worker's publisher

@@ -32,8 +32,11 @@ class HiRadixCache(RadixCache):
     matched host-resident run back; the host LRU drops host copies when it needs room.
     """
 
-    def __init__(self, allocator: SlotAllocator, host: HostTier, page_size: int = 1) -> None:
-        super().__init__(allocator, page_size)
+    def __init__(
+        self, allocator: SlotAllocator, host: HostTier, page_size: int = 1,
+        second_chance_tokens: int = 0,
+    ) -> None:  # fmt: skip
+        super().__init__(allocator, page_size, second_chance_tokens)
         self.host = host
         self._host_nodes: set[TreeNode] = set()  # nodes holding host slots
         self._host_heap: list[tuple[int, int, TreeNode]] = []  # their LRU, lazily updated

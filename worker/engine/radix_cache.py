@@ -20,6 +20,16 @@ and those of nodes that gained a child or were evicted. So an eviction costs
 O((evicted + touched since last time) log n), not a pass over every leaf (SGLang
 walks the whole tree to collect leaves on each call).
 
+Second chance, capped (`second_chance_tokens`, 0: plain LRU). A node matched by an
+admission (`match_prefix` with `record`) is marked reused; when a reused leaf reaches
+the head of the LRU it is requeued once as the newest entry instead of evicted, so a
+prefix a later request came back for outlives one-off prompts. The rule's cap: granted
+nodes hold at most `second_chance_tokens` device tokens together; a reused leaf past the
+cap is evicted as plain LRU would. A granted node leaves the cap's count when it is
+matched by an admission again (reused anew) or leaves the device. Without the cap every
+reused agent context was requeued ahead of prompts touched seconds ago, and a
+shared-prefix neighbour lost its system prompts (loadtests/results/agents.md).
+
 The host tier is a subclass filling this class's hooks (`_evict_leaf`, `_set_host`, ...):
 `HiRadixCache` in hiradix_cache.py, as SGLang keeps its own. Every change of a node's
 residency goes through `_retier`, which reports it to the KV event hook (kv_blocks.py).
@@ -36,8 +46,16 @@ import numpy as np
 
 from worker.engine.allocator import SlotAllocator
 from worker.engine.kv_blocks import BlockEvents
+from worker.engine.tree_node import (
+    GRANTED,
+    REUSED,
+    MatchResult,
+    TreeNode,
+    as_tokens,
+    empty_slots,
+    frozen,
+)
 from worker.engine.tree_node import TOKEN_BYTES as _TB
-from worker.engine.tree_node import MatchResult, TreeNode, as_tokens, empty_slots, frozen
 from worker.engine.types import KVCopies
 
 KEEP: Any = object()  # `_retier`: leave this tier as it is
@@ -47,9 +65,15 @@ class RadixCache:
     """The tree over the device pool. Device residency is closed upwards (a device
     node's parent is one), since the LRU evicts device leaves only."""
 
-    def __init__(self, allocator: SlotAllocator, page_size: int = 1) -> None:
+    def __init__(
+        self, allocator: SlotAllocator, page_size: int = 1, second_chance_tokens: int = 0
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if second_chance_tokens < 0:
+            raise ValueError(f"second_chance_tokens must be >= 0, got {second_chance_tokens}")
+        self.second_chance_tokens = second_chance_tokens  # the cap (module docstring)
+        self.granted_tokens = 0  # device tokens of nodes holding a granted second chance
         self.allocator = allocator
         self.page_size = page_size
         self._kbytes = page_size * _TB  # bytes of the first page: the child key
@@ -76,9 +100,10 @@ class RadixCache:
 
     # ---- lookup -------------------------------------------------------------------
     def _walk(
-        self, arr: np.ndarray, limit: int, tick: int
+        self, arr: np.ndarray, limit: int, tick: int, reuse: bool = False
     ) -> tuple[TreeNode, int, list[np.ndarray]]:
-        """Follow `arr[:limit]` (page-aligned) down the tree, touching every node passed.
+        """Follow `arr[:limit]` (page-aligned) down the tree, touching every node passed
+        (and marking it reused when `reuse`: an admission's match, the second chance).
 
         Returns the deepest node, the matched length and the device slot runs (the
         host-only nodes of the path, always its tail, give none). A match ending inside
@@ -98,6 +123,8 @@ class RadixCache:
             child.last_access = tick
             # startswith is one memcmp with no copy (memoryview == compares item by item)
             if tb.startswith(kb, pos_b, end_b):
+                if reuse:
+                    self._reuse(child)
                 if child.value is not None:
                     parts.append(child.value)
                 node = child
@@ -110,11 +137,19 @@ class RadixCache:
             m = int(neq.argmax()) if neq.any() else n
             m -= m % self.page_size  # >= page_size: the first page matched as the dict key
             node = self._split(child, m)
+            if reuse:
+                self._reuse(node)
             if node.value is not None:
                 parts.append(node.value)
             pos_b += m * _TB
             break
         return node, pos_b // _TB, parts
+
+    def _reuse(self, node: TreeNode) -> None:
+        """An admission matched `node`: it may have a second chance (again)."""
+        if node.chance == GRANTED:
+            self.granted_tokens -= len(node)
+        node.chance = REUSED
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child` after m tokens; the new upper node takes its place, its locks and
@@ -123,6 +158,7 @@ class RadixCache:
         assert parent is not None
         upper = TreeNode(parent, child.kb[: m * _TB], None, child.last_access, next(self._ids))
         upper.lock_ref = child.lock_ref
+        upper.chance = child.chance  # a granted node's tokens stay counted, split in two
         child.kb = child.kb[m * _TB :]
         if child.value is not None:
             upper.value = frozen(child.value[:m].copy())
@@ -150,7 +186,8 @@ class RadixCache:
         arr = as_tokens(tokens)
         n = len(arr)
         self._tick += 1
-        node, matched, parts = self._walk(arr, n - n % self.page_size, self._tick)
+        reuse = record and self.second_chance_tokens > 0
+        node, matched, parts = self._walk(arr, n - n % self.page_size, self._tick, reuse)
         slots = np.concatenate(parts) if parts else empty_slots()
         on_device = len(slots)
         if record:
@@ -235,6 +272,9 @@ class RadixCache:
                 parent.dev_children -= 1
                 self._leaves.discard(node)
                 node.heap_tick = -1
+                if node.chance == GRANTED:
+                    self.granted_tokens -= len(node)
+                node.chance = 0
                 if parent is not self.root and parent.value is not None and not parent.dev_children:
                     self._leaves.add(parent)
                     self._push(parent)
@@ -344,6 +384,16 @@ class RadixCache:
             if node.lock_ref:
                 locked.append(entry)  # still a valid leaf: back in once we are done
                 continue
+            if (
+                node.chance == REUSED
+                and self.granted_tokens + len(node) <= self.second_chance_tokens
+            ):
+                node.chance = GRANTED  # its second chance: requeued once as the newest
+                self.granted_tokens += len(node)
+                self._tick += 1  # strictly the newest: a tie would pop it again first
+                node.last_access = self._tick
+                self._push(node)
+                continue
             assert node.value is not None
             freed += len(node)
             runs.extend(self._evict_leaf(node))
@@ -441,6 +491,9 @@ class RadixCache:
             assert (leaf.heap_tick, leaf.id) in entries, f"{leaf!r} missing from the LRU heap"
             assert 0 <= leaf.heap_tick <= leaf.last_access, f"{leaf!r} heap entry from the future"
         assert sizes == [self._evictable, self._protected], f"sizes wrong, tree: {sizes}"
+        granted = sum(len(n) for n in nodes if n.chance == GRANTED)
+        assert granted == self.granted_tokens, f"granted {self.granted_tokens} != {granted}"
+        assert granted <= self.second_chance_tokens, f"second chances over the cap: {granted}"
         slots = self.cached_slots()
         if len(slots):
             assert slots.min() >= 0 and slots.max() < self.allocator.capacity, "slot out of range"

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 TOKEN_BYTES = 8  # bytes per token id in a key (int64)
+REUSED, GRANTED = 1, 2  # TreeNode.chance: the second chance's states (radix_cache.py)
 
 
 def empty_slots() -> np.ndarray:
@@ -34,8 +35,8 @@ def frozen(a: np.ndarray) -> np.ndarray:
 
 class TreeNode:
     __slots__ = (
-        "bend", "blocks", "children", "copy_epoch", "dev_children", "heap_tick", "host_tick",
-        "host_value", "id", "kb", "last_access", "lock_ref", "parent", "value",
+        "bend", "blocks", "chance", "children", "copy_epoch", "dev_children", "heap_tick",
+        "host_tick", "host_value", "id", "kb", "last_access", "lock_ref", "parent", "value",
     )  # fmt: skip
 
     def __init__(
@@ -52,6 +53,9 @@ class TreeNode:
         self.last_access = tick
         self.heap_tick = -1  # last_access when its live LRU heap entry was pushed; -1: none
         self.host_tick = -1  # the same for the host LRU heap
+        # The second chance (radix_cache.py): 0 none, REUSED matched by an admission,
+        # GRANTED requeued once as the newest and counted against the cap.
+        self.chance = 0
         self.copy_epoch = 0  # the host tier's plan that copies this node (see host_tier.py)
         self.id = node_id  # tie-break in the LRU heap (ticks repeat along a path)
         self.blocks: tuple[int, ...] = ()  # KV-event block hashes ending here (kv_blocks.py)

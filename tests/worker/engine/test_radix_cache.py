@@ -225,11 +225,12 @@ class CacheModel(RuleBasedStateMachine):
 
     page = 1
     capacity = 24
+    second_chance = 0  # the cap, tokens (worker/engine/radix_cache.py)
 
     def __init__(self) -> None:
         super().__init__()
         self.alloc = SlotAllocator(self.capacity)
-        self.cache = RadixCache(self.alloc, page_size=self.page)
+        self.cache = RadixCache(self.alloc, self.page, self.second_chance)
         self.prefix_of: dict[int, tuple[int, ...]] = {}  # slot -> prefix its KV was made for
         self.cached: set[tuple[int, ...]] = set()  # page-aligned prefixes the tree must hold
         self.running: list[tuple[list[int], object, np.ndarray]] = []  # tokens, match, own slots
@@ -348,8 +349,17 @@ class PagedCacheModel(CacheModel):
         return st.tuples(pages, tail).map(lambda pt: [t for p in pt[0] for t in p] + pt[1])
 
 
+class SecondChanceCacheModel(CacheModel):
+    """The same rules with the capped second chance on: no prefix the model needs is
+    lost, and check_integrity holds the granted count to the cap."""
+
+    second_chance = 6
+
+
 _settings = settings(max_examples=200, stateful_step_count=30, derandomize=True, deadline=None)
 TestCacheModel = CacheModel.TestCase
 TestCacheModel.settings = _settings
 TestPagedCacheModel = PagedCacheModel.TestCase
 TestPagedCacheModel.settings = _settings
+TestSecondChanceCacheModel = SecondChanceCacheModel.TestCase
+TestSecondChanceCacheModel.settings = _settings
