@@ -84,7 +84,7 @@ class EngineConfig:
     pin_default_ttl_s: float = 0.0  # for requests with a prompt_cache_key and no TTL
     # The radix cache's second chance for reused prefixes (radix_cache.py): the share
     # of the KV pool granted second chances may hold together, in [0, 1]; 0: plain LRU.
-    second_chance: float = 0.0
+    second_chance: float = 0.1
     inbatch_dedup_min_tokens: int = 32  # 0: off
     # SGLang's defaults: 0.7 -> 0.098 (0.7 x 0.14) over 600 decode steps; outputs
     # longer than 4,096 tokens are reserved as 4,096.

@@ -20,15 +20,17 @@ and those of nodes that gained a child or were evicted. So an eviction costs
 O((evicted + touched since last time) log n), not a pass over every leaf (SGLang
 walks the whole tree to collect leaves on each call).
 
-Second chance, capped (`second_chance_tokens`, 0: plain LRU). A node matched by an
-admission (`match_prefix` with `record`) is marked reused; when a reused leaf reaches
-the head of the LRU it is requeued once as the newest entry instead of evicted, so a
-prefix a later request came back for outlives one-off prompts. The rule's cap: granted
-nodes hold at most `second_chance_tokens` device tokens together; a reused leaf past the
-cap is evicted as plain LRU would. A granted node leaves the cap's count when it is
-matched by an admission again (reused anew) or leaves the device. Without the cap every
-reused agent context was requeued ahead of prompts touched seconds ago, and a
-shared-prefix neighbour lost its system prompts (loadtests/results/agents.md).
+Second chance, capped and aged (`second_chance_tokens`, 0: plain LRU). A node matched
+by an admission (`match_prefix` with `record`) is marked reused; when a reused leaf
+reaches the head of the LRU it is requeued once instead of evicted, at the midpoint
+between its last use and now: it gains half its idle time, so a prefix a later request
+came back for outlives one-off prompts, while what was used after that midpoint stays
+ahead of it. Granted nodes hold at most `second_chance_tokens` device tokens together;
+a reused leaf past the cap is evicted as plain LRU would. A granted node leaves the
+cap's count when an admission matches it again (reused anew) or it leaves the device.
+Requeued as the newest instead, every reused agent context went ahead of prompts
+touched seconds ago and a shared-prefix neighbour lost its system prompts (3-6 points),
+with a cap of 2% of KV as well (loadtests/results/agents.md).
 
 The host tier is a subclass filling this class's hooks (`_evict_leaf`, `_set_host`, ...):
 `HiRadixCache` in hiradix_cache.py, as SGLang keeps its own. Every change of a node's
@@ -388,10 +390,10 @@ class RadixCache:
                 node.chance == REUSED
                 and self.granted_tokens + len(node) <= self.second_chance_tokens
             ):
-                node.chance = GRANTED  # its second chance: requeued once as the newest
+                node.chance = GRANTED  # its second chance: requeued once, aged
                 self.granted_tokens += len(node)
-                self._tick += 1  # strictly the newest: a tie would pop it again first
-                node.last_access = self._tick
+                self._tick += 1  # +1s: strictly later than its last use, never past now
+                node.last_access = (node.last_access + self._tick) // 2 + 1
                 self._push(node)
                 continue
             assert node.value is not None

@@ -1,6 +1,7 @@
-"""The radix cache's capped second chance (worker/engine/radix_cache.py): a prefix an
-admission came back for is requeued once when it reaches the head of the LRU, while the
-granted nodes hold at most the cap's tokens; past the cap it is plain LRU."""
+"""The radix cache's capped, aged second chance (worker/engine/radix_cache.py): a prefix
+an admission came back for is requeued once when it reaches the head of the LRU, at the
+midpoint between its last use and now, while the granted nodes hold at most the cap's
+tokens; past the cap it is plain LRU."""
 
 from __future__ import annotations
 
@@ -64,10 +65,11 @@ def test_the_cap_holds_granted_tokens_and_past_it_is_plain_lru() -> None:
     cache.evict(4)  # [1 1] granted (2 tokens: the cap), [2 2] past it: evicted, then [3 3]
     assert [held(cache, t) for t in ([1, 1], [2, 2], [3, 3], [4, 4])] == [2, 0, 0, 2]
     assert cache.granted_tokens == 2
-    cache.evict(4)  # granted once: [1 1] now goes in LRU order, after [4 4] and [5 5]
-    assert [held(cache, t) for t in ([1, 1], [4, 4], [5, 5])] == [2, 0, 0]
-    cache.evict(2)
-    assert held(cache, [1, 1]) == 0 and cache.granted_tokens == 0
+    # Aged: requeued at the midpoint between its last use and the eviction, so it went
+    # after [3 3] (used before that midpoint) and goes before [4 4] (used after it).
+    cache.evict(2)  # its chance spent: evicted
+    assert [held(cache, t) for t in ([1, 1], [4, 4], [5, 5])] == [0, 2, 2]
+    assert cache.granted_tokens == 0
     cache.check_integrity()
 
 
@@ -87,7 +89,9 @@ def test_a_split_granted_node_stays_counted_in_its_two_halves() -> None:
     put(cache, [1, 2, 3, 4, 5])  # [1 2 3 4] reused
     cache.evict(1)  # [5]
     put(cache, [6])
-    cache.evict(1)  # [1 2 3 4] is the LRU leaf: granted; [6] goes
+    put(cache, [7])
+    cache.evict(1)  # [1 2 3 4] is the LRU leaf: granted, aged past [6]; [6] goes
+    assert held(cache, [6]) == 0 and held(cache, [7]) == 1
     assert cache.granted_tokens == 4
     cache.match_prefix([1, 2, 9], record=False)  # a look-up splits it: 2 + 2, both granted
     assert cache.granted_tokens == 4
@@ -98,6 +102,10 @@ def test_a_split_granted_node_stays_counted_in_its_two_halves() -> None:
 def test_a_second_chance_share_outside_zero_one_is_refused(share: float) -> None:
     with pytest.raises(ValueError, match="second_chance"):
         EngineConfig(second_chance=share)
+
+
+def test_the_engine_default_is_a_tenth_of_kv() -> None:
+    assert EngineConfig().second_chance == 0.1
 
 
 def test_a_negative_cap_is_refused() -> None:
