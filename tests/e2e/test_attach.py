@@ -110,7 +110,8 @@ async def test_sglang_fake_behind_attach_and_the_router(fake: tuple[FakeSGLang, 
         await _until(lambda: "sgl-0" in _workers(fleet))
         w = _workers(fleet)["sgl-0"]
         assert w["url"] == url and w["model"] == MODEL and w["engine"] == "sglang"
-        assert w["seats"] == 16  # the fleet queue's seats for it (router/queue/seats.py)
+        # max_running_requests + the default spare seat (router/queue/seats.py)
+        assert w["seats"] == 16 + 1
         epoch = w["epoch"]
         # Requests route to it and cached_tokens comes back through the router.
         body = {"model": MODEL, "prompt": "hello " * 20, "max_tokens": 1}
