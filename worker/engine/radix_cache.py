@@ -20,17 +20,8 @@ and those of nodes that gained a child or were evicted. So an eviction costs
 O((evicted + touched since last time) log n), not a pass over every leaf (SGLang
 walks the whole tree to collect leaves on each call).
 
-Second chance, capped and aged (`second_chance_tokens`, 0: plain LRU). A node matched
-by an admission (`match_prefix` with `record`) is marked reused; when a reused leaf
-reaches the head of the LRU it is requeued once instead of evicted, at the midpoint
-between its last use and now: it gains half its idle time, so a prefix a later request
-came back for outlives one-off prompts, while what was used after that midpoint stays
-ahead of it. Granted nodes hold at most `second_chance_tokens` device tokens together;
-a reused leaf past the cap is evicted as plain LRU would. A granted node leaves the
-cap's count when an admission matches it again (reused anew) or it leaves the device.
-Requeued as the newest instead, every reused agent context went ahead of prompts
-touched seconds ago and a shared-prefix neighbour lost its system prompts (3-6 points),
-with a cap of 2% of KV as well (loadtests/results/agents.md).
+Eviction gives a reused prefix one aged second chance, capped (`second_chance_tokens`):
+the rule is stated in second_chance.py.
 
 The host tier is a subclass filling this class's hooks (`_evict_leaf`, `_set_host`, ...):
 `HiRadixCache` in hiradix_cache.py, as SGLang keeps its own. Every change of a node's
@@ -48,16 +39,16 @@ import numpy as np
 
 from worker.engine.allocator import SlotAllocator
 from worker.engine.kv_blocks import BlockEvents
+from worker.engine.second_chance import SecondChance
+from worker.engine.tree_check import check_tree
+from worker.engine.tree_node import TOKEN_BYTES as _TB
 from worker.engine.tree_node import (
-    GRANTED,
-    REUSED,
     MatchResult,
     TreeNode,
     as_tokens,
     empty_slots,
     frozen,
 )
-from worker.engine.tree_node import TOKEN_BYTES as _TB
 from worker.engine.types import KVCopies
 
 KEEP: Any = object()  # `_retier`: leave this tier as it is
@@ -72,10 +63,7 @@ class RadixCache:
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if second_chance_tokens < 0:
-            raise ValueError(f"second_chance_tokens must be >= 0, got {second_chance_tokens}")
-        self.second_chance_tokens = second_chance_tokens  # the cap (module docstring)
-        self.granted_tokens = 0  # device tokens of nodes holding a granted second chance
+        self.second_chance = SecondChance(second_chance_tokens)
         self.allocator = allocator
         self.page_size = page_size
         self._kbytes = page_size * _TB  # bytes of the first page: the child key
@@ -126,7 +114,7 @@ class RadixCache:
             # startswith is one memcmp with no copy (memoryview == compares item by item)
             if tb.startswith(kb, pos_b, end_b):
                 if reuse:
-                    self._reuse(child)
+                    self.second_chance.reuse(child)
                 if child.value is not None:
                     parts.append(child.value)
                 node = child
@@ -140,18 +128,12 @@ class RadixCache:
             m -= m % self.page_size  # >= page_size: the first page matched as the dict key
             node = self._split(child, m)
             if reuse:
-                self._reuse(node)
+                self.second_chance.reuse(node)
             if node.value is not None:
                 parts.append(node.value)
             pos_b += m * _TB
             break
         return node, pos_b // _TB, parts
-
-    def _reuse(self, node: TreeNode) -> None:
-        """An admission matched `node`: it may have a second chance (again)."""
-        if node.chance == GRANTED:
-            self.granted_tokens -= len(node)
-        node.chance = REUSED
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child` after m tokens; the new upper node takes its place, its locks and
@@ -188,7 +170,7 @@ class RadixCache:
         arr = as_tokens(tokens)
         n = len(arr)
         self._tick += 1
-        reuse = record and self.second_chance_tokens > 0
+        reuse = record and self.second_chance.cap > 0
         node, matched, parts = self._walk(arr, n - n % self.page_size, self._tick, reuse)
         slots = np.concatenate(parts) if parts else empty_slots()
         on_device = len(slots)
@@ -274,9 +256,7 @@ class RadixCache:
                 parent.dev_children -= 1
                 self._leaves.discard(node)
                 node.heap_tick = -1
-                if node.chance == GRANTED:
-                    self.granted_tokens -= len(node)
-                node.chance = 0
+                self.second_chance.left(node)
                 if parent is not self.root and parent.value is not None and not parent.dev_children:
                     self._leaves.add(parent)
                     self._push(parent)
@@ -386,14 +366,8 @@ class RadixCache:
             if node.lock_ref:
                 locked.append(entry)  # still a valid leaf: back in once we are done
                 continue
-            if (
-                node.chance == REUSED
-                and self.granted_tokens + len(node) <= self.second_chance_tokens
-            ):
-                node.chance = GRANTED  # its second chance: requeued once, aged
-                self.granted_tokens += len(node)
-                self._tick += 1  # +1s: strictly later than its last use, never past now
-                node.last_access = (node.last_access + self._tick) // 2 + 1
+            if self.second_chance.grant(node, self._tick + 1):
+                self._tick += 1  # requeued at its aged time (second_chance.py)
                 self._push(node)
                 continue
             assert node.value is not None
@@ -459,47 +433,9 @@ class RadixCache:
         return np.concatenate(runs) if runs else empty_slots()
 
     def check_integrity(self) -> None:
-        """Assert the tree's invariants (AssertionError naming the first one broken);
-        `_check_node` adds the host tier's. Device slots are checked against the
-        allocator by the scheduler."""
-        nodes = self._nodes()
-        sizes = [0, 0]  # device tokens: evictable, protected
-        for node in nodes:
-            parent = node.parent
-            assert parent is not None, f"{node!r} has no parent"
-            assert parent.children.get(node.kb[: self._kbytes]) is node, f"{node!r} misfiled"
-            assert len(node.kb) > 0, f"{node!r} empty key"
-            assert len(node) % self.page_size == 0, f"{node!r} not page-aligned"
-            assert node.value is not None or node.host_value is not None, f"{node!r} in no tier"
-            for run in (node.value, node.host_value):
-                if run is not None:
-                    assert len(run) == len(node), f"{node!r} key/slots mismatch"
-                    assert not run.flags.writeable, f"{node!r} slots writable"
-            if node.value is not None:
-                assert parent.value is not None, f"{node!r} on the device under a host-only node"
-            self._check_node(node)
-            dev_children = sum(c.value is not None for c in node.children.values())
-            assert node.dev_children == dev_children, f"{node!r} device child count wrong"
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            assert node.lock_ref >= child_locks, f"{node!r} lock_ref below its children's"
-            is_leaf = node.value is not None and not dev_children
-            assert (node in self._leaves) == is_leaf, f"{node!r} leaf set wrong"
-            if node.value is not None:
-                sizes[node.lock_ref > 0] += len(node)
-        n_leaves = sum(1 for n in nodes if n.value is not None and not n.dev_children)
-        assert len(self._leaves) == n_leaves, "stale leaves"
-        entries = {(tick, node.id) for tick, _, node in self._heap}
-        for leaf in self._leaves:  # every leaf has a live entry no later than its last use
-            assert (leaf.heap_tick, leaf.id) in entries, f"{leaf!r} missing from the LRU heap"
-            assert 0 <= leaf.heap_tick <= leaf.last_access, f"{leaf!r} heap entry from the future"
-        assert sizes == [self._evictable, self._protected], f"sizes wrong, tree: {sizes}"
-        granted = sum(len(n) for n in nodes if n.chance == GRANTED)
-        assert granted == self.granted_tokens, f"granted {self.granted_tokens} != {granted}"
-        assert granted <= self.second_chance_tokens, f"second chances over the cap: {granted}"
-        slots = self.cached_slots()
-        if len(slots):
-            assert slots.min() >= 0 and slots.max() < self.allocator.capacity, "slot out of range"
-            assert np.bincount(slots).max() == 1, "a slot is cached twice"
+        """Assert the tree's invariants (worker/engine/tree_check.py); `_check_node`
+        adds the host tier's."""
+        check_tree(self)
 
     def _check_node(self, node: TreeNode) -> None:
         assert node.value is not None and node.host_value is None, f"{node!r} off the device"

@@ -1,4 +1,4 @@
-"""The radix cache's capped, aged second chance (worker/engine/radix_cache.py): a prefix
+"""The radix cache's capped, aged second chance (worker/engine/second_chance.py): a prefix
 an admission came back for is requeued once when it reaches the head of the LRU, at the
 midpoint between its last use and now, while the granted nodes hold at most the cap's
 tokens; past the cap it is plain LRU."""
@@ -56,7 +56,7 @@ def test_a_reused_prefix_outlives_newer_one_off_prompts() -> None:
         cache.check_integrity()
     assert [held(on, t) for t in ([1, 1], [2, 2], [3, 3])] == [2, 2, 0]  # [3 3] went
     assert [held(off, t) for t in ([1, 1], [2, 2], [3, 3])] == [0, 2, 2]  # plain LRU
-    assert on.granted_tokens == 4 and off.granted_tokens == 0
+    assert on.second_chance.granted == 4 and off.second_chance.granted == 0
 
 
 def test_the_cap_holds_granted_tokens_and_past_it_is_plain_lru() -> None:
@@ -64,12 +64,12 @@ def test_the_cap_holds_granted_tokens_and_past_it_is_plain_lru() -> None:
     reused_then_newer(cache)
     cache.evict(4)  # [1 1] granted (2 tokens: the cap), [2 2] past it: evicted, then [3 3]
     assert [held(cache, t) for t in ([1, 1], [2, 2], [3, 3], [4, 4])] == [2, 0, 0, 2]
-    assert cache.granted_tokens == 2
+    assert cache.second_chance.granted == 2
     # Aged: requeued at the midpoint between its last use and the eviction, so it went
     # after [3 3] (used before that midpoint) and goes before [4 4] (used after it).
     cache.evict(2)  # its chance spent: evicted
     assert [held(cache, t) for t in ([1, 1], [4, 4], [5, 5])] == [0, 2, 2]
-    assert cache.granted_tokens == 0
+    assert cache.second_chance.granted == 0
     cache.check_integrity()
 
 
@@ -77,9 +77,9 @@ def test_a_granted_prefix_reused_again_leaves_the_count_and_may_have_another() -
     cache = make(cap=2)
     reused_then_newer(cache)
     cache.evict(2)  # [1 1] granted, [2 2] evicted
-    assert cache.granted_tokens == 2
+    assert cache.second_chance.granted == 2
     put(cache, [1, 1, 9])  # an admission matches it again: reused anew, out of the count
-    assert cache.granted_tokens == 0
+    assert cache.second_chance.granted == 0
     cache.check_integrity()
 
 
@@ -92,9 +92,9 @@ def test_a_split_granted_node_stays_counted_in_its_two_halves() -> None:
     put(cache, [7])
     cache.evict(1)  # [1 2 3 4] is the LRU leaf: granted, aged past [6]; [6] goes
     assert held(cache, [6]) == 0 and held(cache, [7]) == 1
-    assert cache.granted_tokens == 4
+    assert cache.second_chance.granted == 4
     cache.match_prefix([1, 2, 9], record=False)  # a look-up splits it: 2 + 2, both granted
-    assert cache.granted_tokens == 4
+    assert cache.second_chance.granted == 4
     cache.check_integrity()
 
 
