@@ -341,6 +341,9 @@ class WorkerConfig(_Frozen):
     pin_budget: float = Field(0.25, ge=0, le=1)
     pin_max_ttl_s: float = Field(300.0, ge=0)
     pin_default_ttl_s: float = Field(0.0, ge=0)
+    # The radix cache's aged second chance for reused prefixes (worker/engine/
+    # second_chance.py): the fraction of KV granted nodes may hold (0: plain LRU).
+    second_chance: float = Field(0.1, ge=0, le=1)
     # The same per class (shared/wire/service_class.py), e.g. {interactive: 120, batch: 0}:
     # a class named here takes its TTL instead of pin_default_ttl_s.
     pin_class_ttl_s: dict[ServiceClass, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)

@@ -149,6 +149,12 @@ _SERVE_FLAGS: list[tuple[str, str, Any, str]] = [
         "sim engine: decode step cost per 1,000 context tokens read (the KV), microseconds",
     ),
     ("--pin-budget", "pin_budget", float, "pins across tool gaps: fraction of KV, 0-1 (0: off)"),
+    (
+        "--second-chance",
+        "second_chance",
+        float,
+        "radix cache: fraction of KV reused prefixes' second chances may hold, 0-1 (0: LRU)",
+    ),
     ("--pin-max-ttl-s", "pin_max_ttl_s", float, "longest pin TTL granted; longer is clamped"),
     (
         "--pin-default-ttl-s",

@@ -69,6 +69,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         pin_budget=config.pin_budget,
         pin_max_ttl_s=config.pin_max_ttl_s,
         pin_default_ttl_s=config.pin_default_ttl_s,
+        second_chance=config.second_chance,
     )
 
 

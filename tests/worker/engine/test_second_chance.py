@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
+from shared.config import WorkerConfig
+from worker.backends import engine_config
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
 from worker.engine.radix_cache import RadixCache
@@ -104,8 +107,12 @@ def test_a_second_chance_share_outside_zero_one_is_refused(share: float) -> None
         EngineConfig(second_chance=share)
 
 
-def test_the_engine_default_is_a_tenth_of_kv() -> None:
+def test_the_engine_default_is_a_tenth_of_kv_and_the_worker_config_sets_it() -> None:
     assert EngineConfig().second_chance == 0.1
+    assert WorkerConfig().second_chance == 0.1
+    assert engine_config(WorkerConfig(second_chance=0.0)).second_chance == 0.0
+    with pytest.raises(ValidationError, match="second_chance"):
+        WorkerConfig(second_chance=1.5)
 
 
 def test_a_negative_cap_is_refused() -> None:
