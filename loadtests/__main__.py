@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import shlex
+import signal
 import sys
 
 from loadtests.kit import Command, HelpFormatter
@@ -195,5 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (`timeout`, `kill`) as Ctrl-C: its default ends the process without running
+    `finally`, and a benchmark's fleet, children in their own sessions (shared/procs.py),
+    outlived it. As KeyboardInterrupt every cluster's teardown runs and stops them."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())
