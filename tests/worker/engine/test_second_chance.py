@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from shared.config import WorkerConfig
+from tests.worker.engine.test_radix_cache import held  # no LRU touch, as a match would
 from worker.backends import engine_config
 from worker.engine.allocator import SlotAllocator
 from worker.engine.config import EngineConfig
@@ -28,16 +29,6 @@ def put(cache: RadixCache, tokens: list[int]) -> None:
     assert new is not None
     cache.insert(tokens, np.concatenate((m.slots, new)), cached_len=m.prefix_len)
     cache.unlock(m.last_node)
-
-
-def held(cache: RadixCache, tokens: list[int]) -> int:
-    """Cached prefix length without touching LRU times (a match would)."""
-    node, n = cache.root, 0
-    while True:
-        nxt = [c for c in node.children.values() if tokens[n : n + len(c)] == c.key.tolist()]
-        if not nxt:
-            return n
-        node, n = nxt[0], n + len(nxt[0])
 
 
 def reused_then_newer(cache: RadixCache) -> None:
