@@ -10,8 +10,8 @@ one `Content-Length` no larger than `max_body_bytes`, a `Host`, no `Transfer-Enc
 and nothing after it (no pipelined request begun). One strict pattern (`_HEAD`) checks
 the head; the edge and the route's handler run as for the hot paths
 (router/http/edge.py), on a request object that carries what they read
-(`FastRequest`), and aiohttp's own response objects and writer frame the answer, so the
-answer's bytes are aiohttp's.
+(`FastRequest`), and the router frames the answer itself (router/http/fast_answer.py:
+one write for a buffered answer, HTTP chunked for a stream, aiohttp's header rules).
 
 Anything else (a request split across reads, a head the pattern refuses, any other
 route, method, version or header) hands the connection over: aiohttp's protocol (with the head
@@ -41,6 +41,8 @@ from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from multidict import CIMultiDict
 
 from router.http.edge import Edge, hot_routes
+from router.http.fast_answer import FastResponder
+from router.upstream.responder import RESPONDER
 from shared.serving.access_log import serve_logged
 from shared.serving.errors import Handler, error_response_for
 from shared.serving.http_server import KEEPALIVE_S, deadline_protocol
@@ -70,16 +72,19 @@ class _Content:
 
 
 class FastRequest(dict[str, Any]):
-    """What the edge, the inference handler and aiohttp's responses read of a request."""
+    """What the edge, the inference handler and the answers (the own ones, and aiohttp's
+    where one is aiohttp's to write) read of a request. It carries its connection's
+    `FastResponder` (`RESPONDER`), through which the proxy answers."""
 
-    __slots__ = ("_hooks", "_match_info", "_payload_writer", "app", "content", "content_length",
-                 "headers", "path", "transport")  # fmt: skip
+    __slots__ = ("_hooks", "_match_info", "_protocol", "_writer", "app", "content",
+                 "content_length", "headers", "path", "transport")  # fmt: skip
     method = "POST"
     version = HttpVersion11
     keep_alive = True
 
     def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, route: Route,
-                 writer: StreamWriter, transport: asyncio.Transport) -> None:  # fmt: skip
+                 protocol: FastProtocol, transport: asyncio.Transport) -> None:  # fmt: skip
+        self[RESPONDER] = protocol.responder
         self.path = path
         self.headers = headers
         self.content_length = len(body)
@@ -87,8 +92,16 @@ class FastRequest(dict[str, Any]):
         _, match, self._hooks = route
         self._match_info = match
         self.app = match.current_app
-        self._payload_writer = writer
+        self._protocol = protocol
+        self._writer: StreamWriter | None = None
         self.transport = transport
+
+    @property
+    def _payload_writer(self) -> StreamWriter:
+        # aiohttp's writer, made only for an answer aiohttp writes (fast_answer.py).
+        if self._writer is None:
+            self._writer = StreamWriter(self._protocol, self._protocol._loop)
+        return self._writer
 
     @property
     def raw_path(self) -> str:
@@ -131,6 +144,7 @@ class FastProtocol(BaseProtocol):
         self._server = server
         self._hot, self._log, self._guard = server.hot, server.log, server.guard
         self._max_body, self._keepalive = server.max_body, KEEPALIVE_S
+        self.responder = FastResponder(self)
         self._pending = bytearray()  # read while a fast answer was being written
         self._task: asyncio.Task[None] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has
@@ -171,8 +185,7 @@ class FastProtocol(BaseProtocol):
         transport = self.transport
         assert transport is not None
         route = self._hot[path]
-        writer = StreamWriter(self, self._loop)
-        request = FastRequest(path, headers, body, route, writer, transport)
+        request = FastRequest(path, headers, body, route, self, transport)
         self._task = self._loop.create_task(self._answer(request, route[0]))
 
     async def _answer(self, request: FastRequest, handler: Handler) -> None:
@@ -184,9 +197,7 @@ class FastProtocol(BaseProtocol):
                 )  # type: ignore[arg-type]
             except web.HTTPException as exc:  # what the edge lets through: aiohttp sends it
                 response = exc
-            await response.prepare(request)  # type: ignore[arg-type]
-            await response.write_eof()
-            keep = response.keep_alive is not False
+            keep = await self.responder.finish(request, response)
         except (ConnectionError, asyncio.CancelledError):
             pass
         except Exception:

@@ -83,8 +83,14 @@ def encodable(value: str) -> bool:
     return True
 
 
-def response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() in FORWARD_RESPONSE])
+def response_headers(
+    headers: CIMultiDict[str] | CIMultiDictProxy[str], *extra: tuple[str, str]
+) -> CIMultiDict[str]:
+    """The worker's headers a client may see (`FORWARD_RESPONSE`, in the worker's order),
+    then `extra` (the router's own): one multidict built in one call."""
+    kept = [(k, v) for k, v in headers.items() if k.lower() in FORWARD_RESPONSE]
+    kept += extra
+    return CIMultiDict(kept)
 
 
 class AttemptFailed(Exception):

@@ -59,12 +59,13 @@ from router.upstream.answers import (
     worker_authorization,
 )
 from router.upstream.connection import UpstreamBroken
+from router.upstream.responder import Reply, StreamReply, responder_of
 from router.upstream.transport import Answer, Transport
 from shared.config import RouterConfig
 from shared.serving import json_codec
 from shared.serving.access_log import REQUEST_ID
 from shared.serving.errors import APIError, error_body
-from shared.serving.http import EVENT_STREAM, DeadlineStream
+from shared.serving.http import EVENT_STREAM
 from shared.wire.protocol import PIN_KEY_HEADER
 from shared.wire.registry import MAX_NAME_CHARS
 from shared.wire.service_class import with_priority
@@ -312,11 +313,12 @@ class Proxy:
         return request.get(REQUEST_ID) or os.urandom(16).hex()
 
     def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
-        headers = response_headers(upstream.headers)  # type: ignore[arg-type]
-        headers["x-radix-worker"] = worker.worker_id
-        headers["x-radix-route-reason"] = d.reason
-        headers["x-radix-matched-chars"] = str(d.matched_chars)
-        return headers
+        return response_headers(
+            upstream.headers,  # type: ignore[arg-type]
+            ("x-radix-worker", worker.worker_id),
+            ("x-radix-route-reason", d.reason),
+            ("x-radix-matched-chars", str(d.matched_chars)),
+        )
 
     async def _attempt(
         self, request: web.Request, routed: Routed, worker: Worker, decision: Decision
@@ -373,7 +375,7 @@ class Proxy:
             if upstream.content_type == EVENT_STREAM:
                 resp = await self._relay_stream(request, upstream, attempt, decision, routed)
             else:
-                resp = await self._relay_buffered(upstream, attempt, decision, routed)
+                resp = await self._relay_buffered(request, upstream, attempt, decision, routed)
             done = True
             return resp
         finally:
@@ -385,19 +387,17 @@ class Proxy:
                 upstream.close()
 
     async def _relay_buffered(
-        self, upstream: Answer, attempt: Attempt, decision: Decision, routed: Routed
-    ) -> web.Response:
+        self, request: web.Request, upstream: Answer, attempt: Attempt, decision: Decision,
+        routed: Routed,
+    ) -> Reply:  # fmt: skip
         worker = attempt.worker
         body = await read_capped(upstream, self.config, worker)
         if upstream.status == 200:
             self._succeeded(attempt, decision, routed, body, cached_tokens_from_json(body))
         else:
             self._succeeded(attempt, decision, routed, b"", None)
-        return web.Response(
-            body=body,
-            status=upstream.status,
-            headers=self._response_headers(upstream, worker, decision),
-        )
+        headers = self._response_headers(upstream, worker, decision)
+        return responder_of(request).answer(upstream.status, headers, body)
 
     async def _relay_stream(
         self,
@@ -406,7 +406,7 @@ class Proxy:
         attempt: Attempt,
         decision: Decision,
         routed: Routed,
-    ) -> web.StreamResponse:
+    ) -> StreamReply:
         worker = attempt.worker
         # The first chunk is read before anything goes to the client, so a worker that
         # fails before its first event is retried elsewhere like any failure before the
@@ -414,10 +414,10 @@ class Proxy:
         with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
             chunk = await upstream.readany()
         content = upstream
-        resp = DeadlineStream(
-            request, self.config.stream_write_timeout,
-            status=upstream.status, headers=self._response_headers(upstream, worker, decision),
-        )  # fmt: skip
+        headers = self._response_headers(upstream, worker, decision)
+        resp = responder_of(request).stream(
+            request, upstream.status, headers, self.config.stream_write_timeout
+        )
         await resp.prepare(request)
         tail = b""
         held = b""  # the start of an event not yet whole: it leaves once it is
@@ -435,7 +435,7 @@ class Proxy:
                 try:
                     await resp.write(out)
                 except ConnectionError:
-                    # The client left, or did not read within the deadline (DeadlineStream
+                    # The client left, or did not read within the deadline (the stream
                     # aborted it): drop the upstream too, so the worker sees the request
                     # abandoned and frees its slot and KV at once.
                     upstream.close()

@@ -44,9 +44,12 @@ async def _exchanges(client: Any) -> list[tuple[Any, ...]]:
             # The answer's own ids and times differ per run; statuses, error bodies,
             # routing headers and the echoed request id must not.
             text = re.sub(r'"(id|created)": ?("[^"]*"|\d+)', "", text)
+            # The head, header by header in its order (the date aside): the own protocol
+            # frames its answers itself (router/http/fast_answer.py) by aiohttp's rules.
+            head = [(k, v) for k, v in r.raw_headers if k.lower() != b"date"]
             out.append(
                 (path, r.status, r.headers.get("x-request-id"), r.headers.get("x-radix-worker"),
-                 r.headers.get("Content-Type", "").split(";")[0], text)
+                 r.headers.get("Content-Type", "").split(";")[0], text, r.version, r.reason, head)
             )  # fmt: skip
     return out
 
