@@ -10,15 +10,19 @@ import asyncio
 import json
 import os
 import signal
+import socket
 
 from router.http.app import create_app, serve, serving_protocol, serving_runner
 from router.http.fast_server import MAX_PENDING, FastProtocol
+from router.http.state import FLEET
 from shared.config import RouterConfig
 from shared.serving.http_server import bind
 from tests.router.conftest import StartWorkers, url_of
+from tests.waiting import wait_until
 
 STREAM = json.dumps({"model": "sim", "prompt": "hi", "stream": True}).encode()
 READ = 256 * 1024  # the most one read hands a protocol (asyncio's and uvloop's)
+HIGH_WATER = 65536  # a transport's default high-water mark (asyncio's and uvloop's)
 
 
 async def _post(port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
@@ -99,4 +103,55 @@ async def test_a_connection_answering_at_shutdown_closes_once_its_answer_is_writ
         assert b"data: [DONE]" in rest and rest.endswith(b"0\r\n\r\n")
         writer.close()
     finally:
+        await runner.cleanup()
+
+
+async def test_a_stream_to_a_client_that_never_reads_holds_bounded_memory(
+    fake_workers: StartWorkers,
+) -> None:
+    """The own protocol writes a stream's chunks itself (router/http/fast_answer.py): once
+    the transport is paused (its buffer past the high-water mark) a write waits, at most
+    `stream_write_timeout`, then the connection is aborted and the worker's stream closed.
+    Without the wait every chunk of the answer would pile up in the router's buffer."""
+    [(_, worker)] = await fake_workers("ok", stream_chunks=40_000)  # ~2.6 MB of events
+    config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1",
+                          fast_hot_paths=True, stream_write_timeout=0.5)  # fmt: skip
+    runner = await serving_runner(create_app(config))
+    factory = serving_protocol(runner, config)
+    assert factory is not None
+    made: list[FastProtocol] = []
+
+    def recording() -> asyncio.Protocol:
+        protocol = factory()
+        assert isinstance(protocol, FastProtocol)
+        made.append(protocol)
+        return protocol
+
+    await bind(runner, "127.0.0.1", 0, header_read_timeout=10, protocol=recording)
+    sock = socket.socket()  # the client: a small window, never read
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", runner.addresses[0][1]))
+        [protocol] = made
+        await wait_until(lambda: protocol.transport is not None)
+        # The router's side too (else the kernel's send buffer, tuned up to megabytes on
+        # loopback, takes the whole answer and the router never waits).
+        router_side = protocol.transport.get_extra_info("socket")
+        router_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n"
+                                b"Content-Length: %d\r\n\r\n%s" % (len(STREAM), STREAM))  # fmt: skip
+        await wait_until(lambda: protocol._task is not None)  # the answer has begun
+        most, bound = 0, HIGH_WATER + READ  # the high-water mark and one relayed chunk
+        while protocol.transport is not None and most <= bound:  # until the deadline
+            most = max(most, protocol.transport.get_write_buffer_size())
+            await asyncio.sleep(0.01)
+        assert 0 < most <= bound, most
+        assert protocol.transport is None  # aborted, though the client is still there
+        # The handler unwound: the worker's stream closed, its seat given back.
+        workers = runner.app[FLEET].workers.values()
+        await wait_until(lambda: [w.in_flight for w in workers] == [0])
+    finally:
+        sock.close()
         await runner.cleanup()
