@@ -210,11 +210,11 @@ class FastProtocol(BaseProtocol):
         if not keep or self._server.closing:
             transport.close()
             return
-        pending, self._pending = bytes(self._pending), bytearray()
-        if len(pending) > MAX_PENDING:
-            transport.resume_reading()
         self._idle_since, self._limit = self._loop.time(), self._keepalive
-        if pending:
+        if self._pending:  # read while answering (rare: clients wait for an answer)
+            pending, self._pending = bytes(self._pending), bytearray()
+            if len(pending) > MAX_PENDING:
+                transport.resume_reading()
             self._feed(pending)
         elif self._timer is None:
             self._arm(self._limit)
