@@ -144,13 +144,11 @@ class FastStream:
 
 
 class FastResponder:
-    """The own protocol's `Responder` (one a connection), and the writer of whatever
-    the edge answered (`finish`)."""
+    """The own protocol's `Responder`, and the writer of whatever the edge answered
+    (`finish`). It holds nothing: a request carries its connection (`request.protocol`,
+    router/http/fast_server.py `FastRequest`), so one serves every connection."""
 
-    __slots__ = ("_protocol",)
-
-    def __init__(self, protocol: BaseProtocol) -> None:
-        self._protocol = protocol
+    __slots__ = ()
 
     def answer(
         self, status: int, headers: CIMultiDict[str], body: bytes
@@ -164,14 +162,14 @@ class FastResponder:
     ) -> FastStream | DeadlineStream:
         if status < 200 or status in _EMPTY:
             return DeadlineStream(request, write_timeout, status=status, headers=headers)
-        return FastStream(self._protocol, status, headers, write_timeout)
+        return FastStream(request.protocol, status, headers, write_timeout)
 
     async def finish(self, request: Any, response: Any) -> bool:
         """Write `response` (what the edge answered) unless written already; whether the
         connection stays open after it."""
         kind = type(response)
         if kind is FastReply:
-            await self._whole(request, response, _status_line(response.status), response.body)
+            await _whole(request, response, _status_line(response.status), response.body)
             return True
         if kind is FastStream:
             await response.write_eof()  # ended already, unless the client left mid-way
@@ -179,22 +177,25 @@ class FastResponder:
         if kind is web.Response and _plain(response):
             keep = response.keep_alive is not False
             line = _status_line(response.status, response.reason)
-            await self._whole(request, response, line, response.body, keep)
+            await _whole(request, response, line, response.body, keep)
             return keep
         await response.prepare(request)  # aiohttp's own writer
         await response.write_eof()
         return response.keep_alive is not False  # type: ignore[no-any-return]
 
-    async def _whole(
-        self, request: Any, response: Any, line: str, body: bytes, keep: bool = True
-    ) -> None:
-        headers = response.headers
-        _framed(headers, len(body), keep)
-        await request._prepare_hook(response)
-        transport = self._protocol.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client is gone")
-        transport.write(_head(line, headers) + body)
+
+FAST = FastResponder()
+
+
+async def _whole(request: Any, response: Any, line: str, body: bytes, keep: bool = True) -> None:
+    """A buffered answer: the hooks see it, then head and body leave in one write."""
+    headers = response.headers
+    _framed(headers, len(body), keep)
+    await request._prepare_hook(response)
+    transport = request.protocol.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client is gone")
+    transport.write(_head(line, headers) + body)
 
 
 def _plain(response: web.Response) -> bool:

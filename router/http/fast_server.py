@@ -41,7 +41,7 @@ from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from multidict import CIMultiDict
 
 from router.http.edge import Edge, hot_routes
-from router.http.fast_answer import FastResponder
+from router.http.fast_answer import FAST
 from router.upstream.responder import RESPONDER
 from shared.serving.access_log import serve_logged
 from shared.serving.errors import Handler, error_response_for
@@ -73,18 +73,19 @@ class _Content:
 
 class FastRequest(dict[str, Any]):
     """What the edge, the inference handler and the answers (the own ones, and aiohttp's
-    where one is aiohttp's to write) read of a request. It carries its connection's
-    `FastResponder` (`RESPONDER`), through which the proxy answers."""
+    where one is aiohttp's to write) read of a request. It names the own protocol's
+    responder (`RESPONDER`: router/upstream/responder.py), through which the proxy
+    answers, and its connection (`protocol`), where the answer goes."""
 
-    __slots__ = ("_hooks", "_match_info", "_protocol", "_writer", "app", "content",
-                 "content_length", "headers", "path", "transport")  # fmt: skip
+    __slots__ = ("_hooks", "_match_info", "_writer", "app", "content", "content_length",
+                 "headers", "path", "protocol", "transport")  # fmt: skip
     method = "POST"
     version = HttpVersion11
     keep_alive = True
 
     def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, route: Route,
                  protocol: FastProtocol, transport: asyncio.Transport) -> None:  # fmt: skip
-        self[RESPONDER] = protocol.responder
+        self[RESPONDER] = FAST
         self.path = path
         self.headers = headers
         self.content_length = len(body)
@@ -92,7 +93,7 @@ class FastRequest(dict[str, Any]):
         _, match, self._hooks = route
         self._match_info = match
         self.app = match.current_app
-        self._protocol = protocol
+        self.protocol = protocol  # its connection: where the answer goes
         self._writer: StreamWriter | None = None
         self.transport = transport
 
@@ -100,7 +101,7 @@ class FastRequest(dict[str, Any]):
     def _payload_writer(self) -> StreamWriter:
         # aiohttp's writer, made only for an answer aiohttp writes (fast_answer.py).
         if self._writer is None:
-            self._writer = StreamWriter(self._protocol, self._protocol._loop)
+            self._writer = StreamWriter(self.protocol, self.protocol._loop)
         return self._writer
 
     @property
@@ -144,7 +145,6 @@ class FastProtocol(BaseProtocol):
         self._server = server
         self._hot, self._log, self._guard = server.hot, server.log, server.guard
         self._max_body, self._keepalive = server.max_body, KEEPALIVE_S
-        self.responder = FastResponder(self)
         self._pending = bytearray()  # read while a fast answer was being written
         self._task: asyncio.Task[None] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has
@@ -197,7 +197,7 @@ class FastProtocol(BaseProtocol):
                 )  # type: ignore[arg-type]
             except web.HTTPException as exc:  # what the edge lets through: aiohttp sends it
                 response = exc
-            keep = await self.responder.finish(request, response)
+            keep = await FAST.finish(request, response)
         except (ConnectionError, asyncio.CancelledError):
             pass
         except Exception:
