@@ -465,12 +465,12 @@ uvloop.run(main())
 # Layers of the router, by where a function lives (the first that matches): shares of
 # the CPU the profile saw (wrk and the worker are other processes).
 LAYERS = (
-    ("fast server", ("router/http/fast_server",)),
+    ("fast server", ("router/http/fast_server", "router/http/fast_answer")),
     ("aiohttp server", ("aiohttp/web_", "aiohttp/http_", "aiohttp/streams", "aiohttp/base_protocol",
                         "aiohttp/helpers", "aiosignal", "multidict", "yarl")),
     ("upstream client", ("router/upstream/connection", "router/upstream/pool",
                          "router/upstream/transport", "router/upstream/echo")),
-    ("proxy", ("router/upstream/proxy", "router/upstream/answers")),
+    ("proxy", ("router/upstream/proxy", "router/upstream/answers", "router/upstream/responder")),
     ("edge + handlers", ("router/http/", "shared/serving/access_log", "shared/serving/errors",
                          "shared/serving/http.py")),
     ("policy + holdings", ("router/policy", "router/holdings", "router/routing")),
