@@ -403,8 +403,69 @@ def table():
         fleet.succeeded(attempt, 0.0, None, 100, None, now)
         attempt.release()
 
+pieces = [model, chat_model, seat, table]
+try:  # the own protocol's answers (router/http/fast_answer.py), where the tree has them
+    from aiohttp import web
+    from aiohttp.base_protocol import BaseProtocol
+    from multidict import CIMultiDict
+    from router.http.edge import hot_routes
+    from router.http.fast_answer import FAST, FastReply
+    from router.http.fast_server import FastRequest
+    from shared.serving.access_log import REQUEST_ID
+    from shared.serving.http import DeadlineStream
+except ImportError:
+    pass
+else:
+    class Sink(asyncio.Transport):  # takes every write, never pauses
+        def write(self, data): pass
+        def is_closing(self): return False
+        def get_write_buffer_size(self): return 0
+
+    answer = b'{"id": "x", "choices": [{"text": "abc"}], "usage": {"prompt_tokens": 10}}'
+    worker_head = [("Content-Type", "application/json"), ("x-request-id", "r" * 32),
+                   ("x-radix-worker", "w0"), ("x-radix-route-reason", "cache_hit"),
+                   ("x-radix-matched-chars", "1800")]
+    events = [b"data: {\"choices\": [{\"text\": \"t%d \"}]}\n\n" % i for i in range(5)]
+
+    async def answers(way, stream):
+        handler, match = hot_routes(app)["/v1/completions"]
+        hooks = tuple(h for a in match.apps for h in a.on_response_prepare)
+        protocol = BaseProtocol(asyncio.get_running_loop())
+        sink = Sink()
+        protocol.connection_made(sink)
+        for _ in range(n):
+            request = FastRequest("/v1/completions", CIMultiDict(), b"{}",
+                                  (handler, match, hooks), protocol, sink)
+            request[REQUEST_ID] = "r" * 32
+            headers = CIMultiDict(worker_head)
+            if stream and way == "aiohttp":  # as the proxy streamed before
+                resp = DeadlineStream(request, 10.0, status=200, headers=headers)
+                await resp.prepare(request)
+                for event in events:
+                    await resp.write(event)
+                await resp.write_eof(b"data: [DONE]\n\n")
+            elif stream:
+                resp = FAST.stream(request, 200, headers, 10.0)
+                await resp.prepare(request)
+                for event in events:
+                    await resp.write(event)
+                await resp.write_eof(b"data: [DONE]\n\n")
+                await FAST.finish(request, resp)
+            elif way == "aiohttp":  # web.Response, prepared and written by aiohttp
+                resp = web.Response(body=answer, status=200, headers=headers)
+                await resp.prepare(request)
+                await resp.write_eof()
+            else:
+                await FAST.finish(request, FastReply(200, headers, answer))
+
+    def answer_aiohttp(): asyncio.run(answers("aiohttp", False))
+    def answer_own(): asyncio.run(answers("own", False))
+    def stream_aiohttp(): asyncio.run(answers("aiohttp", True))
+    def stream_own(): asyncio.run(answers("own", True))
+    pieces += [answer_aiohttp, answer_own, stream_aiohttp, stream_own]
+
 out = {}
-for piece in (model, chat_model, seat, table):
+for piece in pieces:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()
@@ -418,6 +479,12 @@ PIECE_NAMES = {
     "chat_model": "request model, a chat body (routing_text)",
     "seat": "fleet queue, a free seat: ticket, admit, sit, answered x2, done",
     "table": "fleet table: view, attempt, succeeded, release",
+    # Both ways in one tree (router/http/fast_answer.py; absent from older trees): the
+    # own protocol's request, its answer written to a transport that takes everything.
+    "answer_aiohttp": "a buffered answer by aiohttp's Response + StreamWriter (as before)",
+    "answer_own": "a buffered answer framed by the own protocol (FastReply, one write)",
+    "stream_aiohttp": "a 6-chunk stream by aiohttp's DeadlineStream (as before)",
+    "stream_own": "a 6-chunk stream framed by the own protocol (FastStream)",
 }
 
 
@@ -454,11 +521,20 @@ def pieces_main(args: argparse.Namespace) -> int:
     print("| piece | " + " | ".join(names) + (" | after / before |" if len(names) == 2 else " |"))
     print("|---|" + "---:|" * (len(names) + (len(names) == 2)))
     for piece, title in PIECE_NAMES.items():
-        cells = [f"{min(seen[n][piece]):.2f}-{max(seen[n][piece]):.2f}" for n in names]
+        cells = [
+            f"{min(seen[n][piece]):.2f}-{max(seen[n][piece]):.2f}" if piece in seen[n] else "-"
+            for n in names
+        ]
         if len(names) == 2:
-            a, b = (statistics.median(seen[n][piece]) for n in names)
-            cells.append(f"{b / a:.2f}x")
+            both = all(piece in seen[n] for n in names)
+            a, b = (statistics.median(seen[n][piece]) for n in names) if both else (0, 0)
+            cells.append(f"{b / a:.2f}x" if both else "-")
         print(f"| {title} | " + " | ".join(cells) + " |")
+    this = seen[names[-1]]
+    for kind in ("answer", "stream"):
+        if f"{kind}_own" in this:
+            own, before = (statistics.median(this[f"{kind}_{w}"]) for w in ("own", "aiohttp"))
+            print(f"\n{kind}, this tree: own / aiohttp's = {own / before:.2f}x")
     return 0
 
 

@@ -56,11 +56,13 @@ def _status_line(status: int, reason: str | None = None) -> str:
 
 def _head(line: str, headers: CIMultiDict[str]) -> bytes:
     """The head's bytes: `line`, then each header as `name: value`, then the blank line."""
-    fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-    count = len(headers)
+    if not headers:
+        return f"{line}\r\n".encode()
+    fields = "\r\n".join(map(": ".join, headers.items()))  # about half a listcomp's time
+    count = len(headers) - 1  # the separators; any other CR or LF is in a name or value
     if fields.count("\n") != count or fields.count("\r") != count:
         raise ValueError("a header name or value holds CR or LF")
-    return f"{line}{fields}\r\n".encode("utf-8", "surrogateescape")
+    return f"{line}{fields}\r\n\r\n".encode("utf-8", "surrogateescape")
 
 
 def _framed(headers: CIMultiDict[str], length: int, keep_alive: bool) -> None:

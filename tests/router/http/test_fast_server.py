@@ -12,6 +12,9 @@ import os
 import signal
 import socket
 
+import pytest
+from multidict import CIMultiDict
+
 from router.http.app import create_app, serve, serving_protocol, serving_runner
 from router.http.fast_server import MAX_PENDING, FastProtocol
 from router.http.state import FLEET
@@ -155,3 +158,26 @@ async def test_a_stream_to_a_client_that_never_reads_holds_bounded_memory(
     finally:
         sock.close()
         await runner.cleanup()
+
+
+def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
+    """The own answers' heads (router/http/fast_answer.py) byte for byte as aiohttp's
+    serializer writes the same status line and headers; CR or LF in a name or value is
+    refused by both."""
+    from aiohttp.http_writer import _serialize_headers
+
+    from router.http.fast_answer import _head
+
+    line = "HTTP/1.1 200 OK"
+    for fields in (
+        [],
+        [("Content-Type", "application/json"), ("x-request-id", "r" * 32)],
+        [("X-A", "1"), ("x-a", "2"), ("X-Ünï", "välue ✓"), ("Empty", "")],
+    ):
+        headers = CIMultiDict(fields)
+        assert _head(line + "\r\n", headers) == _serialize_headers(line, headers)
+    for bad in (("X-A", "1\r\nSet-Cookie: s=1"), ("X-A", "a\nb"), ("X\rA", "1")):
+        with pytest.raises(ValueError):
+            _serialize_headers(line, CIMultiDict([bad]))
+        with pytest.raises(ValueError):
+            _head(line + "\r\n", CIMultiDict([bad]))
