@@ -62,7 +62,7 @@ TOO_LONG = "\x00too long"
 # `chat_template_kwargs` are a few flags (`{"enable_thinking": false}`), or documents a
 # template renders. One past about MAX_KWARGS_CHARS of JSON, or nested deeper than
 # MAX_KWARGS_DEPTH, is keyed as TOO_LONG too: it was serialized whole on the event loop
-# (json.dumps with sorted keys: a 4 MB value took tens of ms a request). Its size is
+# (json.dumps with sorted keys: 38-80 ms for a 4 MB value on 2 busy cores). Its size is
 # found by a walk that stops at the bound (`_kwargs_fit`), never by serializing it.
 MAX_KWARGS_CHARS = 65_536
 MAX_KWARGS_DEPTH = 32
@@ -128,6 +128,8 @@ def _kwargs_fit(value: object) -> bool:
     for _ in range(MAX_KWARGS_DEPTH + 1):
         inside: list[object] = []
         for item in level:
+            # Exact types (what JSON decodes to): 1.4 ms at the bound on 21,800 ints,
+            # where isinstance over unions took 5.2 ms (2 busy cores).
             kind = type(item)
             if kind is str:
                 budget -= len(item) + 2  # type: ignore[arg-type]
@@ -135,7 +137,7 @@ def _kwargs_fit(value: object) -> bool:
                 budget -= len(item) + 2  # type: ignore[arg-type]  # (commas, brackets)
                 if budget < 0:
                     return False
-                inside += item  # type: ignore[arg-type]  # (a dict's keys)
+                inside += item  # type: ignore[call-overload]  # (a dict's keys)
                 if kind is dict:
                     inside += item.values()  # type: ignore[attr-defined]
             elif kind is int:
