@@ -181,3 +181,22 @@ def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
             _serialize_headers(line, CIMultiDict([bad]))
         with pytest.raises(ValueError):
             _head(line + "\r\n", CIMultiDict([bad]))
+
+
+def test_header_values_are_read_as_aiohttp_reads_them() -> None:
+    """`_simple` splits the lines the pattern checked: a value keeps its inner spaces,
+    tabs and colons and loses the whitespace at its ends, as aiohttp's parser gives it."""
+    from router.http.fast_server import _simple
+
+    body = b'{"prompt": "x"}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-A:\t v:1  2 \t\r\nX-E:\r\n"
+            b"X-U: \xc3\xa4\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+    found = _simple(head + body, 1024)
+    assert found is not None
+    path, headers, rest = found
+    assert (path, rest) == ("/v1/completions", body)
+    assert list(headers.items()) == [
+        ("Host", "r"), ("X-A", "v:1  2"), ("X-E", ""), ("X-U", "ä"),
+        ("Content-Length", str(len(body))),
+    ]  # fmt: skip
+    assert _simple(b"POST /v1/completions HTTP/1.1\r\n\r\n", 1024) is None  # no Host
