@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+from typing import Any
 
 import pytest
 from multidict import CIMultiDict
@@ -20,7 +21,8 @@ from router.http.fast_server import MAX_PENDING, FastProtocol
 from router.http.state import FLEET
 from shared.config import RouterConfig
 from shared.serving.http_server import bind
-from tests.router.conftest import StartWorkers, url_of
+from tests.router.conftest import StartRouter, StartWorkers, url_of
+from tests.router.raw_upstream import RawUpstream, request_id
 from tests.waiting import wait_until
 
 STREAM = json.dumps({"model": "sim", "prompt": "hi", "stream": True}).encode()
@@ -200,3 +202,34 @@ def test_header_values_are_read_as_aiohttp_reads_them() -> None:
         ("Content-Length", str(len(body))),
     ]  # fmt: skip
     assert _simple(b"POST /v1/completions HTTP/1.1\r\n\r\n", 1024) is None  # no Host
+
+
+async def test_an_answer_with_no_body_is_written_by_aiohttp_either_way(
+    start_router: StartRouter, raw_upstreams: Any
+) -> None:
+    """A worker's 204 (no body may follow): the own protocol leaves it to aiohttp's writer
+    (router/http/fast_answer.py), so it reads as through aiohttp's server, header by
+    header, and the kept connection answers the next request."""
+
+    class NoContent(RawUpstream):
+        async def answer(self, conn: int, n: int, head: bytes, body: bytes,
+                         writer: asyncio.StreamWriter) -> bool:  # fmt: skip
+            # A length of 0: the upstream client reads a 204 without one to the close.
+            writer.write(b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 0\r\nx-request-id: %s\r\n\r\n" % request_id(head))  # fmt: skip
+            return False
+
+    worker = await raw_upstreams(NoContent())
+    heads = []
+    for fast in (True, False):
+        client = await start_router([worker.url], fast_hot_paths=fast)
+        for _ in range(2):  # the second on the same kept connection
+            async with client.post("/v1/completions", json={"prompt": "hi"}) as r:
+                assert (r.status, await r.read()) == (204, b"")
+                assert r.headers["x-request-id"]  # each its own: left out below
+                names = [k for k, _ in r.raw_headers]
+                heads.append([(k, v if k != b"x-request-id" else b"") for k, v in r.raw_headers
+                              if k != b"Date"])  # fmt: skip
+                assert names.count(b"x-request-id") == 1
+    assert heads[:2] == heads[2:]  # the fast way = aiohttp's, request by request
+    assert b"Content-Length" not in dict(heads[0])
