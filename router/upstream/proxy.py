@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
@@ -421,7 +422,10 @@ class Proxy:
             request, upstream.status, headers, self.config.stream_write_timeout
         )
         await resp.prepare(request)
-        tail = b""
+        # The stream's last SSE_TAIL_BYTES or more, as the chunks written: joined once at
+        # the end (a copy of the whole tail per chunk cost ~0.7 us a chunk past 16 KB).
+        tail: deque[bytes] = deque()
+        kept = 0
         held = b""  # the start of an event not yet whole: it leaves once it is
         broken: tuple[FailureKind, str] | None = None
         # Each chunk is written as soon as it is read (whole events: a partial one waits
@@ -442,7 +446,10 @@ class Proxy:
                     # abandoned and frees its slot and KV at once.
                     upstream.close()
                     return resp
-                tail = (tail + out)[-SSE_TAIL_BYTES:]
+                tail.append(out)
+                kept += len(out)
+                while kept - len(tail[0]) >= SSE_TAIL_BYTES:
+                    kept -= len(tail.popleft())
             try:
                 chunk = await content.readany()
             except TimeoutError:
@@ -457,7 +464,7 @@ class Proxy:
             # The stream ended (its connection closed) mid-event: cut short, not done.
             broken = FailureKind.BROKEN, f"worker {worker.worker_id} ended the stream mid-event"
         if broken is None:
-            answer = tail + last
+            answer = b"".join(tail)[-SSE_TAIL_BYTES:] + last
             self._succeeded(attempt, decision, routed, answer, cached_tokens_from_sse(answer))
         else:
             self.fleet.failed(attempt, broken[0], self.clock())

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.http.state import FLEET, METRICS
-from router.upstream.proxy import PROXY
+from router.upstream.proxy import PROXY, SSE_TAIL_BYTES
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
+from tests.router.raw_upstream import RawUpstream, request_id
 from tests.waiting import ManualClock, wait_until
 
 BODY = {"prompt": "hello there", "max_tokens": 3}
@@ -99,6 +101,44 @@ async def test_stream_relayed_unchanged_with_final_usage(
     assert worker.actual_cached_tokens_total == 11
     metrics = client.server.app[METRICS].render().decode()
     assert "radix_router_actual_cached_tokens_total" in metrics
+
+
+async def test_a_long_streams_final_usage_is_read_from_its_tail(
+    start_router: StartRouter, raw_upstreams: Any
+) -> None:
+    """The proxy keeps only the stream's last SSE_TAIL_BYTES or so (whole chunks) for the
+    usage event: a stream of ~100 KB whose usage event arrives before its last read
+    (`[DONE]` after a pause) still reports its cached tokens."""
+
+    class LongStream(RawUpstream):
+        async def answer(self, conn: int, n: int, head: bytes, body: bytes,
+                         writer: asyncio.StreamWriter) -> bool:  # fmt: skip
+            def chunk(data: bytes) -> None:
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\nx-request-id: %s\r\n\r\n"
+                         % request_id(head))  # fmt: skip
+            for i in range(2000):
+                chunk(b'data: {"choices": [{"index": 0, "text": "t%d"}]}\n\n' % i)
+                if i % 20 == 0:  # in many reads, so the tail is many chunks
+                    await writer.drain()
+                    await asyncio.sleep(0.001)
+            usage = {"usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 13}}}
+            chunk(b"data: %s\n\n" % json.dumps(usage).encode())
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the usage event is read before the last chunk
+            chunk(b"data: [DONE]\n\n")
+            writer.write(b"0\r\n\r\n")
+            return False
+
+    worker = await raw_upstreams(LongStream())
+    client = await start_router([worker.url])
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    text = (await r.read()).decode()
+    assert r.status == 200 and len(text) > 4 * SSE_TAIL_BYTES and text.endswith("[DONE]\n\n")
+    fleet_worker = next(iter(client.server.app[FLEET].workers.values()))
+    assert fleet_worker.actual_cached_tokens_total == 13
 
 
 async def test_retry_on_503_and_refused_connection_loses_nothing(
