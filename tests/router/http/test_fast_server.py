@@ -1,8 +1,12 @@
 """The router's own protocol (router/http/fast_server.py) keeps its bounds: what a client
 sends while a fast answer is being written waits, but at most `MAX_PENDING` bytes of it
-(then reading pauses), and a stream in flight is not disturbed by it; at shutdown
-`serve()` closes its kept-alive connections, which aiohttp's cleanup does not see. Its answers and
-hand-overs are held to aiohttp's by tests/router/http/test_server_conformance.py."""
+(then reading pauses), and a stream in flight is not disturbed by it; a stream to a
+client that never reads holds at most the high-water mark and one chunk, then is
+aborted; at shutdown `serve()` closes its kept-alive connections, which aiohttp's
+cleanup does not see. Its answers (router/http/fast_answer.py) are framed as aiohttp
+frames them: heads byte for byte, header values read alike, an answer with no body left
+to aiohttp. Its answers and hand-overs are held to aiohttp's by
+tests/router/http/test_server_conformance.py and tests/router/http/test_hot_paths.py."""
 
 from __future__ import annotations
 
