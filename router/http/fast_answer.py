@@ -97,7 +97,8 @@ class FastStream:
     ) -> None:
         self._protocol, self._timeout = protocol, write_timeout
         self.status, self.headers = status, headers
-        self._head: bytes | None = None  # prepared, not yet sent: leaves with the first chunk
+        # None until prepared; then the head, until it leaves with the first chunk; then b"".
+        self._head: bytes | None = None
         self.ended = False
         self.keep_alive = True
 
@@ -125,8 +126,10 @@ class FastStream:
 
     async def _send(self, out: bytes) -> None:
         head = self._head
-        if head is not None:
+        if head:
             self._head, out = b"", head + out
+        elif head is None:
+            raise RuntimeError("a stream written before it was prepared")
         protocol = self._protocol
         transport = protocol.transport
         if transport is None or transport.is_closing():
