@@ -25,7 +25,6 @@ rebuilding one (events lost, router/holdings/feed_entries.py) keeps it and adds 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from itertools import repeat
 from typing import Protocol
 
 from shared.tokens.prompt_tokens import PromptTokens
@@ -149,30 +148,6 @@ def in_flight_window(
 
     Returns (best: every counted entry's deepest end, past: trusted workers' older
     entries, fresh: trusted workers' entries in the window, whether any was dropped)."""
-    best: dict[object, float] = {}
-    fresh: dict[object, int] = {}
-    # Most paths are in the window throughout (a conversation's route refreshes every
-    # entry of its path): then every entry counts, so a worker's best is its deepest
-    # entry's end, written by entry (in C) where the next entry's holders differ (each
-    # entry's holders are a subset of the one before: as many is the same ones); the
-    # first entry is written too, as it sets the workers' order (root first).
-    last = len(path) - 1
-    for i, (holders, end) in enumerate(path):
-        if min(holders.values(), default=cutoff) < cutoff:
-            return window_by_worker(path, trusted, cutoff)
-        if i == 0 or i == last or len(path[i + 1][0]) != len(holders):
-            best.update(zip(holders, repeat(end)))
-    for w, end in best.items():
-        if trusted(w):  # type: ignore[arg-type]
-            fresh[w] = end
-    return best, {}, fresh, False
-
-
-def window_by_worker(
-    path: Path, trusted: Callable[[str], bool], cutoff: float
-) -> tuple[dict[object, float], dict[object, int], dict[object, int], bool]:
-    """`in_flight_window` entry by entry and worker by worker: where an entry is out of
-    the window (and the answer `in_flight_window`'s fast path must equal)."""
     best: dict[object, float] = {}
     past: dict[object, int] = {}
     fresh: dict[object, int] = {}
