@@ -27,7 +27,7 @@ import hashlib
 import struct
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -71,7 +71,8 @@ class BlockStored:
     lora: str | int | None = None
     # `token_ids` as their key text (`ids_text`), where the decoder already packed them to
     # check them: the index keys blocks from it (`block_key_text`) with no conversion.
-    token_text: str | None = None
+    # Derived from `token_ids`: not part of the event's value (equality, repr).
+    token_text: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
