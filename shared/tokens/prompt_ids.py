@@ -152,16 +152,15 @@ def chain_keys(
     held = last - 1
     while held >= 0 and block_size not in runs[held].whole:
         held -= 1
-    whole = runs[held].whole[block_size] if held >= 0 else []
-    between = runs[held + 1 : last]
-    if between:
-        added = list(chain.from_iterable([run.keyed[block_size][0] for run in between]))
-        if held >= 0:
-            del runs[held].whole[block_size]  # moved on, extended in place below
-        elif grow is not None:
-            grow(8 * (len(whole) + len(added)))
-        whole += added
+    if held + 1 < last:  # runs between: `whole` moves on to the run before the last
+        whole = runs[held].whole.pop(block_size) if held >= 0 else []
+        for run in runs[held + 1 : last]:
+            whole += run.keyed[block_size][0]  # extended in place
+        if held < 0 and grow is not None:
+            grow(8 * len(whole))
         runs[last - 1].whole[block_size] = whole
+    else:
+        whole = runs[held].whole[block_size] if held >= 0 else []
     return whole + runs[last].keyed[block_size][0]  # a copy: `whole` changes as it moves
 
 
