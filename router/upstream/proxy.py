@@ -14,8 +14,11 @@ probe), and its outcome is told to the table (`succeeded` with what the answer r
 or `failed` with a `FailureKind`); the table updates the breaker, the counters and the
 policy's columns, and tells the holdings room what the answer said of the cache.
 
-Streams are relayed chunk by chunk (`readany` → `write`, no buffering), so time to
-first token through the router stays close to going direct. A write the client does
+Answers leave through the request's `Responder` (router/upstream/responder.py):
+aiohttp's response objects, or the router's own framing where its own protocol took the
+request; the relay does not know which. Streams are relayed chunk by chunk (`readany` →
+`write`, no buffering), so time to first token through the router stays close to going
+direct. A write the client does
 not take within `stream_write_timeout` ends the stream and closes the upstream
 connection, so the worker frees the request's slot and KV (a client that never read
 held both for as long as it stayed connected). Every attempt is released whatever the
