@@ -360,7 +360,7 @@ worker's model (what a registry heartbeat reports), and a warm-up fills the tree
 _PIECES = r"""
 import asyncio, gc, json, sys, time
 from router.http.app import create_app
-from router.http.state import FLEET, QUEUE
+from router.http.state import CONFIG, FLEET, QUEUE
 from router.holdings.prediction import RouteRequest
 from shared.config import RouterConfig
 from shared.wire.protocol import routing_text
@@ -403,14 +403,68 @@ def table():
         fleet.succeeded(attempt, 0.0, None, 100, None, now)
         attempt.release()
 
+# The upstream exchange and the proxy's request side, against a zero worker in its own
+# process (its CPU is not this process's): the pool's post, read, release; and
+# Proxy.forward for a buffered answer (select, attempt, exchange, relay, books).
+import subprocess, socket, uvloop
+from multidict import CIMultiDict
+from router.http.state import METRICS, ROUTING
+from router.upstream.pool import UpstreamPool
+from router.upstream.proxy import Proxy, Routed
+from shared.procs import free_port
+from shared.serving.access_log import REQUEST_ID
+port = free_port()
+zero = subprocess.Popen([sys.executable, "-m", "loadtests.router.zero_worker", str(port)])
+for _ in range(200):
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.1).close()
+        break
+    except OSError:
+        time.sleep(0.05)
+url = f"http://127.0.0.1:{port}"
+raw = json.dumps(completion).encode()
+head = [("Content-Type", "application/json"), ("User-Agent", "bench")]
+
+async def exchanges():
+    pool = UpstreamPool(None, 5.0, 30.0, 1 << 20)
+    for i in range(n):
+        answer = await pool.post(url, "/v1/completions", head, raw, "rid-%d" % i)
+        await answer.read_all()
+        pool.release(url, answer)
+    await pool.close()
+
+def exchange():
+    uvloop.run(exchanges())
+
+class Request(dict):
+    headers = CIMultiDict({"Content-Type": "application/json", "User-Agent": "bench",
+                           "Authorization": "Bearer x", "Accept": "*/*"})
+
+async def forwards():
+    fleet.remove(wid)
+    fleet.add_url(url, "static")
+    pool = UpstreamPool(None, 5.0, 30.0, 1 << 20)
+    proxy = Proxy(app[CONFIG], fleet, app[ROUTING], pool, app[METRICS])
+    text = completion["prompt"]
+    for i in range(n):
+        request = Request()
+        request[REQUEST_ID] = "rid-%d" % i
+        routed = Routed("completions", "/v1/completions", raw, text, None, "sim")
+        await proxy.forward(request, routed)
+    await pool.close()
+
+def forward():
+    uvloop.run(forwards())
+
 out = {}
-for piece in (model, chat_model, seat, table):
+for piece in (model, chat_model, seat, table, exchange, forward):
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()
         piece()
         best = min(best, (time.process_time() - t0) / n * 1e6)
     out[piece.__name__] = best
+zero.kill()
 print(json.dumps(out))
 """
 PIECE_NAMES = {
@@ -418,6 +472,8 @@ PIECE_NAMES = {
     "chat_model": "request model, a chat body (routing_text)",
     "seat": "fleet queue, a free seat: ticket, admit, sit, answered x2, done",
     "table": "fleet table: view, attempt, succeeded, release",
+    "exchange": "upstream pool: post, read_all, release (zero worker)",
+    "forward": "Proxy.forward, a buffered answer (zero worker)",
 }
 
 
