@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from router.fleet.workers import Worker
 from router.upstream.echo import EchoBook
-from shared.serving.loop_metrics import LoopCounter, LoopHistogram
+from shared.serving.loop_metrics import CounterChild, LoopCounter, LoopHistogram
 from shared.serving.metrics import ServiceMetrics, kv_usage_ratio
 from shared.wire.peers import Rejections
 
@@ -342,6 +342,7 @@ class Metrics(ServiceMetrics):
         self.clock = clock
         self.started_wall = time.time()  # the counters below count from here
         self.reasons = ReasonWindow()
+        self._decided: dict[str, CounterChild] = {}  # `decisions`' children by reason
         r = self.registry
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
@@ -391,9 +392,13 @@ class Metrics(ServiceMetrics):
     def refused(self, reason: str) -> None:
         self.child(self.rejected, reason).inc()
 
-    def decision(self, reason: str) -> None:
-        self.child(self.decisions, reason).inc()
-        self.reasons.add(reason, self.clock())
+    def decision(self, reason: str, now: float | None = None) -> None:
+        """One routing decision (`now`: the caller's clock reading, read here if None)."""
+        counted = self._decided.get(reason)
+        if counted is None:  # reasons are a handful of constants (policy/base.py)
+            counted = self._decided[reason] = self.child(self.decisions, reason)
+        counted.inc()
+        self.reasons.add(reason, self.clock() if now is None else now)
 
     def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None:
         """The ratio histogram (the totals are the fleet's, read at scrape time)."""

@@ -137,7 +137,7 @@ class ProxyMetrics(Protocol):
     retries: Counter  # attempts retried on another worker
     foreign_retries: Counter  # requests resent on a fresh connection after ForeignAnswer
 
-    def decision(self, reason: str) -> None: ...
+    def decision(self, reason: str, now: float | None = None) -> None: ...
 
     def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None: ...
 
@@ -205,7 +205,7 @@ class Proxy:
             old = self.fleet.workers.get(left) if left is not None else None
             if old is not None and routed.prompt_cache_key is not None:
                 self._release_pin(old.url, routed.prompt_cache_key, routed.cache_key)
-        self.metrics.decision(decision.reason)
+        self.metrics.decision(decision.reason, now)
         return self.fleet.workers[decision.worker_id], decision
 
     def _release_pin(self, url: str, key: str, session: bytes) -> None:
