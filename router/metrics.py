@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from router.fleet.workers import Worker
 from router.upstream.echo import EchoBook
-from shared.serving.loop_metrics import CounterChild, LoopCounter, LoopHistogram
+from shared.serving.loop_metrics import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from shared.serving.metrics import ServiceMetrics, kv_usage_ratio
 from shared.wire.peers import Rejections
 
@@ -343,6 +343,7 @@ class Metrics(ServiceMetrics):
         self.started_wall = time.time()  # the counters below count from here
         self.reasons = ReasonWindow()
         self._decided: dict[str, CounterChild] = {}  # `decisions`' children by reason
+        self._done: dict[tuple[str, int], tuple[CounterChild, HistogramChild]] = {}
         r = self.registry
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
@@ -385,6 +386,16 @@ class Metrics(ServiceMetrics):
 
     def watch_pool(self, pool: PoolCounts) -> None:
         self.registry.register(_PoolCollector(pool, self._fleet))
+
+    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
+        """ServiceMetrics' two updates, with their children kept by (endpoint, status)."""
+        pair = self._done.get((endpoint, status))
+        if pair is None:  # endpoints are three, statuses the few HTTP ones answered
+            pair = self._done[endpoint, status] = (
+                self.child(self.requests, endpoint, str(status)), self.child(self.latency, endpoint),
+            )  # fmt: skip
+        pair[0].inc()
+        pair[1].observe(seconds)
 
     def answered(self, worker: str, status: int) -> None:
         self.child(self.worker_requests, worker, str(status)).inc()
