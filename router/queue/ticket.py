@@ -15,7 +15,17 @@ from shared.wire.service_class import CLASSES, ServiceClass
 
 if TYPE_CHECKING:
     from router.holdings.prediction import RouteRequest
-    from router.queue.stats import ClassTally
+
+
+class TicketTally(Protocol):
+    """Where a request's figures go: its tenant and class's (router/queue/stats.py
+    `ClassTally`), looked up once when its ticket is made."""
+
+    def seated(self, waited_s: float) -> None: ...
+
+    def seated_now(self) -> None: ...
+
+    def ended(self, good: bool, slo_met: bool) -> None: ...
 
 
 class Ticket:
@@ -31,11 +41,11 @@ class Ticket:
 
     def __init__(
         self, tenant: Tenant, klass: ServiceClass, request: RouteRequest, model: str | None,
-        now: float, slo_s: float, seq: int, tally: ClassTally,
+        now: float, slo_s: float, seq: int, tally: TicketTally,
     ) -> None:  # fmt: skip
         self.tenant, self.klass, self.request, self.model = tenant, klass, request, model
         self.seq, self.arrived, self.deadline = seq, now, now + slo_s
-        self.tally = tally  # its tenant and class's figures (router/queue/stats.py)
+        self.tally = tally
         self.worker: str | None = None  # the seat held, once given
         self.exclude: Collection[str] = ()  # workers the first try may not use
         self.seated: float | None = None
