@@ -178,7 +178,9 @@ class Proxy:
         if sync is not None:
             sync.on_session = self.sessions.learn
         self._releases: set[asyncio.Task[None]] = set()  # pins released on moved sessions
-        self.pin_releases = {"sent": 0, "failed": 0}
+        # Pin releases by outcome: released (2xx), refused (answered otherwise: a worker
+        # without the route, 404, or an error), failed (no answer).
+        self.pin_releases = {"sent": 0, "refused": 0, "failed": 0}
 
     def _select(self, routed: Routed, tried: list[str]) -> tuple[Worker, Decision] | None:
         now = self.clock()
@@ -223,7 +225,7 @@ class Proxy:
                 answer = await self.pool.post(url, "/release_pin", head, body, "release-pin")
                 await answer.read_all()
                 self.pool.release(url, answer)
-                self.pin_releases["sent"] += 1
+                self.pin_releases["sent" if 200 <= answer.status < 300 else "refused"] += 1
             except (OSError, TimeoutError, UpstreamBroken):
                 self.pin_releases["failed"] += 1
 
