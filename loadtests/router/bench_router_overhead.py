@@ -483,13 +483,45 @@ async def handles():
 def handle():
     uvloop.run(handles())
 
+import random
+from loadtests.load.workloads import NATO_WORDS
+from shared.tokens.prompt_tokens import PromptTokens
+
+tokens = PromptTokens.load("sim")
+chats_seed = [0]
+
+def conversation(seed):  # 16 chats of ~2k-token system prompts, turn by turn
+
+    rng = random.Random(seed)
+    chats = [[{"role": "system", "content": f"Chat {s}. " +
+               " ".join(rng.choice(NATO_WORDS) for _ in range(700))}] for s in range(16)]
+    for turn in range(25):
+        for chat in chats:
+            chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(NATO_WORDS)}?"})
+            yield turn, list(chat)
+            chat.append({"role": "assistant", "content": " ".join(rng.choices(NATO_WORDS, k=12))})
+
+def turn_keys():  # a later turn's keys, first ask (as the index asks); tokenizing untimed
+
+    spent, asked = 0.0, 0
+    while asked < min(n, 800):
+        chats_seed[0] += 1
+        for turn, chat in conversation(chats_seed[0]):
+            ids = tokens.chat(chat)
+            t0 = time.process_time()
+            ids.block_keys(16)
+            if turn:
+                spent += time.process_time() - t0
+                asked += 1
+    return spent / asked * 1e6
+
 out = {}
-for piece in (model, chat_model, seat, table, exchange, forward, handle):
+for piece in (model, chat_model, seat, table, turn_keys, exchange, forward, handle):
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()
-        piece()
-        best = min(best, (time.process_time() - t0) / n * 1e6)
+        own = piece()
+        best = min(best, own if own is not None else (time.process_time() - t0) / n * 1e6)
     out[piece.__name__] = best
 zero.kill()
 print(json.dumps(out))
@@ -499,6 +531,7 @@ PIECE_NAMES = {
     "chat_model": "request model, a chat body (routing_text)",
     "seat": "fleet queue, a free seat: ticket, admit, sit, answered x2, done",
     "table": "fleet table: view, attempt, succeeded, release",
+    "turn_keys": "KV index: a later chat turn's block keys (first ask)",
     "exchange": "upstream pool: post, read_all, release (zero worker)",
     "forward": "Proxy.forward, a buffered answer (zero worker)",
     "handle": "the completions handler: body, model, queue, forward, metrics (zero worker)",
@@ -558,7 +591,9 @@ model (`routing_text` of a 1,800-char completion body and of a two-message chat 
 the fleet queue's path for a request that finds a free seat (its ticket, admission, the
 seat taken, the answer's first byte told twice as the router tells it, the seat given
 back), and the fleet table's per-try books (the view, attempt, succeeded, release) on a
-router app built by `create_app` with one static worker. The garbage collector is off
+router app built by `create_app` with one static worker; and the block keys the KV index
+asks of a later turn of a ~2k-token chat (16 chats turn by turn, the sim tokenizer; the
+first ask, right after the turn's ids are built; at most 800 turns a run). The garbage collector is off
 while it times; each figure is the least of `--repeats` runs. Where a cut is too small
 for wrk to resolve (loadtests/results/router_cpu.md), this measures it.
 """,
