@@ -593,8 +593,14 @@ seat taken, the answer's first byte told twice as the router tells it, the seat 
 back), and the fleet table's per-try books (the view, attempt, succeeded, release) on a
 router app built by `create_app` with one static worker; and the block keys the KV index
 asks of a later turn of a ~2k-token chat (16 chats turn by turn, the sim tokenizer; the
-first ask, right after the turn's ids are built; at most 800 turns a run). The garbage collector is off
-while it times; each figure is the least of `--repeats` runs. Where a cut is too small
+first ask, right after the turn's ids are built; at most 800 turns a run). Against the
+zero-cost worker (loadtests/router/zero_worker.py, in its own process, so its CPU is not
+counted): the upstream pool's exchange (post, read the body, release), `Proxy.forward`
+of a buffered completion (select, attempt, exchange, relay, the books), and the whole
+completions handler as the router's fast server calls it (body, request model, queue,
+forward, metrics; the server's parsing and the response's writing are not in it). The
+garbage collector is off while it times; each figure is the least of `--repeats` runs,
+and `after / before` compares each side's least disturbed run. Where a cut is too small
 for wrk to resolve (loadtests/results/router_cpu.md), this measures it.
 """,
     pieces_arguments,
