@@ -302,6 +302,25 @@ class _PoolCollector(Collector):
         )
 
 
+class _PinReleasesCollector(Collector):
+    """Pins released on workers a session moved off (router/upstream/proxy.py
+    `_release_pin`), by outcome: a refused or failed release leaves the pin to its TTL."""
+
+    def __init__(self, releases: Mapping[str, int]) -> None:
+        self.releases = releases
+
+    def collect(self) -> Iterator[CounterFamily]:
+        family = CounterFamily(
+            "radix_router_pin_releases",
+            "POST /release_pin to a session's old worker, by outcome: sent (2xx), refused "
+            "(answered otherwise), failed (no answer); a pin not released expires by its TTL",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(self.releases.items()):
+            family.add_metric([outcome], count)
+        yield family
+
+
 class RegistryView(Protocol):
     """What the registry gauge reads (router/fleet/discovery.py's Discovery)."""
 
@@ -386,6 +405,9 @@ class Metrics(ServiceMetrics):
 
     def watch_pool(self, pool: PoolCounts) -> None:
         self.registry.register(_PoolCollector(pool, self._fleet))
+
+    def watch_pin_releases(self, releases: Mapping[str, int]) -> None:
+        self.registry.register(_PinReleasesCollector(releases))
 
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         """ServiceMetrics' two updates, with their children kept by (endpoint, status)."""
