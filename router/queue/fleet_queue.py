@@ -135,24 +135,35 @@ class FleetQueue:
 
     # -- arrival ------------------------------------------------------------------------
     def ticket(self, tenant: Tenant, klass: ServiceClass, request: RouteRequest) -> Ticket:
-        now = self.clock()
         return Ticket(
-            tenant, klass, request, request.model or None, now, self._slo[klass],
-            self.config.queue_urgent_fraction, next(self._seq),
+            tenant, klass, request, request.model or None, self.clock(), self._slo[klass],
+            next(self._seq), self.stats.tally(tenant.name, klass),
         )  # fmt: skip
 
     async def admit(self, ticket: Ticket) -> None:
         """Return once `ticket` may go (its `exclude` set); raise 503 draining or 429."""
+        if not self.pass_now(ticket):
+            await self.wait_turn(ticket)
+
+    def pass_now(self, ticket: Ticket) -> bool:
+        """Admit `ticket` at once when nothing waits and a seat is free (True; the
+        handler's common case, no coroutine); False: it must `wait_turn`. Raises 503
+        while draining."""
         if self.draining:
             raise APIError(
                 503, "the router is shutting down", code="draining", headers={"Retry-After": "1"}
             )
-        if not self.waiting and self._pass(ticket):  # a free seat: it goes at once
-            ticket.seated = ticket.arrived
-            self.active += 1  # `_admitted`, inlined (router_cpu.md, "Fourth pass")
-            self._idle.clear()
-            self.stats.seated(ticket.tenant.name, ticket.klass, 0.0)
-            return
+        if self.waiting or not self._pass(ticket):
+            return False
+        ticket.seated = ticket.arrived
+        self.active += 1  # `_admitted`, inlined (router_cpu.md, "Fourth pass")
+        self._idle.clear()
+        ticket.tally.seated_now()
+        return True
+
+    async def wait_turn(self, ticket: Ticket) -> None:
+        """Wait in the tenant's queue for a seat (after `pass_now` said no); 429 past the
+        tenant's bounds."""
         tenant = ticket.tenant
         if tenant.waiting >= tenant.max_queue:
             self.stats.refused(tenant.name, ticket.klass)
@@ -179,10 +190,11 @@ class FleetQueue:
     def _admitted(self, ticket: Ticket) -> None:
         self.active += 1
         self._idle.clear()
-        self.stats.seated(ticket.tenant.name, ticket.klass, ticket.seated - ticket.arrived)  # type: ignore[operator]
+        ticket.tally.seated(ticket.seated - ticket.arrived)  # type: ignore[operator]
 
     async def _wait(self, ticket: Ticket) -> None:
         tenant = ticket.tenant
+        ticket.wait(self._slo[ticket.klass], self.config.queue_urgent_fraction)
         self._predict(ticket, ticket.arrived)
         ticket.future = asyncio.get_running_loop().create_future()
         if not tenant.waiting:
@@ -250,7 +262,7 @@ class FleetQueue:
         self.active -= 1
         good = ticket.first_byte is not None and ticket.status < 400
         met = good and ticket.first_byte <= ticket.deadline  # type: ignore[operator]
-        self.stats.ended(ticket.tenant.name, ticket.klass, good, met)
+        ticket.tally.ended(good, met)
         if ticket.worker is not None:
             self._release_seat(ticket)
         self._settle_idle()

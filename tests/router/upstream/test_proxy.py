@@ -403,5 +403,7 @@ async def test_a_pin_release_is_counted_by_the_workers_answer(
                 break
         assert proxy.pin_releases == {"sent": 0, "refused": 0, "failed": 0, outcome: 2}
         assert len(released) == (2 if status != 404 else 0)
+        scrape = await (await client.get("/metrics")).text()
+        assert f'radix_router_pin_releases_total{{outcome="{outcome}"}} 2.0' in scrape
     finally:
         await busy.close()
