@@ -149,7 +149,7 @@ class AgentSim(Simulation):
         self.options = options
         self.replicas: list[tuple[Routing, SessionTable]] = [
             (self.policy if r == 0 else build_routing(config, random.Random(seed + r)),
-             SessionTable(config.session_table_max, config.session_ttl))
+             SessionTable(config.session_table_max, config.session_ttl, replicas > 1))
             for r in range(replicas)
         ]  # fmt: skip
         self.sync_delay_s = sync_delay_s
