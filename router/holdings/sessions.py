@@ -8,16 +8,17 @@ load sends them; the key lets the router co-locate them before any prefix is kno
 The rule (``select``, which the proxy and the simulator both call), before the policy:
   1. No entry for the key (first call, or the entry aged out) → the policy decides; when
      it found no cached prefix anywhere (reason ``no_match`` or ``balance``), the worker
-     is instead *rule 1's pick* (``rendezvous``): of the least loaded workers (a lone
-     router: strictly; replicas: within ``AGREE_MARGIN`` requests of the least), those
-     holding the fewest active sessions (``SessionTable.active``: placements the
-     replicas share), the key's rendezvous-hash worker. So sessions spread over the
-     workers' KV and their queues, and router replicas that see a session's first
-     siblings at the same instant (before the sync carries anything) still agree (5
-     seeds of the churn run: hit after the first call 0.898 against 0.883 with the
-     policy's pick; 0.900 through 2 replicas against 0.845-0.901 by hash and load
-     alone; the least loaded first took a lone router's JCT under load from 1.06x
-     today's to 1.00x: loadtests/results/agents.md). The choice is recorded *at
+     is instead *rule 1's pick* (``rendezvous``): through replicas, the less loaded of
+     the key's two rendezvous-hash workers among those holding the fewest active
+     sessions (``SessionTable.active``: placements the replicas share); on a lone
+     router, the worker whose active sessions plus requests in flight are the fewest
+     (ties by the key's hash). So sessions spread over the workers' KV and their
+     queues, and router replicas that see a session's first siblings at the same
+     instant (before the sync carries anything) still agree (5 seeds of the churn run:
+     hit after the first call 0.898 against 0.883 with the policy's pick; 0.900
+     through 2 replicas against 0.845-0.901 by hash and load alone; sessions and
+     requests together took a lone router's JCT under load from 1.06x today's to
+     0.99x: loadtests/results/agents.md). The choice is recorded *at
      decision time*, so siblings sent a moment later (still unanswered) follow it.
   2. An entry whose worker is routable and not overloaded → that worker, reason
      ``session``. Overloaded is the balance rule seen from the session's worker: its load
@@ -54,6 +55,7 @@ travel.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
@@ -95,8 +97,8 @@ FRESH_S = 1.0
 ACTIVE_S = 300.0
 
 
-# Requests in flight: loads closer than this count as equal in rule 1's pick through
-# replicas. Replicas' load views lag by what the sync has not carried yet (the last
+# Requests in flight: how much less loaded the key's second worker must be to take it
+# in rule 1's pick through replicas. Replicas' load views lag by what the sync has not carried yet (the last
 # session's siblings, still in a stale heartbeat or load hash): a margin of 2 split
 # first-call siblings across two replicas in 1 e2e run of 6, 4 in none of 8. The price
 # is balance: at 96k in loadtests/results/agents.md, 2 replicas spent 12.6 s in calls
@@ -119,9 +121,10 @@ class SessionTable:
     def __init__(self, max_entries: int, ttl: float, replicas: bool = False) -> None:
         self.max_entries = max_entries
         self.ttl = ttl
-        # Loads closer than this count as equal in rule 1's pick: 0 on a lone router
-        # (strictly the least loaded), AGREE_MARGIN through replicas, whose load views
-        # differ by what the sync has not carried yet.
+        # Through replicas rule 1's pick is one they agree on without talking, and
+        # loads closer than AGREE_MARGIN count as equal (their load views differ by what
+        # the sync has not carried yet); a lone router picks by load strictly.
+        self.agree = replicas
         self.margin = AGREE_MARGIN if replicas else 0
         self._entries: OrderedDict[bytes, tuple[str, float, float]] = OrderedDict()
         # The entries used within ACTIVE_S (oldest first) and their count per worker,
@@ -227,34 +230,52 @@ class SessionTable:
 
 def rendezvous(
     digest: bytes, ids: Sequence[str], loads: Sequence[int], abs_threshold: float,
-    rel_threshold: float, active: Mapping[str, int] | None = None,
-    margin: int = AGREE_MARGIN,
+    rel_threshold: float, active: Mapping[str, int] | None = None, agree: bool = True,
 ) -> str:  # fmt: skip
-    """Of the workers not overloaded and within `margin` of the least load (0: the
-    least loaded only), given `active` (sessions per worker: the table's count, which
-    replicas share) those holding the fewest sessions, the key's highest-random-weight
-    worker. Replicas pick the same worker for a key without talking as long as their
-    views of the counts agree and of the loads differ by no more than the margin.
-    Loads alone (requests in flight: 0 or 1 between tool gaps) left the pick to the
-    hash: 16 sessions on 4 workers piled up to 7 on one, whose KV could not hold them
-    (hit after the first call 0.845 through 2 replicas, 0.928 with the count). The
-    count alone ignored load: under load a lone router's sessions bunched on busy
-    workers (JCT 1.06x today's at 4 workers, 0.08 sessions/s; 1.00x with the least
-    loaded first: loadtests/results/agents.md, sixth round). One hash a worker, on a
-    session's first call or a lost session's move only."""
+    """Rule 1's pick among the workers not overloaded, given `active` (sessions per
+    worker: the table's count, which replicas share).
+
+    `agree` (replicas): of the key's two highest-random-weight workers among those
+    holding the fewest sessions, the second only when its load is lower by more than
+    `AGREE_MARGIN`, else the first. Replicas pick the same worker for a key without
+    talking as long as their views of the counts agree and of those two loads differ
+    by no more than the margin. Loads alone (requests in flight: 0 or 1 between tool
+    gaps) left the pick to the hash: 16 sessions on 4 workers piled up to 7 on one,
+    whose KV could not hold them (hit after the first call 0.845 through 2 replicas,
+    0.928 with the count).
+
+    A lone router (no one to agree with): the worker with the least *pressure*,
+    sessions held plus requests in flight (between calls a session holds KV, in a call
+    it holds the worker's steps: one unit each); ties by the key's hash. The count
+    alone ignored load: under load the sessions bunched on busy workers (JCT 1.06x
+    today's at 4 workers, 0.08 sessions/s; 0.99x with the pressure:
+    loadtests/results/agents.md, sixth round). One hash a worker, on a session's first
+    call or a lost session's move only."""
     low = min(loads)
+    counts = active or {}
     fit = [
-        wid for wid, load in zip(ids, loads, strict=True)
-        if load <= low + margin and not overloaded(load, low, abs_threshold, rel_threshold)
+        (wid, load) for wid, load in zip(ids, loads, strict=True)
+        if not overloaded(load, low, abs_threshold, rel_threshold)
     ]  # fmt: skip
-    if active is not None and fit:
-        fewest = min(active.get(wid, 0) for wid in fit)
-        fit = [wid for wid in fit if active.get(wid, 0) == fewest]
     if not fit:
         return ids[0]
-    return max(
-        (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid) for wid in fit
-    )[1]
+    if not agree:
+        least = min(load + counts.get(wid, 0) for wid, load in fit)
+        return max(
+            (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid)
+            for wid, load in fit
+            if load + counts.get(wid, 0) == least
+        )[1]
+    fewest = min(counts.get(wid, 0) for wid, _ in fit)
+    ranked = [
+        (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid, load)
+        for wid, load in fit
+        if counts.get(wid, 0) == fewest
+    ]
+    top = heapq.nlargest(2, ranked)
+    if len(top) == 2 and top[1][2] + AGREE_MARGIN < top[0][2]:
+        return top[1][1]
+    return top[0][1]
 
 
 class Placement(NamedTuple):
@@ -303,7 +324,7 @@ def select(
                 lost[0] = True
                 active = table.active(now)
                 pick = rendezvous(
-                    digest, ids, loads, abs_threshold, rel_threshold, active, table.margin
+                    digest, ids, loads, abs_threshold, rel_threshold, active, table.agree
                 )
                 return Decision(pick, "session")
             return kept
@@ -317,9 +338,7 @@ def select(
     def rendezvous_pick(decision: Decision) -> Decision:
         if decision.reason in ("no_match", "balance"):  # rule 1
             active = table.active(now)
-            pick = rendezvous(
-                digest, ids, loads, abs_threshold, rel_threshold, active, table.margin
-            )
+            pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active, table.agree)
             if pick != decision.worker_id:
                 return Decision(pick, "session")
         return decision
