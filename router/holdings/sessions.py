@@ -11,14 +11,13 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      is instead *rule 1's pick* (``rendezvous``): through replicas, the less loaded of
      the key's two rendezvous-hash workers among those holding the fewest active
      sessions (``SessionTable.active``: placements the replicas share); on a lone
-     router, the worker whose active sessions plus requests in flight are the fewest
-     (ties by the key's hash). So sessions spread over the workers' KV and their
+     router, the same among the least loaded workers only. So sessions spread over the workers' KV and their
      queues, and router replicas that see a session's first siblings at the same
      instant (before the sync carries anything) still agree (5 seeds of the churn run:
      hit after the first call 0.898 against 0.883 with the policy's pick; 0.900
-     through 2 replicas against 0.845-0.901 by hash and load alone; sessions and
-     requests together took a lone router's JCT under load from 1.06x today's to
-     0.99x: loadtests/results/agents.md). The choice is recorded *at
+     through 2 replicas against 0.845-0.901 by hash and load alone; the least loaded
+     first took a lone router's JCT under load from 1.06x today's to 1.00x:
+     loadtests/results/agents.md). The choice is recorded *at
      decision time*, so siblings sent a moment later (still unanswered) follow it.
   2. An entry whose worker is routable and not overloaded → that worker, reason
      ``session``. Overloaded is the balance rule seen from the session's worker: its load
@@ -244,13 +243,11 @@ def rendezvous(
     whose KV could not hold them (hit after the first call 0.845 through 2 replicas,
     0.928 with the count).
 
-    A lone router (no one to agree with): the worker with the least *pressure*,
-    sessions held plus requests in flight (between calls a session holds KV, in a call
-    it holds the worker's steps: one unit each); ties by the key's hash. The count
-    alone ignored load: under load the sessions bunched on busy workers (JCT 1.06x
-    today's at 4 workers, 0.08 sessions/s; 0.99x with the pressure:
-    loadtests/results/agents.md, sixth round). One hash a worker, on a session's first
-    call or a lost session's move only."""
+    A lone router (no one to agree with): the same among the least loaded workers
+    only (requests in flight, strictly). The count first ignored load: under load the
+    sessions bunched on busy workers (JCT 1.06x today's at 4 workers, 0.08 sessions/s;
+    1.00x with the least loaded first: loadtests/results/agents.md, sixth round). One
+    hash a worker, on a session's first call or a lost session's move only."""
     low = min(loads)
     counts = active or {}
     fit = [
@@ -259,13 +256,8 @@ def rendezvous(
     ]  # fmt: skip
     if not fit:
         return ids[0]
-    if not agree:
-        least = min(load + counts.get(wid, 0) for wid, load in fit)
-        return max(
-            (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid)
-            for wid, load in fit
-            if load + counts.get(wid, 0) == least
-        )[1]
+    if not agree:  # the least loaded only
+        fit = [(wid, load) for wid, load in fit if load == low]
     fewest = min(counts.get(wid, 0) for wid, _ in fit)
     ranked = [
         (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid, load)

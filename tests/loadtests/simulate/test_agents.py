@@ -98,7 +98,7 @@ def test_the_routers_tree_counts_the_workloads_own_chars_per_token() -> None:
 def test_the_simulated_replicas_tables_agree_as_the_proxys_do() -> None:
     """The simulator builds each replica's session table as the proxy does
     (router/upstream/proxy.py: `replicas` when replica sync is on): a lone router's
-    rule 1 picks by sessions plus load, replicas' by the rule they agree on."""
+    rule 1 picks the least loaded, replicas by the rule they agree on."""
     cost = CostModel(cache_tokens=4096, max_running=4)
     config = RouterConfig(policy="cache_aware")
     lone = AgentSim(config, 2, cost, AgentOptions(sessions=0))

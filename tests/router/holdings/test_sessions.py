@@ -90,22 +90,22 @@ def test_rendezvous_takes_the_less_loaded_of_the_keys_top_two() -> None:
     assert rendezvous(d, IDS, loads, 64, 1.5) == first
 
 
-def test_a_lone_routers_new_session_goes_where_sessions_and_load_are_least() -> None:
-    """A lone router has no replica to agree with: rule 1's pick is the worker whose
-    active sessions plus requests in flight are the fewest, ties by the key's hash.
-    The replicas' rule (the key's top hash among the fewest sessions unless another
-    is over AGREE_MARGIN less loaded) bunched long contexts under load: JCT 1.06x
-    today's at 4 workers, 0.08 sessions/s. Fails with the replicas' rule."""
+def test_a_lone_routers_new_session_goes_to_the_least_loaded_worker() -> None:
+    """A lone router has no replica to agree with: rule 1's pick is among the least
+    loaded workers (strictly), then the fewest sessions, then the key's hash. The
+    replicas' rule (the key's top hash among the fewest sessions unless another is over
+    AGREE_MARGIN less loaded) bunched long contexts under load: JCT 1.06x today's at 4
+    workers, 0.08 sessions/s. Fails with the replicas' rule."""
     d = session_digest("", "s")
     first = rendezvous(d, IDS, [0, 0, 0], 64, 1.5, agree=False)
     assert first == rendezvous(d, IDS, [0, 0, 0], 64, 1.5)  # ties: the key's hash
     loads = [1 if w == first else 0 for w in IDS]
     assert rendezvous(d, IDS, loads, 64, 1.5, agree=False) != first
-    # Sessions and requests count alike: w2 holds 1 + 1, w1 0 + 3, w0 5 + 0.
-    active = {"w0": 5, "w1": 0, "w2": 1}
-    assert rendezvous(d, IDS, [0, 3, 1], 64, 1.5, active, agree=False) == "w2"
-    assert rendezvous(d, IDS, [0, 1, 1], 64, 1.5, active, agree=False) == "w1"
-    # Through the session rule: a lone router's table picks by pressure, a replica's agrees.
+    # Load before the count: the least loaded worker holds the most sessions.
+    active = {"w0": 5, "w1": 1, "w2": 0}
+    assert rendezvous(d, IDS, [1, 3, 2], 64, 1.5, active, agree=False) == "w0"
+    assert rendezvous(d, IDS, [2, 1, 1], 64, 1.5, active, agree=False) == "w2"
+    # Through the session rule: a lone router's table picks by load, a replica's agrees.
     assert not SessionTable(10, 60).agree and SessionTable(10, 60, replicas=True).agree
 
 
