@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from router.fleet.workers import Worker
 from router.upstream.echo import EchoBook
-from shared.serving.loop_metrics import LoopCounter, LoopHistogram
+from shared.serving.loop_metrics import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from shared.serving.metrics import ServiceMetrics, kv_usage_ratio
 from shared.wire.peers import Rejections
 
@@ -302,6 +302,25 @@ class _PoolCollector(Collector):
         )
 
 
+class _PinReleasesCollector(Collector):
+    """Pins released on workers a session moved off (router/upstream/proxy.py
+    `_release_pin`), by outcome: a refused or failed release leaves the pin to its TTL."""
+
+    def __init__(self, releases: Mapping[str, int]) -> None:
+        self.releases = releases
+
+    def collect(self) -> Iterator[CounterFamily]:
+        family = CounterFamily(
+            "radix_router_pin_releases",
+            "POST /release_pin to a session's old worker, by outcome: sent (2xx), refused "
+            "(answered otherwise), failed (no answer); a pin not released expires by its TTL",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(self.releases.items()):
+            family.add_metric([outcome], count)
+        yield family
+
+
 class RegistryView(Protocol):
     """What the registry gauge reads (router/fleet/discovery.py's Discovery)."""
 
@@ -342,6 +361,8 @@ class Metrics(ServiceMetrics):
         self.clock = clock
         self.started_wall = time.time()  # the counters below count from here
         self.reasons = ReasonWindow()
+        self._decided: dict[str, CounterChild] = {}  # `decisions`' children by reason
+        self._done: dict[tuple[str, int], tuple[CounterChild, HistogramChild]] = {}
         r = self.registry
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
@@ -385,15 +406,32 @@ class Metrics(ServiceMetrics):
     def watch_pool(self, pool: PoolCounts) -> None:
         self.registry.register(_PoolCollector(pool, self._fleet))
 
+    def watch_pin_releases(self, releases: Mapping[str, int]) -> None:
+        self.registry.register(_PinReleasesCollector(releases))
+
+    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
+        """ServiceMetrics' two updates, with their children kept by (endpoint, status)."""
+        pair = self._done.get((endpoint, status))
+        if pair is None:  # endpoints are three, statuses the few HTTP ones answered
+            pair = self._done[endpoint, status] = (
+                self.child(self.requests, endpoint, str(status)), self.child(self.latency, endpoint),
+            )  # fmt: skip
+        pair[0].inc()
+        pair[1].observe(seconds)
+
     def answered(self, worker: str, status: int) -> None:
         self.child(self.worker_requests, worker, str(status)).inc()
 
     def refused(self, reason: str) -> None:
         self.child(self.rejected, reason).inc()
 
-    def decision(self, reason: str) -> None:
-        self.child(self.decisions, reason).inc()
-        self.reasons.add(reason, self.clock())
+    def decision(self, reason: str, now: float | None = None) -> None:
+        """One routing decision (`now`: the caller's clock reading, read here if None)."""
+        counted = self._decided.get(reason)
+        if counted is None:  # reasons are a handful of constants (policy/base.py)
+            counted = self._decided[reason] = self.child(self.decisions, reason)
+        counted.inc()
+        self.reasons.add(reason, self.clock() if now is None else now)
 
     def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None:
         """The ratio histogram (the totals are the fleet's, read at scrape time)."""

@@ -360,7 +360,7 @@ worker's model (what a registry heartbeat reports), and a warm-up fills the tree
 _PIECES = r"""
 import asyncio, gc, json, sys, time
 from router.http.app import create_app
-from router.http.state import FLEET, QUEUE
+from router.http.state import CONFIG, FLEET, QUEUE
 from router.holdings.prediction import RouteRequest
 from shared.config import RouterConfig
 from shared.wire.protocol import routing_text
@@ -403,14 +403,127 @@ def table():
         fleet.succeeded(attempt, 0.0, None, 100, None, now)
         attempt.release()
 
+# The upstream exchange and the proxy's request side, against a zero worker in its own
+# process (its CPU is not this process's): the pool's post, read, release; and
+# Proxy.forward for a buffered answer (select, attempt, exchange, relay, books).
+import subprocess, socket, uvloop
+from multidict import CIMultiDict
+from router.http.state import METRICS, ROUTING
+from router.upstream.pool import UpstreamPool
+from router.upstream.proxy import Proxy, Routed
+from shared.procs import free_port
+from shared.serving.access_log import REQUEST_ID
+port = free_port()
+zero = subprocess.Popen([sys.executable, "-m", "loadtests.router.zero_worker", str(port)])
+for _ in range(200):
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.1).close()
+        break
+    except OSError:
+        time.sleep(0.05)
+url = f"http://127.0.0.1:{port}"
+fleet.remove(wid)  # the app's one worker is the zero worker from here on
+fleet.add_url(url, "static")
+raw = json.dumps(completion).encode()
+head = [("Content-Type", "application/json"), ("User-Agent", "bench")]
+
+async def exchanges():
+    pool = UpstreamPool(None, 5.0, 30.0, 1 << 20)
+    for i in range(n):
+        answer = await pool.post(url, "/v1/completions", head, raw, "rid-%d" % i)
+        await answer.read_all()
+        pool.release(url, answer)
+    await pool.close()
+
+def exchange():
+    uvloop.run(exchanges())
+
+class Request(dict):
+    headers = CIMultiDict({"Content-Type": "application/json", "User-Agent": "bench",
+                           "Authorization": "Bearer x", "Accept": "*/*"})
+
+async def forwards():
+    pool = UpstreamPool(None, 5.0, 30.0, 1 << 20)
+    proxy = Proxy(app[CONFIG], fleet, app[ROUTING], pool, app[METRICS])
+    text = completion["prompt"]
+    for i in range(n):
+        request = Request()
+        request[REQUEST_ID] = "rid-%d" % i
+        routed = Routed("completions", "/v1/completions", raw, text, None, "sim")
+        await proxy.forward(request, routed)
+    await pool.close()
+
+def forward():
+    uvloop.run(forwards())
+
+class Content:
+    def __init__(self, body):
+        self.body = body
+    def is_eof(self):
+        return True
+    async def readexactly(self, n):
+        return self.body
+
+class Posted(Request):  # what the router's fast server hands the handler (fast_server.py)
+    def __init__(self, body):
+        super().__init__()
+        self.app, self.path, self.content, self.content_length = app, "/v1/completions", Content(body), len(body)
+
+async def handles():
+    from router.http.handlers import completions
+    from router.upstream.proxy import PROXY
+    pool = UpstreamPool(None, 5.0, 30.0, 1 << 20)
+    app[PROXY] = Proxy(app[CONFIG], fleet, app[ROUTING], pool, app[METRICS])
+    for i in range(n):
+        request = Posted(raw)
+        request[REQUEST_ID] = "rid-%d" % i
+        await completions(request)
+    await pool.close()
+
+def handle():
+    uvloop.run(handles())
+
+import random
+from loadtests.load.workloads import NATO_WORDS
+from shared.tokens.prompt_tokens import PromptTokens
+
+tokens = PromptTokens.load("sim")
+chats_seed = [0]
+
+def conversation(seed):  # 16 chats of ~2k-token system prompts, turn by turn
+
+    rng = random.Random(seed)
+    chats = [[{"role": "system", "content": f"Chat {s}. " +
+               " ".join(rng.choice(NATO_WORDS) for _ in range(700))}] for s in range(16)]
+    for turn in range(25):
+        for chat in chats:
+            chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(NATO_WORDS)}?"})
+            yield turn, list(chat)
+            chat.append({"role": "assistant", "content": " ".join(rng.choices(NATO_WORDS, k=12))})
+
+def turn_keys():  # a later turn's keys, first ask (as the index asks); tokenizing untimed
+
+    spent, asked = 0.0, 0
+    while asked < min(n, 800):
+        chats_seed[0] += 1
+        for turn, chat in conversation(chats_seed[0]):
+            ids = tokens.chat(chat)
+            t0 = time.process_time()
+            ids.block_keys(16)
+            if turn:
+                spent += time.process_time() - t0
+                asked += 1
+    return spent / asked * 1e6
+
 out = {}
-for piece in (model, chat_model, seat, table):
+for piece in (model, chat_model, seat, table, turn_keys, exchange, forward, handle):
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()
-        piece()
-        best = min(best, (time.process_time() - t0) / n * 1e6)
+        own = piece()
+        best = min(best, own if own is not None else (time.process_time() - t0) / n * 1e6)
     out[piece.__name__] = best
+zero.kill()
 print(json.dumps(out))
 """
 PIECE_NAMES = {
@@ -418,6 +531,10 @@ PIECE_NAMES = {
     "chat_model": "request model, a chat body (routing_text)",
     "seat": "fleet queue, a free seat: ticket, admit, sit, answered x2, done",
     "table": "fleet table: view, attempt, succeeded, release",
+    "turn_keys": "KV index: a later chat turn's block keys (first ask)",
+    "exchange": "upstream pool: post, read_all, release (zero worker)",
+    "forward": "Proxy.forward, a buffered answer (zero worker)",
+    "handle": "the completions handler: body, model, queue, forward, metrics (zero worker)",
 }
 
 
@@ -456,7 +573,7 @@ def pieces_main(args: argparse.Namespace) -> int:
     for piece, title in PIECE_NAMES.items():
         cells = [f"{min(seen[n][piece]):.2f}-{max(seen[n][piece]):.2f}" for n in names]
         if len(names) == 2:
-            a, b = (statistics.median(seen[n][piece]) for n in names)
+            a, b = (min(seen[n][piece]) for n in names)  # the least disturbed run
             cells.append(f"{b / a:.2f}x")
         print(f"| {title} | " + " | ".join(cells) + " |")
     return 0
@@ -474,8 +591,16 @@ model (`routing_text` of a 1,800-char completion body and of a two-message chat 
 the fleet queue's path for a request that finds a free seat (its ticket, admission, the
 seat taken, the answer's first byte told twice as the router tells it, the seat given
 back), and the fleet table's per-try books (the view, attempt, succeeded, release) on a
-router app built by `create_app` with one static worker. The garbage collector is off
-while it times; each figure is the least of `--repeats` runs. Where a cut is too small
+router app built by `create_app` with one static worker; and the block keys the KV index
+asks of a later turn of a ~2k-token chat (16 chats turn by turn, the sim tokenizer; the
+first ask, right after the turn's ids are built; at most 800 turns a run). Against the
+zero-cost worker (loadtests/router/zero_worker.py, in its own process, so its CPU is not
+counted): the upstream pool's exchange (post, read the body, release), `Proxy.forward`
+of a buffered completion (select, attempt, exchange, relay, the books), and the whole
+completions handler as the router's fast server calls it (body, request model, queue,
+forward, metrics; the server's parsing and the response's writing are not in it). The
+garbage collector is off while it times; each figure is the least of `--repeats` runs,
+and `after / before` compares each side's least disturbed run. Where a cut is too small
 for wrk to resolve (loadtests/results/router_cpu.md), this measures it.
 """,
     pieces_arguments,

@@ -184,8 +184,11 @@ def start_targets(
             targets.append(Target(f"floor: {kind}, router's rate", child.url, child, paced=True))
     if args.sglang_python:
         port = free_port()
+        # Its metrics on a free port too (its default, 29000, is taken by any other
+        # sglang-router on the machine, and it then exits at start).
         cmd = ["sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-               "--worker-urls", worker_url, "--policy", "cache_aware", "--log-level", "warn"]  # fmt: skip
+               "--worker-urls", worker_url, "--policy", "cache_aware", "--log-level", "warn",
+               "--prometheus-port", str(free_port())]  # fmt: skip
         child = serve("sglang", cmd, port, tmp, python=args.sglang_python, wait=False)
         targets.append(Target("sglang-router", child.url, child))
     for t in targets:

@@ -49,6 +49,7 @@ from router.holdings.feed_streams import Rebuild, StreamState
 from router.holdings.kv_index import BlockIndex, Dropping, Freeing
 from router.holdings.namespace import in_default_namespace
 from shared.wire.kv_events import (
+    ID_CHARS,
     MEDIUM_GPU,
     AllBlocksCleared,
     BatchReader,
@@ -255,12 +256,13 @@ def block_pieces(event: KVEvent) -> Iterator[KVEvent]:
         if isinstance(event, BlockRemoved):
             yield BlockRemoved(hashes[i : i + n], event.medium)
         elif isinstance(event, BlockStored):
-            keys = event.extra_keys
+            keys, text = event.extra_keys, event.token_text
             yield BlockStored(
                 hashes[i : i + n],
                 event.parent_block_hash if i == 0 or bs == 0 else hashes[i - 1],
                 event.token_ids[i * bs : (i + n) * bs],
                 bs, event.medium, None if keys is None else keys[i : i + n], event.lora,
+                None if text is None else text[i * bs * ID_CHARS : (i + n) * bs * ID_CHARS],
             )  # fmt: skip
 
 

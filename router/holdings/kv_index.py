@@ -52,6 +52,7 @@ from shared.wire.kv_events import (
     BlockStored,
     KVEvent,
     block_key_list,
+    block_key_text,
 )
 
 _MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
@@ -174,11 +175,15 @@ class BlockIndex:
             parent = known
         media = _MEDIA.get(event.medium, 1)
         blocks = self._blocks
-        ids = event.token_ids  # a list where decoded (shared/wire/kv_events.py)
-        keys = block_key_list(
-            ids if isinstance(ids, list) else ids.tolist() if isinstance(ids, np.ndarray)
-            else list(ids), bs, parent,
-        )  # fmt: skip
+        text = event.token_text  # the ids' key text where decoded (shared/wire/kv_events.py)
+        if text is not None:
+            keys = block_key_text(text, bs, parent)
+        else:
+            ids = event.token_ids
+            keys = block_key_list(
+                ids if isinstance(ids, list) else ids.tolist() if isinstance(ids, np.ndarray)
+                else list(ids), bs, parent,
+            )  # fmt: skip
         by_hash = wb.by_hash
         for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)

@@ -24,8 +24,8 @@ entry never stops a loop):
   its UTF-8 bytes behind the id TEXT_IN_IDS, router/holdings/namespace.py) is shared
   only where those bytes are whole ids in range (ASCII, a multiple of 4 bytes); else
   not at all, where that version shared it as text, which replicas on ids skip;
-- a session entry is `replica id SEP worker id SEP digest KIND pin-ms`, the whole at
-  most `SESSION_MAX_BYTES` (checked before anything is split): the digest exactly
+- a session entry is `replica id SEP worker id SEP digest KIND pin-ms [LATER ...]`, the
+  whole at most `SESSION_MAX_BYTES` (checked before anything is split): the digest exactly
   `DIGEST_BYTES` long (router/holdings/sessions.py), the worker id of the registry's
   shape, KIND `p` (the session was placed there: a first call or a move) or `k` (kept
   there by a call that asked for a pin), pin-ms the call's ``cache_pin_ttl`` in
@@ -34,7 +34,14 @@ entry never stops a loop):
   the session rule). An entry with nothing after the digest is the version before
   pins': placed, no pin. A reader of that version drops the longer entries (a bad
   digest, counted): during a rolling upgrade it learns no sessions from the new
-  replicas;
+  replicas.
+  Forward compatible from this version on: a later version adds its fields after
+  pin-ms behind `LATER` (`;`, never a digit), and a reader takes the fields it knows
+  and ignores the rest, within SESSION_MAX_BYTES. A field may be added so only where
+  a reader that ignores it still acts rightly on the entry; a change it must not
+  ignore takes a new KIND, which readers that do not know it drop (counted). The
+  versions before this rule (pin-ms the last field) read `;` as a bad pin TTL and drop
+  such entries, counted: while they run, they learn no sessions from later replicas;
 - a load hash maps worker ids to integer in-flight counts, each clamped to what one
   replica can have in flight (`max_concurrent`): a fake `{w1: 1000000}` steered all
   traffic away from w1, and a "1.5" broke the load loop every round.
@@ -70,6 +77,7 @@ Key = str  # what a tree keys on: text, or a TokenKey
 SESSION_MAX_BYTES = 512  # a replica id, a worker id, a digest and a pin fit well within
 DIGEST_BYTES = 16  # a session's key, hashed with its tenant (router/holdings/sessions.py)
 PLACED, KEPT = b"p", b"k"  # a session entry's kind
+LATER = b";"  # a session entry's fields of later versions follow (ignored)
 MAX_PIN_MS = 86_400_000  # shared/wire/protocol.py's PinTtl bound, in milliseconds
 
 
@@ -107,7 +115,8 @@ def decode_session(entry: object) -> SessionEntry:
         raise ValueError("bad session digest")
     if not tail:  # the version before pins: a placement
         return SessionEntry(digest, worker_id)
-    kind, ms = tail[:1], tail[1:]
+    kind = tail[:1]
+    ms = tail[1:].partition(LATER)[0]  # a later version's fields after it: ignored
     if kind not in (PLACED, KEPT):
         raise ValueError("bad session digest, or an unknown kind after it")
     # bytes.isdigit is ASCII digits only; the length bound keeps int() short.

@@ -101,6 +101,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     )  # fmt: skip
     app[METRICS].watch_pool(pool)
     app[PROXY] = Proxy(config, app[FLEET], app[ROUTING], pool, app[METRICS], app[CLOCK], app[SYNC])
+    app[METRICS].watch_pin_releases(app[PROXY].pin_releases)
     yield
     await pool.close()
     await session.close()

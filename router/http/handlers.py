@@ -34,6 +34,7 @@ from router.http.state import (
     TOKENIZE,
 )
 from router.queue.tenants import DEFAULT as DEFAULT_TENANT
+from router.queue.ticket import Seat
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
@@ -118,11 +119,17 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 routed.prompt_cache_key = cache_key
             ticket = queue.ticket(tenant, klass, routed.route)
             request[TICKET] = ticket
-            async with queue.seat(ticket) as seat:
-                response = await app[PROXY].forward(request, routed, seat)
+            # Admitted (or refused) here; the seat is freed whatever the way out. The
+            # common case, a free seat, costs no coroutine (`Seat` as `async with` did).
+            if not queue.pass_now(ticket):
+                await queue.wait_turn(ticket)
+            try:
+                response = await app[PROXY].forward(request, routed, Seat(queue, ticket))
                 # A whole answer is ready to leave (a stream's head left already and was
                 # told by the app's on_response_prepare hook: the first of the two counts).
                 queue.answered(ticket, response.status)
+            finally:
+                queue.done(ticket)
             status = response.status
             return response
         except BaseException as e:

@@ -29,8 +29,11 @@ __all__ = [
 ]  # fmt: skip
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
+    """Read only (not frozen: one is built per try, and a frozen init sets each field
+    through `object.__setattr__`: 0.73 against 0.17 us, timeit)."""
+
     worker_id: str
     reason: str  # cache_hit | balance | no_match | spill | <policy name>
     matched_chars: int = 0  # predicted cached prefix length (chars) on the chosen worker

@@ -63,7 +63,7 @@ from router.queue.seats import WINDOW_INTERVALS, Seats
 from router.queue.stats import QueueStats
 from router.queue.tenants import Tenant, Tenants
 from router.queue.ticket import InPrefill, Seat, Ticket
-from shared.config import RouterConfig
+from shared.config import MAX_QUANTUM, MAX_WEIGHT, MIN_QUANTUM, MIN_WEIGHT, RouterConfig
 from shared.serving.errors import APIError
 from shared.wire.service_class import CLASSES, ServiceClass
 
@@ -83,6 +83,12 @@ TICK_S = 0.05
 REFRESH_S = 0.1
 REFRESH_BUDGET = 32
 Affinity = Callable[["RouteRequest"], Mapping[str, float]]
+# Defensive bounds on the credit arithmetic, beyond the config's (shared/config.py
+# bounds weight and queue_quantum to finite credit, the wait to MAX_QUEUE_WAIT_S): a
+# widened config must not make `_best_for` raise on every freed seat or `_refuse` a 500.
+MIN_ROUND_CREDIT, MAX_ROUND_CREDIT = MIN_WEIGHT * MIN_QUANTUM, MAX_WEIGHT * MAX_QUANTUM
+MAX_ROUNDS = 2**53
+MAX_RETRY_AFTER_S = 86_400
 
 
 class FleetReads(Protocol):
@@ -129,24 +135,35 @@ class FleetQueue:
 
     # -- arrival ------------------------------------------------------------------------
     def ticket(self, tenant: Tenant, klass: ServiceClass, request: RouteRequest) -> Ticket:
-        now = self.clock()
         return Ticket(
-            tenant, klass, request, request.model or None, now, self._slo[klass],
-            self.config.queue_urgent_fraction, next(self._seq),
+            tenant, klass, request, request.model or None, self.clock(), self._slo[klass],
+            next(self._seq), self.stats.tally(tenant.name, klass),
         )  # fmt: skip
 
     async def admit(self, ticket: Ticket) -> None:
         """Return once `ticket` may go (its `exclude` set); raise 503 draining or 429."""
+        if not self.pass_now(ticket):
+            await self.wait_turn(ticket)
+
+    def pass_now(self, ticket: Ticket) -> bool:
+        """Admit `ticket` at once when nothing waits and a seat is free (True; the
+        handler's common case, no coroutine); False: it must `wait_turn`. Raises 503
+        while draining."""
         if self.draining:
             raise APIError(
                 503, "the router is shutting down", code="draining", headers={"Retry-After": "1"}
             )
-        if not self.waiting and self._pass(ticket):  # a free seat: it goes at once
-            ticket.seated = ticket.arrived
-            self.active += 1  # `_admitted`, inlined (router_cpu.md, "Fourth pass")
-            self._idle.clear()
-            self.stats.seated(ticket.tenant.name, ticket.klass, 0.0)
-            return
+        if self.waiting or not self._pass(ticket):
+            return False
+        ticket.seated = ticket.arrived
+        self.active += 1  # `_admitted`, inlined (router_cpu.md, "Fourth pass")
+        self._idle.clear()
+        ticket.tally.seated_now()
+        return True
+
+    async def wait_turn(self, ticket: Ticket) -> None:
+        """Wait in the tenant's queue for a seat (after `pass_now` said no); 429 past the
+        tenant's bounds."""
         tenant = ticket.tenant
         if tenant.waiting >= tenant.max_queue:
             self.stats.refused(tenant.name, ticket.klass)
@@ -173,14 +190,15 @@ class FleetQueue:
     def _admitted(self, ticket: Ticket) -> None:
         self.active += 1
         self._idle.clear()
-        self.stats.seated(ticket.tenant.name, ticket.klass, ticket.seated - ticket.arrived)  # type: ignore[operator]
+        ticket.tally.seated(ticket.seated - ticket.arrived)  # type: ignore[operator]
 
     async def _wait(self, ticket: Ticket) -> None:
         tenant = ticket.tenant
+        ticket.wait(self._slo[ticket.klass], self.config.queue_urgent_fraction)
         self._predict(ticket, ticket.arrived)
         ticket.future = asyncio.get_running_loop().create_future()
         if not tenant.waiting:
-            tenant.credit = tenant.weight * self.config.queue_quantum
+            tenant.credit = _round_credit(tenant.weight * self.config.queue_quantum)
         tenant.queues[ticket.rank].append(ticket)
         tenant.waiting += 1
         self.waiting += 1
@@ -212,7 +230,10 @@ class FleetQueue:
             ticket.best, ticket.best_units = "", 0.0
 
     def _refuse(self, tenant: Tenant, bound: str, code: str) -> APIError:
-        retry = max(1, math.ceil(tenant.max_wait_s / 4))
+        # A quarter of the wait bound, at most a day whatever the bound (the config
+        # stops at MAX_QUEUE_WAIT_S; an infinite one raised OverflowError here: a 500).
+        quarter = tenant.max_wait_s / 4
+        retry = max(1, math.ceil(quarter)) if quarter < MAX_RETRY_AFTER_S else MAX_RETRY_AFTER_S
         return APIError(
             429, f"tenant {tenant.name!r} is past {bound}; retry later",
             code=code, headers={"Retry-After": str(retry)},
@@ -241,7 +262,7 @@ class FleetQueue:
         self.active -= 1
         good = ticket.first_byte is not None and ticket.status < 400
         met = good and ticket.first_byte <= ticket.deadline  # type: ignore[operator]
-        self.stats.ended(ticket.tenant.name, ticket.klass, good, met)
+        ticket.tally.ended(good, met)
         if ticket.worker is not None:
             self._release_seat(ticket)
         self._settle_idle()
@@ -295,10 +316,8 @@ class FleetQueue:
         if not any(t.credit > 0 for t in waiting):
             # A new round: each waiting tenant gains weight x quantum, as many times as
             # it takes for one of them to have credit again.
-            quanta = [t.weight * self.config.queue_quantum for t in waiting]
-            rounds = min(
-                math.floor(-t.credit / q) + 1 for t, q in zip(waiting, quanta, strict=True)
-            )
+            quanta = [_round_credit(t.weight * self.config.queue_quantum) for t in waiting]
+            rounds = min(_rounds(t.credit, q) for t, q in zip(waiting, quanta, strict=True))
             for t, q in zip(waiting, quanta, strict=True):
                 t.credit += rounds * q
         best, best_key = None, None
@@ -379,3 +398,16 @@ class FleetQueue:
         """`async with queue.seat(ticket) as seat:` admitted (or refused) on entry; the
         seat is freed on exit, whatever the way out."""
         return Seat(self, ticket)
+
+
+def _round_credit(quantum: float) -> float:
+    """A tenant's credit per round (weight x queue_quantum) within what the config allows
+    (NaN as the least): `_rounds` divides by it."""
+    return min(quantum, MAX_ROUND_CREDIT) if quantum >= MIN_ROUND_CREDIT else MIN_ROUND_CREDIT
+
+
+def _rounds(credit: float, per_round: float) -> int:
+    """How many rounds of `per_round` make `credit` positive, at most MAX_ROUNDS (also for
+    an infinite or NaN quotient, where `math.floor` would raise)."""
+    need = -credit / per_round
+    return math.floor(need) + 1 if need < MAX_ROUNDS else MAX_ROUNDS

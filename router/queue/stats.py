@@ -43,6 +43,21 @@ class ClassTally:
     # prometheus Histogram's observe takes a lock (the hot path: every request).
     waits: list[int] = field(default_factory=lambda: [0] * len(WAIT_BUCKETS))
 
+    def seated(self, waited_s: float) -> None:
+        self.wait_s += waited_s
+        self.waits[bisect_left(WAIT_BUCKETS, waited_s) if waited_s else 0] += 1
+
+    def seated_now(self) -> None:
+        """Seated on arrival (the common case: no wait to add)."""
+        self.waits[0] += 1
+
+    def ended(self, good: bool, slo_met: bool) -> None:
+        if good:
+            self.served += 1
+            self.slo_met += slo_met
+        else:
+            self.failed += 1
+
     def as_dict(self) -> dict[str, float]:
         attainment = self.slo_met / self.served if self.served else None
         return {
@@ -62,18 +77,9 @@ class QueueStats:
         if registry is not None:
             registry.register(_QueueCollector(self))
 
-    def seated(self, tenant: str, klass: str, waited_s: float) -> None:
-        tally = self.tallies[tenant, klass]
-        tally.wait_s += waited_s
-        tally.waits[bisect_left(WAIT_BUCKETS, waited_s) if waited_s else 0] += 1
-
-    def ended(self, tenant: str, klass: str, good: bool, slo_met: bool) -> None:
-        tally = self.tallies[tenant, klass]
-        if good:
-            tally.served += 1
-            tally.slo_met += slo_met
-        else:
-            tally.failed += 1
+    def tally(self, tenant: str, klass: str) -> ClassTally:
+        """Where one request's figures go (a ticket keeps it: one lookup a request)."""
+        return self.tallies[tenant, klass]
 
     def refused(self, tenant: str, klass: str) -> None:
         self.tallies[tenant, klass].refused += 1

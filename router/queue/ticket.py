@@ -17,22 +17,45 @@ if TYPE_CHECKING:
     from router.holdings.prediction import RouteRequest
 
 
+class TicketTally(Protocol):
+    """Where a request's figures go: its tenant and class's (router/queue/stats.py
+    `ClassTally`), looked up once when its ticket is made."""
+
+    def seated(self, waited_s: float) -> None: ...
+
+    def seated_now(self) -> None: ...
+
+    def ended(self, good: bool, slo_met: bool) -> None: ...
+
+
 class Ticket:
-    """One request through the queue: who, which class, and where it sits."""
+    """One request through the queue: who, which class, and where it sits. What only a
+    waiting request needs (its rank, urgency, predictions, future) is set by `wait`: a
+    request that passes at once (the common case) never builds it."""
 
     __slots__ = (
         "arrived", "best", "best_units", "critical_at", "deadline", "exclude", "first_byte",
-        "future", "klass", "model", "rank", "request", "seated", "seq", "status", "tenant",
-        "units", "units_at", "urgent_at", "worker",
+        "future", "klass", "model", "rank", "request", "seated", "seq", "status", "tally",
+        "tenant", "units", "units_at", "urgent_at", "worker",
     )  # fmt: skip
 
     def __init__(
         self, tenant: Tenant, klass: ServiceClass, request: RouteRequest, model: str | None,
-        now: float, slo_s: float, urgent_fraction: float, seq: int,
+        now: float, slo_s: float, seq: int, tally: TicketTally,
     ) -> None:  # fmt: skip
-        self.tenant, self.klass, self.rank = tenant, klass, CLASSES.index(klass)
-        self.request, self.model, self.seq = request, model, seq
-        self.arrived, self.deadline = now, now + slo_s
+        self.tenant, self.klass, self.request, self.model = tenant, klass, request, model
+        self.seq, self.arrived, self.deadline = seq, now, now + slo_s
+        self.tally = tally
+        self.worker: str | None = None  # the seat held, once given
+        self.exclude: Collection[str] = ()  # workers the first try may not use
+        self.seated: float | None = None
+        self.first_byte: float | None = None
+        self.status = 0
+
+    def wait(self, slo_s: float, urgent_fraction: float) -> None:
+        """It waits in its tenant's queue: the fields the queue's rule reads."""
+        now = self.arrived
+        self.rank = CLASSES.index(self.klass)
         self.urgent_at = now + slo_s * urgent_fraction
         # Halfway from urgent to the deadline: held for no worker (fleet_queue.py's rule).
         self.critical_at = now + slo_s * (1 + urgent_fraction) / 2
@@ -40,11 +63,6 @@ class Ticket:
         self.units_at = now
         self.best, self.best_units = "", 0.0
         self.future: asyncio.Future[str] | None = None
-        self.worker: str | None = None  # the seat held, once given
-        self.exclude: Collection[str] = ()  # workers the first try may not use
-        self.seated: float | None = None
-        self.first_byte: float | None = None
-        self.status = 0
 
 
 class InPrefill:

@@ -162,14 +162,21 @@ class UpstreamErrors:
     def __exit__(
         self, kind: type[BaseException] | None, e: BaseException | None, tb: object
     ) -> None:
-        wid = self.worker.worker_id
-        if kind is not None and issubclass(kind, TimeoutError):
-            raise AttemptFailed(f"worker {wid} timed out", FailureKind.TIMEOUT, 504) from None
-        if isinstance(e, UpstreamBroken):
-            message = f"{self.what.format(wid)}: {type(e).__name__}"
-            failed = AttemptFailed(message, self.kind)
-            failed.foreign = isinstance(e, ForeignAnswer)
-            raise failed from None
+        if isinstance(e, (TimeoutError, UpstreamBroken)):
+            raise attempt_failed(e, self.worker, self.what, self.kind) from None
+
+
+def attempt_failed(
+    e: TimeoutError | UpstreamBroken, worker: Worker, what: str, kind: FailureKind
+) -> AttemptFailed:
+    """What a timeout or a broken connection while talking to `worker` is (`what`: the
+    message, `{}` the worker's id; `kind`: a broken one's FailureKind)."""
+    wid = worker.worker_id
+    if isinstance(e, TimeoutError):
+        return AttemptFailed(f"worker {wid} timed out", FailureKind.TIMEOUT, 504)
+    failed = AttemptFailed(f"{what.format(wid)}: {type(e).__name__}", kind)
+    failed.foreign = isinstance(e, ForeignAnswer)
+    return failed
 
 
 def _retry_after(value: str | None) -> int:
@@ -190,6 +197,16 @@ async def _says_overloaded(upstream: Answer) -> bool:
     return isinstance(error, dict) and "overloaded" in (
         str(error.get("code")),
         str(error.get("type")),
+    )
+
+
+def answer_fine(upstream: Answer) -> bool:
+    """A 2xx of an answer type with no content coding: `classify` has nothing to say (the
+    proxy's common case, without a coroutine)."""
+    return (
+        200 <= upstream.status < 300
+        and upstream.content_type in ANSWER_TYPES
+        and "Content-Encoding" not in upstream.headers  # type: ignore[operator]
     )
 
 

@@ -113,7 +113,7 @@ class UpstreamPool:
     ) -> WorkerConnection:  # fmt: skip
         """Send the request; return the connection once the answer's head has arrived.
         The caller reads the body, then `release`s it (read to its end) or closes it."""
-        origin = self._origin(base_url)
+        origin = self._origins.get(base_url) or self._origin(base_url)
         head = "".join([f"{k}: {v}\r\n" for k, v in headers]).encode()
         data = b"%s%sx-request-id: %s\r\nAccept-Encoding: identity\r\nContent-Length: %d\r\n\r\n%s" % (
             origin.head_of(path), head, request_id.encode("ascii"), len(body), body,
@@ -155,7 +155,7 @@ class UpstreamPool:
         if not conn.reusable():
             conn.close()
             return
-        origin = self._origin(base_url)
+        origin = self._origins.get(base_url) or self._origin(base_url)
         if len(origin.idle) >= self.max_idle:
             conn.close()
             return

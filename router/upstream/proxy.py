@@ -49,6 +49,8 @@ from router.upstream.answers import (
     FORWARD_REQUEST,
     AttemptFailed,
     UpstreamErrors,
+    answer_fine,
+    attempt_failed,
     cached_tokens_from_json,
     cached_tokens_from_sse,
     classify,
@@ -135,7 +137,7 @@ class ProxyMetrics(Protocol):
     retries: Counter  # attempts retried on another worker
     foreign_retries: Counter  # requests resent on a fresh connection after ForeignAnswer
 
-    def decision(self, reason: str) -> None: ...
+    def decision(self, reason: str, now: float | None = None) -> None: ...
 
     def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None: ...
 
@@ -164,6 +166,11 @@ class Proxy:
         # x-request-id is sent once, below
         self._forward = (FORWARD_REQUEST | {config.session_header.lower()}) - {"x-request-id"}
         self._worker_auth = worker_authorization(config)
+        # The same for every request: built once (`_request_head`).
+        self._fixed_head = [("Content-Type", "application/json")]
+        if self._worker_auth is not None and encodable(self._worker_auth):
+            self._fixed_head.append(("Authorization", self._worker_auth))
+        self._client_auth = self._worker_auth is None and config.forward_authorization
         # Router replicas sharing decisions (router/holdings/sync.py); None on a lone router.
         self.sync = sync
         # prompt_cache_key -> worker (router/holdings/sessions.py), shared with the replicas.
@@ -173,7 +180,9 @@ class Proxy:
         if sync is not None:
             sync.on_session = self.sessions.learn
         self._releases: set[asyncio.Task[None]] = set()  # pins released on moved sessions
-        self.pin_releases = {"sent": 0, "failed": 0}
+        # Pin releases by outcome: released (2xx), refused (answered otherwise: a worker
+        # without the route, 404, or an error), failed (no answer).
+        self.pin_releases = {"sent": 0, "refused": 0, "failed": 0}
 
     def _select(self, routed: Routed, tried: list[str]) -> tuple[Worker, Decision] | None:
         now = self.clock()
@@ -200,7 +209,7 @@ class Proxy:
             old = self.fleet.workers.get(left) if left is not None else None
             if old is not None and routed.prompt_cache_key is not None:
                 self._release_pin(old.url, routed.prompt_cache_key, routed.cache_key)
-        self.metrics.decision(decision.reason)
+        self.metrics.decision(decision.reason, now)
         return self.fleet.workers[decision.worker_id], decision
 
     def _release_pin(self, url: str, key: str, session: bytes) -> None:
@@ -218,7 +227,7 @@ class Proxy:
                 answer = await self.pool.post(url, "/release_pin", head, body, "release-pin")
                 await answer.read_all()
                 self.pool.release(url, answer)
-                self.pin_releases["sent"] += 1
+                self.pin_releases["sent" if 200 <= answer.status < 300 else "refused"] += 1
             except (OSError, TimeoutError, UpstreamBroken):
                 self.pin_releases["failed"] += 1
 
@@ -236,19 +245,50 @@ class Proxy:
                 param="model",
                 code="model_not_found",
             )
-        tried: list[str] = []
-        failure: AttemptFailed | None = None
+        # The common case, one try that succeeds, takes no retry books: no lists, no
+        # loop; `_retry` takes over at the first failure.
+        picked = None
+        if seat is not None and seat.exclude:
+            # The first try goes where the queue has a seat for it.
+            picked = self._select(routed, [*seat.exclude])
+        if picked is None:
+            picked = self._select(routed, ())
+        if picked is None:
+            raise _no_workers()
+        worker, decision = picked
+        if seat is not None:
+            seat.sit(worker.worker_id)
+        try:
+            return await self._attempt(request, routed, worker, decision)
+        except AttemptFailed as e:
+            failure = e
+        return await self._retry(request, routed, seat, worker.worker_id, failure)
+
+    async def _retry(
+        self, request: web.Request, routed: Routed, seat: Seating | None, first: str,
+        failure: AttemptFailed,
+    ) -> web.StreamResponse:  # fmt: skip
+        """The tries after the first failed (on worker `first`): each on a worker not yet
+        tried, up to `max_retries` more, with exponential backoff."""
+        tried = [first]
         # Tries that got a 500, a timeout or an oversized answer: the worker's fault, or
         # the request's? (each carries its attempt, and the limit it ran into: None for a 500)
         suspects: list[AttemptFailed] = []
         busy_for = 0  # the longest Retry-After of the busy workers
-        for tries in range(self.config.max_retries + 1):
-            picked = None
-            if seat is not None and seat.exclude and not tries:
-                # The first try goes where the queue has a seat for it.
-                picked = self._select(routed, [*seat.exclude])
-            if picked is None:
-                picked = self._select(routed, tried)
+        tries = 0
+        while True:  # `failure` is the last try's, on `tried[-1]`
+            if failure.suspect:
+                same = sum(1 for s in suspects if s.limit == failure.limit)
+                if same:  # a second worker failed the same way: the request's fault
+                    raise request_fault(same + 1, failure, self.config) from None
+                suspects.append(failure)
+            busy_for = max(busy_for, failure.retry_after)
+            if tries >= self.config.max_retries:
+                break
+            self.metrics.retries.inc()
+            await asyncio.sleep(self.config.retry_backoff * (2**tries))
+            tries += 1
+            picked = self._select(routed, tried)
             if picked is None:
                 break
             worker, decision = picked
@@ -259,28 +299,12 @@ class Proxy:
             except AttemptFailed as e:
                 failure = e
                 tried.append(worker.worker_id)
-                if e.suspect:
-                    same = sum(1 for s in suspects if s.limit == e.limit)
-                    if same:  # a second worker failed the same way: the request's fault
-                        raise request_fault(same + 1, e, self.config) from None
-                    suspects.append(e)
-                busy_for = max(busy_for, e.retry_after)
-                if tries < self.config.max_retries:
-                    self.metrics.retries.inc()
-                    await asyncio.sleep(self.config.retry_backoff * (2**tries))
                 continue
             if suspects and response.status < 400:
                 # Another worker answered what the suspect failed: the suspect's failure.
                 for suspect in suspects:
                     self.fleet.failed(suspect.attempt, suspect.kind, self.clock())  # type: ignore[arg-type]
             return response
-        if failure is None:
-            raise APIError(
-                503,
-                "no healthy worker is available",
-                code="no_workers",
-                headers={"Retry-After": "1"},
-            )
         if failure.kind is FailureKind.BUSY:
             raise APIError(
                 503, f"all {len(tried)} workers tried are busy; retry later",
@@ -298,20 +322,12 @@ class Proxy:
         forward = self._forward
         incoming = request.headers
         lines = [(k, v) for k, v in incoming.items() if k.lower() in forward and encodable(v)]
-        lines.append(("Content-Type", "application/json"))  # the body was parsed as JSON
-        auth = self._worker_auth
-        if auth is None and self.config.forward_authorization:
+        lines += self._fixed_head  # the body was parsed as JSON; the worker key, if any
+        if self._client_auth:
             auth = incoming.get("Authorization")
-        if auth is not None and encodable(auth):
-            lines.append(("Authorization", auth))
+            if auth is not None and encodable(auth):
+                lines.append(("Authorization", auth))
         return lines
-
-    @staticmethod
-    def _wire_id(request: web.Request) -> str:
-        """The `x-request-id` sent to the worker: the request's id (shared/serving/access_log.py),
-        so one id names it in both services' logs. The transport checks its echo before a
-        connection is reused (router/upstream/connection.py)."""
-        return request.get(REQUEST_ID) or os.urandom(16).hex()
 
     def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
         headers = response_headers(upstream.headers)  # type: ignore[arg-type]
@@ -323,28 +339,27 @@ class Proxy:
     async def _attempt(
         self, request: web.Request, routed: Routed, worker: Worker, decision: Decision
     ) -> web.StreamResponse:
-        with self.fleet.attempt(worker, self.clock()) as attempt:
-            try:
-                return await self._send(request, routed, attempt, decision)
-            except AttemptFailed as e:
-                e.attempt = attempt
-                if not e.suspect:  # a suspect's verdict waits for the next worker's answer
-                    self.fleet.failed(attempt, e.kind, self.clock())
-                raise
-
-    async def _send(
-        self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision
-    ) -> web.StreamResponse:
-        """One exchange; resent once on a fresh connection when another answer's bytes
-        broke it before anything reached the client (issue 31: 0.4-8.8% of innocent
-        requests got 502 on a one-worker fleet). The resend's failure is the attempt's."""
+        """One try on `worker`: one exchange, resent once on a fresh connection when
+        another answer's bytes broke it before anything reached the client (issue 31:
+        0.4-8.8% of innocent requests got 502 on a one-worker fleet); the resend's
+        failure is the try's. Its attempt is released whatever the exit."""
+        fleet = self.fleet
+        attempt = fleet.attempt(worker, self.clock())
         try:
-            return await self._exchange(request, routed, attempt, decision, fresh=False)
+            try:
+                return await self._exchange(request, routed, attempt, decision, False)
+            except AttemptFailed as e:
+                if not e.foreign:
+                    raise
+            self.metrics.foreign_retries.inc()
+            return await self._exchange(request, routed, attempt, decision, True)
         except AttemptFailed as e:
-            if not e.foreign:
-                raise
-        self.metrics.foreign_retries.inc()
-        return await self._exchange(request, routed, attempt, decision, fresh=True)
+            e.attempt = attempt
+            if not e.suspect:  # a suspect's verdict waits for the next worker's answer
+                fleet.failed(attempt, e.kind, self.clock())
+            raise
+        finally:
+            attempt.release()
 
     async def _exchange(
         self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision,
@@ -357,34 +372,33 @@ class Proxy:
         head = self._request_head(request)
         if routed.cache_key is not None:  # the worker pins the tenant's session, not the text
             head.append((PIN_KEY_HEADER, routed.cache_key.hex()))
+        # The `x-request-id` sent to the worker: the request's id (shared/serving/access_log.py),
+        # so one id names it in both services' logs. The transport checks its echo before a
+        # connection is reused (router/upstream/connection.py).
+        wire_id = request.get(REQUEST_ID) or os.urandom(16).hex()
         try:
-            with UpstreamErrors(worker, "cannot reach worker {}", FailureKind.CONNECT):
-                upstream = await self.pool.post(
-                    worker.url, routed.path, head, body,
-                    self._wire_id(request), fresh,
-                )  # fmt: skip
-        except AttemptFailed as e:
-            if e.kind is FailureKind.TIMEOUT and not routed.stream:
+            upstream = await self.pool.post(worker.url, routed.path, head, body, wire_id, fresh)
+        except (TimeoutError, UpstreamBroken) as e:
+            failed = attempt_failed(e, worker, "cannot reach worker {}", FailureKind.CONNECT)
+            if failed.kind is FailureKind.TIMEOUT and not routed.stream:
                 # No head within request_timeout: a hung worker, or a request that takes
                 # longer than the limit anywhere. The next worker's answer decides.
-                e.suspect, e.limit = True, "request_timeout"
-            raise
-        done = False
+                failed.suspect, failed.limit = True, "request_timeout"
+            raise failed from None
         try:
-            await classify(upstream, worker)
+            if not answer_fine(upstream):  # the common case costs no coroutine
+                await classify(upstream, worker)
             if upstream.content_type == EVENT_STREAM:
                 resp = await self._relay_stream(request, upstream, attempt, decision, routed)
             else:
                 resp = await self._relay_buffered(upstream, attempt, decision, routed)
-            done = True
-            return resp
-        finally:
+        except BaseException:
             # Anything but a complete relay (error, cancel) must drop the connection, so
             # the worker sees the request abandoned instead of a pooled half-read socket.
-            if done:
-                self.pool.release(worker.url, upstream)
-            else:
-                upstream.close()
+            upstream.close()
+            raise
+        self.pool.release(worker.url, upstream)
+        return resp
 
     async def _relay_buffered(
         self, upstream: Answer, attempt: Attempt, decision: Decision, routed: Routed
@@ -483,6 +497,12 @@ class Proxy:
         self.fleet.succeeded(attempt, predicted, cached, chars, prompt_tokens, self.clock())
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)
+
+
+def _no_workers() -> APIError:
+    return APIError(
+        503, "no healthy worker is available", code="no_workers", headers={"Retry-After": "1"}
+    )
 
 
 PROXY = web.AppKey("proxy", Proxy)  # set up in the app's cleanup_ctx (needs the loop)

@@ -32,10 +32,10 @@ from itertools import chain
 
 import numpy as np
 
-from shared.wire.kv_events import block_key_list
+from shared.wire.kv_events import ID_CHARS, block_key_list, block_key_text
 
 MAX_ID = 2**31 - 1  # the largest id a key holds (KV events and replica sync carry as many)
-KEY_WIDTH = 4  # chars of a TokenKey per id
+KEY_WIDTH = ID_CHARS  # chars of a TokenKey per id (the key text the block keys hash)
 
 
 class TokenKey(str):
@@ -92,9 +92,9 @@ def key_of_wire(raw: bytes) -> TokenKey:
     return TokenKey(raw.decode("latin-1"))
 
 
-# Per block size: (keys of the blocks ending in this run, ids after the last whole
-# block, the last key so far: 0 before the first block).
-_Keyed = tuple[list[int], tuple[int, ...], int]
+# Per block size: (keys of the blocks ending in this run, the key text after the last
+# whole block, the last key so far: 0 before the first block).
+_Keyed = tuple[list[int], str, int]
 
 
 class Run:
@@ -137,34 +137,30 @@ def chain_keys(
     while keyed and block_size not in runs[keyed - 1].keyed:
         keyed -= 1
     if keyed < len(runs):
-        tail, prev = runs[keyed - 1].keyed[block_size][1:] if keyed else ((), 0)
-        flat = list(tail)
-        ends = []
+        # Run by run on the runs' key text (`block_key_text`: a slice and a hash a
+        # block), each run's leftover carried into the next: no list of ints is made.
+        tail, prev = runs[keyed - 1].keyed[block_size][1:] if keyed else ("", 0)
+        width = ID_CHARS * block_size
         for run in runs[keyed:]:
-            flat += run.ids
-            ends.append(len(flat))
-        keys = block_key_list(flat, block_size, prev)  # whole blocks only
-        done = 0  # blocks keyed by the runs before
-        for run, end in zip(runs[keyed:], ends, strict=True):
-            upto = end // block_size  # the blocks that end inside this run (or before)
-            new = keys[done:upto]
+            text = tail + run.key if tail else run.key
+            cut = len(text) - len(text) % width
+            new = block_key_text(text, block_size, prev) if cut else []
             prev = new[-1] if new else prev
-            run.keyed[block_size] = (new, tuple(flat[upto * block_size : end]), prev)
-            done = upto
+            tail = text[cut:]
+            run.keyed[block_size] = (new, tail, prev)
     last = len(runs) - 1
     held = last - 1
     while held >= 0 and block_size not in runs[held].whole:
         held -= 1
-    whole = runs[held].whole[block_size] if held >= 0 else []
-    between = runs[held + 1 : last]
-    if between:
-        added = list(chain.from_iterable([run.keyed[block_size][0] for run in between]))
-        if held >= 0:
-            del runs[held].whole[block_size]  # moved on, extended in place below
-        elif grow is not None:
-            grow(8 * (len(whole) + len(added)))
-        whole += added
+    if held + 1 < last:  # runs between: `whole` moves on to the run before the last
+        whole = runs[held].whole.pop(block_size) if held >= 0 else []
+        for run in runs[held + 1 : last]:
+            whole += run.keyed[block_size][0]  # extended in place
+        if held < 0 and grow is not None:
+            grow(8 * len(whole))
         runs[last - 1].whole[block_size] = whole
+    else:
+        whole = runs[held].whole[block_size] if held >= 0 else []
     return whole + runs[last].keyed[block_size][0]  # a copy: `whole` changes as it moves
 
 
@@ -240,6 +236,7 @@ class PromptIds(Sequence[int]):
 
     def block_keys(self, block_size: int) -> list[int]:
         """`block_keys(self, block_size)` as ints, from the runs' keys where it has them."""
-        if not self.runs:
+        runs = self.runs
+        if not runs or not runs[-1].chained:  # an id that is no token id: no key text
             return block_key_list(self.flat(), block_size)
-        return chain_keys(self.runs, block_size, self.grow)
+        return chain_keys(runs, block_size, self.grow)

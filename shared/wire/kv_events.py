@@ -27,7 +27,7 @@ import hashlib
 import struct
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -69,6 +69,10 @@ class BlockStored:
     # The LoRA adapter the blocks were computed with: vLLM's `lora_name`, else its
     # `lora_id` (all an event has where the schema predates `lora_name`); None: the base.
     lora: str | int | None = None
+    # `token_ids` as their key text (`ids_text`), where the decoder already packed them to
+    # check them: the index keys blocks from it (`block_key_text`) with no conversion.
+    # Derived from `token_ids`: not part of the event's value (equality, repr).
+    token_text: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,23 +99,53 @@ class EventBatch:
 
 
 _MASK64 = (1 << 64) - 1
+ID_CHARS = 4  # chars of an id's key text: its uint32 little-endian bytes, read as Latin-1
+
+
+def ids_text(tokens: Sequence[int]) -> str | None:
+    """The ids as key text: their uint32 little-endian bytes read as Latin-1 (one C call;
+    shared/tokens/prompt_ids.py's TokenKey is the same text). None where one is not an
+    int in [0, 2**32) (a client's token-id prompt can hold anything)."""
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens).decode("latin-1")
+    except struct.error:
+        return None
+
+
+def block_key_text(text: str, block_size: int, parent: int = 0) -> list[int]:
+    """`block_key_list` of ids given as their key text (`ids_text`): each whole block's
+    key is the hash of (its parent's key, its ID_CHARS * block_size chars of the text).
+
+    One slice and one hash a block, both in C: str's hash runs over the block's bytes
+    in one pass, where a tuple of the block's ints built one item at a time cost about
+    twice as much (0.18 against 0.30 µs a 16-token block). The str hash is keyed per
+    process (SipHash, PYTHONHASHSEED): keys are compared only inside the router that
+    made them (requests and events alike), and a peer cannot craft a collision."""
+    width = ID_CHARS * block_size
+    keys = []
+    key = parent
+    for start in range(0, len(text) - len(text) % width, width):
+        key = hash((key, text[start : start + width])) & _MASK64
+        keys.append(key)
+    return keys
 
 
 def block_key_list(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
     """Each whole block's identity (a 64-bit int): its tokens and everything before it,
     chained from `parent` (0 at the root), so a block's key is its content and its
-    parent's key:  K_i = hash((K_(i-1), *block_i)).
+    parent's key:  K_i = hash((K_(i-1), block_i as key text)) (`block_key_text`).
 
-    Python's tuple hash (xxHash rounds over the items; ints hash to themselves, never
-    salted per process) in one C call per block: a turn's few new blocks cost about a
-    microsecond each, where the array arithmetic this replaced paid ~15 numpy calls per
-    prompt whatever its length (20 us warm, several times that on a busy router).
-    Not collision-proof against a crafted peer, as no 64-bit key is; a collision costs
-    a wrong prediction for one block, never a wrong answer."""
+    Not collision-proof, as no 64-bit key is; a collision costs a wrong prediction for
+    one block, never a wrong answer. Ids that are no token ids (a client's prompt can
+    hold anything) are keyed apart (a tuple of the ints, tagged): no worker stores
+    them, so their keys need only match each other."""
+    text = ids_text(tokens)
+    if text is not None:
+        return block_key_text(text, block_size, parent)
     keys = []
     key = parent
     for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
-        key = hash((key, *tokens[start : start + block_size])) & _MASK64
+        key = hash(("ids", key, *tokens[start : start + block_size])) & _MASK64
         keys.append(key)
     return keys
 
@@ -283,11 +317,11 @@ def _decode_event(raw: object) -> KVEvent:
             return BlockStored(hashes, None, np.empty(0, np.int64), 0, _medium(f))
         if size == 0 or not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
             raise ValueError("token_ids is not block_size tokens per block")
-        _check_ids(tokens)
+        text = _check_ids(tokens)
         parent = f.get("parent_block_hash")
         return BlockStored(
             hashes, None if parent is None else _hash(parent), tokens, size, _medium(f),
-            _extra_keys(f.get("extra_keys"), len(hashes)), _lora(f),
+            _extra_keys(f.get("extra_keys"), len(hashes)), _lora(f), text,
         )  # fmt: skip
     if tag == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_ORDER)
@@ -297,19 +331,20 @@ def _decode_event(raw: object) -> KVEvent:
     raise ValueError(f"unknown event type {str(tag)[:40]!r}")
 
 
-def _check_ids(tokens: list[object]) -> None:
+def _check_ids(tokens: list[object]) -> str:
     """Token ids, each an int in [0, MAX_TOKEN_ID], checked in C with no Python loop per
-    token; the list is kept as it is (the index keys it as ints: an array made here was
-    turned back into a list there, ~10 µs an event). Packed as little-endian int32
-    (`struct` refuses non-ints and anything outside [-2**31, 2**31 - 1]; about half
-    of `array("i", ...)`'s time: ~2.4 against ~4.9 µs for a turn's 288 ids), then the
-    sign bytes say whether any is negative."""
+    token; returns them as key text (`ids_text`: the index keys blocks from it) and the
+    list is kept as it is. Packed as little-endian int32 (`struct` refuses non-ints and
+    anything outside [-2**31, 2**31 - 1]; about half of `array("i", ...)`'s time: ~2.4
+    against ~4.9 µs for a turn's 288 ids), then the sign bytes say whether any is
+    negative: with none, the int32 bytes are the uint32 ones."""
     try:
         packed = struct.pack(f"<{len(tokens)}i", *tokens)
     except struct.error:
         raise ValueError("token ids are not integers in range") from None
     if not packed[3::4].isascii():  # a sign bit set: a negative id
         raise ValueError("token id out of range")
+    return packed.decode("latin-1")
 
 
 def _hash(value: object) -> BlockHash:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
 
+from shared.config import RouterConfig
 from tests.fuzz.conftest import BODY_LIMIT, Services
 
 GOOD = {"prompt": "a good request after a bad one", "max_tokens": 2}
@@ -157,3 +159,46 @@ async def test_flood_of_bad_input_does_not_hurt_good_requests(
     results = await asyncio.gather(*(post(http, base, raw) for raw in bad + good))
     assert all(status == 400 for status, _ in results[: len(bad)])
     assert all(status == 200 for status, _ in results[len(bad) :])
+
+
+async def test_a_4mb_chat_template_kwargs_is_answered_and_never_serialized_whole(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router that renders chats (a `tokenizer`) keys a chat by its
+    `chat_template_kwargs`; a 4 MB value was serialized whole on its event loop. It is
+    answered, not refused: the value is the engine's to judge (vLLM takes any object),
+    the body is within the operator's cap, and the router only keys its guess of the
+    cache by it (as TOO_LONG, router/holdings/namespace.py). What the namespace
+    serialized is counted: fails without the bound (4 MB)."""
+    from router.holdings import namespace
+    from tests.fuzz.conftest import start_router, start_worker, worker_config
+
+    made: list[int] = []
+
+    def dumps(value: object, **kw: Any) -> str:
+        out = json.dumps(value, **kw)
+        made.append(len(out))
+        return out
+
+    monkeypatch.setattr(namespace, "json", SimpleNamespace(dumps=dumps))
+    limit = 8 << 20
+    worker = await start_worker(worker_config(max_body_bytes=limit))
+    router = await start_router(RouterConfig(
+        host="127.0.0.1", worker_urls=(str(worker.make_url("")).rstrip("/"),),
+        tokenizer="sim", max_body_bytes=limit, access_log=False,
+    ))  # fmt: skip
+    try:
+        docs = [{"title": f"doc {i}", "text": "x" * 30} for i in range(70_000)]
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "chat_template_kwargs": {"documents": docs}}  # fmt: skip
+        raw = json.dumps(body).encode()
+        assert len(raw) > 4_000_000
+        url = str(router.make_url("")).rstrip("/")
+        status, answer = await post(http, url + "/v1/chat/completions", raw)
+        assert status == 200, answer
+        assert made and sum(made) < 4096, made
+        status, _ = await post(http, url + "/v1/completions", json.dumps(GOOD).encode())
+        assert status == 200
+    finally:
+        await router.close()
+        await worker.close()

@@ -6,7 +6,11 @@ A real vLLM (CPU) shows the same end to end: tests/e2e/test_attach_vllm_events.p
 
 from __future__ import annotations
 
+import json
 import random
+from types import SimpleNamespace
+
+import pytest
 
 from router.fleet.table import Fleet
 from router.fleet.view import FleetView
@@ -170,3 +174,54 @@ def test_names_and_templates_past_their_bound_are_keyed_without_digesting_them()
 
     assert templated("{{ a }}" * 1_000_000) == templated("x" * (MAX_TEMPLATE_CHARS + 1))
     assert templated("x" * MAX_TEMPLATE_CHARS) not in (templated("y"), DEFAULT)
+
+
+def test_template_kwargs_past_their_bound_are_keyed_without_serializing_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`chat_template_kwargs` (where the router renders chats) were serialized whole,
+    keys sorted, on the event loop: a 4 MB value cost tens of ms a request. Past
+    MAX_KWARGS_CHARS of JSON, or MAX_KWARGS_DEPTH deep, a value is keyed as TOO_LONG,
+    found by a walk that stops at the bound. The work is counted as the characters
+    `json.dumps` and `repr` produce in the namespace module, not timed."""
+    from router.holdings import namespace
+    from router.holdings.namespace import MAX_KWARGS_CHARS, MAX_KWARGS_DEPTH
+
+    made: list[int] = []  # the length of each serialization's output
+
+    def dumps(value: object, **kw: object) -> str:
+        out = json.dumps(value, **kw)  # type: ignore[arg-type]
+        made.append(len(out))
+        return out
+
+    def counted_repr(value: object) -> str:
+        out = repr(value)
+        made.append(len(out))
+        return out
+
+    monkeypatch.setattr(namespace, "json", SimpleNamespace(dumps=dumps))
+    monkeypatch.setattr(namespace, "repr", counted_repr, raising=False)
+
+    def keyed(kwargs: object) -> str:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                "chat_template_kwargs": kwargs}  # fmt: skip
+        return request_namespace(ChatCompletionRequest.model_validate(body), renders=True)
+
+    docs = [{"title": f"doc {i}", "text": "x" * 30} for i in range(70_000)]  # ~4 MB of JSON
+    assert len(json.dumps(docs)) > 4_000_000
+    deep: list = []
+    inner = deep
+    for _ in range(MAX_KWARGS_DEPTH + 1):
+        inner.append([])
+        inner = inner[0]
+    made.clear()
+    too_long = {keyed({"documents": docs}), keyed({"other": docs[1:]}), keyed({"d": deep}),
+                keyed({"x": "x" * (MAX_KWARGS_CHARS + 1)})}  # fmt: skip
+    listed = keyed(docs)  # not vLLM's shape (a list): keyed by a repr, within the bound
+    assert sum(made) < 1024, made  # fails without the bound: 4 MB serialized
+    assert len(too_long) == 1 and listed not in too_long | {DEFAULT}  # contents unread
+    # Real values are keyed by their contents, up to the bound.
+    at_bound = {keyed({"d": "x" * (MAX_KWARGS_CHARS - 100)}), keyed({"d": "y" * 100}),
+                keyed({"enable_thinking": False}), keyed({"enable_thinking": True}),
+                keyed({"d": docs[:1000]}), keyed([1, 2])}  # fmt: skip
+    assert len(at_bound) == 6 and not at_bound & (too_long | {DEFAULT})

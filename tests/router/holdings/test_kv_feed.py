@@ -16,8 +16,10 @@ from shared.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    decode_batch,
     encode_batch,
     entry_fields,
+    ids_text,
 )
 from shared.wire.registry import Registry
 from tests.fuzz.conftest import start_worker, worker_config
@@ -191,6 +193,35 @@ def test_token_ids_that_are_not_token_ids_drop_their_entry() -> None:
     feed.apply_entry("w", stored([2**31 - 1, 0], len(bad) + 1))
     assert feed.dropped["malformed"] == len(bad)
     assert feed.match("m", [2**31 - 1, 0]) == {"w": 2}
+
+
+def test_a_decoded_event_keys_its_blocks_from_the_text_its_check_packed() -> None:
+    """The decoder packs a stored event's ids to check them; the packed ids, as key
+    text, are what the index keys the blocks from (no list of ints walked per block).
+    The index answers as it does for the same event without that text, whole or in the
+    feed's pieces (each piece's text the slice of its own ids)."""
+    import msgpack
+
+    from router.holdings.feed_entries import RUN_BLOCKS, block_pieces
+    from router.holdings.kv_index import BlockIndex
+
+    n = RUN_BLOCKS + 52  # blocks: two pieces
+    ids = [(i * 7919) % 50_000 for i in range(4 * n)]
+    wire = {"type": "BlockStored", "block_hashes": list(range(1, n + 1)), "parent_block_hash": None,
+            "token_ids": ids, "block_size": 4, "lora_id": None, "medium": None}  # fmt: skip
+    array = ["BlockStored", list(range(1, n + 1)), None, ids, 4, None, None]
+    for raw in (wire, array):
+        (event,) = decode_batch(msgpack.packb([1.0, [raw]])).events
+        assert isinstance(event, BlockStored) and event.token_text == ids_text(ids)
+        plain = BlockStored(event.block_hashes, None, ids, 4, event.medium)
+        pieces = list(block_pieces(event))
+        assert len(pieces) == 2 and all(p.token_text == ids_text(p.token_ids) for p in pieces)  # type: ignore[union-attr]
+        answers = []
+        for events in ([event], [plain], pieces):
+            index = BlockIndex(4)
+            index.apply("w", events)
+            answers.append([index.match_tiers(ids[:k]) for k in (4, 60, 4 * n)])
+        assert answers[0] == answers[1] == answers[2] == [{"w": (k, k)} for k in (4, 60, 4 * n)]
 
 
 async def test_reads_are_paced_by_what_they_find(redis: Redis) -> None:

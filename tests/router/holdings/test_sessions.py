@@ -136,6 +136,20 @@ def test_an_entry_of_the_version_before_pins_is_a_placement() -> None:
     assert decode_session(old) == SessionEntry(b"d" * DIGEST_BYTES, "w2", 0.0, True)
 
 
+def test_an_entry_with_a_later_versions_fields_is_read_for_the_fields_it_knows() -> None:
+    """Forward compatibility (sync_wire.py's module doc): fields a later version adds
+    after `LATER` are ignored, within the entry's size bound, so a rolling upgrade
+    keeps sessions flowing between old and new replicas from this version on."""
+    entry = encode_session(b"r1" + SEP, "w2", b"d" * DIGEST_BYTES, 240.5, False)
+    for later in (b";zone=eu-west", b";", b";a;b;\x00\xff", b";" + b"9" * 400):
+        got = decode_session(entry + later)
+        assert got == SessionEntry(b"d" * DIGEST_BYTES, "w2", 240.5, False), later
+    with pytest.raises(ValueError, match="too large"):  # the bound covers them too
+        decode_session(entry + b";" + b"x" * SESSION_MAX_BYTES)
+    with pytest.raises(ValueError, match="pin TTL"):  # the fields it knows still checked
+        decode_session(b"r1" + SEP + b"w2" + SEP + b"d" * DIGEST_BYTES + b"k;600")
+
+
 @pytest.mark.parametrize(
     "tail, why",
     [
@@ -192,6 +206,12 @@ async def test_sessions_reach_the_other_replica_and_garbage_is_counted(
         assert not table_b.held(digest, b.clock() + 2 * FRESH_S)
         a.publish_session("w1", digest, pin_ttl=600.0, placed=False)
         await wait_until(lambda: table_b.held(digest, b.clock() + 2 * FRESH_S))
+        # A later version's entry, a field this one does not know after its pin: learned.
+        later = session_digest(tenant_of("k"), "chat-10")
+        entry = encode_session(b"r9" + SEP, "w2", later, 600.0, True) + b";zone=eu-west"
+        await ra.xadd(a.registry.decisions_stream, {"s": entry})
+        await wait_until(lambda: table_b.get(later, 0) == "w2")
+        assert table_b.held(later, b.clock() + 2 * FRESH_S)
     finally:
         for redis, sync, _ in made:
             await sync.stop()

@@ -296,3 +296,45 @@ async def test_the_extreme_weights_the_config_allows_still_hand_every_seat() -> 
     assert order.index("huge2") < order.index("tiny1"), order
     for task in tasks:
         task.cancel()
+
+
+@pytest.mark.parametrize(
+    "weight, quantum",
+    [(1e-320, 1.0), (float("inf"), 1.0), (float("nan"), 1.0), (1.0, 1e-320), (1e300, 1e300)],
+)
+async def test_credit_past_the_configs_bounds_still_hands_every_seat(
+    weight: float, quantum: float
+) -> None:
+    """The queue's own guard, should the config's bounds on weight and queue_quantum be
+    widened: values the schema refuses, set directly. A weight or quantum of 1e-320 made
+    the new-round count infinite (OverflowError on every freed seat: those two cases
+    fail without the guard); with it, and with infinite or NaN credit, each seat still
+    goes to a waiting request."""
+    tenants = {"odd": {"keys": ["ko"]}, "plain": {"keys": ["kp"]}}
+    queue, _ = _queue({"w0": 1}, tenants=tenants)
+    queue.tenants.by_name["odd"].weight = weight
+    queue.config = queue.config.model_copy(update={"queue_quantum": quantum})  # unchecked
+    [runner] = await _fill(queue, 1)
+    waiting = [_ticket(queue, f"odd{i}", "odd") for i in range(3)]
+    waiting += [_ticket(queue, f"plain{i}", "plain") for i in range(3)]
+    tasks = [await _enter(queue, t) for t in waiting]
+    order = await _served_order(queue, runner, waiting)
+    assert sorted(order) == sorted(t.request.text for t in waiting), order
+    for task in tasks:
+        task.cancel()
+
+
+@pytest.mark.parametrize("wait", [float("inf"), float("nan"), 1e300])
+async def test_a_refusal_past_the_configs_wait_bound_is_still_a_429(wait: float) -> None:
+    """Retry-After is a quarter of the wait bound: an infinite bound raised OverflowError
+    (the client got a 500), NaN ValueError, 1e300 sent a 301-digit header. The queue
+    caps it at a day whatever the bound (set directly: the schema refuses these)."""
+    queue, _ = _queue({"w0": 1}, max_queue=1)
+    await _fill(queue, 1)
+    waiting = await _enter(queue, _ticket(queue, "a"))
+    queue.tenants.default.max_wait_s = wait
+    with pytest.raises(APIError) as refused:
+        await queue.admit(_ticket(queue, "b"))
+    assert refused.value.status == 429
+    assert refused.value.headers["Retry-After"] == "86400"
+    waiting.cancel()

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-from aiohttp.test_utils import TestClient
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from router.http.state import FLEET, METRICS
+from router.upstream.proxy import PROXY
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 from tests.waiting import ManualClock, wait_until
@@ -319,3 +322,48 @@ async def test_admin_changes_and_replica_load_reach_routing_at_once(
         assert (await (await client.post("/v1/completions", json=BODY)).json())["worker"] == "w0"
     assert w1.seen == 3 and w0.seen == 3
     assert len(replicas.published) == 6 and replicas.started and replicas.stopped is False
+
+
+@pytest.mark.parametrize("status, outcome", [(200, "sent"), (404, "refused"), (500, "refused")])
+async def test_a_pin_release_is_counted_by_the_workers_answer(
+    fake_workers: StartWorkers, start_router: StartRouter, status: int, outcome: str
+) -> None:
+    """A session that moves has its pin released on the worker it left (POST
+    /release_pin, `_release_pin`). A worker that answers 404 (a version without the
+    route) or 500 released nothing: counted as refused, not sent. Here a session moves
+    when its first worker answers 503 and the retry places it on the other."""
+    released: list[dict] = []
+    moves = 0  # sessions that started on the busy worker and moved off it
+
+    async def fail(request: web.Request) -> web.Response:
+        nonlocal moves
+        moves += 1
+        return web.json_response({"error": {"message": "busy"}}, status=503)
+
+    async def release(request: web.Request) -> web.Response:
+        released.append(await request.json())
+        return web.json_response({"released": status == 200}, status=status)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", fail)
+    if status != 404:  # 404: a worker that has no such route
+        app.router.add_post("/release_pin", release)
+    busy = TestServer(app, host="127.0.0.1")
+    await busy.start_server()
+    try:
+        [(_, server)] = await fake_workers("ok")
+        client = await start_router([url_of(busy), url_of(server)], breaker_failures=1000)
+        proxy = client.server.app[PROXY]
+        for i in range(40):  # new sessions, each placed on either worker: some move
+            body = {**BODY, "prompt": f"{i} session's own text", "prompt_cache_key": f"s{i}"}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status == 200, await r.text()
+            await wait_until(lambda: sum(proxy.pin_releases.values()) == moves)
+            if moves == 2:
+                break
+        assert proxy.pin_releases == {"sent": 0, "refused": 0, "failed": 0, outcome: 2}
+        assert len(released) == (2 if status != 404 else 0)
+        scrape = await (await client.get("/metrics")).text()
+        assert f'radix_router_pin_releases_total{{outcome="{outcome}"}} 2.0' in scrape
+    finally:
+        await busy.close()

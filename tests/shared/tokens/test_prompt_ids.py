@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 from router.holdings.kv_index import BlockIndex
 from shared.tokens.prompt_ids import MAX_ID, PromptIds, TokenKey, key_of_wire, token_key
 from shared.tokens.prompt_tokens import PromptTokens, encode_prompt, load_tokenizer
-from shared.wire.kv_events import BlockStored, block_key_list, block_keys
+from shared.wire.kv_events import (
+    BlockStored,
+    block_key_list,
+    block_key_text,
+    block_keys,
+    ids_text,
+)
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
 SIZES = (1, 3, 16)
@@ -196,3 +202,22 @@ def test_block_keys_chain_from_their_parent_and_tell_repeats_apart() -> None:
     assert whole[2:] == block_key_list(b, 16, parent=whole[1])
     assert block_keys(np.asarray(a + b), 16).tolist() == whole  # the events' array form
     assert len(set(block_key_list([0] * 64, 16))) == 4  # same tokens, other parents
+
+
+def test_keys_of_the_ids_key_text_are_the_ids_keys_and_non_ids_are_keyed_apart() -> None:
+    """Block keys hash each block's slice of the ids' key text (the TokenKey's chars):
+    from a list of ids, from that text, or from a prompt's TokenKey, the same keys. Ids
+    that are no token ids (a client's prompt can hold anything) get keys of their own,
+    never a token prompt's: a negative id is not the uint32 it wraps to."""
+    ids = [7, 0, 2**31 - 1, 300] * 12  # 3 blocks of 16
+    keys = block_key_list(ids, 16)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert block_key_text(ids_text(ids), 16) == keys  # type: ignore[arg-type]
+    assert block_key_text(token_key(ids), 16) == keys  # type: ignore[arg-type]
+    assert block_key_list(ids[:40], 16) == keys[:2]  # whole blocks only
+    assert block_key_text(ids_text(ids[16:]), 16, keys[0]) == keys[1:]  # type: ignore[arg-type]
+    assert ids_text([-1]) is None and ids_text([2**32]) is None and ids_text([1.0]) is None
+    wrapped = block_key_list([5] * 15 + [2**32 - 1], 16)
+    assert block_key_list([5] * 15 + [-1], 16) != wrapped
+    assert block_key_list([5] * 15 + [2**32 + 5], 16) != block_key_list([5] * 16, 16)
+    assert len(block_key_list([-1] * 40, 16)) == 2
