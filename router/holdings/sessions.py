@@ -11,13 +11,13 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      is instead *rule 1's pick* (``rendezvous``): through replicas, the less loaded of
      the key's two rendezvous-hash workers among those holding the fewest active
      sessions (``SessionTable.active``: placements the replicas share); on a lone
-     router, the same among the least loaded workers only. So sessions spread over the workers' KV and their
-     queues, and router replicas that see a session's first siblings at the same
-     instant (before the sync carries anything) still agree (5 seeds of the churn run:
-     hit after the first call 0.898 against 0.883 with the policy's pick; 0.900
-     through 2 replicas against 0.845-0.901 by hash and load alone; the least loaded
-     first took a lone router's JCT under load from 1.06x today's to 1.00x:
-     loadtests/results/agents.md). The choice is recorded *at
+     router, the same among the least loaded workers only. So sessions spread over the
+     workers' KV and their queues, and router replicas that see a session's first
+     siblings at the same instant (before the sync carries anything) still agree (5
+     seeds of the churn run: hit after the first call 0.898 against 0.883 with the
+     policy's pick; 0.900 through 2 replicas against 0.845-0.901 by hash and load
+     alone; the least loaded first took a lone router's JCT under load from 1.06x
+     today's to 1.00x: loadtests/results/agents.md). The choice is recorded *at
      decision time*, so siblings sent a moment later (still unanswered) follow it.
   2. An entry whose worker is routable and not overloaded → that worker, reason
      ``session``. Overloaded is the balance rule seen from the session's worker: its load
@@ -31,8 +31,8 @@ The rule (``select``, which the proxy and the simulator both call), before the p
      loaded by more than ``PIN_YIELD`` requests (plus the table's margin) and the
      balance ratio: the router cannot tell a held pin from a refused or released one,
      and under load most are not held) and the entry is older than ``FRESH_S`` (not a
-     sibling of the call that placed it). Its worker has most likely evicted the context too,
-     so keeping it there only adds a re-prefill to a worker already short of KV: it
+     sibling of the call that placed it). Its worker has most likely evicted the
+     context too, so keeping it there only adds a re-prefill to a worker short of KV: it
      moves to rule 1's pick. Measured beside a shared-prefix neighbour: sessions held
      on full workers evicted the neighbour's prefixes there (2.1 points under its solo
      run with keys, 1.0 with the rule). Through replicas each call that asks for a pin
@@ -97,11 +97,11 @@ ACTIVE_S = 300.0
 
 
 # Requests in flight: how much less loaded the key's second worker must be to take it
-# in rule 1's pick through replicas. Replicas' load views lag by what the sync has not carried yet (the last
-# session's siblings, still in a stale heartbeat or load hash): a margin of 2 split
-# first-call siblings across two replicas in 1 e2e run of 6, 4 in none of 8. The price
-# is balance: at 96k in loadtests/results/agents.md, 2 replicas spent 12.6 s in calls
-# (margin 4) against 8.5 s (margin 2) and 10.3 s for one router.
+# in rule 1's pick through replicas. Replicas' load views lag by what the sync has not
+# carried yet (the last session's siblings, still in a stale heartbeat or load hash): a
+# margin of 2 split first-call siblings across two replicas in 1 e2e run of 6, 4 in
+# none of 8. The price is balance: at 96k in loadtests/results/agents.md, 2 replicas
+# spent 12.6 s in calls (margin 4) against 8.5 s (margin 2) and 10.3 s for one router.
 AGREE_MARGIN = 4
 
 # A believed pin holds a lost session (rule 3) only on a worker that is not busier than
@@ -330,7 +330,9 @@ def select(
     def rendezvous_pick(decision: Decision) -> Decision:
         if decision.reason in ("no_match", "balance"):  # rule 1
             active = table.active(now)
-            pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active, table.agree)
+            pick = rendezvous(
+                digest, ids, loads, abs_threshold, rel_threshold, active, table.agree
+            )
             if pick != decision.worker_id:
                 return Decision(pick, "session")
         return decision
