@@ -330,9 +330,7 @@ def select(
     def rendezvous_pick(decision: Decision) -> Decision:
         if decision.reason in ("no_match", "balance"):  # rule 1
             active = table.active(now)
-            pick = rendezvous(
-                digest, ids, loads, abs_threshold, rel_threshold, active, table.agree
-            )
+            pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active, table.agree)
             if pick != decision.worker_id:
                 return Decision(pick, "session")
         return decision
