@@ -6,6 +6,14 @@ with keys, `router.holdings.sessions.select` over a `SessionTable`, as the proxy
 round robin over them, and applies each replica's decisions (tree inserts, session
 placements and pins, as the proxy publishes them) to the others `sync_delay_s` later (router/fleet/sync.py's flush). The
 workers are the engine (simulate/worker.py) with pins on when `CostModel.pin_budget` > 0.
+Each replica's session table is built as the proxy builds it (`replicas` when sync is on).
+
+Not modelled: the router's fleet queue (router/queue/), which gives a worker at most
+`max_running + 1` requests and holds the rest in the router. Here every call goes to
+the worker the policy picks and waits in its engine. Counted in the sixth round's runs
+(loadtests/results/agents.md): the calls sent to a worker that already held
+`max_running + 1` were 0-0.4% at 4 workers, 0.08 sessions/s (5% at seed 1) and 2
+workers, 0.04/s; only past capacity (2 workers, 0.08/s) would the queue change routing.
 
 Optional background: `background` shared-prefix requests (open loop, Poisson at
 `background_rate`) through the same router; their hit rate is reported apart, so a run
@@ -149,7 +157,7 @@ class AgentSim(Simulation):
         self.options = options
         self.replicas: list[tuple[Routing, SessionTable]] = [
             (self.policy if r == 0 else build_routing(config, random.Random(seed + r)),
-             SessionTable(config.session_table_max, config.session_ttl))
+             SessionTable(config.session_table_max, config.session_ttl, replicas > 1))
             for r in range(replicas)
         ]  # fmt: skip
         self.sync_delay_s = sync_delay_s

@@ -8,15 +8,17 @@ load sends them; the key lets the router co-locate them before any prefix is kno
 The rule (``select``, which the proxy and the simulator both call), before the policy:
   1. No entry for the key (first call, or the entry aged out) → the policy decides; when
      it found no cached prefix anywhere (reason ``no_match`` or ``balance``), the worker
-     is instead the less loaded of the key's two rendezvous-hash workers among those
-     holding the fewest active sessions (``rendezvous``, ``SessionTable.active``:
-     placements the replicas share), so sessions spread over the workers' KV, and
-     router replicas that see a session's first siblings at the same instant (before
-     the sync carries anything) still agree. One router and replicas alike (5 seeds
-     of the churn run: hit after the first call 0.898 against 0.883 with the policy's
-     pick; 0.900 through 2 replicas against 0.845-0.901 by hash and load alone:
-     loadtests/results/agents.md). The choice is recorded *at decision time*, so
-     siblings sent a moment later (still unanswered) follow the first one.
+     is instead *rule 1's pick* (``rendezvous``): through replicas, the less loaded of
+     the key's two rendezvous-hash workers among those holding the fewest active
+     sessions (``SessionTable.active``: placements the replicas share); on a lone
+     router, the same among the least loaded workers only. So sessions spread over the
+     workers' KV and their queues, and router replicas that see a session's first
+     siblings at the same instant (before the sync carries anything) still agree (5
+     seeds of the churn run: hit after the first call 0.898 against 0.883 with the
+     policy's pick; 0.900 through 2 replicas against 0.845-0.901 by hash and load
+     alone; the least loaded first took a lone router's JCT under load from 1.06x
+     today's to 1.00x: loadtests/results/agents.md). The choice is recorded *at
+     decision time*, so siblings sent a moment later (still unanswered) follow it.
   2. An entry whose worker is routable and not overloaded → that worker, reason
      ``session``. Overloaded is the balance rule seen from the session's worker: its load
      exceeds the least load by more than ``balance_abs_threshold`` and is more than
@@ -25,9 +27,12 @@ The rule (``select``, which the proxy and the simulator both call), before the p
   3. Except a *lost* session: the policy found no cached prefix for the call anywhere
      (reason ``no_match``: the router's tree, which follows each worker's LRU, has let
      the session's context go), no pin holds it (the last call's ``cache_pin_ttl`` has
-     run out, or there was none) and the entry is older than ``FRESH_S`` (not a sibling
-     of the call that placed it). Its worker has most likely evicted the context too,
-     so keeping it there only adds a re-prefill to a worker already short of KV: it
+     run out, or there was none; or it has not, but the worker is busier than the least
+     loaded by more than ``PIN_YIELD`` requests (plus the table's margin) and the
+     balance ratio: the router cannot tell a held pin from a refused or released one,
+     and under load most are not held) and the entry is older than ``FRESH_S`` (not a
+     sibling of the call that placed it). Its worker has most likely evicted the
+     context too, so keeping it there only adds a re-prefill to a worker short of KV: it
      moves to rule 1's pick. Measured beside a shared-prefix neighbour: sessions held
      on full workers evicted the neighbour's prefixes there (2.1 points under its solo
      run with keys, 1.0 with the rule). Through replicas each call that asks for a pin
@@ -91,14 +96,35 @@ FRESH_S = 1.0
 ACTIVE_S = 300.0
 
 
+# Requests in flight: how much less loaded the key's second worker must be to take it
+# in rule 1's pick through replicas. Replicas' load views lag by what the sync has not
+# carried yet (the last session's siblings, still in a stale heartbeat or load hash): a
+# margin of 2 split first-call siblings across two replicas in 1 e2e run of 6, 4 in
+# none of 8. The price is balance: at 96k in loadtests/results/agents.md, 2 replicas
+# spent 12.6 s in calls (margin 4) against 8.5 s (margin 2) and 10.3 s for one router.
+AGREE_MARGIN = 4
+
+# A believed pin holds a lost session (rule 3) only on a worker that is not busier than
+# the least loaded by more than this many requests in flight (plus the table's margin)
+# and the balance rule's ratio: the router cannot tell a pin its worker holds from one
+# it refused (a context over the pin budget) or released (the budget's oldest first,
+# memory pressure), and a busier worker's queue costs every call sent there.
+PIN_YIELD = 2
+
+
 class SessionTable:
     """digest → (worker id, last use, pinned until), LRU-bounded and aged; the proxy's
     only session state. Times (`now`) never decrease: the table is kept in order of
     last use, so the active sessions are its newest entries."""
 
-    def __init__(self, max_entries: int, ttl: float) -> None:
+    def __init__(self, max_entries: int, ttl: float, replicas: bool = False) -> None:
         self.max_entries = max_entries
         self.ttl = ttl
+        # Through replicas rule 1's pick is one they agree on without talking, and
+        # loads closer than AGREE_MARGIN count as equal (their load views differ by what
+        # the sync has not carried yet); a lone router picks by load strictly.
+        self.agree = replicas
+        self.margin = AGREE_MARGIN if replicas else 0
         self._entries: OrderedDict[bytes, tuple[str, float, float]] = OrderedDict()
         # The entries used within ACTIVE_S (oldest first) and their count per worker,
         # kept as entries come, go and age: a first call reads the counts in O(1)
@@ -145,6 +171,11 @@ class SessionTable:
             self._drop(digest)
             return None
         return entry[0]
+
+    def fresh(self, digest: bytes, now: float) -> bool:
+        """Whether the entry was placed or kept within FRESH_S (siblings follow it)."""
+        entry = self._entries.get(digest)
+        return entry is not None and now - entry[1] <= FRESH_S
 
     def held(self, digest: bytes, now: float) -> bool:
         """Whether the session's context is still held where it is: a fresh entry
@@ -196,42 +227,42 @@ class SessionTable:
         return wid
 
 
-# Requests in flight: how much less loaded the key's second worker must be to take it.
-# Replicas' load views lag by what the sync has not carried yet (the last session's
-# siblings, still in a stale heartbeat or load hash): a margin of 2 split first-call
-# siblings across two replicas in 1 e2e run of 6, 4 in none of 8. The price is balance:
-# at 96k in loadtests/results/agents.md, 2 replicas spent 12.6 s in calls (margin 4)
-# against 8.5 s (margin 2) and 10.3 s for one router.
-AGREE_MARGIN = 4
-
-
 def rendezvous(
     digest: bytes, ids: Sequence[str], loads: Sequence[int], abs_threshold: float,
-    rel_threshold: float, active: Mapping[str, int] | None = None,
+    rel_threshold: float, active: Mapping[str, int] | None = None, agree: bool = True,
 ) -> str:  # fmt: skip
-    """Of the key's two highest-random-weight workers among those not overloaded and,
-    given `active` (sessions per worker: the table's count, which replicas share),
+    """Rule 1's pick among the workers not overloaded, given `active` (sessions per
+    worker: the table's count, which replicas share).
+
+    `agree` (replicas): of the key's two highest-random-weight workers among those
     holding the fewest sessions, the second only when its load is lower by more than
     `AGREE_MARGIN`, else the first. Replicas pick the same worker for a key without
-    talking as long as their views of the counts agree and of those two loads differ by
-    no more than the margin. Loads alone (requests in flight: 0 or 1 between tool gaps)
-    left the pick to the hash: 16 sessions on 4 workers piled up to 7 on one, whose KV
-    could not hold them (hit after the first call 0.845 through 2 replicas, 0.928 with
-    the count, loadtests/results/agents.md). One hash a worker, on a session's first
-    call only."""
+    talking as long as their views of the counts agree and of those two loads differ
+    by no more than the margin. Loads alone (requests in flight: 0 or 1 between tool
+    gaps) left the pick to the hash: 16 sessions on 4 workers piled up to 7 on one,
+    whose KV could not hold them (hit after the first call 0.845 through 2 replicas,
+    0.928 with the count).
+
+    A lone router (no one to agree with): the same among the least loaded workers
+    only (requests in flight, strictly). The count first ignored load: under load the
+    sessions bunched on busy workers (JCT 1.06x today's at 4 workers, 0.08 sessions/s;
+    1.00x with the least loaded first: loadtests/results/agents.md, sixth round). One
+    hash a worker, on a session's first call or a lost session's move only."""
     low = min(loads)
+    counts = active or {}
     fit = [
         (wid, load) for wid, load in zip(ids, loads, strict=True)
         if not overloaded(load, low, abs_threshold, rel_threshold)
     ]  # fmt: skip
-    if active is not None and fit:
-        fewest = min(active.get(wid, 0) for wid, _ in fit)
-        fit = [(wid, load) for wid, load in fit if active.get(wid, 0) == fewest]
     if not fit:
         return ids[0]
+    if not agree:  # the least loaded only
+        fit = [(wid, load) for wid, load in fit if load == low]
+    fewest = min(counts.get(wid, 0) for wid, _ in fit)
     ranked = [
         (hashlib.blake2b(digest + wid.encode(), digest_size=8).digest(), wid, load)
         for wid, load in fit
+        if counts.get(wid, 0) == fewest
     ]
     top = heapq.nlargest(2, ranked)
     if len(top) == 2 and top[1][2] + AGREE_MARGIN < top[0][2]:
@@ -275,12 +306,18 @@ def select(
     if wid is not None:
         kept = Decision(wid, "session")
         lost = [False]
+        if held and not table.fresh(digest, now):  # held by a pin only: rule 3's yield
+            low = min(loads)
+            busy = PIN_YIELD + table.margin
+            held = not overloaded(loads[ids.index(wid)], low, busy, rel_threshold)
 
         def keep(decision: Decision) -> Decision:
             if decision.reason == "no_match" and not held:  # rule 3: rule 1's pick
                 lost[0] = True
                 active = table.active(now)
-                pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active)
+                pick = rendezvous(
+                    digest, ids, loads, abs_threshold, rel_threshold, active, table.agree
+                )
                 return Decision(pick, "session")
             return kept
 
@@ -293,7 +330,7 @@ def select(
     def rendezvous_pick(decision: Decision) -> Decision:
         if decision.reason in ("no_match", "balance"):  # rule 1
             active = table.active(now)
-            pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active)
+            pick = rendezvous(digest, ids, loads, abs_threshold, rel_threshold, active, table.agree)
             if pick != decision.worker_id:
                 return Decision(pick, "session")
         return decision

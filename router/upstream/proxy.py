@@ -179,7 +179,9 @@ class Proxy:
         # Router replicas sharing decisions (router/holdings/sync.py); None on a lone router.
         self.sync = sync
         # prompt_cache_key -> worker (router/holdings/sessions.py), shared with the replicas.
-        self.sessions = SessionTable(config.session_table_max, config.session_ttl)
+        self.sessions = SessionTable(
+            config.session_table_max, config.session_ttl, replicas=sync is not None
+        )
         if sync is not None:
             sync.on_session = self.sessions.learn
         self._releases: set[asyncio.Task[None]] = set()  # pins released on moved sessions

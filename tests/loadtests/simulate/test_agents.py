@@ -9,7 +9,12 @@ import statistics
 from dataclasses import replace
 
 from loadtests.load.agents import AgentOptions, agent_sessions
-from loadtests.simulate.agents import background_requests, chars_per_token, simulate_agents
+from loadtests.simulate.agents import (
+    AgentSim,
+    background_requests,
+    chars_per_token,
+    simulate_agents,
+)
 from loadtests.simulate.simulation import WordTokenizer
 from loadtests.simulate.worker import CostModel
 from shared.config import RouterConfig
@@ -88,3 +93,15 @@ def test_the_routers_tree_counts_the_workloads_own_chars_per_token() -> None:
     ratio = chars_per_token(o, churn, WordTokenizer())
     assert ratio == sum(map(len, texts)) / words
     assert 4.5 < ratio < 5.5
+
+
+def test_the_simulated_replicas_tables_agree_as_the_proxys_do() -> None:
+    """The simulator builds each replica's session table as the proxy does
+    (router/upstream/proxy.py: `replicas` when replica sync is on): a lone router's
+    rule 1 picks the least loaded, replicas by the rule they agree on."""
+    cost = CostModel(cache_tokens=4096, max_running=4)
+    config = RouterConfig(policy="cache_aware")
+    lone = AgentSim(config, 2, cost, AgentOptions(sessions=0))
+    pair = AgentSim(config, 2, cost, AgentOptions(sessions=0), replicas=2)
+    assert [t.agree for _, t in lone.replicas] == [False]
+    assert [t.agree for _, t in pair.replicas] == [True, True]

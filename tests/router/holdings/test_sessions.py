@@ -16,6 +16,7 @@ from router.holdings.sessions import (
     AGREE_MARGIN,
     DIGEST_BYTES,
     FRESH_S,
+    PIN_YIELD,
     SessionTable,
     rendezvous,
     select,
@@ -87,6 +88,25 @@ def test_rendezvous_takes_the_less_loaded_of_the_keys_top_two() -> None:
     third = next(w for w in IDS if w not in (first, second))
     loads = [0 if w == third else AGREE_MARGIN + 1 for w in IDS]
     assert rendezvous(d, IDS, loads, 64, 1.5) == first
+
+
+def test_a_lone_routers_new_session_goes_to_the_least_loaded_worker() -> None:
+    """A lone router has no replica to agree with: rule 1's pick is among the least
+    loaded workers (strictly), then the fewest sessions, then the key's hash. The
+    replicas' rule (the key's top hash among the fewest sessions unless another is over
+    AGREE_MARGIN less loaded) bunched long contexts under load: JCT 1.06x today's at 4
+    workers, 0.08 sessions/s. Fails with the replicas' rule."""
+    d = session_digest("", "s")
+    first = rendezvous(d, IDS, [0, 0, 0], 64, 1.5, agree=False)
+    assert first == rendezvous(d, IDS, [0, 0, 0], 64, 1.5)  # ties: the key's hash
+    loads = [1 if w == first else 0 for w in IDS]
+    assert rendezvous(d, IDS, loads, 64, 1.5, agree=False) != first
+    # Load before the count: the least loaded worker holds the most sessions.
+    active = {"w0": 5, "w1": 1, "w2": 0}
+    assert rendezvous(d, IDS, [1, 3, 2], 64, 1.5, active, agree=False) == "w0"
+    assert rendezvous(d, IDS, [2, 1, 1], 64, 1.5, active, agree=False) == "w2"
+    # Through the session rule: a lone router's table picks by load, a replica's agrees.
+    assert not SessionTable(10, 60).agree and SessionTable(10, 60, replicas=True).agree
 
 
 @pytest.mark.parametrize(
@@ -221,8 +241,9 @@ def _placed(pin_ttl: float) -> tuple[object, SessionTable, FleetView, str]:
     assert placed
     other = "system: another session " + "unrelated words " * 80
     select(table, routing, RouteRequest(other), view, 0.0, session_digest("", "o"), 64, 1.5)
-    # The session's worker is busier (not overloaded): the policy's no_match pick is elsewhere.
-    view.loads[IDS.index(first.worker_id)] = 3
+    # The session's worker is busier (not overloaded, not past PIN_YIELD): the policy's
+    # no_match pick is elsewhere.
+    view.loads[IDS.index(first.worker_id)] = PIN_YIELD
     return routing, table, view, first.worker_id
 
 
@@ -255,11 +276,32 @@ def test_a_lost_session_moves_and_a_pinned_or_fresh_one_stays() -> None:
     assert moved and after.worker_id != home
 
 
+def test_a_pinned_lost_session_yields_a_busy_worker() -> None:
+    """Rule 3's yield: the tree holds nothing of the call and the session asked for a
+    pin, but its worker is busier than the least loaded by more than PIN_YIELD (and
+    the balance ratio): the pin may have been refused or released, and the queue
+    there costs the call either way, so the session moves (and its pin there is
+    released). Fails without the yield (a believed pin always held the session)."""
+    d = session_digest("", "s")
+    forgotten = RouteRequest("user: nothing the tree has seen " * 20)
+    routing, table, view, home = _placed(pin_ttl=30.0)
+    view.loads[IDS.index(home)] = PIN_YIELD + 1
+    later, moved, left = select(table, routing, forgotten, view, 10.0, d, 64, 1.5)
+    assert moved and later.worker_id != home and left == home
+    # A sibling of that move (fresh) follows it, whatever the loads.
+    odd = RouteRequest("subtask: " + "unseen words " * 40)
+    sibling, moved, _ = select(table, routing, odd, view, 10.0 + FRESH_S / 2, d, 64, 1.5)
+    assert not moved and sibling.worker_id == later.worker_id
+
+
 def _two_replicas(pin_ttl: float) -> tuple[list[tuple[object, SessionTable]], str]:
     """Two replicas (a routing and a session table each) that share, as the sync does,
     the placement of one keyed session (and a second session) at t=0 and its pin."""
     replicas = [
-        (build_routing(RouterConfig(policy="cache_aware"), random.Random(r)), SessionTable(100, 600))
+        (
+            build_routing(RouterConfig(policy="cache_aware"), random.Random(r)),
+            SessionTable(100, 600, replicas=True),
+        )
         for r in range(2)
     ]  # fmt: skip
     view = FleetView(IDS, capacities=(100_000,) * 3)
