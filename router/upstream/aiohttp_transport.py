@@ -33,6 +33,7 @@ from router.upstream.limits import (
     BufferBudget,
     ForeignAnswer,
     UpstreamBroken,
+    close_delimited,
     only_chunked,
 )
 
@@ -102,7 +103,7 @@ class AiohttpAnswer:
         length = resp.headers.get("Content-Length")
         self.content_length = int(length) if length is not None else None
         chunked = "chunked" in resp.headers.get("Transfer-Encoding", "").lower()
-        self.close_delimited = self.content_length is None and not chunked
+        self.close_delimited = close_delimited(resp.status, self.content_length, chunked)
         self.too_big = self.over_budget = False
         self.echoed = False
         self._deadline = deadline if self.content_type != EVENT_STREAM else None

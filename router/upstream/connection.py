@@ -59,6 +59,7 @@ from router.upstream.limits import (
     BufferBudget,
     ForeignAnswer,
     UpstreamBroken,
+    close_delimited,
     only_chunked,
 )
 
@@ -162,8 +163,8 @@ class WorkerConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.busy and not self.complete and self.error is None:
-            close_delimited = self.content_length is None and not self._chunked
-            if self.headers is not None and close_delimited and exc is None:
+            ends = close_delimited(self.status, self.content_length, self._chunked)
+            if self.headers is not None and ends and exc is None:
                 self.complete = True  # a body that ends with the connection (HTTP/1.0 style)
                 self.keep_alive = False
             else:  # a reset is no end of a body: it was cut short
@@ -369,7 +370,7 @@ class WorkerConnection(asyncio.Protocol):
 
     @property
     def close_delimited(self) -> bool:
-        return self.content_length is None and not self._chunked
+        return close_delimited(self.status, self.content_length, self._chunked)
 
     def is_eof(self) -> bool:
         return self.complete and not self._chunks

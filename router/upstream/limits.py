@@ -19,6 +19,13 @@ BAD_VALUE = re.compile(rb"[^\t\x20-\x7e]")
 BAD_TEXT_VALUE = re.compile(r"[^\t\x20-\x7e]")  # the same, on decoded text
 
 
+def close_delimited(status: int, content_length: int | None, chunked: bool) -> bool:
+    """Whether an answer's body ends with the connection: no length, not chunked, and a
+    status that has a body at all (204 and 304 never do, whatever the headers say: RFC
+    9112 6.3; the parsers end them at the head)."""
+    return content_length is None and not chunked and status not in (204, 304)
+
+
 class UpstreamBroken(Exception):
     """The connection failed, or the worker's bytes are not one well-framed answer."""
 

@@ -275,6 +275,13 @@ ROUTED: dict[str, tuple[Steps, int, str]] = {
     "103-then-200": (CASES["103-then-200"][0], 200, '"ok": true'),
     "100-then-200": (CASES["100-then-200"][0], 200, '"ok": true'),
     "204-with-body": (CASES["204-with-body"][0], 502, "upstream_error"),
+    # 204 and 304 have no body whatever their headers say (RFC 9112 6.3): not a
+    # close-delimited JSON body, and the worker keeps the connection open.
+    "204-json-no-length": (
+        [b"HTTP/1.1 204 No Content\r\nx-request-id: {RID}\r\n" + JSON + b"\r\n"],
+        204,
+        "",
+    ),
 }
 
 
