@@ -34,6 +34,24 @@ READ = 256 * 1024  # the most one read hands a protocol (asyncio's and uvloop's)
 HIGH_WATER = 65536  # a transport's default high-water mark (asyncio's and uvloop's)
 
 
+async def _serve_recording(config: RouterConfig) -> tuple[Any, list[FastProtocol]]:
+    """The router served as `serve()` serves it, on a free port, keeping each connection's
+    own protocol (the list) for the test to read."""
+    runner = await serving_runner(create_app(config))
+    factory = serving_protocol(runner, config)
+    assert factory is not None
+    made: list[FastProtocol] = []
+
+    def recording() -> asyncio.Protocol:
+        protocol = factory()
+        assert isinstance(protocol, FastProtocol)
+        made.append(protocol)
+        return protocol
+
+    await bind(runner, "127.0.0.1", 0, header_read_timeout=10, protocol=recording)
+    return runner, made
+
+
 async def _post(port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
     """A new connection, one simple completion request on it (the fast protocol's to
     answer), and its answer's head (a 200)."""
@@ -50,18 +68,7 @@ async def _post(port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.S
 async def test_bytes_read_during_an_answer_are_bounded(fake_workers: StartWorkers) -> None:
     [(_, worker)] = await fake_workers("ok", stream_chunks=20, chunk_delay=0.05)  # ~1 s
     config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1", fast_hot_paths=True)
-    runner = await serving_runner(create_app(config))
-    factory = serving_protocol(runner, config)
-    assert factory is not None
-    made: list[FastProtocol] = []
-
-    def recording() -> asyncio.Protocol:
-        protocol = factory()
-        assert isinstance(protocol, FastProtocol)
-        made.append(protocol)
-        return protocol
-
-    await bind(runner, "127.0.0.1", 0, header_read_timeout=10, protocol=recording)
+    runner, made = await _serve_recording(config)
     try:
         reader, writer, head = await _post(runner.addresses[0][1], STREAM)
         assert b"text/event-stream" in head  # the stream has begun
@@ -125,18 +132,7 @@ async def test_a_stream_to_a_client_that_never_reads_holds_bounded_memory(
     [(_, worker)] = await fake_workers("ok", stream_chunks=40_000)  # ~2.6 MB of events
     config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1",
                           fast_hot_paths=True, stream_write_timeout=0.5)  # fmt: skip
-    runner = await serving_runner(create_app(config))
-    factory = serving_protocol(runner, config)
-    assert factory is not None
-    made: list[FastProtocol] = []
-
-    def recording() -> asyncio.Protocol:
-        protocol = factory()
-        assert isinstance(protocol, FastProtocol)
-        made.append(protocol)
-        return protocol
-
-    await bind(runner, "127.0.0.1", 0, header_read_timeout=10, protocol=recording)
+    runner, made = await _serve_recording(config)
     sock = socket.socket()  # the client: a small window, never read
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
