@@ -363,6 +363,9 @@ class Metrics(ServiceMetrics):
         self.reasons = ReasonWindow()
         self._decided: dict[str, CounterChild] = {}  # `decisions`' children by reason
         self._done: dict[tuple[str, int], tuple[CounterChild, HistogramChild]] = {}
+        # `worker_requests`' children by (worker, status): as bounded as `child`'s own
+        # table, without its key tuple and str(status) per answer.
+        self._answered: dict[tuple[str, int], CounterChild] = {}
         r = self.registry
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
@@ -420,7 +423,12 @@ class Metrics(ServiceMetrics):
         pair[1].observe(seconds)
 
     def answered(self, worker: str, status: int) -> None:
-        self.child(self.worker_requests, worker, str(status)).inc()
+        counted = self._answered.get((worker, status))
+        if counted is None:
+            counted = self._answered[worker, status] = self.child(
+                self.worker_requests, worker, str(status)
+            )
+        counted.inc()
 
     def refused(self, reason: str) -> None:
         self.child(self.rejected, reason).inc()

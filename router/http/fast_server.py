@@ -77,8 +77,8 @@ class FastRequest(dict[str, Any]):
     responder (`RESPONDER`: router/upstream/responder.py), through which the proxy
     answers, and its connection (`protocol`), where the answer goes."""
 
-    __slots__ = ("_hooks", "_match_info", "_writer", "app", "content", "content_length",
-                 "headers", "path", "protocol", "transport")  # fmt: skip
+    __slots__ = ("_match_info", "_writer", "app", "content", "content_length", "headers",
+                 "hooks", "path", "protocol", "transport")  # fmt: skip
     method = "POST"
     version = HttpVersion11
     keep_alive = True
@@ -90,7 +90,8 @@ class FastRequest(dict[str, Any]):
         self.headers = headers
         self.content_length = len(body)
         self.content = _Content(body)
-        _, match, self._hooks = route
+        # The apps' on_response_prepare receivers (read once by `FastServer`).
+        _, match, self.hooks = route
         self._match_info = match
         self.app = match.current_app
         self.protocol = protocol  # its connection: where the answer goes
@@ -119,7 +120,7 @@ class FastRequest(dict[str, Any]):
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         # aiohttp's `Request._prepare_hook`: the apps' on_response_prepare receivers.
-        for hook in self._hooks:
+        for hook in self.hooks:
             await hook(self, response)
 
 

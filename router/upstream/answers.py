@@ -256,17 +256,17 @@ async def read_capped(upstream: Answer, config: RouterConfig, worker: Worker) ->
     size = upstream.content_length
     if size is not None and size > limit:
         raise _too_big(worker, limit)
-    try:
-        with UpstreamErrors(worker, "worker {} broke off", FailureKind.BROKEN):
-            body = await upstream.read_all()
-    except AttemptFailed as e:
+    try:  # (`UpstreamErrors`' mapping, by one except: no context manager per answer)
+        body = await upstream.read_all()
+    except (TimeoutError, UpstreamBroken) as error:
         if upstream.over_budget:
             raise over_budget(config) from None
         if upstream.too_big:
             raise _too_big(worker, limit) from None
-        if e.kind is FailureKind.TIMEOUT:
-            e.suspect, e.limit = True, "request_timeout"
-        raise
+        failed = attempt_failed(error, worker, "worker {} broke off", FailureKind.BROKEN)
+        if failed.kind is FailureKind.TIMEOUT:
+            failed.suspect, failed.limit = True, "request_timeout"
+        raise failed from None
     if len(body) > limit:
         raise _too_big(worker, limit)
     if upstream.close_delimited and upstream.content_type == "application/json":

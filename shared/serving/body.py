@@ -122,6 +122,14 @@ async def read_body(request: web.Request, limit: int, deadline: float) -> bytes:
         if request.content.is_eof():
             # Hot path: the whole body came with the headers, nothing to wait for (an
             # asyncio.timeout costs a timer handle per request).
+            size = request.content_length
+            if not encoded and size is not None and 0 < size <= limit:
+                # `_read_raw`'s one read of a declared length, inlined: one coroutine
+                # less per request.
+                try:
+                    return await request.content.readexactly(size)
+                except asyncio.IncompleteReadError:
+                    raise _body_error(400, "request body ended early", "invalid_body") from None
             return await _read_raw(request, limit, encoded)
         async with asyncio.timeout(deadline):
             return await _read_raw(request, limit, encoded)
@@ -177,14 +185,6 @@ def parse_json_object(
     """`raw` as a checked JSON object, or a 400 APIError saying what is wrong with it.
     `may_overflow` / `may_surrogate`: the byte checks' answers when already known
     (`parse_large`); None: made here."""
-    long_ints: list[str] = []
-
-    def parse_int(digits: str) -> int | _TooLarge:
-        if len(digits) < 19:  # fits in 64 bits, sign included
-            return int(digits)
-        long_ints.append(digits)
-        return _bounded_int(digits)
-
     if may_overflow is None:
         may_overflow = _LONG_RUN in raw.translate(_DIGIT_MASK)
     if may_surrogate is None:
@@ -202,6 +202,14 @@ def parse_json_object(
             if may_surrogate:
                 _check_values(data)
             return data
+    long_ints: list[str] = []
+
+    def parse_int(digits: str) -> int | _TooLarge:  # (made here: the common body needs none)
+        if len(digits) < 19:  # fits in 64 bits, sign included
+            return int(digits)
+        long_ints.append(digits)
+        return _bounded_int(digits)
+
     try:
         text = raw.decode("utf-8")
         data = json.loads(text, parse_int=parse_int) if may_overflow else json.loads(text)

@@ -220,6 +220,44 @@ async def test_a_worker_that_stalls_mid_body_times_out_and_is_not_reused(
     assert worker.connections == 2  # the stalled connection was dropped, not pooled
 
 
+class LateOnce(RawWorker):
+    """Answers at once, except request 1 of connection 0: `late` seconds later."""
+
+    def __init__(self, late: float) -> None:
+        super().__init__(lambda c, n: OK)
+        self.late = late
+
+    async def answer(
+        self, conn: int, n: int, head: bytes, body: bytes, writer: asyncio.StreamWriter
+    ) -> bool:
+        if (conn, n) == (0, 1):
+            await asyncio.sleep(self.late)
+        return await super().answer(conn, n, head, body, writer)
+
+
+async def test_a_kept_connection_times_each_exchange_from_its_own_send(
+    raw_upstreams: Any, raw_workers: Any, start_router: StartRouter
+) -> None:
+    """A connection's one timer (router/upstream/connection.py), armed for the first
+    exchange's deadline, fires in the middle of the second's wait: it must neither cut
+    the second short (its answer comes after the first's deadline, within its own) nor
+    leave it waiting forever (a stall on the kept connection still times out)."""
+    worker = await raw_upstreams(LateOnce(late=1.5))
+    client = await start_router([worker.url], max_retries=0, request_timeout=2.0)
+    assert (await client.post("/v1/completions", json=BODY)).status == 200
+    await asyncio.sleep(1.0)  # the first deadline passes during the next wait
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status == 200, await r.text()
+    assert worker.connections == 1  # both on the kept connection
+
+    stalls = await raw_workers(lambda c, n: OK if n == 0 else "stall")
+    client = await start_router([stalls.url], max_retries=0, request_timeout=0.3)
+    assert (await client.post("/v1/completions", json=BODY)).status == 200
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status == 504, await r.text()
+    assert stalls.connections == 1
+
+
 async def test_a_stall_that_another_worker_does_not_repeat_is_the_workers_failure(
     raw_workers: Any, start_router: StartRouter
 ) -> None:
