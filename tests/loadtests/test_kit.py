@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 import types
@@ -69,7 +70,21 @@ def test_cpu_seconds_counts_this_process_and_pct_is_nearest_rank() -> None:
     before = cpu_seconds(os.getpid())
     sum(i * i for i in range(2_000_000))  # burn some CPU
     assert cpu_seconds(os.getpid()) > before
-    assert cpu_seconds(os.getpid(), descendants=True) >= cpu_seconds(os.getpid())
+    # `descendants` adds a child's CPU. The child burns 0.2 s and then idles, so the
+    # difference is the child's and not this process's own clock moving between the two
+    # reads (one read walks every thread's schedstat: milliseconds on a loaded machine).
+    burn = "import sys,time\nt=time.process_time()\nwhile time.process_time()-t<0.2: pass\n"
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn + "print(flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE
+    )
+    try:
+        child.stdout.readline()  # the burn is done
+        own = cpu_seconds(os.getpid())
+        both = cpu_seconds(os.getpid(), descendants=True)
+        assert both - own >= 0.15
+    finally:
+        child.kill()
+        child.wait()
     with pytest.raises(FileNotFoundError):
         cpu_seconds(2**22 + 12345)  # no such process
     values = [float(v) for v in range(1, 101)]
