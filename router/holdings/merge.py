@@ -253,7 +253,10 @@ def request_tokens(tokens: PromptTokens | None, parsed: object) -> Sequence[int]
         return tokens.text(parsed.text) if tokens is not None and parsed.text else None
     if tokens is None or not isinstance(parsed, ChatCompletionRequest):
         return None
-    messages = [{"role": m.role, "content": m.text()} for m in parsed.messages]
+    # A str content read in place: `Message.text()` per message was half of this list's
+    # cost (62 messages: 16 -> 7 us, timeit).
+    messages = [{"role": m.role, "content": c if type(c := m.content) is str else m.text()}
+                for m in parsed.messages]  # fmt: skip
     try:
         return tokens.chat(messages, parsed.add_generation_prompt)
     except Exception:  # a template error is the worker's to report, in its own words

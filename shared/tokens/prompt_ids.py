@@ -100,12 +100,18 @@ _Keyed = tuple[list[int], str, int]
 class Run:
     """One piece's ids after a given prefix: a node of the conversation trie."""
 
-    __slots__ = ("chained", "ids", "key", "keyed", "parent", "whole")
+    __slots__ = ("chained", "end", "ids", "key", "keyed", "parent", "piece", "whole")
 
-    def __init__(self, parent: Run | None, ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, parent: Run | None, ids: tuple[int, ...], piece: str = "", key: str | None = None
+    ) -> None:
         self.parent = parent
         self.ids = ids
-        self.key = token_key(ids) or ""  # "" where an id is no token id (never a tokenizer's)
+        self.end = len(ids) if parent is None else parent.end + len(ids)  # ids up to here
+        self.piece = piece  # the text it was keyed by (PromptTokens' trie)
+        # `token_key(ids)` (given where the caller has it); "" where an id is no token id
+        # (never a tokenizer's).
+        self.key = (token_key(ids) or "") if key is None else key
         # Every run of the chain up to here has its key: a prompt's is their join.
         self.chained = (parent is None or parent.chained) and (self.key or not ids)
         self.keyed: dict[int, _Keyed] = {}  # block size -> what `chain_keys` computed
