@@ -144,6 +144,8 @@ class PrefixTree(Generic[Seq]):
         Read-only: routing inserts the text for the chosen tenant afterwards, which is
         what refreshes its recency.
         """
+        if self.width != 1:
+            return self._match_units(text)
         node, pos, n = self._root, 0, len(text)
         is_str = isinstance(text, str)  # str compares in place; tuples have no startswith
         path: list[tuple[Mapping[Tenant, float], int]] = []
@@ -160,9 +162,36 @@ class PrefixTree(Generic[Seq]):
                 continue
             path.append((child.tenants, pos + _common_len(text, pos, key)))
             break
-        if self.width == 1:
-            return path
-        return _whole_units(path, self.width)
+        return path
+
+    def _match_units(self, text: Seq) -> list[tuple[Mapping[Tenant, float], int]]:
+        """`match_path` where a unit is `width` chars (a TokenKey), in whole units: an
+        entry that ends inside the unit where the one before it ended adds nothing its
+        holders are known to hold. One pass (a second over the path in elements cost
+        ~2 us a 2k-id chat of 30 turns)."""
+        node, pos, n, width = self._root, 0, len(text), self.width
+        is_str = isinstance(text, str)
+        path: list[tuple[Mapping[Tenant, float], int]] = []
+        last = 0
+        while pos < n:
+            child = node.children.get(text[pos])
+            if child is None:
+                break
+            key = child.key
+            k = len(key)
+            if text.startswith(key, pos) if is_str else text[pos : pos + k] == key:  # type: ignore[union-attr]
+                pos += k
+                units = pos // width
+                if units > last:
+                    path.append((child.tenants, units))
+                    last = units
+                node = child
+                continue
+            units = (pos + _common_len(text, pos, key)) // width
+            if units > last:
+                path.append((child.tenants, units))
+            break
+        return path
 
     def match(self, text: Seq) -> dict[Tenant, int]:
         """Per tenant, the length of the longest prefix of ``text`` it holds (> 0 only)."""
@@ -354,21 +383,6 @@ class PrefixTree(Generic[Seq]):
         assert total == self._total, (total, self._total)
         assert sizes == self._size, (sizes, self._size)
         assert counts == {t: len(lru) for t, lru in self._lru.items()}
-
-
-def _whole_units(
-    path: list[tuple[Mapping[Tenant, float], int]], width: int
-) -> list[tuple[Mapping[Tenant, float], int]]:
-    """A match path in elements as one in whole units: an entry that ends inside the unit
-    where the one before it ended adds nothing its holders are known to hold."""
-    out: list[tuple[Mapping[Tenant, float], int]] = []
-    last = 0
-    for held, end in path:
-        units = end // width
-        if units > last:
-            out.append((held, units))
-            last = units
-    return out
 
 
 def _sort_key(node: _Node[Seq]) -> tuple[str, object]:
