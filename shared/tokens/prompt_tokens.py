@@ -195,12 +195,13 @@ class PromptTokens:
             self.hits += 1
         ids, ids_key = got
         if parent is None:
-            ids = self._lead + ids
+            ids = self._lead + ids  # (the same tuple where nothing leads)
             bos = self._bos
             # A chat template's output already starts with BOS; encoding adds a second one.
             if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
                 ids = ids[1:]
-            ids_key = token_key(ids) or ""
+            if ids is not got[0]:
+                ids_key = token_key(ids) or ""
         run = Run(parent, ids, piece, ids_key)
         self._remember(self._runs, (parent, key), run, 4 * len(piece))  # its key: the text
         return run
