@@ -40,3 +40,73 @@ def test_conversations_tokenize_as_the_worker_does(setting: str) -> None:
     check()
     assert router.piecewise  # every tokenizer the project ships splits at its tags
     assert router.hits > router.misses  # earlier turns' pieces were not re-encoded
+
+
+class _CountingRuns(dict):
+    """The trie's dict, counting the look-ups a prompt's walk makes."""
+
+    gets = 0
+
+    def get(self, key, default=None):  # type: ignore[no-untyped-def,override]
+        self.gets += 1
+        return super().get(key, default)
+
+
+def _chat(turns: int, system: str = "Be brief. ") -> list[dict[str, str]]:
+    chat = [{"role": "system", "content": system * 30}]
+    for t in range(turns):
+        chat += [{"role": "user", "content": f"Question {t}?"},
+                 {"role": "assistant", "content": f"Answer {t}."}]  # fmt: skip
+    return chat
+
+
+def test_a_next_turn_steps_the_trie_only_for_the_pieces_it_adds() -> None:
+    """A conversation's next turn takes its previous turn's runs by one list comparison
+    (`_line_of`): the trie is stepped for the new pieces only (the answer, the question,
+    the generation prompt), and the runs are the very ones the steps would find."""
+    tokens = PromptTokens.load("sim")
+    tokens._runs = counting = _CountingRuns()
+    chat = _chat(20)
+    tokens.chat(chat[:-1])  # turn 20 asked: 41 pieces stepped
+    counting.gets = 0
+    ids = tokens.chat([*chat, {"role": "user", "content": "And then?"}])
+    assert counting.gets == 3
+    fresh = PromptTokens.load("sim")
+    again = fresh.chat([*chat, {"role": "user", "content": "And then?"}])
+    assert ids.tolist() == again.tolist() and ids.tree_key() == again.tree_key()
+    assert ids.block_keys(16) == again.block_keys(16)
+    walked = [tokens._runs[(run.parent, run.piece if run.parent else ("", run.piece))]
+              for run in ids.runs[:-1]]  # fmt: skip
+    assert walked == list(ids.runs[:-1])  # the trie's own runs, not copies
+
+
+def test_an_edited_or_branching_turn_is_tokenized_as_a_fresh_prompt_is() -> None:
+    """A prompt that repeats its line's first piece but not the rest (an edited turn,
+    another chat on the same system prompt, a shorter one) takes no runs it does not
+    share: its ids and keys are a fresh tokenizer's."""
+    tokens, worker = PromptTokens.load("sim"), load_tokenizer("sim")
+    chat = _chat(6)
+    tokens.chat(chat)
+    edited = [dict(m) for m in chat]
+    edited[3]["content"] = "Answer 1, edited."
+    for prompt in (edited, chat[:3], [*_chat(2), {"role": "user", "content": "Other?"}], chat):
+        ids = tokens.chat(prompt)
+        expected = encode_prompt(worker, worker.apply_chat_template(prompt, True))
+        assert ids.tolist() == expected
+        assert ids.block_keys(16) == PromptTokens.load("sim").chat(prompt).block_keys(16)
+
+
+def test_lines_go_with_the_caches_and_hold_no_run_the_trie_does_not() -> None:
+    """The lines hold runs of the trie only: they are emptied when a bound clears the
+    caches, and a prompt with a piece too large to keep leaves no line (it would hold
+    memory the byte bound does not count)."""
+    tokens = PromptTokens.load("sim")
+    tokens.chat(_chat(3))
+    assert tokens._lines
+    tokens._grow(tokens.max_bytes)  # over the byte bound: everything goes
+    assert not tokens._lines and not tokens._runs
+    small = PromptTokens(load_tokenizer("sim"), max_bytes=256 * 1024)  # a piece: <= 16 KB
+    small.chat([{"role": "system", "content": "word " * 2000}, {"role": "user", "content": "Hi?"}])
+    assert not small._lines  # the system piece was encoded, not kept
+    assert small.chat(_chat(1))  # and a prompt that fits is lined again
+    assert small._lines
