@@ -515,7 +515,20 @@ def turn_keys():  # a later turn's keys, first ask (as the index asks); tokenizi
                 asked += 1
     return spent / asked * 1e6
 
-pieces = [model, chat_model, seat, table, turn_keys, exchange, forward, handle]
+def turn_tokens():  # a later turn's prompt ids (render, split, pieces), first ask
+
+    spent, asked = 0.0, 0
+    while asked < min(n, 800):
+        chats_seed[0] += 1
+        for turn, chat in conversation(chats_seed[0]):
+            t0 = time.process_time()
+            tokens.chat(chat)
+            if turn:
+                spent += time.process_time() - t0
+                asked += 1
+    return spent / asked * 1e6
+
+pieces = [model, chat_model, seat, table, turn_tokens, turn_keys, exchange, forward, handle]
 try:  # the own protocol's answers (router/http/fast_answer.py), where the tree has them
     from aiohttp import web
     from aiohttp.base_protocol import BaseProtocol
@@ -592,6 +605,7 @@ PIECE_NAMES = {
     "chat_model": "request model, a chat body (routing_text)",
     "seat": "fleet queue, a free seat: ticket, admit, sit, answered x2, done",
     "table": "fleet table: view, attempt, succeeded, release",
+    "turn_tokens": "tokenizer: a later chat turn's prompt ids (PromptTokens.chat, first ask)",
     "turn_keys": "KV index: a later chat turn's block keys (first ask)",
     "exchange": "upstream pool: post, read_all, release (zero worker)",
     "forward": "Proxy.forward, a buffered answer (zero worker)",
