@@ -25,7 +25,14 @@ from typing import Any, Protocol
 from shared.tokens.prompt_ids import PromptIds, Run, TokenKey, token_key
 
 _ID_BYTES = 40  # an id in a tuple: its pointer and (past 256) its int object
-_ENTRY_BYTES = 200  # a dict slot, its key tuple and a Run
+# A dict slot, its key tuple and a Run (200), and the run's share of the lines: a line's
+# three lists hold each of its runs; lines part after their LINE_KEY shared pieces, so
+# they hold at most 3 runs' worth of entries a run, 9 pointers (72).
+_ENTRY_BYTES = 272
+# The pieces that name a conversation's line (`_line_of`): a template's head (Qwen's and
+# Llama's rendered chats all start with the same piece), the system prompt and the first
+# question, so chats on one system prompt keep lines of their own.
+LINE_KEY = 3
 _CHECK = [
     {"role": "system", "content": "You are brief. Answer in one line."},
     {"role": "user", "content": "Hello there,  world! 12 + 30 = ?"},
@@ -91,9 +98,9 @@ class PromptTokens:
         self._bytes = 0
         self._pieces: dict[object, tuple[tuple[int, ...], str]] = {}  # -> (ids, TokenKey)
         self._runs: dict[tuple[Run | None, object], Run] = {}
-        # First piece -> the last prompt's (pieces, runs, run keys) that began with it
-        # (`_line_of`); cleared with the trie, whose runs it holds.
-        self._lines: dict[str, tuple[list[str], list[Run], list[str]]] = {}
+        # First LINE_KEY pieces -> the last prompt's (pieces, runs, run keys) that began
+        # with them (`_line_of`); cleared with the trie, whose runs and pieces it holds.
+        self._lines: dict[tuple[str, ...], tuple[list[str], list[Run], list[str]]] = {}
         self._cleared = 0  # times the caches were cleared (a line spans none)
         self._unkept = False  # a run of the prompt being built was not kept (too large)
         self._held = 0
@@ -152,7 +159,7 @@ class PromptTokens:
             chain.append(got)
             keys.append(got.key)
         if self._cleared == cleared and not self._unkept:  # every run held by the trie
-            self._lines[seen[0]] = (seen, chain, keys)
+            self._lines[tuple(seen[:LINE_KEY])] = (seen, chain, keys)
         # Not joined into one tuple here (PromptIds): its readers want its keys.
         key = TokenKey("".join(keys)) if run.chained else None  # type: ignore[union-attr]
         ids = PromptIds.of_runs(chain, run.end, key, self._grow)  # type: ignore[union-attr]
@@ -164,13 +171,13 @@ class PromptTokens:
 
     def _line_of(self, pieces: list[str]) -> tuple[list[str], list[Run], list[str]]:
         """(pieces, runs, run keys) of the start of `pieces` that the last prompt with
-        the same first piece had, all but its last piece (none: empty lists). A
-        conversation's next turn repeats its previous turn's pieces up to that turn's
+        the same first LINE_KEY pieces had, all but its last piece (none: empty lists).
+        A conversation's next turn repeats its previous turn's pieces up to that turn's
         generation prompt: one list comparison in C instead of a trie step per message.
         The runs are the ones the trie steps would find: a line is kept only while its
         every run is in the trie (lines go when the trie is cleared), and it holds the
         trie's own piece strings, not a request's."""
-        line = self._lines.get(pieces[0])
+        line = self._lines.get(tuple(pieces[:LINE_KEY]))
         if line is None:
             return [], [], []
         seen, chain, keys = line

@@ -110,3 +110,25 @@ def test_lines_go_with_the_caches_and_hold_no_run_the_trie_does_not() -> None:
     assert not small._lines  # the system piece was encoded, not kept
     assert small.chat(_chat(1))  # and a prompt that fits is lined again
     assert small._lines
+
+
+@pytest.mark.parametrize("model", ["sim", "qwen2"])
+def test_chats_on_one_system_prompt_keep_lines_of_their_own(
+    model: str, tiny_qwen2_dir: Path
+) -> None:
+    """Conversations that share a system prompt (and, on Qwen's template, the head every
+    chat starts with) are told apart by their first question: turn after turn,
+    interleaved, each next turn steps the trie only for the pieces it adds."""
+    setting = "sim" if model == "sim" else str(tiny_qwen2_dir)
+    tokens = PromptTokens.load(setting)
+    tokens._runs = counting = _CountingRuns(tokens._runs)
+    chats = [[*_chat(0), {"role": "user", "content": f"First question {c}?"}] for c in range(3)]
+    for turn in range(4):
+        for c, chat in enumerate(chats):
+            counting.gets = 0
+            ids = tokens.chat(chat)
+            if turn >= 2:  # (turn 1 renames the line: its key's third piece is new)
+                assert counting.gets == 3, (turn, c)
+            assert ids.tolist() == PromptTokens.load(setting).chat(chat).tolist()
+            chat += [{"role": "assistant", "content": f"Answer {turn}."},
+                     {"role": "user", "content": f"Next {turn}?"}]  # fmt: skip
