@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -41,7 +42,7 @@ from shared.serving.body import read_json
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
-from shared.wire.protocol import routing_text
+from shared.wire.protocol import ChatCompletionRequest, canonical_chat_text, routing_text
 from shared.wire.service_class import request_class
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -86,16 +87,25 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # The body is read and checked before the request may take a slot: a client
             # trickling its body holds no capacity (shared/serving/body.py).
             raw, data = await read_json(request, config.max_body_bytes, config.body_read_timeout)
-            text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
+            # The router's tokenizer, where one is configured: bounded, long prompts off
+            # the event loop, over-long ones routed on their text's head alone.
+            tokenize = app.get(TOKENIZE)
+            render = None
+            if endpoint == "chat" and tokenize is not None and len(raw) <= tokenize.quick_chars:
+                # Routed on its ids: its text is rendered only if something reads it
+                # (RouteRequest), and its body's length bounds the text's (Tokenizing).
+                parsed = ChatCompletionRequest.model_validate(data)  # pydantic errors → 400
+                text, chars = "", len(raw)
+                render = partial(canonical_chat_text, parsed.messages)
+            else:
+                text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
+                chars = len(text)
             session_key = request.headers.get(config.session_header) or getattr(
                 parsed, "user", None
             )
             model = getattr(parsed, "model", None)
-            # The router's tokenizer, where one is configured: bounded, long prompts off
-            # the event loop, over-long ones routed on their text's head alone.
-            tokenize = app.get(TOKENIZE)
-            ids = await tokenize.ids(parsed, len(text)) if tokenize is not None else None
-            if tokenize is not None and len(text) > tokenize.max_chars:
+            ids = await tokenize.ids(parsed, chars) if tokenize is not None else None
+            if tokenize is not None and chars > tokenize.max_chars:
                 text = text[: tokenize.max_chars]
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
             klass, priority = request_class(data)  # a bad service_tier or priority → 400
@@ -106,7 +116,17 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 parsed, renders=tokenize is not None, adapter=app[FLEET].serves_adapter(model)
             )
             routed = Routed(
-                endpoint, path, raw, text, session_key, model, ids, stream, add, namespace
+                endpoint,
+                path,
+                raw,
+                text,
+                session_key,
+                model,
+                ids,
+                stream,
+                add,
+                namespace,
+                render,
             )
             queue = app[QUEUE]
             tenant = queue.tenants.of_headers(request.headers)

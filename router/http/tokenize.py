@@ -66,6 +66,12 @@ class Tokenizing:
         self.longest_token_chars = longest
         self.refuse_chars = context_tokens * longest if longest else None
         self.inline_chars = inline_chars
+        # A chat body of at most this many bytes is under every bound above whatever its
+        # text: its canonical text (shared/wire/protocol.py) is shorter than the JSON it
+        # came from (each char of a content is at least a byte of its JSON string, and a
+        # message's `<|role|>` and newline are fewer than its `"role":""`), so the
+        # handler checks the bounds on the body's length and need not render the text.
+        self.quick_chars = min(inline_chars, self.max_chars, self.refuse_chars or self.max_chars)
         self.max_waiting = max_waiting
         self.skipped: Counter[str] = Counter()  # "too_long", "busy"
         self._lock = threading.Lock()

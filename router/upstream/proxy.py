@@ -95,7 +95,6 @@ class Routed:
     __slots__ = (
         "body", "cache_key", "endpoint", "model", "namespace", "path", "pin_ttl", "priority",
         "prompt_cache_key", "route", "session_key", "stream",
-        "text",
         "tokens",
     )  # fmt: skip
 
@@ -104,11 +103,11 @@ class Routed:
         model: str | None, tokens: Sequence[int] | None = None, stream: bool = False,
         priority: int | None = None,
         namespace: str = "",
+        render: Callable[[], str] | None = None,
     ) -> None:  # fmt: skip
         self.endpoint = endpoint  # metrics label: chat | completions | generate
         self.path = path  # upstream path, e.g. /v1/chat/completions
         self.body = body  # forwarded unchanged
-        self.text = text  # what the policy routes on
         self.session_key = session_key
         self.model = model
         self.tokens = tokens  # the worker's prompt ids (router `tokenizer` set)
@@ -120,11 +119,17 @@ class Routed:
         self.namespace = namespace  # its cache namespace (router/holdings/namespace.py)
         # What the policy and the fleet queue read of it: built once, shared by the
         # queue's ticket and every try's decision (`Proxy._select`).
-        self.route = RouteRequest(text, session_key, tokens, model or "", namespace)
+        # `text`, or `render` for a chat routed on its ids (RouteRequest says why).
+        self.route = RouteRequest(text, session_key, tokens, model or "", namespace, render)
         # The tenant-namespaced digest of `prompt_cache_key` (router/holdings/sessions.py).
         self.cache_key: bytes | None = None
         self.pin_ttl = 0.0  # its `cache_pin_ttl` (the session rule's rule 3)
         self.prompt_cache_key: str | None = None  # as the client sent it (pins: cache_key)
+
+    @property
+    def text(self) -> str:
+        """What the policy routes on (rendered at the first read where it was deferred)."""
+        return self.route.text
 
 
 class Seating(Protocol):

@@ -10,12 +10,15 @@ import numpy as np
 import openai
 import pytest
 
+from router.http import handlers
 from router.http.state import FLEET, ROUTING
 from router.policy import build_routing
 from router.policy.base import FleetView, RouteRequest
 from shared.config import RouterConfig
 from shared.tokens.prompt_ids import token_key
 from shared.tokens.prompt_tokens import PromptTokens
+from shared.wire import protocol
+from shared.wire.protocol import ChatCompletionRequest, canonical_chat_text
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 
 SYSTEM = "You keep the warehouse books: answer in one short sentence, with the figure. " * 8
@@ -57,6 +60,47 @@ async def test_second_turn_predicted_in_the_tokens_the_worker_reports(policy: st
         held = np.frombuffer(whole.encode("latin-1"), "<u4").tolist()
         assert tree.width == 4 and len(held) > 100
         assert held == list(PromptTokens.load("sim").chat(turn[:2]))[: len(held)]
+    finally:
+        await client.close()
+        await router.close()
+        await worker.close()
+
+
+@pytest.mark.parametrize(("policy", "renders"), [("cache_aware", 0), ("consistent_hash", 2)])
+async def test_a_chat_routed_on_its_ids_renders_its_routing_text_only_when_read(
+    policy: str, renders: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a token tree a chat's routing text is read only by fallbacks, so the handler
+    defers it (router/holdings/prediction.py `RouteRequest`): cache_aware routes both
+    turns on their ids and never renders it; consistent_hash, which hashes the text,
+    gets it rendered (once a request) and the same text as ever."""
+    calls: list[str] = []
+
+    def counted(messages):  # type: ignore[no-untyped-def]
+        calls.append(text := canonical_chat_text(messages))
+        return text
+
+    monkeypatch.setattr(protocol, "canonical_chat_text", counted)  # (routing_text's)
+    monkeypatch.setattr(handlers, "canonical_chat_text", counted, raising=False)
+    worker = await start_worker(worker_config())
+    url = str(worker.make_url("")).rstrip("/")
+    router = await start_router(RouterConfig(
+        host="127.0.0.1", worker_urls=(url,), policy=policy, tokenizer="sim", access_log=False,
+    ))  # fmt: skip
+    client = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Boxes?"}]
+        first = await client.chat.completions.create(model="sim", messages=turn, max_tokens=1)
+        turn += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And pallets?"},
+        ]
+        await client.chat.completions.create(model="sim", messages=turn, max_tokens=1)
+        assert len(calls) == renders
+        if renders:
+            assert calls[-1] == canonical_chat_text(
+                ChatCompletionRequest.model_validate({"messages": turn}).messages
+            )
     finally:
         await client.close()
         await router.close()

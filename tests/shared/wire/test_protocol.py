@@ -1,8 +1,17 @@
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from shared.serving.errors import error_body, validation_error
-from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, routing_text
+from shared.wire.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    canonical_chat_text,
+    routing_text,
+)
 
 
 def test_chat_turns_extend_the_previous_text() -> None:
@@ -109,3 +118,27 @@ def test_stock_engines_documented_fields_pass() -> None:
     routing_text("completions", body)
     # `/generate` (SGLang's native API) stays lenient.
     routing_text("generate", {"text": "x", "return_logprob": True})
+
+
+_ROLES = st.sampled_from(["system", "user", "assistant", "tool", "developer"])
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=30)
+_CONTENT = (
+    st.none() | _TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}))
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=st.lists(st.fixed_dictionaries({"role": _ROLES, "content": _CONTENT}), min_size=1),
+    ensure_ascii=st.booleans(),
+)
+def test_a_chats_canonical_text_is_shorter_than_its_json_body(
+    messages: list[dict], ensure_ascii: bool
+) -> None:
+    """The router's tokenizer bounds a chat by its body's length instead of its canonical
+    text's (router/http/tokenize.py `quick_chars`): the text is never the longer, however
+    compact the JSON, in UTF-8 or escaped to ASCII, with parts or none."""
+    body = json.dumps({"messages": messages}, ensure_ascii=ensure_ascii, separators=(",", ":"))
+    raw = body.encode()
+    chat = ChatCompletionRequest.model_validate(json.loads(raw))
+    assert len(canonical_chat_text(chat.messages)) < len(raw)
