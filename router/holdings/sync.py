@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 PENDING_MAX = 10_000
 PENDING_MAX_CHARS = 32 * 2**20
 # Stream entries read at a time: each up to MAX_RECORDS decisions, applied on the loop.
-READ_ENTRIES = 32
+READ_ENTRIES = 16
 # The fewest entries the stream is trimmed to (`_maxlen`), whatever the batch sizes.
 MIN_ENTRIES = 100
 

@@ -37,18 +37,22 @@ from shared.tokens.prompt_ids import TokenKey
 
 FIELD = b"b"  # a batch's stream field (`d` and `s`: the versions before, one item each)
 TEXT, TOKENS, SESSION = b"d", b"t", b"s"  # a record's KIND
-# Records in one entry. A reader applies at most READ_ENTRIES entries a read on the event
-# loop (router/holdings/sync.py): 32 x 128 decisions, ~10 ms at the worst.
-MAX_RECORDS = 128
+# Records in one entry: a flush of a replica at ~10,000 decisions/s (20 ms) is one entry.
+# A reader applies READ_ENTRIES entries a read on the event loop (router/holdings/sync.py):
+# at most 16 x 256 decisions, where a page of the version before batches held 1,000.
+MAX_RECORDS = 256
+# An entry's records, inflated, unless one decision at `sync_max_chars` needs more.
+BATCH_BYTES = 2**20
 _HEAD = struct.Struct("<cI")  # KIND, body length
 # Worker ids a reader keeps checked (a fleet has a few; past this the memo starts over).
 _MEMO_MAX = 1024
 
 
 def max_batch_bytes(max_chars: int) -> int:
-    """An entry's records, inflated: the bound one entry had before batches (4 bytes a
-    char or an id, and room for the ids), so a decision at `sync_max_chars` always fits."""
-    return 4 * max_chars + 1024
+    """An entry's records, inflated: BATCH_BYTES, or the bound one entry had before
+    batches where that is more (4 bytes a char or an id, and room for the ids), so a
+    decision at `sync_max_chars` always fits."""
+    return max(BATCH_BYTES, 4 * max_chars + 1024)
 
 
 def text_record(worker_id: str, text: str, max_chars: int) -> bytes:
@@ -94,6 +98,7 @@ class BatchReader:
 
     def __init__(self, max_chars: int, fingerprint: str | None) -> None:
         self.max_bytes = max_batch_bytes(max_chars)
+        self.max_key_bytes = 4 * max_chars  # a decision's, as before batches
         self.fingerprint = fingerprint.encode() if fingerprint is not None else None
         self._workers: dict[bytes, str] = {}  # raw worker id -> checked
 
@@ -137,6 +142,8 @@ class BatchReader:
                 raise ValueError("record without a worker id")
             worker_id = self._workers.get(worker) or self._check(worker)
             if kind == TEXT:
+                if len(payload) > self.max_key_bytes:
+                    raise ValueError("over sync_max_chars")
                 return worker_id, payload.decode("utf-8", "replace")
             if kind == TOKENS:
                 fp, colon = (
@@ -147,7 +154,10 @@ class BatchReader:
                     raise ValueError("token record without a fingerprint")
                 if fp != self.fingerprint:
                     raise ValueError(OTHER_TOKENIZER)
-                return worker_id, ids_of(payload[FINGERPRINT_LEN + 1 :])
+                ids = payload[FINGERPRINT_LEN + 1 :]
+                if len(ids) > self.max_key_bytes:
+                    raise ValueError("over sync_max_chars")
+                return worker_id, ids_of(ids)
             if kind == SESSION:
                 if len(body) > SESSION_MAX_BYTES:
                     raise ValueError("session entry too large")

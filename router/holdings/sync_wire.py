@@ -12,12 +12,13 @@ entry never stops a loop):
   session entry (payload: `digest KIND pin-ms [LATER ...]`, as below). One zlib stream a
   flush, not one a decision: a batch repeats the same long prefixes, and one XADD of one
   field replaces an XADD and a reply parse per decision. Bounds, checked before any
-  record is applied: the field at most `max_batch_bytes` (4 x `sync_max_chars` + 1 KiB)
-  plus zlib's overhead, inflated to at most `max_batch_bytes` (so every record stays
-  within the bound one entry of the version before had: 4 bytes a char or an id), at
-  most `MAX_RECORDS` records, each whole; else the batch is dropped whole (counted). A
-  record whose body does not pass the checks below is dropped alone (counted) and the
-  rest applied; a KIND this reader does not know (a later version's) likewise.
+  record is applied: the field at most `max_batch_bytes` (1 MiB, or 4 x `sync_max_chars`
+  + 1 KiB where that is more: the bound one entry of the version before had, 4 bytes a
+  char or an id) plus zlib's overhead, inflated to at most `max_batch_bytes`, at most
+  `MAX_RECORDS` records, each whole; else the batch is dropped whole (counted). A
+  record whose body does not pass the checks below (its text or ids at most 4 x
+  `sync_max_chars` bytes, as one entry's before) is dropped alone (counted) and the rest
+  applied; a KIND this reader does not know (a later version's) likewise.
   Rolling upgrade: this version still reads the fields `d` and `s` below (the versions
   before batches wrote an entry per decision); those versions read a batch entry as a
   decision with no payload and drop it (counted in `sync_decisions`, no crash): while
