@@ -140,6 +140,7 @@ class DecisionSync:
         # the flush. `_pending_chars`: the keys' lengths, for PENDING_MAX_CHARS.
         self._pending: deque[tuple[str, str] | bytes] = deque()
         self._pending_chars = 0
+        self._last_decision: tuple[str, str] | None = None  # the last decision buffered
         self._reader = BatchReader(config.sync_max_chars, fingerprint)
         # Decisions an entry holds, a moving average over the entries this replica wrote
         # and read: the stream keeps about `sync_stream_maxlen` / this entries (`_maxlen`).
@@ -188,7 +189,15 @@ class DecisionSync:
                 key = token_key(key[: self.config.sync_max_chars])  # type: ignore[assignment]
                 if not key:
                     return  # no ids, or not token ids (a client's prompt of any ints)
-        self._buffer((worker_id, key), len(key))  # type: ignore[arg-type]
+        last = self._last_decision
+        if last is not None and last[1] == key and last[0] == worker_id:
+            # The decision just buffered, again: a reader applies a flush's decisions at
+            # one time, so the repeat would refresh nothing the first does not. Exact for
+            # any traffic; it saves work only where a prompt repeats at once (a load test,
+            # retries, one popular prompt), not on a fleet of distinct conversations.
+            return
+        item = self._last_decision = (worker_id, key)  # type: ignore[assignment]
+        self._buffer(item, len(key))
 
     def publish_session(
         self, worker_id: str, digest: bytes, pin_ttl: float = 0.0, placed: bool = True
@@ -197,6 +206,7 @@ class DecisionSync:
         whose call asked for a pin of `pin_ttl` seconds there (its tenant-namespaced
         digest: the key itself never leaves this router)."""
         record = session_record(worker_id, digest, pin_ttl, placed)
+        self._last_decision = None
         self._buffer(record, len(record))
 
     def _buffer(self, item: tuple[str, str] | bytes, chars: int) -> None:
@@ -275,7 +285,7 @@ class DecisionSync:
         if not self._pending:
             return
         items = list(self._pending)
-        self._pending, self._pending_chars = deque(), 0
+        self._pending, self._pending_chars, self._last_decision = deque(), 0, None
         stream, done = self.registry.decisions_stream, 0
         try:
             while done < len(items):
