@@ -37,7 +37,7 @@ from loadtests.kit import Command, checkout, cpu_seconds, short
 from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.load.workloads import NATO_WORDS as WORDS
 from router.holdings.sync import DecisionSync
-from router.holdings.sync_batch import FIELD
+from router.holdings.sync_batch import FIELD, next_entry
 from router.holdings.sync_wire import encode_decision
 from router.policy import build_routing
 from shared.config import RouterConfig
@@ -215,7 +215,9 @@ def flush(writer: DecisionSync) -> list[bytes]:
     items, out, done = list(writer._pending), [], 0
     writer._pending.clear()
     while done < len(items):
-        value, taken, _ = writer._entry(items, done)
+        value, taken, _ = next_entry(
+            items, done, writer._header, writer.fingerprint, writer.config.sync_max_chars
+        )
         out += [value] if value is not None else []
         done += taken
     return out

@@ -49,16 +49,7 @@ import numpy as np
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from router.holdings.sync_batch import (
-    FIELD,
-    MAX_RECORDS,
-    BatchReader,
-    max_batch_bytes,
-    pack,
-    session_record,
-    text_record,
-    token_record,
-)
+from router.holdings.sync_batch import FIELD, SyncBatchReader, next_entry, session_record
 from router.holdings.sync_wire import (
     SEP,
     Key,
@@ -141,7 +132,7 @@ class DecisionSync:
         self._pending: deque[tuple[str, str] | bytes] = deque()
         self._pending_chars = 0
         self._last_decision: tuple[str, str] | None = None  # the last decision buffered
-        self._reader = BatchReader(config.sync_max_chars, fingerprint)
+        self._reader = SyncBatchReader(config.sync_max_chars, fingerprint)
         # Decisions an entry holds, a moving average over the entries this replica wrote
         # and read: the stream keeps about `sync_stream_maxlen` / this entries (`_maxlen`).
         self._per_entry = 1.0
@@ -289,7 +280,9 @@ class DecisionSync:
         stream, done = self.registry.decisions_stream, 0
         try:
             while done < len(items):
-                value, taken, records = self._entry(items, done)
+                value, taken, records = next_entry(
+                    items, done, self._header, self.fingerprint, self.config.sync_max_chars
+                )
                 if value is not None:
                     await self.redis.xadd(
                         stream, {FIELD: value}, maxlen=self._maxlen(), approximate=True
@@ -306,32 +299,6 @@ class DecisionSync:
             while len(self._pending) > PENDING_MAX or self._pending_chars > PENDING_MAX_CHARS:
                 self._pending_chars -= _chars(self._pending.popleft())
             raise
-
-    def _entry(self, items: list, start: int) -> tuple[bytes | None, int, int]:
-        """(the next entry's value, or None where no item of it could be shared; the
-        items it took from `items[start:]`; the records in it). An entry ends at
-        MAX_RECORDS records or before its records would pass `max_batch_bytes`."""
-        cap = self.config.sync_max_chars
-        limit = max_batch_bytes(cap)
-        records: list[bytes] = []
-        size, i, fp = 0, start, self.fingerprint
-        while i < len(items) and len(records) < MAX_RECORDS:
-            item = items[i]
-            if type(item) is bytes:
-                record: bytes | None = item
-            else:
-                worker_id, key = item
-                if type(key) is TokenKey:
-                    record = token_record(worker_id, key, fp, cap)  # type: ignore[arg-type]
-                else:
-                    record = text_record(worker_id, key, cap)
-            if record is not None:
-                if records and size + len(record) > limit:
-                    break  # the next entry's first
-                records.append(record)
-                size += len(record)
-            i += 1
-        return (pack(self._header, records) if records else None), i - start, len(records)
 
     def _maxlen(self) -> int:
         """Entries the stream is trimmed to: about `sync_stream_maxlen` decisions at the

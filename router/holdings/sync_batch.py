@@ -5,9 +5,8 @@ docstring).
     value  = replica id SEP zlib(record ...)          the stream field `b`
     record = KIND + body length (uint32 LE) + body    body = worker id SEP payload
 
-Writing: `text_record`, `token_record`, `session_record` per item, `pack` per entry (the
-caller, router/holdings/sync.py, closes an entry at `MAX_RECORDS` records or before
-`max_batch_bytes`). Reading: `BatchReader.read`, which bounds and frames the whole entry
+Writing: `next_entry` turns a replica's buffer (router/holdings/sync.py) into entries,
+each closed at `MAX_RECORDS` records or before `max_batch_bytes`. Reading: `SyncBatchReader.read`, which bounds and frames the whole entry
 before decoding any record, so a bad entry is refused before anything of it is applied.
 """
 
@@ -81,6 +80,41 @@ def pack(header: bytes, records: Sequence[bytes]) -> bytes:
     return header + zlib.compress(b"".join(records), 1)
 
 
+# A buffered item: (worker id, text or TokenKey) a decision, bytes a record made already.
+Item = tuple[str, str] | bytes
+
+
+def next_entry(
+    items: Sequence[Item], start: int, header: bytes, fingerprint: str | None, max_chars: int
+) -> tuple[bytes | None, int, int]:
+    """(the next entry's value, None where no item of it could be shared; the items it
+    took from `items[start:]`; the records in it). An entry ends at MAX_RECORDS records
+    or before its records would pass `max_batch_bytes`. Token ids go out only with the
+    writer's `fingerprint` (its buffer takes none without one)."""
+    limit = max_batch_bytes(max_chars)
+    records: list[bytes] = []
+    size, i = 0, start
+    while i < len(items) and len(records) < MAX_RECORDS:
+        item = items[i]
+        if type(item) is bytes:
+            record: bytes | None = item
+        else:
+            worker_id, key = item
+            if type(key) is not TokenKey:
+                record = text_record(worker_id, key, max_chars)
+            elif fingerprint is not None:
+                record = token_record(worker_id, key, fingerprint, max_chars)
+            else:
+                record = None  # ids no replica could name
+        if record is not None:
+            if records and size + len(record) > limit:
+                break  # the next entry's first
+            records.append(record)
+            size += len(record)
+        i += 1
+    return (pack(header, records) if records else None), i - start, len(records)
+
+
 class Refused(NamedTuple):
     """A record dropped alone: where it is counted (`sync_decisions`, `sync_sessions`)
     and why."""
@@ -92,7 +126,7 @@ class Refused(NamedTuple):
 Record = tuple[str, Key] | SessionEntry | Refused
 
 
-class BatchReader:
+class SyncBatchReader:
     """Decodes batch entries for one replica: its `sync_max_chars` and tokenizer
     fingerprint (None: its tree keys on text and takes no ids)."""
 

@@ -16,6 +16,7 @@ import pytest
 from redis.asyncio import Redis
 
 from router.holdings.sync import SEP, DecisionSync
+from router.holdings.sync_batch import next_entry
 from router.holdings.sync_wire import TOKENS, decode_decision, encode_decision, encode_tokens
 from shared.config import RouterConfig
 from shared.tokens.fingerprint import FINGERPRINT_LEN, tokenizer_fingerprint
@@ -87,7 +88,7 @@ def test_a_clients_out_of_range_ids_are_not_shared_and_never_raise(redis_server)
         room_key = TokenKey(text.encode().decode("latin-1"))
         sync.publish("w1", room_key)
     items = list(sync._pending)
-    value, taken, records = sync._entry(items, 0)
+    value, taken, records = next_entry(items, 0, sync._header, FP, CONFIG.sync_max_chars)
     assert (taken, records) == (len(items), 1) and value is not None
 
 
