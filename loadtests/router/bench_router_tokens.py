@@ -287,24 +287,29 @@ def sync_wire_main(args: argparse.Namespace) -> int:
 
 
 SYNC_WIRE = Command(
-    """Replica sync entries, text vs prompt ids: bytes on the wire and a replica's CPU per entry.
+    """Replica sync entries: text vs ids, batches vs an entry a decision; bytes, CPU a decision.
 
     python -m loadtests sync-wire [--sessions 16] [--turns 20] [--words 700] [--rounds 3]
 
-Routers share each routing decision through Redis (router/fleet/sync.py): the routed text
-where the tree keys on text, the prompt ids (uint32 + zlib, with the tokenizer's
-fingerprint) where it keys on tokens. The same multi-turn chats as
-`bench_router_tokens` (a ~700-word system prompt, ~2k tokens, one user line a turn) are
-turned into decisions both ways, in process:
+Routers share each routing decision through Redis (router/holdings/sync.py): the routed
+text where the tree keys on text, the prompt ids (uint32, with the tokenizer's
+fingerprint) where it keys on tokens, a flush's decisions in one entry, one zlib stream
+(router/holdings/sync_batch.py). The same multi-turn chats as `bench_router_tokens` (a
+~700-word system prompt, ~2k tokens, one user line a turn; every decision distinct, so
+nothing here is a repeat) are turned into decisions, in process, three ways: text and
+tokens in batches (a flush every FLUSH decisions), and text as the versions before
+batches wrote it (`encode_decision`, an entry a decision, side by side):
 
-- size: bytes of the stream field (what Redis stores and every replica reads), against
+- size: stream bytes a decision (what Redis stores and every replica reads), against
   the raw key (UTF-8 text, or 4 bytes an id);
-- publish: the writer's CPU per entry (encode + compress: on the request's path);
-- apply: the reader's CPU per entry, through the real `DecisionSync._apply` into the real
-  `cache_aware` policy's tree (decode, validate, insert): what a replica pays for every
-  other replica's decision. No Redis round trip is timed (the same for both).
+- publish: the writer's CPU a decision (the request path's `publish` and the flush's
+  encoding and compression; before batches all of it ran on the request's path);
+- apply: the reader's CPU a decision, through the real `DecisionSync._apply` into the
+  real `cache_aware` policy's tree (decode, validate, insert): what a replica pays for
+  every other replica's decision. No Redis round trip is timed (one XADD and one reply
+  an entry now, where it was one a decision: the Redis side is not in these figures).
 
-The two arms run in alternating rounds on one machine; `time.process_time` per round.
+The arms run in alternating rounds on one machine; `time.process_time` per round.
 """,
     sync_wire_arguments,
     sync_wire_main,

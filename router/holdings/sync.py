@@ -8,18 +8,21 @@ wasted. So every replica:
 - `publish(worker_id, key)` on each decision, `key` being what the tree keys on: the
   routed text, or the prompt token ids when the router has a `tokenizer` (those entries
   carry the tokenizer's fingerprint; router/holdings/sync_wire.py). The hot path only
-  appends to a bounded in-memory buffer (no encoding, no compression); a flusher task
-  sends the buffer every `sync_flush_interval` as one stream entry of up to
-  `MAX_RECORDS` records (router/holdings/sync_batch.py: keys capped at `sync_max_chars`
-  elements, one zlib stream an entry, one XADD; more entries where a flush holds more).
-  The stream is trimmed to about `sync_stream_maxlen` decisions (`_maxlen`). No Redis
-  round trip happens before forwarding.
+  appends the key to a bounded in-memory buffer (no encoding, no compression; a repeat
+  of the decision just buffered is not buffered again, see `publish`). A flusher task
+  sends the buffer every `sync_flush_interval` as one stream entry (more where a flush
+  holds more than `MAX_RECORDS` records or `max_batch_bytes`,
+  router/holdings/sync_batch.py): keys capped at `sync_max_chars` elements, one zlib
+  stream and one XADD an entry. The stream is trimmed to about `sync_stream_maxlen`
+  decisions (`_maxlen`). No Redis round trip happens before forwarding.
 - A reader task applies the other replicas' decisions to its own trees through
-  `Policy.observe`, each in order (a decision the same as one just applied still
-  refreshes its recency: nothing is deduplicated); a tree on tokens skips text entries (written by a replica of the
-  version before tokens, during a rolling upgrade: counted in `skipped`). On start it first replays the whole (bounded) stream, so a replica
-  that starts late or restarts recovers the fleet's affinity instead of starting empty;
-  after a Redis outage it resumes from the last entry it applied.
+  `Policy.observe`, every one in order (an entry's decisions at one time); a tree on
+  tokens skips text entries (written by a replica of the version before tokens, during
+  a rolling upgrade: counted in `skipped`). On start it first replays the whole
+  (bounded) stream, READ_ENTRIES entries a page, so a replica that starts late or
+  restarts recovers the fleet's affinity instead of starting empty; after a Redis
+  outage it resumes from the last entry it applied. It reads the entries of the
+  versions before batches too (an entry a decision or session, a rolling upgrade).
 - `publish_session(worker_id, digest, pin_ttl, placed)` on each prompt_cache_key
   session placed, and on each call that keeps one with a pin
   (router/holdings/sessions.py): an `s` record in the same entries, `worker id SEP
@@ -302,9 +305,9 @@ class DecisionSync:
 
     def _maxlen(self) -> int:
         """Entries the stream is trimmed to: about `sync_stream_maxlen` decisions at the
-        decisions an entry holds of late, never under MIN_ENTRIES. Redis then holds at
-        most `sync_stream_maxlen` entries of `max_batch_bytes` (an entry a decision: the
-        bound of the version before batches), and a replay about that many decisions."""
+        decisions an entry held of late (written and read here: the fleet's), never under
+        MIN_ENTRIES. So Redis holds about what that many decisions take, as when an entry
+        was a decision, and a replica that starts replays about that many."""
         return max(MIN_ENTRIES, round(self.config.sync_stream_maxlen / self._per_entry))
 
     async def _read_once(self) -> None:
