@@ -116,18 +116,9 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 parsed, renders=tokenize is not None, adapter=app[FLEET].serves_adapter(model)
             )
             routed = Routed(
-                endpoint,
-                path,
-                raw,
-                text,
-                session_key,
-                model,
-                ids,
-                stream,
-                add,
-                namespace,
+                endpoint, path, raw, text, session_key, model, ids, stream, add, namespace,
                 render,
-            )
+            )  # fmt: skip
             queue = app[QUEUE]
             tenant = queue.tenants.of_headers(request.headers)
             cache_key = getattr(parsed, "prompt_cache_key", None)
