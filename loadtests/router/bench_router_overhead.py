@@ -483,6 +483,65 @@ async def handles():
 def handle():
     uvloop.run(handles())
 
+# The whole request in one process, as `serve()` serves it (the app's runner set up,
+# its cleanup contexts run), with no kernel in it: the own protocol handed a request's
+# bytes (wrk's head, and the OpenAI client's 15 header lines), its edge, the handler, the
+# proxy, its upstream connection to a zero worker in this process (ZeroWorker, joined by
+# in-memory transports that hand each write over on the next loop pass: no sockets),
+# and the answer framed and written to a transport that takes everything. Its CPU is
+# the router's Python and the zero worker's (~2 us, the same on both sides).
+from loadtests.router.zero_worker import ZeroWorker
+from router.http.app import serving_protocol, serving_runner
+from router.upstream.proxy import PROXY
+
+prompt = b'{"model": "sim", "prompt": "hello there, a prompt of a few words to route", "max_tokens": 4}'
+wrk_head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Type: application/json\r\n"
+openai_head = wrk_head + (
+    b"Accept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\nAccept: application/json\r\n"
+    b"User-Agent: OpenAI/Python 1.50.0\r\nX-Stainless-Lang: python\r\n"
+    b"X-Stainless-Package-Version: 1.50.0\r\nX-Stainless-OS: Linux\r\nX-Stainless-Arch: x64\r\n"
+    b"X-Stainless-Runtime: CPython\r\nX-Stainless-Runtime-Version: 3.11.7\r\n"
+    b"Authorization: Bearer sk-x\r\nx-stainless-retry-count: 0\r\n")
+
+class Pipe(asyncio.Transport):  # one end of an in-memory connection (None: writes dropped)
+    def __init__(self, peer):
+        super().__init__()
+        self.peer = peer
+    def write(self, data):
+        if self.peer is not None:
+            asyncio.get_running_loop().call_soon(self.peer.data_received, data)
+    def is_closing(self): return False
+    def get_write_buffer_size(self): return 0
+    def get_extra_info(self, name, default=None): return ("127.0.0.1", 1) if name == "peername" else default
+    def close(self): pass
+    def abort(self): pass
+    def pause_reading(self): pass
+    def resume_reading(self): pass
+
+async def serves(head):
+    config = RouterConfig(worker_urls=(url,), access_log=False)
+    runner = await serving_runner(create_app(config))
+    pool = runner.app[PROXY].pool
+    conn, worker = pool._protocol(), ZeroWorker(True)
+    conn.connection_made(Pipe(worker))
+    worker.connection_made(Pipe(conn))
+    pool._origin(url).idle.append(conn)  # the pool's one kept connection to the worker
+    protocol = serving_protocol(runner, config)()
+    protocol.connection_made(Pipe(None))
+    data = head + b"Content-Length: %d\r\n\r\n%s" % (len(prompt), prompt)
+    for _ in range(n):
+        protocol.data_received(data)
+        await protocol._task
+    assert pool.connects == 0  # every request went over the in-memory connection
+    protocol.connection_lost(None)
+    await runner.cleanup()
+
+def serve_wrk():
+    uvloop.run(serves(wrk_head))
+
+def serve_openai():
+    uvloop.run(serves(openai_head))
+
 import random
 from loadtests.load.workloads import NATO_WORDS
 from shared.tokens.prompt_tokens import PromptTokens
@@ -515,7 +574,8 @@ def turn_keys():  # a later turn's keys, first ask (as the index asks); tokenizi
                 asked += 1
     return spent / asked * 1e6
 
-pieces = [model, chat_model, seat, table, turn_keys, exchange, forward, handle]
+pieces = [model, chat_model, seat, table, turn_keys, exchange, forward, handle, serve_wrk,
+          serve_openai]
 try:  # the own protocol's answers (router/http/fast_answer.py), where the tree has them
     from aiohttp import web
     from aiohttp.base_protocol import BaseProtocol
@@ -596,6 +656,8 @@ PIECE_NAMES = {
     "exchange": "upstream pool: post, read_all, release (zero worker)",
     "forward": "Proxy.forward, a buffered answer (zero worker)",
     "handle": "the completions handler: body, model, queue, forward, metrics (zero worker)",
+    "serve_wrk": "the whole request as served, wrk's head (own protocol .. answer written)",
+    "serve_openai": "the same, the OpenAI client's head (15 header lines)",
     # Both ways in one tree (router/http/fast_answer.py; absent from older trees): the
     # own protocol's request, its answer written to a transport that takes everything.
     "answer_aiohttp": "a buffered answer by aiohttp's Response + StreamWriter (as before)",

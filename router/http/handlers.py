@@ -24,6 +24,7 @@ from router.http.state import (
     CONFIG,
     DISCOVERY,
     FLEET,
+    INFERENCE,
     KV_FEED,
     METRICS,
     OPENAPI,
@@ -31,7 +32,6 @@ from router.http.state import (
     ROUTING,
     SESSION,
     TICKET,
-    TOKENIZE,
 )
 from router.queue.tenants import DEFAULT as DEFAULT_TENANT
 from router.queue.ticket import Seat
@@ -79,7 +79,8 @@ def _inference_handler(endpoint: str, path: str) -> Any:
     # every request, and only inference requests are timed anyway.
     async def handler(request: web.Request) -> web.StreamResponse:
         app = request.app
-        clock, metrics, config = app[CLOCK], app[METRICS], app[CONFIG]
+        bound = app[INFERENCE]
+        clock, metrics, config = bound.clock, bound.metrics, bound.config
         start = clock()
         status = 499
         try:
@@ -93,7 +94,7 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             model = getattr(parsed, "model", None)
             # The router's tokenizer, where one is configured: bounded, long prompts off
             # the event loop, over-long ones routed on their text's head alone.
-            tokenize = app.get(TOKENIZE)
+            tokenize = bound.tokenize
             ids = await tokenize.ids(parsed, len(text)) if tokenize is not None else None
             if tokenize is not None and len(text) > tokenize.max_chars:
                 text = text[: tokenize.max_chars]
@@ -103,12 +104,12 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # names a tier but no priority (router/upstream/proxy.py).
             add = priority if "priority" not in data and "service_tier" in data else None
             namespace = request_namespace(
-                parsed, renders=tokenize is not None, adapter=app[FLEET].serves_adapter(model)
+                parsed, renders=tokenize is not None, adapter=bound.fleet.serves_adapter(model)
             )
             routed = Routed(
                 endpoint, path, raw, text, session_key, model, ids, stream, add, namespace
             )
-            queue = app[QUEUE]
+            queue = bound.queue
             tenant = queue.tenants.of_headers(request.headers)
             cache_key = getattr(parsed, "prompt_cache_key", None)
             if cache_key is not None:  # namespaced by the caller's tenant (sessions.py)

@@ -228,7 +228,9 @@ def test_the_head_pattern_accepts_what_the_strict_grammar_accepts() -> None:
     for _ in range(20000):
         fields = []
         for _ in range(rng.randrange(4)):
-            name = "".join(rng.choices(["X", "a", "-", "9", "!", " ", ":", "é"], k=rng.randrange(4)))
+            name = "".join(
+                rng.choices(["X", "a", "-", "9", "!", " ", ":", "é"], k=rng.randrange(4))
+            )
             fields.append(name + ":" + "".join(rng.choices(alphabet, k=rng.randrange(8))) + "\r\n")
         head = "POST /v1/completions HTTP/1.1\r\n" + "".join(fields)
         ours, spec = _HEAD.fullmatch(head), grammar.fullmatch(head)
