@@ -637,7 +637,8 @@ else:
     pieces += [answer_aiohttp, answer_own, stream_aiohttp, stream_own]
 
 out = {}
-for piece in pieces:
+only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else None
+for piece in pieces if only is None else [p for p in pieces if p.__name__ in only]:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()
@@ -672,6 +673,7 @@ def pieces_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side, min kept")
     p.add_argument("--rounds", type=int, default=3, help="sides run alternately this often")
     p.add_argument("--before-ref", default="", help="also time the pieces of this git ref")
+    p.add_argument("--only", default="", help="these pieces alone (comma-separated names)")
 
 
 def pieces_main(args: argparse.Namespace) -> int:
@@ -688,7 +690,7 @@ def pieces_main(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             for name, tree in list(sides.items())[:: 1 if r % 2 == 0 else -1]:
                 out = subprocess.run(
-                    [sys.executable, "-c", _PIECES, str(args.calls), str(args.repeats)],
+                    [sys.executable, "-c", _PIECES, str(args.calls), str(args.repeats), args.only],
                     cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
                     capture_output=True, text=True, check=True,
                 )  # fmt: skip
@@ -700,6 +702,8 @@ def pieces_main(args: argparse.Namespace) -> int:
     print("| piece | " + " | ".join(names) + (" | after / before |" if len(names) == 2 else " |"))
     print("|---|" + "---:|" * (len(names) + (len(names) == 2)))
     for piece, title in PIECE_NAMES.items():
+        if not any(piece in seen[n] for n in names):
+            continue  # not run (`--only`)
         cells = [
             f"{min(seen[n][piece]):.2f}-{max(seen[n][piece]):.2f}" if piece in seen[n] else "-"
             for n in names
@@ -721,7 +725,7 @@ ROUTER_PIECES = Command(
     """The request path's pieces in process, CPU time per call, before and after.
 
     python -m loadtests router-pieces [--before-ref main] [--calls 20000] [--repeats 5]
-        [--rounds 3]
+        [--rounds 3] [--only serve_wrk,serve_openai]
 
 Each side (this tree, and the router's code at `--before-ref` from a temporary
 checkout) runs in its own process, the sides alternating `--rounds` times: the request
@@ -736,7 +740,13 @@ zero-cost worker (loadtests/router/zero_worker.py, in its own process, so its CP
 counted): the upstream pool's exchange (post, read the body, release), `Proxy.forward`
 of a buffered completion (select, attempt, exchange, relay, the books), and the whole
 completions handler as the router's fast server calls it (body, request model, queue,
-forward, metrics; the server's parsing and the response's writing are not in it). Where
+forward, metrics; the server's parsing and the response's writing are not in it). The
+whole request as `serve()` serves it, in one process and with no kernel in it
+(`serve_wrk`, `serve_openai`): the app's runner set up, the own protocol handed wrk's
+request bytes (or the OpenAI client's, 15 header lines), the edge, the handler, the
+proxy over an in-memory connection to a zero worker in the same process (its ~2 us
+counted on both sides), and the answer written to a transport that takes everything;
+the pieces that cross the kernel swing by more than one micro-cut, these do not. Where
 the tree has router/http/fast_answer.py, the answer's writing both ways in this tree: a
 buffered answer by aiohttp's Response and StreamWriter (as before) and by the own
 protocol's one write, a 6-chunk stream by DeadlineStream and by FastStream, each on a
