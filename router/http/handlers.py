@@ -34,7 +34,6 @@ from router.http.state import (
     TICKET,
 )
 from router.queue.tenants import DEFAULT as DEFAULT_TENANT
-from router.queue.ticket import Seat
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
@@ -121,11 +120,12 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             ticket = queue.ticket(tenant, klass, routed.route)
             request[TICKET] = ticket
             # Admitted (or refused) here; the seat is freed whatever the way out. The
-            # common case, a free seat, costs no coroutine (`Seat` as `async with` did).
+            # common case, a free seat, costs no coroutine (`Seat` as `async with` did),
+            # and the ticket is the proxy's seat itself (no `Seat` object either).
             if not queue.pass_now(ticket):
                 await queue.wait_turn(ticket)
             try:
-                response = await app[PROXY].forward(request, routed, Seat(queue, ticket))
+                response = await app[PROXY].forward(request, routed, ticket)
                 # A whole answer is ready to leave (a stream's head left already and was
                 # told by the app's on_response_prepare hook: the first of the two counts).
                 queue.answered(ticket, response.status)
