@@ -162,27 +162,53 @@ async def test_a_stream_to_a_client_that_never_reads_holds_bounded_memory(
         await runner.cleanup()
 
 
-def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
-    """The own answers' heads (router/http/fast_answer.py) byte for byte as aiohttp's
-    serializer writes the same status line and headers; CR or LF in a name or value is
-    refused by both."""
+async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
+    """An own answer (router/http/fast_answer.py) leaves as the bytes aiohttp's serializer
+    writes for its status line and final headers, then its body, in one write; a control
+    character in a name or value is refused (ValueError) and nothing is written."""
+    from types import SimpleNamespace
+
+    from aiohttp.base_protocol import BaseProtocol
     from aiohttp.http_writer import _serialize_headers
 
-    from router.http.fast_answer import _head
+    from router.http.fast_answer import FAST, FastReply
+    from router.http.fast_server import FastRequest
 
-    line = "HTTP/1.1 200 OK"
+    class Recording(asyncio.Transport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[bytes] = []
+
+        def write(self, data: bytes) -> None:  # type: ignore[override]
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return False
+
+    route = (None, SimpleNamespace(current_app=None), ())
+
+    def on(sink: Recording) -> BaseProtocol:
+        protocol = BaseProtocol(asyncio.get_running_loop())
+        protocol.connection_made(sink)
+        return protocol
+
     for fields in (
         [],
         [("Content-Type", "application/json"), ("x-request-id", "r" * 32)],
         [("X-A", "1"), ("x-a", "2"), ("X-Ünï", "välue ✓"), ("Empty", "")],
     ):
-        headers = CIMultiDict(fields)
-        assert _head(line + "\r\n", headers) == _serialize_headers(line, headers)
-    for bad in (("X-A", "1\r\nSet-Cookie: s=1"), ("X-A", "a\nb"), ("X\rA", "1")):
+        sink = Recording()
+        request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
+        reply = FastReply(200, CIMultiDict(fields), b"body")
+        assert await FAST.finish(request, reply)
+        assert sink.writes == [_serialize_headers("HTTP/1.1 200 OK", reply.headers) + b"body"]
+        assert reply.headers["Content-Length"] == "4" and "Date" in reply.headers  # framed
+    for bad in (("X-A", "1\r\nSet-Cookie: s=1"), ("X-A", "a\nb"), ("X\rA", "1"), ("X-A", "\x00")):
+        sink = Recording()
+        request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
         with pytest.raises(ValueError):
-            _serialize_headers(line, CIMultiDict([bad]))
-        with pytest.raises(ValueError):
-            _head(line + "\r\n", CIMultiDict([bad]))
+            await FAST.finish(request, FastReply(200, CIMultiDict([bad]), b"body"))
+        assert sink.writes == []
 
 
 def test_header_values_are_read_as_aiohttp_reads_them() -> None:
