@@ -60,7 +60,7 @@ def _new_prefix() -> None:
 os.register_at_fork(after_in_child=_new_prefix)
 
 
-def new_request_id() -> str:
+def fresh_request_id() -> str:
     """32 hex digits, as uuid4().hex: the process's prefix, then the serial number."""
     return f"{_prefix}{next(_serial):016x}"
 
@@ -68,7 +68,7 @@ def new_request_id() -> str:
 def request_id_of(headers_value: str | None) -> str:
     if headers_value is not None and _VALID_ID.fullmatch(headers_value):
         return headers_value
-    return new_request_id()
+    return fresh_request_id()
 
 
 async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
