@@ -254,6 +254,10 @@ class RouterConfig(_Frozen):
     # Router processes on this host behind one port (SO_REUSEPORT; router/up/processes.py).
     # Above 1 they route as replicas: sync is turned on when redis_url is set.
     processes: int = Field(1, ge=1, le=256)
+    # About this many decisions stay in the sync stream (replayed by a replica that
+    # starts): an entry is one replica's flush of up to 256 decisions, and each replica
+    # trims to this many / the decisions an entry held of late, never under 100 entries
+    # (router/holdings/sync.py): Redis holds about what this many decisions take.
     sync_stream_maxlen: int = Field(20_000, ge=100)
     # The longest key shared per decision: chars of text, or token ids with a `tokenizer`.
     sync_max_chars: int = Field(32_768, ge=64)

@@ -37,6 +37,8 @@ from loadtests.kit import Command, checkout, cpu_seconds, short
 from loadtests.load.cluster import Cluster, WorkerSpec
 from loadtests.load.workloads import NATO_WORDS as WORDS
 from router.holdings.sync import DecisionSync
+from router.holdings.sync_batch import FIELD, next_entry
+from router.holdings.sync_wire import encode_decision
 from router.policy import build_routing
 from shared.config import RouterConfig
 from shared.tokens.fingerprint import tokenizer_fingerprint
@@ -173,23 +175,52 @@ def make_sync(config: RouterConfig, fingerprint: str | None) -> tuple[DecisionSy
 
 
 def run_arm(
-    keys: list[Any], config: RouterConfig, fp: str | None
+    keys: list[Any], config: RouterConfig, fp: str | None, per_decision: bool = False
 ) -> tuple[list[bytes], float, float]:
-    """(entries, publish CPU s, apply CPU s) for one arm."""
+    """(entries, publish CPU s, apply CPU s) for one arm. Publish: the writer's whole CPU,
+    the request path's `publish` and the flush's encoding into entries (no Redis).
+    `per_decision`: text as the versions before batches wrote it, an entry a decision."""
     writer, _ = make_sync(config, fp)
+    entries: list[bytes] = []
     t0 = time.process_time()
-    for i, key in enumerate(keys):
-        writer.publish(f"w{i % 4}", key)
+    if per_decision:
+        header, cap = writer._header, config.sync_max_chars
+        for i, key in enumerate(keys):
+            entries.append(encode_decision(header, f"w{i % 4}", key, cap))
+    else:
+        for i, key in enumerate(keys):
+            writer.publish(f"w{i % 4}", key)
+            if len(writer._pending) == FLUSH:  # a flush every FLUSH decisions
+                entries += flush(writer)
+        entries += flush(writer)
     publish = time.process_time() - t0
-    entries = list(writer._pending)
     reader, policy = make_sync(config, fp)
-    stream = [(f"{i + 1}-0".encode(), {b"d": e}) for i, e in enumerate(entries)]
+    field = b"d" if per_decision else FIELD
+    stream = [(f"{i + 1}-0".encode(), {field: e}) for i, e in enumerate(entries)]
     t0 = time.process_time()
     reader._apply(stream, include_own=False)
     apply = time.process_time() - t0
-    assert reader.applied == len(entries), (reader.applied, reader.skipped)
+    assert reader.applied == len(keys), (reader.applied, reader.skipped)
     assert policy.holdings.worker_stats(), "nothing reached the tree"
     return entries, publish, apply
+
+
+# Decisions a flush takes in this bench: what a replica at ~5,000 req/s buffers in the
+# default 20 ms `sync_flush_interval`.
+FLUSH = 100
+
+
+def flush(writer: DecisionSync) -> list[bytes]:
+    """The entries a flush of `writer`'s buffer sends (router/holdings/sync.py), unsent."""
+    items, out, done = list(writer._pending), [], 0
+    writer._pending.clear()
+    while done < len(items):
+        value, taken, _ = next_entry(
+            items, done, writer._header, writer.fingerprint, writer.config.sync_max_chars
+        )
+        out += [value] if value is not None else []
+        done += taken
+    return out
 
 
 def sync_wire_arguments(p: argparse.ArgumentParser) -> None:
@@ -207,63 +238,78 @@ def sync_wire_main(args: argparse.Namespace) -> int:
              for m in requests]  # fmt: skip
     # What the router publishes: the tree's key (a TokenKey, KEY_WIDTH chars an id).
     ids = [tokens.chat(m).tree_key() for m in requests]
+    before = "text, an entry a decision"  # the wire before batches, side by side
     arms = {
         "text": (texts, RouterConfig(sync=True), None),
         "tokens": (ids, RouterConfig(sync=True, tokenizer="sim"), fp),
+        before: (texts, RouterConfig(sync=True), None),
     }
-    raw = {"text": [len(t.encode()) for t in texts], "tokens": [len(i) for i in ids]}
+    text_bytes = [len(t.encode()) for t in texts]
+    raw = {"text": text_bytes, "tokens": [len(i) for i in ids], before: text_bytes}
     units = {
         "text": np.mean([len(t) for t in texts]),
         "tokens": np.mean([len(i) // KEY_WIDTH for i in ids]),
     }
+    units[before] = units["text"]
     sizes: dict[str, list[int]] = {}
     cpu: dict[str, dict[str, list[float]]] = {a: {"publish": [], "apply": []} for a in arms}
     for _ in range(args.rounds):
         for arm, (keys, config, arm_fp) in arms.items():  # alternating, side by side
-            entries, publish, apply = run_arm(keys, config, arm_fp)
-            sizes[arm] = [len(e) for e in entries]
+            entries, publish, apply = run_arm(keys, config, arm_fp, arm == before)
+            # Stream bytes a decision: what Redis stores and every replica reads.
+            sizes[arm] = [round(sum(len(e) for e in entries) / len(keys))]
             cpu[arm]["publish"].append(publish / len(keys) * 1e6)
             cpu[arm]["apply"].append(apply / len(keys) * 1e6)
     n = len(requests)
-    print(f"{n} decisions ({args.sessions} chats x {args.turns} turns), {args.rounds} rounds")
+    print(f"{n} decisions ({args.sessions} chats x {args.turns} turns), {args.rounds} rounds, "
+          f"a flush every {FLUSH} decisions")  # fmt: skip
     print(
-        "| key | mean key length | raw bytes (mean) | entry bytes mean / p50 / max "
-        "| publish µs/entry best / mean | apply µs/entry best / mean |"
+        "| key | mean key length | raw bytes (mean) | stream bytes / decision "
+        "| publish µs/decision best / mean | apply µs/decision best / mean |"
     )
     print("|---|---|---|---|---|---|")
     for arm in arms:
         s, c = sizes[arm], cpu[arm]
-        unit = "chars" if arm == "text" else "ids"
+        unit = "ids" if arm == "tokens" else "chars"
         print(f"| {arm} | {units[arm]:,.0f} {unit} | {statistics.mean(raw[arm]):,.0f} "
-              f"| {statistics.mean(s):,.0f} / {statistics.median(s):,.0f} / {max(s):,} "
-              f"| {min(c['publish']):.1f} / {statistics.mean(c['publish']):.1f} "
+              f"| {s[0]:,} | {min(c['publish']):.1f} / {statistics.mean(c['publish']):.1f} "
               f"| {min(c['apply']):.1f} / {statistics.mean(c['apply']):.1f} |")  # fmt: skip
-    t, k = cpu["text"], cpu["tokens"]
-    print(f"tokens / text: entry bytes {statistics.mean(sizes['tokens']) / statistics.mean(sizes['text']):.2f}x, "
-          f"publish {statistics.mean(k['publish']) / statistics.mean(t['publish']):.2f}x, "
-          f"apply {statistics.mean(k['apply']) / statistics.mean(t['apply']):.2f}x (means)")  # fmt: skip
+    t, k, b = cpu["text"], cpu["tokens"], cpu[before]
+
+    def ratio(x: dict[str, list[float]], y: dict[str, list[float]], what: str) -> str:
+        return f"{what} {statistics.mean(x[what]) / statistics.mean(y[what]):.2f}x"
+
+    print(f"tokens / text: stream bytes {sizes['tokens'][0] / sizes['text'][0]:.2f}x, "
+          f"{ratio(k, t, 'publish')}, {ratio(k, t, 'apply')} (means)")  # fmt: skip
+    print(f"text batches / an entry a decision: stream bytes {sizes['text'][0] / sizes[before][0]:.2f}x, "
+          f"{ratio(t, b, 'publish')}, {ratio(t, b, 'apply')} (means)")  # fmt: skip
     return 0
 
 
 SYNC_WIRE = Command(
-    """Replica sync entries, text vs prompt ids: bytes on the wire and a replica's CPU per entry.
+    """Replica sync entries: text vs ids, batches vs an entry a decision; bytes, CPU a decision.
 
     python -m loadtests sync-wire [--sessions 16] [--turns 20] [--words 700] [--rounds 3]
 
-Routers share each routing decision through Redis (router/fleet/sync.py): the routed text
-where the tree keys on text, the prompt ids (uint32 + zlib, with the tokenizer's
-fingerprint) where it keys on tokens. The same multi-turn chats as
-`bench_router_tokens` (a ~700-word system prompt, ~2k tokens, one user line a turn) are
-turned into decisions both ways, in process:
+Routers share each routing decision through Redis (router/holdings/sync.py): the routed
+text where the tree keys on text, the prompt ids (uint32, with the tokenizer's
+fingerprint) where it keys on tokens, a flush's decisions in one entry, one zlib stream
+(router/holdings/sync_batch.py). The same multi-turn chats as `bench_router_tokens` (a
+~700-word system prompt, ~2k tokens, one user line a turn; every decision distinct, so
+nothing here is a repeat) are turned into decisions, in process, three ways: text and
+tokens in batches (a flush every FLUSH decisions), and text as the versions before
+batches wrote it (`encode_decision`, an entry a decision, side by side):
 
-- size: bytes of the stream field (what Redis stores and every replica reads), against
+- size: stream bytes a decision (what Redis stores and every replica reads), against
   the raw key (UTF-8 text, or 4 bytes an id);
-- publish: the writer's CPU per entry (encode + compress: on the request's path);
-- apply: the reader's CPU per entry, through the real `DecisionSync._apply` into the real
-  `cache_aware` policy's tree (decode, validate, insert): what a replica pays for every
-  other replica's decision. No Redis round trip is timed (the same for both).
+- publish: the writer's CPU a decision (the request path's `publish` and the flush's
+  encoding and compression; before batches all of it ran on the request's path);
+- apply: the reader's CPU a decision, through the real `DecisionSync._apply` into the
+  real `cache_aware` policy's tree (decode, validate, insert): what a replica pays for
+  every other replica's decision. No Redis round trip is timed (one XADD and one reply
+  an entry now, where it was one a decision: the Redis side is not in these figures).
 
-The two arms run in alternating rounds on one machine; `time.process_time` per round.
+The arms run in alternating rounds on one machine; `time.process_time` per round.
 """,
     sync_wire_arguments,
     sync_wire_main,

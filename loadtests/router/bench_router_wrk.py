@@ -12,7 +12,8 @@ Rust router (`sglang-router`, from its own venv) when its Python is given.
         [--floor] [--aiohttp-server]
 
 `--before-ref REF` adds the router at REF (checked out into a temporary worktree,
-`loadtests/kit.py`) as one more target, so a change's price is measured side by side;
+`loadtests/kit.py`) as one more target, x1 and xN (its replicas on their own Redis key
+prefix), so a change's price is measured side by side;
 `--upstream-client aiohttp` adds a router on aiohttp's client (router/upstream/transport.py).
 `--worker zero` puts `loadtests/router/zero_worker.py` (a few microseconds a request, echoing
 `x-request-id`) behind the routers instead of the sim worker (~0.5 ms of CPU a request,
@@ -167,6 +168,9 @@ def start_targets(
 
     if before is not None:
         router(f"router x1 @{args.before_ref}", 1, before)
+        if args.processes > 1:  # its replicas on their own stream: no one reads across
+            env = {"RADIX_ROUTER_REDIS_PREFIX": "before:"}
+            router(f"router x{args.processes} @{args.before_ref}", args.processes, before, env)
     for n in sorted({1, args.processes}):
         router(f"router x{n}", n)
     if args.unsynced and args.processes > 1:

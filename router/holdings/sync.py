@@ -8,19 +8,25 @@ wasted. So every replica:
 - `publish(worker_id, key)` on each decision, `key` being what the tree keys on: the
   routed text, or the prompt token ids when the router has a `tokenizer` (those entries
   carry the tokenizer's fingerprint; router/holdings/sync_wire.py). The hot path only
-  appends to a bounded in-memory buffer; a flusher task sends the buffer every
-  `sync_flush_interval` as one script call that XADDs each entry (stream trimmed near
-  `sync_stream_maxlen` entries, keys capped at `sync_max_chars` elements and
-  zlib-compressed, one field per entry). No Redis round trip happens before forwarding.
+  appends the key to a bounded in-memory buffer (no encoding, no compression; a repeat
+  of the decision just buffered is not buffered again, see `publish`). A flusher task
+  sends the buffer every `sync_flush_interval` as one stream entry (more where a flush
+  holds more than `MAX_RECORDS` records or `max_batch_bytes`,
+  router/holdings/sync_batch.py): keys capped at `sync_max_chars` elements, one zlib
+  stream and one XADD an entry. The stream is trimmed to about `sync_stream_maxlen`
+  decisions (`_maxlen`). No Redis round trip happens before forwarding.
 - A reader task applies the other replicas' decisions to its own trees through
-  `Policy.observe`; a tree on tokens skips text entries (written by a replica of the
-  version before tokens, during a rolling upgrade: counted in `skipped`). On start it first replays the whole (bounded) stream, so a replica
-  that starts late or restarts recovers the fleet's affinity instead of starting empty;
-  after a Redis outage it resumes from the last entry it applied.
+  `Policy.observe`, every one in order (an entry's decisions at one time); a tree on
+  tokens skips text entries (written by a replica of the version before tokens, during
+  a rolling upgrade: counted in `skipped`). On start it first replays the whole
+  (bounded) stream, READ_ENTRIES entries a page, so a replica that starts late or
+  restarts recovers the fleet's affinity instead of starting empty; after a Redis
+  outage it resumes from the last entry it applied. It reads the entries of the
+  versions before batches too (an entry a decision or session, a rolling upgrade).
 - `publish_session(worker_id, digest, pin_ttl, placed)` on each prompt_cache_key
   session placed, and on each call that keeps one with a pin
-  (router/holdings/sessions.py): a field `s`, `replica id SEP worker id SEP digest
-  KIND pin-ms` (router/holdings/sync_wire.py); the reader hands it to `on_session` (the
+  (router/holdings/sessions.py): an `s` record in the same entries, `worker id SEP
+  digest KIND pin-ms` (router/holdings/sync_wire.py); the reader hands it to `on_session` (the
   proxy's session table), so siblings of one session co-locate whichever replica each
   reaches, and every replica knows how long the session's context is pinned.
 - Every `sync_load_interval` it writes its in-flight count per worker to a short-lived
@@ -46,6 +52,7 @@ import numpy as np
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from router.holdings.sync_batch import FIELD, SyncBatchReader, next_entry, session_record
 from router.holdings.sync_wire import (
     SEP,
     Key,
@@ -53,40 +60,27 @@ from router.holdings.sync_wire import (
     add_loads,
     decode_decision,
     decode_session,
-    encode_decision,
-    encode_session,
-    encode_tokens,
 )
 from shared.config import RouterConfig
 from shared.serving.aio import reraise_if_cancelled
-from shared.tokens.prompt_ids import TokenKey
+from shared.tokens.prompt_ids import TokenKey, token_key
 from shared.wire.peers import Rejections
 from shared.wire.registry import MAX_WORKERS, Registry
 
 log = logging.getLogger(__name__)
 
-# Marks a buffered session entry (a decision entry starts with the replica id: hex).
-SESSION = b"\x01"
-# Decisions buffered while Redis is unreachable; beyond this the oldest are dropped.
+# Decisions buffered while Redis is unreachable; beyond either bound the oldest are
+# dropped. The buffer holds the keys themselves (encoded at the flush, off the request).
 PENDING_MAX = 10_000
+PENDING_MAX_CHARS = 32 * 2**20
+# Stream entries read at a time: each up to MAX_RECORDS decisions, applied on the loop.
+READ_ENTRIES = 16
+# The fewest entries the stream is trimmed to (`_maxlen`), whatever the batch sizes.
+MIN_ENTRIES = 100
 
 Observe = Callable[[str, Key, float], None]  # (worker_id, text or TokenKey, now)
 # A session placed or kept with a pin (router/holdings/sessions.py), and when it arrived.
 ObserveSession = Callable[[SessionEntry, float], None]
-# Entries sent in one script call: Redis refuses a query over 1 GB, and entries are
-# bounded by what `sync_max_chars` allows (router/holdings/sync_wire.py).
-APPEND_MAX_ENTRIES = 512
-# XADD each (field, value) pair of ARGV[2..] as one entry, then one approximate trim
-# (instead of MAXLEN on every XADD: the same bound, fewer arguments). The stream keeps
-# one entry per decision, so readers and `sync_stream_maxlen` mean what they did.
-_APPEND = """
-local stream = KEYS[1]
-for i = 2, #ARGV, 2 do
-  redis.call('XADD', stream, '*', ARGV[i], ARGV[i + 1])
-end
-redis.call('XTRIM', stream, 'MAXLEN', '~', ARGV[1])
-return (#ARGV - 1) / 2
-"""
 # Other replicas' load hashes read per round; more is not a fleet of routers but a flood.
 MAX_REPLICAS = 256
 
@@ -136,7 +130,15 @@ class DecisionSync:
         # A fresh id per process: a restarted replica replays its own earlier decisions too.
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self._header = self.replica_id.encode() + SEP
-        self._pending: deque[bytes] = deque(maxlen=PENDING_MAX)
+        # (worker id, text or TokenKey) a decision, bytes a session record: encoded at
+        # the flush. `_pending_chars`: the keys' lengths, for PENDING_MAX_CHARS.
+        self._pending: deque[tuple[str, str] | bytes] = deque()
+        self._pending_chars = 0
+        self._last_decision: tuple[str, str] | None = None  # the last decision buffered
+        self._reader = SyncBatchReader(config.sync_max_chars, fingerprint)
+        # Decisions an entry holds, a moving average over the entries this replica wrote
+        # and read: the stream keeps about `sync_stream_maxlen` / this entries (`_maxlen`).
+        self._per_entry = 1.0
         self._wakeup = asyncio.Event()
         self._last_id = "0-0"
         self._remote: dict[str, int] = {}
@@ -172,18 +174,24 @@ class DecisionSync:
 
     # -- hot path ---------------------------------------------------------------------
     def publish(self, worker_id: str, key: str | Sequence[int] | np.ndarray) -> None:
-        """`key`: what this router's tree keyed the decision on (text, or prompt ids)."""
-        cap = self.config.sync_max_chars
-        if isinstance(key, str) and type(key) is not TokenKey:
-            entry = encode_decision(self._header, worker_id, key, cap)
-        elif self.fingerprint is not None:
-            entry = encode_tokens(self._header, worker_id, key, self.fingerprint, cap)
-            if entry is None:
-                return  # not token ids (a client's prompt of any ints): not shared
-        else:
-            return  # ids without a tokenizer to name them: nothing a replica could use
-        self._pending.append(entry)
-        self._wakeup.set()
+        """`key`: what this router's tree keyed the decision on (text, or prompt ids).
+        Buffered as it is: encoding and compression happen at the flush, once an entry."""
+        if not isinstance(key, str) or type(key) is TokenKey:
+            if self.fingerprint is None:
+                return  # ids without a tokenizer to name them: nothing a replica could use
+            if type(key) is not TokenKey:
+                key = token_key(key[: self.config.sync_max_chars])  # type: ignore[assignment]
+                if not key:
+                    return  # no ids, or not token ids (a client's prompt of any ints)
+        last = self._last_decision
+        if last is not None and last[1] == key and last[0] == worker_id:
+            # The decision just buffered, again: a reader applies a flush's decisions at
+            # one time, so the repeat would refresh nothing the first does not. Exact for
+            # any traffic; it saves work only where a prompt repeats at once (a load test,
+            # retries, one popular prompt), not on a fleet of distinct conversations.
+            return
+        item = self._last_decision = (worker_id, key)  # type: ignore[assignment]
+        self._buffer(item, len(key))
 
     def publish_session(
         self, worker_id: str, digest: bytes, pin_ttl: float = 0.0, placed: bool = True
@@ -191,8 +199,16 @@ class DecisionSync:
         """A prompt_cache_key session placed (or, `placed` False, kept) on `worker_id`,
         whose call asked for a pin of `pin_ttl` seconds there (its tenant-namespaced
         digest: the key itself never leaves this router)."""
-        entry = encode_session(self._header, worker_id, digest, pin_ttl, placed)
-        self._pending.append(SESSION + entry)
+        record = session_record(worker_id, digest, pin_ttl, placed)
+        self._last_decision = None
+        self._buffer(record, len(record))
+
+    def _buffer(self, item: tuple[str, str] | bytes, chars: int) -> None:
+        pending = self._pending
+        pending.append(item)
+        self._pending_chars += chars
+        while len(pending) > PENDING_MAX or self._pending_chars > PENDING_MAX_CHARS:
+            self._pending_chars -= _chars(pending.popleft())  # Redis away: oldest first
         self._wakeup.set()
 
     def remote_inflight(self) -> Mapping[str, int]:
@@ -257,34 +273,42 @@ class DecisionSync:
         await asyncio.sleep(self.config.sync_flush_interval)
 
     async def _send_pending(self) -> None:
+        """The buffer as entries, one XADD each (usually one a flush). An entry per
+        decision cost one XADD in Redis and a reply parse in every reader per decision,
+        and a zlib call per decision on the request's path (loadtests/results/router_cpu.md)."""
         if not self._pending:
             return
-        batch, self._pending = self._pending, deque(maxlen=PENDING_MAX)
+        items = list(self._pending)
+        self._pending, self._pending_chars, self._last_decision = deque(), 0, None
+        stream, done = self.registry.decisions_stream, 0
         try:
-            stream = self.registry.decisions_stream
-            entries = list(batch)
-            for start in range(0, len(entries), APPEND_MAX_ENTRIES):
-                await self._append(stream, entries[start : start + APPEND_MAX_ENTRIES])
+            while done < len(items):
+                value, taken, records = next_entry(
+                    items, done, self._header, self.fingerprint, self.config.sync_max_chars
+                )
+                if value is not None:
+                    await self.redis.xadd(
+                        stream, {FIELD: value}, maxlen=self._maxlen(), approximate=True
+                    )
+                    self._per_entry += 0.1 * (records - self._per_entry)
+                    self.published += records
+                done += taken
         except BaseException:
-            # Unsent decisions go back in front of what arrived meanwhile (oldest dropped
-            # first); a chunk that did reach Redis before the failure is sent again, as a
-            # pipeline's partly applied batch was: an entry applied twice is harmless.
-            batch.extend(self._pending)
-            self._pending = batch
+            # Unsent items go back in front of what arrived meanwhile (the oldest dropped
+            # first where that overflows the buffer): Redis answers again, they are sent.
+            for item in reversed(items[done:]):
+                self._pending.appendleft(item)
+                self._pending_chars += _chars(item)
+            while len(self._pending) > PENDING_MAX or self._pending_chars > PENDING_MAX_CHARS:
+                self._pending_chars -= _chars(self._pending.popleft())
             raise
-        self.published += len(batch)
 
-    async def _append(self, stream: str, entries: list[bytes]) -> None:
-        """One command for `entries` (`_APPEND`): a pipelined XADD each cost redis-py 12 us
-        of packing and reply parsing per entry on this machine, more than the decision's
-        own zlib (5 us); one script call with every entry as an argument costs ~1 us each."""
-        args: list[bytes | int] = [self.config.sync_stream_maxlen]
-        for entry in entries:
-            if entry.startswith(SESSION):
-                args += (b"s", entry[len(SESSION) :])
-            else:
-                args += (b"d", entry)
-        await self.redis.eval(_APPEND, 1, stream, *args)  # type: ignore[misc]
+    def _maxlen(self) -> int:
+        """Entries the stream is trimmed to: about `sync_stream_maxlen` decisions at the
+        decisions an entry held of late (written and read here: the fleet's), never under
+        MIN_ENTRIES. So Redis holds about what that many decisions take, as when an entry
+        was a decision, and a replica that starts replays about that many."""
+        return max(MIN_ENTRIES, round(self.config.sync_stream_maxlen / self._per_entry))
 
     async def _read_once(self) -> None:
         if not self.caught_up.is_set():
@@ -292,26 +316,32 @@ class DecisionSync:
             while True:
                 start = "-" if self._last_id == "0-0" else f"({self._last_id}"
                 page = await self.redis.xrange(
-                    self.registry.decisions_stream, min=start, count=1000
+                    self.registry.decisions_stream, min=start, count=READ_ENTRIES
                 )
                 self._apply(page, include_own=True)
-                if len(page) < 1000:
+                if len(page) < READ_ENTRIES:
                     break
             self.caught_up.set()
             return
         reply = await self.redis.xread(
-            {self.registry.decisions_stream: self._last_id}, count=1000, block=1000
+            {self.registry.decisions_stream: self._last_id}, count=READ_ENTRIES, block=1000
         )
         for _stream, entries in reply or ():
             self._apply(entries, include_own=False)
 
     def _apply(self, entries: list, include_own: bool) -> None:
-        """Apply other replicas' decisions; a malformed entry (router/holdings/sync_wire.py) is
-        dropped, counted and logged, and the reader goes on."""
+        """Apply other replicas' decisions; a malformed entry or record
+        (router/holdings/sync_wire.py) is dropped, counted and logged, and the reader goes on."""
         now = self.clock()
         on_tokens = self.fingerprint is not None
         for entry_id, fields in entries:
             self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            batch = fields.get(FIELD)
+            if batch is not None:
+                if include_own or not batch.startswith(self._header):
+                    self._apply_batch(batch, now, on_tokens)
+                continue
+            # An entry of the versions before batches (a rolling upgrade): one item.
             session = fields.get(b"s")
             entry = fields.get(b"d", b"") if session is None else session
             if not include_own and entry.startswith(self._header):
@@ -335,6 +365,30 @@ class DecisionSync:
             # restarts replays the stream before discovery has found any worker.
             self.observe(worker_id, key, now)
             self.applied += 1
+
+    def _apply_batch(self, batch: bytes, now: float, on_tokens: bool) -> None:
+        try:
+            records = self._reader.read(batch)
+        except ValueError as e:
+            self.rejections.reject("sync_decisions", "stream entry", str(e))
+            return
+        self._per_entry += 0.1 * (len(records) - self._per_entry)
+        observe, on_session = self.observe, self.on_session
+        for record in records:
+            kind = type(record)
+            if kind is tuple:
+                worker_id, key = record  # type: ignore[misc]
+                if (type(key) is TokenKey) != on_tokens:
+                    self.skipped += 1  # text for a tree on tokens, as in `_apply`
+                    continue
+                observe(worker_id, key, now)
+                self.applied += 1
+            elif kind is SessionEntry:
+                if on_session is not None:
+                    on_session(record, now)  # type: ignore[arg-type]
+                    self.applied += 1
+            else:
+                self.rejections.reject(record.source, "stream entry", record.why)  # type: ignore[union-attr]
 
     def _apply_session(self, entry: bytes, now: float) -> None:
         try:
@@ -379,3 +433,8 @@ class DecisionSync:
         if remote != self._remote:
             self._remote = remote
         await asyncio.sleep(interval)
+
+
+def _chars(item: tuple[str, str] | bytes) -> int:
+    """What a buffered item counts against PENDING_MAX_CHARS."""
+    return len(item) if type(item) is bytes else len(item[1])

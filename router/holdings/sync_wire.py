@@ -4,9 +4,29 @@ Anyone who can write to Redis can write these, so each is parsed as untrusted in
 what does not fit is dropped with the reason (the caller counts and logs it; a bad
 entry never stops a loop):
 
-- a decision is one stream field `replica id SEP worker id SEP payload`, at most a
-  few bytes over what `sync_max_chars` allows; its worker id must have the registry's
-  shape. The payload is what the writer's tree keys on (router/holdings/tree.py):
+- a batch (this version's only writing, router/holdings/sync_batch.py) is one stream
+  field `b`, one replica's flush: `replica id SEP zlib(record ...)`, each record
+  `KIND (1 byte) + body length (uint32 little-endian) + body`, the body `worker id SEP
+  payload`; KIND `d` a decision on text (payload: UTF-8 text), `t` one on token ids
+  (payload: `fingerprint : uint32 little-endian ids`, not compressed on its own), `s` a
+  session entry (payload: `digest KIND pin-ms [LATER ...]`, as below). One zlib stream a
+  flush, not one a decision: a batch repeats the same long prefixes, and one XADD of one
+  field replaces an XADD and a reply parse per decision. Bounds, checked before any
+  record is applied: the field at most `max_batch_bytes` (1 MiB, or 4 x `sync_max_chars`
+  + 1 KiB where that is more: the bound one entry of the version before had, 4 bytes a
+  char or an id) plus zlib's overhead, inflated to at most `max_batch_bytes`, at most
+  `MAX_RECORDS` records, each whole; else the batch is dropped whole (counted). A
+  record whose body does not pass the checks below (its text or ids at most 4 x
+  `sync_max_chars` bytes, as one entry's before) is dropped alone (counted) and the rest
+  applied; a KIND this reader does not know (a later version's) likewise.
+  Rolling upgrade: this version still reads the fields `d` and `s` below (the versions
+  before batches wrote an entry per decision); those versions read a batch entry as a
+  decision with no payload and drop it (counted in `sync_decisions`, no crash): while
+  they run they learn nothing from the batching replicas, which learn from them;
+- a decision of the versions before batches is one stream field `d`, `replica id SEP
+  worker id SEP payload`, at most a few bytes over what `sync_max_chars` allows; its
+  worker id must have the registry's shape. The payload is what the writer's tree keys
+  on (router/holdings/tree.py):
     text    `zlib(utf-8 text)`, inflated to at most 4 bytes a character (a 146 KB zlib
             bomb once inflated to 200 MB in a router);
     tokens  `TOKENS fingerprint : zlib(uint32 little-endian ids)` when the router has a
@@ -24,8 +44,9 @@ entry never stops a loop):
   its UTF-8 bytes behind the id TEXT_IN_IDS, router/holdings/namespace.py) is shared
   only where those bytes are whole ids in range (ASCII, a multiple of 4 bytes); else
   not at all, where that version shared it as text, which replicas on ids skip;
-- a session entry is `replica id SEP worker id SEP digest KIND pin-ms [LATER ...]`, the
-  whole at most `SESSION_MAX_BYTES` (checked before anything is split): the digest exactly
+- a session entry of the versions before batches is one stream field `s`, `replica id SEP
+  worker id SEP digest KIND pin-ms [LATER ...]` (a batch's `s` record is its part from the
+  worker id on), the whole at most `SESSION_MAX_BYTES` (checked before anything is split): the digest exactly
   `DIGEST_BYTES` long (router/holdings/sessions.py), the worker id of the registry's
   shape, KIND `p` (the session was placed there: a first call or a move) or `k` (kept
   there by a call that asked for a pin), pin-ms the call's ``cache_pin_ttl`` in
@@ -66,8 +87,8 @@ from shared.tokens.prompt_ids import (
 )
 from shared.wire.peers import WORKER_ID
 
-# One stream field per decision, `replica id SEP worker id SEP zlib(text)`: a single
-# field costs redis-py a third of the packing and parsing of three. Ids hold no NUL.
+# Parts of an entry or a record: one field costs redis-py a third of the packing and
+# parsing of three. Ids hold no NUL.
 SEP = b"\x00"
 # Leads a token payload; a zlib stream starts with 0x?8 (deflate), never with `T`.
 TOKENS = b"T"
@@ -79,6 +100,8 @@ DIGEST_BYTES = 16  # a session's key, hashed with its tenant (router/holdings/se
 PLACED, KEPT = b"p", b"k"  # a session entry's kind
 LATER = b";"  # a session entry's fields of later versions follow (ignored)
 MAX_PIN_MS = 86_400_000  # shared/wire/protocol.py's PinTtl bound, in milliseconds
+# Counted apart from garbage: a replica with another tokenizer or model.
+OTHER_TOKENIZER = "token ids of another tokenizer (fingerprint differs)"
 
 
 class SessionEntry(NamedTuple):
@@ -99,6 +122,14 @@ def encode_session(
     return header + worker_id.encode() + SEP + digest + kind + str(ms).encode()
 
 
+def worker_of(raw: bytes) -> str:
+    """A worker id of the registry's shape; ValueError otherwise."""
+    worker_id = raw.decode("utf-8", "replace")
+    if not WORKER_ID.fullmatch(worker_id):
+        raise ValueError("bad worker id")
+    return worker_id
+
+
 def decode_session(entry: object) -> SessionEntry:
     """One session entry; ValueError saying why it is refused."""
     if not isinstance(entry, bytes) or len(entry) > SESSION_MAX_BYTES:
@@ -106,10 +137,11 @@ def decode_session(entry: object) -> SessionEntry:
     parts = entry.split(SEP, 2)  # the digest may hold NUL bytes: it comes after the ids
     if len(parts) != 3:
         raise ValueError("malformed session entry")
-    _replica, worker, rest = parts
-    worker_id = worker.decode("utf-8", "replace")
-    if not WORKER_ID.fullmatch(worker_id):
-        raise ValueError("bad worker id")
+    return session_of(worker_of(parts[1]), parts[2])
+
+
+def session_of(worker_id: str, rest: bytes) -> SessionEntry:
+    """A session entry's fields after its worker id; ValueError saying why it is refused."""
     digest, tail = rest[:DIGEST_BYTES], rest[DIGEST_BYTES:]
     if len(digest) != DIGEST_BYTES:
         raise ValueError("bad session digest")
@@ -126,34 +158,54 @@ def decode_session(entry: object) -> SessionEntry:
 
 
 def encode_decision(header: bytes, worker_id: str, text: str, max_chars: int) -> bytes:
+    """An entry of the versions before batches (what a replica of those writes: tests
+    and the sync-wire bench's before arm)."""
     payload = zlib.compress(text[:max_chars].encode("utf-8", "replace"), 1)
     return header + worker_id.encode() + SEP + payload
 
 
-def encode_tokens(
-    header: bytes, worker_id: str, ids: TokenKey | Sequence[int] | np.ndarray,
-    fingerprint: str, max_ids: int,
-) -> bytes | None:  # fmt: skip
-    """A decision keyed on prompt ids (a TokenKey, or the ids): 4 bytes an id before
-    zlib. None when an id is not a token id (< 0 or >= 2**31: a client's token-id prompt
-    can hold anything; the worker answers it, the other replicas need not learn it)."""
+def packed_ids(ids: TokenKey | Sequence[int] | np.ndarray, max_ids: int) -> bytes | None:
+    """At most `max_ids` ids as uint32 little-endian bytes. None when one is not a token
+    id (< 0 or >= 2**31: a client's token-id prompt can hold anything; the worker
+    answers it, the other replicas need not learn it)."""
     key = ids if type(ids) is TokenKey else token_key(ids[:max_ids])
     if not key:
         return None
     packed = key[: KEY_WIDTH * max_ids].encode("latin-1")
     if len(packed) % KEY_WIDTH or not ids_in_range(packed):
         return None  # a text key in a tree on ids (router/holdings/room.py): not ids
+    return packed
+
+
+def encode_tokens(
+    header: bytes, worker_id: str, ids: TokenKey | Sequence[int] | np.ndarray,
+    fingerprint: str, max_ids: int,
+) -> bytes | None:  # fmt: skip
+    """A decision keyed on prompt ids, as the versions before batches write it: 4 bytes
+    an id before zlib. None where `packed_ids` is."""
+    packed = packed_ids(ids, max_ids)
+    if packed is None:
+        return None
     return header + worker_id.encode() + SEP + TOKENS + fingerprint.encode() + b":" + (
         zlib.compress(packed, 1)
     )  # fmt: skip
 
 
+def ids_of(raw: bytes) -> TokenKey:
+    """The key of a payload's uint32 little-endian ids; ValueError saying why not."""
+    if not raw or len(raw) % 4:
+        raise ValueError("token payload is not a whole number of ids")
+    if not ids_in_range(raw):
+        raise ValueError("token id out of range")
+    return key_of_wire(raw)
+
+
 def decode_decision(
     entry: object, max_chars: int, fingerprint: str | None = None
 ) -> tuple[str, Key]:
-    """(worker id, text or token ids) of one stream entry; ValueError saying why it is
-    refused. `fingerprint`: this reader's tokenizer (None: it keys on text, and takes
-    no ids)."""
+    """(worker id, text or token ids) of one stream entry of the versions before batches;
+    ValueError saying why it is refused. `fingerprint`: this reader's tokenizer (None: it
+    keys on text, and takes no ids)."""
     max_bytes = 4 * max_chars  # UTF-8 takes at most 4 bytes a character; an id, 4
     if not isinstance(entry, bytes) or len(entry) > max_bytes + 1024:
         raise ValueError("entry too large")  # zlib adds a few bytes a 16 KiB block
@@ -169,8 +221,7 @@ def decode_decision(
             if payload[head : head + 1] != b":":
                 raise ValueError("token entry without a fingerprint")
             if fingerprint is None or theirs != fingerprint.encode():
-                # Counted apart from garbage: a replica with another tokenizer or model.
-                raise ValueError("token ids of another tokenizer (fingerprint differs)")
+                raise ValueError(OTHER_TOKENIZER)
             payload = payload[head + 1 :]
         inflate = zlib.decompressobj()
         raw = inflate.decompress(payload, max_bytes)
@@ -180,11 +231,7 @@ def decode_decision(
         raise ValueError("over sync_max_chars once decompressed, or truncated")
     if not tokens:
         return worker_id, raw.decode("utf-8", "replace")
-    if not raw or len(raw) % 4:
-        raise ValueError("token payload is not a whole number of ids")
-    if not ids_in_range(raw):
-        raise ValueError("token id out of range")
-    return worker_id, key_of_wire(raw)
+    return worker_id, ids_of(raw)
 
 
 def add_loads(
