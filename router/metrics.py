@@ -366,6 +366,7 @@ class Metrics(ServiceMetrics):
         # `worker_requests`' children by (worker, status): as bounded as `child`'s own
         # table, without its key tuple and str(status) per answer.
         self._answered: dict[tuple[str, int], CounterChild] = {}
+        self._ratio: dict[str, HistogramChild] = {}  # `cached_tokens_ratio`'s, by worker
         r = self.registry
         self.retries = Counter(
             "radix_router_retries", "Attempts retried on another worker", registry=r
@@ -444,4 +445,7 @@ class Metrics(ServiceMetrics):
     def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None:
         """The ratio histogram (the totals are the fleet's, read at scrape time)."""
         if predicted_tokens > 0:
-            self.child(self.cache_ratio, worker_id).observe(actual / predicted_tokens)
+            ratio = self._ratio.get(worker_id)
+            if ratio is None:
+                ratio = self._ratio[worker_id] = self.child(self.cache_ratio, worker_id)
+            ratio.observe(actual / predicted_tokens)

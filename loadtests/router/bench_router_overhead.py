@@ -483,6 +483,71 @@ async def handles():
 def handle():
     uvloop.run(handles())
 
+# The whole request in one process, as `serve()` serves it (the app's runner set up,
+# its cleanup contexts run), with no kernel in it: the own protocol handed a request's
+# bytes (wrk's head, and the OpenAI client's 15 header lines), its edge, the handler, the
+# proxy, its upstream connection to a zero worker in this process (ZeroWorker, joined by
+# in-memory transports that hand each write over on the next loop pass: no sockets),
+# and the answer framed and written to a transport that takes everything. Its CPU is
+# the router's Python and the zero worker's (~2 us, the same on both sides).
+from loadtests.router.zero_worker import ZeroWorker
+from router.http.app import serving_protocol, serving_runner
+from router.upstream.proxy import PROXY
+
+prompt = b'{"model": "sim", "prompt": "hello there, a prompt of a few words to route", "max_tokens": 4}'
+wrk_head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Type: application/json\r\n"
+openai_head = wrk_head + (
+    b"Accept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\nAccept: application/json\r\n"
+    b"User-Agent: OpenAI/Python 1.50.0\r\nX-Stainless-Lang: python\r\n"
+    b"X-Stainless-Package-Version: 1.50.0\r\nX-Stainless-OS: Linux\r\nX-Stainless-Arch: x64\r\n"
+    b"X-Stainless-Runtime: CPython\r\nX-Stainless-Runtime-Version: 3.11.7\r\n"
+    b"Authorization: Bearer sk-x\r\nx-stainless-retry-count: 0\r\n")
+
+class Pipe(asyncio.Transport):  # one end of an in-memory connection (None: writes dropped)
+    def __init__(self, peer):
+        super().__init__()
+        self.peer = peer
+    def write(self, data):
+        if self.peer is not None:
+            asyncio.get_running_loop().call_soon(self.peer.data_received, data)
+    def is_closing(self): return False
+    def get_write_buffer_size(self): return 0
+    def get_extra_info(self, name, default=None): return ("127.0.0.1", 1) if name == "peername" else default
+    def close(self): pass
+    def abort(self): pass
+    def pause_reading(self): pass
+    def resume_reading(self): pass
+
+async def serves(head):
+    config = RouterConfig(worker_urls=(url,), access_log=False)
+    runner = await serving_runner(create_app(config))
+    pool = runner.app[PROXY].pool
+    conn, worker = pool._protocol(), ZeroWorker(True)
+    conn.connection_made(Pipe(worker))
+    worker.connection_made(Pipe(conn))
+    pool._origin(url).idle.append(conn)  # the pool's one kept connection to the worker
+    protocol = serving_protocol(runner, config)()
+    protocol.connection_made(Pipe(None))
+    data = head + b"Content-Length: %d\r\n\r\n%s" % (len(prompt), prompt)
+    for _ in range(50):  # warm: first-call imports and caches are not a request's
+        protocol.data_received(data)
+        await protocol._task
+    t0 = time.process_time()  # the requests alone: the app's set-up and cleanup not timed
+    for _ in range(n):
+        protocol.data_received(data)
+        await protocol._task
+    spent = time.process_time() - t0
+    assert pool.connects == 0  # every request went over the in-memory connection
+    protocol.connection_lost(None)
+    await runner.cleanup()
+    return spent / n * 1e6
+
+def serve_wrk():
+    return uvloop.run(serves(wrk_head))
+
+def serve_openai():
+    return uvloop.run(serves(openai_head))
+
 import random
 from loadtests.load.workloads import NATO_WORDS
 from shared.tokens.prompt_tokens import PromptTokens
@@ -528,7 +593,8 @@ def turn_tokens():  # a later turn's prompt ids (render, split, pieces), first a
                 asked += 1
     return spent / asked * 1e6
 
-pieces = [model, chat_model, seat, table, turn_tokens, turn_keys, exchange, forward, handle]
+pieces = [model, chat_model, seat, table, turn_tokens, turn_keys, exchange, forward, handle,
+          serve_wrk, serve_openai]
 try:  # the own protocol's answers (router/http/fast_answer.py), where the tree has them
     from aiohttp import web
     from aiohttp.base_protocol import BaseProtocol
@@ -590,7 +656,8 @@ else:
     pieces += [answer_aiohttp, answer_own, stream_aiohttp, stream_own]
 
 out = {}
-for piece in pieces:
+only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else None
+for piece in pieces if only is None else [p for p in pieces if p.__name__ in only]:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()
@@ -610,6 +677,8 @@ PIECE_NAMES = {
     "exchange": "upstream pool: post, read_all, release (zero worker)",
     "forward": "Proxy.forward, a buffered answer (zero worker)",
     "handle": "the completions handler: body, model, queue, forward, metrics (zero worker)",
+    "serve_wrk": "the whole request as served, wrk's head (own protocol .. answer written)",
+    "serve_openai": "the same, the OpenAI client's head (15 header lines)",
     # Both ways in one tree (router/http/fast_answer.py; absent from older trees): the
     # own protocol's request, its answer written to a transport that takes everything.
     "answer_aiohttp": "a buffered answer by aiohttp's Response + StreamWriter (as before)",
@@ -624,6 +693,7 @@ def pieces_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side, min kept")
     p.add_argument("--rounds", type=int, default=3, help="sides run alternately this often")
     p.add_argument("--before-ref", default="", help="also time the pieces of this git ref")
+    p.add_argument("--only", default="", help="these pieces alone (comma-separated names)")
 
 
 def pieces_main(args: argparse.Namespace) -> int:
@@ -640,7 +710,7 @@ def pieces_main(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             for name, tree in list(sides.items())[:: 1 if r % 2 == 0 else -1]:
                 out = subprocess.run(
-                    [sys.executable, "-c", _PIECES, str(args.calls), str(args.repeats)],
+                    [sys.executable, "-c", _PIECES, str(args.calls), str(args.repeats), args.only],
                     cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
                     capture_output=True, text=True, check=True,
                 )  # fmt: skip
@@ -652,6 +722,8 @@ def pieces_main(args: argparse.Namespace) -> int:
     print("| piece | " + " | ".join(names) + (" | after / before |" if len(names) == 2 else " |"))
     print("|---|" + "---:|" * (len(names) + (len(names) == 2)))
     for piece, title in PIECE_NAMES.items():
+        if not any(piece in seen[n] for n in names):
+            continue  # not run (`--only`)
         cells = [
             f"{min(seen[n][piece]):.2f}-{max(seen[n][piece]):.2f}" if piece in seen[n] else "-"
             for n in names
@@ -673,7 +745,7 @@ ROUTER_PIECES = Command(
     """The request path's pieces in process, CPU time per call, before and after.
 
     python -m loadtests router-pieces [--before-ref main] [--calls 20000] [--repeats 5]
-        [--rounds 3]
+        [--rounds 3] [--only serve_wrk,serve_openai]
 
 Each side (this tree, and the router's code at `--before-ref` from a temporary
 checkout) runs in its own process, the sides alternating `--rounds` times: the request
@@ -688,7 +760,13 @@ zero-cost worker (loadtests/router/zero_worker.py, in its own process, so its CP
 counted): the upstream pool's exchange (post, read the body, release), `Proxy.forward`
 of a buffered completion (select, attempt, exchange, relay, the books), and the whole
 completions handler as the router's fast server calls it (body, request model, queue,
-forward, metrics; the server's parsing and the response's writing are not in it). Where
+forward, metrics; the server's parsing and the response's writing are not in it). The
+whole request as `serve()` serves it, in one process and with no kernel in it
+(`serve_wrk`, `serve_openai`): the app's runner set up, the own protocol handed wrk's
+request bytes (or the OpenAI client's, 15 header lines), the edge, the handler, the
+proxy over an in-memory connection to a zero worker in the same process (its ~2 us
+counted on both sides), and the answer written to a transport that takes everything;
+the pieces that cross the kernel swing by more than one micro-cut, these do not. Where
 the tree has router/http/fast_answer.py, the answer's writing both ways in this tree: a
 buffered answer by aiohttp's Response and StreamWriter (as before) and by the own
 protocol's one write, a 6-chunk stream by DeadlineStream and by FastStream, each on a

@@ -14,7 +14,7 @@ import gc
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -38,6 +38,7 @@ from router.http.state import (
     DISCOVERY,
     EDGE,
     FLEET,
+    INFERENCE,
     KV_FEED,
     METRICS,
     OPENAPI,
@@ -49,6 +50,7 @@ from router.http.state import (
     TICKET,
     TOKENIZE,
     TOKENS,
+    Inference,
 )
 from router.http.tokenize import Tokenizing, context_tokens
 from router.metrics import Metrics
@@ -201,16 +203,21 @@ async def _queue_ctx(app: web.Application) -> AsyncIterator[None]:
     await stop_task(task)
 
 
-async def _on_head(request: web.Request, response: web.StreamResponse) -> None:
-    """An answer's head is leaving (`on_response_prepare`): it carries the request's id
-    (shared/serving/access_log.py), and the fleet queue takes its TTFT for the request's
-    class. One hook, not two: each is one more coroutine per answer."""
-    rid = request.get(REQUEST_ID)
-    if rid is not None:
-        response.headers[REQUEST_ID_HEADER] = rid
-    ticket = request.get(TICKET)
-    if ticket is not None:
-        request.app[QUEUE].answered(ticket, response.status)
+def _on_head(queue: FleetQueue) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """The app's `on_response_prepare` hook, `queue` bound (no app lookup per answer)."""
+
+    async def on_head(request: web.Request, response: web.StreamResponse) -> None:
+        """An answer's head is leaving: it carries the request's id
+        (shared/serving/access_log.py), and the fleet queue takes its TTFT for the
+        request's class. One hook, not two: each is one more coroutine per answer."""
+        rid = request.get(REQUEST_ID)
+        if rid is not None:
+            response.headers[REQUEST_ID_HEADER] = rid
+        ticket = request.get(TICKET)
+        if ticket is not None:
+            queue.answered(ticket, response.status)
+
+    return on_head
 
 
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -327,7 +334,8 @@ def create_app(
     if feed is not None:
         app[KV_FEED] = feed
         metrics.watch_kv_feed(feed)
-    app.on_response_prepare.append(_on_head)
+    app[INFERENCE] = Inference(config, clock, fleet, metrics, queue, app.get(TOKENIZE))
+    app.on_response_prepare.append(_on_head(queue))
     app.cleanup_ctx.extend(
         [
             _session_ctx,
@@ -337,7 +345,6 @@ def create_app(
             _ratelimit_redis_ctx,
             _queue_ctx,
             _tokenize_ctx,
-            _queue_ctx,
         ]
     )
     app.router.add_routes(routes())

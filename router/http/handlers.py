@@ -25,6 +25,7 @@ from router.http.state import (
     CONFIG,
     DISCOVERY,
     FLEET,
+    INFERENCE,
     KV_FEED,
     METRICS,
     OPENAPI,
@@ -32,17 +33,15 @@ from router.http.state import (
     ROUTING,
     SESSION,
     TICKET,
-    TOKENIZE,
 )
 from router.queue.tenants import DEFAULT as DEFAULT_TENANT
-from router.queue.ticket import Seat
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
 from shared.serving.body import read_json
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
-from shared.wire.protocol import ChatCompletionRequest, canonical_chat_text, routing_text
+from shared.wire.protocol import canonical_chat_text, chat_request, routing_text
 from shared.wire.service_class import request_class
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -80,7 +79,8 @@ def _inference_handler(endpoint: str, path: str) -> Any:
     # every request, and only inference requests are timed anyway.
     async def handler(request: web.Request) -> web.StreamResponse:
         app = request.app
-        clock, metrics, config = app[CLOCK], app[METRICS], app[CONFIG]
+        bound = app[INFERENCE]
+        clock, metrics, config = bound.clock, bound.metrics, bound.config
         start = clock()
         status = 499
         try:
@@ -89,12 +89,12 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             raw, data = await read_json(request, config.max_body_bytes, config.body_read_timeout)
             # The router's tokenizer, where one is configured: bounded, long prompts off
             # the event loop, over-long ones routed on their text's head alone.
-            tokenize = app.get(TOKENIZE)
+            tokenize = bound.tokenize
             render = None
             if endpoint == "chat" and tokenize is not None and len(raw) <= tokenize.quick_chars:
                 # Routed on its ids: its text is rendered only if something reads it
                 # (RouteRequest), and its body's length bounds the text's (Tokenizing).
-                parsed = ChatCompletionRequest.model_validate(data)  # pydantic errors → 400
+                parsed = chat_request(data)  # pydantic errors → 400
                 text, chars = "", len(raw)
                 render = partial(canonical_chat_text, parsed.messages)
             else:
@@ -113,13 +113,13 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # names a tier but no priority (router/upstream/proxy.py).
             add = priority if "priority" not in data and "service_tier" in data else None
             namespace = request_namespace(
-                parsed, renders=tokenize is not None, adapter=app[FLEET].serves_adapter(model)
+                parsed, renders=tokenize is not None, adapter=bound.fleet.serves_adapter(model)
             )
             routed = Routed(
                 endpoint, path, raw, text, session_key, model, ids, stream, add, namespace,
                 render,
             )  # fmt: skip
-            queue = app[QUEUE]
+            queue = bound.queue
             tenant = queue.tenants.of_headers(request.headers)
             cache_key = getattr(parsed, "prompt_cache_key", None)
             if cache_key is not None:  # namespaced by the caller's tenant (sessions.py)
@@ -131,11 +131,12 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             ticket = queue.ticket(tenant, klass, routed.route)
             request[TICKET] = ticket
             # Admitted (or refused) here; the seat is freed whatever the way out. The
-            # common case, a free seat, costs no coroutine (`Seat` as `async with` did).
+            # common case, a free seat, costs no coroutine (`Seat` as `async with` did),
+            # and the ticket is the proxy's seat itself (no `Seat` object either).
             if not queue.pass_now(ticket):
                 await queue.wait_turn(ticket)
             try:
-                response = await app[PROXY].forward(request, routed, Seat(queue, ticket))
+                response = await app[PROXY].forward(request, routed, ticket)
                 # A whole answer is ready to leave (a stream's head left already and was
                 # told by the app's on_response_prepare hook: the first of the two counts).
                 queue.answered(ticket, response.status)

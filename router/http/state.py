@@ -36,6 +36,23 @@ TOKENS = web.AppKey("tokens", PromptTokens)  # the workers' tokenizer (config `t
 TOKENIZE = web.AppKey("tokenize", Tokenizing)  # ... used bounded (router/http/tokenize.py)
 KV_FEED = web.AppKey("kv_feed", KvEventFeed)  # workers' KV events (config `kv_events`)
 EDGE = web.AppKey("edge", Edge)  # what every request passes through (router/http/edge.py)
+
+
+class Inference:
+    """What the inference handlers read of their app, bound once by `create_app`: one
+    lookup a request, not seven (`Application.__getitem__` is a Python call each)."""
+
+    __slots__ = ("clock", "config", "fleet", "metrics", "queue", "tokenize")
+
+    def __init__(
+        self, config: RouterConfig, clock: Callable[[], float], fleet: Fleet, metrics: Metrics,
+        queue: FleetQueue, tokenize: Tokenizing | None,
+    ) -> None:  # fmt: skip
+        self.config, self.clock, self.fleet = config, clock, fleet
+        self.metrics, self.queue, self.tokenize = metrics, queue, tokenize
+
+
+INFERENCE = web.AppKey("inference", Inference)
 # Set up in cleanup_ctx (they need the running loop):
 # Per request: its ticket in the fleet queue (its first byte is told to the queue).
 TICKET = request_key("ticket")

@@ -137,7 +137,7 @@ class FleetQueue:
     def ticket(self, tenant: Tenant, klass: ServiceClass, request: RouteRequest) -> Ticket:
         return Ticket(
             tenant, klass, request, request.model or None, self.clock(), self._slo[klass],
-            next(self._seq), self.stats.tally(tenant.name, klass),
+            next(self._seq), self.stats.tally(tenant.name, klass), self,
         )  # fmt: skip
 
     async def admit(self, ticket: Ticket) -> None:

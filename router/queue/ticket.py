@@ -1,7 +1,7 @@
 """A request's passage through the fleet queue (router/queue/fleet_queue.py): its
 `Ticket` (who, which class, where it sits, what the queue predicted for it) and its
-`Seat` (the `async with` the handler holds while the request runs, and what the proxy
-tells the worker it picked)."""
+`Seat` (an `async with` for a holder of a ticket: admitted on entry, the seat freed on
+exit). The proxy tells the ticket itself which worker it picked (`Ticket.sit`)."""
 
 from __future__ import annotations
 
@@ -34,23 +34,29 @@ class Ticket:
     request that passes at once (the common case) never builds it."""
 
     __slots__ = (
-        "arrived", "best", "best_units", "critical_at", "deadline", "exclude", "first_byte",
-        "future", "klass", "model", "rank", "request", "seated", "seq", "status", "tally",
-        "tenant", "units", "units_at", "urgent_at", "worker",
+        "_keeper", "arrived", "best", "best_units", "critical_at", "deadline", "exclude",
+        "first_byte", "future", "klass", "model", "rank", "request", "seated", "seq", "status",
+        "tally", "tenant", "units", "units_at", "urgent_at", "worker",
     )  # fmt: skip
 
     def __init__(
         self, tenant: Tenant, klass: ServiceClass, request: RouteRequest, model: str | None,
-        now: float, slo_s: float, seq: int, tally: TicketTally,
+        now: float, slo_s: float, seq: int, tally: TicketTally, keeper: SeatKeeper,
     ) -> None:  # fmt: skip
         self.tenant, self.klass, self.request, self.model = tenant, klass, request, model
         self.seq, self.arrived, self.deadline = seq, now, now + slo_s
         self.tally = tally
+        self._keeper = keeper  # the queue it is in: where `sit` tells the seat moved
         self.worker: str | None = None  # the seat held, once given
         self.exclude: Collection[str] = ()  # workers the first try may not use
         self.seated: float | None = None
         self.first_byte: float | None = None
         self.status = 0
+
+    def sit(self, worker_id: str) -> None:
+        """The proxy picked `worker_id` for a try (the proxy's `Seating`, with `exclude`:
+        the handler hands the ticket itself over, no `Seat` object a request)."""
+        self._keeper.sit(self, worker_id)
 
     def wait(self, slo_s: float, urgent_fraction: float) -> None:
         """It waits in its tenant's queue: the fields the queue's rule reads."""

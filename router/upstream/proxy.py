@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
@@ -69,7 +68,7 @@ from router.upstream.responder import Reply, StreamReply, responder_of
 from router.upstream.transport import Answer, Transport
 from shared.config import RouterConfig
 from shared.serving import json_codec
-from shared.serving.access_log import REQUEST_ID
+from shared.serving.access_log import REQUEST_ID, fresh_request_id
 from shared.serving.errors import APIError, error_body
 from shared.serving.http import EVENT_STREAM
 from shared.wire.protocol import PIN_KEY_HEADER
@@ -386,7 +385,7 @@ class Proxy:
         # The `x-request-id` sent to the worker: the request's id (shared/serving/access_log.py),
         # so one id names it in both services' logs. The transport checks its echo before a
         # connection is reused (router/upstream/connection.py).
-        wire_id = request.get(REQUEST_ID) or os.urandom(16).hex()
+        wire_id = request.get(REQUEST_ID) or fresh_request_id()
         try:
             upstream = await self.pool.post(worker.url, routed.path, head, body, wire_id, fresh)
         except (TimeoutError, UpstreamBroken) as e:

@@ -20,6 +20,7 @@ a noticeable part of the router's 0.3 ms per-request budget, so `access_log: fal
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import re
@@ -40,12 +41,34 @@ _VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 OnDone = Callable[[web.Request, int, float, web.StreamResponse | None], None]
 
 
+# A new id is this process's random prefix and a serial number, not 128 random bits
+# per request: `os.urandom` was a getrandom syscall a request (0.34 against 0.21 us,
+# timeit). Ids are correlation ids, never secrets: a client may send any id it likes
+# (two clients the same one), so nothing may rely on one being unguessable, and nothing
+# does (the upstream pool only needs the id it sends to differ from the connection's
+# last one: router/upstream/connection.py). Unique across processes and replicas by
+# the 64-bit random prefix, drawn again in a forked child.
+_serial = itertools.count()
+_prefix = os.urandom(8).hex()
+
+
+def _new_prefix() -> None:
+    global _prefix
+    _prefix = os.urandom(8).hex()
+
+
+os.register_at_fork(after_in_child=_new_prefix)
+
+
+def fresh_request_id() -> str:
+    """32 hex digits, as uuid4().hex: the process's prefix, then the serial number."""
+    return f"{_prefix}{next(_serial):016x}"
+
+
 def request_id_of(headers_value: str | None) -> str:
     if headers_value is not None and _VALID_ID.fullmatch(headers_value):
         return headers_value
-    # 128 random bits as 32 hex digits, like uuid4().hex without building a UUID object
-    # (0.5 us instead of 2.2 us per request, timeit on this machine).
-    return os.urandom(16).hex()
+    return fresh_request_id()
 
 
 async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import difflib
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, SchemaValidator
 
 from shared.wire.known_fields import KNOWN_EXTRA
 
@@ -217,16 +217,63 @@ def canonical_chat_text(messages: list[Message]) -> str:
     return "".join(f"<|{m.role}|>{m.text()}\n" for m in messages)
 
 
+def _fields_only(cls: type[_Sampling]) -> tuple[frozenset[str], SchemaValidator]:
+    """`cls`'s top-level names (its fields and KNOWN_EXTRA's), and its validator without
+    the unknown-name check (`_refuse_unrecognized`, its one before-validator): for a
+    body whose names are all known, which that check passes anyway. The same core
+    schema otherwise (fields, config, nested models), so it builds the same object."""
+    schema = dict(cls.__pydantic_core_schema__)
+    check = schema["schema"]
+    if check["type"] != "function-before":  # the model changed: this must follow it
+        raise TypeError(f"{cls.__name__}: no unknown-name check to leave out")
+    schema["schema"] = check["schema"]
+    # pydantic-core hands back a complete class's own validator for a `model` schema of
+    # it (its prebuilt one, check included): the class reads as incomplete while this
+    # one is built (tests/shared/wire/test_protocol.py checks the check is left out).
+    cls.__pydantic_complete__ = False
+    try:
+        validator = SchemaValidator(schema)
+    finally:
+        cls.__pydantic_complete__ = True
+    return frozenset(cls.model_fields) | KNOWN_EXTRA[cls.wire_endpoint], validator
+
+
+_FIELDS_ONLY = {cls: _fields_only(cls) for cls in (ChatCompletionRequest, CompletionRequest)}
+
+
+def _validated(cls: type[_Sampling], body: Any) -> Any:
+    """`cls.model_validate(body)`, by the shorter route where it gives the same answer.
+
+    A body of known names only is validated without the unknown-name check and without
+    `model_validate`'s Python call layer: 1.6 against 2.1 us a completion body (timeit).
+    Anything else, and any body the short route refuses, takes `model_validate`, so
+    every error is today's, word for word (tests/shared/wire/test_protocol.py)."""
+    known, fields_only = _FIELDS_ONLY[cls]
+    if type(body) is dict and known.issuperset(body):
+        try:
+            return fields_only.validate_python(body)
+        except ValidationError:
+            pass  # the error is raised below, by the model itself
+    return cls.model_validate(body)
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat body validated as `routing_text` validates it, its text not rendered (a
+    router that tokenizes routes it on its ids: router/http/handlers.py)."""
+    chat: ChatCompletionRequest = _validated(ChatCompletionRequest, body)
+    return chat
+
+
 def routing_text(endpoint: str, body: dict[str, Any]) -> tuple[str, BaseModel]:
     """Validate a request body and return (text to route on, parsed request).
 
     Raises pydantic.ValidationError on a bad body.
     """
     if endpoint == "chat":
-        chat = ChatCompletionRequest.model_validate(body)
+        chat = chat_request(body)
         return canonical_chat_text(chat.messages), chat
     if endpoint == "completions":
-        comp = CompletionRequest.model_validate(body)
+        comp: CompletionRequest = _validated(CompletionRequest, body)
         text = comp.prompt_text()
         return (text if text is not None else " ".join(map(str, comp.prompt))), comp
     gen = GenerateWireRequest.model_validate(body)

@@ -25,3 +25,18 @@ def test_a_tiny_run_times_every_piece() -> None:
         cells = rows[title].strip(" |").split(" | ")
         low, high = (float(x) for x in cells[1].split("-"))
         assert 0 < low <= high, rows[title]
+
+
+@pytest.mark.timeout(120)
+def test_only_times_the_pieces_named() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtests", "router-pieces", "--calls", "50", "--repeats", "1",
+         "--rounds", "1", "--only", "model,serve_wrk"],
+        capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows[1:]] == [
+        PIECE_NAMES["model"],
+        PIECE_NAMES["serve_wrk"],
+    ]

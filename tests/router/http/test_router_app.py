@@ -164,3 +164,21 @@ async def test_unknown_route_and_method_are_openai_errors(start_router: StartRou
     assert r.status == 404 and "error" in await r.json()
     r = await client.get("/v1/completions")
     assert r.status == 405 and "error" in await r.json()
+
+
+async def test_the_fleet_queue_ticks_once() -> None:
+    """One fleet-queue task per app: a second (a cleanup context listed twice) refreshed
+    the seats twice a tick, so with replicas each floor window slid past at twice the
+    rate its length was computed for."""
+    from aiohttp import web
+
+    from router.http.app import create_app
+    from shared.config import RouterConfig
+
+    runner = web.AppRunner(create_app(RouterConfig(worker_urls=("http://127.0.0.1:9",))))
+    await runner.setup()
+    try:
+        ticking = [t for t in asyncio.all_tasks() if t.get_name() == "fleet-queue"]
+        assert len(ticking) == 1
+    finally:
+        await runner.cleanup()

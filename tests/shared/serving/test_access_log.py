@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from aiohttp import web
@@ -60,3 +61,21 @@ def test_untrusted_ids_are_replaced() -> None:
     assert request_id_of("ok.id:1-2_3") == "ok.id:1-2_3"
     for bad in (None, "", "a b", "x" * 129, "new\nline", "ü"):
         assert request_id_of(bad) != bad
+
+
+def test_new_ids_are_unique_and_shaped_as_before() -> None:
+    """A new id is 32 hex digits (as uuid4().hex was), unique in the process, and a
+    forked child draws its own prefix, so ids stay unique across processes."""
+    ids = [request_id_of(None) for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 and i == i.lower() for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next id, to the parent
+        os.write(write, request_id_of(None).encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert len(child) == 32 and child[:16] != ids[0][:16]  # another prefix
