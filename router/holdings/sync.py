@@ -16,7 +16,8 @@ wasted. So every replica:
   stream and one XADD an entry. The stream is trimmed to about `sync_stream_maxlen`
   decisions (`_maxlen`). No Redis round trip happens before forwarding.
 - A reader task applies the other replicas' decisions to its own trees through
-  `Policy.observe`, every one in order (an entry's decisions at one time); a tree on
+  `Policy.observe`, every one in order (an entry's decisions at one time), reading at
+  most once a `sync_flush_interval` under load; a tree on
   tokens skips text entries (written by a replica of the version before tokens, during
   a rolling upgrade: counted in `skipped`). On start it first replays the whole
   (bounded) stream, READ_ENTRIES entries a page, so a replica that starts late or
@@ -328,6 +329,13 @@ class DecisionSync:
         )
         for _stream, entries in reply or ():
             self._apply(entries, include_own=False)
+        if reply:
+            # A blocked read returns at the first entry, its own replica's included: under
+            # load that is a round trip per entry of every replica. Waiting a flush
+            # interval before the next read takes what arrived meanwhile in one, so a
+            # reader reads at most once an interval (as a writer writes), however many
+            # replicas write; an idle reader still wakes at the first entry.
+            await asyncio.sleep(self.config.sync_flush_interval)
 
     def _apply(self, entries: list, include_own: bool) -> None:
         """Apply other replicas' decisions; a malformed entry or record

@@ -128,3 +128,41 @@ async def test_an_unchanged_round_keeps_the_remote_mapping(
     await b.sync._load_once()
     await a.sync._load_once()
     assert a.sync.remote_inflight() == {"w1": 1}
+
+
+async def test_a_reader_under_load_reads_once_an_interval_not_once_an_entry(
+    redis_server: RedisServer, replicas: Callable[..., Replica]
+) -> None:
+    """Entries arriving faster than the flush interval are read in batches: a blocked
+    read returns at the first entry, so without the wait after a read the reader made a
+    round trip per entry of every replica (its own included)."""
+    writer = replicas()  # flushes every 5 ms: an entry a decision below
+    redis = Redis.from_url(redis_server.url, socket_timeout=5)
+    seen: list[tuple[str, str]] = []
+    reader = DecisionSync(
+        redis, Registry(redis, "t:"),
+        RouterConfig(sync=True, sync_flush_interval=0.1, sync_load_interval=0.05),
+        observe=lambda w, text, now: seen.append((w, text)), local_inflight=dict,
+    )  # fmt: skip
+    reads, xread = 0, redis.xread
+
+    async def counted(*args: object, **kw: object) -> object:
+        nonlocal reads
+        reads += 1
+        return await xread(*args, **kw)
+
+    redis.xread = counted  # type: ignore[method-assign]
+    try:
+        await writer.sync.start()
+        await reader.start()
+        await asyncio.wait_for(reader.caught_up.wait(), 5)
+        for i in range(60):  # ~0.6 s: another replica under load
+            writer.sync.publish("w1", f"conversation {i}")
+            await asyncio.sleep(0.01)
+        await wait_until(lambda: len(seen) == 60)
+        assert writer.sync.published == 60
+        # About one read an interval (0.1 s) over ~0.7 s, not one an entry (~60).
+        assert reads <= 20, reads
+    finally:
+        await reader.stop()
+        await redis.aclose()
