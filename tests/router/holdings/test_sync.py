@@ -2,6 +2,7 @@
 replica catches up from the stream, and a Redis outage degrades without errors."""
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -156,13 +157,15 @@ async def test_a_reader_under_load_reads_once_an_interval_not_once_an_entry(
         await writer.sync.start()
         await reader.start()
         await asyncio.wait_for(reader.caught_up.wait(), 5)
+        start, reads = time.monotonic(), 0
         for i in range(60):  # ~0.6 s: another replica under load
             writer.sync.publish("w1", f"conversation {i}")
             await asyncio.sleep(0.01)
         await wait_until(lambda: len(seen) == 60)
         assert writer.sync.published == 60
-        # About one read an interval (0.1 s) over ~0.7 s, not one an entry (~60).
-        assert reads <= 20, reads
+        # About one read an interval (0.1 s), not one an entry (~60): the bound grows
+        # with the time the writes took on a slow machine (~12 reads at ~0.7 s).
+        assert reads <= (time.monotonic() - start) / 0.1 + 5, reads
     finally:
         await reader.stop()
         await redis.aclose()
