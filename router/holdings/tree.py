@@ -144,34 +144,12 @@ class PrefixTree(Generic[Seq]):
         Read-only: routing inserts the text for the chosen tenant afterwards, which is
         what refreshes its recency.
         """
-        if self.width != 1:
-            return self._match_units(text)
-        node, pos, n = self._root, 0, len(text)
+        node, pos, n, width = self._root, 0, len(text), self.width
         is_str = isinstance(text, str)  # str compares in place; tuples have no startswith
         path: list[tuple[Mapping[Tenant, float], int]] = []
-        while pos < n:
-            child = node.children.get(text[pos])
-            if child is None:
-                break
-            key = child.key
-            k = len(key)
-            if text.startswith(key, pos) if is_str else text[pos : pos + k] == key:  # type: ignore[union-attr]
-                pos += k
-                path.append((child.tenants, pos))
-                node = child
-                continue
-            path.append((child.tenants, pos + _common_len(text, pos, key)))
-            break
-        return path
-
-    def _match_units(self, text: Seq) -> list[tuple[Mapping[Tenant, float], int]]:
-        """`match_path` where a unit is `width` chars (a TokenKey), in whole units: an
-        entry that ends inside the unit where the one before it ended adds nothing its
-        holders are known to hold. One pass (a second over the path in elements cost
-        ~2 us a 2k-id chat of 30 turns)."""
-        node, pos, n, width = self._root, 0, len(text), self.width
-        is_str = isinstance(text, str)
-        path: list[tuple[Mapping[Tenant, float], int]] = []
+        # Ends in whole units (`width` elements, a TokenKey): an entry that ends inside the
+        # unit where the one before it ended adds nothing its holders are known to hold.
+        # One pass (a second over the path cost ~2 us a 2k-id chat of 30 turns).
         last = 0
         while pos < n:
             child = node.children.get(text[pos])
