@@ -45,6 +45,7 @@ the protocol as its callbacks: the cycle kept both, and the chunks, until a full
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections.abc import Callable
 
@@ -66,6 +67,26 @@ from router.upstream.limits import (
 __all__ = ["BufferBudget", "UpstreamBroken", "WorkerConnection"]
 
 HIGH_WATER = 262144  # streamed bytes held before the socket is paused
+
+# The simplest answer, whole in one read, is read without httptools (`_simple`): a
+# callback into Python per header line was most of the exchange's cost. Only a head no
+# rule of the parser or of this module could treat otherwise takes it: `HTTP/1.1`, a
+# status of 200-599 (not 204 or 304: they have no body whatever the headers say), a
+# reason of visible ASCII, at most 121 lines of token names and visible-ASCII values
+# without leading or trailing blanks beyond the spaces after the colon, exactly one
+# Content-Length of digits, none of the names that change framing or the connection,
+# the whole head under every field cap; the body exactly Content-Length bytes. Anything
+# else (chunked, a split head, a 1xx, obs-fold, a tab, one byte more) goes to httptools
+# as before: `tests/router/upstream/test_simple_heads.py` runs the conformance suite's
+# answers and random mutations of them through both and compares every outcome.
+_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_SPECIAL = r"(?i:transfer-encoding|content-length|connection|proxy-connection|upgrade|keep-alive):"
+_LINE = rf"(?!{_SPECIAL}){_TOKEN}: *[!-~](?:[ -~]*[!-~])?\r\n"
+_SIMPLE_HEAD = re.compile(
+    rf"HTTP/1\.1 ([2-5][0-9][0-9]) [!-~][ -~]*\r\n"
+    rf"((?:{_LINE}){{0,60}}(?i:content-length): *([0-9]{{1,15}})\r\n(?:{_LINE}){{0,60}})\r\n"
+)
+_FIELD = re.compile(r"([^:\r\n]+): *([^\r\n]+)\r\n")
 
 
 class _Garbage(Exception):
@@ -122,6 +143,7 @@ class WorkerConnection(asyncio.Protocol):
         self.content_length: int | None = None
         self._raw: list[tuple[str, str]] = []
         self._head_bytes = 0
+        self._lines = 0  # header lines seen (trailers too)
         self._chunked = False
         self._cap: int | None = None  # buffered answers: max_buffered; streams: none
         self.too_big = False
@@ -146,11 +168,16 @@ class WorkerConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    simple_heads = True  # `_simple` may read a whole simple answer (False: httptools only)
+
     def data_received(self, data: bytes) -> None:
         if not self.busy:
             self._break("the worker sent bytes nobody asked for")
             return
-        self.got_bytes = True
+        if not self.got_bytes:  # the answer's first bytes: the parser is between messages
+            self.got_bytes = True
+            if self.simple_heads and self._simple(data):
+                return
         try:
             self.feed(data)
         except HttpParserUpgrade:
@@ -199,10 +226,12 @@ class WorkerConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # llhttp may hand a field over in pieces; over the caps either way.
-        self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > MAX_HEAD_BYTES or len(self._raw) >= MAX_HEADERS:
+        n, v = len(name), len(value)
+        self._head_bytes += n + v + 4
+        self._lines += 1
+        if self._head_bytes > MAX_HEAD_BYTES or self._lines > MAX_HEADERS:
             raise _Garbage(f"header block over {MAX_HEAD_BYTES} bytes or {MAX_HEADERS} lines")
-        if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
+        if n > MAX_FIELD_BYTES or v > MAX_FIELD_BYTES:
             raise _Garbage(f"header field over {MAX_FIELD_BYTES} bytes")
         if BAD_VALUE.search(value) is not None:
             raise _Garbage("a header value that is not visible ASCII")
@@ -218,11 +247,18 @@ class WorkerConnection(asyncio.Protocol):
             self._informational = True
             self._raw = []
             self._head_bytes = 0
+            self._lines = 0
             return
+        self._take_head(status, self._raw)
+        self._wake()
+
+    def _take_head(self, status: int, raw: list[tuple[str, str]]) -> None:
+        """The answer's head (not 1xx), parsed by httptools or `_simple`: its checks,
+        then its fields (`_Garbage` when one fails)."""
         self.status = status
         # Set as the answer's head only once its checks pass: a head that broke one (an
         # echo of another request) was taken for the answer, its status 200 and no type.
-        headers = CIMultiDict(self._raw)
+        headers = CIMultiDict(raw)
         coding = headers.getall("Transfer-Encoding", None)
         if coding is not None and not only_chunked(coding):
             # No TE was sent, so chunked is the only coding a worker may apply (once).
@@ -234,16 +270,49 @@ class WorkerConnection(asyncio.Protocol):
             raise _Foreign("no x-request-id echo on a reused connection")
         self.echoed = echo is not None
         self.headers = headers
-        self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        kind = headers.get("Content-Type", "")
+        if kind != "application/json":  # (the common value is its own normal form)
+            kind = kind.partition(";")[0].strip().lower()
+        self.content_type = kind
         self._chunked = coding is not None
         length = headers.get("Content-Length")
         if length is not None:
-            self.content_length = int(length)  # llhttp accepted it: digits only
-        if self.content_type != "text/event-stream":
+            self.content_length = int(length)  # llhttp (or the pattern) accepted it: digits only
+        if kind != "text/event-stream":
             self._cap = self.max_buffered
         else:
             self._deadline = None  # a stream: each wait for bytes has its own timer
-        self._wake()
+
+    def _simple(self, data: bytes) -> bool:
+        """Read `data` as one whole answer of the simplest form (`_SIMPLE_HEAD`) without
+        the parser, doing what its callbacks would; False (nothing done) for anything
+        else, which the parser then reads. The parser stays between messages: it saw
+        none of it, and a byte after the answer is a second answer to it as before."""
+        end = data.find(b"\r\n\r\n") + 4
+        if end < 4 or end > MAX_FIELD_BYTES:
+            return False
+        head = data[:end].decode("latin-1")  # the pattern admits ASCII only
+        found = _SIMPLE_HEAD.fullmatch(head)
+        if found is None or found[1] in ("204", "304"):
+            return False
+        body = data[end:]
+        length = int(found[3])
+        if len(body) != length:
+            return False
+        try:
+            self._take_head(int(found[1]), _FIELD.findall(found[2]))
+        except _Garbage as cause:
+            self.foreign = self.foreign or isinstance(cause, _Foreign)
+            self._break(f"the worker's answer is not HTTP/1.1: {cause}")
+            self._drop_parser()  # refuses what follows, as the parser after its error
+            return True
+        if length:
+            self.on_body(body)  # wakes the exchange
+            self.complete = self.keep_alive = True
+        else:
+            self.complete = self.keep_alive = True
+            self._wake()
+        return True
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
@@ -298,8 +367,10 @@ class WorkerConnection(asyncio.Protocol):
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._waiter = None  # one wake a wait: later events find none to wake
+            if not waiter.done():  # (cancelled with its task)
+                waiter.set_result(None)
 
     def _waiter_until(self, due: float) -> asyncio.Future[None]:
         """A wait for bytes that times out at loop time `due` (the connection's timer)."""
@@ -322,6 +393,7 @@ class WorkerConnection(asyncio.Protocol):
             self._timer_at = self._due
             self._timer = self.loop.call_at(self._due, self._tick)
             return
+        self._waiter = None
         waiter.set_exception(TimeoutError())
 
     async def _wait(self) -> None:
@@ -336,26 +408,47 @@ class WorkerConnection(asyncio.Protocol):
         finally:
             self._waiter = None
 
-    async def send(self, data: bytes, request_id: str) -> None:
-        """Send one request and wait for the head of its answer."""
+    def start(self, data: bytes, request_id: str) -> asyncio.Future[None]:
+        """Send one request; the future is done once bytes of its answer (usually the
+        whole answer) arrived or the connection broke, or fails with TimeoutError at the
+        exchange's deadline. `send` is the whole wait for the head: this future, then
+        `until_head` while the head is not complete (a caller awaiting both directly
+        saves a coroutine per exchange)."""
         self._reset()
         self.busy = True
         self.exchanges += 1
         self.request_id = request_id
         loop = self.loop
-        deadline = self._deadline = loop.time() + self.read_timeout
+        # `_waiter_until` inlined: the head has the exchange's one overall deadline.
+        due = self._deadline = self._due = loop.time() + self.read_timeout
+        waiter = self._waiter = loop.create_future()
+        if self._timer is None or self._timer_at > due:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = due
+            self._timer = loop.call_at(due, self._tick)
         self.transport.write(data)  # type: ignore[union-attr]
+        return waiter
+
+    async def until_head(self) -> None:
+        """Wait until the answer's head arrived (after `start`'s future)."""
+        deadline = self._deadline
+        loop = self.loop
         while self.headers is None:
             if self.error is not None:
                 raise self._broken(self.error)
-            # `_wait` inlined (one coroutine less per request): the head has the
-            # exchange's one overall deadline.
-            if deadline <= loop.time():
+            if deadline <= loop.time():  # type: ignore[operator]
                 raise TimeoutError
             try:
-                await self._waiter_until(deadline)
+                await self._waiter_until(deadline)  # type: ignore[arg-type]
             finally:
                 self._waiter = None
+
+    async def send(self, data: bytes, request_id: str) -> None:
+        """Send one request and wait for the head of its answer."""
+        await self.start(data, request_id)
+        if self.headers is None:
+            await self.until_head()
 
     def _broken(self, why: str) -> UpstreamBroken:
         return ForeignAnswer(why) if self.foreign else UpstreamBroken(why)
@@ -370,7 +463,9 @@ class WorkerConnection(asyncio.Protocol):
             raise self._broken(self.spoiled)
         chunks = self._chunks
         self._chunks = []
-        self._give_back()
+        if self._held:  # (`_give_back` inlined)
+            self.budget.used -= self._held
+            self._held = 0
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def readany(self) -> bytes:

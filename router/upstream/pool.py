@@ -45,7 +45,7 @@ from router.upstream.echo import EchoBook, EchoStatus
 class _Origin:
     """One worker's address and its idle connections."""
 
-    __slots__ = ("echo", "host", "host_header", "idle", "literal", "port", "request_line", "tls")
+    __slots__ = ("echo", "heads", "host", "host_header", "idle", "literal", "port", "tls")
 
     def __init__(self, base_url: str, echo: EchoStatus) -> None:
         parts = urlsplit(base_url)
@@ -58,20 +58,29 @@ class _Origin:
             self.literal = True
         except ValueError:
             self.literal = False
-        # Built once per worker and path, not per request: `POST <path> HTTP/1.1` and Host.
-        self.request_line: dict[str, bytes] = {}
+        # (path, *header lines) -> `POST <path> HTTP/1.1`, Host and the lines, as bytes:
+        # built once, not per request (`head_of`).
+        self.heads: dict[tuple[object, ...], bytes] = {}
         self.host_header = parts.netloc.encode("ascii")
         self.idle: list[WorkerConnection] = []
 
-    def head_of(self, path: str) -> bytes:
-        line = self.request_line.get(path)
-        if line is None:
-            if len(self.request_line) >= 16:  # the router posts to three paths
-                self.request_line.clear()
-            line = self.request_line[path] = b"POST %s HTTP/1.1\r\nHost: %s\r\n" % (
-                path.encode("ascii"), self.host_header,
-            )  # fmt: skip
-        return line
+    def head_of(self, key: tuple[object, ...]) -> bytes:
+        """The request head up to the request id for `key`, (path, *header lines)."""
+        head = b"POST %s HTTP/1.1\r\nHost: %s\r\n%s" % (
+            key[0].encode("ascii"), self.host_header,  # type: ignore[attr-defined]
+            "".join([f"{k}: {v}\r\n" for k, v in key[1:]]).encode(),  # type: ignore[misc]
+        )  # fmt: skip
+        # Most requests carry the same lines (a client's User-Agent, the worker key); a
+        # line that changes per request (traceparent) leaves a few entries to be rebuilt.
+        if len(head) <= MAX_KEPT_HEAD:
+            if len(self.heads) >= MAX_KEPT_HEADS:
+                self.heads.clear()
+            self.heads[key] = head
+        return head
+
+
+MAX_KEPT_HEADS = 16  # request heads kept per worker
+MAX_KEPT_HEAD = 1024  # bytes: a longer head is built each time (memory: 16 KB a worker)
 
 
 class UpstreamPool:
@@ -114,9 +123,10 @@ class UpstreamPool:
         """Send the request; return the connection once the answer's head has arrived.
         The caller reads the body, then `release`s it (read to its end) or closes it."""
         origin = self._origins.get(base_url) or self._origin(base_url)
-        head = "".join([f"{k}: {v}\r\n" for k, v in headers]).encode()
-        data = b"%s%sx-request-id: %s\r\nAccept-Encoding: identity\r\nContent-Length: %d\r\n\r\n%s" % (
-            origin.head_of(path), head, request_id.encode("ascii"), len(body), body,
+        key = (path, *headers)
+        head = origin.heads.get(key) or origin.head_of(key)
+        data = b"%sx-request-id: %s\r\nAccept-Encoding: identity\r\nContent-Length: %d\r\n\r\n%s" % (
+            head, request_id.encode("ascii"), len(body), body,
         )  # fmt: skip
         idle = origin.idle
         while idle and not fresh:
@@ -129,7 +139,11 @@ class UpstreamPool:
                 conn.close()
                 continue
             try:
-                await conn.send(data, request_id)
+                # `conn.send` inlined (a coroutine less per exchange): the answer is
+                # usually whole when the start's future is done.
+                await conn.start(data, request_id)
+                if conn.headers is None:
+                    await conn.until_head()
                 origin.echo.record(conn.echoed)
                 return conn
             except UpstreamBroken:

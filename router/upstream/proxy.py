@@ -64,7 +64,7 @@ from router.upstream.answers import (
     worker_authorization,
 )
 from router.upstream.connection import UpstreamBroken
-from router.upstream.responder import Reply, StreamReply, responder_of
+from router.upstream.responder import StreamReply, responder_of
 from router.upstream.transport import Answer, Transport
 from shared.config import RouterConfig
 from shared.serving import json_codec
@@ -400,8 +400,16 @@ class Proxy:
                 await classify(upstream, worker)
             if upstream.content_type == EVENT_STREAM:
                 resp = await self._relay_stream(request, upstream, attempt, decision, routed)
-            else:
-                resp = await self._relay_buffered(request, upstream, attempt, decision, routed)
+            else:  # a buffered answer, relayed here (a coroutine less per request)
+                answer = await read_capped(upstream, self.config, worker)
+                if upstream.status == 200:
+                    self._succeeded(
+                        attempt, decision, routed, answer, cached_tokens_from_json(answer)
+                    )
+                else:
+                    self._succeeded(attempt, decision, routed, b"", None)
+                headers = self._response_headers(upstream, worker, decision)
+                resp = responder_of(request).answer(upstream.status, headers, answer)
         except BaseException:
             # Anything but a complete relay (error, cancel) must drop the connection, so
             # the worker sees the request abandoned instead of a pooled half-read socket.
@@ -409,19 +417,6 @@ class Proxy:
             raise
         self.pool.release(worker.url, upstream)
         return resp
-
-    async def _relay_buffered(
-        self, request: web.Request, upstream: Answer, attempt: Attempt, decision: Decision,
-        routed: Routed,
-    ) -> Reply:  # fmt: skip
-        worker = attempt.worker
-        body = await read_capped(upstream, self.config, worker)
-        if upstream.status == 200:
-            self._succeeded(attempt, decision, routed, body, cached_tokens_from_json(body))
-        else:
-            self._succeeded(attempt, decision, routed, b"", None)
-        headers = self._response_headers(upstream, worker, decision)
-        return responder_of(request).answer(upstream.status, headers, body)
 
     async def _relay_stream(
         self,

@@ -1,6 +1,7 @@
 """One conformance suite for the router's upstream transport (router/upstream/transport.py), run
 against the project's own HTTP/1.1 client and against aiohttp's ClientSession through the
-same interface: the same scripted worker bytes must give the same outcome through both.
+same interface: the same scripted worker bytes must give the same outcome through both, and through the own
+client with its simple-answer path off (`own-httptools`: httptools reads every answer).
 
 The worker is a raw TCP server on loopback whose every byte the case scripts: framing
 (CL+TE, chunk-size overflow, two lengths), statuses (1xx skipped, 101, 304, 999), header
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from router.upstream.clients import make_transport
-from router.upstream.connection import UpstreamBroken
+from router.upstream.connection import UpstreamBroken, WorkerConnection
 from router.upstream.resolver import GuardedResolver
 from router.upstream.transport import Transport
 from tests.router.raw_upstream import RawUpstream, request_id
@@ -65,9 +66,14 @@ class ScriptedWorker(RawUpstream):
         return False
 
 
-@pytest.fixture(params=["own", "aiohttp"])
-async def transport(request: pytest.FixtureRequest) -> AsyncIterator[Transport]:
-    t = make_transport(request.param, GuardedResolver(), 2.0, READ_TIMEOUT, 4096, 1 << 20)
+@pytest.fixture(params=["own", "own-httptools", "aiohttp"])
+async def transport(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Transport]:
+    kind, _, only = request.param.partition("-")
+    if only:  # the own client with httptools reading every answer (no `_simple`)
+        monkeypatch.setattr(WorkerConnection, "simple_heads", False)
+    t = make_transport(kind, GuardedResolver(), 2.0, READ_TIMEOUT, 4096, 1 << 20)
     yield t
     await t.close()
 

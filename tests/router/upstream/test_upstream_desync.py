@@ -3,18 +3,20 @@ unrequested second answer 0, 1 or 5 ms after the first must never have that answ
 as the next request's. 20 clients x 50 requests through a real router app against a
 raw-socket worker; each answer names the client request it belongs to, so a mix-up is
 visible in the body. Run against a worker that echoes `x-request-id` (as ours does) and
-one that does not (as stock engines may not), over both upstream transports."""
+one that does not (as stock engines may not), over both upstream transports, and over the
+own one with its simple-answer path off (`own-httptools`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
+from router.upstream.connection import WorkerConnection
 from tests.router.conftest import StartRouter
 
 CLIENTS, REQUESTS = 20, 50
@@ -85,6 +87,21 @@ class DoubleAnswerWorker:
             writer.write(data)
 
 
+def _client(transport: str) -> str:
+    """The `upstream_client` of a transport param: `own-httptools` is the own client
+    with its simple-answer path off (httptools reads every answer)."""
+    kind, _, only = transport.partition("-")
+    if only:
+        WorkerConnection.simple_heads = False  # undone by the autouse fixture below
+    return kind
+
+
+@pytest.fixture(autouse=True)
+def _simple_heads_back() -> Iterator[None]:
+    yield
+    WorkerConnection.simple_heads = True
+
+
 @pytest.fixture
 async def servers() -> AsyncIterator[list[asyncio.Server]]:
     started: list[asyncio.Server] = []
@@ -130,7 +147,7 @@ async def _run_clients(
     ids=["echoing", "not-echoing", "echoing-one-client-id"],
 )
 @pytest.mark.parametrize("delay_ms", [0, 1, 5])
-@pytest.mark.parametrize("transport", ["own", "aiohttp"])
+@pytest.mark.parametrize("transport", ["own", "own-httptools", "aiohttp"])
 async def test_no_client_gets_another_clients_answer(
     servers: list[asyncio.Server],
     start_router: StartRouter,
@@ -146,7 +163,7 @@ async def test_no_client_gets_another_clients_answer(
     # A breaker that never opens, so every request reaches the bad worker.
     client = await start_router(
         [url], policy="round_robin", max_retries=1, retry_backoff=0, breaker_failures=10**6,
-        upstream_client=transport,
+        upstream_client=_client(transport),
     )  # fmt: skip
     delivered, refused, mixed = await _run_clients(client, same_id)
     assert mixed == [], f"{len(mixed)} of {CLIENTS * REQUESTS} mixed up: {mixed[:5]}"
@@ -162,7 +179,7 @@ async def test_no_client_gets_another_clients_answer(
 
 
 @pytest.mark.parametrize("delay_ms", [1, 5])
-@pytest.mark.parametrize("transport", ["own", "aiohttp"])
+@pytest.mark.parametrize("transport", ["own", "own-httptools", "aiohttp"])
 async def test_innocent_requests_are_all_answered_on_a_one_worker_fleet(
     servers: list[asyncio.Server], start_router: StartRouter, transport: str, delay_ms: int
 ) -> None:
@@ -175,7 +192,7 @@ async def test_innocent_requests_are_all_answered_on_a_one_worker_fleet(
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     client = await start_router(
         [url], policy="round_robin", max_retries=1, retry_backoff=0, breaker_failures=10**6,
-        upstream_client=transport,
+        upstream_client=_client(transport),
     )  # fmt: skip
     _, refused, mixed = await _run_clients(client, every=4)
     assert mixed == [] and refused == 0, (refused, mixed[:5])
@@ -184,7 +201,7 @@ async def test_innocent_requests_are_all_answered_on_a_one_worker_fleet(
 
 
 @pytest.mark.parametrize("delay_ms", [5, 20])
-@pytest.mark.parametrize("transport", ["own", "aiohttp"])
+@pytest.mark.parametrize("transport", ["own", "own-httptools", "aiohttp"])
 async def test_innocent_streams_are_all_answered_on_a_one_worker_fleet(
     servers: list[asyncio.Server], start_router: StartRouter, transport: str, delay_ms: int
 ) -> None:
@@ -196,7 +213,7 @@ async def test_innocent_streams_are_all_answered_on_a_one_worker_fleet(
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     client = await start_router(
         [url], policy="round_robin", max_retries=1, retry_backoff=0, breaker_failures=10**6,
-        upstream_client=transport,
+        upstream_client=_client(transport),
     )  # fmt: skip
     failed: list[str] = []
 

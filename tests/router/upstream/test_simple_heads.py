@@ -1,0 +1,260 @@
+"""The simple-answer path (`WorkerConnection._simple`, router/upstream/connection.py) against
+httptools: the same worker bytes, in the same reads, must leave a connection in the same
+state either way (status, headers, body, completeness, keep-alive, echo, the error text,
+whether it was another answer's bytes, the budget), then again after bytes that arrive
+later, and on the next exchange of a connection kept.
+
+The answers: every scripted answer of the transport conformance suite and of the desync
+probe, hand-made edge cases of the pattern, and seeded random mutations of a plain
+answer. Bytes go to the protocol's `data_received` as its transport would hand them
+(over a real socket pair): a socket cannot promise where one read ends, and the read
+boundaries are what decides which path runs. The conformance suite and the desync probe
+themselves also run over real sockets with the simple path off
+(`test_transport_conformance.py`, `test_upstream_desync.py`: transport `own-httptools`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from router.upstream.connection import BufferBudget, WorkerConnection
+from tests.router.upstream.test_transport_conformance import ANSWER, CASES, STRICTER, chunked
+from tests.router.upstream.test_upstream_desync import _answer
+
+RID = b"rid-7"
+NEXT_RID = b"rid-8"
+MAX_BUFFERED = 4096
+
+
+def _state(conn: WorkerConnection) -> tuple[Any, ...]:
+    headers = None if conn.headers is None else list(conn.headers.items())
+    return (
+        conn.status, headers, conn.content_type, conn.content_length, conn.complete,
+        conn.keep_alive, conn.echoed, conn.error, conn.spoiled, conn.foreign, conn.too_big,
+        conn.over_budget, b"".join(conn._chunks), conn.budget.used, conn.reusable(),
+        conn.close_delimited, conn.is_eof(),
+    )  # fmt: skip
+
+
+async def _run(simple: bool, reads: list[bytes], later: Sequence[bytes], budget: int) -> list[Any]:
+    """The connection's state after each read of the answer, after each later read, and
+    after a plain answer to a next request where the connection may carry one."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    try:
+        _, conn = await loop.connect_accepted_socket(
+            lambda: WorkerConnection(5.0, MAX_BUFFERED, lambda c: None, BufferBudget(budget)),
+            ours,
+        )
+        conn.simple_heads = simple
+        fed = 0
+
+        def count(data: bytes, feed: Any = conn.feed) -> None:
+            nonlocal fed
+            fed += 1
+            feed(data)
+
+        conn.feed = count  # type: ignore[method-assign]
+        seen: list[Any] = []
+        conn.start(b"POST / HTTP/1.1\r\n\r\n", RID.decode())
+        for data in reads:
+            conn.data_received(data)
+            seen.append(_state(conn))
+        for data in later:
+            conn.data_received(data)
+            seen.append(_state(conn))
+        if conn.reusable():
+            conn.busy = False  # as the pool's release
+            conn.start(b"POST / HTTP/1.1\r\n\r\n", NEXT_RID.decode())
+            conn.data_received(ANSWER.replace(b"{RID}", NEXT_RID))
+            seen.append(_state(conn))
+        seen.append(("parser fed", fed > 0) if not simple else ("-",))
+        conn.close()
+        return seen
+    finally:
+        theirs.close()
+
+
+async def _compare(reads: list[bytes], later: Sequence[bytes] = (), budget: int = 1 << 20) -> bool:
+    """Both ways give the same states; True when the simple path took the answer."""
+    fast = await _run(True, reads, later, budget)
+    slow = await _run(False, reads, later, budget)
+    assert fast[:-1] == slow[:-1], (reads, later)
+    return fast[-1] == ("-",) and await _took_simple(reads)
+
+
+async def _took_simple(reads: list[bytes]) -> bool:
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    try:
+        _, conn = await loop.connect_accepted_socket(
+            lambda: WorkerConnection(5.0, MAX_BUFFERED, lambda c: None, BufferBudget(1 << 20)),
+            ours,
+        )
+        fed = []
+        conn.feed = fed.append  # type: ignore[method-assign]
+        conn.start(b"POST / HTTP/1.1\r\n\r\n", RID.decode())
+        conn.data_received(reads[0])
+        conn.close()
+        return not fed
+    finally:
+        theirs.close()
+
+
+def _suite_answers() -> Iterator[tuple[str, bytes]]:
+    for name, (steps, _) in CASES.items():
+        data = b"".join(s for s in steps if isinstance(s, bytes)).replace(b"{RID}", RID)
+        if data:
+            yield name, data
+    for name, steps in STRICTER.items():
+        yield name, b"".join(steps).replace(b"{RID}", RID)
+    for sse in (False, True):
+        for rid in (RID, b"someone-else", None):
+            one = _answer(b"c1r1", rid, sse)
+            yield f"desync-{sse}-{rid!r}", one
+            yield f"desync-twice-{sse}-{rid!r}", one + _answer(b"STOLEN-DELAYED-c1r1", rid, sse)
+
+
+PLAIN = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-request-id: rid-7\r\n"
+BODY = b'{"ok": true}'
+# Lines and heads at the pattern's edges: each must read the same through httptools.
+EDGES: dict[str, bytes] = {
+    "plain": PLAIN + b"Content-Length: 12\r\n\r\n" + BODY,
+    "length-first": b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nx-request-id: rid-7\r\n\r\n" + BODY,
+    "no-echo": b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "other-echo": b"HTTP/1.1 200 OK\r\nx-request-id: rid-6\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "empty-body": PLAIN + b"Content-Length: 0\r\n\r\n",
+    "leading-zeros": PLAIN + b"Content-Length: 0012\r\n\r\n" + BODY,
+    "no-space": PLAIN + b"content-length:12\r\n\r\n" + BODY,
+    "spaces": PLAIN + b"CONTENT-LENGTH:    12\r\n\r\n" + BODY,
+    "tab-after-colon": PLAIN + b"Content-Length:\t12\r\n\r\n" + BODY,
+    "trailing-space": PLAIN + b"Content-Length: 12 \r\n\r\n" + BODY,
+    "value-trailing-space": PLAIN + b"X-A: b \r\nContent-Length: 12\r\n\r\n" + BODY,
+    "value-spaces-inside": PLAIN + b"X-A: a  b\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "empty-value": PLAIN + b"X-A:\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "colon-in-value": PLAIN + b"X-A: a: b\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "json-with-charset": PLAIN.replace(b"json", b"JSON; charset=utf-8") + b"Content-Length: 12\r\n\r\n" + BODY,
+    "sse-with-length": PLAIN.replace(b"application/json", b"text/event-stream") + b"Content-Length: 12\r\n\r\n" + BODY,
+    "connection-close": PLAIN + b"Connection: close\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "connection-keep-alive": PLAIN + b"Connection: keep-alive\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "keep-alive-header": PLAIN + b"Keep-Alive: timeout=5\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "proxy-connection": PLAIN + b"Proxy-Connection: close\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "upgrade": PLAIN + b"Upgrade: h2c\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "connection-prefix": PLAIN + b"Connectionx: close\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "te-chunked": PLAIN + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(BODY) + b"0\r\n\r\n",
+    "status-204-length": b"HTTP/1.1 204 No Content\r\nx-request-id: rid-7\r\nContent-Length: 0\r\n\r\n",
+    "status-304-length": b"HTTP/1.1 304 Not Modified\r\nx-request-id: rid-7\r\nContent-Length: 0\r\n\r\n",
+    "status-404": b"HTTP/1.1 404 Not Found\r\nx-request-id: rid-7\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "status-599": b"HTTP/1.1 599 X\r\nx-request-id: rid-7\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "status-600": b"HTTP/1.1 600 X\r\nx-request-id: rid-7\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "status-199": b"HTTP/1.1 199 X\r\nx-request-id: rid-7\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "reason-colon": b"HTTP/1.1 200 O:K\r\nx-request-id: rid-7\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "reason-trailing-space": b"HTTP/1.1 200 OK \r\nx-request-id: rid-7\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "reason-empty": b"HTTP/1.1 200 \r\nx-request-id: rid-7\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "http10": b"HTTP/1.0 200 OK\r\nx-request-id: rid-7\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "one-byte-short": PLAIN + b"Content-Length: 13\r\n\r\n" + BODY,
+    "one-byte-more": PLAIN + b"Content-Length: 11\r\n\r\n" + BODY,
+    "crlf-after": PLAIN + b"Content-Length: 12\r\n\r\n" + BODY + b"\r\n",
+    "too-big": PLAIN + b"Content-Length: 5000\r\n\r\n" + b"x" * 5000,
+    "121-lines": PLAIN + b"".join(b"X-%d: 1\r\n" % i for i in range(58)) + b"Content-Length: 12\r\n" + b"".join(b"Y-%d: 1\r\n" % i for i in range(60)) + b"\r\n" + BODY,
+    "122-lines": PLAIN + b"".join(b"X-%d: 1\r\n" % i for i in range(58)) + b"Content-Length: 12\r\n" + b"".join(b"Y-%d: 1\r\n" % i for i in range(61)) + b"\r\n" + BODY,
+    "128-lines": PLAIN + b"".join(b"X-%d: 1\r\n" % i for i in range(125)) + b"Content-Length: 12\r\n\r\n" + BODY,
+    "129-lines": PLAIN + b"".join(b"X-%d: 1\r\n" % i for i in range(126)) + b"Content-Length: 12\r\n\r\n" + BODY,
+    "8k-value": PLAIN + b"X-A: " + b"v" * 8100 + b"\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "9k-value": PLAIN + b"X-A: " + b"v" * 9000 + b"\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "odd-token-name": PLAIN + b"X!#$%&'*+-.^_`|~9: 1\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "two-echoes": PLAIN + b"X-Request-ID: rid-6\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "content-encoding": PLAIN + b"Content-Encoding: gzip\r\nContent-Length: 12\r\n\r\n" + BODY,
+    "length-huge": PLAIN + b"Content-Length: 999999999999999\r\n\r\n" + BODY,
+    "length-16-digits": PLAIN + b"Content-Length: 1000000000000000\r\n\r\n" + BODY,
+}  # fmt: skip
+LATER = [b"", b"\r\n", b"x", ANSWER.replace(b"{RID}", RID), b"HTTP/1.1 200 OK\r\n"]
+
+
+@pytest.mark.parametrize("name", list(EDGES))
+async def test_edge_cases_read_the_same_both_ways(name: str) -> None:
+    data = EDGES[name]
+    for later in LATER:
+        await _compare([data], [later] if later else [])
+    for budget in (16, 1 << 20):
+        await _compare([data], [], budget)
+
+
+async def test_the_plain_answer_takes_the_simple_path() -> None:
+    """Not vacuous: the common answers are read without the parser."""
+    for name in (
+        "plain",
+        "length-first",
+        "no-echo",
+        "empty-body",
+        "json-with-charset",
+        "121-lines",
+    ):
+        assert await _compare([EDGES[name]]), name
+    for name in ("te-chunked", "connection-close", "one-byte-more", "status-204-length"):
+        assert not await _compare([EDGES[name]]), name
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _suite_answers()])
+async def test_suite_answers_read_the_same_both_ways(name: str) -> None:
+    data = dict(_suite_answers())[name]
+    await _compare([data])
+    await _compare([data], [ANSWER.replace(b"{RID}", RID)])
+    # Split anywhere, the first read is not a whole answer: both go to the parser alike.
+    for cut in range(1, len(data), max(1, len(data) // 7)):
+        await _compare([data[:cut], data[cut:]])
+
+
+# Pieces a random head is built from: each a line the pattern may or may not admit.
+LINES = [
+    b"Content-Type: application/json", b"content-type: text/event-stream", b"x-request-id: rid-7",
+    b"X-Request-Id: rid-6", b"x-request-id:rid-7", b"Content-Length: 12", b"Content-Length: 11",
+    b"Content-Length:  12", b"Content-Length: 012", b"Content-Length: +12", b"Content-Length: 1 2",
+    b"Connection: close", b"Connection: keep-alive", b"Transfer-Encoding: chunked",
+    b"Transfer-Encoding: identity", b"Upgrade: websocket", b"Proxy-Connection: keep-alive",
+    b"Keep-Alive: 5", b"X-A: a\tb", b"X-A:\ta", b"X-A: a ", b"X-A:", b"X-A : 1", b" folded",
+    b"X-A: caf\xc3\xa9", b"X-A: a\x7fb", b"X-A: a\x00b", b": empty-name", b"X@A: 1",
+    b"Retry-After: 3", b"Cache-Control: no-cache", b"Content-Encoding: identity", b"Date: x",
+    b"Server: uvicorn", b"X-Ratelimit: 1, 2, 3",
+]  # fmt: skip
+NICE = [
+    line
+    for line in LINES
+    if line.startswith(
+        (b"Content-Type", b"x-request-id", b"Retry", b"Cache", b"Date", b"Server", b"X-Ratelimit")
+    )
+]
+STATUS_LINES = [
+    b"HTTP/1.1 200 OK", b"HTTP/1.1 200", b"HTTP/1.1 200 ", b"HTTP/1.1 201 Created",
+    b"HTTP/1.1 204 No Content", b"HTTP/1.1 304 Not Modified", b"HTTP/1.1 100 Continue",
+    b"HTTP/1.1 101 Switching", b"HTTP/1.1 429 Too Many", b"HTTP/1.1 503 Busy", b"HTTP/1.0 200 OK",
+    b"HTTP/1.1 999 Odd", b"HTTP/1.1 20 OK", b"HTTP/2 200 OK", b"HTTP/1.1 200 O\tK",
+]  # fmt: skip
+
+
+def _random_answer(rng: random.Random) -> bytes:
+    """Mostly a head the pattern admits, with one odd piece now and then."""
+    odd = rng.random
+    lines = [rng.choice(STATUS_LINES) if odd() < 0.3 else b"HTTP/1.1 200 OK"]
+    lines += [rng.choice(LINES if odd() < 0.2 else NICE) for _ in range(rng.randint(0, 6))]
+    if odd() < 0.9:
+        lines.insert(rng.randint(1, len(lines)), b"Content-Length: 12")
+    ending = b"\n" if odd() < 0.05 else b"\r\n"
+    body = rng.choice([BODY[:11], BODY + b"\r\n", BODY + ANSWER, b""]) if odd() < 0.3 else BODY
+    return ending.join(lines) + ending + ending + body
+
+
+async def test_random_answers_read_the_same_both_ways() -> None:
+    rng = random.Random(34)
+    took = 0
+    for _ in range(3000):
+        data = _random_answer(rng)
+        if await _compare([data], [rng.choice(LATER)]):
+            took += 1
+    assert took > 500  # not vacuous: a share of them took the simple path
