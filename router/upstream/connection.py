@@ -252,14 +252,17 @@ class WorkerConnection(asyncio.Protocol):
         self._take_head(status, self._raw)
         self._wake()
 
-    def _take_head(self, status: int, raw: list[tuple[str, str]]) -> None:
+    def _take_head(
+        self, status: int, raw: list[tuple[str, str]], length: int | None = None
+    ) -> None:
         """The answer's head (not 1xx), parsed by httptools or `_simple`: its checks,
-        then its fields (`_Garbage` when one fails)."""
+        then its fields (`_Garbage` when one fails). `length`: `_simple`'s, whose pattern
+        admitted one Content-Length and no Transfer-Encoding (None: look them up)."""
         self.status = status
         # Set as the answer's head only once its checks pass: a head that broke one (an
         # echo of another request) was taken for the answer, its status 200 and no type.
         headers = CIMultiDict(raw)
-        coding = headers.getall("Transfer-Encoding", None)
+        coding = None if length is not None else headers.getall("Transfer-Encoding", None)
         if coding is not None and not only_chunked(coding):
             # No TE was sent, so chunked is the only coding a worker may apply (once).
             raise _Garbage("a transfer coding other than chunked")
@@ -275,9 +278,11 @@ class WorkerConnection(asyncio.Protocol):
             kind = kind.partition(";")[0].strip().lower()
         self.content_type = kind
         self._chunked = coding is not None
-        length = headers.get("Content-Length")
-        if length is not None:
-            self.content_length = int(length)  # llhttp (or the pattern) accepted it: digits only
+        if length is None:
+            value = headers.get("Content-Length")
+            if value is not None:
+                length = int(value)  # llhttp accepted it: digits only
+        self.content_length = length
         if kind != "text/event-stream":
             self._cap = self.max_buffered
         else:
@@ -300,18 +305,29 @@ class WorkerConnection(asyncio.Protocol):
         if len(body) != length:
             return False
         try:
-            self._take_head(int(found[1]), _FIELD.findall(found[2]))
+            self._take_head(int(found[1]), _FIELD.findall(found[2]), length)
         except _Garbage as cause:
             self.foreign = self.foreign or isinstance(cause, _Foreign)
             self._break(f"the worker's answer is not HTTP/1.1: {cause}")
             self._drop_parser()  # refuses what follows, as the parser after its error
             return True
         if length:
-            self.on_body(body)  # wakes the exchange
-            self.complete = self.keep_alive = True
-        else:
-            self.complete = self.keep_alive = True
-            self._wake()
+            budget, cap = self.budget, self._cap
+            if cap is not None and length <= cap and budget.used + length <= budget.limit:
+                # `on_body` of a buffered answer within its caps, inlined (the common case)
+                self._chunks = [body]
+                self._size = self._buffered = self._held = length
+                budget.used += length
+                if budget.used > budget.peak:
+                    budget.peak = budget.used
+            else:
+                self.on_body(body)
+        self.complete = self.keep_alive = True
+        waiter = self._waiter  # `_wake` inlined
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
         return True
 
     def on_body(self, body: bytes) -> None:
