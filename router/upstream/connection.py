@@ -72,8 +72,8 @@ HIGH_WATER = 262144  # streamed bytes held before the socket is paused
 # callback into Python per header line was most of the exchange's cost. Only a head no
 # rule of the parser or of this module could treat otherwise takes it: `HTTP/1.1`, a
 # status of 200-599 (not 204 or 304: they have no body whatever the headers say), a
-# reason of visible ASCII, at most 121 lines of token names and visible-ASCII values
-# without leading or trailing blanks beyond the spaces after the colon, exactly one
+# reason of visible ASCII, at most 121 lines of token names and values of visible ASCII
+# and spaces (spaces after the colon are not the value's, as in llhttp), exactly one
 # Content-Length of digits, none of the names that change framing or the connection,
 # the whole head under every field cap; the body exactly Content-Length bytes. Anything
 # else (chunked, a split head, a 1xx, obs-fold, a tab, one byte more) goes to httptools
@@ -81,7 +81,7 @@ HIGH_WATER = 262144  # streamed bytes held before the socket is paused
 # answers and random mutations of them through both and compares every outcome.
 _TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _SPECIAL = r"(?i:transfer-encoding|content-length|connection|proxy-connection|upgrade|keep-alive):"
-_LINE = rf"(?!{_SPECIAL}){_TOKEN}: *[!-~](?:[ -~]*[!-~])?\r\n"
+_LINE = rf"(?!{_SPECIAL}){_TOKEN}: *[!-~][ -~]*\r\n"  # (llhttp keeps trailing blanks too)
 _SIMPLE_HEAD = re.compile(
     rf"HTTP/1\.1 ([2-5][0-9][0-9]) [!-~][ -~]*\r\n"
     rf"((?:{_LINE}){{0,60}}(?i:content-length): *([0-9]{{1,15}})\r\n(?:{_LINE}){{0,60}})\r\n"
