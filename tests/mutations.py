@@ -55,7 +55,7 @@ MUTATIONS = (
     Mutation(
         "no-echo-first-reuse",
         "router/upstream/connection.py",
-        "def on_headers_complete(self) -> None:",
+        "def _take_head(",
         "self.exchanges > 1",
         "self.exchanges > 2",
         "tests/router/upstream/test_upstream_client.py"
@@ -122,7 +122,7 @@ MUTATIONS = (
     Mutation(
         "reuse-without-echo",
         "router/upstream/connection.py",
-        "def on_headers_complete(self) -> None:",
+        "def _take_head(",
         "if echo is not None and echo != self.request_id:",
         "if False:",
         "tests/router/upstream/test_upstream_desync.py",
