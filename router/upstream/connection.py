@@ -143,7 +143,7 @@ class WorkerConnection(asyncio.Protocol):
         self.content_length: int | None = None
         self._raw: list[tuple[str, str]] = []
         self._head_bytes = 0
-        self._lines = 0  # header lines seen (trailers too)
+        self._lines = 0  # len(self._raw), without a call
         self._chunked = False
         self._cap: int | None = None  # buffered answers: max_buffered; streams: none
         self.too_big = False
@@ -228,14 +228,14 @@ class WorkerConnection(asyncio.Protocol):
         # llhttp may hand a field over in pieces; over the caps either way.
         n, v = len(name), len(value)
         self._head_bytes += n + v + 4
-        self._lines += 1
-        if self._head_bytes > MAX_HEAD_BYTES or self._lines > MAX_HEADERS:
+        if self._head_bytes > MAX_HEAD_BYTES or self._lines >= MAX_HEADERS:
             raise _Garbage(f"header block over {MAX_HEAD_BYTES} bytes or {MAX_HEADERS} lines")
         if n > MAX_FIELD_BYTES or v > MAX_FIELD_BYTES:
             raise _Garbage(f"header field over {MAX_FIELD_BYTES} bytes")
         if BAD_VALUE.search(value) is not None:
             raise _Garbage("a header value that is not visible ASCII")
         if self.headers is None:  # trailers (after a chunked body) are read and dropped
+            self._lines += 1
             self._raw.append((name.decode("ascii", "replace"), value.decode("ascii")))
 
     def on_headers_complete(self) -> None:

@@ -258,3 +258,18 @@ async def test_random_answers_read_the_same_both_ways() -> None:
         if await _compare([data], [rng.choice(LATER)]):
             took += 1
     assert took > 500  # not vacuous: a share of them took the simple path
+
+
+async def test_trailers_do_not_count_as_header_lines() -> None:
+    """The line cap (128) is the head's: 100 header lines and 40 trailer lines are an
+    answer (the parser's line count must not run on into the trailers)."""
+    head = (
+        PLAIN
+        + b"".join(b"X-%d: 1\r\n" % i for i in range(98))
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    trailers = b"".join(b"T-%d: 1\r\n" % i for i in range(40))
+    data = head + chunked(BODY) + b"0\r\n" + trailers + b"\r\n"
+    for simple in (True, False):
+        state = (await _run(simple, [data], [], 1 << 20))[0]
+        assert state[4] is True and state[7] is None and state[12] == BODY, state  # complete, sound
