@@ -4,7 +4,8 @@ An `asyncio.Protocol` on the running loop (uvloop in production) with `httptools
 llhttp C parser) doing the framing: Content-Length, chunked, or a body that ends when
 the worker closes. It replaced `aiohttp.ClientSession` on the inference path, which cost
 ~13% of the router's CPU per request in Python (py-spy, 2026-12-01; see
-`loadtests/results/router_overhead.md`).
+`loadtests/results/router_overhead.md`). An answer of the simplest form that arrives
+whole in one read is read by one pattern instead, with the same outcome (`_simple`).
 
 A connection carries one exchange at a time, and the worker on the other end is a peer,
 not trusted code. Anything that is not one well-framed answer to the request sent (a
