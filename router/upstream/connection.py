@@ -5,7 +5,8 @@ llhttp C parser) doing the framing: Content-Length, chunked, or a body that ends
 the worker closes. It replaced `aiohttp.ClientSession` on the inference path, which cost
 ~13% of the router's CPU per request in Python (py-spy, 2026-12-01; see
 `loadtests/results/router_overhead.md`). An answer of the simplest form that arrives
-whole in one read is read by one pattern instead, with the same outcome (`_simple`).
+whole in one read is read by one pattern instead, with the same outcome
+(`router/upstream/simple_answer.py`).
 
 A connection carries one exchange at a time, and the worker on the other end is a peer,
 not trusted code. Anything that is not one well-framed answer to the request sent (a
@@ -46,7 +47,6 @@ the protocol as its callbacks: the cycle kept both, and the chunks, until a full
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 from collections.abc import Callable
 
@@ -64,30 +64,11 @@ from router.upstream.limits import (
     close_delimited,
     only_chunked,
 )
+from router.upstream.simple_answer import simple_answer
 
 __all__ = ["BufferBudget", "UpstreamBroken", "WorkerConnection"]
 
 HIGH_WATER = 262144  # streamed bytes held before the socket is paused
-
-# The simplest answer, whole in one read, is read without httptools (`_simple`): a
-# callback into Python per header line was most of the exchange's cost. Only a head no
-# rule of the parser or of this module could treat otherwise takes it: `HTTP/1.1`, a
-# status of 200-599 (not 204 or 304: they have no body whatever the headers say), a
-# reason of visible ASCII, at most 121 lines of token names and values of visible ASCII
-# and spaces (spaces after the colon are not the value's, as in llhttp), exactly one
-# Content-Length of digits, none of the names that change framing or the connection,
-# the whole head under every field cap; the body exactly Content-Length bytes. Anything
-# else (chunked, a split head, a 1xx, obs-fold, a tab, one byte more) goes to httptools
-# as before: `tests/router/upstream/test_simple_heads.py` runs the conformance suite's
-# answers and random mutations of them through both and compares every outcome.
-_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-_SPECIAL = r"(?i:transfer-encoding|content-length|connection|proxy-connection|upgrade|keep-alive):"
-_LINE = rf"(?!{_SPECIAL}){_TOKEN}: *[!-~][ -~]*\r\n"  # (llhttp keeps trailing blanks too)
-_SIMPLE_HEAD = re.compile(
-    rf"HTTP/1\.1 ([2-5][0-9][0-9]) [!-~][ -~]*\r\n"
-    rf"((?:{_LINE}){{0,60}}(?i:content-length): *([0-9]{{1,15}})\r\n(?:{_LINE}){{0,60}})\r\n"
-)
-_FIELD = re.compile(r"([^:\r\n]+): *([^\r\n]+)\r\n")
 
 
 class _Garbage(Exception):
@@ -169,7 +150,7 @@ class WorkerConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    simple_heads = True  # `_simple` may read a whole simple answer (False: httptools only)
+    simple_heads = True  # a whole simple answer is read without the parser (False: always it)
 
     def data_received(self, data: bytes) -> None:
         if not self.busy:
@@ -177,8 +158,11 @@ class WorkerConnection(asyncio.Protocol):
             return
         if not self.got_bytes:  # the answer's first bytes: the parser is between messages
             self.got_bytes = True
-            if self.simple_heads and self._simple(data):
-                return
+            if self.simple_heads:
+                answer = simple_answer(data, MAX_FIELD_BYTES)
+                if answer is not None:
+                    self._take_simple(*answer)
+                    return
         try:
             self.feed(data)
         except HttpParserUpgrade:
@@ -256,8 +240,8 @@ class WorkerConnection(asyncio.Protocol):
     def _take_head(
         self, status: int, raw: list[tuple[str, str]], length: int | None = None
     ) -> None:
-        """The answer's head (not 1xx), parsed by httptools or `_simple`: its checks,
-        then its fields (`_Garbage` when one fails). `length`: `_simple`'s, whose pattern
+        """The answer's head (not 1xx), parsed by httptools or `simple_answer`: its checks,
+        then its fields (`_Garbage` when one fails). `length`: `simple_answer`'s, whose pattern
         admitted one Content-Length and no Transfer-Encoding (None: look them up)."""
         self.status = status
         # Set as the answer's head only once its checks pass: a head that broke one (an
@@ -289,29 +273,19 @@ class WorkerConnection(asyncio.Protocol):
         else:
             self._deadline = None  # a stream: each wait for bytes has its own timer
 
-    def _simple(self, data: bytes) -> bool:
-        """Read `data` as one whole answer of the simplest form (`_SIMPLE_HEAD`) without
-        the parser, doing what its callbacks would; False (nothing done) for anything
-        else, which the parser then reads. The parser stays between messages: it saw
-        none of it, and a byte after the answer is a second answer to it as before."""
-        end = data.find(b"\r\n\r\n") + 4
-        if end < 4 or end > MAX_FIELD_BYTES:
-            return False
-        head = data[:end].decode("latin-1")  # the pattern admits ASCII only
-        found = _SIMPLE_HEAD.fullmatch(head)
-        if found is None or found[1] in ("204", "304"):
-            return False
-        body = data[end:]
-        length = int(found[3])
-        if len(body) != length:
-            return False
+    def _take_simple(
+        self, status: int, fields: list[tuple[str, str]], length: int, body: bytes
+    ) -> None:
+        """Take a whole answer of the simplest form (router/upstream/simple_answer.py) as the
+        parser's callbacks would. The parser saw none of it and stays between messages:
+        a byte after the answer is a second answer to it, as before."""
         try:
-            self._take_head(int(found[1]), _FIELD.findall(found[2]), length)
+            self._take_head(status, fields, length)
         except _Garbage as cause:
             self.foreign = self.foreign or isinstance(cause, _Foreign)
             self._break(f"the worker's answer is not HTTP/1.1: {cause}")
             self._drop_parser()  # refuses what follows, as the parser after its error
-            return True
+            return
         if length:
             budget, cap = self.budget, self._cap
             if cap is not None and length <= cap and budget.used + length <= budget.limit:
@@ -329,7 +303,6 @@ class WorkerConnection(asyncio.Protocol):
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
-        return True
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)

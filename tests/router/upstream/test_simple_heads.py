@@ -1,5 +1,5 @@
-"""The simple-answer path (`WorkerConnection._simple`, router/upstream/connection.py) against
-httptools: the same worker bytes, in the same reads, must leave a connection in the same
+"""The simple-answer path (router/upstream/simple_answer.py, taken by
+`WorkerConnection._take_simple`) against httptools: the same worker bytes, in the same reads, must leave a connection in the same
 state either way (status, headers, body, completeness, keep-alive, echo, the error text,
 whether it was another answer's bytes, the budget), then again after bytes that arrive
 later, and on the next exchange of a connection kept.
@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 
 from router.upstream.connection import BufferBudget, WorkerConnection
+from router.upstream.limits import MAX_FIELD_BYTES
+from router.upstream.simple_answer import simple_answer
 from tests.router.upstream.test_transport_conformance import ANSWER, CASES, STRICTER, chunked
 from tests.router.upstream.test_upstream_desync import _answer
 
@@ -273,3 +275,16 @@ async def test_trailers_do_not_count_as_header_lines() -> None:
     for simple in (True, False):
         state = (await _run(simple, [data], [], 1 << 20))[0]
         assert state[4] is True and state[7] is None and state[12] == BODY, state  # complete, sound
+
+
+def test_the_simple_form_and_what_is_not_it() -> None:
+    assert simple_answer(EDGES["plain"], MAX_FIELD_BYTES) == (
+        200,
+        [("Content-Type", "application/json"), ("x-request-id", "rid-7"), ("Content-Length", "12")],
+        12,
+        BODY,
+    )
+    assert simple_answer(EDGES["value-trailing-space"], MAX_FIELD_BYTES)[1][2] == ("X-A", "b ")  # type: ignore[index]
+    for name in ("te-chunked", "connection-close", "one-byte-more", "one-byte-short",
+                 "status-204-length", "http10", "tab-after-colon", "9k-value", "122-lines"):  # fmt: skip
+        assert simple_answer(EDGES[name], MAX_FIELD_BYTES) is None, name

@@ -71,7 +71,7 @@ async def transport(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Transport]:
     kind, _, only = request.param.partition("-")
-    if only:  # the own client with httptools reading every answer (no `_simple`)
+    if only:  # the own client with httptools reading every answer (no `simple_answer`)
         monkeypatch.setattr(WorkerConnection, "simple_heads", False)
     t = make_transport(kind, GuardedResolver(), 2.0, READ_TIMEOUT, 4096, 1 << 20)
     yield t
