@@ -68,7 +68,7 @@ def fresh_request_id() -> str:
 def request_id_of(headers_value: str | None) -> str:
     if headers_value is not None and _VALID_ID.fullmatch(headers_value):
         return headers_value
-    return fresh_request_id()
+    return f"{_prefix}{next(_serial):016x}"  # `fresh_request_id()`, inlined: a call less
 
 
 async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
