@@ -254,18 +254,29 @@ class Proxy:
                 param="model",
                 code="model_not_found",
             )
-        picked = None
-        if seat is not None and seat.exclude:
-            # The first try goes where the queue has a seat for it.
-            picked = self._select(routed, [*seat.exclude])
-        if picked is None:
-            picked = self._select(routed, ())
-        if picked is None:
-            raise _no_workers()
-        worker, decision = picked
+        fleet, config = self.fleet, self.config
+        if routed.cache_key is None and (seat is None or not seat.exclude):
+            # The common request, no session and a seat anywhere: `_select(routed, ())`
+            # inlined, a call less.
+            now = self.clock()
+            view = fleet.view(now, routed.model, exclude=())
+            if not view:
+                raise _no_workers()
+            decision = self.routing.select(routed.route, view, now)
+            self.metrics.decision(decision.reason, now)
+            worker = fleet.workers[decision.worker_id]
+        else:
+            picked = None
+            if seat is not None and seat.exclude:
+                # The first try goes where the queue has a seat for it.
+                picked = self._select(routed, [*seat.exclude])
+            if picked is None:
+                picked = self._select(routed, ())
+            if picked is None:
+                raise _no_workers()
+            worker, decision = picked
         # Every try in one loop, the try itself inlined (one coroutine per try, not three:
         # forward, attempt, retry).
-        fleet, config = self.fleet, self.config
         tried: list[str] = []  # the workers whose try failed
         # Tries that got a 500, a timeout or an oversized answer: the worker's fault, or
         # the request's? (each carries its attempt, and the limit it ran into: None for a 500)
