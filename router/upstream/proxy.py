@@ -276,11 +276,12 @@ class Proxy:
                 raise _no_workers()
             worker, decision = picked
         # Every try in one loop, the try itself inlined (one coroutine per try, not three:
-        # forward, attempt, retry).
-        tried: list[str] = []  # the workers whose try failed
-        # Tries that got a 500, a timeout or an oversized answer: the worker's fault, or
-        # the request's? (each carries its attempt, and the limit it ran into: None for a 500)
-        suspects: list[AttemptFailed] = []
+        # forward, attempt, retry). The retry books, made at the first failure (no allocation for the common
+        # request): the workers whose try failed, and the tries that got a 500, a timeout
+        # or an oversized answer: the worker's fault, or the request's? (each carries its
+        # attempt, and the limit it ran into: None for a 500)
+        tried: list[str] | None = None
+        suspects: list[AttemptFailed] | None = None
         busy_for = 0  # the longest Retry-After of the busy workers
         tries = 0  # the retries so far
         while True:
@@ -316,6 +317,8 @@ class Proxy:
                 return response
             # The tries after a failure: each on a worker not yet tried, up to
             # `max_retries` more, with exponential backoff.
+            if tried is None or suspects is None:
+                tried, suspects = [], []
             tried.append(worker.worker_id)
             if failure.suspect:
                 same = sum(1 for s in suspects if s.limit == failure.limit)
@@ -332,6 +335,7 @@ class Proxy:
             if picked is None:
                 break
             worker, decision = picked
+        # Here after a failure only: `tried` is made.
         if failure.kind is FailureKind.BUSY:
             raise APIError(
                 503, f"all {len(tried)} workers tried are busy; retry later",
