@@ -88,29 +88,9 @@ def response_headers(
 ) -> CIMultiDict[str]:
     """The worker's headers a client may see (`FORWARD_RESPONSE`, in the worker's order),
     then `extra` (the router's own): one multidict built in one call."""
-    kept = [
-        (k, v) for k, v in headers.items()
-        if k in _KEPT_NAMES or (k not in _DROPPED_NAMES and _learn_name(k))
-    ]  # fmt: skip
+    kept = [(k, v) for k, v in headers.items() if k.lower() in FORWARD_RESPONSE]
     kept += extra
     return CIMultiDict(kept)
-
-
-# Header names as workers spell them, by whether `FORWARD_RESPONSE` keeps them: a set
-# lookup per header instead of a `lower()` call (a worker sends the same few names).
-_KEPT_NAMES: set[str] = set()
-_DROPPED_NAMES: set[str] = set()
-MAX_NAMES = 1024  # spellings remembered (a worker inventing names cannot grow them)
-
-
-def _learn_name(name: str) -> bool:
-    """Whether `FORWARD_RESPONSE` keeps `name` (case-insensitive), remembered."""
-    kept = name.lower() in FORWARD_RESPONSE
-    known = _KEPT_NAMES if kept else _DROPPED_NAMES
-    if len(known) >= MAX_NAMES:
-        known.clear()
-    known.add(name)
-    return kept
 
 
 class AttemptFailed(Exception):
