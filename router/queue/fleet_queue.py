@@ -126,7 +126,9 @@ class FleetQueue:
         self._refreshes = 0  # affinity asks left in this pass
         self._prefilling = InPrefill()  # a turn that extends one waits for it (0b)
         self.waiting = 0
-        self.active = 0  # admitted: seated or passing, until their answer ends
+        # Admitted: passing or seated (from the moment a seat is given, before the waiter
+        # wakes), until their answer ends.
+        self.active = 0
         self.draining = False
         # SIGTERM seen: readiness answers 503 while requests are still served
         # (`shutdown_delay`), then `drain` refuses new ones.
@@ -163,7 +165,7 @@ class FleetQueue:
         if seats.full and not self._pass_saturated(ticket):
             return False
         ticket.seated = ticket.arrived
-        self.active += 1  # `_admitted`, inlined (router_cpu.md, "Fourth pass")
+        self.active += 1
         ticket.tally.seated_now()
         return True
 
@@ -177,7 +179,7 @@ class FleetQueue:
                 tenant, f"its max_queue bound ({tenant.max_queue} requests waiting)", "queue_full"
             )
         await self._wait(ticket)
-        self._admitted(ticket)
+        ticket.tally.seated(ticket.seated - ticket.arrived)  # type: ignore[operator]
 
     def _pass_saturated(self, ticket: Ticket) -> bool:
         """Whether `ticket` may go at once while some workers are full: one of its
@@ -189,10 +191,6 @@ class FleetQueue:
             return False
         ticket.exclude = full
         return True
-
-    def _admitted(self, ticket: Ticket) -> None:
-        self.active += 1
-        ticket.tally.seated(ticket.seated - ticket.arrived)  # type: ignore[operator]
 
     async def _wait(self, ticket: Ticket) -> None:
         tenant = ticket.tenant
@@ -209,17 +207,20 @@ class FleetQueue:
             await asyncio.wait_for(asyncio.shield(ticket.future), tenant.max_wait_s)
         except BaseException as e:
             if ticket.worker is not None:  # given a seat just as it gave up
+                self.active -= 1
                 self._release_seat(ticket)
             else:
                 self._unqueue(ticket)
+            # It gave up: the queue may be idle now. Not on the way in: `wait_turn`
+            # admits a seated ticket at once, and a wake here (active and waiting both 0
+            # for that instant) let `drain` end with the request still to be served.
+            self._settle_idle()
             if isinstance(e, TimeoutError):
                 self.stats.refused(tenant.name, ticket.klass)
                 raise self._refuse(
                     tenant, f"its max_queue_wait_s bound ({tenant.max_wait_s:g} s)", "queue_timeout"
                 ) from None
             raise
-        finally:
-            self._settle_idle()
 
     def _predict(self, ticket: Ticket, now: float) -> None:
         ticket.units = units = self.affinity(ticket.request)
@@ -373,6 +374,7 @@ class FleetQueue:
         self._unqueue(ticket)
         ticket.tenant.credit -= 1
         self.seats.take(wid)
+        self.active += 1  # admitted now, though its waiter wakes later
         ticket.worker, ticket.seated = wid, now
         self._prefilling.add(ticket, wid)
         ticket.exclude = [w for w in self.fleet.view(now, ticket.model).ids if w != wid]
