@@ -139,18 +139,18 @@ class FleetColumns:
         """Every model some worker (routable or not) reports, its adapters included."""
         return (self.names or self.read_names())[0]
 
-    def reported_adapters(self) -> frozenset[str]:
-        """Every name some worker serves as a LoRA adapter (`WorkerRecord.adapters`) and
-        none as its base model: a worker credential that lists a base model's name among
-        its adapters cannot move that model's requests out of their default namespace
-        (and so off the KV-event index) for the whole fleet."""
-        return (self.names or self.read_names())[1]
-
     def read_names(self) -> tuple[frozenset[str], frozenset[str], frozenset[str] | None]:
-        """(`reported_models`, `reported_adapters`, whole): the models whose view is the
-        whole fleet's, None for every model (no worker reports one: those serve any),
-        the one model where exactly one is reported, else none. Kept until the next
-        `invalidate` (every change of a model or adapters calls it)."""
+        """(models, adapters, whole), kept as `names` until the next `invalidate` (every
+        change of a model or adapters calls it):
+        - models: `reported_models`;
+        - adapters: every name some worker serves as a LoRA adapter
+          (`WorkerRecord.adapters`) and none as its base model: a worker credential that
+          lists a base model's name among its adapters cannot move that model's requests
+          out of their default namespace (and so off the KV-event index) for the whole
+          fleet;
+        - whole: the models whose view is the whole fleet's: None for every model (no
+          worker reports one: those serve any), the one model where exactly one is
+          reported, else none."""
         reports = [w.report for w in self._workers.values()]
         bases = frozenset(r.model for r in reports) - {""}
         listed = frozenset(a for r in reports for a in r.adapters)
