@@ -31,8 +31,7 @@ class TicketTally(Protocol):
 class Ticket:
     """One request through the queue: who, which class, and where it sits. What only a
     waiting request needs (its arrival number, rank, urgency, predictions, future) is set
-    by `wait`: a
-    request that passes at once (the common case) never builds it."""
+    by `wait`: a request that passes at once (the common case) never builds it."""
 
     __slots__ = (
         "_keeper", "arrived", "best", "best_units", "critical_at", "deadline", "exclude",
