@@ -464,10 +464,17 @@ class Content:
     async def readexactly(self, n):
         return self.body
 
+try:  # a body handed whole, where the tree's handler takes one (shared/serving/body.py)
+    from shared.serving.body import WHOLE_BODY
+except ImportError:
+    WHOLE_BODY = None
+
 class Posted(Request):  # what the router's fast server hands the handler (fast_server.py)
     def __init__(self, body):
         super().__init__()
         self.app, self.path, self.content, self.content_length = app, "/v1/completions", Content(body), len(body)
+        if WHOLE_BODY is not None:
+            self[WHOLE_BODY] = body
 
 async def handles():
     from router.http.handlers import completions
@@ -621,12 +628,16 @@ else:
     async def answers(way, stream):
         handler, match = hot_routes(app)["/v1/completions"]
         hooks = tuple(h for a in match.apps for h in a.on_response_prepare)
+        try:  # the route with its hooks' plain calls, where the tree has them
+            from router.http.fast_answer import now_hooks
+            route = (handler, match, hooks, now_hooks(hooks))
+        except ImportError:
+            route = (handler, match, hooks)
         protocol = BaseProtocol(asyncio.get_running_loop())
         sink = Sink()
         protocol.connection_made(sink)
         for _ in range(n):
-            request = FastRequest("/v1/completions", CIMultiDict(), b"{}",
-                                  (handler, match, hooks), protocol, sink)
+            request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, protocol, sink)
             request[REQUEST_ID] = "r" * 32
             headers = CIMultiDict(worker_head)
             if stream and way == "aiohttp":  # as the proxy streamed before

@@ -14,7 +14,7 @@ import gc
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
@@ -27,8 +27,9 @@ from router.holdings.merge import host_hit_weight
 from router.holdings.room import Holdings
 from router.holdings.sync import DecisionSync, ReplicaSync
 from router.http import dashboard, handlers
-from router.http.auth import make_auth_check
-from router.http.edge import edge_middleware, install_hot_paths, make_edge
+from router.http.auth import hot_auth_check, make_auth_check
+from router.http.edge import HOT_PATHS, edge_middleware, install_hot_paths, make_edge
+from router.http.fast_answer import HeadHook
 from router.http.fast_server import FastServer
 from router.http.openapi import build_openapi
 from router.http.ratelimit import make_rate_limit_check
@@ -203,10 +204,11 @@ async def _queue_ctx(app: web.Application) -> AsyncIterator[None]:
     await stop_task(task)
 
 
-def _on_head(queue: FleetQueue) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
-    """The app's `on_response_prepare` hook, `queue` bound (no app lookup per answer)."""
+def _on_head(queue: FleetQueue) -> HeadHook:
+    """The app's `on_response_prepare` hook, `queue` bound (no app lookup per answer): a
+    plain call the own protocol makes itself (router/http/fast_answer.py `HeadHook`)."""
 
-    async def on_head(request: web.Request, response: web.StreamResponse) -> None:
+    def on_head(request: web.Request, response: web.StreamResponse) -> None:
         """An answer's head is leaving: it carries the request's id
         (shared/serving/access_log.py), and the fleet queue takes its TTFT for the
         request's class. One hook, not two: each is one more coroutine per answer."""
@@ -217,7 +219,7 @@ def _on_head(queue: FleetQueue) -> Callable[[web.Request, web.StreamResponse], A
         if ticket is not None:
             queue.answered(ticket, response.status)
 
-    return on_head
+    return HeadHook(on_head)
 
 
 async def _ratelimit_redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -307,10 +309,11 @@ def create_app(
         ratelimit_redis = Redis.from_url(
             config.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
         )
+    auth = make_auth_check(config)
     edge = make_edge(
         ACCESS_LOG, (("worker", "x-radix-worker"), ("route", "x-radix-route-reason")),
-        _counter(metrics), make_auth_check(config),
-        make_rate_limit_check(config, clock, ratelimit_redis), access_log=config.access_log,
+        _counter(metrics), auth, make_rate_limit_check(config, clock, ratelimit_redis),
+        access_log=config.access_log, hot_auth=hot_auth_check(config, auth, HOT_PATHS),
     )  # fmt: skip
     app = web.Application(
         client_max_size=config.max_body_bytes, middlewares=[edge_middleware(edge)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from aiohttp import web
 
@@ -96,3 +96,16 @@ def make_auth_check(config: RouterConfig) -> AuthCheck:
             raise refusal
 
     return check
+
+
+def hot_auth_check(
+    config: RouterConfig, check: AuthCheck, paths: Collection[str]
+) -> AuthCheck | None:
+    """`check` for POSTs to `paths` (the inference routes: none of them open, an
+    observability, browser or admin path), or None where it lets every such request
+    through: no client key configured (then `check` returns before reading a header)."""
+    for path in paths:
+        if path in OPEN_PATHS or path in OBSERVABILITY_PATHS or path.startswith("/workers"):
+            raise ValueError(f"{path} is not an inference path")
+    tenant_keys = any(tenant.keys for tenant in config.tenants.values())
+    return check if config.api_keys or tenant_keys else None

@@ -32,6 +32,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 from aiohttp import web
@@ -41,22 +42,28 @@ from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from multidict import CIMultiDict
 
 from router.http.edge import Edge, hot_routes
-from router.http.fast_answer import FAST
+from router.http.fast_answer import FAST, FastReply, now_hooks, reply_now
 from router.upstream.responder import RESPONDER
-from shared.serving.access_log import serve_logged
+from shared.serving.access_log import REQUEST_ID, REQUEST_ID_HEADER, log_access, request_id_of
+from shared.serving.body import WHOLE_BODY
 from shared.serving.errors import Handler, error_response_for
 from shared.serving.http_server import KEEPALIVE_S, deadline_protocol
 
 log = logging.getLogger(__name__)
 
-# A hot route: its handler, its match (request.match_info) and the on_response_prepare hooks.
-Route = tuple[Handler, UrlMappingMatchInfo, tuple[Callable[..., Any], ...]]
+# A hot route: its handler, its match (request.match_info), the on_response_prepare hooks
+# and their plain calls where every one has one (router/http/fast_answer.py `now_hooks`).
+Route = tuple[
+    Handler, UrlMappingMatchInfo, tuple[Callable[..., Any], ...],
+    tuple[Callable[[Any, Any], None], ...] | None,
+]  # fmt: skip
 MAX_HEADERS = 128  # aiohttp's server: more is 400
 MAX_PENDING = 65536  # bytes read during an answer before reading pauses
 
 
 class _Content:
-    """`request.content` for a body that came whole (shared/serving/body.py reads it)."""
+    """`request.content` for a body that came whole (shared/serving/body.py reads it where
+    a handler reads the stream; the hot paths' handlers take `WHOLE_BODY` instead)."""
 
     __slots__ = ("_body",)
 
@@ -77,8 +84,8 @@ class FastRequest(dict[str, Any]):
     responder (`RESPONDER`: router/upstream/responder.py), through which the proxy
     answers, and its connection (`protocol`), where the answer goes."""
 
-    __slots__ = ("_match_info", "_writer", "app", "content", "content_length", "headers",
-                 "hooks", "path", "protocol", "transport")  # fmt: skip
+    __slots__ = ("_match_info", "_writer", "app", "content_length", "headers", "hooks",
+                 "now_hooks", "path", "protocol", "transport")  # fmt: skip
     method = "POST"
     version = HttpVersion11
     keep_alive = True
@@ -86,12 +93,14 @@ class FastRequest(dict[str, Any]):
     def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, route: Route,
                  protocol: FastProtocol, transport: asyncio.Transport) -> None:  # fmt: skip
         self[RESPONDER] = FAST
+        # The body came whole with the head: the handler takes it as it is (no read).
+        self[WHOLE_BODY] = body
         self.path = path
         self.headers = headers
         self.content_length = len(body)
-        self.content = _Content(body)
-        # The apps' on_response_prepare receivers (read once by `FastServer`).
-        _, match, self.hooks = route
+        # The apps' on_response_prepare receivers (read once by `FastServer`), and their
+        # plain-call twins where every one has one (`now_hooks`, router/http/fast_answer.py).
+        _, match, self.hooks, self.now_hooks = route
         self._match_info = match
         self.app = match.current_app
         self.protocol = protocol  # its connection: where the answer goes
@@ -104,6 +113,10 @@ class FastRequest(dict[str, Any]):
         if self._writer is None:
             self._writer = StreamWriter(self.protocol, self.protocol._loop)
         return self._writer
+
+    @property
+    def content(self) -> _Content:
+        return _Content(self[WHOLE_BODY])
 
     @property
     def raw_path(self) -> str:
@@ -120,6 +133,11 @@ class FastRequest(dict[str, Any]):
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         # aiohttp's `Request._prepare_hook`: the apps' on_response_prepare receivers.
+        now = self.now_hooks
+        if now is not None:
+            for call in now:
+                call(self, response)
+            return
         for hook in self.hooks:
             await hook(self, response)
 
@@ -166,23 +184,13 @@ class FastProtocol(BaseProtocol):
         self._arm(self._limit)  # a client that sends nothing is late too
 
     def data_received(self, data: bytes) -> None:
+        """`data` holds exactly one simple request: answer it; else hand over. Bytes that
+        come while an answer is being written wait for it (`_pending`)."""
         if self._task is not None:  # a fast answer is being written: wait for it
             self._pending += data
             if len(self._pending) > MAX_PENDING and self.transport is not None:
                 self.transport.pause_reading()  # resumed when the answer is written
             return
-        self._feed(data)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self._disarm()
-        self._server.connections.discard(self)
-        super().connection_lost(exc)
-        if self._task is not None:
-            self._task.cancel()  # the client left: as aiohttp's handler_cancellation
-
-    # -- the connection's course
-    def _feed(self, data: bytes) -> None:
-        """`data` holds exactly one simple request: answer it; else hand over."""
         found = _simple(data, self._max_body)
         if found is None:
             return self._hand_over(data)
@@ -193,16 +201,58 @@ class FastProtocol(BaseProtocol):
         request = FastRequest(path, headers, body, route, self, transport)
         self._task = self._loop.create_task(self._answer(request, route[0]))
 
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        self._server.connections.discard(self)
+        super().connection_lost(exc)
+        if self._task is not None:
+            self._task.cancel()  # the client left: as aiohttp's handler_cancellation
+
+    # -- the connection's course
     async def _answer(self, request: FastRequest, handler: Handler) -> None:
+        """The edge, then the answer's write. The edge is `serve_logged`'s steps in its
+        order (shared/serving/access_log.py: the id and start time; the guard and the
+        handler, what either raises becomes `error_response_for`'s answer; then
+        `on_done` and the access-log line, before the write), inlined: one coroutine a
+        request less. tests/router/http/test_hot_paths.py holds it to the app's way."""
         keep = False
         try:
+            request[REQUEST_ID] = request_id_of(request.headers.get(REQUEST_ID_HEADER))
+            start = perf_counter()
+            status, response, answer = 500, None, None
             try:
-                response = await serve_logged(
-                    request, handler, self._log, self._guard, error_response_for
-                )  # type: ignore[arg-type]
-            except web.HTTPException as exc:  # what the edge lets through: aiohttp sends it
-                response = exc
-            keep = await FAST.finish(request, response)
+                try:
+                    guard = self._guard
+                    if guard is not None:
+                        pending = guard(request)
+                        if pending is not None:
+                            await pending
+                    response = await handler(request)
+                except Exception as e:
+                    response = error_response_for(request, e)
+                    if response is None:
+                        if not isinstance(e, web.HTTPException):
+                            raise
+                        status = e.status
+                        answer = e  # what the edge lets through (a redirect): aiohttp sends it
+                if response is not None:
+                    status = response.status
+                    answer = response
+            except asyncio.CancelledError:
+                status = 499  # the client went away first (nginx's convention)
+                raise
+            finally:
+                access = self._log
+                seconds = perf_counter() - start
+                if access.on_done is not None:
+                    access.on_done(request, status, seconds, response)  # type: ignore[arg-type]
+                if access.enabled and access.logger.isEnabledFor(logging.INFO):
+                    log_access(access.logger, access.fields, request, status, seconds, response)  # type: ignore[arg-type]
+            if type(answer) is FastReply and request.now_hooks is not None:
+                reply_now(request, answer)  # the common answer: no coroutine
+                keep = True
+            else:
+                keep = await FAST.finish(request, answer)
         except (ConnectionError, asyncio.CancelledError):
             pass
         except Exception:
@@ -220,7 +270,7 @@ class FastProtocol(BaseProtocol):
             pending, self._pending = bytes(self._pending), bytearray()
             if len(pending) > MAX_PENDING:
                 transport.resume_reading()
-            self._feed(pending)
+            self.data_received(pending)
         elif self._timer is None:
             self._arm(self._limit)
 
@@ -321,11 +371,12 @@ class FastServer:
         assert server is not None, "FastServer needs a runner that is set up"
         self._aiohttp = server
         # The apps' on_response_prepare receivers, read once: the app is frozen by now.
-        self.hot: dict[str, Route] = {
-            path: (handler, match, tuple(h for app in match.apps for h in app.on_response_prepare))
-            for path, (handler, match) in hot_routes(runner.app).items()
-        }
-        self.log, self.guard = edge.log, edge.guard
+        self.hot: dict[str, Route] = {}
+        for path, (handler, match) in hot_routes(runner.app).items():
+            hooks = tuple(h for app in match.apps for h in app.on_response_prepare)
+            self.hot[path] = (handler, match, hooks, now_hooks(hooks))
+        # The hot paths' guard: None where they need no key and no rate limit (edge.py).
+        self.log, self.guard = edge.log, edge.hot_guard
         self.max_body, self.head_timeout = max_body, head_timeout
         self.connections: set[FastProtocol] = set()
         self.closing = False

@@ -37,7 +37,7 @@ from router.http.state import (
 from router.queue.tenants import DEFAULT as DEFAULT_TENANT
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
-from shared.serving.body import read_json
+from shared.serving.body import LARGE_BODY_BYTES, WHOLE_BODY, parse_json_object, read_json
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
@@ -85,8 +85,16 @@ def _inference_handler(endpoint: str, path: str) -> Any:
         status = 499
         try:
             # The body is read and checked before the request may take a slot: a client
-            # trickling its body holds no capacity (shared/serving/body.py).
-            raw, data = await read_json(request, config.max_body_bytes, config.body_read_timeout)
+            # trickling its body holds no capacity (shared/serving/body.py). One that came
+            # whole with its head (the own protocol's, router/http/fast_server.py) is
+            # parsed as it is: no read, no coroutine.
+            raw = request.get(WHOLE_BODY)
+            if raw is not None and len(raw) <= LARGE_BODY_BYTES:
+                data = parse_json_object(raw)
+            else:
+                raw, data = await read_json(
+                    request, config.max_body_bytes, config.body_read_timeout
+                )
             # The router's tokenizer, where one is configured: bounded, long prompts off
             # the event loop, over-long ones routed on their text's head alone.
             tokenize = bound.tokenize
@@ -108,10 +116,13 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             if tokenize is not None and chars > tokenize.max_chars:
                 text = text[: tokenize.max_chars]
             stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
-            klass, priority = request_class(data)  # a bad service_tier or priority → 400
-            # An engine that schedules by `priority` gets the class's where the body
-            # names a tier but no priority (router/upstream/proxy.py).
-            add = priority if "priority" not in data and "service_tier" in data else None
+            if "priority" in data or "service_tier" in data:
+                klass, priority = request_class(data)  # a bad service_tier or priority → 400
+                # An engine that schedules by `priority` gets the class's where the body
+                # names a tier but no priority (router/upstream/proxy.py).
+                add = priority if "priority" not in data else None
+            else:  # `request_class`'s answer for a body naming neither: no call
+                klass, add = "standard", None
             namespace = request_namespace(
                 parsed, renders=tokenize is not None, adapter=bound.fleet.serves_adapter(model)
             )

@@ -50,6 +50,7 @@ from router.policy.base import Decision
 from router.routing import Routing
 from router.upstream.answers import (
     FORWARD_REQUEST,
+    FORWARD_RESPONSE,
     AttemptFailed,
     UpstreamErrors,
     answer_fine,
@@ -60,7 +61,6 @@ from router.upstream.answers import (
     encodable,
     read_capped,
     request_fault,
-    response_headers,
     worker_authorization,
 )
 from router.upstream.connection import UpstreamBroken
@@ -254,66 +254,88 @@ class Proxy:
                 param="model",
                 code="model_not_found",
             )
-        # The common case, one try that succeeds, takes no retry books: no lists, no
-        # loop; `_retry` takes over at the first failure.
-        picked = None
-        if seat is not None and seat.exclude:
-            # The first try goes where the queue has a seat for it.
-            picked = self._select(routed, [*seat.exclude])
-        if picked is None:
-            picked = self._select(routed, ())
-        if picked is None:
-            raise _no_workers()
-        worker, decision = picked
-        if seat is not None:
-            seat.sit(worker.worker_id)
-        try:
-            return await self._attempt(request, routed, worker, decision)
-        except AttemptFailed as e:
-            failure = e
-        return await self._retry(request, routed, seat, worker.worker_id, failure)
-
-    async def _retry(
-        self, request: web.Request, routed: Routed, seat: Seating | None, first: str,
-        failure: AttemptFailed,
-    ) -> web.StreamResponse:  # fmt: skip
-        """The tries after the first failed (on worker `first`): each on a worker not yet
-        tried, up to `max_retries` more, with exponential backoff."""
-        tried = [first]
-        # Tries that got a 500, a timeout or an oversized answer: the worker's fault, or
-        # the request's? (each carries its attempt, and the limit it ran into: None for a 500)
-        suspects: list[AttemptFailed] = []
+        fleet, config = self.fleet, self.config
+        if routed.cache_key is None and (seat is None or not seat.exclude):
+            # The common request, no session and a seat anywhere: `_select(routed, ())`
+            # inlined, a call less.
+            now = self.clock()
+            view = fleet.view(now, routed.model, exclude=())
+            if not view:
+                raise _no_workers()
+            decision = self.routing.select(routed.route, view, now)
+            self.metrics.decision(decision.reason, now)
+            worker = fleet.workers[decision.worker_id]
+        else:
+            picked = None
+            if seat is not None and seat.exclude:
+                # The first try goes where the queue has a seat for it.
+                picked = self._select(routed, [*seat.exclude])
+            if picked is None:
+                picked = self._select(routed, ())
+            if picked is None:
+                raise _no_workers()
+            worker, decision = picked
+        # Every try in one loop, the try itself inlined (one coroutine per try, not three:
+        # forward, attempt, retry). The retry books, made at the first failure (no allocation for the common
+        # request): the workers whose try failed, and the tries that got a 500, a timeout
+        # or an oversized answer: the worker's fault, or the request's? (each carries its
+        # attempt, and the limit it ran into: None for a 500)
+        tried: list[str] | None = None
+        suspects: list[AttemptFailed] | None = None
         busy_for = 0  # the longest Retry-After of the busy workers
-        tries = 0
-        while True:  # `failure` is the last try's, on `tried[-1]`
+        tries = 0  # the retries so far
+        while True:
+            if seat is not None:
+                seat.sit(worker.worker_id)
+            # One try on `worker`: one exchange, resent once on a fresh connection when
+            # another answer's bytes broke it before anything reached the client (issue 31:
+            # 0.4-8.8% of innocent requests got 502 on a one-worker fleet); the resend's
+            # failure is the try's. Its attempt is released whatever the exit.
+            attempt = fleet.attempt(worker, self.clock())
+            try:
+                try:
+                    response = await self._exchange(request, routed, attempt, decision, False)
+                except AttemptFailed as e:
+                    if not e.foreign:
+                        raise
+                    self.metrics.foreign_retries.inc()
+                    response = await self._exchange(request, routed, attempt, decision, True)
+            except AttemptFailed as e:
+                e.attempt = attempt
+                if not e.suspect:  # a suspect's verdict waits for the next worker's answer
+                    fleet.failed(attempt, e.kind, self.clock())
+                failure: AttemptFailed | None = e
+            else:
+                failure = None
+            finally:
+                attempt.release()
+            if failure is None:
+                if suspects and response.status < 400:
+                    # Another worker answered what the suspect failed: the suspect's failure.
+                    for suspect in suspects:
+                        fleet.failed(suspect.attempt, suspect.kind, self.clock())  # type: ignore[arg-type]
+                return response
+            # The tries after a failure: each on a worker not yet tried, up to
+            # `max_retries` more, with exponential backoff.
+            if tried is None or suspects is None:
+                tried, suspects = [], []
+            tried.append(worker.worker_id)
             if failure.suspect:
                 same = sum(1 for s in suspects if s.limit == failure.limit)
                 if same:  # a second worker failed the same way: the request's fault
-                    raise request_fault(same + 1, failure, self.config) from None
+                    raise request_fault(same + 1, failure, config) from None
                 suspects.append(failure)
             busy_for = max(busy_for, failure.retry_after)
-            if tries >= self.config.max_retries:
+            if tries >= config.max_retries:
                 break
             self.metrics.retries.inc()
-            await asyncio.sleep(self.config.retry_backoff * (2**tries))
+            await asyncio.sleep(config.retry_backoff * (2**tries))
             tries += 1
             picked = self._select(routed, tried)
             if picked is None:
                 break
             worker, decision = picked
-            if seat is not None:
-                seat.sit(worker.worker_id)
-            try:
-                response = await self._attempt(request, routed, worker, decision)
-            except AttemptFailed as e:
-                failure = e
-                tried.append(worker.worker_id)
-                continue
-            if suspects and response.status < 400:
-                # Another worker answered what the suspect failed: the suspect's failure.
-                for suspect in suspects:
-                    self.fleet.failed(suspect.attempt, suspect.kind, self.clock())  # type: ignore[arg-type]
-            return response
+        # Here after a failure only: `tried` is made.
         if failure.kind is FailureKind.BUSY:
             raise APIError(
                 503, f"all {len(tried)} workers tried are busy; retry later",
@@ -330,7 +352,10 @@ class Proxy:
         the request id are the transport's)."""
         forward = self._forward
         incoming = request.headers
-        lines = [(k, v) for k, v in incoming.items() if k.lower() in forward and encodable(v)]
+        lines = []
+        for k, v in incoming.items():  # a loop, not a comprehension: one call less
+            if k.lower() in forward and encodable(v):
+                lines.append((k, v))
         lines += self._fixed_head  # the body was parsed as JSON; the worker key, if any
         if self._client_auth:
             auth = incoming.get("Authorization")
@@ -339,37 +364,19 @@ class Proxy:
         return lines
 
     def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
-        return response_headers(
-            upstream.headers,  # type: ignore[arg-type]
+        """`response_headers(upstream.headers, <the router's three>)` (router/upstream/answers.py:
+        the worker's allow-listed headers in its order, then the router's), inlined: two
+        calls less an answer (tests/router/upstream/test_proxy.py holds the two to one)."""
+        kept = []
+        for k, v in upstream.headers.items():
+            if k.lower() in FORWARD_RESPONSE:
+                kept.append((k, v))
+        kept += (
             ("x-radix-worker", worker.worker_id),
             ("x-radix-route-reason", d.reason),
             ("x-radix-matched-chars", str(d.matched_chars)),
         )
-
-    async def _attempt(
-        self, request: web.Request, routed: Routed, worker: Worker, decision: Decision
-    ) -> web.StreamResponse:
-        """One try on `worker`: one exchange, resent once on a fresh connection when
-        another answer's bytes broke it before anything reached the client (issue 31:
-        0.4-8.8% of innocent requests got 502 on a one-worker fleet); the resend's
-        failure is the try's. Its attempt is released whatever the exit."""
-        fleet = self.fleet
-        attempt = fleet.attempt(worker, self.clock())
-        try:
-            try:
-                return await self._exchange(request, routed, attempt, decision, False)
-            except AttemptFailed as e:
-                if not e.foreign:
-                    raise
-            self.metrics.foreign_retries.inc()
-            return await self._exchange(request, routed, attempt, decision, True)
-        except AttemptFailed as e:
-            e.attempt = attempt
-            if not e.suspect:  # a suspect's verdict waits for the next worker's answer
-                fleet.failed(attempt, e.kind, self.clock())
-            raise
-        finally:
-            attempt.release()
+        return CIMultiDict(kept)
 
     async def _exchange(
         self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision,
@@ -507,7 +514,7 @@ class Proxy:
                 worker, self.config.tree_chars_per_token
             )
             if routed.tokens is None:  # its answer teaches the ratio (calibration.py)
-                chars, prompt_tokens = len(routed.text), prompt_tokens_from(answer)
+                chars, prompt_tokens = len(routed.route.text), prompt_tokens_from(answer)
         self.fleet.succeeded(attempt, predicted, cached, chars, prompt_tokens, self.clock())
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)

@@ -48,6 +48,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from shared.serving import json_codec
 from shared.serving.errors import APIError
+from shared.serving.http import request_key
 
 DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
@@ -68,6 +69,11 @@ _MAX_INT_DIGITS = 20  # longer integers are not parsed at all (see _bounded_int)
 LARGE_BODY_BYTES = 1 << 20
 SLICE_BYTES = 1 << 20  # ~1.5 ms of translate and search a slice
 LARGE_AT_ONCE = 1
+# A request whose body came whole with its head, with none of what `read_body` decodes
+# (no Content-Encoding) and within the limit, carries it under this key: the router's
+# own protocol sets it (router/http/fast_server.py), and a caller parses it as it is
+# (`parse_json_object` up to LARGE_BODY_BYTES) rather than read it again.
+WHOLE_BODY = request_key("whole_body")
 
 
 class _TooLarge:
@@ -187,8 +193,8 @@ def parse_json_object(
     (`parse_large`); None: made here."""
     if may_overflow is None:
         may_overflow = _LONG_RUN in raw.translate(_DIGIT_MASK)
-    if may_surrogate is None:
-        may_surrogate = _may_have_surrogate(raw)
+    if may_surrogate is None:  # `_may_have_surrogate`, inlined: one call less a body
+        may_surrogate = b"\\" in raw and _SURROGATE.search(raw) is not None
     if not may_overflow:
         # The common body: orjson from the bytes (shared/serving/json_codec.py). What it
         # refuses takes the standard library's path below, which says what is wrong.

@@ -10,16 +10,13 @@ refused, through the standard library's parser and its checks, unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 JSONDecodeError = orjson.JSONDecodeError  # a ValueError
 
-
-def loads(data: bytes | str) -> Any:
-    return orjson.loads(data)
-
-
-def dumps(value: Any) -> bytes:
-    return orjson.dumps(value)
+# orjson's own functions, not wrappers: a Python call less per body (per request).
+loads: Callable[[bytes | str], Any] = orjson.loads
+dumps: Callable[[Any], bytes] = orjson.dumps

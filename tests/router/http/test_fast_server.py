@@ -185,30 +185,37 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
         def is_closing(self) -> bool:
             return False
 
-    route = (None, SimpleNamespace(current_app=None), ())
-
     def on(sink: Recording) -> BaseProtocol:
         protocol = BaseProtocol(asyncio.get_running_loop())
         protocol.connection_made(sink)
         return protocol
 
-    for fields in (
-        [],
-        [("Content-Type", "application/json"), ("x-request-id", "r" * 32)],
-        [("X-A", "1"), ("x-a", "2"), ("X-Ünï", "välue ✓"), ("Empty", "")],
-    ):
-        sink = Recording()
-        request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
-        reply = FastReply(200, CIMultiDict(fields), b"body")
-        assert await FAST.finish(request, reply)
-        assert sink.writes == [_serialize_headers("HTTP/1.1 200 OK", reply.headers) + b"body"]
-        assert reply.headers["Content-Length"] == "4" and "Date" in reply.headers  # framed
-    for bad in (("X-A", "1\r\nSet-Cookie: s=1"), ("X-A", "a\nb"), ("X\rA", "1"), ("X-A", "\x00")):
-        sink = Recording()
-        request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
-        with pytest.raises(ValueError):
-            await FAST.finish(request, FastReply(200, CIMultiDict([bad]), b"body"))
-        assert sink.writes == []
+    # Both ways a buffered answer leaves: its hooks as plain calls (`reply_now`), or
+    # awaited (`_whole`: an app with a receiver that is not a `HeadHook`).
+    for now in ((), None):
+        route = (None, SimpleNamespace(current_app=None), (), now)
+        for fields in (
+            [],
+            [("Content-Type", "application/json"), ("x-request-id", "r" * 32)],
+            [("X-A", "1"), ("x-a", "2"), ("X-Ünï", "välue ✓"), ("Empty", "")],
+        ):
+            sink = Recording()
+            request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
+            reply = FastReply(200, CIMultiDict(fields), b"body")
+            assert await FAST.finish(request, reply)
+            assert sink.writes == [_serialize_headers("HTTP/1.1 200 OK", reply.headers) + b"body"]
+            assert reply.headers["Content-Length"] == "4" and "Date" in reply.headers  # framed
+        for bad in (
+            ("X-A", "1\r\nSet-Cookie: s=1"),
+            ("X-A", "a\nb"),
+            ("X\rA", "1"),
+            ("X-A", "\x00"),
+        ):
+            sink = Recording()
+            request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
+            with pytest.raises(ValueError):
+                await FAST.finish(request, FastReply(200, CIMultiDict([bad]), b"body"))
+            assert sink.writes == []
 
 
 def test_header_values_are_read_as_aiohttp_reads_them() -> None:

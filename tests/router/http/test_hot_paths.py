@@ -156,3 +156,29 @@ async def test_only_the_simplest_inference_requests_skip_aiohttp(
         "POST /v1/completions?x=1", "POST /generate", "GET /v1/completions",
         "POST /v1/completions", "POST /v1/completions", "POST /v1/completions",
     ]  # fmt: skip
+
+
+async def test_the_hot_paths_ask_for_a_key_wherever_the_app_does(
+    fake_workers: StartWorkers, start_router: StartRouter
+) -> None:
+    """The hot paths' guard (router/http/auth.py `hot_auth_check`) is left out only where
+    no client key is configured: a tenant's keys alone make the own protocol ask for one."""
+    from router.http.auth import hot_auth_check, make_auth_check
+    from router.http.edge import HOT_PATHS
+    from shared.config import RouterConfig
+
+    [(_, server)] = await fake_workers("ok")
+    tenants = {"a": {"keys": ["ka"]}}
+    client = await start_router([url_of(server)], tenants=tenants, fast_hot_paths=True)
+    through_aiohttp = _through_aiohttp(client)
+    assert (await client.post("/v1/completions", json=OK)).status == 401
+    headers = {"Authorization": "Bearer ka"}
+    assert (await client.post("/v1/completions", json=OK, headers=headers)).status == 200
+    assert through_aiohttp == []  # both answered by the own protocol
+    for config in (RouterConfig(api_keys=("k",)), RouterConfig(tenants=tenants)):
+        check = make_auth_check(config)
+        assert hot_auth_check(config, check, HOT_PATHS) is check
+    assert hot_auth_check(RouterConfig(), make_auth_check(RouterConfig()), HOT_PATHS) is None
+    for path in ("/workers", "/metrics", "/liveness"):  # never left out on a guess
+        with pytest.raises(ValueError):
+            hot_auth_check(RouterConfig(), make_auth_check(RouterConfig()), (path,))

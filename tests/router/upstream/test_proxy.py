@@ -283,6 +283,20 @@ def test_only_allow_listed_response_headers_pass() -> None:
         ("Retry-After", "2"),
         ("Cache-Control", "no-cache"),
     ]
+    # The proxy's own copy of the rule (inlined there, a call less an answer) keeps the
+    # same headers in the same order, then the router's three.
+    from types import SimpleNamespace
+
+    from router.upstream.proxy import Proxy
+
+    mine = (("x-radix-worker", "w1"), ("x-radix-route-reason", "cache_hit"), ("x-radix-matched-chars", "7"))  # fmt: skip
+    proxied = Proxy._response_headers(
+        None,  # type: ignore[arg-type]
+        SimpleNamespace(headers=CIMultiDictProxy(incoming)),  # type: ignore[arg-type]
+        SimpleNamespace(worker_id="w1"),  # type: ignore[arg-type]
+        SimpleNamespace(reason="cache_hit", matched_chars=7),  # type: ignore[arg-type]
+    )
+    assert list(proxied.items()) == list(response_headers(incoming, *mine).items())
 
 
 async def test_half_open_breaker_lets_exactly_one_probe_through(
