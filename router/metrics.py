@@ -152,24 +152,26 @@ class ReasonWindow:
 
     `add` is on every request's path: one dict increment, plus a new bucket every
     `bucket_s` (old ones are dropped then, so memory stays `window_s / bucket_s` small
-    dicts)."""
+    dicts). `Metrics.decision` writes that increment itself while `now // bucket_s` is
+    `current_at` (the bucket `current` counts), and calls `add` for a new one."""
 
     def __init__(self, bucket_s: float = 10.0, window_s: float = 300.0) -> None:
         self.bucket_s = bucket_s
         self.buckets = max(1, round(window_s / bucket_s))
         self._counts: dict[int, Tally[str]] = {}
-        self._current = -1
-        self._now: Tally[str] = Tally()
+        self.current_at = -1.0  # `now // bucket_s` of the bucket `current` counts
+        self.current: Tally[str] = Tally()
 
     def add(self, reason: str, now: float) -> None:
-        index = int(now // self.bucket_s)
-        if index != self._current:
-            self._current = index
-            self._now = self._counts.setdefault(index, Tally())
+        at = now // self.bucket_s
+        if at != self.current_at:
+            self.current_at = at
+            index = int(at)
+            self.current = self._counts.setdefault(index, Tally())
             oldest = index - self.buckets
             for old in [i for i in self._counts if i <= oldest]:
                 del self._counts[old]
-        self._now[reason] += 1
+        self.current[reason] += 1
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """Oldest bucket first; `age_s` is how long ago each bucket began."""
@@ -413,39 +415,52 @@ class Metrics(ServiceMetrics):
     def watch_pin_releases(self, releases: Mapping[str, int]) -> None:
         self.registry.register(_PinReleasesCollector(releases))
 
+    # The updates below run on every request. Their children are kept by label values
+    # and found by `[]` (a miss, the first of each, raises once), and a counter is
+    # bumped in place (`CounterChild.value`, its `inc` without the call).
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         """ServiceMetrics' two updates, with their children kept by (endpoint, status)."""
-        pair = self._done.get((endpoint, status))
-        if pair is None:  # endpoints are three, statuses the few HTTP ones answered
-            pair = self._done[endpoint, status] = (
+        try:
+            counted, latency = self._done[endpoint, status]
+        except KeyError:  # endpoints are three, statuses the few HTTP ones answered
+            counted, latency = self._done[endpoint, status] = (
                 self.child(self.requests, endpoint, str(status)), self.child(self.latency, endpoint),
             )  # fmt: skip
-        pair[0].inc()
-        pair[1].observe(seconds)
+        counted.value += 1.0
+        latency.observe(seconds)
 
     def answered(self, worker: str, status: int) -> None:
-        counted = self._answered.get((worker, status))
-        if counted is None:
+        try:
+            counted = self._answered[worker, status]
+        except KeyError:
             counted = self._answered[worker, status] = self.child(
                 self.worker_requests, worker, str(status)
             )
-        counted.inc()
+        counted.value += 1.0
 
     def refused(self, reason: str) -> None:
         self.child(self.rejected, reason).inc()
 
     def decision(self, reason: str, now: float | None = None) -> None:
         """One routing decision (`now`: the caller's clock reading, read here if None)."""
-        counted = self._decided.get(reason)
-        if counted is None:  # reasons are a handful of constants (policy/base.py)
+        try:
+            counted = self._decided[reason]
+        except KeyError:  # reasons are a handful of constants (policy/base.py)
             counted = self._decided[reason] = self.child(self.decisions, reason)
-        counted.inc()
-        self.reasons.add(reason, self.clock() if now is None else now)
+        counted.value += 1.0
+        if now is None:
+            now = self.clock()
+        window = self.reasons
+        if now // window.bucket_s == window.current_at:  # (`ReasonWindow.add`'s own test)
+            window.current[reason] += 1
+        else:
+            window.add(reason, now)
 
     def observe_cached(self, worker_id: str, predicted_tokens: float, actual: int) -> None:
         """The ratio histogram (the totals are the fleet's, read at scrape time)."""
         if predicted_tokens > 0:
-            ratio = self._ratio.get(worker_id)
-            if ratio is None:
+            try:
+                ratio = self._ratio[worker_id]
+            except KeyError:
                 ratio = self._ratio[worker_id] = self.child(self.cache_ratio, worker_id)
             ratio.observe(actual / predicted_tokens)

@@ -36,7 +36,6 @@ from types import MappingProxyType
 from router.fleet.view import FleetView
 from router.fleet.workers import Worker
 
-_ALL: str | None = None  # the view key of the whole routable fleet
 NO_REMOTE: Mapping[str, int] = MappingProxyType({})  # a lone router: no other replica's load
 
 
@@ -44,13 +43,14 @@ class FleetColumns:
     """The routable workers of `workers` (the table's own dict) and their views."""
 
     def __init__(
-        self, workers: Mapping[str, Worker], remote: Callable[[], Mapping[str, int]]
+        self, workers: Mapping[str, Worker], remote: Callable[[], Mapping[str, int]] | None
     ) -> None:
         self._workers = workers
         # Bumped by every change of who is routable, a model or a capacity.
         self._generation = 0
         # Other replicas' in-flight counts per worker: `remote()` returns the same mapping
         # until it changes (its provider replaces it), so identity means "nothing moved".
+        # None: a lone router (no call a view).
         self._remote_of = remote
         self.remote: Mapping[str, int] = NO_REMOTE
         # (view, index) of every kept view holding a worker: where `publish` writes its
@@ -62,19 +62,25 @@ class FleetColumns:
         # cooldown end of an open breaker (a transition no event announces).
         self._valid_from, self._valid_until = math.inf, -math.inf
         self._members: list[Worker] = []  # routable workers, table order
-        self._views: dict[str | None, FleetView] = {}
-        self._reported: tuple[int, frozenset[str], frozenset[str]] = (-1, frozenset(), frozenset())
+        self._whole: FleetView | None = None  # the whole routable fleet's view
+        self._views: dict[str, FleetView] = {}  # a model's, where it is not the whole's
+        # (models, adapters, whole) as the workers report them, read at the first ask
+        # after an `invalidate` (None until then): `names or read_names()` (the table
+        # reads them so too: one call less a request for each of its two questions).
+        self.names: tuple[frozenset[str], frozenset[str], frozenset[str] | None] | None = None
 
     def invalidate(self) -> None:
         """Who is routable, a model or a capacity changed: rebuild at the next read."""
         self._generation += 1
+        self.names = None
 
     def publish(self, worker: Worker) -> None:
         """`worker`'s load moved: write it into every kept view holding it."""
-        cells = self._cells.get(worker)
-        if cells:
-            load = worker.load_with(self.remote.get(worker.worker_id, 0))
-            for view, i in cells:
+        cells = self._cells
+        if worker in cells:  # (`in`, not `get`: no call on every attempt's start and end)
+            remote = self.remote
+            load = worker.load_with(remote.get(worker.worker_id, 0) if remote else 0)
+            for view, i in cells[worker]:
                 view.loads[i] = load
 
     def report(self, worker: Worker) -> None:
@@ -90,21 +96,30 @@ class FleetColumns:
 
     def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView:
         """What the policy reads (the invariant above). Kept between requests: read only."""
-        remote = self._remote_of()
-        if remote is not self.remote:
-            self._set_remote(remote)
+        if self._remote_of is not None:
+            remote = self._remote_of()
+            if remote is not self.remote:
+                self._set_remote(remote)
         if self._built != self._generation or not self._valid_from <= now < self._valid_until:
             self._rebuild(now)
-        key = self._key(model)
-        view = self._views.get(key)
+        view = None
+        if model is not None:
+            # Workers that report no model serve any: with at most this one model
+            # reported, the model's view is the whole fleet's (`read_names`' whole).
+            models, _, whole = self.names or self.read_names()
+            if whole is not None and model not in whole:
+                view = self._views.get(model)
+                if view is None:
+                    # Kept: one per reported model. A model nobody reports (the proxy
+                    # refuses those anyway) gets a one-off, so clients cannot grow this.
+                    keep = model in models
+                    view = self._build(model, register=keep)
+                    if keep:
+                        self._views[model] = view
         if view is None:
-            # Kept: the whole fleet's view and one per reported model. A model nobody
-            # reports (the proxy refuses those anyway) gets a one-off, so clients cannot
-            # grow this table.
-            keep = key is _ALL or key in self.reported_models()
-            view = self._build(key, register=keep)
-            if keep:
-                self._views[key] = view
+            view = self._whole
+            if view is None:
+                view = self._whole = self._build(None, register=True)
         if not exclude:  # (every first try: no set built)
             return view
         skip = set(exclude)
@@ -122,24 +137,27 @@ class FleetColumns:
 
     def reported_models(self) -> frozenset[str]:
         """Every model some worker (routable or not) reports, its adapters included."""
-        return self._reported_names()[0]
+        return (self.names or self.read_names())[0]
 
-    def reported_adapters(self) -> frozenset[str]:
-        """Every name some worker serves as a LoRA adapter (`WorkerRecord.adapters`) and
-        none as its base model: a worker credential that lists a base model's name among
-        its adapters cannot move that model's requests out of their default namespace
-        (and so off the KV-event index) for the whole fleet."""
-        return self._reported_names()[1]
-
-    def _reported_names(self) -> tuple[frozenset[str], frozenset[str]]:
-        at, models, adapters = self._reported
-        if at != self._generation:
-            reports = [w.report for w in self._workers.values()]
-            bases = frozenset(r.model for r in reports) - {""}
-            listed = frozenset(a for r in reports for a in r.adapters)
-            models, adapters = bases | listed, listed - bases
-            self._reported = (self._generation, models, adapters)
-        return models, adapters
+    def read_names(self) -> tuple[frozenset[str], frozenset[str], frozenset[str] | None]:
+        """(models, adapters, whole), kept as `names` until the next `invalidate` (every
+        change of a model or adapters calls it):
+        - models: `reported_models`;
+        - adapters: every name some worker serves as a LoRA adapter
+          (`WorkerRecord.adapters`) and none as its base model: a worker credential that
+          lists a base model's name among its adapters cannot move that model's requests
+          out of their default namespace (and so off the KV-event index) for the whole
+          fleet;
+        - whole: the models whose view is the whole fleet's: None for every model (no
+          worker reports one: those serve any), the one model where exactly one is
+          reported, else none."""
+        reports = [w.report for w in self._workers.values()]
+        bases = frozenset(r.model for r in reports) - {""}
+        listed = frozenset(a for r in reports for a in r.adapters)
+        models = bases | listed
+        whole = None if not models else models if len(models) == 1 else frozenset()
+        self.names = names = (models, listed - bases, whole)
+        return names
 
     def _set_remote(self, remote: Mapping[str, int]) -> None:
         old, self.remote = self.remote, remote
@@ -147,16 +165,6 @@ class FleetColumns:
             worker = self._workers.get(wid)  # replicas may name workers we dropped
             if worker is not None and remote.get(wid, 0) != old.get(wid, 0):
                 self.publish(worker)
-
-    def _key(self, model: str | None) -> str | None:
-        if model is None:
-            return _ALL
-        reported = self.reported_models()
-        # Workers that report no model serve any: with at most this one model reported,
-        # the model's view is the whole fleet's.
-        if not reported or (len(reported) == 1 and model in reported):
-            return _ALL
-        return model
 
     def _rebuild(self, now: float) -> None:
         members: list[Worker] = []
@@ -171,7 +179,7 @@ class FleetColumns:
             if not w.report.draining and breaker.allows(now):
                 members.append(w)
         self._members = members
-        self._views = {}
+        self._whole, self._views = None, {}
         self._built = self._generation
         self._valid_from, self._valid_until = now, until
 

@@ -16,12 +16,12 @@ restarted or changed model (`forget`), and what each answer reported (`answered`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from router.fleet.columns import NO_REMOTE, FleetColumns
+from router.fleet.columns import FleetColumns
 from router.fleet.view import FleetView
 from router.fleet.workers import Breaker, FailureKind, Source, Worker
 from router.holdings.calibration import calibrate
@@ -58,10 +58,10 @@ class Attempt:
     new Worker under the same id, is left alone).
     """
 
-    __slots__ = ("_fleet", "_released", "probe", "worker")
+    __slots__ = ("_columns", "_released", "probe", "worker")
 
     def __init__(self, fleet: Fleet, worker: Worker, probe: bool) -> None:
-        self._fleet, self.worker, self.probe = fleet, worker, probe
+        self._columns, self.worker, self.probe = fleet.columns, worker, probe
         self._released = False
         worker.in_flight += 1
         worker.requests_total += 1
@@ -71,7 +71,7 @@ class Attempt:
         if self._released:
             return
         self._released = True
-        worker, columns = self.worker, self._fleet.columns
+        worker, columns = self.worker, self._columns
         worker.in_flight -= 1
         columns.publish(worker)
         if self.probe and worker.breaker.probing:
@@ -88,6 +88,10 @@ class Attempt:
 class Fleet:
     """The worker table. `workers` is for reading; change it through the methods."""
 
+    # What the policy reads, `view(now, model=None, exclude=())`: the columns' own
+    # `FleetColumns.view` (read only), set in __init__.
+    view: Callable[..., FleetView]
+
     def __init__(
         self,
         config: RouterConfig,
@@ -99,7 +103,10 @@ class Fleet:
         self.config = config
         self.holdings = holdings
         self.workers: dict[str, Worker] = {}
-        self.columns = FleetColumns(self.workers, remote_in_flight or (lambda: NO_REMOTE))
+        self.columns = FleetColumns(self.workers, remote_in_flight)
+        # What the policy reads: `FleetColumns.view` itself (read only), so a request's
+        # view is one call, not a call through the table.
+        self.view = self.columns.view
 
     # -- membership --------------------------------------------------------------------
     def add_url(self, url: str, source: Source, worker_id: str | None = None) -> Worker:
@@ -186,7 +193,10 @@ class Fleet:
     # -- the books: what the proxy asks ------------------------------------------------
     def attempt(self, worker: Worker, now: float) -> Attempt:
         """Start one try on `worker` (chosen from `view`); release it when it ends."""
-        probe = worker.breaker.on_attempt(now)
+        breaker = worker.breaker
+        # Only an open breaker's cooldown ends in a probe: a closed one (the common
+        # case) is not asked.
+        probe = breaker.opened_at is not None and breaker.on_attempt(now)
         if probe:
             self.columns.invalidate()  # a probing worker takes nothing else
         return Attempt(self, worker, probe)
@@ -199,10 +209,13 @@ class Fleet:
         `predicted_tokens` (the room's prediction) when known; `prompt_tokens` its
         `usage.prompt_tokens` for a routing text of `chars` chars, where the router has no
         prompt ids (router/holdings/calibration.py). The room is told both."""
-        worker, breaker = attempt.worker, attempt.worker.breaker
+        worker = attempt.worker
+        breaker = worker.breaker
         if breaker.opened_at is not None or breaker.probing:
             self.columns.invalidate()
-        breaker.record_success()
+            breaker.record_success()
+        elif breaker.failures:  # (a closed breaker with no failures has nothing to reset)
+            breaker.record_success()
         if cached_tokens is not None:
             worker.predicted_tokens_total += predicted_tokens
             worker.actual_cached_tokens_total += cached_tokens
@@ -222,14 +235,11 @@ class Fleet:
         if (breaker.opened_at, breaker.probing) != before:
             self.columns.invalidate()
 
-    # -- reads -------------------------------------------------------------------------
-    def view(self, now: float, model: str | None = None, exclude: Iterable[str] = ()) -> FleetView:
-        """What the policy reads: see `FleetColumns.view`. Read only."""
-        return self.columns.view(now, model, exclude)
-
+    # -- reads (and `view`, set in __init__) ------------------------------------------
     def knows_model(self, model: str) -> bool:
         """Whether some worker serves `model`; True too while no worker reports a model."""
-        reported = self.columns.reported_models()
+        columns = self.columns
+        reported = (columns.names or columns.read_names())[0]
         return (
             not reported
             or model in reported
@@ -239,7 +249,10 @@ class Fleet:
     def serves_adapter(self, model: str | None) -> bool:
         """Whether some worker serves `model` as a LoRA adapter beside its base model (its
         requests then key their own cache namespace: router/holdings/namespace.py)."""
-        return model is not None and model in self.columns.reported_adapters()
+        if model is None:
+            return False
+        columns = self.columns
+        return model in (columns.names or columns.read_names())[1]
 
     def models(self) -> dict[str, str | None]:
         """Every model served, sorted: a LoRA adapter with its base model (vLLM's

@@ -85,7 +85,9 @@ def view_columns(
     workers: Sequence[WorkerView],
 ) -> tuple[Sequence[str], list[int], Sequence[int]]:
     """(ids, loads, capacities): a FleetView's own lists, else one pass each."""
-    if isinstance(workers, FleetView):
+    # (`type() is`, not `isinstance`: no call; it runs twice a request, and nothing
+    # subclasses FleetView: a subclass would take the pass, still right)
+    if type(workers) is FleetView:
         return workers.ids, workers.loads, workers.capacities
     return list(map(_ID, workers)), list(map(_LOAD, workers)), list(map(_CAP, workers))
 
@@ -95,10 +97,10 @@ def reports_of(
 ) -> tuple[Sequence[WorkerRecord | None], Sequence[float], int | None]:
     """(reports, reported_at, reports written so far): a FleetView's own columns, else
     one pass each and None (a list carries no count: every read may hold news)."""
-    if isinstance(workers, FleetView):
+    if type(workers) is FleetView:
         return workers.reports, workers.reported_at, workers.reported
     return list(map(_REPORT, workers)), list(map(_REPORTED_AT, workers)), None
 
 
 def loads_of(workers: Sequence[WorkerView]) -> list[int]:
-    return workers.loads if isinstance(workers, FleetView) else list(map(_LOAD, workers))
+    return workers.loads if type(workers) is FleetView else list(map(_LOAD, workers))

@@ -119,7 +119,8 @@ class Worker:
 
     def load_with(self, remote_in_flight: int) -> int:
         report = self.report
-        return max(self.in_flight + remote_in_flight, report.running + report.waiting)
+        ours, reported = self.in_flight + remote_in_flight, report.running + report.waiting
+        return ours if ours >= reported else reported  # (max, without its call: every attempt)
 
     def describe(self, now: float) -> dict[str, object]:
         r = self.report

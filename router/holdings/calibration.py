@@ -29,6 +29,7 @@ WEIGHT = 0.2  # EWMA weight of a new sample (~ the last 5-10 answers)
 # last. Quotes inside JSON strings are escaped, so the quoted key cannot come from text;
 # `"prompt_tokens_details"` is another key (the closing quote differs).
 _KEY = b'"prompt_tokens"'
+_AFTER_KEY = len(_KEY)
 _VALUE = re.compile(rb"\s*:\s*(-?[0-9]+(?:\.[0-9]*)?)")
 
 
@@ -37,7 +38,7 @@ def prompt_tokens_from(answer: bytes) -> float | None:
     at = answer.rfind(_KEY)
     if at < 0:
         return None
-    found = _VALUE.match(answer, at + len(_KEY))
+    found = _VALUE.match(answer, at + _AFTER_KEY)
     return float(found[1]) if found else None
 
 

@@ -39,19 +39,26 @@ class Claims:
         """One answer: `predicted` tokens the room said it held, `cached` it reused."""
         if predicted <= 0:
             return  # no claim to check
-        claimed, confirmed, answers, at = self._sums.get(worker_id, (0.0, 0.0, 0.0, now))
-        keep = 0.5 ** (max(0.0, now - at) / HALF_LIFE_S)
+        # Every answer's: written without `get`, `max`, `min` and `pop` calls.
+        sums, discounted = self._sums, self.discounted
+        if worker_id in sums:
+            claimed, confirmed, answers, at = sums[worker_id]
+            elapsed = now - at
+            keep = 0.5 ** (elapsed / HALF_LIFE_S) if elapsed > 0.0 else 1.0
+        else:
+            claimed, confirmed, answers, keep = 0.0, 0.0, 0.0, 1.0
+        came_true = cached if cached > 0 else 0  # clamped to [0, predicted]
         claimed = claimed * keep + predicted
-        confirmed = confirmed * keep + min(max(cached, 0), predicted)
+        confirmed = confirmed * keep + (came_true if came_true <= predicted else predicted)
         answers = answers * keep + 1.0
-        self._sums[worker_id] = (claimed, confirmed, answers, now)
+        sums[worker_id] = (claimed, confirmed, answers, now)
         share = confirmed / claimed
         # To be discounted takes MIN_ANSWERS answers; to stay, the tokens' evidence.
-        enough = answers >= MIN_ANSWERS or worker_id in self.discounted
+        enough = answers >= MIN_ANSWERS or worker_id in discounted
         if claimed >= MIN_TOKENS and enough and share < BELIEVED:
-            self.discounted[worker_id] = share
-        else:
-            self.discounted.pop(worker_id, None)
+            discounted[worker_id] = share
+        elif worker_id in discounted:
+            del discounted[worker_id]
 
     def refresh(self, now: float) -> None:
         """Let decayed evidence lapse: a discounted worker whose predicted tokens have

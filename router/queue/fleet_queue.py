@@ -120,24 +120,28 @@ class FleetQueue:
             config.queue_replica_slack, window,
         )  # fmt: skip
         self.stats = QueueStats(self.tenants, stats_registry)  # type: ignore[arg-type]
+        self._tallies = self.stats.tallies  # where a ticket's figures go, by (tenant, class)
         self._slo = {c: getattr(config.classes, c).ttft_slo_s for c in CLASSES}
         self._seq = itertools.count()
         self._refreshes = 0  # affinity asks left in this pass
         self._prefilling = InPrefill()  # a turn that extends one waits for it (0b)
         self.waiting = 0
-        self.active = 0  # admitted: seated or passing, until their answer ends
+        # Admitted: passing or seated (from the moment a seat is given, before the waiter
+        # wakes), until their answer ends.
+        self.active = 0
         self.draining = False
         # SIGTERM seen: readiness answers 503 while requests are still served
         # (`shutdown_delay`), then `drain` refuses new ones.
         self.stopping = False
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # What `drain` waits on, made when it starts: until then no request pays for an
+        # idle event (an `asyncio.Event`'s clear and set were two calls a request).
+        self._drained: asyncio.Future[None] | None = None
 
     # -- arrival ------------------------------------------------------------------------
     def ticket(self, tenant: Tenant, klass: ServiceClass, request: RouteRequest) -> Ticket:
         return Ticket(
             tenant, klass, request, request.model or None, self.clock(), self._slo[klass],
-            next(self._seq), self.stats.tally(tenant.name, klass), self,
+            self._tallies[tenant.name, klass], self,
         )  # fmt: skip
 
     async def admit(self, ticket: Ticket) -> None:
@@ -153,11 +157,15 @@ class FleetQueue:
             raise APIError(
                 503, "the router is shutting down", code="draining", headers={"Retry-After": "1"}
             )
-        if self.waiting or not self._pass(ticket):
+        seats = self.seats
+        if self.waiting or seats.total >= seats.max_concurrent:
+            return False
+        # Below saturation `full` is empty: the first try may use any worker, no pass
+        # over the fleet.
+        if seats.full and not self._pass_saturated(ticket):
             return False
         ticket.seated = ticket.arrived
-        self.active += 1  # `_admitted`, inlined (router_cpu.md, "Fourth pass")
-        self._idle.clear()
+        self.active += 1
         ticket.tally.seated_now()
         return True
 
@@ -171,15 +179,12 @@ class FleetQueue:
                 tenant, f"its max_queue bound ({tenant.max_queue} requests waiting)", "queue_full"
             )
         await self._wait(ticket)
-        self._admitted(ticket)
+        ticket.tally.seated(ticket.seated - ticket.arrived)  # type: ignore[operator]
 
-    def _pass(self, ticket: Ticket) -> bool:
-        """Whether `ticket` may go at once; sets the workers it may not use."""
+    def _pass_saturated(self, ticket: Ticket) -> bool:
+        """Whether `ticket` may go at once while some workers are full: one of its
+        model's workers has a free seat; sets those it may not use."""
         seats = self.seats
-        if seats.total >= seats.max_concurrent:
-            return False
-        if not seats.full:  # below saturation: the policy's kept view, no pass over it
-            return True
         ids = self.fleet.view(self.clock(), ticket.model).ids
         full = [wid for wid in ids if wid in seats.full]
         if full and len(full) == len(ids):
@@ -187,14 +192,9 @@ class FleetQueue:
         ticket.exclude = full
         return True
 
-    def _admitted(self, ticket: Ticket) -> None:
-        self.active += 1
-        self._idle.clear()
-        ticket.tally.seated(ticket.seated - ticket.arrived)  # type: ignore[operator]
-
     async def _wait(self, ticket: Ticket) -> None:
         tenant = ticket.tenant
-        ticket.wait(self._slo[ticket.klass], self.config.queue_urgent_fraction)
+        ticket.wait(self._slo[ticket.klass], self.config.queue_urgent_fraction, next(self._seq))
         self._predict(ticket, ticket.arrived)
         ticket.future = asyncio.get_running_loop().create_future()
         if not tenant.waiting:
@@ -202,23 +202,25 @@ class FleetQueue:
         tenant.queues[ticket.rank].append(ticket)
         tenant.waiting += 1
         self.waiting += 1
-        self._idle.clear()
         self.pump()
         try:
             await asyncio.wait_for(asyncio.shield(ticket.future), tenant.max_wait_s)
         except BaseException as e:
             if ticket.worker is not None:  # given a seat just as it gave up
+                self.active -= 1
                 self._release_seat(ticket)
             else:
                 self._unqueue(ticket)
+            # It gave up: the queue may be idle now. Not on the way in: `wait_turn`
+            # admits a seated ticket at once, and a wake here (active and waiting both 0
+            # for that instant) let `drain` end with the request still to be served.
+            self._settle_idle()
             if isinstance(e, TimeoutError):
                 self.stats.refused(tenant.name, ticket.klass)
                 raise self._refuse(
                     tenant, f"its max_queue_wait_s bound ({tenant.max_wait_s:g} s)", "queue_timeout"
                 ) from None
             raise
-        finally:
-            self._settle_idle()
 
     def _predict(self, ticket: Ticket, now: float) -> None:
         ticket.units = units = self.affinity(ticket.request)
@@ -260,12 +262,19 @@ class FleetQueue:
     def done(self, ticket: Ticket) -> None:
         """The request ended, whatever the way: its seat frees and goes on at once."""
         self.active -= 1
-        good = ticket.first_byte is not None and ticket.status < 400
-        met = good and ticket.first_byte <= ticket.deadline  # type: ignore[operator]
-        ticket.tally.ended(good, met)
-        if ticket.worker is not None:
-            self._release_seat(ticket)
-        self._settle_idle()
+        first_byte = ticket.first_byte
+        good = first_byte is not None and ticket.status < 400
+        ticket.tally.ended(good, good and first_byte <= ticket.deadline)  # type: ignore[operator]
+        worker = ticket.worker
+        if worker is not None:  # `_release_seat`, inlined: every request ends here
+            if first_byte is None:  # (an answered ticket left prefill at its first byte)
+                self._prefilling.remove(ticket)
+            self.seats.give(worker)
+            ticket.worker = None
+            if self.waiting:
+                self.pump()
+        if self._drained is not None:
+            self._settle_idle()
 
     def _release_seat(self, ticket: Ticket) -> None:
         if ticket.first_byte is None:  # (an answered ticket left prefill at its first byte)
@@ -275,8 +284,10 @@ class FleetQueue:
         self.pump()
 
     def _settle_idle(self) -> None:
-        if self.active == 0 and self.waiting == 0:
-            self._idle.set()
+        """Wake a `drain` once nothing is admitted or waiting."""
+        drained = self._drained
+        if drained is not None and not drained.done() and self.active == 0 and self.waiting == 0:
+            drained.set_result(None)
 
     # -- the rule -----------------------------------------------------------------------
     def pump(self) -> None:
@@ -363,6 +374,7 @@ class FleetQueue:
         self._unqueue(ticket)
         ticket.tenant.credit -= 1
         self.seats.take(wid)
+        self.active += 1  # admitted now, though its waiter wakes later
         ticket.worker, ticket.seated = wid, now
         self._prefilling.add(ticket, wid)
         ticket.exclude = [w for w in self.fleet.view(now, ticket.model).ids if w != wid]
@@ -388,8 +400,12 @@ class FleetQueue:
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests and wait for those admitted; True if all finished in time."""
         self.draining = True
+        if self.active == 0 and self.waiting == 0:
+            return True
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(asyncio.shield(self._drained), timeout)
         except TimeoutError:
             return False
         return True

@@ -105,8 +105,8 @@ class Seats:
 
     def _room(self, worker_id: str) -> bool:
         # `seats` and `occupied` inlined: this runs on every seat taken and given.
-        worker = self._workers.get(worker_id)
-        most = worker.report.max_running_requests if worker is not None else 0
+        workers = self._workers
+        most = workers[worker_id].report.max_running_requests if worker_id in workers else 0
         if most <= 0:
             return True  # unbounded
         seats = most + self.spare
@@ -142,27 +142,30 @@ class Seats:
         # Each new refresh starts at what is held now (absent: none, then or since).
         self._low = dict(self.held)
 
+    # `take` and `give` end alike: `full` as the worker's room now is. Those lines are
+    # written in both, not called: these two run on every request.
     def take(self, worker_id: str) -> None:
-        self.held[worker_id] = self.held.get(worker_id, 0) + 1
+        held = self.held
+        held[worker_id] = held[worker_id] + 1 if worker_id in held else 1
         self.total += 1
-        self._note(worker_id)
-
-    def give(self, worker_id: str) -> None:
-        left = self.held[worker_id] - 1
-        if left:
-            self.held[worker_id] = left
-        else:
-            del self.held[worker_id]
-        if self.replicas and left < self._low.get(worker_id, 0):
-            self._low[worker_id] = left
-        self.total -= 1
-        self._note(worker_id)
-
-    def _note(self, worker_id: str) -> None:
-        """`full` as `worker_id`'s room now is (every seat taken and given)."""
         if not self._room(worker_id):
             self.full.add(worker_id)
         elif self.full:  # (below saturation `full` is empty: no discard)
+            self.full.discard(worker_id)
+
+    def give(self, worker_id: str) -> None:
+        held = self.held
+        left = held[worker_id] - 1
+        if left:
+            held[worker_id] = left
+        else:
+            del held[worker_id]
+        if self.replicas and left < self._low.get(worker_id, 0):
+            self._low[worker_id] = left
+        self.total -= 1
+        if not self._room(worker_id):
+            self.full.add(worker_id)
+        elif self.full:
             self.full.discard(worker_id)
 
     def describe(self, worker_id: str) -> dict[str, int | None]:

@@ -70,16 +70,13 @@ class ClassTally:
 class QueueStats:
     def __init__(self, tenants: Tenants, registry: CollectorRegistry | None = None) -> None:
         self.tenants = tenants
+        # Where one request's figures go: a ticket keeps its own (one lookup a request).
         self.tallies: dict[tuple[str, str], ClassTally] = {
             (t.name, c): ClassTally() for t in tenants for c in CLASSES
         }
         self.placed = dict.fromkeys(PLACED, 0)
         if registry is not None:
             registry.register(_QueueCollector(self))
-
-    def tally(self, tenant: str, klass: str) -> ClassTally:
-        """Where one request's figures go (a ticket keeps it: one lookup a request)."""
-        return self.tallies[tenant, klass]
 
     def refused(self, tenant: str, klass: str) -> None:
         self.tallies[tenant, klass].refused += 1

@@ -30,8 +30,8 @@ class TicketTally(Protocol):
 
 class Ticket:
     """One request through the queue: who, which class, and where it sits. What only a
-    waiting request needs (its rank, urgency, predictions, future) is set by `wait`: a
-    request that passes at once (the common case) never builds it."""
+    waiting request needs (its arrival number, rank, urgency, predictions, future) is set
+    by `wait`: a request that passes at once (the common case) never builds it."""
 
     __slots__ = (
         "_keeper", "arrived", "best", "best_units", "critical_at", "deadline", "exclude",
@@ -41,10 +41,10 @@ class Ticket:
 
     def __init__(
         self, tenant: Tenant, klass: ServiceClass, request: RouteRequest, model: str | None,
-        now: float, slo_s: float, seq: int, tally: TicketTally, keeper: SeatKeeper,
+        now: float, slo_s: float, tally: TicketTally, keeper: SeatKeeper,
     ) -> None:  # fmt: skip
         self.tenant, self.klass, self.request, self.model = tenant, klass, request, model
-        self.seq, self.arrived, self.deadline = seq, now, now + slo_s
+        self.arrived, self.deadline = now, now + slo_s
         self.tally = tally
         self._keeper = keeper  # the queue it is in: where `sit` tells the seat moved
         self.worker: str | None = None  # the seat held, once given
@@ -58,9 +58,11 @@ class Ticket:
         the handler hands the ticket itself over, no `Seat` object a request)."""
         self._keeper.sit(self, worker_id)
 
-    def wait(self, slo_s: float, urgent_fraction: float) -> None:
-        """It waits in its tenant's queue: the fields the queue's rule reads."""
+    def wait(self, slo_s: float, urgent_fraction: float, seq: int) -> None:
+        """It waits in its tenant's queue: the fields the queue's rule reads (`seq`: its
+        place in arrival order among the requests that waited)."""
         now = self.arrived
+        self.seq = seq
         self.rank = CLASSES.index(self.klass)
         self.urgent_at = now + slo_s * urgent_fraction
         # Halfway from urgent to the deadline: held for no worker (fleet_queue.py's rule).
@@ -85,22 +87,27 @@ class InPrefill:
 
     def add(self, ticket: Ticket, worker_id: str) -> None:
         key = (worker_id, ticket.tenant)
-        on = self._on.get(key)  # (not `setdefault`: that builds a list every call)
-        if on is None:
-            self._on[key] = [ticket]
+        on = self._on
+        # (`in`, not `get` or `setdefault`: no call, no list built when one is kept)
+        if key in on:
+            on[key].append(ticket)
         else:
-            on.append(ticket)
+            on[key] = [ticket]
 
     def remove(self, ticket: Ticket) -> None:
         """`ticket`'s prompt is in its worker's cache now, or never will be."""
         key = (ticket.worker, ticket.tenant)
-        on = self._on.get(key)  # type: ignore[arg-type]
-        if on is None:
-            return
         try:
-            on.remove(ticket)  # (one scan, not `in` and then `remove`)
-        except ValueError:
+            on = self._on[key]  # type: ignore[index]
+        except KeyError:  # (rare: a ticket not seated, or left already)
             return
+        if on[-1] is ticket:  # the one added last (alone on its worker: the common case)
+            del on[-1]
+        else:
+            try:
+                on.remove(ticket)  # (one scan, not `in` and then `remove`)
+            except ValueError:
+                return
         if not on:
             del self._on[key]  # type: ignore[arg-type]
 

@@ -13,7 +13,7 @@ import pytest
 from router.fleet.table import Fleet
 from router.policy.base import RouteRequest
 from router.queue.fleet_queue import FleetQueue
-from router.queue.ticket import Ticket
+from router.queue.ticket import InPrefill, Ticket
 from shared.config import ConfigError, RouterConfig, load_config
 from shared.serving.errors import APIError
 from shared.wire.registry import WorkerRecord
@@ -189,6 +189,47 @@ async def test_a_turn_waits_while_the_turn_it_extends_is_before_its_first_byte()
     await _enter(queue, later)
     queue.done(turn1)  # `nxt` is in prefill on w0, but it is tenant a's
     assert other.worker == "w0" and later.worker is None
+
+
+def test_a_ticket_leaves_prefill_wherever_it_stands_on_its_worker() -> None:
+    queue, _ = _queue({"w0": 4})
+    tickets = [_ticket(queue, f"t{i}") for i in range(3)]
+    tenant = queue.tenants.default
+    on = InPrefill()
+    for ticket in tickets:
+        ticket.worker = "w0"
+        on.add(ticket, "w0")
+    on.remove(tickets[0])  # not the one added last
+    assert on.of("w0", tenant) == tickets[1:]
+    on.remove(tickets[2])  # the one added last
+    assert on.of("w0", tenant) == [tickets[1]]
+    on.remove(tickets[2])  # gone already: nothing to do
+    on.remove(tickets[1])
+    assert on.of("w0", tenant) is None
+    on.remove(tickets[1])  # its worker's list gone too: nothing to do
+
+
+async def test_drain_waits_for_the_admitted_and_the_waiting() -> None:
+    idle, _ = _queue({"w0": 1})
+    assert await idle.drain(5.0)  # nothing admitted: drained at once
+    queue, _ = _queue({"w0": 1})
+    [runner] = await _fill(queue, 1)
+    waiting = _ticket(queue, "next")
+    task = await _enter(queue, waiting)
+    drain = asyncio.create_task(queue.drain(30.0))
+    await asyncio.sleep(0)
+    with pytest.raises(APIError) as refused:  # no new request while draining
+        await queue.admit(_ticket(queue, "late"))
+    assert refused.value.status == 503
+    queue.done(runner)  # its seat goes to the one waiting, which still has to end
+    await task
+    await asyncio.sleep(0)
+    assert waiting.worker == "w0" and not drain.done()
+    queue.done(waiting)
+    assert await drain
+    stuck, _ = _queue({"w0": 1})
+    await _fill(stuck, 1)
+    assert not await stuck.drain(0.01)  # one never ends: the timeout says so
 
 
 async def test_the_bounds_refuse_only_their_tenant() -> None:
