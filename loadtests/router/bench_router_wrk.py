@@ -22,14 +22,17 @@ N times, the order flipped every round, and prints medians and ratios to sglang-
 
 `--aiohttp-server` adds a router x1 with `fast_hot_paths` off: aiohttp's server for every
 request, where the router's own protocol (router/http/fast_server.py, on by default)
-serves the simplest inference requests. `--floor` adds two servers that route nothing and answer every POST with the zero-cost
-worker's fixed completion (`FLOORS`, below): aiohttp's low-level `web.Server` (its
-protocol, C parser, request and response objects: the server layer the router runs
-on) and a bare `asyncio.Protocol` with httptools' parser on uvloop (what a hand-written
-server for the hot routes would cost at least). Their CPU a request, side by side with
-the routers', is the floor under the router's own and what taking aiohttp's server out
-of the hot routes could save at most: printed as (aiohttp - httptools) / router x1. Each
-floor runs twice: as fast as it goes, and offered the router x1's last req/s (wrk's
+serves the simplest inference requests. `--floor` adds three floors (`FLOORS`, below).
+Two servers route nothing and answer every POST with the zero-cost worker's fixed
+completion: aiohttp's low-level `web.Server` (its protocol, C parser, request and
+response objects: the server layer the router runs on) and a bare `asyncio.Protocol`
+with httptools' parser on uvloop (what a hand-written server for the hot routes would
+cost at least); their difference over router x1 is what taking aiohttp's server out of
+the hot routes could save at most. The third is a proxy that decides nothing: each
+request forwarded to the worker on a kept connection and its answer relayed, in
+callbacks (two `asyncio.Protocol`s, httptools' parsers, no task, no coroutine), the
+least any Python router on uvloop pays for the same two loopback round trips: router
+x1's CPU over it is what the router's own Python costs. Each floor runs twice: as fast as it goes, and offered the router x1's last req/s (wrk's
 `delay()`, as `--rate`): a server's CPU a request falls as its rate rises (more
 requests a loop wake-up), so the paced pair is the one to hold against the router.
 
@@ -62,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,8 +186,8 @@ def start_targets(
     if args.floor:
         for kind in FLOORS:
             port = free_port()
-            child = serve(f"floor-{kind}", [__name__, "--floor", kind, str(port)], port, tmp,
-                          wait=False)  # fmt: skip
+            child = serve(f"floor-{kind}", [__name__, "--floor", kind, str(port), worker_url],
+                          port, tmp, wait=False)  # fmt: skip
             targets.append(Target(f"floor: {kind}", child.url, child))
             targets.append(Target(f"floor: {kind}, router's rate", child.url, child, paced=True))
     if args.sglang_python:
@@ -222,16 +226,21 @@ def summarize(rounds: dict[str, list[tuple[float, float]]]) -> None:
 
 
 def floor_line(rounds: dict[str, list[tuple[float, float]]]) -> None:
-    """With `--floor`: the server layer's share of the router's CPU, from the medians."""
+    """With `--floor`: the server layer's share of the router's CPU, and the router's own
+    Python over a proxy that decides nothing, from the medians."""
     if "router x1" not in rounds or "floor: aiohttp" not in rounds:
         return
     router = statistics.median(v[1] for v in rounds["router x1"])
     for how in ("", ", router's rate"):
-        aio, bare = (statistics.median(v[1] for v in rounds[f"floor: {k}{how}"]) for k in FLOORS)
-        print(f"\nserver layer{how or ', as fast as each goes'}: aiohttp {aio:.3f} - httptools "
-              f"{bare:.3f} = {aio - bare:.3f} ms a request, {(aio - bare) / router:.0%} of router "
-              f"x1's {router:.3f} ms; without it the router would cost "
-              f"{(router - aio + bare) / router:.2f}x")  # fmt: skip
+        aio, bare, proxy = (
+            statistics.median(v[1] for v in rounds[f"floor: {k}{how}"]) for k in FLOORS
+        )
+        print(f"\nproxy floor{how or ', as fast as it goes'}: {proxy:.3f} ms a request; router "
+              f"x1 {router:.3f} ms is {router / proxy:.1f}x it ({router - proxy:.3f} ms its own)")  # fmt: skip
+        print(f"server layer{how or ', as fast as each goes'}: aiohttp {aio:.3f} - httptools "
+              f"{bare:.3f} = {aio - bare:.3f} ms a request (what the router's own protocol saves "
+              f"on the hot routes, router/http/fast_server.py; {(aio - bare) / router:.0%} of "
+              f"router x1's {router:.3f} ms)")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -592,7 +601,7 @@ def _fixed(method: str) -> bytes:
     return zero_worker.COMPLETION if method == "POST" else zero_worker.INFO
 
 
-async def _aiohttp_floor(port: int) -> None:
+async def _aiohttp_floor(port: int, worker_url: str) -> None:
     """aiohttp's low-level server: its protocol, parser, Request and Response objects."""
     from aiohttp import web
 
@@ -634,19 +643,94 @@ class _HttptoolsFloor(asyncio.Protocol):
             self.transport.close()  # type: ignore[union-attr]
 
 
-async def _httptools_floor(port: int) -> None:
+async def _httptools_floor(port: int, worker_url: str) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_HttptoolsFloor, "127.0.0.1", port, backlog=1024)
     async with server:
         await server.serve_forever()
 
 
-FLOORS = {"aiohttp": _aiohttp_floor, "httptools": _httptools_floor}
+class _ProxyUpstream(asyncio.Protocol):
+    """The proxy floor's kept connection to the worker: relays each answer's body."""
 
-if (
-    __name__ == "__main__"
-):  # a floor server: python -m loadtests.router.bench_router_wrk --floor KIND PORT
+    def __init__(self, idle: list[_ProxyUpstream]) -> None:
+        import httptools
+
+        self.idle, self.parser = idle, httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.client: _ProxyFloor | None = None
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body, self.body = b"".join(self.body), []
+        client, self.client = self.client, None
+        self.idle.append(self)
+        if client is not None:
+            client.relay(body)
+
+
+class _ProxyFloor(_HttptoolsFloor):
+    """A proxy that decides nothing: each POST goes to the worker on a kept connection
+    and the worker's answer goes back, all in callbacks; GETs are answered here."""
+
+    def __init__(self, worker: tuple[str, int], idle: list[_ProxyUpstream]) -> None:
+        super().__init__()
+        self.worker, self.idle = worker, idle
+        self.body: list[bytes] = []
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.parser.get_method() != b"POST":
+            return super().on_message_complete()
+        body, self.body = b"".join(self.body), []
+        out = b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n" \
+              b"Content-Length: %d\r\n\r\n%s" % (self.worker[0].encode(), self.worker[1], len(body), body)  # fmt: skip
+        if self.idle:
+            upstream = self.idle.pop()
+            upstream.client = self
+            upstream.transport.write(out)  # type: ignore[union-attr]
+        else:
+            asyncio.get_running_loop().create_task(self.connect(out))
+
+    async def connect(self, out: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        _, upstream = await loop.create_connection(lambda: _ProxyUpstream(self.idle), *self.worker)
+        upstream.client = self
+        upstream.transport.write(out)  # type: ignore[union-attr]
+
+    def relay(self, body: bytes) -> None:
+        self.transport.write(  # type: ignore[union-attr]
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+
+
+async def _proxy_floor(port: int, worker_url: str) -> None:
+    loop = asyncio.get_running_loop()
+    address = urllib.parse.urlsplit(worker_url)
+    worker, idle = (address.hostname or "127.0.0.1", address.port or 80), []
+    server = await loop.create_server(lambda: _ProxyFloor(worker, idle), "127.0.0.1", port,
+                                      backlog=1024)  # fmt: skip
+    async with server:
+        await server.serve_forever()
+
+
+FLOORS = {"aiohttp": _aiohttp_floor, "httptools": _httptools_floor, "proxy": _proxy_floor}
+
+if __name__ == "__main__":
+    # a floor: python -m loadtests.router.bench_router_wrk --floor KIND PORT WORKER_URL
     import uvloop
 
-    _, _, kind, port = sys.argv
-    uvloop.run(FLOORS[kind](int(port)))
+    _, _, kind, port, worker_url = sys.argv
+    uvloop.run(FLOORS[kind](int(port), worker_url))
