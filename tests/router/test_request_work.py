@@ -108,17 +108,18 @@ def test_a_plain_completion_makes_at_most_the_budgeted_own_calls(worker: str) ->
 def test_the_counter_sees_work_added_to_every_request(
     worker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The guard can fail: the fleet view's length taken twice a request is one call
-    more each."""
+    """The guard can fail: the fleet view's length taken three times a request is two
+    calls more each (a timer's task, the fleet queue's tick, may add a few either way)."""
     from router.fleet.view import FleetView
 
     plain = _own_calls(worker, fast=True)[1]
     real = FleetView.__len__
 
-    def twice(self: FleetView) -> int:  # (this file's calls are not counted)
+    def thrice(self: FleetView) -> int:  # (this file's calls are not counted)
+        real(self)
         real(self)
         return real(self)
 
-    monkeypatch.setattr(FleetView, "__len__", twice)
+    monkeypatch.setattr(FleetView, "__len__", thrice)
     more = _own_calls(worker, fast=True)[1]
-    assert sum(more.values()) - sum(plain.values()) >= N
+    assert sum(more.values()) - sum(plain.values()) >= 1.5 * N
