@@ -139,20 +139,20 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 )
                 routed.pin_ttl = getattr(parsed, "cache_pin_ttl", None) or 0.0
                 routed.prompt_cache_key = cache_key
-            ticket = queue.ticket(tenant, klass, routed.route)
-            request[TICKET] = ticket
             # Admitted (or refused) here; the seat is freed whatever the way out. The
             # common case, a free seat, costs no coroutine (`Seat` as `async with` did),
             # and the ticket is the proxy's seat itself (no `Seat` object either).
-            if not queue.pass_now(ticket):
+            ticket = request[TICKET] = queue.arrive(tenant, klass, routed.route)
+            if ticket.seated is None:
                 await queue.wait_turn(ticket)
             try:
                 response = await app[PROXY].forward(request, routed, ticket)
-                # A whole answer is ready to leave (a stream's head left already and was
-                # told by the app's on_response_prepare hook: the first of the two counts).
-                queue.answered(ticket, response.status)
-            finally:
+            except BaseException:
                 queue.done(ticket)
+                raise
+            # A whole answer is ready to leave (a stream's head left already and was told
+            # by the app's on_response_prepare hook: the first of the two counts).
+            queue.served(ticket, response.status)
             status = response.status
             return response
         except BaseException as e:

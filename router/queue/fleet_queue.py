@@ -124,7 +124,7 @@ class FleetQueue:
         self._slo = {c: getattr(config.classes, c).ttft_slo_s for c in CLASSES}
         self._seq = itertools.count()
         self._refreshes = 0  # affinity asks left in this pass
-        self._prefilling = InPrefill()  # a turn that extends one waits for it (0b)
+        self.prefilling = InPrefill()  # a turn that extends one waits for it (0b)
         self.waiting = 0
         # Admitted: passing or seated (from the moment a seat is given, before the waiter
         # wakes), until their answer ends.
@@ -144,6 +144,26 @@ class FleetQueue:
             self._tallies[tenant.name, klass], self,
         )  # fmt: skip
 
+    def arrive(self, tenant: Tenant, klass: ServiceClass, request: RouteRequest) -> Ticket:
+        """`ticket` and `pass_now` in one call (the handler's, every request): the ticket
+        is seated (`seated` set) when it passes at once, else it must `wait_turn`."""
+        ticket = Ticket(
+            tenant, klass, request, request.model or None, self.clock(), self._slo[klass],
+            self._tallies[tenant.name, klass], self,
+        )  # fmt: skip
+        if self.draining:
+            raise _draining()
+        seats = self.seats
+        if (
+            not self.waiting
+            and seats.total < seats.max_concurrent
+            and (not seats.full or self._pass_saturated(ticket))
+        ):
+            ticket.seated = ticket.arrived
+            self.active += 1
+            ticket.tally.waits[0] += 1  # seated on arrival: no wait to add
+        return ticket
+
     async def admit(self, ticket: Ticket) -> None:
         """Return once `ticket` may go (its `exclude` set); raise 503 draining or 429."""
         if not self.pass_now(ticket):
@@ -154,9 +174,7 @@ class FleetQueue:
         handler's common case, no coroutine); False: it must `wait_turn`. Raises 503
         while draining."""
         if self.draining:
-            raise APIError(
-                503, "the router is shutting down", code="draining", headers={"Retry-After": "1"}
-            )
+            raise _draining()
         seats = self.seats
         if self.waiting or seats.total >= seats.max_concurrent:
             return False
@@ -166,7 +184,7 @@ class FleetQueue:
             return False
         ticket.seated = ticket.arrived
         self.active += 1
-        ticket.tally.seated_now()
+        ticket.tally.waits[0] += 1  # seated on arrival: no wait to add
         return True
 
     async def wait_turn(self, ticket: Ticket) -> None:
@@ -247,17 +265,49 @@ class FleetQueue:
         if ticket.worker == worker_id:
             return
         if ticket.worker is not None:
-            self._prefilling.remove(ticket)
+            self.prefilling.remove(ticket)
             self.seats.give(ticket.worker)
         self.seats.take(worker_id)
         ticket.worker = worker_id
-        self._prefilling.add(ticket, worker_id)
+        self.prefilling.add(ticket, worker_id)
 
     def answered(self, ticket: Ticket, status: int) -> None:
         """The answer's head left (its first byte: the router's TTFT)."""
         if ticket.first_byte is None:
             ticket.first_byte, ticket.status = self.clock(), status
-            self._prefilling.remove(ticket)
+            self.prefilling.remove(ticket)
+
+    def served(self, ticket: Ticket, status: int) -> None:
+        """A whole answer is ready to leave (the handler's common end): `answered` then
+        `done`, in one call and without their inner calls (prefill's `remove`, the
+        tally's `ended`)."""
+        first_byte = ticket.first_byte
+        worker = ticket.worker
+        if first_byte is None:  # (a stream's head left already: answered then)
+            first_byte = ticket.first_byte = self.clock()
+            ticket.status = status
+            if worker is not None:  # `InPrefill.remove`'s common case: the one added last
+                on, key = self.prefilling.on, (worker, ticket.tenant)
+                if key in on and (kept := on[key])[-1] is ticket:  # (kept: never empty)
+                    del kept[-1]
+                    if not kept:
+                        del on[key]
+                else:
+                    self.prefilling.remove(ticket)
+        self.active -= 1
+        tally = ticket.tally
+        if ticket.status < 400:  # `ClassTally.ended`, inlined
+            tally.served += 1
+            tally.slo_met += first_byte <= ticket.deadline
+        else:
+            tally.failed += 1
+        if worker is not None:
+            self.seats.give(worker)
+            ticket.worker = None
+            if self.waiting:
+                self.pump()
+        if self._drained is not None:
+            self._settle_idle()
 
     def done(self, ticket: Ticket) -> None:
         """The request ended, whatever the way: its seat frees and goes on at once."""
@@ -268,7 +318,7 @@ class FleetQueue:
         worker = ticket.worker
         if worker is not None:  # `_release_seat`, inlined: every request ends here
             if first_byte is None:  # (an answered ticket left prefill at its first byte)
-                self._prefilling.remove(ticket)
+                self.prefilling.remove(ticket)
             self.seats.give(worker)
             ticket.worker = None
             if self.waiting:
@@ -278,7 +328,7 @@ class FleetQueue:
 
     def _release_seat(self, ticket: Ticket) -> None:
         if ticket.first_byte is None:  # (an answered ticket left prefill at its first byte)
-            self._prefilling.remove(ticket)
+            self.prefilling.remove(ticket)
         self.seats.give(ticket.worker)  # type: ignore[arg-type]
         ticket.worker = None
         self.pump()
@@ -336,7 +386,7 @@ class FleetQueue:
             # A tenant without credit is looked at too, behind every one with credit in
             # the same class: it takes the seat only when no one else can use it.
             broke = tenant.credit <= 0
-            prefilling = self._prefilling.of(wid, tenant)
+            prefilling = self.prefilling.of(wid, tenant)
             for queue in tenant.queues:
                 for ticket in itertools.islice(queue, SCAN):
                     if not self._serves(wid, ticket, now, routable):
@@ -376,7 +426,7 @@ class FleetQueue:
         self.seats.take(wid)
         self.active += 1  # admitted now, though its waiter wakes later
         ticket.worker, ticket.seated = wid, now
-        self._prefilling.add(ticket, wid)
+        self.prefilling.add(ticket, wid)
         ticket.exclude = [w for w in self.fleet.view(now, ticket.model).ids if w != wid]
         ticket.future.set_result(wid)  # type: ignore[union-attr]
 
@@ -414,6 +464,12 @@ class FleetQueue:
         """`async with queue.seat(ticket) as seat:` admitted (or refused) on entry; the
         seat is freed on exit, whatever the way out."""
         return Seat(self, ticket)
+
+
+def _draining() -> APIError:
+    return APIError(
+        503, "the router is shutting down", code="draining", headers={"Retry-After": "1"}
+    )
 
 
 def _round_credit(quantum: float) -> float:

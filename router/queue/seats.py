@@ -143,12 +143,17 @@ class Seats:
         self._low = dict(self.held)
 
     # `take` and `give` end alike: `full` as the worker's room now is. Those lines are
-    # written in both, not called: these two run on every request.
+    # written in both, not called: these two run on every request. Without replicas,
+    # `_room` is `held < seats` and is written here too (a call less each).
     def take(self, worker_id: str) -> None:
         held = self.held
-        held[worker_id] = held[worker_id] + 1 if worker_id in held else 1
+        now_held = held[worker_id] = held[worker_id] + 1 if worker_id in held else 1
         self.total += 1
-        if not self._room(worker_id):
+        workers = self._workers
+        most = workers[worker_id].report.max_running_requests if worker_id in workers else 0
+        if most > 0 and (
+            not self._room(worker_id) if self.replicas else now_held >= most + self.spare
+        ):
             self.full.add(worker_id)
         elif self.full:  # (below saturation `full` is empty: no discard)
             self.full.discard(worker_id)
@@ -160,12 +165,19 @@ class Seats:
             held[worker_id] = left
         else:
             del held[worker_id]
-        if self.replicas and left < self._low.get(worker_id, 0):
-            self._low[worker_id] = left
         self.total -= 1
-        if not self._room(worker_id):
+        workers = self._workers
+        most = workers[worker_id].report.max_running_requests if worker_id in workers else 0
+        if self.replicas:
+            if left < self._low.get(worker_id, 0):
+                self._low[worker_id] = left
+            if most > 0 and not self._room(worker_id):
+                self.full.add(worker_id)
+                return
+        elif most > 0 and left >= most + self.spare:
             self.full.add(worker_id)
-        elif self.full:
+            return
+        if self.full:
             self.full.discard(worker_id)
 
     def describe(self, worker_id: str) -> dict[str, int | None]:

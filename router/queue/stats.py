@@ -47,10 +47,6 @@ class ClassTally:
         self.wait_s += waited_s
         self.waits[bisect_left(WAIT_BUCKETS, waited_s) if waited_s else 0] += 1
 
-    def seated_now(self) -> None:
-        """Seated on arrival (the common case: no wait to add)."""
-        self.waits[0] += 1
-
     def ended(self, good: bool, slo_met: bool) -> None:
         if good:
             self.served += 1

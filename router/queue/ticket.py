@@ -15,15 +15,20 @@ from shared.wire.service_class import CLASSES, ServiceClass
 
 if TYPE_CHECKING:
     from router.holdings.prediction import RouteRequest
+    from router.queue.seats import Seats
 
 
 class TicketTally(Protocol):
     """Where a request's figures go: its tenant and class's (router/queue/stats.py
-    `ClassTally`), looked up once when its ticket is made."""
+    `ClassTally`), looked up once when its ticket is made. The queue bumps the counts of
+    a request seated at once and of one served in place (no call: every request)."""
+
+    served: int
+    slo_met: int
+    failed: int
+    waits: list[int]
 
     def seated(self, waited_s: float) -> None: ...
-
-    def seated_now(self) -> None: ...
 
     def ended(self, good: bool, slo_met: bool) -> None: ...
 
@@ -56,7 +61,19 @@ class Ticket:
     def sit(self, worker_id: str) -> None:
         """The proxy picked `worker_id` for a try (the proxy's `Seating`, with `exclude`:
         the handler hands the ticket itself over, no `Seat` object a request)."""
-        self._keeper.sit(self, worker_id)
+        keeper = self._keeper
+        if self.worker is not None:  # seated by the queue, or a retry: the queue's `sit`
+            keeper.sit(self, worker_id)
+            return
+        # A first seat (every request that passed at once): the queue's `sit` and
+        # `InPrefill.add` written here, two calls less a request.
+        keeper.seats.take(worker_id)
+        self.worker = worker_id
+        on, key = keeper.prefilling.on, (worker_id, self.tenant)
+        if key in on:
+            on[key].append(self)
+        else:
+            on[key] = [self]
 
     def wait(self, slo_s: float, urgent_fraction: float, seq: int) -> None:
         """It waits in its tenant's queue: the fields the queue's rule reads (`seq`: its
@@ -83,11 +100,12 @@ class InPrefill:
     SCAN = 8
 
     def __init__(self) -> None:
-        self._on: dict[tuple[str, Tenant], list[Ticket]] = {}
+        # (read by `Ticket.sit` and `FleetQueue.served` too: every request adds and removes)
+        self.on: dict[tuple[str, Tenant], list[Ticket]] = {}
 
     def add(self, ticket: Ticket, worker_id: str) -> None:
         key = (worker_id, ticket.tenant)
-        on = self._on
+        on = self.on
         # (`in`, not `get` or `setdefault`: no call, no list built when one is kept)
         if key in on:
             on[key].append(ticket)
@@ -98,7 +116,7 @@ class InPrefill:
         """`ticket`'s prompt is in its worker's cache now, or never will be."""
         key = (ticket.worker, ticket.tenant)
         try:
-            on = self._on[key]  # type: ignore[index]
+            on = self.on[key]  # type: ignore[index]
         except KeyError:  # (rare: a ticket not seated, or left already)
             return
         if on[-1] is ticket:  # the one added last (alone on its worker: the common case)
@@ -109,10 +127,10 @@ class InPrefill:
             except ValueError:
                 return
         if not on:
-            del self._on[key]  # type: ignore[arg-type]
+            del self.on[key]  # type: ignore[arg-type]
 
     def of(self, worker_id: str, tenant: Tenant) -> list[Ticket] | None:
-        return self._on.get((worker_id, tenant))
+        return self.on.get((worker_id, tenant))
 
     @classmethod
     def extends(cls, ticket: Ticket, on: list[Ticket]) -> bool:
@@ -127,6 +145,9 @@ class InPrefill:
 
 class SeatKeeper(Protocol):
     """What a seat asks of the queue (`FleetQueue`)."""
+
+    seats: Seats
+    prefilling: InPrefill
 
     async def admit(self, ticket: Ticket) -> None: ...
 
