@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from functools import partial
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -61,20 +60,12 @@ class Attempt:
 
     __slots__ = ("_columns", "_released", "probe", "worker")
 
-    def __init__(self, fleet: Fleet, worker: Worker, now: float) -> None:
-        """`Fleet.attempt(worker, now)` is this (the table's `attempt`, one call a try)."""
-        columns = self._columns = fleet.columns
-        self.worker = worker
-        breaker = worker.breaker
-        # Only an open breaker's cooldown ends in a probe: a closed one (the common
-        # case) is not asked.
-        probe = self.probe = breaker.opened_at is not None and breaker.on_attempt(now)
-        if probe:
-            columns.invalidate()  # a probing worker takes nothing else
+    def __init__(self, fleet: Fleet, worker: Worker, probe: bool) -> None:
+        self._columns, self.worker, self.probe = fleet.columns, worker, probe
         self._released = False
         worker.in_flight += 1
         worker.requests_total += 1
-        columns.publish(worker)
+        fleet.columns.publish(worker)
 
     def release(self) -> None:
         if self._released:
@@ -100,9 +91,6 @@ class Fleet:
     # What the policy reads, `view(now, model=None, exclude=())`: the columns' own
     # `FleetColumns.view` (read only), set in __init__.
     view: Callable[..., FleetView]
-    # What the proxy asks first, `attempt(worker, now)`: `Attempt` bound to this table,
-    # set in __init__ (one call a try, not a method and then the class).
-    attempt: Callable[[Worker, float], Attempt]
 
     def __init__(
         self,
@@ -119,7 +107,6 @@ class Fleet:
         # What the policy reads: `FleetColumns.view` itself (read only), so a request's
         # view is one call, not a call through the table.
         self.view = self.columns.view
-        self.attempt = partial(Attempt, self)
 
     # -- membership --------------------------------------------------------------------
     def add_url(self, url: str, source: Source, worker_id: str | None = None) -> Worker:
@@ -204,8 +191,15 @@ class Fleet:
             self.columns.report(w)  # the heartbeat and the load it moved, in place
 
     # -- the books: what the proxy asks ------------------------------------------------
-    # (`attempt(worker, now)`, set in __init__: start one try on `worker`, chosen from
-    # `view`, at `now`; release it when it ends.)
+    def attempt(self, worker: Worker, now: float) -> Attempt:
+        """Start one try on `worker` (chosen from `view`); release it when it ends."""
+        breaker = worker.breaker
+        # Only an open breaker's cooldown ends in a probe: a closed one (the common
+        # case) is not asked.
+        probe = breaker.opened_at is not None and breaker.on_attempt(now)
+        if probe:
+            self.columns.invalidate()  # a probing worker takes nothing else
+        return Attempt(self, worker, probe)
 
     def succeeded(
         self, attempt: Attempt, predicted_tokens: float = 0.0, cached_tokens: int | None = None,
