@@ -15,7 +15,6 @@ from shared.wire.service_class import CLASSES, ServiceClass
 
 if TYPE_CHECKING:
     from router.holdings.prediction import RouteRequest
-    from router.queue.seats import Seats
 
 
 class TicketTally(Protocol):
@@ -143,10 +142,16 @@ class InPrefill:
         )
 
 
+class SeatTaker(Protocol):
+    """What a first seat takes (router/queue/seats.py `Seats`)."""
+
+    def take(self, worker_id: str) -> None: ...
+
+
 class SeatKeeper(Protocol):
     """What a seat asks of the queue (`FleetQueue`)."""
 
-    seats: Seats
+    seats: SeatTaker
     prefilling: InPrefill
 
     async def admit(self, ticket: Ticket) -> None: ...
