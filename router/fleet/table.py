@@ -219,7 +219,12 @@ class Fleet:
         if cached_tokens is not None:
             worker.predicted_tokens_total += predicted_tokens
             worker.actual_cached_tokens_total += cached_tokens
-        learned = worker.chars_per_token if calibrate(worker, chars, prompt_tokens) else None
+        # (no call where the answer teaches nothing: a router with prompt ids sends none)
+        learned = (
+            worker.chars_per_token
+            if prompt_tokens is not None and calibrate(worker, chars, prompt_tokens)
+            else None
+        )
         if cached_tokens is not None or learned is not None:
             self.holdings.answered(worker.worker_id, predicted_tokens, cached_tokens, learned, now)
 
