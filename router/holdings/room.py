@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from router.fleet.view import WorkerView, view_columns
+from router.fleet.view import FleetView, WorkerView, view_columns
 from router.holdings.claims import Claims, unconfirmed_claims
 from router.holdings.merge import HOST_HIT_WEIGHT, BlockHolders, KvScorer
 from router.holdings.namespace import DEFAULT, TEXT_IN_IDS, prefix_of, strip
@@ -72,8 +72,19 @@ class Holdings:
     def predict(
         self, request: RouteRequest, workers: Sequence[WorkerView], now: float
     ) -> Prediction:
-        self._follow_capacity(workers)
-        key, n, cut = self._key(request)
+        # `_follow_capacity`'s test inlined for the router's own view: its ids and
+        # capacities are tuples replaced on a change, so the same two mean none.
+        if (
+            type(workers) is not FleetView
+            or workers.ids is not self._ids
+            or workers.capacities is not self._caps
+        ):
+            self._follow_capacity(workers)
+        if self.on_tokens or request.namespace != DEFAULT:
+            key, n, cut = self._key(request)
+        else:  # `_key`'s first case, inlined (the common request)
+            key = request.text
+            n, cut = len(key), 0
         tree = self.tree
         path = tree.match_path(key) if key else []
         if cut:
@@ -197,6 +208,7 @@ class Holdings:
         if ids is not self._ids and ids != self._ids:
             self._ids, self._caps = ids, None
         if caps is self._caps or caps == self._caps:
+            self._caps = caps  # (the same next time: `predict`'s identity test passes)
             return
         known = self._capacity
         for wid, cap in zip(ids, caps, strict=True):
