@@ -188,7 +188,11 @@ class Holdings:
         if cached is not None:
             self.claims.answered(worker_id, predicted, cached, now)
         if chars_per_token is not None:
-            self._calibrate(worker_id, chars_per_token)
+            # `_calibrate`'s first test inlined: most answers move a known worker's ratio
+            # by less than its 10% (no call then).
+            old = self._chars_per_token.get(worker_id)
+            if old is None or abs(chars_per_token - old) > 0.1 * old:
+                self._calibrate(worker_id, chars_per_token)
 
     def forget(self, worker_id: str) -> None:
         """The worker left, restarted (an empty cache) or changed model."""
