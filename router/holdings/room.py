@@ -24,7 +24,8 @@ prediction names it so a policy's own books follow). Nothing here does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from router.fleet.view import FleetView, WorkerView, view_columns
 from router.holdings.claims import Claims, unconfirmed_claims
@@ -37,6 +38,8 @@ from shared.tokens.prompt_ids import KEY_WIDTH, PromptIds, TokenKey, token_key
 
 Key = str  # text, or a TokenKey (shared/tokens/prompt_ids.py)
 _NONE: frozenset[str] = frozenset()
+# A prediction the index had no part in: one shared empty view, not a dict a request.
+_NO_INDEX: Mapping[str, tuple[int, int, str]] = MappingProxyType({})
 
 
 class Holdings:
@@ -57,6 +60,7 @@ class Holdings:
         self.tree: PrefixTree = PrefixTree(  # type: ignore[type-arg]
             max_chars=config.tree_max_chars, width=KEY_WIDTH if self.on_tokens else 1
         )
+        self._stored = self.tree.tenant_sizes  # (bound once: a prediction carries it)
         self.kv = (
             KvScorer(feed, config.kv_events_inflight, host_weight) if feed is not None else None
         )
@@ -89,7 +93,7 @@ class Holdings:
         path = tree.match_path(key) if key else []
         if cut:
             path = strip(path, cut)
-        detail: dict[str, tuple[int, int, str]] = {}
+        detail: Mapping[str, tuple[int, int, str]] = _NO_INDEX
         kv = self.kv
         if kv is not None and request.tokens is not None and request.namespace == DEFAULT:
             # The workers' own reports (merge.py), in the tree's units.
@@ -104,7 +108,7 @@ class Holdings:
             forgotten, self._forgotten = tuple(self._forgotten), []
         return Prediction(
             request, key, n, self.on_tokens, path, forgotten, detail,
-            frozenset(detail) if detail else _NONE, tree.tenant_sizes,
+            frozenset(detail) if detail else _NONE, self._stored,
         )  # fmt: skip
 
     def _key(self, request: RouteRequest) -> tuple[Key, int, int]:

@@ -214,7 +214,10 @@ class GenerateWireRequest(_Lenient):
 
 def canonical_chat_text(messages: list[Message]) -> str:
     """Role and content in order, so each turn's text extends the previous turn's."""
-    return "".join(f"<|{m.role}|>{m.text()}\n" for m in messages)
+    # A text content read in place (`Message.text()`'s common case): no call a message.
+    return "".join([
+        f"<|{m.role}|>{c if type(c := m.content) is str else m.text()}\n" for m in messages
+    ])  # fmt: skip
 
 
 def _fields_only(cls: type[_Sampling]) -> tuple[frozenset[str], SchemaValidator]:
