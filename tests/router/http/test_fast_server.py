@@ -122,6 +122,57 @@ async def test_a_connection_answering_at_shutdown_closes_once_its_answer_is_writ
         await runner.cleanup()
 
 
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One buffered answer off a kept connection: (head, body)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    return head, await reader.readexactly(length)
+
+
+async def test_a_repeated_head_is_read_once_and_any_other_head_again(
+    fake_workers: StartWorkers,
+) -> None:
+    """A connection keeps the last head it took and what it found in it: the same head
+    again is not parsed again, yet each request is its own (its body, its id); a new
+    head is read anew, and the same head whose body is not exactly its Content-Length
+    (here a second request after it) is still aiohttp's."""
+    [(fake, worker)] = await fake_workers("ok")
+    config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1", fast_hot_paths=True)
+    runner, made = await _serve_recording(config)
+
+    def request(rid: bytes, body: bytes) -> bytes:
+        return (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nx-request-id: %s\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (rid, len(body), body))  # fmt: skip
+
+    one = json.dumps({"model": "sim", "prompt": "one", "max_tokens": 2}).encode()
+    two = json.dumps({"model": "sim", "prompt": "two", "max_tokens": 2}).encode()
+    assert len(one) == len(two)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        writer.write(request(b"id-a", one))
+        head, _ = await _read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and b"x-request-id: id-a\r\n" in head
+        [protocol] = made
+        kept = protocol._last
+        assert kept is not None
+        writer.write(request(b"id-a", two))  # the same head, another body
+        head, _ = await _read_answer(reader)
+        assert protocol._last is kept and b"x-request-id: id-a\r\n" in head
+        assert [b["prompt"] for b in fake.bodies_seen] == ["one", "two"]  # each its body
+        writer.write(request(b"id-b", one))  # another head: read anew
+        head, _ = await _read_answer(reader)
+        assert b"x-request-id: id-b\r\n" in head and protocol._last is not kept
+        assert protocol.transport is not None  # all three fast answers
+        writer.write(request(b"id-b", one) + request(b"id-c", two))  # one read, two requests
+        for rid in (b"id-b", b"id-c"):
+            head, _ = await _read_answer(reader)
+            assert b"x-request-id: %s\r\n" % rid in head
+        assert protocol.transport is None  # handed to aiohttp
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_stream_to_a_client_that_never_reads_holds_bounded_memory(
     fake_workers: StartWorkers,
 ) -> None:
