@@ -43,6 +43,9 @@ _HEAD = re.compile(
 )
 MAX_HEAD = 8190  # a longer head is aiohttp's, so no single field can pass its limits
 MAX_HEADERS = 128  # aiohttp's server: more is 400
+# Digits of a Content-Length read here: longer is aiohttp's to refuse (past 4300, `int()`
+# itself raises, and a raise in `data_received` would drop the connection unanswered).
+MAX_DIGITS = 18
 _LENGTH_LINE = b"\r\ncontent-length:"  # lowered; one such line in a head `read_head` took
 
 
@@ -72,7 +75,7 @@ def read_head(head: bytes, max_body: int) -> Found | None:
     if len(lengths) != 1 or len(headers.getall("Host", ())) != 1:
         return None
     length = lengths[0]
-    if not (length.isascii() and length.isdigit()):
+    if not (length.isascii() and length.isdigit()) or len(length) > MAX_DIGITS:
         return None
     size = int(length)
     if size > max_body:
@@ -112,8 +115,8 @@ class LastHead:
         ):  # fmt: skip
             # The last head but for the Content-Length value (no CRLF inside it).
             value = head[len(before) : len(head) - len(after)].strip(b" \t")
-            if value.isdigit() and int(value) <= max_body:  # bytes: ASCII digits only
-                last = self.found
+            if value.isdigit() and len(value) <= MAX_DIGITS and int(value) <= max_body:
+                last = self.found  # (bytes' isdigit: ASCII digits only)
                 assert last is not None
                 length = value.decode()
                 headers = CIMultiDict(last[1])
