@@ -48,8 +48,7 @@ from typing import TYPE_CHECKING, Any
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.fleet.workers import FailureKind, Worker
-from router.upstream.connection import UpstreamBroken
-from router.upstream.limits import ForeignAnswer
+from router.upstream.limits import ForeignAnswer, UpstreamBroken
 from shared.config import RouterConfig
 from shared.serving import json_codec
 from shared.serving.errors import APIError

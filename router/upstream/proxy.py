@@ -64,7 +64,7 @@ from router.upstream.answers import (
     request_fault,
     worker_authorization,
 )
-from router.upstream.connection import UpstreamBroken
+from router.upstream.limits import UpstreamBroken
 from router.upstream.responder import AIOHTTP, RESPONDER, StreamReply, responder_of
 from router.upstream.transport import Answer, Transport
 from shared.config import RouterConfig
