@@ -1,7 +1,7 @@
 """The simplest answer a worker sends, read by one pattern instead of httptools' callbacks.
 
 A callback into Python per header line was most of an exchange's cost
-(router/upstream/connection.py reads every answer through httptools otherwise). Only an
+(router/upstream/answer_reader.py reads every answer through httptools otherwise). Only an
 answer no rule of the parser or of the connection could treat otherwise is read here:
 
 - whole in one read: the head, then exactly Content-Length bytes of body, nothing more;

@@ -1,8 +1,9 @@
 """The simple-answer path (router/upstream/simple_answer.py, taken by
-`WorkerConnection._take_simple`) against httptools: the same worker bytes, in the same reads, must leave a connection in the same
-state either way (status, headers, body, completeness, keep-alive, echo, the error text,
-whether it was another answer's bytes, the budget), then again after bytes that arrive
-later, and on the next exchange of a connection kept.
+`AnswerReader._take_simple`) against httptools: the same worker bytes, in the same reads,
+must leave a connection in the same state either way (status, headers, body,
+completeness, keep-alive, echo, the error text, whether it was another answer's bytes,
+the budget), then again after bytes that arrive later, and on the next exchange of a
+connection kept.
 
 The answers: every scripted answer of the transport conformance suite and of the desync
 probe, hand-made edge cases of the pattern, and seeded random mutations of a plain
@@ -11,6 +12,11 @@ answer. Bytes go to the protocol's `data_received` as its transport would hand t
 boundaries are what decides which path runs. The conformance suite and the desync probe
 themselves also run over real sockets with the simple path off
 (`test_transport_conformance.py`, `test_upstream_desync.py`: transport `own-httptools`).
+
+A repeated head (`SimpleReader`: the connection's last head with another id and length)
+must read as the pattern reads it: random heads, each again with other ids (some the
+pattern does not admit), lengths, and one byte changed; and many exchanges on one kept
+connection through both readers.
 """
 
 from __future__ import annotations
