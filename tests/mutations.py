@@ -98,9 +98,9 @@ MUTATIONS = (
     Mutation(
         "imbalance-either-threshold",
         "router/policy/cache_aware.py",
-        'if cfg.balance_mode == "fleet":\n            high = max(loads)',
-        "high - low > cfg.balance_abs_threshold and high",
-        "high - low > cfg.balance_abs_threshold or high",
+        "if self._fleet:\n            high = max(loads)",
+        "high - low > self._abs and high",
+        "high - low > self._abs or high",
         "tests/router/policy/test_policy.py::test_imbalance_thresholds_are_strict",
     ),
     Mutation(

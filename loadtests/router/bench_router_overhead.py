@@ -705,6 +705,30 @@ else:
     def stream_own(): asyncio.run(answers("own", True))
     pieces += [answer_aiohttp, answer_own, stream_aiohttp, stream_own]
 
+# The route decision alone (router/routing.py: the room's prediction, cache_aware's pick,
+# the tree told) on 8 workers: `route_same` wrk's one prompt again and again, `route_mix`
+# 4,096 prompts over 8 shared system prompts (a match, then a new leaf or a refresh).
+import random as _random
+from router.fleet.view import FleetView
+from router.policy import build_routing
+route_ids = [f"w{i}" for i in range(8)]
+route_view = FleetView(route_ids, capacities=[1_000_000] * 8)
+route_same = RouteRequest("hello there, a prompt of a few words to route", model="sim")
+route_reqs = [RouteRequest(f"system prompt {i % 8} " * 20 + f"question {i}", model="sim")
+              for i in range(4096)]
+
+def route_same_prompt():
+    select = build_routing(RouterConfig(), _random.Random(1)).select
+    for i in range(n):
+        select(route_same, route_view, 1.0 + i)
+
+def route_mixed():
+    select = build_routing(RouterConfig(), _random.Random(1)).select
+    for i in range(n):
+        select(route_reqs[i & 4095], route_view, 1.0 + i)
+
+pieces += [route_same_prompt, route_mixed]
+
 out = {}
 only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else None
 for piece in pieces if only is None else [p for p in pieces if p.__name__ in only]:
@@ -720,6 +744,8 @@ print(json.dumps(out))
 PIECE_NAMES = {
     "model": "request model, a completion body (routing_text)",
     "chat_model": "request model, a chat body (routing_text)",
+    "route_same_prompt": "route decision, 8 workers, one prompt again (Routing.select)",
+    "route_mixed": "route decision, 8 workers, 4,096 prompts over 8 prefixes",
     "seat": "fleet queue, a free seat: ticket, admit, sit, answered x2, done",
     "table": "fleet table: view, attempt, succeeded, release",
     "turn_tokens": "tokenizer: a later chat turn's prompt ids (PromptTokens.chat, first ask)",

@@ -95,7 +95,8 @@ def request_namespace(parsed: object, renders: bool = True, adapter: bool = Fals
     its `cache_salt`, and where the router `renders` chats a chat's `chat_template` /
     `chat_template_kwargs` (vLLM's fields, passed through to the engine as extra fields)."""
     salt = getattr(parsed, "cache_salt", None)
-    extra = getattr(parsed, "model_extra", None)
+    # `model_extra`'s own slot: the property is one call more a request.
+    extra = getattr(parsed, "__pydantic_extra__", None)
     if not extra and salt is None and not adapter:  # most requests: nothing splits it
         return DEFAULT
     extra = extra or {}

@@ -24,9 +24,10 @@ prediction names it so a policy's own books follow). Nothing here does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
-from router.fleet.view import WorkerView, view_columns
+from router.fleet.view import FleetView, WorkerView, view_columns
 from router.holdings.claims import Claims, unconfirmed_claims
 from router.holdings.merge import HOST_HIT_WEIGHT, BlockHolders, KvScorer
 from router.holdings.namespace import DEFAULT, TEXT_IN_IDS, prefix_of, strip
@@ -37,6 +38,8 @@ from shared.tokens.prompt_ids import KEY_WIDTH, PromptIds, TokenKey, token_key
 
 Key = str  # text, or a TokenKey (shared/tokens/prompt_ids.py)
 _NONE: frozenset[str] = frozenset()
+# A prediction the index had no part in: one shared empty view, not a dict a request.
+_NO_INDEX: Mapping[str, tuple[int, int, str]] = MappingProxyType({})
 
 
 class Holdings:
@@ -57,6 +60,7 @@ class Holdings:
         self.tree: PrefixTree = PrefixTree(  # type: ignore[type-arg]
             max_chars=config.tree_max_chars, width=KEY_WIDTH if self.on_tokens else 1
         )
+        self._stored = self.tree.tenant_sizes  # (bound once: a prediction carries it)
         self.kv = (
             KvScorer(feed, config.kv_events_inflight, host_weight) if feed is not None else None
         )
@@ -72,13 +76,24 @@ class Holdings:
     def predict(
         self, request: RouteRequest, workers: Sequence[WorkerView], now: float
     ) -> Prediction:
-        self._follow_capacity(workers)
-        key, n, cut = self._key(request)
+        # `_follow_capacity`'s test inlined for the router's own view: its ids and
+        # capacities are tuples replaced on a change, so the same two mean none.
+        if (
+            type(workers) is not FleetView
+            or workers.ids is not self._ids
+            or workers.capacities is not self._caps
+        ):
+            self._follow_capacity(workers)
+        if self.on_tokens or request.namespace != DEFAULT:
+            key, n, cut = self._key(request)
+        else:  # `_key`'s first case, inlined (the common request)
+            key = request.text
+            n, cut = len(key), 0
         tree = self.tree
         path = tree.match_path(key) if key else []
         if cut:
             path = strip(path, cut)
-        detail: dict[str, tuple[int, int, str]] = {}
+        detail: Mapping[str, tuple[int, int, str]] = _NO_INDEX
         kv = self.kv
         if kv is not None and request.tokens is not None and request.namespace == DEFAULT:
             # The workers' own reports (merge.py), in the tree's units.
@@ -93,7 +108,7 @@ class Holdings:
             forgotten, self._forgotten = tuple(self._forgotten), []
         return Prediction(
             request, key, n, self.on_tokens, path, forgotten, detail,
-            frozenset(detail) if detail else _NONE, tree.tenant_sizes,
+            frozenset(detail) if detail else _NONE, self._stored,
         )  # fmt: skip
 
     def _key(self, request: RouteRequest) -> tuple[Key, int, int]:
@@ -177,7 +192,11 @@ class Holdings:
         if cached is not None:
             self.claims.answered(worker_id, predicted, cached, now)
         if chars_per_token is not None:
-            self._calibrate(worker_id, chars_per_token)
+            # `_calibrate`'s first test inlined: most answers move a known worker's ratio
+            # by less than its 10% (no call then).
+            old = self._chars_per_token.get(worker_id)
+            if old is None or abs(chars_per_token - old) > 0.1 * old:
+                self._calibrate(worker_id, chars_per_token)
 
     def forget(self, worker_id: str) -> None:
         """The worker left, restarted (an empty cache) or changed model."""
@@ -197,6 +216,7 @@ class Holdings:
         if ids is not self._ids and ids != self._ids:
             self._ids, self._caps = ids, None
         if caps is self._caps or caps == self._caps:
+            self._caps = caps  # (the same next time: `predict`'s identity test passes)
             return
         known = self._capacity
         for wid, cap in zip(ids, caps, strict=True):

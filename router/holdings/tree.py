@@ -111,6 +111,12 @@ class PrefixTree(Generic[Seq]):
         # When an insert last pushed each tenant over its cap: routes that overflow a
         # worker's pool (router/holdings/merge.py reads it).
         self._overflowed: dict[Tenant, float] = {}
+        # The last walk of `match_path`: (text, the deepest node it ran through whole, the
+        # position after it). Routing inserts the text it matched (router/routing.py), so
+        # `insert` of that same text object starts there and takes the nodes above from
+        # their parents: one walk down the tree a decision, not two. A split or a detach
+        # may move that node: both drop it.
+        self._walked: tuple[Seq, _Node[Seq], int] | None = None
 
     # ---- queries -------------------------------------------------------------------
 
@@ -169,6 +175,7 @@ class PrefixTree(Generic[Seq]):
             if units > last:
                 path.append((child.tenants, units))
             break
+        self._walked = (text, node, pos)
         return path
 
     def match(self, text: Seq) -> dict[Tenant, int]:
@@ -191,7 +198,13 @@ class PrefixTree(Generic[Seq]):
         if tenant not in self._size:
             self._size[tenant] = 0
             self._lru[tenant] = OrderedDict()
-        node, pos, n = self._root, 0, len(text)
+        root = node = self._root
+        pos, n = 0, len(text)
+        walked = self._walked
+        if walked is not None and walked[0] is text:  # matched just before: go on from there
+            self._walked = None
+            node, pos = walked[1], walked[2]
+        start = node
         is_str = isinstance(text, str)
         path: list[_Node[Seq]] = []
         while pos < n:
@@ -211,9 +224,14 @@ class PrefixTree(Generic[Seq]):
             path.append(child)
             node = child
             pos += k
+        # Leaf first, then `start` and its ancestors: ancestors end up after descendants.
+        path.reverse()
+        while start is not root:
+            path.append(start)
+            start = start.parent  # type: ignore[assignment]
         size, lru = self._size, self._lru[tenant]
         gained = 0
-        for held in reversed(path):  # leaf first: ancestors end up after descendants
+        for held in path:
             times = held.tenants
             if tenant in times:
                 lru.move_to_end(held)
@@ -269,6 +287,7 @@ class PrefixTree(Generic[Seq]):
     def _split(self, node: _Node[Seq], at: int) -> _Node[Seq]:
         """Cut ``node`` at ``at``; ``node`` keeps the upper half (and its LRU slots) and
         a new lower node takes the rest. Returns the upper half."""
+        self._walked = None
         lower: _Node[Seq] = _Node(node.key[at:], node)
         lower.children = node.children
         for child in lower.children.values():
@@ -281,6 +300,7 @@ class PrefixTree(Generic[Seq]):
         return node
 
     def _detach(self, node: _Node[Seq]) -> None:
+        self._walked = None
         parent = node.parent
         if parent is not None and parent.children.get(node.key[0]) is node:
             del parent.children[node.key[0]]

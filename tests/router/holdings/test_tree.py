@@ -105,6 +105,65 @@ def test_bounded_tree_stays_consistent(ops: list[tuple[str, str]], cap: int, bud
                 assert n <= max(_lcp(q, s) for s in held[t])
 
 
+# Routing's order: a match, then the insert of the same text object (which goes on from
+# the match's last node). Interleaved with other inserts, matches and removals (splits
+# and detaches that move that node), and under caps, so the LRU order shows in evictions.
+steps = st.lists(
+    st.tuples(
+        st.sampled_from(["match_insert", "match", "insert", "remove"]),
+        st.integers(0, 2),  # which text object (the same object recurs)
+        st.sampled_from(["x", "y", "z"]),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pool=st.lists(texts, min_size=3, max_size=3), steps=steps, cap=st.integers(1, 20))
+def test_an_insert_after_its_match_builds_the_tree_a_bare_insert_builds(
+    pool: list[str], steps: list[tuple[str, int, str]], cap: int
+) -> None:
+    walked: PrefixTree[str] = PrefixTree(max_chars=30, hysteresis=0.25)
+    bare: PrefixTree[str] = PrefixTree(max_chars=30, hysteresis=0.25)
+    for tree in (walked, bare):
+        tree.set_cap("x", cap)
+    for now, (kind, i, tenant) in enumerate(steps):
+        text = pool[i]
+        if kind == "remove":
+            walked.remove_tenant(tenant)
+            bare.remove_tenant(tenant)
+            continue
+        if kind != "insert":
+            assert walked.match_path(text) == bare.match_path(text[:])
+        if kind != "match":
+            walked.insert(text, tenant, now)
+            bare.insert("".join(text), tenant, now)  # an equal text, not the same object
+        walked.check_integrity()
+        assert walked.dump() == bare.dump()
+        for t in ("x", "y", "z"):
+            assert walked.tenant_size(t) == bare.tenant_size(t)
+
+
+def test_a_split_or_a_detach_after_the_match_is_followed_by_the_insert() -> None:
+    """The match's last node moved before the insert: cut by another text's insert, or
+    detached with a tenant. The insert still builds the tree a bare insert builds."""
+    for between in ("split", "detach"):
+        walked: PrefixTree[str] = PrefixTree()
+        bare: PrefixTree[str] = PrefixTree()
+        text = "".join(["abc", "def"])  # an object of its own
+        for tree in (walked, bare):
+            tree.insert("abcd", "x", now=1)
+        walked.match_path(text)  # ends in node 'abcd', at 4
+        for tree in (walked, bare):
+            if between == "split":
+                tree.insert("abzz", "y", now=2)  # 'abcd' becomes 'ab' + 'cd'
+            else:
+                tree.remove_tenant("x")  # 'abcd' leaves the tree
+            tree.insert(text if tree is walked else "abcdef", "z", now=3)
+        walked.check_integrity()
+        assert walked.dump() == bare.dump(), between
+
+
 def test_token_ids_use_the_same_tree() -> None:
     tree: PrefixTree[tuple[int, ...]] = PrefixTree()
     tree.insert((1, 2, 3, 4), "x", now=1)
