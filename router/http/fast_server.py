@@ -7,8 +7,9 @@ A request is served here only when it is, whole, in what the connection has read
 one `Content-Length` no larger than `max_body_bytes`, a `Host`, no `Transfer-Encoding`,
 `Expect`, `Upgrade`, `Content-Encoding`, `TE` or `Trailer`, `Connection` absent or
 `keep-alive`, a head of at most 8190 bytes and 128 headers (so within aiohttp's limits),
-and nothing after it (no pipelined request begun). One strict pattern (`_HEAD`) checks
-the head; the edge and the route's handler run as for the hot paths
+and nothing after it (no pipelined request begun). One strict pattern checks the head
+(router/http/fast_head.py, which also keeps a connection's last head: the same head
+again is not read again); the edge and the route's handler run as for the hot paths
 (router/http/edge.py), on a request object that carries what they read
 (`FastRequest`), and the router frames the answer itself (router/http/fast_answer.py:
 one write for a buffered answer, HTTP chunked for a stream, aiohttp's header rules).
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -39,10 +39,11 @@ from aiohttp import web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_writer import HttpVersion11, StreamWriter
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
-from multidict import CIMultiDict
+from multidict import CIMultiDictProxy
 
 from router.http.edge import Edge, hot_routes
 from router.http.fast_answer import FAST, FastReply, now_hooks, reply_now
+from router.http.fast_head import MAX_HEAD, LastHead
 from router.upstream.responder import RESPONDER
 from shared.serving.access_log import REQUEST_ID, REQUEST_ID_HEADER, log_access, request_id_of
 from shared.serving.body import WHOLE_BODY
@@ -57,7 +58,6 @@ Route = tuple[
     Handler, UrlMappingMatchInfo, tuple[Callable[..., Any], ...],
     tuple[Callable[[Any, Any], None], ...] | None,
 ]  # fmt: skip
-MAX_HEADERS = 128  # aiohttp's server: more is 400
 MAX_PENDING = 65536  # bytes read during an answer before reading pauses
 
 
@@ -90,7 +90,7 @@ class FastRequest(dict[str, Any]):
     version = HttpVersion11
     keep_alive = True
 
-    def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, route: Route,
+    def __init__(self, path: str, headers: CIMultiDictProxy[str], body: bytes, route: Route,
                  protocol: FastProtocol, transport: asyncio.Transport) -> None:  # fmt: skip
         self[RESPONDER] = FAST
         # The body came whole with the head: the handler takes it as it is (no read).
@@ -142,24 +142,6 @@ class FastRequest(dict[str, Any]):
             await hook(self, response)
 
 
-# The request a fast answer is for, as one strict pattern over its decoded head (line and
-# headers, the blank line not included): the exact request line, then header lines of a
-# token, a colon and a field of visible characters, spaces and tabs (bytes beyond ASCII
-# allowed, as aiohttp allows them), each ending CRLF. Possessive quantifiers keep it
-# linear on any input. Anything it refuses is aiohttp's to answer, so it errs strict.
-# The field is one character class, not "OWS, a value, OWS": that is the same set of
-# strings (any run of those characters splits into the three), and one class is a tight
-# loop in the regex engine where the alternation ran a group per character (0.37 against
-# 1.15 us on wrk's 3-header head, 1.3 against 4.7 us on the OpenAI client's 15 headers;
-# tests/router/http/test_fast_server.py holds the two patterns to one answer).
-_NAME = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]++"
-_FIELD = r"[^\x00-\x08\x0a-\x1f\x7f]*+"  # visible, SP, HTAB, beyond ASCII; no CR, LF
-_HEAD = re.compile(
-    rf"POST (/v1/completions|/v1/chat/completions) HTTP/1\.1\r\n(?:{_NAME}:{_FIELD}\r\n)*+"
-)
-MAX_HEAD = 8190  # a longer head is aiohttp's, so no single field can pass its limits
-
-
 class FastProtocol(BaseProtocol):
     """One connection: fast answers while its requests are simple, aiohttp's after."""
 
@@ -169,6 +151,8 @@ class FastProtocol(BaseProtocol):
         self._hot, self._log, self._guard = server.hot, server.log, server.guard
         self._max_body, self._keepalive = server.max_body, KEEPALIVE_S
         self._pending = bytearray()  # read while a fast answer was being written
+        # The last head taken: the same again is not read again (router/http/fast_head.py).
+        self._last = LastHead()
         self._task: asyncio.Task[None] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has
         # been idle `_limit` seconds (the head deadline until a first answer, then
@@ -191,14 +175,20 @@ class FastProtocol(BaseProtocol):
             if len(self._pending) > MAX_PENDING and self.transport is not None:
                 self.transport.pause_reading()  # resumed when the answer is written
             return
-        found = _simple(data, self._max_body)
+        end = data.find(b"\r\n\r\n")
+        if end < 0 or end > MAX_HEAD:
+            return self._hand_over(data)
+        head, last = data[: end + 2], self._last
+        found = last.found if head == last.head else last.take(head, self._max_body)
         if found is None:
             return self._hand_over(data)
-        path, headers, body = found
+        path, headers, size = found
+        if end + 4 + size != len(data):  # split, or more after it
+            return self._hand_over(data)
         transport = self.transport
         assert transport is not None
         route = self._hot[path]
-        request = FastRequest(path, headers, body, route, self, transport)
+        request = FastRequest(path, headers, data[end + 4 :], route, self, transport)
         self._task = self._loop.create_task(self._answer(request, route[0]))
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -312,50 +302,6 @@ class FastProtocol(BaseProtocol):
             self._arm(left if self._task is None else self._limit)
         else:
             self.transport.close()
-
-
-def _simple(data: bytes, max_body: int) -> tuple[str, CIMultiDict[str], bytes] | None:
-    """(path, headers, body) where `data` is exactly one request a fast answer may take
-    (the module's rule), else None."""
-    end = data.find(b"\r\n\r\n")
-    if end < 0 or end > MAX_HEAD:
-        return None
-    # As aiohttp decodes a head (UTF-8, undecodable bytes kept as surrogates).
-    head = data[: end + 2].decode("utf-8", "surrogateescape")
-    line = _HEAD.fullmatch(head)
-    if line is None:
-        return None
-    # The pattern checked every line: each is `name:value` with no CR/LF inside and no
-    # colon in the name, so splitting is enough (half a findall's time, a third with
-    # the OpenAI client's 10 headers). A plain loop, not a list comprehension over a
-    # generator: 0.63 against 1.02 us for wrk's 3 lines, 2.5 against 3.7 for 15 (timeit).
-    start = line.end(1) + len(" HTTP/1.1\r\n")
-    lines = head[start:-2].split("\r\n") if start < len(head) else ()
-    if len(lines) > MAX_HEADERS:
-        return None
-    fields = []
-    for field in lines:
-        name, _, value = field.partition(":")
-        fields.append((name, value.strip(" \t")))
-    headers = CIMultiDict(fields)
-    lengths = headers.getall("Content-Length", ())
-    if len(lengths) != 1 or len(headers.getall("Host", ())) != 1:
-        return None
-    length = lengths[0]
-    if not (length.isascii() and length.isdigit()):
-        return None
-    size = int(length)
-    if size > max_body or end + 4 + size != len(data):  # too large, split, or more after it
-        return None
-    connection = headers.get("Connection")
-    if connection is not None and connection.lower() != "keep-alive":
-        return None
-    if (
-        "Transfer-Encoding" in headers or "Expect" in headers or "Upgrade" in headers
-        or "Content-Encoding" in headers or "TE" in headers or "Trailer" in headers
-    ):  # fmt: skip
-        return None
-    return line[1], headers, data[end + 4 :]
 
 
 class FastServer:

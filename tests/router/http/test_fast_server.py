@@ -122,6 +122,57 @@ async def test_a_connection_answering_at_shutdown_closes_once_its_answer_is_writ
         await runner.cleanup()
 
 
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One buffered answer off a kept connection: (head, body)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    return head, await reader.readexactly(length)
+
+
+async def test_a_repeated_head_is_read_once_and_any_other_head_again(
+    fake_workers: StartWorkers,
+) -> None:
+    """A connection keeps the last head it took and what it found in it: the same head
+    again is not parsed again, yet each request is its own (its body, its id); a new
+    head is read anew, and the same head whose body is not exactly its Content-Length
+    (here a second request after it) is still aiohttp's."""
+    [(fake, worker)] = await fake_workers("ok")
+    config = RouterConfig(worker_urls=(url_of(worker),), host="127.0.0.1", fast_hot_paths=True)
+    runner, made = await _serve_recording(config)
+
+    def request(rid: bytes, body: bytes) -> bytes:
+        return (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nx-request-id: %s\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (rid, len(body), body))  # fmt: skip
+
+    one = json.dumps({"model": "sim", "prompt": "one", "max_tokens": 2}).encode()
+    two = json.dumps({"model": "sim", "prompt": "two", "max_tokens": 2}).encode()
+    assert len(one) == len(two)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        writer.write(request(b"id-a", one))
+        head, _ = await _read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and b"x-request-id: id-a\r\n" in head
+        [protocol] = made
+        kept = protocol._last.found
+        assert kept is not None
+        writer.write(request(b"id-a", two))  # the same head, another body
+        head, _ = await _read_answer(reader)
+        assert protocol._last.found is kept and b"x-request-id: id-a\r\n" in head
+        assert [b["prompt"] for b in fake.bodies_seen] == ["one", "two"]  # each its body
+        writer.write(request(b"id-b", one))  # another head: read anew
+        head, _ = await _read_answer(reader)
+        assert b"x-request-id: id-b\r\n" in head and protocol._last.found is not kept
+        assert protocol.transport is not None  # all three fast answers
+        writer.write(request(b"id-b", one) + request(b"id-c", two))  # one read, two requests
+        for rid in (b"id-b", b"id-c"):
+            head, _ = await _read_answer(reader)
+            assert b"x-request-id: %s\r\n" % rid in head
+        assert protocol.transport is None  # handed to aiohttp
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_stream_to_a_client_that_never_reads_holds_bounded_memory(
     fake_workers: StartWorkers,
 ) -> None:
@@ -221,7 +272,7 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
 def test_header_values_are_read_as_aiohttp_reads_them() -> None:
     """`_simple` splits the lines the pattern checked: a value keeps its inner spaces,
     tabs and colons and loses the whitespace at its ends, as aiohttp's parser gives it."""
-    from router.http.fast_server import _simple
+    from router.http.fast_head import simple as _simple
 
     body = b'{"prompt": "x"}'
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-A:\t v:1  2 \t\r\nX-E:\r\n"
@@ -237,6 +288,49 @@ def test_header_values_are_read_as_aiohttp_reads_them() -> None:
     assert _simple(b"POST /v1/completions HTTP/1.1\r\n\r\n", 1024) is None  # no Host
 
 
+def test_a_last_head_answers_as_reading_the_head_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LastHead.take` (a head like the last one but for its Content-Length value is not
+    read again) gives `read_head`'s answer, headers item by item, on random changes to
+    a taken head: to that value (digits, OWS, signs, controls, CR, LF, too large) and to
+    any other byte (the request line, names, other values)."""
+    import random
+
+    from router.http import fast_head
+    from router.http.fast_head import LastHead, read_head
+
+    reads = []  # the heads `LastHead` read anew
+    monkeypatch.setattr(fast_head, "read_head", lambda h, m: reads.append(h) or read_head(h, m))
+    bases = [
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 12\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length:7\r\nHost: r\r\nX-A: 1\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nCONTENT-LENGTH: \t 003 \r\nX: y\r\n",
+    ]
+    pieces = [b"0", b"7", b"12", b"1024", b"1025", b"99999999999999999999", b" ", b"\t",
+              b"", b"-1", b"+1", b"a", b"\r", b"\n", b"\r\n", b"\x00", b"\xd9\xa3", b"1 2"]  # fmt: skip
+    rng = random.Random(36)
+    reused = 0
+    for base in bases:
+        at = base.lower().index(b"content-length:") + len(b"content-length:")
+        end = base.index(b"\r\n", at)
+        for _ in range(3000):
+            if rng.random() < 0.8:  # another length value
+                value = b"".join(rng.choices(pieces, k=rng.randrange(1, 4)))
+                head = base[:at] + value + base[end:]
+            else:  # any other byte changed
+                i = rng.randrange(len(base))
+                head = base[:i] + bytes([rng.randrange(256)]) + base[i + 1 :]
+            last = LastHead()
+            assert last.take(base, 1024) is not None
+            found, expected = last.take(head, 1024), read_head(head, 1024)
+            assert (found is None) == (expected is None), head
+            if found is not None and expected is not None:
+                assert found[0] == expected[0] and found[2] == expected[2], head
+                assert list(found[1].items()) == list(expected[1].items()), head
+                assert last.head == head and last.found is found
+                reused += reads[-1] != head
+    assert reused > 500  # the kept way taken often (~830 of 9000)
+
+
 def test_the_head_pattern_accepts_what_the_strict_grammar_accepts() -> None:
     """`_HEAD`'s one character class per field accepts exactly the heads of the grammar
     it stands for (a name, a colon, OWS, a value whose inner whitespace runs are each
@@ -246,7 +340,7 @@ def test_the_head_pattern_accepts_what_the_strict_grammar_accepts() -> None:
     import random
     import re
 
-    from router.http.fast_server import _HEAD, _NAME
+    from router.http.fast_head import _HEAD, _NAME
 
     visible = r"[^\x00-\x20\x7f]"
     value = rf"(?:{visible}|[ \t]++(?={visible}))*+"

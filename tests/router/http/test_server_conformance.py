@@ -145,6 +145,7 @@ CASES: dict[str, Case] = {
     "same-content-length-twice": Case([post(extra=b"Content-Length: 52\r\n")], (TEXT_400,), "closed"),
     "content-length-list": Case([post().replace(b"Length: 52", b"Length: 52, 52")], (TEXT_400,), "closed"),
     "content-length-plus": Case([post().replace(b"Length: 52", b"Length: +52")], (TEXT_400,), "closed"),
+    "content-length-5000-digits": Case([post().replace(b"Length: 52", b"Length: " + b"9" * 5000)], (TEXT_400,), "closed"),
     "content-length-negative": Case([post(body=b"").replace(b"Length: 0", b"Length: -1")], (TEXT_400,), "closed"),
     "te-chunked-twice": Case([chunked_post(chunks(OK_BODY), extra=b"Transfer-Encoding: chunked\r\n")], (TEXT_400,), "closed"),
     "te-chunked-identity": Case([chunked_post(chunks(OK_BODY), te=b"chunked, identity")], (TEXT_400,), "closed"),
