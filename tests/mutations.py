@@ -54,7 +54,7 @@ MUTATIONS = (
     ),
     Mutation(
         "no-echo-first-reuse",
-        "router/upstream/connection.py",
+        "router/upstream/answer_reader.py",
         "def _take_head(",
         "self.exchanges > 1",
         "self.exchanges > 2",
@@ -121,7 +121,7 @@ MUTATIONS = (
     ),
     Mutation(
         "reuse-without-echo",
-        "router/upstream/connection.py",
+        "router/upstream/answer_reader.py",
         "def _take_head(",
         "if echo is not None and echo != self.request_id:",
         "if False:",

@@ -443,6 +443,45 @@ async def exchanges():
 def exchange():
     uvloop.run(exchanges())
 
+from loadtests.router.zero_worker import COMPLETION as ZERO_COMPLETION
+from router.upstream.connection import BufferBudget, WorkerConnection
+
+class Quiet(asyncio.Transport):  # a connection's transport that takes the request
+    def write(self, data): pass
+    def is_closing(self): return False
+    def get_extra_info(self, name, default=None): return default
+
+# One whole answer read on a connection (`start` + `data_received`), by its head: the
+# zero worker's; a vLLM-like one (Date fixed: it moves once a second); one with a header
+# that changes every answer (a head that never repeats).
+HEADS = {
+    "zero": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-request-id: %(id)s\r\n"
+            b"Content-Length: %(n)d\r\n\r\n",
+    "vllm": b"HTTP/1.1 200 OK\r\ndate: Sun, 06 Dec 2026 21:00:00 GMT\r\nserver: uvicorn\r\n"
+            b"content-length: %(n)d\r\ncontent-type: application/json\r\nx-request-id: %(id)s\r\n\r\n",
+    "changing": b"HTTP/1.1 200 OK\r\nx-trace: %(trace)s\r\nContent-Type: application/json\r\n"
+                b"x-request-id: %(id)s\r\nContent-Length: %(n)d\r\n\r\n",
+}
+
+async def reads(kind):
+    conn = WorkerConnection(30.0, 1 << 20, lambda c: None, BufferBudget(1 << 24))
+    conn.connection_made(Quiet())
+    body = ZERO_COMPLETION
+    ids = ["%032x" % i for i in range(n)]
+    answers = [HEADS[kind] % {b"id": i.encode(), b"n": len(body), b"trace": i[::-1].encode()}
+               + body for i in ids]
+    t0 = time.process_time()
+    for rid, data in zip(ids, answers):
+        conn.start(b"POST / HTTP/1.1\r\n\r\n", rid)
+        conn.data_received(data)
+        assert conn.complete and conn.echoed
+        conn._chunks, conn.budget.used, conn._held, conn.busy = [], 0, 0, False  # as taken
+    return (time.process_time() - t0) / n * 1e6
+
+def read_zero(): return uvloop.run(reads("zero"))
+def read_vllm(): return uvloop.run(reads("vllm"))
+def read_changing(): return uvloop.run(reads("changing"))
+
 class Request(dict):
     headers = CIMultiDict({"Content-Type": "application/json", "User-Agent": "bench",
                            "Authorization": "Bearer x", "Accept": "*/*"})
@@ -605,8 +644,8 @@ def turn_tokens():  # a later turn's prompt ids (render, split, pieces), first a
                 asked += 1
     return spent / asked * 1e6
 
-pieces = [model, chat_model, seat, table, turn_tokens, turn_keys, exchange, forward, handle,
-          serve_wrk, serve_openai]
+pieces = [model, chat_model, seat, table, turn_tokens, turn_keys, exchange, read_zero,
+          read_vllm, read_changing, forward, handle, serve_wrk, serve_openai]
 try:  # the own protocol's answers (router/http/fast_answer.py), where the tree has them
     from aiohttp import web
     from aiohttp.base_protocol import BaseProtocol
@@ -717,6 +756,9 @@ PIECE_NAMES = {
     "turn_tokens": "tokenizer: a later chat turn's prompt ids (PromptTokens.chat, first ask)",
     "turn_keys": "KV index: a later chat turn's block keys (first ask)",
     "exchange": "upstream pool: post, read_all, release (zero worker)",
+    "read_zero": "one answer read on a connection, the zero worker's head",
+    "read_vllm": "the same, a vLLM-like head (5 lines, Date fixed)",
+    "read_changing": "the same, a head with a header that changes every answer",
     "forward": "Proxy.forward, a buffered answer (zero worker)",
     "handle": "the completions handler: body, model, queue, forward, metrics (zero worker)",
     "serve_wrk": "the whole request as served, wrk's head (own protocol .. answer written)",

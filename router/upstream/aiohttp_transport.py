@@ -163,6 +163,10 @@ class AiohttpAnswer:
             raise ForeignAnswer("bytes after the answer: a second answer, or a body after no body")
         return b"".join(chunks)
 
+    def whole(self) -> bytes | None:
+        """Always None: aiohttp's body is read through `read_all` (its limits and checks)."""
+        return None
+
     async def readany(self) -> bytes:
         try:
             return await self.resp.content.readany()

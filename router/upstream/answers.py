@@ -48,8 +48,7 @@ from typing import TYPE_CHECKING, Any
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.fleet.workers import FailureKind, Worker
-from router.upstream.connection import UpstreamBroken
-from router.upstream.limits import ForeignAnswer
+from router.upstream.limits import ForeignAnswer, UpstreamBroken
 from shared.config import RouterConfig
 from shared.serving import json_codec
 from shared.serving.errors import APIError
@@ -62,6 +61,27 @@ FORWARD_RESPONSE = frozenset({"content-type", "cache-control", "retry-after", "x
 ANSWER_TYPES = frozenset({"application/json", "text/event-stream"})
 MAX_ERROR_BYTES = 65536  # what is read of a busy worker's error body
 MAX_RETRY_AFTER_S = 60
+
+
+MAX_NAMES = 256  # header names an `AllowedNames` remembers
+MAX_NAME_CHARS = 64  # a longer name is looked up each time, never kept
+
+
+class AllowedNames(dict[str, bool]):
+    """Header name as sent -> whether an allow-list holds it (case-insensitive): the
+    name's `lower()` and set lookup once, not per header per request. Names come from
+    clients and workers, so at most `MAX_NAMES` of at most `MAX_NAME_CHARS` are kept;
+    any other is looked up each time."""
+
+    def __init__(self, allowed: frozenset[str]) -> None:
+        super().__init__()
+        self.allowed = allowed
+
+    def __missing__(self, name: str) -> bool:
+        keep = name.lower() in self.allowed
+        if len(self) < MAX_NAMES and len(name) <= MAX_NAME_CHARS:
+            self[name] = keep
+        return keep
 
 
 def worker_authorization(config: RouterConfig) -> str | None:
@@ -91,6 +111,9 @@ def response_headers(
     kept = [(k, v) for k, v in headers.items() if k.lower() in FORWARD_RESPONSE]
     kept += extra
     return CIMultiDict(kept)
+
+
+RESPONSE_NAMES = AllowedNames(FORWARD_RESPONSE)  # `response_headers`' rule, name by name
 
 
 class AttemptFailed(Exception):

@@ -1,12 +1,10 @@
-"""One keep-alive HTTP/1.1 connection to a worker, and the answer arriving on it.
+"""One keep-alive HTTP/1.1 connection to a worker: the exchange, its waits and its reuse.
 
-An `asyncio.Protocol` on the running loop (uvloop in production) with `httptools` (the
-llhttp C parser) doing the framing: Content-Length, chunked, or a body that ends when
-the worker closes. It replaced `aiohttp.ClientSession` on the inference path, which cost
-~13% of the router's CPU per request in Python (py-spy, 2026-12-01; see
-`loadtests/results/router_overhead.md`). An answer of the simplest form that arrives
-whole in one read is read by one pattern instead, with the same outcome
-(`router/upstream/simple_answer.py`).
+An `asyncio.Protocol` on the running loop (uvloop in production). How an answer's bytes
+are read (httptools, or one pattern for the simplest answer) is its read side,
+`AnswerReader` (router/upstream/answer_reader.py). It replaced `aiohttp.ClientSession` on
+the inference path, which cost ~13% of the router's CPU per request in Python (py-spy,
+2026-12-01; see `loadtests/results/router_overhead.md`).
 
 A connection carries one exchange at a time, and the worker on the other end is a peer,
 not trusted code. Anything that is not one well-framed answer to the request sent (a
@@ -30,17 +28,10 @@ nothing: the late bytes may be on the wire when the connection is handed out aga
 - any byte after an answer is complete, or while the connection sits in the pool,
   breaks it (`data_received` when not busy, a second message begun).
 
-Informational answers (100, 103) are skipped as HTTP says; 101 is refused. Header
-names and values are capped like aiohttp's and values must be visible ASCII
-(`router/upstream/limits.py`).
-
 Deadlines: the head and a buffered body must arrive within `read_timeout` of the send
 (one overall deadline: a trickle of one byte every few seconds is cut); a stream's
 waits for bytes are bounded by `read_timeout` each, so a long, live stream is never cut.
-A buffered answer over `max_buffered` bytes stops being read at once (`too_big`), and
-all buffered answers together hold at most the pool's `BufferBudget` (`over_budget`); a
-streamed one is read as it is relayed, the socket paused while more than `HIGH_WATER`
-bytes wait. A broken connection drops its parser and buffers at once (the parser holds
+A broken connection drops its parser and buffers at once (the parser holds
 the protocol as its callbacks: the cycle kept both, and the chunks, until a full GC).
 """
 
@@ -50,40 +41,13 @@ import asyncio
 import socket
 from collections.abc import Callable
 
-from httptools import HttpParserError, HttpParserUpgrade, HttpResponseParser
-from multidict import CIMultiDict
-
-from router.upstream.limits import (
-    BAD_VALUE,
-    MAX_FIELD_BYTES,
-    MAX_HEAD_BYTES,
-    MAX_HEADERS,
-    BufferBudget,
-    ForeignAnswer,
-    UpstreamBroken,
-    close_delimited,
-    only_chunked,
-)
-from router.upstream.simple_answer import simple_answer
+from router.upstream.answer_reader import AnswerReader
+from router.upstream.limits import BufferBudget, ForeignAnswer, UpstreamBroken, close_delimited
 
 __all__ = ["BufferBudget", "UpstreamBroken", "WorkerConnection"]
 
-HIGH_WATER = 262144  # streamed bytes held before the socket is paused
 
-
-class _Garbage(Exception):
-    pass
-
-
-class _Foreign(_Garbage):
-    """Bytes of another answer (limits.ForeignAnswer)."""
-
-
-def _no_parser(data: bytes) -> None:
-    raise HttpParserError("the connection is closed")
-
-
-class WorkerConnection(asyncio.Protocol):
+class WorkerConnection(AnswerReader):
     """The protocol and the answer in progress on it (one at a time)."""
 
     def __init__(
@@ -95,18 +59,8 @@ class WorkerConnection(asyncio.Protocol):
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.read_timeout = read_timeout
-        self.max_buffered = max_buffered
         self.on_lost = on_lost
-        self.budget = budget
-        self.transport: asyncio.Transport | None = None
-        self.parser = HttpResponseParser(self)
-        self.feed = self.parser.feed_data
-        self.error: str | None = None  # why the connection is broken; None while sound
-        self.spoiled: str | None = None  # the worker sent what is not one answer
-        self.foreign = False  # what broke it was another answer's bytes (ForeignAnswer)
-        self.exchanges = 0  # answers started on this connection (0: fresh)
         self.idle_since = 0.0
-        self.request_id = ""  # the id sent with the current request
         # One timer a connection, re-armed lazily (as router/http/fast_server.py's): a
         # wait sets `_due` and arms it only when none is pending; when it fires it
         # times the wait out, or re-arms for what is left. A timer per wait (armed and
@@ -114,33 +68,7 @@ class WorkerConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0  # loop time the pending timer fires at
         self._due = 0.0  # loop time the current wait times out at
-        self._reset()
-
-    def _reset(self) -> None:
-        self.busy = False  # a request was sent and its answer is not read to its end
-        self.got_bytes = False  # any byte of the current answer arrived
-        self.status = 0
-        self.headers: CIMultiDict[str] | None = None  # set when the head is complete
-        self.content_type = ""
-        self.content_length: int | None = None
-        self._raw: list[tuple[str, str]] = []
-        self._head_bytes = 0
-        self._lines = 0  # len(self._raw), without a call
-        self._chunked = False
-        self._cap: int | None = None  # buffered answers: max_buffered; streams: none
-        self.too_big = False
-        self.over_budget = False
-        self.echoed = False  # the answer's x-request-id is the one sent
-        self._informational = False  # a 1xx head is being skipped
-        self._deadline: float | None = None  # head and buffered body: one overall deadline
-        self._held = 0  # bytes counted in the budget
-        self.complete = False  # the answer's last byte arrived
-        self.keep_alive = False
-        self._chunks: list[bytes] = []
-        self._buffered = 0
-        self._size = 0
-        self._paused = False
-        self._waiter: asyncio.Future[None] | None = None
+        super().__init__(max_buffered, budget)
 
     # --- asyncio.Protocol ---------------------------------------------------------
 
@@ -149,28 +77,6 @@ class WorkerConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    simple_heads = True  # a whole simple answer is read without the parser (False: always it)
-
-    def data_received(self, data: bytes) -> None:
-        if not self.busy:
-            self._break("the worker sent bytes nobody asked for")
-            return
-        if not self.got_bytes:  # the answer's first bytes: the parser is between messages
-            self.got_bytes = True
-            if self.simple_heads:
-                answer = simple_answer(data, MAX_FIELD_BYTES)
-                if answer is not None:
-                    self._take_simple(*answer)
-                    return
-        try:
-            self.feed(data)
-        except HttpParserUpgrade:
-            self._break("the worker switched protocols")
-        except HttpParserError as e:  # bad framing, or a callback's _Garbage
-            cause = e.__context__ if isinstance(e.__context__, _Garbage) else e
-            self.foreign = self.foreign or isinstance(cause, _Foreign)
-            self._break(f"the worker's answer is not HTTP/1.1: {cause}")
 
     def eof_received(self) -> bool:
         return False  # half-closed by the worker: close our side too
@@ -192,175 +98,6 @@ class WorkerConnection(asyncio.Protocol):
             self._timer = None
         self._wake()
         self.on_lost(self)
-
-    def _drop_parser(self) -> None:
-        """Break the protocol <-> parser cycle now, not at the next full GC."""
-        self.parser = None
-        self.feed = _no_parser
-
-    # --- httptools callbacks ------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        if self.headers is not None or self._head_bytes:
-            raise _Foreign("a second answer to one request")
-
-    def on_status(self, reason: bytes) -> None:
-        self._head_bytes += len(reason)
-        if self._head_bytes > MAX_FIELD_BYTES:
-            raise _Garbage(f"status line over {MAX_FIELD_BYTES} bytes")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # llhttp may hand a field over in pieces; over the caps either way.
-        n, v = len(name), len(value)
-        self._head_bytes += n + v + 4
-        if self._head_bytes > MAX_HEAD_BYTES or self._lines >= MAX_HEADERS:
-            raise _Garbage(f"header block over {MAX_HEAD_BYTES} bytes or {MAX_HEADERS} lines")
-        if n > MAX_FIELD_BYTES or v > MAX_FIELD_BYTES:
-            raise _Garbage(f"header field over {MAX_FIELD_BYTES} bytes")
-        if BAD_VALUE.search(value) is not None:
-            raise _Garbage("a header value that is not visible ASCII")
-        if self.headers is None:  # trailers (after a chunked body) are read and dropped
-            self._lines += 1
-            self._raw.append((name.decode("ascii", "replace"), value.decode("ascii")))
-
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()  # type: ignore[union-attr]
-        if 100 <= status < 200:
-            if status == 101:
-                raise _Garbage("the worker switched protocols")
-            # Informational (100 Continue, 103 Early Hints): not the answer; skip it.
-            self._informational = True
-            self._raw = []
-            self._head_bytes = 0
-            self._lines = 0
-            return
-        self._take_head(status, self._raw)
-        self._wake()
-
-    def _take_head(
-        self, status: int, raw: list[tuple[str, str]], length: int | None = None
-    ) -> None:
-        """The answer's head (not 1xx), parsed by httptools or `simple_answer`: its checks,
-        then its fields (`_Garbage` when one fails). `length`: `simple_answer`'s, whose pattern
-        admitted one Content-Length and no Transfer-Encoding (None: look them up)."""
-        self.status = status
-        # Set as the answer's head only once its checks pass: a head that broke one (an
-        # echo of another request) was taken for the answer, its status 200 and no type.
-        headers = CIMultiDict(raw)
-        coding = None if length is not None else headers.getall("Transfer-Encoding", None)
-        if coding is not None and not only_chunked(coding):
-            # No TE was sent, so chunked is the only coding a worker may apply (once).
-            raise _Garbage("a transfer coding other than chunked")
-        echo = headers.get("x-request-id")
-        if echo is not None and echo != self.request_id:
-            raise _Foreign("an answer to another request (x-request-id differs)")
-        if echo is None and self.exchanges > 1:
-            raise _Foreign("no x-request-id echo on a reused connection")
-        self.echoed = echo is not None
-        self.headers = headers
-        kind = headers.get("Content-Type", "")
-        if kind != "application/json":  # (the common value is its own normal form)
-            kind = kind.partition(";")[0].strip().lower()
-        self.content_type = kind
-        self._chunked = coding is not None
-        if length is None:
-            value = headers.get("Content-Length")
-            if value is not None:
-                length = int(value)  # llhttp accepted it: digits only
-        self.content_length = length
-        if kind != "text/event-stream":
-            self._cap = self.max_buffered
-        else:
-            self._deadline = None  # a stream: each wait for bytes has its own timer
-
-    def _take_simple(
-        self, status: int, fields: list[tuple[str, str]], length: int, body: bytes
-    ) -> None:
-        """Take a whole answer of the simplest form (router/upstream/simple_answer.py) as the
-        parser's callbacks would. The parser saw none of it and stays between messages:
-        a byte after the answer is a second answer to it, as before."""
-        try:
-            self._take_head(status, fields, length)
-        except _Garbage as cause:
-            self.foreign = self.foreign or isinstance(cause, _Foreign)
-            self._break(f"the worker's answer is not HTTP/1.1: {cause}")
-            self._drop_parser()  # refuses what follows, as the parser after its error
-            return
-        if length:
-            budget, cap = self.budget, self._cap
-            if cap is not None and length <= cap and budget.used + length <= budget.limit:
-                # `on_body` of a buffered answer within its caps, inlined (the common case)
-                self._chunks = [body]
-                self._size = self._buffered = self._held = length
-                budget.used += length
-                if budget.used > budget.peak:
-                    budget.peak = budget.used
-            else:
-                self.on_body(body)
-        self.complete = self.keep_alive = True
-        waiter = self._waiter  # `_wake` inlined
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self._chunks.append(body)
-        n = len(body)
-        self._size += n
-        self._buffered += n
-        if self._cap is not None:  # buffered: read whole, up to the cap
-            budget = self.budget
-            budget.used += n
-            self._held += n
-            if budget.used > budget.peak:
-                budget.peak = budget.used
-            if self._size > self._cap:
-                self.too_big = True
-                self._break(f"answer over {self._cap} bytes")
-                return
-            if budget.used > budget.limit:
-                self.over_budget = True
-                self._break(f"buffered answers over {budget.limit} bytes in all")
-                return
-        elif self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self._informational:
-            self._informational = False
-            return
-        self.complete = True
-        self.keep_alive = self.parser.should_keep_alive()
-        self._wake()
-
-    # --- the exchange -------------------------------------------------------------
-
-    def _break(self, why: str) -> None:
-        if self.error is None:
-            self.error = why
-        if self.spoiled is None:
-            self.spoiled = why
-        if self._cap is not None:  # a buffered answer's bytes are of no use now
-            self._chunks = []
-        self._give_back()
-        if self.transport is not None:
-            self.transport.abort()
-        self._wake()
-
-    def _give_back(self) -> None:
-        if self._held:
-            self.budget.used -= self._held
-            self._held = 0
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None  # one wake a wait: later events find none to wake
-            if not waiter.done():  # (cancelled with its task)
-                waiter.set_result(None)
 
     def _waiter_until(self, due: float) -> asyncio.Future[None]:
         """A wait for bytes that times out at loop time `due` (the connection's timer)."""
@@ -451,6 +188,14 @@ class WorkerConnection(asyncio.Protocol):
             await self._wait()
         if self.spoiled is not None:  # e.g. a 204 with a body: what followed is no answer
             raise self._broken(self.spoiled)
+        return self.whole()  # type: ignore[return-value]
+
+    def whole(self) -> bytes | None:
+        """The whole body at once where it has all arrived and the answer is sound (what
+        `read_all` returns then, taken the same way); None where `read_all` would wait or
+        raise. The common buffered answer costs no coroutine."""
+        if not self.complete or self.spoiled is not None:
+            return None
         chunks = self._chunks
         self._chunks = []
         if self._held:  # (`_give_back` inlined)

@@ -144,7 +144,10 @@ class UpstreamPool:
                 await conn.start(data, request_id)
                 if conn.headers is None:
                     await conn.until_head()
-                origin.echo.record(conn.echoed)
+                # (`origin.echo.record(True)` inlined: a reused connection's answer echoed)
+                echo = origin.echo
+                echo.answers += 1
+                echo.echoed_last = True
                 return conn
             except UpstreamBroken:
                 conn.close()

@@ -50,7 +50,8 @@ from router.policy.base import Decision
 from router.routing import Routing
 from router.upstream.answers import (
     FORWARD_REQUEST,
-    FORWARD_RESPONSE,
+    RESPONSE_NAMES,
+    AllowedNames,
     AttemptFailed,
     UpstreamErrors,
     answer_fine,
@@ -63,8 +64,8 @@ from router.upstream.answers import (
     request_fault,
     worker_authorization,
 )
-from router.upstream.connection import UpstreamBroken
-from router.upstream.responder import StreamReply, responder_of
+from router.upstream.limits import UpstreamBroken
+from router.upstream.responder import AIOHTTP, RESPONDER, StreamReply, responder_of
 from router.upstream.transport import Answer, Transport
 from shared.config import RouterConfig
 from shared.serving import json_codec
@@ -173,7 +174,9 @@ class Proxy:
         self.metrics = metrics
         self.clock = clock
         # x-request-id is sent once, below
-        self._forward = (FORWARD_REQUEST | {config.session_header.lower()}) - {"x-request-id"}
+        self._forward = AllowedNames(
+            (FORWARD_REQUEST | {config.session_header.lower()}) - {"x-request-id"}
+        )
         self._worker_auth = worker_authorization(config)
         # The same for every request: built once (`_request_head`).
         self._fixed_head = [("Content-Type", "application/json")]
@@ -354,7 +357,7 @@ class Proxy:
         incoming = request.headers
         lines = []
         for k, v in incoming.items():  # a loop, not a comprehension: one call less
-            if k.lower() in forward and encodable(v):
+            if forward[k] and encodable(v):
                 lines.append((k, v))
         lines += self._fixed_head  # the body was parsed as JSON; the worker key, if any
         if self._client_auth:
@@ -368,8 +371,9 @@ class Proxy:
         the worker's allow-listed headers in its order, then the router's), inlined: two
         calls less an answer (tests/router/upstream/test_proxy.py holds the two to one)."""
         kept = []
+        names = RESPONSE_NAMES
         for k, v in upstream.headers.items():
-            if k.lower() in FORWARD_RESPONSE:
+            if names[k]:
                 kept.append((k, v))
         kept += (
             ("x-radix-worker", worker.worker_id),
@@ -408,7 +412,14 @@ class Proxy:
             if upstream.content_type == EVENT_STREAM:
                 resp = await self._relay_stream(request, upstream, attempt, decision, routed)
             else:  # a buffered answer, relayed here (a coroutine less per request)
-                answer = await read_capped(upstream, self.config, worker)
+                # Whole and within max_response_bytes already (the common answer): taken
+                # without `read_capped`'s and `read_all`'s coroutines; else as they rule.
+                size = upstream.content_length
+                answer = None
+                if size is not None and size <= self.config.max_response_bytes:
+                    answer = upstream.whole()
+                if answer is None:
+                    answer = await read_capped(upstream, self.config, worker)
                 if upstream.status == 200:
                     self._succeeded(
                         attempt, decision, routed, answer, cached_tokens_from_json(answer)
@@ -416,7 +427,8 @@ class Proxy:
                 else:
                     self._succeeded(attempt, decision, routed, b"", None)
                 headers = self._response_headers(upstream, worker, decision)
-                resp = responder_of(request).answer(upstream.status, headers, answer)
+                # (`responder_of` inlined)
+                resp = request.get(RESPONDER, AIOHTTP).answer(upstream.status, headers, answer)
         except BaseException:
             # Anything but a complete relay (error, cancel) must drop the connection, so
             # the worker sees the request abandoned instead of a pooled half-read socket.

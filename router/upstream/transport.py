@@ -50,6 +50,11 @@ class Answer(Protocol):
         """The whole body (`UpstreamBroken`, `TimeoutError`)."""
         ...
 
+    def whole(self) -> bytes | None:
+        """What `read_all` would return at once, where the whole body is here and sound;
+        None where it would wait or raise (then `read_all`). Read once, as `read_all`."""
+        ...
+
     async def readany(self) -> bytes:
         """What arrived since the last call, waiting if nothing did; b"" at the end."""
         ...

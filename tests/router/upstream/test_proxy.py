@@ -299,6 +299,30 @@ def test_only_allow_listed_response_headers_pass() -> None:
     assert list(proxied.items()) == list(response_headers(incoming, *mine).items())
 
 
+def test_allowed_names_decide_as_the_rule_and_stay_bounded() -> None:
+    """`AllowedNames` (the allow-lists' name cache) says what `lower() in allowed` says,
+    in any case, for any name; adversarial: a peer that sends ever new names, or long
+    ones, cannot grow it past `MAX_NAMES`, nor keep a name over `MAX_NAME_CHARS`."""
+    from router.upstream.answers import (
+        FORWARD_RESPONSE,
+        MAX_NAME_CHARS,
+        MAX_NAMES,
+        AllowedNames,
+    )
+
+    names = AllowedNames(FORWARD_RESPONSE)
+    for name in ("Content-Type", "CONTENT-TYPE", "content-type", "Set-Cookie", "X-Request-Id"):
+        for _ in range(2):  # looked up, then remembered: the same answer
+            assert names[name] is (name.lower() in FORWARD_RESPONSE), name
+    for i in range(3 * MAX_NAMES):
+        assert names[f"X-Flood-{i}"] is False
+        assert len(names) <= MAX_NAMES
+    long = "Retry-After" + "x" * MAX_NAME_CHARS
+    fresh = AllowedNames(FORWARD_RESPONSE)
+    assert fresh[long] is False and fresh["retry-AFTER"] is True and long not in fresh
+    assert len(fresh) == 1
+
+
 async def test_half_open_breaker_lets_exactly_one_probe_through(
     fake_workers: StartWorkers, start_router: StartRouter
 ) -> None:

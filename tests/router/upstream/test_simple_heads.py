@@ -1,8 +1,9 @@
 """The simple-answer path (router/upstream/simple_answer.py, taken by
-`WorkerConnection._take_simple`) against httptools: the same worker bytes, in the same reads, must leave a connection in the same
-state either way (status, headers, body, completeness, keep-alive, echo, the error text,
-whether it was another answer's bytes, the budget), then again after bytes that arrive
-later, and on the next exchange of a connection kept.
+`AnswerReader._take_simple`) against httptools: the same worker bytes, in the same reads,
+must leave a connection in the same state either way (status, headers, body,
+completeness, keep-alive, echo, the error text, whether it was another answer's bytes,
+the budget), then again after bytes that arrive later, and on the next exchange of a
+connection kept.
 
 The answers: every scripted answer of the transport conformance suite and of the desync
 probe, hand-made edge cases of the pattern, and seeded random mutations of a plain
@@ -11,21 +12,28 @@ answer. Bytes go to the protocol's `data_received` as its transport would hand t
 boundaries are what decides which path runs. The conformance suite and the desync probe
 themselves also run over real sockets with the simple path off
 (`test_transport_conformance.py`, `test_upstream_desync.py`: transport `own-httptools`).
+
+A repeated head (`SimpleReader`: the connection's last head with another id and length)
+must read as the pattern reads it: random heads, each again with other ids (some the
+pattern does not admit), lengths, and one byte changed; and many exchanges on one kept
+connection through both readers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 
+from router.upstream import simple_answer as simple_module
 from router.upstream.connection import BufferBudget, WorkerConnection
 from router.upstream.limits import MAX_FIELD_BYTES
-from router.upstream.simple_answer import simple_answer
+from router.upstream.simple_answer import SimpleReader, simple_answer
 from tests.router.upstream.test_transport_conformance import ANSWER, CASES, STRICTER, chunked
 from tests.router.upstream.test_upstream_desync import _answer
 
@@ -288,3 +296,155 @@ def test_the_simple_form_and_what_is_not_it() -> None:
     for name in ("te-chunked", "connection-close", "one-byte-more", "one-byte-short",
                  "status-204-length", "http10", "tab-after-colon", "9k-value", "122-lines"):  # fmt: skip
         assert simple_answer(EDGES[name], MAX_FIELD_BYTES) is None, name
+
+
+# --- a repeated head (SimpleReader): the same result as the pattern, every time --------
+
+IDS = ["rid-8", "r", "0123456789abcdef0123456789abcdef", "a b", "a ", "x" * 200, "rid-7"]
+BAD_IDS = ["", " rid", "rid\r\nX-A: 1", "rid\tx", "caf\u00e9", "rid\x7f", "rid\r\n\r\n"]
+
+
+def _again(data: bytes, old_id: bytes, new_id: bytes, body: bytes) -> bytes:
+    """`data`'s head with the echo and the length of another answer, and its body."""
+    end = data.find(b"\r\n\r\n") + 4
+    head = data[:end].replace(old_id, new_id)
+    head = re.sub(rb"(?i)(content-length: *)[0-9]+", rb"\g<1>%d" % len(body), head)
+    return head + body
+
+
+def _mutants(rng: random.Random, data: bytes) -> Iterator[bytes]:
+    """`data` with one byte of its head changed, dropped or doubled, at random places."""
+    end = data.find(b"\r\n\r\n") + 4
+    for _ in range(6):
+        at = rng.randrange(max(1, end))
+        byte = bytes([rng.choice(b" \t\r\n:0aZ\x00\x80-")])
+        yield data[:at] + byte + data[at + 1 :]
+        yield data[:at] + data[at + 1 :]
+        yield data[:at] + data[at : at + 1] * 2 + data[at + 1 :]
+
+
+@pytest.fixture
+def pattern_reads(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every answer the pattern itself read (the rest were read as a repeated head)."""
+    seen: list[bytes] = []
+
+    def counted(data: bytes, max_head: int) -> Any:
+        seen.append(data)
+        return simple_answer(data, max_head)
+
+    monkeypatch.setattr(simple_module, "simple_answer", counted)
+    return seen
+
+
+def test_a_repeated_head_reads_as_the_pattern_reads_it(pattern_reads: list[bytes]) -> None:
+    """Any answer after any other, with any id: the reader's result is the pattern's.
+    The heads: random ones, then each again with another id and length (the repeats),
+    with one byte changed (near misses), or with an id the pattern does not admit."""
+    rng = random.Random(36)
+    repeats = 0
+    for _ in range(1500):
+        first = _random_answer(rng)
+        seconds: list[tuple[bytes, str]] = []
+        for rid in IDS + BAD_IDS:
+            body = BODY * rng.randint(0, 3)
+            again = _again(first, RID, rid.encode("utf-8", "replace"), body)
+            seconds.append((again, rid))
+            seconds += [(m, rid) for m in _mutants(rng, again)]
+        for data, rid in seconds:
+            reader = SimpleReader(MAX_FIELD_BYTES)  # its last head: `first`
+            assert reader.read(first, RID.decode()) == simple_answer(first, MAX_FIELD_BYTES)
+            before = len(pattern_reads)
+            assert reader.read(data, rid) == simple_answer(data, MAX_FIELD_BYTES), (data, rid)
+            repeats += len(pattern_reads) == before
+    assert repeats > 500, repeats  # not vacuous: the repeats were read without the pattern
+
+
+def test_a_repeated_head_must_echo_this_request(pattern_reads: list[bytes]) -> None:
+    """An answer that repeats the last head with the last id, or another request's, is
+    read by the pattern: its echo is not this request's, and `_take_head` refuses it."""
+    reader = SimpleReader(MAX_FIELD_BYTES)
+    plain = EDGES["plain"]
+    assert reader.read(plain, "rid-7") is not None
+    assert reader.read(plain.replace(b"rid-7", b"rid-8"), "rid-8") is not None
+    assert len(pattern_reads) == 1  # the repeat with this request's id: no pattern
+    answer = reader.read(plain, "rid-9")  # the echo of an earlier request
+    assert answer is not None and ("x-request-id", "rid-7") in answer[1]
+    assert len(pattern_reads) == 2
+
+
+def test_bad_bytes_in_a_repeated_head_are_not_taken(pattern_reads: list[bytes]) -> None:
+    """Adversarial: a head over the field cap, bytes the pattern refuses where the holes
+    were, a body longer or shorter than said: none is taken, and none as a repeat."""
+    reader = SimpleReader(MAX_FIELD_BYTES)
+    plain = EDGES["plain"]
+    assert reader.read(plain, "rid-7") is not None
+    long_id = "i" * MAX_FIELD_BYTES  # the head over the cap: refused before any work
+    assert reader.read(plain.replace(b"rid-7", long_id.encode()), long_id) is None
+    for bad in (b"rid-8\r\nTransfer-Encoding: chunked", b"rid-8\x00", b"rid-8\xff"):
+        assert reader.read(plain.replace(b"rid-7", bad), bad.decode("latin-1")) is None
+    assert reader.read(plain + b"x", "rid-7") is None  # one byte more than its length
+    assert reader.read(plain[:-1], "rid-7") is None  # one short
+    assert reader.read(plain.replace(b": 12", b": 0012"), "rid-7") is not None  # pattern's
+    assert len(pattern_reads) == 8  # each of them read by the pattern, none as a repeat
+
+
+async def test_answers_on_a_kept_connection_read_the_same_both_ways() -> None:
+    """Many exchanges on one connection, each answer the last one's head with its own id
+    and length (or a near miss): the same states through the parser."""
+    rng = random.Random(7)
+    for _ in range(40):
+        first = _random_answer(rng)
+        steps = [first]
+        for i in range(6):
+            body = BODY * rng.randint(0, 3)
+            again = _again(steps[-1], b"rid-%d" % (7 + i), b"rid-%d" % (8 + i), body)
+            steps.append(rng.choice([again, *_mutants(rng, again)][:3]))
+        assert await _kept(True, steps) == await _kept(False, steps), steps
+
+
+async def _kept(simple: bool, answers: list[bytes]) -> list[Any]:
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    try:
+        _, conn = await loop.connect_accepted_socket(
+            lambda: WorkerConnection(5.0, MAX_BUFFERED, lambda c: None, BufferBudget(1 << 20)),
+            ours,
+        )
+        conn.simple_heads = simple
+        seen = []
+        for i, data in enumerate(answers):
+            conn.start(b"POST / HTTP/1.1\r\n\r\n", f"rid-{7 + i}")
+            conn.data_received(data)
+            seen.append(_state(conn))
+            if not conn.reusable():
+                break
+            conn.busy = False  # as the pool's release
+        conn.close()
+        return seen
+    finally:
+        theirs.close()
+
+
+def test_a_head_that_never_repeats_is_kept_only_now_and_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker whose head changes every answer (a per-answer header) costs a kept head
+    once in `SKIP_AFTER_MISS + 1` answers, not every answer; a repeat is kept again."""
+    kept = 0
+    keep = SimpleReader._keep
+
+    def counted(self: SimpleReader, *args: Any) -> Any:
+        nonlocal kept
+        kept += 1
+        return keep(self, *args)
+
+    monkeypatch.setattr(SimpleReader, "_keep", counted)
+    reader = SimpleReader(MAX_FIELD_BYTES)
+    for i in range(170):
+        data = EDGES["plain"].replace(b"rid-7", b"rid-%d" % i).replace(b"OK", b"K%d" % i)
+        assert reader.read(data, f"rid-{i}") == simple_answer(data, MAX_FIELD_BYTES)
+    assert kept == 170 // (simple_module.SKIP_AFTER_MISS + 1)
+    for i in range(170, 200):  # the same head from now on: kept, then repeated
+        data = EDGES["plain"].replace(b"rid-7", b"rid-%d" % i)
+        assert reader.read(data, f"rid-{i}") == simple_answer(data, MAX_FIELD_BYTES)
+    assert reader._hit
