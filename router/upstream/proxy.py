@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
@@ -183,6 +184,8 @@ class Proxy:
         if self._worker_auth is not None and encodable(self._worker_auth):
             self._fixed_head.append(("Authorization", self._worker_auth))
         self._client_auth = self._worker_auth is None and config.forward_authorization
+        # id(request.headers) -> (a weak reference to it, its lines): `_request_head`.
+        self._heads: dict[int, tuple[weakref.ref[object], list[tuple[str, str]]]] = {}
         # Router replicas sharing decisions (router/holdings/sync.py); None on a lone router.
         self.sync = sync
         # prompt_cache_key -> worker (router/holdings/sessions.py), shared with the replicas.
@@ -352,9 +355,14 @@ class Proxy:
 
     def _request_head(self, request: web.Request) -> list[tuple[str, str]]:
         """The header lines sent to the worker (allow-listed; Host, the body's framing and
-        the request id are the transport's)."""
-        forward = self._forward
+        the request id are the transport's): a fresh list, the caller may add to it."""
         incoming = request.headers
+        # A repeated head hands each request on its connection the same read-only headers
+        # object (router/http/fast_head.py): its lines are filtered once (~1 us a request).
+        kept = self._heads.get(id(incoming))
+        if kept is not None and kept[0]() is incoming:
+            return kept[1].copy()
+        forward = self._forward
         lines = []
         for k, v in incoming.items():  # a loop, not a comprehension: one call less
             if forward[k] and encodable(v):
@@ -364,7 +372,18 @@ class Proxy:
             auth = incoming.get("Authorization")
             if auth is not None and encodable(auth):
                 lines.append(("Authorization", auth))
+        self._keep_head(incoming, lines.copy())
         return lines
+
+    def _keep_head(self, incoming: object, lines: list[tuple[str, str]]) -> None:
+        """Keep `lines` for the headers object `incoming` while it lives (weakly held: its
+        entry leaves when it dies, so an id is never matched to another object's lines);
+        at most HEADS_KEPT entries, all dropped when full."""
+        heads = self._heads
+        if len(heads) >= HEADS_KEPT:
+            heads.clear()  # dropped weak references never call back
+        key = id(incoming)
+        heads[key] = (weakref.ref(incoming, lambda _, key=key: heads.pop(key, None)), lines)
 
     def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
         """`response_headers(upstream.headers, <the router's three>)` (router/upstream/answers.py:
@@ -525,6 +544,9 @@ class Proxy:
         self.fleet.succeeded(attempt, predicted, cached, chars, prompt_tokens, self.clock())
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)
+
+
+HEADS_KEPT = 1024  # request heads whose forwarded lines are kept (about one a connection)
 
 
 def _no_workers() -> APIError:
