@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.http.state import FLEET, METRICS
-from router.upstream.proxy import PROXY, SSE_TAIL_BYTES
+from router.upstream.proxy import HEADS_KEPT, PROXY, SSE_TAIL_BYTES, Proxy
+from shared.config import RouterConfig
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 from tests.router.raw_upstream import RawUpstream, request_id
@@ -445,3 +448,72 @@ async def test_a_pin_release_is_counted_by_the_workers_answer(
         assert f'radix_router_pin_releases_total{{outcome="{outcome}"}} 2.0' in scrape
     finally:
         await busy.close()
+
+
+async def test_a_repeated_head_forwards_its_lines_and_only_its_own_per_request_ones(
+    start_router: StartRouter, raw_upstreams: Any
+) -> None:
+    """One connection repeating one head: its forwarded lines are kept (`_request_head`),
+    yet each request's own lines (the session's pin key, the request id) are its own."""
+    seen: list[list[bytes]] = []  # the forwarded heads' lines
+
+    class Heads(RawUpstream):
+        async def answer(self, conn: int, n: int, head: bytes, body: bytes,
+                         writer: asyncio.StreamWriter) -> bool:  # fmt: skip
+            seen.append(head.lower().split(b"\r\n")[1:-2])
+            data = b'{"choices": [{"index": 0, "text": "x"}]}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nx-request-id: %s\r\n\r\n%s"
+                         % (len(data), request_id(head), data))  # fmt: skip
+            return False
+
+    upstream = Heads()
+    worker = await raw_upstreams(upstream)
+    client = await start_router([worker.url])
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+    try:
+        for key in ("k1", "k2", "k1"):  # the same length: the same head
+            body = json.dumps({**BODY, "prompt_cache_key": key}).encode()
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"X-Custom: kept-out\r\nUser-Agent: t/1\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+    finally:
+        writer.close()
+
+    def named(lines: list[bytes], name: bytes) -> list[bytes]:
+        return [line for line in lines if line.startswith(name + b":")]
+
+    assert len(seen) == 3
+    pins = [named(lines, b"x-radix-pin-key") for lines in seen]
+    assert [len(p) for p in pins] == [1, 1, 1] and pins[0] == pins[2] != pins[1]
+    ids = [named(lines, b"x-request-id") for lines in seen]
+    assert [len(i) for i in ids] == [1, 1, 1] and len({i[0] for i in ids}) == 3
+    for lines in seen:
+        assert named(lines, b"user-agent") == [b"user-agent: t/1"]
+        assert not named(lines, b"x-custom")
+        assert named(lines, b"content-type") == [b"content-type: application/json"]
+
+
+def test_kept_heads_are_bounded_and_leave_with_their_headers() -> None:
+    """`_request_head` keeps lines per headers object: at most HEADS_KEPT, none past the
+    object's life, and a later object at a dead one's address gets its own lines."""
+    proxy = Proxy(RouterConfig(worker_urls=("http://127.0.0.1:9",)), None, None, None, None)  # type: ignore[arg-type]
+
+    def request(agent: str) -> Any:
+        headers = CIMultiDictProxy(CIMultiDict([("User-Agent", agent), ("X-Custom", "no")]))
+        return SimpleNamespace(headers=headers)
+
+    alive = [request(f"a{i}") for i in range(HEADS_KEPT + 500)]
+    for r in alive:
+        assert proxy._request_head(r)[0] == ("User-Agent", r.headers["User-Agent"])
+    assert 0 < len(proxy._heads) <= HEADS_KEPT
+    del alive, r
+    assert not proxy._heads  # each entry left with its headers
+    for i in range(200):  # addresses are reused at once: never another head's lines
+        assert proxy._request_head(request(f"b{i}"))[0] == ("User-Agent", f"b{i}")
