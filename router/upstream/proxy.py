@@ -355,13 +355,9 @@ class Proxy:
 
     def _request_head(self, request: web.Request) -> list[tuple[str, str]]:
         """The header lines sent to the worker (allow-listed; Host, the body's framing and
-        the request id are the transport's): a fresh list, the caller may add to it."""
+        the request id are the transport's), kept for `request.headers` (`_keep_head`):
+        shared, never changed (`_exchange` reads a kept one itself)."""
         incoming = request.headers
-        # A repeated head hands each request on its connection the same read-only headers
-        # object (router/http/fast_head.py): its lines are filtered once (~1 us a request).
-        kept = self._heads.get(id(incoming))
-        if kept is not None and kept[0]() is incoming:
-            return kept[1].copy()
         forward = self._forward
         lines = []
         for k, v in incoming.items():  # a loop, not a comprehension: one call less
@@ -372,18 +368,17 @@ class Proxy:
             auth = incoming.get("Authorization")
             if auth is not None and encodable(auth):
                 lines.append(("Authorization", auth))
-        self._keep_head(incoming, lines.copy())
+        self._keep_head(incoming, lines)
         return lines
 
     def _keep_head(self, incoming: object, lines: list[tuple[str, str]]) -> None:
-        """Keep `lines` for the headers object `incoming` while it lives (weakly held: its
-        entry leaves when it dies, so an id is never matched to another object's lines);
-        at most HEADS_KEPT entries, all dropped when full."""
+        """Keep `lines` for the headers object `incoming`, weakly held: a dead one's entry
+        never matches (its reference answers None), and at most HEADS_KEPT entries are
+        kept, all dropped when full (no callback per death: a miss stays cheap)."""
         heads = self._heads
         if len(heads) >= HEADS_KEPT:
-            heads.clear()  # dropped weak references never call back
-        key = id(incoming)
-        heads[key] = (weakref.ref(incoming, lambda _, key=key: heads.pop(key, None)), lines)
+            heads.clear()
+        heads[id(incoming)] = (weakref.ref(incoming), lines)
 
     def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
         """`response_headers(upstream.headers, <the router's three>)` (router/upstream/answers.py:
@@ -409,9 +404,16 @@ class Proxy:
         body = routed.body
         if routed.priority is not None and worker.report.priority_scheduling:
             body = with_priority(body, routed.priority)
-        head = self._request_head(request)
+        # A repeated head hands each request on its connection the same read-only headers
+        # object (router/http/fast_head.py): its lines are filtered once (`_request_head`).
+        incoming = request.headers
+        kept = self._heads.get(id(incoming))
+        if kept is not None and kept[0]() is incoming:
+            head = kept[1]
+        else:
+            head = self._request_head(request)
         if routed.cache_key is not None:  # the worker pins the tenant's session, not the text
-            head.append((PIN_KEY_HEADER, routed.cache_key.hex()))
+            head = [*head, (PIN_KEY_HEADER, routed.cache_key.hex())]
         # The `x-request-id` sent to the worker: the request's id (shared/serving/access_log.py),
         # so one id names it in both services' logs. The transport checks its echo before a
         # connection is reused (router/upstream/connection.py).
@@ -546,7 +548,7 @@ class Proxy:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)
 
 
-HEADS_KEPT = 1024  # request heads whose forwarded lines are kept (about one a connection)
+HEADS_KEPT = 256  # request heads whose forwarded lines are kept (about one a connection)
 
 
 def _no_workers() -> APIError:

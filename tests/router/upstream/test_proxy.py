@@ -500,9 +500,9 @@ async def test_a_repeated_head_forwards_its_lines_and_only_its_own_per_request_o
         assert named(lines, b"content-type") == [b"content-type: application/json"]
 
 
-def test_kept_heads_are_bounded_and_leave_with_their_headers() -> None:
-    """`_request_head` keeps lines per headers object: at most HEADS_KEPT, none past the
-    object's life, and a later object at a dead one's address gets its own lines."""
+def test_kept_heads_are_bounded_and_never_match_another_object() -> None:
+    """`_request_head` keeps lines per headers object: at most HEADS_KEPT, weakly (a dead
+    one's entry answers None, so a later object at its address never finds its lines)."""
     proxy = Proxy(RouterConfig(worker_urls=("http://127.0.0.1:9",)), None, None, None, None)  # type: ignore[arg-type]
 
     def request(agent: str) -> Any:
@@ -514,6 +514,10 @@ def test_kept_heads_are_bounded_and_leave_with_their_headers() -> None:
         assert proxy._request_head(r)[0] == ("User-Agent", r.headers["User-Agent"])
     assert 0 < len(proxy._heads) <= HEADS_KEPT
     del alive, r
-    assert not proxy._heads  # each entry left with its headers
-    for i in range(200):  # addresses are reused at once: never another head's lines
-        assert proxy._request_head(request(f"b{i}"))[0] == ("User-Agent", f"b{i}")
+    assert all(ref() is None for ref, _ in proxy._heads.values())  # nothing kept alive
+    for i in range(200):  # addresses are reused at once
+        r = request(f"b{i}")
+        kept = proxy._heads.get(id(r.headers))
+        assert kept is None or kept[0]() is not r.headers  # a dead entry never matches
+        assert proxy._request_head(r)[0] == ("User-Agent", f"b{i}")
+        assert proxy._heads[id(r.headers)][0]() is r.headers
