@@ -281,6 +281,7 @@ class Proxy:
             if picked is None:
                 raise _no_workers()
             worker, decision = picked
+            now = self.clock()
         # Every try in one loop, the try itself inlined (one coroutine per try, not three:
         # forward, attempt, retry). The retry books, made at the first failure (no allocation for the common
         # request): the workers whose try failed, and the tries that got a 500, a timeout
@@ -297,7 +298,9 @@ class Proxy:
             # another answer's bytes broke it before anything reached the client (issue 31:
             # 0.4-8.8% of innocent requests got 502 on a one-worker fleet); the resend's
             # failure is the try's. Its attempt is released whatever the exit.
-            attempt = fleet.attempt(worker, self.clock())
+            # The decision's instant (a clock reading less on the common request): the
+            # breaker's cooldown is read at the choice that the attempt carries out.
+            attempt = fleet.attempt(worker, now)
             try:
                 try:
                     response = await self._exchange(request, routed, attempt, decision, False)
@@ -341,6 +344,7 @@ class Proxy:
             if picked is None:
                 break
             worker, decision = picked
+            now = self.clock()
         # Here after a failure only: `tried` is made.
         if failure.kind is FailureKind.BUSY:
             raise APIError(
