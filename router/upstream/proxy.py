@@ -359,30 +359,31 @@ class Proxy:
 
     def _request_head(self, request: web.Request) -> list[tuple[str, str]]:
         """The header lines sent to the worker (allow-listed; Host, the body's framing and
-        the request id are the transport's), kept for `request.headers` (`_keep_head`):
-        shared, never changed (`_exchange` reads a kept one itself)."""
+        the request id are the transport's), kept for the object `request.headers`:
+        shared, never changed (`_exchange` reads a kept one itself). Kept weakly, so a
+        dead one's entry never matches (its reference answers None); at most HEADS_KEPT
+        entries of at most KEPT_HEAD_CHARS, all dropped when full (no callback per death:
+        a miss stays cheap)."""
         incoming = request.headers
         forward = self._forward
         lines = []
+        chars = 0
         for k, v in incoming.items():  # a loop, not a comprehension: one call less
             if forward[k] and encodable(v):
                 lines.append((k, v))
+                chars += len(v)
         lines += self._fixed_head  # the body was parsed as JSON; the worker key, if any
         if self._client_auth:
             auth = incoming.get("Authorization")
             if auth is not None and encodable(auth):
                 lines.append(("Authorization", auth))
-        self._keep_head(incoming, lines)
+                chars += len(auth)
+        if chars <= KEPT_HEAD_CHARS:
+            heads = self._heads
+            if len(heads) >= HEADS_KEPT:
+                heads.clear()
+            heads[id(incoming)] = (weakref.ref(incoming), lines)
         return lines
-
-    def _keep_head(self, incoming: object, lines: list[tuple[str, str]]) -> None:
-        """Keep `lines` for the headers object `incoming`, weakly held: a dead one's entry
-        never matches (its reference answers None), and at most HEADS_KEPT entries are
-        kept, all dropped when full (no callback per death: a miss stays cheap)."""
-        heads = self._heads
-        if len(heads) >= HEADS_KEPT:
-            heads.clear()
-        heads[id(incoming)] = (weakref.ref(incoming), lines)
 
     def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
         """`response_headers(upstream.headers, <the router's three>)` (router/upstream/answers.py:
@@ -553,6 +554,7 @@ class Proxy:
 
 
 HEADS_KEPT = 256  # request heads whose forwarded lines are kept (about one a connection)
+KEPT_HEAD_CHARS = 2048  # the most header value chars one kept entry holds
 
 
 def _no_workers() -> APIError:

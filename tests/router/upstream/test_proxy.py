@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.http.state import FLEET, METRICS
-from router.upstream.proxy import HEADS_KEPT, PROXY, SSE_TAIL_BYTES, Proxy
+from router.upstream.proxy import HEADS_KEPT, KEPT_HEAD_CHARS, PROXY, SSE_TAIL_BYTES, Proxy
 from shared.config import RouterConfig
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
@@ -521,3 +521,9 @@ def test_kept_heads_are_bounded_and_never_match_another_object() -> None:
         assert kept is None or kept[0]() is not r.headers  # a dead entry never matches
         assert proxy._request_head(r)[0] == ("User-Agent", f"b{i}")
         assert proxy._heads[id(r.headers)][0]() is r.headers
+    big = SimpleNamespace(
+        headers=CIMultiDictProxy(CIMultiDict([("User-Agent", "u" * (KEPT_HEAD_CHARS + 1))]))
+    )
+    assert proxy._request_head(big)[0] == ("User-Agent", "u" * (KEPT_HEAD_CHARS + 1))
+    kept = proxy._heads.get(id(big.headers))
+    assert kept is None or kept[0]() is not big.headers  # too big to keep: filtered each time
