@@ -319,51 +319,16 @@ def _decode_event(raw: object) -> KVEvent:
             raise ValueError("token_ids is not block_size tokens per block")
         text = _check_ids(tokens)
         parent = f.get("parent_block_hash")
-        if parent is not None and not (type(parent) is int and -(2**63) <= parent < 2**64):
-            parent = _hash(parent)
-        # The common event's fields checked in line (no medium, LoRA or extra keys): a call
-        # each saved, with every event of a busy stream decoded.
-        medium = f.get("medium")
-        if medium is not None and medium not in MEDIUMS:
-            medium = _medium(f)  # (raises)
-        extra = f.get("extra_keys")
-        if extra is not None:
-            extra = _extra_keys(extra, len(hashes))
-        lid = f.get("lora_id")
-        lora = None if f.get("lora_name") is None and (lid is None or lid == 0) else _lora(f)
-        return _new_stored(hashes, parent, tokens, size, medium, extra, lora, text)
+        return BlockStored(
+            hashes, None if parent is None else _hash(parent), tokens, size, _medium(f),
+            _extra_keys(f.get("extra_keys"), len(hashes)), _lora(f), text,
+        )  # fmt: skip
     if tag == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_ORDER)
-        medium = f.get("medium")
-        if medium is not None and medium not in MEDIUMS:
-            medium = _medium(f)  # (raises)
-        return BlockRemoved(_hashes(f.get("block_hashes")), medium)
+        return BlockRemoved(_hashes(f.get("block_hashes")), _medium(f))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown event type {str(tag)[:40]!r}")
-
-
-# Frozen slots instances built through their slot descriptors: a frozen dataclass's
-# `__init__` goes through `object.__setattr__` a field (BlockStored ~1.0 against ~0.6 us,
-# timeit), for every event of a busy stream. The values are the dataclasses' own.
-_SET_STORED = tuple(getattr(BlockStored, n).__set__ for n in BlockStored.__slots__)
-
-
-def _new_stored(
-    hashes: tuple[BlockHash, ...], parent: BlockHash | None, tokens: Sequence[int],
-    size: int, medium: str | None, extra: tuple | None, lora: str | int | None, text: str,
-) -> BlockStored:  # fmt: skip
-    e = object.__new__(BlockStored)
-    hs, ps, ts, ss, ms, xs, ls, txs = _SET_STORED
-    hs(e, hashes)
-    ps(e, parent)
-    ts(e, tokens)
-    ss(e, size)
-    ms(e, medium)
-    xs(e, extra)
-    ls(e, lora)
-    txs(e, text)
-    return e
 
 
 def _check_ids(tokens: list[object]) -> str:

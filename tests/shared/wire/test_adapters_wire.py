@@ -79,17 +79,3 @@ def test_the_sidecars_re_encoding_keeps_the_adapter() -> None:
     for lora in ("ad-a", 3, None):
         event = BlockStored((7, 8), None, list(range(8)), 4, lora=lora)
         assert decode_batch(encode_batch([event])).events[0].lora == lora  # type: ignore[union-attr]
-
-
-def test_a_decoded_store_is_the_event_encoded_field_for_field() -> None:
-    """The decoder builds BlockStored through its slots (kv_events.py `_new_stored`): every
-    field must land in its own slot, the common event's and one with every field set."""
-    plain = BlockStored((7, 8), 6, list(range(8)), 4)
-    full = BlockStored((7, 8), b"p" * 8, list(range(8)), 4, "CPU", (("salt",), None), "ad-a")
-    for event in (plain, full, BlockStored((9,), None, [1, 2, 3, 4], 4, None, None, 3)):
-        got = decode_batch(encode_batch([event])).events[0]
-        assert type(got) is BlockStored and got == event
-        assert [getattr(got, f) for f in BlockStored.__slots__[:-1]] == [
-            getattr(event, f) for f in BlockStored.__slots__[:-1]
-        ]
-        assert got.token_text == "".join(chr(i) + "\0\0\0" for i in event.token_ids)
