@@ -301,13 +301,7 @@ class FleetQueue:
             tally.slo_met += first_byte <= ticket.deadline
         else:
             tally.failed += 1
-        if worker is not None:
-            self.seats.give(worker)
-            ticket.worker = None
-            if self.waiting:
-                self.pump()
-        if self._drained is not None:
-            self._settle_idle()
+        self._leave(ticket)
 
     def done(self, ticket: Ticket) -> None:
         """The request ended, whatever the way: its seat frees and goes on at once."""
@@ -315,10 +309,15 @@ class FleetQueue:
         first_byte = ticket.first_byte
         good = first_byte is not None and ticket.status < 400
         ticket.tally.ended(good, good and first_byte <= ticket.deadline)  # type: ignore[operator]
+        if first_byte is None and ticket.worker is not None:  # (answered: out of prefill already)
+            self.prefilling.remove(ticket)
+        self._leave(ticket)
+
+    def _leave(self, ticket: Ticket) -> None:
+        """A request's end: its seat back to its worker, the next waiter seated at once,
+        a drain told when the last request has left."""
         worker = ticket.worker
-        if worker is not None:  # `_release_seat`, inlined: every request ends here
-            if first_byte is None:  # (an answered ticket left prefill at its first byte)
-                self.prefilling.remove(ticket)
+        if worker is not None:
             self.seats.give(worker)
             ticket.worker = None
             if self.waiting:
