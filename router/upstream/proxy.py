@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
@@ -184,8 +183,6 @@ class Proxy:
         if self._worker_auth is not None and encodable(self._worker_auth):
             self._fixed_head.append(("Authorization", self._worker_auth))
         self._client_auth = self._worker_auth is None and config.forward_authorization
-        # id(request.headers) -> (a weak reference to it, its lines): `_request_head`.
-        self._heads: dict[int, tuple[weakref.ref[object], list[tuple[str, str]]]] = {}
         # Router replicas sharing decisions (router/holdings/sync.py); None on a lone router.
         self.sync = sync
         # prompt_cache_key -> worker (router/holdings/sessions.py), shared with the replicas.
@@ -359,30 +356,18 @@ class Proxy:
 
     def _request_head(self, request: web.Request) -> list[tuple[str, str]]:
         """The header lines sent to the worker (allow-listed; Host, the body's framing and
-        the request id are the transport's), kept for the object `request.headers`:
-        shared, never changed (`_exchange` reads a kept one itself). Kept weakly, so a
-        dead one's entry never matches (its reference answers None); at most HEADS_KEPT
-        entries of at most KEPT_HEAD_CHARS, all dropped when full (no callback per death:
-        a miss stays cheap)."""
-        incoming = request.headers
+        the request id are the transport's)."""
         forward = self._forward
+        incoming = request.headers
         lines = []
-        chars = 0
         for k, v in incoming.items():  # a loop, not a comprehension: one call less
             if forward[k] and encodable(v):
                 lines.append((k, v))
-                chars += len(v)
         lines += self._fixed_head  # the body was parsed as JSON; the worker key, if any
         if self._client_auth:
             auth = incoming.get("Authorization")
             if auth is not None and encodable(auth):
                 lines.append(("Authorization", auth))
-                chars += len(auth)
-        if chars <= KEPT_HEAD_CHARS:
-            heads = self._heads
-            if len(heads) >= HEADS_KEPT:
-                heads.clear()
-            heads[id(incoming)] = (weakref.ref(incoming), lines)
         return lines
 
     def _response_headers(self, upstream: Answer, worker: Worker, d: Decision) -> CIMultiDict[str]:
@@ -409,16 +394,9 @@ class Proxy:
         body = routed.body
         if routed.priority is not None and worker.report.priority_scheduling:
             body = with_priority(body, routed.priority)
-        # A repeated head hands each request on its connection the same read-only headers
-        # object (router/http/fast_head.py): its lines are filtered once (`_request_head`).
-        incoming = request.headers
-        kept = self._heads.get(id(incoming))
-        if kept is not None and kept[0]() is incoming:
-            head = kept[1]
-        else:
-            head = self._request_head(request)
+        head = self._request_head(request)
         if routed.cache_key is not None:  # the worker pins the tenant's session, not the text
-            head = [*head, (PIN_KEY_HEADER, routed.cache_key.hex())]
+            head.append((PIN_KEY_HEADER, routed.cache_key.hex()))
         # The `x-request-id` sent to the worker: the request's id (shared/serving/access_log.py),
         # so one id names it in both services' logs. The transport checks its echo before a
         # connection is reused (router/upstream/connection.py).
@@ -551,10 +529,6 @@ class Proxy:
         self.fleet.succeeded(attempt, predicted, cached, chars, prompt_tokens, self.clock())
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)
-
-
-HEADS_KEPT = 256  # request heads whose forwarded lines are kept (about one a connection)
-KEPT_HEAD_CHARS = 2048  # the most header value chars one kept entry holds
 
 
 def _no_workers() -> APIError:

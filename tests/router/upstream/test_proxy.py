@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.http.state import FLEET, METRICS
-from router.upstream.proxy import HEADS_KEPT, KEPT_HEAD_CHARS, PROXY, SSE_TAIL_BYTES, Proxy
-from shared.config import RouterConfig
+from router.upstream.proxy import PROXY, SSE_TAIL_BYTES
 from shared.redis_server import free_port
 from tests.router.conftest import StartRouter, StartWorkers, url_of
 from tests.router.raw_upstream import RawUpstream, request_id
@@ -453,8 +450,9 @@ async def test_a_pin_release_is_counted_by_the_workers_answer(
 async def test_a_repeated_head_forwards_its_lines_and_only_its_own_per_request_ones(
     start_router: StartRouter, raw_upstreams: Any
 ) -> None:
-    """One connection repeating one head: its forwarded lines are kept (`_request_head`),
-    yet each request's own lines (the session's pin key, the request id) are its own."""
+    """One connection repeating one head (the own protocol hands each request the same
+    headers object, router/http/fast_head.py): each request's own lines (the session's
+    pin key, the request id) are its own, the allow-listed ones the same each time."""
     seen: list[list[bytes]] = []  # the forwarded heads' lines
 
     class Heads(RawUpstream):
@@ -498,32 +496,3 @@ async def test_a_repeated_head_forwards_its_lines_and_only_its_own_per_request_o
         assert named(lines, b"user-agent") == [b"user-agent: t/1"]
         assert not named(lines, b"x-custom")
         assert named(lines, b"content-type") == [b"content-type: application/json"]
-
-
-def test_kept_heads_are_bounded_and_never_match_another_object() -> None:
-    """`_request_head` keeps lines per headers object: at most HEADS_KEPT, weakly (a dead
-    one's entry answers None, so a later object at its address never finds its lines)."""
-    proxy = Proxy(RouterConfig(worker_urls=("http://127.0.0.1:9",)), None, None, None, None)  # type: ignore[arg-type]
-
-    def request(agent: str) -> Any:
-        headers = CIMultiDictProxy(CIMultiDict([("User-Agent", agent), ("X-Custom", "no")]))
-        return SimpleNamespace(headers=headers)
-
-    alive = [request(f"a{i}") for i in range(HEADS_KEPT + 500)]
-    for r in alive:
-        assert proxy._request_head(r)[0] == ("User-Agent", r.headers["User-Agent"])
-    assert 0 < len(proxy._heads) <= HEADS_KEPT
-    del alive, r
-    assert all(ref() is None for ref, _ in proxy._heads.values())  # nothing kept alive
-    for i in range(200):  # addresses are reused at once
-        r = request(f"b{i}")
-        kept = proxy._heads.get(id(r.headers))
-        assert kept is None or kept[0]() is not r.headers  # a dead entry never matches
-        assert proxy._request_head(r)[0] == ("User-Agent", f"b{i}")
-        assert proxy._heads[id(r.headers)][0]() is r.headers
-    big = SimpleNamespace(
-        headers=CIMultiDictProxy(CIMultiDict([("User-Agent", "u" * (KEPT_HEAD_CHARS + 1))]))
-    )
-    assert proxy._request_head(big)[0] == ("User-Agent", "u" * (KEPT_HEAD_CHARS + 1))
-    kept = proxy._heads.get(id(big.headers))
-    assert kept is None or kept[0]() is not big.headers  # too big to keep: filtered each time
