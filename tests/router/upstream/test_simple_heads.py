@@ -22,10 +22,11 @@ connection through both readers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -52,16 +53,26 @@ def _state(conn: WorkerConnection) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-async def _run(simple: bool, reads: list[bytes], later: Sequence[bytes], budget: int) -> list[Any]:
-    """The connection's state after each read of the answer, after each later read, and
-    after a plain answer to a next request where the connection may carry one."""
-    loop = asyncio.get_running_loop()
+@contextlib.asynccontextmanager
+async def _connection(budget: int = 1 << 20) -> AsyncIterator[WorkerConnection]:
+    """A worker connection over a real socket pair (nothing answers on the far end: each
+    test hands the answer's bytes to `data_received` itself), closed at the end."""
     ours, theirs = socket.socketpair()
     try:
-        _, conn = await loop.connect_accepted_socket(
+        _, conn = await asyncio.get_running_loop().connect_accepted_socket(
             lambda: WorkerConnection(5.0, MAX_BUFFERED, lambda c: None, BufferBudget(budget)),
             ours,
         )
+        yield conn
+        conn.close()
+    finally:
+        theirs.close()
+
+
+async def _run(simple: bool, reads: list[bytes], later: Sequence[bytes], budget: int) -> list[Any]:
+    """The connection's state after each read of the answer, after each later read, and
+    after a plain answer to a next request where the connection may carry one."""
+    async with _connection(budget) as conn:
         conn.simple_heads = simple
         fed = 0
 
@@ -85,10 +96,7 @@ async def _run(simple: bool, reads: list[bytes], later: Sequence[bytes], budget:
             conn.data_received(ANSWER.replace(b"{RID}", NEXT_RID))
             seen.append(_state(conn))
         seen.append(("parser fed", fed > 0) if not simple else ("-",))
-        conn.close()
         return seen
-    finally:
-        theirs.close()
 
 
 async def _compare(reads: list[bytes], later: Sequence[bytes] = (), budget: int = 1 << 20) -> bool:
@@ -100,21 +108,12 @@ async def _compare(reads: list[bytes], later: Sequence[bytes] = (), budget: int 
 
 
 async def _took_simple(reads: list[bytes]) -> bool:
-    loop = asyncio.get_running_loop()
-    ours, theirs = socket.socketpair()
-    try:
-        _, conn = await loop.connect_accepted_socket(
-            lambda: WorkerConnection(5.0, MAX_BUFFERED, lambda c: None, BufferBudget(1 << 20)),
-            ours,
-        )
-        fed = []
+    fed: list[bytes] = []
+    async with _connection() as conn:
         conn.feed = fed.append  # type: ignore[method-assign]
         conn.start(b"POST / HTTP/1.1\r\n\r\n", RID.decode())
         conn.data_received(reads[0])
-        conn.close()
-        return not fed
-    finally:
-        theirs.close()
+    return not fed
 
 
 def _suite_answers() -> Iterator[tuple[str, bytes]]:
@@ -403,15 +402,9 @@ async def test_answers_on_a_kept_connection_read_the_same_both_ways() -> None:
 
 
 async def _kept(simple: bool, answers: list[bytes]) -> list[Any]:
-    loop = asyncio.get_running_loop()
-    ours, theirs = socket.socketpair()
-    try:
-        _, conn = await loop.connect_accepted_socket(
-            lambda: WorkerConnection(5.0, MAX_BUFFERED, lambda c: None, BufferBudget(1 << 20)),
-            ours,
-        )
+    seen = []
+    async with _connection() as conn:
         conn.simple_heads = simple
-        seen = []
         for i, data in enumerate(answers):
             conn.start(b"POST / HTTP/1.1\r\n\r\n", f"rid-{7 + i}")
             conn.data_received(data)
@@ -419,10 +412,7 @@ async def _kept(simple: bool, answers: list[bytes]) -> list[Any]:
             if not conn.reusable():
                 break
             conn.busy = False  # as the pool's release
-        conn.close()
-        return seen
-    finally:
-        theirs.close()
+    return seen
 
 
 def test_a_head_that_never_repeats_is_kept_only_now_and_then(
