@@ -47,6 +47,9 @@ def static_worker_id(url: str) -> str:
     return f"{parts.hostname}:{parts.port}"
 
 
+_new_attempt = object.__new__
+
+
 class Attempt:
     """One try of one request on one worker: counts one request in flight there from
     `Fleet.attempt` until `release`, and notes whether it is the breaker's half-open
@@ -58,19 +61,19 @@ class Attempt:
     new Worker under the same id, is left alone).
     """
 
-    __slots__ = ("_columns", "_released", "probe", "worker")
+    __slots__ = ("_columns", "probe", "released", "worker")
 
-    def __init__(self, fleet: Fleet, worker: Worker, probe: bool) -> None:
-        self._columns, self.worker, self.probe = fleet.columns, worker, probe
-        self._released = False
-        worker.in_flight += 1
-        worker.requests_total += 1
-        fleet.columns.publish(worker)
+    # Made by `Fleet.attempt` only, which fills the slots itself (no `__init__` call a
+    # try): `_columns` the table's, `released` False, one request counted in flight.
+    _columns: FleetColumns
+    probe: bool
+    released: bool  # read by the proxy: a try its success released costs no second call
+    worker: Worker
 
     def release(self) -> None:
-        if self._released:
+        if self.released:
             return
-        self._released = True
+        self.released = True
         worker, columns = self.worker, self._columns
         worker.in_flight -= 1
         columns.publish(worker)
@@ -197,18 +200,30 @@ class Fleet:
         # Only an open breaker's cooldown ends in a probe: a closed one (the common
         # case) is not asked.
         probe = breaker.opened_at is not None and breaker.on_attempt(now)
+        columns = self.columns
         if probe:
-            self.columns.invalidate()  # a probing worker takes nothing else
-        return Attempt(self, worker, probe)
+            columns.invalidate()  # a probing worker takes nothing else
+        attempt = _new_attempt(Attempt)  # (the slots set here: a call less every try)
+        attempt._columns, attempt.worker, attempt.probe, attempt.released = (
+            columns, worker, probe, False,
+        )  # fmt: skip
+        worker.in_flight += 1
+        worker.requests_total += 1
+        columns.publish(worker)
+        return attempt
 
     def succeeded(
         self, attempt: Attempt, predicted_tokens: float = 0.0, cached_tokens: int | None = None,
         chars: int = 0, prompt_tokens: float | None = None, now: float = 0.0,
+        release: bool = False,
     ) -> None:  # fmt: skip
         """The worker answered; `cached_tokens` is what it reports having reused, against
         `predicted_tokens` (the room's prediction) when known; `prompt_tokens` its
         `usage.prompt_tokens` for a routing text of `chars` chars, where the router has no
-        prompt ids (router/holdings/calibration.py). The room is told both."""
+        prompt ids (router/holdings/calibration.py). The room is told both.
+
+        `release`: the try ends here too (a buffered answer, whole: the proxy's common
+        exit), as `attempt.release()` right after would end it; one call, not two."""
         worker = attempt.worker
         breaker = worker.breaker
         if breaker.opened_at is not None or breaker.probing:
@@ -227,6 +242,12 @@ class Fleet:
         )
         if cached_tokens is not None or learned is not None:
             self.holdings.answered(worker.worker_id, predicted_tokens, cached_tokens, learned, now)
+        if release and not attempt.released:
+            # `Attempt.release`, written here. Its probe rule is moot: the success above
+            # closed the breaker (`probing` False), as it would before a later release.
+            attempt.released = True
+            worker.in_flight -= 1
+            self.columns.publish(worker)
 
     def failed(self, attempt: Attempt, kind: FailureKind, now: float) -> None:
         """The try failed (see `FailureKind`). A busy worker is alive: BUSY counts toward no

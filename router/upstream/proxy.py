@@ -42,7 +42,7 @@ from prometheus_client import Counter
 from router.fleet.table import Attempt, Fleet
 from router.fleet.workers import FailureKind, Worker
 from router.holdings import sessions
-from router.holdings.calibration import chars_per_token, prompt_tokens_from
+from router.holdings.calibration import prompt_tokens_from
 from router.holdings.prediction import RouteRequest
 from router.holdings.sessions import SessionTable
 from router.holdings.sync import ReplicaSync
@@ -201,7 +201,7 @@ class Proxy:
         # The fleet keeps this view current as workers, breakers and loads change, so a
         # request costs no pass over the fleet in Python (a one-off copy only on retries).
         view = self.fleet.view(now, routed.model, exclude=tried)
-        if not view:
+        if not view.ids:
             return None
         request = routed.route
         if routed.cache_key is None:
@@ -257,13 +257,13 @@ class Proxy:
                 param="model",
                 code="model_not_found",
             )
-        fleet, config = self.fleet, self.config
+        fleet, config, pool = self.fleet, self.config, self.pool
         if routed.cache_key is None and (seat is None or not seat.exclude):
             # The common request, no session and a seat anywhere: `_select(routed, ())`
             # inlined, a call less.
             now = self.clock()
             view = fleet.view(now, routed.model, exclude=())
-            if not view:
+            if not view.ids:  # (not `len(view)`: a call less)
                 raise _no_workers()
             decision = self.routing.select(routed.route, view, now)
             self.metrics.decision(decision.reason, now)
@@ -279,11 +279,12 @@ class Proxy:
                 raise _no_workers()
             worker, decision = picked
             now = self.clock()
-        # Every try in one loop, the try itself inlined (one coroutine per try, not three:
-        # forward, attempt, retry). The retry books, made at the first failure (no allocation for the common
-        # request): the workers whose try failed, and the tries that got a 500, a timeout
-        # or an oversized answer: the worker's fault, or the request's? (each carries its
-        # attempt, and the limit it ran into: None for a 500)
+        # Every try in one loop, the try and its exchange inlined (one coroutine per
+        # request, not four: forward, attempt, retry, exchange). The retry books, made at
+        # the first failure (no allocation for the common request): the workers whose try
+        # failed, and the tries that got a 500, a timeout or an oversized answer: the
+        # worker's fault, or the request's? (each carries its attempt, and the limit it
+        # ran into: None for a 500)
         tried: list[str] | None = None
         suspects: list[AttemptFailed] | None = None
         busy_for = 0  # the longest Retry-After of the busy workers
@@ -294,27 +295,82 @@ class Proxy:
             # One try on `worker`: one exchange, resent once on a fresh connection when
             # another answer's bytes broke it before anything reached the client (issue 31:
             # 0.4-8.8% of innocent requests got 502 on a one-worker fleet); the resend's
-            # failure is the try's. Its attempt is released whatever the exit.
+            # failure is the try's. Its attempt is released whatever the exit (a whole
+            # buffered answer's success releases it with its books: `_succeeded`).
             # The decision's instant (a clock reading less on the common request): the
             # breaker's cooldown is read at the choice that the attempt carries out.
             attempt = fleet.attempt(worker, now)
-            try:
+            failure: AttemptFailed | None = None
+            fresh = False
+            while True:  # the exchange; a second pass is the resend (`fresh`)
                 try:
-                    response = await self._exchange(request, routed, attempt, decision, False)
-                except AttemptFailed as e:
-                    if not e.foreign:
+                    body = routed.body
+                    if routed.priority is not None and worker.report.priority_scheduling:
+                        body = with_priority(body, routed.priority)
+                    head = self._request_head(request)
+                    if routed.cache_key is not None:  # the worker pins the session, not the text
+                        head.append((PIN_KEY_HEADER, routed.cache_key.hex()))
+                    # The `x-request-id` sent to the worker: the request's id
+                    # (shared/serving/access_log.py), so one id names it in both services'
+                    # logs. The transport checks its echo before a connection is reused.
+                    wire_id = request.get(REQUEST_ID) or fresh_request_id()
+                    try:
+                        upstream = await pool.post(
+                            worker.url, routed.path, head, body, wire_id, fresh
+                        )
+                    except (TimeoutError, UpstreamBroken) as e:
+                        raise _unreached(e, worker, routed) from None
+                    try:
+                        if not answer_fine(upstream):  # the common case costs no coroutine
+                            await classify(upstream, worker)
+                        if upstream.content_type == EVENT_STREAM:
+                            response = await self._relay_stream(
+                                request, upstream, attempt, decision, routed
+                            )
+                        else:  # a buffered answer, relayed here
+                            # Whole and within max_response_bytes already (the common
+                            # answer): taken without `read_capped`'s and `read_all`'s
+                            # coroutines; else as they rule.
+                            size = upstream.content_length
+                            answer = None
+                            if size is not None and size <= config.max_response_bytes:
+                                answer = upstream.whole()
+                            if answer is None:
+                                answer = await read_capped(upstream, config, worker)
+                            # The books, and the try released with them (no await before
+                            # the answer leaves: nothing can tell the two orders apart).
+                            if upstream.status == 200:
+                                cached = cached_tokens_from_json(answer)
+                                self._succeeded(attempt, decision, routed, answer, cached, True)
+                            else:
+                                self._succeeded(attempt, decision, routed, b"", None, True)
+                            headers = self._response_headers(upstream, worker, decision)
+                            # (`responder_of` inlined)
+                            response = request.get(RESPONDER, AIOHTTP).answer(
+                                upstream.status, headers, answer
+                            )
+                    except BaseException:
+                        # Anything but a complete relay (error, cancel) must drop the
+                        # connection, so the worker sees the request abandoned instead of
+                        # a pooled half-read socket.
+                        upstream.close()
                         raise
-                    self.metrics.foreign_retries.inc()
-                    response = await self._exchange(request, routed, attempt, decision, True)
-            except AttemptFailed as e:
-                e.attempt = attempt
-                if not e.suspect:  # a suspect's verdict waits for the next worker's answer
-                    fleet.failed(attempt, e.kind, self.clock())
-                failure: AttemptFailed | None = e
-            else:
-                failure = None
-            finally:
-                attempt.release()
+                    pool.release(worker.url, upstream)
+                except AttemptFailed as e:
+                    if e.foreign and not fresh:
+                        self.metrics.foreign_retries.inc()
+                        fresh = True
+                        continue
+                    e.attempt = attempt
+                    if not e.suspect:  # a suspect's verdict waits for the next worker's answer
+                        fleet.failed(attempt, e.kind, self.clock())
+                    failure = e
+                except BaseException:
+                    attempt.release()
+                    raise
+                if not attempt.released:
+                    attempt.release()
+                break
             if failure is None:
                 if suspects and response.status < 400:
                     # Another worker answered what the suspect failed: the suspect's failure.
@@ -385,61 +441,6 @@ class Proxy:
             ("x-radix-matched-chars", str(d.matched_chars)),
         )
         return CIMultiDict(kept)
-
-    async def _exchange(
-        self, request: web.Request, routed: Routed, attempt: Attempt, decision: Decision,
-        fresh: bool,
-    ) -> web.StreamResponse:  # fmt: skip
-        worker = attempt.worker
-        body = routed.body
-        if routed.priority is not None and worker.report.priority_scheduling:
-            body = with_priority(body, routed.priority)
-        head = self._request_head(request)
-        if routed.cache_key is not None:  # the worker pins the tenant's session, not the text
-            head.append((PIN_KEY_HEADER, routed.cache_key.hex()))
-        # The `x-request-id` sent to the worker: the request's id (shared/serving/access_log.py),
-        # so one id names it in both services' logs. The transport checks its echo before a
-        # connection is reused (router/upstream/connection.py).
-        wire_id = request.get(REQUEST_ID) or fresh_request_id()
-        try:
-            upstream = await self.pool.post(worker.url, routed.path, head, body, wire_id, fresh)
-        except (TimeoutError, UpstreamBroken) as e:
-            failed = attempt_failed(e, worker, "cannot reach worker {}", FailureKind.CONNECT)
-            if failed.kind is FailureKind.TIMEOUT and not routed.stream:
-                # No head within request_timeout: a hung worker, or a request that takes
-                # longer than the limit anywhere. The next worker's answer decides.
-                failed.suspect, failed.limit = True, "request_timeout"
-            raise failed from None
-        try:
-            if not answer_fine(upstream):  # the common case costs no coroutine
-                await classify(upstream, worker)
-            if upstream.content_type == EVENT_STREAM:
-                resp = await self._relay_stream(request, upstream, attempt, decision, routed)
-            else:  # a buffered answer, relayed here (a coroutine less per request)
-                # Whole and within max_response_bytes already (the common answer): taken
-                # without `read_capped`'s and `read_all`'s coroutines; else as they rule.
-                size = upstream.content_length
-                answer = None
-                if size is not None and size <= self.config.max_response_bytes:
-                    answer = upstream.whole()
-                if answer is None:
-                    answer = await read_capped(upstream, self.config, worker)
-                if upstream.status == 200:
-                    self._succeeded(
-                        attempt, decision, routed, answer, cached_tokens_from_json(answer)
-                    )
-                else:
-                    self._succeeded(attempt, decision, routed, b"", None)
-                headers = self._response_headers(upstream, worker, decision)
-                # (`responder_of` inlined)
-                resp = request.get(RESPONDER, AIOHTTP).answer(upstream.status, headers, answer)
-        except BaseException:
-            # Anything but a complete relay (error, cancel) must drop the connection, so
-            # the worker sees the request abandoned instead of a pooled half-read socket.
-            upstream.close()
-            raise
-        self.pool.release(worker.url, upstream)
-        return resp
 
     async def _relay_stream(
         self,
@@ -515,20 +516,35 @@ class Proxy:
 
     def _succeeded(
         self, attempt: Attempt, decision: Decision, routed: Routed, answer: bytes,
-        cached: int | None,
+        cached: int | None, release: bool = False,
     ) -> None:  # fmt: skip
+        """Tell the table the try succeeded (`release`: and that it ended, in the same
+        call: a whole buffered answer)."""
         predicted = decision.predicted_tokens
         worker = attempt.worker
         chars, prompt_tokens = 0, None
         if predicted is None:  # no prompt ids: the worker's chars per token, as learned so far
-            predicted = decision.matched_chars / chars_per_token(
-                worker, self.config.tree_chars_per_token
+            # (`chars_per_token(worker, default)`, written here: a call less an answer)
+            predicted = decision.matched_chars / (
+                worker.chars_per_token or self.config.tree_chars_per_token
             )
             if routed.tokens is None:  # its answer teaches the ratio (calibration.py)
                 chars, prompt_tokens = len(routed.route.text), prompt_tokens_from(answer)
-        self.fleet.succeeded(attempt, predicted, cached, chars, prompt_tokens, self.clock())
+        self.fleet.succeeded(
+            attempt, predicted, cached, chars, prompt_tokens, self.clock(), release
+        )
         if cached is not None:
             self.metrics.observe_cached(attempt.worker.worker_id, predicted, cached)
+
+
+def _unreached(e: TimeoutError | UpstreamBroken, worker: Worker, routed: Routed) -> AttemptFailed:
+    """The try's failure when the worker's answer head never came (`e`: the pool's)."""
+    failed = attempt_failed(e, worker, "cannot reach worker {}", FailureKind.CONNECT)
+    if failed.kind is FailureKind.TIMEOUT and not routed.stream:
+        # No head within request_timeout: a hung worker, or a request that takes
+        # longer than the limit anywhere. The next worker's answer decides.
+        failed.suspect, failed.limit = True, "request_timeout"
+    return failed
 
 
 def _no_workers() -> APIError:

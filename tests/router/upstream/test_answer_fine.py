@@ -1,5 +1,5 @@
 """`answer_fine` lets the proxy skip `classify` for the common answer (router/upstream/
-proxy.py `_exchange`): it must never pass an answer `classify` would refuse, and must
+proxy.py `forward`): it must never pass an answer `classify` would refuse, and must
 pass the plain 2xx it exists for. Checked over every combination of status, content
 type and content coding below, each answer a value object with what `classify` reads."""
 
