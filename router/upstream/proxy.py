@@ -12,7 +12,9 @@ cannot be retried: the stream ends with an SSE error event.
 The proxy keeps no books: each try is a `Fleet.attempt` (the load it holds, the breaker
 probe), and its outcome is told to the table (`succeeded` with what the answer reported,
 or `failed` with a `FailureKind`); the table updates the breaker, the counters and the
-policy's columns, and tells the holdings room what the answer said of the cache.
+policy's columns, and tells the holdings room what the answer said of the cache. A
+whole buffered answer's success also ends its try in that one call (`release=True`: no
+await is left before the answer leaves); a stream's try ends after its last write.
 
 Answers leave through the request's `Responder` (router/upstream/responder.py):
 aiohttp's response objects, or the router's own framing where its own protocol took the
