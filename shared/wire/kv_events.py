@@ -23,12 +23,13 @@ depends on how an engine hashes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Annotated, Any, Literal, TypeAlias, Union
 
 import numpy as np
 
@@ -215,11 +216,28 @@ _REMOVED_ORDER = ("block_hashes", "medium")
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """One batch in vLLM's or SGLang's wire form; ValueError on anything else."""
-    import msgpack  # see encode_batch
+    """One batch in vLLM's or SGLang's wire form; ValueError on anything else.
 
+    Two decoders, one outcome: the typed one (`_typed_decoders`, msgspec: bounds and
+    types checked in C) takes the batches it can prove well formed, and anything it
+    cannot is the checked one's to accept or refuse (`_decode_checked`, msgpack and
+    Python checks), so what is accepted, refused and returned is the checked decoder's
+    answer either way (tests/shared/wire/test_kv_events_typed.py compares them)."""
     if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > MAX_BATCH_BYTES:
         raise ValueError("batch is not bytes or is too large")
+    for decoder in _typed_decoders():  # the map form (vLLM 0.32, our streams), the array form
+        try:
+            batch = decoder.decode(payload)
+            return EventBatch(batch.ts, tuple([e.event() for e in batch.events]))
+        except ValueError:  # msgspec's DecodeError and ValidationError, `_typed_stored`'s
+            pass
+    return _decode_checked(payload)
+
+
+def _decode_checked(payload: bytes) -> EventBatch:
+    """`decode_batch` by msgpack and a check of every field in Python."""
+    import msgpack  # see encode_batch
+
     try:
         raw = msgpack.unpackb(
             payload, raw=False, strict_map_key=True, max_array_len=MAX_EVENT_TOKENS,
@@ -402,9 +420,102 @@ def _medium(f: dict[str, Any]) -> str | None:
     medium = f.get("medium")
     if medium is None:
         return None
-    if medium not in MEDIUMS:
+    if not isinstance(medium, str) or medium not in MEDIUMS:  # (a list is unhashable)
         raise ValueError(f"unknown medium {str(medium)[:20]!r}")
     return medium
+
+
+# ---- the typed decoder (msgspec) ------------------------------------------------------
+
+# A string's chars in the typed decoder: msgpack bounded a string's bytes (max_str_len
+# 256 above), and 64 chars are at most 256 bytes of UTF-8: a longer one is the checked
+# decoder's to accept or refuse.
+_TYPED_STR_CHARS = 64
+
+
+@functools.cache
+def _typed_decoders() -> tuple[Any, Any]:
+    """msgspec decoders of a batch whose events are all in vLLM's map form, and of one
+    whose events are all in the array form; each event decodes to a Struct whose
+    `event()` is its KVEvent, or raises ValueError where a rule no msgspec type states
+    fails (the checked decoder then decides).
+
+    Every type is closed (no unknown key, no item past the last field, every string,
+    bytes and array bounded as msgpack's bounds in `_decode_checked` do), so a batch
+    they accept is one the checked decoder accepts with the same events; the one
+    difference is a map's duplicate keys (the last wins in both): msgpack counted each
+    against its 64-entry bound, msgspec cannot, so a map of more than 64 entries of
+    known keys, each value valid, passes here (its work bounded by the batch's size).
+    Built on first use: msgspec is imported here, not at the top (the GPU machine's
+    engine encodes events without it)."""
+    from msgspec import UNSET, Meta, UnsetType, defstruct
+    from msgspec.msgpack import Decoder
+
+    hash_t = int | Annotated[bytes, Meta(min_length=1, max_length=MAX_HASH_BYTES)]
+    hashes_t = Annotated[tuple[hash_t, ...], Meta(min_length=1, max_length=MAX_BLOCKS)]
+    medium_t = Literal["GPU", "CPU", "STORAGE"] | None
+    short_t = Annotated[str, Meta(max_length=_TYPED_STR_CHARS)]
+    keys_t = Annotated[tuple[short_t | int, ...], Meta(max_length=MAX_EXTRA_KEYS)] | None
+    fields = {
+        "BlockStored": [
+            ("block_hashes", hashes_t),
+            ("parent_block_hash", hash_t | None),
+            ("token_ids", Annotated[list[Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]],
+                                   Meta(max_length=MAX_EVENT_TOKENS)]),
+            ("block_size", Annotated[int, Meta(ge=0, le=MAX_BLOCK_SIZE)]),
+            ("lora_id", Annotated[int, Meta(ge=0, le=2**63 - 1)] | None, None),
+            ("medium", medium_t, None),
+            ("lora_name", Annotated[str, Meta(min_length=1, max_length=_TYPED_STR_CHARS)] | None,
+             None),
+            ("extra_keys", Annotated[tuple[keys_t, ...], Meta(max_length=MAX_BLOCKS)] | None, None),
+        ],
+        "BlockRemoved": [("block_hashes", hashes_t), ("medium", medium_t, None)],
+        "AllBlocksCleared": [],
+    }  # fmt: skip
+    methods = {
+        "BlockStored": _typed_stored,
+        "BlockRemoved": lambda self: BlockRemoved(self.block_hashes, self.medium),
+        "AllBlocksCleared": lambda self: AllBlocksCleared(),
+    }
+    # an item past the last field (array form): the checked decoder's to refuse
+    end = [("end", UnsetType, UNSET)]
+
+    def decoder(form: dict[str, Any]) -> Any:
+        events = [
+            defstruct(tag, fields[tag] + (end if form.get("array_like") else []),
+                      namespace={"event": methods[tag]}, tag=tag, gc=False, **form)
+            for tag in fields
+        ]  # fmt: skip
+        batch = defstruct("Batch", [
+            ("ts", float),
+            ("events", Annotated[list[Union[tuple(events)]], Meta(max_length=MAX_EVENTS)]),
+            ("data_parallel_rank", int | None, None),
+            *end,
+        ], array_like=True, gc=False)  # fmt: skip
+        return Decoder(batch)
+
+    # gc=False: the Structs hold ints, strings, bytes and lists and tuples of them: no cycle
+    return (
+        decoder({"tag_field": "type", "forbid_unknown_fields": True}),
+        decoder({"array_like": True}),
+    )
+
+
+def _typed_stored(self: Any) -> BlockStored:
+    """A typed BlockStored's event: the rules its types cannot state, as `_decode_event`."""
+    hashes, size, tokens = self.block_hashes, self.block_size, self.token_ids
+    if size == 0 and not tokens and self.parent_block_hash is None:
+        # an offload announcement (see `_decode_event`): no tokens, no LoRA
+        return BlockStored(hashes, None, np.empty(0, np.int64), 0, self.medium)
+    if size == 0 or len(tokens) != len(hashes) * size:
+        raise ValueError("token_ids is not block_size tokens per block")
+    keys = self.extra_keys
+    if keys is not None and len(keys) != len(hashes):
+        raise ValueError("extra_keys is not one entry per block")
+    lora = (self.lora_id or None) if self.lora_name is None else self.lora_name
+    # the ids are in [0, 2**31) already: their uint32 bytes are the key text
+    text = struct.pack(f"<{len(tokens)}I", *tokens).decode("latin-1")
+    return BlockStored(hashes, self.parent_block_hash, tokens, size, self.medium, keys, lora, text)
 
 
 # ---- stream entries (Redis) ----------------------------------------------------------
