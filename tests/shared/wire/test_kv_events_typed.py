@@ -1,4 +1,4 @@
-"""The typed KV-event decoder (msgspec, shared/wire/kv_events.py `_typed_decoders`) against
+"""The typed KV-event decoder (msgspec, shared/wire/kv_decode.py `_typed_decoders`) against
 the checked one (msgpack and Python checks, `_decode_checked`: main's decoder, kept as the
 fallback and the oracle here). `decode_batch` tries the typed one first; what it accepts
 must be what the checked one accepts, with the same events, and everything else is the
@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared.wire.kv_decode import _decode_checked, _typed_decoders
 from shared.wire.kv_events import (
     MAX_BLOCK_SIZE,
     MAX_TOKEN_ID,
@@ -26,8 +27,6 @@ from shared.wire.kv_events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
-    _decode_checked,
-    _typed_decoders,
     decode_batch,
     encode_batch,
 )
@@ -213,7 +212,8 @@ def test_the_module_imports_and_encodes_without_msgspec() -> None:
     code = textwrap.dedent("""
         import sys
         sys.modules["msgspec"] = None  # unimportable
-        from shared.wire.kv_events import AllBlocksCleared, encode_batch, _decode_checked
+        from shared.wire.kv_events import AllBlocksCleared, encode_batch
+        from shared.wire.kv_decode import _decode_checked
         assert _decode_checked(encode_batch([AllBlocksCleared()])).events == (AllBlocksCleared(),)
     """)
     subprocess.run([sys.executable, "-c", code], check=True)
