@@ -55,7 +55,8 @@ def decode_batch(payload: bytes) -> EventBatch:
     types checked in C) takes the batches it can prove well formed, and anything it
     cannot is the checked one's to accept or refuse (`_decode_checked`, msgpack and
     Python checks), so what is accepted, refused and returned is the checked decoder's
-    answer either way (tests/shared/wire/test_kv_events_typed.py compares them)."""
+    answer either way, but for one case `_typed_decoders` names (duplicate map keys;
+    tests/shared/wire/test_kv_events_typed.py compares the two)."""
     if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > MAX_BATCH_BYTES:
         raise ValueError("batch is not bytes or is too large")
     for decoder in _typed_decoders():  # the map form (vLLM 0.32, our streams), the array form
@@ -97,7 +98,7 @@ class BatchReader:
     malformed batch whole collects the events before it applies any."""
 
     def __init__(self, payload: bytes) -> None:
-        import msgpack  # see encode_batch
+        import msgpack  # see _decode_checked
 
         if (
             not isinstance(payload, bytes | bytearray | memoryview)
