@@ -191,12 +191,14 @@ class BlockIndex:
                 start += width
                 holders = blocks.get(parent)
                 if holders is None:
-                    old = by_hash.get(engine_hash)
-                    if old is not None and old != parent:
+                    # (one look-up: a new engine hash goes in at once, a known one for
+                    # other content goes and comes back at the end, as a set would put it)
+                    old = by_hash.setdefault(engine_hash, parent)
+                    if old != parent:
                         self._unhold(worker, old, 7)
                         wb.forget(engine_hash)
+                        by_hash[engine_hash] = parent
                     blocks[parent] = {worker: (media, engine_hash)}
-                    by_hash[engine_hash] = parent
                 else:
                     self._hold(worker, wb, parent, engine_hash, media, holders)
         else:
@@ -211,12 +213,12 @@ class BlockIndex:
             for parent, engine_hash in zip(keys, hashes, strict=True):
                 holders = blocks.get(parent)
                 if holders is None:  # a block no worker holds (most of a turn's new blocks)
-                    old = by_hash.get(engine_hash)
-                    if old is not None and old != parent:
+                    old = by_hash.setdefault(engine_hash, parent)
+                    if old != parent:
                         self._unhold(worker, old, 7)
                         wb.forget(engine_hash)
+                        by_hash[engine_hash] = parent
                     blocks[parent] = {worker: (media, engine_hash)}
-                    by_hash[engine_hash] = parent
                 else:
                     self._hold(worker, wb, parent, engine_hash, media, holders)
         share = self.shares.get(worker)

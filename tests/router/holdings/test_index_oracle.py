@@ -149,8 +149,8 @@ def books(index: BlockIndex) -> tuple:
 
 def random_events(rng: random.Random, chains: list[list[int]], hashes: dict) -> list[KVEvent]:
     """A batch: stores along a few shared chains (new, again, in another tier, under a new
-    engine hash, by hash only, with or without key text, orphans), removals (of held,
-    unknown and partly held blocks, per tier)."""
+    engine hash, an engine hash known for other content, by hash only, with or without
+    key text, orphans), removals (of held, unknown and partly held blocks, per tier)."""
     events: list[KVEvent] = []
     for _ in range(rng.randrange(1, 5)):
         chain = rng.choice(chains)
@@ -161,6 +161,8 @@ def random_events(rng: random.Random, chains: list[list[int]], hashes: dict) -> 
             salt = rng.choice((0, 0, 0, 1))  # now and then the same block, another hash
             hs = tuple(hashes.setdefault((id(chain), start + i, salt), rng.getrandbits(40))
                        for i in range(n))  # fmt: skip
+            if hashes and rng.random() < 0.1:  # an engine hash named before, other content
+                hs = (*hs[:-1], rng.choice(list(hashes.values())))
             parent = None
             if start:
                 parent = hashes.get((id(chain), start - 1, 0), rng.getrandbits(40))
