@@ -55,6 +55,7 @@ from shared.wire.kv_events import (
     KVEvent,
     block_key_list,
     block_key_text,
+    ids_text,
 )
 
 _MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
@@ -178,41 +179,32 @@ class BlockIndex:
         media = _MEDIA.get(event.medium, 1)
         blocks, by_hash = self._blocks, wb.by_hash
         hashes = event.block_hashes
-        text = event.token_text  # the ids' key text where decoded (shared/wire/kv_events.py)
+        text, ids = event.token_text, event.token_ids  # text: where the decoder packed it
+        if text is None:
+            ids = ids.tolist() if isinstance(ids, np.ndarray) else ids
+            text = ids_text(ids)  # (None: ids that are no token ids)
         width = ID_CHARS * bs
-        if text is not None and len(text) == width * len(hashes):
+        if text is None or len(text) != width * len(hashes):
+            # Keyed apart (`block_key_list`), or key text that is no whole blocks (a
+            # hand-built event): stored pair by pair as far as both go.
+            keys = (
+                block_key_list(ids, bs, parent)
+                if text is None
+                else block_key_text(text, bs, parent)
+            )
+            for key, engine_hash in zip(keys, hashes, strict=True):
+                self._store(worker, wb, key, engine_hash, media)
+        else:
             # `block_key_text` in line, each key made where its block is stored: no list
-            # of keys and no second loop (the feed applies ~20-40 blocks a request). The
+            # of keys and no call a block (the feed applies ~20-40 blocks a request). The
             # common block is one no worker holds (a turn's new blocks, a chat stored again
-            # after its eviction): stored with no further look-up.
+            # after its eviction), stored here; `_store` says the same for any block.
             start = 0
             for engine_hash in hashes:
                 parent = hash((parent, text[start : start + width])) & _MASK64
                 start += width
                 holders = blocks.get(parent)
                 if holders is None:
-                    # (one look-up: a new engine hash goes in at once, a known one for
-                    # other content goes and comes back at the end, as a set would put it)
-                    old = by_hash.setdefault(engine_hash, parent)
-                    if old != parent:
-                        self._unhold(worker, old, 7)
-                        wb.forget(engine_hash)
-                        by_hash[engine_hash] = parent
-                    blocks[parent] = {worker: (media, engine_hash)}
-                else:
-                    self._hold(worker, wb, parent, engine_hash, media, holders)
-        else:
-            if text is not None:
-                keys = block_key_text(text, bs, parent)
-            else:
-                ids = event.token_ids
-                keys = block_key_list(
-                    ids if isinstance(ids, list) else ids.tolist()
-                    if isinstance(ids, np.ndarray) else list(ids), bs, parent,
-                )  # fmt: skip
-            for parent, engine_hash in zip(keys, hashes, strict=True):
-                holders = blocks.get(parent)
-                if holders is None:  # a block no worker holds (most of a turn's new blocks)
                     old = by_hash.setdefault(engine_hash, parent)
                     if old != parent:
                         self._unhold(worker, old, 7)
@@ -229,6 +221,24 @@ class BlockIndex:
             self.forgotten += 1
             for w, (_, h) in holders.items():
                 self._workers[w].forget(h)
+
+    def _store(
+        self, worker: str, wb: _WorkerBlocks, key: int, engine_hash: BlockHash, media: int
+    ) -> None:
+        """Block `key` stored by `worker` in `media` under `engine_hash`."""
+        holders = self._blocks.get(key)
+        if holders is not None:
+            self._hold(worker, wb, key, engine_hash, media, holders)
+            return
+        by_hash = wb.by_hash
+        # One look-up: a new engine hash goes in at once; one known for other content
+        # goes (with its old block) and comes back at the end, as a plain set puts it.
+        old = by_hash.setdefault(engine_hash, key)
+        if old != key:
+            self._unhold(worker, old, 7)
+            wb.forget(engine_hash)
+            by_hash[engine_hash] = key
+        self._blocks[key] = {worker: (media, engine_hash)}
 
     def _hold(
         self, worker: str, wb: _WorkerBlocks, key: int, engine_hash: BlockHash, media: int,

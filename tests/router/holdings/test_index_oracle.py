@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from router.holdings.kv_feed import KvEventFeed, StreamState
@@ -59,7 +60,10 @@ class OracleIndex(BlockIndex):
         if text is not None:
             keys = block_key_text(text, bs, parent)
         else:
-            keys = block_key_list(list(event.token_ids), bs, parent)
+            ids = event.token_ids
+            keys = block_key_list(
+                ids.tolist() if isinstance(ids, np.ndarray) else list(ids), bs, parent
+            )
         by_hash = wb.by_hash
         for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
             holders = blocks.get(parent)
@@ -150,7 +154,7 @@ def books(index: BlockIndex) -> tuple:
 def random_events(rng: random.Random, chains: list[list[int]], hashes: dict) -> list[KVEvent]:
     """A batch: stores along a few shared chains (new, again, in another tier, under a new
     engine hash, an engine hash known for other content, by hash only, with or without
-    key text, orphans), removals (of held, unknown and partly held blocks, per tier)."""
+    key text, as arrays, ids that are no token ids, orphans), removals (of held, unknown and partly held blocks, per tier)."""
     events: list[KVEvent] = []
     for _ in range(rng.randrange(1, 5)):
         chain = rng.choice(chains)
@@ -172,6 +176,8 @@ def random_events(rng: random.Random, chains: list[list[int]], hashes: dict) -> 
             text = ids_text(ids) if rng.random() < 0.8 else None
             if rng.random() < 0.05 and text:
                 text = text[: len(text) - 4]  # key text short of the ids (hand-built)
+            if text is None and rng.random() < 0.3:  # the simulator's arrays; no token ids
+                ids = np.array(ids) if rng.random() < 0.5 else [-ids[0], *ids[1:]]
             if rng.random() < 0.07:
                 events.append(BlockStored(hs, None, [], 0, medium))  # by hash only
             else:
