@@ -1,10 +1,10 @@
 """The index's rewritten rules answer as the rules they replaced: the old code, kept here
 as the oracle, and the index side by side over random event streams and requests.
 
-`OracleIndex` is `BlockIndex` with `_stored` and `_removed` as they were before the store
-loop keyed blocks in line and the removal loop dropped a sole holder's block in one
-delete (main 8f87eb0); `old_lost_since_routed` is merge.py's rule before it bisected the
-path. Every batch leaves both indexes with the same books, in the same order (blocks' LRU
+`OracleIndex` is `BlockIndex` with `_stored` and `_removed` as main 8f87eb0 had them
+(before the store loop keyed blocks in line and set a new engine hash in one look-up, and
+the removal loop dropped a sole holder's block in one delete and trimmed the lost book once
+an event); `old_lost_since_routed` is merge.py's rule before it bisected the path. Every batch leaves both indexes with the same books, in the same order (blocks' LRU
 order, each worker's engine hashes, the losses), and every lookup answers the same."""
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def books(index: BlockIndex) -> tuple:
 def random_events(rng: random.Random, chains: list[list[int]], hashes: dict) -> list[KVEvent]:
     """A batch: stores along a few shared chains (new, again, in another tier, under a new
     engine hash, an engine hash known for other content, by hash only, with or without
-    key text, as arrays, ids that are no token ids, orphans), removals (of held, unknown and partly held blocks, per tier)."""
+    key text, as arrays, ids that are no token ids, orphans), removals (of held, unknown
+    and partly held blocks, per tier)."""
     events: list[KVEvent] = []
     for _ in range(rng.randrange(1, 5)):
         chain = rng.choice(chains)
