@@ -59,6 +59,7 @@ Route = tuple[
     tuple[Callable[[Any, Any], None], ...] | None,
 ]  # fmt: skip
 MAX_PENDING = 65536  # bytes read during an answer before reading pauses
+_HANDED_OVER = (None, None)  # the connection's task's last "next request"
 
 
 class _Content:
@@ -153,7 +154,12 @@ class FastProtocol(BaseProtocol):
         self._pending = bytearray()  # read while a fast answer was being written
         # The last head taken: the same again is not read again (router/http/fast_head.py).
         self._last = LastHead()
+        self._busy = False  # an answer is being made or written
+        # The connection's task, made by its first fast request: it answers them all, one
+        # at a time, waiting on `_next` in between (a Task a request cost its creation,
+        # asyncio's WeakSet add and discard; a future, less). It ends with the connection.
         self._task: asyncio.Task[None] | None = None
+        self._next: asyncio.Future[tuple[FastRequest, Handler] | tuple[None, None]] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has
         # been idle `_limit` seconds (the head deadline until a first answer, then
         # aiohttp's keep-alive timeout), not a timer handle per request.
@@ -170,7 +176,7 @@ class FastProtocol(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         """`data` holds exactly one simple request: answer it; else hand over. Bytes that
         come while an answer is being written wait for it (`_pending`)."""
-        if self._task is not None:  # a fast answer is being written: wait for it
+        if self._busy:  # a fast answer is being written: wait for it
             self._pending += data
             if len(self._pending) > MAX_PENDING and self.transport is not None:
                 self.transport.pause_reading()  # resumed when the answer is written
@@ -189,85 +195,103 @@ class FastProtocol(BaseProtocol):
         assert transport is not None
         route = self._hot[path]
         request = FastRequest(path, headers, data[end + 4 :], route, self, transport)
-        self._task = self._loop.create_task(self._answer(request, route[0]))
+        self._busy = True
+        waiter = self._next
+        if waiter is None:  # the connection's first fast request
+            self._task = self._loop.create_task(self._serve(request, route[0]))
+        else:
+            self._next = None
+            waiter.set_result((request, route[0]))
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         self._server.connections.discard(self)
         super().connection_lost(exc)
         if self._task is not None:
-            self._task.cancel()  # the client left: as aiohttp's handler_cancellation
+            # The client left: its answer is cancelled, as by aiohttp's
+            # handler_cancellation; an idle connection's task just ends.
+            self._task.cancel()
 
     # -- the connection's course
-    async def _answer(self, request: FastRequest, handler: Handler) -> None:
-        """The edge, then the answer's write. The edge is `serve_logged`'s steps in its
-        order (shared/serving/access_log.py: the id and start time; the guard and the
-        handler, what either raises becomes `error_response_for`'s answer; then
-        `on_done` and the access-log line, before the write), inlined: one coroutine a
-        request less. tests/router/http/test_hot_paths.py holds it to the app's way."""
-        keep = False
-        try:
-            request[REQUEST_ID] = request_id_of(request.headers.get(REQUEST_ID_HEADER))
-            start = perf_counter()
-            status, response, answer = 500, None, None
+    async def _serve(self, request: FastRequest | None, handler: Handler | None) -> None:
+        """The connection's task: each fast request's edge, then its answer's write, then
+        the next request (`_next`), until the connection closes or is handed over.
+
+        The edge is `serve_logged`'s steps in its order (shared/serving/access_log.py: the
+        id and start time; the guard and the handler, what either raises becomes
+        `error_response_for`'s answer; then `on_done` and the access-log line, before the
+        write), inlined: one coroutine a request less. tests/router/http/test_hot_paths.py
+        holds it to the app's way."""
+        loop, server, access = self._loop, self._server, self._log
+        while request is not None:
+            keep = False
             try:
+                request[REQUEST_ID] = request_id_of(request.headers.get(REQUEST_ID_HEADER))
+                start = perf_counter()
+                status, response, answer = 500, None, None
                 try:
-                    guard = self._guard
-                    if guard is not None:
-                        pending = guard(request)
-                        if pending is not None:
-                            await pending
-                    response = await handler(request)
-                except Exception as e:
-                    response = error_response_for(request, e)
-                    if response is None:
-                        if not isinstance(e, web.HTTPException):
-                            raise
-                        status = e.status
-                        answer = e  # what the edge lets through (a redirect): aiohttp sends it
-                if response is not None:
-                    status = response.status
-                    answer = response
-            except asyncio.CancelledError:
-                status = 499  # the client went away first (nginx's convention)
-                raise
-            finally:
-                access = self._log
-                seconds = perf_counter() - start
-                if access.on_done is not None:
-                    access.on_done(request, status, seconds, response)  # type: ignore[arg-type]
-                if access.enabled and access.logger.isEnabledFor(logging.INFO):
-                    log_access(access.logger, access.fields, request, status, seconds, response)  # type: ignore[arg-type]
-            if type(answer) is FastReply and request.now_hooks is not None:
-                reply_now(request, answer)  # the common answer: no coroutine
-                keep = True
-            else:
-                keep = await FAST.finish(request, answer)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        except Exception:
-            log.exception("error answering %s", request.path)
-        finally:
-            self._task = None
-        transport = self.transport
-        if transport is None:
-            return
-        if not keep or self._server.closing:
-            transport.close()
-            return
-        self._idle_since, self._limit = self._loop.time(), self._keepalive
-        if self._pending:  # read while answering (rare: clients wait for an answer)
-            pending, self._pending = bytes(self._pending), bytearray()
-            if len(pending) > MAX_PENDING:
-                transport.resume_reading()
-            self.data_received(pending)
-        elif self._timer is None:
-            self._arm(self._limit)
+                    try:
+                        guard = self._guard
+                        if guard is not None:
+                            pending = guard(request)
+                            if pending is not None:
+                                await pending
+                        response = await handler(request)
+                    except Exception as e:
+                        response = error_response_for(request, e)
+                        if response is None:
+                            if not isinstance(e, web.HTTPException):
+                                raise
+                            status = e.status
+                            answer = e  # what the edge lets through (a redirect): aiohttp sends it
+                    if response is not None:
+                        status = response.status
+                        answer = response
+                except asyncio.CancelledError:
+                    status = 499  # the client went away first (nginx's convention)
+                    raise
+                finally:
+                    seconds = perf_counter() - start
+                    if access.on_done is not None:
+                        access.on_done(request, status, seconds, response)  # type: ignore[arg-type]
+                    if access.enabled and access.logger.isEnabledFor(logging.INFO):
+                        log_access(access.logger, access.fields, request, status, seconds, response)  # type: ignore[arg-type]
+                if type(answer) is FastReply and request.now_hooks is not None:
+                    reply_now(request, answer)  # the common answer: no coroutine
+                    keep = True
+                else:
+                    keep = await FAST.finish(request, answer)
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            except Exception:
+                log.exception("error answering %s", request.path)
+            # Nothing of this request is kept while the connection waits for its next one.
+            self._busy, request = False, None
+            response = answer = None
+            transport = self.transport
+            if transport is None:  # the client left (and cancelled this task)
+                return
+            if not keep or server.closing:  # (a cancelled answer is not kept either)
+                transport.close()
+                return
+            self._idle_since, self._limit = loop.time(), self._keepalive
+            self._next = waiter = loop.create_future()
+            if self._pending:  # read while answering (rare: clients wait for an answer)
+                pending, self._pending = bytes(self._pending), bytearray()
+                if len(pending) > MAX_PENDING:
+                    transport.resume_reading()
+                self.data_received(pending)  # answers `waiter`
+            elif self._timer is None:
+                self._arm(self._limit)
+            request, handler = await waiter  # (None, None): the connection was handed over
 
     def _hand_over(self, data: bytes) -> None:
         """aiohttp's protocol takes the connection and `data`, the current request's bytes."""
         self._disarm()
         self._server.connections.discard(self)  # aiohttp's from now on: its server's list
+        waiter, self._next = self._next, None
+        if waiter is not None:  # the connection's task ends
+            waiter.set_result(_HANDED_OVER)
         transport = self.transport
         if transport is None:
             return
@@ -282,7 +306,7 @@ class FastProtocol(BaseProtocol):
 
     def close_when_idle(self) -> None:
         """Close now if no answer is being written, else once it is (`FastServer.closing`)."""
-        if self._task is None and self.transport is not None:
+        if not self._busy and self.transport is not None:
             self.transport.close()
 
     def _arm(self, seconds: float) -> None:
@@ -298,8 +322,8 @@ class FastProtocol(BaseProtocol):
         if self.transport is None:
             return
         left = self._limit - (self._loop.time() - self._idle_since)
-        if self._task is not None or left > 0.001:  # busy, or not idle that long yet
-            self._arm(left if self._task is None else self._limit)
+        if self._busy or left > 0.001:  # busy, or not idle that long yet
+            self._arm(self._limit if self._busy else left)
         else:
             self.transport.close()
 

@@ -198,7 +198,7 @@ async def test_a_stream_to_a_client_that_never_reads_holds_bounded_memory(
         router_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n"
                                 b"Content-Length: %d\r\n\r\n%s" % (len(STREAM), STREAM))  # fmt: skip
-        await wait_until(lambda: protocol._task is not None)  # the answer has begun
+        await wait_until(lambda: protocol._busy)  # the answer has begun
         most, bound = 0, HIGH_WATER + READ  # the high-water mark and one relayed chunk
         while protocol.transport is not None and most <= bound:  # until the deadline
             most = max(most, protocol.transport.get_write_buffer_size())
