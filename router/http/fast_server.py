@@ -223,6 +223,7 @@ class FastProtocol(BaseProtocol):
         write), inlined: one coroutine a request less. tests/router/http/test_hot_paths.py
         holds it to the app's way."""
         loop, server, access = self._loop, self._server, self._log
+        on_done, logs = access.on_done, access.enabled  # the config's: fixed while serving
         while request is not None:
             keep = False
             try:
@@ -252,9 +253,9 @@ class FastProtocol(BaseProtocol):
                     raise
                 finally:
                     seconds = perf_counter() - start
-                    if access.on_done is not None:
-                        access.on_done(request, status, seconds, response)  # type: ignore[arg-type]
-                    if access.enabled and access.logger.isEnabledFor(logging.INFO):
+                    if on_done is not None:
+                        on_done(request, status, seconds, response)  # type: ignore[arg-type]
+                    if logs and access.logger.isEnabledFor(logging.INFO):
                         log_access(access.logger, access.fields, request, status, seconds, response)  # type: ignore[arg-type]
                 if type(answer) is FastReply and request.now_hooks is not None:
                     reply_now(request, answer)  # the common answer: no coroutine
