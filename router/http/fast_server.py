@@ -22,6 +22,12 @@ A hand-over never happens while a fast answer is being written: bytes that arriv
 then wait until it is done. tests/router/http/test_server_conformance.py holds both
 ways to one table.
 
+A connection's fast requests are answered by one task, made by its first and ended with
+the connection (closed, handed over, or left by its client, which cancels the answer in
+flight: 499, as aiohttp's handler_cancellation): between requests it waits on a future
+the next request resolves. A Task a request cost more (its creation, asyncio's WeakSet
+add and discard: loadtests/results/router_cpu.md, "Eleventh pass: the connection").
+
 aiohttp's server lists only its own connections, so at shutdown `FastServer.close()`
 (router/http/app.py `stop_serving`, before `runner.cleanup()`) closes these: idle ones at
 once, one being answered when its answer is written.
@@ -155,9 +161,8 @@ class FastProtocol(BaseProtocol):
         # The last head taken: the same again is not read again (router/http/fast_head.py).
         self._last = LastHead()
         self._busy = False  # an answer is being made or written
-        # The connection's task, made by its first fast request: it answers them all, one
-        # at a time, waiting on `_next` in between (a Task a request cost its creation,
-        # asyncio's WeakSet add and discard; a future, less). It ends with the connection.
+        # The connection's task (the module's docstring) and the future it waits on for
+        # the next request (None while an answer is being made).
         self._task: asyncio.Task[None] | None = None
         self._next: asyncio.Future[tuple[FastRequest, Handler] | tuple[None, None]] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has

@@ -36,7 +36,7 @@ def _connection_tasks() -> list[asyncio.Task]:
 async def test_a_connections_task_answers_its_requests_and_ends_with_it(
     fake_workers: StartWorkers,
 ) -> None:
-    [(worker, server)] = await fake_workers("ok", stream_chunks=100, chunk_delay=0.05)
+    [(worker, server)] = await fake_workers("ok", stream_chunks=10, chunk_delay=0.05)
     config = RouterConfig(worker_urls=(url_of(server),), host="127.0.0.1", fast_hot_paths=True)
     runner, made = await _serve_recording(config)
     port = runner.addresses[0][1]
@@ -76,8 +76,20 @@ async def test_a_connections_task_answers_its_requests_and_ends_with_it(
         await wait_until(lambda: worker.cancelled == 1)
         assert worker.completed == 12
 
-        # The last connection still answers; then the whole server shuts down.
+        # A request sent while an answer is being written waits for it, then is answered
+        # by the same task.
         reader, writer = kept[3]
+        writer.write(_completion(STREAM))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert b"text/event-stream" in head
+        writer.write(_completion(BODY))
+        await asyncio.wait_for(reader.readuntil(b"data: [DONE]"), 10)
+        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)  # the stream's end
+        head, body = await _read_answer(reader)
+        assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["choices"]
+        assert len(_connection_tasks()) == 1 and worker.completed == 14
+
+        # Then a route of aiohttp's: the last task ends.
         writer.write(b"GET /metrics HTTP/1.1\r\nHost: r\r\n\r\n")  # handed over
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         length = int(re.search(rb"(?i)content-length: (\d+)", head)[1])  # type: ignore[index]
