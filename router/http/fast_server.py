@@ -163,7 +163,7 @@ class FastProtocol(BaseProtocol):
         self._busy = False  # an answer is being made or written
         # The connection's task (the module's docstring) and the future it waits on for
         # the next request (None while an answer is being made).
-        self._task: asyncio.Task[None] | None = None
+        self._serving: asyncio.Task[None] | None = None
         self._next: asyncio.Future[tuple[FastRequest, Handler] | tuple[None, None]] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has
         # been idle `_limit` seconds (the head deadline until a first answer, then
@@ -203,7 +203,7 @@ class FastProtocol(BaseProtocol):
         self._busy = True
         waiter = self._next
         if waiter is None:  # the connection's first fast request
-            self._task = self._loop.create_task(self._serve(request, route[0]))
+            self._serving = self._loop.create_task(self._serve(request, route[0]))
         else:
             self._next = None
             waiter.set_result((request, route[0]))
@@ -212,10 +212,10 @@ class FastProtocol(BaseProtocol):
         self._disarm()
         self._server.connections.discard(self)
         super().connection_lost(exc)
-        if self._task is not None:
+        if self._serving is not None:
             # The client left: its answer is cancelled, as by aiohttp's
             # handler_cancellation; an idle connection's task just ends.
-            self._task.cancel()
+            self._serving.cancel()
 
     # -- the connection's course
     async def _serve(self, request: FastRequest | None, handler: Handler | None) -> None:

@@ -2,7 +2,8 @@
 made by its first fast request: it answers the connection's requests one after the
 other and ends with the connection, whichever way that ends (the client closes it while
 idle, it is handed over to aiohttp, the client leaves mid-answer: that answer is
-cancelled and counted 499, as aiohttp's handler_cancellation). No task is left behind."""
+cancelled and counted 499, as aiohttp's handler_cancellation; the shutdown closes it).
+No task is left behind."""
 
 from __future__ import annotations
 
@@ -98,8 +99,20 @@ async def test_a_connections_task_answers_its_requests_and_ends_with_it(
             r'_requests_total\{endpoint="[^"]*completions",status="499"\} 1\.0', metrics
         )
         assert _connection_tasks() == []
-        for _, writer in kept:
+
+        # Forty more, answered once and kept open: the shutdown's close ends every task.
+        more = [await asyncio.open_connection("127.0.0.1", port) for _ in range(40)]
+        for _, writer in more:
+            writer.write(_completion(BODY))
+        for reader, _ in more:
+            head, _ = await _read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200")
+        assert len(_connection_tasks()) == 40
+        made[0]._server.close()  # as router/http/app.py's shutdown, before runner.cleanup()
+        await wait_until(lambda: _connection_tasks() == [])
+        for reader, _ in more:
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the router
+        for _, writer in kept + more:
             writer.close()
     finally:
         await runner.cleanup()
-    assert _connection_tasks() == []
