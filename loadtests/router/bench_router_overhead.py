@@ -661,7 +661,7 @@ try:  # the own protocol's answers (router/http/fast_answer.py), where the tree 
     from multidict import CIMultiDict
     from router.http.edge import hot_routes
     from router.http.fast_answer import FAST, FastReply
-    from router.http.fast_server import FastRequest
+    from router.http import fast_server
     from shared.serving.access_log import REQUEST_ID
     from shared.serving.http import DeadlineStream
 except ImportError:
@@ -681,16 +681,23 @@ else:
     async def answers(way, stream):
         handler, match = hot_routes(app)["/v1/completions"]
         hooks = tuple(h for a in match.apps for h in a.on_response_prepare)
-        try:  # the route with its hooks' plain calls, where the tree has them
-            from router.http.fast_answer import now_hooks
-            route = (handler, match, hooks, now_hooks(hooks))
-        except ImportError:
-            route = (handler, match, hooks)
         protocol = BaseProtocol(asyncio.get_running_loop())
         sink = Sink()
         protocol.connection_made(sink)
+        try:  # the route's part in its request class, where the tree has them
+            from router.http.fast_server import request_class
+            requests = request_class("/v1/completions", handler, match, hooks)
+            new = lambda: requests(CIMultiDict(), b"{}", protocol)
+        except ImportError:  # the route as a tuple, with its hooks' plain calls if any
+            try:
+                from router.http.fast_answer import now_hooks
+                route = (handler, match, hooks, now_hooks(hooks))
+            except ImportError:
+                route = (handler, match, hooks)
+            new = lambda: fast_server.FastRequest(
+                "/v1/completions", CIMultiDict(), b"{}", route, protocol, sink)
         for _ in range(n):
-            request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, protocol, sink)
+            request = new()
             request[REQUEST_ID] = "r" * 32
             headers = CIMultiDict(worker_head)
             if stream and way == "aiohttp":  # as the proxy streamed before

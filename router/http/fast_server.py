@@ -58,14 +58,7 @@ from shared.serving.http_server import KEEPALIVE_S, deadline_protocol
 
 log = logging.getLogger(__name__)
 
-# A hot route: its handler, its match (request.match_info), the on_response_prepare hooks
-# and their plain calls where every one has one (router/http/fast_answer.py `now_hooks`).
-Route = tuple[
-    Handler, UrlMappingMatchInfo, tuple[Callable[..., Any], ...],
-    tuple[Callable[[Any, Any], None], ...] | None,
-]  # fmt: skip
 MAX_PENDING = 65536  # bytes read during an answer before reading pauses
-_HANDED_OVER = (None, None)  # the connection's task's last "next request"
 
 
 class _Content:
@@ -89,37 +82,49 @@ class FastRequest(dict[str, Any]):
     """What the edge, the inference handler and the answers (the own ones, and aiohttp's
     where one is aiohttp's to write) read of a request. It names the own protocol's
     responder (`RESPONDER`: router/upstream/responder.py), through which the proxy
-    answers, and its connection (`protocol`), where the answer goes."""
+    answers, and its connection (`protocol`), where the answer goes.
 
-    __slots__ = ("_match_info", "_writer", "app", "content_length", "headers", "hooks",
-                 "now_hooks", "path", "protocol", "transport")  # fmt: skip
+    A request is made by its route's subclass (`request_class`): what is the same for
+    every request of a route (its path, handler, match, app and hooks) is the subclass's,
+    so a request sets only its own (headers, body, connection)."""
+
+    __slots__ = ("_writer", "headers", "protocol")
     method = "POST"
     version = HttpVersion11
     keep_alive = True
+    # The route's, set by `request_class`.
+    path: str
+    handler: Handler
+    app: web.Application
+    _match_info: UrlMappingMatchInfo
+    # The apps' on_response_prepare receivers (read once: the app is frozen by then), and
+    # their plain-call twins where every one has one (`now_hooks`, router/http/fast_answer.py).
+    hooks: tuple[Callable[..., Any], ...]
+    now_hooks: tuple[Callable[[Any, Any], None], ...] | None
 
-    def __init__(self, path: str, headers: CIMultiDictProxy[str], body: bytes, route: Route,
-                 protocol: FastProtocol, transport: asyncio.Transport) -> None:  # fmt: skip
+    def __init__(self, headers: CIMultiDictProxy[str], body: bytes, protocol: FastProtocol) -> None:
         self[RESPONDER] = FAST
         # The body came whole with the head: the handler takes it as it is (no read).
         self[WHOLE_BODY] = body
-        self.path = path
         self.headers = headers
-        self.content_length = len(body)
-        # The apps' on_response_prepare receivers (read once by `FastServer`), and their
-        # plain-call twins where every one has one (`now_hooks`, router/http/fast_answer.py).
-        _, match, self.hooks, self.now_hooks = route
-        self._match_info = match
-        self.app = match.current_app
         self.protocol = protocol  # its connection: where the answer goes
-        self._writer: StreamWriter | None = None
-        self.transport = transport
 
     @property
     def _payload_writer(self) -> StreamWriter:
         # aiohttp's writer, made only for an answer aiohttp writes (fast_answer.py).
-        if self._writer is None:
+        try:
+            return self._writer  # type: ignore[no-any-return]
+        except AttributeError:
             self._writer = StreamWriter(self.protocol, self.protocol._loop)
-        return self._writer
+            return self._writer
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.protocol.transport  # type: ignore[return-value]  # as aiohttp's
+
+    @property
+    def content_length(self) -> int:
+        return len(self[WHOLE_BODY])
 
     @property
     def content(self) -> _Content:
@@ -135,7 +140,8 @@ class FastRequest(dict[str, Any]):
 
     @property
     def remote(self) -> str | None:
-        peer = self.transport.get_extra_info("peername")
+        transport = self.protocol.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
         return peer[0] if isinstance(peer, (list, tuple)) else None
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
@@ -147,6 +153,16 @@ class FastRequest(dict[str, Any]):
             return
         for hook in self.hooks:
             await hook(self, response)
+
+
+def request_class(
+    path: str, handler: Handler, match: UrlMappingMatchInfo, hooks: tuple[Callable[..., Any], ...]
+) -> type[FastRequest]:
+    """The requests of one hot route: a `FastRequest` whose class holds the route's part."""
+    route = {"__slots__": (), "path": path, "handler": staticmethod(handler),
+             "_match_info": match, "app": match.current_app, "hooks": hooks,
+             "now_hooks": now_hooks(hooks)}  # fmt: skip
+    return type(f"FastRequest[{path}]", (FastRequest,), route)
 
 
 class FastProtocol(BaseProtocol):
@@ -164,7 +180,7 @@ class FastProtocol(BaseProtocol):
         # The connection's task (the module's docstring) and the future it waits on for
         # the next request (None while an answer is being made).
         self._serving: asyncio.Task[None] | None = None
-        self._next: asyncio.Future[tuple[FastRequest, Handler] | tuple[None, None]] | None = None
+        self._next: asyncio.Future[FastRequest | None] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has
         # been idle `_limit` seconds (the head deadline until a first answer, then
         # aiohttp's keep-alive timeout), not a timer handle per request.
@@ -196,17 +212,14 @@ class FastProtocol(BaseProtocol):
         path, headers, size = found
         if end + 4 + size != len(data):  # split, or more after it
             return self._hand_over(data)
-        transport = self.transport
-        assert transport is not None
-        route = self._hot[path]
-        request = FastRequest(path, headers, data[end + 4 :], route, self, transport)
+        request = self._hot[path](headers, data[end + 4 :], self)
         self._busy = True
         waiter = self._next
         if waiter is None:  # the connection's first fast request
-            self._serving = self._loop.create_task(self._serve(request, route[0]))
+            self._serving = self._loop.create_task(self._serve(request))
         else:
             self._next = None
-            waiter.set_result((request, route[0]))
+            waiter.set_result(request)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
@@ -218,7 +231,7 @@ class FastProtocol(BaseProtocol):
             self._serving.cancel()
 
     # -- the connection's course
-    async def _serve(self, request: FastRequest | None, handler: Handler | None) -> None:
+    async def _serve(self, request: FastRequest | None) -> None:
         """The connection's task: each fast request's edge, then its answer's write, then
         the next request (`_next`), until the connection closes or is handed over.
 
@@ -242,7 +255,7 @@ class FastProtocol(BaseProtocol):
                             pending = guard(request)
                             if pending is not None:
                                 await pending
-                        response = await handler(request)
+                        response = await request.handler(request)
                     except Exception as e:
                         response = error_response_for(request, e)
                         if response is None:
@@ -289,7 +302,7 @@ class FastProtocol(BaseProtocol):
                 self.data_received(pending)  # answers `waiter`
             elif self._timer is None:
                 self._arm(self._limit)
-            request, handler = await waiter  # (None, None): the connection was handed over
+            request = await waiter  # None: the connection was handed over
 
     def _hand_over(self, data: bytes) -> None:
         """aiohttp's protocol takes the connection and `data`, the current request's bytes."""
@@ -297,7 +310,7 @@ class FastProtocol(BaseProtocol):
         self._server.connections.discard(self)  # aiohttp's from now on: its server's list
         waiter, self._next = self._next, None
         if waiter is not None:  # the connection's task ends
-            waiter.set_result(_HANDED_OVER)
+            waiter.set_result(None)
         transport = self.transport
         if transport is None:
             return
@@ -346,11 +359,12 @@ class FastServer:
         server = runner.server
         assert server is not None, "FastServer needs a runner that is set up"
         self._aiohttp = server
-        # The apps' on_response_prepare receivers, read once: the app is frozen by now.
-        self.hot: dict[str, Route] = {}
+        # Each hot route's requests; its apps' on_response_prepare receivers read once:
+        # the app is frozen by now.
+        self.hot: dict[str, type[FastRequest]] = {}
         for path, (handler, match) in hot_routes(runner.app).items():
             hooks = tuple(h for app in match.apps for h in app.on_response_prepare)
-            self.hot[path] = (handler, match, hooks, now_hooks(hooks))
+            self.hot[path] = request_class(path, handler, match, hooks)
         # The hot paths' guard: None where they need no key and no rate limit (edge.py).
         self.log, self.guard = edge.log, edge.hot_guard
         self.max_body, self.head_timeout = max_body, head_timeout

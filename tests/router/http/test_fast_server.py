@@ -223,7 +223,7 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
     from aiohttp.http_writer import _serialize_headers
 
     from router.http.fast_answer import FAST, FastReply
-    from router.http.fast_server import FastRequest
+    from router.http.fast_server import request_class
 
     class Recording(asyncio.Transport):
         def __init__(self) -> None:
@@ -241,17 +241,21 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
         protocol.connection_made(sink)
         return protocol
 
+    async def awaited(request: Any, response: Any) -> None:  # a receiver, not a HeadHook
+        pass
+
     # Both ways a buffered answer leaves: its hooks as plain calls (`reply_now`), or
     # awaited (`_whole`: an app with a receiver that is not a `HeadHook`).
-    for now in ((), None):
-        route = (None, SimpleNamespace(current_app=None), (), now)
+    for hooks in ((), (awaited,)):
+        match = SimpleNamespace(current_app=None)
+        requests = request_class("/v1/completions", None, match, hooks)  # type: ignore[arg-type]
         for fields in (
             [],
             [("Content-Type", "application/json"), ("x-request-id", "r" * 32)],
             [("X-A", "1"), ("x-a", "2"), ("X-Ünï", "välue ✓"), ("Empty", "")],
         ):
             sink = Recording()
-            request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
+            request = requests(CIMultiDict(), b"{}", on(sink))  # type: ignore[arg-type]
             reply = FastReply(200, CIMultiDict(fields), b"body")
             assert await FAST.finish(request, reply)
             assert sink.writes == [_serialize_headers("HTTP/1.1 200 OK", reply.headers) + b"body"]
@@ -263,7 +267,7 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
             ("X-A", "\x00"),
         ):
             sink = Recording()
-            request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
+            request = requests(CIMultiDict(), b"{}", on(sink))  # type: ignore[arg-type]
             with pytest.raises(ValueError):
                 await FAST.finish(request, FastReply(200, CIMultiDict([bad]), b"body"))
             assert sink.writes == []
