@@ -685,8 +685,8 @@ else:
         sink = Sink()
         protocol.connection_made(sink)
         try:  # the route's part in its request class, where the tree has them
-            from router.http.fast_server import request_class
-            requests = request_class("/v1/completions", handler, match, hooks)
+            from router.http.fast_server import route_request_class
+            requests = route_request_class("/v1/completions", handler, match, hooks)
             new = lambda: requests(CIMultiDict(), b"{}", protocol)
         except ImportError:  # the route as a tuple, with its hooks' plain calls if any
             try:

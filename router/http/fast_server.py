@@ -84,7 +84,7 @@ class FastRequest(dict[str, Any]):
     responder (`RESPONDER`: router/upstream/responder.py), through which the proxy
     answers, and its connection (`protocol`), where the answer goes.
 
-    A request is made by its route's subclass (`request_class`): what is the same for
+    A request is made by its route's subclass (`route_request_class`): what is the same for
     every request of a route (its path, handler, match, app and hooks) is the subclass's,
     so a request sets only its own (headers, body, connection)."""
 
@@ -92,7 +92,7 @@ class FastRequest(dict[str, Any]):
     method = "POST"
     version = HttpVersion11
     keep_alive = True
-    # The route's, set by `request_class`.
+    # The route's, set by `route_request_class`.
     path: str
     handler: Handler
     app: web.Application
@@ -155,7 +155,7 @@ class FastRequest(dict[str, Any]):
             await hook(self, response)
 
 
-def request_class(
+def route_request_class(
     path: str, handler: Handler, match: UrlMappingMatchInfo, hooks: tuple[Callable[..., Any], ...]
 ) -> type[FastRequest]:
     """The requests of one hot route: a `FastRequest` whose class holds the route's part."""
@@ -364,7 +364,7 @@ class FastServer:
         self.hot: dict[str, type[FastRequest]] = {}
         for path, (handler, match) in hot_routes(runner.app).items():
             hooks = tuple(h for app in match.apps for h in app.on_response_prepare)
-            self.hot[path] = request_class(path, handler, match, hooks)
+            self.hot[path] = route_request_class(path, handler, match, hooks)
         # The hot paths' guard: None where they need no key and no rate limit (edge.py).
         self.log, self.guard = edge.log, edge.hot_guard
         self.max_body, self.head_timeout = max_body, head_timeout

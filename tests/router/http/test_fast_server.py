@@ -223,7 +223,7 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
     from aiohttp.http_writer import _serialize_headers
 
     from router.http.fast_answer import FAST, FastReply
-    from router.http.fast_server import request_class
+    from router.http.fast_server import route_request_class
 
     class Recording(asyncio.Transport):
         def __init__(self) -> None:
@@ -248,7 +248,7 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
     # awaited (`_whole`: an app with a receiver that is not a `HeadHook`).
     for hooks in ((), (awaited,)):
         match = SimpleNamespace(current_app=None)
-        requests = request_class("/v1/completions", None, match, hooks)  # type: ignore[arg-type]
+        requests = route_request_class("/v1/completions", None, match, hooks)  # type: ignore[arg-type]
         for fields in (
             [],
             [("Content-Type", "application/json"), ("x-request-id", "r" * 32)],
