@@ -86,7 +86,8 @@ class FastRequest(dict[str, Any]):
 
     A request is made by its route's subclass (`route_request_class`): what is the same for
     every request of a route (its path, handler, match, app and hooks) is the subclass's,
-    so a request sets only its own (headers, body, connection)."""
+    so a request sets only its own (headers, body, connection; the writer of an answer
+    aiohttp writes, made where one is)."""
 
     __slots__ = ("_writer", "headers", "protocol")
     method = "POST"
@@ -108,15 +109,14 @@ class FastRequest(dict[str, Any]):
         self[WHOLE_BODY] = body
         self.headers = headers
         self.protocol = protocol  # its connection: where the answer goes
+        self._writer: StreamWriter | None = None
 
     @property
     def _payload_writer(self) -> StreamWriter:
         # aiohttp's writer, made only for an answer aiohttp writes (fast_answer.py).
-        try:
-            return self._writer  # type: ignore[no-any-return]
-        except AttributeError:
+        if self._writer is None:
             self._writer = StreamWriter(self.protocol, self.protocol._loop)
-            return self._writer
+        return self._writer
 
     @property
     def transport(self) -> asyncio.Transport | None:
