@@ -30,12 +30,12 @@ BODIES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
             "cache_pin_ttl": 300,
         },
         {},
-    ),  # fmt: skip
+    ),
     (
         "/v1/completions",
         {"prompt": "p", "prompt_cache_key": "s2", "cache_pin_ttl": 0},
         {"Authorization": "Bearer key-a"},
-    ),  # fmt: skip
+    ),
     (
         "/v1/completions",
         {
@@ -46,13 +46,13 @@ BODIES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
             "priority": 2,
         },
         {"x-session-id": "s"},
-    ),  # fmt: skip
+    ),
     ("/v1/completions", {"prompt": "p", "lora_path": "adapter-1", "service_tier": "flex"}, {}),
     (
         "/v1/chat/completions",
         {"model": "m", "messages": CHAT, "user": "u2", "prompt_cache_key": "s4"},
         {"x-session-id": ""},
-    ),  # fmt: skip
+    ),
     (
         "/v1/chat/completions",
         {
@@ -62,7 +62,7 @@ BODIES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
             "service_tier": "priority",
         },
         {},
-    ),  # fmt: skip
+    ),
     ("/v1/chat/completions", {"messages": CHAT, "service_tier": "nonsense"}, {}),  # a 400
 ]
 
