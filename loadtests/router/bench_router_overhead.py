@@ -377,7 +377,7 @@ wid = next(iter(fleet.workers))
 worker = fleet.workers[wid]
 
 try:  # what the handler calls for a body of plain values, where the tree has it (h38-body)
-    from shared.wire.protocol import plain_routing
+    from shared.wire.plain_body import plain_routing
 except ImportError:
     plain_routing = lambda endpoint, body: None
 

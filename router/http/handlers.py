@@ -42,7 +42,8 @@ from shared.serving.body import LARGE_BODY_BYTES, WHOLE_BODY, parse_json_object,
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
-from shared.wire.protocol import canonical_chat_text, chat_request, plain_routing, routing_text
+from shared.wire.plain_body import plain_routing
+from shared.wire.protocol import canonical_chat_text, chat_request, routing_text
 from shared.wire.service_class import request_class
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -77,7 +78,7 @@ def _session_namespace(tenant: str, request: web.Request) -> str:
 
 def _inference_handler(endpoint: str, path: str) -> Any:
     # Chat and completion bodies of plain values are checked by hand and read in place
-    # (shared/wire/protocol.py `plain_routing`): no request model built. `/generate`, and
+    # (shared/wire/plain_body.py `plain_routing`): no request model built. `/generate`, and
     # any body the hand check leaves to the model, take the model as before.
     plain = endpoint != "generate"
 

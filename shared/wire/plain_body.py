@@ -7,10 +7,10 @@ holding every field the body sends exactly as sent (an int where a float is due 
 the model holds its float), so a caller may read the body's own values in place of the
 model's. NO means "not decided here": the body takes the model's own validation, which
 words every error. A check accepts only what its model accepts and refuses nothing
-itself. The request models state their checks beside their fields (shared/wire/
-protocol.py `_PLAIN_CHAT`, `_PLAIN_COMPLETION`); a differential hypothesis test over
-generated and mutated bodies holds the two to this rule
-(tests/shared/wire/test_plain_body.py).
+itself. The rules of the request models (shared/wire/protocol.py) are written out at
+the end (`_PLAIN_CHAT`, `_PLAIN_COMPLETION`, `plain_routing` for the handler); a
+differential hypothesis test over generated and mutated bodies holds them to the
+models (tests/shared/wire/test_plain_body.py).
 
 What a check decides: names it has a rule for (any other: NO, or kept as an extra where
 the model keeps it, `extra="allow"`), values of JSON's exact types within the field's
@@ -30,9 +30,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from types import FunctionType
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
+
+from shared.wire.known_fields import KNOWN_EXTRA
+from shared.wire.protocol import (
+    MAX_N,
+    MAX_PROMPT_CACHE_KEY_BYTES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Message,
+    StreamOptions,
+    TextPart,
+)
 
 Rule = dict[type, Any]  # a value's exact type → what it must meet (the module says)
 Check = Callable[[dict[str, Any]], Any]
@@ -199,3 +210,87 @@ def object_check(
         return extra
 
     return check
+
+
+# -- the request models' rules (shared/wire/protocol.py) -------------------------------
+
+
+def _top_k(k: int) -> Any:
+    """TopK: -1, or 1 and up."""
+    return k if k >= 1 or k == -1 else NO
+
+
+def _cache_key(key: str) -> Any:
+    """`prompt_cache_key` as `_Sampling._key_bound` bounds it."""
+    fits = len(key.encode("utf-8", "surrogatepass")) <= MAX_PROMPT_CACHE_KEY_BYTES
+    return key if fits else NO
+
+
+# Each field's rule, as the models' fields state them. `logit_bias`, a token-id or batch
+# prompt: no rule (the model's).
+_SAMPLING_RULES = {
+    "model": optional(text()),
+    "max_tokens": optional(integer(1, 1_000_000)),
+    "temperature": number(0, 2),
+    "top_p": number(0, 1, low_open=True),
+    "top_k": {int: _top_k},
+    "min_p": number(0, 1),
+    "n": integer(1, MAX_N),
+    "presence_penalty": number(-2, 2),
+    "frequency_penalty": number(-2, 2),
+    "repetition_penalty": number(0, 2, low_open=True),
+    "seed": optional(integer()),
+    "stop": optional(either(text(1), items(text(1), max_len=16))),
+    "stop_token_ids": optional(items(integer(0))),
+    "ignore_eos": boolean,
+    "stream": boolean,
+    "stream_options": optional(nested(object_check(StreamOptions, {"include_usage": boolean}))),
+    "user": optional(text()),
+    "cache_salt": optional(text(1, 256)),
+    "prompt_cache_key": optional({str: _cache_key}),
+    "cache_pin_ttl": optional(number(0, 86_400)),
+}
+_TEXT_PART = object_check(TextPart, {"type": one_of("text"), "text": text()})
+_MESSAGE = object_check(Message, {
+    "role": one_of(*get_args(Message.model_fields["role"].annotation)),
+    "content": optional(either(text(), items(nested(_TEXT_PART)))),
+    "name": optional(text()),
+})  # fmt: skip
+# `_refuse_unrecognized`'s names: any other is NO (the model refuses it, naming it).
+_PLAIN_CHAT = object_check(ChatCompletionRequest, {
+    **_SAMPLING_RULES,
+    "messages": items(nested(_MESSAGE), min_len=1),
+    "max_completion_tokens": optional(integer(1, 1_000_000)),
+    "add_generation_prompt": boolean,
+    "logprobs": boolean,
+    "top_logprobs": optional(integer(0, 20)),
+}, KNOWN_EXTRA["chat"])  # fmt: skip
+_PLAIN_COMPLETION = object_check(CompletionRequest, {
+    **_SAMPLING_RULES,
+    "prompt": text(1),
+    "echo": boolean,
+    "logprobs": optional(integer(0, 20)),
+}, KNOWN_EXTRA["completions"])  # fmt: skip
+
+
+def _plain_chat_text(messages: list[dict[str, Any]]) -> str:
+    """`canonical_chat_text` of messages `_PLAIN_CHAT` passed, read from their JSON."""
+    return "".join([
+        f"<|{m['role']}|>{c if type(c := m.get('content')) is str else _parts_text(c)}\n"
+        for m in messages
+    ])  # fmt: skip
+
+
+def _parts_text(content: list[dict[str, Any]] | None) -> str:
+    return "" if content is None else "".join([part["text"] for part in content])
+
+
+def plain_routing(endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """For a chat or completion body of plain values (shared/wire/plain_body.py): the
+    text `routing_text` routes it on and the extras its model keeps, read from the body
+    itself, which its model takes as sent. None: not decided here (`routing_text`)."""
+    if endpoint == "completions":
+        extra = _PLAIN_COMPLETION(body)
+        return None if extra is NO else (body["prompt"], extra)
+    extra = _PLAIN_CHAT(body)
+    return None if extra is NO else (_plain_chat_text(body["messages"]), extra)

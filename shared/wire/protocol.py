@@ -15,13 +15,12 @@ OpenAPI document generated from these models says exactly what validation accept
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError, SchemaValidator
 
-from shared.wire import plain_body as plain
 from shared.wire.known_fields import KNOWN_EXTRA
 
 UNRECOGNIZED = "unrecognized_argument"  # the error type `validation_error` names
@@ -219,90 +218,6 @@ def canonical_chat_text(messages: list[Message]) -> str:
     return "".join([
         f"<|{m.role}|>{c if type(c := m.content) is str else m.text()}\n" for m in messages
     ])  # fmt: skip
-
-
-def _top_k(k: int) -> Any:
-    """TopK: -1, or 1 and up."""
-    return k if k >= 1 or k == -1 else plain.NO
-
-
-def _cache_key(key: str) -> Any:
-    """`prompt_cache_key` as `_Sampling._key_bound` bounds it."""
-    fits = len(key.encode("utf-8", "surrogatepass")) <= MAX_PROMPT_CACHE_KEY_BYTES
-    return key if fits else plain.NO
-
-
-# Each field's rule for the hand check (shared/wire/plain_body.py: the model would take
-# the body as sent, or NO and the model decides), as the fields above state them.
-# `logit_bias`, a token-id or batch prompt: no rule (the model's).
-_SAMPLING_RULES = {
-    "model": plain.optional(plain.text()),
-    "max_tokens": plain.optional(plain.integer(1, 1_000_000)),
-    "temperature": plain.number(0, 2),
-    "top_p": plain.number(0, 1, low_open=True),
-    "top_k": {int: _top_k},
-    "min_p": plain.number(0, 1),
-    "n": plain.integer(1, MAX_N),
-    "presence_penalty": plain.number(-2, 2),
-    "frequency_penalty": plain.number(-2, 2),
-    "repetition_penalty": plain.number(0, 2, low_open=True),
-    "seed": plain.optional(plain.integer()),
-    "stop": plain.optional(plain.either(plain.text(1), plain.items(plain.text(1), max_len=16))),
-    "stop_token_ids": plain.optional(plain.items(plain.integer(0))),
-    "ignore_eos": plain.boolean,
-    "stream": plain.boolean,
-    "stream_options": plain.optional(
-        plain.nested(plain.object_check(StreamOptions, {"include_usage": plain.boolean}))
-    ),
-    "user": plain.optional(plain.text()),
-    "cache_salt": plain.optional(plain.text(1, 256)),
-    "prompt_cache_key": plain.optional({str: _cache_key}),
-    "cache_pin_ttl": plain.optional(plain.number(0, 86_400)),
-}
-_TEXT_PART = plain.object_check(TextPart, {"type": plain.one_of("text"), "text": plain.text()})
-_MESSAGE = plain.object_check(Message, {
-    "role": plain.one_of(*get_args(Message.model_fields["role"].annotation)),
-    "content": plain.optional(plain.either(plain.text(), plain.items(plain.nested(_TEXT_PART)))),
-    "name": plain.optional(plain.text()),
-})  # fmt: skip
-# `_refuse_unrecognized`'s names: any other is NO (the model refuses it, naming it).
-_PLAIN_CHAT = plain.object_check(ChatCompletionRequest, {
-    **_SAMPLING_RULES,
-    "messages": plain.items(plain.nested(_MESSAGE), min_len=1),
-    "max_completion_tokens": plain.optional(plain.integer(1, 1_000_000)),
-    "add_generation_prompt": plain.boolean,
-    "logprobs": plain.boolean,
-    "top_logprobs": plain.optional(plain.integer(0, 20)),
-}, KNOWN_EXTRA["chat"])  # fmt: skip
-_PLAIN_COMPLETION = plain.object_check(CompletionRequest, {
-    **_SAMPLING_RULES,
-    "prompt": plain.text(1),
-    "echo": plain.boolean,
-    "logprobs": plain.optional(plain.integer(0, 20)),
-}, KNOWN_EXTRA["completions"])  # fmt: skip
-
-
-def _plain_chat_text(messages: list[dict[str, Any]]) -> str:
-    """`canonical_chat_text` of messages `_PLAIN_CHAT` passed, read from their JSON."""
-    return "".join([
-        f"<|{m['role']}|>{c if type(c := m.get('content')) is str else _parts_text(c)}\n"
-        for m in messages
-    ])  # fmt: skip
-
-
-def _parts_text(content: list[dict[str, Any]] | None) -> str:
-    return "" if content is None else "".join([part["text"] for part in content])
-
-
-def plain_routing(endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """For a chat or completion body of plain values (shared/wire/plain_body.py): the
-    text `routing_text` routes it on and the extras its model keeps, read from the body
-    itself, which its model takes as sent. None: not decided here (`routing_text`)."""
-    if endpoint == "completions":
-        extra = _PLAIN_COMPLETION(body)
-        return None if extra is plain.NO else (body["prompt"], extra)
-    extra = _PLAIN_CHAT(body)
-    return None if extra is plain.NO else (_plain_chat_text(body["messages"]), extra)
 
 
 def _fields_only(cls: type[_Sampling]) -> tuple[frozenset[str], SchemaValidator]:

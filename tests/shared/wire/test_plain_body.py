@@ -16,14 +16,9 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from shared.wire import plain_body as plain
-from shared.wire import protocol
 from shared.wire.known_fields import KNOWN_EXTRA
-from shared.wire.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    plain_routing,
-    routing_text,
-)
+from shared.wire.plain_body import plain_routing
+from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, routing_text
 
 MODELS: dict[str, type[BaseModel]] = {
     "chat": ChatCompletionRequest,
@@ -231,7 +226,7 @@ def test_a_looser_check_is_caught() -> None:
     """The differential test can fail: a completion check whose `max_tokens` bound is
     one too wide passes a body the model refuses, and the rule's assertion says so."""
     loose = plain.object_check(CompletionRequest, {
-        **protocol._SAMPLING_RULES, "max_tokens": plain.optional(plain.integer(1, 1_000_001)),
+        **plain._SAMPLING_RULES, "max_tokens": plain.optional(plain.integer(1, 1_000_001)),
         "prompt": plain.text(1),
     }, KNOWN_EXTRA["completions"])  # fmt: skip
 
