@@ -61,7 +61,7 @@ from shared.wire.kv_events import (
     parse_header,
 )
 
-# A batch larger than this is decoded an event at a time (shared/wire/kv_events.py
+# A batch larger than this is decoded an event at a time (shared/wire/kv_decode.py
 # BatchReader), the loop free between; smaller ones in one call (~1 ms).
 SLICED_BYTES = 64 * 1024
 # Events are applied to the index in runs of up to this many blocks (~1-2 us each) and

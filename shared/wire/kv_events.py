@@ -1,24 +1,12 @@
 """KV-cache events in vLLM's schema: what workers publish and routers index.
 
-vLLM (`vllm/distributed/kv_events.py`) and SGLang publish, per engine step, a batch
-
-    [ts, [event, ...], data_parallel_rank]          (msgpack, array_like)
-
-    BlockStored     block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-                    lora_name, extra_keys (the last two: newer vLLM, 0.32 here)
-    BlockRemoved    block_hashes, medium
-    AllBlocksCleared
-
-vLLM 0.32 writes each event as a map tagged `{"type": "BlockStored", ...}`; SGLang (and
-newer vLLM) as an array led by the tag, `["BlockStored", hashes, parent, ...]`. `decode_batch`
-reads both, and `encode_batch` writes vLLM's map form, the one format in our Redis streams
-(`radix-worker attach` re-encodes what it forwards; our engine writes it directly).
-
-Everything decoded here may come from an untrusted peer (a stream any worker can write
-to, a ZMQ socket): sizes are bounded and types checked, and anything else is a
-`ValueError`, which callers drop and count. An engine's block hash is an opaque id (bytes
-or a 64-bit int): the router keys blocks by content and parent (`block_key`), so it never
-depends on how an engine hashes.
+The events, their batch and the wire's bounds are shared/wire/kv_schema.py's; decoding a
+batch from an untrusted peer is shared/wire/kv_decode.py's; this module names both (the
+one module the engine, the feed and the tests import) and owns the rest: a block's
+identity in the router (`block_key_list`: by content and parent, whatever the engine's
+hash), the wire form written (`encode_batch`: vLLM's map form, the one format in our
+Redis streams; `radix-worker attach` re-encodes what it forwards, our engine writes it
+directly), and the stream entries (Redis) that carry batches.
 """
 
 from __future__ import annotations
@@ -26,74 +14,66 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-MEDIUMS = frozenset({MEDIUM_GPU, MEDIUM_CPU, "STORAGE"})
+from shared.wire.kv_decode import BatchReader, decode_batch
+from shared.wire.kv_schema import (
+    MAX_BATCH_BYTES,
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS,
+    MAX_EVENT_TOKENS,
+    MAX_EVENTS,
+    MAX_EXTRA_KEYS,
+    MAX_HASH_BYTES,
+    MAX_TOKEN_ID,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUMS,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+)
 
-MAX_BATCH_BYTES = 4 * 1024 * 1024  # one stream entry / ZMQ frame
-MAX_EVENTS = 4096  # events in one batch
-MAX_BLOCKS = 8192  # hashes in one event
-# Token ids in one event, and so the longest array msgpack decodes: one event is one
-# decode call (BatchReader's step), and 4M ids in one event (inside MAX_BATCH_BYTES, in
-# 4,096-token blocks) held the event loop ~140-200 ms to decode and check. 2**18 is two
-# 128k-token contexts; vLLM stores a step's blocks per event (a chunked prefill's
-# worth), our engine at most this many per event (worker/engine/kv_blocks.py).
-MAX_EVENT_TOKENS = 1 << 18
-MAX_BLOCK_SIZE = 4096  # tokens per block
-MAX_TOKEN_ID = 2**31 - 1
-MAX_HASH_BYTES = 64
-MAX_EXTRA_KEYS = 8  # items in one block's extra_keys (strings bounded by max_str_len)
-
-BlockHash: TypeAlias = bytes | int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[BlockHash, ...]
-    parent_block_hash: BlockHash | None
-    token_ids: Sequence[int] | np.ndarray  # len == len(block_hashes) * block_size
-    # 0 (and no token ids, no parent): blocks the engine named before, now stored in
-    # `medium` too (vLLM's offloading connector writes these for its CPU tier).
-    block_size: int
-    medium: str | None = MEDIUM_GPU
-    # vLLM's `extra_keys`: per block, what its hash mixed in beside the tokens (a LoRA
-    # name, a cache_salt on the first block, ...), or None; None for the whole event when
-    # no block has any. Bounded: MAX_EXTRA_KEYS items of short strings or ints.
-    extra_keys: tuple[tuple[str | int, ...] | None, ...] | None = None
-    # The LoRA adapter the blocks were computed with: vLLM's `lora_name`, else its
-    # `lora_id` (all an event has where the schema predates `lora_name`); None: the base.
-    lora: str | int | None = None
-    # `token_ids` as their key text (`ids_text`), where the decoder already packed them to
-    # check them: the index keys blocks from it (`block_key_text`) with no conversion.
-    # Derived from `token_ids`: not part of the event's value (equality, repr).
-    token_text: str | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[BlockHash, ...]
-    medium: str | None = MEDIUM_GPU
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    ts: float
-    events: tuple[KVEvent, ...]
-
+__all__ = [
+    "ID_CHARS",
+    "MAX_BATCH_BYTES",
+    "MAX_BLOCKS",
+    "MAX_BLOCK_SIZE",
+    "MAX_EVENTS",
+    "MAX_EVENT_TOKENS",
+    "MAX_EXTRA_KEYS",
+    "MAX_HASH_BYTES",
+    "MAX_TOKEN_ID",
+    "MEDIUMS",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BatchReader",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "EntryHeader",
+    "EventBatch",
+    "KVEvent",
+    "StreamEntry",
+    "block_key_list",
+    "block_key_text",
+    "block_keys",
+    "decode_batch",
+    "encode_batch",
+    "engine_block_hash",
+    "entry_fields",
+    "ids_text",
+    "parse_entry",
+    "parse_header",
+]  # fmt: skip
 
 # ---- block identity -----------------------------------------------------------------
 
@@ -197,214 +177,6 @@ def encode_batch(events: Sequence[KVEvent], ts: float | None = None) -> bytes:
 
     batch = [time.time() if ts is None else ts, [_event_obj(e) for e in events]]
     return msgpack.packb(batch, use_bin_type=True)
-
-
-# ---- decoding (untrusted input) -------------------------------------------------------
-
-_STORED_ORDER = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-)
-_REMOVED_ORDER = ("block_hashes", "medium")
-
-
-def decode_batch(payload: bytes) -> EventBatch:
-    """One batch in vLLM's or SGLang's wire form; ValueError on anything else."""
-    import msgpack  # see encode_batch
-
-    if not isinstance(payload, bytes | bytearray | memoryview) or len(payload) > MAX_BATCH_BYTES:
-        raise ValueError("batch is not bytes or is too large")
-    try:
-        raw = msgpack.unpackb(
-            payload, raw=False, strict_map_key=True, max_array_len=MAX_EVENT_TOKENS,
-            max_map_len=64, max_str_len=256, max_bin_len=MAX_HASH_BYTES, max_ext_len=0,
-        )  # fmt: skip
-    except (ValueError, msgpack.UnpackException, TypeError) as exc:
-        raise ValueError(f"batch is not msgpack: {str(exc)[:80]}") from None
-    if not isinstance(raw, list) or len(raw) not in (2, 3):
-        raise ValueError("batch is not [ts, events(, dp_rank)]")
-    ts, events = raw[0], raw[1]
-    if not isinstance(ts, int | float) or isinstance(ts, bool):
-        raise ValueError("batch ts is not a number")
-    if not isinstance(events, list) or len(events) > MAX_EVENTS:
-        raise ValueError("batch events is not a list of bounded length")
-    return EventBatch(float(ts), tuple([_decode_event(e) for e in events]))
-
-
-class BatchReader:
-    """`decode_batch` an event at a time, for a reader that lets other work run between
-    the events of a large batch: 4 MB of msgpack decode in one call in ~70 ms (3 MB of
-    20 stored events, measured), which no thread can take off an event loop (msgpack
-    holds the GIL throughout); one event of them in ~4 ms. The checks and errors are
-    decode_batch's, raised by the step that meets them: a caller that must drop a
-    malformed batch whole collects the events before it applies any."""
-
-    def __init__(self, payload: bytes) -> None:
-        import msgpack  # see encode_batch
-
-        if (
-            not isinstance(payload, bytes | bytearray | memoryview)
-            or len(payload) > MAX_BATCH_BYTES
-        ):
-            raise ValueError("batch is not bytes or is too large")
-        self._size = len(payload)
-        self._unpacker = msgpack.Unpacker(
-            raw=False, strict_map_key=True, max_buffer_size=MAX_BATCH_BYTES, max_array_len=MAX_EVENT_TOKENS,
-            max_map_len=64, max_str_len=256, max_bin_len=MAX_HASH_BYTES, max_ext_len=0,
-        )  # fmt: skip
-        self._unpacker.feed(payload)
-        self._items = self._read(self._unpacker.read_array_header)
-        if self._items not in (2, 3):
-            raise ValueError("batch is not [ts, events(, dp_rank)]")
-        ts = self._read(self._unpacker.unpack)
-        if not isinstance(ts, int | float) or isinstance(ts, bool):
-            raise ValueError("batch ts is not a number")
-        self.ts = float(ts)
-        self.count = self._read(self._unpacker.read_array_header)
-        if self.count > MAX_EVENTS:
-            raise ValueError("batch events is not a list of bounded length")
-
-    @staticmethod
-    def _read(step: Any) -> Any:
-        import msgpack
-
-        try:
-            return step()
-        except (ValueError, msgpack.UnpackException, TypeError) as exc:
-            raise ValueError(f"batch is not msgpack: {str(exc)[:80]}") from None
-
-    def events(self) -> Iterator[KVEvent]:
-        """The batch's events, decoded one per item; then the batch must end."""
-        for _ in range(self.count):
-            yield _decode_event(self._read(self._unpacker.unpack))
-        if self._items == 3:
-            self._read(self._unpacker.skip)  # data_parallel_rank
-        if self._unpacker.tell() != self._size:
-            raise ValueError("batch is not msgpack: extra data after it")
-
-
-def _fields(raw: object, order: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
-    if isinstance(raw, dict):
-        kind = raw.get("type")
-        return kind, raw  # type: ignore[return-value]
-    if isinstance(raw, list) and raw and isinstance(raw[0], str):
-        return raw[0], dict(zip(order, raw[1:], strict=False))
-    raise ValueError("event is neither a tagged map nor a tagged array")
-
-
-def _decode_event(raw: object) -> KVEvent:
-    tag = (
-        raw.get("type")
-        if isinstance(raw, dict)
-        else (raw[0] if isinstance(raw, list) and raw else None)
-    )
-    if tag == "BlockStored":
-        _, f = _fields(raw, _STORED_ORDER)
-        hashes = _hashes(f.get("block_hashes"))
-        size = f.get("block_size")
-        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_BLOCK_SIZE:
-            raise ValueError("block_size out of range")
-        tokens = f.get("token_ids")
-        if size == 0 and tokens == [] and f.get("parent_block_hash") is None:
-            # A store known by hash only: vLLM's offloading connector announces a block
-            # it copied to its CPU tier so unless its events are "self-describing".
-            return BlockStored(hashes, None, np.empty(0, np.int64), 0, _medium(f))
-        if size == 0 or not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
-            raise ValueError("token_ids is not block_size tokens per block")
-        text = _check_ids(tokens)
-        parent = f.get("parent_block_hash")
-        return BlockStored(
-            hashes, None if parent is None else _hash(parent), tokens, size, _medium(f),
-            _extra_keys(f.get("extra_keys"), len(hashes)), _lora(f), text,
-        )  # fmt: skip
-    if tag == "BlockRemoved":
-        _, f = _fields(raw, _REMOVED_ORDER)
-        return BlockRemoved(_hashes(f.get("block_hashes")), _medium(f))
-    if tag == "AllBlocksCleared":
-        return AllBlocksCleared()
-    raise ValueError(f"unknown event type {str(tag)[:40]!r}")
-
-
-def _check_ids(tokens: list[object]) -> str:
-    """Token ids, each an int in [0, MAX_TOKEN_ID], checked in C with no Python loop per
-    token; returns them as key text (`ids_text`: the index keys blocks from it) and the
-    list is kept as it is. Packed as little-endian int32 (`struct` refuses non-ints and
-    anything outside [-2**31, 2**31 - 1]; about half of `array("i", ...)`'s time: ~2.4
-    against ~4.9 µs for a turn's 288 ids), then the sign bytes say whether any is
-    negative: with none, the int32 bytes are the uint32 ones."""
-    try:
-        packed = struct.pack(f"<{len(tokens)}i", *tokens)
-    except struct.error:
-        raise ValueError("token ids are not integers in range") from None
-    if not packed[3::4].isascii():  # a sign bit set: a negative id
-        raise ValueError("token id out of range")
-    return packed.decode("latin-1")
-
-
-def _hash(value: object) -> BlockHash:
-    if type(value) is int and -(2**63) <= value < 2**64:
-        return value
-    if isinstance(value, bytes) and 0 < len(value) <= MAX_HASH_BYTES:
-        return value
-    raise ValueError("block hash is neither a 64-bit int nor short bytes")
-
-
-def _hashes(value: object) -> tuple[BlockHash, ...]:
-    if not isinstance(value, list) or not 0 < len(value) <= MAX_BLOCKS:
-        raise ValueError("block_hashes is not a non-empty list of bounded length")
-    if set(map(type, value)) == {int} and min(value) >= -(2**63) and max(value) < 2**64:
-        return tuple(value)  # the common case (64-bit int hashes), checked in C
-    return tuple(_hash(v) for v in value)
-
-
-def _extra_keys(value: object, blocks: int) -> tuple[tuple[str | int, ...] | None, ...] | None:
-    """vLLM's per-block extra keys: None, or one entry (None or a short list of strings and
-    ints) per block."""
-    if value is None:
-        return None
-    if not isinstance(value, list) or len(value) != blocks:
-        raise ValueError("extra_keys is not one entry per block")
-    out: list[tuple[str | int, ...] | None] = []
-    for keys in value:
-        if keys is None:
-            out.append(None)
-            continue
-        if not isinstance(keys, list) or len(keys) > MAX_EXTRA_KEYS:
-            raise ValueError("an extra_keys entry is not a short list")
-        for k in keys:
-            if not (isinstance(k, str) or (type(k) is int and -(2**63) <= k < 2**64)):
-                raise ValueError("an extra key is neither a string nor a 64-bit int")
-        out.append(tuple(keys))
-    return tuple(out)
-
-
-def _lora(f: dict[str, Any]) -> str | int | None:
-    """`lora_name` where set, else `lora_id` (an int; 0 is vLLM's "no adapter")."""
-    name, lid = f.get("lora_name"), f.get("lora_id")
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise ValueError("lora_name is not a non-empty string")
-        return name
-    if lid is None or lid == 0:
-        return None
-    if type(lid) is not int or not 0 < lid < 2**63:
-        raise ValueError("lora_id is not a positive int")
-    return lid
-
-
-def _medium(f: dict[str, Any]) -> str | None:
-    medium = f.get("medium")
-    if medium is None:
-        return None
-    if medium not in MEDIUMS:
-        raise ValueError(f"unknown medium {str(medium)[:20]!r}")
-    return medium
 
 
 # ---- stream entries (Redis) ----------------------------------------------------------

@@ -335,3 +335,23 @@ async def test_a_model_change_keeps_the_spent_cpu_share(redis: Redis) -> None:
     assert await feed.poll() == 1  # one entry, then its credit is spent
     feed.follow([FeedMember("w", "flip", 1.0, block_size=2)])
     assert await feed.poll() == 0 and feed.reader.throttled
+
+
+async def test_a_medium_that_is_no_string_drops_its_entry_not_the_feed(redis: Redis) -> None:
+    """A medium of another type (a list: unhashable) was a TypeError out of the decoder,
+    past the feed's drop of malformed entries and out of its read; now the entry is
+    dropped as malformed and the entries after it apply."""
+    import msgpack
+
+    key = Registry(redis).kv_events_key("w")
+    await write(redis, "w", 1.0, 0, AllBlocksCleared())
+    for seq, medium in ((1, ["GPU"]), (2, {"GPU": 1})):
+        event = {"type": "BlockRemoved", "block_hashes": [1], "medium": medium}
+        payload = msgpack.packb([1.0, [event]])
+        await redis.xadd(key, entry_fields("w", 1.0, seq, payload))  # type: ignore[arg-type]
+    await write(redis, "w", 1.0, 3, chain(1, 2))
+    feed = KvEventFeed(Registry(redis))
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await drain(feed)
+    assert feed.dropped["malformed"] == 2
+    assert feed.match("m", [1, 1, 2, 2]) == {"w": 4}

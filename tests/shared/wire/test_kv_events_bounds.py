@@ -1,8 +1,8 @@
 """A KV-event batch from a hostile writer (a worker's stream, an engine's ZMQ socket):
 `decode_batch` and the stepwise `BatchReader` (router/holdings/feed_entries.py decodes a
 large batch an event at a time) refuse the same payloads with ValueError, before the
-work where a size says so. Each case is a bound; the module doc of
-shared/wire/kv_events.py names them."""
+work where a size says so. Each case is a bound; shared/wire/kv_schema.py's MAX_
+constants name them."""
 
 from __future__ import annotations
 
