@@ -18,7 +18,10 @@ bounds, as strict pydantic takes them (no "5" for 5, no 0 for false). A field's 
 a table from a value's exact type to what a value of that type must meet: `ACCEPT`
 (anything), a `_Range` (a number's), a `_Length` (a text's), a frozenset (a Literal
 of strings) or a function (lists, nested objects). Plain values are decided inside the
-object's loop, without a call. Lists longer than MAX_ITEMS are the model's.
+object's loop, without a call. Lists longer than MAX_ITEMS, a message's content of more
+than MAX_PARTS parts and a nested object of more than MAX_KEYS names are the model's:
+what a check walks before it answers NO is bounded (256 messages of 16 parts of 16
+names), so a body made to fail at its end costs the model's time and little more.
 
 Why: the model's validator costs ~1.5 us a three-field completion body and ~3.2 us a
 two-message chat (timeit, pydantic-core 2.50), a dispatch over each of ~25 fields and
@@ -52,6 +55,8 @@ NO: Any = object()  # a check's answer: not decided here (the model decides)
 ACCEPT: Any = object()  # a rule's "any value of this type"
 _KEEP: Any = object()  # `object_check`'s mark of a name kept as an extra
 MAX_ITEMS = 256
+MAX_PARTS = 16
+MAX_KEYS = 16
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1  # "any int": beyond 64 bits, the model's
 
 
@@ -176,6 +181,8 @@ def object_check(
 
     def check(value: dict[str, Any]) -> Any:
         if lenient and not fields.issuperset(value):  # its extras pass, unread
+            if len(value) > MAX_KEYS:
+                return NO
             value = {name: item for name, item in value.items() if name in fields}
         extra = {}
         # Subscripts, not `.get` calls: a name with no rule, or a value of a type its rule
@@ -253,7 +260,7 @@ _SAMPLING_RULES = {
 _TEXT_PART = object_check(TextPart, {"type": one_of("text"), "text": text()})
 _MESSAGE = object_check(Message, {
     "role": one_of(*get_args(Message.model_fields["role"].annotation)),
-    "content": optional(either(text(), items(nested(_TEXT_PART)))),
+    "content": optional(either(text(), items(nested(_TEXT_PART), max_len=MAX_PARTS))),
     "name": optional(text()),
 })  # fmt: skip
 # `_refuse_unrecognized`'s names: any other is NO (the model refuses it, naming it).

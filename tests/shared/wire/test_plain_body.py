@@ -222,6 +222,25 @@ def test_common_bodies_are_decided_by_hand(endpoint: str, body: dict[str, Any]) 
     assert _agrees(endpoint, body, plain_routing), body
 
 
+def test_what_a_check_walks_before_no_is_bounded() -> None:
+    """A message of more than MAX_KEYS names, a content of more than MAX_PARTS parts and
+    more than MAX_ITEMS messages are left to the model (valid as they are): a body made
+    to fail at its far end makes the hand check walk a bounded amount first."""
+    part = {"type": "text", "text": "a"}
+    wide = {"role": "user", "content": "x", **{f"k{i}": i for i in range(plain.MAX_KEYS)}}
+    for messages, decided in (
+        ([{**wide, "k": 0}], False),
+        ([dict(list(wide.items())[: plain.MAX_KEYS])], True),
+        ([{"role": "user", "content": [part] * (plain.MAX_PARTS + 1)}], False),
+        ([{"role": "user", "content": [part] * plain.MAX_PARTS}], True),
+        ([{"role": "user", "content": "x"}] * (plain.MAX_ITEMS + 1), False),
+        ([{"role": "user", "content": "x"}] * plain.MAX_ITEMS, True),
+    ):
+        body = {"messages": messages}
+        assert _agrees("chat", body, plain_routing) is decided
+        ChatCompletionRequest.model_validate(body)  # every one the model's to take
+
+
 def test_a_looser_check_is_caught() -> None:
     """The differential test can fail: a completion check whose `max_tokens` bound is
     one too wide passes a body the model refuses, and the rule's assertion says so."""
