@@ -22,6 +22,12 @@ A hand-over never happens while a fast answer is being written: bytes that arriv
 then wait until it is done. tests/router/http/test_server_conformance.py holds both
 ways to one table.
 
+A connection's fast requests are answered by one task, made by its first and ended with
+the connection (closed, handed over, or left by its client, which cancels the answer in
+flight: 499, as aiohttp's handler_cancellation): between requests it waits on a future
+the next request resolves. A Task a request cost more (its creation, asyncio's WeakSet
+add and discard: loadtests/results/router_cpu.md, "Eleventh pass: the connection").
+
 aiohttp's server lists only its own connections, so at shutdown `FastServer.close()`
 (router/http/app.py `stop_serving`, before `runner.cleanup()`) closes these: idle ones at
 once, one being answered when its answer is written.
@@ -52,12 +58,6 @@ from shared.serving.http_server import KEEPALIVE_S, deadline_protocol
 
 log = logging.getLogger(__name__)
 
-# A hot route: its handler, its match (request.match_info), the on_response_prepare hooks
-# and their plain calls where every one has one (router/http/fast_answer.py `now_hooks`).
-Route = tuple[
-    Handler, UrlMappingMatchInfo, tuple[Callable[..., Any], ...],
-    tuple[Callable[[Any, Any], None], ...] | None,
-]  # fmt: skip
 MAX_PENDING = 65536  # bytes read during an answer before reading pauses
 
 
@@ -82,30 +82,34 @@ class FastRequest(dict[str, Any]):
     """What the edge, the inference handler and the answers (the own ones, and aiohttp's
     where one is aiohttp's to write) read of a request. It names the own protocol's
     responder (`RESPONDER`: router/upstream/responder.py), through which the proxy
-    answers, and its connection (`protocol`), where the answer goes."""
+    answers, and its connection (`protocol`), where the answer goes.
 
-    __slots__ = ("_match_info", "_writer", "app", "content_length", "headers", "hooks",
-                 "now_hooks", "path", "protocol", "transport")  # fmt: skip
+    A request is made by its route's subclass (`route_request_class`): what is the same for
+    every request of a route (its path, handler, match, app and hooks) is the subclass's,
+    so a request sets only its own (headers, body, connection; the writer of an answer
+    aiohttp writes, made where one is)."""
+
+    __slots__ = ("_writer", "headers", "protocol")
     method = "POST"
     version = HttpVersion11
     keep_alive = True
+    # The route's, set by `route_request_class`.
+    path: str
+    handler: Handler
+    app: web.Application
+    _match_info: UrlMappingMatchInfo
+    # The apps' on_response_prepare receivers (read once: the app is frozen by then), and
+    # their plain-call twins where every one has one (`now_hooks`, router/http/fast_answer.py).
+    hooks: tuple[Callable[..., Any], ...]
+    now_hooks: tuple[Callable[[Any, Any], None], ...] | None
 
-    def __init__(self, path: str, headers: CIMultiDictProxy[str], body: bytes, route: Route,
-                 protocol: FastProtocol, transport: asyncio.Transport) -> None:  # fmt: skip
+    def __init__(self, headers: CIMultiDictProxy[str], body: bytes, protocol: FastProtocol) -> None:
         self[RESPONDER] = FAST
         # The body came whole with the head: the handler takes it as it is (no read).
         self[WHOLE_BODY] = body
-        self.path = path
         self.headers = headers
-        self.content_length = len(body)
-        # The apps' on_response_prepare receivers (read once by `FastServer`), and their
-        # plain-call twins where every one has one (`now_hooks`, router/http/fast_answer.py).
-        _, match, self.hooks, self.now_hooks = route
-        self._match_info = match
-        self.app = match.current_app
         self.protocol = protocol  # its connection: where the answer goes
         self._writer: StreamWriter | None = None
-        self.transport = transport
 
     @property
     def _payload_writer(self) -> StreamWriter:
@@ -113,6 +117,14 @@ class FastRequest(dict[str, Any]):
         if self._writer is None:
             self._writer = StreamWriter(self.protocol, self.protocol._loop)
         return self._writer
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.protocol.transport  # type: ignore[return-value]  # as aiohttp's
+
+    @property
+    def content_length(self) -> int:
+        return len(self[WHOLE_BODY])
 
     @property
     def content(self) -> _Content:
@@ -128,7 +140,8 @@ class FastRequest(dict[str, Any]):
 
     @property
     def remote(self) -> str | None:
-        peer = self.transport.get_extra_info("peername")
+        transport = self.protocol.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
         return peer[0] if isinstance(peer, (list, tuple)) else None
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
@@ -142,6 +155,16 @@ class FastRequest(dict[str, Any]):
             await hook(self, response)
 
 
+def route_request_class(
+    path: str, handler: Handler, match: UrlMappingMatchInfo, hooks: tuple[Callable[..., Any], ...]
+) -> type[FastRequest]:
+    """The requests of one hot route: a `FastRequest` whose class holds the route's part."""
+    route = {"__slots__": (), "path": path, "handler": staticmethod(handler),
+             "_match_info": match, "app": match.current_app, "hooks": hooks,
+             "now_hooks": now_hooks(hooks)}  # fmt: skip
+    return type(f"FastRequest[{path}]", (FastRequest,), route)
+
+
 class FastProtocol(BaseProtocol):
     """One connection: fast answers while its requests are simple, aiohttp's after."""
 
@@ -153,7 +176,11 @@ class FastProtocol(BaseProtocol):
         self._pending = bytearray()  # read while a fast answer was being written
         # The last head taken: the same again is not read again (router/http/fast_head.py).
         self._last = LastHead()
-        self._task: asyncio.Task[None] | None = None
+        self._busy = False  # an answer is being made or written
+        # The connection's task (the module's docstring) and the future it waits on for
+        # the next request (None while an answer is being made).
+        self._serving: asyncio.Task[None] | None = None
+        self._next: asyncio.Future[FastRequest | None] | None = None
         # One timer a connection, re-armed lazily: it closes the connection once it has
         # been idle `_limit` seconds (the head deadline until a first answer, then
         # aiohttp's keep-alive timeout), not a timer handle per request.
@@ -170,7 +197,7 @@ class FastProtocol(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         """`data` holds exactly one simple request: answer it; else hand over. Bytes that
         come while an answer is being written wait for it (`_pending`)."""
-        if self._task is not None:  # a fast answer is being written: wait for it
+        if self._busy:  # a fast answer is being written: wait for it
             self._pending += data
             if len(self._pending) > MAX_PENDING and self.transport is not None:
                 self.transport.pause_reading()  # resumed when the answer is written
@@ -185,89 +212,105 @@ class FastProtocol(BaseProtocol):
         path, headers, size = found
         if end + 4 + size != len(data):  # split, or more after it
             return self._hand_over(data)
-        transport = self.transport
-        assert transport is not None
-        route = self._hot[path]
-        request = FastRequest(path, headers, data[end + 4 :], route, self, transport)
-        self._task = self._loop.create_task(self._answer(request, route[0]))
+        request = self._hot[path](headers, data[end + 4 :], self)
+        self._busy = True
+        waiter = self._next
+        if waiter is None:  # the connection's first fast request
+            self._serving = self._loop.create_task(self._serve(request))
+        else:
+            self._next = None
+            waiter.set_result(request)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         self._server.connections.discard(self)
         super().connection_lost(exc)
-        if self._task is not None:
-            self._task.cancel()  # the client left: as aiohttp's handler_cancellation
+        if self._serving is not None:
+            # The client left: its answer is cancelled, as by aiohttp's
+            # handler_cancellation; an idle connection's task just ends.
+            self._serving.cancel()
 
     # -- the connection's course
-    async def _answer(self, request: FastRequest, handler: Handler) -> None:
-        """The edge, then the answer's write. The edge is `serve_logged`'s steps in its
-        order (shared/serving/access_log.py: the id and start time; the guard and the
-        handler, what either raises becomes `error_response_for`'s answer; then
-        `on_done` and the access-log line, before the write), inlined: one coroutine a
-        request less. tests/router/http/test_hot_paths.py holds it to the app's way."""
-        keep = False
-        try:
-            request[REQUEST_ID] = request_id_of(request.headers.get(REQUEST_ID_HEADER))
-            start = perf_counter()
-            status, response, answer = 500, None, None
+    async def _serve(self, request: FastRequest | None) -> None:
+        """The connection's task: each fast request's edge, then its answer's write, then
+        the next request (`_next`), until the connection closes or is handed over.
+
+        The edge is `serve_logged`'s steps in its order (shared/serving/access_log.py: the
+        id and start time; the guard and the handler, what either raises becomes
+        `error_response_for`'s answer; then `on_done` and the access-log line, before the
+        write), inlined: one coroutine a request less. tests/router/http/test_hot_paths.py
+        holds it to the app's way."""
+        loop, server, access = self._loop, self._server, self._log
+        on_done, logs = access.on_done, access.enabled  # the config's: fixed while serving
+        while request is not None:
+            keep = False
             try:
+                request[REQUEST_ID] = request_id_of(request.headers.get(REQUEST_ID_HEADER))
+                start = perf_counter()
+                status, response, answer = 500, None, None
                 try:
-                    guard = self._guard
-                    if guard is not None:
-                        pending = guard(request)
-                        if pending is not None:
-                            await pending
-                    response = await handler(request)
-                except Exception as e:
-                    response = error_response_for(request, e)
-                    if response is None:
-                        if not isinstance(e, web.HTTPException):
-                            raise
-                        status = e.status
-                        answer = e  # what the edge lets through (a redirect): aiohttp sends it
-                if response is not None:
-                    status = response.status
-                    answer = response
-            except asyncio.CancelledError:
-                status = 499  # the client went away first (nginx's convention)
-                raise
-            finally:
-                access = self._log
-                seconds = perf_counter() - start
-                if access.on_done is not None:
-                    access.on_done(request, status, seconds, response)  # type: ignore[arg-type]
-                if access.enabled and access.logger.isEnabledFor(logging.INFO):
-                    log_access(access.logger, access.fields, request, status, seconds, response)  # type: ignore[arg-type]
-            if type(answer) is FastReply and request.now_hooks is not None:
-                reply_now(request, answer)  # the common answer: no coroutine
-                keep = True
-            else:
-                keep = await FAST.finish(request, answer)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        except Exception:
-            log.exception("error answering %s", request.path)
-        finally:
-            self._task = None
-        transport = self.transport
-        if transport is None:
-            return
-        if not keep or self._server.closing:
-            transport.close()
-            return
-        self._idle_since, self._limit = self._loop.time(), self._keepalive
-        if self._pending:  # read while answering (rare: clients wait for an answer)
-            pending, self._pending = bytes(self._pending), bytearray()
-            if len(pending) > MAX_PENDING:
-                transport.resume_reading()
-            self.data_received(pending)
-        elif self._timer is None:
-            self._arm(self._limit)
+                    try:
+                        guard = self._guard
+                        if guard is not None:
+                            pending = guard(request)
+                            if pending is not None:
+                                await pending
+                        response = await request.handler(request)
+                    except Exception as e:
+                        response = error_response_for(request, e)
+                        if response is None:
+                            if not isinstance(e, web.HTTPException):
+                                raise
+                            status = e.status
+                            answer = e  # what the edge lets through (a redirect): aiohttp sends it
+                    if response is not None:
+                        status = response.status
+                        answer = response
+                except asyncio.CancelledError:
+                    status = 499  # the client went away first (nginx's convention)
+                    raise
+                finally:
+                    seconds = perf_counter() - start
+                    if on_done is not None:
+                        on_done(request, status, seconds, response)  # type: ignore[arg-type]
+                    if logs and access.logger.isEnabledFor(logging.INFO):
+                        log_access(access.logger, access.fields, request, status, seconds, response)  # type: ignore[arg-type]
+                if type(answer) is FastReply and request.now_hooks is not None:
+                    reply_now(request, answer)  # the common answer: no coroutine
+                    keep = True
+                else:
+                    keep = await FAST.finish(request, answer)
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            except Exception:
+                log.exception("error answering %s", request.path)
+            # Nothing of this request is kept while the connection waits for its next one.
+            self._busy, request = False, None
+            response = answer = None
+            transport = self.transport
+            if transport is None:  # the client left (and cancelled this task)
+                return
+            if not keep or server.closing:  # (a cancelled answer is not kept either)
+                transport.close()
+                return
+            self._idle_since, self._limit = loop.time(), self._keepalive
+            self._next = waiter = loop.create_future()
+            if self._pending:  # read while answering (rare: clients wait for an answer)
+                pending, self._pending = bytes(self._pending), bytearray()
+                if len(pending) > MAX_PENDING:
+                    transport.resume_reading()
+                self.data_received(pending)  # answers `waiter`
+            elif self._timer is None:
+                self._arm(self._limit)
+            request = await waiter  # None: the connection was handed over
 
     def _hand_over(self, data: bytes) -> None:
         """aiohttp's protocol takes the connection and `data`, the current request's bytes."""
         self._disarm()
         self._server.connections.discard(self)  # aiohttp's from now on: its server's list
+        waiter, self._next = self._next, None
+        if waiter is not None:  # the connection's task ends
+            waiter.set_result(None)
         transport = self.transport
         if transport is None:
             return
@@ -282,7 +325,7 @@ class FastProtocol(BaseProtocol):
 
     def close_when_idle(self) -> None:
         """Close now if no answer is being written, else once it is (`FastServer.closing`)."""
-        if self._task is None and self.transport is not None:
+        if not self._busy and self.transport is not None:
             self.transport.close()
 
     def _arm(self, seconds: float) -> None:
@@ -298,8 +341,8 @@ class FastProtocol(BaseProtocol):
         if self.transport is None:
             return
         left = self._limit - (self._loop.time() - self._idle_since)
-        if self._task is not None or left > 0.001:  # busy, or not idle that long yet
-            self._arm(left if self._task is None else self._limit)
+        if self._busy or left > 0.001:  # busy, or not idle that long yet
+            self._arm(self._limit if self._busy else left)
         else:
             self.transport.close()
 
@@ -316,11 +359,12 @@ class FastServer:
         server = runner.server
         assert server is not None, "FastServer needs a runner that is set up"
         self._aiohttp = server
-        # The apps' on_response_prepare receivers, read once: the app is frozen by now.
-        self.hot: dict[str, Route] = {}
+        # Each hot route's requests; its apps' on_response_prepare receivers read once:
+        # the app is frozen by now.
+        self.hot: dict[str, type[FastRequest]] = {}
         for path, (handler, match) in hot_routes(runner.app).items():
             hooks = tuple(h for app in match.apps for h in app.on_response_prepare)
-            self.hot[path] = (handler, match, hooks, now_hooks(hooks))
+            self.hot[path] = route_request_class(path, handler, match, hooks)
         # The hot paths' guard: None where they need no key and no rate limit (edge.py).
         self.log, self.guard = edge.log, edge.hot_guard
         self.max_body, self.head_timeout = max_body, head_timeout

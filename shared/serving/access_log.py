@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -47,14 +47,18 @@ OnDone = Callable[[web.Request, int, float, web.StreamResponse | None], None]
 # (two clients the same one), so nothing may rely on one being unguessable, and nothing
 # does (the upstream pool only needs the id it sends to differ from the connection's
 # last one: router/upstream/connection.py). Unique across processes and replicas by
-# the 64-bit random prefix, drawn again in a forked child.
-_serial = itertools.count()
-_prefix = os.urandom(8).hex()
+# the 64-bit random prefix, drawn again in a forked child. The ids are made in C, one
+# format of one count (prefix << 64) + serial: 0.25 against 0.33 us for an f-string (timeit).
+def _new_ids() -> Iterator[str]:
+    return map("%032x".__mod__, itertools.count(int.from_bytes(os.urandom(8)) << 64))
+
+
+_ids = _new_ids()
 
 
 def _new_prefix() -> None:
-    global _prefix
-    _prefix = os.urandom(8).hex()
+    global _ids
+    _ids = _new_ids()
 
 
 os.register_at_fork(after_in_child=_new_prefix)
@@ -62,13 +66,13 @@ os.register_at_fork(after_in_child=_new_prefix)
 
 def fresh_request_id() -> str:
     """32 hex digits, as uuid4().hex: the process's prefix, then the serial number."""
-    return f"{_prefix}{next(_serial):016x}"
+    return next(_ids)
 
 
 def request_id_of(headers_value: str | None) -> str:
     if headers_value is not None and _VALID_ID.fullmatch(headers_value):
         return headers_value
-    return f"{_prefix}{next(_serial):016x}"  # `fresh_request_id()`, inlined: a call less
+    return next(_ids)  # `fresh_request_id()`, inlined: a call less
 
 
 async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:

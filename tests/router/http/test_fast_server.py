@@ -198,7 +198,7 @@ async def test_a_stream_to_a_client_that_never_reads_holds_bounded_memory(
         router_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n"
                                 b"Content-Length: %d\r\n\r\n%s" % (len(STREAM), STREAM))  # fmt: skip
-        await wait_until(lambda: protocol._task is not None)  # the answer has begun
+        await wait_until(lambda: protocol._busy)  # the answer has begun
         most, bound = 0, HIGH_WATER + READ  # the high-water mark and one relayed chunk
         while protocol.transport is not None and most <= bound:  # until the deadline
             most = max(most, protocol.transport.get_write_buffer_size())
@@ -223,7 +223,7 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
     from aiohttp.http_writer import _serialize_headers
 
     from router.http.fast_answer import FAST, FastReply
-    from router.http.fast_server import FastRequest
+    from router.http.fast_server import route_request_class
 
     class Recording(asyncio.Transport):
         def __init__(self) -> None:
@@ -241,17 +241,21 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
         protocol.connection_made(sink)
         return protocol
 
+    async def awaited(request: Any, response: Any) -> None:  # a receiver, not a HeadHook
+        pass
+
     # Both ways a buffered answer leaves: its hooks as plain calls (`reply_now`), or
     # awaited (`_whole`: an app with a receiver that is not a `HeadHook`).
-    for now in ((), None):
-        route = (None, SimpleNamespace(current_app=None), (), now)
+    for hooks in ((), (awaited,)):
+        match = SimpleNamespace(current_app=None)
+        requests = route_request_class("/v1/completions", None, match, hooks)  # type: ignore[arg-type]
         for fields in (
             [],
             [("Content-Type", "application/json"), ("x-request-id", "r" * 32)],
             [("X-A", "1"), ("x-a", "2"), ("X-Ünï", "välue ✓"), ("Empty", "")],
         ):
             sink = Recording()
-            request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
+            request = requests(CIMultiDict(), b"{}", on(sink))  # type: ignore[arg-type]
             reply = FastReply(200, CIMultiDict(fields), b"body")
             assert await FAST.finish(request, reply)
             assert sink.writes == [_serialize_headers("HTTP/1.1 200 OK", reply.headers) + b"body"]
@@ -263,7 +267,7 @@ async def test_heads_are_serialized_as_aiohttp_serializes_them() -> None:
             ("X-A", "\x00"),
         ):
             sink = Recording()
-            request = FastRequest("/v1/completions", CIMultiDict(), b"{}", route, on(sink), sink)  # type: ignore[arg-type]
+            request = requests(CIMultiDict(), b"{}", on(sink))  # type: ignore[arg-type]
             with pytest.raises(ValueError):
                 await FAST.finish(request, FastReply(200, CIMultiDict([bad]), b"body"))
             assert sink.writes == []
