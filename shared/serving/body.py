@@ -73,6 +73,7 @@ _MAX_INT_DIGITS = 20  # longer integers are not parsed at all (see _bounded_int)
 # many values (a prompt of token ids) takes the byte check, and so a walked body nests
 # far less deep than the standard library's parser can (its RecursionError, below).
 WALK_VALUES = 256
+WALK_FROM_BYTES = 512  # shorter: the byte check (~0.3 us) costs what the walk's call does
 _FLOAT_BOUND = float(2**63)
 LARGE_BODY_BYTES = 1 << 20
 SLICE_BYTES = 1 << 20  # ~1.5 ms of translate and search a slice
@@ -229,7 +230,7 @@ def parse_json_object(
     (`parse_large`); None: made here."""
     if may_surrogate is None:  # `_may_have_surrogate`, inlined: one call less a body
         may_surrogate = b"\\" in raw and _SURROGATE.search(raw) is not None
-    if may_overflow is None:
+    if may_overflow is None and len(raw) >= WALK_FROM_BYTES:
         # orjson first: its numbers say whether an integer literal lost digits, at a
         # cost per value rather than per byte (the byte check below costs ~1 us a kB).
         try:
@@ -243,6 +244,8 @@ def parse_json_object(
                     _check_values(data)
                 return data
         # Refused, not an object, or a number that may have lost digits: as before.
+        may_overflow = _LONG_RUN in raw.translate(_DIGIT_MASK)
+    elif may_overflow is None:  # a short body: the byte check is as cheap as the walk
         may_overflow = _LONG_RUN in raw.translate(_DIGIT_MASK)
     if not may_overflow:
         # The common body: orjson from the bytes (shared/serving/json_codec.py). What it

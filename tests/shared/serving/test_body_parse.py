@@ -38,6 +38,13 @@ values = st.recursive(
 objects = st.dictionaries(texts, values, max_size=6)
 
 
+@pytest.fixture(autouse=True)
+def _walk_every_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generated bodies are mostly short: the walk is taken for every one here (a short
+    body takes the byte check first in the service: `test_a_short_body_...`)."""
+    monkeypatch.setattr(body, "WALK_FROM_BYTES", 0)
+
+
 def _outcome(raw: bytes, reference: bool) -> Any:
     try:
         if reference:  # the byte check's path, as every body took it before
@@ -115,3 +122,16 @@ def test_a_long_integer_is_still_refused_after_orjson_parsed_it() -> None:
         assert e.value.param == "seed"
     assert parse_json_object(b'{"seed": 9223372036854775807}') == {"seed": 2**63 - 1}
     assert parse_json_object(b'{"t": 1e19}') == {"t": 1e19}  # a float literal stays one
+
+
+def test_a_short_body_takes_the_byte_check_and_a_long_one_the_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(body, "WALK_FROM_BYTES", 512)
+    walked: list[int] = []
+    real = body._numbers_exact
+    monkeypatch.setattr(body, "_numbers_exact", lambda data: walked.append(1) or real(data))
+    short = b'{"prompt": "hello", "max_tokens": 4}'
+    long = b'{"prompt": "' + b"x" * 512 + b'", "max_tokens": 4}'
+    assert parse_json_object(short) == {"prompt": "hello", "max_tokens": 4} and not walked
+    assert parse_json_object(long)["max_tokens"] == 4 and walked == [1]
