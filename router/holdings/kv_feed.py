@@ -47,6 +47,7 @@ from shared.wire.registry import Registry
 MAX_CURSORS = 4096  # departed workers' cursors kept (registry MAX_WORKERS)
 DEPARTED_S = 30.0  # a departed worker's state and blocks kept for its return
 SHARE_SLACK = 2  # a worker's share: its reported pool and host tier, in blocks, twice
+_NO_DROPS: frozenset[str] = frozenset()
 
 
 class KvEventFeed:
@@ -292,11 +293,14 @@ class KvEventFeed:
         index = self.indexes.get(model)
         if index is None:
             return {}
+        found = index.match_tiers(tokens)
+        if not found:
+            return found  # (a fresh dict: no holder of the first block)
         usable = ("ok", "rebuilding")  # as in `match`
-        streams, dropping = self.streams, self._dropping(index)
+        streams, dropping = self.streams, self._dropping(index) if self.drops else _NO_DROPS
         return {
             w: n
-            for w, n in index.match_tiers(tokens).items()
+            for w, n in found.items()
             if (s := streams.get(w)) is not None and s.status in usable and w not in dropping
         }
 

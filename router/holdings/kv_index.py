@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.wire.kv_events import (
+    _MASK64,
+    ID_CHARS,
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -53,6 +55,7 @@ from shared.wire.kv_events import (
     KVEvent,
     block_key_list,
     block_key_text,
+    ids_text,
 )
 
 _MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
@@ -174,45 +177,42 @@ class BlockIndex:
                 return
             parent = known
         media = _MEDIA.get(event.medium, 1)
-        blocks = self._blocks
-        text = event.token_text  # the ids' key text where decoded (shared/wire/kv_events.py)
-        if text is not None:
-            keys = block_key_text(text, bs, parent)
+        blocks, by_hash = self._blocks, wb.by_hash
+        hashes = event.block_hashes
+        text, ids = event.token_text, event.token_ids  # text: where the decoder packed it
+        if text is None:
+            ids = ids.tolist() if isinstance(ids, np.ndarray) else ids
+            text = ids_text(ids)  # (None: ids that are no token ids)
+        width = ID_CHARS * bs
+        if text is None or len(text) != width * len(hashes):
+            # Keyed apart (`block_key_list`), or key text that is no whole blocks (a
+            # hand-built event): stored pair by pair as far as both go.
+            keys = (
+                block_key_list(ids, bs, parent)
+                if text is None
+                else block_key_text(text, bs, parent)
+            )
+            for key, engine_hash in zip(keys, hashes, strict=True):
+                self._store(worker, wb, key, engine_hash, media)
         else:
-            ids = event.token_ids
-            keys = block_key_list(
-                ids if isinstance(ids, list) else ids.tolist() if isinstance(ids, np.ndarray)
-                else list(ids), bs, parent,
-            )  # fmt: skip
-        by_hash = wb.by_hash
-        for parent, engine_hash in zip(keys, event.block_hashes, strict=True):
-            holders = blocks.get(parent)
-            if holders is None:  # a block no worker holds (most of a turn's new blocks)
-                old = by_hash.get(engine_hash)
-                if old is not None and old != parent:
-                    self._unhold(worker, old, 7)
-                    wb.forget(engine_hash)
-                blocks[parent] = {worker: (media, engine_hash)}
-                by_hash[engine_hash] = parent
-                continue
-            blocks.move_to_end(parent)
-            held = holders.get(worker)
-            if held is None:
-                bits = 0
-            elif held[1] != engine_hash:
-                wb.forget(held[1])  # the same content under a new engine hash
-                bits = 0
-            else:
-                bits = held[0]
-            old = by_hash.get(engine_hash)
-            if old is not None and old != parent:
-                self._unhold(worker, old, 7)
-                wb.forget(engine_hash)
-            if bits & media:  # stored again in a tier that holds it: count the copy
-                count = (engine_hash, media)
-                wb.extra[count] = wb.extra.get(count, 0) + 1
-            holders[worker] = (media | bits, engine_hash)
-            by_hash[engine_hash] = parent
+            # `block_key_text` in line, each key made where its block is stored: no list
+            # of keys and no call a block (the feed applies ~20-40 blocks a request). The
+            # common block is one no worker holds (a turn's new blocks, a chat stored again
+            # after its eviction), stored here; `_store` says the same for any block.
+            start = 0
+            for engine_hash in hashes:
+                parent = hash((parent, text[start : start + width])) & _MASK64
+                start += width
+                holders = blocks.get(parent)
+                if holders is None:
+                    old = by_hash.setdefault(engine_hash, parent)
+                    if old != parent:
+                        self._unhold(worker, old, 7)
+                        wb.forget(engine_hash)
+                        by_hash[engine_hash] = parent
+                    blocks[parent] = {worker: (media, engine_hash)}
+                else:
+                    self._hold(worker, wb, parent, engine_hash, media, holders)
         share = self.shares.get(worker)
         if share is not None and len(by_hash) > share:
             self._shed(worker, wb, len(by_hash) - share)
@@ -221,6 +221,50 @@ class BlockIndex:
             self.forgotten += 1
             for w, (_, h) in holders.items():
                 self._workers[w].forget(h)
+
+    def _store(
+        self, worker: str, wb: _WorkerBlocks, key: int, engine_hash: BlockHash, media: int
+    ) -> None:
+        """Block `key` stored by `worker` in `media` under `engine_hash`."""
+        holders = self._blocks.get(key)
+        if holders is not None:
+            self._hold(worker, wb, key, engine_hash, media, holders)
+            return
+        by_hash = wb.by_hash
+        # One look-up: a new engine hash goes in at once; one known for other content
+        # goes (with its old block) and comes back at the end, as a plain set puts it.
+        old = by_hash.setdefault(engine_hash, key)
+        if old != key:
+            self._unhold(worker, old, 7)
+            wb.forget(engine_hash)
+            by_hash[engine_hash] = key
+        self._blocks[key] = {worker: (media, engine_hash)}
+
+    def _hold(
+        self, worker: str, wb: _WorkerBlocks, key: int, engine_hash: BlockHash, media: int,
+        holders: dict[str, tuple[int, BlockHash]],
+    ) -> None:  # fmt: skip
+        """A stored block the index knows (`holders`): now held by `worker` in `media` too,
+        and the most recently stored."""
+        self._blocks.move_to_end(key)
+        held = holders.get(worker)
+        if held is None:
+            bits = 0
+        elif held[1] != engine_hash:
+            wb.forget(held[1])  # the same content under a new engine hash
+            bits = 0
+        else:
+            bits = held[0]
+        by_hash = wb.by_hash
+        old = by_hash.get(engine_hash)
+        if old is not None and old != key:
+            self._unhold(worker, old, 7)
+            wb.forget(engine_hash)
+        if bits & media:  # stored again in a tier that holds it: count the copy
+            count = (engine_hash, media)
+            wb.extra[count] = wb.extra.get(count, 0) + 1
+        holders[worker] = (media | bits, engine_hash)
+        by_hash[engine_hash] = key
 
     def _stored_again(self, worker: str, event: BlockStored) -> None:
         """A store by engine hash only (no tokens): blocks the worker named before, now in
@@ -244,7 +288,8 @@ class BlockIndex:
         if wb is None:
             return
         extra, by_hash, blocks = wb.extra, wb.by_hash, self._blocks
-        lost, now = self._lost, self._now
+        lost, now, keep = self._lost, self._now, ~media
+        max_lost = self.max_lost
         for engine_hash in hashes:
             if extra:
                 count = (engine_hash, media)
@@ -262,13 +307,14 @@ class BlockIndex:
             holders = blocks.get(key)
             held = None if holders is None else holders.get(worker)
             if held is not None:
-                bits = held[0] & ~media
+                bits = held[0] & keep
                 if bits:
                     holders[worker] = (bits, held[1])  # type: ignore[index]
                     continue
-                del holders[worker]  # type: ignore[union-attr]
-                if not holders:
+                if len(holders) == 1:  # its only holder (the common block): one delete
                     del blocks[key]
+                else:
+                    del holders[worker]  # type: ignore[union-attr]
             # held in no tier any more: `_WorkerBlocks.forget`, inlined (`extra` is
             # empty for most workers, and this runs for every block a worker evicts)
             del by_hash[engine_hash]
@@ -279,8 +325,10 @@ class BlockIndex:
             if lost_key in lost:
                 lost.move_to_end(lost_key)
             lost[lost_key] = now
-            if len(lost) > self.max_lost:
-                lost.popitem(last=False)
+        # Trimmed once an event, not once a block: the oldest go first either way, so the
+        # book keeps the same `max_lost` most recent losses (and nothing reads it between).
+        while len(lost) > max_lost:
+            lost.popitem(last=False)
 
     def _shed(self, worker: str, wb: _WorkerBlocks, n: int) -> None:
         """Forget `worker`'s `n` oldest stored blocks (parents before children: the run

@@ -24,7 +24,10 @@ rebuilding one (events lost, router/holdings/feed_entries.py) keeps it and adds 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
+from itertools import islice
+from operator import itemgetter
 from typing import Protocol
 
 from shared.tokens.prompt_tokens import PromptTokens
@@ -32,6 +35,7 @@ from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, Gener
 from shared.wire.registry import WorkerRecord
 
 Path = list[tuple[Mapping[object, float], int]]
+_end = itemgetter(1)  # a path entry's end
 
 # A host-held token's worth against a device-held one when the worker reports no host
 # load figures: between a miss (0) and a hit (1); the measured CPU engine loads ~100x
@@ -185,9 +189,12 @@ def lost_since_routed(
         if n >= whole:
             continue
         # The route that claimed the first block the index does not hold: the last
-        # one through the tree node holding that block's first token.
-        at = n * scale
-        routed = next(h[w] for h, e in path if e > at and w in h)
+        # one through the tree node holding that block's first token. The path's ends
+        # increase (root side first, tree.py's `match_path`): bisected to the first entry
+        # past it, not scanned from the root (a 30-turn chat's path has ~16 entries, and
+        # this runs on most token requests: the new turn's blocks are not held yet).
+        i = bisect_right(path, n * scale, key=_end)
+        routed = next(h[w] for h, _ in islice(path, i, None) if w in h)
         if feed.lost_at(model, tokens, w, n) > routed:  # type: ignore[arg-type]
             gone.append(w)
     return gone
