@@ -376,13 +376,18 @@ tenant, request = queue.tenants.of_headers({}), RouteRequest("x")
 wid = next(iter(fleet.workers))
 worker = fleet.workers[wid]
 
+try:  # what the handler calls for a body of plain values, where the tree has it (h38-body)
+    from shared.wire.plain_body import plain_routing
+except ImportError:
+    plain_routing = lambda endpoint, body: None
+
 def model():
     for _ in range(n):
-        routing_text("completions", completion)
+        plain_routing("completions", completion) or routing_text("completions", completion)
 
 def chat_model():
     for _ in range(n):
-        routing_text("chat", chat)
+        plain_routing("chat", chat) or routing_text("chat", chat)
 
 def seat():  # as the handler does it, and the answer's head hook after it
     if hasattr(queue, "served"):  # (h36-books: `arrive` and `served`, one call each)
@@ -763,8 +768,8 @@ zero.kill()
 print(json.dumps(out))
 """
 PIECE_NAMES = {
-    "model": "request model, a completion body (routing_text)",
-    "chat_model": "request model, a chat body (routing_text)",
+    "model": "request body checked, a completion (plain_routing, else routing_text)",
+    "chat_model": "request body checked, a chat (plain_routing, else routing_text)",
     "route_same_prompt": "route decision, 8 workers, one prompt again (Routing.select)",
     "route_mixed": "route decision, 8 workers, 4,096 prompts over 8 prefixes",
     "seat": "fleet queue, a free seat, the handler's calls: arrive, sit, served, answered",

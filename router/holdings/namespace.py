@@ -99,9 +99,20 @@ def request_namespace(parsed: object, renders: bool = True, adapter: bool = Fals
     extra = getattr(parsed, "__pydantic_extra__", None)
     if not extra and salt is None and not adapter:  # most requests: nothing splits it
         return DEFAULT
+    return fields_namespace(getattr(parsed, "model", None), salt, extra, renders, adapter)
+
+
+def fields_namespace(
+    model: str | None, salt: str | None, extra: Mapping[str, object] | None, renders: bool,
+    adapter: bool,
+) -> str:  # fmt: skip
+    """`request_namespace` of a request's fields as its model holds them: `extra` its
+    extra fields (the body's own, where shared/wire/plain_body.py took it as sent)."""
+    if not extra and salt is None and not adapter:
+        return DEFAULT
     extra = extra or {}
     lora_path = extra.get("lora_path")
-    model = _bounded(getattr(parsed, "model", None), MAX_NAME_CHARS)
+    model = _bounded(model, MAX_NAME_CHARS)
     named = model if adapter else None
     if isinstance(lora_path, str) and lora_path:  # SGLang's adapter field
         named = f"{named or ''}\x00lora_path:{_bounded(lora_path, MAX_NAME_CHARS)}"

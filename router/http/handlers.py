@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from router.fleet.workers import Worker
 from router.holdings.kv_feed import KvEventFeed
-from router.holdings.namespace import request_namespace
+from router.holdings.namespace import DEFAULT as DEFAULT_NAMESPACE
+from router.holdings.namespace import fields_namespace, request_namespace
 from router.holdings.sessions import session_digest, tenant_of
 from router.http.auth import request_bearer_token
 from router.http.state import (
@@ -41,6 +42,7 @@ from shared.serving.body import LARGE_BODY_BYTES, WHOLE_BODY, parse_json_object,
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
+from shared.wire.plain_body import plain_routing
 from shared.wire.protocol import canonical_chat_text, chat_request, routing_text
 from shared.wire.service_class import request_class
 
@@ -75,6 +77,11 @@ def _session_namespace(tenant: str, request: web.Request) -> str:
 
 
 def _inference_handler(endpoint: str, path: str) -> Any:
+    # Chat and completion bodies of plain values are checked by hand and read in place
+    # (shared/wire/plain_body.py `plain_routing`): no request model built. `/generate`, and
+    # any body the hand check leaves to the model, take the model as before.
+    plain = endpoint != "generate"
+
     # Timing lives in the handler rather than in a middleware: one coroutine layer less on
     # every request, and only inference requests are timed anyway.
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -99,23 +106,45 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # the event loop, over-long ones routed on their text's head alone.
             tokenize = bound.tokenize
             render = None
-            if endpoint == "chat" and tokenize is not None and len(raw) <= tokenize.quick_chars:
-                # Routed on its ids: its text is rendered only if something reads it
-                # (RouteRequest), and its body's length bounds the text's (Tokenizing).
-                parsed = chat_request(data)  # pydantic errors → 400
-                text, chars = "", len(raw)
-                render = partial(canonical_chat_text, parsed.messages)
+            ids = None
+            checked = plain_routing(endpoint, data) if plain and tokenize is None else None
+            if checked is not None:  # its model takes it as sent: its fields read in place
+                text, extra = checked
+                model = data.get("model")
+                session_key = request.headers.get(config.session_header) or data.get("user")
+                stream = data.get("stream") is True
+                adapter = bound.fleet.serves_adapter(model)
+                salt = data.get("cache_salt")
+                namespace = (
+                    DEFAULT_NAMESPACE
+                    if not extra and salt is None and not adapter
+                    else fields_namespace(model, salt, extra, False, adapter)
+                )
+                cache_key = data.get("prompt_cache_key")
+                parsed = None
             else:
-                text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
-                chars = len(text)
-            session_key = request.headers.get(config.session_header) or getattr(
-                parsed, "user", None
-            )
-            model = getattr(parsed, "model", None)
-            ids = await tokenize.ids(parsed, chars) if tokenize is not None else None
-            if tokenize is not None and chars > tokenize.max_chars:
-                text = text[: tokenize.max_chars]
-            stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
+                if endpoint == "chat" and tokenize is not None and len(raw) <= tokenize.quick_chars:
+                    # Routed on its ids: its text is rendered only if something reads it
+                    # (RouteRequest), and its body's length bounds the text's (Tokenizing).
+                    parsed = chat_request(data)  # pydantic errors → 400
+                    text, chars = "", len(raw)
+                    render = partial(canonical_chat_text, parsed.messages)
+                else:
+                    text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
+                    chars = len(text)
+                session_key = request.headers.get(config.session_header) or getattr(
+                    parsed, "user", None
+                )
+                model = getattr(parsed, "model", None)
+                if tokenize is not None:
+                    ids = await tokenize.ids(parsed, chars)
+                    if chars > tokenize.max_chars:
+                        text = text[: tokenize.max_chars]
+                stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
+                namespace = request_namespace(
+                    parsed, renders=tokenize is not None, adapter=bound.fleet.serves_adapter(model)
+                )
+                cache_key = getattr(parsed, "prompt_cache_key", None)
             if "priority" in data or "service_tier" in data:
                 klass, priority = request_class(data)  # a bad service_tier or priority → 400
                 # An engine that schedules by `priority` gets the class's where the body
@@ -123,21 +152,22 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 add = priority if "priority" not in data else None
             else:  # `request_class`'s answer for a body naming neither: no call
                 klass, add = "standard", None
-            namespace = request_namespace(
-                parsed, renders=tokenize is not None, adapter=bound.fleet.serves_adapter(model)
-            )
             routed = Routed(
                 endpoint, path, raw, text, session_key, model, ids, stream, add, namespace,
                 render,
             )  # fmt: skip
             queue = bound.queue
-            tenant = queue.tenants.of_headers(request.headers)
-            cache_key = getattr(parsed, "prompt_cache_key", None)
+            tenants = queue.tenants
+            tenant = tenants.of_headers(request.headers) if tenants.keyed else tenants.default
             if cache_key is not None:  # namespaced by the caller's tenant (sessions.py)
                 routed.cache_key = session_digest(
                     _session_namespace(tenant.name, request), cache_key
                 )
-                routed.pin_ttl = getattr(parsed, "cache_pin_ttl", None) or 0.0
+                if parsed is None:  # (the model holds a float: 300 is 300.0)
+                    ttl = data.get("cache_pin_ttl")
+                    routed.pin_ttl = float(ttl) if ttl else 0.0
+                else:
+                    routed.pin_ttl = getattr(parsed, "cache_pin_ttl", None) or 0.0
                 routed.prompt_cache_key = cache_key
             # Admitted (or refused) here; the seat is freed whatever the way out. The
             # common case, a free seat, costs no coroutine (`Seat` as `async with` did),

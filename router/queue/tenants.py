@@ -56,6 +56,9 @@ class Tenants:
         self._by_key: Mapping[str, Tenant] = {
             key: self.by_name[name] for name, t in config.tenants.items() for key in t.keys
         }
+        # Whether any tenant names keys: if not, every request is `default`'s (a caller
+        # that reads this first makes no `of_headers` call a request).
+        self.keyed = bool(self._by_key)
 
     def of_headers(self, headers: Mapping[str, str]) -> Tenant:
         """The tenant of a request's Bearer key (no key, or one of no tenant: default)."""
