@@ -279,8 +279,8 @@ class FleetQueue:
 
     def served(self, ticket: Ticket, status: int) -> None:
         """A whole answer is ready to leave (the handler's common end): `answered` then
-        `done`, in one call and without their inner calls (prefill's `remove`, the
-        tally's `ended`, `_leave`)."""
+        `done`, in one call and without their inner calls but one (prefill's `remove`,
+        the tally's `ended`; every request leaves through `_leave`)."""
         first_byte = ticket.first_byte
         worker = ticket.worker
         if first_byte is None:  # (a stream's head left already: answered then)
@@ -301,13 +301,7 @@ class FleetQueue:
             tally.slo_met += first_byte <= ticket.deadline
         else:
             tally.failed += 1
-        if worker is not None:  # `_leave`, written here (a call less a request)
-            self.seats.give(worker)
-            ticket.worker = None
-            if self.waiting:
-                self.pump()
-        if self._drained is not None:
-            self._settle_idle()
+        self._leave(ticket)
 
     def done(self, ticket: Ticket) -> None:
         """The request ended, whatever the way: its seat frees and goes on at once."""
