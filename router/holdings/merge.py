@@ -30,8 +30,6 @@ from itertools import islice
 from operator import itemgetter
 from typing import Protocol
 
-from shared.tokens.prompt_tokens import PromptTokens
-from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 from shared.wire.registry import WorkerRecord
 
 Path = list[tuple[Mapping[object, float], int]]
@@ -241,30 +239,3 @@ def evicting(chars: int, tree_end: int) -> int:
     as index hits, all 7 missed (loadtests/results/kv_events.md, "Why capacities lost";
     test_merge.py::test_routes_that_overflow_a_small_pool_outvote_the_index)."""
     return min(chars, tree_end)
-
-
-def request_tokens(tokens: PromptTokens | None, parsed: object) -> Sequence[int] | None:
-    """The prompt ids the worker will compute for a parsed request (None: unknown).
-
-    Token-id prompts are used as they are; text is encoded, chats rendered with the
-    model's template first (shared/tokens/prompt_tokens.py). A template that refuses the
-    messages leaves the request to the tree (the worker answers the error)."""
-    if isinstance(parsed, CompletionRequest):
-        text = parsed.prompt_text()
-        if text is None:
-            return parsed.prompt_ids()
-        return tokens.text(text) if tokens is not None else None
-    if isinstance(parsed, GenerateWireRequest):
-        if parsed.input_ids is not None:
-            return list(parsed.input_ids)
-        return tokens.text(parsed.text) if tokens is not None and parsed.text else None
-    if tokens is None or not isinstance(parsed, ChatCompletionRequest):
-        return None
-    # A str content read in place: `Message.text()` per message was half of this list's
-    # cost (62 messages: 16 -> 7 us, timeit).
-    messages = [{"role": m.role, "content": c if type(c := m.content) is str else m.text()}
-                for m in parsed.messages]  # fmt: skip
-    try:
-        return tokens.chat(messages, parsed.add_generation_prompt)
-    except Exception:  # a template error is the worker's to report, in its own words
-        return None

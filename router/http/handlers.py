@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from router.fleet.workers import Worker
 from router.holdings.kv_feed import KvEventFeed
 from router.holdings.namespace import DEFAULT as DEFAULT_NAMESPACE
-from router.holdings.namespace import fields_namespace, request_namespace
+from router.holdings.namespace import fields_namespace
 from router.holdings.sessions import session_digest, tenant_of
 from router.http.auth import request_bearer_token
 from router.http.state import (
@@ -35,6 +35,7 @@ from router.http.state import (
     SESSION,
     TICKET,
 )
+from router.http.tokenize import ChatPrompt, request_prompt
 from router.queue.tenants import DEFAULT as DEFAULT_TENANT
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
@@ -42,8 +43,8 @@ from shared.serving.body import LARGE_BODY_BYTES, WHOLE_BODY, parse_json_object,
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
-from shared.wire.plain_body import plain_routing
-from shared.wire.protocol import canonical_chat_text, chat_request, routing_text
+from shared.wire.plain_body import chat_text, plain_extra
+from shared.wire.protocol import chat_request, routing_text
 from shared.wire.service_class import request_class
 
 MODELS_PROBE_TIMEOUT_S = 2.0
@@ -78,8 +79,8 @@ def _session_namespace(tenant: str, request: web.Request) -> str:
 
 def _inference_handler(endpoint: str, path: str) -> Any:
     # Chat and completion bodies of plain values are checked by hand and read in place
-    # (shared/wire/plain_body.py `plain_routing`): no request model built. `/generate`, and
-    # any body the hand check leaves to the model, take the model as before.
+    # (shared/wire/plain_body.py `plain_extra`), tokenized or not: no request model built.
+    # `/generate`, and any body the hand check leaves to the model, take the model.
     plain = endpoint != "generate"
 
     # Timing lives in the handler rather than in a middleware: one coroutine layer less on
@@ -105,46 +106,59 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # The router's tokenizer, where one is configured: bounded, long prompts off
             # the event loop, over-long ones routed on their text's head alone.
             tokenize = bound.tokenize
-            render = None
-            ids = None
-            checked = plain_routing(endpoint, data) if plain and tokenize is None else None
-            if checked is not None:  # its model takes it as sent: its fields read in place
-                text, extra = checked
+            render = ids = prompt = text = None
+            extra = plain_extra(endpoint, data) if plain else None
+            if extra is not None:  # its model takes it as sent: its fields read in place
+                parsed = None
+                if endpoint == "completions":
+                    text = prompt = data["prompt"]
+                elif tokenize is None:
+                    text = chat_text(data["messages"])
+                else:
+                    generation = data.get("add_generation_prompt") is not False  # (a bool)
+                    prompt = ChatPrompt(data["messages"], generation)
                 model = data.get("model")
                 session_key = request.headers.get(config.session_header) or data.get("user")
                 stream = data.get("stream") is True
-                adapter = bound.fleet.serves_adapter(model)
                 salt = data.get("cache_salt")
-                namespace = (
-                    DEFAULT_NAMESPACE
-                    if not extra and salt is None and not adapter
-                    else fields_namespace(model, salt, extra, False, adapter)
-                )
                 cache_key = data.get("prompt_cache_key")
-                parsed = None
             else:
-                if endpoint == "chat" and tokenize is not None and len(raw) <= tokenize.quick_chars:
-                    # Routed on its ids: its text is rendered only if something reads it
-                    # (RouteRequest), and its body's length bounds the text's (Tokenizing).
+                if endpoint == "chat" and tokenize is not None:
                     parsed = chat_request(data)  # pydantic errors → 400
-                    text, chars = "", len(raw)
-                    render = partial(canonical_chat_text, parsed.messages)
                 else:
                     text, parsed = routing_text(endpoint, data)  # pydantic errors → 400
-                    chars = len(text)
+                if tokenize is not None:
+                    prompt = request_prompt(parsed, data)
+                model = getattr(parsed, "model", None)
                 session_key = request.headers.get(config.session_header) or getattr(
                     parsed, "user", None
                 )
-                model = getattr(parsed, "model", None)
-                if tokenize is not None:
-                    ids = await tokenize.ids(parsed, chars)
-                    if chars > tokenize.max_chars:
-                        text = text[: tokenize.max_chars]
                 stream = getattr(parsed, "stream", None) is True or data.get("stream") is True
-                namespace = request_namespace(
-                    parsed, renders=tokenize is not None, adapter=bound.fleet.serves_adapter(model)
-                )
+                salt = getattr(parsed, "cache_salt", None)
+                # `model_extra`'s own slot: the property is one call more a request.
+                extra = getattr(parsed, "__pydantic_extra__", None)
                 cache_key = getattr(parsed, "prompt_cache_key", None)
+            if tokenize is not None:
+                if text is not None:
+                    chars = len(text)
+                elif len(raw) <= tokenize.quick_chars:
+                    # A chat routed on its ids: its text is rendered only if something
+                    # reads it (RouteRequest), and its body's length bounds the text's
+                    # (Tokenizing).
+                    text, chars = "", len(raw)
+                    render = partial(chat_text, data["messages"])
+                else:
+                    text = chat_text(data["messages"])
+                    chars = len(text)
+                ids = await tokenize.ids(prompt, chars)
+                if chars > tokenize.max_chars:
+                    text = text[: tokenize.max_chars]
+            adapter = bound.fleet.serves_adapter(model)
+            namespace = (
+                DEFAULT_NAMESPACE
+                if not extra and salt is None and not adapter
+                else fields_namespace(model, salt, extra, tokenize is not None, adapter)
+            )
             if "priority" in data or "service_tier" in data:
                 klass, priority = request_class(data)  # a bad service_tier or priority → 400
                 # An engine that schedules by `priority` gets the class's where the body

@@ -32,12 +32,13 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from router.holdings.merge import request_tokens
 from shared.serving.errors import APIError
 from shared.tokens.prompt_tokens import PromptTokens
 from shared.tokens.tokenizer import Tokenizer
-from shared.wire.protocol import ChatCompletionRequest
+from shared.wire.plain_body import chat_turns
+from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateWireRequest
 
 MAX_CHARS_PER_TOKEN = 16  # the stated bound (see the module doc)
 DEFAULT_CONTEXT_TOKENS = 131_072  # no context length in the config or the model folder
@@ -45,8 +46,55 @@ INLINE_CHARS = 32_768  # tokenized on the event loop up to this many characters
 MAX_WAITING = 8  # requests waiting for the tokenizer thread
 
 
+class ChatPrompt:
+    """A chat's prompt: its messages as its body sent them (a body its model takes as
+    sent, checked by hand or by the model: shared/wire/plain_body.py reads them) and
+    whether the template adds the generation prompt."""
+
+    __slots__ = ("add_generation_prompt", "messages")
+
+    def __init__(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> None:
+        self.messages = messages
+        self.add_generation_prompt = add_generation_prompt
+
+
+# What a request's prompt ids come from: a text to encode, ids as they are, a chat.
+Prompt = str | list[int] | ChatPrompt
+
+
+def request_prompt(parsed: object, body: dict[str, Any]) -> Prompt | None:
+    """The prompt of `body`, which its request model took as `parsed` (a chat's
+    messages are the body's own: strict, the model holds them as sent)."""
+    if isinstance(parsed, ChatCompletionRequest):
+        return ChatPrompt(body["messages"], parsed.add_generation_prompt)
+    if isinstance(parsed, CompletionRequest):
+        text = parsed.prompt_text()
+        return text if text is not None else parsed.prompt_ids()
+    if isinstance(parsed, GenerateWireRequest):
+        return list(parsed.input_ids) if parsed.input_ids is not None else parsed.text
+    return None
+
+
+def request_tokens(tokens: PromptTokens, prompt: Prompt | None) -> Sequence[int] | None:
+    """The prompt ids the worker will compute for a request's prompt (None: unknown).
+
+    Token-id prompts are used as they are; text is encoded, chats rendered with the
+    model's template first (shared/tokens/prompt_tokens.py). A template that refuses the
+    messages leaves the request to the tree (the worker answers the error)."""
+    kind = type(prompt)
+    if kind is str:
+        return tokens.text(prompt)  # type: ignore[arg-type]
+    if kind is not ChatPrompt:
+        return prompt  # type: ignore[return-value]  # ids, or None
+    turns = chat_turns(prompt.messages)  # type: ignore[union-attr]
+    try:
+        return tokens.chat(turns, prompt.add_generation_prompt)  # type: ignore[union-attr]
+    except Exception:  # a template error is the worker's to report, in its own words
+        return None
+
+
 class Tokenizing:
-    """`ids(parsed, chars)`: a request's prompt ids, or None (routed on its text)."""
+    """`ids(prompt, chars)`: a request's prompt ids, or None (routed on its text)."""
 
     def __init__(
         self,
@@ -78,8 +126,8 @@ class Tokenizing:
         self._waiting = 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    async def ids(self, parsed: object, chars: int) -> Sequence[int] | None:
-        """The prompt ids of `parsed`, whose routing text has `chars` characters;
+    async def ids(self, prompt: Prompt | None, chars: int) -> Sequence[int] | None:
+        """The prompt ids of `prompt`, whose routing text has `chars` characters;
         APIError 400 when it cannot fit the context (see the module doc)."""
         if self.refuse_chars is not None and chars > self.refuse_chars:
             self.skipped["refused"] += 1
@@ -88,7 +136,7 @@ class Tokenizing:
                 f"the prompt has {chars} characters; this model's context length is "
                 f"{self.context_tokens} tokens, and no token of its tokenizer stands for "
                 f"more than {self.longest_token_chars} characters",
-                param="messages" if isinstance(parsed, ChatCompletionRequest) else "prompt",
+                param="messages" if type(prompt) is ChatPrompt else "prompt",
                 code="context_length_exceeded",
             )
         if chars > self.max_chars:
@@ -96,7 +144,7 @@ class Tokenizing:
             return None
         if chars <= self.inline_chars and self._lock.acquire(blocking=False):
             try:
-                return request_tokens(self.tokens, parsed)
+                return request_tokens(self.tokens, prompt)
             finally:
                 self._lock.release()
         if self._waiting >= self.max_waiting:
@@ -105,13 +153,13 @@ class Tokenizing:
         self._waiting += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._thread, self._locked, parsed)
+            return await loop.run_in_executor(self._thread, self._locked, prompt)
         finally:
             self._waiting -= 1
 
-    def _locked(self, parsed: object) -> Sequence[int] | None:
+    def _locked(self, prompt: Prompt | None) -> Sequence[int] | None:
         with self._lock:
-            return request_tokens(self.tokens, parsed)
+            return request_tokens(self.tokens, prompt)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -8,7 +8,7 @@ the model holds its float), so a caller may read the body's own values in place 
 model's. NO means "not decided here": the body takes the model's own validation, which
 words every error. A check accepts only what its model accepts and refuses nothing
 itself. The rules of the request models (shared/wire/protocol.py) are written out at
-the end (`_PLAIN_CHAT`, `_PLAIN_COMPLETION`, `plain_routing` for the handler); a
+the end (`_PLAIN_CHAT`, `_PLAIN_COMPLETION`, `plain_extra` for the handler); a
 differential hypothesis test over generated and mutated bodies holds them to the
 models (tests/shared/wire/test_plain_body.py).
 
@@ -280,24 +280,41 @@ _PLAIN_COMPLETION = object_check(CompletionRequest, {
 }, KNOWN_EXTRA["completions"])  # fmt: skip
 
 
-def _plain_chat_text(messages: list[dict[str, Any]]) -> str:
-    """`canonical_chat_text` of messages `_PLAIN_CHAT` passed, read from their JSON."""
+def chat_text(messages: list[dict[str, Any]]) -> str:
+    """`canonical_chat_text` of a chat's messages, read from their JSON: the messages
+    of a body its model took (by the hand check or by the model itself), whose values
+    are the model's as sent."""
     return "".join([
         f"<|{m['role']}|>{c if type(c := m.get('content')) is str else _parts_text(c)}\n"
         for m in messages
     ])  # fmt: skip
 
 
+def chat_turns(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """A chat's messages as the router renders them with the model's template
+    (router/http/tokenize.py): role and content only, the content as `Message.text()`
+    reads it (text parts joined, none: ""), read from the JSON of a body its model took."""
+    return [{"role": m["role"], "content": c if type(c := m.get("content")) is str else _parts_text(c)}
+            for m in messages]  # fmt: skip
+
+
 def _parts_text(content: list[dict[str, Any]] | None) -> str:
     return "" if content is None else "".join([part["text"] for part in content])
 
 
+def plain_extra(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """For a chat or completion body of plain values: the extras its model keeps, its
+    other fields read from the body itself, which its model takes as sent (a chat's
+    messages by `chat_text` / `chat_turns`, a completion's text `body["prompt"]`).
+    None: not decided here (the model's)."""
+    extra = (_PLAIN_COMPLETION if endpoint == "completions" else _PLAIN_CHAT)(body)
+    return None if extra is NO else extra
+
+
 def plain_routing(endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """For a chat or completion body of plain values (shared/wire/plain_body.py): the
-    text `routing_text` routes it on and the extras its model keeps, read from the body
-    itself, which its model takes as sent. None: not decided here (`routing_text`)."""
+    """`plain_extra`, with the text `routing_text` routes the body on."""
     if endpoint == "completions":
         extra = _PLAIN_COMPLETION(body)
         return None if extra is NO else (body["prompt"], extra)
     extra = _PLAIN_CHAT(body)
-    return None if extra is NO else (_plain_chat_text(body["messages"]), extra)
+    return None if extra is NO else (chat_text(body["messages"]), extra)

@@ -18,6 +18,7 @@ from shared.config import RouterConfig
 from shared.tokens.prompt_ids import token_key
 from shared.tokens.prompt_tokens import PromptTokens
 from shared.wire import protocol
+from shared.wire.plain_body import chat_text
 from shared.wire.protocol import ChatCompletionRequest, canonical_chat_text
 from tests.fuzz.conftest import start_router, start_worker, worker_config
 
@@ -76,12 +77,16 @@ async def test_a_chat_routed_on_its_ids_renders_its_routing_text_only_when_read(
     gets it rendered (once a request) and the same text as ever."""
     calls: list[str] = []
 
-    def counted(messages):  # type: ignore[no-untyped-def]
-        calls.append(text := canonical_chat_text(messages))
-        return text
+    def counting(render):  # type: ignore[no-untyped-def]
+        def counted(messages):  # type: ignore[no-untyped-def]
+            calls.append(text := render(messages))
+            return text
 
-    monkeypatch.setattr(protocol, "canonical_chat_text", counted)  # (routing_text's)
-    monkeypatch.setattr(handlers, "canonical_chat_text", counted, raising=False)
+        return counted
+
+    # The model's (routing_text's) and the hand-checked body's (the handler's).
+    monkeypatch.setattr(protocol, "canonical_chat_text", counting(canonical_chat_text))
+    monkeypatch.setattr(handlers, "chat_text", counting(chat_text))
     worker = await start_worker(worker_config())
     url = str(worker.make_url("")).rstrip("/")
     router = await start_router(RouterConfig(

@@ -1,8 +1,10 @@
-"""The inference handler reads a body of plain values in place (shared/wire/protocol.py
-`plain_routing`, no request model built): what it hands the proxy, what the worker
-receives and what the client gets back are the same as through the request model. A
-real router app over loopback in front of a real fake worker, each body sent twice:
-through the hand check, then with it turned off (every body to the model)."""
+"""The inference handler reads a body of plain values in place (shared/wire/plain_body.py
+`plain_extra`, no request model built), with a tokenizer or without: what it hands the
+proxy, what the worker receives and what the client gets back are the same as through
+the request model. A real router app over loopback in front of a real fake worker, each
+body sent twice: through the hand check, then with it turned off (every body to the
+model). tests/router/http/test_plain_tokens.py holds the tokenized reading to the code
+before it."""
 
 from __future__ import annotations
 
@@ -67,8 +69,12 @@ BODIES: list[tuple[str, dict[str, Any], dict[str, str]]] = [
 ]
 
 
-async def _send_all(start_router: StartRouter, url: str, seen: list[Routed]) -> list[Any]:
-    client = await start_router([url], tenants=TENANTS, api_keys=("key-a", "key-b"))
+async def _send_all(
+    start_router: StartRouter, url: str, seen: list[Routed], tokenizer: str | None
+) -> list[Any]:
+    client = await start_router(
+        [url], tenants=TENANTS, api_keys=("key-a", "key-b"), tokenizer=tokenizer
+    )
     out = []
     for path, body, headers in BODIES:
         headers = {"Authorization": "Bearer key-b", **headers}
@@ -81,15 +87,20 @@ async def _send_all(start_router: StartRouter, url: str, seen: list[Routed]) -> 
             for name in (*Routed.__slots__, "text")
             if name != "route"
         ]
+        tokens = [None if x.tokens is None else list(x.tokens) for x in seen]
         route = [(x.route.text, x.route.model, x.route.namespace, x.route.session_key, x.route.tokens)
              for x in seen]  # fmt: skip
-        out.append((r.status, answer, routed, route))
+        out.append((r.status, answer, routed, route, tokens))
         seen.clear()
     return out
 
 
+@pytest.mark.parametrize("tokenizer", [None, "sim"])
 async def test_a_plain_body_is_handed_on_as_the_model_would_have_it(
-    start_router: StartRouter, fake_workers: StartWorkers, monkeypatch: pytest.MonkeyPatch
+    start_router: StartRouter,
+    fake_workers: StartWorkers,
+    monkeypatch: pytest.MonkeyPatch,
+    tokenizer: str | None,
 ) -> None:
     ((worker, server),) = await fake_workers("ok")
     url = str(server.make_url("")).rstrip("/")
@@ -103,7 +114,7 @@ async def test_a_plain_body_is_handed_on_as_the_model_would_have_it(
             super().__init__(*args)
             seen.append(self)
 
-    real = handlers.plain_routing
+    real = handlers.plain_extra
 
     def counted(endpoint: str, body: dict[str, Any]) -> Any:
         answer = real(endpoint, body)
@@ -111,14 +122,14 @@ async def test_a_plain_body_is_handed_on_as_the_model_would_have_it(
         return answer
 
     monkeypatch.setattr(handlers, "Routed", Recorded)
-    monkeypatch.setattr(handlers, "plain_routing", counted)
-    by_hand = await _send_all(start_router, url, seen)
+    monkeypatch.setattr(handlers, "plain_extra", counted)
+    by_hand = await _send_all(start_router, url, seen, tokenizer)
     sent_by_hand = [(h, b) for h, b in zip(worker.headers_seen, worker.bodies_seen, strict=True)]
     assert all(checked) and len(checked) == len(BODIES)  # every body took the hand check
     worker.headers_seen.clear()
     worker.bodies_seen.clear()
-    monkeypatch.setattr(handlers, "plain_routing", lambda endpoint, body: None)
-    by_model = await _send_all(start_router, url, seen)
+    monkeypatch.setattr(handlers, "plain_extra", lambda endpoint, body: None)
+    by_model = await _send_all(start_router, url, seen, tokenizer)
     sent_by_model = list(zip(worker.headers_seen, worker.bodies_seen, strict=True))
     assert by_hand == by_model
     assert [status for status, *_ in by_hand].count(400) == 1  # the bad service tier
