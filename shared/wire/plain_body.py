@@ -258,15 +258,36 @@ _SAMPLING_RULES = {
     "cache_pin_ttl": optional(number(0, 86_400)),
 }
 _TEXT_PART = object_check(TextPart, {"type": one_of("text"), "text": text()})
+_ROLES = one_of(*get_args(Message.model_fields["role"].annotation))
 _MESSAGE = object_check(Message, {
-    "role": one_of(*get_args(Message.model_fields["role"].annotation)),
+    "role": _ROLES,
     "content": optional(either(text(), items(nested(_TEXT_PART), max_len=MAX_PARTS))),
     "name": optional(text()),
 })  # fmt: skip
+_ANY_MESSAGES = items(nested(_MESSAGE), min_len=1)[list]
+_ROLE_NAMES = _ROLES[str]
+
+
+def _messages(value: list[Any]) -> Any:
+    """`items(nested(_MESSAGE), min_len=1)`, the common message (a role and a text
+    content, nothing else) decided inline: a conversation's check is a loop over its
+    messages, 0.5 us a message through `_MESSAGE` against ~0.15 here (42 messages:
+    20 -> 4.4-8.5 us, timeit)."""
+    if not 1 <= len(value) <= MAX_ITEMS:
+        return NO
+    for message in value:
+        if type(message) is dict and len(message) == 2:
+            role = message.get("role")
+            if type(role) is str and role in _ROLE_NAMES and type(message.get("content")) is str:
+                continue
+        return _ANY_MESSAGES(value)  # any other message: the rule's own walk, over them all
+    return value
+
+
 # `_refuse_unrecognized`'s names: any other is NO (the model refuses it, naming it).
 _PLAIN_CHAT = object_check(ChatCompletionRequest, {
     **_SAMPLING_RULES,
-    "messages": items(nested(_MESSAGE), min_len=1),
+    "messages": {list: _messages},
     "max_completion_tokens": optional(integer(1, 1_000_000)),
     "add_generation_prompt": boolean,
     "logprobs": boolean,

@@ -263,3 +263,14 @@ def test_the_rules_name_only_fields_of_their_model() -> None:
     (a renamed field must take its rule along)."""
     with pytest.raises(TypeError, match="no fields"):
         plain.object_check(CompletionRequest, {"max_token": plain.integer()})
+
+
+@settings(max_examples=1500, deadline=None)
+@given(value=st.one_of(messages, st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from([*ROLES, 1, None]), "content": st.sampled_from(["hi", "", None, 1])}),
+    min_size=1, max_size=4)))  # fmt: skip
+def test_the_common_messages_are_decided_as_the_rule_decides_them(value: list[Any]) -> None:
+    """`_messages` (a role and a text content decided inline) answers as the messages'
+    rule does, message by message (`items(nested(_MESSAGE))`), for any list."""
+    rule = plain.items(plain.nested(plain._MESSAGE), min_len=1)[list]
+    assert (plain._messages(value) is plain.NO) is (rule(value) is plain.NO), value
