@@ -32,7 +32,7 @@ from router.http.state import TOKENIZE
 from router.upstream.proxy import Routed
 from shared.config import RouterConfig
 from shared.tokens.prompt_tokens import PromptTokens
-from shared.wire.plain_body import plain_extra
+from shared.wire.plain_body import chat_text, plain_extra
 from shared.wire.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -325,3 +325,34 @@ def test_a_broken_reading_is_caught(served: Served, monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(tokenize, "chat_turns", broken)
         with pytest.raises(AssertionError):
             check(served, "chat", body)
+
+
+@pytest.fixture(scope="module", params=["sim", "tiny"])
+def prompt_tokens(request: pytest.FixtureRequest, tiny_model_dir: Path) -> PromptTokens:
+    return PromptTokens.load("sim" if request.param == "sim" else str(tiny_model_dir))
+
+
+def _ids(ids: Sequence[int] | None) -> list[int] | None:
+    return None if ids is None else list(ids)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=CHAT)
+def test_a_chats_prompt_read_from_its_json_is_its_models(
+    prompt_tokens: PromptTokens, body: dict[str, Any]
+) -> None:
+    """In process, more bodies: any chat its model takes (the hand check's or not, past
+    16 parts too) gives the same ids and text read from its JSON as from its model."""
+    try:
+        parsed = ChatCompletionRequest.model_validate(body)
+    except ValidationError:
+        return
+    old = _ids(old_request_tokens(prompt_tokens, parsed))
+    prompt = tokenize.request_prompt(parsed, body)
+    assert _ids(tokenize.request_tokens(prompt_tokens, prompt)) == old
+    assert chat_text(body["messages"]) == canonical_chat_text(parsed.messages)
+    if plain_extra("chat", body) is not None:  # the handler's own reading
+        by_hand = tokenize.ChatPrompt(
+            body["messages"], body.get("add_generation_prompt") is not False
+        )
+        assert _ids(tokenize.request_tokens(prompt_tokens, by_hand)) == old
