@@ -8,10 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from shared.tokens.tokenizer import Tokenizer
+from shared.tokens.tokenizer import BATCH_CHARS, Tokenizer
 from worker.cli import main
 from worker.models.tiny_model import PRESETS
 
@@ -70,6 +72,38 @@ def test_encode_matches_transformers_and_round_trips(ours: Tokenizer, theirs, te
     assert ours.decode(ids, skip_special_tokens=False) == "<|begin_of_text|>" + text
 
 
+# Texts around and past BATCH_CHARS (encoded in a batch, without offsets): words, the
+# texts above, special tokens inside the text, any characters.
+LONG_TEXTS = st.lists(
+    st.one_of(
+        st.sampled_from([*TEXTS, "<|im_start|>", "<|im_end|>\n", " the model", "  "]),
+        st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60),
+    ),
+    max_size=80,
+).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=LONG_TEXTS)
+def test_texts_of_any_length_encode_as_transformers_does(
+    ours: Tokenizer, theirs, text: str
+) -> None:
+    """Short texts are encoded one way, long ones another (`Tokenizer.encode`): both give
+    transformers' ids, with and without special tokens."""
+    longer = text * (BATCH_CHARS // max(len(text), 1) + 1)  # past BATCH_CHARS (or "")
+    for sample in (text, longer):
+        assert ours.encode(sample) == theirs.encode(sample)
+        assert ours.encode(sample, add_special_tokens=False) == theirs.encode(
+            sample, add_special_tokens=False
+        )
+
+
+def test_long_texts_are_encoded_in_a_batch(ours: Tokenizer, theirs) -> None:
+    text = (TEXTS[2] + " " + TEXTS[3] + " ") * (BATCH_CHARS // 40)
+    assert len(text) > BATCH_CHARS and len(ours.encode(text)) > 100
+    assert ours.encode(text) == theirs.encode(text)
+
+
 def test_common_words_are_single_tokens(ours: Tokenizer) -> None:
     # The BPE was trained: frequent corpus words do not fall apart into bytes.
     assert len(ours.encode(" the model", add_special_tokens=False)) == 2
@@ -119,6 +153,32 @@ def test_template_features_transformers_provides(tiny_model_dir: Path, tmp_path:
     assert got.endswith("<|end_of_text|>")
     with pytest.raises(ValueError, match="no tools"):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_a_render_sees_the_globals_transformers_provides(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The template's globals are copied into a dict once (ChatTemplate): jinja2's own
+    (range, namespace, dict, ...) and transformers' (strftime_now, raise_exception) are
+    all there, as transformers has them."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{{ m['content'] }}{% endfor %}{{ ns.n }} {{ range(3) | list }} {{ dict(a=1) }} "
+        "{{ strftime_now('%Y') | length }} {{ cycler is defined }} {{ joiner is defined }}"
+        "{% if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}"
+    )
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours = Tokenizer.from_dir(model_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    got = ours.apply_chat_template(messages)
+    assert got == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got == "ab2 [0, 1, 2] {'a': 1} 4 True True"
+    with pytest.raises(ValueError, match="too many"):
+        ours.apply_chat_template(messages * 2)
 
 
 def test_missing_chat_template_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
