@@ -83,12 +83,37 @@ def _tojson(
     )
 
 
+# Every name `getattr` finds on a plain dict: its type's and object's (a dict instance
+# carries no attributes of its own, and the builtin types cannot be changed).
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _ChatEnvironment(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, reading `message.role` on a message dict without the detour.
+
+    `SandboxedEnvironment.getattr` tries the attribute first and reads the item after its
+    AttributeError: ~1 µs a read, and Qwen's template reads `message.role` / `.content`
+    ~4 times a message (a 40-message chat: 164 -> 60 µs a render, tiny BPE's bench
+    chats). On a plain dict and a name that is no attribute of a dict, that detour always
+    fails, so the item is read directly; the result is the one the detour reaches (the
+    item, or the same Undefined). Anything else (a dict method such as `items`, a dict
+    subclass, a name not a plain str) takes jinja2's own path."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 class ChatTemplate:
     """A chat template compiled the way transformers compiles it: sandboxed, with
     trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now` and a plain `tojson`."""
 
     def __init__(self, source: str) -> None:
-        env = ImmutableSandboxedEnvironment(
+        env = _ChatEnvironment(
             trim_blocks=True,
             lstrip_blocks=True,
             extensions=[_GenerationTag, jinja2.ext.loopcontrols],
