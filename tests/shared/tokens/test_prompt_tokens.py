@@ -4,6 +4,8 @@ the pieces of earlier turns come from the cache)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,53 @@ def test_chats_on_one_system_prompt_keep_lines_of_their_own(
             assert ids.tolist() == PromptTokens.load(setting).chat(chat).tolist()
             chat += [{"role": "assistant", "content": f"Answer {turn}."},
                      {"role": "user", "content": f"Next {turn}?"}]  # fmt: skip
+
+
+# A template that renders a chat's last message its own way and adds a system prompt
+# where the chat has none: an earlier turn's last message is a different piece later.
+LAST_DIFFERENT = (
+    "{{ bos_token }}{% if messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\nDefault.<|im_end|>\n{% endif %}{% for m in messages %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% if loop.last %} (last){% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Contents of any characters, empty ones, and long ones (encoded past BATCH_CHARS).
+CONTENT = st.one_of(TEXT, st.just(""), TEXT.map(lambda t: (t + " words ") * 40))
+
+
+@pytest.mark.parametrize("template", ["tiny", "last-different"])
+def test_chats_tokenize_as_transformers_does(
+    template: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The router's ids for a chat, turn after turn from its caches, are transformers'
+    (its own render and encoding, the worker's BOS rule: an independent oracle), on
+    random conversations with and without a system prompt."""
+    transformers = pytest.importorskip("transformers")
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    if template == "last-different":
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = LAST_DIFFERENT
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
+    router = PromptTokens.load(str(model_dir))
+    assert router.piecewise
+
+    def expected(chat: list[dict[str, str]]) -> list[int]:
+        text = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids = theirs.encode(text)
+        return ids[1:] if ids[:2] == [theirs.bos_token_id] * 2 else ids
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        system=st.one_of(st.none(), CONTENT),
+        turns=st.lists(st.tuples(CONTENT, CONTENT), min_size=1, max_size=4),
+    )
+    def check(system: str | None, turns: list[tuple[str, str]]) -> None:
+        chat = [] if system is None else [{"role": "system", "content": system}]
+        for user, answer in turns:
+            chat.append({"role": "user", "content": user})
+            assert router.chat(chat).tolist() == expected(chat)
+            chat.append({"role": "assistant", "content": answer})
+
+    check()

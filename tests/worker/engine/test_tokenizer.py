@@ -8,10 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from shared.tokens.tokenizer import Tokenizer
+from jinja2.runtime import Undefined
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from shared.tokens.tokenizer import _DICT_ATTRIBUTES, BATCH_CHARS, Tokenizer, _ChatEnvironment
 from worker.cli import main
 from worker.models.tiny_model import PRESETS
 
@@ -70,6 +75,38 @@ def test_encode_matches_transformers_and_round_trips(ours: Tokenizer, theirs, te
     assert ours.decode(ids, skip_special_tokens=False) == "<|begin_of_text|>" + text
 
 
+# Texts around and past BATCH_CHARS (encoded in a batch, without offsets): words, the
+# texts above, special tokens inside the text, any characters.
+LONG_TEXTS = st.lists(
+    st.one_of(
+        st.sampled_from([*TEXTS, "<|im_start|>", "<|im_end|>\n", " the model", "  "]),
+        st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60),
+    ),
+    max_size=80,
+).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=LONG_TEXTS)
+def test_texts_of_any_length_encode_as_transformers_does(
+    ours: Tokenizer, theirs, text: str
+) -> None:
+    """Short texts are encoded one way, long ones another (`Tokenizer.encode`): both give
+    transformers' ids, with and without special tokens."""
+    longer = text * (BATCH_CHARS // max(len(text), 1) + 1)  # past BATCH_CHARS (or "")
+    for sample in (text, longer):
+        assert ours.encode(sample) == theirs.encode(sample)
+        assert ours.encode(sample, add_special_tokens=False) == theirs.encode(
+            sample, add_special_tokens=False
+        )
+
+
+def test_long_texts_are_encoded_in_a_batch(ours: Tokenizer, theirs) -> None:
+    text = (TEXTS[2] + " " + TEXTS[3] + " ") * (BATCH_CHARS // 40)
+    assert len(text) > BATCH_CHARS and len(ours.encode(text)) > 100
+    assert ours.encode(text) == theirs.encode(text)
+
+
 def test_common_words_are_single_tokens(ours: Tokenizer) -> None:
     # The BPE was trained: frequent corpus words do not fall apart into bytes.
     assert len(ours.encode(" the model", add_special_tokens=False)) == 2
@@ -119,6 +156,174 @@ def test_template_features_transformers_provides(tiny_model_dir: Path, tmp_path:
     assert got.endswith("<|end_of_text|>")
     with pytest.raises(ValueError, match="no tools"):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_a_render_sees_the_globals_transformers_provides(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The template's globals are copied into a dict once (ChatTemplate): jinja2's own
+    (range, namespace, dict, ...) and transformers' (strftime_now, raise_exception) are
+    all there, as transformers has them."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{{ m['content'] }}{% endfor %}{{ ns.n }} {{ range(3) | list }} {{ dict(a=1) }} "
+        "{{ strftime_now('%Y') | length }} {{ cycler is defined }} {{ joiner is defined }}"
+        "{% if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}"
+    )
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours = Tokenizer.from_dir(model_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    got = ours.apply_chat_template(messages)
+    assert got == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got == "ab2 [0, 1, 2] {'a': 1} 4 True True"
+    with pytest.raises(ValueError, match="too many"):
+        ours.apply_chat_template(messages * 2)
+
+
+# Qwen2.5's style: `message.role` (attribute syntax on dicts), tool calls and responses,
+# `loop` and `messages[...]`, a default system prompt.
+QWEN_STYLE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n' + tool_call.name + ' ' }}{{- tool_call.arguments | tojson }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>' + message.content }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}{{- message.items() | list | length }}"
+    "{{- message.get('name', '') }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+WORDS = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+MESSAGE = st.one_of(
+    st.builds(
+        lambda role, content: {"role": role, "content": content},
+        st.sampled_from(["system", "user", "assistant", "tool"]),
+        WORDS,
+    ),
+    st.builds(
+        lambda content, name, args, nested: {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [
+                {"function": {"name": name, "arguments": args}}
+                if nested
+                else {"name": name, "arguments": args}
+            ],
+        },
+        WORDS,
+        WORDS,
+        st.dictionaries(WORDS, WORDS, max_size=2),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda content, name: {"role": "user", "content": content, "name": name}, WORDS, WORDS
+    ),
+)
+
+
+def test_a_template_in_qwens_style_renders_as_transformers_does(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`message.role` on a dict takes a shorter path than jinja2's (_ChatEnvironment):
+    random conversations render to transformers' text."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = QWEN_STYLE
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours = Tokenizer.from_dir(model_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
+
+    @settings(max_examples=80, deadline=None)
+    @given(messages=st.lists(MESSAGE, min_size=1, max_size=6), prompt=st.booleans())
+    def check(messages: list[dict], prompt: bool) -> None:
+        want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+        assert ours.apply_chat_template(messages, add_generation_prompt=prompt) == want
+
+    check()
+
+
+class _Dict(dict):
+    role = "an attribute"
+
+
+NAMES = st.one_of(
+    st.sampled_from(
+        [
+            "role",
+            "content",
+            "tool_calls",
+            "items",
+            "get",
+            "keys",
+            "pop",
+            "update",
+            "__class__",
+            "__dict__",
+            "__len__",
+            "_private",
+            "mro",
+            "format",
+            "upper",
+            "function",
+        ]
+    ),
+    st.text(max_size=6),
+)
+OBJECTS = st.recursive(
+    st.one_of(st.none(), st.integers(), st.text(max_size=6)),
+    lambda inner: st.one_of(
+        st.dictionaries(NAMES, inner, max_size=4),
+        st.dictionaries(NAMES, inner, max_size=4).map(_Dict),
+        st.lists(inner, max_size=3),
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(obj=OBJECTS, name=st.one_of(NAMES, st.integers()))
+def test_chat_environment_reads_attributes_as_jinjas_sandbox_does(obj: object, name: str) -> None:
+    """`_ChatEnvironment.getattr` == `ImmutableSandboxedEnvironment.getattr` on any object
+    and name: the same value, or the same Undefined (name, object, hint), or the same
+    error."""
+    ours, theirs = _ChatEnvironment(), ImmutableSandboxedEnvironment()
+
+    def read(env: ImmutableSandboxedEnvironment) -> object:
+        try:
+            return env.getattr(obj, name)
+        except Exception as e:  # compared below
+            return type(e)
+
+    got, want = read(ours), read(theirs)
+    if isinstance(want, Undefined):
+        assert type(got) is type(want)
+        assert got._undefined_name == want._undefined_name  # type: ignore[union-attr]
+        assert got._undefined_obj is want._undefined_obj  # type: ignore[union-attr]
+        assert got._undefined_hint == want._undefined_hint  # type: ignore[union-attr]
+    else:
+        assert got == want
+
+
+def test_the_names_a_dict_has_as_attributes() -> None:
+    candidates = {*_DICT_ATTRIBUTES, "role", "content", "__dict__", "__weakref__", "mro", ""}
+    for name in candidates:
+        assert hasattr({}, name) == (name in _DICT_ATTRIBUTES), name
 
 
 def test_missing_chat_template_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
