@@ -1,18 +1,27 @@
 """The index's rewritten rules answer as the rules they replaced: the old code, kept here
 as the oracle, and the index side by side over random event streams and requests.
 
-`OracleIndex` is `BlockIndex` with `_stored` and `_removed` as main 8f87eb0 had them
-(before the store loop keyed blocks in line and set a new engine hash in one look-up, and
-the removal loop dropped a sole holder's block in one delete and trimmed the lost book once
-an event); `old_lost_since_routed` is merge.py's rule before it bisected the path. Every batch leaves both indexes with the same books, in the same order (blocks' LRU
-order, each worker's engine hashes, the losses), and every lookup answers the same."""
+`OracleIndex` is `BlockIndex` with `_stored`, `_removed` and the lost book as main 8f87eb0
+had them (before the store loop keyed blocks in line and set a new engine hash in one
+look-up, the removal loop dropped a sole holder's block in one delete, and the lost book
+became two generations of int keys: it was an LRU OrderedDict of (worker, key) tuples
+trimmed to exactly `max_lost`); `old_lost_since_routed` is merge.py's rule before it
+bisected the path. Every batch leaves both indexes with the same books, in the same order
+(blocks' LRU order, each worker's engine hashes), and every lookup answers the same; the
+lost book knows every loss the old one knows, at the same time, and at most twice
+`max_lost` and the batch's blocks (`lost_at` answers as the old one wherever the old one
+knows a loss)."""
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.holdings.kv_feed import KvEventFeed, StreamState
 from router.holdings.kv_index import _MEDIA, BlockIndex, _WorkerBlocks
@@ -34,7 +43,18 @@ BS = 4
 
 
 class OracleIndex(BlockIndex):
-    """The store and removal loops as main 8f87eb0 had them."""
+    """The store and removal loops and the lost book as main 8f87eb0 had them."""
+
+    def __init__(self, block_size: int, max_blocks: int, max_lost: int) -> None:
+        super().__init__(block_size, max_blocks, max_lost)
+        self._lost: OrderedDict[tuple[str, int], float] = OrderedDict()  # type: ignore[assignment]
+
+    def lost_at(self, worker: str, tokens: Sequence[int] | np.ndarray, held: int) -> float:
+        keys = self.keys(tokens)
+        i = held // self.block_size
+        if i >= len(keys):
+            return float("-inf")
+        return self._lost.get((worker, keys[i]), float("-inf"))  # type: ignore[call-overload]
 
     def _stored(self, worker: str, event: BlockStored) -> None:
         bs = self.block_size
@@ -144,11 +164,21 @@ class OracleIndex(BlockIndex):
 
 
 def books(index: BlockIndex) -> tuple:
-    """Everything the index keeps, in order."""
+    """Everything the index keeps but the lost book, in order."""
     workers = {w: (list(wb.by_hash.items()), sorted(wb.extra.items()))
                for w, wb in index._workers.items()}  # fmt: skip
-    return (list(index._blocks.items()), workers, list(index._lost.items()), index.orphans,
-            index.forgotten, index.over_share)  # fmt: skip
+    return (list(index._blocks.items()), workers, index.orphans, index.forgotten,
+            index.over_share)  # fmt: skip
+
+
+def lost_book(index: BlockIndex) -> dict[tuple[str, int], float]:
+    """The new index's lost book as the old one's: (worker, key) -> when it was lost."""
+    worker_of = {base >> 64: w for w, base in index._lost_base.items()}
+    out = {}
+    for book in (index._lost_before, index._lost):  # the newer generation wins
+        for key, at in book.items():
+            out[(worker_of[key >> 64], key & (2**64 - 1))] = at
+    return out
 
 
 def random_events(rng: random.Random, chains: list[list[int]], hashes: dict) -> list[KVEvent]:
@@ -193,6 +223,16 @@ def random_events(rng: random.Random, chains: list[list[int]], hashes: dict) -> 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_index_keeps_the_old_books_and_answers(seed: int) -> None:
+    check_against_the_oracle(seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**64))
+def test_the_index_keeps_the_old_books_and_answers_any_seed(seed: int) -> None:
+    check_against_the_oracle(seed)
+
+
+def check_against_the_oracle(seed: int) -> None:
     rng = random.Random(seed)
     sizes = dict(max_blocks=rng.choice((12, 40, 2_000)), max_lost=rng.choice((5, 30, 1_000)))
     new, old = BlockIndex(BS, **sizes), OracleIndex(BS, **sizes)
@@ -213,11 +253,18 @@ def test_the_index_keeps_the_old_books_and_answers(seed: int) -> None:
                 outcomes.append(str(exc))
         assert outcomes[0] == outcomes[1]
         assert books(new) == books(old)
+        assert len(new) == len(old)
+        lost, known = lost_book(new), dict(old._lost)
+        assert known.items() <= lost.items()  # every loss the old book knows, at its time
+        batch = sum(len(getattr(e, "block_hashes", ())) for e in events)
+        assert len(lost) <= 2 * (new.max_lost + batch)
         for chain in chains:
             assert new.match_tiers(chain) == old.match_tiers(chain)
             for w in ("w0", "w1", "w2"):
                 for held in range(0, len(chain), BS):
-                    assert new.lost_at(w, chain, held) == old.lost_at(w, chain, held)
+                    at = old.lost_at(w, chain, held)
+                    if at != float("-inf"):  # (else: a loss the old book had let go, or none)
+                        assert new.lost_at(w, chain, held) == at
                 assert new.blocks_of(w) == old.blocks_of(w)
 
 
@@ -274,3 +321,22 @@ def test_lost_since_routed_answers_as_the_scan_did(seed: int) -> None:
             held = {w: n for w, (_, n) in feed.match_tiers("m", request).items()}
             args = (path, fresh, held, 1.0, BS, feed, "m", request)
             assert lost_since_routed(*args) == old_lost_since_routed(*args)  # type: ignore[arg-type]
+
+
+def test_the_lost_book_stays_bounded_as_workers_come_and_go() -> None:
+    """Workers that lost blocks and left: their losses go with the book's turns, and so do
+    their places in it (`_lost_base`), while a worker still here keeps its own."""
+    index = BlockIndex(BS, max_lost=16)
+    ids = list(range(1, 2 * BS + 1))
+    for n in range(500):
+        w = f"w{n}"
+        index.apply(w, [BlockStored((1, 2), None, ids, BS), BlockRemoved((2, 1))], float(n))
+        index.drop_worker(w)
+        assert len(index._lost) + len(index._lost_before) <= 2 * 16 + 2
+        assert len(index._lost_base) <= 2 * len(index._workers) + 8 + 16
+        lost_book(index)  # every loss still names its worker
+        for m in range(max(0, n - 7), n + 1):  # the last 16 losses: the last 8 workers'
+            assert index.lost_at(f"w{m}", ids, 0) == index.lost_at(f"w{m}", ids, BS) == m
+    assert index.lost_at("w499", ids, 0) == 499.0 and index.lost_at("w0", ids, 0) == float("-inf")
+    index.apply("w0", [BlockStored((1, 2), None, ids, BS), BlockRemoved((2,))], 500.0)
+    assert index.lost_at("w0", ids, BS) == 500.0 and index.lost_at("w0", ids, 0) == float("-inf")

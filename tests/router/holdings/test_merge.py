@@ -139,15 +139,18 @@ def test_an_eviction_before_the_route_leaves_the_entry_in_flight(name: str) -> N
 
 
 def test_the_index_remembers_the_latest_losses_only() -> None:
-    """`lost_at` answers from the last `max_lost` losses: bounded memory, the oldest go."""
+    """`lost_at` answers from at least the last `max_lost` losses, at most twice as many
+    (the book turns over in two generations): bounded memory, the oldest go."""
     index = BlockIndex(BLOCK, max_lost=2)
-    ids = PREFIX[: 3 * BLOCK]
-    index.apply("w0", [BlockStored((1, 2, 3), None, ids, BLOCK)], now=0.0)
-    for at, h in ((1.0, 3), (2.0, 2), (3.0, 1)):  # leaves first, as an engine evicts
+    ids = PREFIX[: 5 * BLOCK]
+    index.apply("w0", [BlockStored((1, 2, 3, 4, 5), None, ids, BLOCK)], now=0.0)
+    for at, h in ((1.0, 5), (2.0, 4), (3.0, 3), (4.0, 2), (5.0, 1)):  # leaves first
         index.apply("w0", [BlockRemoved((h,))], now=at)
-    assert index.lost_at("w0", ids, 0) == 3.0  # the first block
-    assert index.lost_at("w0", ids, BLOCK) == 2.0
-    assert index.lost_at("w0", ids, 2 * BLOCK) == float("-inf")  # forgotten (3 > 2 kept)
+    assert index.lost_at("w0", ids, 0) == 5.0  # the first block
+    assert index.lost_at("w0", ids, BLOCK) == 4.0
+    assert index.lost_at("w0", ids, 2 * BLOCK) == 3.0  # (kept: a third, within twice 2)
+    assert index.lost_at("w0", ids, 3 * BLOCK) == float("-inf")  # forgotten
+    assert index.lost_at("w0", ids, 4 * BLOCK) == float("-inf")
     assert index.lost_at("w1", ids, 0) == float("-inf") and index.match(ids) == {}
 
 

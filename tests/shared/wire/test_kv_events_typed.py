@@ -5,7 +5,10 @@ must be what the checked one accepts, with the same events, and everything else 
 checked one's to decide. So over random, mutated and hand-made batches in both forms:
 the typed decoder alone accepts only what the checked one accepts, with the same events
 (token_text included), and `decode_batch` answers as the checked one does, or both
-refuse with ValueError."""
+refuse with ValueError. `BatchReader` (a large batch an event at a time: each event's
+bytes found by msgpack's skip, then typed or checked, `_decode_item`) answers the same
+too: before, it unpacked each event and checked it in Python, as the checked decoder
+does."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from shared.wire.kv_events import (
     MAX_BLOCK_SIZE,
     MAX_TOKEN_ID,
     AllBlocksCleared,
+    BatchReader,
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -59,12 +63,19 @@ def typed_outcome(payload: bytes) -> str | None:
     return None
 
 
+def stepwise(payload: bytes) -> EventBatch:
+    """`BatchReader`'s answer: its events read to the end, as one batch."""
+    reader = BatchReader(payload)
+    return EventBatch(reader.ts, tuple(reader.events()))
+
+
 def check_agrees(payload: bytes) -> str:
     checked = outcome(_decode_checked, payload)
     typed = typed_outcome(payload)
     if typed is not None:
         assert typed == checked, "the typed decoder accepted what the checked one answers otherwise"
     assert outcome(decode_batch, payload) == checked
+    assert outcome(stepwise, payload) == checked, "BatchReader answers otherwise"
     return checked
 
 
@@ -174,6 +185,7 @@ def test_more_than_64_duplicate_keys_pass_typed_the_one_difference() -> None:
     assert outcome(_decode_checked, payload) == "refused"
     (event,) = decode_batch(payload).events
     assert isinstance(event, BlockStored) and event.medium == "CPU"
+    assert stepwise(payload).events == (event,)  # an event at a time: the same difference
 
 
 @pytest.mark.parametrize(
