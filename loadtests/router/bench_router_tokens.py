@@ -1,7 +1,7 @@
 """Router CPU per request with prompt ids (tokenizer + KV-event index) on vs off (and
 `sync-wire`, SYNC_WIRE below: a replica sync entry, text vs prompt ids).
 
-    python -m loadtests router-tokens [--requests 320] [--rounds 3] [--before-ref REF]
+    python -m loadtests router-tokens [--requests 320] [--rounds 3] [--before-ref REF] [--aa]
 
 One zero-cost sim worker publishing KV events and one real router process per mode,
 all running at once: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
@@ -14,7 +14,8 @@ CPU (utime + stime from /proc, its feed's included) is divided by the requests.
 
 `--before-ref REF` adds `tok@REF` and `on@REF`: the same modes with the router's code
 from that git ref (loadtests/kit.py). Every round prints each mode's ratio to the same
-round's `off`; the summary gives the range over rounds and whether every round is
+round's `off`; `--aa` adds `off2`, the same code as `off` last in line (an A/A pair: the spread
+the bench itself reads); the summary gives the range over rounds and whether every round is
 within `--target` (issue 26: 1.5x).
 """
 
@@ -88,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before-ref", default="", help="also run tok/on from this git ref")
     p.add_argument("--target", type=float, default=1.5, help="the ratio to off to meet")
+    p.add_argument(
+        "--aa", action="store_true",
+        help="also `off2`, a second off router, started and sent to last: the same code at "
+        "another place in the line (the bench's own spread and position cost)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -96,6 +102,8 @@ def main(args: argparse.Namespace) -> int:
     if args.before_ref:
         ref = short(args.before_ref)
         modes += [f"tok@{ref}", f"on@{ref}"]
+    if args.aa:
+        modes.append("off2")
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     with ExitStack() as stack:
         before = stack.enter_context(checkout(args.before_ref)) if args.before_ref else None
@@ -106,11 +114,11 @@ def main(args: argparse.Namespace) -> int:
         cluster.start_worker("w0", spec)
         routers = {}
         for mode in modes:
-            kind, _, at = mode.partition("@")
+            kind, _, at = ("off", "", "") if mode == "off2" else mode.partition("@")
             settings: dict[str, object] = {"access_log": False}
             if kind != "off":
                 settings |= {"tokenizer": args.tokenizer, "kv_events": kind == "on"}
-            name = f"router-{kind}" + ("-before" if at else "")
+            name = f"router-{kind}" + ("-before" if at else "") + ("-2" if mode == "off2" else "")
             routers[mode] = cluster.add_router(name, settings, tree=before if at else None)
         urls = [r.url for r in routers.values()]
         asyncio.run(drive(urls, args, seed=100))  # warm-up: pieces, pools, trees

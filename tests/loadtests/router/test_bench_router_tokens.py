@@ -26,11 +26,11 @@ def test_one_round_over_the_target_is_a_no() -> None:
 def test_a_tiny_run_measures_every_mode() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "loadtests", "router-tokens", "--requests", "8",
-         "--sessions", "4", "--words", "30", "--rounds", "1"],
+         "--sessions", "4", "--words", "30", "--rounds", "1", "--aa"],
         capture_output=True, text=True, timeout=220,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "round 0 (8 requests each" in out.stdout
-    for mode in ("tok", "on"):
+    for mode in ("tok", "on", "off2"):
         assert any(line.strip().startswith(mode) and "ratio" in line
                    for line in out.stdout.splitlines()), out.stdout  # fmt: skip
