@@ -53,7 +53,9 @@ from worker.backends.sim_model import answer_ids
 
 a = json.loads(sys.argv[1])
 tokens = PromptTokens.load(a["tokenizer"])
-sim = TextTokenizer()  # the sim worker's answers, as text the next turn renders
+# The worker's tokenizer writes its answers, as text the next turn renders (the sim
+# worker's own, or the model's where it serves one: `--tokenizer DIR`).
+engine = TextTokenizer() if a["tokenizer"] == "sim" else tokens.tokenizer
 ids_of = [f"w{i}" for i in range(a["workers"])]
 cost = CostModel(cache_tokens=a["cache_tokens"], kv_events_block_size=16, max_running=256,
                  prefill_us_per_token=0.0, decode_ms_per_token=0.0, decode_us_per_1k_context=0.0)
@@ -119,7 +121,7 @@ for round_ in range(a["rounds"] + 1):  # round 0: the warm-up
             # flat tuple, which the live router never does (PromptIds).
             flat = encode_prompt(tokens.tokenizer,
                                  tokens.tokenizer.apply_chat_template(chat, True))
-            answer = answer_ids(sim, flat, 4)
+            answer = answer_ids(engine, flat, 4)
             rid += 1
             w = ids_of.index(d.worker_id)
             job = Job(rid, at, np.array(flat), np.array(answer), "")
@@ -142,7 +144,7 @@ for round_ in range(a["rounds"] + 1):  # round 0: the warm-up
             on.holdings.answered(d.worker_id, d.predicted_tokens or 0.0, job.cached, None, now)
             tok.holdings.answered(d_tok.worker_id, d_tok.predicted_tokens or 0.0, job.cached,
                                   None, now)
-            chat.append({"role": "assistant", "content": sim.decode(answer)})
+            chat.append({"role": "assistant", "content": engine.decode(answer)})
         fleet_on.loads[:] = [0] * a["workers"]
         fleet_tok.loads[:] = [0] * a["workers"]
 print(json.dumps({"on_us": t_on / timed * 1e6, "tok_us": t_tok / timed * 1e6,

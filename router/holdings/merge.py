@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
-from itertools import chain, islice, repeat
+from itertools import islice
 from operator import itemgetter
 from typing import Protocol
 
@@ -35,7 +35,7 @@ from shared.wire.protocol import ChatCompletionRequest, CompletionRequest, Gener
 from shared.wire.registry import WorkerRecord
 
 Path = list[tuple[Mapping[object, float], int]]
-_holders, _end = itemgetter(0), itemgetter(1)  # a path entry's holders and end
+_end = itemgetter(1)  # a path entry's end
 
 # A host-held token's worth against a device-held one when the worker reports no host
 # load figures: between a miss (0) and a hit (1); the measured CPU engine loads ~100x
@@ -106,7 +106,8 @@ class KvScorer:
     ) -> Path:
         feed = self.feed
         detail = self.detail = {}
-        if not feed.streams or not len(tokens):
+        count = len(tokens)  # (a Python call for a chat's PromptIds: asked once)
+        if not feed.streams or not count:
             return path
         model = model or feed.only_model()
         tiers = feed.match_tiers(model, tokens)  # (on the device, in any tier)
@@ -116,7 +117,7 @@ class KvScorer:
         if not (changed or tiers):
             return path
         self.corrected += 1
-        scale = text_len / len(tokens)
+        scale = text_len / count
         block = feed.block_size(model)
         if fresh:
             for w in lost_since_routed(path, fresh, tiers, scale, block, feed, model, tokens):
@@ -153,16 +154,20 @@ def in_flight_window(
     Returns (best: every counted entry's deepest end, past: trusted workers' older
     entries, fresh: trusted workers' entries in the window, whether any was dropped)."""
     # Every entry in the window (the common path: a conversation's turns arrive within
-    # it): each worker's deepest entry and no past one, in C passes over the path, not a
-    # Python step per entry and holder (a 20-turn chat's path has ~20 entries: 454 -> 64
-    # bytecodes a request, `python -m loadtests kv-score`). `min` is at or above the
-    # cutoff only where no time is below it (a NaN first: NaN, and the loop decides).
-    if min(chain.from_iterable(map(dict.values, map(_holders, path))), default=cutoff) >= cutoff:
-        best = dict(
-            chain.from_iterable(map(zip, map(_holders, path), map(repeat, map(_end, path))))
-        )
+    # it): the deepest entry of each worker, no past one, and trust asked only of the
+    # workers found (one comparison and one store a holder, not six steps).
+    best: dict[object, float] = {}
+    for holders, end in path:  # root side first: deeper ends overwrite
+        for w, used in holders.items():
+            if used < cutoff:
+                break
+            best[w] = end
+        else:
+            continue
+        break
+    else:
         return best, {}, {w: end for w, end in best.items() if trusted(w)}, False  # type: ignore[arg-type]
-    best = {}
+    best = {}  # (an entry before the cutoff: the whole path again, by the rule)
     past: dict[object, int] = {}
     fresh: dict[object, int] = {}
     changed = False
