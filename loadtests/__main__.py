@@ -79,7 +79,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "kv-feed": ("loadtests.router.bench_kv_feed", "the KV feed applying a recorded event stream"),
     "kv-score": (
-        "loadtests.router.bench_kv_score",
+        "loadtests.router.bench_router_tokens:KV_SCORE",
         "a request's KV scoring in process: the on routing step vs tok's",
     ),
     "holdings-attacks": (
