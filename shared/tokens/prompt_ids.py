@@ -150,7 +150,7 @@ def chain_keys(
         width = ID_CHARS * block_size
         for run in runs[keyed:]:
             text = tail + run.key
-            if len(text) < width:  # no block ends in it (most of a turn's short pieces)
+            if len(text) < width:  # no block ends in it (a generation prompt, a short line)
                 run.keyed[block_size] = ([], text, prev)
                 tail = text
                 continue
