@@ -451,8 +451,8 @@ KV_SCORE_CALLGRIND = [
 
 
 def kv_score_side(tree: Path, args: argparse.Namespace, count: str = "") -> dict:
-    """One run of SIDE in `tree`; with `count` ("on" or "tok"), under callgrind, counting
-    the instructions of that room's routing calls (`ir`: a request)."""
+    """One run of KV_SCORE_SIDE in `tree`; with `count` ("on" or "tok"), under
+    callgrind, counting the instructions of that room's routing calls (`ir`: a request)."""
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
     spec = {k: getattr(args, k) for k in
             ("rounds", "requests", "sessions", "words", "workers", "tokenizer", "cache_tokens")}  # fmt: skip
@@ -481,7 +481,7 @@ def kv_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="per side, alternating")
     p.add_argument("--before-ref", default="", help="also run the router's code of this git ref")
     p.add_argument("--instructions", action="store_true",
-                   help="count instructions (callgrind), one run a side")  # fmt: skip
+                   help="count instructions (callgrind) instead of timing")  # fmt: skip
 
 
 def kv_score_main(args: argparse.Namespace) -> int:
@@ -541,8 +541,10 @@ neighbour slows both alike; the cost is `on - tok` per request.
 alternating sides per repeat, each in its own process; both sides must route alike (a
 digest of every `on` decision and prediction, compared), so a faster side that decides
 differently fails the bench. `--instructions` counts instructions instead of timing
-(valgrind's callgrind, counting only inside the timed calls: exact where a shared machine's
-timings swing), one run a side.
+(valgrind's callgrind, counting only inside one room's routing calls: exact where a shared
+machine's timings swing; ~2 minutes a run, two runs a side: `on`'s calls, `tok`'s). The
+garbage collector is off in the timed calls: a collection there would walk the simulated
+engines' objects, which no router holds.
 """,
     kv_score_arguments,
     kv_score_main,
