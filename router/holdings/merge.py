@@ -137,6 +137,9 @@ class KvScorer:
             on_device = min(text_len, round(device * scale))
             detail[w] = (on_device, min(text_len, round(n * scale)) - on_device,
                          "both" if tree or end else "index")  # fmt: skip
+        if len(best) == 1:  # one holder (a conversation on its worker): no sort, no pass
+            for w, e in best.items():
+                return [({w: now}, int(e))]
         ends = sorted(set(best.values()))
         return [({w: now for w, e in best.items() if e >= end}, int(end)) for end in ends]
 
@@ -166,10 +169,14 @@ def in_flight_window(
             continue
         break
     else:
-        return best, {}, {w: end for w, end in best.items() if trusted(w)}, False  # type: ignore[arg-type]
+        fresh: dict[object, int] = {}  # (a loop, not a comprehension: no frame a request)
+        for w, end in best.items():
+            if trusted(w):  # type: ignore[arg-type]
+                fresh[w] = end
+        return best, {}, fresh, False
     best = {}  # (an entry before the cutoff: the whole path again, by the rule)
     past: dict[object, int] = {}
-    fresh: dict[object, int] = {}
+    fresh = {}
     changed = False
     trust: dict[object, bool] = {}  # asked once per worker, not once per path entry
     for holders, end in path:  # root side first: deeper ends overwrite
