@@ -78,6 +78,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "tree alone vs tree + KV events, live: the real router, divergence cases",
     ),
     "kv-feed": ("loadtests.router.bench_kv_feed", "the KV feed applying a recorded event stream"),
+    "kv-score": (
+        "loadtests.router.bench_router_tokens:KV_SCORE",
+        "a request's KV scoring in process: the on routing step vs tok's",
+    ),
     "holdings-attacks": (
         "loadtests.load.faults_clients:HOLDINGS_ATTACKS",
         "a hostile worker credential and client: /health p99, RSS",

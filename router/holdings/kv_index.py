@@ -62,6 +62,9 @@ from shared.wire.kv_events import (
 _MEDIA = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2, "STORAGE": 4}
 DEVICE = 1  # the media bit of a device-held block
 _BITS = (1, 2, 4)
+# `_run`'s look-up of a block no worker holds, and of a worker that does not hold it.
+_NO_HOLDERS: dict[str, tuple[int, int]] = {}
+_NOT_HELD = (0, 0)
 
 
 @dataclass
@@ -467,9 +470,8 @@ class BlockIndex:
         blocks = self._blocks
         while lo < hi:
             mid = (lo + hi + 1) >> 1
-            holders = blocks.get(keys[mid - 1])
-            held = None if holders is None else holders.get(worker)
-            if held is not None and held[0] & media:
+            # (no holders, or not this worker: no media bits; two look-ups, no branches)
+            if (blocks.get(keys[mid - 1]) or _NO_HOLDERS).get(worker, _NOT_HELD)[0] & media:
                 lo = mid
             else:
                 hi = mid - 1

@@ -103,37 +103,41 @@ class KvScorer:
         overflowed_at: Callable[[object], float] | None = None,
     ) -> Path:
         feed = self.feed
-        self.detail = {}
-        if not feed.streams or not len(tokens):
+        detail = self.detail = {}
+        count = len(tokens)  # (a Python call for a chat's PromptIds: asked once)
+        if not feed.streams or not count:
             return path
         model = model or feed.only_model()
         tiers = feed.match_tiers(model, tokens)  # (on the device, in any tier)
-        held = {w: n for w, (_, n) in tiers.items()}
         trusted = feed.trusted
         cutoff = now - self.inflight
         best, past, fresh, changed = in_flight_window(path, trusted, cutoff)
-        if not (changed or held):
+        if not (changed or tiers):
             return path
         self.corrected += 1
-        scale = text_len / len(tokens)
+        scale = text_len / count
         block = feed.block_size(model)
-        for w in lost_since_routed(path, fresh, held, scale, block, feed, model, tokens):
-            del best[w]
+        if fresh:
+            for w in lost_since_routed(path, fresh, tiers, scale, block, feed, model, tokens):
+                del best[w]
         weight = self.host_weight
-        for w, n in held.items():
-            device = tiers[w][0]
-            on_host = host_weighted(n, device, weight, w)
+        for w, (device, n) in tiers.items():
+            on_host = 1.0 if n == device else host_weighted(n, device, weight, w)
             chars = min(text_len, round((device + on_host * (n - device)) * scale))
             end = past.get(w, 0)
-            chars = confirmed_exact_end(chars, end, n, device, on_host, scale, block)
-            if overflowed_at is not None and trusted(w) and overflowed_at(w) >= cutoff:
+            if end:  # (no older entry: nothing to confirm)
+                chars = confirmed_exact_end(chars, end, n, device, on_host, scale, block)
+            if overflowed_at is not None and overflowed_at(w) >= cutoff and trusted(w):
                 chars = evicting(chars, max(end, fresh.get(w, 0)))
             tree = best.get(w, 0)
             if chars > tree:
                 best[w] = chars
             on_device = min(text_len, round(device * scale))
-            self.detail[w] = (on_device, min(text_len, round(n * scale)) - on_device,
-                              "both" if tree or end else "index")  # fmt: skip
+            detail[w] = (on_device, min(text_len, round(n * scale)) - on_device,
+                         "both" if tree or end else "index")  # fmt: skip
+        if len(best) == 1:  # one holder (a conversation on its worker): no sort, no pass
+            for w, e in best.items():
+                return [({w: now}, int(e))]
         ends = sorted(set(best.values()))
         return [({w: now for w, e in best.items() if e >= end}, int(end)) for end in ends]
 
@@ -150,9 +154,27 @@ def in_flight_window(
 
     Returns (best: every counted entry's deepest end, past: trusted workers' older
     entries, fresh: trusted workers' entries in the window, whether any was dropped)."""
+    # Every entry in the window (the common path: a conversation's turns arrive within
+    # it): the deepest entry of each worker, no past one, and trust asked only of the
+    # workers found (one comparison and one store a holder, not six steps).
     best: dict[object, float] = {}
+    for holders, end in path:  # root side first: deeper ends overwrite
+        for w, used in holders.items():
+            if used < cutoff:
+                break
+            best[w] = end
+        else:
+            continue
+        break
+    else:
+        fresh: dict[object, int] = {}  # (a loop, not a comprehension: no frame a request)
+        for w, end in best.items():
+            if trusted(w):  # type: ignore[arg-type]
+                fresh[w] = end
+        return best, {}, fresh, False
+    best = {}  # (an entry before the cutoff: the whole path again, by the rule)
     past: dict[object, int] = {}
-    fresh: dict[object, int] = {}
+    fresh = {}
     changed = False
     trust: dict[object, bool] = {}  # asked once per worker, not once per path entry
     for holders, end in path:  # root side first: deeper ends overwrite
@@ -171,8 +193,8 @@ def in_flight_window(
 
 
 def lost_since_routed(
-    path: Path, fresh: Mapping[object, int], held: Mapping[str, int], scale: float,
-    block: int, feed: BlockHolders, model: str, tokens: Sequence[int],
+    path: Path, fresh: Mapping[object, int], tiers: Mapping[str, tuple[int, int]],
+    scale: float, block: int, feed: BlockHolders, model: str, tokens: Sequence[int],
 ) -> list[object]:  # fmt: skip
     """The in-flight entries that are past, not present: the index has seen the worker
     lose the first block the entry claims beyond what it holds *after* the entry's route
@@ -182,7 +204,8 @@ def lost_since_routed(
     test_merge.py::test_an_eviction_reported_after_the_route_outvotes_the_in_flight_entry)."""
     gone = []
     for w, end in fresh.items():
-        n = held.get(w, 0)  # type: ignore[call-overload]
+        held = tiers.get(w)  # type: ignore[call-overload]
+        n = held[1] if held is not None else 0  # (its tokens in any tier)
         whole = int(end / scale) // block * block if block else 0
         if n >= whole:
             continue

@@ -139,23 +139,28 @@ def chain_keys(
     and starts a list of its own, whose 8 bytes a key go to `grow` (the caches' byte
     bound, shared/tokens/prompt_tokens.py). The last run never holds one: a turn's
     generation prompt is a leaf the next turn does not extend."""
-    keyed = len(runs)
+    last = len(runs) - 1
+    keyed = last + 1
     while keyed and block_size not in runs[keyed - 1].keyed:
         keyed -= 1
-    if keyed < len(runs):
+    if keyed <= last:
         # Run by run on the runs' key text (`block_key_text`: a slice and a hash a
         # block), each run's leftover carried into the next: no list of ints is made.
         tail, prev = runs[keyed - 1].keyed[block_size][1:] if keyed else ("", 0)
         width = ID_CHARS * block_size
         for run in runs[keyed:]:
-            text = tail + run.key if tail else run.key
-            cut = len(text) - len(text) % width
-            new = block_key_text(text, block_size, prev) if cut else []
-            prev = new[-1] if new else prev
-            tail = text[cut:]
+            text = tail + run.key
+            if len(text) < width:  # no block ends in it (a generation prompt, a short line)
+                run.keyed[block_size] = ([], text, prev)
+                tail = text
+                continue
+            new = block_key_text(text, block_size, prev)
+            prev = new[-1]
+            tail = text[len(text) - len(text) % width :]
             run.keyed[block_size] = (new, tail, prev)
-    last = len(runs) - 1
-    held = last - 1
+    # Only a keyed run holds `whole` (it is set below, after the keying): the scan starts
+    # at the last keyed run before the last.
+    held = min(last, keyed) - 1
     while held >= 0 and block_size not in runs[held].whole:
         held -= 1
     if held + 1 < last:  # runs between: `whole` moves on to the run before the last

@@ -318,9 +318,15 @@ def test_lost_since_routed_answers_as_the_scan_did(seed: int) -> None:
         path = tree.match_path(token_key(request))  # type: ignore[arg-type]
         for cutoff in (now - 0.5, now - 3.0):
             _, _, fresh, _ = in_flight_window(path, feed.trusted, cutoff)
-            held = {w: n for w, (_, n) in feed.match_tiers("m", request).items()}
-            args = (path, fresh, held, 1.0, BS, feed, "m", request)
-            assert lost_since_routed(*args) == old_lost_since_routed(*args)  # type: ignore[arg-type]
+            tiers = feed.match_tiers("m", request)
+            held = {w: n for w, (_, n) in tiers.items()}
+            rest = (1.0, BS, feed, "m", request)
+            assert lost_since_routed(path, fresh, tiers, *rest) == old_lost_since_routed(
+                path,
+                fresh,
+                held,
+                *rest,  # type: ignore[arg-type]
+            )
 
 
 def test_the_lost_book_stays_bounded_as_workers_come_and_go() -> None:

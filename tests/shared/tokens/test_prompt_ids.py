@@ -12,7 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.holdings.kv_index import BlockIndex
-from shared.tokens.prompt_ids import MAX_ID, PromptIds, TokenKey, key_of_wire, token_key
+from shared.tokens import prompt_ids
+from shared.tokens.prompt_ids import (
+    ID_CHARS,
+    MAX_ID,
+    PromptIds,
+    Run,
+    TokenKey,
+    key_of_wire,
+    token_key,
+)
 from shared.tokens.prompt_tokens import PromptTokens, encode_prompt, load_tokenizer
 from shared.wire.kv_events import (
     BlockStored,
@@ -221,3 +230,72 @@ def test_keys_of_the_ids_key_text_are_the_ids_keys_and_non_ids_are_keyed_apart()
     assert block_key_list([5] * 15 + [-1], 16) != wrapped
     assert block_key_list([5] * 15 + [2**32 + 5], 16) != block_key_list([5] * 16, 16)
     assert len(block_key_list([-1] * 40, 16)) == 2
+
+
+def old_chain_keys(runs, block_size, grow=None):  # type: ignore[no-untyped-def]
+    """`chain_keys` as main ecd65ff had it (before its keying loop skipped the pieces no
+    block ends in and its scan for `whole` started at the last keyed run)."""
+    keyed = len(runs)
+    while keyed and block_size not in runs[keyed - 1].keyed:
+        keyed -= 1
+    if keyed < len(runs):
+        tail, prev = runs[keyed - 1].keyed[block_size][1:] if keyed else ("", 0)
+        width = ID_CHARS * block_size
+        for run in runs[keyed:]:
+            text = tail + run.key if tail else run.key
+            cut = len(text) - len(text) % width
+            new = block_key_text(text, block_size, prev) if cut else []
+            prev = new[-1] if new else prev
+            tail = text[cut:]
+            run.keyed[block_size] = (new, tail, prev)
+    last = len(runs) - 1
+    held = last - 1
+    while held >= 0 and block_size not in runs[held].whole:
+        held -= 1
+    if held + 1 < last:
+        whole = runs[held].whole.pop(block_size) if held >= 0 else []
+        for run in runs[held + 1 : last]:
+            whole += run.keyed[block_size][0]
+        if held < 0 and grow is not None:
+            grow(8 * len(whole))
+        runs[last - 1].whole[block_size] = whole
+    else:
+        whole = runs[held].whole[block_size] if held >= 0 else []
+    return whole + runs[last].keyed[block_size][0]
+
+
+def run_state(runs: list[Run]) -> list:
+    return [(sorted(r.keyed.items()), sorted(r.whole.items())) for r in runs]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    prompts=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 3)), min_size=1, max_size=12),
+    sizes=st.lists(st.sampled_from((1, 3, 16)), min_size=1, max_size=3),
+)
+def test_chain_keys_answers_and_moves_as_it_did(
+    pieces: list[int], prompts: list[tuple[int, int]], sizes: list[int]
+) -> None:
+    """Twin tries of runs (pieces of 0-40 ids), prompts that extend, repeat and branch
+    off them, keyed at mixed block sizes: every answer, every run's keyed pieces and
+    `whole` lists, and the bytes `grow` is told, are the old code's."""
+    tries = []
+    for _ in range(2):
+        root = Run(None, tuple(range(1, pieces[0] + 1)))
+        line = [root]
+        for i, n in enumerate(pieces[1:]):
+            line.append(Run(line[-1], tuple(range(100 * i, 100 * i + n))))
+        tries.append(line)
+    grown: list[list[int]] = [[], []]
+    for depth, branch in prompts:
+        answers = []
+        for t, fn in enumerate((prompt_ids.chain_keys, old_chain_keys)):
+            line = tries[t]
+            runs = line[: 1 + depth % len(line)]
+            if branch:  # a leaf off the line (a generation prompt, an edited turn)
+                runs = [*runs, Run(runs[-1], tuple(range(7, 7 + 5 * branch)))]
+            answers.append([fn(runs, size, grown[t].append) for size in sizes])
+        assert answers[0] == answers[1]
+        assert run_state(tries[0]) == run_state(tries[1])
+        assert grown[0] == grown[1]
