@@ -3,6 +3,7 @@
 KV_SCORE below: the `on` routing step against `tok`'s, in process).
 
     python -m loadtests router-tokens [--requests 320] [--rounds 3] [--before-ref REF] [--aa]
+        [--fixed-order]
 
 One zero-cost sim worker publishing KV events and one real router process per mode,
 all running at once: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
@@ -10,14 +11,15 @@ only: each chat rendered with the template and tokenized as the worker does, pie
 cached, the tree keyed on the ids) and `on` (`tokenizer` + `kv_events`: the ids also
 looked up in the index, and the feed applying the worker's event stream). Every request
 of the multi-turn conversations (~2k-token prompts) goes to every router at the same
-moment, so a busy neighbour on a shared machine slows all modes alike; each router's own
-CPU (utime + stime from /proc, its feed's included) is divided by the requests.
+moment (in a random order each time), so a busy neighbour on a shared machine slows all
+modes alike; each router's own CPU (utime + stime from /proc, its feed's included) is
+divided by the requests.
 
 `--before-ref REF` adds `tok@REF` and `on@REF`: the same modes with the router's code
 from that git ref (loadtests/kit.py). Every round prints each mode's ratio to the same
-round's `off`; `--aa` adds `off2`, the same code as `off` last in line (an A/A pair: the spread
-the bench itself reads); the summary gives the range over rounds and whether every round is
-within `--target` (issue 26: 1.5x).
+round's `off`; `--aa` adds `off2`, the same code as `off`, started last (an A/A pair: the
+spread the bench itself reads); the summary gives the range over rounds and whether every
+round is within `--target` (issue 26: 1.5x).
 """
 
 from __future__ import annotations
@@ -57,9 +59,15 @@ from shared.wire.registry import Registry
 
 
 async def drive(urls: list[str], args: argparse.Namespace, seed: int) -> int:
-    """The conversations, each request sent to every router at once; the first router's
-    answer continues the conversation. Returns the requests each router answered."""
+    """The conversations, each request sent to every router at once, in a new random order
+    each time (`--fixed-order`: in `urls`' order); the first router's answer continues the
+    conversation. Returns the requests each router answered.
+
+    Why the order: the router sent to first each time reads ~6-14% more CPU a request than
+    the same code sent to last (`--aa`, results/router_cpu.md "Twelfth pass: the bench's
+    line"), so a fixed order charged `off`, first in line, for its place."""
     rng = random.Random(seed)
+    line = random.Random(seed + 1)  # the order: its own draws, so the chats stay the same
     chats = [[{"role": "system", "content": f"Chat {s}. " +
                " ".join(rng.choice(WORDS) for _ in range(args.words))}]
              for s in range(args.sessions)]  # fmt: skip
@@ -79,8 +87,9 @@ async def drive(urls: list[str], args: argparse.Namespace, seed: int) -> int:
             async def one(chat: list[dict], turn: int = turn) -> None:
                 chat.append({"role": "user", "content": f"Turn {turn}: {rng.choice(WORDS)}?"})
                 body = json.dumps({"messages": chat, "max_tokens": 4}).encode()
-                answers = await asyncio.gather(*(post(u, body) for u in urls))
-                content = answers[0]["choices"][0]["message"]["content"]
+                order = urls if args.fixed_order else line.sample(urls, len(urls))
+                answers = await asyncio.gather(*(post(u, body) for u in order))
+                content = answers[order.index(urls[0])]["choices"][0]["message"]["content"]
                 chat.append({"role": "assistant", "content": content})
 
             await asyncio.gather(*(one(c) for c in chats))
@@ -97,9 +106,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--before-ref", default="", help="also run tok/on from this git ref")
     p.add_argument("--target", type=float, default=1.5, help="the ratio to off to meet")
     p.add_argument(
+        "--fixed-order",
+        action="store_true",
+        help="send each request to the routers in the modes' order (before the twelfth pass)",
+    )
+    p.add_argument(
         "--aa", action="store_true",
-        help="also `off2`, a second off router, started and sent to last: the same code at "
-        "another place in the line (the bench's own spread and position cost)",
+        help="also `off2`, a second off router, started last (with --fixed-order, sent to "
+        "last): an A/A pair, the bench's own spread (and position cost)",
     )  # fmt: skip
 
 
