@@ -63,9 +63,10 @@ async def drive(urls: list[str], args: argparse.Namespace, seed: int) -> int:
     each time (`--fixed-order`: in `urls`' order); the first router's answer continues the
     conversation. Returns the requests each router answered.
 
-    Why the order: the router sent to first each time reads ~6-14% more CPU a request than
-    the same code sent to last (`--aa`, results/router_cpu.md "Twelfth pass: the bench's
-    line"), so a fixed order charged `off`, first in line, for its place."""
+    Why the order: in a fixed order `off`, first in line, read 6-14% more CPU a request than
+    the same code last in line (`--aa`); a random order takes the send order out of that,
+    and `--aa` shows the spread left (loadtests/results/router_cpu.md, "What the bench
+    itself reads")."""
     rng = random.Random(seed)
     line = random.Random(seed + 1)  # the order: its own draws, so the chats stay the same
     chats = [[{"role": "system", "content": f"Chat {s}. " +
