@@ -136,17 +136,23 @@ def test_chat_prompt_encodes_to_chatml_specials(ours: Tokenizer) -> None:
     assert 3 in ids  # <|im_end|>
 
 
-def test_template_features_transformers_provides(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """raise_exception, tojson without HTML escaping, loop controls, eos_token."""
+def _with_template(tiny_model_dir: Path, tmp_path: Path, template: str) -> Path:
+    """A copy of the tiny model whose tokenizer config carries `template`."""
     model_dir = tmp_path / "m"
     shutil.copytree(tiny_model_dir, model_dir)
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = (
+    cfg["chat_template"] = template
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return model_dir
+
+
+def test_template_features_transformers_provides(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """raise_exception, tojson without HTML escaping, loop controls, eos_token."""
+    model_dir = _with_template(tiny_model_dir, tmp_path, (
         "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
         "{% endif %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m | tojson }}\n"
         "{% endfor %}{{ eos_token }}"
-    )
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ))  # fmt: skip
     ours = Tokenizer.from_dir(model_dir)
     theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "user", "content": f"<b>{i}</b> é"} for i in range(4)]
@@ -164,16 +170,12 @@ def test_a_render_sees_the_globals_transformers_provides(
     """The template's globals are copied into a dict once (ChatTemplate): jinja2's own
     (range, namespace, dict, ...) and transformers' (strftime_now, raise_exception) are
     all there, as transformers has them."""
-    model_dir = tmp_path / "m"
-    shutil.copytree(tiny_model_dir, model_dir)
-    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = (
+    model_dir = _with_template(tiny_model_dir, tmp_path, (
         "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
         "{{ m['content'] }}{% endfor %}{{ ns.n }} {{ range(3) | list }} {{ dict(a=1) }} "
         "{{ strftime_now('%Y') | length }} {{ cycler is defined }} {{ joiner is defined }}"
         "{% if messages | length > 2 %}{{ raise_exception('too many') }}{% endif %}"
-    )
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ))  # fmt: skip
     ours = Tokenizer.from_dir(model_dir)
     theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
@@ -241,11 +243,7 @@ def test_a_template_in_qwens_style_renders_as_transformers_does(
 ) -> None:
     """`message.role` on a dict takes a shorter path than jinja2's (_ChatEnvironment):
     random conversations render to transformers' text."""
-    model_dir = tmp_path / "m"
-    shutil.copytree(tiny_model_dir, model_dir)
-    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = QWEN_STYLE
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    model_dir = _with_template(tiny_model_dir, tmp_path, QWEN_STYLE)
     ours = Tokenizer.from_dir(model_dir)
     theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
 
