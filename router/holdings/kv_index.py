@@ -337,7 +337,7 @@ class BlockIndex:
             if extra:
                 for bit in _BITS:
                     extra.pop((engine_hash, bit), None)
-            lost[base | key if base else key] = now  # (the first worker's base is 0)
+            lost[base | key] = now
         if len(lost) >= self.max_lost:
             self._turn_lost()
 

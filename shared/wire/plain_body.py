@@ -334,8 +334,7 @@ def plain_extra(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:
 
 def plain_routing(endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """`plain_extra`, with the text `routing_text` routes the body on."""
-    if endpoint == "completions":
-        extra = _PLAIN_COMPLETION(body)
-        return None if extra is NO else (body["prompt"], extra)
-    extra = _PLAIN_CHAT(body)
-    return None if extra is NO else (chat_text(body["messages"]), extra)
+    extra = plain_extra(endpoint, body)
+    if extra is None:
+        return None
+    return body["prompt"] if endpoint == "completions" else chat_text(body["messages"]), extra
