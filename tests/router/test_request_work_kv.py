@@ -11,10 +11,11 @@ serves multi-turn chats over loopback. Its parts are real: a Redis-protocol serv
 sim worker in its own process publishing its KV events there (its cache and evictions
 make the stream), the router discovering it, following its stream and applying it.
 
-What is counted: `N` requests (new conversations among them, as the bench's rounds
-start theirs), then the feed until it has applied the worker's stream to its last entry,
-so a request's events count wherever the feed's batching falls. A change that adds work
-to every request fails here; raise `BUDGET` only with the reason in the commit and the
+What is counted: `N` requests in rounds, a turn of every conversation (a first turn,
+a new conversation's system prompt, among them as in the bench's rounds), and the feed's
+reading and applying each round's events before the next; not the waits between (the
+clock's work). The feed's reads are the test's (`own_calls` says why), so the count does
+not move with the machine's speed. A change that adds work to every request fails here; raise `BUDGET` only with the reason in the commit and the
 measured price in loadtests/results/router_cpu.md.
 """
 
@@ -50,7 +51,7 @@ SESSIONS = 8  # conversations measured, each `TURNS` requests, turn by turn
 TURNS = 16
 N = SESSIONS * TURNS
 SYSTEM_WORDS = 300  # a system prompt's words
-# The router's own calls a chat makes with the tokenizer and the index: 141.7-142.7
+# The router's own calls a chat makes with the tokenizer and the index: 141.6-142.7
 # measured (the request's path ~66, as a plain completion's; the tokenizer ~47; the
 # index's scoring ~18; the feed's reads and applying ~10.5). Runs differ by ~1, by the
 # clock: the fleet queue's ticks and the fleet's reads that fall in the counted spans.
