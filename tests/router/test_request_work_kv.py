@@ -51,7 +51,7 @@ SESSIONS = 8  # conversations measured, each `TURNS` requests, turn by turn
 TURNS = 16
 N = SESSIONS * TURNS
 SYSTEM_WORDS = 300  # a system prompt's words
-# The router's own calls a chat makes with the tokenizer and the index: 141.6-142.7
+# The router's own calls a chat makes with the tokenizer and the index: 141.5-142.7
 # measured (the request's path ~66, as a plain completion's; the tokenizer ~47; the
 # index's scoring ~18; the feed's reads and applying ~10.5). Runs differ by ~1, by the
 # clock: the fleet queue's ticks and the fleet's reads that fall in the counted spans.
