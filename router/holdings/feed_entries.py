@@ -151,13 +151,13 @@ def entry_steps(feed: FeedBooks, wid: str, entry: StreamEntry) -> Iterator[None]
     state.next_seq = entry.seq + 1
     if entry.resync and state.status != "block_size":
         feed.rebuild(wid, "marker")
-    clear = last_clear(events)
     if state.status not in ("ok", "lagging", "rebuilding"):
+        clear = last_clear(events)
         if clear is None or state.status == "block_size":
             return  # nothing known to build on yet
         events = events[clear:]
         state.status = "ok"
-    elif state.status == "rebuilding" and clear is not None:
+    elif state.status == "rebuilding" and (clear := last_clear(events)) is not None:
         events = events[clear:]  # a known state after all (vLLM cleared its cache)
         state.status = "ok"
     if feed.drops:  # none of its old blocks may outlive its new ones
@@ -215,17 +215,23 @@ def event_runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[lis
     run: list[KVEvent] = []
     blocks = tokens = 0
     for event in events:
-        if isinstance(event, AllBlocksCleared):
+        if isinstance(event, BlockStored):
+            # (no LoRA and no extra keys: the default namespace without the call)
+            if (event.lora is not None or event.extra_keys is not None) and not (
+                in_default_namespace(event)
+            ):
+                dropped["namespace"] += 1  # the index holds a model's default namespace
+                continue
+            t = len(event.token_ids)
+        elif isinstance(event, AllBlocksCleared):
             if run:
                 yield run
                 run, blocks, tokens = [], 0, 0
             yield [event]
             continue
-        if not in_default_namespace(event):
-            dropped["namespace"] += 1  # the index holds a model's default namespace
-            continue
-        n = len(event.block_hashes)  # type: ignore[union-attr]
-        t = len(event.token_ids) if isinstance(event, BlockStored) else 0
+        else:
+            t = 0
+        n = len(event.block_hashes)
         if blocks + n <= RUN_BLOCKS and tokens + t <= RUN_TOKENS:  # the common case
             run.append(event)
             blocks += n

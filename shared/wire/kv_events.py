@@ -182,7 +182,7 @@ def encode_batch(events: Sequence[KVEvent], ts: float | None = None) -> bytes:
 # ---- stream entries (Redis) ----------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen, as the events: shared/wire/kv_schema.py says why)
 class StreamEntry:
     """One entry of a worker's event stream: a batch stamped with the writer's epoch and
     a sequence number that starts at 0 in each epoch and grows by one per entry.
@@ -210,7 +210,7 @@ def entry_fields(
     return fields
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: as StreamEntry)
 class EntryHeader:
     """An entry's small fields, read before its batch is decoded: a reader drops an
     entry of an old epoch on these alone (decoding costs ~1 ms per MB)."""

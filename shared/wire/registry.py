@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from urllib.parse import urlsplit, urlunsplit
 
@@ -223,9 +224,14 @@ class Registry:
         count: int,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
         max_reply_bytes: int = MAX_REPLY_BYTES,
+        trim: Sequence[str] = (),
+        maxlen: int = 0,
     ) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes]]]]]:
         """New entries of each worker's stream after its cursor (an entry id; "0" for all),
         as [(worker_id, [(entry_id, fields), ...]), ...], at most `count` per stream.
+        `trim`: workers whose streams are also trimmed to about `maxlen` entries
+        (`trim_kv_events`) in the same round trip; a trim that fails is not the read's
+        failure (the next one trims).
 
         Sizes are checked in Redis, before anything crosses the wire: an entry whose
         fields exceed `max_entry_bytes` comes back as `{b"oversized": b"<bytes>"}` (its
@@ -247,7 +253,16 @@ class Registry:
         keys = [self.kv_events_key(w) for w in cursors]
         args = [count, max_entry_bytes, max_reply_bytes, *cursors.values()]
         # EVAL_RO: read-only key access (the routers' ACL reads worker streams, %R~).
-        replies = await self.redis.eval_ro(_READ_SIZED, len(keys), *keys, *args)  # type: ignore[misc]
+        if trim:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.eval_ro(_READ_SIZED, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                for wid in trim:
+                    pipe.xtrim(self.kv_events_key(wid), maxlen=maxlen, approximate=True)
+                replies, *_ = await pipe.execute(raise_on_error=False)
+            if isinstance(replies, Exception):
+                raise replies
+        else:
+            replies = await self.redis.eval_ro(_READ_SIZED, len(keys), *keys, *args)  # type: ignore[misc]
         cut = len(self.kv_events_key(""))
         out = []
         for key, flat in zip(keys, replies or (), strict=False):

@@ -92,6 +92,36 @@ async def test_routers_trim_a_stream_its_worker_does_not(redis: Redis) -> None:
     assert await redis.xlen(key) >= 100
 
 
+async def test_the_trim_rides_on_a_read(redis: Redis) -> None:
+    """A due trim goes in the read's round trip, after the read (what it trims was read
+    first): no round trip of its own; one with no read to ride on (nothing readable)
+    makes its own."""
+    registry = Registry(redis)
+    own = 0
+    real_trim = registry.trim_kv_events
+
+    async def counted(worker_ids: list[str], maxlen: int) -> None:
+        nonlocal own
+        own += 1
+        await real_trim(worker_ids, maxlen)
+
+    registry.trim_kv_events = counted  # type: ignore[method-assign]
+    for seq in range(300):
+        last = await write(redis, "w", 1.0, seq, chain(seq + 1, 1))
+    key = registry.kv_events_key("w")
+    feed = KvEventFeed(registry, stream_len=100, read_count=500)
+    feed.follow([FeedMember("w", "m", 1.0, block_size=2)])
+    await feed.poll()
+    assert feed.streams["w"].cursor == last  # all 300 read, then trimmed
+    assert own == 0 and 100 <= await redis.xlen(key) < 300
+    feed.streams["w"].credit = -1e9  # its CPU share spent: nothing readable, no read
+    feed.reader._trimmed = 0.0  # (a second later)
+    task = asyncio.create_task(feed.run(lambda: [FeedMember("w", "m", 1.0, block_size=2)], 0.1))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    assert own == 1
+
+
 async def test_an_old_epoch_is_dropped_before_its_batch_is_decoded(redis: Redis) -> None:
     """Finding 1: entries of an old epoch were decoded (the costly part), then dropped."""
     feed = KvEventFeed(Registry(redis))
