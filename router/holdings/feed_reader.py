@@ -79,6 +79,7 @@ class FeedReader:
         self.cpu_share, self.cpu_burst = cpu_share, cpu_burst
         self.throttled = 0  # reads a worker's stream waited for its CPU share
         self.failures = 0  # reads that failed (Redis unreachable, ...)
+        self.stopping = False  # set by the owner before it cancels `run` (aio.py `stop_task`)
         self._trimmed = 0.0
         self._slice_at = 0.0  # perf_counter time the reader last let the loop run
         self._oversized: dict[str, bytes] = {}  # worker -> its last oversized entry read
@@ -223,9 +224,13 @@ class FeedReader:
         a second, most of them empty; loadtests/results/router_cpu.md). The index then
         lags the streams by up to READ_GAP_S while they are busy, `idle` after a quiet
         spell: a route's own blocks are the tree's to predict meanwhile (merge.py's
-        `in_flight_window`, 2 s)."""
+        `in_flight_window`, 2 s).
+
+        Its owner sets `stopping` before it cancels: a cancel that meets redis-py's own
+        timeout can be lost (shared/serving/aio.py `stop_task`), and the loop then ends at
+        its next turn instead of reading on until the owner gives up waiting."""
         wait = POLL_S
-        while True:
+        while not self.stopping:
             self.feed.follow(members())
             failures = self.failures
             if not self.feed.streams:

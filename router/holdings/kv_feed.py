@@ -263,8 +263,12 @@ class KvEventFeed:
         return await self.reader.poll(block_ms)
 
     async def run(self, members: Callable[[], Iterable[FeedMember]], idle: float) -> None:
-        """`FeedReader.run`: follow the fleet, read and trim forever (cancel to stop)."""
+        """`FeedReader.run`: follow the fleet, read and trim until `stop` (or cancelled)."""
         await self.reader.run(members, idle)
+
+    def stop(self) -> None:
+        """`run` ends at its next turn: set before cancelling it (FeedReader.run says why)."""
+        self.reader.stopping = True
 
     # ---- routing ----------------------------------------------------------------
     def trusted(self, wid: str) -> bool:

@@ -164,6 +164,7 @@ async def _kv_feed_ctx(app: web.Application) -> AsyncIterator[None]:
 
     task = asyncio.create_task(feed.run(members, idle), name="kv-events")
     yield
+    feed.stop()
     await stop_task(task)
     await feed.registry.redis.aclose()
 

@@ -44,6 +44,7 @@ from router.http.app import create_app, serving_protocol, serving_runner
 from router.http.state import FLEET, KV_FEED
 from shared.config import RouterConfig
 from shared.procs import free_port
+from shared.serving.aio import stop_task
 from shared.serving.http_server import bind
 from tests.router.test_gc_cycles import _answer
 
@@ -166,11 +167,8 @@ def own_calls(cluster: Cluster, seed: int) -> collections.Counter[str]:
             await _until(lambda: feed.status_of("w0") == "ok", "following the worker")
             # The feed's reads are this test's from here (below): its task stopped.
             (task,) = [t for t in asyncio.all_tasks() if t.get_name() == "kv-events"]
-            for _ in range(100):  # (a cancel redis-py's timeout swallows is lost: again)
-                task.cancel()
-                await asyncio.wait([task], timeout=0.05)
-                if task.done():
-                    break
+            feed.stop()  # as the app stops it (a cancel alone can be lost in redis-py)
+            await stop_task(task)
             assert task.done()
             # Warm-up: other conversations (the pooled connection, the pieces' cache,
             # lazy imports, the index's first blocks).

@@ -262,3 +262,26 @@ async def test_reads_are_paced_by_what_they_find(redis: Redis) -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_stopped_feed_ends_its_loop_without_a_cancel(redis: Redis) -> None:
+    """`stop` ends `run` at its next turn, reading no more: the app sets it before it
+    cancels the task, since a cancel that meets redis-py's own timeout can be lost
+    (shared/serving/aio.py `stop_task`) and the loop would read on until the app gave
+    up waiting for it."""
+    registry = Registry(redis)
+    feed = KvEventFeed(registry)
+    member = FeedMember("w", "m", 1.0, block_size=2)
+    task = asyncio.create_task(feed.run(lambda: [member], idle=0.05))
+    try:
+        for _ in range(100):
+            if "w" in feed.streams:
+                break
+            await asyncio.sleep(0.01)
+        assert "w" in feed.streams and not task.done()
+        feed.stop()
+        await asyncio.wait([task], timeout=2)
+        assert task.done() and task.exception() is None  # ended, not cancelled
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
