@@ -25,14 +25,18 @@ from typing import Any, Protocol
 from shared.tokens.prompt_ids import PromptIds, Run, TokenKey, token_key
 
 _ID_BYTES = 40  # an id in a tuple: its pointer and (past 256) its int object
-# A dict slot, its key tuple and a Run (200), and the run's share of the lines: a line's
-# three lists hold each of its runs; lines part after their LINE_KEY shared pieces, so
-# they hold at most 3 runs' worth of entries a run, 9 pointers (72).
-_ENTRY_BYTES = 272
-# The pieces that name a conversation's line (`_line_of`): a template's head (Qwen's and
+# A dict slot, its key tuple and a Run (200), and the run's share of the lines (`_Line`):
+# lines part after their LINE_KEY shared pieces, so at most 3 lines' lists hold a run (24).
+_ENTRY_BYTES = 224
+# The pieces that name a conversation's line (`_line_key`): a template's head (Qwen's and
 # Llama's rendered chats all start with the same piece), the system prompt and the first
 # question, so chats on one system prompt keep lines of their own.
 LINE_KEY = 3
+# A line's key reads the last LINE_TAIL characters of those pieces and their length, not
+# all of them: a key's hash runs over what it holds (a 4 KB system prompt: ~1 µs a
+# request), and a line is only taken where its whole text is the prompt's start.
+LINE_TAIL = 256
+_LINE_BYTES = 200  # a line's dict slot, key, tuple and list (its text and key counted apart)
 _CHECK = [
     {"role": "system", "content": "You are brief. Answer in one line."},
     {"role": "user", "content": "Hello there,  world! 12 + 30 = ?"},
@@ -98,9 +102,10 @@ class PromptTokens:
         self._bytes = 0
         self._pieces: dict[object, tuple[tuple[int, ...], str]] = {}  # -> (ids, TokenKey)
         self._runs: dict[tuple[Run | None, object], Run] = {}
-        # First LINE_KEY pieces -> the last prompt's (pieces, runs, run keys) that began
-        # with them (`_line_of`); cleared with the trie, whose runs and pieces it holds.
-        self._lines: dict[tuple[str, ...], tuple[list[str], list[Run], list[str]]] = {}
+        # A conversation's line: the last prompt whose first LINE_KEY pieces it names
+        # (`_line_key`), as (text up to its last piece, runs, their keys but the last's
+        # joined, bytes counted); cleared with the trie, whose runs it holds.
+        self._lines: dict[tuple[int, str], tuple[str, list[Run], str, int]] = {}
         self._cleared = 0  # times the caches were cleared (a line spans none)
         self._unkept = False  # a run of the prompt being built was not kept (too large)
         self._held = 0
@@ -138,30 +143,42 @@ class PromptTokens:
     def text(self, text: str) -> PromptIds:
         """The ids, carrying their tree key and block keys (shared/tokens/prompt_ids.py);
         joined into one tuple only if read id by id."""
-        if self._split is None:
+        tag = self._split
+        if tag is None:
             return PromptIds(encode_prompt(self.tokenizer, text))
-        pieces = text.split(self._split)  # a literal split: C speed, no regex scan
-        seen, chain, keys = self._line_of(pieces)
+        name = _line_key(text, tag)
+        line = self._lines.get(name)
+        if line is not None and text.startswith(line[0]):
+            # A next turn: the previous one's text up to its generation prompt, in one
+            # memcmp (`_line`); only the text after it is split and stepped.
+            chain, head = line[1][:-1], line[2]
+            pieces = text[len(line[0]) :].split(tag)
+            self.hits += len(chain)
+        else:
+            pieces = text.split(tag)  # a literal split: C speed, no regex scan
+            chain, head = [], ""
+        lined = len(chain)
         runs, run = self._runs, chain[-1] if chain else None
         cleared, self._unkept = self._cleared, False
         # Keyed by the text after each tag (the first piece, before any tag, on its own
         # key); the ids include the tag's.
-        for i in range(len(chain), len(pieces)):
-            piece = pieces[i]
-            key = piece if i else ("", piece)
+        for piece in pieces:
+            key = piece if run is not None else ("", piece)
             got = runs.get((run, key))
             if got is None:
                 got = self._run(run, key, piece)
             else:
                 self.hits += 1
             run = got
-            seen.append(got.piece)
             chain.append(got)
-            keys.append(got.key)
-        if self._cleared == cleared and not self._unkept:  # every run held by the trie
-            self._lines[tuple(seen[:LINE_KEY])] = (seen, chain, keys)
         # Not joined into one tuple here (PromptIds): its readers want its keys.
-        key = TokenKey("".join(keys)) if run.chained else None  # type: ignore[union-attr]
+        key = None
+        if run.chained:  # type: ignore[union-attr]
+            head = "".join([head, *[got.key for got in chain[lined:-1]]])
+            key = TokenKey(head + run.key)  # type: ignore[union-attr]
+        if self._cleared == cleared and not self._unkept and len(chain) > 1:
+            # Every run held by the trie: the text up to the last piece names them.
+            self._line(name, text[: len(text) - len(pieces[-1])], chain, head)
         ids = PromptIds.of_runs(chain, run.end, key, self._grow)  # type: ignore[union-attr]
         bos = self._bos
         if bos is not None and len(ids) >= 2 and _first_two(chain) == (bos, bos):
@@ -169,23 +186,23 @@ class PromptTokens:
             return PromptIds(ids.flat()[1:])
         return ids
 
-    def _line_of(self, pieces: list[str]) -> tuple[list[str], list[Run], list[str]]:
-        """(pieces, runs, run keys) of the start of `pieces` that the last prompt with
-        the same first LINE_KEY pieces had, all but its last piece (none: empty lists).
-        A conversation's next turn repeats its previous turn's pieces up to that turn's
-        generation prompt: one list comparison in C instead of a trie step per message.
-        The runs are the ones the trie steps would find: a line is kept only while its
-        every run is in the trie (lines go when the trie is cleared), and it holds the
-        trie's own piece strings, not a request's."""
-        line = self._lines.get(tuple(pieces[:LINE_KEY]))
-        if line is None:
-            return [], [], []
-        seen, chain, keys = line
-        m = len(seen) - 1
-        if m < 1 or len(pieces) <= m or pieces[:m] != seen[:m]:
-            return [], [], []
-        self.hits += m
-        return seen[:m], chain[:m], keys[:m]
+    def _line(self, name: tuple[int, str], start: str, chain: list[Run], head: str) -> None:
+        """Keep `chain` (a prompt's runs, all in the trie) as the line named `name`,
+        replacing the one before: `start` is the prompt's text through the tag of its
+        last piece, `head` the joined keys of every run but the last (a next turn
+        extends both). Its text and key are counted against `max_bytes`, the line it
+        replaces uncounted."""
+        old = self._lines.pop(name, None)
+        if old is not None:
+            self._bytes -= old[3]
+        size = 4 * len(start) + len(head) + 8 * len(chain) + _LINE_BYTES
+        if size > self.max_bytes // 16:
+            return  # as a piece that would crowd out the rest: not kept
+        if self._bytes + size > self.max_bytes:
+            self._clear()
+            return  # its runs went with the trie
+        self._lines[name] = (start, chain, head, size)
+        self._bytes += size
 
     def _run(self, parent: Run | None, key: object, piece: str) -> Run:
         """A new trie node: `piece`'s ids and their TokenKey (from the piece cache: a
@@ -287,6 +304,20 @@ def _special_split(tokenizer: Encoder) -> str | None:
     if not counts[tag]:
         return None
     return tag
+
+
+def _line_key(text: str, tag: str) -> tuple[int, str]:
+    """The name of a prompt's line: where its first LINE_KEY pieces end and their last
+    LINE_TAIL characters. Prompts that share it and their start with a line take that
+    line's runs (`PromptTokens.text`); a name two conversations share costs a trie walk
+    a turn, never a wrong run."""
+    end = -len(tag)
+    for _ in range(LINE_KEY):
+        end = text.find(tag, end + len(tag))
+        if end < 0:
+            end = len(text)
+            break
+    return end, text[max(0, end - LINE_TAIL) : end]
 
 
 def _first_two(chain: Sequence[Run]) -> tuple[int, ...]:
