@@ -49,6 +49,11 @@ from shared.tokens.text_tokenizer import TextTokenizer
 from shared.wire.plain_body import chat_text, plain_extra
 from worker.backends.sim_model import answer_ids
 
+try:  # the handler's reading of a chat to tokenize (since the thirteenth pass)
+    from shared.wire.plain_body import plain_chat
+except ImportError:  # before it: the check, and the turns built in `request_tokens`
+    plain_chat = None
+
 a = json.loads(sys.argv[1])
 tokens = PromptTokens.load(a["tokenizer"])
 # The worker's tokenizer writes its answers, as text the next turn renders.
@@ -61,8 +66,11 @@ def off(body):
 
 
 def tok(body):
-    extra = plain_extra("chat", body)
-    prompt = ChatPrompt(body["messages"], body.get("add_generation_prompt") is not False)
+    if plain_chat is None:
+        extra, turns = plain_extra("chat", body), body["messages"]
+    else:
+        extra, turns = plain_chat(body)
+    prompt = ChatPrompt(turns, body.get("add_generation_prompt") is not False)
     ids = request_tokens(tokens, prompt)
     return ids, ids.tree_key(), extra
 
