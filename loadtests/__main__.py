@@ -117,7 +117,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "router CPU: a worker that echoes request ids vs one that does not",
     ),
     "chat-ids": (
-        "loadtests.router.bench_chat_ids",
+        "loadtests.router.bench_router_tokens:CHAT_IDS",
         "a chat's prompt ids from its body in process: tok's reading vs off's",
     ),
     "router-tokens": (
