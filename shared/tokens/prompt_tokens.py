@@ -159,6 +159,10 @@ class PromptTokens:
         tag: str = self._split  # type: ignore[assignment]
         line = self._lines.get(name)
         if line is not None and text.startswith(line[0]):
+            # The line's text ends with the tag its last piece followed, where a split of
+            # the whole text finds one too (its search only ever sees what the two texts
+            # share up to there), so the rest split on its own gives the whole's pieces
+            # after it; and the line's runs are the trie's (kept only while all are in it).
             chain, keys = line[1][:-1], line[2][:-1]
             pieces = text[len(line[0]) :].split(tag)
             self.hits += len(chain)
