@@ -116,6 +116,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtests.router.bench_router_wrk:UPSTREAM_REUSE",
         "router CPU: a worker that echoes request ids vs one that does not",
     ),
+    "chat-ids": (
+        "loadtests.router.bench_router_tokens:CHAT_IDS",
+        "a chat's prompt ids from its body in process: tok's reading vs off's",
+    ),
     "router-tokens": (
         "loadtests.router.bench_router_tokens",
         "router CPU per request, prompt ids (tokenizer, KV index) on vs off",

@@ -43,7 +43,7 @@ from shared.serving.body import LARGE_BODY_BYTES, WHOLE_BODY, parse_json_object,
 from shared.serving.errors import APIError
 from shared.serving.http import PROMETHEUS_TEXT
 from shared.wire.peers import check_worker_id, check_worker_url, parse_networks, served_model
-from shared.wire.plain_body import chat_text, plain_extra
+from shared.wire.plain_body import chat_text, plain_chat, plain_extra
 from shared.wire.protocol import chat_request, routing_text
 from shared.wire.service_class import request_class
 
@@ -107,7 +107,12 @@ def _inference_handler(endpoint: str, path: str) -> Any:
             # the event loop, over-long ones routed on their text's head alone.
             tokenize = bound.tokenize
             render = ids = prompt = text = None
-            extra = plain_extra(endpoint, data) if plain else None
+            if not plain:
+                extra = None
+            elif tokenize is None or endpoint != "chat":
+                extra = plain_extra(endpoint, data)
+            else:  # a chat to tokenize: its check reads its turns too
+                extra, turns = plain_chat(data) or (None, None)
             if extra is not None:  # its model takes it as sent: its fields read in place
                 parsed = None
                 if endpoint == "completions":
@@ -116,7 +121,7 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                     text = chat_text(data["messages"])
                 else:
                     generation = data.get("add_generation_prompt") is not False  # (a bool)
-                    prompt = ChatPrompt(data["messages"], generation)
+                    prompt = ChatPrompt(turns, generation)
                 model = data.get("model")
                 session_key = request.headers.get(config.session_header) or data.get("user")
                 stream = data.get("stream") is True

@@ -47,14 +47,14 @@ MAX_WAITING = 8  # requests waiting for the tokenizer thread
 
 
 class ChatPrompt:
-    """A chat's prompt: its messages as its body sent them (a body its model takes as
-    sent, checked by hand or by the model: shared/wire/plain_body.py reads them) and
-    whether the template adds the generation prompt."""
+    """A chat's prompt: its turns as the template reads them (`chat_turns` of a body its
+    model takes as sent, shared/wire/plain_body.py: the hand check's `plain_chat` or
+    `request_prompt` below) and whether the template adds the generation prompt."""
 
-    __slots__ = ("add_generation_prompt", "messages")
+    __slots__ = ("add_generation_prompt", "turns")
 
-    def __init__(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> None:
-        self.messages = messages
+    def __init__(self, turns: list[dict[str, Any]], add_generation_prompt: bool) -> None:
+        self.turns = turns
         self.add_generation_prompt = add_generation_prompt
 
 
@@ -66,7 +66,7 @@ def request_prompt(parsed: object, body: dict[str, Any]) -> Prompt | None:
     """The prompt of `body`, which its request model took as `parsed` (a chat's
     messages are the body's own: strict, the model holds them as sent)."""
     if isinstance(parsed, ChatCompletionRequest):
-        return ChatPrompt(body["messages"], parsed.add_generation_prompt)
+        return ChatPrompt(chat_turns(body["messages"]), parsed.add_generation_prompt)
     if isinstance(parsed, CompletionRequest):
         text = parsed.prompt_text()
         return text if text is not None else parsed.prompt_ids()
@@ -86,9 +86,8 @@ def request_tokens(tokens: PromptTokens, prompt: Prompt | None) -> Sequence[int]
         return tokens.text(prompt)  # type: ignore[arg-type]
     if kind is not ChatPrompt:
         return prompt  # type: ignore[return-value]  # ids, or None
-    turns = chat_turns(prompt.messages)  # type: ignore[union-attr]
     try:
-        return tokens.chat(turns, prompt.add_generation_prompt)  # type: ignore[union-attr]
+        return tokens.chat(prompt.turns, prompt.add_generation_prompt)  # type: ignore[union-attr]
     except Exception:  # a template error is the worker's to report, in its own words
         return None
 

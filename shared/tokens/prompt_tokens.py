@@ -7,10 +7,12 @@ in its block index, and prompts given as token ids are used as they are.
 Repeated conversation prefixes are not re-tokenized: the rendered text is cut before the
 special token the template writes once per message (e.g. `<|im_start|>`), which every
 tokenizer splits off before anything else, so the ids of the whole are the ids of the
-pieces in order. Each piece's ids are remembered (a bounded dict), so a new turn costs
-one look-up per message and the encoding of its new text only; and so are the pieces'
-block keys along each conversation (shared/tokens/prompt_ids.py), so the router's block index
-keys only the blocks a turn adds.
+pieces in order. Each piece's ids are remembered (a bounded dict), and so are the runs
+of pieces along each conversation (a trie), with their block keys
+(shared/tokens/prompt_ids.py), so the router's block index keys only the blocks a turn
+adds. A conversation's last prompt is kept as its line (its text and runs): a next turn
+that starts with that text takes its runs in one comparison and splits, looks up and
+encodes only the text it adds.
 Whether that holds for a tokenizer is checked when it is loaded (a normalizer that
 treats the first piece differently, e.g. SentencePiece's leading `▁`, fails the check);
 where it does not, the whole text is encoded each time.
@@ -25,14 +27,18 @@ from typing import Any, Protocol
 from shared.tokens.prompt_ids import PromptIds, Run, TokenKey, token_key
 
 _ID_BYTES = 40  # an id in a tuple: its pointer and (past 256) its int object
-# A dict slot, its key tuple and a Run (200), and the run's share of the lines: a line's
-# three lists hold each of its runs; lines part after their LINE_KEY shared pieces, so
-# they hold at most 3 runs' worth of entries a run, 9 pointers (72).
-_ENTRY_BYTES = 272
-# The pieces that name a conversation's line (`_line_of`): a template's head (Qwen's and
-# Llama's rendered chats all start with the same piece), the system prompt and the first
-# question, so chats on one system prompt keep lines of their own.
+_ENTRY_BYTES = 200  # a dict slot, its key tuple and a Run
+# What names a conversation's line (`_chat_line`, `_text_line`): its first LINE_KEY
+# messages or pieces (a system prompt, a first question and answer), each by its length
+# and last LINE_TAIL characters. Not their whole text: a name's hash runs over all it holds
+# (a 4 KB system prompt: ~2 µs a request), and a prompt takes a line's runs only where it
+# starts with that line's whole text, so a name two conversations share costs a trie walk
+# a turn, never a wrong run.
 LINE_KEY = 3
+LINE_TAIL = 256
+# A line's dict slot, name, tuple and lists' heads (its text and its lists' items are
+# counted apart: `PromptTokens._line`).
+_LINE_BYTES = 600
 _CHECK = [
     {"role": "system", "content": "You are brief. Answer in one line."},
     {"role": "user", "content": "Hello there,  world! 12 + 30 = ?"},
@@ -98,9 +104,10 @@ class PromptTokens:
         self._bytes = 0
         self._pieces: dict[object, tuple[tuple[int, ...], str]] = {}  # -> (ids, TokenKey)
         self._runs: dict[tuple[Run | None, object], Run] = {}
-        # First LINE_KEY pieces -> the last prompt's (pieces, runs, run keys) that began
-        # with them (`_line_of`); cleared with the trie, whose runs and pieces it holds.
-        self._lines: dict[tuple[str, ...], tuple[list[str], list[Run], list[str]]] = {}
+        # A conversation's line, by its name (`_chat_line`, `_text_line`): the last
+        # prompt of that name, as (its text up to its last piece, its runs, their keys,
+        # the bytes counted); cleared with the trie, whose runs it holds.
+        self._lines: dict[tuple[object, ...], tuple[str, list[Run], list[str], int]] = {}
         self._cleared = 0  # times the caches were cleared (a line spans none)
         self._unkept = False  # a run of the prompt being built was not kept (too large)
         self._held = 0
@@ -133,33 +140,52 @@ class PromptTokens:
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> PromptIds:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt)
-        return self.text(text)
+        if self._split is None:
+            return PromptIds(encode_prompt(self.tokenizer, text))
+        return self._pieced(text, _chat_line(messages))
 
     def text(self, text: str) -> PromptIds:
         """The ids, carrying their tree key and block keys (shared/tokens/prompt_ids.py);
         joined into one tuple only if read id by id."""
         if self._split is None:
             return PromptIds(encode_prompt(self.tokenizer, text))
-        pieces = text.split(self._split)  # a literal split: C speed, no regex scan
-        seen, chain, keys = self._line_of(pieces)
+        return self._pieced(text, _text_line(text, self._split))
+
+    def _pieced(self, text: str, name: tuple[object, ...]) -> PromptIds:
+        """`text`'s ids from its pieces, after the runs of its line `name` where `text`
+        starts with that line's text: a conversation's next turn repeats its previous
+        turn's text up to that turn's generation prompt, found in one memcmp, so only
+        the text after it is split and stepped (a 40-message chat: 3 pieces, not 41)."""
+        tag: str = self._split  # type: ignore[assignment]
+        line = self._lines.get(name)
+        if line is not None and text.startswith(line[0]):
+            # The line's text ends with the tag its last piece followed, where a split of
+            # the whole text finds one too (its search only ever sees what the two texts
+            # share up to there), so the rest split on its own gives the whole's pieces
+            # after it; and the line's runs are the trie's (kept only while all are in it).
+            chain, keys = line[1][:-1], line[2][:-1]
+            pieces = text[len(line[0]) :].split(tag)
+            self.hits += len(chain)
+        else:
+            pieces = text.split(tag)  # a literal split: C speed, no regex scan
+            chain, keys = [], []
         runs, run = self._runs, chain[-1] if chain else None
         cleared, self._unkept = self._cleared, False
         # Keyed by the text after each tag (the first piece, before any tag, on its own
         # key); the ids include the tag's.
-        for i in range(len(chain), len(pieces)):
-            piece = pieces[i]
-            key = piece if i else ("", piece)
+        for piece in pieces:
+            key = piece if run is not None else ("", piece)
             got = runs.get((run, key))
             if got is None:
                 got = self._run(run, key, piece)
             else:
                 self.hits += 1
             run = got
-            seen.append(got.piece)
             chain.append(got)
             keys.append(got.key)
-        if self._cleared == cleared and not self._unkept:  # every run held by the trie
-            self._lines[tuple(seen[:LINE_KEY])] = (seen, chain, keys)
+        if self._cleared == cleared and not self._unkept and len(chain) > 1:
+            # Every run held by the trie: the text up to the last piece names them.
+            self._line(name, text[: len(text) - len(pieces[-1])], chain, keys)
         # Not joined into one tuple here (PromptIds): its readers want its keys.
         key = TokenKey("".join(keys)) if run.chained else None  # type: ignore[union-attr]
         ids = PromptIds.of_runs(chain, run.end, key, self._grow)  # type: ignore[union-attr]
@@ -169,23 +195,24 @@ class PromptTokens:
             return PromptIds(ids.flat()[1:])
         return ids
 
-    def _line_of(self, pieces: list[str]) -> tuple[list[str], list[Run], list[str]]:
-        """(pieces, runs, run keys) of the start of `pieces` that the last prompt with
-        the same first LINE_KEY pieces had, all but its last piece (none: empty lists).
-        A conversation's next turn repeats its previous turn's pieces up to that turn's
-        generation prompt: one list comparison in C instead of a trie step per message.
-        The runs are the ones the trie steps would find: a line is kept only while its
-        every run is in the trie (lines go when the trie is cleared), and it holds the
-        trie's own piece strings, not a request's."""
-        line = self._lines.get(tuple(pieces[:LINE_KEY]))
-        if line is None:
-            return [], [], []
-        seen, chain, keys = line
-        m = len(seen) - 1
-        if m < 1 or len(pieces) <= m or pieces[:m] != seen[:m]:
-            return [], [], []
-        self.hits += m
-        return seen[:m], chain[:m], keys[:m]
+    def _line(
+        self, name: tuple[object, ...], start: str, chain: list[Run], keys: list[str]
+    ) -> None:
+        """Keep a prompt's runs (all in the trie) and their keys as the line named
+        `name`, replacing the one before; `start` is the prompt's text through the tag
+        of its last piece (what a next turn repeats). Its text and lists are counted
+        against `max_bytes`, the line it replaces uncounted."""
+        old = self._lines.pop(name, None)
+        if old is not None:
+            self._bytes -= old[3]
+        size = 4 * len(start) + 16 * len(chain) + _LINE_BYTES
+        if size > self.max_bytes // 16:
+            return  # as a piece that would crowd out the rest: not kept
+        if self._bytes + size > self.max_bytes:
+            self._clear()
+            return  # its runs went with the trie
+        self._lines[name] = (start, chain, keys, size)
+        self._bytes += size
 
     def _run(self, parent: Run | None, key: object, piece: str) -> Run:
         """A new trie node: `piece`'s ids and their TokenKey (from the piece cache: a
@@ -287,6 +314,28 @@ def _special_split(tokenizer: Encoder) -> str | None:
     if not counts[tag]:
         return None
     return tag
+
+
+def _chat_line(messages: Sequence[dict[str, Any]]) -> tuple[object, ...]:
+    """A chat's line name: its first LINE_KEY messages' roles, lengths and last LINE_TAIL
+    characters (a system prompt, a first question and answer), so chats on one system
+    prompt keep lines of their own. Read from the messages, not the rendered text: no
+    search of the text for where those messages end."""
+    name: list[object] = []
+    for message in messages[:LINE_KEY]:
+        role, content = message.get("role"), message.get("content")
+        name.append(role if type(role) is str else None)
+        if type(content) is str:
+            name += (len(content), content[-LINE_TAIL:])
+    return tuple(name)
+
+
+def _text_line(text: str, tag: str) -> tuple[object, ...]:
+    """A text prompt's line name: where its first LINE_KEY pieces end and their last
+    LINE_TAIL characters."""
+    head = text.split(tag, LINE_KEY)
+    end = len(text) - len(head[-1]) - len(tag) if len(head) > LINE_KEY else len(text)
+    return "text", end, text[max(0, end - LINE_TAIL) : end]
 
 
 def _first_two(chain: Sequence[Run]) -> tuple[int, ...]:

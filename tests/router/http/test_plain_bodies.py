@@ -114,21 +114,28 @@ async def test_a_plain_body_is_handed_on_as_the_model_would_have_it(
             super().__init__(*args)
             seen.append(self)
 
-    real = handlers.plain_extra
+    real, real_chat = handlers.plain_extra, handlers.plain_chat
 
     def counted(endpoint: str, body: dict[str, Any]) -> Any:
         answer = real(endpoint, body)
         checked.append(answer is not None)
         return answer
 
+    def counted_chat(body: dict[str, Any]) -> Any:  # a chat to tokenize: the check and turns
+        answer = real_chat(body)
+        checked.append(answer is not None)
+        return answer
+
     monkeypatch.setattr(handlers, "Routed", Recorded)
     monkeypatch.setattr(handlers, "plain_extra", counted)
+    monkeypatch.setattr(handlers, "plain_chat", counted_chat)
     by_hand = await _send_all(start_router, url, seen, tokenizer)
     sent_by_hand = [(h, b) for h, b in zip(worker.headers_seen, worker.bodies_seen, strict=True)]
     assert all(checked) and len(checked) == len(BODIES)  # every body took the hand check
     worker.headers_seen.clear()
     worker.bodies_seen.clear()
     monkeypatch.setattr(handlers, "plain_extra", lambda endpoint, body: None)
+    monkeypatch.setattr(handlers, "plain_chat", lambda body: None)
     by_model = await _send_all(start_router, url, seen, tokenizer)
     sent_by_model = list(zip(worker.headers_seen, worker.bodies_seen, strict=True))
     assert by_hand == by_model

@@ -32,7 +32,8 @@ from router.http.state import TOKENIZE
 from router.upstream.proxy import Routed
 from shared.config import RouterConfig
 from shared.tokens.prompt_tokens import PromptTokens
-from shared.wire.plain_body import chat_text, plain_extra
+from shared.wire import plain_body
+from shared.wire.plain_body import chat_text, chat_turns, plain_chat, plain_extra
 from shared.wire.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -322,7 +323,8 @@ def test_a_broken_reading_is_caught(served: Served, monkeypatch: pytest.MonkeyPa
                 for m, turn in zip(messages, real(messages), strict=True)]  # fmt: skip
 
     for broken in (spaced, none_named):
-        monkeypatch.setattr(tokenize, "chat_turns", broken)
+        monkeypatch.setattr(tokenize, "chat_turns", broken)  # the model path's
+        monkeypatch.setattr(plain_body, "chat_turns", broken)  # the hand check's (plain_chat)
         with pytest.raises(AssertionError):
             check(served, "chat", body)
 
@@ -351,8 +353,10 @@ def test_a_chats_prompt_read_from_its_json_is_its_models(
     prompt = tokenize.request_prompt(parsed, body)
     assert _ids(tokenize.request_tokens(prompt_tokens, prompt)) == old
     assert chat_text(body["messages"]) == canonical_chat_text(parsed.messages)
-    if plain_extra("chat", body) is not None:  # the handler's own reading
-        by_hand = tokenize.ChatPrompt(
-            body["messages"], body.get("add_generation_prompt") is not False
-        )
+    read = plain_chat(body)
+    assert (read is None) is (plain_extra("chat", body) is None)
+    if read is not None:  # the handler's own reading
+        assert read[0] == plain_extra("chat", body)
+        assert read[1] == chat_turns(body["messages"])
+        by_hand = tokenize.ChatPrompt(read[1], body.get("add_generation_prompt") is not False)
         assert _ids(tokenize.request_tokens(prompt_tokens, by_hand)) == old

@@ -64,7 +64,7 @@ def _chat(turns: int, system: str = "Be brief. ") -> list[dict[str, str]]:
 
 def test_a_next_turn_steps_the_trie_only_for_the_pieces_it_adds() -> None:
     """A conversation's next turn takes its previous turn's runs by one list comparison
-    (`_line_of`): the trie is stepped for the new pieces only (the answer, the question,
+    (`PromptTokens._pieced`): the trie is stepped for the new pieces only (the answer, the question,
     the generation prompt), and the runs are the very ones the steps would find."""
     tokens = PromptTokens.load("sim")
     tokens._runs = counting = _CountingRuns()

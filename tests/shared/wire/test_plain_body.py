@@ -274,3 +274,25 @@ def test_the_common_messages_are_decided_as_the_rule_decides_them(value: list[An
     rule does, message by message (`items(nested(_MESSAGE))`), for any list."""
     rule = plain.items(plain.nested(plain._MESSAGE), min_len=1)[list]
     assert (plain._messages(value) is plain.NO) is (rule(value) is plain.NO), value
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_chat_read_with_its_turns_is_the_check_and_chat_turns(data: st.DataObject) -> None:
+    """`plain_chat` (the check and the turns in one pass: `_turns`) answers as
+    `plain_extra` does, and its turns are `chat_turns`' (the same dicts: names in the
+    same order, the same values), for bodies near valid ones, their messages' names
+    in any order."""
+    body = data.draw(bodies("chat"))
+    messages = body.get("messages")
+    if type(messages) is list and data.draw(st.booleans()):
+        body["messages"] = [
+            {key: m[key] for key in reversed(m)} if type(m) is dict and data.draw(st.booleans())
+            else m for m in messages
+        ]  # fmt: skip
+    read, extra = plain.plain_chat(body), plain.plain_extra("chat", body)
+    assert (read is None) is (extra is None), body
+    if read is not None:
+        turns = plain.chat_turns(body["messages"])
+        assert read[0] == extra and read[1] == turns
+        assert [(type(t), list(t)) for t in read[1]] == [(type(t), list(t)) for t in turns]
