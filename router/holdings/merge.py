@@ -172,52 +172,43 @@ def in_flight_window(
 
     `monotone`: the path is the tree's and its times never went back (tree.py's
     `monotone`): a holder's time on an entry is then never after its time on the ones
-    before, so each holder's deepest entry alone says whether all of its are in the
-    window."""
-    if monotone and path:
-        # Deepest entry first, each holder at its deepest entry only: an entry's holders
-        # are a subset of the one before (tree.py's `match_path`), so an entry adds
-        # holders only where it has more than found so far, and the root-side entry has
-        # them all (a conversation on one worker: one entry read, not one a turn).
-        first = path[0][0]
+    before, so its deepest entry alone says whether all of its are in the window."""
+    if monotone and path and len(path[-1][0]) == len(path[0][0]):
+        # Every entry has the same holders (an entry's holders are a subset of the one
+        # before, tree.py's `match_path`): the deepest entry's times are each holder's
+        # oldest, one entry read instead of one a turn (a conversation on one worker).
+        first, (deepest, end) = path[0][0], path[-1]
+        best: dict[object, float] = {}
+        for w in first:  # (the root side's order, as the loops below make it)
+            if deepest[w] < cutoff:  # type: ignore[index]
+                break
+            best[w] = end
+        else:
+            fresh: dict[object, int] = {}
+            for w in best:
+                if trusted(w):  # type: ignore[arg-type]
+                    fresh[w] = end
+            return best, {}, fresh, False
+        # (a holder's entry before the cutoff: the rule's loop below, not the pass next)
+    else:
+        # Every entry in the window (the common path: a conversation's turns arrive within
+        # it): the deepest entry of each worker, no past one, and trust asked only of the
+        # workers found (one comparison and one store a holder, not six steps).
         best = {}
-        late = False
-        for holders, end in reversed(path):
-            if len(holders) > len(best):
-                for w, used in holders.items():
-                    if w not in best:
-                        if used < cutoff:
-                            late = True
-                            break
-                        best[w] = end
-                if late or len(best) == len(first):
+        for holders, end in path:  # root side first: deeper ends overwrite
+            for w, used in holders.items():
+                if used < cutoff:
                     break
-        if not late:
-            if len(best) > 1:  # in the order the loop below makes: the root side's
-                best = dict(zip(first, map(best.__getitem__, first), strict=True))
-            fresh = {}
+                best[w] = end
+            else:
+                continue
+            break
+        else:
+            fresh = {}  # (a loop, not a comprehension: no frame a request)
             for w, end in best.items():
                 if trusted(w):  # type: ignore[arg-type]
                     fresh[w] = end
             return best, {}, fresh, False
-    # Every entry in the window (the common path: a conversation's turns arrive within
-    # it): the deepest entry of each worker, no past one, and trust asked only of the
-    # workers found (one comparison and one store a holder, not six steps).
-    best: dict[object, float] = {}
-    for holders, end in path:  # root side first: deeper ends overwrite
-        for w, used in holders.items():
-            if used < cutoff:
-                break
-            best[w] = end
-        else:
-            continue
-        break
-    else:
-        fresh: dict[object, int] = {}  # (a loop, not a comprehension: no frame a request)
-        for w, end in best.items():
-            if trusted(w):  # type: ignore[arg-type]
-                fresh[w] = end
-        return best, {}, fresh, False
     best = {}  # (an entry before the cutoff: the whole path again, by the rule)
     past: dict[object, int] = {}
     fresh = {}
