@@ -50,7 +50,7 @@ import dataclasses
 import heapq
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -187,9 +187,12 @@ class CacheReader:
     def only_model(self) -> str:
         return MODEL
 
-    def match_tiers(self, model: str, tokens: Sequence[int]) -> dict[str, tuple[int, int]]:
+    def match_tiers(
+        self, model: str, tokens: Sequence[int], hints: Mapping[str, float] | None = None
+    ) -> dict[str, tuple[int, int]]:
         """`match` per tier: every run counted is on the device (`cached_prefix` stops at
-        a host-only node; in-flight KV is computed there)."""
+        a host-only node; in-flight KV is computed there). No search to start: `hints`
+        unused."""
         return {w: (n, n) for w, n in self.match(model, tokens).items()}
 
     def block_size(self, model: str) -> int:

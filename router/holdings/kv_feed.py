@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -290,18 +290,26 @@ class KvEventFeed:
         }
 
     def match_tiers(
-        self, model: str, tokens: Sequence[int] | np.ndarray
-    ) -> dict[str, tuple[int, int]]:
+        self, model: str, tokens: Sequence[int] | np.ndarray,
+        hints: Mapping[str, float] | None = None,
+    ) -> dict[str, tuple[int, int]]:  # fmt: skip
         """`match` per tier: (tokens of `tokens` on its device, tokens in any tier) for
-        each trusted or rebuilding worker."""
+        each trusted or rebuilding worker. `hints`: where each worker's search starts
+        (router/holdings/kv_index.py `match_tiers`)."""
         index = self.indexes.get(model)
         if index is None:
             return {}
-        found = index.match_tiers(tokens)
+        found = index.match_tiers(tokens, hints)
         if not found:
             return found  # (a fresh dict: no holder of the first block)
         usable = ("ok", "rebuilding")  # as in `match`
         streams, dropping = self.streams, self._dropping(index) if self.drops else _NO_DROPS
+        for w in found:  # (a loop, not a comprehension: no frame where every one is usable)
+            s = streams.get(w)
+            if s is None or s.status not in usable or w in dropping:
+                break
+        else:
+            return found  # (a fresh dict: the index's own)
         return {
             w: n
             for w, n in found.items()

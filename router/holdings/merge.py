@@ -34,6 +34,7 @@ from shared.wire.registry import WorkerRecord
 
 Path = list[tuple[Mapping[object, float], int]]
 _end = itemgetter(1)  # a path entry's end
+_NEVER = float("-inf")  # `lost_at`'s answer for a block not known lost
 
 # A host-held token's worth against a device-held one when the worker reports no host
 # load figures: between a miss (0) and a hit (1); the measured CPU engine loads ~100x
@@ -73,7 +74,9 @@ class BlockHolders(Protocol):
     def only_model(self) -> str: ...
     def lost_at(self, model: str, tokens: Sequence[int], wid: str, held: int) -> float: ...
     def block_size(self, model: str) -> int: ...
-    def match_tiers(self, model: str, tokens: Sequence[int]) -> dict[str, tuple[int, int]]: ...
+    def match_tiers(
+        self, model: str, tokens: Sequence[int], hints: Mapping[str, float] | None = None
+    ) -> dict[str, tuple[int, int]]: ...
 
 
 class KvScorer:
@@ -101,29 +104,43 @@ class KvScorer:
         text_len: int,
         now: float,
         overflowed_at: Callable[[object], float] | None = None,
+        monotone: bool = False,
     ) -> Path:
+        """The tree's `path` with the index merged in (module docstring); `monotone`: the
+        tree's times never went back (`in_flight_window`)."""
         feed = self.feed
         detail = self.detail = {}
         count = len(tokens)  # (a Python call for a chat's PromptIds: asked once)
         if not feed.streams or not count:
             return path
         model = model or feed.only_model()
-        tiers = feed.match_tiers(model, tokens)  # (on the device, in any tier)
         trusted = feed.trusted
         cutoff = now - self.inflight
-        best, past, fresh, changed = in_flight_window(path, trusted, cutoff)
+        best, past, fresh, changed = in_flight_window(path, trusted, cutoff, monotone)
+        scale = text_len / count
+        # (on the device, in any tier), each worker's search started at its tree end: a
+        # conversation's next turn holds about what its last one was routed with
+        hints = best if scale == 1 else {w: e / scale for w, e in best.items()}
+        tiers = feed.match_tiers(model, tokens, hints)
         if not (changed or tiers):
             return path
         self.corrected += 1
-        scale = text_len / count
         block = feed.block_size(model)
         if fresh:
             for w in lost_since_routed(path, fresh, tiers, scale, block, feed, model, tokens):
                 del best[w]
         weight = self.host_weight
+        exact = scale == 1  # (the tree on ids: the index's tokens are its units)
         for w, (device, n) in tiers.items():
-            on_host = 1.0 if n == device else host_weighted(n, device, weight, w)
-            chars = min(text_len, round((device + on_host * (n - device)) * scale))
+            if n == device:  # all of it on the device (no host tier: every lookup)
+                on_host = 1.0
+                chars = on_device = min(text_len, n if exact else round(n * scale))
+                host = 0
+            else:
+                on_host = host_weighted(n, device, weight, w)
+                chars = min(text_len, round((device + on_host * (n - device)) * scale))
+                on_device = min(text_len, round(device * scale))
+                host = min(text_len, round(n * scale)) - on_device
             end = past.get(w, 0)
             if end:  # (no older entry: nothing to confirm)
                 chars = confirmed_exact_end(chars, end, n, device, on_host, scale, block)
@@ -132,9 +149,7 @@ class KvScorer:
             tree = best.get(w, 0)
             if chars > tree:
                 best[w] = chars
-            on_device = min(text_len, round(device * scale))
-            detail[w] = (on_device, min(text_len, round(n * scale)) - on_device,
-                         "both" if tree or end else "index")  # fmt: skip
+            detail[w] = (on_device, host, "both" if tree or end else "index")
         if len(best) == 1:  # one holder (a conversation on its worker): no sort, no pass
             for w, e in best.items():
                 return [({w: now}, int(e))]
@@ -143,7 +158,7 @@ class KvScorer:
 
 
 def in_flight_window(
-    path: Path, trusted: Callable[[str], bool], cutoff: float
+    path: Path, trusted: Callable[[str], bool], cutoff: float, monotone: bool = False
 ) -> tuple[dict[object, float], dict[object, int], dict[object, int], bool]:
     """A trusted worker's tree entry counts only if used since `cutoff` (the last
     `kv_events_inflight` seconds): older ones the index says the fate of (evicted,
@@ -153,25 +168,47 @@ def in_flight_window(
     test_merge.py::test_a_route_counts_while_in_flight_then_the_index_decides).
 
     Returns (best: every counted entry's deepest end, past: trusted workers' older
-    entries, fresh: trusted workers' entries in the window, whether any was dropped)."""
-    # Every entry in the window (the common path: a conversation's turns arrive within
-    # it): the deepest entry of each worker, no past one, and trust asked only of the
-    # workers found (one comparison and one store a holder, not six steps).
-    best: dict[object, float] = {}
-    for holders, end in path:  # root side first: deeper ends overwrite
-        for w, used in holders.items():
-            if used < cutoff:
+    entries, fresh: trusted workers' entries in the window, whether any was dropped).
+
+    `monotone`: the path is the tree's and its times never went back (tree.py's
+    `monotone`): a holder's time on an entry is then never after its time on the ones
+    before, so its deepest entry alone says whether all of its are in the window."""
+    if monotone and path and len(path[-1][0]) == len(path[0][0]):
+        # Every entry has the same holders (an entry's holders are a subset of the one
+        # before, tree.py's `match_path`): the deepest entry's times are each holder's
+        # oldest, one entry read instead of one a turn (a conversation on one worker).
+        first, (deepest, end) = path[0][0], path[-1]
+        best: dict[object, float] = {}
+        for w in first:  # (the root side's order, as the loops below make it)
+            if deepest[w] < cutoff:  # type: ignore[index]
                 break
             best[w] = end
         else:
-            continue
-        break
+            fresh: dict[object, int] = {}
+            for w in best:
+                if trusted(w):  # type: ignore[arg-type]
+                    fresh[w] = end
+            return best, {}, fresh, False
+        # (a holder's entry before the cutoff: the rule's loop below, not the pass next)
     else:
-        fresh: dict[object, int] = {}  # (a loop, not a comprehension: no frame a request)
-        for w, end in best.items():
-            if trusted(w):  # type: ignore[arg-type]
-                fresh[w] = end
-        return best, {}, fresh, False
+        # Every entry in the window (the common path: a conversation's turns arrive within
+        # it): the deepest entry of each worker, no past one, and trust asked only of the
+        # workers found (one comparison and one store a holder, not six steps).
+        best = {}
+        for holders, end in path:  # root side first: deeper ends overwrite
+            for w, used in holders.items():
+                if used < cutoff:
+                    break
+                best[w] = end
+            else:
+                continue
+            break
+        else:
+            fresh = {}  # (a loop, not a comprehension: no frame a request)
+            for w, end in best.items():
+                if trusted(w):  # type: ignore[arg-type]
+                    fresh[w] = end
+            return best, {}, fresh, False
     best = {}  # (an entry before the cutoff: the whole path again, by the rule)
     past: dict[object, int] = {}
     fresh = {}
@@ -214,10 +251,16 @@ def lost_since_routed(
         # increase (root side first, tree.py's `match_path`): bisected to the first entry
         # past it, not scanned from the root (a 30-turn chat's path has ~16 entries, and
         # this runs on most token requests: the new turn's blocks are not held yet).
+        # Asked first: the block is seldom known lost at all (-inf is after no route).
+        lost = feed.lost_at(model, tokens, w, n)  # type: ignore[arg-type]
+        if lost == _NEVER:
+            continue
         i = bisect_right(path, n * scale, key=_end)
-        routed = next(h[w] for h, _ in islice(path, i, None) if w in h)
-        if feed.lost_at(model, tokens, w, n) > routed:  # type: ignore[arg-type]
-            gone.append(w)
+        for h, _ in islice(path, i, None):
+            if w in h:
+                if lost > h[w]:
+                    gone.append(w)
+                break
     return gone
 
 

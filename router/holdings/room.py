@@ -97,7 +97,9 @@ class Holdings:
         kv = self.kv
         if kv is not None and request.tokens is not None and request.namespace == DEFAULT:
             # The workers' own reports (merge.py), in the tree's units.
-            path = kv.correct(path, request.tokens, request.model, n, now, tree.overflowed_at)
+            path = kv.correct(
+                path, request.tokens, request.model, n, now, tree.overflowed_at, tree.monotone
+            )
             detail = kv.detail
         claims = self.claims
         if claims.discounted:

@@ -117,6 +117,13 @@ class PrefixTree(Generic[Seq]):
         # their parents: one walk down the tree a decision, not two. A split or a detach
         # may move that node: both drop it.
         self._walked: tuple[Seq, _Node[Seq], int] | None = None
+        # Whether every insert's `now` was at or after the one before (none NaN): then a
+        # tenant's time on a node is never after its time on the node's parent (an insert
+        # stamps the whole path from the root), so along a match path each holder's
+        # oldest time is the one of the deepest entry it holds (router/holdings/merge.py's
+        # window reads only that). The router's clock is monotonic; a test's may not be.
+        self.monotone = True
+        self._latest = float("-inf")  # the latest insert's `now`
 
     # ---- queries -------------------------------------------------------------------
 
@@ -195,6 +202,10 @@ class PrefixTree(Generic[Seq]):
     def insert(self, text: Seq, tenant: Tenant, now: float) -> None:
         """Record that ``tenant`` now holds ``text`` (last used at ``now``), then enforce
         the tenant's cap and the global budget."""
+        if now >= self._latest:
+            self._latest = now
+        else:  # (NaN too)
+            self.monotone = False
         if tenant not in self._size:
             self._size[tenant] = 0
             self._lru[tenant] = OrderedDict()

@@ -32,7 +32,7 @@ from itertools import chain
 
 import numpy as np
 
-from shared.wire.kv_events import ID_CHARS, block_key_list, block_key_text
+from shared.wire.kv_events import _MASK64, ID_CHARS, block_key_list
 
 MAX_ID = 2**31 - 1  # the largest id a key holds (KV events and replica sync carry as many)
 KEY_WIDTH = ID_CHARS  # chars of a TokenKey per id (the key text the block keys hash)
@@ -144,19 +144,20 @@ def chain_keys(
     while keyed and block_size not in runs[keyed - 1].keyed:
         keyed -= 1
     if keyed <= last:
-        # Run by run on the runs' key text (`block_key_text`: a slice and a hash a
-        # block), each run's leftover carried into the next: no list of ints is made.
-        tail, prev = runs[keyed - 1].keyed[block_size][1:] if keyed else ("", 0)
+        # Run by run on the runs' key text, each run's leftover carried into the next:
+        # no list of ints is made. `block_key_text` in line (a slice and a hash a block):
+        # the call a run was ~12% of a turn's keying (its ~3 new runs end 0-2
+        # blocks each, loadtests/results/router_cpu.md).
+        _, tail, prev = runs[keyed - 1].keyed[block_size] if keyed else (None, "", 0)
         width = ID_CHARS * block_size
         for run in runs[keyed:]:
             text = tail + run.key
-            if len(text) < width:  # no block ends in it (a generation prompt, a short line)
-                run.keyed[block_size] = ([], text, prev)
-                tail = text
-                continue
-            new = block_key_text(text, block_size, prev)
-            prev = new[-1]
-            tail = text[len(text) - len(text) % width :]
+            cut = len(text) - len(text) % width
+            new = []  # (none where no block ends in it: a generation prompt, a short line)
+            for start in range(0, cut, width):
+                prev = hash((prev, text[start : start + width])) & _MASK64
+                new.append(prev)
+            tail = text[cut:]
             run.keyed[block_size] = (new, tail, prev)
     # Only a keyed run holds `whole` (it is set below, after the keying): the scan starts
     # at the last keyed run before the last.

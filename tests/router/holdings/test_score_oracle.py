@@ -6,6 +6,9 @@ Rewritten: `in_flight_window` (every entry in the window: C passes over the path
 trusted workers' entries read off `best`), `KvScorer.correct` (no `held` dict: the tiers
 read in place; the named rules called where they can apply; `evicting`'s tests reordered),
 `lost_since_routed` (takes the tiers), `BlockIndex._run` (one expression a probe).
+Since 2b35cc5 also: the index's search started at each worker's tree end, the window read
+at each holder's deepest entry where the tree's times never went back, `lost_at` asked
+before the route's time (each rule alone: tests/router/holdings/test_search_oracle.py).
 Compared: every output, dicts in their order (a policy reads the path's holders)."""
 
 from __future__ import annotations
@@ -229,7 +232,8 @@ def test_scoring_answers_as_it_did(seed: int) -> None:
         scale = rng.choice((1.0, 1.0, 0.5, 2.3))
         text_len = max(1, round(len(request) * scale))
         overflowed = rng.choice((tree.overflowed_at, None))
-        got = new.correct(path, request, rng.choice(("m", "")), text_len, now, overflowed)
+        monotone = rng.random() < 0.5 and tree.monotone  # (the window at deepest entries)
+        got = new.correct(path, request, rng.choice(("m", "")), text_len, now, overflowed, monotone)
         want = old.correct(path, request, "m", text_len, now, overflowed)
         assert ordered(got) == ordered(want)
         assert list(new.detail.items()) == list(old.detail.items())
