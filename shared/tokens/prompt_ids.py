@@ -70,14 +70,17 @@ def token_key(ids: Sequence[int] | np.ndarray) -> TokenKey | None:
             return None
         return key_of_wire(ids.astype("<u4").tobytes())
     try:
-        packed = array("i", ids)  # int32, in C: refuses non-ints and anything past 2**31 - 1
+        # uint32, in C: refuses non-ints, negatives and anything past 2**32 - 1. Not "i":
+        # its items go through an argument parser, ~3.4x the time (44 against 13 µs for
+        # a 2.3k-id system prompt); the answers are the same with `ids_in_range` after.
+        packed = array("I", ids)
     except (TypeError, OverflowError, ValueError):
         return None
     if sys.byteorder == "big":
         packed.byteswap()
     raw = packed.tobytes()
     if not ids_in_range(raw):
-        return None  # a negative id
+        return None  # an id past MAX_ID
     return key_of_wire(raw)
 
 

@@ -4,6 +4,8 @@ sizes, tokenizers, and after the caches are cleared at their bounds."""
 
 from __future__ import annotations
 
+import sys
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +86,28 @@ def test_a_token_key_is_the_ids_bytes(ids: list[int]) -> None:
     assert key.wire() == np.asarray(ids, dtype="<u4").tobytes()  # replica sync's payload
     assert key_of_wire(key.wire()) == key
     assert token_key(np.asarray(ids, dtype=np.int64)) == key
+
+
+def _token_key_by_int32(ids: list[object]) -> TokenKey | None:
+    """`token_key` as it packed ids before (array "i", int32), the reference."""
+    try:
+        packed = array("i", ids)  # type: ignore[arg-type]
+    except (TypeError, OverflowError, ValueError):
+        return None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    raw = packed.tobytes()
+    return key_of_wire(raw) if raw[3::4].isascii() else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.one_of(
+    st.integers(0, MAX_ID), st.integers(-(2**40), 2**40), st.sampled_from(
+        [-1, MAX_ID, MAX_ID + 1, 2**32 - 1, 2**32, -(2**31), True, False, 1.0, "7", None]
+    ),
+), max_size=12))  # fmt: skip
+def test_a_token_key_answers_as_the_int32_packing_did(ids: list[object]) -> None:
+    assert token_key(ids) == _token_key_by_int32(ids)  # type: ignore[arg-type]
 
 
 def test_a_token_key_refuses_what_is_no_token_id() -> None:
