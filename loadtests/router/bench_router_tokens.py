@@ -502,13 +502,12 @@ KV_SCORE_CALLGRIND = [
 ]
 
 
-def kv_score_side(tree: Path, args: argparse.Namespace, count: str = "") -> dict:
-    """One run of KV_SCORE_SIDE in `tree`; with `count` ("on" or "tok"), under
-    callgrind, counting the instructions of that room's routing calls (`ir`: a request)."""
+def side_run(script: str, tree: Path, spec: dict, count: str = "") -> dict:
+    """One run of an in-process bench `script` (KV_SCORE_SIDE, CHAT_IDS_SIDE) in `tree`,
+    given `spec` as JSON; with `count` (an arm's name), under callgrind, counting the
+    instructions of that arm's calls (`ir`: a request)."""
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
-    spec = {k: getattr(args, k) for k in
-            ("rounds", "requests", "sessions", "words", "workers", "tokenizer", "cache_tokens")}  # fmt: skip
-    cmd = [sys.executable, "-c", KV_SCORE_SIDE, json.dumps(spec | {"count": count})]
+    cmd = [sys.executable, "-c", script, json.dumps(spec | {"count": count})]
     with tempfile.TemporaryDirectory() as tmp:
         outfile = Path(tmp) / "callgrind.out"
         if count:
@@ -520,6 +519,51 @@ def kv_score_side(tree: Path, args: argparse.Namespace, count: str = "") -> dict
             assert total is not None, "no callgrind totals"
             result["ir"] = int(total.group(1)) / result["requests"]
     return result
+
+
+def compare_arms(
+    args: argparse.Namespace, script: str, spec: dict, arms: tuple[str, str], same: str
+) -> int:
+    """`script`'s two arms (`arms`: the dearer, then the one it is measured against) in
+    this tree and, with `--before-ref`, in that ref's, sides alternating per repeat; prints
+    each side's cost (dearer minus the other, a request: medians of timed runs, or
+    callgrind's instructions) and, with two sides, after / before and whether both gave
+    the same digest (`same` names what it covers). Exit status 1 where they did not."""
+    more, less = arms
+    with checkout(args.before_ref or "HEAD") as before:
+        sides = {"this tree": ROOT}
+        if args.before_ref:
+            sides = {f"@{short(args.before_ref)}": before, "this tree": ROOT}
+        runs: dict[str, list[dict]] = {s: [] for s in sides}
+        costs = {}
+        if args.instructions:
+            for name, tree in sides.items():
+                a, b = side_run(script, tree, spec, more), side_run(script, tree, spec, less)
+                runs[name] += [a, b]
+                costs[name] = a["ir"] - b["ir"]
+                print(f"{name:12s} instructions a request: {more} {a['ir']:,.0f}, "
+                      f"{less} {b['ir']:,.0f}, {more} - {less} {costs[name]:,.0f}", flush=True)  # fmt: skip
+        for _ in range(0 if args.instructions else args.repeats):
+            for name, tree in sides.items():
+                runs[name].append(side_run(script, tree, spec))
+        for name, got in runs.items():
+            if args.instructions:
+                continue
+            diffs = sorted(g[f"{more}_us"] - g[f"{less}_us"] for g in got)
+            mores = sorted(g[f"{more}_us"] for g in got)
+            lesses = sorted(g[f"{less}_us"] for g in got)
+            mid = len(got) // 2
+            costs[name] = diffs[mid]
+            print(f"{name:12s} a request (medians of {len(got)}): {more} {mores[mid]:.1f} us, "
+                  f"{less} {lesses[mid]:.1f} us, {more} - {less} {diffs[mid]:.1f} us "
+                  f"(min {diffs[0]:.1f}, max {diffs[-1]:.1f})")  # fmt: skip
+        if len(sides) == 2:
+            a, b = costs.values()
+            print(f"{more} - {less}, after / before: {b / a:.2f}x")
+            digests = {g["digest"] for got in runs.values() for g in got}
+            print(f"same {same}: {'yes' if len(digests) == 1 else 'NO'}")
+            return 0 if len(digests) == 1 else 1
+    return 0
 
 
 def kv_score_arguments(p: argparse.ArgumentParser) -> None:
@@ -537,41 +581,9 @@ def kv_score_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def kv_score_main(args: argparse.Namespace) -> int:
-    with checkout(args.before_ref or "HEAD") as before:
-        sides = {"this tree": ROOT}
-        if args.before_ref:
-            sides = {f"@{short(args.before_ref)}": before, "this tree": ROOT}
-        runs: dict[str, list[dict]] = {s: [] for s in sides}
-        costs = {}
-        if args.instructions:
-            for name, tree in sides.items():
-                on, tok = kv_score_side(tree, args, "on"), kv_score_side(tree, args, "tok")
-                runs[name] += [on, tok]
-                costs[name] = on["ir"] - tok["ir"]
-                print(f"{name:12s} instructions a request: on {on['ir']:,.0f}, "
-                      f"tok {tok['ir']:,.0f}, on - tok {costs[name]:,.0f}", flush=True)  # fmt: skip
-        for _ in range(0 if args.instructions else args.repeats):
-            for name, tree in sides.items():
-                runs[name].append(kv_score_side(tree, args))
-        for name, got in runs.items():
-            if args.instructions:
-                continue
-            diffs = sorted(g["on_us"] - g["tok_us"] for g in got)
-            ons = sorted(g["on_us"] for g in got)
-            toks = sorted(g["tok_us"] for g in got)
-            mid = len(got) // 2
-            costs[name] = diffs[mid]
-            print(f"{name:12s} a request (medians of {len(got)}): on {ons[mid]:.1f} us, "
-                  f"tok {toks[mid]:.1f} us, on - tok {diffs[mid]:.1f} us "
-                  f"(min {diffs[0]:.1f}, max {diffs[-1]:.1f})")  # fmt: skip
-        if len(sides) == 2:
-            a, b = costs.values()
-            print(f"on - tok, after / before: {b / a:.2f}x")
-            digests = {g["digest"] for got in runs.values() for g in got}
-            same = len(digests) == 1
-            print(f"same decisions and predictions: {'yes' if same else 'NO'}")
-            return 0 if same else 1
-    return 0
+    keys = ("rounds", "requests", "sessions", "words", "workers", "tokenizer", "cache_tokens")
+    spec = {k: getattr(args, k) for k in keys}
+    return compare_arms(args, KV_SCORE_SIDE, spec, ("on", "tok"), "decisions and predictions")
 
 
 KV_SCORE = Command(
@@ -690,25 +702,6 @@ print(json.dumps({"off_us": spent["off"] / timed * 1e6, "tok_us": spent["tok"] /
 """
 
 
-def chat_ids_side(tree: Path, args: argparse.Namespace, count: str = "") -> dict:
-    """One run of SIDE in `tree`; with `count` ("off" or "tok"), under callgrind,
-    counting the instructions of that arm's calls (`ir`: a request)."""
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0")
-    spec = {k: getattr(args, k) for k in ("rounds", "requests", "sessions", "words", "tokenizer")}
-    cmd = [sys.executable, "-c", CHAT_IDS_SIDE, json.dumps(spec | {"count": count})]
-    with tempfile.TemporaryDirectory() as tmp:
-        outfile = Path(tmp) / "callgrind.out"
-        if count:
-            cmd = [*KV_SCORE_CALLGRIND, f"--callgrind-out-file={outfile}", *cmd]
-        out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True)
-        result: dict = json.loads(out.stdout)
-        if count:
-            total = re.search(r"^totals: (\d+)", outfile.read_text(), re.M)
-            assert total is not None, "no callgrind totals"
-            result["ir"] = int(total.group(1)) / result["requests"]
-    return result
-
-
 def chat_ids_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds timed, after a warm-up one")
     p.add_argument("--requests", type=int, default=320, help="per round")
@@ -722,41 +715,8 @@ def chat_ids_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def chat_ids_main(args: argparse.Namespace) -> int:
-    with checkout(args.before_ref or "HEAD") as before:
-        sides = {"this tree": ROOT}
-        if args.before_ref:
-            sides = {f"@{short(args.before_ref)}": before, "this tree": ROOT}
-        runs: dict[str, list[dict]] = {s: [] for s in sides}
-        costs = {}
-        if args.instructions:
-            for name, tree in sides.items():
-                off, tok = chat_ids_side(tree, args, "off"), chat_ids_side(tree, args, "tok")
-                runs[name] += [off, tok]
-                costs[name] = tok["ir"] - off["ir"]
-                print(f"{name:12s} instructions a request: tok {tok['ir']:,.0f}, "
-                      f"off {off['ir']:,.0f}, tok - off {costs[name]:,.0f}", flush=True)  # fmt: skip
-        for _ in range(0 if args.instructions else args.repeats):
-            for name, tree in sides.items():
-                runs[name].append(chat_ids_side(tree, args))
-        for name, got in runs.items():
-            if args.instructions:
-                continue
-            mid = len(got) // 2
-            diffs = sorted(g["tok_us"] - g["off_us"] for g in got)
-            toks = sorted(g["tok_us"] for g in got)
-            offs = sorted(g["off_us"] for g in got)
-            costs[name] = diffs[mid]
-            print(f"{name:12s} a request (medians of {len(got)}): tok {toks[mid]:.1f} us, "
-                  f"off {offs[mid]:.1f} us, tok - off {diffs[mid]:.1f} us "
-                  f"(min {diffs[0]:.1f}, max {diffs[-1]:.1f})")  # fmt: skip
-        if len(sides) == 2:
-            a, b = costs.values()
-            print(f"tok - off, after / before: {b / a:.2f}x")
-            digests = {g["digest"] for got in runs.values() for g in got}
-            same = len(digests) == 1
-            print(f"same ids and keys: {'yes' if same else 'NO'}")
-            return 0 if same else 1
-    return 0
+    spec = {k: getattr(args, k) for k in ("rounds", "requests", "sessions", "words", "tokenizer")}
+    return compare_arms(args, CHAT_IDS_SIDE, spec, ("tok", "off"), "ids and keys")
 
 
 CHAT_IDS = Command(

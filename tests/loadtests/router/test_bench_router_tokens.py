@@ -40,3 +40,27 @@ def test_a_tiny_run_measures_every_mode() -> None:
     _, idle = out.stdout.split("\nidle CPU over 1 s, ms a second: ")
     assert all(f"{mode} " in idle.splitlines()[0] for mode in ("off", "tok", "on", "off2"))
     assert sum("ratio" in line for line in idle.splitlines()) == 3, idle
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("command", "arms", "same"),
+    [
+        ("kv-score", "on - tok", "decisions and predictions"),
+        ("chat-ids", "tok - off", "ids and keys"),
+    ],
+)
+def test_the_in_process_benches_compare_two_trees(command: str, arms: str, same: str) -> None:
+    """`kv-score` and `chat-ids` (one driver, `compare_arms`): each side's cost a request
+    and, with `--before-ref`, after / before and whether both sides gave the same digest."""
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtests", command, "--rounds", "1", "--requests", "8",
+         "--sessions", "4", "--words", "30", "--repeats", "1", "--before-ref", "HEAD"],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert sum(f", {arms} " in line and "(medians of 1)" in line for line in lines) == 2, lines
+    assert f"{arms}, after / before: " in out.stdout
+    assert lines[-1] == f"same {same}: yes"
