@@ -567,15 +567,20 @@ def compare_arms(
 
 
 def kv_score_arguments(p: argparse.ArgumentParser) -> None:
+    in_process_arguments(p)
+    p.add_argument("--workers", type=int, default=1, help="sim workers (router-tokens: 1)")
+    p.add_argument("--cache-tokens", type=int, default=50_000, help="each worker's pool")
+
+
+def in_process_arguments(p: argparse.ArgumentParser) -> None:
+    """`kv-score`'s and `chat-ids`' common arguments: the conversations, the sides, how."""
     p.add_argument("--rounds", type=int, default=2, help="rounds timed, after a warm-up one")
     p.add_argument("--requests", type=int, default=320, help="per round")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
-    p.add_argument("--workers", type=int, default=1, help="sim workers (router-tokens: 1)")
-    p.add_argument("--cache-tokens", type=int, default=50_000, help="each worker's pool")
     p.add_argument("--tokenizer", default="sim", help="sim, or a tokenizer folder")
     p.add_argument("--repeats", type=int, default=5, help="per side, alternating")
-    p.add_argument("--before-ref", default="", help="also run the router's code of this git ref")
+    p.add_argument("--before-ref", default="", help="also run the code of this git ref")
     p.add_argument("--instructions", action="store_true",
                    help="count instructions (callgrind) instead of timing")  # fmt: skip
 
@@ -702,18 +707,6 @@ print(json.dumps({"off_us": spent["off"] / timed * 1e6, "tok_us": spent["tok"] /
 """
 
 
-def chat_ids_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=2, help="rounds timed, after a warm-up one")
-    p.add_argument("--requests", type=int, default=320, help="per round")
-    p.add_argument("--sessions", type=int, default=16)
-    p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
-    p.add_argument("--tokenizer", default="sim", help="sim, or a tokenizer folder")
-    p.add_argument("--repeats", type=int, default=5, help="per side, alternating")
-    p.add_argument("--before-ref", default="", help="also run the code of this git ref")
-    p.add_argument("--instructions", action="store_true",
-                   help="count instructions (callgrind) instead of timing")  # fmt: skip
-
-
 def chat_ids_main(args: argparse.Namespace) -> int:
     spec = {k: getattr(args, k) for k in ("rounds", "requests", "sessions", "words", "tokenizer")}
     return compare_arms(args, CHAT_IDS_SIDE, spec, ("tok", "off"), "ids and keys")
@@ -744,6 +737,6 @@ inside one arm's calls: exact where a shared machine's timings swing; a run an a
 side). The collector is off in the timed calls (the router's passes are rare:
 shared/serving/gc_policy.py).
 """,
-    chat_ids_arguments,
+    in_process_arguments,
     chat_ids_main,
 )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -51,15 +51,26 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         child.stop()
 
 
-def _own_calls(worker_url: str, fast: bool) -> tuple[int, collections.Counter[str]]:
-    """(the last status, calls per function into the router's own code over `N` requests)."""
-    calls: collections.Counter[str] = collections.Counter()
+def own_call_counter(
+    calls: collections.Counter[str],
+) -> Callable[[FrameType, str, Any], None]:
+    """A `sys.setprofile` function counting into `calls` each call into the router's own
+    code (router/, shared/), by file and function: a coroutine once more each time it
+    resumes."""
 
     def count(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call":
             code = frame.f_code
             if code.co_filename.startswith(OWN):
                 calls[f"{code.co_filename[len(str(ROOT)) + 1 :]}:{code.co_name}"] += 1
+
+    return count
+
+
+def _own_calls(worker_url: str, fast: bool) -> tuple[int, collections.Counter[str]]:
+    """(the last status, calls per function into the router's own code over `N` requests)."""
+    calls: collections.Counter[str] = collections.Counter()
+    count = own_call_counter(calls)
 
     async def scenario() -> int:
         config = RouterConfig(

@@ -30,8 +30,6 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -47,6 +45,7 @@ from shared.procs import free_port
 from shared.serving.aio import stop_task
 from shared.serving.http_server import bind
 from tests.router.test_gc_cycles import _answer
+from tests.router.test_request_work import own_call_counter
 
 SESSIONS = 8  # conversations measured, each `TURNS` requests, turn by turn
 TURNS = 16
@@ -61,8 +60,6 @@ SYSTEM_WORDS = 300  # a system prompt's words
 BUDGET = 139
 PUBLISH_S = 0.1  # the worker's KV-event writes: a round's requests fit between two
 PUBLISH_ENV = "RADIX_WORKER_KV_EVENTS_INTERVAL"
-ROOT = Path(__file__).resolve().parents[2]
-OWN = (str(ROOT / "router") + "/", str(ROOT / "shared") + "/")
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +113,7 @@ def own_calls(cluster: Cluster, seed: int) -> collections.Counter[str]:
     """Calls per function into the router's own code over `N` chats and the feed's
     applying their events."""
     calls: collections.Counter[str] = collections.Counter()
-
-    def count(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call":
-            code = frame.f_code
-            if code.co_filename.startswith(OWN):
-                calls[f"{code.co_filename[len(str(ROOT)) + 1 :]}:{code.co_name}"] += 1
+    count = own_call_counter(calls)
 
     assert cluster.redis is not None
     redis_url = cluster.redis.url
