@@ -168,11 +168,14 @@ class BlockIndex:
         read at `now` (the router's routing clock: what `lost_at` answers in)."""
         self._now = now
         for event in events:
-            if isinstance(event, BlockStored):
+            # By exact type (the events are final classes): an `isinstance` that fails
+            # looks up the object's `__class__`, ~3x the instructions of `type(...) is`.
+            kind = type(event)
+            if kind is BlockStored:
                 self._stored(worker, event)
-            elif isinstance(event, BlockRemoved):
+            elif kind is BlockRemoved:
                 self._removed(worker, event.block_hashes, _MEDIA.get(event.medium, 1))
-            elif isinstance(event, AllBlocksCleared):
+            elif kind is AllBlocksCleared:
                 self.drop_worker(worker)
 
     def _stored(self, worker: str, event: BlockStored) -> None:
