@@ -2,10 +2,9 @@
 as the oracle, and the index side by side over random event streams and requests.
 
 `OracleIndex` is `BlockIndex` with `_stored`, `_removed` and the lost book as main 8f87eb0
-had them, its blocks in an OrderedDict as main 9e7b27e had them (before the blocks' LRU
-order became a plain dict's insertion order, the removal loop split by whether the worker
-counts copies, and the store loop keyed blocks in line and set a new engine hash in one
-look-up, the removal loop dropped a sole holder's block in one delete, and the lost book
+had them (before the store loop keyed blocks in line and set a new engine hash in one
+look-up, the removal loop dropped a sole holder's block in one delete and took no copies'
+look-ups from a worker with none (`_removed_copies`), and the lost book
 became two generations of int keys: it was an LRU OrderedDict of (worker, key) tuples
 trimmed to exactly `max_lost`); `old_lost_since_routed` is merge.py's rule before it
 bisected the path. Every batch leaves both indexes with the same books, in the same order
@@ -50,9 +49,6 @@ class OracleIndex(BlockIndex):
     def __init__(self, block_size: int, max_blocks: int, max_lost: int) -> None:
         super().__init__(block_size, max_blocks, max_lost)
         self._lost: OrderedDict[tuple[str, int], float] = OrderedDict()  # type: ignore[assignment]
-        # the blocks' LRU order as an OrderedDict's (move_to_end, popitem(last=False)), as
-        # main 9e7b27e kept it; the index keeps it in a plain dict's insertion order
-        self._blocks: OrderedDict = OrderedDict()  # type: ignore[assignment]
 
     def lost_at(self, worker: str, tokens: Sequence[int] | np.ndarray, held: int) -> float:
         keys = self.keys(tokens)
