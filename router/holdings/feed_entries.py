@@ -166,7 +166,7 @@ def entry_steps(feed: FeedBooks, wid: str, entry: StreamEntry) -> Iterator[None]
     for run in event_runs(events, feed.dropped):
         if feed.streams.get(wid) is not state:
             return  # it left (or rejoined afresh) while the loop ran
-        if isinstance(run[0], AllBlocksCleared):
+        if type(run[0]) is AllBlocksCleared:
             feed.drop_blocks(state.model, wid)
             yield from feed.settle_drops()
             continue
@@ -215,7 +215,8 @@ def event_runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[lis
     run: list[KVEvent] = []
     blocks = tokens = 0
     for event in events:
-        if isinstance(event, BlockStored):
+        kind = type(event)  # (by exact type: kv_index.py `apply` says why)
+        if kind is BlockStored:
             # (no LoRA and no extra keys: the default namespace without the call)
             if (event.lora is not None or event.extra_keys is not None) and not (
                 in_default_namespace(event)
@@ -223,7 +224,7 @@ def event_runs(events: Sequence[KVEvent], dropped: Counter[str]) -> Iterator[lis
                 dropped["namespace"] += 1  # the index holds a model's default namespace
                 continue
             t = len(event.token_ids)
-        elif isinstance(event, AllBlocksCleared):
+        elif kind is AllBlocksCleared:
             if run:
                 yield run
                 run, blocks, tokens = [], 0, 0

@@ -3,7 +3,8 @@ as the oracle, and the index side by side over random event streams and requests
 
 `OracleIndex` is `BlockIndex` with `_stored`, `_removed` and the lost book as main 8f87eb0
 had them (before the store loop keyed blocks in line and set a new engine hash in one
-look-up, the removal loop dropped a sole holder's block in one delete, and the lost book
+look-up, the removal loop dropped a sole holder's block in one delete and took no copies'
+look-ups from a worker with none (`_removed_copies`), and the lost book
 became two generations of int keys: it was an LRU OrderedDict of (worker, key) tuples
 trimmed to exactly `max_lost`); `old_lost_since_routed` is merge.py's rule before it
 bisected the path. Every batch leaves both indexes with the same books, in the same order
