@@ -33,13 +33,21 @@ log = logging.getLogger(__name__)
 
 APPLY_BUDGET_S = 0.005  # event-loop time spent applying entries before yielding once
 POLL_S = 0.05  # between reads of idle streams (a sized read cannot block in Redis)
-READ_GAP_S = 0.2  # after a read that reached the end of every stream (`run`)
+READ_GAP_S = 0.2  # between reads that find entries, while routes ask (`run`)
 TRIM_EVERY_S = 1.0  # between the router's trims of the followed streams (cheap: MAXLEN ~)
 # Event-loop time one worker's stream may take: 0.1 s a second, 0.5 s at once. Honest
 # workers need far less (kv_events.md: ~0.3 ms per routed request's events); past it the
 # stream waits (unread, nothing lost) and the worker is `lagging` (routed on its tree).
 CPU_SHARE = 0.1
 CPU_BURST_S = 0.5
+
+
+_NEVER = float("inf")
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 class ReadFeed(Protocol):
@@ -81,10 +89,15 @@ class FeedReader:
         self.failures = 0  # reads that failed (Redis unreachable, ...)
         self.stopping = False  # set by the owner before it cancels `run` (aio.py `stop_task`)
         self._trimmed = 0.0
+        self._read_at = 0.0  # monotonic time the last read that reached Redis began
         self._slice_at = 0.0  # perf_counter time the reader last let the loop run
         self._oversized: dict[str, bytes] = {}  # worker -> its last oversized entry read
         self._turn = 0  # rotates the read order (`readable`)
         self._drained = False  # the last read reached the end of every stream it read
+        # `asked`: when a route's question starts the next read (monotonic; never while a
+        # read runs), and what `run` waits on meanwhile.
+        self._due = _NEVER
+        self._waiter: asyncio.Future[None] | None = None
 
     async def poll(self, block_ms: int | None = None) -> int:
         """Read every readable stream once; with `block_ms`, again every POLL_S until
@@ -136,6 +149,7 @@ class FeedReader:
         cursors = self.readable()
         if not cursors:
             return 0
+        read_at = time.monotonic()
         # The trim, when due, rides on this read (one round trip, not two: each costs the
         # busy reader ~0.3-0.5 ms of CPU, woken from its sleep, whatever it carries).
         trim = list(feed.streams) if self._trim_due() else []
@@ -151,6 +165,7 @@ class FeedReader:
             log.debug("KV event streams unreadable: %s", exc)
             return 0
         read = 0
+        self._read_at = read_at
         self._slice_at = time.perf_counter()
         self._drained = all(len(entries) < self.read_count for _, entries in replies)
         for wid, entries in replies:
@@ -215,16 +230,24 @@ class FeedReader:
     async def run(self, members: Callable[[], Iterable[FeedMember]], idle: float) -> None:
         """Follow the fleet, read and trim forever (cancel to stop).
 
-        How often it reads (each read is a Redis round trip, ~90 µs of the router's CPU
-        whatever it brings): a read that leaves entries behind (a full page) is followed
-        at once; one that reads every stream to its end waits READ_GAP_S, so it takes a
-        few of a busy writer's batches at a time (workers write every 50 ms); an empty
-        one waits twice as long as the last wait, up to `idle`. Reading every 50 ms made
-        this task most of what KV events cost a router behind one busy worker (~20 reads
-        a second, most of them empty; loadtests/results/router_cpu.md). The index then
-        lags the streams by up to READ_GAP_S while they are busy, `idle` after a quiet
-        spell: a route's own blocks are the tree's to predict meanwhile (merge.py's
-        `in_flight_window`, 2 s).
+        How often it reads (each read is a Redis round trip: ~0.1 ms of the router's CPU
+        in a loop that is awake anyway, ~0.3-0.5 ms woken by a timer of its own, whatever
+        it brings): a read that leaves entries behind (a full page) is followed at once.
+        One that read every stream to its end is followed when a route asks the index
+        (`asked`) READ_GAP_S or more after it began, or after `idle` if no route asks: a
+        busy router's reads start while its loop is awake for a request, and a router
+        nobody routes through reads at the idle pace. An empty read waits twice as long as
+        the last wait, up to `idle`. (Reading every 50 ms made this task most of what KV
+        events cost a router behind one busy worker: ~20 reads a second, most of them
+        empty; loadtests/results/router_cpu.md.)
+
+        The index lags the streams by up to READ_GAP_S and the gap to the next request while
+        routes ask, `idle` after a quiet spell: a route's own blocks are the tree's to
+        predict meanwhile (merge.py's `in_flight_window`, 2 s). READ_GAP_S is not longer
+        because a lag of ~1 s let the index outvote the tree with holdings already
+        flushed: in the simulator's divergence cases (3 seeds, 64 workers) events kept
+        +0.3 / +0.1 / +0.8 points of hit rate over the tree alone in flush / flush_half /
+        restart at 0.25 s of lag, and fell to -0.9 / -0.5 / +0.4 at 1.05 s.
 
         Its owner sets `stopping` before it cancels: a cancel that meets redis-py's own
         timeout can be lost (shared/serving/aio.py `stop_task`), and the loop then ends at
@@ -246,7 +269,30 @@ class FeedReader:
                 await asyncio.sleep(wait)
             elif self._drained:
                 wait = READ_GAP_S
-                await asyncio.sleep(wait)
+                await self._until_asked(idle)
+
+    def asked(self) -> None:
+        """A route asked the index: the next read starts now if it is due (`run`)."""
+        if time.monotonic() >= self._due:
+            self._due = _NEVER
+            _wake(self._waiter)
+
+    async def _until_asked(self, longest: float) -> None:
+        """Until a route asks READ_GAP_S or more after the last read began, or `longest`."""
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(longest, _wake, waiter)
+        self._due = self._read_at + READ_GAP_S
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._due, self._waiter = _NEVER, None
+
+    def stop(self) -> None:
+        """`run` ends at its next turn (see its docstring), at once if it waits for a route."""
+        self.stopping = True
+        _wake(self._waiter)
 
     def _trim_due(self) -> bool:
         return time.monotonic() - self._trimmed > TRIM_EVERY_S

@@ -268,7 +268,7 @@ class KvEventFeed:
 
     def stop(self) -> None:
         """`run` ends at its next turn: set before cancelling it (FeedReader.run says why)."""
-        self.reader.stopping = True
+        self.reader.stop()
 
     # ---- routing ----------------------------------------------------------------
     def trusted(self, wid: str) -> bool:
@@ -295,7 +295,9 @@ class KvEventFeed:
     ) -> dict[str, tuple[int, int]]:  # fmt: skip
         """`match` per tier: (tokens of `tokens` on its device, tokens in any tier) for
         each trusted or rebuilding worker. `hints`: where each worker's search starts
-        (router/holdings/kv_index.py `match_tiers`)."""
+        (router/holdings/kv_index.py `match_tiers`). A route's question: the reader's next
+        read starts now if one is due (router/holdings/feed_reader.py `asked`)."""
+        self.reader.asked()
         index = self.indexes.get(model)
         if index is None:
             return {}

@@ -10,6 +10,7 @@ import asyncio
 import aiohttp
 from redis.asyncio import Redis
 
+from router.holdings.feed_reader import READ_GAP_S
 from router.holdings.kv_feed import FeedMember, KvEventFeed, Rebuild
 from shared.redis_server import RedisServer
 from shared.wire.kv_events import (
@@ -226,9 +227,10 @@ def test_a_decoded_event_keys_its_blocks_from_the_text_its_check_packed() -> Non
 
 async def test_reads_are_paced_by_what_they_find(redis: Redis) -> None:
     """`KvEventFeed.run`: an empty read waits twice as long as the last wait (up to the
-    feed's idle) and a read that drained the streams waits READ_GAP_S, so an idle router
-    makes a few Redis round trips a second, not one every 50 ms (~20), while what a busy
-    writer appends every 50 ms is still applied, in few reads."""
+    feed's idle) and a read that drained the streams waits for a route's question (the
+    next test) or the idle, so an idle router makes a few Redis round trips a second, not
+    one every 50 ms (~20), while what a busy writer appends every 50 ms is still applied,
+    in few reads."""
     registry = Registry(redis)
     feed = KvEventFeed(registry)
     reads = 0
@@ -259,6 +261,64 @@ async def test_reads_are_paced_by_what_they_find(redis: Redis) -> None:
         assert feed.match("m", [20, 20]) == {"w": 2} and feed.trusted("w")
         assert feed.streams["w"].applied == 21
         assert reads <= 12, reads  # a read every 50 ms would be 20 or more
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_routes_question_starts_the_next_read(redis: Redis) -> None:
+    """After a read that found entries, the next one starts when a route asks the index
+    (`match_tiers`) READ_GAP_S or more after that read began, in the same turn of the event
+    loop, not from a timer of its own; asked sooner, it waits for a later question; asked
+    by nobody, it waits the feed's idle (here 5 s: no read at all meanwhile)."""
+    registry = Registry(redis)
+    feed = KvEventFeed(registry)
+    reads = 0
+    real_read = registry.read_kv_events
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        nonlocal reads
+        reads += 1
+        return await real_read(*args, **kwargs)  # type: ignore[arg-type]
+
+    registry.read_kv_events = counted  # type: ignore[method-assign]
+    key = registry.kv_events_key("w")
+
+    async def write(seq: int, *events: object) -> None:
+        await redis.xadd(key, entry_fields("w", 1.0, seq, encode_batch(list(events))))
+
+    async def until(cond: object, seconds: float) -> bool:
+        for _ in range(int(seconds / 0.01)):
+            if cond():  # type: ignore[operator]
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    await write(0, AllBlocksCleared())
+    await write(1, BlockStored((1,), None, (1, 1), 2))
+    member = FeedMember("w", "m", 1.0, block_size=2)
+    task = asyncio.create_task(feed.run(lambda: [member], idle=5.0))
+    try:
+        assert await until(lambda: "w" in feed.streams and feed.streams["w"].applied == 2, 3)
+        first = reads
+        await write(2, BlockStored((2,), 1, (2, 2), 2))
+        await asyncio.sleep(READ_GAP_S + 0.1)
+        assert reads == first  # nobody asked: no read before the idle (5 s)
+        assert feed.match("m", [1, 1, 2, 2]) == {"w": 2}  # (not a question: no read)
+        feed.match_tiers("m", [1, 1, 2, 2])  # a route's question, the read due: it starts
+        assert await until(lambda: feed.streams["w"].applied == 3, 1), reads
+        assert reads == first + 1
+        await write(3, BlockStored((3,), 2, (3, 3), 2))
+        feed.match_tiers("m", [1, 1])  # asked within READ_GAP_S of that read: it waits
+        await asyncio.sleep(0.05)
+        assert reads == first + 1 and feed.streams["w"].applied == 3
+        await asyncio.sleep(READ_GAP_S)
+        feed.match_tiers("m", [1, 1])  # asked again once it is due
+        assert await until(lambda: feed.streams["w"].applied == 4, 1), reads
+        assert reads == first + 2
+        feed.stop()  # waiting for a question: it ends at once, not after the idle
+        await asyncio.wait([task], timeout=1)
+        assert task.done() and task.exception() is None
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
