@@ -142,7 +142,7 @@ class PromptTokens:
         # A list is handed to the template as it is: a render only reads its turns (the
         # sim's, and jinja's immutable sandbox), so no copy a request.
         turns = messages if type(messages) is list else list(messages)
-        text = self.tokenizer.apply_chat_template(turns, add_generation_prompt)  # type: ignore[arg-type]
+        text = self.tokenizer.apply_chat_template(turns, add_generation_prompt)
         if self._split is None:
             return PromptIds(encode_prompt(self.tokenizer, text))
         return self._pieced(text, _chat_line(messages))
