@@ -178,7 +178,7 @@ class PromptTokens:
         # Keyed by the text after each tag (the first piece, before any tag, on its own
         # key); the ids include the tag's. Looked up until one is not in the trie: the
         # runs after it follow a run made just now, so none of them can be.
-        known = len(chain)
+        before = len(chain)
         for piece in pieces:
             got = runs.get((run, piece if run is not None else ("", piece)))
             if got is None:
@@ -186,7 +186,7 @@ class PromptTokens:
             run = got
             chain.append(got)
             keys.append(got.key)
-        known = len(chain) - known
+        known = len(chain) - before  # pieces found in the trie
         self.hits += known
         if known < len(pieces):
             run = self._extend(run, pieces[known:] if known else pieces, chain, keys)
@@ -233,10 +233,10 @@ class PromptTokens:
     def _extend(
         self, parent: Run | None, pieces: list[str], chain: list[Run], keys: list[str]
     ) -> Run:
-        """Runs for `pieces` (the last of a prompt's) after `parent`, appended to `chain`
-        (and their keys to `keys`): each piece's ids and TokenKey from the piece cache (a
-        turn's generation prompt and repeated lines are keyed once, not once per run),
-        or encoded. The last run made.
+        """Runs for `pieces` (a prompt's last, none in the trie) after `parent`, appended
+        to `chain` (and their keys to `keys`): each piece's ids and TokenKey from the
+        piece cache (a turn's generation prompt and repeated lines are keyed once, not
+        once per run), or encoded. The last run made.
 
         Each is kept in the trie but the prompt's last where it has more than one: the
         text after its last tag (a generation prompt, a trailing newline) is what a next
