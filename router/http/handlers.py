@@ -35,7 +35,7 @@ from router.http.state import (
     SESSION,
     TICKET,
 )
-from router.http.tokenize import ChatPrompt, request_prompt
+from router.http.tokenize import LATER, ChatPrompt, request_prompt
 from router.queue.tenants import DEFAULT as DEFAULT_TENANT
 from router.upstream.answers import worker_authorization
 from router.upstream.proxy import PROXY, Routed, echo_of
@@ -155,7 +155,9 @@ def _inference_handler(endpoint: str, path: str) -> Any:
                 else:
                     text = chat_text(data["messages"])
                     chars = len(text)
-                ids = await tokenize.ids(prompt, chars)
+                ids = tokenize.now(prompt, chars)
+                if ids is LATER:
+                    ids = await tokenize.later(prompt)
                 if chars > tokenize.max_chars:
                     text = text[: tokenize.max_chars]
             adapter = bound.fleet.serves_adapter(model)

@@ -44,6 +44,7 @@ MAX_CHARS_PER_TOKEN = 16  # the stated bound (see the module doc)
 DEFAULT_CONTEXT_TOKENS = 131_072  # no context length in the config or the model folder
 INLINE_CHARS = 32_768  # tokenized on the event loop up to this many characters
 MAX_WAITING = 8  # requests waiting for the tokenizer thread
+LATER: Any = object()  # `Tokenizing.now`'s answer: the ids are made on the thread (`later`)
 
 
 class ChatPrompt:
@@ -93,7 +94,8 @@ def request_tokens(tokens: PromptTokens, prompt: Prompt | None) -> Sequence[int]
 
 
 class Tokenizing:
-    """`ids(prompt, chars)`: a request's prompt ids, or None (routed on its text)."""
+    """`now(prompt, chars)`, then `later(prompt)` where it answers LATER: a request's
+    prompt ids, or None (routed on its text)."""
 
     def __init__(
         self,
@@ -125,9 +127,12 @@ class Tokenizing:
         self._waiting = 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    async def ids(self, prompt: Prompt | None, chars: int) -> Sequence[int] | None:
-        """The prompt ids of `prompt`, whose routing text has `chars` characters;
-        APIError 400 when it cannot fit the context (see the module doc)."""
+    def now(self, prompt: Prompt | None, chars: int) -> Sequence[int] | None:
+        """The prompt ids of `prompt`, whose routing text has `chars` characters, made
+        on the event loop; None: routed on its text; LATER: to be made on the thread
+        (`later`). APIError 400 when it cannot fit the context (see the module doc). Not
+        a coroutine: the usual prompt is tokenized inline, and a coroutine a request
+        would cost its frame and its await for nothing."""
         if self.refuse_chars is not None and chars > self.refuse_chars:
             self.skipped["refused"] += 1
             raise APIError(
@@ -149,6 +154,11 @@ class Tokenizing:
         if self._waiting >= self.max_waiting:
             self.skipped["busy"] += 1
             return None
+        return LATER
+
+    async def later(self, prompt: Prompt | None) -> Sequence[int] | None:
+        """The prompt ids `now` left to the thread (it answered LATER: call this at once,
+        with no await between, so that at most `max_waiting` wait)."""
         self._waiting += 1
         try:
             loop = asyncio.get_running_loop()

@@ -139,7 +139,10 @@ class PromptTokens:
     def chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> PromptIds:
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt)
+        # A list is handed to the template as it is: a render only reads its turns (the
+        # sim's, and jinja's immutable sandbox), so no copy a request.
+        turns = messages if type(messages) is list else list(messages)
+        text = self.tokenizer.apply_chat_template(turns, add_generation_prompt)
         if self._split is None:
             return PromptIds(encode_prompt(self.tokenizer, text))
         return self._pieced(text, _chat_line(messages))
@@ -162,7 +165,8 @@ class PromptTokens:
             # The line's text ends with the tag its last piece followed, where a split of
             # the whole text finds one too (its search only ever sees what the two texts
             # share up to there), so the rest split on its own gives the whole's pieces
-            # after it; and the line's runs are the trie's (kept only while all are in it).
+            # after it; and the line's runs are the trie's (kept only while all are in it,
+            # but its last, which a next turn does not take: `_extend`).
             chain, keys = line[1][:-1], line[2][:-1]
             pieces = text[len(line[0]) :].split(tag)
             self.hits += len(chain)
@@ -172,20 +176,24 @@ class PromptTokens:
         runs, run = self._runs, chain[-1] if chain else None
         cleared, self._unkept = self._cleared, False
         # Keyed by the text after each tag (the first piece, before any tag, on its own
-        # key); the ids include the tag's.
+        # key); the ids include the tag's. Looked up until one is not in the trie: the
+        # runs after it follow a run made just now, so none of them can be.
+        before = len(chain)
         for piece in pieces:
-            key = piece if run is not None else ("", piece)
-            got = runs.get((run, key))
+            got = runs.get((run, piece if run is not None else ("", piece)))
             if got is None:
-                got = self._run(run, key, piece)
-            else:
-                self.hits += 1
+                break
             run = got
             chain.append(got)
             keys.append(got.key)
+        known = len(chain) - before  # pieces found in the trie
+        self.hits += known
+        if known < len(pieces):
+            run = self._extend(run, pieces[known:] if known else pieces, chain, keys)
         if self._cleared == cleared and not self._unkept and len(chain) > 1:
-            # Every run held by the trie: the text up to the last piece names them.
-            self._line(name, text[: len(text) - len(pieces[-1])], chain, keys)
+            # Every run held by the trie (but the last): the text up to the last piece
+            # names them.
+            self._line(name, line, text[: len(text) - len(pieces[-1])], chain, keys)
         # Not joined into one tuple here (PromptIds): its readers want its keys.
         key = TokenKey("".join(keys)) if run.chained else None  # type: ignore[union-attr]
         ids = PromptIds.of_runs(chain, run.end, key, self._grow)  # type: ignore[union-attr]
@@ -196,52 +204,78 @@ class PromptTokens:
         return ids
 
     def _line(
-        self, name: tuple[object, ...], start: str, chain: list[Run], keys: list[str]
+        self,
+        name: tuple[object, ...],
+        old: tuple[str, list[Run], list[str], int] | None,
+        start: str,
+        chain: list[Run],
+        keys: list[str],
     ) -> None:
-        """Keep a prompt's runs (all in the trie) and their keys as the line named
-        `name`, replacing the one before; `start` is the prompt's text through the tag
-        of its last piece (what a next turn repeats). Its text and lists are counted
-        against `max_bytes`, the line it replaces uncounted."""
-        old = self._lines.pop(name, None)
+        """Keep a prompt's runs (all but its last in the trie) and their keys as the line
+        named `name`, replacing `old` (the line of that name, if any); `start` is the
+        prompt's text through the tag of its last piece (what a next turn repeats). Its
+        texts and lists are counted against `max_bytes`, the line it replaces uncounted."""
         if old is not None:
             self._bytes -= old[3]
-        size = 4 * len(start) + 16 * len(chain) + _LINE_BYTES
+        # (Its last run's text too: the trie does not hold that run, `_extend`; its ids
+        # are the piece cache's.)
+        size = 4 * (len(start) + len(chain[-1].piece)) + 16 * len(chain) + _LINE_BYTES
         if size > self.max_bytes // 16:
+            if old is not None:
+                del self._lines[name]
             return  # as a piece that would crowd out the rest: not kept
         if self._bytes + size > self.max_bytes:
             self._clear()
             return  # its runs went with the trie
-        self._lines[name] = (start, chain, keys, size)
+        self._lines[name] = (start, chain, keys, size)  # (replacing `old`)
         self._bytes += size
 
-    def _run(self, parent: Run | None, key: object, piece: str) -> Run:
-        """A new trie node: `piece`'s ids and their TokenKey (from the piece cache: a
-        turn's generation prompt and repeated lines are keyed once, not once per run)
-        after `parent`."""
-        got = self._pieces.get(key)
-        if got is None:
-            self.misses += 1
-            whole = piece if parent is None else self._split + piece  # type: ignore[operator]
-            ids = tuple(self.tokenizer.encode(whole, add_special_tokens=False))
-            got = (ids, token_key(ids) or "")  # "": an id that is no token id
-            self._remember(self._pieces, key, got, 4 * len(piece))
-        else:
-            self.hits += 1
-        ids, ids_key = got
-        if parent is None:
-            ids = self._lead + ids  # (the same tuple where nothing leads)
-            bos = self._bos
-            # A chat template's output already starts with BOS; encoding adds a second one.
-            if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
-                ids = ids[1:]
-            if ids is not got[0]:
-                ids_key = token_key(ids) or ""
-        run = Run(parent, ids, piece, ids_key)
-        self._remember(self._runs, (parent, key), run, 4 * len(piece))  # its key: the text
-        return run
+    def _extend(
+        self, parent: Run | None, pieces: list[str], chain: list[Run], keys: list[str]
+    ) -> Run:
+        """Runs for `pieces` (a prompt's last, none in the trie) after `parent`, appended
+        to `chain` (and their keys to `keys`): each piece's ids and TokenKey from the
+        piece cache (a turn's generation prompt and repeated lines are keyed once, not
+        once per run), or encoded. The last run made.
 
-    def _remember(self, cache: dict[Any, Any], key: object, value: Any, text: int = 0) -> None:
-        n = len(value.ids if isinstance(value, Run) else value[0])
+        Each is kept in the trie but the prompt's last where it has more than one: the
+        text after its last tag (a generation prompt, a trailing newline) is what a next
+        turn revises (its line ends before it), so only the same prompt again would find
+        that run, and remade it costs a Run: kept, it cost the trie a node a turn."""
+        cache, runs = self._pieces, self._runs
+        left = len(pieces)
+        for piece in pieces:
+            left -= 1
+            key = piece if parent is not None else ("", piece)
+            got = cache.get(key)
+            if got is None:
+                self.misses += 1
+                whole = piece if parent is None else self._split + piece  # type: ignore[operator]
+                ids = tuple(self.tokenizer.encode(whole, add_special_tokens=False))
+                got = (ids, token_key(ids) or "")  # "": an id that is no token id
+                self._remember(cache, key, got, len(ids), 4 * len(piece))
+            else:
+                self.hits += 1
+            ids, ids_key = got
+            if parent is None:
+                ids = self._lead + ids  # (the same tuple where nothing leads)
+                bos = self._bos
+                # A chat template's output already starts with BOS; encoding adds a second.
+                if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+                    ids = ids[1:]
+                if ids is not got[0]:
+                    ids_key = token_key(ids) or ""
+            run = Run(parent, ids, piece, ids_key)
+            if left or parent is None:
+                self._remember(runs, (parent, key), run, len(ids), 4 * len(piece))  # key: text
+            chain.append(run)
+            keys.append(ids_key)
+            parent = run
+        return parent  # type: ignore[return-value]
+
+    def _remember(self, cache: dict[Any, Any], key: object, value: Any, n: int, text: int) -> None:
+        """`cache[key] = value`, its `n` ids and `text` bytes counted, the caches cleared
+        first where a bound would be passed (a piece too large to keep is not kept)."""
         size = text + _ID_BYTES * n + _ENTRY_BYTES
         if size > self.max_bytes // 16:
             self._unkept = True

@@ -92,6 +92,18 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(
     assert [t for n, t in held.encoded if n > 1000] == ["tokenize_0"]
 
 
+async def test_a_short_prompt_is_tokenized_inline(fleet: tuple[TestServer, Held]) -> None:
+    """Under the inline bound a prompt is tokenized on the event loop's own thread
+    (`Tokenizing.now`): no hand-off to the tokenizer thread, no await."""
+    router, held = fleet
+    api = client(router)
+    await api.completions.create(model="sim", prompt="word " * 20, max_tokens=1)
+    messages = [{"role": "user", "content": "Hello there?"}]
+    await api.chat.completions.create(model="sim", messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    here = threading.current_thread().name
+    assert held.encoded and {t for _, t in held.encoded} == {here}
+
+
 async def test_past_the_waiting_bound_a_prompt_is_routed_on_its_text(
     fleet: tuple[TestServer, Held],
 ) -> None:

@@ -20,8 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.tokens.prompt_ids import PromptIds, TokenKey
+from shared.tokens.prompt_ids import PromptIds, Run, TokenKey, token_key
 from shared.tokens.prompt_tokens import (
+    _ENTRY_BYTES,
+    _ID_BYTES,
     _LINE_BYTES,
     LINE_KEY,
     PromptTokens,
@@ -44,7 +46,8 @@ BOS_TEMPLATE = (
 
 
 class OldLines(PromptTokens):
-    """`PromptTokens.text` and `_line_of` as they were (2b35cc5), on their own lines."""
+    """`PromptTokens.text` and `_line_of` as they were (2b35cc5), on their own lines, and
+    `_run` / `_remember` as they were before `_extend` (9e7b27e)."""
 
     def __init__(self, tokenizer: Any, **bounds: int) -> None:
         super().__init__(tokenizer, **bounds)
@@ -82,6 +85,47 @@ class OldLines(PromptTokens):
             return PromptIds(ids.flat()[1:])
         return ids
 
+    def _run(self, parent: Run | None, key: object, piece: str) -> Run:  # (9e7b27e's)
+        got = self._pieces.get(key)
+        if got is None:
+            self.misses += 1
+            whole = piece if parent is None else self._split + piece  # type: ignore[operator]
+            ids = tuple(self.tokenizer.encode(whole, add_special_tokens=False))
+            got = (ids, token_key(ids) or "")  # "": an id that is no token id
+            self._remember_old(self._pieces, key, got, 4 * len(piece))
+        else:
+            self.hits += 1
+        ids, ids_key = got
+        if parent is None:
+            ids = self._lead + ids  # (the same tuple where nothing leads)
+            bos = self._bos
+            # A chat template's output already starts with BOS; encoding adds a second one.
+            if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+                ids = ids[1:]
+            if ids is not got[0]:
+                ids_key = token_key(ids) or ""
+        run = Run(parent, ids, piece, ids_key)
+        self._remember_old(self._runs, (parent, key), run, 4 * len(piece))  # its key: the text
+        return run
+
+    def _remember_old(  # (9e7b27e's `_remember`)
+        self, cache: dict[Any, Any], key: object, value: Any, text: int = 0
+    ) -> None:
+        n = len(value.ids if isinstance(value, Run) else value[0])
+        size = text + _ID_BYTES * n + _ENTRY_BYTES
+        if size > self.max_bytes // 16:
+            self._unkept = True
+            return  # one piece would crowd out the rest: encoded, not kept
+        if (
+            len(self._pieces) + len(self._runs) >= self.max_entries
+            or self._held + n > self.max_tokens
+            or self._bytes + size > self.max_bytes
+        ):
+            self._clear()
+        cache[key] = value
+        self._held += n
+        self._bytes += size
+
     def _line_of(self, pieces: list[str]) -> tuple[list[str], list[Any], list[str]]:
         line = self._lines.get(tuple(pieces[:LINE_KEY]))  # type: ignore[call-overload]
         if line is None:
@@ -110,15 +154,17 @@ class Counted(PromptTokens):
 
 
 def lines_are_held(tokens: Counted) -> None:
-    """Every line holds runs of the trie only (a line kept over a clear would hold runs
-    the byte bound no longer counts) and their keys, and the bytes counted are exactly
+    """Every line holds runs of the trie only, but its last (a line kept over a clear
+    would hold runs the byte bound no longer counts; its last, a prompt's last piece,
+    need not be, `_extend`: the line counts its text), and their keys; the bytes
+    counted are exactly
     what the caches and lines hold now (a line replaced is uncounted)."""
     held = {id(run) for run in tokens._runs.values()}
     lines = 0
     for start, chain, keys, size in tokens._lines.values():
-        assert all(id(run) in held for run in chain)
+        assert all(id(run) in held for run in chain[:-1])  # (its last: never taken)
         assert keys == [run.key for run in chain]
-        assert size == 4 * len(start) + 16 * len(chain) + _LINE_BYTES
+        assert size == 4 * (len(start) + len(chain[-1].piece)) + 16 * len(chain) + _LINE_BYTES
         lines += size
     pieces = sum(4 * len(key if type(key) is str else key[1]) + 40 * len(ids) + 200
                  for key, (ids, _) in tokens._pieces.items())  # fmt: skip

@@ -63,16 +63,17 @@ def _chat(turns: int, system: str = "Be brief. ") -> list[dict[str, str]]:
 
 
 def test_a_next_turn_steps_the_trie_only_for_the_pieces_it_adds() -> None:
-    """A conversation's next turn takes its previous turn's runs by one list comparison
-    (`PromptTokens._pieced`): the trie is stepped for the new pieces only (the answer, the question,
-    the generation prompt), and the runs are the very ones the steps would find."""
+    """A conversation's next turn takes its previous turn's runs by one text comparison
+    (`PromptTokens._pieced`): the trie is looked up for its first new piece only (the
+    answer: not in it, so neither are the question and the generation prompt after it,
+    `_extend`), and the runs are the very ones the steps would find."""
     tokens = PromptTokens.load("sim")
     tokens._runs = counting = _CountingRuns()
     chat = _chat(20)
     tokens.chat(chat[:-1])  # turn 20 asked: 41 pieces stepped
     counting.gets = 0
     ids = tokens.chat([*chat, {"role": "user", "content": "And then?"}])
-    assert counting.gets == 3
+    assert counting.gets == 1
     fresh = PromptTokens.load("sim")
     again = fresh.chat([*chat, {"role": "user", "content": "And then?"}])
     assert ids.tolist() == again.tolist() and ids.tree_key() == again.tree_key()
@@ -120,7 +121,7 @@ def test_chats_on_one_system_prompt_keep_lines_of_their_own(
 ) -> None:
     """Conversations that share a system prompt (and, on Qwen's template, the head every
     chat starts with) are told apart by their first question: turn after turn,
-    interleaved, each next turn steps the trie only for the pieces it adds."""
+    interleaved, each next turn looks the trie up only for the first piece it adds."""
     setting = "sim" if model == "sim" else str(tiny_qwen2_dir)
     tokens = PromptTokens.load(setting)
     tokens._runs = counting = _CountingRuns(tokens._runs)
@@ -130,7 +131,7 @@ def test_chats_on_one_system_prompt_keep_lines_of_their_own(
             counting.gets = 0
             ids = tokens.chat(chat)
             if turn >= 2:  # (turn 1 renames the line: its key's third piece is new)
-                assert counting.gets == 3, (turn, c)
+                assert counting.gets == 1, (turn, c)
             assert ids.tolist() == PromptTokens.load(setting).chat(chat).tolist()
             chat += [{"role": "assistant", "content": f"Answer {turn}."},
                      {"role": "user", "content": f"Next {turn}?"}]  # fmt: skip
