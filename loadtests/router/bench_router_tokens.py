@@ -77,9 +77,13 @@ async def drive(urls: list[str], args: argparse.Namespace, seed: int) -> int:
     itself reads")."""
     rng = random.Random(seed)
     line = random.Random(seed + 1)  # the order: its own draws, so the chats stay the same
-    chats = [[{"role": "system", "content": f"Chat {s}. " +
-               " ".join(rng.choice(WORDS) for _ in range(args.words))}]
-             for s in range(args.sessions)]  # fmt: skip
+    if getattr(args, "shared_system", False):  # one system prompt, each chat's own turns
+        system = "Chat. " + " ".join(rng.choice(WORDS) for _ in range(args.words))
+        chats = [[{"role": "system", "content": system}] for _ in range(args.sessions)]
+    else:
+        chats = [[{"role": "system", "content": f"Chat {s}. " +
+                   " ".join(rng.choice(WORDS) for _ in range(args.words))}]
+                 for s in range(args.sessions)]  # fmt: skip
     sent = 0
     headers = {"Content-Type": "application/json"}
     connector = aiohttp.TCPConnector(limit=0)
@@ -110,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=320, help="per router and round")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
+    p.add_argument(
+        "--shared-system", action="store_true",
+        help="one system prompt a round for every conversation (the `multi_turn` workload's "
+        "shape), not one of its own each: a round's new long prompt is tokenized, keyed and "
+        "stored once, not --sessions times",
+    )  # fmt: skip
     p.add_argument("--tokenizer", default="sim")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before-ref", default="", help="also run tok/on from this git ref")
@@ -286,6 +296,12 @@ def sync_wire_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
+    p.add_argument(
+        "--shared-system", action="store_true",
+        help="one system prompt a round for every conversation (the `multi_turn` workload's "
+        "shape), not one of its own each: a round's new long prompt is tokenized, keyed and "
+        "stored once, not --sessions times",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
 
 
@@ -578,6 +594,12 @@ def in_process_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=320, help="per round")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
+    p.add_argument(
+        "--shared-system", action="store_true",
+        help="one system prompt a round for every conversation (the `multi_turn` workload's "
+        "shape), not one of its own each: a round's new long prompt is tokenized, keyed and "
+        "stored once, not --sessions times",
+    )  # fmt: skip
     p.add_argument("--tokenizer", default="sim", help="sim, or a tokenizer folder")
     p.add_argument("--repeats", type=int, default=5, help="per side, alternating")
     p.add_argument("--before-ref", default="", help="also run the code of this git ref")
