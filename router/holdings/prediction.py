@@ -94,7 +94,7 @@ class Prediction:
     @property
     def priced_tiers(self) -> frozenset[str]:
         """The workers whose host tier the index priced (those it contributed for): made
-        on asking, not on every request (only cost_aware reads them)."""
+        on asking, not on every request of every policy (cost_aware reads `index`)."""
         return frozenset(self.index)
 
     def held(self, worker_id: str) -> int:
