@@ -345,7 +345,11 @@ class KvEventFeed:
 
     def only_model(self) -> str:
         """The model when the fleet serves one (requests that name none)."""
-        return next(iter(self.indexes)) if len(self.indexes) == 1 else ""
+        indexes = self.indexes
+        if len(indexes) == 1:
+            for model in indexes:  # (no iterator object and `next` call a request)
+                return model
+        return ""
 
     def status_counts(self) -> Counter[str]:
         return Counter(s.status for s in self.streams.values())

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.tokens.prompt_ids import PromptIds
 from shared.wire.kv_events import (
     _MASK64,
     ID_CHARS,
@@ -447,8 +448,9 @@ class BlockIndex:
         scoring asks `match` and then `lost_at` about the same request."""
         last, keys = self._last
         if last is not tokens:
-            carried = getattr(tokens, "block_keys", None)
-            if carried is not None:
+            if type(tokens) is PromptIds:  # (no bound method made: the common request)
+                keys = tokens.block_keys(self.block_size)
+            elif (carried := getattr(tokens, "block_keys", None)) is not None:
                 keys = carried(self.block_size)
             else:
                 ids = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens

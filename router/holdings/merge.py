@@ -109,15 +109,40 @@ class KvScorer:
         """The tree's `path` with the index merged in (module docstring); `monotone`: the
         tree's times never went back (`in_flight_window`)."""
         feed = self.feed
-        detail = self.detail = {}
+        self.detail = {}
         count = len(tokens)  # (a Python call for a chat's PromptIds: asked once)
         if not feed.streams or not count:
             return path
         model = model or feed.only_model()
         trusted = feed.trusted
         cutoff = now - self.inflight
-        best, past, fresh, changed = in_flight_window(path, trusted, cutoff, monotone)
         scale = text_len / count
+        if monotone and scale == 1 and path:
+            deepest, end = path[-1]
+            if len(deepest) == 1 == len(path[0][0]):
+                # One holder all along the path (a conversation on its worker), in the
+                # window: `in_flight_window`'s answer is its deepest entry, and where the
+                # index names it alone, all on its device, the rules reduce to a few steps
+                # (`_one_holder`); anything else goes on to the rules in full.
+                ((w, used),) = deepest.items()
+                if used >= cutoff:
+                    best = {w: end}
+                    # (each worker's search started at its tree end: `hints`, below)
+                    tiers = feed.match_tiers(model, tokens, best)
+                    if not tiers:
+                        return path
+                    self.corrected += 1
+                    fresh = {w: end} if trusted(w) else {}
+                    if fresh and len(tiers) == 1:
+                        held = tiers.get(w)
+                        if held is not None and held[0] == held[1]:
+                            one = self._one_holder(w, end, held[1], text_len, now, cutoff,
+                                                   feed, model, overflowed_at)  # fmt: skip
+                            if one is not None:
+                                return one
+                    return self._merged(path, tokens, model, text_len, now, overflowed_at,
+                                        cutoff, scale, best, {}, fresh, tiers)  # fmt: skip
+        best, past, fresh, changed = in_flight_window(path, trusted, cutoff, monotone)
         # (on the device, in any tier), each worker's search started at its tree end: a
         # conversation's next turn holds about what its last one was routed with
         hints = best if scale == 1 else {w: e / scale for w, e in best.items()}
@@ -125,6 +150,40 @@ class KvScorer:
         if not (changed or tiers):
             return path
         self.corrected += 1
+        return self._merged(
+            path, tokens, model, text_len, now, overflowed_at, cutoff, scale, best, past,
+            fresh, tiers,
+        )  # fmt: skip
+
+    def _one_holder(
+        self, w: str, end: int, n: int, text_len: int, now: float, cutoff: float,
+        feed: BlockHolders, model: str, overflowed_at: Callable[[object], float] | None,
+    ) -> Path | None:  # fmt: skip
+        """`_merged` where one trusted worker `w` is both the tree's only holder (its
+        entry ending at `end`, in the window) and the index's (`n` tokens, all on its
+        device), on the tree on ids: None where its in-flight entry may be lost since
+        routed (`lost_since_routed` decides). No older entry: nothing to confirm."""
+        if n < end:  # (n >= end: at least the entry's whole blocks, not lost)
+            block = feed.block_size(model)
+            if block and n < int(end) // block * block:
+                return None
+        chars = on_device = n if n < text_len else text_len
+        if overflowed_at is not None and overflowed_at(w) >= cutoff:
+            chars = evicting(chars, end if end > 0 else 0)
+        self.detail[w] = (on_device, 0, "both" if end else "index")
+        return [({w: now}, int(chars if chars > end else end))]
+
+    def _merged(
+        self, path: Path, tokens: Sequence[int], model: str, text_len: int, now: float,
+        overflowed_at: Callable[[object], float] | None, cutoff: float, scale: float,
+        best: dict[object, float], past: Mapping[object, int], fresh: Mapping[object, int],
+        tiers: Mapping[str, tuple[int, int]],
+    ) -> Path:  # fmt: skip
+        """The rules of the module's docstring over the window's answer (`best`, `past`,
+        `fresh`) and the index's `tiers`."""
+        feed = self.feed
+        detail = self.detail
+        trusted = feed.trusted
         block = feed.block_size(model)
         if fresh:
             for w in lost_since_routed(path, fresh, tiers, scale, block, feed, model, tokens):
@@ -173,23 +232,28 @@ def in_flight_window(
     `monotone`: the path is the tree's and its times never went back (tree.py's
     `monotone`): a holder's time on an entry is then never after its time on the ones
     before, so its deepest entry alone says whether all of its are in the window."""
-    if monotone and path and len(path[-1][0]) == len(path[0][0]):
-        # Every entry has the same holders (an entry's holders are a subset of the one
-        # before, tree.py's `match_path`): the deepest entry's times are each holder's
-        # oldest, one entry read instead of one a turn (a conversation on one worker).
+    if monotone and path:
         first, (deepest, end) = path[0][0], path[-1]
-        best: dict[object, float] = {}
-        for w in first:  # (the root side's order, as the loops below make it)
-            if deepest[w] < cutoff:  # type: ignore[index]
-                break
-            best[w] = end
-        else:
-            fresh: dict[object, int] = {}
-            for w in best:
-                if trusted(w):  # type: ignore[arg-type]
-                    fresh[w] = end
-            return best, {}, fresh, False
-        # (a holder's entry before the cutoff: the rule's loop below, not the pass next)
+        if len(deepest) == len(first):
+            # Every entry has the same holders (an entry's holders are a subset of the
+            # one before, tree.py's `match_path`): the deepest entry's times are each
+            # holder's oldest, one entry read instead of one a turn (a conversation on
+            # one worker).
+            best: dict[object, float] = {}
+            for w in first:  # (the root side's order, as the loops below make it)
+                if deepest[w] < cutoff:  # type: ignore[index]
+                    break
+                best[w] = end
+            else:
+                fresh: dict[object, int] = {}
+                for w in best:
+                    if trusted(w):  # type: ignore[arg-type]
+                        fresh[w] = end
+                return best, {}, fresh, False
+        window = _by_holder(path, trusted, cutoff)
+        if window is not None:
+            return window
+        # (two holders with entries before the cutoff: the rule's loop below)
     else:
         # Every entry in the window (the common path: a conversation's turns arrive within
         # it): the deepest entry of each worker, no past one, and trust asked only of the
@@ -227,6 +291,67 @@ def in_flight_window(
                 fresh[w] = end
             best[w] = end
     return best, past, fresh, changed
+
+
+def _by_holder(
+    path: Path, trusted: Callable[[str], bool], cutoff: float
+) -> tuple[dict[object, float], dict[object, int], dict[object, int], bool] | None:
+    """`in_flight_window` of a monotone path, holder by holder: each holder of the root
+    side's entry (every holder's first) read at its deepest entry, found by a search
+    (holders shrink with depth), and where that is before the cutoff, at its deepest
+    entry in the window (times fall with depth): a few entries a holder, not every entry
+    of a path whose holders differ (4 workers: the root side's entry a prefix every chat
+    shares, held by all, the rest by a chat's worker). None where a second holder has an
+    entry before the cutoff: `past` is in the order the rule's loop meets them, entry by
+    entry."""
+    last = len(path) - 1
+    deepest = path[last][0]
+    best: dict[object, float] = {}
+    past: dict[object, int] = {}
+    fresh: dict[object, int] = {}
+    for w, used in path[0][0].items():  # (the root side's order: the loop's for best, fresh)
+        if w in deepest:
+            d = last
+        else:  # its deepest entry: from the root side out (most hold a shared prefix)
+            lo, hi, step = 0, last - 1, 1
+            while lo < hi:
+                mid = lo + step
+                if mid > hi:
+                    break
+                if w in path[mid][0]:
+                    lo = mid
+                    step <<= 1
+                else:
+                    hi = mid - 1
+                    break
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if w in path[mid][0]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            d = lo
+        holders, end = path[d]
+        if not trusted(w):  # type: ignore[arg-type]
+            best[w] = end
+            continue
+        if not holders[w] < cutoff:  # (as the loop tests it: a NaN cutoff counts)
+            best[w] = fresh[w] = end
+            continue
+        if past:
+            return None
+        past[w] = end
+        if used < cutoff:
+            continue  # (its root side's entry is its newest: all of them past)
+        lo, hi = 0, d - 1  # its deepest entry in the window: entry 0 is, entry d is not
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if path[mid][0][w] < cutoff:
+                hi = mid - 1
+            else:
+                lo = mid
+        best[w] = fresh[w] = path[lo][1]
+    return best, past, fresh, bool(past)
 
 
 def lost_since_routed(

@@ -88,9 +88,14 @@ class Prediction:
     # Per worker: (device, host, why) where the index contributed (tree-only holders are
     # read off ``path``).
     index: Mapping[str, tuple[int, int, str]] = field(default_factory=dict)
-    priced_tiers: frozenset[str] = frozenset()
     # Each worker's stored tree size, for the given ids (no_match: smallest_tree).
     stored: Callable[[Sequence[str]], list[int]] = lambda ids: [0] * len(ids)
+
+    @property
+    def priced_tiers(self) -> frozenset[str]:
+        """The workers whose host tier the index priced (those it contributed for): made
+        on asking, not on every request of every policy (cost_aware reads `index`)."""
+        return frozenset(self.index)
 
     def held(self, worker_id: str) -> int:
         """Units of the request ``worker_id`` holds, as the path says (0: none)."""

@@ -37,7 +37,6 @@ from shared.config import RouterConfig
 from shared.tokens.prompt_ids import KEY_WIDTH, PromptIds, TokenKey, token_key
 
 Key = str  # text, or a TokenKey (shared/tokens/prompt_ids.py)
-_NONE: frozenset[str] = frozenset()
 # A prediction the index had no part in: one shared empty view, not a dict a request.
 _NO_INDEX: Mapping[str, tuple[int, int, str]] = MappingProxyType({})
 
@@ -108,10 +107,7 @@ class Holdings:
         forgotten: tuple[str, ...] = ()
         if self._forgotten:
             forgotten, self._forgotten = tuple(self._forgotten), []
-        return Prediction(
-            request, key, n, self.on_tokens, path, forgotten, detail,
-            frozenset(detail) if detail else _NONE, self._stored,
-        )  # fmt: skip
+        return Prediction(request, key, n, self.on_tokens, path, forgotten, detail, self._stored)
 
     def _key(self, request: RouteRequest) -> tuple[Key, int, int]:
         """(tree key, the request's length in the tree's units, the length of what goes

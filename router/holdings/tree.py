@@ -58,6 +58,7 @@ from typing import Generic, TypeVar
 
 Seq = TypeVar("Seq", str, tuple[int, ...])
 Tenant = Hashable
+_NEVER = float("-inf")  # `overflowed_at` of a tenant never over its cap
 
 
 class _Node(Generic[Seq]):
@@ -261,7 +262,7 @@ class PrefixTree(Generic[Seq]):
 
     def overflowed_at(self, tenant: Tenant) -> float:
         """When an insert last pushed ``tenant`` over its cap (-inf: never)."""
-        return self._overflowed.get(tenant, float("-inf"))
+        return self._overflowed.get(tenant, _NEVER)
 
     def set_cap(self, tenant: Tenant, max_chars: int | None) -> None:
         """Bound one tenant's logical tree, in units (None: only the global budget applies)."""

@@ -50,7 +50,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from itertools import compress, repeat
 from operator import eq, is_not, itemgetter, ne
@@ -150,8 +150,8 @@ class CostAware(CacheAware):
         # ms a cached token saves there: its prefill, less its load from a host tier.
         hit_ms = cols.hit_ms.tolist() if small else cols.hit_ms
         matched = self._holders_of(prediction.path)  # routable holders: length cached there
-        if prediction.priced_tiers:
-            hit_ms = self._tiers_priced(hit_ms, prediction.priced_tiers, small)
+        if prediction.index:  # (its workers' host tiers are priced: `priced_tiers`)
+            hit_ms = self._tiers_priced(hit_ms, prediction.index, small)
         at, ends = list(matched), list(matched.values())
         # A holder saves its cached tokens × its miss weight. One by one up to _FEW
         # holders (one costs ~0.7 µs in numpy scalars), above in array operations (~1 µs
@@ -181,7 +181,7 @@ class CostAware(CacheAware):
         return Decision(wid, reason, chars, rate, rate * len(ids) if ids is not None else None)
 
     def _tiers_priced(
-        self, hit_ms: np.ndarray | list[float], priced: frozenset[str], small: bool
+        self, hit_ms: np.ndarray | list[float], priced: Iterable[str], small: bool
     ) -> np.ndarray | list[float]:
         """A cached token's saving per worker, where the prediction priced the worker's
         host tier itself: its whole prefill (the host share is in its match already)."""

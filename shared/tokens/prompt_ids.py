@@ -155,8 +155,20 @@ def chain_keys(
         width = ID_CHARS * block_size
         for run in runs[keyed:]:
             text = tail + run.key
-            cut = len(text) - len(text) % width
-            new = []  # (none where no block ends in it: a generation prompt, a short line)
+            size = len(text)
+            if size < 2 * width:
+                # None or one block (most of a turn's runs: a question, an answer, its
+                # generation prompt): no `range` object made (~600 instructions each)
+                if size < width:
+                    run.keyed[block_size] = ([], text, prev)
+                    tail = text
+                    continue
+                prev = hash((prev, text[:width])) & _MASK64
+                tail = text[width:]
+                run.keyed[block_size] = ([prev], tail, prev)
+                continue
+            cut = size - size % width
+            new = []
             for start in range(0, cut, width):
                 prev = hash((prev, text[start : start + width])) & _MASK64
                 new.append(prev)
@@ -164,7 +176,7 @@ def chain_keys(
             run.keyed[block_size] = (new, tail, prev)
     # Only a keyed run holds `whole` (it is set below, after the keying): the scan starts
     # at the last keyed run before the last.
-    held = min(last, keyed) - 1
+    held = (keyed if keyed < last else last) - 1
     while held >= 0 and block_size not in runs[held].whole:
         held -= 1
     if held + 1 < last:  # runs between: `whole` moves on to the run before the last

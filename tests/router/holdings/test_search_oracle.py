@@ -9,7 +9,9 @@ over random indexes, real trees and their match paths.
   where it is not (a block in the middle removed), both answers are an end of a held
   stretch, the bisection's and the gallop's maybe different ones.
 - `in_flight_window(..., monotone=True)`: over the paths of a tree whose times never went
-  back (`PrefixTree.monotone`), the same four answers, each dict in the same order.
+  back (`PrefixTree.monotone`), the same four answers, each dict in the same order (since
+  9e7b27e a path whose holders differ is read holder by holder, each at its deepest entry
+  and its deepest in the window, both found by a search: merge.py's `_by_holder`).
 """
 
 from __future__ import annotations
