@@ -4,7 +4,7 @@ KV_SCORE below: the `on` routing step against `tok`'s, in process; `chat-ids`, C
 below: a chat's prompt ids from its body, `tok`'s reading against `off`'s, in process).
 
     python -m loadtests router-tokens [--requests 320] [--rounds 3] [--before-ref REF] [--aa]
-        [--fixed-order]
+        [--fixed-order] [--idle S] [--shared-system]
 
 One zero-cost sim worker publishing KV events and one real router process per mode,
 all running at once: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
@@ -22,6 +22,11 @@ round's `off`; `--aa` adds `off2`, the same code as `off`, started last (an A/A 
 spread the bench itself reads); the summary gives the range over rounds and whether every
 round is within `--target` (issue 26: 1.5x), and each mode's CPU beyond `off`'s in µs a
 request (what the ratio hides: every mode's figure carries the same idle CPU, below).
+
+Each conversation opens with a ~2k-token system prompt of its own (new conversations each
+round), so a twentieth of the requests carry a prompt no router or worker has seen: it is
+tokenized, keyed and stored whole. `--shared-system` gives every conversation of a round the
+same one (the `multi_turn` workload's shape): what a turn costs beyond a new long prompt.
 
 `--idle S` first measures each router's CPU a second while nothing is sent (S seconds:
 its fleet reads, listeners and ticks, ~10 ms/s) and also prints each round's ratio with
@@ -77,7 +82,7 @@ async def drive(urls: list[str], args: argparse.Namespace, seed: int) -> int:
     itself reads")."""
     rng = random.Random(seed)
     line = random.Random(seed + 1)  # the order: its own draws, so the chats stay the same
-    if getattr(args, "shared_system", False):  # one system prompt, each chat's own turns
+    if args.shared_system:  # one system prompt, each chat's own turns
         system = "Chat. " + " ".join(rng.choice(WORDS) for _ in range(args.words))
         chats = [[{"role": "system", "content": system}] for _ in range(args.sessions)]
     else:

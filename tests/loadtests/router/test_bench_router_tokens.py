@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from loadtests.router.bench_router_tokens import summary
+from loadtests.router.bench_router_tokens import drive, summary
 
 
 def test_one_round_over_the_target_is_a_no() -> None:
@@ -21,6 +23,27 @@ def test_one_round_over_the_target_is_a_no() -> None:
     assert (
         "ratio 1.20-1.60x" in lines["on"] and "every round: NO); beyond off 400-600" in lines["on"]
     )
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_the_conversations_system_prompts_are_their_own_or_one(shared: bool) -> None:
+    """`drive`: each conversation opens with a system prompt of its own, or with
+    `--shared-system` all of them with the same one."""
+    seen: list[list[dict]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append((await request.json())["messages"])
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with TestServer(app) as server:
+        args = argparse.Namespace(
+            requests=8, sessions=4, words=5, fixed_order=True, shared_system=shared
+        )
+        assert await drive([str(server.make_url("")).rstrip("/")], args, seed=1) == 8
+    assert len(seen) == 8 and all(m[0]["role"] == "system" for m in seen)
+    assert len({m[0]["content"] for m in seen}) == (1 if shared else 4)
 
 
 @pytest.mark.slow
