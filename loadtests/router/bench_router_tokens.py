@@ -301,12 +301,6 @@ def sync_wire_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
-    p.add_argument(
-        "--shared-system", action="store_true",
-        help="one system prompt a round for every conversation (the `multi_turn` workload's "
-        "shape), not one of its own each: a round's new long prompt is tokenized, keyed and "
-        "stored once, not --sessions times",
-    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
 
 

@@ -225,6 +225,19 @@ def test_a_decoded_event_keys_its_blocks_from_the_text_its_check_packed() -> Non
         assert answers[0] == answers[1] == answers[2] == [{"w": (k, k)} for k in (4, 60, 4 * n)]
 
 
+def count_reads(registry: Registry) -> list[int]:
+    """`registry.read_kv_events` wrapped to count its calls: [reads so far]."""
+    reads = [0]
+    real_read = registry.read_kv_events
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        reads[0] += 1
+        return await real_read(*args, **kwargs)  # type: ignore[arg-type]
+
+    registry.read_kv_events = counted  # type: ignore[method-assign]
+    return reads
+
+
 async def test_reads_are_paced_by_what_they_find(redis: Redis) -> None:
     """`KvEventFeed.run`: an empty read waits twice as long as the last wait (up to the
     feed's idle) and a read that drained the streams waits for a route's question (the
@@ -233,21 +246,13 @@ async def test_reads_are_paced_by_what_they_find(redis: Redis) -> None:
     in few reads."""
     registry = Registry(redis)
     feed = KvEventFeed(registry)
-    reads = 0
-    real_read = registry.read_kv_events
-
-    async def counted(*args: object, **kwargs: object) -> object:
-        nonlocal reads
-        reads += 1
-        return await real_read(*args, **kwargs)  # type: ignore[arg-type]
-
-    registry.read_kv_events = counted  # type: ignore[method-assign]
+    reads = count_reads(registry)
     member = FeedMember("w", "m", 1.0, block_size=2)
     task = asyncio.create_task(feed.run(lambda: [member], idle=0.4))
     try:
         await asyncio.sleep(1.5)  # nothing written: 0.1, 0.2, 0.4, 0.4 ... between reads
-        assert 1 <= reads <= 7, reads  # (a loaded machine only reads less)
-        reads = 0
+        assert 1 <= reads[0] <= 7, reads[0]  # (a loaded machine only reads less)
+        reads[0] = 0
         key = registry.kv_events_key("w")
         await redis.xadd(key, entry_fields("w", 1.0, 0, encode_batch([AllBlocksCleared()])))
         for seq in range(1, 21):  # a busy writer: an entry every 50 ms for a second
@@ -260,7 +265,7 @@ async def test_reads_are_paced_by_what_they_find(redis: Redis) -> None:
             await asyncio.sleep(0.05)
         assert feed.match("m", [20, 20]) == {"w": 2} and feed.trusted("w")
         assert feed.streams["w"].applied == 21
-        assert reads <= 12, reads  # a read every 50 ms would be 20 or more
+        assert reads[0] <= 12, reads[0]  # a read every 50 ms would be 20 or more
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -273,15 +278,7 @@ async def test_a_routes_question_starts_the_next_read(redis: Redis) -> None:
     by nobody, it waits the feed's idle (here 5 s: no read at all meanwhile)."""
     registry = Registry(redis)
     feed = KvEventFeed(registry)
-    reads = 0
-    real_read = registry.read_kv_events
-
-    async def counted(*args: object, **kwargs: object) -> object:
-        nonlocal reads
-        reads += 1
-        return await real_read(*args, **kwargs)  # type: ignore[arg-type]
-
-    registry.read_kv_events = counted  # type: ignore[method-assign]
+    reads = count_reads(registry)
     key = registry.kv_events_key("w")
 
     async def write(seq: int, *events: object) -> None:
@@ -300,22 +297,22 @@ async def test_a_routes_question_starts_the_next_read(redis: Redis) -> None:
     task = asyncio.create_task(feed.run(lambda: [member], idle=5.0))
     try:
         assert await until(lambda: "w" in feed.streams and feed.streams["w"].applied == 2, 3)
-        first = reads
+        first = reads[0]
         await write(2, BlockStored((2,), 1, (2, 2), 2))
         await asyncio.sleep(READ_GAP_S + 0.1)
-        assert reads == first  # nobody asked: no read before the idle (5 s)
+        assert reads[0] == first  # nobody asked: no read before the idle (5 s)
         assert feed.match("m", [1, 1, 2, 2]) == {"w": 2}  # (not a question: no read)
         feed.match_tiers("m", [1, 1, 2, 2])  # a route's question, the read due: it starts
-        assert await until(lambda: feed.streams["w"].applied == 3, 1), reads
-        assert reads == first + 1
+        assert await until(lambda: feed.streams["w"].applied == 3, 1), reads[0]
+        assert reads[0] == first + 1
         await write(3, BlockStored((3,), 2, (3, 3), 2))
         feed.match_tiers("m", [1, 1])  # asked within READ_GAP_S of that read: it waits
         await asyncio.sleep(0.05)
-        assert reads == first + 1 and feed.streams["w"].applied == 3
+        assert reads[0] == first + 1 and feed.streams["w"].applied == 3
         await asyncio.sleep(READ_GAP_S)
         feed.match_tiers("m", [1, 1])  # asked again once it is due
-        assert await until(lambda: feed.streams["w"].applied == 4, 1), reads
-        assert reads == first + 2
+        assert await until(lambda: feed.streams["w"].applied == 4, 1), reads[0]
+        assert reads[0] == first + 2
         feed.stop()  # waiting for a question: it ends at once, not after the idle
         await asyncio.wait([task], timeout=1)
         assert task.done() and task.exception() is None
