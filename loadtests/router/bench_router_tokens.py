@@ -593,12 +593,6 @@ def in_process_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=320, help="per round")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--words", type=int, default=700, help="system prompt words (~2k tokens)")
-    p.add_argument(
-        "--shared-system", action="store_true",
-        help="one system prompt a round for every conversation (the `multi_turn` workload's "
-        "shape), not one of its own each: a round's new long prompt is tokenized, keyed and "
-        "stored once, not --sessions times",
-    )  # fmt: skip
     p.add_argument("--tokenizer", default="sim", help="sim, or a tokenizer folder")
     p.add_argument("--repeats", type=int, default=5, help="per side, alternating")
     p.add_argument("--before-ref", default="", help="also run the code of this git ref")
