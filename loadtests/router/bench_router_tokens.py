@@ -4,7 +4,7 @@ KV_SCORE below: the `on` routing step against `tok`'s, in process; `chat-ids`, C
 below: a chat's prompt ids from its body, `tok`'s reading against `off`'s, in process).
 
     python -m loadtests router-tokens [--requests 320] [--rounds 3] [--before-ref REF] [--aa]
-        [--fixed-order] [--idle S] [--shared-system]
+        [--fixed-order] [--idle S] [--shared-system] [--tokenizer DIR] [--cache-tokens N]
 
 One zero-cost sim worker publishing KV events and one real router process per mode,
 all running at once: `off` (no tokenizer: the text tree alone), `tok` (`tokenizer`
@@ -126,6 +126,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "stored once, not --sessions times",
     )  # fmt: skip
     p.add_argument("--tokenizer", default="sim")
+    p.add_argument(
+        "--cache-tokens", type=int, default=50_000,
+        help="the worker's KV pool in tokens: the default holds the 16 conversations on the "
+        "sim tokenizer, not on a real one's longer ids (~3.5k a system prompt on "
+        "make-tiny-model's): there its LRU evicts each conversation before its next turn",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--before-ref", default="", help="also run tok/on from this git ref")
     p.add_argument("--target", type=float, default=1.5, help="the ratio to off to meet")
@@ -158,7 +164,10 @@ def main(args: argparse.Namespace) -> int:
         cluster = stack.enter_context(Cluster())
         # A 3 s heartbeat expiry (1 s x 3): on a loaded shared machine the default 0.6 s
         # lapsed mid-round once in a while (`no_workers`), which is not what is measured.
-        spec = WorkerSpec(decode_ms=0.0, prefill_us=0.0, heartbeat_s=1.0, extra=extra)
+        spec = WorkerSpec(
+            decode_ms=0.0, prefill_us=0.0, cache_tokens=args.cache_tokens, heartbeat_s=1.0,
+            extra=extra,
+        )  # fmt: skip
         cluster.start_worker("w0", spec)
         routers = {}
         for mode in modes:
@@ -171,11 +180,14 @@ def main(args: argparse.Namespace) -> int:
         urls = [r.url for r in routers.values()]
         asyncio.run(drive(urls, args, seed=100))  # warm-up: pieces, pools, trees
         idle = idle_rates(routers, args.idle)
+        pool = int(cluster.worker_counter("radix_worker_kv_capacity_tokens"))
         for r in range(args.rounds):
+            computed = computed_tokens(cluster)
             start = {m: cpu_seconds(c.pid) for m, c in routers.items()}
             t0 = time.perf_counter()
             n = asyncio.run(drive(urls, args, seed=200 + r))
             wall = time.perf_counter() - t0
+            computed = computed_tokens(cluster) - computed
             for m, c in routers.items():
                 used = cpu_seconds(c.pid) - start[m]
                 cpu[m].append(used / n * 1e3)
@@ -183,12 +195,25 @@ def main(args: argparse.Namespace) -> int:
             line = ", ".join(f"{m} {v[-1]:.3f} ms ({ratio(v[-1], cpu['off'][-1]):.2f}x)"
                              for m, v in cpu.items())  # fmt: skip
             print(f"round {r} ({n} requests each, {wall:.1f} s): {line}", flush=True)
+            # Each turn reaches the worker once per router; all but the first find it cached.
+            print(f"  the worker computed {computed / n:.0f} prompt tokens a turn beyond its "
+                  f"cache (KV pool {pool:,} tokens)", flush=True)  # fmt: skip
     print(summary(cpu, args), flush=True)
     if idle:
         rates = ", ".join(f"{m} {v * 1e3:.1f}" for m, v in idle.items())
         print(f"\nidle CPU over {args.idle:.0f} s, ms a second: {rates}; without it:")
         print(summary(own, args).split("\n", 2)[2], flush=True)
     return 0
+
+
+def computed_tokens(cluster: Cluster) -> float:
+    """Prompt tokens the worker has computed so far, not read from its cache (its /metrics).
+    A turn's new tokens, and a new conversation's system prompt, where its pool holds the
+    conversations; a whole prompt a turn where it does not (its LRU evicts each
+    conversation before its next turn: the feed then applies every prompt's blocks twice,
+    stored and removed, and that is what `on` costs)."""
+    prompt = cluster.worker_counter("radix_worker_prompt_tokens_total")
+    return prompt - cluster.worker_counter("radix_worker_cached_tokens_total")
 
 
 def idle_rates(routers: dict[str, Any], seconds: float) -> dict[str, float]:

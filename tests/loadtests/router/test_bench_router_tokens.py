@@ -4,6 +4,7 @@ and the summary says 'NO' when any one round is over the target (a range, not a 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -51,11 +52,17 @@ async def test_the_conversations_system_prompts_are_their_own_or_one(shared: boo
 def test_a_tiny_run_measures_every_mode() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "loadtests", "router-tokens", "--requests", "8",
-         "--sessions", "4", "--words", "30", "--rounds", "1", "--aa", "--idle", "1"],
+         "--sessions", "4", "--words", "30", "--rounds", "1", "--aa", "--idle", "1",
+         "--cache-tokens", "12345"],
         capture_output=True, text=True, timeout=220,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "round 0 (8 requests each" in out.stdout
+    # the worker's own /metrics: its pool is `--cache-tokens`, and what it computed a turn
+    # (4 new ~45-token system prompts and their first turns, over 2 turns of 4 chats)
+    computed = re.search(r"the worker computed (\d+) prompt tokens a turn beyond its cache "
+                         r"\(KV pool 12,345 tokens\)", out.stdout)  # fmt: skip
+    assert computed and 20 < int(computed[1]) < 200, out.stdout
     for mode in ("tok", "on", "off2"):
         assert any(line.strip().startswith(mode) and "ratio" in line
                    for line in out.stdout.splitlines()), out.stdout  # fmt: skip
